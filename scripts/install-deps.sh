@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs the Debian packages ferry builds and tests with. Idempotent and quiet
+# when everything is already there; needs root (or sudo) only when something is missing.
+set -euo pipefail
+
+PACKAGES=(
+  build-essential cmake ninja-build pkg-config clang libclang-rt-14-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  libucx-dev ucx-utils
+  libhiredis-dev redis-server
+  nlohmann-json3-dev libcli11-dev libfmt-dev libspdlog-dev libxxhash-dev
+  libssl-dev libasio-dev
+  libopenmpi-dev openmpi-bin
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+
+echo "install-deps: installing ${missing[*]}"
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then
+  SUDO="sudo"
+fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+echo "install-deps: done"

@@ -1,0 +1,36 @@
+// ferry — the command-line entry point. Sub-commands live in cmd_*.cpp.
+#include <algorithm>
+#include <cstdio>
+#include <map>
+
+#include "cli/command.h"
+
+namespace ferry::cli {
+std::vector<CommandInfo>& command_registry() {
+  static std::vector<CommandInfo> registry;
+  return registry;
+}
+}  // namespace ferry::cli
+
+int main(int argc, char** argv) {
+  using namespace ferry::cli;
+  CLI::App app{"ferry: moves model weights from RL trainer ranks to inference ranks"};
+  app.require_subcommand(1);
+  auto& registry = command_registry();
+  std::sort(registry.begin(), registry.end(),
+            [](const CommandInfo& a, const CommandInfo& b) { return a.name < b.name; });
+  std::map<CLI::App*, std::function<int()>> runners;
+  for (auto& cmd : registry) {
+    CLI::App* sub = app.add_subcommand(cmd.name, cmd.help);
+    runners[sub] = cmd.setup(*sub);
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  for (auto& [sub, run] : runners) {
+    if (sub->parsed()) return run();
+  }
+  return 2;
+}
