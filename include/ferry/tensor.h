@@ -106,6 +106,13 @@ struct Layout {
   friend bool operator==(const Layout& a, const Layout& b) = default;
 };
 
+// Merges dims that are contiguous in both layouts (same shapes required) and drops
+// size-1 dims, keeping the element correspondence; used before strided loops and to
+// canonicalise plan copies. Zero-size layouts become a single dim of size 0.
+void coalesce_layouts(Layout& a, Layout& b);
+// The same for one layout.
+void coalesce_layout(Layout& a);
+
 // ---------------------------------------------------------------------------------------
 // Tensor
 
@@ -226,8 +233,13 @@ class Tensor {
   Result<Tensor> add(const Tensor& other) const;  // elementwise, same shape and dtype
   Result<Tensor> mul(double scalar) const;        // elementwise
 
+  // True for a (view of a) recorded contiguous() copy of a recording view that strides
+  // could not express; such a tensor is not a view of its root storage, so writing into
+  // it would write nothing (copy_ into it is refused).
+  bool is_recorded_copy() const;
+
   // Element map of a recording tensor, as boxes of its index space; one piece with
-  // this tensor's layout for a plain view. Fails on real storage.
+  // this tensor's layout for a plain view (also for real storage).
   Result<std::vector<MapPiece>> element_map() const;
 
   // "source 'model.norm.weight' [4096] bf16" — for messages.

@@ -1,0 +1,192 @@
+// Shapes, layouts, layout coalescing and the strided copy kernel.
+#include <algorithm>
+#include <cstring>
+
+#include "ferry/tensor.h"
+
+namespace ferry {
+
+int64_t shape_numel(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+std::string shape_str(const Shape& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
+
+Shape contiguous_strides(const Shape& shape) {
+  Shape strides(shape.size());
+  int64_t s = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    strides[i] = s;
+    s *= std::max<int64_t>(shape[i], 1);
+  }
+  return strides;
+}
+
+Layout Layout::contiguous(Shape shape, int64_t offset) {
+  Layout l;
+  l.strides = contiguous_strides(shape);
+  l.shape = std::move(shape);
+  l.offset = offset;
+  return l;
+}
+
+bool Layout::is_contiguous() const {
+  int64_t expected = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    if (shape[i] == 1) continue;
+    if (shape[i] == 0) return true;
+    if (strides[i] != expected) return false;
+    expected *= shape[i];
+  }
+  return true;
+}
+
+int64_t Layout::min_offset() const {
+  int64_t o = offset;
+  if (numel() == 0) return offset;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (strides[i] < 0) o += strides[i] * (shape[i] - 1);
+  }
+  return o;
+}
+
+int64_t Layout::max_offset() const {
+  int64_t o = offset;
+  if (numel() == 0) return offset;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (strides[i] > 0) o += strides[i] * (shape[i] - 1);
+  }
+  return o;
+}
+
+int64_t Layout::offset_of(const Shape& index) const {
+  int64_t o = offset;
+  for (size_t i = 0; i < index.size(); ++i) o += index[i] * strides[i];
+  return o;
+}
+
+std::string Layout::to_string() const {
+  return fmt::format("{} strides {} offset {}", shape_str(shape), shape_str(strides), offset);
+}
+
+namespace {
+
+// Drops size-1 dims and merges neighbours contiguous in every layout of `ls`.
+template <size_t N>
+void coalesce_n(Layout* const (&ls)[N]) {
+  Layout& first = *ls[0];
+  const size_t nd = first.shape.size();
+  bool empty = false;
+  for (int64_t s : first.shape) empty |= (s == 0);
+  if (empty) {
+    for (Layout* l : ls) {
+      l->shape = {0};
+      l->strides = {1};
+    }
+    return;
+  }
+  std::vector<int64_t> shape;
+  std::vector<std::vector<int64_t>> strides(N);
+  for (size_t d = 0; d < nd; ++d) {
+    const int64_t size = first.shape[d];
+    if (size == 1) continue;
+    bool merge = !shape.empty();
+    if (merge) {
+      for (size_t k = 0; k < N; ++k) {
+        if (strides[k].back() != ls[k]->strides[d] * size) merge = false;
+      }
+    }
+    if (merge) {
+      shape.back() *= size;
+      for (size_t k = 0; k < N; ++k) strides[k].back() = ls[k]->strides[d];
+    } else {
+      shape.push_back(size);
+      for (size_t k = 0; k < N; ++k) strides[k].push_back(ls[k]->strides[d]);
+    }
+  }
+  for (size_t k = 0; k < N; ++k) {
+    ls[k]->shape = shape;
+    ls[k]->strides = std::move(strides[k]);
+  }
+}
+
+}  // namespace
+
+void coalesce_layouts(Layout& a, Layout& b) {
+  Layout* const ls[2] = {&a, &b};
+  coalesce_n(ls);
+}
+
+void coalesce_layout(Layout& a) {
+  Layout* const ls[1] = {&a};
+  coalesce_n(ls);
+}
+
+namespace {
+
+template <typename T>
+void copy_run(const std::byte* src, int64_t ss, std::byte* dst, int64_t ds, int64_t n) {
+  // ss, ds in bytes.
+  for (int64_t i = 0; i < n; ++i) {
+    T v;
+    std::memcpy(&v, src + i * ss, sizeof(T));
+    std::memcpy(dst + i * ds, &v, sizeof(T));
+  }
+}
+
+}  // namespace
+
+void strided_copy(const std::byte* src, const Layout& src_layout, DType src_dtype, std::byte* dst,
+                  const Layout& dst_layout, DType dst_dtype) {
+  Layout s = src_layout;
+  Layout d = dst_layout;
+  coalesce_layouts(s, d);
+  if (s.numel() == 0) return;
+  const int64_t nd = s.ndim();
+  const int64_t ses = static_cast<int64_t>(dtype_size(src_dtype));
+  const int64_t des = static_cast<int64_t>(dtype_size(dst_dtype));
+  const bool same = src_dtype == dst_dtype;
+  const int64_t inner = nd == 0 ? 1 : s.shape[nd - 1];
+  const int64_t sis = nd == 0 ? 1 : s.strides[nd - 1];
+  const int64_t dis = nd == 0 ? 1 : d.strides[nd - 1];
+  const bool memcpy_run = same && sis == 1 && dis == 1;
+
+  // Iterate the outer dims with an odometer.
+  const int64_t outer_nd = std::max<int64_t>(nd - 1, 0);
+  std::vector<int64_t> idx(static_cast<size_t>(outer_nd), 0);
+  int64_t so = s.offset, dof = d.offset;
+  while (true) {
+    const std::byte* sp = src + so * ses;
+    std::byte* dp = dst + dof * des;
+    if (memcpy_run) {
+      std::memcpy(dp, sp, static_cast<size_t>(inner * ses));
+    } else if (same) {
+      switch (ses) {
+        case 1: copy_run<uint8_t>(sp, sis, dp, dis, inner); break;
+        case 2: copy_run<uint16_t>(sp, sis * 2, dp, dis * 2, inner); break;
+        case 4: copy_run<uint32_t>(sp, sis * 4, dp, dis * 4, inner); break;
+        default: copy_run<uint64_t>(sp, sis * 8, dp, dis * 8, inner); break;
+      }
+    } else {
+      for (int64_t i = 0; i < inner; ++i) {
+        store_element(dp + i * dis * des, dst_dtype, load_element(sp + i * sis * ses, src_dtype));
+      }
+    }
+    // Advance.
+    int64_t k = outer_nd - 1;
+    for (; k >= 0; --k) {
+      idx[k]++;
+      so += s.strides[k];
+      dof += d.strides[k];
+      if (idx[k] < s.shape[k]) break;
+      so -= s.strides[k] * s.shape[k];
+      dof -= d.strides[k] * d.shape[k];
+      idx[k] = 0;
+    }
+    if (k < 0) break;
+  }
+}
+
+}  // namespace ferry
