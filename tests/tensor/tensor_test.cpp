@@ -1,0 +1,432 @@
+// Unit tests for dtypes, layouts and every Tensor op: semantics, edge cases, errors.
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include <gtest/gtest.h>
+
+#include "ferry/plan.h"
+#include "ferry/tensor.h"
+
+namespace ferry {
+namespace {
+
+Tensor iota(Shape shape, DType dtype = DType::kI32) {
+  Tensor t = Tensor::empty(std::move(shape), dtype);
+  std::byte* p = *t.data_ptr();
+  for (int64_t i = 0; i < t.numel(); ++i) store_element(p + i * dtype_size(dtype), dtype, static_cast<double>(i));
+  return t;
+}
+
+std::vector<double> values(const Tensor& t) {
+  auto v = t.to_vector();
+  EXPECT_TRUE(v.ok()) << v.status().to_string();
+  return v.ok() ? *v : std::vector<double>{};
+}
+
+#define EXPECT_ERROR(tensor_expr, substr)                                         \
+  do {                                                                            \
+    Tensor _t = (tensor_expr);                                                    \
+    EXPECT_FALSE(_t.ok());                                                        \
+    EXPECT_NE(_t.status().message().find(substr), std::string::npos)             \
+        << "message: " << _t.status().message() << "\nexpected to contain: " << substr; \
+  } while (0)
+
+// ---- dtypes -------------------------------------------------------------------------
+
+TEST(DType, SizesAndNames) {
+  const std::pair<DType, size_t> sizes[] = {{DType::kBF16, 2}, {DType::kF16, 2},   {DType::kF32, 4},  {DType::kF8E4M3, 1},
+                                            {DType::kF8E5M2, 1}, {DType::kI8, 1},  {DType::kI16, 2},  {DType::kI32, 4},
+                                            {DType::kI64, 8},  {DType::kU8, 1},    {DType::kBool, 1}};
+  for (auto [d, s] : sizes) {
+    EXPECT_EQ(dtype_size(d), s);
+    auto parsed = parse_dtype(dtype_name(d));
+    ASSERT_TRUE(parsed.ok());
+    EXPECT_EQ(*parsed, d);
+  }
+  EXPECT_EQ(dtype_name(DType::kF8E4M3), "F8_E4M3");
+  EXPECT_EQ(*parse_dtype("bfloat16"), DType::kBF16);
+  EXPECT_EQ(*parse_dtype("float8_e4m3fn"), DType::kF8E4M3);
+  auto bad = parse_dtype("F128");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("F128"), std::string::npos);
+  EXPECT_TRUE(is_floating(DType::kF8E5M2));
+  EXPECT_FALSE(is_floating(DType::kI8));
+}
+
+double roundtrip(DType d, double v) {
+  std::byte buf[8] = {};
+  store_element(buf, d, v);
+  return load_element(buf, d);
+}
+
+TEST(DType, FloatConversions) {
+  // bf16: 8 bits of mantissa precision, round to nearest even.
+  EXPECT_EQ(roundtrip(DType::kBF16, 1.0), 1.0);
+  EXPECT_EQ(roundtrip(DType::kBF16, 1.0 + 1.0 / 256), 1.0);              // tie -> even
+  EXPECT_EQ(roundtrip(DType::kBF16, 1.0 + 3.0 / 256), 1.0 + 4.0 / 256);  // tie -> even (up)
+  EXPECT_EQ(roundtrip(DType::kBF16, -2.5), -2.5);
+  EXPECT_TRUE(std::isinf(roundtrip(DType::kBF16, 1e39)));
+  EXPECT_TRUE(std::isnan(roundtrip(DType::kBF16, NAN)));
+  // bf16 bit pattern of 1.0 is 0x3F80.
+  std::byte b[2];
+  store_element(b, DType::kBF16, 1.0);
+  uint16_t bits;
+  std::memcpy(&bits, b, 2);
+  EXPECT_EQ(bits, 0x3F80);
+  // fp16
+  EXPECT_EQ(roundtrip(DType::kF16, 65504.0), 65504.0);
+  EXPECT_TRUE(std::isinf(roundtrip(DType::kF16, 70000.0)));
+  EXPECT_EQ(roundtrip(DType::kF16, std::ldexp(1.0, -24)), std::ldexp(1.0, -24));  // smallest subnormal
+  store_element(b, DType::kF16, 1.0);
+  std::memcpy(&bits, b, 2);
+  EXPECT_EQ(bits, 0x3C00);
+  // fp8 e4m3fn: max 448, saturating; NaN is 0x7F.
+  EXPECT_EQ(roundtrip(DType::kF8E4M3, 448.0), 448.0);
+  EXPECT_EQ(roundtrip(DType::kF8E4M3, 1000.0), 448.0);
+  EXPECT_EQ(roundtrip(DType::kF8E4M3, -1e9), -448.0);
+  EXPECT_EQ(roundtrip(DType::kF8E4M3, 0.0625), 0.0625);
+  EXPECT_EQ(roundtrip(DType::kF8E4M3, std::ldexp(1.0, -9)), std::ldexp(1.0, -9));  // smallest subnormal
+  EXPECT_TRUE(std::isnan(roundtrip(DType::kF8E4M3, NAN)));
+  std::byte f8;
+  store_element(&f8, DType::kF8E4M3, 1.0);
+  EXPECT_EQ(static_cast<int>(f8), 0x38);
+  // fp8 e5m2: IEEE-like, max 57344.
+  EXPECT_EQ(roundtrip(DType::kF8E5M2, 57344.0), 57344.0);
+  EXPECT_TRUE(std::isinf(roundtrip(DType::kF8E5M2, 1e6)));
+  store_element(&f8, DType::kF8E5M2, 1.0);
+  EXPECT_EQ(static_cast<int>(f8), 0x3C);
+  // Every e4m3 code decodes and re-encodes to itself (except the NaNs).
+  for (int c = 0; c < 256; ++c) {
+    std::byte in = static_cast<std::byte>(c), out;
+    double v = load_element(&in, DType::kF8E4M3);
+    if (std::isnan(v)) continue;
+    store_element(&out, DType::kF8E4M3, v);
+    EXPECT_EQ(static_cast<int>(out), c == 0x80 ? 0x80 : c) << "code " << c;
+  }
+  // Integers saturate and truncate.
+  EXPECT_EQ(roundtrip(DType::kI8, 300.0), 127.0);
+  EXPECT_EQ(roundtrip(DType::kU8, -3.0), 0.0);
+  EXPECT_EQ(roundtrip(DType::kI32, -7.9), -7.0);
+  EXPECT_EQ(roundtrip(DType::kBool, 5.0), 1.0);
+}
+
+// ---- layouts --------------------------------------------------------------------------
+
+TEST(Layout, ContiguousAndOffsets) {
+  Layout l = Layout::contiguous({2, 3, 4});
+  EXPECT_EQ(l.strides, (Shape{12, 4, 1}));
+  EXPECT_TRUE(l.is_contiguous());
+  EXPECT_EQ(l.max_offset(), 23);
+  EXPECT_EQ(l.offset_of({1, 2, 3}), 23);
+  Layout t{{3, 2}, {1, 3}, 0};
+  EXPECT_FALSE(t.is_contiguous());
+  Layout n{{4}, {-2}, 10};
+  EXPECT_EQ(n.min_offset(), 4);
+  EXPECT_EQ(n.max_offset(), 10);
+}
+
+TEST(Layout, Coalesce) {
+  Layout a{{2, 1, 3, 4}, {12, 99, 4, 1}, 5};
+  Layout b{{2, 1, 3, 4}, {24, 7, 4, 1}, 0};
+  coalesce_layouts(a, b);
+  EXPECT_EQ(a.shape, (Shape{2, 12}));
+  EXPECT_EQ(a.strides, (Shape{12, 1}));
+  EXPECT_EQ(b.strides, (Shape{24, 1}));
+  Layout c = Layout::contiguous({3, 0, 2});
+  coalesce_layout(c);
+  EXPECT_EQ(c.shape, (Shape{0}));
+}
+
+// ---- construction ---------------------------------------------------------------------
+
+TEST(Tensor, ConstructionAndAccessors) {
+  Tensor t = Tensor::empty({2, 3}, DType::kBF16, "buf");
+  ASSERT_TRUE(t.ok());
+  EXPECT_TRUE(t.is_real());
+  EXPECT_EQ(t.nbytes(), 12);
+  EXPECT_EQ(t.size(-1), 3);
+  EXPECT_EQ(t.size(2), -1);
+  EXPECT_EQ(t.describe(), "buffer 'buf' [2, 3] BF16");
+  EXPECT_EQ(values(t), std::vector<double>(6, 0.0));  // zero-filled
+
+  Tensor s = Tensor::source("model.norm.weight", {8}, DType::kBF16);
+  EXPECT_TRUE(s.is_recording());
+  EXPECT_EQ(s.storage_kind(), StorageKind::kSource);
+  EXPECT_EQ(s.describe(), "source 'model.norm.weight' [8] BF16");
+  EXPECT_EQ(Tensor::param("p", {2}, DType::kF32).storage_kind(), StorageKind::kParam);
+
+  EXPECT_ERROR(Tensor::empty({2, -1}, DType::kF32), "negative size");
+  EXPECT_ERROR(Tensor::source("", {2}, DType::kF32), "needs a name");
+  EXPECT_ERROR(Tensor::borrow(nullptr, {2}, DType::kF32), "null data");
+  Tensor undefined;
+  EXPECT_FALSE(undefined.ok());
+  EXPECT_ERROR(undefined.narrow(0, 0, 1), "undefined");
+
+  std::vector<float> host = {1, 2, 3, 4};
+  auto keep = std::make_shared<int>(7);
+  Tensor b = Tensor::borrow(host.data(), {2, 2}, DType::kF32, keep);
+  EXPECT_EQ(keep.use_count(), 2);
+  EXPECT_EQ(values(b.t()), (std::vector<double>{1, 3, 2, 4}));
+}
+
+// ---- views ----------------------------------------------------------------------------
+
+TEST(TensorViews, Narrow) {
+  Tensor t = iota({4, 3});
+  EXPECT_EQ(values(t.narrow(0, 1, 2)), (std::vector<double>{3, 4, 5, 6, 7, 8}));
+  EXPECT_EQ(values(t.narrow(1, -1, 1)), (std::vector<double>{2, 5, 8, 11}));
+  EXPECT_EQ(t.narrow(0, 4, 0).numel(), 0);
+  EXPECT_ERROR(t.narrow(0, 3, 2), "start 3 + length 2 exceeds size 4 of dim 0 of [4, 3]");
+  EXPECT_ERROR(t.narrow(2, 0, 1), "dim 2 out of range");
+  EXPECT_ERROR(t.narrow(0, 5, 0), "start 5 out of range");
+  EXPECT_ERROR(t.narrow(0, 0, -1), "length -1");
+  EXPECT_ERROR(iota({}).narrow(0, 0, 1), "0-d");
+}
+
+TEST(TensorViews, SelectAndIndex) {
+  Tensor t = iota({2, 3});
+  EXPECT_EQ(values(t[1]), (std::vector<double>{3, 4, 5}));
+  EXPECT_EQ(values(t.select(1, -1)), (std::vector<double>{2, 5}));
+  EXPECT_EQ(t.select(0, 0).select(0, 2).dim(), 0);
+  EXPECT_EQ(*t.select(0, 1).select(0, 2).item(), 5.0);
+  EXPECT_ERROR(t.select(0, 2), "index 2 out of range for size 2 of dim 0");
+  EXPECT_ERROR(t.select(-3, 0), "dim -3 out of range");
+  EXPECT_ERROR(iota({}).select(0, 0), "0-d");
+}
+
+TEST(TensorViews, Slice) {
+  Tensor t = iota({10});
+  EXPECT_EQ(values(t.slice(0, 1, 8, 3)), (std::vector<double>{1, 4, 7}));
+  EXPECT_EQ(values(t.slice(0, -3, std::nullopt)), (std::vector<double>{7, 8, 9}));
+  EXPECT_EQ(values(t.slice(0, std::nullopt, -8)), (std::vector<double>{0, 1}));
+  EXPECT_EQ(t.slice(0, 20, 30).numel(), 0);   // clamped like Python
+  EXPECT_EQ(t.slice(0, 5, 2).numel(), 0);
+  EXPECT_EQ(values(t.slice(0, -100, 100, 4)), (std::vector<double>{0, 4, 8}));
+  EXPECT_ERROR(t.slice(0, 0, 5, 0), "step must be positive, got 0");
+  EXPECT_ERROR(t.slice(0, 0, 5, -1), "step must be positive");
+  EXPECT_ERROR(t.slice(1, 0, 5), "dim 1 out of range");
+}
+
+TEST(TensorViews, ViewAndReshape) {
+  Tensor t = iota({2, 3, 4});
+  EXPECT_EQ(t.view({6, -1}).shape(), (Shape{6, 4}));
+  EXPECT_EQ(t.view({24}).shape(), (Shape{24}));
+  EXPECT_EQ(t.view({1, 2, 1, 12}).shape(), (Shape{1, 2, 1, 12}));
+  EXPECT_ERROR(t.view({5, -1}), "shape [5, -1] is invalid for input of size 24");
+  EXPECT_ERROR(t.view({-1, -1}), "only one dimension can be -1");
+  EXPECT_ERROR(t.view({2, -2, 6}), "invalid size -2");
+  // A transposed tensor can split dims but not merge non-contiguous ones.
+  Tensor tt = t.transpose(1, 2);  // [2, 4, 3]
+  EXPECT_TRUE(tt.view({2, 2, 2, 3}).ok());
+  EXPECT_ERROR(tt.view({2, 12}), "not compatible with strides");
+  // reshape copies where view can't.
+  Tensor r = tt.reshape({2, 12});
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r.is_contiguous());
+  EXPECT_EQ(values(r), values(tt));
+  // reshape of a viewable shape is a view (shares storage).
+  Tensor v = t.reshape({4, 6});
+  EXPECT_EQ(*v.data_ptr(), *t.data_ptr());
+  // 0-d and empty.
+  EXPECT_EQ(iota({}).view({1, 1}).shape(), (Shape{1, 1}));
+  EXPECT_EQ(iota({}).reshape({-1}).shape(), (Shape{1}));
+  EXPECT_EQ(iota({0, 3}).view({3, 0}).shape(), (Shape{3, 0}));
+  EXPECT_ERROR(iota({0, 3}).view({-1, 0}), "invalid for input of size 0");
+}
+
+TEST(TensorViews, TransposePermuteT) {
+  Tensor t = iota({2, 3});
+  EXPECT_EQ(values(t.t()), (std::vector<double>{0, 3, 1, 4, 2, 5}));
+  EXPECT_EQ(values(t.transpose(-1, 0)), values(t.t()));
+  EXPECT_EQ(iota({5}).t().shape(), (Shape{5}));
+  EXPECT_ERROR(iota({2, 2, 2}).t(), "expects a tensor with <= 2 dims");
+  EXPECT_ERROR(t.transpose(0, 2), "dims (0, 2) out of range");
+  Tensor p = iota({2, 3, 4}).permute({2, 0, 1});
+  EXPECT_EQ(p.shape(), (Shape{4, 2, 3}));
+  EXPECT_EQ(p.strides(), (Shape{1, 12, 4}));
+  EXPECT_ERROR(iota({2, 3}).permute({0, 0}), "invalid permutation [0, 0]");
+  EXPECT_ERROR(iota({2, 3}).permute({0}), "1 dims given for 2-d shape");
+}
+
+TEST(TensorViews, FlattenUnflatten) {
+  Tensor t = iota({2, 3, 4});
+  EXPECT_EQ(t.flatten().shape(), (Shape{24}));
+  EXPECT_EQ(t.flatten(1).shape(), (Shape{2, 12}));
+  EXPECT_EQ(t.flatten(0, 1).shape(), (Shape{6, 4}));
+  EXPECT_EQ(t.flatten(1, 1).shape(), (Shape{2, 3, 4}));
+  EXPECT_EQ(iota({}).flatten().shape(), (Shape{1}));
+  EXPECT_ERROR(t.flatten(2, 1), "invalid dims start 2 end 1");
+  EXPECT_EQ(t.unflatten(2, {2, 2}).shape(), (Shape{2, 3, 2, 2}));
+  EXPECT_EQ(t.unflatten(-1, {-1, 2}).shape(), (Shape{2, 3, 2, 2}));
+  EXPECT_ERROR(t.unflatten(1, {2, 2}), "do not multiply to size 3");
+  EXPECT_ERROR(t.unflatten(1, {}), "sizes must be non-empty");
+  // flatten of a transposed tensor copies, preserving values.
+  EXPECT_EQ(values(iota({2, 3}).t().flatten()), (std::vector<double>{0, 3, 1, 4, 2, 5}));
+}
+
+TEST(TensorViews, SqueezeUnsqueeze) {
+  Tensor t = iota({1, 3, 1});
+  EXPECT_EQ(t.squeeze().shape(), (Shape{3}));
+  EXPECT_EQ(t.squeeze(0).shape(), (Shape{3, 1}));
+  EXPECT_EQ(t.squeeze(1).shape(), (Shape{1, 3, 1}));  // not size 1: no-op
+  EXPECT_EQ(t.squeeze(-1).shape(), (Shape{1, 3}));
+  EXPECT_ERROR(t.squeeze(3), "dim 3 out of range");
+  EXPECT_EQ(iota({3}).unsqueeze(0).shape(), (Shape{1, 3}));
+  EXPECT_EQ(iota({3}).unsqueeze(-1).shape(), (Shape{3, 1}));
+  EXPECT_EQ(iota({}).unsqueeze(0).shape(), (Shape{1}));
+  EXPECT_ERROR(iota({3}).unsqueeze(2), "dim 2 out of range");
+  EXPECT_EQ(values(iota({2, 3}).unsqueeze(1).squeeze()), values(iota({2, 3})));
+}
+
+TEST(TensorViews, ChunkSplitUnbind) {
+  Tensor t = iota({5, 2});
+  auto c = t.chunk(2);
+  ASSERT_EQ(c.size(), 2u);
+  EXPECT_EQ(c[0].shape(), (Shape{3, 2}));
+  EXPECT_EQ(c[1].shape(), (Shape{2, 2}));
+  EXPECT_EQ(iota({4}).chunk(3).size(), 2u);  // torch: ceil(4/3)=2 per chunk -> 2 chunks
+  EXPECT_EQ(iota({0}).chunk(3).size(), 3u);
+  EXPECT_FALSE(t.chunk(0).ok());
+  EXPECT_NE(t.chunk(0).status().message().find("chunks must be positive"), std::string::npos);
+  EXPECT_ERROR(c[2], "index 2 out of range for a list of 2 tensors");
+
+  auto s = t.split(2);
+  ASSERT_EQ(s.size(), 3u);
+  EXPECT_EQ(s[2].shape(), (Shape{1, 2}));
+  auto s2 = t.split(std::vector<int64_t>{1, 4});
+  EXPECT_EQ(s2[1].shape(), (Shape{4, 2}));
+  EXPECT_EQ(values(s2[0]), (std::vector<double>{0, 1}));
+  auto bad = t.split(std::vector<int64_t>{1, 3});
+  EXPECT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("sizes [1, 3] sum to 4 but dim 0 has size 5"), std::string::npos);
+  EXPECT_ERROR(bad[0], "sum to 4");
+  EXPECT_FALSE(t.split(0).ok());
+  EXPECT_FALSE(t.split(1, 2).ok());
+
+  auto u = t.unbind(1);
+  ASSERT_EQ(u.size(), 2u);
+  EXPECT_EQ(values(u[1]), (std::vector<double>{1, 3, 5, 7, 9}));
+  int n = 0;
+  for (const Tensor& part : t.unbind()) n += part.ok();
+  EXPECT_EQ(n, 5);
+}
+
+TEST(TensorViews, ErrorsPropagateThroughChains) {
+  Tensor t = iota({4, 4});
+  Tensor bad = t.narrow(0, 3, 5).transpose(0, 1).reshape({-1}).select(0, 0);
+  EXPECT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("narrow"), std::string::npos);
+  Status st = iota({1}).copy_(bad);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("narrow"), std::string::npos);
+}
+
+// ---- writes and values ----------------------------------------------------------------
+
+TEST(TensorWrites, CopyRealWithConversionAndStrides) {
+  Tensor src = iota({2, 3}, DType::kF32);
+  Tensor dst = Tensor::empty({3, 2}, DType::kBF16);
+  ASSERT_TRUE(dst.t().copy_(src).ok());
+  EXPECT_EQ(values(dst), (std::vector<double>{0, 3, 1, 4, 2, 5}));
+  // Same numel, different shape: row-major order.
+  Tensor flat = Tensor::empty({6}, DType::kF32);
+  ASSERT_TRUE(flat.copy_(src.t()).ok());
+  EXPECT_EQ(values(flat), (std::vector<double>{0, 3, 1, 4, 2, 5}));
+  // Errors.
+  Status st = Tensor::empty({5}, DType::kF32).copy_(src);
+  EXPECT_NE(st.message().find("numel 6"), std::string::npos) << st.message();
+  st = Tensor::empty({6}, DType::kI32).copy_(flat);
+  EXPECT_NE(st.message().find("cannot convert"), std::string::npos) << st.message();
+}
+
+TEST(TensorWrites, Zero) {
+  Tensor t = iota({3, 4}, DType::kF32);
+  ASSERT_TRUE(t.narrow(1, 1, 2).zero_().ok());
+  EXPECT_EQ(values(t), (std::vector<double>{0, 0, 0, 3, 4, 0, 0, 7, 8, 0, 0, 11}));
+  ASSERT_TRUE(t.t().select(0, 0).zero_().ok());
+  EXPECT_EQ(values(t.select(1, 0)), (std::vector<double>{0, 0, 0}));
+  Status st = Tensor::source("s", {2}, DType::kF32).zero_();
+  EXPECT_NE(st.message().find("recording source"), std::string::npos);
+  st = Tensor::param("p", {2}, DType::kF32).zero_();
+  EXPECT_NE(st.message().find("no Recorder is active"), std::string::npos);
+}
+
+TEST(TensorValues, ValuesOps) {
+  Tensor a = iota({2, 2}, DType::kF32);
+  EXPECT_TRUE(*a.equal(a.clone()));
+  EXPECT_FALSE(*a.equal(a.t()));
+  EXPECT_EQ(values(*a.add(a)), (std::vector<double>{0, 2, 4, 6}));
+  EXPECT_EQ(values(*a.mul(0.5)), (std::vector<double>{0, 0.5, 1, 1.5}));
+  EXPECT_FALSE(a.item().ok());
+  EXPECT_FALSE(a.add(iota({4}, DType::kF32)).ok());
+}
+
+TEST(TensorValues, RecordingTensorsRefuseValueOps) {
+  Tensor s = Tensor::source("model.embed_tokens.weight", {4, 2}, DType::kBF16);
+  auto expect = [&](const Status& st, const char* op) {
+    EXPECT_FALSE(st.ok());
+    EXPECT_NE(st.message().find(op), std::string::npos) << st.message();
+    EXPECT_NE(st.message().find("model.embed_tokens.weight"), std::string::npos) << st.message();
+  };
+  expect(s.data_ptr().status(), "data_ptr");
+  expect(s.item().status(), "item");
+  expect(s.to_vector().status(), "to_vector");
+  expect(s.equal(s).status(), "equal");
+  expect(s.add(s).status(), "add");
+  expect(s.mul(2).status(), "mul");
+  EXPECT_ERROR(s.clone(), "clone");
+  // copy_ from a recording source with no recorder.
+  Status st = Tensor::param("p", {4, 2}, DType::kBF16).copy_(s);
+  expect(st, "copy_");
+  EXPECT_NE(st.message().find("no Recorder"), std::string::npos);
+  // copy_ from real values into a recording param is refused.
+  st = Tensor::param("p", {2}, DType::kF32).copy_(iota({2}, DType::kF32));
+  EXPECT_NE(st.message().find("cannot record a copy of real values"), std::string::npos) << st.message();
+}
+
+TEST(TensorMaps, ElementMapOfAPlainViewIsItsLayout) {
+  Tensor s = Tensor::source("w", {4, 6}, DType::kBF16);
+  Tensor v = s.narrow(1, 2, 3).t();
+  auto m = v.element_map();
+  ASSERT_TRUE(m.ok());
+  ASSERT_EQ(m->size(), 1u);
+  EXPECT_EQ((*m)[0].root, v.layout());
+  EXPECT_FALSE(v.is_recorded_copy());
+}
+
+TEST(TensorMaps, RecordedCopyOfATransposeFlatten) {
+  // w.t().reshape(-1) is not a view; its map is 3 pieces of 2 (one per source column).
+  Tensor s = Tensor::source("w", {2, 3}, DType::kF32);
+  Tensor f = s.t().reshape({-1});
+  EXPECT_TRUE(f.is_recorded_copy());
+  auto m = f.element_map();
+  ASSERT_TRUE(m.ok());
+  ASSERT_EQ(m->size(), 3u);
+  for (int k = 0; k < 3; ++k) {
+    EXPECT_EQ((*m)[k].start, (Shape{2 * k}));
+    EXPECT_EQ((*m)[k].root.shape, (Shape{2}));
+    EXPECT_EQ((*m)[k].root.strides, (Shape{3}));
+    EXPECT_EQ((*m)[k].root.offset, k);
+  }
+  // Recorded into a plan, the pieces coalesce into one 2-D copy.
+  Recorder rec;
+  ASSERT_TRUE(Tensor::param("p", {6}, DType::kF32).copy_(f).ok());
+  auto plan = rec.finish();
+  ASSERT_TRUE(plan.ok());
+  ASSERT_EQ(plan->copies().size(), 1u);
+  EXPECT_EQ(plan->copies()[0].dst.shape, (Shape{3, 2}));
+  EXPECT_EQ(plan->copies()[0].src.strides, (Shape{1, 3}));
+}
+
+TEST(TensorMaps, WritingIntoARecordedCopyIsRefused) {
+  Recorder rec;
+  Tensor p = Tensor::param("p", {2, 3}, DType::kF32);
+  Tensor s = Tensor::source("s", {6}, DType::kF32);
+  Status st = p.t().reshape({-1}).copy_(s);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("would be lost"), std::string::npos) << st.message();
+}
+
+}  // namespace
+}  // namespace ferry
