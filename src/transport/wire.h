@@ -1,0 +1,68 @@
+// transport/wire.h — the byte formats a Transport exchanges with peers: addresses,
+// remote keys and control-message headers. Every decoder is length- and
+// bounds-checked and returns kCorrupt for anything malformed; nothing decoded is
+// trusted beyond what is checked here.
+//
+// All integers are little-endian. Layouts (offsets in bytes):
+//   address: magic "FRAD"(4) version(1) backend(1) reserved(2)=0 instance_id(8)
+//            payload_len(4) payload(payload_len)                       — total 20 + n
+//   key:     magic "FRRK"(4) version(1) backend(1) kind(1) reserved(1)=0 owner_id(8)
+//            region_id(8) base(8) length(8) payload_len(4) payload(n)  — total 44 + n
+//   message header (UCX active-message header; inproc passes it in memory):
+//            magic "FRMS"(4) version(1) reserved(3)=0 sender_id(8) tag(4)
+//            payload_len(4)                                            — total 24
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "ferry/status.h"
+#include "ferry/transport.h"
+
+namespace ferry::transport_wire {
+
+inline constexpr uint8_t kVersion = 1;
+enum class Backend : uint8_t { kUcx = 1, kInproc = 2 };
+const char* backend_name(Backend b);
+
+// Upper bounds on opaque payloads: a UCP worker address or packed rkey is far smaller.
+inline constexpr size_t kMaxAddressPayload = 64 * 1024;
+inline constexpr size_t kMaxKeyPayload = 64 * 1024;
+
+struct Address {
+  Backend backend = Backend::kUcx;
+  uint64_t instance_id = 0;
+  std::vector<std::byte> payload;
+};
+std::vector<std::byte> encode_address(const Address& a);
+// kCorrupt for malformed bytes; kInvalidArgument when the backend differs from `expect`.
+Result<Address> decode_address(std::span<const std::byte> bytes, Backend expect);
+
+struct Key {
+  Backend backend = Backend::kUcx;
+  MemoryKind kind = MemoryKind::kHost;
+  uint64_t owner_id = 0;
+  uint64_t region_id = 0;
+  uint64_t base = 0;
+  uint64_t length = 0;
+  std::vector<std::byte> payload;
+};
+std::vector<std::byte> encode_key(const Key& k);
+// Also checks base + length does not wrap and length > 0.
+Result<Key> decode_key(std::span<const std::byte> bytes, Backend expect);
+
+inline constexpr size_t kMessageHeaderSize = 24;
+struct MessageHeader {
+  uint64_t sender_id = 0;
+  uint32_t tag = 0;
+  uint32_t payload_len = 0;
+};
+void encode_message_header(const MessageHeader& h, std::byte out[kMessageHeaderSize]);
+// Checks the header bytes, and that the payload that came with it has exactly
+// payload_len bytes and at most max_payload.
+Result<MessageHeader> decode_message_header(std::span<const std::byte> header, size_t payload_size,
+                                            size_t max_payload);
+
+}  // namespace ferry::transport_wire

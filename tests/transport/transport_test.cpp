@@ -1,0 +1,369 @@
+// One suite, instantiated per backend: inproc (ranks are threads) and UCX over shm and
+// over tcp (the remote rank is a separate transport_peer process).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <limits>
+#include <thread>
+
+#include "ferry/transport.h"
+#include "transport/harness.h"
+#include "transport/protocol.h"
+
+namespace ferry::transport_test {
+namespace {
+
+using namespace std::chrono_literals;
+constexpr auto kWait = 30s;  // every wait is bounded
+
+#define ASSERT_OK(expr)                                      \
+  do {                                                       \
+    ::ferry::Status _st = (expr);                            \
+    ASSERT_TRUE(_st.ok()) << #expr << ": " << _st.to_string(); \
+  } while (0)
+
+#define ASSERT_OK_AND_ASSIGN(lhs, expr)                                         \
+  auto FERRY_CONCAT(_r_, __LINE__) = (expr);                                    \
+  ASSERT_TRUE(FERRY_CONCAT(_r_, __LINE__).ok())                                 \
+      << #expr << ": " << FERRY_CONCAT(_r_, __LINE__).status().to_string();     \
+  lhs = std::move(FERRY_CONCAT(_r_, __LINE__)).value()
+
+class TransportTest : public ::testing::TestWithParam<BackendCase> {
+ protected:
+  void SetUp() override {
+    auto t = Transport::create(options_for(GetParam()));
+    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    local_ = std::move(t).value();
+    mailbox_.attach(*local_);
+  }
+  void TearDown() override {
+    remote_.reset();
+    local_.reset();
+  }
+
+  void spawn(uint64_t bytes) {
+    auto r = spawn_remote(GetParam(), *local_, bytes);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    remote_ = std::move(r).value();
+  }
+
+  // The remote's xxh3 of [off, off + len).
+  uint64_t remote_hash(uint64_t off, uint64_t len) {
+    auto s = local_->send(remote_->peer, kHash, pack_u64s({off, len}));
+    EXPECT_TRUE(s.ok()) << s.status().to_string();
+    auto reply = mailbox_.wait(kHashReply, kWait);
+    EXPECT_TRUE(reply.ok()) << reply.status().to_string();
+    if (!reply.ok()) return 0;
+    uint64_t v[4] = {};
+    EXPECT_TRUE(unpack_u64s(*reply, 4, v));
+    EXPECT_EQ(v[0], off);
+    EXPECT_EQ(v[1], len);
+    EXPECT_EQ(v[3], 1u);
+    return v[2];
+  }
+
+  Mailbox mailbox_;  // declared first: outlives the transports that deliver into it
+  std::unique_ptr<Transport> local_;
+  std::unique_ptr<Remote> remote_;
+};
+
+TEST_P(TransportTest, ReadRegion) {
+  constexpr uint64_t kBytes = 4 << 20;
+  spawn(kBytes);
+  Buffer buf(kBytes);
+  ASSERT_OK_AND_ASSIGN(MemoryRegion mr, local_->register_memory(buf.data(), kBytes));
+  ASSERT_OK_AND_ASSIGN(Completion c, local_->read(mr, 0, remote_->region, 0, kBytes));
+  ASSERT_OK(c.wait(kWait));
+  EXPECT_EQ(check_pattern(buf.data(), 0, kBytes, 1), std::numeric_limits<uint64_t>::max());
+  // An unaligned piece into an unaligned place.
+  ASSERT_OK_AND_ASSIGN(Completion c2, local_->read(mr, 3, remote_->region, 12345, 100001));
+  ASSERT_OK(c2.wait(kWait));
+  EXPECT_EQ(check_pattern(buf.data() + 3, 12345, 100001, 1), std::numeric_limits<uint64_t>::max());
+  EXPECT_EQ(local_->stats().reads, 2u);
+  EXPECT_EQ(local_->stats().bytes_read, kBytes + 100001);
+  ASSERT_OK(local_->deregister_memory(mr));
+}
+
+TEST_P(TransportTest, WriteFlushIsVisible) {
+  constexpr uint64_t kBytes = 4 << 20;
+  spawn(kBytes);
+  Buffer buf(kBytes);
+  fill_pattern(buf.data(), 0, kBytes, 7);
+  ASSERT_OK_AND_ASSIGN(MemoryRegion mr, local_->register_memory(buf.data(), kBytes));
+  std::atomic<int> callbacks{0};
+  ASSERT_OK_AND_ASSIGN(Completion w, local_->write(mr, 1000, remote_->region, 1000, kBytes - 2000,
+                                                   [&](const Status& st) {
+                                                     EXPECT_TRUE(st.ok()) << st.to_string();
+                                                     callbacks++;
+                                                   }));
+  ASSERT_OK_AND_ASSIGN(Completion f, local_->flush(remote_->peer));
+  ASSERT_OK(w.wait(kWait));
+  ASSERT_OK(f.wait(kWait));
+  EXPECT_EQ(callbacks.load(), 1);
+  EXPECT_EQ(remote_hash(1000, kBytes - 2000), hash_bytes(buf.data() + 1000, kBytes - 2000));
+  // The bytes around the write are untouched (still seed 1).
+  Buffer back(kBytes);
+  ASSERT_OK_AND_ASSIGN(MemoryRegion mb, local_->register_memory(back.data(), kBytes));
+  ASSERT_OK_AND_ASSIGN(Completion r, local_->read(mb, 0, remote_->region, 0, kBytes));
+  ASSERT_OK(r.wait(kWait));
+  EXPECT_EQ(check_pattern(back.data(), 0, 1000, 1), std::numeric_limits<uint64_t>::max());
+  EXPECT_EQ(check_pattern(back.data() + 1000, 1000, kBytes - 2000, 7), std::numeric_limits<uint64_t>::max());
+  EXPECT_EQ(check_pattern(back.data() + kBytes - 1000, kBytes - 1000, 1000, 1), std::numeric_limits<uint64_t>::max());
+}
+
+TEST_P(TransportTest, TinyTransfers) {
+  constexpr uint64_t kBytes = 4096;
+  spawn(kBytes);
+  std::byte local[16] = {};
+  ASSERT_OK_AND_ASSIGN(MemoryRegion mr, local_->register_memory(local, sizeof local));
+  // The last byte of the remote region, alone.
+  ASSERT_OK_AND_ASSIGN(Completion r, local_->read(mr, 15, remote_->region, kBytes - 1, 1));
+  ASSERT_OK(r.wait(kWait));
+  std::byte expect;
+  fill_pattern(&expect, kBytes - 1, 1, 1);
+  EXPECT_EQ(local[15], expect);
+  // A one-byte write at offset 0.
+  local[0] = std::byte{0xAB};
+  ASSERT_OK_AND_ASSIGN(Completion w, local_->write(mr, 0, remote_->region, 0, 1));
+  ASSERT_OK(w.wait(kWait));
+  ASSERT_OK_AND_ASSIGN(Completion f, local_->flush(remote_->peer));
+  ASSERT_OK(f.wait(kWait));
+  EXPECT_EQ(remote_hash(0, 1), hash_bytes(local, 1));
+  // Zero bytes, at the very end of both regions: allowed, completes.
+  std::atomic<int> cb{0};
+  ASSERT_OK_AND_ASSIGN(Completion z, local_->read(mr, 16, remote_->region, kBytes, 0, [&](const Status&) { cb++; }));
+  ASSERT_OK(z.wait(kWait));
+  EXPECT_EQ(cb.load(), 1);
+}
+
+TEST_P(TransportTest, ManyOutstandingOperations) {
+  constexpr uint64_t kBytes = 8 << 20;
+  constexpr uint64_t kChunk = 2048;
+  constexpr int kOps = 2000;
+  spawn(kBytes);
+  Buffer buf(kBytes);
+  ASSERT_OK_AND_ASSIGN(MemoryRegion mr, local_->register_memory(buf.data(), kBytes));
+  std::atomic<int> ok_callbacks{0};
+  std::vector<Completion> ops;
+  // Reads of the first half, in a scattered order.
+  for (int i = 0; i < kOps; ++i) {
+    uint64_t slot = (uint64_t(i) * 7919) % kOps;
+    ASSERT_OK_AND_ASSIGN(Completion c, local_->read(mr, slot * kChunk, remote_->region, slot * kChunk, kChunk,
+                                                    [&](const Status& st) { ok_callbacks += st.ok(); }));
+    ops.push_back(c);
+  }
+  // Writes of seed 9 into the second half, outstanding at the same time.
+  const uint64_t half = kBytes / 2;
+  fill_pattern(buf.data() + half, half, half, 9);
+  for (int i = 0; i < kOps / 4; ++i) {
+    uint64_t off = half + uint64_t(i) * kChunk;
+    ASSERT_OK_AND_ASSIGN(Completion c, local_->write(mr, off, remote_->region, off, kChunk,
+                                                     [&](const Status& st) { ok_callbacks += st.ok(); }));
+    ops.push_back(c);
+  }
+  ASSERT_OK(wait_all(ops, kWait));
+  EXPECT_EQ(ok_callbacks.load(), kOps + kOps / 4);
+  EXPECT_EQ(check_pattern(buf.data(), 0, kOps * kChunk, 1), std::numeric_limits<uint64_t>::max());
+  ASSERT_OK_AND_ASSIGN(Completion f, local_->flush(remote_->peer));
+  ASSERT_OK(f.wait(kWait));
+  EXPECT_EQ(remote_hash(half, kOps / 4 * kChunk), hash_bytes(buf.data() + half, kOps / 4 * kChunk));
+}
+
+TEST_P(TransportTest, Messages) {
+  spawn(4096);
+  const size_t max = options_for(GetParam()).max_message_bytes;
+  for (size_t n : {size_t(0), size_t(1), size_t(100), size_t(4097), max}) {
+    std::vector<std::byte> msg(n);
+    fill_pattern(msg.data(), 0, n, n);
+    std::atomic<int> cb{0};
+    ASSERT_OK_AND_ASSIGN(Completion c, local_->send(remote_->peer, kEcho, msg, [&](const Status&) { cb++; }));
+    ASSERT_OK(c.wait(kWait));
+    EXPECT_EQ(cb.load(), 1);
+    auto reply = mailbox_.wait(kEchoReply, kWait);
+    ASSERT_TRUE(reply.ok()) << reply.status().to_string();
+    EXPECT_EQ(*reply, msg) << "size " << n;
+  }
+  // Many in flight: delivered in order.
+  std::vector<Completion> ops;
+  for (uint64_t i = 0; i < 200; ++i) {
+    ASSERT_OK_AND_ASSIGN(Completion c, local_->send(remote_->peer, kEcho, pack_u64s({i})));
+    ops.push_back(c);
+  }
+  ASSERT_OK(wait_all(ops, kWait));
+  for (uint64_t i = 0; i < 200; ++i) {
+    auto reply = mailbox_.wait(kEchoReply, kWait);
+    ASSERT_TRUE(reply.ok()) << reply.status().to_string();
+    uint64_t v = ~0ull;
+    ASSERT_TRUE(unpack_u64s(*reply, 1, &v));
+    EXPECT_EQ(v, i);
+  }
+  // Too large: refused before anything is sent.
+  std::vector<std::byte> big(max + 1);
+  auto r = local_->send(remote_->peer, kEcho, big);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  // Unknown peer.
+  EXPECT_EQ(local_->send(12345, kEcho, {}).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(local_->stats().malformed_messages, 0u);
+}
+
+TEST_P(TransportTest, OutOfBoundsRefused) {
+  constexpr uint64_t kBytes = 1 << 16;
+  spawn(kBytes);
+  std::vector<std::byte> mem(kBytes);
+  ASSERT_OK_AND_ASSIGN(MemoryRegion mr, local_->register_memory(mem.data(), mem.size()));
+  const RemoteRegion& rr = remote_->region;
+  EXPECT_EQ(rr.length, kBytes);
+  const uint64_t kMax = std::numeric_limits<uint64_t>::max();
+  struct Bad {
+    uint64_t loff, roff, len;
+  } bad[] = {
+      {0, kBytes, 1},          // one past the remote end
+      {0, kBytes - 10, 11},    // straddles the remote end
+      {0, 1, kBytes},          // remote, by one
+      {kBytes, 0, 1},          // local end
+      {10, 0, kBytes},         // local straddle
+      {0, kMax, 2},            // offset + length wraps
+      {0, 8, kMax - 4},        // length wraps
+      {kMax, 0, 1},            // local offset huge
+  };
+  for (const Bad& b : bad) {
+    auto r = local_->read(mr, b.loff, rr, b.roff, b.len);
+    EXPECT_EQ(r.status().code(), StatusCode::kOutOfRange) << b.loff << " " << b.roff << " " << b.len;
+    auto w = local_->write(mr, b.loff, rr, b.roff, b.len);
+    EXPECT_EQ(w.status().code(), StatusCode::kOutOfRange) << b.loff << " " << b.roff << " " << b.len;
+  }
+  // A forged handle: larger length than the key says.
+  RemoteRegion forged = rr;
+  forged.length = kBytes * 2;
+  EXPECT_FALSE(local_->read(mr, 0, forged, kBytes, 16).ok());
+  MemoryRegion forged_local = mr;
+  forged_local.length = kBytes * 2;
+  EXPECT_FALSE(local_->read(forged_local, kBytes, rr, 0, 16).ok());
+  // Unknown handles.
+  RemoteRegion unknown = rr;
+  unknown.id = 999999;
+  EXPECT_EQ(local_->read(mr, 0, unknown, 0, 16).status().code(), StatusCode::kNotFound);
+  MemoryRegion unknown_local = mr;
+  unknown_local.id = 999999;
+  EXPECT_EQ(local_->read(unknown_local, 0, rr, 0, 16).status().code(), StatusCode::kNotFound);
+  // Malformed key and address bytes.
+  std::vector<std::byte> junk(50, std::byte{0x5a});
+  EXPECT_EQ(local_->import_key(junk).status().code(), StatusCode::kCorrupt);
+  EXPECT_EQ(local_->connect(junk).status().code(), StatusCode::kCorrupt);
+  EXPECT_EQ(local_->import_key({}).status().code(), StatusCode::kCorrupt);
+  // Still fully working after all that: the last byte reads fine.
+  ASSERT_OK_AND_ASSIGN(Completion c, local_->read(mr, 0, rr, kBytes - 1, 1));
+  ASSERT_OK(c.wait(kWait));
+  // A released key is refused.
+  ASSERT_OK(local_->release_key(rr));
+  EXPECT_EQ(local_->read(mr, 0, rr, 0, 1).status().code(), StatusCode::kNotFound);
+  ASSERT_OK(local_->deregister_memory(mr));
+  EXPECT_EQ(local_->deregister_memory(mr).code(), StatusCode::kNotFound);
+}
+
+TEST_P(TransportTest, OneGiBReadAndWrite) {
+  constexpr uint64_t kBytes = 1ull << 30;
+  spawn(kBytes);
+  Buffer buf(kBytes);
+  ASSERT_NE(buf.data(), nullptr);
+  ASSERT_OK_AND_ASSIGN(MemoryRegion mr, local_->register_memory(buf.data(), kBytes));
+  auto t0 = std::chrono::steady_clock::now();
+  ASSERT_OK_AND_ASSIGN(Completion r, local_->read(mr, 0, remote_->region, 0, kBytes));
+  ASSERT_OK(r.wait(kWait));
+  auto t1 = std::chrono::steady_clock::now();
+  EXPECT_EQ(hash_bytes(buf.data(), kBytes), remote_hash(0, kBytes));
+  // Write it back changed.
+  fill_pattern(buf.data(), 0, kBytes, 3);
+  auto t2 = std::chrono::steady_clock::now();
+  ASSERT_OK_AND_ASSIGN(Completion w, local_->write(mr, 0, remote_->region, 0, kBytes));
+  ASSERT_OK(w.wait(kWait));
+  ASSERT_OK_AND_ASSIGN(Completion f, local_->flush(remote_->peer));
+  ASSERT_OK(f.wait(kWait));
+  auto t3 = std::chrono::steady_clock::now();
+  EXPECT_EQ(hash_bytes(buf.data(), kBytes), remote_hash(0, kBytes));
+  auto gbps = [](auto d) { return 1.0 / std::chrono::duration<double>(d).count(); };
+  std::printf("1 GiB read %.2f GiB/s, write+flush %.2f GiB/s\n", gbps(t1 - t0), gbps(t3 - t2));
+}
+
+TEST_P(TransportTest, KilledPeerIsReported) {
+  spawn(1 << 20);
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::pair<PeerId, Status>> failures;
+  local_->set_peer_failure_handler([&](PeerId p, const Status& why) {
+    std::lock_guard<std::mutex> lock(mu);
+    failures.emplace_back(p, why);
+    cv.notify_all();
+  });
+  // Something in flight while it dies.
+  Buffer buf(1 << 20);
+  ASSERT_OK_AND_ASSIGN(MemoryRegion mr, local_->register_memory(buf.data(), buf.size()));
+  std::vector<Completion> ops;
+  for (int i = 0; i < 64; ++i) {
+    ASSERT_OK_AND_ASSIGN(Completion c, local_->read(mr, uint64_t(i) * 16384, remote_->region, uint64_t(i) * 16384, 16384));
+    ops.push_back(c);
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  ASSERT_OK(remote_->kill());
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, 10s, [&] { return !failures.empty(); })) << "no peer-failure callback in 10 s";
+    EXPECT_EQ(failures[0].first, remote_->peer);
+    EXPECT_FALSE(failures[0].second.ok());
+  }
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("peer failure reported after %.3f s: %s\n", secs, failures[0].second.to_string().c_str());
+  // Everything that was in flight is done (either way), within a bound.
+  for (auto& c : ops) {
+    Status st = c.wait(10s);
+    EXPECT_NE(st.code(), StatusCode::kTimeout);
+  }
+  // Later operations are refused at once.
+  auto r = local_->read(mr, 0, remote_->region, 0, 16);
+  EXPECT_EQ(r.status().code(), StatusCode::kPeerFailed);
+  EXPECT_EQ(local_->send(remote_->peer, kEcho, {}).status().code(), StatusCode::kPeerFailed);
+  EXPECT_EQ(local_->flush(remote_->peer).status().code(), StatusCode::kPeerFailed);
+  EXPECT_EQ(local_->stats().failed_peers, 1u);
+  // And the survivor shuts down without hanging (bounded by close_timeout).
+  auto t1 = std::chrono::steady_clock::now();
+  remote_.reset();
+  local_.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - t1, 5s);
+}
+
+TEST_P(TransportTest, ConnectIsIdempotentAndSelfWorks) {
+  spawn(4096);
+  // Connecting again returns the same peer; its id is the remote's instance id.
+  ASSERT_OK_AND_ASSIGN(PeerId self, local_->connect(local_->address()));
+  EXPECT_EQ(self, local_->id());
+  ASSERT_OK_AND_ASSIGN(PeerId again, local_->connect(local_->address()));
+  EXPECT_EQ(again, self);
+  // Loopback read/write through our own key.
+  std::vector<std::byte> a(1024), b(1024);
+  fill_pattern(a.data(), 0, a.size(), 5);
+  ASSERT_OK_AND_ASSIGN(MemoryRegion ma, local_->register_memory(a.data(), a.size()));
+  ASSERT_OK_AND_ASSIGN(MemoryRegion mb, local_->register_memory(b.data(), b.size()));
+  ASSERT_OK_AND_ASSIGN(std::vector<std::byte> key, local_->export_key(ma));
+  ASSERT_OK_AND_ASSIGN(RemoteRegion ra, local_->import_key(key));
+  EXPECT_EQ(ra.peer, self);
+  ASSERT_OK_AND_ASSIGN(Completion c, local_->read(mb, 0, ra, 0, 1024));
+  ASSERT_OK(c.wait(kWait));
+  EXPECT_EQ(a, b);
+  // Self-messages reach our own handler.
+  ASSERT_OK_AND_ASSIGN(Completion s, local_->send(self, 77, pack_u64s({42})));
+  ASSERT_OK(s.wait(kWait));
+  auto m = mailbox_.wait(77, kWait);
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  // Disconnect drops the keys of that peer.
+  ASSERT_OK(local_->disconnect(self));
+  EXPECT_EQ(local_->read(mb, 0, ra, 0, 1).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(local_->disconnect(self).code(), StatusCode::kNotFound);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, TransportTest,
+                         ::testing::Values(BackendCase{"inproc", "inproc", ""}),
+                         [](const ::testing::TestParamInfo<BackendCase>& i) { return i.param.name; });
+
+}  // namespace
+}  // namespace ferry::transport_test
