@@ -1,0 +1,555 @@
+// One store test suite, instantiated for both backends: the embedded TCP store (a
+// StoreServer in this process) and Redis (a private redis-server this test starts on a
+// free loopback port; never skipped — a missing redis-server is a failure).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <thread>
+
+#include "ferry/store.h"
+#include "store/redis_server.h"
+
+namespace ferry {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+using testing::RedisServer;
+
+constexpr const char* kToken = "s3cret-token";
+
+enum class Backend { kTcp, kRedis };
+
+std::string backend_name(const ::testing::TestParamInfo<Backend>& info) {
+  return info.param == Backend::kTcp ? "tcp" : "redis";
+}
+
+Millis since(Clock::time_point t0) { return std::chrono::duration_cast<Millis>(Clock::now() - t0); }
+
+class StoreTest : public ::testing::TestWithParam<Backend> {
+ protected:
+  static void TearDownTestSuite() { redis_.reset(); }
+
+  void SetUp() override {
+    ::unsetenv("FERRY_TOKEN");
+    if (GetParam() == Backend::kTcp) {
+      StoreServerOptions so;
+      so.token = kToken;
+      auto s = StoreServer::start(so);
+      ASSERT_TRUE(s.ok()) << s.status().to_string();
+      tcp_ = std::move(*s);
+      url_ = tcp_->url();
+    } else {
+      if (!redis_) {
+        auto r = RedisServer::start(kToken);
+        ASSERT_TRUE(r.ok()) << r.status().to_string();
+        redis_ = std::move(*r);
+      }
+      // A prefix per test keeps tests apart when they share one redis-server.
+      const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+      std::string name = info->name();
+      for (char& c : name) {
+        if (c == '/') c = '_';
+      }
+      url_ = "redis://127.0.0.1:" + std::to_string(redis_->port()) + "/t_" + name;
+    }
+    store_ = open();
+    ASSERT_NE(store_, nullptr);
+  }
+
+  void TearDown() override {
+    store_.reset();
+    if (tcp_) tcp_->stop();
+  }
+
+  StoreOptions options(std::string token = kToken) {
+    StoreOptions o;
+    o.token = std::move(token);
+    o.connect_timeout = 5s;
+    o.io_timeout = 10s;
+    return o;
+  }
+
+  std::unique_ptr<Store> open() {
+    auto s = Store::open(url_, options());
+    EXPECT_TRUE(s.ok()) << s.status().to_string();
+    return s.ok() ? std::move(*s) : nullptr;
+  }
+
+  static inline std::unique_ptr<RedisServer> redis_;
+  std::unique_ptr<StoreServer> tcp_;
+  std::string url_;
+  std::unique_ptr<Store> store_;
+};
+
+#define ASSERT_OK(expr)                                  \
+  do {                                                   \
+    const ::ferry::Status _st = (expr);                  \
+    ASSERT_TRUE(_st.ok()) << #expr << ": " << _st.to_string(); \
+  } while (0)
+
+TEST_P(StoreTest, SetGetOverwrite) {
+  Store& s = *store_;
+  ASSERT_OK(s.set("a", "1"));
+  EXPECT_EQ(s.get("a").value_or("?"), "1");
+  ASSERT_OK(s.set("a", "two"));
+  EXPECT_EQ(s.get("a").value_or("?"), "two");
+  ASSERT_OK(s.set("b", ""));
+  auto b = s.get("b");
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  EXPECT_EQ(*b, "");
+}
+
+TEST_P(StoreTest, GetMissingIsNotFound) {
+  auto r = store_->get("nope");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(r.status().message().find("nope"), std::string::npos) << r.status().message();
+}
+
+TEST_P(StoreTest, BinaryKeysAndValues) {
+  std::string key("k\0ey\xff", 5);
+  std::string value;
+  for (int i = 0; i < 256; ++i) value.push_back(static_cast<char>(i));
+  value += std::string(100000, '\0');
+  ASSERT_OK(store_->set(key, value));
+  auto got = store_->get(key);
+  ASSERT_TRUE(got.ok()) << got.status().to_string();
+  EXPECT_EQ(*got, value);
+}
+
+TEST_P(StoreTest, Add) {
+  Store& s = *store_;
+  EXPECT_EQ(s.add("c", 5).value_or(-1), 5);
+  EXPECT_EQ(s.add("c", -7).value_or(-1), -2);
+  EXPECT_EQ(s.add("c", 0).value_or(-1), -2);
+  EXPECT_EQ(s.get("c").value_or("?"), "-2");
+  ASSERT_OK(s.set("d", "41"));
+  EXPECT_EQ(s.add("d", 1).value_or(-1), 42);
+}
+
+TEST_P(StoreTest, AddOnNonIntegerIsInvalid) {
+  Store& s = *store_;
+  for (const char* bad : {"x", "1.5", " 1", "", "99999999999999999999999"}) {
+    ASSERT_OK(s.set("v", bad));
+    auto r = s.add("v", 1);
+    ASSERT_FALSE(r.ok()) << "value '" << bad << "'";
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().to_string();
+    EXPECT_EQ(s.get("v").value_or("?"), bad);  // untouched
+  }
+}
+
+TEST_P(StoreTest, AddOverflowIsOutOfRange) {
+  ASSERT_OK(store_->set("big", std::to_string(INT64_MAX)));
+  auto r = store_->add("big", 1);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kOutOfRange) << r.status().to_string();
+  EXPECT_EQ(store_->add("big", -1).value_or(0), INT64_MAX - 1);
+}
+
+TEST_P(StoreTest, CompareSet) {
+  Store& s = *store_;
+  // Absent expected, key absent: created.
+  auto r = s.compare_set("leader", std::nullopt, "rank0");
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_TRUE(r->swapped);
+  EXPECT_EQ(r->value, "rank0");
+  // Absent expected, key present: not swapped, current returned.
+  r = s.compare_set("leader", std::nullopt, "rank1");
+  ASSERT_TRUE(r.ok());
+  EXPECT_FALSE(r->swapped);
+  EXPECT_EQ(r->value, "rank0");
+  // Mismatch.
+  r = s.compare_set("leader", "rank7", "rank1");
+  ASSERT_TRUE(r.ok());
+  EXPECT_FALSE(r->swapped);
+  EXPECT_EQ(r->value, "rank0");
+  // Match.
+  r = s.compare_set("leader", "rank0", "rank1");
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->swapped);
+  EXPECT_EQ(r->value, "rank1");
+  EXPECT_EQ(s.get("leader").value_or("?"), "rank1");
+  // Expected a value, key absent: not swapped, nothing there.
+  r = s.compare_set("nobody", "x", "y");
+  ASSERT_TRUE(r.ok());
+  EXPECT_FALSE(r->swapped);
+  EXPECT_EQ(r->value, std::nullopt);
+  EXPECT_EQ(s.get("nobody").status().code(), StatusCode::kNotFound);
+  // Empty string is a value, distinct from absent.
+  ASSERT_OK(s.set("e", ""));
+  r = s.compare_set("e", "", "full");
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->swapped);
+}
+
+TEST_P(StoreTest, CompareSetIsAtomicUnderContention) {
+  // 16 threads race to claim the same key; exactly one wins.
+  std::atomic<int> winners{0};
+  std::vector<std::thread> ts;
+  for (int i = 0; i < 16; ++i) {
+    ts.emplace_back([&, i] {
+      auto s = store_->clone();
+      ASSERT_TRUE(s.ok());
+      auto r = (*s)->compare_set("claim", std::nullopt, std::to_string(i));
+      ASSERT_TRUE(r.ok());
+      if (r->swapped) winners++;
+    });
+  }
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(winners.load(), 1);
+}
+
+TEST_P(StoreTest, Remove) {
+  ASSERT_OK(store_->set("r", "1"));
+  EXPECT_EQ(store_->remove("r").value_or(false), true);
+  EXPECT_EQ(store_->remove("r").value_or(true), false);
+  EXPECT_EQ(store_->get("r").status().code(), StatusCode::kNotFound);
+}
+
+TEST_P(StoreTest, ListPrefix) {
+  Store& s = *store_;
+  for (const char* k : {"rank/2", "rank/0", "rank/1", "ranking", "other", "glob*x", "glob?y", "glob[z]"}) {
+    ASSERT_OK(s.set(k, "v"));
+  }
+  auto r = s.list("rank/");
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(*r, (std::vector<std::string>{"rank/0", "rank/1", "rank/2"}));
+  r = s.list("glob*");  // glob characters match literally
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(*r, (std::vector<std::string>{"glob*x"}));
+  r = s.list("glob[");
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(*r, (std::vector<std::string>{"glob[z]"}));
+  ASSERT_TRUE(s.remove("rank/1").ok());
+  r = s.list("");
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(*r, (std::vector<std::string>{"glob*x", "glob?y", "glob[z]", "other", "rank/0", "rank/2", "ranking"}));
+  r = s.list("zzz");
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->empty());
+}
+
+TEST_P(StoreTest, WaitForPresentKeysReturnsAtOnce) {
+  ASSERT_OK(store_->set("w1", "x"));
+  ASSERT_OK(store_->set("w2", "y"));
+  auto t0 = Clock::now();
+  ASSERT_OK(store_->wait({"w1", "w2", "w1"}, 5s));
+  EXPECT_LT(since(t0), 1000ms);
+  ASSERT_OK(store_->wait({}, 0ms));
+}
+
+TEST_P(StoreTest, WaitTimesOutNamingMissingKeys) {
+  ASSERT_OK(store_->set("here", "x"));
+  auto t0 = Clock::now();
+  Status st = store_->wait({"here", "gone1", "gone2"}, 200ms);
+  const Millis took = since(t0);
+  EXPECT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
+  EXPECT_NE(st.message().find("gone1"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("2 of 3"), std::string::npos) << st.message();
+  EXPECT_GE(took, 190ms);
+  EXPECT_LT(took, 3000ms);
+  // Zero timeout: one check.
+  EXPECT_EQ(store_->wait({"gone1"}, 0ms).code(), StatusCode::kTimeout);
+  // The connection is still usable after a timed-out wait.
+  EXPECT_EQ(store_->get("here").value_or("?"), "x");
+}
+
+TEST_P(StoreTest, WaitWokenByWritesFromOtherClients) {
+  auto other = store_->clone();
+  ASSERT_TRUE(other.ok());
+  std::thread writer([&] {
+    std::this_thread::sleep_for(50ms);
+    ASSERT_TRUE((*other)->set("late/a", "1").ok());
+    std::this_thread::sleep_for(50ms);
+    ASSERT_TRUE((*other)->add("late/b", 1).ok());
+    std::this_thread::sleep_for(50ms);
+    ASSERT_TRUE((*other)->compare_set("late/c", std::nullopt, "z").ok());
+  });
+  auto t0 = Clock::now();
+  Status st = store_->wait({"late/a", "late/b", "late/c"}, 10s);
+  writer.join();
+  ASSERT_OK(st);
+  EXPECT_LT(since(t0), 5000ms);
+}
+
+TEST_P(StoreTest, WaitSeesKeysThatCameAndWent) {
+  // A key seen once counts even if it is deleted before the others arrive.
+  auto other = store_->clone();
+  ASSERT_TRUE(other.ok());
+  std::thread writer([&] {
+    std::this_thread::sleep_for(30ms);
+    ASSERT_TRUE((*other)->set("flash", "1").ok());
+    std::this_thread::sleep_for(100ms);  // > the Redis poll interval cap
+    ASSERT_TRUE((*other)->remove("flash").ok());
+    ASSERT_TRUE((*other)->set("steady", "1").ok());
+  });
+  Status st = store_->wait({"flash", "steady"}, 10s);
+  writer.join();
+  ASSERT_OK(st);
+}
+
+TEST_P(StoreTest, TtlExpiry) {
+  Store& s = *store_;
+  ASSERT_OK(s.set("lease", "alive", 200ms));
+  ASSERT_OK(s.set("keep", "forever"));
+  EXPECT_EQ(s.get("lease").value_or("?"), "alive");
+  EXPECT_EQ(s.list("").value_or({}), (std::vector<std::string>{"keep", "lease"}));
+  std::this_thread::sleep_for(400ms);
+  EXPECT_EQ(s.get("lease").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(s.list("").value_or({}), (std::vector<std::string>{"keep"}));
+  EXPECT_EQ(s.wait({"lease"}, 50ms).code(), StatusCode::kTimeout);
+  EXPECT_EQ(s.remove("lease").value_or(true), false);
+  EXPECT_EQ(s.renew("lease", 1000ms).code(), StatusCode::kNotFound);
+  // An expired counter restarts from 0.
+  ASSERT_OK(s.set("cnt", "10", 100ms));
+  std::this_thread::sleep_for(250ms);
+  EXPECT_EQ(s.add("cnt", 1).value_or(-1), 1);
+}
+
+TEST_P(StoreTest, RenewExtendsAndSetClearsTtl) {
+  Store& s = *store_;
+  ASSERT_OK(s.set("k", "v", 300ms));
+  for (int i = 0; i < 4; ++i) {
+    std::this_thread::sleep_for(150ms);
+    ASSERT_OK(s.renew("k", 300ms));
+  }
+  EXPECT_EQ(s.get("k").value_or("?"), "v");  // 600 ms after the set, alive thanks to renew
+  // A plain set makes it persistent again.
+  ASSERT_OK(s.set("k", "v2"));
+  std::this_thread::sleep_for(400ms);
+  EXPECT_EQ(s.get("k").value_or("?"), "v2");
+  // add keeps an existing ttl.
+  ASSERT_OK(s.set("n", "1", 200ms));
+  EXPECT_EQ(s.add("n", 1).value_or(-1), 2);
+  std::this_thread::sleep_for(400ms);
+  EXPECT_EQ(s.get("n").status().code(), StatusCode::kNotFound);
+  // compare_set with a ttl.
+  auto r = s.compare_set("cs", std::nullopt, "me", 200ms);
+  ASSERT_TRUE(r.ok() && r->swapped);
+  std::this_thread::sleep_for(400ms);
+  EXPECT_EQ(s.get("cs").status().code(), StatusCode::kNotFound);
+}
+
+TEST_P(StoreTest, LeaseHeartbeatKeepsKeyAlive) {
+  auto lease = store_->hold_lease("member/0", "addr0", 200ms);
+  ASSERT_TRUE(lease.ok()) << lease.status().to_string();
+  std::this_thread::sleep_for(700ms);
+  EXPECT_EQ(store_->get("member/0").value_or("?"), "addr0");
+  EXPECT_FALSE((*lease)->lost());
+  ASSERT_OK((*lease)->release());
+  EXPECT_EQ(store_->get("member/0").status().code(), StatusCode::kNotFound);
+  ASSERT_OK((*lease)->release());  // idempotent
+}
+
+TEST_P(StoreTest, LeaseNoticesLossAndDestructorDeletes) {
+  auto lease = store_->hold_lease("member/1", "addr1", 150ms);
+  ASSERT_TRUE(lease.ok()) << lease.status().to_string();
+  ASSERT_TRUE(store_->remove("member/1").ok());
+  const auto t0 = Clock::now();
+  while (!(*lease)->lost() && since(t0) < 3000ms) std::this_thread::sleep_for(10ms);
+  EXPECT_TRUE((*lease)->lost());
+  EXPECT_EQ((*lease)->last_error().code(), StatusCode::kNotFound);
+  // A lost lease is not re-created.
+  std::this_thread::sleep_for(200ms);
+  EXPECT_EQ(store_->get("member/1").status().code(), StatusCode::kNotFound);
+
+  {
+    auto held = store_->hold_lease("member/2", "addr2", 5000ms);
+    ASSERT_TRUE(held.ok());
+    EXPECT_EQ(store_->get("member/2").value_or("?"), "addr2");
+  }  // destructor releases
+  EXPECT_EQ(store_->get("member/2").status().code(), StatusCode::kNotFound);
+}
+
+TEST_P(StoreTest, SixtyFourConcurrentClients) {
+  constexpr int kClients = 64;
+  constexpr int kAdds = 50;
+  std::vector<std::string> members;
+  for (int i = 0; i < kClients; ++i) members.push_back("member/" + std::to_string(i));
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] {
+      auto s = Store::open(url_, options());
+      if (!s.ok()) {
+        ADD_FAILURE() << s.status().to_string();
+        failures++;
+        return;
+      }
+      for (int j = 0; j < kAdds; ++j) {
+        if (!(*s)->add("counter", 1).ok()) failures++;
+      }
+      if (!(*s)->set(members[i], std::to_string(i)).ok()) failures++;
+      Status st = (*s)->wait(members, 30s);
+      if (!st.ok()) {
+        ADD_FAILURE() << "client " << i << ": " << st.to_string();
+        failures++;
+      }
+      auto v = (*s)->get(members[(i + 1) % kClients]);
+      if (!v.ok() || *v != std::to_string((i + 1) % kClients)) failures++;
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(store_->get("counter").value_or("?"), std::to_string(kClients * kAdds));
+  EXPECT_EQ(store_->list("member/").value_or({}).size(), static_cast<size_t>(kClients));
+}
+
+TEST_P(StoreTest, OneClientSharedByThreads) {
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 8; ++i) {
+    threads.emplace_back([&, i] {
+      for (int j = 0; j < 50; ++j) {
+        ASSERT_TRUE(store_->add("shared", 1).ok());
+        ASSERT_TRUE(store_->set("t" + std::to_string(i), std::to_string(j)).ok());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(store_->get("shared").value_or("?"), "400");
+}
+
+TEST_P(StoreTest, WrongTokenRefused) {
+  auto t0 = Clock::now();
+  auto s = Store::open(url_, options("not-the-token"));
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kPermissionDenied) << s.status().to_string();
+  EXPECT_LT(since(t0), 3000ms);  // refused at once, not retried until connect_timeout
+  // The right token still works, and the store is untouched by the refused client.
+  ASSERT_OK(store_->set("after", "ok"));
+  EXPECT_EQ(store_->get("after").value_or("?"), "ok");
+}
+
+TEST_P(StoreTest, TokenFromUrlOrEnvironment) {
+  // No token anywhere: refused before connecting.
+  auto none = Store::open(url_, options(""));
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().code(), StatusCode::kInvalidArgument) << none.status().to_string();
+  // From FERRY_TOKEN.
+  ::setenv("FERRY_TOKEN", kToken, 1);
+  auto env = Store::open(url_, options(""));
+  ::unsetenv("FERRY_TOKEN");
+  ASSERT_TRUE(env.ok()) << env.status().to_string();
+  // From the URL (":TOKEN@"), percent-encoded characters allowed.
+  const std::string scheme_end = "://";
+  std::string with_token = url_;
+  with_token.insert(with_token.find(scheme_end) + scheme_end.size(), std::string(":s3cret%2Dtoken@"));
+  auto in_url = Store::open(with_token, options(""));
+  ASSERT_TRUE(in_url.ok()) << in_url.status().to_string();
+  EXPECT_EQ((*in_url)->url().find("s3cret"), std::string::npos);  // url() hides the token
+  ASSERT_OK((*in_url)->set("x", "1"));
+}
+
+TEST_P(StoreTest, InvalidArgumentsAreRefusedByTheClient) {
+  Store& s = *store_;
+  EXPECT_EQ(s.set("", "v").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.get(std::string(kMaxKeyBytes + 1, 'k')).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.set("k", std::string(kMaxValueBytes + 1, 'v')).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.set("k", "v", Millis{-1}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.renew("k", 0ms).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.wait({"k"}, Millis{-5}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.wait({""}, 10ms).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.add("", 1).status().code(), StatusCode::kInvalidArgument);
+  // Largest legal key and a large value go through.
+  const std::string big_key(kMaxKeyBytes, 'k');
+  ASSERT_OK(s.set(big_key, std::string(4 << 20, 'v')));
+  EXPECT_EQ(s.get(big_key).value_or("").size(), size_t{4} << 20);
+}
+
+TEST_P(StoreTest, DeadServerIsReportedNotHung) {
+  // A private server for this test, so killing it does not disturb the others.
+  std::unique_ptr<StoreServer> tcp;
+  std::unique_ptr<RedisServer> redis;
+  std::string url;
+  if (GetParam() == Backend::kTcp) {
+    StoreServerOptions so;
+    so.token = kToken;
+    auto r = StoreServer::start(so);
+    ASSERT_TRUE(r.ok());
+    tcp = std::move(*r);
+    url = tcp->url();
+  } else {
+    auto r = RedisServer::start(kToken);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    redis = std::move(*r);
+    url = "redis://127.0.0.1:" + std::to_string(redis->port());
+  }
+  StoreOptions o = options();
+  o.connect_timeout = 300ms;
+  auto s = Store::open(url, o);
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  ASSERT_OK((*s)->set("a", "1"));
+  tcp.reset();
+  redis.reset();
+  auto t0 = Clock::now();
+  Status st = (*s)->set("a", "2");
+  EXPECT_FALSE(st.ok());
+  EXPECT_TRUE(st.code() == StatusCode::kUnavailable) << st.to_string();
+  st = (*s)->set("a", "3");  // reconnect attempt fails within connect_timeout
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
+  EXPECT_LT(since(t0), 3000ms);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, StoreTest, ::testing::Values(Backend::kTcp, Backend::kRedis), backend_name);
+
+// --- URL parsing (backend-independent) ---------------------------------------------
+
+TEST(StoreUrlTest, Parses) {
+  auto u = parse_store_url("tcp://127.0.0.1:29500");
+  ASSERT_TRUE(u.ok()) << u.status().to_string();
+  EXPECT_EQ(u->scheme, StoreUrl::Scheme::kTcp);
+  EXPECT_EQ(u->host, "127.0.0.1");
+  EXPECT_EQ(u->port, 29500);
+  EXPECT_EQ(u->token, "");
+
+  u = parse_store_url("redis://:p%40ss@redis.local:6379/jobs/42/");
+  ASSERT_TRUE(u.ok()) << u.status().to_string();
+  EXPECT_EQ(u->scheme, StoreUrl::Scheme::kRedis);
+  EXPECT_EQ(u->host, "redis.local");
+  EXPECT_EQ(u->port, 6379);
+  EXPECT_EQ(u->token, "p@ss");
+  EXPECT_EQ(u->prefix, "jobs/42");
+  EXPECT_EQ(u->to_string(), "redis://redis.local:6379/jobs/42");
+
+  u = parse_store_url("tcp://[::1]:7");
+  ASSERT_TRUE(u.ok());
+  EXPECT_EQ(u->host, "::1");
+  EXPECT_EQ(u->to_string(), "tcp://[::1]:7");
+}
+
+TEST(StoreUrlTest, RejectsMalformed) {
+  for (const char* bad : {"", "http://h:1", "tcp://h", "tcp://:1", "tcp://h:0", "tcp://h:65536", "tcp://h:12x",
+                          "tcp://h:1/prefix", "redis://user:pw@h:1", "redis://h:1/p?x=1", "tcp://[::1:5",
+                          "redis://:%zz@h:1", "redis://:%4@h:1"}) {
+    auto u = parse_store_url(bad);
+    EXPECT_FALSE(u.ok()) << bad;
+    if (!u.ok()) {
+      EXPECT_EQ(u.status().code(), StatusCode::kInvalidArgument) << bad;
+    }
+  }
+  // Error messages never echo a token.
+  auto u = parse_store_url("redis://:topsecret@h");
+  ASSERT_FALSE(u.ok());
+  EXPECT_EQ(u.status().message().find("topsecret"), std::string::npos);
+}
+
+TEST(StoreOpenTest, UnreachableServerIsUnavailableWithinConnectTimeout) {
+  auto port = testing::free_loopback_port();
+  ASSERT_TRUE(port.ok());
+  StoreOptions o;
+  o.token = kToken;
+  o.connect_timeout = 300ms;
+  for (const char* scheme : {"tcp", "redis"}) {
+    auto t0 = Clock::now();
+    auto s = Store::open(std::string(scheme) + "://127.0.0.1:" + std::to_string(*port), o);
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.status().code(), StatusCode::kUnavailable) << s.status().to_string();
+    EXPECT_LT(since(t0), 3000ms);
+  }
+}
+
+}  // namespace
+}  // namespace ferry

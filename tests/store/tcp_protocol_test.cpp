@@ -1,0 +1,233 @@
+// The TCP store's frame codec: round trips, and every truncation of every valid frame
+// is rejected cleanly.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "store/tcp/protocol.h"
+
+namespace ferry::store_tcp {
+namespace {
+
+std::vector<Request> sample_requests() {
+  std::vector<Request> out;
+  Request q;
+  q.op = Op::kSet;
+  q.key = "k";
+  q.value = std::string("v\0v", 3);
+  q.ttl_ms = 250;
+  out.push_back(q);
+  q = Request{};
+  q.op = Op::kGet;
+  q.key = "key";
+  out.push_back(q);
+  q = Request{};
+  q.op = Op::kAdd;
+  q.key = "c";
+  q.delta = -42;
+  out.push_back(q);
+  q = Request{};
+  q.op = Op::kCompareSet;
+  q.key = "cas";
+  q.expected = "old";
+  q.value = "new";
+  q.ttl_ms = 0;
+  out.push_back(q);
+  q.expected.reset();
+  out.push_back(q);
+  q = Request{};
+  q.op = Op::kRemove;
+  q.key = "r";
+  out.push_back(q);
+  q = Request{};
+  q.op = Op::kList;
+  q.key = "";
+  out.push_back(q);
+  q = Request{};
+  q.op = Op::kWait;
+  q.keys = {"a", "bb", "ccc"};
+  q.timeout_ms = 1000;
+  out.push_back(q);
+  q = Request{};
+  q.op = Op::kRenew;
+  q.key = "lease";
+  q.ttl_ms = 100;
+  out.push_back(q);
+  q = Request{};
+  q.op = Op::kPing;
+  out.push_back(q);
+  return out;
+}
+
+std::vector<Response> sample_responses() {
+  std::vector<Response> out;
+  Response p;
+  p.op = Op::kGet;
+  p.value = "value";
+  out.push_back(p);
+  p = Response{};
+  p.op = Op::kAdd;
+  p.number = INT64_MIN;
+  out.push_back(p);
+  p = Response{};
+  p.op = Op::kCompareSet;
+  p.number = 1;
+  p.value = "x";
+  out.push_back(p);
+  p.number = 0;
+  p.value.reset();
+  out.push_back(p);
+  p = Response{};
+  p.op = Op::kRemove;
+  p.number = 1;
+  out.push_back(p);
+  p = Response{};
+  p.op = Op::kList;
+  p.keys = {"a", "b"};
+  out.push_back(p);
+  p = Response{};
+  p.op = Op::kWait;
+  p.code = StatusCode::kTimeout;
+  p.message = "store wait: 1 of 1 keys still missing";
+  out.push_back(p);
+  p = Response{};
+  p.op = Op::kSet;
+  out.push_back(p);
+  return out;
+}
+
+ByteSpan payload_of(const Bytes& frame) { return ByteSpan(frame).subspan(kFrameHeaderBytes); }
+
+TEST(StoreProtocolTest, RequestsRoundTrip) {
+  for (const Request& q : sample_requests()) {
+    Bytes frame = encode_request(q);
+    auto split = split_frame(frame, kMaxFrameBytes);
+    ASSERT_TRUE(split.ok());
+    EXPECT_EQ(split->consumed, frame.size());
+    auto back = decode_request(split->payload);
+    ASSERT_TRUE(back.ok()) << op_name(q.op) << ": " << back.status().to_string();
+    EXPECT_EQ(*back, q) << op_name(q.op);
+    EXPECT_TRUE(validate_request(q).ok()) << op_name(q.op);
+  }
+}
+
+TEST(StoreProtocolTest, ResponsesRoundTrip) {
+  for (const Response& p : sample_responses()) {
+    Bytes frame = encode_response(p);
+    auto back = decode_response(payload_of(frame));
+    ASSERT_TRUE(back.ok()) << op_name(p.op) << ": " << back.status().to_string();
+    EXPECT_EQ(*back, p) << op_name(p.op);
+  }
+}
+
+TEST(StoreProtocolTest, HandshakeRoundTripAndMac) {
+  Challenge c;
+  for (size_t i = 0; i < c.nonce.size(); ++i) c.nonce[i] = static_cast<uint8_t>(i);
+  auto back = decode_challenge(payload_of(encode_challenge(c)));
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->nonce, c.nonce);
+  Auth a;
+  a.mac = auth_mac("token", c.nonce);
+  auto aback = decode_auth(payload_of(encode_auth(a)));
+  ASSERT_TRUE(aback.ok());
+  EXPECT_TRUE(macs_equal(aback->mac, auth_mac("token", c.nonce)));
+  EXPECT_FALSE(macs_equal(aback->mac, auth_mac("token2", c.nonce)));
+  auto other = c.nonce;
+  other[0] ^= 1;
+  EXPECT_FALSE(macs_equal(aback->mac, auth_mac("token", other)));
+}
+
+TEST(StoreProtocolTest, EveryTruncationIsRejected) {
+  for (const Request& q : sample_requests()) {
+    Bytes frame = encode_request(q);
+    ByteSpan payload = payload_of(frame);
+    for (size_t n = 0; n < payload.size(); ++n) {
+      auto r = decode_request(payload.first(n));
+      EXPECT_FALSE(r.ok()) << op_name(q.op) << " truncated to " << n;
+    }
+    // And a trailing byte.
+    Bytes longer(payload.begin(), payload.end());
+    longer.push_back(0);
+    EXPECT_FALSE(decode_request(longer).ok()) << op_name(q.op);
+    // The frame splitter waits for the rest.
+    for (size_t n = 0; n < frame.size(); ++n) {
+      auto s = split_frame(ByteSpan(frame).first(n), kMaxFrameBytes);
+      ASSERT_TRUE(s.ok());
+      EXPECT_EQ(s->consumed, 0u);
+    }
+  }
+  for (const Response& p : sample_responses()) {
+    Bytes frame = encode_response(p);
+    ByteSpan payload = payload_of(frame);
+    for (size_t n = 0; n < payload.size(); ++n) {
+      EXPECT_FALSE(decode_response(payload.first(n)).ok()) << op_name(p.op) << " truncated to " << n;
+    }
+  }
+}
+
+TEST(StoreProtocolTest, OversizeAndHostileLengths) {
+  // Frame header over the limit.
+  Bytes header = {0xff, 0xff, 0xff, 0xff};
+  auto h = decode_frame_header(header, kMaxFrameBytes);
+  ASSERT_FALSE(h.ok());
+  EXPECT_EQ(h.status().code(), StatusCode::kOutOfRange);
+  EXPECT_FALSE(split_frame(header, kMaxHandshakeFrameBytes).ok());
+  // A string length that claims more than is left.
+  Bytes get = {static_cast<uint8_t>(Op::kGet), 0xff, 0xff, 0xff, 0x7f, 'a'};
+  EXPECT_FALSE(decode_request(get).ok());
+  // A wait with 2^32-1 keys in a tiny payload must not reserve anything huge.
+  Bytes wait = {static_cast<uint8_t>(Op::kWait), 0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0};
+  EXPECT_FALSE(decode_request(wait).ok());
+  // A list answer claiming 2^32-1 keys.
+  Bytes list = {static_cast<uint8_t>(Op::kList), 0, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff};
+  EXPECT_FALSE(decode_response(list).ok());
+  // Unknown op and unknown status code.
+  EXPECT_FALSE(decode_request(Bytes{0}).ok());
+  EXPECT_FALSE(decode_request(Bytes{200}).ok());
+  EXPECT_FALSE(decode_response(Bytes{static_cast<uint8_t>(Op::kSet), 99, 0, 0, 0, 0}).ok());
+  // Handshake ops are not requests.
+  EXPECT_FALSE(decode_request(payload_of(encode_auth(Auth{}))).ok());
+  // A bool that is neither 0 nor 1.
+  Request q;
+  q.op = Op::kCompareSet;
+  q.key = "k";
+  Bytes cas = encode_request(q);
+  cas[kFrameHeaderBytes + 1 + 4 + 1] = 7;
+  EXPECT_FALSE(decode_request(payload_of(cas)).ok());
+}
+
+TEST(StoreProtocolTest, RandomBytesNeverCrash) {
+  std::mt19937 rng(1234);
+  for (int i = 0; i < 20000; ++i) {
+    Bytes b(rng() % 64);
+    for (auto& x : b) x = static_cast<uint8_t>(rng());
+    if (!b.empty() && (i % 2)) b[0] = static_cast<uint8_t>(1 + rng() % 11);  // a valid op
+    (void)decode_request(b).ok();
+    (void)decode_response(b).ok();
+    (void)decode_challenge(b).ok();
+    (void)decode_auth(b).ok();
+    (void)split_frame(b, kMaxHandshakeFrameBytes).ok();
+  }
+}
+
+TEST(StoreProtocolTest, ValidateRejectsBadArguments) {
+  Request q;
+  q.op = Op::kSet;
+  q.key = "";
+  EXPECT_EQ(validate_request(q).code(), StatusCode::kInvalidArgument);
+  q.key = "k";
+  q.ttl_ms = -1;
+  EXPECT_EQ(validate_request(q).code(), StatusCode::kInvalidArgument);
+  q.op = Op::kRenew;
+  q.ttl_ms = 0;
+  EXPECT_EQ(validate_request(q).code(), StatusCode::kInvalidArgument);
+  q.op = Op::kWait;
+  q.keys = {"a"};
+  q.timeout_ms = -1;
+  EXPECT_EQ(validate_request(q).code(), StatusCode::kInvalidArgument);
+  q.op = Op::kAuth;
+  EXPECT_EQ(validate_request(q).code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace ferry::store_tcp
