@@ -1,5 +1,6 @@
 // Plan: declarations, validation, canonicalisation, encoding, coverage.
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <map>
 #include <numeric>
@@ -34,10 +35,25 @@ Status check_in_bounds(const Layout& l, const TensorDecl& decl, std::string_view
   if (l.strides.size() != l.shape.size()) {
     return invalid_argument("{} layout of '{}' has {} dims but {} strides", what, decl.name, l.shape.size(), l.strides.size());
   }
-  for (int64_t s : l.shape) {
+  // Sizes, element count and extent first, without overflow, so that numel(),
+  // min_offset() and max_offset() below are exact.
+  int64_t numel = 1, extent = 0;
+  bool empty = false;
+  for (size_t d = 0; d < l.shape.size(); ++d) {
+    const int64_t s = l.shape[d];
     if (s < 0) return invalid_argument("{} layout of '{}' has a negative size: {}", what, decl.name, l.to_string());
+    empty |= s == 0;
+    int64_t span = 0;
+    const int64_t stride = l.strides[d] < 0 ? -l.strides[d] : l.strides[d];
+    if (l.strides[d] == INT64_MIN || __builtin_mul_overflow(stride, s > 0 ? s - 1 : 0, &span) ||
+        __builtin_add_overflow(extent, span, &extent) || (s > 0 && __builtin_mul_overflow(numel, s, &numel))) {
+      return out_of_range("{} layout {} of '{}' overflows", what, l.to_string(), decl.name);
+    }
   }
-  if (l.numel() == 0) return Status::Ok();
+  if (empty) return Status::Ok();
+  if (l.offset < -(int64_t(1) << 62) || l.offset > (int64_t(1) << 62) || extent > (int64_t(1) << 62)) {
+    return out_of_range("{} layout {} of '{}' overflows", what, l.to_string(), decl.name);
+  }
   const int64_t n = shape_numel(decl.shape);
   if (l.min_offset() < 0 || l.max_offset() >= n) {
     return out_of_range("{} layout {} is outside '{}' {} ({} elements)", what, l.to_string(), decl.name,
@@ -261,8 +277,10 @@ Result<TensorDecl> read_decl(Reader& r) {
   for (uint64_t i = 0; i < nd; ++i) {
     FERRY_ASSIGN_OR_RETURN(uint64_t s, r.bounded(uint64_t(1) << 48, "dim size"));
     d.shape.push_back(static_cast<int64_t>(s));
-    if (s != 0 && numel > (int64_t(1) << 56) / static_cast<int64_t>(s)) return corrupt("plan: '{}' is too large", d.name);
-    numel *= static_cast<int64_t>(s);
+    // Bound the product of max(size, 1): contiguous strides of the shape must not overflow.
+    const int64_t f = std::max<int64_t>(static_cast<int64_t>(s), 1);
+    if (numel > (int64_t(1) << 56) / f) return corrupt("plan: '{}' is too large", d.name);
+    numel *= f;
   }
   return d;
 }
@@ -452,6 +470,14 @@ Result<Plan> Plan::decode(std::string_view bytes) {
   return decode(std::span<const std::byte>(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size()));
 }
 
+namespace {
+// Anything wrong in decoded bytes is corruption, whatever check caught it.
+Status as_corrupt(const Status& s, const std::string& context) {
+  if (s.ok()) return s;
+  return Status(StatusCode::kCorrupt, context + ": " + s.message());
+}
+}  // namespace
+
 Result<Plan> Plan::decode(std::span<const std::byte> bytes) {
   Reader r(bytes);
   char magic[4];
@@ -472,13 +498,13 @@ Result<Plan> Plan::decode(std::span<const std::byte> bytes) {
   for (uint64_t i = 0; i < ns; ++i) {
     FERRY_ASSIGN_OR_RETURN(TensorDecl d, read_decl(r));
     if (plan.source_index_.count(d.name)) return corrupt("plan: source '{}' declared twice", d.name);
-    FERRY_RETURN_IF_ERROR(plan.declare_source(d).status());
+    FERRY_RETURN_IF_ERROR(as_corrupt(plan.declare_source(d).status(), "plan"));
   }
   FERRY_ASSIGN_OR_RETURN(uint64_t np, count("param", kMaxTensors));
   for (uint64_t i = 0; i < np; ++i) {
     FERRY_ASSIGN_OR_RETURN(TensorDecl d, read_decl(r));
     if (plan.param_index_.count(d.name)) return corrupt("plan: param '{}' declared twice", d.name);
-    FERRY_RETURN_IF_ERROR(plan.declare_param(d).status());
+    FERRY_RETURN_IF_ERROR(as_corrupt(plan.declare_param(d).status(), "plan"));
   }
   FERRY_ASSIGN_OR_RETURN(uint64_t nc, count("copy", kMaxEntries));
   plan.copies_.reserve(nc);
@@ -491,7 +517,7 @@ Result<Plan> Plan::decode(std::span<const std::byte> bytes) {
     c.param = static_cast<uint32_t>(p);
     FERRY_ASSIGN_OR_RETURN(c.src, r.layout());
     FERRY_ASSIGN_OR_RETURN(c.dst, r.layout());
-    FERRY_RETURN_IF_ERROR(plan.add_copy(std::move(c)).with_context(fmt::format("plan: copy {}", i)));
+    FERRY_RETURN_IF_ERROR(as_corrupt(plan.add_copy(std::move(c)), fmt::format("plan: copy {}", i)));
   }
   FERRY_ASSIGN_OR_RETURN(uint64_t nz, count("zero", kMaxEntries));
   for (uint64_t i = 0; i < nz; ++i) {
@@ -500,7 +526,7 @@ Result<Plan> Plan::decode(std::span<const std::byte> bytes) {
     if (p >= plan.params_.size()) return corrupt("plan: zero {} names a param out of range", i);
     z.param = static_cast<uint32_t>(p);
     FERRY_ASSIGN_OR_RETURN(z.dst, r.layout());
-    FERRY_RETURN_IF_ERROR(plan.add_zero(std::move(z)).with_context(fmt::format("plan: zero {}", i)));
+    FERRY_RETURN_IF_ERROR(as_corrupt(plan.add_zero(std::move(z)), fmt::format("plan: zero {}", i)));
   }
   if (r.left() != 0) return corrupt("plan: {} trailing bytes", r.left());
   return plan;

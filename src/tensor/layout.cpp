@@ -1,6 +1,11 @@
 // Shapes, layouts, layout coalescing and the strided copy kernel.
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "ferry/tensor.h"
 
@@ -136,6 +141,41 @@ void copy_run(const std::byte* src, int64_t ss, std::byte* dst, int64_t ds, int6
   }
 }
 
+// Copies n bytes with non-temporal stores (no read-for-ownership of the destination,
+// no cache pollution): what glibc's memcpy does for copies larger than the cache, so a
+// large copy cut into many runs keeps memcpy's bandwidth. Caller issues the fence.
+void stream_copy(std::byte* dst, const std::byte* src, size_t n) {
+#if defined(__SSE2__)
+  const size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
+  if (n < head + 64) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  size_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+  std::memcpy(dst + i, src + i, n - i);
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
+
+// Copies of at least this many bytes in total use streaming stores for long runs.
+constexpr int64_t kStreamMinTotal = 32 << 20;
+constexpr int64_t kStreamMinRun = 2048;
+
 }  // namespace
 
 void strided_copy(const std::byte* src, const Layout& src_layout, DType src_dtype, std::byte* dst,
@@ -152,6 +192,7 @@ void strided_copy(const std::byte* src, const Layout& src_layout, DType src_dtyp
   const int64_t sis = nd == 0 ? 1 : s.strides[nd - 1];
   const int64_t dis = nd == 0 ? 1 : d.strides[nd - 1];
   const bool memcpy_run = same && sis == 1 && dis == 1;
+  const bool streaming = memcpy_run && inner * ses >= kStreamMinRun && s.numel() * ses >= kStreamMinTotal;
 
   // Iterate the outer dims with an odometer.
   const int64_t outer_nd = std::max<int64_t>(nd - 1, 0);
@@ -160,7 +201,9 @@ void strided_copy(const std::byte* src, const Layout& src_layout, DType src_dtyp
   while (true) {
     const std::byte* sp = src + so * ses;
     std::byte* dp = dst + dof * des;
-    if (memcpy_run) {
+    if (streaming) {
+      stream_copy(dp, sp, static_cast<size_t>(inner * ses));
+    } else if (memcpy_run) {
       std::memcpy(dp, sp, static_cast<size_t>(inner * ses));
     } else if (same) {
       switch (ses) {
@@ -187,6 +230,9 @@ void strided_copy(const std::byte* src, const Layout& src_layout, DType src_dtyp
     }
     if (k < 0) break;
   }
+#if defined(__SSE2__)
+  if (streaming) _mm_sfence();  // streamed stores visible before we return
+#endif
 }
 
 }  // namespace ferry
