@@ -140,7 +140,16 @@ void set_active_record_sink(RecordSink* sink);
 struct MapPiece {
   Shape start;
   Layout root;
+  uint32_t part = 0;  // compose_layout: index of the piece of the inner map it lies in
 };
+
+// Composition of strided maps. `layout` maps its index space into the row-major flat
+// space of an index space of shape `radix`; `pieces` are disjoint boxes of that radix
+// space (start, extent root.shape), each with a layout (root) into a storage of its own.
+// Returns `layout`'s index space cut into boxes on which the composed map is strided,
+// each inside one piece (`part` is that piece's index), in no particular order.
+// Elements that fall in no piece are left out (callers count them to detect gaps).
+std::vector<MapPiece> compose_layout(const Layout& layout, const Shape& radix, const std::vector<MapPiece>& pieces);
 
 enum class StorageKind : uint8_t { kReal, kSource, kParam };
 

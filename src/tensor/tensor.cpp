@@ -791,7 +791,8 @@ class Composer {
       return;
     }
     // Which parent pieces does the box touch?
-    for (const MapPiece& piece : parent_) {
+    for (size_t pi = 0; pi < parent_.size(); ++pi) {
+      const MapPiece& piece = parent_[pi];
       bool inside = true, disjoint = false;
       for (size_t j = 0; j < nq; ++j) {
         auto [lo, hi] = range(j);
@@ -802,7 +803,7 @@ class Composer {
       }
       if (disjoint) continue;
       if (inside) {
-        emit(box, q0, dq, piece);
+        emit(box, q0, dq, piece, static_cast<uint32_t>(pi));
         continue;
       }
       // Partial: cut the box where it crosses this piece and visit both parts.
@@ -886,8 +887,9 @@ class Composer {
     visit(b);
   }
 
-  void emit(const Box& box, const Shape& q0, const std::vector<Shape>& dq, const MapPiece& piece) {
+  void emit(const Box& box, const Shape& q0, const std::vector<Shape>& dq, const MapPiece& piece, uint32_t part) {
     MapPiece out;
+    out.part = part;
     out.start = box.start;
     out.root.shape = box.size;
     out.root.offset = piece.root.offset;
@@ -917,18 +919,22 @@ Result<std::vector<MapPiece>> Tensor::element_map() const {
   }
   const Tensor& parent = *impl_->parent;
   FERRY_ASSIGN_OR_RETURN(auto parent_map, parent.element_map());
-  Shape radix = parent.shape();
-  if (radix.empty()) {
-    // A 0-d parent: one element; every index maps to it.
-    radix = {1};
-    for (auto& p : parent_map) {
-      p.start = {0};
-      p.root.shape = {1};
-      p.root.strides = {0};
-    }
+  auto pieces = compose_layout(layout(), parent.shape(), parent_map);
+  for (auto& p : pieces) p.part = 0;
+  return pieces;
+}
+
+std::vector<MapPiece> compose_layout(const Layout& layout, const Shape& radix_in, const std::vector<MapPiece>& pieces_in) {
+  if (!radix_in.empty()) return Composer(layout, radix_in, pieces_in).run();
+  // A 0-d inner space: one element, every index maps to it.
+  const Shape radix = {1};
+  std::vector<MapPiece> pieces = pieces_in;
+  for (auto& p : pieces) {
+    p.start = {0};
+    p.root.shape = {1};
+    p.root.strides = {0};
   }
-  Composer composer(layout(), radix, parent_map);
-  return composer.run();
+  return Composer(layout, radix, pieces).run();
 }
 
 }  // namespace ferry

@@ -1,7 +1,10 @@
 // Unit tests for dtypes, layouts and every Tensor op: semantics, edge cases, errors.
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <numeric>
+#include <random>
 
 #include <gtest/gtest.h>
 
@@ -443,6 +446,92 @@ TEST(TensorMaps, WritingIntoARecordedCopyIsRefused) {
   Status st = p.t().reshape({-1}).copy_(s);
   EXPECT_FALSE(st.ok());
   EXPECT_NE(st.message().find("would be lost"), std::string::npos) << st.message();
+}
+
+}  // namespace
+}  // namespace ferry
+
+namespace ferry {
+namespace {
+
+// compose_layout against brute force: a random view of a random shape, the shape cut
+// into a grid of boxes each stored contiguously on its own; every element must land in
+// exactly the box that holds it, at the right local offset.
+TEST(TensorMaps, ComposeLayoutMatchesBruteForce) {
+  std::mt19937_64 rng(7);
+  auto uni = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  for (int trial = 0; trial < 500; ++trial) {
+    Shape radix;
+    const int nd = static_cast<int>(uni(1, 3));
+    for (int d = 0; d < nd; ++d) radix.push_back(uni(1, 7));
+    // Grid cuts per dim.
+    std::vector<std::vector<int64_t>> cuts(nd);
+    for (int d = 0; d < nd; ++d) {
+      cuts[d] = {0};
+      for (int64_t x = 1; x < radix[d]; ++x) {
+        if (uni(0, 2) == 0) cuts[d].push_back(x);
+      }
+      cuts[d].push_back(radix[d]);
+    }
+    std::vector<MapPiece> pieces;
+    std::function<void(int, Shape, Shape)> grid = [&](int d, Shape start, Shape size) {
+      if (d == nd) {
+        pieces.push_back(MapPiece{start, Layout::contiguous(size)});
+        return;
+      }
+      for (size_t k = 0; k + 1 < cuts[d].size(); ++k) {
+        Shape s1 = start, z1 = size;
+        s1.push_back(cuts[d][k]);
+        z1.push_back(cuts[d][k + 1] - cuts[d][k]);
+        grid(d + 1, s1, z1);
+      }
+    };
+    grid(0, {}, {});
+    // A random view: the radix space transposed, narrowed and flattened.
+    Tensor s = Tensor::source("w", radix, DType::kF32);
+    Tensor v = s.permute([&] {
+      std::vector<int64_t> p(nd);
+      std::iota(p.begin(), p.end(), 0);
+      std::shuffle(p.begin(), p.end(), rng);
+      return p;
+    }());
+    const int64_t d0 = uni(0, nd - 1);
+    const int64_t st = uni(0, v.size(d0) - 1);
+    v = v.narrow(d0, st, uni(1, v.size(d0) - st));
+    auto out = compose_layout(v.layout(), radix, pieces);
+    // Brute force: each element of v's index space -> (piece, local offset).
+    std::vector<int> seen(static_cast<size_t>(v.numel()), 0);
+    for (const MapPiece& m : out) {
+      Shape idx(m.root.shape.size(), 0);
+      for (int64_t e = 0; e < m.root.numel(); ++e) {
+        int64_t rem = e;
+        for (size_t k = idx.size(); k-- > 0;) {
+          idx[k] = rem % m.root.shape[k];
+          rem /= m.root.shape[k];
+        }
+        Shape full(idx.size());
+        for (size_t k = 0; k < idx.size(); ++k) full[k] = m.start[k] + idx[k];
+        int64_t flat = v.layout().offset_of(full);
+        Shape q(radix.size());
+        for (size_t j = radix.size(); j-- > 0;) {
+          q[j] = flat % radix[j];
+          flat /= radix[j];
+        }
+        const MapPiece& piece = pieces[m.part];
+        Shape local(radix.size());
+        for (size_t j = 0; j < radix.size(); ++j) {
+          ASSERT_GE(q[j], piece.start[j]);
+          ASSERT_LT(q[j], piece.start[j] + piece.root.shape[j]);
+          local[j] = q[j] - piece.start[j];
+        }
+        ASSERT_EQ(m.root.offset_of(idx), piece.root.offset_of(local)) << "trial " << trial;
+        int64_t row_major = 0;
+        for (size_t k = 0; k < full.size(); ++k) row_major = row_major * v.shape()[k] + full[k];
+        seen[static_cast<size_t>(row_major)]++;
+      }
+    }
+    for (int c : seen) ASSERT_EQ(c, 1) << "trial " << trial;
+  }
 }
 
 }  // namespace
