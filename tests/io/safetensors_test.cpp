@@ -223,6 +223,24 @@ TEST_F(SafetensorsTest, OverwriteReplacesTheFile) {
   EXPECT_EQ(files_in_dir(), std::vector<std::string>{"w.safetensors"});
 }
 
+TEST_F(SafetensorsTest, RewritingAFileFromItsOwnTensors) {
+  // The new file is renamed over the old one; the old mapping (old inode) stays valid.
+  Tensor a = filled({16}, DType::kF16, 1);
+  const std::string p = path("self.safetensors");
+  ASSERT_TRUE(write_safetensors(p, {{"a", a}}).ok());
+  auto f = SafetensorsFile::open(p);
+  ASSERT_TRUE(f.ok());
+  std::vector<SafetensorsEntry> entries = f->tensors();
+  entries.push_back({"b", f->get("a")->narrow(0, 0, 4)});
+  ASSERT_TRUE(write_safetensors(p, entries, {{"rev", "2"}}).ok());
+  auto g = SafetensorsFile::open(p);
+  ASSERT_TRUE(g.ok()) << g.status().to_string();
+  EXPECT_TRUE(same_bytes(*g->get("a"), a));
+  EXPECT_TRUE(same_bytes(*g->get("b"), a.narrow(0, 0, 4)));
+  EXPECT_TRUE(same_bytes(*f->get("a"), a));
+  EXPECT_EQ(g->metadata().at("rev"), "2");
+}
+
 // ---------------------------------------------------------------------------------------
 // Reading: borrowing, lookup, file order
 
