@@ -194,6 +194,34 @@ TEST(Shrink, SharedDenseConfigsLoadAtManyLayouts) {
   }
 }
 
+TEST(Shrink, HandWrittenConfigsLoadAtManyLayouts) {
+  const std::string dir = FERRY_TEST_CONFIGS_DIR;
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"qwen2.5-7b.json", {"tp=1", "tp=2", "tp=4", "tp=4,dp=2,replicas=2"}},
+      {"qwen2.5-0.5b.json", {"tp=1", "tp=2", "tp=2,dp=2", "tp=2,replicas=2"}},
+      {"qwen3-8b.json", {"tp=1", "tp=2", "tp=4", "tp=8", "tp=16", "tp=2,dp=2,replicas=2"}},
+      {"qwen3-0.6b.json", {"tp=1", "tp=4", "tp=8", "tp=16"}},
+      {"phi-3-mini-4k.json", {"tp=1", "tp=2", "tp=4", "tp=8", "tp=2,dp=2,replicas=2"}},
+      {"phi-4-mini.json", {"tp=1", "tp=2", "tp=4", "tp=8", "tp=4,dp=2"}},
+  };
+  for (const auto& [file, layouts] : cases) {
+    auto c = ModelConfig::load(dir + "/" + file);
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+    for (const auto& layout : layouts) {
+      SCOPED_TRACE(file + " " + layout);
+      // The full-size model takes the layout too (the shrunk one is only meaningful then).
+      ASSERT_TRUE(make_model_loader(*c, layout_from(layout)).ok());
+      auto s = shrink_config(*c, layout_from(layout));
+      ASSERT_TRUE(s.ok()) << s.status().to_string();
+      EXPECT_EQ(s->config.architecture(), c->architecture());
+      EXPECT_EQ(*s->config.get_bool_or("tie_word_embeddings", false), *c->get_bool_or("tie_word_embeddings", false));
+      auto l = testing::loader_for(s->config, layout);
+      ASSERT_NE(l, nullptr);
+      testing::expect_replay_equals_direct(*l);
+    }
+  }
+}
+
 // --- checkpoints -------------------------------------------------------------------------
 
 TEST(Checkpoint, RandomIsDeterministicAndVaried) {

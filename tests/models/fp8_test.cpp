@@ -1,0 +1,215 @@
+// The FP8 post-processing hook (Quantize::kFp8): bf16 shards -> e4m3 + 128x128 block
+// scales, checked against an independent scalar reference.
+#include <cmath>
+#include <cstring>
+
+#include "models/builder.h"
+#include "models/test_util.h"
+
+namespace ferry {
+namespace {
+
+using testing::config_from;
+using testing::dense_config;
+using testing::loader_for;
+
+// Independent e4m3fn encoder: nearest of the 127 finite non-negative codes, ties to the
+// even code, saturating at 448.
+uint8_t ref_e4m3(float x) {
+  const bool neg = std::signbit(x);
+  const double a = std::min<double>(std::fabs(static_cast<double>(x)), 448.0);
+  int best = 0;
+  double best_err = INFINITY;
+  for (int code = 0; code <= 0x7e; ++code) {
+    const int e = (code >> 3) & 0xf, m = code & 7;
+    const double v = e == 0 ? m / 8.0 * std::ldexp(1.0, -6) : (1.0 + m / 8.0) * std::ldexp(1.0, e - 7);
+    const double err = std::fabs(v - a);
+    if (err < best_err || (err == best_err && code % 2 == 0)) {
+      best = code;
+      best_err = err;
+    }
+  }
+  return static_cast<uint8_t>((neg ? 0x80 : 0) | best);
+}
+
+// Reference quantisation of a [rows, cols] float matrix given as values.
+void ref_quantize(const std::vector<double>& w, int64_t rows, int64_t cols, std::vector<uint8_t>& q,
+                  std::vector<float>& scales) {
+  const int64_t br = (rows + 127) / 128, bc = (cols + 127) / 128;
+  q.assign(static_cast<size_t>(rows * cols), 0);
+  scales.assign(static_cast<size_t>(br * bc), 0.0f);
+  for (int64_t i = 0; i < br; ++i) {
+    for (int64_t j = 0; j < bc; ++j) {
+      float amax = 0;
+      for (int64_t r = i * 128; r < std::min(rows, i * 128 + 128); ++r) {
+        for (int64_t c = j * 128; c < std::min(cols, j * 128 + 128); ++c) {
+          amax = std::max(amax, std::fabs(static_cast<float>(w[static_cast<size_t>(r * cols + c)])));
+        }
+      }
+      const float s = amax > 0 ? amax / 448.0f : 1.0f;
+      scales[static_cast<size_t>(i * bc + j)] = s;
+      for (int64_t r = i * 128; r < std::min(rows, i * 128 + 128); ++r) {
+        for (int64_t c = j * 128; c < std::min(cols, j * 128 + 128); ++c) {
+          q[static_cast<size_t>(r * cols + c)] = ref_e4m3(static_cast<float>(w[static_cast<size_t>(r * cols + c)]) / s);
+        }
+      }
+    }
+  }
+}
+
+void expect_matches_reference(const Tensor& q, const Tensor& s, const std::vector<double>& w, int64_t rows,
+                              int64_t cols, const std::string& what) {
+  std::vector<uint8_t> rq;
+  std::vector<float> rs;
+  ref_quantize(w, rows, cols, rq, rs);
+  ASSERT_EQ(q.dtype(), DType::kF8E4M3) << what;
+  ASSERT_EQ(q.shape(), (Shape{rows, cols})) << what;
+  ASSERT_EQ(s.dtype(), DType::kF32) << what;
+  ASSERT_EQ(s.shape(), (Shape{(rows + 127) / 128, (cols + 127) / 128})) << what;
+  const Tensor qc = q.contiguous(), sc = s.contiguous();
+  const auto* qp = reinterpret_cast<const uint8_t*>(*qc.data_ptr());
+  const auto* sp = reinterpret_cast<const float*>(*sc.data_ptr());
+  for (size_t i = 0; i < rs.size(); ++i) ASSERT_EQ(sp[i], rs[i]) << what << " scale " << i;
+  for (size_t i = 0; i < rq.size(); ++i) {
+    ASSERT_EQ(qp[i], rq[i]) << what << " element " << i << " value " << w[i] << " scale " << rs[0];
+  }
+}
+
+TEST(Fp8, ReferenceEncoderSanity) {
+  EXPECT_EQ(ref_e4m3(0.0f), 0x00);
+  EXPECT_EQ(ref_e4m3(1.0f), 0x38);
+  EXPECT_EQ(ref_e4m3(448.0f), 0x7e);
+  EXPECT_EQ(ref_e4m3(1000.0f), 0x7e);
+  EXPECT_EQ(ref_e4m3(-2.0f), 0xc0);
+  EXPECT_EQ(ref_e4m3(1.0625f), 0x38);  // halfway between 1 and 1.125: ties to even
+  EXPECT_EQ(ref_e4m3(std::ldexp(1.0f, -9)), 0x01);  // smallest subnormal
+}
+
+TEST(Fp8, QuantizeBlocksMatchesReference) {
+  // 200 x 160: blocks of 128x128, 72x128, 128x32 and 72x32 (partial blocks).
+  const int64_t rows = 200, cols = 160;
+  auto ckpt = random_checkpoint({{"w", DType::kBF16, {rows, cols}}}, 21);
+  ASSERT_TRUE(ckpt.ok());
+  Tensor w = ckpt->at("w");
+  // One all-zero block (scale 1) and a large value.
+  ASSERT_TRUE(w.narrow(0, 128, 72).narrow(1, 128, 32).zero_().ok());
+  auto q = models::quantize_fp8_blocks(w);
+  ASSERT_TRUE(q.ok()) << q.status().to_string();
+  expect_matches_reference(q->first, q->second, testing::values(w), rows, cols, "w");
+  EXPECT_EQ(*q->second.select(0, 1).select(0, 1).item(), 1.0);
+  // Dequantised values are within e4m3's relative precision of the input.
+  const auto wv = testing::values(w);
+  const auto qv = testing::values(q->first);
+  const auto sv = testing::values(q->second);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const double x = wv[static_cast<size_t>(r * cols + c)];
+      const double back = qv[static_cast<size_t>(r * cols + c)] * sv[static_cast<size_t>((r / 128) * 2 + c / 128)];
+      ASSERT_LE(std::fabs(back - x), std::fabs(x) / 16 + sv[static_cast<size_t>((r / 128) * 2 + c / 128)] / 256)
+          << r << "," << c;
+    }
+  }
+  // Leading batch dims: each [rows, cols] matrix quantised on its own.
+  auto batch = random_checkpoint({{"e", DType::kBF16, {3, 40, 130}}}, 22);
+  auto qb = models::quantize_fp8_blocks(batch->at("e"));
+  ASSERT_TRUE(qb.ok());
+  EXPECT_EQ(qb->second.shape(), (Shape{3, 1, 2}));
+  for (int64_t e = 0; e < 3; ++e) {
+    expect_matches_reference(qb->first.select(0, e), qb->second.select(0, e), testing::values(batch->at("e").select(0, e)),
+                             40, 130, "expert " + std::to_string(e));
+  }
+  // Recording tensors have no values.
+  EXPECT_FALSE(models::quantize_fp8_blocks(Tensor::source("s", {4, 4}, DType::kBF16)).ok());
+}
+
+// The hook on a loaded model: o_proj [128, 128] is row-parallel; at tp=2 each rank holds
+// 64 columns, so the checkpoint's single 128x128 block is shared by two ranks' shards.
+// Each rank quantises its own shard: its scale is amax over its 64 columns only.
+TEST(Fp8, HookQuantizesEachRanksShard) {
+  const ModelConfig cfg = config_from(dense_config("LlamaForCausalLM", 1, 128, 8, 2, 192, 1000, false));
+  LoaderOptions opts;
+  opts.quantize = Quantize::kFp8;
+  auto loader = loader_for(cfg, "tp=2", opts);
+  ASSERT_NE(loader, nullptr);
+  auto ckpt = random_checkpoint(loader->checkpoint(), 23);
+  ASSERT_TRUE(ckpt.ok());
+  const std::string o = "model.layers.0.self_attn.o_proj.weight";
+  const std::string down = "model.layers.0.mlp.down_proj.weight";
+  // Make the two halves of the shared block differ in magnitude.
+  auto quarter = ckpt->at(o).narrow(1, 64, 64).mul(0.25);
+  ASSERT_TRUE(quarter.ok());
+  ASSERT_TRUE(ckpt->at(o).narrow(1, 64, 64).copy_(*quarter).ok());
+  std::vector<float> rank_scales;
+  for (int r = 0; r < 2; ++r) {
+    auto p = load_rank_direct(*loader, r, *ckpt);
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    // o_proj: columns [64r, 64r + 64) of the checkpoint tensor, one (partial) block.
+    const Tensor shard = ckpt->at(o).narrow(1, r * 64, 64).contiguous();
+    expect_matches_reference(p->at(o), p->at(o + "_scale_inv"), testing::values(shard), 128, 64, "o_proj rank " + std::to_string(r));
+    rank_scales.push_back(static_cast<float>(*p->at(o + "_scale_inv").item()));
+    // down_proj [128, 192] -> [128, 96] per rank.
+    const Tensor dshard = ckpt->at(down).narrow(1, r * 96, 96).contiguous();
+    expect_matches_reference(p->at(down), p->at(down + "_scale_inv"), testing::values(dshard), 128, 96, "down rank " + std::to_string(r));
+    // Norms, embeddings and lm_head are not quantised.
+    EXPECT_EQ(p->at("model.norm.weight").dtype(), DType::kBF16);
+    EXPECT_EQ(p->at("lm_head.weight").dtype(), DType::kBF16);
+    EXPECT_EQ(p->count("lm_head.weight_scale_inv"), 0u);
+    EXPECT_EQ(p->at("model.layers.0.self_attn.qkv_proj.weight").dtype(), DType::kF8E4M3);
+    EXPECT_EQ(p->at("model.layers.0.mlp.gate_up_proj.weight").dtype(), DType::kF8E4M3);
+  }
+  // The shared block got two different scales (one per rank's half).
+  EXPECT_NE(rank_scales[0], rank_scales[1]);
+  testing::expect_replay_equals_direct(*loader, 23);
+  // Final params declare the fp8 weights and their scales.
+  auto rl = loader->rank(0);
+  ASSERT_TRUE(rl.ok());
+  bool found = false;
+  for (const auto& d : (*rl)->final_params()) {
+    if (d.name == o + "_scale_inv") {
+      found = true;
+      EXPECT_EQ(d.shape, (Shape{1, 1}));
+      EXPECT_EQ(d.dtype, DType::kF32);
+    }
+  }
+  EXPECT_TRUE(found);
+}
+
+// Building blocks for the MoE / FP8-checkpoint architectures.
+TEST(Blocks, ExpertsAndScales) {
+  using namespace models;
+  // 4 experts, I=8, H=4. EP rank 1 of 2 owns experts 2..3.
+  auto ck = random_checkpoint({{"gate", DType::kBF16, {8, 4}}, {"up", DType::kBF16, {8, 4}}, {"down", DType::kBF16, {4, 8}}}, 5);
+  ASSERT_TRUE(ck.ok());
+  Tensor w13 = Tensor::empty({2, 16, 4}, DType::kBF16, "w13");
+  Tensor w2 = Tensor::empty({2, 4, 8}, DType::kBF16, "w2");
+  const Range experts{2, 2};
+  ASSERT_TRUE(load_expert_w13(w13, ck->at("gate"), 3, experts, 0, 8, Split{0, 1}).ok());
+  ASSERT_TRUE(load_expert_w13(w13, ck->at("up"), 3, experts, 1, 8, Split{0, 1}).ok());
+  ASSERT_TRUE(load_expert_w13(w13, ck->at("up"), 0, experts, 1, 8, Split{0, 1}).ok());  // not ours: no-op
+  ASSERT_TRUE(load_expert_w2(w2, ck->at("down"), 3, experts, Split{0, 1}).ok());
+  EXPECT_EQ(testing::values(w13.select(0, 1).narrow(0, 0, 8)), testing::values(ck->at("gate")));
+  EXPECT_EQ(testing::values(w13.select(0, 1).narrow(0, 8, 8)), testing::values(ck->at("up")));
+  EXPECT_EQ(testing::values(w13.select(0, 0)), std::vector<double>(64, 0.0));
+  EXPECT_EQ(testing::values(w2.select(0, 1)), testing::values(ck->at("down")));
+  // TP split of an expert across 2 ranks: rank 1 takes gate rows 4..7 and down cols 4..7.
+  Tensor t13 = Tensor::empty({1, 8, 4}, DType::kBF16, "t13");
+  Tensor t2 = Tensor::empty({1, 4, 4}, DType::kBF16, "t2");
+  ASSERT_TRUE(load_expert_w13(t13, ck->at("gate"), 0, Range{0, 1}, 0, 8, Split{1, 2}).ok());
+  ASSERT_TRUE(load_expert_w2(t2, ck->at("down"), 0, Range{0, 1}, Split{1, 2}).ok());
+  EXPECT_EQ(testing::values(t13.select(0, 0).narrow(0, 0, 4)), testing::values(ck->at("gate").narrow(0, 4, 4)));
+  EXPECT_EQ(testing::values(t2.select(0, 0)), testing::values(ck->at("down").narrow(1, 4, 4).contiguous()));
+  // Scale blocks: rows [64, 128) and [128, 192) of a weight both touch... block 0 and 1.
+  EXPECT_EQ(block_shard(Range{0, 64}).start, 0);
+  EXPECT_EQ(block_shard(Range{64, 64}).start, 0);  // shares block 0 with the rank before
+  EXPECT_EQ(block_shard(Range{64, 64}).length, 1);
+  EXPECT_EQ(block_shard(Range{256, 256}).start, 2);
+  EXPECT_EQ(block_shard(Range{256, 256}).length, 2);
+  EXPECT_EQ(block_shard(Range{100, 100}).length, 2);
+  auto sc = random_checkpoint({{"s", DType::kF32, {4, 2}}}, 6);
+  Tensor local = Tensor::empty({1, 2}, DType::kF32, "ls");
+  ASSERT_TRUE(load_scale_split(local, sc->at("s"), 0, Range{64, 64}).ok());
+  EXPECT_EQ(testing::values(local), testing::values(sc->at("s").select(0, 0)));
+}
+
+}  // namespace
+}  // namespace ferry
