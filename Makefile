@@ -24,8 +24,12 @@ build: deps $(BUILD)/build.ninja
 test: build
 	@cd $(BUILD) && ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
 
+# Until the sync engine lands: check a shrunk real model, every rank loaded two ways
+# (loader on real tensors vs recorded plan + executor), bit for bit.
+DEMO_MODEL  ?= configs/llama-3.1-8b.json
+DEMO_LAYOUT ?= tp=2,dp=1,ep=1,replicas=2
 demo: build
-	$(FERRY) demo
+	$(FERRY) check --model $(DEMO_MODEL) --inference $(DEMO_LAYOUT) --shrink
 
 # Every test again under AddressSanitizer + UndefinedBehaviorSanitizer.
 asan: deps
