@@ -165,7 +165,8 @@ class Session : public std::enable_shared_from_this<Session> {
     out_ = std::move(frame);
     asio::async_write(sock_, asio::buffer(out_),
                       [self = shared_from_this(), close_after](const asio::error_code& ec, size_t) {
-                        if (ec || close_after) return self->close();
+                        // closed_: a completion queued before close() still arrives with success.
+                        if (ec || close_after || self->closed_) return self->close();
                         self->read_header();
                       });
   }
@@ -174,7 +175,7 @@ class Session : public std::enable_shared_from_this<Session> {
     if (closed_) return;
     asio::async_read(sock_, asio::buffer(header_),
                      [self = shared_from_this()](const asio::error_code& ec, size_t) {
-                       if (ec) return self->close();
+                       if (ec || self->closed_) return self->close();
                        const size_t max =
                            self->authed_ ? store_tcp::kMaxFrameBytes : store_tcp::kMaxHandshakeFrameBytes;
                        Result<size_t> n = store_tcp::decode_frame_header(self->header_, max);
@@ -187,7 +188,7 @@ class Session : public std::enable_shared_from_this<Session> {
     body_.resize(n);
     asio::async_read(sock_, asio::buffer(body_),
                      [self = shared_from_this()](const asio::error_code& ec, size_t) {
-                       if (ec) return self->close();
+                       if (ec || self->closed_) return self->close();
                        self->on_payload();
                      });
   }
