@@ -1,0 +1,200 @@
+// ferry/route.h — the Router (shared/DESIGN.md §5): from the trainer's metadata, every
+// producer's holdings and every consumer's ShardPlan, decide who sends what.
+//
+// Algorithm (docs/routing.md):
+//   1. Consumers with identical plans (the same rank of different inference replicas)
+//      share one *plan class*: routed once, weighted by how many consumers share it.
+//   2. Each tensor's holder boxes become disjoint *pieces* (a box held by several
+//      producers — DP replicas — is one piece with a holder set; partially overlapping
+//      boxes are refined into disjoint cells). Every plan copy is cut by the pieces it
+//      touches with compose_layout(); an element held by nobody is an error naming the
+//      tensor.
+//   3. Each cut piece gets one holder: greedy, largest (bytes x sharing consumers)
+//      first, to the least-loaded holder of its box.
+//   4. Per producer, per group, per plan class: one staging *segment* (64-byte aligned)
+//      with that class's pieces packed back to back in destination order (param,
+//      destination offset). A consumer reads whole segments and unpacks them.
+// Bytes moved are exactly the source bytes each consumer's plan reads (no padding is
+// moved; segments hold no gaps).
+//
+// Routes are values: deterministic for the same inputs, serialisable (versioned,
+// bounds-checked decoding) and hashable.
+// Threading: build_routes is a pure function; Routes are immutable after building.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ferry/plan.h"
+#include "ferry/source.h"
+#include "ferry/status.h"
+#include "ferry/tensor.h"
+
+namespace ferry {
+
+// Producer p copies `src` (a layout over its held box `box` — a contiguous tensor of
+// the box's shape, dtype `dtype`) to its group staging buffer at byte `offset`,
+// contiguously in src's row-major order.
+struct PackOp {
+  uint32_t box = 0;  // index into the producer's Holdings::boxes
+  DType dtype = DType::kBF16;
+  uint64_t offset = 0;
+  Layout src;
+  friend bool operator==(const PackOp&, const PackOp&) = default;
+};
+
+// Bytes [offset, offset + bytes) of a producer's group staging are read by every
+// consumer of plan class `plan`.
+struct Segment {
+  uint32_t plan = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  friend bool operator==(const Segment&, const Segment&) = default;
+};
+
+struct ProducerGroup {
+  uint64_t staging_bytes = 0;
+  std::vector<Segment> segments;
+  std::vector<PackOp> packs;
+  friend bool operator==(const ProducerGroup&, const ProducerGroup&) = default;
+};
+
+struct ProducerRoute {
+  std::vector<ProducerGroup> groups;  // one per group
+  friend bool operator==(const ProducerRoute&, const ProducerRoute&) = default;
+};
+
+// A consumer reads `length` bytes at `offset` of producer `producer`'s group staging
+// into its group receive buffer at `recv_offset`.
+struct Read {
+  uint32_t producer = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  uint64_t recv_offset = 0;
+  friend bool operator==(const Read&, const Read&) = default;
+};
+
+// dst.numel() elements of dtype `src_dtype` stored contiguously at byte `offset` of the
+// receive buffer go to param `param` (index into PlanRoute::params) at `dst`, converted
+// to the param's dtype.
+struct UnpackOp {
+  uint32_t param = 0;
+  DType src_dtype = DType::kBF16;
+  uint64_t offset = 0;
+  Layout dst;
+  friend bool operator==(const UnpackOp&, const UnpackOp&) = default;
+};
+
+struct PlanGroup {
+  uint64_t recv_bytes = 0;
+  std::vector<Read> reads;
+  std::vector<UnpackOp> unpacks;
+  friend bool operator==(const PlanGroup&, const PlanGroup&) = default;
+};
+
+// The route of one plan class (shared by every consumer whose plan it is).
+struct PlanRoute {
+  uint64_t plan_hash = 0;
+  std::vector<TensorDecl> params;  // the plan's params
+  std::vector<PlanGroup> groups;   // one per group
+  friend bool operator==(const PlanRoute&, const PlanRoute&) = default;
+};
+
+// Figures of a routing (not serialised).
+struct RouteStats {
+  uint64_t bytes_min = 0;        // sum over consumers of the source bytes their plan reads
+  uint64_t bytes_moved = 0;      // sum over consumers of the bytes they read
+  uint64_t num_reads = 0;        // over consumers and groups
+  uint64_t num_pack_ops = 0;
+  uint64_t num_unpack_ops = 0;   // over plan classes
+  uint64_t num_pieces = 0;       // cut pieces (before merging)
+  uint64_t num_plan_classes = 0;
+  uint64_t max_staging_bytes = 0;  // largest one producer's staging for one group
+  std::vector<uint64_t> producer_bytes;  // sent, counting every consumer that reads
+  std::vector<uint64_t> consumer_bytes;  // received
+  uint64_t max_producer_bytes = 0;
+  uint64_t max_consumer_bytes = 0;
+  uint64_t holders = 0;              // producers that hold anything
+  double mean_producer_bytes = 0;    // over holders
+  uint64_t max_sole_holder_bytes = 0;  // most bytes a producer must send as the only holder
+  double balance_bound = 0;          // max(mean, max_sole_holder_bytes)
+  double balance = 0;                // max_producer_bytes / balance_bound (1 when nothing moves)
+};
+
+class Routes {
+ public:
+  static constexpr uint32_t kEncodingVersion = 1;
+  static constexpr uint64_t kMaxCount = 1u << 28;
+  static constexpr uint64_t kMaxRank = 16;
+
+  std::vector<std::string> group_names;
+  std::vector<ProducerRoute> producers;  // per trainer rank
+  std::vector<PlanRoute> plans;          // per plan class
+  std::vector<uint32_t> consumer_plan;   // per inference rank: its plan class
+  RouteStats stats;                      // filled by build_routes; empty after decode
+
+  int num_groups() const { return static_cast<int>(group_names.size()); }
+  const PlanRoute& consumer(size_t c) const { return plans[consumer_plan[c]]; }
+
+  std::string encode() const;
+  // Bounds-checked decoding of untrusted bytes; validates every offset against the
+  // buffers it names (see validate()).
+  static Result<Routes> decode(std::span<const std::byte> bytes);
+  static Result<Routes> decode(std::string_view bytes);
+  uint64_t hash() const;  // xxHash64 of encode()
+  // Internal consistency: indices in range, packs and segments inside staging, reads
+  // inside the producer's staging and the receive buffer, unpacks inside the receive
+  // buffer and their params.
+  Status validate() const;
+
+  // Structure equality (stats ignored).
+  friend bool operator==(const Routes& a, const Routes& b) {
+    return a.group_names == b.group_names && a.producers == b.producers && a.plans == b.plans &&
+           a.consumer_plan == b.consumer_plan;
+  }
+};
+
+struct RouterInput {
+  std::vector<TensorDecl> metadata;        // every tensor (WeightSource::metadata)
+  std::vector<Holdings> producers;         // per trainer rank (WeightSource::holdings)
+  std::vector<const Plan*> consumers;      // per inference rank (not owned; canonical plans)
+};
+
+struct RouterOptions {
+  uint64_t segment_alignment = 64;
+};
+
+// Errors (each names the tensor): a tensor the metadata lists twice; holdings of a
+// tensor the metadata lacks; holders that disagree with each other or the metadata on
+// dtype or shape; a box outside its tensor; overlapping boxes within one producer; a
+// plan that reads a tensor the metadata lacks (or with another dtype or shape); source
+// elements a plan reads that no producer holds.
+Result<Routes> build_routes(const RouterInput& input, const RouterOptions& options = {});
+
+// ---------------------------------------------------------------------------------------
+// Executing routes (in process: tests, the engine's pack/unpack steps).
+
+// Packs group `group` of `producer`: `boxes` from WeightSource::materialize(group).
+// `staging` must hold ProducerGroup::staging_bytes. Checks every op against its box.
+Status pack_group(const Routes& routes, uint32_t producer, int group, const Holdings& holdings,
+                  const std::vector<LocalBox>& boxes, std::span<std::byte> staging);
+// Unpacks a received group buffer (PlanGroup::recv_bytes) into real params (by name,
+// contiguous, declared dtype and shape).
+Status unpack_group(const PlanRoute& plan, int group, std::span<const std::byte> recv, const TensorMap& params);
+
+// ---------------------------------------------------------------------------------------
+// Broadcast baseline: one rank per PP stage sends every full tensor of its stage to
+// every inference rank (NCCL broadcast designs).
+struct BroadcastStats {
+  uint64_t bytes = 0;               // total bytes received over all consumers
+  uint64_t max_producer_bytes = 0;  // the busiest stage sender
+  uint64_t max_consumer_bytes = 0;  // every consumer receives the whole model
+  int senders = 0;
+};
+// `tensor_stage`: the PP stage of each metadata tensor (TrainerHoldings::tensor_stage).
+BroadcastStats broadcast_baseline(const std::vector<TensorDecl>& metadata, const std::vector<int>& tensor_stage,
+                                  int num_consumers);
+
+}  // namespace ferry

@@ -1,0 +1,472 @@
+// Routes: encoding, bounds-checked decoding, validation, hashing; pack/unpack executors.
+#include <cstring>
+#include <unordered_map>
+
+#include <xxhash.h>
+
+#include "ferry/route.h"
+
+namespace ferry {
+
+namespace {
+
+constexpr char kMagic[4] = {'F', 'R', 'R', 'T'};
+
+class Writer {
+ public:
+  void u64(uint64_t v) {
+    while (v >= 0x80) {
+      s_.push_back(static_cast<char>((v & 0x7f) | 0x80));
+      v >>= 7;
+    }
+    s_.push_back(static_cast<char>(v));
+  }
+  void i64(int64_t v) { u64((static_cast<uint64_t>(v) << 1) ^ static_cast<uint64_t>(v >> 63)); }
+  void fixed64(uint64_t v) {
+    for (int i = 0; i < 8; ++i) s_.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  }
+  void str(const std::string& v) {
+    u64(v.size());
+    s_ += v;
+  }
+  void layout(const Layout& l) {
+    u64(l.shape.size());
+    for (int64_t x : l.shape) i64(x);
+    for (int64_t x : l.strides) i64(x);
+    i64(l.offset);
+  }
+  void raw(const char* p, size_t n) { s_.append(p, n); }
+  std::string take() { return std::move(s_); }
+
+ private:
+  std::string s_;
+};
+
+class Reader {
+ public:
+  explicit Reader(std::span<const std::byte> b) : p_(b.data()), end_(b.data() + b.size()) {}
+  bool ok() const { return ok_; }
+  size_t left() const { return static_cast<size_t>(end_ - p_); }
+  uint64_t u64() {
+    uint64_t v = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+      if (p_ == end_) return fail();
+      const uint8_t b = static_cast<uint8_t>(*p_++);
+      if (shift == 63 && b > 1) return fail();
+      v |= static_cast<uint64_t>(b & 0x7f) << shift;
+      if (!(b & 0x80)) return v;
+    }
+    return fail();
+  }
+  int64_t i64() {
+    const uint64_t u = u64();
+    return static_cast<int64_t>((u >> 1) ^ (~(u & 1) + 1));
+  }
+  uint64_t fixed64() {
+    if (left() < 8) return fail();
+    uint64_t v = 0;
+    for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(static_cast<uint8_t>(p_[i])) << (8 * i);
+    p_ += 8;
+    return v;
+  }
+  // A count of items that take at least `min_bytes` each.
+  uint64_t count(uint64_t min_bytes = 1) {
+    const uint64_t n = u64();
+    if (!ok_ || n > Routes::kMaxCount || n > left() / std::max<uint64_t>(min_bytes, 1)) return fail();
+    return n;
+  }
+  std::string str() {
+    const uint64_t n = u64();
+    if (!ok_ || n > left() || n > 4096) {
+      fail();
+      return {};
+    }
+    std::string s(reinterpret_cast<const char*>(p_), n);
+    p_ += n;
+    return s;
+  }
+  Layout layout() {
+    Layout l;
+    const uint64_t nd = u64();
+    if (!ok_ || nd > Routes::kMaxRank) {
+      fail();
+      return l;
+    }
+    l.shape.resize(nd);
+    l.strides.resize(nd);
+    for (auto& x : l.shape) x = i64();
+    for (auto& x : l.strides) x = i64();
+    l.offset = i64();
+    return l;
+  }
+  DType dtype() {
+    const uint64_t v = u64();
+    if (v >= static_cast<uint64_t>(kNumDTypes)) {
+      fail();
+      return DType::kBF16;
+    }
+    return static_cast<DType>(v);
+  }
+  bool magic() {
+    if (left() < 4 || std::memcmp(p_, kMagic, 4) != 0) {
+      fail();
+      return false;
+    }
+    p_ += 4;
+    return true;
+  }
+  uint64_t fail() {
+    ok_ = false;
+    p_ = end_;
+    return 0;
+  }
+
+ private:
+  const std::byte* p_;
+  const std::byte* end_;
+  bool ok_ = true;
+};
+
+// numel and flat range of a layout, false on overflow or a negative size.
+bool layout_range(const Layout& l, int64_t& numel, int64_t& lo, int64_t& hi) {
+  if (l.shape.size() != l.strides.size() || l.shape.size() > Routes::kMaxRank) return false;
+  numel = 1;
+  for (int64_t s : l.shape) {
+    if (s < 0 || (s != 0 && __builtin_mul_overflow(numel, s, &numel))) return false;
+  }
+  lo = hi = l.offset;
+  if (numel == 0) return true;
+  for (size_t k = 0; k < l.shape.size(); ++k) {
+    int64_t span = 0;
+    if (__builtin_mul_overflow(l.shape[k] - 1, l.strides[k], &span)) return false;
+    if (span < 0) {
+      if (__builtin_add_overflow(lo, span, &lo)) return false;
+    } else if (__builtin_add_overflow(hi, span, &hi)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// [offset, offset + numel * es) within [0, limit).
+bool bytes_within(uint64_t offset, int64_t numel, uint64_t es, uint64_t limit) {
+  uint64_t n = 0, end = 0;
+  if (__builtin_mul_overflow(static_cast<uint64_t>(numel), es, &n)) return false;
+  if (__builtin_add_overflow(offset, n, &end)) return false;
+  return end <= limit;
+}
+
+}  // namespace
+
+std::string Routes::encode() const {
+  Writer w;
+  w.raw(kMagic, 4);
+  w.u64(kEncodingVersion);
+  w.u64(group_names.size());
+  for (const auto& g : group_names) w.str(g);
+  w.u64(producers.size());
+  for (const auto& p : producers) {
+    w.u64(p.groups.size());
+    for (const auto& g : p.groups) {
+      w.u64(g.staging_bytes);
+      w.u64(g.segments.size());
+      for (const auto& s : g.segments) {
+        w.u64(s.plan);
+        w.u64(s.offset);
+        w.u64(s.bytes);
+      }
+      w.u64(g.packs.size());
+      for (const auto& op : g.packs) {
+        w.u64(op.box);
+        w.u64(static_cast<uint64_t>(op.dtype));
+        w.u64(op.offset);
+        w.layout(op.src);
+      }
+    }
+  }
+  w.u64(plans.size());
+  for (const auto& pr : plans) {
+    w.fixed64(pr.plan_hash);
+    w.u64(pr.params.size());
+    for (const auto& d : pr.params) {
+      w.str(d.name);
+      w.u64(static_cast<uint64_t>(d.dtype));
+      w.u64(d.shape.size());
+      for (int64_t x : d.shape) w.i64(x);
+    }
+    w.u64(pr.groups.size());
+    for (const auto& g : pr.groups) {
+      w.u64(g.recv_bytes);
+      w.u64(g.reads.size());
+      for (const auto& r : g.reads) {
+        w.u64(r.producer);
+        w.u64(r.offset);
+        w.u64(r.length);
+        w.u64(r.recv_offset);
+      }
+      w.u64(g.unpacks.size());
+      for (const auto& op : g.unpacks) {
+        w.u64(op.param);
+        w.u64(static_cast<uint64_t>(op.src_dtype));
+        w.u64(op.offset);
+        w.layout(op.dst);
+      }
+    }
+  }
+  w.u64(consumer_plan.size());
+  for (uint32_t c : consumer_plan) w.u64(c);
+  return w.take();
+}
+
+Result<Routes> Routes::decode(std::string_view bytes) {
+  return decode(std::span<const std::byte>(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size()));
+}
+
+Result<Routes> Routes::decode(std::span<const std::byte> bytes) {
+  Reader r(bytes);
+  if (!r.magic()) return corrupt("routes: bad magic (not a ferry routes blob)");
+  const uint64_t version = r.u64();
+  if (!r.ok() || version != kEncodingVersion) {
+    return corrupt("routes: unsupported encoding version {} (this build reads {})", version, kEncodingVersion);
+  }
+  Routes out;
+  auto u32 = [&](uint64_t v) -> uint32_t {
+    if (v > 0xffffffffu) r.fail();
+    return static_cast<uint32_t>(v);
+  };
+  const uint64_t ng = r.count();
+  for (uint64_t i = 0; i < ng && r.ok(); ++i) out.group_names.push_back(r.str());
+  const uint64_t np = r.count();
+  out.producers.resize(np);
+  for (auto& p : out.producers) {
+    const uint64_t g = r.count();
+    p.groups.resize(g);
+    for (auto& pg : p.groups) {
+      pg.staging_bytes = r.u64();
+      const uint64_t ns = r.count(3);
+      pg.segments.resize(ns);
+      for (auto& s : pg.segments) {
+        s.plan = u32(r.u64());
+        s.offset = r.u64();
+        s.bytes = r.u64();
+      }
+      const uint64_t nk = r.count(4);
+      pg.packs.resize(nk);
+      for (auto& op : pg.packs) {
+        op.box = u32(r.u64());
+        op.dtype = r.dtype();
+        op.offset = r.u64();
+        op.src = r.layout();
+      }
+      if (!r.ok()) break;
+    }
+    if (!r.ok()) break;
+  }
+  const uint64_t nplans = r.ok() ? r.count(9) : 0;
+  out.plans.resize(nplans);
+  for (auto& pr : out.plans) {
+    pr.plan_hash = r.fixed64();
+    const uint64_t nparams = r.count(3);
+    pr.params.resize(nparams);
+    for (auto& d : pr.params) {
+      d.name = r.str();
+      d.dtype = r.dtype();
+      const uint64_t nd = r.u64();
+      if (nd > kMaxRank) r.fail();
+      if (!r.ok()) break;
+      d.shape.resize(nd);
+      for (auto& x : d.shape) x = r.i64();
+    }
+    const uint64_t g = r.count();
+    pr.groups.resize(g);
+    for (auto& cg : pr.groups) {
+      cg.recv_bytes = r.u64();
+      const uint64_t nr = r.count(4);
+      cg.reads.resize(nr);
+      for (auto& rd : cg.reads) {
+        rd.producer = u32(r.u64());
+        rd.offset = r.u64();
+        rd.length = r.u64();
+        rd.recv_offset = r.u64();
+      }
+      const uint64_t nu = r.count(4);
+      cg.unpacks.resize(nu);
+      for (auto& op : cg.unpacks) {
+        op.param = u32(r.u64());
+        op.src_dtype = r.dtype();
+        op.offset = r.u64();
+        op.dst = r.layout();
+      }
+      if (!r.ok()) break;
+    }
+    if (!r.ok()) break;
+  }
+  const uint64_t nc = r.ok() ? r.count() : 0;
+  out.consumer_plan.resize(nc);
+  for (auto& c : out.consumer_plan) c = u32(r.u64());
+  if (!r.ok()) return corrupt("routes: truncated or malformed encoding");
+  if (r.left() != 0) return corrupt("routes: {} trailing bytes after the encoding", r.left());
+  FERRY_RETURN_IF_ERROR(out.validate().with_context("routes"));
+  return out;
+}
+
+uint64_t Routes::hash() const {
+  const std::string e = encode();
+  return XXH64(e.data(), e.size(), 0);
+}
+
+Status Routes::validate() const {
+  const size_t G = group_names.size();
+  for (size_t p = 0; p < producers.size(); ++p) {
+    const auto& pr = producers[p];
+    if (pr.groups.size() != G) return corrupt("producer {} has {} groups, expected {}", p, pr.groups.size(), G);
+    for (size_t g = 0; g < G; ++g) {
+      const ProducerGroup& pg = pr.groups[g];
+      for (const Segment& s : pg.segments) {
+        if (s.plan >= plans.size()) return corrupt("producer {} group {}: segment for plan {} of {}", p, g, s.plan, plans.size());
+        if (!bytes_within(s.offset, static_cast<int64_t>(s.bytes), 1, pg.staging_bytes)) {
+          return out_of_range("producer {} group {}: segment at {} (+{}) outside staging of {} bytes", p, g, s.offset,
+                              s.bytes, pg.staging_bytes);
+        }
+      }
+      for (const PackOp& op : pg.packs) {
+        int64_t n, lo, hi;
+        if (!layout_range(op.src, n, lo, hi) || lo < 0) {
+          return corrupt("producer {} group {}: malformed pack layout {}", p, g, op.src.to_string());
+        }
+        if (!bytes_within(op.offset, n, dtype_size(op.dtype), pg.staging_bytes)) {
+          return out_of_range("producer {} group {}: pack at {} ({} elements) outside staging of {} bytes", p, g,
+                              op.offset, n, pg.staging_bytes);
+        }
+      }
+    }
+  }
+  for (size_t k = 0; k < plans.size(); ++k) {
+    const PlanRoute& pr = plans[k];
+    if (pr.groups.size() != G) return corrupt("plan {} has {} groups, expected {}", k, pr.groups.size(), G);
+    std::vector<int64_t> numel(pr.params.size());
+    for (size_t i = 0; i < pr.params.size(); ++i) {
+      int64_t n = 1;
+      for (int64_t s : pr.params[i].shape) {
+        if (s < 0 || (s != 0 && __builtin_mul_overflow(n, s, &n))) return corrupt("plan {}: param {} has a bad shape", k, i);
+      }
+      numel[i] = n;
+    }
+    for (size_t g = 0; g < G; ++g) {
+      const PlanGroup& cg = pr.groups[g];
+      for (const Read& rd : cg.reads) {
+        if (rd.producer >= producers.size()) {
+          return corrupt("plan {} group {}: read from producer {} of {}", k, g, rd.producer, producers.size());
+        }
+        if (!bytes_within(rd.offset, static_cast<int64_t>(rd.length), 1, producers[rd.producer].groups[g].staging_bytes)) {
+          return out_of_range("plan {} group {}: read of {} bytes at {} outside producer {}'s staging of {} bytes", k, g,
+                              rd.length, rd.offset, rd.producer, producers[rd.producer].groups[g].staging_bytes);
+        }
+        if (!bytes_within(rd.recv_offset, static_cast<int64_t>(rd.length), 1, cg.recv_bytes)) {
+          return out_of_range("plan {} group {}: read into {} (+{}) outside the {}-byte receive buffer", k, g,
+                              rd.recv_offset, rd.length, cg.recv_bytes);
+        }
+      }
+      for (const UnpackOp& op : cg.unpacks) {
+        if (op.param >= pr.params.size()) return corrupt("plan {} group {}: unpack into param {} of {}", k, g, op.param, pr.params.size());
+        int64_t n, lo, hi;
+        if (!layout_range(op.dst, n, lo, hi)) return corrupt("plan {} group {}: malformed unpack layout", k, g);
+        const TensorDecl& d = pr.params[op.param];
+        if (n > 0 && (lo < 0 || hi >= numel[op.param])) {
+          return out_of_range("plan {} group {}: unpack {} outside param '{}' {}", k, g, op.dst.to_string(), d.name,
+                              shape_str(d.shape));
+        }
+        if (!bytes_within(op.offset, n, dtype_size(op.src_dtype), cg.recv_bytes)) {
+          return out_of_range("plan {} group {}: unpack of '{}' reads past the {}-byte receive buffer", k, g, d.name,
+                              cg.recv_bytes);
+        }
+        if (op.src_dtype != d.dtype && !(is_floating(op.src_dtype) && is_floating(d.dtype))) {
+          return invalid_argument("plan {} group {}: can't convert {} into param '{}' of {}", k, g,
+                                  dtype_name(op.src_dtype), d.name, dtype_name(d.dtype));
+        }
+      }
+    }
+  }
+  for (size_t c = 0; c < consumer_plan.size(); ++c) {
+    if (consumer_plan[c] >= plans.size()) return corrupt("consumer {} has plan {} of {}", c, consumer_plan[c], plans.size());
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------
+// Executors
+
+Status pack_group(const Routes& routes, uint32_t producer, int group, const Holdings& holdings,
+                  const std::vector<LocalBox>& boxes, std::span<std::byte> staging) {
+  if (producer >= routes.producers.size()) return out_of_range("pack: producer {} of {}", producer, routes.producers.size());
+  if (group < 0 || group >= routes.num_groups()) return out_of_range("pack: group {} of {}", group, routes.num_groups());
+  const ProducerGroup& pg = routes.producers[producer].groups[static_cast<size_t>(group)];
+  if (staging.size() < pg.staging_bytes) {
+    return out_of_range("pack: producer {} group {} needs {} staging bytes, got {}", producer, group, pg.staging_bytes,
+                        staging.size());
+  }
+  std::unordered_map<uint32_t, const Tensor*> by_box;
+  for (const LocalBox& lb : boxes) by_box[lb.box] = &lb.data;
+  for (const PackOp& op : pg.packs) {
+    if (op.box >= holdings.boxes.size()) return out_of_range("pack: box {} of {} held", op.box, holdings.boxes.size());
+    const HeldBox& hb = holdings.boxes[op.box];
+    const TensorDecl& d = holdings.tensors[hb.tensor];
+    auto it = by_box.find(op.box);
+    if (it == by_box.end()) {
+      return not_found("pack: producer {} group {}: box {} of tensor '{}' was not materialized", producer, group,
+                       hb.box.to_string(), d.name);
+    }
+    const Tensor& t = *it->second;
+    if (!t.is_real() || !t.is_contiguous() || t.shape() != hb.box.size || t.dtype() != d.dtype || op.dtype != d.dtype) {
+      return invalid_argument("pack: tensor '{}' box {}: materialized {} but the routes need a contiguous {} {}", d.name,
+                              hb.box.to_string(), t.describe(), dtype_name(d.dtype), shape_str(hb.box.size));
+    }
+    int64_t n, lo, hi;
+    if (!layout_range(op.src, n, lo, hi) || (n > 0 && (lo < 0 || hi >= t.numel()))) {
+      return out_of_range("pack: layout {} outside box {} of tensor '{}'", op.src.to_string(), hb.box.to_string(), d.name);
+    }
+    if (!bytes_within(op.offset, n, dtype_size(op.dtype), staging.size())) {
+      return out_of_range("pack: tensor '{}' at {} overflows staging", d.name, op.offset);
+    }
+    FERRY_ASSIGN_OR_RETURN(std::byte * src, t.data_ptr());
+    strided_copy(src, op.src, d.dtype, staging.data() + op.offset,
+                 Layout::contiguous(op.src.shape), d.dtype);
+  }
+  return Status::Ok();
+}
+
+Status unpack_group(const PlanRoute& plan, int group, std::span<const std::byte> recv, const TensorMap& params) {
+  if (group < 0 || static_cast<size_t>(group) >= plan.groups.size()) {
+    return out_of_range("unpack: group {} of {}", group, plan.groups.size());
+  }
+  const PlanGroup& cg = plan.groups[static_cast<size_t>(group)];
+  if (recv.size() < cg.recv_bytes) {
+    return out_of_range("unpack: group {} needs {} received bytes, got {}", group, cg.recv_bytes, recv.size());
+  }
+  std::vector<std::byte*> base(plan.params.size(), nullptr);
+  for (const UnpackOp& op : cg.unpacks) {
+    if (op.param >= plan.params.size()) return out_of_range("unpack: param {} of {}", op.param, plan.params.size());
+    const TensorDecl& d = plan.params[op.param];
+    if (!base[op.param]) {
+      auto it = params.find(d.name);
+      if (it == params.end()) return not_found("unpack: param '{}' is missing", d.name);
+      const Tensor& t = it->second;
+      if (!t.is_real() || !t.is_contiguous() || t.shape() != d.shape || t.dtype() != d.dtype) {
+        return invalid_argument("unpack: param '{}' is {}, the plan declares a contiguous {} {}", d.name, t.describe(),
+                                dtype_name(d.dtype), shape_str(d.shape));
+      }
+      FERRY_ASSIGN_OR_RETURN(base[op.param], t.data_ptr());
+    }
+    int64_t n, lo, hi;
+    if (!layout_range(op.dst, n, lo, hi) || (n > 0 && (lo < 0 || hi >= shape_numel(d.shape)))) {
+      return out_of_range("unpack: layout {} outside param '{}' {}", op.dst.to_string(), d.name, shape_str(d.shape));
+    }
+    if (!bytes_within(op.offset, n, dtype_size(op.src_dtype), recv.size())) {
+      return out_of_range("unpack: param '{}' reads past the receive buffer", d.name);
+    }
+    strided_copy(recv.data() + op.offset, Layout::contiguous(op.dst.shape), op.src_dtype, base[op.param], op.dst, d.dtype);
+  }
+  return Status::Ok();
+}
+
+}  // namespace ferry

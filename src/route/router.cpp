@@ -1,0 +1,581 @@
+// build_routes: pieces, assignment, segments (see ferry/route.h and docs/routing.md).
+#include <algorithm>
+#include <array>
+#include <numeric>
+#include <unordered_map>
+
+#include "ferry/route.h"
+
+namespace ferry {
+
+namespace {
+
+// One producer's box of a tensor.
+struct Holder {
+  Box box;
+  uint32_t producer = 0;
+  uint32_t box_index = 0;  // into the producer's Holdings::boxes
+};
+
+// A disjoint piece of a tensor and the holders whose box contains it.
+struct TensorPiece {
+  Box box;
+  std::vector<uint32_t> holders;  // indices into the tensor's Holder list, by producer
+  bool refined = false;           // some holder's box is larger than the piece
+  int64_t flat_lo = 0, flat_hi = 0;  // row-major flat range the piece spans (inclusive)
+};
+
+struct TensorInfo {
+  std::vector<Holder> holders;
+  std::vector<TensorPiece> pieces;
+  std::vector<MapPiece> map;  // compose_layout pieces (local contiguous roots)
+  bool pieces_built = false;
+  int first_holder = -1;       // producer whose view of the tensor was seen first
+};
+
+// A cut piece of one copy of one plan class.
+struct Cut {
+  uint32_t plan = 0;
+  uint32_t param = 0;
+  uint32_t tensor = 0;
+  uint32_t piece = 0;
+  int32_t group = 0;
+  uint32_t producer = 0;
+  uint32_t box = 0;  // producer's box index
+  uint64_t bytes = 0;
+  uint64_t cost = 0;  // bytes x consumers of the plan class
+  uint64_t staging = 0;
+  Layout src;  // piece-local, then holder-local
+  Layout dst;
+};
+
+int64_t flat_of(const Shape& idx, const Shape& strides) {
+  int64_t f = 0;
+  for (size_t k = 0; k < idx.size(); ++k) f += idx[k] * strides[k];
+  return f;
+}
+
+Shape unravel(int64_t p, const Shape& radix) {
+  Shape q(radix.size());
+  for (size_t j = radix.size(); j-- > 0;) {
+    q[j] = p % radix[j];
+    p /= radix[j];
+  }
+  return q;
+}
+
+// Re-expresses dims of a copy's src layout along the source's own dims where a dim runs
+// over whole rows of the source (stride = a dim's row-major stride, size a multiple of
+// that dim), so that compose_layout cuts by rows instead of row by row. Exact for any
+// choice (a dim of size n = a*b and stride s is the pair [a, b] with strides [s*b, s]);
+// src and dst are split alike.
+void unflatten(Layout& src, Layout& dst, const Shape& radix) {
+  if (radix.size() < 2) return;
+  const Shape P = contiguous_strides(radix);
+  Layout s2{{}, {}, src.offset}, d2{{}, {}, dst.offset};
+  for (size_t k = 0; k < src.shape.size(); ++k) {
+    int64_t n = src.shape[k], ss = src.strides[k], ds = dst.strides[k];
+    std::vector<std::array<int64_t, 3>> inner;  // innermost first
+    while (true) {
+      int j = -1;
+      for (size_t q = radix.size(); q-- > 1;) {
+        if (P[q] == ss && radix[q] > 1) {
+          j = static_cast<int>(q);
+          break;
+        }
+      }
+      if (j < 1) break;
+      const int64_t r = radix[static_cast<size_t>(j)];
+      if (n <= r || n % r != 0 || (src.offset / P[static_cast<size_t>(j)]) % r != 0) break;
+      inner.push_back({r, ss, ds});
+      n /= r;
+      ss *= r;
+      ds *= r;
+    }
+    s2.shape.push_back(n);
+    s2.strides.push_back(ss);
+    d2.shape.push_back(n);
+    d2.strides.push_back(ds);
+    for (size_t i = inner.size(); i-- > 0;) {
+      s2.shape.push_back(inner[i][0]);
+      s2.strides.push_back(inner[i][1]);
+      d2.shape.push_back(inner[i][0]);
+      d2.strides.push_back(inner[i][2]);
+    }
+  }
+  src = std::move(s2);
+  dst = std::move(d2);
+}
+
+// A layout over a piece's local row-major space, re-expressed over a holder box that
+// contains the piece (every element it touches lies in the piece).
+Layout rebase(const Layout& l, const Box& piece, const Box& holder) {
+  const Shape& ps = piece.size;
+  const Shape hs = contiguous_strides(holder.size);
+  auto to_holder = [&](const Shape& q) {
+    int64_t f = 0;
+    for (size_t j = 0; j < q.size(); ++j) f += (q[j] + piece.start[j] - holder.start[j]) * hs[j];
+    return f;
+  };
+  Layout out;
+  out.shape = l.shape;
+  out.strides.assign(l.shape.size(), 0);
+  if (ps.empty()) {  // 0-d
+    out.offset = 0;
+    return out;
+  }
+  const Shape q0 = unravel(l.offset, ps);
+  out.offset = to_holder(q0);
+  for (size_t k = 0; k < l.shape.size(); ++k) {
+    if (l.shape[k] <= 1) continue;
+    const Shape q1 = unravel(l.offset + l.strides[k], ps);
+    out.strides[k] = to_holder(q1) - out.offset;
+  }
+  return out;
+}
+
+uint64_t align_up(uint64_t x, uint64_t a) { return a <= 1 ? x : (x + a - 1) / a * a; }
+
+bool is_run(const Layout& l) { return l.ndim() == 1 && (l.strides[0] == 1 || l.shape[0] == 1); }
+bool is_scalar_like(const Layout& l) { return l.numel() == 1; }
+
+// Appends `op` to `ops`, merging it into the previous op (from index `first` on: the
+// current segment's) when both are contiguous runs that continue each other on both sides.
+void push_pack(std::vector<PackOp>& ops, size_t first, PackOp op, uint64_t es) {
+  if (ops.size() > first) {
+    PackOp& p = ops.back();
+    if (p.box == op.box && p.dtype == op.dtype && (is_run(p.src) || is_scalar_like(p.src)) &&
+        (is_run(op.src) || is_scalar_like(op.src)) && p.src.numel() > 0) {
+      const int64_t pn = p.src.numel();
+      if (p.src.offset + pn == op.src.offset && p.offset + static_cast<uint64_t>(pn) * es == op.offset) {
+        p.src = Layout{{pn + op.src.numel()}, {1}, p.src.offset};
+        return;
+      }
+    }
+  }
+  ops.push_back(std::move(op));
+}
+
+void push_unpack(std::vector<UnpackOp>& ops, size_t first, UnpackOp op, uint64_t es) {
+  if (ops.size() > first) {
+    UnpackOp& p = ops.back();
+    if (p.param == op.param && p.src_dtype == op.src_dtype && (is_run(p.dst) || is_scalar_like(p.dst)) &&
+        (is_run(op.dst) || is_scalar_like(op.dst)) && p.dst.numel() > 0) {
+      const int64_t pn = p.dst.numel();
+      if (p.dst.offset + pn == op.dst.offset && p.offset + static_cast<uint64_t>(pn) * es == op.offset) {
+        p.dst = Layout{{pn + op.dst.numel()}, {1}, p.dst.offset};
+        return;
+      }
+    }
+  }
+  ops.push_back(std::move(op));
+}
+
+bool same_decl(const TensorDecl& a, const TensorDecl& b) { return a.dtype == b.dtype && a.shape == b.shape; }
+
+std::string decl_str(const TensorDecl& d) { return fmt::format("{} {}", dtype_name(d.dtype), shape_str(d.shape)); }
+
+// Builds the disjoint pieces of a tensor from its holders.
+Status build_pieces(const TensorDecl& decl, TensorInfo& ti) {
+  ti.pieces_built = true;
+  auto& hs = ti.holders;
+  // Distinct boxes, each with its holders.
+  std::vector<uint32_t> order(hs.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+    if (hs[a].box != hs[b].box) return hs[a].box < hs[b].box;
+    return hs[a].producer < hs[b].producer;
+  });
+  std::vector<TensorPiece> distinct;
+  for (uint32_t i : order) {
+    if (distinct.empty() || distinct.back().box != hs[i].box) distinct.push_back(TensorPiece{hs[i].box, {}, false});
+    distinct.back().holders.push_back(i);
+  }
+  // Partial overlaps between distinct boxes? (sorted by start, so a sweep on dim 0).
+  bool partial = false;
+  for (size_t i = 0; i < distinct.size() && !partial; ++i) {
+    for (size_t j = i + 1; j < distinct.size(); ++j) {
+      const Box& a = distinct[i].box;
+      const Box& b = distinct[j].box;
+      if (!a.start.empty() && b.start[0] >= a.start[0] + a.size[0]) break;
+      if (a.intersects(b)) {
+        partial = true;
+        break;
+      }
+    }
+  }
+  if (!partial) {
+    ti.pieces = std::move(distinct);
+  } else {
+    // Refine into the grid of every box edge; keep cells some box holds.
+    const size_t nd = decl.shape.size();
+    std::vector<std::vector<int64_t>> cuts(nd);
+    for (const auto& d : distinct) {
+      for (size_t k = 0; k < nd; ++k) {
+        cuts[k].push_back(d.box.start[k]);
+        cuts[k].push_back(d.box.start[k] + d.box.size[k]);
+      }
+    }
+    uint64_t cells = 1;
+    for (auto& c : cuts) {
+      std::sort(c.begin(), c.end());
+      c.erase(std::unique(c.begin(), c.end()), c.end());
+      cells *= c.size() - 1;
+    }
+    if (cells > (1u << 20)) {
+      return invalid_argument("tensor '{}': its {} holder boxes overlap in too complex a pattern ({} cells)",
+                              decl.name, distinct.size(), cells);
+    }
+    Shape idx(nd, 0);
+    for (uint64_t c = 0; c < cells; ++c) {
+      Box cell{Shape(nd), Shape(nd)};
+      for (size_t k = 0; k < nd; ++k) {
+        cell.start[k] = cuts[k][static_cast<size_t>(idx[k])];
+        cell.size[k] = cuts[k][static_cast<size_t>(idx[k]) + 1] - cell.start[k];
+      }
+      TensorPiece p{cell, {}, false};
+      for (const auto& d : distinct) {
+        if (d.box.contains(cell)) {
+          p.holders.insert(p.holders.end(), d.holders.begin(), d.holders.end());
+          if (d.box != cell) p.refined = true;
+        }
+      }
+      if (!p.holders.empty()) {
+        std::sort(p.holders.begin(), p.holders.end(),
+                  [&](uint32_t a, uint32_t b) { return hs[a].producer < hs[b].producer; });
+        ti.pieces.push_back(std::move(p));
+      }
+      for (size_t k = nd; k-- > 0;) {
+        if (++idx[k] < static_cast<int64_t>(cuts[k].size()) - 1) break;
+        idx[k] = 0;
+      }
+    }
+  }
+  const Shape strides = contiguous_strides(decl.shape);
+  ti.map.reserve(ti.pieces.size());
+  for (auto& p : ti.pieces) {
+    Shape last(p.box.start.size());
+    for (size_t k = 0; k < last.size(); ++k) last[k] = p.box.start[k] + p.box.size[k] - 1;
+    p.flat_lo = flat_of(p.box.start, strides);
+    p.flat_hi = flat_of(last, strides);
+    ti.map.push_back(MapPiece{p.box.start, Layout::contiguous(p.box.size), 0});
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options) {
+  const auto& meta = in.metadata;
+  const uint32_t num_producers = static_cast<uint32_t>(in.producers.size());
+  // --- metadata -------------------------------------------------------------------------
+  std::unordered_map<std::string, uint32_t> index;
+  index.reserve(meta.size() * 2);
+  for (uint32_t t = 0; t < meta.size(); ++t) {
+    if (!index.emplace(meta[t].name, t).second) {
+      return invalid_argument("metadata lists tensor '{}' twice", meta[t].name);
+    }
+  }
+  const Groups groups(meta);
+  const int G = groups.size();
+
+  // --- holdings ---------------------------------------------------------------------------
+  std::vector<TensorInfo> tensors(meta.size());
+  for (uint32_t p = 0; p < num_producers; ++p) {
+    const Holdings& h = in.producers[p];
+    std::vector<uint32_t> local(h.tensors.size());
+    for (size_t i = 0; i < h.tensors.size(); ++i) {
+      const TensorDecl& d = h.tensors[i];
+      auto it = index.find(d.name);
+      if (it == index.end()) {
+        return not_found("producer {} holds tensor '{}', which the metadata lacks", p, d.name);
+      }
+      TensorInfo& ti = tensors[it->second];
+      if (ti.first_holder >= 0 && ti.first_holder != static_cast<int>(p)) {
+        const Holdings& f = in.producers[static_cast<size_t>(ti.first_holder)];
+        for (const auto& fd : f.tensors) {
+          if (fd.name == d.name && !same_decl(fd, d)) {
+            return invalid_argument("holders disagree on tensor '{}': producer {} has {}, producer {} has {}", d.name,
+                                    ti.first_holder, decl_str(fd), p, decl_str(d));
+          }
+        }
+      }
+      if (!same_decl(d, meta[it->second])) {
+        return invalid_argument("holders disagree on tensor '{}': the metadata says {}, producer {} has {}", d.name,
+                                decl_str(meta[it->second]), p, decl_str(d));
+      }
+      if (ti.first_holder < 0) ti.first_holder = static_cast<int>(p);
+      local[i] = it->second;
+    }
+    // Boxes; overlap within this producer.
+    std::unordered_map<uint32_t, std::vector<uint32_t>> mine;
+    for (uint32_t b = 0; b < h.boxes.size(); ++b) {
+      const HeldBox& hb = h.boxes[b];
+      if (hb.tensor >= h.tensors.size()) {
+        return out_of_range("producer {}: box {} names tensor #{} of {} declared", p, b, hb.tensor, h.tensors.size());
+      }
+      const uint32_t t = local[hb.tensor];
+      const TensorDecl& d = meta[t];
+      const Box& box = hb.box;
+      if (box.start.size() != d.shape.size() || box.size.size() != d.shape.size()) {
+        return invalid_argument("producer {}: box {} of tensor '{}' has the wrong number of dims for {}", p,
+                                box.to_string(), d.name, shape_str(d.shape));
+      }
+      for (size_t k = 0; k < d.shape.size(); ++k) {
+        if (box.start[k] < 0 || box.size[k] < 0 || box.start[k] > d.shape[k] - box.size[k]) {
+          return out_of_range("producer {}: box {} is outside tensor '{}' {}", p, box.to_string(), d.name,
+                              shape_str(d.shape));
+        }
+      }
+      if (box.empty()) continue;
+      mine[t].push_back(b);
+      tensors[t].holders.push_back(Holder{box, p, b});
+    }
+    for (auto& [t, list] : mine) {
+      if (list.size() < 2) continue;
+      std::sort(list.begin(), list.end(), [&](uint32_t a, uint32_t b) { return h.boxes[a].box < h.boxes[b].box; });
+      for (size_t i = 0; i < list.size(); ++i) {
+        const Box& a = h.boxes[list[i]].box;
+        for (size_t j = i + 1; j < list.size(); ++j) {
+          const Box& b = h.boxes[list[j]].box;
+          if (!a.start.empty() && b.start[0] >= a.start[0] + a.size[0]) break;
+          if (a.intersects(b)) {
+            return invalid_argument("producer {} holds overlapping boxes {} and {} of tensor '{}'", p, a.to_string(),
+                                    b.to_string(), meta[t].name);
+          }
+        }
+      }
+    }
+  }
+
+  // --- plan classes -------------------------------------------------------------------
+  Routes routes;
+  for (int g = 0; g < G; ++g) routes.group_names.push_back(groups.name(g));
+  std::vector<const Plan*> classes;
+  std::vector<uint64_t> weight;
+  std::unordered_map<uint64_t, std::vector<uint32_t>> by_hash;
+  routes.consumer_plan.reserve(in.consumers.size());
+  std::vector<uint64_t> consumer_min(in.consumers.size(), 0);
+  for (size_t c = 0; c < in.consumers.size(); ++c) {
+    const Plan* plan = in.consumers[c];
+    if (!plan) return invalid_argument("consumer {} has no plan", c);
+    const uint64_t h = plan->hash();
+    auto& list = by_hash[h];
+    int found = -1;
+    for (uint32_t k : list) {
+      if (classes[k] == plan || *classes[k] == *plan) {
+        found = static_cast<int>(k);
+        break;
+      }
+    }
+    if (found < 0) {
+      for (const TensorDecl& s : plan->sources()) {
+        auto it = index.find(s.name);
+        if (it == index.end()) {
+          return not_found("the plan of consumer {} reads tensor '{}', which the metadata lacks", c, s.name);
+        }
+        if (!same_decl(s, meta[it->second])) {
+          return invalid_argument("the plan of consumer {} reads tensor '{}' as {}, the metadata says {}", c, s.name,
+                                  decl_str(s), decl_str(meta[it->second]));
+        }
+      }
+      found = static_cast<int>(classes.size());
+      classes.push_back(plan);
+      weight.push_back(0);
+      list.push_back(static_cast<uint32_t>(found));
+      routes.plans.push_back(PlanRoute{h, plan->params(), std::vector<PlanGroup>(static_cast<size_t>(G))});
+    }
+    weight[static_cast<size_t>(found)]++;
+    routes.consumer_plan.push_back(static_cast<uint32_t>(found));
+    consumer_min[c] = plan->stats().bytes;
+  }
+
+  // --- cut every copy by the pieces it touches ------------------------------------------
+  std::vector<Cut> cuts;
+  std::vector<MapPiece> filtered;
+  std::vector<uint32_t> filtered_idx;
+  for (uint32_t k = 0; k < classes.size(); ++k) {
+    const Plan& plan = *classes[k];
+    std::vector<uint32_t> src_tensor(plan.sources().size());
+    for (size_t s = 0; s < plan.sources().size(); ++s) src_tensor[s] = index.at(plan.sources()[s].name);
+    for (const Copy& copy : plan.copies()) {
+      const int64_t n = copy.src.numel();
+      if (n == 0) continue;
+      const uint32_t t = src_tensor[copy.source];
+      const TensorDecl& d = meta[t];
+      TensorInfo& ti = tensors[t];
+      if (!ti.pieces_built) FERRY_RETURN_IF_ERROR(build_pieces(d, ti));
+      if (ti.pieces.empty()) {
+        return not_found("tensor '{}' is read by a consumer plan but no producer holds it", d.name);
+      }
+      Layout src = copy.src, dst = copy.dst;
+      unflatten(src, dst, d.shape);
+      // Only the pieces the copy's flat range can touch.
+      const std::vector<MapPiece>* pieces = &ti.map;
+      const std::vector<uint32_t>* idx = nullptr;
+      if (ti.map.size() > 4) {
+        const int64_t lo = src.min_offset(), hi = src.max_offset();
+        filtered.clear();
+        filtered_idx.clear();
+        for (uint32_t i = 0; i < ti.pieces.size(); ++i) {
+          if (ti.pieces[i].flat_hi < lo || ti.pieces[i].flat_lo > hi) continue;
+          filtered.push_back(ti.map[i]);
+          filtered_idx.push_back(i);
+        }
+        pieces = &filtered;
+        idx = &filtered_idx;
+      }
+      std::vector<MapPiece> out = compose_layout(src, d.shape, *pieces);
+      int64_t covered = 0;
+      const uint64_t es = dtype_size(d.dtype);
+      for (MapPiece& m : out) {
+        Cut cut;
+        cut.plan = k;
+        cut.param = copy.param;
+        cut.tensor = t;
+        cut.piece = idx ? (*idx)[m.part] : m.part;
+        cut.group = groups.of_tensor(t);
+        cut.src = std::move(m.root);
+        cut.dst.shape = cut.src.shape;
+        cut.dst.strides = dst.strides;
+        cut.dst.offset = dst.offset_of(m.start);
+        coalesce_layouts(cut.src, cut.dst);
+        const int64_t numel = cut.src.numel();
+        covered += numel;
+        cut.bytes = static_cast<uint64_t>(numel) * es;
+        cut.cost = cut.bytes * weight[k];
+        cuts.push_back(std::move(cut));
+      }
+      if (covered != n) {
+        return not_found("tensor '{}': {} of the {} elements a consumer plan reads ({} -> param '{}') are held by no producer",
+                         d.name, n - covered, n, copy.src.to_string(), plan.params()[copy.param].name);
+      }
+    }
+  }
+  // Costs were counted with the final weights only after every consumer was seen.
+  for (Cut& c : cuts) c.cost = c.bytes * weight[c.plan];
+
+  // --- choose holders -------------------------------------------------------------------
+  std::vector<uint32_t> order(cuts.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+    const Cut& x = cuts[a];
+    const Cut& y = cuts[b];
+    if (x.cost != y.cost) return x.cost > y.cost;
+    if (x.plan != y.plan) return x.plan < y.plan;
+    if (x.param != y.param) return x.param < y.param;
+    return x.dst.offset < y.dst.offset;
+  });
+  std::vector<uint64_t> load(num_producers, 0), sole(num_producers, 0);
+  for (uint32_t i : order) {
+    Cut& c = cuts[i];
+    const TensorInfo& ti = tensors[c.tensor];
+    const TensorPiece& piece = ti.pieces[c.piece];
+    uint32_t best = piece.holders[0];
+    for (uint32_t hidx : piece.holders) {
+      if (load[ti.holders[hidx].producer] < load[ti.holders[best].producer]) best = hidx;
+    }
+    const Holder& h = ti.holders[best];
+    c.producer = h.producer;
+    c.box = h.box_index;
+    load[h.producer] += c.cost;
+    if (piece.holders.size() == 1) sole[h.producer] += c.cost;
+    if (piece.refined && h.box != piece.box) c.src = rebase(c.src, piece.box, h.box);
+  }
+
+  // --- segments -------------------------------------------------------------------------
+  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+    const Cut& x = cuts[a];
+    const Cut& y = cuts[b];
+    if (x.producer != y.producer) return x.producer < y.producer;
+    if (x.group != y.group) return x.group < y.group;
+    if (x.plan != y.plan) return x.plan < y.plan;
+    if (x.param != y.param) return x.param < y.param;
+    return x.dst.offset < y.dst.offset;
+  });
+  const uint64_t align = std::max<uint64_t>(1, options.segment_alignment);
+  routes.producers.assign(num_producers, ProducerRoute{std::vector<ProducerGroup>(static_cast<size_t>(G))});
+  for (size_t a = 0; a < order.size();) {
+    const Cut& first = cuts[order[a]];
+    ProducerGroup& pg = routes.producers[first.producer].groups[static_cast<size_t>(first.group)];
+    PlanGroup& cg = routes.plans[first.plan].groups[static_cast<size_t>(first.group)];
+    Segment seg{first.plan, align_up(pg.staging_bytes, align), 0};
+    Read rd{first.producer, seg.offset, 0, align_up(cg.recv_bytes, align)};
+    uint64_t cur = seg.offset;
+    const size_t first_pack = pg.packs.size(), first_unpack = cg.unpacks.size();
+    size_t b = a;
+    for (; b < order.size(); ++b) {
+      const Cut& c = cuts[order[b]];
+      if (c.producer != first.producer || c.group != first.group || c.plan != first.plan) break;
+      const DType dt = meta[c.tensor].dtype;
+      const uint64_t es = dtype_size(dt);
+      push_pack(pg.packs, first_pack, PackOp{c.box, dt, cur, c.src}, es);
+      push_unpack(cg.unpacks, first_unpack, UnpackOp{c.param, dt, rd.recv_offset + (cur - seg.offset), c.dst}, es);
+      cur += c.bytes;
+    }
+    seg.bytes = cur - seg.offset;
+    rd.length = seg.bytes;
+    pg.staging_bytes = cur;
+    pg.segments.push_back(seg);
+    cg.recv_bytes = rd.recv_offset + rd.length;
+    cg.reads.push_back(rd);
+    a = b;
+  }
+
+  // --- stats ----------------------------------------------------------------------------
+  RouteStats& st = routes.stats;
+  st.num_pieces = cuts.size();
+  st.num_plan_classes = classes.size();
+  st.producer_bytes.assign(num_producers, 0);
+  for (uint32_t p = 0; p < num_producers; ++p) {
+    for (const ProducerGroup& pg : routes.producers[p].groups) {
+      st.num_pack_ops += pg.packs.size();
+      st.max_staging_bytes = std::max(st.max_staging_bytes, pg.staging_bytes);
+      for (const Segment& s : pg.segments) st.producer_bytes[p] += s.bytes * weight[s.plan];
+    }
+  }
+  for (const PlanRoute& pr : routes.plans) {
+    for (const PlanGroup& g : pr.groups) st.num_unpack_ops += g.unpacks.size();
+  }
+  st.consumer_bytes.assign(in.consumers.size(), 0);
+  for (size_t c = 0; c < in.consumers.size(); ++c) {
+    for (const PlanGroup& g : routes.consumer(c).groups) {
+      st.num_reads += g.reads.size();
+      for (const Read& r : g.reads) st.consumer_bytes[c] += r.length;
+    }
+    st.bytes_moved += st.consumer_bytes[c];
+    st.bytes_min += consumer_min[c];
+    st.max_consumer_bytes = std::max(st.max_consumer_bytes, st.consumer_bytes[c]);
+  }
+  uint64_t total = 0;
+  for (uint32_t p = 0; p < num_producers; ++p) {
+    total += st.producer_bytes[p];
+    st.max_producer_bytes = std::max(st.max_producer_bytes, st.producer_bytes[p]);
+    st.max_sole_holder_bytes = std::max(st.max_sole_holder_bytes, sole[p]);
+    if (!in.producers[p].boxes.empty()) st.holders++;
+  }
+  st.mean_producer_bytes = st.holders ? static_cast<double>(total) / static_cast<double>(st.holders) : 0.0;
+  st.balance_bound = std::max(st.mean_producer_bytes, static_cast<double>(st.max_sole_holder_bytes));
+  st.balance = st.balance_bound > 0 ? static_cast<double>(st.max_producer_bytes) / st.balance_bound : 1.0;
+  return routes;
+}
+
+BroadcastStats broadcast_baseline(const std::vector<TensorDecl>& metadata, const std::vector<int>& tensor_stage,
+                                  int num_consumers) {
+  BroadcastStats b;
+  std::unordered_map<int, uint64_t> stage_bytes;
+  uint64_t model = 0;
+  for (size_t t = 0; t < metadata.size(); ++t) {
+    const uint64_t bytes = static_cast<uint64_t>(shape_numel(metadata[t].shape)) * dtype_size(metadata[t].dtype);
+    model += bytes;
+    stage_bytes[t < tensor_stage.size() ? tensor_stage[t] : 0] += bytes;
+  }
+  const uint64_t n = static_cast<uint64_t>(std::max(num_consumers, 0));
+  b.bytes = model * n;
+  b.max_consumer_bytes = n ? model : 0;
+  b.senders = static_cast<int>(stage_bytes.size());
+  for (auto& [s, bytes] : stage_bytes) b.max_producer_bytes = std::max(b.max_producer_bytes, bytes * n);
+  return b;
+}
+
+}  // namespace ferry

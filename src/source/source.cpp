@@ -1,0 +1,562 @@
+// Boxes, holdings, groups, trainer layouts, classification and the layout helpers.
+#include <algorithm>
+#include <charconv>
+#include <map>
+#include <unordered_map>
+
+#include <nlohmann/json.hpp>
+
+#include "ferry/source.h"
+
+namespace ferry {
+
+// ---------------------------------------------------------------------------------------
+// Box
+
+bool Box::contains(const Box& o) const {
+  if (o.start.size() != start.size()) return false;
+  for (size_t k = 0; k < start.size(); ++k) {
+    if (o.start[k] < start[k] || o.start[k] + o.size[k] > start[k] + size[k]) return false;
+  }
+  return true;
+}
+
+bool Box::intersects(const Box& o) const {
+  if (o.start.size() != start.size() || empty() || o.empty()) return false;
+  for (size_t k = 0; k < start.size(); ++k) {
+    if (o.start[k] >= start[k] + size[k] || start[k] >= o.start[k] + o.size[k]) return false;
+  }
+  return true;
+}
+
+std::string Box::to_string() const {
+  std::string s = "[";
+  for (size_t k = 0; k < start.size(); ++k) {
+    if (k) s += ", ";
+    s += fmt::format("{}:{}", start[k], start[k] + size[k]);
+  }
+  return s + "]";
+}
+
+Box full_box(const Shape& shape) { return Box{Shape(shape.size(), 0), shape}; }
+
+Status Holdings::add(const TensorDecl& decl, Box box) {
+  if (box.start.size() != decl.shape.size() || box.size.size() != decl.shape.size()) {
+    return invalid_argument("holdings: box {} of '{}' has {} dims, the tensor {}", box.to_string(), decl.name,
+                            box.start.size(), shape_str(decl.shape));
+  }
+  for (size_t k = 0; k < box.start.size(); ++k) {
+    if (box.start[k] < 0 || box.size[k] < 0 || box.start[k] + box.size[k] > decl.shape[k]) {
+      return out_of_range("holdings: box {} is outside '{}' {}", box.to_string(), decl.name, shape_str(decl.shape));
+    }
+  }
+  if (box.empty()) return Status::Ok();
+  uint32_t idx = static_cast<uint32_t>(tensors.size());
+  for (size_t i = tensors.size(); i-- > 0;) {
+    if (tensors[i].name == decl.name) {
+      if (tensors[i] != decl) {
+        return invalid_argument("holdings: '{}' declared as {} {} and as {} {}", decl.name,
+                                dtype_name(tensors[i].dtype), shape_str(tensors[i].shape), dtype_name(decl.dtype),
+                                shape_str(decl.shape));
+      }
+      idx = static_cast<uint32_t>(i);
+      break;
+    }
+  }
+  if (idx == tensors.size()) tensors.push_back(decl);
+  boxes.push_back(HeldBox{idx, std::move(box)});
+  return Status::Ok();
+}
+
+uint64_t Holdings::bytes() const {
+  uint64_t n = 0;
+  for (const HeldBox& b : boxes) n += static_cast<uint64_t>(b.box.numel()) * dtype_size(tensors[b.tensor].dtype);
+  return n;
+}
+
+// ---------------------------------------------------------------------------------------
+// Groups
+
+GroupOf group_of(std::string_view name) {
+  size_t pos = 0;
+  while ((pos = name.find("layers.", pos)) != std::string_view::npos) {
+    const bool boundary = pos == 0 || name[pos - 1] == '.';
+    size_t i = pos + 7, j = i;
+    while (j < name.size() && name[j] >= '0' && name[j] <= '9') ++j;
+    if (boundary && j > i && j < name.size() && name[j] == '.') {
+      int64_t layer = 0;
+      std::from_chars(name.data() + i, name.data() + j, layer);
+      return GroupOf{GroupOf::kLayer, layer};
+    }
+    pos += 7;
+  }
+  if (name.find("embed") != std::string_view::npos) return GroupOf{GroupOf::kPre, 0};
+  return GroupOf{GroupOf::kPost, 0};
+}
+
+Groups::Groups(const std::vector<TensorDecl>& metadata) {
+  int64_t layers = 0;
+  std::vector<GroupOf> g;
+  g.reserve(metadata.size());
+  for (const auto& d : metadata) {
+    g.push_back(group_of(d.name));
+    if (g.back().kind == GroupOf::kLayer) layers = std::max(layers, g.back().layer + 1);
+  }
+  names_.push_back("pre");
+  for (int64_t i = 0; i < layers; ++i) names_.push_back(fmt::format("layer {}", i));
+  names_.push_back("post");
+  tensor_group_.reserve(g.size());
+  for (const auto& x : g) {
+    tensor_group_.push_back(x.kind == GroupOf::kPre     ? 0
+                            : x.kind == GroupOf::kLayer ? static_cast<int>(x.layer) + 1
+                                                        : static_cast<int>(layers) + 1);
+  }
+}
+
+int Groups::of_name(std::string_view name) const {
+  GroupOf g = group_of(name);
+  if (g.kind == GroupOf::kPre) return 0;
+  if (g.kind == GroupOf::kPost) return size() - 1;
+  return std::min<int>(static_cast<int>(g.layer) + 1, size() - 1);
+}
+
+// ---------------------------------------------------------------------------------------
+// TrainerLayout
+
+namespace {
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
+  return s;
+}
+
+}  // namespace
+
+Result<TrainerLayout> TrainerLayout::parse(std::string_view text) {
+  static const char* kKeys[] = {"tp", "pp", "ep", "etp", "dp", "world", "fsdp"};
+  std::map<std::string, int> v;
+  std::string_view rest = text;
+  if (trim(rest).empty()) {
+    return invalid_argument("trainer layout: empty; expected \"tp=..,pp=..,ep=..,etp=..[,dp=..][,world=..]\" or \"fsdp=N\"");
+  }
+  while (true) {
+    const size_t comma = rest.find(',');
+    std::string_view item = trim(rest.substr(0, comma));
+    const size_t eq = item.find('=');
+    if (eq == std::string_view::npos) {
+      return invalid_argument("trainer layout '{}': item '{}' is not key=value", text, item);
+    }
+    const std::string key(trim(item.substr(0, eq)));
+    const std::string_view val = trim(item.substr(eq + 1));
+    if (std::find(std::begin(kKeys), std::end(kKeys), key) == std::end(kKeys)) {
+      return invalid_argument("trainer layout '{}': unknown key '{}' (expected tp, pp, ep, etp, dp, world or fsdp)", text,
+                              key);
+    }
+    if (v.count(key)) return invalid_argument("trainer layout '{}': key '{}' given twice", text, key);
+    int n = 0;
+    auto [p, ec] = std::from_chars(val.data(), val.data() + val.size(), n);
+    if (ec != std::errc() || p != val.data() + val.size() || n <= 0) {
+      return invalid_argument("trainer layout '{}': {} must be a positive integer, got '{}'", text, key, val);
+    }
+    v[key] = n;
+    if (comma == std::string_view::npos) break;
+    rest = rest.substr(comma + 1);
+  }
+  TrainerLayout l;
+  if (v.count("fsdp")) {
+    if (v.size() != 1) {
+      return invalid_argument("trainer layout '{}': fsdp=N can't be combined with tp/pp/ep/etp/dp/world", text);
+    }
+    l.kind = Kind::kFsdp;
+    l.fsdp = v["fsdp"];
+    l.tp = l.pp = l.ep = l.etp = 1;
+    l.dp = l.fsdp;
+    return l;
+  }
+  auto get = [&](const char* k, int def) { return v.count(k) ? v[k] : def; };
+  l.tp = get("tp", 1);
+  l.pp = get("pp", 1);
+  l.ep = get("ep", 1);
+  l.etp = get("etp", 1);
+  const int grid = l.ep * l.etp;
+  if (v.count("world")) {
+    const int w = v["world"];
+    if (w % (l.tp * l.pp) != 0) {
+      return invalid_argument("trainer layout '{}': world {} is not a multiple of tp*pp = {}", text, w, l.tp * l.pp);
+    }
+    const int dp = w / (l.tp * l.pp);
+    if (v.count("dp") && v["dp"] != dp) {
+      return invalid_argument("trainer layout '{}': dp {} disagrees with world/(tp*pp) = {}", text, v["dp"], dp);
+    }
+    l.dp = dp;
+  } else if (v.count("dp")) {
+    l.dp = v["dp"];
+  } else {
+    l.dp = 1;
+    while ((l.tp * l.dp) % grid != 0) ++l.dp;
+  }
+  if ((l.tp * l.dp) % grid != 0) {
+    return invalid_argument(
+        "trainer layout '{}': ep*etp = {} must divide tp*dp = {} (the experts of a stage are spread over its tp*dp ranks)",
+        text, grid, l.tp * l.dp);
+  }
+  return l;
+}
+
+int TrainerLayout::world_size() const { return kind == Kind::kFsdp ? fsdp : tp * pp * dp; }
+
+std::string TrainerLayout::to_string() const {
+  if (kind == Kind::kFsdp) return fmt::format("fsdp={}", fsdp);
+  return fmt::format("tp={},pp={},ep={},etp={},dp={}", tp, pp, ep, etp, dp);
+}
+
+ModelInfo model_info_from_config(const nlohmann::json& config) {
+  ModelInfo info;
+  const nlohmann::json* c = &config;
+  if (config.is_object() && config.contains("text_config") && config["text_config"].is_object() &&
+      !config.contains("num_attention_heads")) {
+    c = &config["text_config"];
+  }
+  auto get = [&](const char* k) -> int64_t {
+    if (!c->is_object() || !c->contains(k) || !(*c)[k].is_number_integer()) return 0;
+    return (*c)[k].get<int64_t>();
+  };
+  const int64_t heads = get("num_attention_heads");
+  int64_t kv = get("num_key_value_heads");
+  if (kv == 0) kv = heads;
+  int64_t hd = get("head_dim");
+  if (hd == 0 && heads > 0) hd = get("hidden_size") / heads;
+  info.q_rows = heads * hd;
+  info.kv_rows = kv * hd;
+  return info;
+}
+
+// ---------------------------------------------------------------------------------------
+// Classification
+
+std::string_view tensor_class_name(TensorClass c) {
+  switch (c) {
+    case TensorClass::kReplicated: return "replicated";
+    case TensorClass::kColumn: return "column";
+    case TensorClass::kRow: return "row";
+    case TensorClass::kVocab: return "vocab";
+    case TensorClass::kFusedQkv: return "fused-qkv";
+    case TensorClass::kFusedGateUp: return "fused-gate-up";
+    case TensorClass::kExpertColumn: return "expert-column";
+    case TensorClass::kExpertRow: return "expert-row";
+    case TensorClass::kExpertsGateUp: return "experts-gate-up";
+    case TensorClass::kExpertsDown: return "experts-down";
+  }
+  return "?";
+}
+
+namespace {
+
+bool ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+// ".experts.{e}." in the name: e, else -1.
+int64_t expert_index(std::string_view name) {
+  size_t pos = 0;
+  while ((pos = name.find(".experts.", pos)) != std::string_view::npos) {
+    size_t i = pos + 9, j = i;
+    while (j < name.size() && name[j] >= '0' && name[j] <= '9') ++j;
+    if (j > i && j < name.size() && name[j] == '.') {
+      int64_t e = 0;
+      std::from_chars(name.data() + i, name.data() + j, e);
+      return e;
+    }
+    pos += 9;
+  }
+  return -1;
+}
+
+}  // namespace
+
+TensorClass classify_tensor(std::string_view name, int64_t* expert) {
+  if (expert) *expert = -1;
+  if (ends_with(name, "experts.gate_up_proj")) return TensorClass::kExpertsGateUp;
+  if (ends_with(name, "experts.down_proj")) return TensorClass::kExpertsDown;
+  // Strip the parameter kind.
+  std::string_view base = name;
+  bool is_bias = false;
+  for (std::string_view suffix : {".weight_scale_inv", ".weight_scale", ".weight", ".bias"}) {
+    if (ends_with(base, suffix)) {
+      is_bias = suffix == ".bias";
+      base.remove_suffix(suffix.size());
+      break;
+    }
+  }
+  const size_t dot = base.rfind('.');
+  const std::string_view last = dot == std::string_view::npos ? base : base.substr(dot + 1);
+  const int64_t e = expert_index(name);
+  if (expert) *expert = e;
+  if (last.find("norm") != std::string_view::npos) return TensorClass::kReplicated;
+  if (last == "embed_tokens" || last == "lm_head" || last == "wte" || last == "tok_embeddings" ||
+      last == "word_embeddings") {
+    return TensorClass::kVocab;
+  }
+  if (last == "qkv_proj") return TensorClass::kFusedQkv;
+  if (last == "gate_up_proj") return TensorClass::kFusedGateUp;
+  static constexpr std::string_view kColumn[] = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
+                                                 "w1",     "w3",     "q_b_proj", "kv_b_proj"};
+  static constexpr std::string_view kRow[] = {"o_proj", "down_proj", "w2"};
+  for (auto c : kColumn) {
+    if (last == c) return e >= 0 ? TensorClass::kExpertColumn : TensorClass::kColumn;
+  }
+  for (auto r : kRow) {
+    if (last == r) {
+      // A row-parallel bias is added after the reduction: whole on every TP rank (an
+      // expert's: whole on its ETP ranks, see make_holdings).
+      if (is_bias && e < 0) return TensorClass::kReplicated;
+      return e >= 0 ? TensorClass::kExpertRow : TensorClass::kRow;
+    }
+  }
+  // Routers (gate, router, e_score_correction_bias), MLA's q_a_proj and
+  // kv_a_proj_with_mqa, and anything unknown: whole on every TP rank.
+  return TensorClass::kReplicated;
+}
+
+// ---------------------------------------------------------------------------------------
+// make_holdings
+
+namespace {
+
+struct Builder {
+  const std::vector<TensorDecl>& meta;
+  std::vector<Holdings> ranks;
+  std::vector<int64_t> last;  // per rank: the metadata index of its last declared tensor
+
+  Builder(const std::vector<TensorDecl>& m, int world) : meta(m), ranks(world), last(world, -1) {}
+
+  void add(int rank, size_t t, Box box) {
+    if (box.empty()) return;
+    Holdings& h = ranks[static_cast<size_t>(rank)];
+    if (last[static_cast<size_t>(rank)] != static_cast<int64_t>(t)) {
+      h.tensors.push_back(meta[t]);
+      last[static_cast<size_t>(rank)] = static_cast<int64_t>(t);
+    }
+    h.boxes.push_back(HeldBox{static_cast<uint32_t>(h.tensors.size() - 1), std::move(box)});
+  }
+};
+
+// Box of `shape` with dim `d` narrowed to [a, a+n).
+Box narrowed(const Shape& shape, size_t d, int64_t a, int64_t n) {
+  Box b = full_box(shape);
+  b.start[d] = a;
+  b.size[d] = n;
+  return b;
+}
+
+Box narrowed(Box b, size_t d, int64_t a, int64_t n) {
+  b.start[d] = a;
+  b.size[d] = n;
+  return b;
+}
+
+// torch.chunk: ceil(n/parts) each, the last ones fewer or none.
+std::pair<int64_t, int64_t> chunk_range(int64_t n, int parts, int i) {
+  const int64_t per = (n + parts - 1) / parts;
+  const int64_t a = std::min<int64_t>(n, per * i);
+  const int64_t b = std::min<int64_t>(n, a + per);
+  return {a, b - a};
+}
+
+Status need_dims(const TensorDecl& d, size_t nd, TensorClass c) {
+  if (d.shape.size() < nd) {
+    return invalid_argument("'{}' {} is classified {} and needs at least {} dims", d.name, shape_str(d.shape),
+                            tensor_class_name(c), nd);
+  }
+  return Status::Ok();
+}
+
+Status need_div(const TensorDecl& d, size_t dim, int64_t n, int parts, const char* what) {
+  if (n % parts != 0) {
+    return invalid_argument("{} {} does not divide dim {} ({}) of '{}' {}", what, parts, dim, n, d.name,
+                            shape_str(d.shape));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<TrainerHoldings> make_holdings(const std::vector<TensorDecl>& metadata, const TrainerLayout& layout,
+                                      const ModelInfo& info) {
+  TrainerHoldings out;
+  out.layout = layout;
+  out.tensor_stage.assign(metadata.size(), 0);
+  const int world = layout.world_size();
+  Builder b(metadata, world);
+
+  if (layout.kind == TrainerLayout::Kind::kFsdp) {
+    for (size_t t = 0; t < metadata.size(); ++t) {
+      const TensorDecl& d = metadata[t];
+      if (d.shape.empty()) {
+        b.add(0, t, Box{});
+        // A 0-d tensor has one element: Box{} has numel 1 (empty shape).
+        continue;
+      }
+      for (int r = 0; r < layout.fsdp; ++r) {
+        auto [a, n] = chunk_range(d.shape[0], layout.fsdp, r);
+        b.add(r, t, narrowed(d.shape, 0, a, n));
+      }
+    }
+    out.ranks = std::move(b.ranks);
+    return out;
+  }
+
+  const Groups groups(metadata);
+  const int64_t L = groups.num_layers();
+  const int S = layout.tp * layout.dp;
+  // Layer -> stage: contiguous, the first L % pp stages one layer more.
+  auto stage_of_group = [&](int g) -> int {
+    if (g == 0) return 0;
+    if (g == groups.size() - 1) return layout.pp - 1;
+    const int64_t layer = g - 1;
+    const int64_t base = L / layout.pp, rem = L % layout.pp;
+    const int64_t cut = rem * (base + 1);
+    if (layer < cut) return static_cast<int>(layer / (base + 1));
+    return static_cast<int>(rem + (base == 0 ? 0 : (layer - cut) / base));
+  };
+  // Experts per MoE block: the prefix before ".experts." -> count.
+  std::unordered_map<std::string, int64_t> experts;
+  for (const auto& d : metadata) {
+    int64_t e = -1;
+    classify_tensor(d.name, &e);
+    if (e < 0) continue;
+    const std::string prefix = d.name.substr(0, d.name.find(".experts."));
+    auto& n = experts[prefix];
+    n = std::max(n, e + 1);
+  }
+
+  const int tp = layout.tp, dp = layout.dp, ep = layout.ep, etp = layout.etp, edp = layout.edp();
+  auto dense_rank = [&](int stage, int d, int t) { return stage * S + d * tp + t; };
+  auto expert_rank = [&](int stage, int e_dp, int e_ep, int x) { return stage * S + e_dp * (ep * etp) + e_ep * etp + x; };
+
+  for (size_t t = 0; t < metadata.size(); ++t) {
+    const TensorDecl& d = metadata[t];
+    const int stage = stage_of_group(groups.of_tensor(t));
+    out.tensor_stage[t] = stage;
+    int64_t e = -1;
+    const TensorClass c = classify_tensor(d.name, &e);
+    // Boxes per TP slice (dense classes), then given to every DP replica.
+    std::vector<std::vector<Box>> slices;  // [tp][boxes]
+    auto dense = [&](std::vector<std::vector<Box>> s) {
+      for (int r = 0; r < dp; ++r) {
+        for (int x = 0; x < tp; ++x) {
+          for (const Box& bx : s[static_cast<size_t>(x)]) b.add(dense_rank(stage, r, x), t, bx);
+        }
+      }
+    };
+    switch (c) {
+      case TensorClass::kReplicated: {
+        for (int r = 0; r < S; ++r) b.add(stage * S + r, t, full_box(d.shape));
+        break;
+      }
+      case TensorClass::kColumn:
+      case TensorClass::kRow: {
+        const size_t dim = c == TensorClass::kColumn ? 0 : 1;
+        FERRY_RETURN_IF_ERROR(need_dims(d, dim + 1, c));
+        FERRY_RETURN_IF_ERROR(need_div(d, dim, d.shape[dim], tp, "tp"));
+        const int64_t n = d.shape[dim] / tp;
+        slices.resize(static_cast<size_t>(tp));
+        for (int x = 0; x < tp; ++x) slices[static_cast<size_t>(x)].push_back(narrowed(d.shape, dim, x * n, n));
+        dense(std::move(slices));
+        break;
+      }
+      case TensorClass::kVocab: {
+        FERRY_RETURN_IF_ERROR(need_dims(d, 1, c));
+        slices.resize(static_cast<size_t>(tp));
+        for (int x = 0; x < tp; ++x) {
+          auto [a, n] = chunk_range(d.shape[0], tp, x);
+          slices[static_cast<size_t>(x)].push_back(narrowed(d.shape, 0, a, n));
+        }
+        dense(std::move(slices));
+        break;
+      }
+      case TensorClass::kFusedQkv:
+      case TensorClass::kFusedGateUp: {
+        FERRY_RETURN_IF_ERROR(need_dims(d, 1, c));
+        std::vector<int64_t> parts;
+        if (c == TensorClass::kFusedGateUp) {
+          FERRY_RETURN_IF_ERROR(need_div(d, 0, d.shape[0], 2, "the gate|up halves:"));
+          parts = {d.shape[0] / 2, d.shape[0] / 2};
+        } else {
+          if (info.q_rows <= 0 || info.q_rows + 2 * info.kv_rows != d.shape[0]) {
+            return invalid_argument(
+                "fused '{}' {}: q rows {} + 2 x kv rows {} (from the config's heads and head_dim) don't make dim 0",
+                d.name, shape_str(d.shape), info.q_rows, info.kv_rows);
+          }
+          parts = {info.q_rows, info.kv_rows, info.kv_rows};
+        }
+        slices.resize(static_cast<size_t>(tp));
+        int64_t off = 0;
+        for (int64_t p : parts) {
+          FERRY_RETURN_IF_ERROR(need_div(d, 0, p, tp, "tp (per fused part)"));
+          const int64_t n = p / tp;
+          for (int x = 0; x < tp; ++x) slices[static_cast<size_t>(x)].push_back(narrowed(d.shape, 0, off + x * n, n));
+          off += p;
+        }
+        dense(std::move(slices));
+        break;
+      }
+      case TensorClass::kExpertColumn:
+      case TensorClass::kExpertRow: {
+        const std::string prefix = d.name.substr(0, d.name.find(".experts."));
+        const int64_t E = experts[prefix];
+        if (E % ep != 0) {
+          return invalid_argument("ep {} does not divide the {} experts of '{}' (tensor '{}')", ep, E, prefix, d.name);
+        }
+        const int owner = static_cast<int>(e / (E / ep));
+        const bool bias_like = d.shape.size() < 2 && c == TensorClass::kExpertRow;
+        std::vector<Box> per_x(static_cast<size_t>(etp));
+        if (bias_like) {
+          for (auto& bx : per_x) bx = full_box(d.shape);
+        } else {
+          const size_t dim = c == TensorClass::kExpertColumn ? 0 : 1;
+          FERRY_RETURN_IF_ERROR(need_dims(d, dim + 1, c));
+          FERRY_RETURN_IF_ERROR(need_div(d, dim, d.shape[dim], etp, "etp"));
+          const int64_t n = d.shape[dim] / etp;
+          for (int x = 0; x < etp; ++x) per_x[static_cast<size_t>(x)] = narrowed(d.shape, dim, x * n, n);
+        }
+        for (int r = 0; r < edp; ++r) {
+          for (int x = 0; x < etp; ++x) b.add(expert_rank(stage, r, owner, x), t, per_x[static_cast<size_t>(x)]);
+        }
+        break;
+      }
+      case TensorClass::kExpertsGateUp:
+      case TensorClass::kExpertsDown: {
+        FERRY_RETURN_IF_ERROR(need_dims(d, 3, c));
+        FERRY_RETURN_IF_ERROR(need_div(d, 0, d.shape[0], ep, "ep"));
+        const int64_t per = d.shape[0] / ep;
+        for (int o = 0; o < ep; ++o) {
+          const Box eb = narrowed(d.shape, 0, o * per, per);
+          std::vector<std::vector<Box>> xb(static_cast<size_t>(etp));
+          if (c == TensorClass::kExpertsDown) {
+            FERRY_RETURN_IF_ERROR(need_div(d, 1, d.shape[1], etp, "etp"));
+            const int64_t n = d.shape[1] / etp;
+            for (int x = 0; x < etp; ++x) xb[static_cast<size_t>(x)].push_back(narrowed(eb, 1, x * n, n));
+          } else {
+            FERRY_RETURN_IF_ERROR(need_div(d, 2, d.shape[2], 2 * etp, "2 x etp (gate|up halves)"));
+            const int64_t half = d.shape[2] / 2, n = half / etp;
+            for (int part = 0; part < 2; ++part) {
+              for (int x = 0; x < etp; ++x) xb[static_cast<size_t>(x)].push_back(narrowed(eb, 2, part * half + x * n, n));
+            }
+          }
+          for (int r = 0; r < edp; ++r) {
+            for (int x = 0; x < etp; ++x) {
+              for (const Box& bx : xb[static_cast<size_t>(x)]) b.add(expert_rank(stage, r, o, x), t, bx);
+            }
+          }
+        }
+        break;
+      }
+    }
+  }
+  out.ranks = std::move(b.ranks);
+  return out;
+}
+
+}  // namespace ferry

@@ -1,0 +1,217 @@
+// Router unit tests: errors (each naming the tensor), sharing and balance, segments,
+// encoding (round trip, truncation, corruption), the broadcast baseline.
+#include <gtest/gtest.h>
+
+#include "route/synthetic_model.h"
+
+namespace ferry {
+namespace {
+
+TensorDecl decl(std::string name, Shape shape, DType dt = DType::kBF16) { return TensorDecl{std::move(name), dt, std::move(shape)}; }
+
+// A plan that copies the whole of `d` into a param of the same shape.
+Plan whole_plan(const TensorDecl& d, const std::string& param = "p") {
+  Recorder rec;
+  EXPECT_TRUE(Tensor::param(param, d.shape, d.dtype).copy_(Tensor::source(d.name, d.shape, d.dtype)).ok());
+  return rec.finish().value();
+}
+
+Holdings hold(const TensorDecl& d, std::vector<Box> boxes) {
+  Holdings h;
+  for (auto& b : boxes) EXPECT_TRUE(h.add(d, b).ok());
+  return h;
+}
+
+Result<Routes> route(std::vector<TensorDecl> meta, std::vector<Holdings> prod, const std::vector<Plan>& plans) {
+  RouterInput in;
+  in.metadata = std::move(meta);
+  in.producers = std::move(prod);
+  for (const auto& p : plans) in.consumers.push_back(&p);
+  return build_routes(in);
+}
+
+void expect_error(const Result<Routes>& r, const std::string& needle) {
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status().to_string();
+}
+
+TEST(Router, ErrorTensorNobodyHolds) {
+  const auto w = decl("model.layers.0.mlp.down_proj.weight", {4, 6});
+  expect_error(route({w}, {Holdings{}}, {whole_plan(w)}), "'model.layers.0.mlp.down_proj.weight'");
+  // Partly held: the missing elements are named by tensor.
+  auto r = route({w}, {hold(w, {Box{{0, 0}, {4, 3}}})}, {whole_plan(w)});
+  expect_error(r, "'model.layers.0.mlp.down_proj.weight'");
+  EXPECT_NE(r.status().message().find("held by no producer"), std::string::npos);
+}
+
+TEST(Router, ErrorHoldersDisagree) {
+  const auto w = decl("model.norm.weight", {8});
+  Holdings a = hold(w, {full_box({8})});
+  Holdings b = hold(decl("model.norm.weight", {8}, DType::kF32), {full_box({8})});
+  expect_error(route({w}, {a, b}, {whole_plan(w)}), "holders disagree on tensor 'model.norm.weight'");
+  Holdings c = hold(decl("model.norm.weight", {9}), {full_box({9})});
+  expect_error(route({w}, {a, c}, {whole_plan(w)}), "holders disagree on tensor 'model.norm.weight'");
+  // A single holder that disagrees with the metadata.
+  expect_error(route({w}, {b}, {whole_plan(w)}), "holders disagree on tensor 'model.norm.weight'");
+}
+
+TEST(Router, ErrorOverlapWithinOneRank) {
+  const auto w = decl("model.layers.1.self_attn.qkv_proj.weight", {12, 4});
+  Holdings h = hold(w, {Box{{0, 0}, {6, 4}}, Box{{4, 0}, {8, 4}}});
+  expect_error(route({w}, {h}, {whole_plan(w)}), "overlapping boxes");
+  expect_error(route({w}, {h}, {whole_plan(w)}), "'model.layers.1.self_attn.qkv_proj.weight'");
+  // Touching boxes are fine.
+  Holdings ok = hold(w, {Box{{0, 0}, {6, 4}}, Box{{6, 0}, {6, 4}}});
+  EXPECT_TRUE(route({w}, {ok}, {whole_plan(w)}).ok());
+}
+
+TEST(Router, ErrorPlanReadsUnknownTensor) {
+  const auto w = decl("model.norm.weight", {8});
+  const auto other = decl("lm_head.weight", {8, 2});
+  expect_error(route({w}, {hold(w, {full_box({8})})}, {whole_plan(other)}), "'lm_head.weight', which the metadata lacks");
+  // And one with another shape than the metadata.
+  expect_error(route({w}, {hold(w, {full_box({8})})}, {whole_plan(decl("model.norm.weight", {4}))}),
+               "'model.norm.weight'");
+}
+
+TEST(Router, ErrorHoldingsOfUnknownTensorAndBadBoxes) {
+  const auto w = decl("model.norm.weight", {8});
+  const auto x = decl("model.extra", {8});
+  expect_error(route({w}, {hold(w, {full_box({8})}), hold(x, {full_box({8})})}, {whole_plan(w)}), "'model.extra'");
+  Holdings bad;
+  bad.tensors.push_back(w);
+  bad.boxes.push_back(HeldBox{0, Box{{4}, {8}}});
+  expect_error(route({w}, {bad}, {whole_plan(w)}), "outside tensor 'model.norm.weight'");
+  expect_error(route({w, w}, {}, {}), "twice");
+}
+
+// Two DP replicas hold the same rows; four consumers (two plans x two replicas) read
+// everything. Bytes split evenly, replicas of one consumer rank use the same holder.
+TEST(Router, SharingAndBalance) {
+  const auto w = decl("model.layers.0.mlp.up_proj.weight", {8, 4});
+  const auto v = decl("model.layers.0.mlp.gate_proj.weight", {8, 4});
+  std::vector<Holdings> prod(2);
+  for (auto& h : prod) {
+    ASSERT_TRUE(h.add(w, full_box({8, 4})).ok());
+    ASSERT_TRUE(h.add(v, full_box({8, 4})).ok());
+  }
+  Plan p0, p1;
+  {
+    Recorder rec;
+    ASSERT_TRUE(Tensor::param("a", {8, 4}, DType::kBF16).copy_(Tensor::source(w.name, w.shape, w.dtype)).ok());
+    p0 = rec.finish().value();
+  }
+  {
+    Recorder rec;
+    ASSERT_TRUE(Tensor::param("b", {8, 4}, DType::kBF16).copy_(Tensor::source(v.name, v.shape, v.dtype)).ok());
+    p1 = rec.finish().value();
+  }
+  std::vector<Plan> plans = {p0, p1, p0, p1};
+  auto r = route({w, v}, prod, plans);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->stats.num_plan_classes, 2u);
+  EXPECT_EQ(r->consumer_plan, (std::vector<uint32_t>{0, 1, 0, 1}));
+  EXPECT_EQ(r->stats.producer_bytes, (std::vector<uint64_t>{128, 128}));
+  EXPECT_EQ(r->stats.bytes_moved, 256u);
+  EXPECT_EQ(r->stats.bytes_min, 256u);
+  EXPECT_DOUBLE_EQ(r->stats.balance, 1.0);
+  // Each producer packs one segment for one plan class, read by two consumers.
+  for (const auto& pr : r->producers) {
+    ASSERT_EQ(pr.groups[1].segments.size(), 1u);
+    EXPECT_EQ(pr.groups[1].segments[0].offset % 64, 0u);
+  }
+}
+
+TEST(Router, SegmentsAlignedAndInDestinationOrder) {
+  // One producer holds three tensors; one consumer reads them into params declared in
+  // reverse order; segments per plan class are 64-byte aligned.
+  std::vector<TensorDecl> meta = {decl("model.layers.0.a", {3}), decl("model.layers.0.b", {5}),
+                                  decl("model.layers.0.c", {7})};
+  Holdings h;
+  for (const auto& d : meta) ASSERT_TRUE(h.add(d, full_box(d.shape)).ok());
+  Plan p, q;
+  {
+    Recorder rec;
+    for (int i = 2; i >= 0; --i) {
+      const auto& d = meta[static_cast<size_t>(i)];
+      ASSERT_TRUE(Tensor::param("p" + std::to_string(i), d.shape, DType::kF32).copy_(Tensor::source(d.name, d.shape, d.dtype)).ok());
+    }
+    p = rec.finish().value();
+  }
+  {
+    Recorder rec;
+    ASSERT_TRUE(Tensor::param("x", {7}, DType::kBF16).copy_(Tensor::source(meta[2].name, {7}, DType::kBF16)).ok());
+    q = rec.finish().value();
+  }
+  auto r = route(meta, {h}, {p, q});
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  const auto& pg = r->producers[0].groups[1];
+  ASSERT_EQ(pg.segments.size(), 2u);
+  EXPECT_EQ(pg.segments[0].offset, 0u);
+  EXPECT_EQ(pg.segments[0].bytes, 30u);
+  EXPECT_EQ(pg.segments[1].offset, 64u);
+  EXPECT_EQ(pg.segments[1].bytes, 14u);
+  EXPECT_EQ(pg.staging_bytes, 78u);
+  // Destination order: the plan's params are p2, p1, p0 (declaration order); unpacks follow.
+  const auto& ug = r->plans[0].groups[1];
+  ASSERT_EQ(ug.unpacks.size(), 3u);
+  for (size_t i = 0; i + 1 < ug.unpacks.size(); ++i) EXPECT_LT(ug.unpacks[i].param, ug.unpacks[i + 1].param);
+  EXPECT_EQ(ug.unpacks[0].src_dtype, DType::kBF16);  // converted to f32 on unpack
+}
+
+TEST(Router, EncodingRejectsCorruption) {
+  testing::ModelSpec m;
+  m.experts = 4;
+  const auto meta = testing::make_metadata(m);
+  auto th = make_holdings(meta, TrainerLayout::parse("tp=2,pp=2,ep=2,etp=1").value(), {m.q_rows(), m.kv_rows()});
+  ASSERT_TRUE(th.ok()) << th.status().to_string();
+  testing::InferSpec is{2, 1, 2, true};
+  std::vector<Plan> plans;
+  for (int c = 0; c < is.world(); ++c) plans.push_back(testing::record_synthetic_plan(m, meta, is, c).value());
+  auto r = route(meta, th->ranks, plans);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  const std::string e = r->encode();
+  ASSERT_TRUE(Routes::decode(e).ok());
+  // Every truncation fails cleanly.
+  for (size_t n = 0; n < e.size(); n += std::max<size_t>(1, e.size() / 300)) {
+    EXPECT_FALSE(Routes::decode(std::string_view(e.data(), n)).ok()) << n;
+  }
+  // Byte flips either fail or decode to something that validates.
+  testing::Rng rng(5);
+  for (int i = 0; i < 2000; ++i) {
+    std::string x = e;
+    x[static_cast<size_t>(rng.uniform(0, static_cast<int64_t>(x.size()) - 1))] ^= static_cast<char>(1 << rng.uniform(0, 7));
+    auto d = Routes::decode(x);
+    if (d.ok()) {
+      EXPECT_TRUE(d->validate().ok());
+    }
+  }
+  EXPECT_FALSE(Routes::decode(std::string("FRRT\x02")).ok());
+  EXPECT_FALSE(Routes::decode(e + "x").ok());
+}
+
+TEST(Router, PackAndUnpackCheckTheirBuffers) {
+  const auto w = decl("model.norm.weight", {8});
+  auto r = route({w}, {hold(w, {full_box({8})})}, {whole_plan(w)});
+  ASSERT_TRUE(r.ok());
+  std::vector<std::byte> small(4);
+  EXPECT_FALSE(pack_group(*r, 0, r->num_groups() - 1, hold(w, {full_box({8})}), {}, small).ok());
+  std::vector<std::byte> staging(16);
+  auto st = pack_group(*r, 0, r->num_groups() - 1, hold(w, {full_box({8})}), {}, staging);
+  EXPECT_NE(st.message().find("'model.norm.weight'"), std::string::npos) << st.to_string();
+  TensorMap params;
+  params.emplace("p", Tensor::empty({8}, DType::kF32, "p"));
+  EXPECT_FALSE(unpack_group(r->plans[0], r->num_groups() - 1, staging, params).ok());  // wrong dtype
+}
+
+TEST(Broadcast, OneSenderPerStageToEveryConsumer) {
+  std::vector<TensorDecl> meta = {decl("a", {10}), decl("b", {20}), decl("c", {30}, DType::kF32)};
+  auto b = broadcast_baseline(meta, {0, 1, 1}, 4);
+  EXPECT_EQ(b.bytes, (20u + 40u + 120u) * 4u);
+  EXPECT_EQ(b.max_consumer_bytes, 180u);
+  EXPECT_EQ(b.max_producer_bytes, 160u * 4u);
+  EXPECT_EQ(b.senders, 2);
+}
+
+}  // namespace
+}  // namespace ferry

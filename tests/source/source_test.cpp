@@ -1,0 +1,292 @@
+// WeightSource pieces: trainer layout parsing, groups, classification, Megatron and FSDP
+// holdings, the synthetic source.
+#include <map>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "ferry/source.h"
+#include "route/synthetic_model.h"
+
+namespace ferry {
+namespace {
+
+TEST(TrainerLayout, Parses) {
+  auto l = TrainerLayout::parse("tp=4,pp=2,ep=8,etp=1");
+  ASSERT_TRUE(l.ok()) << l.status().to_string();
+  EXPECT_EQ(l->dp, 2);  // the smallest dp with tp*dp a multiple of ep*etp
+  EXPECT_EQ(l->world_size(), 16);
+  EXPECT_EQ(l->to_string(), "tp=4,pp=2,ep=8,etp=1,dp=2");
+  l = TrainerLayout::parse(" tp=8 , pp=8, ep=32, etp=1 ");
+  ASSERT_TRUE(l.ok());
+  EXPECT_EQ(l->world_size(), 256);
+  l = TrainerLayout::parse("tp=2,world=16");
+  ASSERT_TRUE(l.ok());
+  EXPECT_EQ(l->dp, 8);
+  l = TrainerLayout::parse("fsdp=5");
+  ASSERT_TRUE(l.ok());
+  EXPECT_EQ(l->kind, TrainerLayout::Kind::kFsdp);
+  EXPECT_EQ(l->world_size(), 5);
+  EXPECT_EQ(l->to_string(), "fsdp=5");
+}
+
+TEST(TrainerLayout, Errors) {
+  auto msg = [](std::string_view s) { return TrainerLayout::parse(s).status().message(); };
+  EXPECT_NE(msg("tp=2,foo=3").find("unknown key 'foo'"), std::string::npos);
+  EXPECT_NE(msg("tp=2,tp=3").find("'tp' given twice"), std::string::npos);
+  EXPECT_NE(msg("tp=0").find("positive integer"), std::string::npos);
+  EXPECT_NE(msg("tp=x").find("positive integer"), std::string::npos);
+  EXPECT_NE(msg("tp").find("not key=value"), std::string::npos);
+  EXPECT_NE(msg("fsdp=4,tp=2").find("can't be combined"), std::string::npos);
+  EXPECT_NE(msg("tp=2,ep=4,dp=1").find("must divide tp*dp"), std::string::npos);
+  EXPECT_NE(msg("tp=4,pp=2,world=12").find("not a multiple"), std::string::npos);
+  EXPECT_NE(msg("").find("empty"), std::string::npos);
+}
+
+TEST(Groups, ByName) {
+  std::vector<TensorDecl> meta = {{"model.embed_tokens.weight", DType::kBF16, {4, 2}},
+                                  {"model.layers.1.mlp.up_proj.weight", DType::kBF16, {2, 2}},
+                                  {"model.layers.0.input_layernorm.weight", DType::kBF16, {2}},
+                                  {"model.norm.weight", DType::kBF16, {2}},
+                                  {"lm_head.weight", DType::kBF16, {4, 2}},
+                                  {"model.mylayers.7.x", DType::kBF16, {1}}};
+  Groups g(meta);
+  EXPECT_EQ(g.size(), 4);
+  EXPECT_EQ(g.name(0), "pre");
+  EXPECT_EQ(g.name(2), "layer 1");
+  EXPECT_EQ(g.name(3), "post");
+  EXPECT_EQ(g.tensor_groups(), (std::vector<int>{0, 2, 1, 3, 3, 3}));
+  EXPECT_EQ(g.of_name("model.layers.0.self_attn.q_proj.weight"), 1);
+}
+
+TEST(Classify, BySuffix) {
+  struct Case {
+    const char* name;
+    TensorClass c;
+  };
+  const Case cases[] = {
+      {"model.layers.0.self_attn.q_proj.weight", TensorClass::kColumn},
+      {"model.layers.0.self_attn.k_proj.bias", TensorClass::kColumn},
+      {"model.layers.0.self_attn.o_proj.weight", TensorClass::kRow},
+      {"model.layers.0.self_attn.o_proj.bias", TensorClass::kReplicated},
+      {"model.layers.0.self_attn.q_norm.weight", TensorClass::kReplicated},
+      {"model.layers.0.self_attn.q_a_proj.weight", TensorClass::kReplicated},
+      {"model.layers.0.self_attn.kv_a_proj_with_mqa.weight", TensorClass::kReplicated},
+      {"model.layers.0.self_attn.q_a_layernorm.weight", TensorClass::kReplicated},
+      {"model.layers.0.self_attn.q_b_proj.weight", TensorClass::kColumn},
+      {"model.layers.0.self_attn.kv_b_proj.weight_scale_inv", TensorClass::kColumn},
+      {"model.layers.0.self_attn.qkv_proj.weight", TensorClass::kFusedQkv},
+      {"model.layers.0.mlp.gate_up_proj.weight", TensorClass::kFusedGateUp},
+      {"model.layers.0.mlp.gate.weight", TensorClass::kReplicated},
+      {"model.layers.0.mlp.gate.e_score_correction_bias", TensorClass::kReplicated},
+      {"model.layers.0.mlp.shared_experts.gate_proj.weight", TensorClass::kColumn},
+      {"model.layers.0.mlp.shared_experts.down_proj.weight", TensorClass::kRow},
+      {"model.layers.0.mlp.experts.12.up_proj.weight", TensorClass::kExpertColumn},
+      {"model.layers.0.mlp.experts.12.down_proj.weight", TensorClass::kExpertRow},
+      {"model.layers.0.block_sparse_moe.experts.3.w1.weight", TensorClass::kExpertColumn},
+      {"model.layers.0.block_sparse_moe.experts.3.w2.weight", TensorClass::kExpertRow},
+      {"model.layers.0.block_sparse_moe.gate.weight", TensorClass::kReplicated},
+      {"language_model.model.layers.0.feed_forward.experts.gate_up_proj", TensorClass::kExpertsGateUp},
+      {"language_model.model.layers.0.feed_forward.experts.down_proj", TensorClass::kExpertsDown},
+      {"language_model.model.layers.0.feed_forward.router.weight", TensorClass::kReplicated},
+      {"language_model.model.layers.0.feed_forward.shared_expert.up_proj.weight", TensorClass::kColumn},
+      {"model.embed_tokens.weight", TensorClass::kVocab},
+      {"lm_head.weight", TensorClass::kVocab},
+      {"model.norm.weight", TensorClass::kReplicated},
+  };
+  for (const auto& c : cases) EXPECT_EQ(classify_tensor(c.name), c.c) << c.name;
+  int64_t e = -1;
+  classify_tensor("model.layers.3.mlp.experts.17.gate_proj.weight", &e);
+  EXPECT_EQ(e, 17);
+}
+
+// Union of the boxes of `tensor` over `ranks`: how many times each element is held.
+std::vector<int> coverage(const std::vector<Holdings>& ranks, const TensorDecl& d, const std::vector<int>& which) {
+  std::vector<int> n(static_cast<size_t>(shape_numel(d.shape)), 0);
+  const Shape st = contiguous_strides(d.shape);
+  for (int r : which) {
+    const Holdings& h = ranks[static_cast<size_t>(r)];
+    for (const auto& b : h.boxes) {
+      if (h.tensors[b.tensor].name != d.name) continue;
+      Shape idx(d.shape.size(), 0);
+      for (int64_t e = 0; e < b.box.numel(); ++e) {
+        int64_t f = 0;
+        for (size_t k = 0; k < idx.size(); ++k) f += (b.box.start[k] + idx[k]) * st[k];
+        n[static_cast<size_t>(f)]++;
+        for (size_t k = idx.size(); k-- > 0;) {
+          if (++idx[k] < b.box.size[k]) break;
+          idx[k] = 0;
+        }
+      }
+    }
+  }
+  return n;
+}
+
+TEST(Holdings, MegatronDenseTpPpDp) {
+  testing::ModelSpec m;
+  m.layers = 4;
+  m.qkv_bias = true;
+  const auto meta = testing::make_metadata(m);
+  auto l = TrainerLayout::parse("tp=2,pp=2,dp=2").value();
+  auto th = make_holdings(meta, l, {m.q_rows(), m.kv_rows()});
+  ASSERT_TRUE(th.ok()) << th.status().to_string();
+  ASSERT_EQ(th->ranks.size(), 8u);
+  // Each DP replica (ranks of one dp index over both stages) holds every element exactly
+  // once for TP-split tensors and tp times for replicated ones.
+  for (int dp = 0; dp < 2; ++dp) {
+    std::vector<int> replica;
+    for (int s = 0; s < 2; ++s)
+      for (int t = 0; t < 2; ++t) replica.push_back(s * 4 + dp * 2 + t);
+    for (size_t i = 0; i < meta.size(); ++i) {
+      const auto c = classify_tensor(meta[i].name);
+      const int want = c == TensorClass::kReplicated ? 2 : 1;
+      for (int x : coverage(th->ranks, meta[i], replica)) ASSERT_EQ(x, want) << meta[i].name;
+    }
+  }
+  // Stages: layers 0-1 and embeddings on stage 0, layers 2-3, norm and lm_head on stage 1.
+  auto stage_of = [&](const std::string& n) {
+    for (size_t i = 0; i < meta.size(); ++i)
+      if (meta[i].name == n) return th->tensor_stage[i];
+    return -1;
+  };
+  EXPECT_EQ(stage_of("model.embed_tokens.weight"), 0);
+  EXPECT_EQ(stage_of("model.layers.1.mlp.up_proj.weight"), 0);
+  EXPECT_EQ(stage_of("model.layers.2.mlp.up_proj.weight"), 1);
+  EXPECT_EQ(stage_of("lm_head.weight"), 1);
+  // Rank 1 (stage 0, dp 0, tp 1): q_proj rows [8, 16), o_proj columns [8, 16).
+  const Holdings& h = th->ranks[1];
+  for (const auto& b : h.boxes) {
+    const auto& n = h.tensors[b.tensor].name;
+    if (n == "model.layers.0.self_attn.q_proj.weight") {
+      EXPECT_EQ(b.box, (Box{{8, 0}, {8, 16}}));
+    }
+    if (n == "model.layers.0.self_attn.o_proj.weight") {
+      EXPECT_EQ(b.box, (Box{{0, 8}, {16, 8}}));
+    }
+    if (n == "model.embed_tokens.weight") {  // chunk of 37 rows
+      EXPECT_EQ(b.box, (Box{{19, 0}, {18, 16}}));
+    }
+    EXPECT_EQ(th->tensor_stage[0], 0);
+  }
+}
+
+TEST(Holdings, MegatronExpertsAndFused) {
+  testing::ModelSpec m;
+  m.experts = 8;
+  const auto meta = testing::make_metadata(m);
+  auto l = TrainerLayout::parse("tp=2,pp=1,ep=2,etp=2").value();  // dp 2, edp 1
+  auto th = make_holdings(meta, l, {m.q_rows(), m.kv_rows()});
+  ASSERT_TRUE(th.ok()) << th.status().to_string();
+  // Expert 5 of layer 0 (owner ep rank 1) lives on ranks 2 (etp 0) and 3 (etp 1).
+  const TensorDecl* gp = nullptr;
+  for (const auto& d : meta)
+    if (d.name == "model.layers.0.mlp.experts.5.gate_proj.weight") gp = &d;
+  ASSERT_TRUE(gp);
+  EXPECT_EQ(coverage(th->ranks, *gp, {0, 1}), std::vector<int>(static_cast<size_t>(shape_numel(gp->shape)), 0));
+  EXPECT_EQ(coverage(th->ranks, *gp, {2, 3}), std::vector<int>(static_cast<size_t>(shape_numel(gp->shape)), 1));
+  // Llama-4 fused experts: dim 0 over EP, the gate|up halves over ETP (two boxes).
+  m.fused_experts = true;
+  const auto meta2 = testing::make_metadata(m);
+  auto th2 = make_holdings(meta2, l, {m.q_rows(), m.kv_rows()});
+  ASSERT_TRUE(th2.ok()) << th2.status().to_string();
+  int seen = 0;
+  for (const auto& b : th2->ranks[3].boxes) {
+    const auto& n = th2->ranks[3].tensors[b.tensor].name;
+    if (n == "model.layers.0.feed_forward.experts.gate_up_proj") {
+      EXPECT_TRUE(b.box == (Box{{4, 0, 4}, {4, 16, 4}}) || b.box == (Box{{4, 0, 12}, {4, 16, 4}})) << b.box.to_string();
+      ++seen;
+    }
+    if (n == "model.layers.0.feed_forward.experts.down_proj") {
+      EXPECT_EQ(b.box, (Box{{4, 4, 0}, {4, 4, 16}}));
+    }
+  }
+  EXPECT_EQ(seen, 2);
+  // Phi-3 fused qkv: one box per part per TP rank.
+  testing::ModelSpec p;
+  p.phi3 = true;
+  const auto meta3 = testing::make_metadata(p);
+  auto th3 = make_holdings(meta3, TrainerLayout::parse("tp=2").value(), {p.q_rows(), p.kv_rows()});
+  ASSERT_TRUE(th3.ok()) << th3.status().to_string();
+  std::vector<Box> qkv;
+  for (const auto& b : th3->ranks[1].boxes)
+    if (th3->ranks[1].tensors[b.tensor].name == "model.layers.0.self_attn.qkv_proj.weight") qkv.push_back(b.box);
+  EXPECT_EQ(qkv, (std::vector<Box>{Box{{8, 0}, {8, 16}}, Box{{20, 0}, {4, 16}}, Box{{28, 0}, {4, 16}}}));
+  // Without head info a fused qkv can't be split: the error names the tensor.
+  auto bad = make_holdings(meta3, TrainerLayout::parse("tp=2").value(), {});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("'model.layers.0.self_attn.qkv_proj.weight'"), std::string::npos);
+}
+
+TEST(Holdings, MegatronErrorsNameTheTensor) {
+  testing::ModelSpec m;
+  m.experts = 4;
+  const auto meta = testing::make_metadata(m);
+  auto th = make_holdings(meta, TrainerLayout::parse("tp=8,ep=8").value(), {m.q_rows(), m.kv_rows()});
+  ASSERT_FALSE(th.ok());
+  EXPECT_NE(th.status().message().find("'model.layers.0."), std::string::npos) << th.status().to_string();
+}
+
+TEST(Holdings, FsdpUnevenScalarsAndEmptyRanks) {
+  std::vector<TensorDecl> meta = {{"model.layers.0.w", DType::kBF16, {5, 3}},
+                                  {"model.layers.0.b", DType::kF32, {2}},
+                                  {"model.layers.0.s", DType::kF32, {}}};
+  auto th = make_holdings(meta, TrainerLayout::parse("fsdp=4").value());
+  ASSERT_TRUE(th.ok());
+  ASSERT_EQ(th->ranks.size(), 4u);
+  // w: rows 2,2,1,0; b: 1,1,0,0; s: rank 0.
+  EXPECT_EQ(th->ranks[0].boxes.size(), 3u);
+  EXPECT_EQ(th->ranks[1].boxes.size(), 2u);
+  EXPECT_EQ(th->ranks[2].boxes.size(), 1u);
+  EXPECT_EQ(th->ranks[3].boxes.size(), 0u);
+  EXPECT_EQ(th->ranks[2].boxes[0].box, (Box{{4, 0}, {1, 3}}));
+  for (const auto& d : meta) {
+    for (int x : coverage(th->ranks, d, {0, 1, 2, 3})) EXPECT_EQ(x, 1) << d.name;
+  }
+}
+
+TEST(SyntheticSource, MaterializesBoxesOfTheFullTensor) {
+  std::vector<TensorDecl> meta = {{"model.embed_tokens.weight", DType::kBF16, {6, 4}},
+                                  {"model.layers.0.w", DType::kF32, {5, 3}},
+                                  {"model.norm.weight", DType::kF16, {4}}};
+  auto th = make_holdings(meta, TrainerLayout::parse("fsdp=3").value());
+  ASSERT_TRUE(th.ok());
+  auto shared = std::make_shared<const std::vector<Holdings>>(th->ranks);
+  for (uint64_t v : {0, 3}) {
+    for (int r = 0; r < 3; ++r) {
+      SyntheticSource s(meta, shared, r, 9);
+      s.set_version(v);
+      for (int g = 0; g < 3; ++g) {
+        auto boxes = s.materialize(g);
+        ASSERT_TRUE(boxes.ok());
+        for (const auto& lb : *boxes) {
+          const HeldBox& hb = th->ranks[static_cast<size_t>(r)].boxes[lb.box];
+          const TensorDecl& d = th->ranks[static_cast<size_t>(r)].tensors[hb.tensor];
+          Tensor full = synthetic_tensor(9, v, d);
+          Tensor view = full;
+          for (size_t k = 0; k < hb.box.start.size(); ++k) view = view.narrow(static_cast<int64_t>(k), hb.box.start[k], hb.box.size[k]);
+          EXPECT_TRUE(view.equal(lb.data).value()) << d.name;
+        }
+      }
+    }
+  }
+  // Versions differ.
+  EXPECT_NE(synthetic_value(1, 0, "x", 5, DType::kF32), synthetic_value(1, 1, "x", 5, DType::kF32));
+  SyntheticSource s(meta, shared, 0, 9);
+  EXPECT_FALSE(s.materialize(7).ok());
+  EXPECT_FALSE(s.holdings(3).ok());
+}
+
+TEST(ModelInfo, FromConfig) {
+  auto j = nlohmann::json::parse(R"({"num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 3072})");
+  auto i = model_info_from_config(j);
+  EXPECT_EQ(i.q_rows, 3072);
+  EXPECT_EQ(i.kv_rows, 768);
+  j = nlohmann::json::parse(R"({"text_config": {"num_attention_heads": 4, "head_dim": 8, "hidden_size": 16}})");
+  i = model_info_from_config(j);
+  EXPECT_EQ(i.q_rows, 32);
+  EXPECT_EQ(i.kv_rows, 32);
+}
+
+}  // namespace
+}  // namespace ferry
