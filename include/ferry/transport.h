@@ -226,7 +226,15 @@ class Transport final {
   // Registers [base, base + length). kInvalidArgument for a null base or zero length,
   // kUnimplemented for a memory kind the backend lacks.
   Result<MemoryRegion> register_memory(void* base, uint64_t length, MemoryKind kind = MemoryKind::kHost);
-  // Deregisters; kNotFound if it is not registered (any more). Peers' later accesses
+  // Allocates `length` bytes already registered with this transport, owned by it and
+  // freed by deregister_memory (or the transport's destruction). ucx: allocated by UCX
+  // (UCP_MEM_MAP_ALLOCATE); over shared memory the segment is mapped by peers on the
+  // same host, which then read/write it with a plain copy instead of a protocol round
+  // trip — the fast choice for staging buffers (with UCX 1.13, RMA to user memory
+  // registered over sm falls back to software emulation). inproc: page-aligned memory.
+  Result<MemoryRegion> allocate_memory(uint64_t length, MemoryKind kind = MemoryKind::kHost);
+  // Deregisters (and frees, for allocate_memory regions); kNotFound if it is not
+  // registered (any more). Peers' later accesses
   // to it fail (inproc: kNotFound/kOutOfRange; UCX: a remote access error).
   Status deregister_memory(const MemoryRegion& region);
 

@@ -80,6 +80,7 @@ class TransportBackend {
   virtual Result<PeerId> connect(std::span<const std::byte> address) = 0;
   virtual Status disconnect(PeerId peer) = 0;
   virtual Result<MemoryRegion> register_memory(void* base, uint64_t length, MemoryKind kind) = 0;
+  virtual Result<MemoryRegion> allocate_memory(uint64_t length, MemoryKind kind) = 0;
   virtual Status deregister_memory(const MemoryRegion& region) = 0;
   virtual Result<std::vector<std::byte>> export_key(const MemoryRegion& region) = 0;
   virtual Result<RemoteRegion> import_key(std::span<const std::byte> key) = 0;

@@ -97,6 +97,10 @@ Result<MemoryRegion> Transport::register_memory(void* base, uint64_t length, Mem
   }
   return impl_->register_memory(base, length, kind);
 }
+Result<MemoryRegion> Transport::allocate_memory(uint64_t length, MemoryKind kind) {
+  if (length == 0) return invalid_argument("allocate_memory: zero length");
+  return impl_->allocate_memory(length, kind);
+}
 Status Transport::deregister_memory(const MemoryRegion& region) { return impl_->deregister_memory(region); }
 Result<std::vector<std::byte>> Transport::export_key(const MemoryRegion& region) { return impl_->export_key(region); }
 Result<RemoteRegion> Transport::import_key(std::span<const std::byte> key) { return impl_->import_key(key); }

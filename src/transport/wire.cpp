@@ -1,7 +1,12 @@
 #include "transport/wire.h"
 
+#include <sys/stat.h>
+
 #include <cstring>
+#include <fstream>
+#include <functional>
 #include <limits>
+#include <string>
 
 namespace ferry::transport_wire {
 namespace {
@@ -9,7 +14,7 @@ namespace {
 constexpr uint32_t kAddressMagic = 0x44415246;  // "FRAD" little-endian
 constexpr uint32_t kKeyMagic = 0x4b525246;      // "FRRK"
 constexpr uint32_t kMessageMagic = 0x534d5246;  // "FRMS"
-constexpr size_t kAddressFixed = 20;
+constexpr size_t kAddressFixed = 32;
 constexpr size_t kKeyFixed = 44;
 
 class Writer {
@@ -77,6 +82,20 @@ Status check_backend(uint8_t b, Backend expect, const char* what) {
 
 }  // namespace
 
+uint64_t local_host_tag() {
+  static const uint64_t tag = [] {
+    std::string boot;
+    std::ifstream f("/proc/sys/kernel/random/boot_id");
+    std::getline(f, boot);
+    struct stat st {};
+    uint64_t ns = stat("/proc/self/ns/pid", &st) == 0 ? uint64_t(st.st_ino) : 0;
+    if (boot.empty() || ns == 0) return uint64_t(0);
+    uint64_t h = std::hash<std::string>{}(boot) ^ (ns * 0x9e3779b97f4a7c15ULL);
+    return h == 0 ? uint64_t(1) : h;
+  }();
+  return tag;
+}
+
 const char* backend_name(Backend b) {
   switch (b) {
     case Backend::kUcx: return "ucx";
@@ -94,6 +113,8 @@ std::vector<std::byte> encode_address(const Address& a) {
   w.u8(uint8_t(a.backend));
   w.u16(0);
   w.u64(a.instance_id);
+  w.u32(a.pid);
+  w.u64(a.host_tag);
   w.u32(uint32_t(a.payload.size()));
   w.bytes(a.payload);
   return out;
@@ -114,6 +135,8 @@ Result<Address> decode_address(std::span<const std::byte> bytes, Backend expect)
   Address a;
   a.backend = expect;
   a.instance_id = r.u64();
+  a.pid = r.u32();
+  a.host_tag = r.u64();
   uint32_t n = r.u32();
   if (n > kMaxAddressPayload) return corrupt("transport address: payload of {} bytes exceeds {}", n, kMaxAddressPayload);
   if (n != r.remaining()) {

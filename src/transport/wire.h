@@ -5,7 +5,8 @@
 //
 // All integers are little-endian. Layouts (offsets in bytes):
 //   address: magic "FRAD"(4) version(1) backend(1) reserved(2)=0 instance_id(8)
-//            payload_len(4) payload(payload_len)                       — total 20 + n
+//            pid(4) host_tag(8) payload_len(4) payload(payload_len)    — total 32 + n
+//            (pid + host_tag let a peer on the same host watch the process: see ucx.cpp)
 //   key:     magic "FRRK"(4) version(1) backend(1) kind(1) reserved(1)=0 owner_id(8)
 //            region_id(8) base(8) length(8) payload_len(4) payload(n)  — total 44 + n
 //   message header (UCX active-message header; inproc passes it in memory):
@@ -34,8 +35,12 @@ inline constexpr size_t kMaxKeyPayload = 64 * 1024;
 struct Address {
   Backend backend = Backend::kUcx;
   uint64_t instance_id = 0;
+  uint32_t pid = 0;       // the owning process (0: unknown)
+  uint64_t host_tag = 0;  // same value <=> same host and PID namespace (0: unknown)
   std::vector<std::byte> payload;
 };
+// This process's host tag: a hash of the kernel boot id and the PID-namespace inode.
+uint64_t local_host_tag();
 std::vector<std::byte> encode_address(const Address& a);
 // kCorrupt for malformed bytes; kInvalidArgument when the backend differs from `expect`.
 Result<Address> decode_address(std::span<const std::byte> bytes, Backend expect);

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -86,8 +87,13 @@ Result<std::string> read_line(int fd, std::chrono::milliseconds timeout) {
     ssize_t n = ::read(fd, buf, sizeof buf);
     if (n <= 0) return unavailable("transport_peer exited before it was ready");
     line.append(buf, size_t(n));
-    auto nl = line.find('\n');
-    if (nl != std::string::npos) return line.substr(0, nl);
+    // UCX may log to stdout before we are ready: skip anything but the READY line.
+    for (auto nl = line.find('\n'); nl != std::string::npos; nl = line.find('\n')) {
+      std::string l = line.substr(0, nl);
+      line.erase(0, nl + 1);
+      if (l.rfind("READY ", 0) == 0) return l;
+      std::fprintf(stderr, "transport_peer: %s\n", l.c_str());
+    }
   }
 }
 

@@ -7,12 +7,11 @@ namespace ferry::transport_test {
 Result<std::unique_ptr<PeerService>> PeerService::start(Transport& t, uint64_t bytes,
                                                         std::span<const std::byte> parent_address) {
   std::unique_ptr<PeerService> s(new PeerService(t));
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) return io_error("peer: mmap of {} bytes failed", bytes);
-  s->mem_ = static_cast<std::byte*>(p);
+  // Transport-allocated, as a producer's staging buffer would be.
+  FERRY_ASSIGN_OR_RETURN(s->region_, t.allocate_memory(bytes));
+  s->mem_ = static_cast<std::byte*>(s->region_.base);
   s->bytes_ = bytes;
   fill_pattern(s->mem_, 0, bytes, 1);
-  FERRY_ASSIGN_OR_RETURN(s->region_, t.register_memory(s->mem_, bytes));
   FERRY_ASSIGN_OR_RETURN(s->key_, t.export_key(s->region_));
   FERRY_ASSIGN_OR_RETURN(s->parent_, t.connect(parent_address));
   PeerService* raw = s.get();
@@ -25,7 +24,6 @@ Result<std::unique_ptr<PeerService>> PeerService::start(Transport& t, uint64_t b
 PeerService::~PeerService() {
   t_.set_message_handler({});
   if (region_.id != 0) t_.deregister_memory(region_).ignore();
-  if (mem_ != nullptr) munmap(mem_, bytes_);
 }
 
 void PeerService::on_message(PeerId from, uint32_t tag, std::span<const std::byte> payload) {

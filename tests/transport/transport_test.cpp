@@ -70,7 +70,7 @@ class TransportTest : public ::testing::TestWithParam<BackendCase> {
 
 TEST_P(TransportTest, ReadRegion) {
   constexpr uint64_t kBytes = 4 << 20;
-  spawn(kBytes);
+  ASSERT_NO_FATAL_FAILURE(spawn(kBytes));
   Buffer buf(kBytes);
   ASSERT_OK_AND_ASSIGN(MemoryRegion mr, local_->register_memory(buf.data(), kBytes));
   ASSERT_OK_AND_ASSIGN(Completion c, local_->read(mr, 0, remote_->region, 0, kBytes));
@@ -87,7 +87,7 @@ TEST_P(TransportTest, ReadRegion) {
 
 TEST_P(TransportTest, WriteFlushIsVisible) {
   constexpr uint64_t kBytes = 4 << 20;
-  spawn(kBytes);
+  ASSERT_NO_FATAL_FAILURE(spawn(kBytes));
   Buffer buf(kBytes);
   fill_pattern(buf.data(), 0, kBytes, 7);
   ASSERT_OK_AND_ASSIGN(MemoryRegion mr, local_->register_memory(buf.data(), kBytes));
@@ -112,9 +112,30 @@ TEST_P(TransportTest, WriteFlushIsVisible) {
   EXPECT_EQ(check_pattern(back.data() + kBytes - 1000, kBytes - 1000, 1000, 1), std::numeric_limits<uint64_t>::max());
 }
 
+TEST_P(TransportTest, AllocatedMemory) {
+  constexpr uint64_t kBytes = 1 << 20;
+  ASSERT_NO_FATAL_FAILURE(spawn(kBytes));
+  ASSERT_OK_AND_ASSIGN(MemoryRegion mr, local_->allocate_memory(kBytes));
+  ASSERT_NE(mr.base, nullptr);
+  EXPECT_EQ(mr.length, kBytes);
+  auto* p = static_cast<std::byte*>(mr.base);
+  ASSERT_OK_AND_ASSIGN(Completion r, local_->read(mr, 0, remote_->region, 0, kBytes));
+  ASSERT_OK(r.wait(kWait));
+  EXPECT_EQ(check_pattern(p, 0, kBytes, 1), std::numeric_limits<uint64_t>::max());
+  fill_pattern(p, 0, kBytes, 11);
+  ASSERT_OK_AND_ASSIGN(Completion w, local_->write(mr, 0, remote_->region, 0, kBytes));
+  ASSERT_OK(w.wait(kWait));
+  ASSERT_OK_AND_ASSIGN(Completion f, local_->flush(remote_->peer));
+  ASSERT_OK(f.wait(kWait));
+  EXPECT_EQ(remote_hash(0, kBytes), hash_bytes(p, kBytes));
+  ASSERT_OK(local_->deregister_memory(mr));
+  EXPECT_EQ(local_->deregister_memory(mr).code(), StatusCode::kNotFound);
+  EXPECT_EQ(local_->allocate_memory(0).status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST_P(TransportTest, TinyTransfers) {
   constexpr uint64_t kBytes = 4096;
-  spawn(kBytes);
+  ASSERT_NO_FATAL_FAILURE(spawn(kBytes));
   std::byte local[16] = {};
   ASSERT_OK_AND_ASSIGN(MemoryRegion mr, local_->register_memory(local, sizeof local));
   // The last byte of the remote region, alone.
@@ -141,7 +162,7 @@ TEST_P(TransportTest, ManyOutstandingOperations) {
   constexpr uint64_t kBytes = 8 << 20;
   constexpr uint64_t kChunk = 2048;
   constexpr int kOps = 2000;
-  spawn(kBytes);
+  ASSERT_NO_FATAL_FAILURE(spawn(kBytes));
   Buffer buf(kBytes);
   ASSERT_OK_AND_ASSIGN(MemoryRegion mr, local_->register_memory(buf.data(), kBytes));
   std::atomic<int> ok_callbacks{0};
@@ -171,7 +192,7 @@ TEST_P(TransportTest, ManyOutstandingOperations) {
 }
 
 TEST_P(TransportTest, Messages) {
-  spawn(4096);
+  ASSERT_NO_FATAL_FAILURE(spawn(4096));
   const size_t max = options_for(GetParam()).max_message_bytes;
   for (size_t n : {size_t(0), size_t(1), size_t(100), size_t(4097), max}) {
     std::vector<std::byte> msg(n);
@@ -209,7 +230,7 @@ TEST_P(TransportTest, Messages) {
 
 TEST_P(TransportTest, OutOfBoundsRefused) {
   constexpr uint64_t kBytes = 1 << 16;
-  spawn(kBytes);
+  ASSERT_NO_FATAL_FAILURE(spawn(kBytes));
   std::vector<std::byte> mem(kBytes);
   ASSERT_OK_AND_ASSIGN(MemoryRegion mr, local_->register_memory(mem.data(), mem.size()));
   const RemoteRegion& rr = remote_->region;
@@ -264,7 +285,7 @@ TEST_P(TransportTest, OutOfBoundsRefused) {
 
 TEST_P(TransportTest, OneGiBReadAndWrite) {
   constexpr uint64_t kBytes = 1ull << 30;
-  spawn(kBytes);
+  ASSERT_NO_FATAL_FAILURE(spawn(kBytes));
   Buffer buf(kBytes);
   ASSERT_NE(buf.data(), nullptr);
   ASSERT_OK_AND_ASSIGN(MemoryRegion mr, local_->register_memory(buf.data(), kBytes));
@@ -287,7 +308,7 @@ TEST_P(TransportTest, OneGiBReadAndWrite) {
 }
 
 TEST_P(TransportTest, KilledPeerIsReported) {
-  spawn(1 << 20);
+  ASSERT_NO_FATAL_FAILURE(spawn(1 << 20));
   std::mutex mu;
   std::condition_variable cv;
   std::vector<std::pair<PeerId, Status>> failures;
@@ -315,10 +336,7 @@ TEST_P(TransportTest, KilledPeerIsReported) {
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("peer failure reported after %.3f s: %s\n", secs, failures[0].second.to_string().c_str());
   // Everything that was in flight is done (either way), within a bound.
-  for (auto& c : ops) {
-    Status st = c.wait(10s);
-    EXPECT_NE(st.code(), StatusCode::kTimeout);
-  }
+  EXPECT_NE(wait_all(ops, 10s).code(), StatusCode::kTimeout);
   // Later operations are refused at once.
   auto r = local_->read(mr, 0, remote_->region, 0, 16);
   EXPECT_EQ(r.status().code(), StatusCode::kPeerFailed);
@@ -333,7 +351,7 @@ TEST_P(TransportTest, KilledPeerIsReported) {
 }
 
 TEST_P(TransportTest, ConnectIsIdempotentAndSelfWorks) {
-  spawn(4096);
+  ASSERT_NO_FATAL_FAILURE(spawn(4096));
   // Connecting again returns the same peer; its id is the remote's instance id.
   ASSERT_OK_AND_ASSIGN(PeerId self, local_->connect(local_->address()));
   EXPECT_EQ(self, local_->id());
@@ -362,7 +380,9 @@ TEST_P(TransportTest, ConnectIsIdempotentAndSelfWorks) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, TransportTest,
-                         ::testing::Values(BackendCase{"inproc", "inproc", ""}),
+                         ::testing::Values(BackendCase{"inproc", "inproc", ""},
+                                           BackendCase{"ucx_shm", "ucx", "sm,self"},
+                                           BackendCase{"ucx_tcp", "ucx", "tcp,self"}),
                          [](const ::testing::TestParamInfo<BackendCase>& i) { return i.param.name; });
 
 }  // namespace

@@ -14,12 +14,14 @@ namespace wire = ferry::transport_wire;
 using namespace std::chrono_literals;
 
 TEST(TransportWire, AddressRoundTripAndRejects) {
-  wire::Address a{wire::Backend::kUcx, 0x1234, {std::byte{1}, std::byte{2}, std::byte{3}}};
+  wire::Address a{wire::Backend::kUcx, 0x1234, 77, 99, {std::byte{1}, std::byte{2}, std::byte{3}}};
   auto bytes = wire::encode_address(a);
   auto d = wire::decode_address(bytes, wire::Backend::kUcx);
   ASSERT_TRUE(d.ok()) << d.status().to_string();
   EXPECT_EQ(d->instance_id, 0x1234u);
   EXPECT_EQ(d->payload, a.payload);
+  EXPECT_EQ(d->pid, 77u);
+  EXPECT_EQ(d->host_tag, 99u);
   // Wrong backend: a clear InvalidArgument.
   EXPECT_EQ(wire::decode_address(bytes, wire::Backend::kInproc).status().code(), StatusCode::kInvalidArgument);
   // Every truncation and every extension is refused.
@@ -32,10 +34,10 @@ TEST(TransportWire, AddressRoundTripAndRejects) {
   EXPECT_EQ(wire::decode_address(longer, wire::Backend::kUcx).status().code(), StatusCode::kCorrupt);
   // A payload length field claiming more than is there, or a huge one.
   auto lie = bytes;
-  lie[16] = std::byte{0xff};
-  lie[17] = std::byte{0xff};
-  lie[18] = std::byte{0xff};
-  lie[19] = std::byte{0xff};
+  lie[28] = std::byte{0xff};
+  lie[29] = std::byte{0xff};
+  lie[30] = std::byte{0xff};
+  lie[31] = std::byte{0xff};
   EXPECT_EQ(wire::decode_address(lie, wire::Backend::kUcx).status().code(), StatusCode::kCorrupt);
 }
 
@@ -85,7 +87,7 @@ TEST(TransportWire, MutatedFramesNeverCrash) {
   std::mt19937_64 rng(1);
   auto key = wire::encode_key({wire::Backend::kUcx, MemoryKind::kHost, 1, 2, 4096, 65536,
                                std::vector<std::byte>(40, std::byte{7})});
-  auto addr = wire::encode_address({wire::Backend::kUcx, 5, std::vector<std::byte>(100, std::byte{1})});
+  auto addr = wire::encode_address({wire::Backend::kUcx, 5, 1, 2, std::vector<std::byte>(100, std::byte{1})});
   for (int i = 0; i < 20000; ++i) {
     auto k = (i & 1) ? key : addr;
     int flips = 1 + int(rng() % 4);
@@ -101,7 +103,7 @@ TEST(TransportWire, MutatedFramesNeverCrash) {
     } else {
       auto d = wire::decode_address(k, wire::Backend::kUcx);
       if (d.ok()) {
-        EXPECT_EQ(k.size(), 20 + d->payload.size());
+        EXPECT_EQ(k.size(), 32 + d->payload.size());
       }
     }
   }

@@ -2,6 +2,8 @@
 // is in a process-wide registry by instance id; read/write are memcpy between
 // registered regions, checked on both sides; each core has one progress thread that
 // runs its operations, completion callbacks and handlers, like a UCX worker's.
+#include <sys/mman.h>
+
 #include <cstring>
 #include <deque>
 #include <map>
@@ -40,7 +42,12 @@ struct Region {
   void* base;
   uint64_t length;
   MemoryKind kind;
+  bool owned = false;  // allocate_memory: munmap on deregister
 };
+
+void release(const Region& r) {
+  if (r.owned) munmap(r.base, r.length);
+}
 
 struct ImportedKey {
   PeerId peer;
@@ -220,6 +227,7 @@ class InprocBackend final : public TransportBackend {
     if (!was_crashed) broadcast_failure(core_->id(), peer_failed("inproc peer {:#x} was destroyed", core_->id()));
     core_->stop();
     std::unique_lock<std::shared_mutex> lock(core_->regions_mu);  // waits for peers' copies in progress
+    for (auto& [id, r] : core_->regions) release(r);
     core_->regions.clear();
   }
 
@@ -227,7 +235,7 @@ class InprocBackend final : public TransportBackend {
   PeerId id() const override { return core_->id(); }
 
   std::vector<std::byte> address() const override {
-    return wire::encode_address({wire::Backend::kInproc, core_->id(), {}});
+    return wire::encode_address({wire::Backend::kInproc, core_->id(), 0, 0, {}});
   }
 
   Result<PeerId> connect(std::span<const std::byte> address) override {
@@ -272,12 +280,26 @@ class InprocBackend final : public TransportBackend {
     return MemoryRegion{id, base, length, kind};
   }
 
+  Result<MemoryRegion> allocate_memory(uint64_t length, MemoryKind kind) override {
+    FERRY_RETURN_IF_ERROR(alive("allocate_memory"));
+    if (kind != MemoryKind::kHost) {
+      return unimplemented("allocate_memory: {} memory is not supported by the inproc backend", memory_kind_name(kind));
+    }
+    void* p = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return io_error("allocate_memory: mmap of {} bytes failed", length);
+    std::unique_lock<std::shared_mutex> lock(core_->regions_mu);
+    uint64_t id = core_->next_region_id++;
+    core_->regions.emplace(id, Region{p, length, kind, true});
+    return MemoryRegion{id, p, length, kind};
+  }
+
   Status deregister_memory(const MemoryRegion& region) override {
     std::unique_lock<std::shared_mutex> lock(core_->regions_mu);
     auto it = core_->regions.find(region.id);
     if (it == core_->regions.end() || it->second.base != region.base || it->second.length != region.length) {
       return not_found("deregister_memory: region {} is not registered", region.id);
     }
+    release(it->second);
     core_->regions.erase(it);
     return Status::Ok();
   }

@@ -1,6 +1,812 @@
+// The UCX backend: UCP RMA (get/put) for read/write, active messages for control
+// messages, error-handling mode PEER for failure detection.
+//
+// Threading: the worker is created in UCS_THREAD_MODE_SINGLE and only ever touched by
+// one thread at a time: the constructing thread, then the progress thread, then (after
+// it has been joined) the destructor. Every API call validates against the tables
+// (under mu_) and posts a command to the progress thread, which makes the UCX call.
+// Commands run in FIFO order, so an operation validated before a release/deregister
+// executes before the handle it uses is destroyed.
+//
+// Peer failure: endpoints use UCP_ERR_HANDLING_MODE_PEER. Some UCX builds cannot
+// honour that for every transport (UCX 1.13's posix/sysv shared memory has no peer
+// failure support, so UCX_TLS=sm,self finds no lane). Then, if the peer is a process
+// on this host (same boot id and PID namespace, carried in the address), the endpoint
+// is created in mode NONE and ferry watches the peer's process through a pidfd: its
+// exit is reported exactly like a UCX endpoint error, and the endpoint is force-closed,
+// which completes its outstanding requests with UCS_ERR_CANCELED.
+#include <poll.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <ucp/api/ucp.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <unordered_map>
+
 #include "transport/backend.h"
+#include "transport/wire.h"
+
 namespace ferry::detail {
-Result<std::unique_ptr<TransportBackend>> make_ucx_backend(const TransportOptions&) {
-  return unimplemented("ucx backend: not yet");
+namespace {
+
+namespace wire = ferry::transport_wire;
+using Clock = std::chrono::steady_clock;
+
+constexpr unsigned kAmId = 0x4652;  // "FR"
+// Control calls (connect, register, ...) wait at most this long for the progress thread.
+constexpr auto kControlTimeout = std::chrono::seconds(30);
+// After the last activity the progress thread keeps spinning this long, then sleeps in
+// slices of kIdleSleep (commands wake it at once).
+constexpr auto kSpinWindow = std::chrono::milliseconds(2);
+constexpr auto kIdleSleep = std::chrono::microseconds(500);
+// How often watched peer processes (see below) are polled.
+constexpr auto kWatchInterval = std::chrono::milliseconds(20);
+
+Status from_ucs(ucs_status_t st, const std::string& what) {
+  if (st == UCS_OK) return Status::Ok();
+  std::string msg = what + ": " + ucs_status_string(st);
+  switch (st) {
+    case UCS_ERR_CANCELED: return cancelled("{}", msg);
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_REJECTED:
+    case UCS_ERR_NOT_CONNECTED:
+    case UCS_ERR_IO_ERROR: return peer_failed("{}", msg);
+    case UCS_ERR_TIMED_OUT: return timeout_error("{}", msg);
+    case UCS_ERR_NO_MEMORY: return io_error("{}", msg);
+    case UCS_ERR_INVALID_PARAM: return invalid_argument("{}", msg);
+    case UCS_ERR_UNSUPPORTED: return unimplemented("{}", msg);
+    default: return internal_error("{}", msg);
+  }
 }
+
+class UcxBackend;
+
+struct Peer {
+  ~Peer() {
+    if (pidfd >= 0) close(pidfd);
+  }
+  UcxBackend* self = nullptr;
+  PeerId id = 0;
+  ucp_ep_h ep = nullptr;  // progress thread only
+  int pidfd = -1;         // >= 0: mode NONE endpoint, liveness watched by ferry
+  bool printed = false;   // FERRY_UCX_EP_INFO printed this endpoint's lanes
+  pid_t pid = 0;
+  bool failed = false;    // under mu_
+  bool closed = false;    // under mu_ (disconnect)
+  Status why;
+};
+
+struct Region {
+  void* base;
+  uint64_t length;
+  MemoryKind kind;
+  ucp_mem_h memh;
+  std::vector<std::byte> packed_rkey;
+};
+
+struct Key {
+  PeerId peer;
+  uint64_t base;
+  uint64_t length;
+  MemoryKind kind;
+  ucp_rkey_h rkey;
+  std::shared_ptr<Peer> owner;
+};
+
+class UcxBackend final : public TransportBackend {
+ public:
+  explicit UcxBackend(const TransportOptions& options) : opt_(options), id_(new_instance_id()) {}
+
+  Status init() {
+    ucp_config_t* config = nullptr;
+    ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+    if (st != UCS_OK) return from_ucs(st, "ucx: reading the UCX configuration");
+    bool keepalive_set = false;
+    for (const auto& [k, v] : opt_.ucx_config) {
+      if (k == "KEEPALIVE_INTERVAL") keepalive_set = true;
+      st = ucp_config_modify(config, k.c_str(), v.c_str());
+      if (st != UCS_OK) {
+        ucp_config_release(config);
+        return invalid_argument("ucx: setting {}={}: {}", k, v, ucs_status_string(st));
+      }
+    }
+    if (!keepalive_set) {
+      std::string ka = std::to_string(opt_.keepalive_interval.count()) + "ms";
+      ucp_config_modify(config, "KEEPALIVE_INTERVAL", ka.c_str());  // best effort
+    }
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_REQUEST_SIZE | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
+                        UCP_PARAM_FIELD_NAME;
+    params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM;
+    params.request_size = sizeof(uint64_t);  // our op id lives in the request
+    params.mt_workers_shared = 0;
+    params.name = "ferry";
+    st = ucp_init(&params, config, &ctx_);
+    ucp_config_release(config);
+    if (st != UCS_OK) return unavailable("ucx: ucp_init failed: {}", ucs_status_string(st));
+
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+    st = ucp_worker_create(ctx_, &wp, &worker_);
+    if (st != UCS_OK) return unavailable("ucx: ucp_worker_create failed: {}", ucs_status_string(st));
+
+    ucp_address_t* addr = nullptr;
+    size_t addr_len = 0;
+    st = ucp_worker_get_address(worker_, &addr, &addr_len);
+    if (st != UCS_OK) return unavailable("ucx: ucp_worker_get_address failed: {}", ucs_status_string(st));
+    wire::Address a{wire::Backend::kUcx, id_, uint32_t(getpid()), wire::local_host_tag(), {}};
+    a.payload.assign(reinterpret_cast<std::byte*>(addr), reinterpret_cast<std::byte*>(addr) + addr_len);
+    ucp_worker_release_address(worker_, addr);
+    address_ = wire::encode_address(a);
+
+    ucp_am_handler_param_t ap{};
+    ap.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG |
+                    UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    ap.id = kAmId;
+    ap.cb = &UcxBackend::am_cb;
+    ap.arg = this;
+    ap.flags = UCP_AM_FLAG_WHOLE_MSG;
+    st = ucp_worker_set_am_recv_handler(worker_, &ap);
+    if (st != UCS_OK) return unavailable("ucx: setting the AM handler failed: {}", ucs_status_string(st));
+
+    thread_ = std::thread([this] { run(); });
+    return Status::Ok();
+  }
+
+  ~UcxBackend() override {
+    {
+      std::lock_guard<std::mutex> lock(cmd_mu_);
+      stop_ = true;
+    }
+    cmd_cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+    // The progress thread is gone: this thread owns the worker now.
+    if (worker_ != nullptr) shutdown();
+    if (ctx_ != nullptr) ucp_cleanup(ctx_);
+  }
+
+  std::string_view name() const override { return "ucx"; }
+  PeerId id() const override { return id_; }
+  std::vector<std::byte> address() const override { return address_; }
+
+  Result<PeerId> connect(std::span<const std::byte> bytes) override {
+    FERRY_ASSIGN_OR_RETURN(wire::Address a, wire::decode_address(bytes, wire::Backend::kUcx));
+    if (a.payload.empty()) return corrupt("ucx address: empty worker address");
+    return run_sync<PeerId>([this, a = std::move(a)]() -> Result<PeerId> {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = peers_.find(a.instance_id);
+        if (it != peers_.end()) {
+          if (it->second->failed) return it->second->why;
+          return a.instance_id;
+        }
+      }
+      auto peer = std::make_shared<Peer>();
+      peer->self = this;
+      peer->id = a.instance_id;
+      ucp_ep_params_t ep{};
+      ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      ep.address = reinterpret_cast<const ucp_address_t*>(a.payload.data());
+      ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+      ep.err_handler.cb = &UcxBackend::ep_err_cb;
+      ep.err_handler.arg = peer.get();
+      ucs_status_t st = ucp_ep_create(worker_, &ep, &peer->ep);
+      if (st == UCS_ERR_UNREACHABLE && a.pid != 0 && a.host_tag != 0 && a.host_tag == wire::local_host_tag()) {
+        // No transport with peer-failure support (e.g. UCX 1.13 shm): watch the process.
+        int fd = int(syscall(SYS_pidfd_open, pid_t(a.pid), 0));
+        if (fd < 0) {
+          return unavailable("connect: peer {:#x} (pid {}) has no transport with peer-failure support and "
+                             "cannot be watched: {}", a.instance_id, a.pid, std::strerror(errno));
+        }
+        peer->pidfd = fd;
+        peer->pid = pid_t(a.pid);
+        ep.field_mask &= ~uint64_t(UCP_EP_PARAM_FIELD_ERR_HANDLER);
+        ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+        st = ucp_ep_create(worker_, &ep, &peer->ep);
+      }
+      if (st != UCS_OK) {
+        // A malformed worker address inside a well-framed blob ends up here.
+        return unavailable("connect: ucp_ep_create to peer {:#x} failed: {}", a.instance_id, ucs_status_string(st));
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      if (peer->pidfd >= 0) watched_++;
+      peers_.emplace(a.instance_id, std::move(peer));
+      return a.instance_id;
+    });
+  }
+
+  Status disconnect(PeerId id) override {
+    return run_status([this, id]() -> Status {
+      std::shared_ptr<Peer> p;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = peers_.find(id);
+        if (it == peers_.end()) return not_found("disconnect: peer {:#x} is not connected", id);
+        p = it->second;
+        p->closed = true;
+        peers_.erase(it);
+        for (auto k = keys_.begin(); k != keys_.end();) {
+          if (k->second.peer == id) {
+            ucp_rkey_destroy(k->second.rkey);
+            k = keys_.erase(k);
+          } else {
+            ++k;
+          }
+        }
+      }
+      close_ep(p, !p->failed);
+      return Status::Ok();
+    });
+  }
+
+  Result<MemoryRegion> register_memory(void* base, uint64_t length, MemoryKind kind) override {
+    return map_memory(base, length, kind, false);
+  }
+
+  Result<MemoryRegion> allocate_memory(uint64_t length, MemoryKind kind) override {
+    return map_memory(nullptr, length, kind, true);
+  }
+
+  Result<MemoryRegion> map_memory(void* base, uint64_t length, MemoryKind kind, bool allocate) {
+    const char* op = allocate ? "allocate_memory" : "register_memory";
+    if (kind != MemoryKind::kHost) {
+      return unimplemented("{}: {} memory is not supported yet by the ucx backend", op, memory_kind_name(kind));
+    }
+    return run_sync<MemoryRegion>([this, base, length, kind, allocate, op]() -> Result<MemoryRegion> {
+      ucp_mem_map_params_t mp{};
+      mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+      mp.address = base;
+      mp.length = length;
+      if (allocate) {
+        mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+        mp.flags = UCP_MEM_MAP_ALLOCATE;
+      }
+      ucp_mem_h memh = nullptr;
+      ucs_status_t st = ucp_mem_map(ctx_, &mp, &memh);
+      if (st != UCS_OK) return from_ucs(st, fmt::format("{}: ucp_mem_map of {} bytes", op, length));
+      void* addr = base;
+      if (allocate) {
+        ucp_mem_attr_t attr{};
+        attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+        st = ucp_mem_query(memh, &attr);
+        if (st != UCS_OK || attr.address == nullptr || attr.length < length) {
+          ucp_mem_unmap(ctx_, memh);
+          return internal_error("{}: ucp_mem_query after allocating {} bytes failed", op, length);
+        }
+        addr = attr.address;
+      }
+      void* packed = nullptr;
+      size_t packed_len = 0;
+      st = ucp_rkey_pack(ctx_, memh, &packed, &packed_len);
+      if (st != UCS_OK) {
+        ucp_mem_unmap(ctx_, memh);
+        return from_ucs(st, fmt::format("{}: ucp_rkey_pack", op));
+      }
+      Region r{addr, length, kind, memh, {}};
+      r.packed_rkey.assign(static_cast<std::byte*>(packed), static_cast<std::byte*>(packed) + packed_len);
+      ucp_rkey_buffer_release(packed);
+      std::lock_guard<std::mutex> lock(mu_);
+      uint64_t id = next_region_++;
+      regions_.emplace(id, std::move(r));
+      return MemoryRegion{id, addr, length, kind};
+    });
+  }
+
+  Status deregister_memory(const MemoryRegion& region) override {
+    return run_status([this, region]() -> Status {
+      ucp_mem_h memh;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = regions_.find(region.id);
+        if (it == regions_.end() || it->second.base != region.base || it->second.length != region.length) {
+          return not_found("deregister_memory: region {} is not registered", region.id);
+        }
+        memh = it->second.memh;
+        regions_.erase(it);
+      }
+      ucp_mem_unmap(ctx_, memh);
+      return Status::Ok();
+    });
+  }
+
+  Result<std::vector<std::byte>> export_key(const MemoryRegion& region) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = regions_.find(region.id);
+    if (it == regions_.end() || it->second.base != region.base || it->second.length != region.length) {
+      return not_found("export_key: region {} is not registered", region.id);
+    }
+    return wire::encode_key({wire::Backend::kUcx, region.kind, id_, region.id,
+                             uint64_t(reinterpret_cast<uintptr_t>(region.base)), region.length,
+                             it->second.packed_rkey});
+  }
+
+  Result<RemoteRegion> import_key(std::span<const std::byte> bytes) override {
+    FERRY_ASSIGN_OR_RETURN(wire::Key k, wire::decode_key(bytes, wire::Backend::kUcx));
+    if (k.payload.empty()) return corrupt("ucx key: empty rkey");
+    return run_sync<RemoteRegion>([this, k = std::move(k)]() -> Result<RemoteRegion> {
+      std::shared_ptr<Peer> p;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = peers_.find(k.owner_id);
+        if (it == peers_.end()) return not_found("import_key: the key's owner {:#x} is not connected", k.owner_id);
+        p = it->second;
+        if (p->failed) return p->why;
+      }
+      if (p->ep == nullptr) return peer_failed("import_key: peer {:#x} has no endpoint", k.owner_id);
+      ucp_rkey_h rkey = nullptr;
+      ucs_status_t st = ucp_ep_rkey_unpack(p->ep, k.payload.data(), &rkey);
+      if (st != UCS_OK) return corrupt("import_key: UCX refused the packed rkey: {}", ucs_status_string(st));
+      std::lock_guard<std::mutex> lock(mu_);
+      uint64_t id = next_key_++;
+      keys_.emplace(id, Key{k.owner_id, k.base, k.length, k.kind, rkey, p});
+      return RemoteRegion{id, k.owner_id, k.base, k.length, k.kind};
+    });
+  }
+
+  Status release_key(const RemoteRegion& remote) override {
+    return run_status([this, remote]() -> Status {
+      ucp_rkey_h rkey;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = keys_.find(remote.id);
+        if (it == keys_.end()) return not_found("release_key: key {} is not imported", remote.id);
+        rkey = it->second.rkey;
+        keys_.erase(it);
+      }
+      ucp_rkey_destroy(rkey);
+      return Status::Ok();
+    });
+  }
+
+  Result<Completion> rma(bool is_write, const MemoryRegion& local, uint64_t local_offset, const RemoteRegion& remote,
+                         uint64_t remote_offset, uint64_t length, CompletionCallback on_done) override {
+    const char* op = is_write ? "write" : "read";
+    std::lock_guard<std::mutex> lock(mu_);
+    auto l = regions_.find(local.id);
+    if (l == regions_.end() || l->second.base != local.base || l->second.length != local.length) {
+      return not_found("{}: local region {} is not registered", op, local.id);
+    }
+    auto k = keys_.find(remote.id);
+    if (k == keys_.end() || k->second.peer != remote.peer || k->second.length != remote.length ||
+        k->second.base != remote.base) {
+      return not_found("{}: remote region {} is not an imported key", op, remote.id);
+    }
+    const Key& key = k->second;
+    if (key.owner->failed) return peer_failed("{}: peer {:#x} failed: {}", op, key.peer, key.owner->why.message());
+    auto state = std::make_shared<OpState>(std::move(on_done), &progress_tid_);
+    void* lp = static_cast<std::byte*>(l->second.base) + local_offset;
+    uint64_t raddr = key.base + remote_offset;
+    ucp_mem_h memh = l->second.memh;
+    ucp_rkey_h rkey = key.rkey;
+    std::shared_ptr<Peer> peer = key.owner;
+    (is_write ? stats_.writes : stats_.reads)++;
+    // Posted under mu_: FIFO with respect to release_key/deregister/disconnect.
+    bool posted = post([this, state, is_write, lp, raddr, memh, rkey, peer, length] {
+      if (!peer_usable(*peer)) {
+        state->complete(peer_failed("{}: peer {:#x} failed", is_write ? "write" : "read", peer->id));
+        return;
+      }
+      if (length == 0) {
+        state->complete(Status::Ok());
+        return;
+      }
+      uint64_t op_id = track(peer.get(), [this, state, is_write, length, peer](ucs_status_t st) {
+        if (st == UCS_OK) (is_write ? stats_.bytes_written : stats_.bytes_read) += length;
+        if (debug_ep_info_ && peer->ep != nullptr && !peer->printed) {
+          peer->printed = true;
+          ucp_ep_print_info(peer->ep, stderr);
+        }
+        state->complete(from_ucs(st, is_write ? "write" : "read"));
+      });
+      ucp_request_param_t prm{};
+      prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
+      prm.cb.send = &UcxBackend::send_cb;
+      prm.user_data = this;
+      prm.memh = memh;  // skips UCX's registration-cache lookup
+      ucs_status_ptr_t r = is_write ? ucp_put_nbx(peer->ep, lp, length, raddr, rkey, &prm)
+                                    : ucp_get_nbx(peer->ep, lp, length, raddr, rkey, &prm);
+      settle(op_id, r);
+    });
+    if (!posted) return cancelled("{}: the transport is shutting down", op);
+    return Completion(state);
+  }
+
+  Result<Completion> flush(PeerId id, CompletionCallback on_done) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    FERRY_ASSIGN_OR_RETURN(std::shared_ptr<Peer> peer, usable_peer(id, "flush"));
+    auto state = std::make_shared<OpState>(std::move(on_done), &progress_tid_);
+    bool posted = post([this, state, peer] {
+      if (!peer_usable(*peer)) {
+        state->complete(peer_failed("flush: peer {:#x} failed", peer->id));
+        return;
+      }
+      uint64_t op_id = track(peer.get(), [state](ucs_status_t st) { state->complete(from_ucs(st, "flush")); });
+      ucp_request_param_t prm{};
+      prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      prm.cb.send = &UcxBackend::send_cb;
+      prm.user_data = this;
+      settle(op_id, ucp_ep_flush_nbx(peer->ep, &prm));
+    });
+    if (!posted) return cancelled("flush: the transport is shutting down");
+    return Completion(state);
+  }
+
+  Result<Completion> send(PeerId id, uint32_t tag, std::span<const std::byte> payload,
+                          CompletionCallback on_done) override {
+    if (payload.size() > opt_.max_message_bytes) {
+      return invalid_argument("send: payload of {} bytes exceeds max_message_bytes {}", payload.size(),
+                              opt_.max_message_bytes);
+    }
+    struct Buf {
+      std::byte header[wire::kMessageHeaderSize];
+      std::vector<std::byte> payload;
+    };
+    auto buf = std::make_shared<Buf>();
+    wire::encode_message_header({id_, tag, uint32_t(payload.size())}, buf->header);
+    buf->payload.assign(payload.begin(), payload.end());
+    std::lock_guard<std::mutex> lock(mu_);
+    FERRY_ASSIGN_OR_RETURN(std::shared_ptr<Peer> peer, usable_peer(id, "send"));
+    auto state = std::make_shared<OpState>(std::move(on_done), &progress_tid_);
+    stats_.sends++;
+    bool posted = post([this, state, peer, buf] {
+      if (!peer_usable(*peer)) {
+        state->complete(peer_failed("send: peer {:#x} failed", peer->id));
+        return;
+      }
+      uint64_t op_id = track(peer.get(), [state, buf](ucs_status_t st) { state->complete(from_ucs(st, "send")); });
+      ucp_request_param_t prm{};
+      prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+      prm.cb.send = &UcxBackend::send_cb;
+      prm.user_data = this;
+      prm.flags = UCP_AM_SEND_FLAG_EAGER;
+      settle(op_id, ucp_am_send_nbx(peer->ep, kAmId, buf->header, sizeof buf->header, buf->payload.data(),
+                                    buf->payload.size(), &prm));
+    });
+    if (!posted) return cancelled("send: the transport is shutting down");
+    return Completion(state);
+  }
+
+  void set_message_handler(MessageHandler handler) override {
+    auto h = std::make_shared<const MessageHandler>(std::move(handler));
+    std::unique_lock<std::mutex> invoke;
+    if (progress_tid_.load() != std::this_thread::get_id()) invoke = std::unique_lock<std::mutex>(handler_mu_);
+    std::lock_guard<std::mutex> lock(mu_);
+    message_handler_ = std::move(h);
+  }
+
+  void set_peer_failure_handler(PeerFailureHandler handler) override {
+    auto h = std::make_shared<const PeerFailureHandler>(std::move(handler));
+    std::unique_lock<std::mutex> invoke;
+    if (progress_tid_.load() != std::this_thread::get_id()) invoke = std::unique_lock<std::mutex>(handler_mu_);
+    std::lock_guard<std::mutex> lock(mu_);
+    failure_handler_ = std::move(h);
+  }
+
+  Status simulate_crash() override {
+    return unimplemented("simulate_crash: the ucx backend fails for real (SIGKILL the process)");
+  }
+
+  TransportStats stats() const override { return stats_.snapshot(); }
+
+ private:
+  // ---- progress thread ---------------------------------------------------------------
+
+  bool post(std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(cmd_mu_);
+      if (stop_) return false;
+      cmds_.push_back(std::move(fn));
+    }
+    if (sleeping_.load(std::memory_order_acquire)) cmd_cv_.notify_one();
+    return true;
+  }
+
+  void run() {
+    progress_tid_ = std::this_thread::get_id();
+    auto last_active = Clock::now();
+    std::deque<std::function<void()>> batch;
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> lock(cmd_mu_);
+        if (stop_) break;
+        batch.swap(cmds_);
+      }
+      bool active = !batch.empty();
+      for (auto& fn : batch) fn();
+      batch.clear();
+      if (watched_.load(std::memory_order_relaxed) > 0 && Clock::now() >= next_watch_) {
+        next_watch_ = Clock::now() + kWatchInterval;
+        check_watched_processes();
+      }
+      while (ucp_worker_progress(worker_) != 0) active = true;
+      if (active || !inflight_.empty()) {
+        last_active = Clock::now();
+        continue;
+      }
+      if (Clock::now() - last_active < kSpinWindow) continue;
+      std::unique_lock<std::mutex> lock(cmd_mu_);
+      sleeping_.store(true, std::memory_order_release);
+      cmd_cv_.wait_for(lock, kIdleSleep, [&] { return stop_ || !cmds_.empty(); });
+      sleeping_.store(false, std::memory_order_release);
+    }
+    // Commands posted before stop still run (they complete their ops as cancelled or
+    // post nothing new); the destructor finishes the shutdown on its own thread.
+    std::deque<std::function<void()>> rest;
+    {
+      std::lock_guard<std::mutex> lock(cmd_mu_);
+      rest.swap(cmds_);
+    }
+    for (auto& fn : rest) fn();
+  }
+
+  // Peers whose liveness ferry watches (mode NONE endpoints): a readable pidfd means
+  // the process exited.
+  void check_watched_processes() {
+    std::vector<std::shared_ptr<Peer>> watch;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& [id, p] : peers_) {
+        if (p->pidfd >= 0 && !p->failed) watch.push_back(p);
+      }
+    }
+    if (watch.empty()) return;
+    std::vector<pollfd> fds;
+    for (auto& p : watch) fds.push_back(pollfd{p->pidfd, POLLIN, 0});
+    if (poll(fds.data(), fds.size(), 0) <= 0) return;
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (fds[i].revents != 0) on_peer_failure(watch[i].get(), fmt::format("process {} exited", watch[i]->pid));
+    }
+  }
+
+  // Registers a completion continuation; returns the id stored in the UCX request.
+  // `peer`: the operation is failed by ferry when that peer fails (UCX does not
+  // always complete requests of a mode-NONE endpoint); nullptr for internal ops.
+  uint64_t track(const Peer* peer, std::function<void(ucs_status_t)> fn) {
+    uint64_t id = next_op_++;
+    inflight_.emplace(id, Inflight{peer, std::move(fn)});
+    return id;
+  }
+
+  // Completes op `id` once; a later UCX callback for it finds nothing and is ignored.
+  void finish(uint64_t id, ucs_status_t st) {
+    auto it = inflight_.find(id);
+    if (it == inflight_.end()) return;
+    auto fn = std::move(it->second.fn);
+    inflight_.erase(it);
+    fn(st);
+  }
+
+  void fail_inflight(const Peer* peer) {
+    std::vector<uint64_t> ids;
+    for (auto& [id, op] : inflight_) {
+      if (op.peer == peer) ids.push_back(id);
+    }
+    for (uint64_t id : ids) finish(id, UCS_ERR_CONNECTION_RESET);
+  }
+
+  // The immediate outcome of an nbx call.
+  void settle(uint64_t op_id, ucs_status_ptr_t r) {
+    if (r == nullptr) {
+      finish(op_id, UCS_OK);
+    } else if (UCS_PTR_IS_ERR(r)) {
+      finish(op_id, UCS_PTR_STATUS(r));
+    } else {
+      *static_cast<uint64_t*>(r) = op_id;  // the request's user area (request_size)
+    }
+  }
+
+  static void send_cb(void* request, ucs_status_t status, void* user_data) {
+    auto* self = static_cast<UcxBackend*>(user_data);
+    uint64_t id = *static_cast<uint64_t*>(request);
+    ucp_request_free(request);
+    self->finish(id, status);
+  }
+
+  bool peer_usable(const Peer& p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !p.failed && !p.closed && p.ep != nullptr;
+  }
+
+  // Caller holds mu_.
+  Result<std::shared_ptr<Peer>> usable_peer(PeerId id, const char* op) {
+    auto it = peers_.find(id);
+    if (it == peers_.end()) return not_found("{}: peer {:#x} is not connected", op, id);
+    if (it->second->failed) return peer_failed("{}: peer {:#x} failed: {}", op, id, it->second->why.message());
+    return it->second;
+  }
+
+  static void ep_err_cb(void* arg, ucp_ep_h, ucs_status_t status) {
+    auto* p = static_cast<Peer*>(arg);
+    p->self->on_peer_failure(p, fmt::format("endpoint error: {}", ucs_status_string(status)));
+  }
+
+  // Progress thread (inside ucp_worker_progress, or from the process watch).
+  void on_peer_failure(Peer* raw, const std::string& reason) {
+    std::shared_ptr<Peer> p;
+    std::shared_ptr<const PeerFailureHandler> handler;
+    Status why = peer_failed("peer {:#x}: {}", raw->id, reason);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (raw->failed || raw->closed) return;
+      raw->failed = true;
+      raw->why = why;
+      auto it = peers_.find(raw->id);
+      if (it != peers_.end() && it->second.get() == raw) p = it->second;
+      handler = failure_handler_;
+    }
+    stats_.failed_peers++;
+    fail_inflight(raw);
+    if (p) {
+      // Close outside the UCX callback; in-flight requests are completed by UCX with
+      // an error status.
+      post([this, p] { close_ep(p, false); });
+    }
+    if (handler && *handler) {
+      std::lock_guard<std::mutex> invoke(handler_mu_);
+      (*handler)(raw->id, why);
+    }
+  }
+
+  // Progress thread (or the destructor after join). Starts closing the endpoint.
+  void close_ep(const std::shared_ptr<Peer>& p, bool flush) {
+    if (p->ep == nullptr) return;
+    ucp_ep_h ep = p->ep;
+    p->ep = nullptr;
+    ucp_request_param_t prm{};
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    prm.flags = flush ? 0 : UCP_EP_CLOSE_FLAG_FORCE;
+    prm.cb.send = &UcxBackend::send_cb;
+    prm.user_data = this;
+    uint64_t id = track(nullptr, [p](ucs_status_t) {});  // keeps the Peer (error-callback arg) alive until closed
+    settle(id, ucp_ep_close_nbx(ep, &prm));
+  }
+
+  static ucs_status_t am_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                            const ucp_am_recv_param_t* param) {
+    auto* self = static_cast<UcxBackend*>(arg);
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+      // We only send eager messages; a rendezvous one is not ours (or is oversized).
+      self->stats_.malformed_messages++;
+      return UCS_OK;  // drops it
+    }
+    auto h = wire::decode_message_header(
+        std::span<const std::byte>(static_cast<const std::byte*>(header), header_length), length,
+        self->opt_.max_message_bytes);
+    if (!h.ok()) {
+      self->stats_.malformed_messages++;
+      return UCS_OK;
+    }
+    self->stats_.messages_received++;
+    std::shared_ptr<const MessageHandler> handler;
+    {
+      std::lock_guard<std::mutex> lock(self->mu_);
+      handler = self->message_handler_;
+    }
+    if (!handler || !*handler) {
+      self->stats_.dropped_messages++;
+      return UCS_OK;
+    }
+    std::lock_guard<std::mutex> invoke(self->handler_mu_);
+    (*handler)(h->sender_id, h->tag, std::span<const std::byte>(static_cast<const std::byte*>(data), length));
+    return UCS_OK;
+  }
+
+  // Runs fn on the progress thread (inline when already there) and waits, bounded.
+  template <typename T>
+  Result<T> run_sync(std::function<Result<T>()> fn) {
+    if (progress_tid_.load() == std::this_thread::get_id()) return fn();
+    struct Box {
+      std::mutex mu;
+      std::condition_variable cv;
+      std::optional<Result<T>> result;
+    };
+    auto box = std::make_shared<Box>();
+    bool posted = post([box, fn = std::move(fn)] {
+      Result<T> r = fn();
+      {
+        std::lock_guard<std::mutex> lock(box->mu);
+        box->result.emplace(std::move(r));
+      }
+      box->cv.notify_all();
+    });
+    if (!posted) return cancelled("the transport is shutting down");
+    std::unique_lock<std::mutex> lock(box->mu);
+    if (!box->cv.wait_for(lock, kControlTimeout, [&] { return box->result.has_value(); })) {
+      return timeout_error("the progress thread did not answer within {} s", kControlTimeout.count());
+    }
+    return std::move(*box->result);
+  }
+
+  Status run_status(std::function<Status()> fn) {
+    auto r = run_sync<bool>([fn = std::move(fn)]() -> Result<bool> {
+      Status st = fn();
+      if (!st.ok()) return st;
+      return true;
+    });
+    return r.status();
+  }
+
+  // Destructor thread, after the progress thread has been joined.
+  void shutdown() {
+    progress_tid_ = std::this_thread::get_id();
+    std::map<PeerId, std::shared_ptr<Peer>> peers;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& [id, k] : keys_) ucp_rkey_destroy(k.rkey);
+      keys_.clear();
+      peers.swap(peers_);
+      for (auto& [id, p] : peers) p->closed = true;
+    }
+    for (auto& [id, p] : peers) close_ep(p, !p->failed);
+    auto deadline = Clock::now() + opt_.close_timeout;
+    while (!inflight_.empty() && Clock::now() < deadline) {
+      if (ucp_worker_progress(worker_) == 0) std::this_thread::yield();
+    }
+    // Whatever is left is cancelled (waiters must never hang).
+    auto left = std::move(inflight_);
+    inflight_.clear();
+    for (auto& [id, op] : left) op.fn(UCS_ERR_CANCELED);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& [id, r] : regions_) ucp_mem_unmap(ctx_, r.memh);
+      regions_.clear();
+    }
+    ucp_worker_destroy(worker_);
+    worker_ = nullptr;
+  }
+
+  TransportOptions opt_;
+  uint64_t id_;
+  // FERRY_UCX_EP_INFO=1: print each endpoint's UCX configuration (lanes) after its
+  // first completed read/write (diagnostics).
+  const bool debug_ep_info_ = std::getenv("FERRY_UCX_EP_INFO") != nullptr;
+  ucp_context_h ctx_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  std::vector<std::byte> address_;
+  AtomicStats stats_;
+
+  std::thread thread_;
+  std::atomic<std::thread::id> progress_tid_{};
+  std::mutex cmd_mu_;
+  std::condition_variable cmd_cv_;
+  std::deque<std::function<void()>> cmds_;
+  bool stop_ = false;
+  std::atomic<bool> sleeping_{false};
+  std::atomic<int> watched_{0};  // peers with a pidfd (never decremented: only a hint)
+  Clock::time_point next_watch_{};
+
+  std::mutex mu_;  // tables and handlers
+  std::map<uint64_t, Region> regions_;
+  uint64_t next_region_ = 1;
+  std::map<PeerId, std::shared_ptr<Peer>> peers_;
+  std::map<uint64_t, Key> keys_;
+  uint64_t next_key_ = 1;
+  std::shared_ptr<const MessageHandler> message_handler_;
+  std::shared_ptr<const PeerFailureHandler> failure_handler_;
+  std::mutex handler_mu_;  // held while a handler runs (set_* waits for a running one)
+
+  // Progress thread only.
+  struct Inflight {
+    const Peer* peer;
+    std::function<void(ucs_status_t)> fn;
+  };
+  std::unordered_map<uint64_t, Inflight> inflight_;
+  uint64_t next_op_ = 1;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<TransportBackend>> make_ucx_backend(const TransportOptions& options) {
+  auto b = std::make_unique<UcxBackend>(options);
+  FERRY_RETURN_IF_ERROR(b->init());
+  return std::unique_ptr<TransportBackend>(std::move(b));
+}
+
 }  // namespace ferry::detail
