@@ -143,7 +143,9 @@ class Store {
 
   // Blocks until every key in `keys` has been seen to exist at some moment since the
   // call began (keys need not exist simultaneously), or `timeout` passes: Timeout, with
-  // the missing keys named. An empty `keys` returns OK at once.
+  // the missing keys named. An empty `keys` returns OK at once. The TCP store is woken
+  // by the write itself; the Redis backend polls (1 ms backoff up to 50 ms), so there a
+  // key that exists only for a few milliseconds may be missed.
   virtual Status wait(const std::vector<std::string>& keys, Millis timeout) = 0;
 
   // Resets the time-to-live of an existing key to `ttl` (> 0) from now; NotFound when
