@@ -20,9 +20,9 @@
 //  * Ownership. SafetensorsFile maps the file read-only (PROT_READ, MAP_PRIVATE). Every
 //    Tensor it hands out borrows the mapping and holds a shared reference to it, so a
 //    view keeps the mapping alive after the SafetensorsFile (and every copy of it) is
-//    gone; the file is unmapped when the last of them goes. The bytes are read-only:
-//    writing through these tensors (copy_ into them, zero_, stores via data_ptr)
-//    faults. clone() first to get writable bytes. Tensors may be unaligned for their
+//    gone; the file is unmapped when the last of them goes. The bytes are read-only
+//    (Tensor::is_read_only): copy_ into them and zero_ fail with kFailedPrecondition;
+//    a store through data_ptr() faults. clone() first to get writable bytes. Tensors may be unaligned for their
 //    dtype when a third-party writer did not align the buffer (ferry's writer does);
 //    ferry's element access tolerates that.
 //    Truncating a file while it is mapped makes reads fault (SIGBUS); don't.

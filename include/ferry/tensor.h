@@ -164,6 +164,10 @@ class Tensor {
   // Real storage over `data` (not owned): `keepalive` is held as long as any view is.
   static Tensor borrow(void* data, Shape shape, DType dtype,
                        std::shared_ptr<const void> keepalive = nullptr, std::string name = "");
+  // Real storage over read-only bytes (e.g. a PROT_READ mapping): copy_ and zero_ into
+  // it fail instead of faulting. data_ptr() still returns the address: don't write.
+  static Tensor borrow_readonly(const void* data, Shape shape, DType dtype,
+                                std::shared_ptr<const void> keepalive = nullptr, std::string name = "");
   // Recording storage: a checkpoint tensor with no bytes.
   static Tensor source(std::string name, Shape shape, DType dtype);
   // Recording storage: an inference parameter with no bytes.
@@ -177,6 +181,7 @@ class Tensor {
   StorageKind storage_kind() const;
   bool is_recording() const;  // source or param (or a recorded copy of one)
   bool is_real() const;
+  bool is_read_only() const;  // real storage made by borrow_readonly
   // The storage's name (the root storage for a recorded copy); may be empty for real.
   const std::string& name() const;
   // The full shape of the root storage (a source's or param's declared shape; a real

@@ -88,7 +88,7 @@ Result<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
   state->tensors.reserve(state->header.tensors.size());
   for (const auto& info : state->header.tensors) {
     const std::byte* p = base + state->header.data_start() + info.begin;
-    Tensor t = Tensor::borrow(const_cast<std::byte*>(p), info.shape, info.dtype, keepalive, info.name);
+    Tensor t = Tensor::borrow_readonly(p, info.shape, info.dtype, keepalive, info.name);
     if (!t.ok()) return t.status().with_context(fmt::format("{}: tensor '{}'", path, info.name));
     state->index.emplace(info.name, state->tensors.size());
     state->tensors.push_back(SafetensorsEntry{info.name, std::move(t)});

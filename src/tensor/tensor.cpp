@@ -17,6 +17,7 @@ struct Storage {
   std::byte* data = nullptr;
   int64_t numel = 0;
   std::shared_ptr<const void> keepalive;
+  bool read_only = false;
 };
 
 struct Tensor::Impl {
@@ -229,6 +230,15 @@ Tensor Tensor::borrow(void* data, Shape shape, DType dtype, std::shared_ptr<cons
   return TensorOps::make_storage(std::move(storage), Layout::contiguous(std::move(shape)));
 }
 
+Tensor Tensor::borrow_readonly(const void* data, Shape shape, DType dtype, std::shared_ptr<const void> keepalive,
+                               std::string name) {
+  Tensor t = borrow(const_cast<void*>(data), std::move(shape), dtype, std::move(keepalive), std::move(name));
+  if (!t.ok()) return t;
+  // The storage was just made and is not shared yet.
+  const_cast<Storage&>(*t.impl_->storage).read_only = true;
+  return t;
+}
+
 namespace {
 Tensor make_recording(StorageKind kind, std::string name, Shape shape, DType dtype) {
   const char* what = kind == StorageKind::kSource ? "source" : "param";
@@ -272,6 +282,7 @@ int64_t Tensor::size(int64_t d) const {
   return w < 0 ? -1 : shape()[w];
 }
 int64_t Tensor::numel() const { return shape_numel(shape()); }
+bool Tensor::is_read_only() const { return ok() && impl_->storage->read_only; }
 bool Tensor::is_recorded_copy() const { return ok() && impl_->parent != nullptr; }
 bool Tensor::is_contiguous() const { return ok() && impl_->layout.is_contiguous(); }
 int64_t Tensor::nbytes() const { return numel() * static_cast<int64_t>(dtype_size(dtype())); }
@@ -592,6 +603,7 @@ Status Tensor::copy_(const Tensor& src) const {
     }
     return sink->record_copy(*this, src);
   }
+  if (is_read_only()) return failed_precondition("copy_: destination {} is read-only; clone() it first", describe());
   if (dtype() != src.dtype() && !(is_floating(dtype()) && is_floating(src.dtype()))) {
     return invalid_argument("copy_: dtype {} of {} cannot convert to {} of {}", dtype_name(src.dtype()), src.describe(),
                             dtype_name(dtype()), describe());
@@ -618,6 +630,7 @@ Status Tensor::zero_() const {
     if (sink == nullptr) return failed_precondition("zero_: {} is recording but no Recorder is active on this thread", describe());
     return sink->record_zero(*this);
   }
+  if (is_read_only()) return failed_precondition("zero_: {} is read-only; clone() it first", describe());
   const int64_t es = static_cast<int64_t>(dtype_size(dtype()));
   Layout l = layout();
   coalesce_layout(l);

@@ -360,6 +360,19 @@ TEST(TensorWrites, LargeCopiesUseStreamingStoresCorrectly) {
   EXPECT_EQ(mismatches, 0);
 }
 
+TEST(TensorWrites, ReadOnlyBorrowsRefuseWrites) {
+  const float host[3] = {1, 2, 3};
+  Tensor r = Tensor::borrow_readonly(host, {3}, DType::kF32);
+  ASSERT_TRUE(r.is_read_only());
+  EXPECT_EQ(*r.narrow(0, 1, 1).item(), 2.0);
+  Status st = r.copy_(iota({3}, DType::kF32));
+  EXPECT_NE(st.message().find("read-only"), std::string::npos) << st.message();
+  EXPECT_NE(r.narrow(0, 0, 1).zero_().message().find("read-only"), std::string::npos);
+  Tensor c = r.clone();
+  EXPECT_FALSE(c.is_read_only());
+  EXPECT_TRUE(c.copy_(iota({3}, DType::kF32)).ok());
+}
+
 TEST(TensorWrites, Zero) {
   Tensor t = iota({3, 4}, DType::kF32);
   ASSERT_TRUE(t.narrow(1, 1, 2).zero_().ok());
