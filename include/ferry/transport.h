@@ -89,9 +89,12 @@
 //     later operation on it is refused with kPeerFailed. A failed peer stays failed;
 //     a restarted peer has a new instance id and is connected afresh. Only peers this
 //     Transport connect()ed to are watched.
-//   * Detection time is bounded by the backend: immediate for inproc; for UCX on a
-//     local host the broken socket/process is seen within ~1 s (UCX keepalive is set
-//     to TransportOptions::keepalive_interval).
+//   * Detection time is bounded by the backend: immediate for inproc; for UCX the
+//     broken connection is seen by UCX (tcp: at once; otherwise UCX keepalive, set to
+//     TransportOptions::keepalive_interval). Where the UCX build offers no transport
+//     with peer-failure support to a peer (UCX 1.13's shared memory), and the peer is a
+//     process on this host, ferry watches the process itself (pidfd) and reports its
+//     exit within ~20 ms; a remote peer without such a transport is refused at connect.
 #pragma once
 
 #include <chrono>
@@ -261,9 +264,11 @@ class Transport final {
   // A tagged control message (payload copied; at most max_message_bytes).
   Result<Completion> send(PeerId peer, uint32_t tag, std::span<const std::byte> payload,
                           CompletionCallback on_done = {});
-  // Replaces the message handler (empty: drop incoming messages).
+  // Replaces the message handler (empty: drop incoming messages). When called from
+  // another thread than the progress thread, it returns only after any running call of
+  // the previous handler has returned, so state the old handler used may be freed then.
   void set_message_handler(MessageHandler handler);
-  // Replaces the peer-failure handler.
+  // Replaces the peer-failure handler (same guarantee as set_message_handler).
   void set_peer_failure_handler(PeerFailureHandler handler);
 
   // Failure injection. inproc: this transport behaves as if its process was SIGKILLed

@@ -112,6 +112,7 @@ class Core : public std::enable_shared_from_this<Core> {
   uint64_t next_key_id = 1;
   std::shared_ptr<const MessageHandler> message_handler;
   std::shared_ptr<const PeerFailureHandler> failure_handler;
+  std::mutex handler_mu;  // held while a handler runs: set_*_handler waits for it
 
   std::atomic<bool> crashed_{false};
   std::atomic<bool> closed_{false};
@@ -134,7 +135,10 @@ class Core : public std::enable_shared_from_this<Core> {
         std::lock_guard<std::mutex> lock(self->mu);
         h = self->failure_handler;
       }
-      if (h && *h) (*h)(peer, why);
+      if (h && *h) {
+        std::lock_guard<std::mutex> invoke(self->handler_mu);
+        (*h)(peer, why);
+      }
     });
   }
 
@@ -162,6 +166,7 @@ class Core : public std::enable_shared_from_this<Core> {
         self->stats_.dropped_messages++;
         return;
       }
+      std::lock_guard<std::mutex> invoke(self->handler_mu);
       (*handler)(h->sender_id, h->tag, std::span<const std::byte>(payload->data(), payload->size()));
     });
   }
@@ -408,12 +413,16 @@ class InprocBackend final : public TransportBackend {
 
   void set_message_handler(MessageHandler handler) override {
     auto h = std::make_shared<const MessageHandler>(std::move(handler));
+    std::unique_lock<std::mutex> invoke;
+    if (core_->progress_thread()->load() != std::this_thread::get_id()) invoke = std::unique_lock<std::mutex>(core_->handler_mu);
     std::lock_guard<std::mutex> lock(core_->mu);
     core_->message_handler = std::move(h);
   }
 
   void set_peer_failure_handler(PeerFailureHandler handler) override {
     auto h = std::make_shared<const PeerFailureHandler>(std::move(handler));
+    std::unique_lock<std::mutex> invoke;
+    if (core_->progress_thread()->load() != std::this_thread::get_id()) invoke = std::unique_lock<std::mutex>(core_->handler_mu);
     std::lock_guard<std::mutex> lock(core_->mu);
     core_->failure_handler = std::move(h);
   }
