@@ -344,9 +344,10 @@ TEST_P(StoreTest, RenewExtendsAndSetClearsTtl) {
 }
 
 TEST_P(StoreTest, LeaseHeartbeatKeepsKeyAlive) {
-  auto lease = store_->hold_lease("member/0", "addr0", 600ms);
+  // ttl/3 = 500 ms between renewals: survives a 1 s stall of the heartbeat thread.
+  auto lease = store_->hold_lease("member/0", "addr0", 1500ms);
   ASSERT_TRUE(lease.ok()) << lease.status().to_string();
-  std::this_thread::sleep_for(1500ms);  // two and a half ttls
+  std::this_thread::sleep_for(3000ms);  // two ttls
   EXPECT_EQ(store_->get("member/0").value_or("?"), "addr0");
   EXPECT_FALSE((*lease)->lost()) << (*lease)->last_error().to_string();
   ASSERT_OK((*lease)->release());
