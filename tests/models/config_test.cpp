@@ -1,4 +1,5 @@
 // ModelConfig, InferenceLayout, registry, shrink and checkpoint helpers.
+#include <chrono>
 #include <map>
 
 #include "models/test_util.h"
@@ -220,6 +221,31 @@ TEST(Shrink, HandWrittenConfigsLoadAtManyLayouts) {
       testing::expect_replay_equals_direct(*l);
     }
   }
+}
+
+// Full size, no data: recording is cheap (llama-3.1-70b, tp=8, one rank).
+TEST(Record, FullSizeLlama70bRank) {
+  auto c = ModelConfig::load(kConfigs + "/llama-3.1-70b.json");
+  ASSERT_TRUE(c.ok());
+  auto l = testing::loader_for(*c, "tp=8,replicas=2");
+  ASSERT_NE(l, nullptr);
+  EXPECT_EQ(l->checkpoint().size(), 3u + 80u * 9u);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto plan = record_plan(*l, 11);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+  EXPECT_LT(s, 5.0);
+  auto params = l->params(11);
+  ASSERT_TRUE(params.ok());
+  uint64_t numel = 0;
+  for (const auto& d : *params) numel += static_cast<uint64_t>(shape_numel(d.shape));
+  EXPECT_EQ(plan->stats().elements, numel);
+  EXPECT_EQ(plan->stats().zeros, 0u);
+  // ~70.6e9 parameters / 8 plus replicated norms.
+  EXPECT_NEAR(static_cast<double>(numel), 70.55e9 / 8, 0.1e9);
+  auto same = record_plan(*l, 3);  // rank 3 of replica 0
+  ASSERT_TRUE(same.ok());
+  EXPECT_EQ(same->hash(), plan->hash());
 }
 
 // --- checkpoints -------------------------------------------------------------------------
