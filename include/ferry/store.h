@@ -138,7 +138,8 @@ class Store {
   // Deletes `key`; true when it existed.
   virtual Result<bool> remove(std::string_view key) = 0;
 
-  // Every live key that starts with `prefix` ("" lists all), sorted bytewise.
+  // Every live key that starts with `prefix` ("" lists all), sorted bytewise. The TCP
+  // store answers OutOfRange when the keys would not fit one 64 MiB frame.
   virtual Result<std::vector<std::string>> list(std::string_view prefix) = 0;
 
   // Blocks until every key in `keys` has been seen to exist at some moment since the
@@ -186,7 +187,9 @@ class Lease {
   // The last error a renewal hit (OK if none); renewals keep retrying transient errors.
   Status last_error() const;
 
-  // Stops the heartbeat and deletes the key (unless lost). Idempotent.
+  // Stops the heartbeat and deletes the key (unless lost). Idempotent. May wait for a
+  // renewal in flight, which the store's timeouts bound (connect_timeout + io_timeout
+  // when the store is unreachable).
   Status release();
 
  private:

@@ -222,12 +222,7 @@ class Session : public std::enable_shared_from_this<Session> {
       if (r) reply(*r);
       return;
     }
-    Response r = srv_.handle(*q);
-    if (store_tcp::encode_response(r).size() > store_tcp::kMaxFrameBytes + store_tcp::kFrameHeaderBytes) {
-      r = error_response(q->op, out_of_range("store {}: the answer would exceed the {}-byte frame limit",
-                                             store_tcp::op_name(q->op), store_tcp::kMaxFrameBytes));
-    }
-    reply(r);
+    reply(srv_.handle(*q));
   }
 
   StoreServer::Impl& srv_;
@@ -400,9 +395,18 @@ Response StoreServer::Impl::handle(const Request& q) {
       return r;
     }
     case Op::kList: {
+      // The only answer whose size the request does not bound: keep it within a frame.
+      constexpr size_t kBudget = store_tcp::kMaxFrameBytes - 64 * 1024;
       const auto now = Clock::now();
+      size_t bytes = 0;
       for (auto it = data.lower_bound(q.key); it != data.end() && it->first.starts_with(q.key); ++it) {
         if (it->second.deadline && *it->second.deadline <= now) continue;
+        bytes += 4 + it->first.size();
+        if (bytes > kBudget) {
+          return fail(out_of_range("store list {}: the matching keys exceed the {}-byte frame limit; "
+                                   "list a longer prefix",
+                                   store_detail::quote_key(q.key), store_tcp::kMaxFrameBytes));
+        }
         r.keys.push_back(it->first);
       }
       return r;
