@@ -11,6 +11,7 @@ PACKAGES=(
   nlohmann-json3-dev libcli11-dev libfmt-dev libspdlog-dev libxxhash-dev
   libssl-dev libasio-dev
   libopenmpi-dev openmpi-bin
+  python3 python3-dev pybind11-dev python3-numpy python3-torch
 )
 
 missing=()
