@@ -41,12 +41,13 @@
 //    concurrently their own connection with `clone()`. Leases always use their own
 //    connection, so a heartbeat never queues behind a wait.
 //  * Timeouts. Every call is bounded: a request/response exchange by io_timeout,
-//    `wait` by its timeout plus io_timeout. Nothing in this API blocks forever.
+//    `wait` by its timeout plus io_timeout, and a call that must reconnect first by
+//    connect_timeout more. Nothing in this API blocks forever.
 //  * Values are arbitrary bytes (NULs allowed) up to kMaxValueBytes; keys are 1 to
 //    kMaxKeyBytes bytes. Counters (`add`) are stored as decimal text, so `get` of a
 //    counter returns e.g. "42", and `add` on a key absent starts at 0.
-//  * Time-to-live. A key written with ttl > 0 disappears ttl after its last write or
-//    renew; an expired key is absent for every op. `set`/`compare_set` with ttl 0 make
+//  * Time-to-live. A key written with ttl > 0 disappears ttl after the set,
+//    compare_set or renew that last gave it a ttl; an expired key is absent for every op. `set`/`compare_set` with ttl 0 make
 //    the key persistent again; `add` keeps an existing ttl (as Redis INCRBY does).
 //  * Ownership. Store::open returns a unique_ptr; destroying it closes the connection.
 //    A Lease owns its own connection and may outlive the Store it was made from.
