@@ -1,0 +1,21 @@
+"""ferry: move model weights from RL trainer ranks to inference ranks.
+
+Inference side (this module today):
+
+    import ferry, torch
+    with ferry.record() as plan:            # record a torch-style loader
+        my_loader(params={n: ferry.param(n, shape, dtype) ...},
+                  weights={n: ferry.source(n, shape, dtype) ...})
+    plan.replay(checkpoint_tensors, model_params)   # zero-copy, in place
+
+See docs/python.md.
+"""
+from . import _ferry
+from . import errors
+from .errors import *  # noqa: F401,F403 - the exception classes are part of the API
+from ._tensor import Tensor, source, param, dtype_name
+from ._plan import Plan, TensorDecl, record
+
+_ferry._set_error_classes(errors._classes())
+
+__all__ = ["Tensor", "source", "param", "dtype_name", "Plan", "TensorDecl", "record", "errors"] + errors.__all__
