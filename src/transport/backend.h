@@ -38,6 +38,9 @@ class OpState {
     return true;
   }
 
+  // Set at construction and only cleared by complete(): safe to ask before completion.
+  bool has_callback() const { return !completing_.load() && static_cast<bool>(cb_); }
+
   bool done() const {
     std::lock_guard<std::mutex> lock(mu_);
     return done_;

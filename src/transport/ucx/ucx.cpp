@@ -36,6 +36,8 @@ namespace wire = ferry::transport_wire;
 using Clock = std::chrono::steady_clock;
 
 constexpr unsigned kAmId = 0x4652;  // "FR"
+// True while a caller thread runs an operation directly on the worker (see rma()).
+thread_local bool direct_caller = false;
 // Control calls (connect, register, ...) wait at most this long for the progress thread.
 constexpr auto kControlTimeout = std::chrono::seconds(30);
 // After the last activity the progress thread keeps spinning this long, then sleeps in
@@ -368,54 +370,88 @@ class UcxBackend final : public TransportBackend {
   Result<Completion> rma(bool is_write, const MemoryRegion& local, uint64_t local_offset, const RemoteRegion& remote,
                          uint64_t remote_offset, uint64_t length, CompletionCallback on_done) override {
     const char* op = is_write ? "write" : "read";
-    std::lock_guard<std::mutex> lock(mu_);
-    auto l = regions_.find(local.id);
-    if (l == regions_.end() || l->second.base != local.base || l->second.length != local.length) {
-      return not_found("{}: local region {} is not registered", op, local.id);
+    // Fast path: a caller thread takes the worker (worker_mu_, before mu_: the progress
+    // thread's order) and posts the operation itself, saving a thread hand-off per op.
+    // Callbacks still never run inline (see complete_op).
+    std::unique_lock<std::mutex> worker(worker_mu_, std::defer_lock);
+    if (progress_tid_.load() != std::this_thread::get_id()) {
+      worker_waiters_.fetch_add(1, std::memory_order_acq_rel);
+      worker.lock();
+      worker_waiters_.fetch_sub(1, std::memory_order_acq_rel);
+      std::lock_guard<std::mutex> lock(cmd_mu_);
+      if (stop_) return cancelled("{}: the transport is shutting down", op);
     }
-    auto k = keys_.find(remote.id);
-    if (k == keys_.end() || k->second.peer != remote.peer || k->second.length != remote.length ||
-        k->second.base != remote.base) {
-      return not_found("{}: remote region {} is not an imported key", op, remote.id);
-    }
-    const Key& key = k->second;
-    if (key.owner->failed) return peer_failed("{}: peer {:#x} failed: {}", op, key.peer, key.owner->why.message());
-    auto state = std::make_shared<OpState>(std::move(on_done), &progress_tid_);
-    void* lp = static_cast<std::byte*>(l->second.base) + local_offset;
-    uint64_t raddr = key.base + remote_offset;
-    ucp_mem_h memh = l->second.memh;
-    ucp_rkey_h rkey = key.rkey;
-    std::shared_ptr<Peer> peer = key.owner;
-    (is_write ? stats_.writes : stats_.reads)++;
-    // Posted under mu_: FIFO with respect to release_key/deregister/disconnect.
-    bool posted = post([this, state, is_write, lp, raddr, memh, rkey, peer, length] {
-      if (!peer_usable(*peer)) {
-        state->complete(peer_failed("{}: peer {:#x} failed", is_write ? "write" : "read", peer->id));
-        return;
+    std::function<void()> fn;
+    std::shared_ptr<OpState> state;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto l = regions_.find(local.id);
+      if (l == regions_.end() || l->second.base != local.base || l->second.length != local.length) {
+        return not_found("{}: local region {} is not registered", op, local.id);
       }
-      if (length == 0) {
-        state->complete(Status::Ok());
-        return;
+      auto k = keys_.find(remote.id);
+      if (k == keys_.end() || k->second.peer != remote.peer || k->second.length != remote.length ||
+          k->second.base != remote.base) {
+        return not_found("{}: remote region {} is not an imported key", op, remote.id);
       }
-      uint64_t op_id = track(peer.get(), [this, state, is_write, length, peer](ucs_status_t st) {
-        if (st == UCS_OK) (is_write ? stats_.bytes_written : stats_.bytes_read) += length;
-        if (debug_ep_info_ && peer->ep != nullptr && !peer->printed) {
-          peer->printed = true;
-          ucp_ep_print_info(peer->ep, stderr);
+      const Key& key = k->second;
+      if (key.owner->failed) return peer_failed("{}: peer {:#x} failed: {}", op, key.peer, key.owner->why.message());
+      state = std::make_shared<OpState>(std::move(on_done), &progress_tid_);
+      void* lp = static_cast<std::byte*>(l->second.base) + local_offset;
+      uint64_t raddr = key.base + remote_offset;
+      ucp_mem_h memh = l->second.memh;
+      ucp_rkey_h rkey = key.rkey;
+      std::shared_ptr<Peer> peer = key.owner;
+      (is_write ? stats_.writes : stats_.reads)++;
+      fn = [this, state, is_write, lp, raddr, memh, rkey, peer, length] {
+        if (!peer_usable(*peer)) {
+          complete_op(state, peer_failed("{}: peer {:#x} failed", is_write ? "write" : "read", peer->id));
+          return;
         }
-        state->complete(from_ucs(st, is_write ? "write" : "read"));
-      });
-      ucp_request_param_t prm{};
-      prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
-      prm.cb.send = &UcxBackend::send_cb;
-      prm.user_data = this;
-      prm.memh = memh;  // skips UCX's registration-cache lookup
-      ucs_status_ptr_t r = is_write ? ucp_put_nbx(peer->ep, lp, length, raddr, rkey, &prm)
-                                    : ucp_get_nbx(peer->ep, lp, length, raddr, rkey, &prm);
-      settle(op_id, r);
-    });
-    if (!posted) return cancelled("{}: the transport is shutting down", op);
+        if (length == 0) {
+          complete_op(state, Status::Ok());
+          return;
+        }
+        uint64_t op_id = track(peer.get(), [this, state, is_write, length, peer](ucs_status_t st) {
+          if (st == UCS_OK) (is_write ? stats_.bytes_written : stats_.bytes_read) += length;
+          if (debug_ep_info_ && peer->ep != nullptr && !peer->printed) {
+            peer->printed = true;
+            ucp_ep_print_info(peer->ep, stderr);
+          }
+          complete_op(state, from_ucs(st, is_write ? "write" : "read"));
+        });
+        ucp_request_param_t prm{};
+        prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
+        prm.cb.send = &UcxBackend::send_cb;
+        prm.user_data = this;
+        prm.memh = memh;  // skips UCX's registration-cache lookup
+        ucs_status_ptr_t r = is_write ? ucp_put_nbx(peer->ep, lp, length, raddr, rkey, &prm)
+                                      : ucp_get_nbx(peer->ep, lp, length, raddr, rkey, &prm);
+        settle(op_id, r);
+      };
+      if (!worker.owns_lock()) {
+        // On the progress thread: queue it (posted under mu_, so FIFO with respect to
+        // release_key/deregister/disconnect, which also run as commands).
+        if (!post(std::move(fn))) return cancelled("{}: the transport is shutting down", op);
+        return Completion(state);
+      }
+    }
+    // We own the worker: no command (and so no release/deregister) can run meanwhile.
+    direct_caller = true;
+    fn();
+    direct_caller = false;
+    worker.unlock();
+    if (sleeping_.load(std::memory_order_acquire)) cmd_cv_.notify_one();  // it must progress the op
     return Completion(state);
+  }
+
+  // Completes an op; on a caller thread posting directly, an op with a callback is
+  // completed from the progress thread instead (callbacks never run inline).
+  void complete_op(const std::shared_ptr<OpState>& state, Status st) {
+    if (direct_caller && state->has_callback()) {
+      if (post([state, st] { state->complete(st); })) return;
+    }
+    state->complete(std::move(st));
   }
 
   Result<Completion> flush(PeerId id, CompletionCallback on_done) override {
@@ -513,20 +549,30 @@ class UcxBackend final : public TransportBackend {
     auto last_active = Clock::now();
     std::deque<std::function<void()>> batch;
     for (;;) {
+      // A caller waiting to post directly goes first (bounded: callers are finite).
+      if (worker_waiters_.load(std::memory_order_acquire) > 0) {
+        std::this_thread::yield();
+        continue;
+      }
+      bool active = false, busy = false;
       {
-        std::lock_guard<std::mutex> lock(cmd_mu_);
-        if (stop_) break;
-        batch.swap(cmds_);
+        std::lock_guard<std::mutex> worker(worker_mu_);
+        {
+          std::lock_guard<std::mutex> lock(cmd_mu_);
+          if (stop_) break;
+          batch.swap(cmds_);
+        }
+        active = !batch.empty();
+        for (auto& fn : batch) fn();
+        batch.clear();
+        if (watched_.load(std::memory_order_relaxed) > 0 && Clock::now() >= next_watch_) {
+          next_watch_ = Clock::now() + kWatchInterval;
+          check_watched_processes();
+        }
+        while (ucp_worker_progress(worker_) != 0) active = true;
+        busy = !inflight_.empty();
       }
-      bool active = !batch.empty();
-      for (auto& fn : batch) fn();
-      batch.clear();
-      if (watched_.load(std::memory_order_relaxed) > 0 && Clock::now() >= next_watch_) {
-        next_watch_ = Clock::now() + kWatchInterval;
-        check_watched_processes();
-      }
-      while (ucp_worker_progress(worker_) != 0) active = true;
-      if (active || !inflight_.empty()) {
+      if (active || busy) {
         last_active = Clock::now();
         continue;
       }
@@ -538,6 +584,7 @@ class UcxBackend final : public TransportBackend {
     }
     // Commands posted before stop still run (they complete their ops as cancelled or
     // post nothing new); the destructor finishes the shutdown on its own thread.
+    std::lock_guard<std::mutex> worker(worker_mu_);
     std::deque<std::function<void()>> rest;
     {
       std::lock_guard<std::mutex> lock(cmd_mu_);
@@ -735,6 +782,7 @@ class UcxBackend final : public TransportBackend {
 
   // Destructor thread, after the progress thread has been joined.
   void shutdown() {
+    std::lock_guard<std::mutex> worker(worker_mu_);
     progress_tid_ = std::this_thread::get_id();
     std::map<PeerId, std::shared_ptr<Peer>> peers;
     {
@@ -744,7 +792,14 @@ class UcxBackend final : public TransportBackend {
       peers.swap(peers_);
       for (auto& [id, p] : peers) p->closed = true;
     }
-    for (auto& [id, p] : peers) close_ep(p, !p->failed);
+    for (auto& [id, p] : peers) {
+      bool gone = p->failed;
+      if (!gone && p->pidfd >= 0) {  // a watched peer may have exited since the last check
+        pollfd fd{p->pidfd, POLLIN, 0};
+        gone = poll(&fd, 1, 0) > 0;
+      }
+      close_ep(p, !gone);  // flushing towards a dead mode-NONE peer would only time out
+    }
     auto deadline = Clock::now() + opt_.close_timeout;
     while (!inflight_.empty() && Clock::now() < deadline) {
       if (ucp_worker_progress(worker_) == 0) std::this_thread::yield();
@@ -779,6 +834,11 @@ class UcxBackend final : public TransportBackend {
   std::deque<std::function<void()>> cmds_;
   bool stop_ = false;
   std::atomic<bool> sleeping_{false};
+  // Serialises every use of the (single-threaded) UCP worker: the progress thread holds
+  // it while it runs commands and progresses; rma() callers take it to post directly.
+  // Lock order: worker_mu_, then mu_, then cmd_mu_.
+  std::mutex worker_mu_;
+  std::atomic<int> worker_waiters_{0};
   std::atomic<int> watched_{0};  // peers with a pidfd (never decremented: only a hint)
   Clock::time_point next_watch_{};
 
