@@ -23,7 +23,9 @@ namespace ferry::testing {
 namespace {
 
 std::string find_redis_server() {
-  if (const char* env = std::getenv("FERRY_REDIS_SERVER"); env && *env) return env;
+  if (const char* env = std::getenv("FERRY_REDIS_SERVER"); env && *env) {
+    return ::access(env, X_OK) == 0 ? std::string(env) : std::string();
+  }
   std::vector<std::string> dirs;
   if (const char* path = std::getenv("PATH")) {
     std::stringstream ss(path);

@@ -22,6 +22,8 @@ constexpr const char* kToken = "s3cret-token";
 
 enum class Backend { kTcp, kRedis };
 
+void PrintTo(Backend b, std::ostream* os) { *os << (b == Backend::kTcp ? "tcp" : "redis"); }
+
 std::string backend_name(const ::testing::TestParamInfo<Backend>& info) {
   return info.param == Backend::kTcp ? "tcp" : "redis";
 }
