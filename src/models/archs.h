@@ -31,5 +31,10 @@ ArchEntry llama_arch();
 ArchEntry qwen2_arch();
 ArchEntry qwen3_arch();
 ArchEntry phi3_arch();
+// MoE / MLA (moe.h)
+ArchEntry qwen3_moe_arch();
+ArchEntry mixtral_arch();
+ArchEntry deepseek_v3_arch();
+ArchEntry llama4_arch();
 
 }  // namespace ferry::models

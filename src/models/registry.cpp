@@ -12,6 +12,10 @@ const std::vector<ArchEntry>& architectures() {
         phi3_arch(),
         qwen2_arch(),
         qwen3_arch(),
+        qwen3_moe_arch(),
+        mixtral_arch(),
+        deepseek_v3_arch(),
+        llama4_arch(),
     };
     std::sort(v.begin(), v.end(), [](const ArchEntry& a, const ArchEntry& b) { return a.name < b.name; });
     return v;
