@@ -26,8 +26,8 @@ test: build
 
 # Until the sync engine lands: check a shrunk real model, every rank loaded two ways
 # (loader on real tensors vs recorded plan + executor), bit for bit.
-DEMO_MODEL  ?= configs/llama-3.1-8b.json
-DEMO_LAYOUT ?= tp=2,dp=1,ep=1,replicas=2
+DEMO_MODEL  ?= configs/qwen3-30b-a3b.json
+DEMO_LAYOUT ?= tp=2,dp=2,ep=4,replicas=2
 demo: build
 	$(FERRY) check --model $(DEMO_MODEL) --inference $(DEMO_LAYOUT) --shrink
 
