@@ -75,7 +75,8 @@ class Plan:
 
     __hash__ = object.__hash__
 
-    def __str__(self):
+    def dump(self):
+        """Human-readable text, one line per copy (for debugging; long for a real model)."""
         return self._handle().to_string()
 
     def __repr__(self):

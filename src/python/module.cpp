@@ -190,6 +190,47 @@ struct Holders {
   std::vector<std::unique_ptr<py::buffer_info>> views;  // buffer exports: released after
 };
 
+// DLPack (https://dmlc.github.io/dlpack): the ABI-stable structs, declared here so no
+// extra header is needed. Consumed from any object with __dlpack__ (CPU memory only).
+struct DLDevice {
+  int32_t device_type;  // 1: CPU
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;  // 0 int, 1 uint, 2 float, 4 bfloat, 6 bool
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;  // in elements; null: C-contiguous
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor*);
+};
+
+Result<DType> dtype_from_dlpack(DLDataType t) {
+  if (t.lanes == 1) {
+    if (t.code == 2 && t.bits == 16) return DType::kF16;
+    if (t.code == 2 && t.bits == 32) return DType::kF32;
+    if (t.code == 4 && t.bits == 16) return DType::kBF16;
+    if (t.code == 0 && t.bits == 8) return DType::kI8;
+    if (t.code == 0 && t.bits == 16) return DType::kI16;
+    if (t.code == 0 && t.bits == 32) return DType::kI32;
+    if (t.code == 0 && t.bits == 64) return DType::kI64;
+    if (t.code == 1 && t.bits == 8) return DType::kU8;
+    if (t.code == 6 && t.bits == 8) return DType::kBool;
+  }
+  return invalid_argument("DLPack dtype (code {}, bits {}, lanes {}) has no ferry dtype", t.code, t.bits, t.lanes);
+}
+
 bool is_torch_tensor(py::handle obj) {
   return py::hasattr(obj, "data_ptr") && py::hasattr(obj, "element_size") && py::hasattr(obj, "is_contiguous") &&
          py::hasattr(obj, "device");
@@ -273,9 +314,46 @@ Tensor bind_object(py::handle obj, const TensorDecl& decl, const char* kind, boo
     }
     data = info->ptr;
     holders.views.push_back(std::move(info));
+  } else if (py::hasattr(obj, "__dlpack__")) {
+    py::object capsule;
+    try {
+      capsule = obj.attr("__dlpack__")();
+    } catch (py::error_already_set& e) {
+      throw_status(invalid_argument("{}: __dlpack__ failed: {}", where(), e.what()));
+    }
+    auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
+    if (managed == nullptr) {
+      PyErr_Clear();
+      throw_status(invalid_argument("{}: __dlpack__ did not return a 'dltensor' capsule", where()));
+    }
+    // The capsule keeps the memory alive and calls the deleter when it is released.
+    holders.objects.push_back(capsule);
+    holders.objects.push_back(py::reinterpret_borrow<py::object>(obj));
+    const DLTensor& t = managed->dl_tensor;
+    if (t.device.device_type != 1) {
+      throw_status(invalid_argument("{} is on DLPack device type {}; replay needs CPU memory", where(), t.device.device_type));
+    }
+    auto d = dtype_from_dlpack(t.dtype);
+    if (!d.ok()) {
+      throw_status(invalid_argument("{} has {} but the plan expects {}", where(), d.status().message(), dtype_name(decl.dtype)),
+                   "DTypeMismatchError");
+    }
+    dtype = *d;
+    shape.assign(t.shape, t.shape + t.ndim);
+    if (t.strides != nullptr) {
+      int64_t expect = 1;
+      for (size_t k = shape.size(); k-- > 0;) {
+        if (shape[k] != 1 && t.strides[k] != expect) {
+          throw_status(invalid_argument("{} {} is not C-contiguous", where(), shape_str(shape)));
+        }
+        expect *= shape[k];
+      }
+    }
+    data = static_cast<std::byte*>(t.data) + t.byte_offset;
   } else {
-    throw_status(invalid_argument("{} must be a numpy array (or another buffer) or a CPU torch tensor, got {}", where(),
-                                  type_name(obj)));
+    throw_status(invalid_argument("{} must be a numpy array (or another buffer), a CPU torch tensor or a DLPack "
+                                  "(__dlpack__) CPU array, got {}",
+                                  where(), type_name(obj)));
   }
   if (dtype != decl.dtype) {
     throw_status(invalid_argument("{} has dtype {} but the plan expects {}", where(), dtype_name(dtype), dtype_name(decl.dtype)),
