@@ -1,0 +1,193 @@
+// ferry/engine.h — the sync engine (shared/DESIGN.md §8): a Producer per trainer rank,
+// a Consumer per inference rank, moving one version of the weights per sync, layer group
+// by layer group, point to point.
+//
+// Rendezvous (Producer::create / Consumer::create), under the store prefix `job`:
+//   {job}/meta               trainer metadata (JSON; written by producer 0)
+//   {job}/holdings/{p}       producer p's holdings (JSON)
+//   {job}/plan/{c}           consumer c's canonical plan (Plan::encode)
+//   {job}/producer/{p}       lease: producer p's transport address + staging-ring key
+//   {job}/consumer/{c}       lease: consumer c's transport address + receive-ring key
+// Every participant waits (bounded by rendezvous_timeout) until every expected producer
+// and consumer has published, then builds the same Routes with build_routes (a pure
+// function of metadata, holdings and plans), so no routes cross the wire. Routes do not
+// depend on which consumers are alive: a dead consumer is skipped, a restarted one (same
+// rank, same plan) rejoins at the next sync without any rebuild.
+//
+// One sync (version v), pull mode (the default):
+//   producer: for each group g in order: wait for a free staging slot (ring of slots
+//     bounded by staging_budget; default two groups), materialise g, pack it, send
+//     ANNOUNCE(v, g, slot) to every live consumer that reads from it in g, move on to
+//     g+1 (so materialise/pack of g+1 overlaps the reads of g). A slot is free again
+//     once every consumer it was announced to sent RELEASE or was dropped.
+//   consumer: for each group g: wait for ANNOUNCE from every producer it reads from in
+//     g, read its segments into a slot of its registered receive ring (two slots),
+//     send RELEASE, hand the slot to a background thread that unpacks into the params
+//     and runs RankLoader::process_weights_after_loading for every loader group whose
+//     params are now complete; meanwhile the caller thread reads g+1. v is committed
+//     only when every group landed.
+// Push mode: the consumer sends READY(v, g, recv slot) instead of waiting for ANNOUNCE;
+//   the producer writes its segments into that receive slot, flushes, and sends PUSHED.
+// Membership per sync: a producer serves the consumers whose lease exists when its sync
+//   starts (re-reading addresses, so restarted consumers are connected afresh).
+//
+// Failure semantics
+//   * A consumer that dies (transport peer failure) or stalls (no RELEASE/READY within
+//     stall_timeout) is dropped from the producer's current sync, recorded in
+//     SyncReport::failures, and the producer finishes for the others. A dropped live
+//     consumer is told (DROPPED) and fails its sync.
+//   * A producer failing during a consumer's sync fails that sync with kPeerFailed naming
+//     the producer; groups already unpacked are new and the rest old: state() reports
+//     torn until a later sync completes. (Failover to a DP replica is not implemented.)
+//   * Every wait is bounded (timeout, stall_timeout, rendezvous_timeout); every
+//     message is length-checked, every read is checked against the staging region
+//     (Routes::validate plus the transport's key bounds).
+//   * checksums=true: the producer sends an xxHash64 per segment with each announce;
+//     the consumer checks it on arrival (kCorrupt naming producer and group).
+//
+// Ownership and threading
+//   * The caller owns the WeightSource / ModelLoader, the Transport and the Store and
+//     keeps them alive longer than the Producer/Consumer. The engine installs its own
+//     message and peer-failure handlers on the Transport (one engine per Transport).
+//   * sync() is called from one thread at a time; the rest of the API is thread-safe.
+//     Hooks run on the caller's thread (before/after sync) or the consumer's
+//     background thread (after_group); they must not call back into the engine.
+//   * Destruction releases leases, handlers and registered memory; it waits at most
+//     for the background thread to finish its current group.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ferry/models.h"
+#include "ferry/plan.h"
+#include "ferry/route.h"
+#include "ferry/source.h"
+#include "ferry/status.h"
+#include "ferry/store.h"
+#include "ferry/transport.h"
+
+namespace ferry {
+
+enum class SyncMode : uint8_t { kPull, kPush };
+Result<SyncMode> parse_sync_mode(std::string_view text);  // "pull" | "push"
+std::string_view sync_mode_name(SyncMode mode);
+
+struct EngineOptions {
+  std::string job = "ferry";   // store key prefix
+  int num_producers = 1;       // trainer world size
+  int num_consumers = 1;       // inference world size
+  SyncMode mode = SyncMode::kPull;
+  std::chrono::milliseconds rendezvous_timeout{60000};
+  // Bound on one wait inside a sync (an announce, a read, a free slot).
+  std::chrono::milliseconds timeout{30000};
+  // Producer: drop a consumer that has not released (pull) / asked (push) a group for
+  // this long after it could have.
+  std::chrono::milliseconds stall_timeout{10000};
+  std::chrono::milliseconds lease_ttl{3000};
+  bool checksums = false;
+};
+
+struct ProducerOptions : EngineOptions {
+  // Bytes of registered staging memory; 0: two groups (two slots of the largest group).
+  uint64_t staging_budget = 0;
+  // Test hooks: after checksumming, flip one byte of group `corrupt_group`'s staging in
+  // sync `corrupt_version` (-1: never); test_point(version, group) runs before each
+  // group is materialised.
+  int corrupt_group = -1;
+  uint64_t corrupt_version = 0;
+  std::function<void(uint64_t version, int group)> test_point;
+};
+
+struct ConsumerOptions : EngineOptions {
+  std::function<void(uint64_t version)> before_sync;             // e.g. pause generation
+  std::function<void(uint64_t version, int group)> after_group;  // background thread
+  std::function<void(uint64_t version)> after_sync;              // resume with version
+  // Test hook: called at points of a sync — (group, phase) with phase 0: before waiting
+  // for group's data, 1: reads posted (push: READY sent), 2: group received and
+  // released, 3: on the background thread before unpacking. Fault tests crash here.
+  std::function<void(int group, int phase)> test_point;
+};
+
+struct SyncReport {
+  uint64_t version = 0;
+  Status status;                // OK when this side finished the sync
+  uint64_t bytes = 0;           // producer: served (per consumer); consumer: received
+  double seconds = 0;           // wall time of sync()
+  // Phases (seconds, summed over groups). Producer: materialize, pack, wait (slots).
+  // Consumer: wait (announces), read, unpack, post (process_weights_after_loading).
+  double materialize_seconds = 0, pack_seconds = 0, wait_seconds = 0, read_seconds = 0, unpack_seconds = 0,
+         post_seconds = 0;
+  std::map<int, uint64_t> bytes_per_peer;  // peer rank -> bytes
+  std::vector<int> dropped;                // producer: consumers dropped this sync
+  std::vector<std::string> failures;       // one line per failure
+  std::string to_string() const;
+};
+
+// What a consumer holds after its syncs.
+struct ConsumerState {
+  uint64_t version = 0;   // last committed version (valid if `has_version`)
+  bool has_version = false;
+  bool torn = false;      // a failed sync left some groups newer than `version`
+};
+
+class Producer {
+ public:
+  // Publishes metadata (rank 0), holdings and address; builds routes once every
+  // expected participant has published; allocates and registers the staging ring.
+  static Result<std::unique_ptr<Producer>> create(WeightSource& source, Transport& transport, Store& store,
+                                                  const ProducerOptions& options);
+  ~Producer();
+  Producer(const Producer&) = delete;
+  Producer& operator=(const Producer&) = delete;
+
+  // Moves version `version` (what source.materialize returns now) to every live
+  // consumer. OK unless this producer itself failed (its source, its transport, a
+  // timeout with no consumer left to blame); dropped consumers are in the report.
+  Result<SyncReport> sync(uint64_t version);
+
+  const Routes& routes() const;
+  int rank() const;
+  struct Impl;
+
+ private:
+  explicit Producer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+class Consumer {
+ public:
+  // Records the plan of inference rank `rank` over the trainer metadata, publishes it,
+  // builds routes, allocates the receive ring. `params`: the rank's param buffers as
+  // loaded (RankLoader::params(), real, contiguous); empty: allocated here (zeroed).
+  static Result<std::unique_ptr<Consumer>> create(const ModelLoader& loader, int rank, Transport& transport,
+                                                  Store& store, const ConsumerOptions& options,
+                                                  TensorMap params = {});
+  ~Consumer();
+  Consumer(const Consumer&) = delete;
+  Consumer& operator=(const Consumer&) = delete;
+
+  // Receives version `version`. On error the report (in the Status message) names the
+  // failing producer or group, and state().torn tells whether params changed.
+  Result<SyncReport> sync(uint64_t version);
+
+  ConsumerState state() const;
+  // Final params (after post-processing) of the last sync; valid between syncs.
+  const TensorMap& params() const;
+  const Routes& routes() const;
+  int rank() const;
+  // Test hook (inproc): behave as a SIGKILLed process — crash the transport, drop the lease.
+  void simulate_crash();
+  struct Impl;
+
+ private:
+  explicit Consumer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ferry

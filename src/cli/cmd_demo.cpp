@@ -1,0 +1,100 @@
+// `ferry demo`: trainer and inference ranks as separate processes on this machine, with
+// the embedded store and no set-up; several syncs of a shrunk real model, every consumer
+// verified bit for bit, one inference rank SIGKILLed mid-sync and restarted.
+// `ferry worker` (hidden): one rank process of the demo and the multi-process tests.
+#include <unistd.h>
+
+#include <climits>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "cli/command.h"
+#include "engine/harness.h"
+
+namespace ferry::cli {
+namespace {
+
+std::string self_exe() {
+  char buf[PATH_MAX];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return "ferry";
+  buf[n] = 0;
+  return buf;
+}
+
+int run_demo_cmd(engine::DemoSpec d, int kill_sync, int kill_point) {
+  d.worker_binary = self_exe();
+  if (kill_sync > 0) d.kills = {{kill_sync, kill_point}};
+  const auto t0 = std::chrono::steady_clock::now();
+  engine::DemoResult r = engine::run_demo(d);
+  if (!r.rows.empty()) {
+    std::printf("\n%8s %12s %9s %9s %16s %9s  %s\n", "version", "bytes", "seconds", "GB/s", "broadcast bytes", "verified",
+                "");
+    for (const auto& row : r.rows) {
+      std::printf("%8d %12llu %9.3f %9.2f %16llu %6d/%-2d  %s\n", row.version, static_cast<unsigned long long>(row.bytes),
+                  row.seconds, row.seconds > 0 ? static_cast<double>(row.bytes) / row.seconds / 1e9 : 0.0,
+                  static_cast<unsigned long long>(row.broadcast_bytes), row.verified, row.expected, row.note.c_str());
+    }
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!r.error.empty()) std::fprintf(stderr, "ferry demo: %s\n", r.error.c_str());
+  std::printf("%s in %.1f s\n", r.all_verified ? "demo: every consumer verified bit for bit at every sync it took part in"
+                                               : "demo: FAILED",
+              secs);
+  return r.all_verified ? 0 : 1;
+}
+
+std::function<int()> setup_demo(CLI::App& app) {
+                auto d = std::make_shared<engine::DemoSpec>();
+                auto kill_sync = std::make_shared<int>(2);
+                auto kill_point = std::make_shared<int>(-1);
+                d->overrides = R"({"num_hidden_layers": 4})";
+                app.add_option("--model", d->model, "HF config.json (shrunk unless --no-shrink)");
+                app.add_flag("!--no-shrink", d->shrink, "use the config as is");
+                app.add_option("--config-overrides", d->overrides, "JSON merged into the shrunk config");
+                app.add_option("--trainer", d->trainer, "trainer layout (tp=,pp=,ep=,etp=,dp= | fsdp=)");
+                app.add_option("--inference", d->inference, "inference layout (tp=,dp=,ep=,replicas=)");
+                app.add_option("--mode", d->mode, "pull | push");
+                app.add_option("--store", d->store, "store URL (tcp://... or redis://...); default: embedded");
+                app.add_option("--backend", d->backend, "transport backend (ucx)");
+                app.add_flag("--checksums", d->checksums, "xxHash64 per segment, checked on arrival");
+                app.add_option("--syncs", d->syncs, "number of syncs");
+                app.add_option("--seed", d->seed, "seed of the synthetic weights");
+                app.add_option("--kill-sync", *kill_sync, "SIGKILL an inference rank during this sync (0: never)");
+                app.add_option("--kill-rank", d->kill_rank, "the inference rank to kill");
+                app.add_option("--kill-point", *kill_point, "point of the sync (group*4+phase; -1: random)");
+                return [d, kill_sync, kill_point] { return run_demo_cmd(*d, *kill_sync, *kill_point); };
+}
+
+std::function<int()> setup_worker(CLI::App& app) {
+  app.group("");  // hidden
+  auto w = std::make_shared<engine::WorkerSpec>();
+  app.add_option("--role", w->role)->required();
+  app.add_option("--rank", w->rank)->required();
+  app.add_option("--model", w->model)->required();
+  app.add_option("--trainer", w->trainer)->required();
+  app.add_option("--inference", w->inference)->required();
+  app.add_option("--store", w->store)->required();
+  app.add_option("--job", w->job);
+  app.add_option("--backend", w->backend);
+  app.add_option("--mode", w->mode);
+  app.add_flag("--checksums", w->checksums);
+  app.add_option("--seed", w->seed);
+  app.add_option("--first-version", w->first_version);
+  app.add_option("--last-version", w->last_version);
+  app.add_option("--crash-version", w->crash_version);
+  app.add_option("--crash-point", w->crash_point);
+  app.add_option("--stall-ms", w->stall_ms);
+  app.add_option("--timeout-ms", w->timeout_ms);
+  return [w] { return engine::run_worker(*w); };
+}
+
+}  // namespace
+
+FERRY_COMMAND(demo_command, "demo",
+              "Run trainer and inference ranks as local processes and sync a shrunk real model several times, verified",
+              setup_demo);
+FERRY_COMMAND(worker_command, "worker", "", setup_worker);
+
+}  // namespace ferry::cli

@@ -1,0 +1,490 @@
+// Consumer: one per inference rank. See ferry/engine.h for the protocol.
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "engine/common.h"
+
+namespace ferry {
+
+using namespace engine;
+
+struct Consumer::Impl {
+  const ModelLoader& loader;
+  std::shared_ptr<const RankLoader> rl;
+  int rank = 0;
+  Transport& tr;
+  Store& store;
+  ConsumerOptions o;
+  Plan plan;
+  Routes routes;
+  uint64_t routes_hash = 0;
+  const PlanRoute* pr = nullptr;
+  TensorMap loaded;   // param buffers as loaded (what unpack writes)
+  TensorMap final_;   // after post-processing, of the last committed sync
+  TensorMap work;     // being post-processed (background thread)
+  std::vector<int> loader_group_ready_at;  // loader group -> route group after which it is complete
+  static constexpr int kSlots = 2;
+  uint64_t slot_bytes = 0;
+  RegisteredBuffer ring;
+  std::unique_ptr<Lease> lease;
+
+  struct Peer {
+    std::string blob;
+    PeerId id = 0;
+    RemoteRegion staging;
+    bool connected = false;
+  };
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<Peer> peers;
+  std::map<PeerId, int> peer_rank;
+  std::map<int, Status> failed;                             // producer -> why
+  std::map<std::tuple<uint64_t, int, int>, Msg> inbox;      // (version, group, producer)
+  std::set<uint64_t> dropped_versions;
+  // Background thread.
+  struct Job {
+    uint64_t version;
+    int group;
+    int slot;  // -1: no data
+  };
+  std::deque<Job> jobs;
+  bool slot_busy[kSlots] = {false, false};
+  bool busy = false;
+  bool stop = false;
+  bool crashed = false;
+  Status bg_status;
+  bool unpacked_any = false;
+  double unpack_seconds = 0, post_seconds = 0;
+  std::thread worker;
+  ConsumerState st;
+
+  Impl(const ModelLoader& l, int r, Transport& t, Store& s, const ConsumerOptions& opt)
+      : loader(l), rank(r), tr(t), store(s), o(opt) {}
+
+  ~Impl() {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      stop = true;
+      cv.notify_all();
+    }
+    if (worker.joinable()) worker.join();
+    tr.set_message_handler({});
+    tr.set_peer_failure_handler({});
+    if (lease) lease->release().ignore();
+  }
+
+  void point(int g, int phase) {
+    if (o.test_point) o.test_point(g, phase);
+  }
+
+  void on_message(PeerId from, std::span<const std::byte> payload) {
+    auto m = decode_msg(payload);
+    if (!m.ok()) return;
+    std::lock_guard<std::mutex> lk(mu);
+    const int p = static_cast<int>(m->rank);
+    auto it = peer_rank.find(from);
+    if (it == peer_rank.end() || it->second != p) return;
+    switch (static_cast<MsgType>(m->type)) {
+      case MsgType::kAnnounce:
+      case MsgType::kPushed:
+        if (st.has_version && m->version <= st.version) return;  // stale
+        inbox[{m->version, m->group, p}] = *m;
+        break;
+      case MsgType::kDropped:
+        dropped_versions.insert(m->version);
+        break;
+      default:
+        return;
+    }
+    cv.notify_all();
+  }
+
+  void on_peer_failure(PeerId peer, const Status& why) {
+    std::lock_guard<std::mutex> lk(mu);
+    auto it = peer_rank.find(peer);
+    if (it == peer_rank.end()) return;
+    Peer& p = peers[static_cast<size_t>(it->second)];
+    if (p.id != peer) return;
+    p.connected = false;
+    failed[it->second] = why;
+    cv.notify_all();
+  }
+
+  void bg_loop() {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lk(mu);
+        cv.wait(lk, [&] { return stop || !jobs.empty(); });
+        if (stop) return;
+        job = jobs.front();
+        jobs.pop_front();
+        busy = true;
+      }
+      Status s;
+      double tu = 0, tp = 0;
+      if (job.slot >= 0) {
+        point(job.group, 3);
+        auto t = Clock::now();
+        const uint64_t n = pr->groups[static_cast<size_t>(job.group)].recv_bytes;
+        s = unpack_group(*pr, job.group, std::span<const std::byte>(ring.data + job.slot * slot_bytes, n), loaded);
+        if (!s.ok()) s = s.with_context(fmt::format("consumer {} unpack group {}", rank, job.group));
+        tu = seconds_since(t);
+      }
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        if (job.slot >= 0) {
+          slot_busy[job.slot] = false;
+          unpacked_any = true;
+        }
+      }
+      if (s.ok()) {
+        auto t = Clock::now();
+        for (size_t k = 0; k < loader_group_ready_at.size() && s.ok(); ++k) {
+          if (loader_group_ready_at[k] == job.group) {
+            s = rl->process_weights_after_loading(static_cast<int>(k), work);
+            if (!s.ok()) s = s.with_context(fmt::format("consumer {} post-processing {}", rank, rl->groups()[k].name));
+          }
+        }
+        tp = seconds_since(t);
+      }
+      if (s.ok() && o.after_group) o.after_group(job.version, job.group);
+      std::lock_guard<std::mutex> lk(mu);
+      unpack_seconds += tu;
+      post_seconds += tp;
+      if (!s.ok() && bg_status.ok()) bg_status = s;
+      busy = false;
+      cv.notify_all();
+    }
+  }
+
+  Status refresh_producers() {
+    for (int p = 0; p < o.num_producers; ++p) {
+      auto blob = store.get(key_producer(o.job, p));
+      if (!blob.ok()) {
+        if (blob.status().code() == StatusCode::kNotFound)
+          return unavailable("producer {} is not registered (no live lease {})", p, key_producer(o.job, p));
+        return blob.status();
+      }
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        const Peer& pe = peers[static_cast<size_t>(p)];
+        if (pe.connected && pe.blob == *blob) continue;
+      }
+      FERRY_ASSIGN_OR_RETURN(auto f, decode_fields(*blob, 3));
+      auto id = tr.connect(string_bytes(f[0]));
+      if (!id.ok()) return id.status().with_context(fmt::format("connecting to producer {}", p));
+      auto key = tr.import_key(string_bytes(f[1]));
+      if (!key.ok()) return key.status().with_context(fmt::format("staging key of producer {}", p));
+      std::lock_guard<std::mutex> lk(mu);
+      Peer& pe = peers[static_cast<size_t>(p)];
+      pe.blob = *blob;
+      pe.id = *id;
+      pe.staging = *key;
+      pe.connected = true;
+      peer_rank[*id] = p;
+      failed.erase(p);
+    }
+    return Status::Ok();
+  }
+
+  void send_to(int p, MsgType type, uint64_t v, int g, uint32_t slot = 0) {
+    PeerId id;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      id = peers[static_cast<size_t>(p)].id;
+    }
+    Msg m;
+    m.type = static_cast<uint8_t>(type);
+    m.rank = static_cast<uint32_t>(rank);
+    m.group = g;
+    m.version = v;
+    m.routes_hash = routes_hash;
+    m.slot = slot;
+    tr.send(id, kTag, encode_msg(m)).status().ignore();
+  }
+
+  // Waits for the message (v, g, p) of `type`; fails when p failed or we were dropped.
+  Result<Msg> await(uint64_t v, int g, int p, const char* what) {
+    std::unique_lock<std::mutex> lk(mu);
+    const auto deadline = Clock::now() + o.timeout;
+    for (;;) {
+      if (auto it = inbox.find({v, g, p}); it != inbox.end()) {
+        Msg m = it->second;
+        inbox.erase(it);
+        if (m.routes_hash != routes_hash)
+          return failed_precondition("producer {} routes {:016x} differ from consumer {}'s {:016x}", p, m.routes_hash,
+                                     rank, routes_hash);
+        return m;
+      }
+      if (auto it = failed.find(p); it != failed.end())
+        return peer_failed("producer {} failed during sync {} (group {}): {}", p, v, g, it->second.to_string());
+      if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
+      if (dropped_versions.count(v)) return cancelled("consumer {} was dropped from sync {} by a producer", rank, v);
+      if (!bg_status.ok()) return bg_status;
+      if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline)
+        return timeout_error("consumer {}: no {} from producer {} for version {} group {} within {} ms", rank, what, p, v,
+                             g, o.timeout.count());
+    }
+  }
+
+  Result<int> acquire_slot(int g) {
+    const int s = g % kSlots;
+    std::unique_lock<std::mutex> lk(mu);
+    if (!cv.wait_for(lk, o.timeout, [&] { return !slot_busy[s] || !bg_status.ok() || crashed; }))
+      return timeout_error("consumer {}: receive slot not freed within {} ms", rank, o.timeout.count());
+    if (!bg_status.ok()) return bg_status;
+    if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
+    slot_busy[s] = true;
+    return s;
+  }
+
+  void enqueue(uint64_t v, int g, int slot) {
+    std::lock_guard<std::mutex> lk(mu);
+    jobs.push_back(Job{v, g, slot});
+    cv.notify_all();
+  }
+
+  Status verify(int p, int g, const Msg& m, int s, const std::vector<Read>& reads) {
+    if (!m.has_checksum) return Status::Ok();
+    std::vector<const Read*> mine;
+    for (const Read& r : reads)
+      if (static_cast<int>(r.producer) == p && r.length) mine.push_back(&r);
+    std::sort(mine.begin(), mine.end(), [](const Read* a, const Read* b) { return a->offset < b->offset; });
+    XXH64_state_t* h = XXH64_createState();
+    XXH64_reset(h, 0);
+    for (const Read* r : mine) XXH64_update(h, ring.data + static_cast<uint64_t>(s) * slot_bytes + r->recv_offset, r->length);
+    const uint64_t got = XXH64_digest(h);
+    XXH64_freeState(h);
+    if (got != m.checksum)
+      return corrupt("consumer {}: checksum mismatch on the segment of producer {} in group {} ({}): got {:016x}, sent {:016x}",
+                     rank, p, g, routes.group_names[static_cast<size_t>(g)], got, m.checksum);
+    return Status::Ok();
+  }
+
+  Status sync_groups(uint64_t v, SyncReport& rep) {
+    FERRY_RETURN_IF_ERROR(refresh_producers());
+    for (int g = 0; g < routes.num_groups(); ++g) {
+      const PlanGroup& pg = pr->groups[static_cast<size_t>(g)];
+      std::set<int> from;
+      for (const Read& r : pg.reads)
+        if (r.length) from.insert(static_cast<int>(r.producer));
+      if (from.empty()) {
+        enqueue(v, g, -1);
+        continue;
+      }
+      FERRY_ASSIGN_OR_RETURN(int s, acquire_slot(g));
+      point(g, 0);
+      const uint64_t base = static_cast<uint64_t>(s) * slot_bytes;
+      std::map<int, Msg> got;
+      if (o.mode == SyncMode::kPull) {
+        auto tw = Clock::now();
+        for (int p : from) {
+          FERRY_ASSIGN_OR_RETURN(got[p], await(v, g, p, "announce"));
+        }
+        rep.wait_seconds += seconds_since(tw);
+        auto tr0 = Clock::now();
+        std::vector<Completion> ops;
+        std::vector<int> op_producer;
+        for (const Read& r : pg.reads) {
+          if (!r.length) continue;
+          const int p = static_cast<int>(r.producer);
+          RemoteRegion staging;
+          {
+            std::lock_guard<std::mutex> lk(mu);
+            staging = peers[static_cast<size_t>(p)].staging;
+          }
+          auto c = tr.read(ring.region, base + r.recv_offset, staging, got[p].slot_offset + r.offset, r.length);
+          if (!c.ok()) return c.status().with_context(fmt::format("consumer {} reading group {} from producer {}", rank, g, p));
+          ops.push_back(*c);
+          op_producer.push_back(p);
+        }
+        point(g, 1);
+        const auto deadline = Clock::now() + o.timeout;
+        for (size_t i = 0; i < ops.size(); ++i) {
+          const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+          Status st = ops[i].wait(std::max(left, std::chrono::milliseconds(1)));
+          if (!st.ok())
+            return Status(st.code(), fmt::format("consumer {} reading group {} from producer {}: {}", rank, g,
+                                                 op_producer[i], st.message()));
+        }
+        rep.read_seconds += seconds_since(tr0);
+        for (int p : from) send_to(p, MsgType::kRelease, v, g);
+      } else {
+        for (int p : from) send_to(p, MsgType::kReady, v, g, static_cast<uint32_t>(s));
+        point(g, 1);
+        auto tw = Clock::now();
+        for (int p : from) {
+          FERRY_ASSIGN_OR_RETURN(got[p], await(v, g, p, "push"));
+        }
+        rep.wait_seconds += seconds_since(tw);
+      }
+      for (const Read& r : pg.reads) {
+        if (!r.length) continue;
+        rep.bytes += r.length;
+        rep.bytes_per_peer[static_cast<int>(r.producer)] += r.length;
+      }
+      for (int p : from) FERRY_RETURN_IF_ERROR(verify(p, g, got[p], s, pg.reads));
+      point(g, 2);
+      enqueue(v, g, s);
+    }
+    // Drain the background thread.
+    std::unique_lock<std::mutex> lk(mu);
+    const auto deadline = Clock::now() + o.timeout;
+    while ((!jobs.empty() || busy) && bg_status.ok()) {
+      if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline)
+        return timeout_error("consumer {}: unpacking did not finish within {} ms", rank, o.timeout.count());
+    }
+    if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
+    return bg_status;
+  }
+
+  Result<SyncReport> sync(uint64_t v) {
+    const auto t0 = Clock::now();
+    SyncReport rep;
+    rep.version = v;
+    if (o.before_sync) o.before_sync(v);
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      // Drop announcements of older versions, reset the background state.
+      for (auto it = inbox.begin(); it != inbox.end();) it = std::get<0>(it->first) < v ? inbox.erase(it) : std::next(it);
+      bg_status = Status::Ok();
+      unpacked_any = false;
+      unpack_seconds = post_seconds = 0;
+      slot_busy[0] = slot_busy[1] = false;
+      work = loaded;
+    }
+    Status s = sync_groups(v, rep);
+    std::unique_lock<std::mutex> lk(mu);
+    if (!s.ok()) {
+      // Let the background thread finish what it holds, then tell producers we gave up.
+      cv.wait_for(lk, o.timeout, [&] { return jobs.empty() && !busy; });
+      jobs.clear();
+      if (unpacked_any) st.torn = true;
+      lk.unlock();
+      for (int p = 0; p < o.num_producers; ++p) {
+        bool ok;
+        {
+          std::lock_guard<std::mutex> g(mu);
+          ok = peers[static_cast<size_t>(p)].connected && !failed.count(p);
+        }
+        if (ok) send_to(p, MsgType::kAbort, v, -1);
+      }
+      return s;
+    }
+    rep.unpack_seconds = unpack_seconds;
+    rep.post_seconds = post_seconds;
+    final_ = work;
+    st.version = v;
+    st.has_version = true;
+    st.torn = false;
+    lk.unlock();
+    rep.seconds = seconds_since(t0);
+    if (o.after_sync) o.after_sync(v);
+    return rep;
+  }
+};
+
+Consumer::Consumer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Consumer::~Consumer() = default;
+Result<SyncReport> Consumer::sync(uint64_t version) { return impl_->sync(version); }
+ConsumerState Consumer::state() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->st;
+}
+const TensorMap& Consumer::params() const { return impl_->final_; }
+const Routes& Consumer::routes() const { return impl_->routes; }
+int Consumer::rank() const { return impl_->rank; }
+void Consumer::simulate_crash() {
+  impl_->tr.simulate_crash().ignore();
+  {
+    std::lock_guard<std::mutex> lk(impl_->mu);
+    impl_->crashed = true;
+    impl_->cv.notify_all();
+  }
+  if (impl_->lease) impl_->lease->release().ignore();
+}
+
+Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, int rank, Transport& transport, Store& store,
+                                                   const ConsumerOptions& options, TensorMap params) {
+  auto impl = std::make_unique<Impl>(loader, rank, transport, store, options);
+  Impl& m = *impl;
+  if (rank < 0 || rank >= options.num_consumers)
+    return invalid_argument("consumer rank {} outside num_consumers {}", rank, options.num_consumers);
+  FERRY_ASSIGN_OR_RETURN(m.rl, loader.rank(rank));
+  FERRY_RETURN_IF_ERROR(store.wait({key_meta(options.job)}, options.rendezvous_timeout).with_context("engine rendezvous"));
+  FERRY_ASSIGN_OR_RETURN(auto meta_text, store.get(key_meta(options.job)));
+  FERRY_ASSIGN_OR_RETURN(auto metadata, decode_decls(meta_text));
+  auto plan = record_plan(loader, rank, metadata);
+  if (!plan.ok()) return plan.status().with_context(fmt::format("consumer {} recording its plan", rank));
+  m.plan = std::move(*plan);
+  FERRY_RETURN_IF_ERROR(store.set(key_plan(options.job, rank), m.plan.encode()));
+  FERRY_ASSIGN_OR_RETURN(m.routes, rendezvous_routes(store, options, metadata));
+  m.routes_hash = m.routes.hash();
+  m.pr = &m.routes.consumer(static_cast<size_t>(rank));
+  // Param buffers.
+  for (const ParamInfo& p : m.rl->params()) {
+    auto it = params.find(p.decl.name);
+    if (it == params.end()) {
+      m.loaded.emplace(p.decl.name, Tensor::empty(p.decl.shape, p.decl.dtype, p.decl.name));
+      continue;
+    }
+    const Tensor& t = it->second;
+    if (!t.is_real() || !t.is_contiguous() || t.dtype() != p.decl.dtype || t.shape() != p.decl.shape)
+      return invalid_argument("consumer {}: param buffer '{}' must be real, contiguous, {} {}", rank, p.decl.name,
+                              dtype_name(p.decl.dtype), shape_str(p.decl.shape));
+    m.loaded.emplace(p.decl.name, t);
+  }
+  // Padding: the plan's zeros are written once (routes carry only source bytes).
+  if (!m.plan.zeros().empty()) {
+    Plan zeros_only;
+    for (const auto& d : m.plan.params()) FERRY_RETURN_IF_ERROR(zeros_only.declare_param(d).status());
+    for (const auto& z : m.plan.zeros()) FERRY_RETURN_IF_ERROR(zeros_only.add_zero(z));
+    FERRY_RETURN_IF_ERROR(execute(zeros_only, {}, m.loaded));
+  }
+  m.final_ = m.loaded;
+  // Loader group k is complete after the last route group that writes one of its params.
+  std::map<std::string, int> last_group;
+  for (int g = 0; g < m.routes.num_groups(); ++g) {
+    for (const UnpackOp& u : m.pr->groups[static_cast<size_t>(g)].unpacks) last_group[m.pr->params[u.param].name] = g;
+  }
+  m.loader_group_ready_at.assign(m.rl->groups().size(), 0);
+  for (const ParamInfo& p : m.rl->params()) {
+    auto it = last_group.find(p.decl.name);
+    if (it != last_group.end() && p.group >= 0 && static_cast<size_t>(p.group) < m.loader_group_ready_at.size())
+      m.loader_group_ready_at[static_cast<size_t>(p.group)] =
+          std::max(m.loader_group_ready_at[static_cast<size_t>(p.group)], it->second);
+  }
+  uint64_t largest = 0;
+  for (const auto& g : m.pr->groups) largest = std::max(largest, g.recv_bytes);
+  m.slot_bytes = align_up(std::max<uint64_t>(largest, 64), 64);
+  FERRY_RETURN_IF_ERROR(m.ring.allocate(transport, m.slot_bytes * Impl::kSlots));
+  FERRY_ASSIGN_OR_RETURN(auto key, transport.export_key(m.ring.region));
+  m.peers.resize(static_cast<size_t>(options.num_producers));
+  Impl* self = impl.get();
+  transport.set_message_handler([self](PeerId from, uint32_t tag, std::span<const std::byte> payload) {
+    if (tag == kTag) self->on_message(from, payload);
+  });
+  transport.set_peer_failure_handler([self](PeerId peer, const Status& why) { self->on_peer_failure(peer, why); });
+  std::vector<std::string> keys;
+  for (int p = 0; p < options.num_producers; ++p) keys.push_back(key_producer(options.job, p));
+  FERRY_RETURN_IF_ERROR(store.wait(keys, options.rendezvous_timeout).with_context("waiting for producers"));
+  FERRY_RETURN_IF_ERROR(m.refresh_producers());
+  m.worker = std::thread([self] { self->bg_loop(); });
+  const std::string blob =
+      encode_fields({bytes_to_string(transport.address()), bytes_to_string(key), u64_field(m.slot_bytes)});
+  FERRY_ASSIGN_OR_RETURN(m.lease, store.hold_lease(key_consumer(options.job, rank), blob, options.lease_ttl));
+  return std::unique_ptr<Consumer>(new Consumer(std::move(impl)));
+}
+
+}  // namespace ferry

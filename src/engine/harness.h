@@ -1,0 +1,104 @@
+// Test and demo support for the engine (internal): the model of a job (config,
+// loader, trainer holdings), synthetic checkpoints per version, bit-for-bit verification,
+// and the rank worker that `ferry demo` and the multi-process tests fork/exec.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ferry/engine.h"
+
+namespace ferry::engine {
+
+struct JobModel {
+  ModelConfig config;
+  std::unique_ptr<ModelLoader> loader;
+  InferenceLayout inference;
+  TrainerLayout trainer;
+  std::vector<TensorDecl> metadata;
+  std::shared_ptr<const std::vector<Holdings>> holdings;
+  std::vector<int> tensor_stage;
+  uint64_t checkpoint_bytes = 0;
+};
+
+// `overrides`: JSON object merged into the config after shrinking (e.g.
+// {"num_hidden_layers": 4}); empty: none.
+Result<JobModel> make_job_model(const std::string& config_path, const std::string& trainer, const std::string& inference,
+                                bool shrink, const std::string& overrides = "");
+Result<JobModel> make_job_model_from(const ModelConfig& config, const std::string& trainer,
+                                     const std::string& inference);
+
+// Compares consumer `rank`'s final params with a direct load of synthetic version
+// `version`; the first mismatch as text, nullopt when every param matches bit for bit.
+Result<std::optional<std::string>> verify_params(const JobModel& m, int rank, const TensorMap& params, uint64_t seed,
+                                                 uint64_t version);
+
+// The worker of one rank (a separate process). The driver coordinates through the
+// store: it writes {job}/go/{v}; the worker syncs v and writes {job}/result/{v}/{role}{rank}
+// (JSON: ok, error, bytes, seconds, verified, torn, dropped, failures).
+struct WorkerSpec {
+  std::string role;  // "producer" | "consumer"
+  int rank = 0;
+  std::string model;       // config path (already shrunk)
+  std::string trainer;
+  std::string inference;
+  std::string store;       // URL (token from FERRY_TOKEN)
+  std::string job = "ferry";
+  std::string backend = "ucx";
+  std::string mode = "pull";
+  bool checksums = false;
+  uint64_t seed = 1;
+  int first_version = 1;
+  int last_version = 1;
+  int crash_version = -1;  // consumer: SIGKILL itself at `crash_point` of this sync
+  int crash_point = 0;     // group * 4 + phase (see ConsumerOptions::test_point)
+  int stall_ms = 5000;
+  int timeout_ms = 20000;
+};
+int run_worker(const WorkerSpec& spec);
+
+}  // namespace ferry::engine
+
+namespace ferry::engine {
+
+// The driver of `ferry demo` and the multi-process tests: starts every trainer and
+// inference rank as a process (`worker_binary worker ...`), runs `syncs` syncs through
+// the store, SIGKILLs consumer `kill_rank` at the given (version, point)s (restarting it
+// for the next sync), and collects per-sync figures.
+struct DemoSpec {
+  std::string worker_binary;  // the ferry executable
+  std::string model = "configs/qwen3-30b-a3b.json";
+  std::string overrides;      // JSON merged into the shrunk config
+  bool shrink = true;
+  std::string trainer = "tp=2,pp=2,ep=2";
+  std::string inference = "tp=2,ep=2,replicas=2";
+  std::string mode = "pull";
+  std::string store;          // empty: an embedded TCP store in this process
+  std::string backend = "ucx";
+  bool checksums = false;
+  int syncs = 4;
+  uint64_t seed = 1;
+  int kill_rank = 1;
+  std::vector<std::pair<int, int>> kills;  // (version, point); point -1: random
+  int timeout_ms = 60000;     // bound on each wait of the driver
+  bool quiet = false;
+};
+struct DemoSyncRow {
+  int version = 0;
+  uint64_t bytes = 0;
+  double seconds = 0;
+  uint64_t broadcast_bytes = 0;
+  int verified = 0;
+  int expected = 0;
+  std::string note;
+};
+struct DemoResult {
+  std::vector<DemoSyncRow> rows;
+  bool all_verified = false;
+  std::string error;
+};
+DemoResult run_demo(const DemoSpec& spec);
+
+}  // namespace ferry::engine

@@ -1,0 +1,459 @@
+// Producer: one per trainer rank. See ferry/engine.h for the protocol.
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <set>
+
+#include <xxhash.h>
+
+#include "engine/common.h"
+
+namespace ferry {
+
+using namespace engine;
+
+struct Producer::Impl {
+  WeightSource& source;
+  Transport& tr;
+  Store& store;
+  ProducerOptions o;
+  int rank = 0;
+  Holdings holdings;
+  Routes routes;
+  uint64_t routes_hash = 0;
+  RegisteredBuffer ring;
+  uint64_t slot_bytes = 0;
+  int nslots = 0;
+  std::unique_ptr<Lease> lease;
+
+  struct Peer {
+    std::string blob;
+    PeerId id = 0;
+    bool connected = false;
+    RemoteRegion recv;       // push: the consumer's receive ring
+    uint64_t recv_slot_bytes = 0;
+  };
+  // seg_bytes[g][plan class]: bytes of this producer's segment for that class in g.
+  std::vector<std::map<uint32_t, uint64_t>> seg;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<Peer> peers;             // per consumer rank
+  std::map<PeerId, int> peer_rank;     // connected consumer id -> rank
+  // Sync state (mu).
+  bool in_sync = false;
+  uint64_t version = 0;
+  std::vector<bool> live;
+  struct Slot {
+    int group = -1;
+    bool packed = false;
+    std::set<int> pending;
+    std::set<int> pushing;  // push: writes posted
+    Clock::time_point since;
+    std::map<uint32_t, uint64_t> checksum;  // per plan class
+  };
+  std::vector<Slot> slots;
+  // push: (version, group, consumer) -> (sender instance, receive slot); kept even from
+  // instances not connected yet (a consumer may ask before this producer's sync began).
+  std::map<std::tuple<uint64_t, int, int>, std::pair<PeerId, uint32_t>> ready;
+  SyncReport report;
+
+  Impl(WeightSource& s, Transport& t, Store& st, const ProducerOptions& opt) : source(s), tr(t), store(st), o(opt) {}
+
+  ~Impl() {
+    tr.set_message_handler({});
+    tr.set_peer_failure_handler({});
+    if (lease) lease->release().ignore();
+  }
+
+  uint32_t cls(int c) const { return routes.consumer_plan[static_cast<size_t>(c)]; }
+
+  // mu held.
+  void drop_locked(int c, const std::string& why, std::vector<int>* notify) {
+    if (c < 0 || c >= static_cast<int>(live.size()) || !live[static_cast<size_t>(c)]) return;
+    live[static_cast<size_t>(c)] = false;
+    report.dropped.push_back(c);
+    report.failures.push_back(fmt::format("producer {} dropped consumer {}: {}", rank, c, why));
+    for (auto& s : slots) {
+      s.pending.erase(c);
+      s.pushing.erase(c);
+    }
+    if (notify) notify->push_back(c);
+    cv.notify_all();
+  }
+
+  void send_dropped(const std::vector<int>& cs, uint64_t v) {
+    for (int c : cs) {
+      PeerId id;
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        if (!peers[static_cast<size_t>(c)].connected) continue;
+        id = peers[static_cast<size_t>(c)].id;
+      }
+      Msg m;
+      m.type = static_cast<uint8_t>(MsgType::kDropped);
+      m.rank = static_cast<uint32_t>(rank);
+      m.version = v;
+      m.routes_hash = routes_hash;
+      tr.send(id, kTag, encode_msg(m)).status().ignore();
+    }
+  }
+
+  // The slot holding (current version, g), or -1. mu held.
+  int slot_of_locked(int g) {
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (slots[i].group == g && slots[i].packed) return static_cast<int>(i);
+    }
+    return -1;
+  }
+
+  void release_locked(int s, int c) {
+    Slot& sl = slots[static_cast<size_t>(s)];
+    if (sl.pending.erase(c)) {
+      const uint64_t b = seg[static_cast<size_t>(sl.group)][cls(c)];
+      report.bytes += b;
+      report.bytes_per_peer[c] += b;
+      cv.notify_all();
+    }
+  }
+
+  // Push: posts the writes of slot s for consumer c into its receive slot `rslot`.
+  // Called without mu.
+  void start_push(int s, int c, uint32_t rslot, int g, uint64_t v) {
+    std::vector<Read> mine;
+    PeerId id;
+    RemoteRegion recv;
+    uint64_t rbytes;
+    uint64_t checksum = 0;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      Slot& sl = slots[static_cast<size_t>(s)];
+      if (!in_sync || version != v || sl.group != g || !sl.pending.count(c) || sl.pushing.count(c)) return;
+      sl.pushing.insert(c);
+      const Peer& p = peers[static_cast<size_t>(c)];
+      id = p.id;
+      recv = p.recv;
+      rbytes = p.recv_slot_bytes;
+      if (auto it = sl.checksum.find(cls(c)); it != sl.checksum.end()) checksum = it->second;
+      for (const Read& r : routes.plans[cls(c)].groups[static_cast<size_t>(g)].reads) {
+        if (r.producer == static_cast<uint32_t>(rank) && r.length) mine.push_back(r);
+      }
+    }
+    auto fail = [this, c, v](const Status& st) {
+      std::vector<int> n;
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        if (version == v) drop_locked(c, "push failed: " + st.to_string(), &n);
+      }
+    };
+    auto remaining = std::make_shared<std::atomic<size_t>>(mine.size());
+    auto failed = std::make_shared<std::atomic<bool>>(false);
+    auto finish = [this, s, c, g, v, id, rslot, checksum, fail]() {
+      auto fl = tr.flush(id, [this, s, c, g, v, id, rslot, checksum, fail](const Status& st) {
+        if (!st.ok()) return fail(st);
+        Msg m;
+        m.type = static_cast<uint8_t>(MsgType::kPushed);
+        m.rank = static_cast<uint32_t>(rank);
+        m.group = g;
+        m.version = v;
+        m.routes_hash = routes_hash;
+        m.slot = rslot;
+        m.checksum = checksum;
+        m.has_checksum = o.checksums ? 1 : 0;
+        auto sent = tr.send(id, kTag, encode_msg(m));
+        if (!sent.ok()) return fail(sent.status());
+        std::lock_guard<std::mutex> lk(mu);
+        if (version == v && slots[static_cast<size_t>(s)].group == g) release_locked(s, c);
+      });
+      if (!fl.ok()) fail(fl.status());
+    };
+    if (mine.empty()) return finish();
+    const uint64_t base = static_cast<uint64_t>(s) * slot_bytes;
+    for (const Read& r : mine) {
+      auto w = tr.write(ring.region, base + r.offset, recv, static_cast<uint64_t>(rslot) * rbytes + r.recv_offset, r.length,
+                        [remaining, failed, finish, fail](const Status& st) {
+                          if (!st.ok()) {
+                            if (!failed->exchange(true)) fail(st);
+                            return;
+                          }
+                          if (remaining->fetch_sub(1) == 1 && !failed->load()) finish();
+                        });
+      if (!w.ok()) {
+        if (!failed->exchange(true)) fail(w.status());
+        // Ops already posted still complete; `failed` keeps finish() from running.
+        remaining->fetch_sub(1);
+      }
+    }
+  }
+
+  void on_message(PeerId from, std::span<const std::byte> payload) {
+    auto m = decode_msg(payload);
+    if (!m.ok()) return;
+    const int c = static_cast<int>(m->rank);
+    int push_slot = -1;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      if (c < 0 || c >= static_cast<int>(peers.size())) return;
+      auto it = peer_rank.find(from);
+      const bool known = it != peer_rank.end() && it->second == c;
+      if (!known && m->type != static_cast<uint8_t>(MsgType::kReady)) return;  // stale instance or unknown peer
+      const bool current = in_sync && m->version == version;
+      switch (static_cast<MsgType>(m->type)) {
+        case MsgType::kRelease: {
+          if (!current) return;
+          const int s = slot_of_locked(m->group);
+          if (s >= 0) release_locked(s, c);
+          break;
+        }
+        case MsgType::kAbort:
+          if (current) drop_locked(c, "it aborted the sync", nullptr);
+          break;
+        case MsgType::kReady: {
+          // A consumer may ask before this producer's sync of that version started.
+          if (in_sync ? m->version < version : false) return;
+          if (ready.size() > 100000) return;
+          ready[{m->version, m->group, c}] = {from, m->slot};
+          if (current && known) push_slot = slot_of_locked(m->group);
+          break;
+        }
+        default:
+          break;
+      }
+    }
+    if (push_slot >= 0) start_push(push_slot, c, m->slot, m->group, m->version);
+  }
+
+  void on_peer_failure(PeerId peer, const Status& why) {
+    std::lock_guard<std::mutex> lk(mu);
+    auto it = peer_rank.find(peer);
+    if (it == peer_rank.end()) return;
+    const int c = it->second;
+    if (peers[static_cast<size_t>(c)].id == peer) peers[static_cast<size_t>(c)].connected = false;
+    if (in_sync && peers[static_cast<size_t>(c)].id == peer) drop_locked(c, "transport: " + why.to_string(), nullptr);
+  }
+
+  // Re-reads consumer leases, connects new instances; marks who takes part in this sync.
+  void refresh_membership() {
+    std::vector<bool> now(static_cast<size_t>(o.num_consumers), false);
+    for (int c = 0; c < o.num_consumers; ++c) {
+      auto blob = store.get(key_consumer(o.job, c));
+      if (!blob.ok()) continue;
+      Peer& p = peers[static_cast<size_t>(c)];
+      bool fresh;
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        fresh = !p.connected || p.blob != *blob;
+      }
+      if (fresh) {
+        auto f = decode_fields(*blob, 3);
+        if (!f.ok()) continue;
+        auto id = tr.connect(string_bytes((*f)[0]));
+        if (!id.ok()) continue;
+        RemoteRegion recv;
+        uint64_t rbytes = 0;
+        if (o.mode == SyncMode::kPush) {
+          auto k = tr.import_key(string_bytes((*f)[1]));
+          if (!k.ok()) continue;
+          recv = *k;
+          rbytes = parse_u64_field((*f)[2]).value_or(0);
+        }
+        std::lock_guard<std::mutex> lk(mu);
+        p.blob = *blob;
+        p.id = *id;
+        p.connected = true;
+        p.recv = recv;
+        p.recv_slot_bytes = rbytes;
+        peer_rank[*id] = c;
+      }
+      now[static_cast<size_t>(c)] = true;
+    }
+    std::lock_guard<std::mutex> lk(mu);
+    live = now;
+  }
+
+  // Waits until slot s is free; drops consumers that stall past stall_timeout.
+  Status wait_slot(size_t s) {
+    std::vector<int> n;
+    std::unique_lock<std::mutex> lk(mu);
+    while (!slots[s].pending.empty()) {
+      const auto deadline = slots[s].since + o.stall_timeout;
+      if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline) {
+        const std::set<int> late = slots[s].pending;
+        for (int c : late) {
+          drop_locked(c,
+                      fmt::format("stalled: group {} not {} within {} ms", slots[s].group,
+                                  o.mode == SyncMode::kPull ? "released" : "requested", o.stall_timeout.count()),
+                      &n);
+        }
+      }
+    }
+    const uint64_t v = version;
+    lk.unlock();
+    send_dropped(n, v);
+    return Status::Ok();
+  }
+
+  Result<SyncReport> sync(uint64_t v) {
+    const auto t0 = Clock::now();
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      report = SyncReport{};
+      report.version = v;
+      for (auto it = ready.begin(); it != ready.end();) it = std::get<0>(it->first) < v ? ready.erase(it) : std::next(it);
+      for (auto& s : slots) s = Slot{};
+    }
+    refresh_membership();
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      version = v;
+      in_sync = true;
+    }
+    const ProducerRoute& pr = routes.producers[static_cast<size_t>(rank)];
+    Status failure;
+    for (int g = 0; g < routes.num_groups() && failure.ok(); ++g) {
+      const ProducerGroup& grp = pr.groups[static_cast<size_t>(g)];
+      std::vector<int> targets;
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        for (int c = 0; c < o.num_consumers; ++c) {
+          if (live[static_cast<size_t>(c)] && seg[static_cast<size_t>(g)].count(cls(c))) targets.push_back(c);
+        }
+      }
+      if (targets.empty()) continue;
+      const size_t s = static_cast<size_t>(g % nslots);
+      auto tw = Clock::now();
+      FERRY_RETURN_IF_ERROR(wait_slot(s));
+      report.wait_seconds += seconds_since(tw);
+      if (o.test_point) o.test_point(v, g);
+      auto tm = Clock::now();
+      auto boxes = source.materialize(g);
+      report.materialize_seconds += seconds_since(tm);
+      if (!boxes.ok()) {
+        failure = boxes.status().with_context(fmt::format("producer {} materialize group {}", rank, g));
+        break;
+      }
+      auto tp = Clock::now();
+      std::span<std::byte> staging(ring.data + s * slot_bytes, grp.staging_bytes);
+      Status st = pack_group(routes, static_cast<uint32_t>(rank), g, holdings, *boxes, staging);
+      if (!st.ok()) {
+        failure = st.with_context(fmt::format("producer {} pack group {}", rank, g));
+        break;
+      }
+      std::map<uint32_t, uint64_t> sums;
+      if (o.checksums) {
+        for (const Segment& sg : grp.segments) sums[sg.plan] = XXH64(staging.data() + sg.offset, sg.bytes, 0);
+      }
+      if (o.corrupt_group == g && o.corrupt_version == v && !grp.segments.empty() && grp.segments[0].bytes) {
+        staging[grp.segments[0].offset] ^= std::byte{0x40};
+      }
+      report.pack_seconds += seconds_since(tp);
+      std::vector<std::pair<int, uint32_t>> to_push;
+      std::vector<std::pair<int, PeerId>> to_announce;
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        Slot& sl = slots[s];
+        sl = Slot{};
+        sl.group = g;
+        sl.packed = true;
+        sl.since = Clock::now();
+        sl.checksum = sums;
+        for (int c : targets) {
+          if (!live[static_cast<size_t>(c)]) continue;
+          sl.pending.insert(c);
+          if (o.mode == SyncMode::kPull) {
+            to_announce.emplace_back(c, peers[static_cast<size_t>(c)].id);
+          } else if (auto it = ready.find({v, g, c}); it != ready.end() && it->second.first == peers[static_cast<size_t>(c)].id) {
+            to_push.emplace_back(c, it->second.second);
+          }
+        }
+      }
+      for (auto [c, id] : to_announce) {
+        Msg m;
+        m.type = static_cast<uint8_t>(MsgType::kAnnounce);
+        m.rank = static_cast<uint32_t>(rank);
+        m.group = g;
+        m.version = v;
+        m.routes_hash = routes_hash;
+        m.slot_offset = s * slot_bytes;
+        if (o.checksums) {
+          m.checksum = sums[cls(c)];
+          m.has_checksum = 1;
+        }
+        auto sent = tr.send(id, kTag, encode_msg(m));
+        if (!sent.ok()) {
+          std::lock_guard<std::mutex> lk(mu);
+          drop_locked(c, "announce failed: " + sent.status().to_string(), nullptr);
+        }
+      }
+      for (auto [c, rs] : to_push) start_push(static_cast<int>(s), c, rs, g, v);
+    }
+    auto tw = Clock::now();
+    for (size_t s = 0; s < slots.size(); ++s) FERRY_RETURN_IF_ERROR(wait_slot(s));
+    report.wait_seconds += seconds_since(tw);
+    std::lock_guard<std::mutex> lk(mu);
+    in_sync = false;
+    report.seconds = seconds_since(t0);
+    report.status = failure;
+    if (!failure.ok()) return failure;
+    return report;
+  }
+};
+
+Producer::Producer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Producer::~Producer() = default;
+const Routes& Producer::routes() const { return impl_->routes; }
+int Producer::rank() const { return impl_->rank; }
+Result<SyncReport> Producer::sync(uint64_t version) { return impl_->sync(version); }
+
+Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transport& transport, Store& store,
+                                                   const ProducerOptions& options) {
+  auto impl = std::make_unique<Impl>(source, transport, store, options);
+  Impl& m = *impl;
+  m.rank = source.rank();
+  if (m.rank < 0 || m.rank >= options.num_producers)
+    return invalid_argument("producer rank {} outside num_producers {}", m.rank, options.num_producers);
+  FERRY_ASSIGN_OR_RETURN(m.holdings, source.holdings(m.rank));
+  const std::string meta = encode_decls(source.metadata());
+  if (m.rank == 0) FERRY_RETURN_IF_ERROR(store.set(key_meta(options.job), meta));
+  FERRY_RETURN_IF_ERROR(store.set(key_holdings(options.job, m.rank), encode_holdings(m.holdings)));
+  FERRY_ASSIGN_OR_RETURN(m.routes, rendezvous_routes(store, options, source.metadata()));
+  m.routes_hash = m.routes.hash();
+  const ProducerRoute& pr = m.routes.producers[static_cast<size_t>(m.rank)];
+  uint64_t largest = 0;
+  m.seg.resize(static_cast<size_t>(m.routes.num_groups()));
+  for (int g = 0; g < m.routes.num_groups(); ++g) {
+    const auto& grp = pr.groups[static_cast<size_t>(g)];
+    largest = std::max(largest, grp.staging_bytes);
+    for (const Segment& s : grp.segments) {
+      if (s.bytes) m.seg[static_cast<size_t>(g)][s.plan] += s.bytes;
+    }
+  }
+  m.slot_bytes = align_up(std::max<uint64_t>(largest, 64), 64);
+  if (options.staging_budget == 0) {
+    m.nslots = 2;
+  } else {
+    if (options.staging_budget < m.slot_bytes)
+      return invalid_argument("producer {}: staging budget {} bytes is smaller than its largest group ({} bytes)", m.rank,
+                              options.staging_budget, m.slot_bytes);
+    m.nslots = static_cast<int>(std::min<uint64_t>(options.staging_budget / m.slot_bytes, 64));
+  }
+  m.slots.resize(static_cast<size_t>(m.nslots));
+  FERRY_RETURN_IF_ERROR(m.ring.allocate(transport, m.slot_bytes * static_cast<uint64_t>(m.nslots)));
+  FERRY_ASSIGN_OR_RETURN(auto key, transport.export_key(m.ring.region));
+  m.peers.resize(static_cast<size_t>(options.num_consumers));
+  m.live.assign(static_cast<size_t>(options.num_consumers), false);
+  Impl* self = impl.get();
+  transport.set_message_handler(
+      [self](PeerId from, uint32_t tag, std::span<const std::byte> payload) {
+        if (tag == kTag) self->on_message(from, payload);
+      });
+  transport.set_peer_failure_handler([self](PeerId peer, const Status& why) { self->on_peer_failure(peer, why); });
+  const std::string blob =
+      encode_fields({bytes_to_string(transport.address()), bytes_to_string(key), u64_field(m.slot_bytes)});
+  FERRY_ASSIGN_OR_RETURN(m.lease, store.hold_lease(key_producer(options.job, m.rank), blob, options.lease_ttl));
+  return std::unique_ptr<Producer>(new Producer(std::move(impl)));
+}
+
+}  // namespace ferry
