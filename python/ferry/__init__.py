@@ -19,3 +19,7 @@ from ._plan import Plan, TensorDecl, record
 _ferry._set_error_classes(errors._classes())
 
 __all__ = ["Tensor", "source", "param", "dtype_name", "Plan", "TensorDecl", "record", "errors"] + errors.__all__
+
+if hasattr(_ferry, "_ModelLoader"):  # built with the models module
+    from ._models import ModelLoader, supported_architectures  # noqa: F401
+    __all__ += ["ModelLoader", "supported_architectures"]

@@ -74,7 +74,7 @@ class Tensor:
     """A recording tensor (see the module docstring). Make one with :func:`source` or
     :func:`param`."""
 
-    __slots__ = ("_t", "__weakref__")
+    # No __slots__: loaders hang attributes on params (vLLM's weight_loader, output_dim).
 
     def __init__(self, handle):
         if not isinstance(handle, _ferry._Tensor):
@@ -340,7 +340,7 @@ class Tensor:
 
     def __getattr__(self, name):
         # Everything else a torch.Tensor has (sum, float, add_, ...) needs values.
-        if not name.startswith("__"):
+        if not name.startswith("_"):
             torch = _torch()
             if name in _VALUE_METHODS or (torch is not None and hasattr(torch.Tensor, name)):
                 return _value_op(name).__get__(self)

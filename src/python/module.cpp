@@ -22,22 +22,15 @@
 #include "ferry/plan.h"
 #include "ferry/status.h"
 #include "ferry/tensor.h"
+#include "python/common.h"
 
 namespace py = pybind11;
 
 namespace ferry::python {
-namespace {
 
 // ---------------------------------------------------------------------------------------
 // Errors
 
-// A Status on its way to Python; `cls` names the class in ferry.errors (empty: by code).
-struct StatusError : std::exception {
-  Status status;
-  std::string cls;
-  StatusError(Status s, std::string c = "") : status(std::move(s)), cls(std::move(c)) {}
-  const char* what() const noexcept override { return status.message().c_str(); }
-};
 
 // The error classes by name, set once by ferry/__init__.py (never freed: lives as long as
 // the interpreter; avoids destructor-order problems at exit).
@@ -94,7 +87,7 @@ void raise_python(const StatusError& e) {
   }
 }
 
-[[noreturn]] void throw_status(Status st, std::string cls = "") { throw StatusError(std::move(st), std::move(cls)); }
+[[noreturn]] void throw_status(Status st, std::string cls) { throw StatusError(std::move(st), std::move(cls)); }
 
 void check(const Status& st) {
   if (!st.ok()) throw_status(st);
@@ -144,9 +137,6 @@ const char* kind_name(StorageKind k) {
 // ---------------------------------------------------------------------------------------
 // _Recorder
 
-struct PyPlan {
-  Plan plan;
-};
 
 class PyRecorder {
  public:
@@ -185,10 +175,6 @@ class PyRecorder {
 // ---------------------------------------------------------------------------------------
 // Binding numpy arrays and torch tensors for replay
 
-struct Holders {
-  std::vector<py::object> objects;                      // torch tensors: kept alive
-  std::vector<std::unique_ptr<py::buffer_info>> views;  // buffer exports: released after
-};
 
 // DLPack (https://dmlc.github.io/dlpack): the ABI-stable structs, declared here so no
 // extra header is needed. Consumed from any object with __dlpack__ (CPU memory only).
@@ -401,7 +387,6 @@ py::list decls_to_list(const std::vector<TensorDecl>& decls) {
   return out;
 }
 
-}  // namespace
 }  // namespace ferry::python
 
 PYBIND11_MODULE(_ferry, m) {
@@ -509,6 +494,13 @@ PYBIND11_MODULE(_ferry, m) {
         }
         check(st);
       });
+
+#ifdef FERRY_PYTHON_MODELS
+  register_models(m);
+#endif
+#ifdef FERRY_PYTHON_ENGINE
+  register_engine(m);
+#endif
 
   py::class_<PyRecorder>(m, "_Recorder")
       .def(py::init<>())

@@ -1,0 +1,54 @@
+// Shared between the translation units of ferry._ferry (module.cpp, models.cpp, engine.cpp).
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ferry/plan.h"
+#include "ferry/status.h"
+#include "ferry/tensor.h"
+
+namespace ferry::python {
+
+namespace py = pybind11;
+
+// A Status on its way to Python; `cls` names the class in ferry.errors (empty: by code).
+struct StatusError : std::exception {
+  Status status;
+  std::string cls;
+  StatusError(Status s, std::string c = "") : status(std::move(s)), cls(std::move(c)) {}
+  const char* what() const noexcept override { return status.message().c_str(); }
+};
+
+// Raise `st` in Python as the ferry.errors class `cls` (empty: chosen by code/message).
+[[noreturn]] void throw_status(Status st, std::string cls = "");
+void check(const Status& st);
+Tensor checked(Tensor t);
+DType dtype_from_name(const std::string& name);
+py::tuple to_tuple(const Shape& s);
+py::list decls_to_list(const std::vector<TensorDecl>& decls);
+
+struct PyPlan {
+  Plan plan;
+};
+
+// What must stay alive while C++ uses memory borrowed from Python objects.
+struct Holders {
+  std::vector<py::object> objects;                      // torch tensors: kept alive
+  std::vector<std::unique_ptr<py::buffer_info>> views;  // buffer exports: released after
+};
+
+// A real Tensor over the memory of a numpy array / torch tensor / DLPack array (zero-copy),
+// checked against `decl` (errors name the tensor: "<what> '<name>'").
+Tensor bind_object(py::handle obj, const TensorDecl& decl, const char* what, bool writable, Holders& holders);
+// Binds every tensor the plan reads (sources) or writes (params) from a name mapping.
+TensorMap bind_all(const Plan& plan, py::handle mapping, bool params, Holders& holders);
+
+void register_models(py::module_& m);  // models.cpp (when the models module is built)
+void register_engine(py::module_& m);  // engine.cpp (when the engine is built)
+
+}  // namespace ferry::python
