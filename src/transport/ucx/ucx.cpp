@@ -44,6 +44,8 @@ constexpr auto kControlTimeout = std::chrono::seconds(30);
 // slices of kIdleSleep (commands wake it at once).
 constexpr auto kSpinWindow = std::chrono::milliseconds(2);
 constexpr auto kIdleSleep = std::chrono::microseconds(500);
+// Longest sleep on the worker's event fd (wake-ups come from UCX events or posts).
+constexpr auto kMaxSleep = std::chrono::milliseconds(100);
 // How often watched peer processes (see below) are polled.
 constexpr auto kWatchInterval = std::chrono::milliseconds(20);
 
@@ -124,7 +126,7 @@ class UcxBackend final : public TransportBackend {
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_REQUEST_SIZE | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
                         UCP_PARAM_FIELD_NAME;
-    params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM;
+    params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
     params.request_size = sizeof(uint64_t);  // our op id lives in the request
     params.mt_workers_shared = 0;
     params.name = "ferry";
@@ -137,6 +139,10 @@ class UcxBackend final : public TransportBackend {
     wp.thread_mode = UCS_THREAD_MODE_SINGLE;
     st = ucp_worker_create(ctx_, &wp, &worker_);
     if (st != UCS_OK) return unavailable("ucx: ucp_worker_create failed: {}", ucs_status_string(st));
+
+    // Sleeping on the worker's event fd lets a request from a peer (UCX over tcp
+    // emulates get with messages) wake this target at once. Without one, timed naps.
+    if (ucp_worker_get_efd(worker_, &efd_) != UCS_OK) efd_ = -1;
 
     ucp_address_t* addr = nullptr;
     size_t addr_len = 0;
@@ -167,6 +173,7 @@ class UcxBackend final : public TransportBackend {
       stop_ = true;
     }
     cmd_cv_.notify_all();
+    if (worker_ != nullptr && efd_ >= 0) ucp_worker_signal(worker_);
     if (thread_.joinable()) thread_.join();
     // The progress thread is gone: this thread owns the worker now.
     if (worker_ != nullptr) shutdown();
@@ -441,7 +448,7 @@ class UcxBackend final : public TransportBackend {
     fn();
     direct_caller = false;
     worker.unlock();
-    if (sleeping_.load(std::memory_order_acquire)) cmd_cv_.notify_one();  // it must progress the op
+    wake();  // it must progress the op
     return Completion(state);
   }
 
@@ -540,8 +547,15 @@ class UcxBackend final : public TransportBackend {
       if (stop_) return false;
       cmds_.push_back(std::move(fn));
     }
-    if (sleeping_.load(std::memory_order_acquire)) cmd_cv_.notify_one();
+    wake();
     return true;
+  }
+
+  // Wakes the progress thread if it sleeps (ucp_worker_signal is thread-safe).
+  void wake() {
+    if (!sleeping_.load()) return;
+    if (efd_ >= 0) ucp_worker_signal(worker_);
+    cmd_cv_.notify_one();
   }
 
   void run() {
@@ -577,10 +591,34 @@ class UcxBackend final : public TransportBackend {
         continue;
       }
       if (Clock::now() - last_active < kSpinWindow) continue;
+      if (efd_ >= 0) {
+        ucs_status_t st;
+        {
+          std::lock_guard<std::mutex> worker(worker_mu_);
+          st = ucp_worker_arm(worker_);
+        }
+        if (st == UCS_ERR_BUSY) continue;  // events pending: progress again
+        if (st == UCS_OK) {
+          sleeping_.store(true);
+          bool pending;
+          {
+            std::lock_guard<std::mutex> lock(cmd_mu_);
+            pending = stop_ || !cmds_.empty();  // posted before sleeping_ was visible
+          }
+          if (!pending) {
+            // Bounded: the process watch and stop_ are checked at least this often.
+            int ms = watched_.load() > 0 ? int(kWatchInterval.count()) : int(kMaxSleep.count());
+            pollfd p{efd_, POLLIN, 0};
+            poll(&p, 1, ms);
+          }
+          sleeping_.store(false);
+          continue;
+        }
+      }
       std::unique_lock<std::mutex> lock(cmd_mu_);
-      sleeping_.store(true, std::memory_order_release);
+      sleeping_.store(true);
       cmd_cv_.wait_for(lock, kIdleSleep, [&] { return stop_ || !cmds_.empty(); });
-      sleeping_.store(false, std::memory_order_release);
+      sleeping_.store(false);
     }
     // Commands posted before stop still run (they complete their ops as cancelled or
     // post nothing new); the destructor finishes the shutdown on its own thread.
@@ -839,6 +877,7 @@ class UcxBackend final : public TransportBackend {
   // Lock order: worker_mu_, then mu_, then cmd_mu_.
   std::mutex worker_mu_;
   std::atomic<int> worker_waiters_{0};
+  int efd_ = -1;  // the worker's event fd (UCP_FEATURE_WAKEUP), -1: timed naps
   std::atomic<int> watched_{0};  // peers with a pidfd (never decremented: only a hint)
   Clock::time_point next_watch_{};
 
