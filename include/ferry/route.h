@@ -121,6 +121,11 @@ struct RouteStats {
   uint64_t max_sole_holder_bytes = 0;  // most bytes a producer must send as the only holder
   double balance_bound = 0;          // max(mean, max_sole_holder_bytes)
   double balance = 0;                // max_producer_bytes / balance_bound (1 when nothing moves)
+  // A tighter lower bound that respects who can hold what: producers linked by holding a
+  // common piece form a component (under Megatron PP: a stage); its bytes can only be
+  // sent by its own producers, so max over components of bytes / producers (and the
+  // sole-holder maximum) bounds the busiest producer of any assignment.
+  double component_bound = 0;
 };
 
 class Routes {

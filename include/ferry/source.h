@@ -109,17 +109,22 @@ class Groups {
 // Trainer layouts
 
 // How a trainer's ranks hold the model.
-//   Megatron: "tp=T,pp=P,ep=E,etp=X[,dp=D][,world=W]". Global rank =
+//   Megatron: "tp=T,pp=P,ep=E,etp=X[,dp=D][,world=W][,first=F][,last=L]". Global rank =
 //     stage*(T*D) + dp*T + tp for dense weights; the same ranks of a stage re-factored as
 //     edp*(E*X) + ep*X + etp for routed experts (Megatron's expert grid), so T*D must be a
 //     multiple of E*X. D defaults to W/(T*P) when world is given, else to the smallest D
-//     with T*D a multiple of E*X.
+//     with T*D a multiple of E*X. Layers split contiguously over PP: F layers in the
+//     first stage and L in the last when given, the rest evenly (earlier stages take the
+//     remainder); embeddings in the first stage, final norm and lm_head in the last.
 //   FSDP: "fsdp=N": every tensor split on dim 0 over N ranks, torch.chunk style
 //     (ceil(n/N) rows each, the last ranks may hold fewer or none; 0-d tensors on rank 0).
 struct TrainerLayout {
   enum class Kind : uint8_t { kMegatron, kFsdp } kind = Kind::kMegatron;
   int tp = 1, pp = 1, ep = 1, etp = 1, dp = 1;
   int fsdp = 1;
+  // Layers of the first and last PP stage (0: even split). Megatron's
+  // decoder_first/last_pipeline_num_layers: the other stages split the rest evenly.
+  int first = 0, last = 0;
 
   // Parses the --trainer string. Errors: unknown or repeated key, a value that is not a
   // positive integer, fsdp mixed with Megatron keys, T*D not a multiple of E*X, world

@@ -556,6 +556,31 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
   }
   st.mean_producer_bytes = st.holders ? static_cast<double>(total) / static_cast<double>(st.holders) : 0.0;
   st.balance_bound = std::max(st.mean_producer_bytes, static_cast<double>(st.max_sole_holder_bytes));
+  // Holder components: producers linked by holding a common piece. Every byte of a
+  // component's pieces is sent by its producers, so cost / size bounds its busiest one.
+  {
+    std::vector<uint32_t> parent(num_producers);
+    std::iota(parent.begin(), parent.end(), 0);
+    auto find = [&](uint32_t x) {
+      while (parent[x] != x) x = parent[x] = parent[parent[x]];
+      return x;
+    };
+    for (const TensorInfo& ti : tensors) {
+      for (const TensorPiece& p : ti.pieces) {
+        const uint32_t a = find(ti.holders[p.holders[0]].producer);
+        for (uint32_t h : p.holders) parent[find(ti.holders[h].producer)] = a;
+      }
+    }
+    std::vector<double> cost(num_producers, 0.0), size(num_producers, 0.0);
+    for (uint32_t p = 0; p < num_producers; ++p) {
+      cost[find(p)] += static_cast<double>(st.producer_bytes[p]);
+      size[find(p)] += 1.0;
+    }
+    for (uint32_t p = 0; p < num_producers; ++p) {
+      if (find(p) == p && size[p] > 0) st.component_bound = std::max(st.component_bound, cost[p] / size[p]);
+    }
+    st.component_bound = std::max(st.component_bound, static_cast<double>(st.max_sole_holder_bytes));
+  }
   st.balance = st.balance_bound > 0 ? static_cast<double>(st.max_producer_bytes) / st.balance_bound : 1.0;
   return routes;
 }

@@ -134,7 +134,7 @@ std::string_view trim(std::string_view s) {
 }  // namespace
 
 Result<TrainerLayout> TrainerLayout::parse(std::string_view text) {
-  static const char* kKeys[] = {"tp", "pp", "ep", "etp", "dp", "world", "fsdp"};
+  static const char* kKeys[] = {"tp", "pp", "ep", "etp", "dp", "world", "fsdp", "first", "last"};
   std::map<std::string, int> v;
   std::string_view rest = text;
   if (trim(rest).empty()) {
@@ -150,7 +150,7 @@ Result<TrainerLayout> TrainerLayout::parse(std::string_view text) {
     const std::string key(trim(item.substr(0, eq)));
     const std::string_view val = trim(item.substr(eq + 1));
     if (std::find(std::begin(kKeys), std::end(kKeys), key) == std::end(kKeys)) {
-      return invalid_argument("trainer layout '{}': unknown key '{}' (expected tp, pp, ep, etp, dp, world or fsdp)", text,
+      return invalid_argument("trainer layout '{}': unknown key '{}' (expected tp, pp, ep, etp, dp, world, first, last or fsdp)", text,
                               key);
     }
     if (v.count(key)) return invalid_argument("trainer layout '{}': key '{}' given twice", text, key);
@@ -166,7 +166,7 @@ Result<TrainerLayout> TrainerLayout::parse(std::string_view text) {
   TrainerLayout l;
   if (v.count("fsdp")) {
     if (v.size() != 1) {
-      return invalid_argument("trainer layout '{}': fsdp=N can't be combined with tp/pp/ep/etp/dp/world", text);
+      return invalid_argument("trainer layout '{}': fsdp=N can't be combined with tp/pp/ep/etp/dp/world/first/last", text);
     }
     l.kind = Kind::kFsdp;
     l.fsdp = v["fsdp"];
@@ -179,6 +179,11 @@ Result<TrainerLayout> TrainerLayout::parse(std::string_view text) {
   l.pp = get("pp", 1);
   l.ep = get("ep", 1);
   l.etp = get("etp", 1);
+  l.first = get("first", 0);
+  l.last = get("last", 0);
+  if ((l.first || l.last) && l.pp < 2) {
+    return invalid_argument("trainer layout '{}': first/last (layers of the first/last PP stage) need pp >= 2", text);
+  }
   const int grid = l.ep * l.etp;
   if (v.count("world")) {
     const int w = v["world"];
@@ -208,7 +213,10 @@ int TrainerLayout::world_size() const { return kind == Kind::kFsdp ? fsdp : tp *
 
 std::string TrainerLayout::to_string() const {
   if (kind == Kind::kFsdp) return fmt::format("fsdp={}", fsdp);
-  return fmt::format("tp={},pp={},ep={},etp={},dp={}", tp, pp, ep, etp, dp);
+  std::string s = fmt::format("tp={},pp={},ep={},etp={},dp={}", tp, pp, ep, etp, dp);
+  if (first) s += fmt::format(",first={}", first);
+  if (last) s += fmt::format(",last={}", last);
+  return s;
 }
 
 ModelInfo model_info_from_config(const nlohmann::json& config) {
@@ -410,15 +418,41 @@ Result<TrainerHoldings> make_holdings(const std::vector<TensorDecl>& metadata, c
   const Groups groups(metadata);
   const int64_t L = groups.num_layers();
   const int S = layout.tp * layout.dp;
-  // Layer -> stage: contiguous, the first L % pp stages one layer more.
+  // Layer -> stage: contiguous. Layers of the first/last stage as given (Megatron's
+  // decoder_first/last_pipeline_num_layers), the rest split evenly, the earlier stages
+  // taking one more when it doesn't divide.
+  std::vector<int64_t> stage_layers(static_cast<size_t>(layout.pp), 0);
+  {
+    const int P = layout.pp;
+    int64_t rest = L;
+    int lo = 0, hi = P;
+    if (layout.first) {
+      stage_layers[0] = layout.first;
+      rest -= layout.first;
+      lo = 1;
+    }
+    if (layout.last) {
+      stage_layers[static_cast<size_t>(P - 1)] = layout.last;
+      rest -= layout.last;
+      hi = P - 1;
+    }
+    if (rest < 0 || (hi <= lo && rest != 0)) {
+      return invalid_argument("trainer layout {}: first/last layers don't fit the model's {} layers over pp {}",
+                              layout.to_string(), L, P);
+    }
+    for (int s = lo; s < hi; ++s) {
+      const int64_t n = hi - lo;
+      stage_layers[static_cast<size_t>(s)] = rest / n + ((s - lo) < rest % n ? 1 : 0);
+    }
+  }
+  std::vector<int> layer_stage;
+  for (int s = 0; s < layout.pp; ++s) {
+    for (int64_t i = 0; i < stage_layers[static_cast<size_t>(s)]; ++i) layer_stage.push_back(s);
+  }
   auto stage_of_group = [&](int g) -> int {
     if (g == 0) return 0;
     if (g == groups.size() - 1) return layout.pp - 1;
-    const int64_t layer = g - 1;
-    const int64_t base = L / layout.pp, rem = L % layout.pp;
-    const int64_t cut = rem * (base + 1);
-    if (layer < cut) return static_cast<int>(layer / (base + 1));
-    return static_cast<int>(rem + (base == 0 ? 0 : (layer - cut) / base));
+    return layer_stage[static_cast<size_t>(g - 1)];
   };
   // Experts per MoE block: the prefix before ".experts." -> count.
   std::unordered_map<std::string, int64_t> experts;

@@ -171,6 +171,25 @@ TEST(Holdings, MegatronDenseTpPpDp) {
   }
 }
 
+TEST(Holdings, MegatronFirstLastStageLayers) {
+  testing::ModelSpec m;
+  m.layers = 6;
+  const auto meta = testing::make_metadata(m);
+  auto l = TrainerLayout::parse("pp=3,first=1,last=1");
+  ASSERT_TRUE(l.ok()) << l.status().to_string();
+  EXPECT_EQ(l->to_string(), "tp=1,pp=3,ep=1,etp=1,dp=1,first=1,last=1");
+  auto th = make_holdings(meta, *l, {m.q_rows(), m.kv_rows()});
+  ASSERT_TRUE(th.ok()) << th.status().to_string();
+  std::map<std::string, int> stage;
+  for (size_t i = 0; i < meta.size(); ++i) stage[meta[i].name] = th->tensor_stage[i];
+  EXPECT_EQ(stage["model.layers.0.mlp.up_proj.weight"], 0);
+  EXPECT_EQ(stage["model.layers.1.mlp.up_proj.weight"], 1);
+  EXPECT_EQ(stage["model.layers.4.mlp.up_proj.weight"], 1);
+  EXPECT_EQ(stage["model.layers.5.mlp.up_proj.weight"], 2);
+  EXPECT_FALSE(make_holdings(meta, TrainerLayout::parse("pp=3,first=4,last=3").value()).ok());
+  EXPECT_FALSE(TrainerLayout::parse("first=2").ok());  // needs pp >= 2
+}
+
 TEST(Holdings, MegatronExpertsAndFused) {
   testing::ModelSpec m;
   m.experts = 8;

@@ -1,0 +1,236 @@
+// `ferry plan`: routes a model from a trainer layout to an inference layout and prints
+// what moves: the bytes every inference rank keeps (the minimum), the bytes ferry moves,
+// what a broadcast design moves, the busiest producer and consumer, reads, plan time
+// and peak memory.
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/command.h"
+#include "ferry/models.h"
+#include "ferry/route.h"
+#include "ferry/source.h"
+
+namespace ferry::cli {
+namespace {
+
+struct PlanArgs {
+  std::string model;
+  std::string trainer;
+  std::string inference = "tp=1";
+  std::string quantize = "none";
+  bool shrink = false;
+  bool json = false;
+  bool every_rank = false;
+  bool loader_record = false;
+};
+
+int fail(const Status& st) {
+  std::fprintf(stderr, "ferry plan: %s\n", st.to_string().c_str());
+  return 2;
+}
+
+std::string human(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024 && u < 4) {
+    b /= 1024;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{:.0f} B", b) : fmt::format("{:.2f} {}", b, units[u]);
+}
+
+uint64_t peak_rss_bytes() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<uint64_t>(ru.ru_maxrss) * 1024;  // kilobytes on Linux
+}
+
+// record_plan(), skipping the checkpoint tensors this rank loads nothing from (most of
+// them for an EP rank of a large MoE: the loader would be called with each as a no-op).
+Result<Plan> record_rank(const ModelLoader& loader, int global) {
+  FERRY_ASSIGN_OR_RETURN(auto rl, loader.rank(global));
+  TensorMap params;
+  params.reserve(rl->params().size());
+  for (const auto& p : rl->params()) params.emplace(p.decl.name, Tensor::param(p.decl.name, p.decl.shape, p.decl.dtype));
+  Plan plan;
+  {
+    Recorder rec;
+    for (const TensorDecl& d : loader.checkpoint()) {
+      if (rl->groups_written_by(d.name).empty()) continue;
+      FERRY_RETURN_IF_ERROR(rl->load(d.name, Tensor::source(d.name, d.shape, d.dtype), params));
+    }
+    FERRY_ASSIGN_OR_RETURN(plan, rec.finish());
+  }
+  for (const auto& p : rl->params()) {
+    if (!plan.find_param(p.decl.name)) {
+      return invalid_argument("{}: param '{}' is written by no copy", rl->info().to_string(), p.decl.name);
+    }
+  }
+  FERRY_RETURN_IF_ERROR(plan.check_coverage().with_context(rl->info().to_string()));
+  return plan;
+}
+
+double cpu_seconds() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+         static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
+}
+
+int run_plan(const PlanArgs& a) {
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
+  auto cfg = ModelConfig::load(a.model);
+  if (!cfg.ok()) return fail(cfg.status());
+  auto inference = InferenceLayout::parse(a.inference);
+  if (!inference.ok()) return fail(inference.status().with_context("--inference"));
+  auto trainer = TrainerLayout::parse(a.trainer);
+  if (!trainer.ok()) return fail(trainer.status().with_context("--trainer"));
+  auto quant = parse_quantize(a.quantize);
+  if (!quant.ok()) return fail(quant.status());
+  LoaderOptions lopts;
+  lopts.quantize = *quant;
+  ModelConfig config = *cfg;
+  if (a.shrink) {
+    auto s = shrink_config(config, *inference, lopts);
+    if (!s.ok()) return fail(s.status());
+    config = s->config;
+  }
+  auto loader = make_model_loader(config, *inference, lopts);
+  if (!loader.ok()) return fail(loader.status());
+  const std::vector<TensorDecl>& meta = (*loader)->checkpoint();
+
+  // Trainer holdings.
+  const auto t_hold = clock::now();
+  auto th = make_holdings(meta, *trainer, model_info_from_config(config.json()));
+  if (!th.ok()) return fail(th.status().with_context("--trainer " + trainer->to_string()));
+
+  // Consumer plans: one per engine rank (the same rank of every replica loads the same
+  // way); --every-rank records each rank and lets the router dedupe by hash.
+  const auto t_rec = clock::now();
+  const int world = inference->world_size();
+  const int engine = inference->engine_size();
+  const int recorded = a.every_rank ? world : engine;
+  std::vector<Plan> plans;
+  plans.reserve(static_cast<size_t>(recorded));
+  for (int r = 0; r < recorded; ++r) {
+    auto plan = a.loader_record ? record_plan(**loader, r) : record_rank(**loader, r);
+    if (!plan.ok()) return fail(plan.status());
+    plans.push_back(std::move(*plan));
+  }
+  RouterInput in;
+  in.metadata = meta;
+  in.producers = std::move(th->ranks);
+  for (int r = 0; r < world; ++r) in.consumers.push_back(&plans[static_cast<size_t>(a.every_rank ? r : r % engine)]);
+
+  const auto t_route = clock::now();
+  auto routes = build_routes(in);
+  if (!routes.ok()) return fail(routes.status());
+  const auto t_end = clock::now();
+  const BroadcastStats bc = broadcast_baseline(meta, th->tensor_stage, world);
+
+  auto secs = [](auto d) { return std::chrono::duration<double>(d).count(); };
+  const RouteStats& st = routes->stats;
+  uint64_t params = 0, model_bytes = 0;
+  for (const auto& d : meta) {
+    params += static_cast<uint64_t>(shape_numel(d.shape));
+    model_bytes += static_cast<uint64_t>(shape_numel(d.shape)) * dtype_size(d.dtype);
+  }
+  const double plan_seconds = secs(t_end - t0);
+  const double plan_cpu_seconds = cpu_seconds();
+  const uint64_t rss = peak_rss_bytes();
+
+  if (a.json) {
+    nlohmann::json j;
+    j["model"] = config.path();
+    j["architecture"] = config.architecture();
+    j["trainer"] = trainer->to_string();
+    j["inference"] = inference->to_string();
+    j["producers"] = trainer->world_size();
+    j["consumers"] = world;
+    j["plan_classes"] = st.num_plan_classes;
+    j["tensors"] = meta.size();
+    j["params"] = params;
+    j["model_bytes"] = model_bytes;
+    j["bytes_min"] = st.bytes_min;
+    j["bytes_moved"] = st.bytes_moved;
+    j["bytes_broadcast"] = bc.bytes;
+    j["max_producer_bytes"] = st.max_producer_bytes;
+    j["max_consumer_bytes"] = st.max_consumer_bytes;
+    j["mean_producer_bytes"] = st.mean_producer_bytes;
+    j["balance_bound_bytes"] = st.balance_bound;
+    j["balance"] = st.balance;
+    j["broadcast_max_producer_bytes"] = bc.max_producer_bytes;
+    j["broadcast_max_consumer_bytes"] = bc.max_consumer_bytes;
+    j["num_reads"] = st.num_reads;
+    j["num_pack_ops"] = st.num_pack_ops;
+    j["num_unpack_ops"] = st.num_unpack_ops;
+    j["max_staging_bytes"] = st.max_staging_bytes;
+    j["routes_bytes"] = routes->encode().size();
+    j["plan_seconds"] = plan_seconds;
+    j["plan_cpu_seconds"] = plan_cpu_seconds;
+    j["component_bound_bytes"] = st.component_bound;
+    j["record_seconds"] = secs(t_route - t_rec);
+    j["route_seconds"] = secs(t_end - t_route);
+    j["peak_rss_bytes"] = rss;
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  auto row = [](const char* k, const std::string& v) { std::printf("  %-34s %s\n", k, v.c_str()); };
+  std::printf("ferry plan: %s (%s)\n", config.architecture().c_str(), config.path().c_str());
+  std::printf("  trainer %s (%d ranks) -> inference %s (%d ranks, %llu distinct plans)\n", trainer->to_string().c_str(),
+              trainer->world_size(), inference->to_string().c_str(), world,
+              static_cast<unsigned long long>(st.num_plan_classes));
+  row("model parameters", fmt::format("{} ({} tensors)", params, meta.size()));
+  row("model bytes", human(static_cast<double>(model_bytes)));
+  row("bytes inference ranks keep (min)", human(static_cast<double>(st.bytes_min)));
+  row("bytes ferry moves", fmt::format("{} ({:.3f}x min)", human(static_cast<double>(st.bytes_moved)),
+                                       st.bytes_min ? static_cast<double>(st.bytes_moved) / st.bytes_min : 1.0));
+  row("bytes broadcast moves", fmt::format("{} ({:.2f}x ferry)", human(static_cast<double>(bc.bytes)),
+                                           st.bytes_moved ? static_cast<double>(bc.bytes) / st.bytes_moved : 0.0));
+  row("max bytes one producer sends",
+      fmt::format("{} (mean {}, bound {}: {:.3f}x; stage bound {}: {:.3f}x; broadcast {})",
+                  human(static_cast<double>(st.max_producer_bytes)), human(st.mean_producer_bytes),
+                  human(st.balance_bound), st.balance, human(st.component_bound),
+                  st.component_bound > 0 ? static_cast<double>(st.max_producer_bytes) / st.component_bound : 1.0,
+                  human(static_cast<double>(bc.max_producer_bytes))));
+  row("max bytes one consumer receives", fmt::format("{} (broadcast {})", human(static_cast<double>(st.max_consumer_bytes)),
+                                                     human(static_cast<double>(bc.max_consumer_bytes))));
+  row("reads", fmt::format("{} ({} pack ops, {} unpack ops)", st.num_reads, st.num_pack_ops, st.num_unpack_ops));
+  row("largest staging (producer, group)", human(static_cast<double>(st.max_staging_bytes)));
+  row("plan time", fmt::format("{:.3f} s wall, {:.3f} s cpu (holdings {:.3f}, record {} plans {:.3f}, route {:.3f})",
+                               plan_seconds, plan_cpu_seconds, secs(t_rec - t_hold), recorded, secs(t_route - t_rec),
+                               secs(t_end - t_route)));
+  row("peak memory (ru_maxrss)", human(static_cast<double>(rss)));
+  return 0;
+}
+
+FERRY_COMMAND(plan_command, "plan",
+              "Route a model from a trainer layout to an inference layout and print what moves (vs broadcast)",
+              [](CLI::App& app) -> std::function<int()> {
+                auto a = std::make_shared<PlanArgs>();
+                app.add_option("--model,-m", a->model, "HF config.json of the model")->required();
+                app.add_option("--trainer,-t", a->trainer,
+                               "Trainer layout: \"tp=..,pp=..,ep=..,etp=..[,dp=..][,world=..]\" or \"fsdp=N\"")
+                    ->required();
+                app.add_option("--inference,-i", a->inference, "Inference layout: \"tp=..,dp=..,ep=..,replicas=..\"")
+                    ->default_val("tp=1");
+                app.add_option("--quantize", a->quantize, "Inference post-processing: none | fp8")->default_val("none");
+                app.add_flag("--shrink", a->shrink, "Route a structurally equal small variant of the model");
+                app.add_flag("--every-rank", a->every_rank,
+                             "Record every inference rank's plan (default: one per engine rank, shared by replicas)");
+                app.add_flag("--loader-record", a->loader_record,
+                             "Record with record_plan() over every checkpoint tensor (default: skip the tensors a rank "
+                             "loads nothing from)");
+                app.add_flag("--json", a->json, "Print one JSON object");
+                return [a] { return run_plan(*a); };
+              });
+
+}  // namespace
+}  // namespace ferry::cli
