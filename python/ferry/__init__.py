@@ -23,3 +23,7 @@ __all__ = ["Tensor", "source", "param", "dtype_name", "Plan", "TensorDecl", "rec
 if hasattr(_ferry, "_ModelLoader"):  # built with the models module
     from ._models import ModelLoader, supported_architectures  # noqa: F401
     __all__ += ["ModelLoader", "supported_architectures"]
+
+if hasattr(_ferry, "_Producer"):  # built with the engine
+    from ._engine import WeightSource, Producer, Consumer, StoreServer, transport_backends  # noqa: F401
+    __all__ += ["WeightSource", "Producer", "Consumer", "StoreServer", "transport_backends"]

@@ -12,6 +12,10 @@
 #include "ferry/status.h"
 #include "ferry/tensor.h"
 
+namespace ferry {
+class ModelLoader;
+}
+
 namespace ferry::python {
 
 namespace py = pybind11;
@@ -47,6 +51,11 @@ struct Holders {
 Tensor bind_object(py::handle obj, const TensorDecl& decl, const char* what, bool writable, Holders& holders);
 // Binds every tensor the plan reads (sources) or writes (params) from a name mapping.
 TensorMap bind_all(const Plan& plan, py::handle mapping, bool params, Holders& holders);
+
+// ferry._ferry._ModelLoader (models.cpp): shared so that a Consumer can keep it alive.
+struct PyModelLoader {
+  std::shared_ptr<const ModelLoader> loader;
+};
 
 void register_models(py::module_& m);  // models.cpp (when the models module is built)
 void register_engine(py::module_& m);  // engine.cpp (when the engine is built)

@@ -13,15 +13,11 @@ namespace ferry::python {
 
 namespace {
 
-struct PyModelLoader {
-  std::shared_ptr<const ModelLoader> loader;
-
-  std::shared_ptr<const RankLoader> rank(int global) const {
-    auto r = loader->rank(global);
-    if (!r.ok()) throw_status(r.status());
-    return *r;
-  }
-};
+std::shared_ptr<const RankLoader> rank_of(const PyModelLoader& l, int global) {
+  auto r = l.loader->rank(global);
+  if (!r.ok()) throw_status(r.status());
+  return *r;
+}
 
 template <typename T>
 T value_or_raise(Result<T> r) {
@@ -48,10 +44,10 @@ void register_models(py::module_& m) {
       .def_property_readonly("layout", [](const PyModelLoader& l) { return l.loader->layout().to_string(); })
       .def_property_readonly("world_size", [](const PyModelLoader& l) { return l.loader->layout().world_size(); })
       .def("checkpoint", [](const PyModelLoader& l) { return decls_to_list(l.loader->checkpoint()); })
-      .def("params", [](const PyModelLoader& l, int rank) { return decls_to_list(l.rank(rank)->param_decls()); })
-      .def("final_params", [](const PyModelLoader& l, int rank) { return decls_to_list(l.rank(rank)->final_params()); })
+      .def("params", [](const PyModelLoader& l, int rank) { return decls_to_list(rank_of(l, rank)->param_decls()); })
+      .def("final_params", [](const PyModelLoader& l, int rank) { return decls_to_list(rank_of(l, rank)->final_params()); })
       .def("rank_info", [](const PyModelLoader& l, int rank) {
-        const RankInfo& i = l.rank(rank)->info();
+        const RankInfo& i = rank_of(l, rank)->info();
         py::dict d;
         d["global"] = i.global;
         d["replica"] = i.replica;
