@@ -239,6 +239,8 @@ class Consumer:
         out = {}
         for name, (dt, arr) in self._c.params().items():
             if torch is not None:
+                if arr.dtype.kind == "u" and arr.dtype.itemsize == 2:  # bf16 bits; torch lacks uint16
+                    arr = arr.view("i2")
                 t = torch.from_numpy(arr)
                 torch_name = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}.get(dt)
                 if torch_name is not None and hasattr(torch, torch_name):

@@ -117,6 +117,43 @@ class EngineTest(unittest.TestCase):
             for x in producers + consumers:
                 x.close()
 
+    def test_torch_bf16_source_and_ferry_allocated_params(self):
+        import torch
+
+        cfg = dict(CONFIG, torch_dtype="bfloat16")
+
+        class TorchTrainer(ferry.WeightSource):
+            def __init__(self):
+                super().__init__()
+                g = torch.Generator().manual_seed(3)
+                self.weights = {n: torch.randn(d.shape, generator=g).bfloat16()
+                                for n, d in ferry.ModelLoader(cfg).checkpoint.items()}
+
+            def metadata(self):
+                return {n: (t.shape, t.dtype) for n, t in self.weights.items()}
+
+            def materialize(self, group):
+                return {n: self.weights[n] for n, _, _ in self.boxes(group)}  # whole tensors, zero-copy
+
+        loader = ferry.ModelLoader(cfg, "tp=2")
+        trainer = TorchTrainer()
+        with ferry.StoreServer() as server:
+            common = dict(store=server, backend="inproc", job="bf16", timeout=20.0)
+            made = run_threads([lambda: ferry.Producer(trainer, num_consumers=2, **common)] +
+                               [lambda r=r: ferry.Consumer(loader=loader, rank=r, **common) for r in range(2)])
+            reports = run_threads([lambda x=x: x.sync(5) for x in made])
+            self.assertTrue(all(r["ok"] for r in reports), [r["text"] for r in reports])
+            for r, c in enumerate(made[1:]):
+                got = c.params()  # ferry's own buffers, as torch bf16 tensors
+                expected = {n: torch.zeros(d.shape, dtype=torch.bfloat16) for n, d in loader.params(r).items()}
+                loader.record_plan(r).replay(trainer.weights, expected)
+                self.assertEqual(set(got), set(expected))
+                for n in expected:
+                    self.assertEqual(got[n].dtype, torch.bfloat16)
+                    self.assertTrue(torch.equal(got[n].view(torch.int16), expected[n].view(torch.int16)), n)
+            for x in made:
+                x.close()
+
     def test_source_errors_are_reported(self):
         class Broken(NumpyTrainer):
             def materialize(self, group):
