@@ -20,9 +20,9 @@
 //     ANNOUNCE(v, g, slot) to every live consumer that reads from it in g, move on to
 //     g+1 (so materialise/pack of g+1 overlaps the reads of g). A slot is free again
 //     once every consumer it was announced to sent RELEASE or was dropped.
-//   consumer: for each group g: wait for ANNOUNCE from every producer it reads from in
-//     g, read its segments into a slot of its registered receive ring (two slots),
-//     send RELEASE, hand the slot to a background thread that unpacks into the params
+//   consumer: for each group g: as each producer it reads from in g announces, read
+//     that producer's segments into a slot of its registered receive ring (two slots)
+//     and send it RELEASE; then hand the slot to a background thread that unpacks into the params
 //     and runs RankLoader::process_weights_after_loading for every loader group whose
 //     params are now complete; meanwhile the caller thread reads g+1. v is committed
 //     only when every group landed.
@@ -87,8 +87,9 @@ struct EngineOptions {
   // Bound on one wait inside a sync (an announce, a read, a free slot).
   std::chrono::milliseconds timeout{30000};
   // Producer: drop a consumer that has not released (pull) / asked (push) a group for
-  // this long after it could have.
-  std::chrono::milliseconds stall_timeout{10000};
+  // this long after it was announced. A consumer takes groups in order, so a slow
+  // producer of an earlier group delays it: keep this above the slowest materialise.
+  std::chrono::milliseconds stall_timeout{30000};
   std::chrono::milliseconds lease_ttl{3000};
   bool checksums = false;
 };

@@ -4,6 +4,7 @@
 // `ferry worker` (hidden): one rank process of the demo and the multi-process tests.
 #include <unistd.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdio>
 #include <memory>
@@ -23,8 +24,29 @@ std::string self_exe() {
   return buf;
 }
 
-int run_demo_cmd(engine::DemoSpec d, int kill_sync, int kill_point) {
+constexpr const char* kMoeModel = "configs/qwen3-30b-a3b.json";
+constexpr const char* kDenseModel = "configs/llama-3.1-8b.json";
+// Shrunk-model sizes for the demo: a few tens of MB that 2 cores sync and verify
+// (direct loads of every version on every rank) well within a minute.
+constexpr const char* kMoeOverrides = R"({"num_hidden_layers": 4})";
+constexpr const char* kDenseOverrides =
+    R"({"num_hidden_layers": 4, "hidden_size": 512, "intermediate_size": 2048, "vocab_size": 16000,)"
+    R"( "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64})";
+
+int run_demo_cmd(engine::DemoSpec d, int kill_sync, int kill_point, bool model_given, bool overrides_given) {
   d.worker_binary = self_exe();
+  if (!model_given) {
+    auto archs = supported_architectures();
+    if (std::find(archs.begin(), archs.end(), "Qwen3MoeForCausalLM") != archs.end()) {
+      d.model = kMoeModel;
+    } else {
+      std::printf("demo: this build has no Qwen3-MoE loader; using a dense model\n");
+      d.model = kDenseModel;
+      d.trainer = "tp=2,pp=2";
+      d.inference = "tp=2,replicas=2";
+    }
+  }
+  if (!overrides_given) d.overrides = d.model.find("llama") != std::string::npos ? kDenseOverrides : kMoeOverrides;
   if (kill_sync > 0) d.kills = {{kill_sync, kill_point}};
   const auto t0 = std::chrono::steady_clock::now();
   engine::DemoResult r = engine::run_demo(d);
@@ -49,10 +71,10 @@ std::function<int()> setup_demo(CLI::App& app) {
                 auto d = std::make_shared<engine::DemoSpec>();
                 auto kill_sync = std::make_shared<int>(2);
                 auto kill_point = std::make_shared<int>(-1);
-                d->overrides = R"({"num_hidden_layers": 4})";
-                app.add_option("--model", d->model, "HF config.json (shrunk unless --no-shrink)");
+                auto model_opt = app.add_option("--model", d->model,
+                                                "HF config.json (shrunk unless --no-shrink); default: Qwen3-30B-A3B");
                 app.add_flag("!--no-shrink", d->shrink, "use the config as is");
-                app.add_option("--config-overrides", d->overrides, "JSON merged into the shrunk config");
+                auto ov_opt = app.add_option("--config-overrides", d->overrides, "JSON merged into the shrunk config");
                 app.add_option("--trainer", d->trainer, "trainer layout (tp=,pp=,ep=,etp=,dp= | fsdp=)");
                 app.add_option("--inference", d->inference, "inference layout (tp=,dp=,ep=,replicas=)");
                 app.add_option("--mode", d->mode, "pull | push");
@@ -64,7 +86,10 @@ std::function<int()> setup_demo(CLI::App& app) {
                 app.add_option("--kill-sync", *kill_sync, "SIGKILL an inference rank during this sync (0: never)");
                 app.add_option("--kill-rank", d->kill_rank, "the inference rank to kill");
                 app.add_option("--kill-point", *kill_point, "point of the sync (group*4+phase; -1: random)");
-                return [d, kill_sync, kill_point] { return run_demo_cmd(*d, *kill_sync, *kill_point); };
+                app.add_flag("-v,--verbose", d->verbose, "per-rank phase times");
+                return [d, kill_sync, kill_point, model_opt, ov_opt] {
+                  return run_demo_cmd(*d, *kill_sync, *kill_point, model_opt->count() > 0, ov_opt->count() > 0);
+                };
 }
 
 std::function<int()> setup_worker(CLI::App& app) {

@@ -159,26 +159,19 @@ Result<Routes> rendezvous_routes(Store& store, const EngineOptions& o, const std
 Status RegisteredBuffer::allocate(Transport& t, uint64_t n) {
   reset();
   n = align_up(std::max<uint64_t>(n, 64), 4096);
-  void* p = std::aligned_alloc(4096, n);
-  if (!p) return io_error("cannot allocate {} bytes", n);
-  std::memset(p, 0, n);
-  auto r = t.register_memory(p, n);
-  if (!r.ok()) {
-    std::free(p);
-    return r.status();
-  }
+  // Transport-allocated: over UCX shared memory, peers map it and copy directly.
+  auto r = t.allocate_memory(n);
+  if (!r.ok()) return r.status().with_context(fmt::format("allocating {} registered bytes", n));
   transport = &t;
-  data = static_cast<std::byte*>(p);
+  data = static_cast<std::byte*>(r->base);
   bytes = n;
   region = *r;
+  std::memset(data, 0, n);
   return Status::Ok();
 }
 
 void RegisteredBuffer::reset() {
-  if (data) {
-    if (transport) transport->deregister_memory(region).ignore();
-    std::free(data);
-  }
+  if (data && transport) transport->deregister_memory(region).ignore();
   data = nullptr;
   bytes = 0;
   transport = nullptr;

@@ -76,7 +76,7 @@ std::string key_consumer(const std::string& job, int c);
 // Waits for every producer's holdings and every consumer's plan, then builds routes.
 Result<Routes> rendezvous_routes(Store& store, const EngineOptions& o, const std::vector<TensorDecl>& metadata);
 
-// Page-aligned, zeroed host memory registered with a transport.
+// Zeroed host memory allocated and registered by a transport (Transport::allocate_memory).
 struct RegisteredBuffer {
   Transport* transport = nullptr;
   std::byte* data = nullptr;

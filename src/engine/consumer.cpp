@@ -214,27 +214,35 @@ struct Consumer::Impl {
     tr.send(id, kTag, encode_msg(m)).status().ignore();
   }
 
-  // Waits for the message (v, g, p) of `type`; fails when p failed or we were dropped.
-  Result<Msg> await(uint64_t v, int g, int p, const char* what) {
+  // Waits for the message (v, g, p) from any producer p in `from`; fails when one of
+  // them failed, when we were dropped, or after `timeout`.
+  Result<std::pair<int, Msg>> await_any(uint64_t v, int g, const std::set<int>& from, const char* what) {
     std::unique_lock<std::mutex> lk(mu);
     const auto deadline = Clock::now() + o.timeout;
     for (;;) {
-      if (auto it = inbox.find({v, g, p}); it != inbox.end()) {
+      for (int p : from) {
+        auto it = inbox.find({v, g, p});
+        if (it == inbox.end()) continue;
         Msg m = it->second;
         inbox.erase(it);
         if (m.routes_hash != routes_hash)
           return failed_precondition("producer {} routes {:016x} differ from consumer {}'s {:016x}", p, m.routes_hash,
                                      rank, routes_hash);
-        return m;
+        return std::make_pair(p, m);
       }
-      if (auto it = failed.find(p); it != failed.end())
-        return peer_failed("producer {} failed during sync {} (group {}): {}", p, v, g, it->second.to_string());
+      for (int p : from) {
+        if (auto it = failed.find(p); it != failed.end())
+          return peer_failed("producer {} failed during sync {} (group {}): {}", p, v, g, it->second.to_string());
+      }
       if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
       if (dropped_versions.count(v)) return cancelled("consumer {} was dropped from sync {} by a producer", rank, v);
       if (!bg_status.ok()) return bg_status;
-      if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline)
-        return timeout_error("consumer {}: no {} from producer {} for version {} group {} within {} ms", rank, what, p, v,
-                             g, o.timeout.count());
+      if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline) {
+        std::string missing;
+        for (int p : from) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
+        return timeout_error("consumer {}: no {} from producer(s) {} for version {} group {} within {} ms", rank, what,
+                             missing, v, g, o.timeout.count());
+      }
     }
   }
 
@@ -288,44 +296,51 @@ struct Consumer::Impl {
       const uint64_t base = static_cast<uint64_t>(s) * slot_bytes;
       std::map<int, Msg> got;
       if (o.mode == SyncMode::kPull) {
-        auto tw = Clock::now();
-        for (int p : from) {
-          FERRY_ASSIGN_OR_RETURN(got[p], await(v, g, p, "announce"));
-        }
-        rep.wait_seconds += seconds_since(tw);
-        auto tr0 = Clock::now();
-        std::vector<Completion> ops;
-        std::vector<int> op_producer;
-        for (const Read& r : pg.reads) {
-          if (!r.length) continue;
-          const int p = static_cast<int>(r.producer);
+        // Read from each producer as soon as it announced, and release it at once, so
+        // that one slow producer never holds another's staging slot.
+        std::set<int> remaining = from;
+        bool posted = false;
+        while (!remaining.empty()) {
+          auto tw = Clock::now();
+          FERRY_ASSIGN_OR_RETURN(auto pm, await_any(v, g, remaining, "announce"));
+          rep.wait_seconds += seconds_since(tw);
+          const int p = pm.first;
+          got[p] = pm.second;
+          remaining.erase(p);
+          auto tr0 = Clock::now();
           RemoteRegion staging;
           {
             std::lock_guard<std::mutex> lk(mu);
             staging = peers[static_cast<size_t>(p)].staging;
           }
-          auto c = tr.read(ring.region, base + r.recv_offset, staging, got[p].slot_offset + r.offset, r.length);
-          if (!c.ok()) return c.status().with_context(fmt::format("consumer {} reading group {} from producer {}", rank, g, p));
-          ops.push_back(*c);
-          op_producer.push_back(p);
-        }
-        point(g, 1);
-        const auto deadline = Clock::now() + o.timeout;
-        for (size_t i = 0; i < ops.size(); ++i) {
-          const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-          Status st = ops[i].wait(std::max(left, std::chrono::milliseconds(1)));
+          std::vector<Completion> ops;
+          for (const Read& r : pg.reads) {
+            if (!r.length || static_cast<int>(r.producer) != p) continue;
+            auto c = tr.read(ring.region, base + r.recv_offset, staging, got[p].slot_offset + r.offset, r.length);
+            if (!c.ok())
+              return c.status().with_context(fmt::format("consumer {} reading group {} from producer {}", rank, g, p));
+            ops.push_back(*c);
+          }
+          if (!posted) {
+            posted = true;
+            point(g, 1);
+          }
+          Status st = wait_all(ops, o.timeout);
           if (!st.ok())
-            return Status(st.code(), fmt::format("consumer {} reading group {} from producer {}: {}", rank, g,
-                                                 op_producer[i], st.message()));
+            return Status(st.code(),
+                          fmt::format("consumer {} reading group {} from producer {}: {}", rank, g, p, st.message()));
+          rep.read_seconds += seconds_since(tr0);
+          send_to(p, MsgType::kRelease, v, g);
         }
-        rep.read_seconds += seconds_since(tr0);
-        for (int p : from) send_to(p, MsgType::kRelease, v, g);
       } else {
         for (int p : from) send_to(p, MsgType::kReady, v, g, static_cast<uint32_t>(s));
         point(g, 1);
         auto tw = Clock::now();
-        for (int p : from) {
-          FERRY_ASSIGN_OR_RETURN(got[p], await(v, g, p, "push"));
+        std::set<int> remaining = from;
+        while (!remaining.empty()) {
+          FERRY_ASSIGN_OR_RETURN(auto pm, await_any(v, g, remaining, "push"));
+          got[pm.first] = pm.second;
+          remaining.erase(pm.first);
         }
         rep.wait_seconds += seconds_since(tw);
       }

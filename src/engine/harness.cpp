@@ -79,7 +79,11 @@ int run_worker(const WorkerSpec& s) {
   to.backend = s.backend;
   if (to.backend == "ucx") {
     const char* tls = std::getenv("FERRY_UCX_TLS");
-    to.ucx_config = {{"TLS", tls ? tls : "tcp,self"}, {"NET_DEVICES", "lo"}};
+    // Shared memory by default: UCX 1.13 aborts (ucp_request_try_send: "unexpected
+    // error: Endpoint timeout") when a peer dies while this side still answers its
+    // emulated gets over tcp; FERRY_UCX_TLS=tcp,self selects tcp.
+    to.ucx_config = {{"TLS", tls ? tls : "sm,self"}};
+    if (!tls || std::string(tls).find("tcp") != std::string::npos) to.ucx_config.push_back({"NET_DEVICES", "lo"});
   }
   auto transport = Transport::create(to);
   if (!transport.ok()) return worker_fail(s, transport.status());
@@ -125,6 +129,7 @@ int run_worker(const WorkerSpec& s) {
   for (version = s.first_version; version <= s.last_version; ++version) {
     const auto v = static_cast<uint64_t>(version);
     if (auto w = st.wait({fmt::format("{}/go/{}", s.job, v)}, go_timeout); !w.ok()) return worker_fail(s, w);
+    std::fprintf(stderr, "[%s %d] sync %llu start\n", s.role.c_str(), s.rank, static_cast<unsigned long long>(v));
     nlohmann::json out;
     Result<SyncReport> rep = producer ? (source->set_version(v), producer->sync(v)) : consumer->sync(v);
     out["ok"] = rep.ok();
@@ -133,6 +138,9 @@ int run_worker(const WorkerSpec& s) {
       out["seconds"] = rep->seconds;
       out["dropped"] = rep->dropped;
       out["failures"] = rep->failures;
+      out["phases"] = {{"materialize", rep->materialize_seconds}, {"pack", rep->pack_seconds},
+                       {"wait", rep->wait_seconds},               {"read", rep->read_seconds},
+                       {"unpack", rep->unpack_seconds},           {"post", rep->post_seconds}};
     } else {
       out["error"] = rep.status().to_string();
     }
@@ -149,6 +157,8 @@ int run_worker(const WorkerSpec& s) {
         }
       }
     }
+    std::fprintf(stderr, "[%s %d] sync %llu: %s\n", s.role.c_str(), s.rank, static_cast<unsigned long long>(v),
+                 out.dump().c_str());
     if (auto w = st.set(result_key(s, version), out.dump()); !w.ok()) return worker_fail(s, w);
   }
   return 0;
@@ -165,6 +175,7 @@ int run_worker(const WorkerSpec& s) {
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <random>
 #include <thread>
@@ -220,6 +231,22 @@ std::string read_file(const std::string& path) {
   std::stringstream ss;
   ss << f.rdbuf();
   return ss.str();
+}
+
+// Resident set (KiB) and open descriptors of a process; -1 when unreadable.
+std::pair<int64_t, int64_t> proc_usage(pid_t pid) {
+  int64_t rss = -1, fds = 0;
+  {
+    std::ifstream f(fmt::format("/proc/{}/statm", pid));
+    int64_t size = 0, resident = 0;
+    if (f >> size >> resident) rss = resident * (::sysconf(_SC_PAGESIZE) / 1024);
+  }
+  std::error_code ec;
+  for (auto it = std::filesystem::directory_iterator(fmt::format("/proc/{}/fd", pid), ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec))
+    ++fds;
+  if (ec) fds = -1;
+  return {rss, fds};
 }
 
 }  // namespace
@@ -327,6 +354,9 @@ DemoResult run_demo(const DemoSpec& d) {
                   seconds_since(t_start)));
   const auto bc = broadcast_baseline(m.metadata, m.tensor_stage, C);
   bool all_ok = true;
+  bool killed_prev = false;
+  const int soak_base = std::max(1, std::min(10, d.syncs / 4));
+  std::map<pid_t, std::pair<int64_t, int64_t>> base_usage;
   for (int v = 1; v <= d.syncs; ++v) {
     DemoSyncRow row;
     row.version = v;
@@ -341,6 +371,13 @@ DemoResult run_demo(const DemoSpec& d) {
       keys.push_back(fmt::format("{}/result/{}/consumer{}", job, v, r));
     }
     if (Status s = st.wait(keys, std::chrono::milliseconds(d.timeout_ms)); !s.ok()) {
+      if (std::getenv("FERRY_DEMO_GDB")) {
+        for (auto& c : children) {
+          if (c.pid <= 0) continue;
+          const std::string cmd = fmt::format("gdb -p {} -batch -ex 'thread apply all bt' >> {} 2>&1", c.pid, c.log);
+          (void)!std::system(cmd.c_str());
+        }
+      }
       std::string logs;
       for (auto& c : children) logs += fmt::format("--- {} {}\n{}", c.role, c.rank, logs_of(c));
       kill_all();
@@ -359,6 +396,13 @@ DemoResult run_demo(const DemoSpec& d) {
         continue;
       }
       secs = std::max(secs, j.value("seconds", 0.0));
+      if (d.verbose && j.contains("phases")) {
+        std::string ph;
+        for (auto& [name, val] : j["phases"].items()) {
+          if (val.get<double>() > 0) ph += fmt::format(" {} {:.3f}", name, val.get<double>());
+        }
+        notes.push_back(fmt::format("{}: {:.3f} s:{}", k.substr(k.rfind('/') + 1), j.value("seconds", 0.0), ph));
+      }
       for (const auto& f : j.value("failures", std::vector<std::string>{})) notes.push_back(f);
       if (is_consumer) {
         row.bytes += j.value("bytes", uint64_t{0});
@@ -400,10 +444,23 @@ DemoResult run_demo(const DemoSpec& d) {
           return fail("restarted rank not ready: " + s.to_string() + "\n" + logs);
         }
       }
-    } else if (v > 1 && victim >= 0 && victim_crash(v - 1).first == v - 1 && !kills.empty()) {
+    } else if (killed_prev) {
       row.note = "restarted rank caught up";
     }
+    killed_prev = killing;
     res.rows.push_back(row);
+    if (d.syncs >= 3 && (v == soak_base || v == d.syncs - 1)) {
+      for (auto& c : children) {
+        if (c.pid <= 0) continue;
+        auto u = proc_usage(c.pid);
+        if (v == soak_base) {
+          base_usage[c.pid] = u;
+        } else if (auto it = base_usage.find(c.pid); it != base_usage.end() && u.first >= 0 && it->second.first >= 0) {
+          res.max_rss_growth_kib = std::max(res.max_rss_growth_kib, u.first - it->second.first);
+          res.max_fd_growth = std::max(res.max_fd_growth, u.second - it->second.second);
+        }
+      }
+    }
     say(fmt::format("  sync {}: {:.1f} MB in {:.3f} s ({:.2f} GB/s), verified {}/{}{}\n", v,
                     static_cast<double>(row.bytes) / 1e6, row.seconds,
                     row.seconds > 0 ? static_cast<double>(row.bytes) / row.seconds / 1e9 : 0.0, row.verified,

@@ -54,7 +54,7 @@ struct WorkerSpec {
   int last_version = 1;
   int crash_version = -1;  // consumer: SIGKILL itself at `crash_point` of this sync
   int crash_point = 0;     // group * 4 + phase (see ConsumerOptions::test_point)
-  int stall_ms = 5000;
+  int stall_ms = 20000;
   int timeout_ms = 20000;
 };
 int run_worker(const WorkerSpec& spec);
@@ -84,6 +84,7 @@ struct DemoSpec {
   std::vector<std::pair<int, int>> kills;  // (version, point); point -1: random
   int timeout_ms = 60000;     // bound on each wait of the driver
   bool quiet = false;
+  bool verbose = false;       // per-rank phase times under each sync
 };
 struct DemoSyncRow {
   int version = 0;
@@ -96,6 +97,10 @@ struct DemoSyncRow {
 };
 struct DemoResult {
   std::vector<DemoSyncRow> rows;
+  // Soak figures: growth of each worker's RSS (KiB) and open descriptors between the
+  // end of sync `min(10, syncs/4)` and the one before the last (workers that were never restarted).
+  int64_t max_rss_growth_kib = 0;
+  int64_t max_fd_growth = 0;
   bool all_verified = false;
   std::string error;
 };
