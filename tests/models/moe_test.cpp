@@ -357,7 +357,8 @@ TEST(MoeExpect, MlaWithoutQLora) {
 // --- configs, shrink, errors ----------------------------------------------------------
 
 // Every MoE / MLA config (shared ones and the hand-written Mixtrals) takes a range of
-// layouts at full size (no data), and shrinks to a loader for each.
+// layouts at full size (no data) and shrinks to a small model whose plan replay equals
+// its direct load on every rank.
 TEST(MoeConfigs, FullSizeLoadersAndShrink) {
   struct C {
     std::string path;
@@ -385,6 +386,8 @@ TEST(MoeConfigs, FullSizeLoadersAndShrink) {
       auto small = make_model_loader(s->config, testing::layout_from(layout));
       ASSERT_TRUE(small.ok()) << small.status().to_string();
       EXPECT_LT((*small)->checkpoint().size(), 1000u);  // small: 2 layers, few experts
+      // What `ferry check --shrink` does, here also under the sanitizers.
+      expect_replay_equals_direct(**small, 3);
       // Each field is reported once.
       std::set<std::string> fields;
       for (const auto& ch : s->changes) EXPECT_TRUE(fields.insert(ch.field).second) << ch.field;
