@@ -26,11 +26,14 @@ std::string self_exe() {
 
 constexpr const char* kMoeModel = "configs/qwen3-30b-a3b.json";
 constexpr const char* kDenseModel = "configs/llama-3.1-8b.json";
-// Shrunk-model sizes for the demo: a few tens of MB that 2 cores sync and verify
-// (direct loads of every version on every rank) well within a minute.
-constexpr const char* kMoeOverrides = R"({"num_hidden_layers": 4})";
+// Shrunk-model sizes for the demo: ~47 MB (MoE; ~45 MB dense) that 2 cores sync and verify (a direct load
+// of every version on every rank) well within a minute; --config-overrides scales up.
+constexpr const char* kMoeOverrides =
+    R"({"num_hidden_layers": 4, "hidden_size": 512, "moe_intermediate_size": 256, "num_experts": 8,)"
+    R"( "num_experts_per_tok": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,)"
+    R"( "vocab_size": 8000})";
 constexpr const char* kDenseOverrides =
-    R"({"num_hidden_layers": 4, "hidden_size": 512, "intermediate_size": 2048, "vocab_size": 16000,)"
+    R"({"num_hidden_layers": 4, "hidden_size": 512, "intermediate_size": 2048, "vocab_size": 8000,)"
     R"( "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64})";
 
 int run_demo_cmd(engine::DemoSpec d, int kill_sync, int kill_point, bool model_given, bool overrides_given) {
