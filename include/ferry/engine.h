@@ -36,9 +36,11 @@
 //     stall_timeout) is dropped from the producer's current sync, recorded in
 //     SyncReport::failures, and the producer finishes for the others. A dropped live
 //     consumer is told (DROPPED) and fails its sync.
-//   * A producer failing during a consumer's sync fails that sync with kPeerFailed naming
-//     the producer; groups already unpacked are new and the rest old: state() reports
-//     torn until a later sync completes. (Failover to a DP replica is not implemented.)
+//   * A producer failing during a consumer's sync: with a DP replica holding its boxes,
+//     consumers fail over (EngineOptions::failover) and the sync completes; otherwise the
+//     sync fails with kPeerFailed naming the producer; groups already unpacked are new
+//     and the rest old: state() reports torn until a later sync completes. A restarted
+//     producer (Producer::create again) rejoins at the next sync.
 //   * Every wait is bounded (timeout, stall_timeout, rendezvous_timeout); every
 //     message is length-checked, every read is checked against the staging region
 //     (Routes::validate plus the transport's key bounds).
@@ -92,6 +94,12 @@ struct EngineOptions {
   std::chrono::milliseconds stall_timeout{30000};
   std::chrono::milliseconds lease_ttl{3000};
   bool checksums = false;
+  // Producer failover: when a producer dies mid-sync, consumers mark it in
+  // {job}/dead/{p}, every participant rebuilds routes without it (the same routes:
+  // build_routes over the remaining holdings) and the sync restarts; only when no other
+  // producer holds what it held does the sync fail. Producers size staging slots for
+  // the worst case when they share boxes with a replica.
+  bool failover = true;
 };
 
 struct ProducerOptions : EngineOptions {

@@ -18,7 +18,7 @@ Result<Msg> decode_msg(std::span<const std::byte> bytes) {
   Msg m;
   std::memcpy(&m, bytes.data(), sizeof(Msg));
   if (m.magic != kMagic) return corrupt("engine message with bad magic {:#x}", m.magic);
-  if (m.type < 1 || m.type > 6) return corrupt("engine message of unknown type {}", m.type);
+  if (m.type < 1 || m.type > 8) return corrupt("engine message of unknown type {}", m.type);
   return m;
 }
 
@@ -128,32 +128,56 @@ std::string key_plan(const std::string& job, int c) { return fmt::format("{}/pla
 std::string key_producer(const std::string& job, int p) { return fmt::format("{}/producer/{}", job, p); }
 std::string key_consumer(const std::string& job, int c) { return fmt::format("{}/consumer/{}", job, c); }
 
-Result<Routes> rendezvous_routes(Store& store, const EngineOptions& o, const std::vector<TensorDecl>& metadata) {
+std::string key_dead(const std::string& job, int p) { return fmt::format("{}/dead/{}", job, p); }
+std::string key_dead_prefix(const std::string& job) { return job + "/dead/"; }
+
+Result<RouteInputs> rendezvous_inputs(Store& store, const EngineOptions& o, const std::vector<TensorDecl>& metadata) {
   std::vector<std::string> keys;
   for (int p = 0; p < o.num_producers; ++p) keys.push_back(key_holdings(o.job, p));
   for (int c = 0; c < o.num_consumers; ++c) keys.push_back(key_plan(o.job, c));
   FERRY_RETURN_IF_ERROR(store.wait(keys, o.rendezvous_timeout).with_context("engine rendezvous"));
-  RouterInput in;
+  RouteInputs in;
   in.metadata = metadata;
   for (int p = 0; p < o.num_producers; ++p) {
     FERRY_ASSIGN_OR_RETURN(auto text, store.get(key_holdings(o.job, p)));
     auto h = decode_holdings(text);
     if (!h.ok()) return h.status().with_context(fmt::format("holdings of producer {}", p));
-    in.producers.push_back(std::move(*h));
+    in.holdings.push_back(std::move(*h));
   }
-  std::vector<Plan> plans;
-  plans.reserve(static_cast<size_t>(o.num_consumers));
   for (int c = 0; c < o.num_consumers; ++c) {
     FERRY_ASSIGN_OR_RETURN(auto text, store.get(key_plan(o.job, c)));
     auto plan = Plan::decode(text);
     if (!plan.ok()) return plan.status().with_context(fmt::format("plan of consumer {}", c));
-    plans.push_back(std::move(*plan));
+    in.plans.push_back(std::move(*plan));
   }
-  for (const auto& p : plans) in.consumers.push_back(&p);
+  return in;
+}
+
+Result<Routes> build_routes_excluding(const RouteInputs& inputs, const std::set<int>& dead) {
+  RouterInput in;
+  in.metadata = inputs.metadata;
+  in.producers = inputs.holdings;
+  for (int p : dead) {
+    if (p >= 0 && static_cast<size_t>(p) < in.producers.size()) in.producers[static_cast<size_t>(p)] = Holdings{};
+  }
+  for (const auto& p : inputs.plans) in.consumers.push_back(&p);
   auto routes = build_routes(in);
   if (!routes.ok()) return routes.status().with_context("building routes");
   FERRY_RETURN_IF_ERROR(routes->validate());
   return routes;
+}
+
+Result<std::set<int>> read_dead(Store& store, const std::string& job) {
+  const std::string prefix = key_dead_prefix(job);
+  FERRY_ASSIGN_OR_RETURN(auto keys, store.list(prefix));
+  std::set<int> out;
+  for (const auto& k : keys) {
+    try {
+      out.insert(std::stoi(k.substr(prefix.size())));
+    } catch (const std::exception&) {
+    }
+  }
+  return out;
 }
 
 Status RegisteredBuffer::allocate(Transport& t, uint64_t n) {

@@ -6,6 +6,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <set>
 #include <vector>
 
 #include "ferry/engine.h"
@@ -27,6 +28,8 @@ enum class MsgType : uint8_t {
   kReady = 4,     // c -> p (push): receive slot `slot` is free for (version, group)
   kPushed = 5,    // p -> c (push): (version, group) written and flushed into slot `slot`
   kAbort = 6,     // c -> p: this consumer gave up sync `version`
+  kFailover = 7,  // c -> p: restart sync `version` with the routes `routes_hash` (producers in {job}/dead/ excluded)
+  kDone = 8,      // c -> p: committed `version`
 };
 
 struct Msg {
@@ -73,8 +76,21 @@ std::string key_plan(const std::string& job, int c);
 std::string key_producer(const std::string& job, int p);
 std::string key_consumer(const std::string& job, int c);
 
-// Waits for every producer's holdings and every consumer's plan, then builds routes.
-Result<Routes> rendezvous_routes(Store& store, const EngineOptions& o, const std::vector<TensorDecl>& metadata);
+std::string key_dead(const std::string& job, int p);
+std::string key_dead_prefix(const std::string& job);
+
+// What routes are built from, fetched once at rendezvous.
+struct RouteInputs {
+  std::vector<TensorDecl> metadata;
+  std::vector<Holdings> holdings;  // per producer
+  std::vector<Plan> plans;         // per consumer
+};
+// Waits for every producer's holdings and every consumer's plan.
+Result<RouteInputs> rendezvous_inputs(Store& store, const EngineOptions& o, const std::vector<TensorDecl>& metadata);
+// build_routes with the holdings of `dead` producers emptied (indices kept).
+Result<Routes> build_routes_excluding(const RouteInputs& in, const std::set<int>& dead);
+// Producers marked dead in the store ({job}/dead/{p}).
+Result<std::set<int>> read_dead(Store& store, const std::string& job);
 
 // Zeroed host memory allocated and registered by a transport (Transport::allocate_memory).
 struct RegisteredBuffer {

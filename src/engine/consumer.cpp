@@ -28,6 +28,9 @@ struct Consumer::Impl {
   Routes routes;
   uint64_t routes_hash = 0;
   const PlanRoute* pr = nullptr;
+  RouteInputs inputs;
+  std::set<int> dead;   // producers excluded from `routes`
+  int failed_p = -1;    // the producer whose failure ended the last attempt
   TensorMap loaded;   // param buffers as loaded (what unpack writes)
   TensorMap final_;   // after post-processing, of the last committed sync
   TensorMap work;     // being post-processed (background thread)
@@ -49,7 +52,12 @@ struct Consumer::Impl {
   std::vector<Peer> peers;
   std::map<PeerId, int> peer_rank;
   std::map<int, Status> failed;                             // producer -> why
-  std::map<std::tuple<uint64_t, int, int>, Msg> inbox;      // (version, group, producer)
+  // (version, group, producer) -> (sender instance, message). Kept even from instances
+  // not connected yet (a restarted producer may announce before we re-read its lease);
+  // checked against the connected instance when taken.
+  std::map<std::tuple<uint64_t, int, int>, std::pair<PeerId, Msg>> inbox;
+  std::set<uint64_t> old_hashes;  // routes abandoned during the current sync
+  bool switch_routes = false;     // a producer announced other routes for this sync
   std::set<uint64_t> dropped_versions;
   // Background thread.
   struct Job {
@@ -92,15 +100,18 @@ struct Consumer::Impl {
     if (!m.ok()) return;
     std::lock_guard<std::mutex> lk(mu);
     const int p = static_cast<int>(m->rank);
+    if (p < 0 || p >= o.num_producers) return;
     auto it = peer_rank.find(from);
-    if (it == peer_rank.end() || it->second != p) return;
+    const bool known = it != peer_rank.end() && it->second == p;
     switch (static_cast<MsgType>(m->type)) {
       case MsgType::kAnnounce:
       case MsgType::kPushed:
         if (st.has_version && m->version <= st.version) return;  // stale
-        inbox[{m->version, m->group, p}] = *m;
+        if (inbox.size() > 100000) return;
+        inbox[{m->version, m->group, p}] = {from, *m};
         break;
       case MsgType::kDropped:
+        if (!known) return;
         dropped_versions.insert(m->version);
         break;
       default:
@@ -170,6 +181,7 @@ struct Consumer::Impl {
 
   Status refresh_producers() {
     for (int p = 0; p < o.num_producers; ++p) {
+      if (dead.count(p)) continue;  // failed over: not read from
       auto blob = store.get(key_producer(o.job, p));
       if (!blob.ok()) {
         if (blob.status().code() == StatusCode::kNotFound)
@@ -222,17 +234,26 @@ struct Consumer::Impl {
     for (;;) {
       for (int p : from) {
         auto it = inbox.find({v, g, p});
-        if (it == inbox.end()) continue;
-        Msg m = it->second;
+        // A message of another attempt (other routes) stays: it may be the next one's.
+        if (it == inbox.end() || it->second.second.routes_hash != routes_hash) continue;
+        if (it->second.first != peers[static_cast<size_t>(p)].id) continue;  // not the connected instance
+        Msg m = it->second.second;
         inbox.erase(it);
-        if (m.routes_hash != routes_hash)
-          return failed_precondition("producer {} routes {:016x} differ from consumer {}'s {:016x}", p, m.routes_hash,
-                                     rank, routes_hash);
         return std::make_pair(p, m);
       }
+      // A producer restarted this sync with other routes (failover another consumer
+      // started): follow it.
+      for (const auto& [key, e] : inbox) {
+        if (std::get<0>(key) == v && e.second.routes_hash != routes_hash && !old_hashes.count(e.second.routes_hash)) {
+          switch_routes = true;
+          return unavailable("consumer {}: producer {} switched routes for sync {}", rank, std::get<2>(key), v);
+        }
+      }
       for (int p : from) {
-        if (auto it = failed.find(p); it != failed.end())
+        if (auto it = failed.find(p); it != failed.end()) {
+          failed_p = p;
           return peer_failed("producer {} failed during sync {} (group {}): {}", p, v, g, it->second.to_string());
+        }
       }
       if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
       if (dropped_versions.count(v)) return cancelled("consumer {} was dropped from sync {} by a producer", rank, v);
@@ -317,8 +338,10 @@ struct Consumer::Impl {
           for (const Read& r : pg.reads) {
             if (!r.length || static_cast<int>(r.producer) != p) continue;
             auto c = tr.read(ring.region, base + r.recv_offset, staging, got[p].slot_offset + r.offset, r.length);
-            if (!c.ok())
+            if (!c.ok()) {
+              failed_p = p;
               return c.status().with_context(fmt::format("consumer {} reading group {} from producer {}", rank, g, p));
+            }
             ops.push_back(*c);
           }
           if (!posted) {
@@ -326,9 +349,11 @@ struct Consumer::Impl {
             point(g, 1);
           }
           Status st = wait_all(ops, o.timeout);
-          if (!st.ok())
+          if (!st.ok()) {
+            failed_p = p;
             return Status(st.code(),
                           fmt::format("consumer {} reading group {} from producer {}: {}", rank, g, p, st.message()));
+          }
           rep.read_seconds += seconds_since(tr0);
           send_to(p, MsgType::kRelease, v, g);
         }
@@ -364,6 +389,86 @@ struct Consumer::Impl {
     return bg_status;
   }
 
+  // Installs routes (only between attempts: the background thread is idle).
+  Status apply_routes(Routes r) {
+    const PlanRoute& plan_route = r.consumer(static_cast<size_t>(rank));
+    for (const auto& g : plan_route.groups) {
+      if (g.recv_bytes > slot_bytes)
+        return failed_precondition("consumer {}: a group needs {} receive bytes, the ring has {}", rank, g.recv_bytes,
+                                   slot_bytes);
+    }
+    std::map<std::string, int> last_group;
+    for (int g = 0; g < r.num_groups(); ++g) {
+      for (const UnpackOp& u : plan_route.groups[static_cast<size_t>(g)].unpacks)
+        last_group[plan_route.params[u.param].name] = g;
+    }
+    std::vector<int> ready_at(rl->groups().size(), 0);
+    for (const ParamInfo& p : rl->params()) {
+      auto it = last_group.find(p.decl.name);
+      if (it != last_group.end() && p.group >= 0 && static_cast<size_t>(p.group) < ready_at.size())
+        ready_at[static_cast<size_t>(p.group)] = std::max(ready_at[static_cast<size_t>(p.group)], it->second);
+    }
+    std::lock_guard<std::mutex> lk(mu);
+    routes = std::move(r);
+    routes_hash = routes.hash();
+    pr = &routes.consumer(static_cast<size_t>(rank));
+    loader_group_ready_at = std::move(ready_at);
+    return Status::Ok();
+  }
+
+  Status refresh_routes() {
+    if (!o.failover) return Status::Ok();
+    FERRY_ASSIGN_OR_RETURN(auto d, read_dead(store, o.job));
+    if (d == dead) return Status::Ok();
+    FERRY_ASSIGN_OR_RETURN(auto r, build_routes_excluding(inputs, d));
+    FERRY_RETURN_IF_ERROR(apply_routes(std::move(r)));
+    dead = d;
+    return Status::Ok();
+  }
+
+  // Waits for the background thread to go idle, then resets it for a new attempt.
+  void reset_background() {
+    std::unique_lock<std::mutex> lk(mu);
+    cv.wait_for(lk, o.timeout, [&] { return jobs.empty() && !busy; });
+    jobs.clear();
+    bg_status = Status::Ok();
+    unpack_seconds = post_seconds = 0;
+    slot_busy[0] = slot_busy[1] = false;
+    work = loaded;
+  }
+
+  // After producer failed_p failed: mark it dead and rebuild routes without it, if the
+  // remaining producers hold everything. Then ask live producers to restart.
+  Status failover(uint64_t v, const Status& why, SyncReport& rep) {
+    std::set<int> d = dead;
+    d.insert(failed_p);
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      for (const auto& [p, st] : failed) d.insert(p);
+    }
+    if (auto stored = read_dead(store, o.job); stored.ok()) d.insert(stored->begin(), stored->end());
+    auto r = build_routes_excluding(inputs, d);
+    if (!r.ok())
+      return Status(why.code(), fmt::format("{}; no failover: {}", why.message(), r.status().message()));
+    for (int p : d) FERRY_RETURN_IF_ERROR(store.set(key_dead(o.job, p), "1"));
+    reset_background();
+    FERRY_RETURN_IF_ERROR(apply_routes(std::move(*r)));
+    dead = d;
+    std::string ds;
+    for (int p : d) ds += (ds.empty() ? "" : ",") + std::to_string(p);
+    rep.failures.push_back(fmt::format("consumer {}: {}; failover: routes rebuilt without producer(s) {}", rank,
+                                       why.to_string(), ds));
+    for (int p = 0; p < o.num_producers; ++p) {
+      bool ok;
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        ok = !d.count(p) && peers[static_cast<size_t>(p)].connected && !failed.count(p);
+      }
+      if (ok) send_to(p, MsgType::kFailover, v, -1);
+    }
+    return Status::Ok();
+  }
+
   Result<SyncReport> sync(uint64_t v) {
     const auto t0 = Clock::now();
     SyncReport rep;
@@ -371,15 +476,61 @@ struct Consumer::Impl {
     if (o.before_sync) o.before_sync(v);
     {
       std::lock_guard<std::mutex> lk(mu);
-      // Drop announcements of older versions, reset the background state.
+      // Drop announcements of older versions.
       for (auto it = inbox.begin(); it != inbox.end();) it = std::get<0>(it->first) < v ? inbox.erase(it) : std::next(it);
-      bg_status = Status::Ok();
-      unpacked_any = false;
-      unpack_seconds = post_seconds = 0;
-      slot_busy[0] = slot_busy[1] = false;
-      work = loaded;
     }
-    Status s = sync_groups(v, rep);
+    reset_background();
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      unpacked_any = false;
+    }
+    old_hashes.clear();
+    Status s = refresh_routes().with_context(fmt::format("consumer {} sync {}", rank, v));
+    for (int tries = 0; s.ok() || tries > 0; ++tries) {
+      failed_p = -1;
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        switch_routes = false;
+      }
+      s = sync_groups(v, rep);
+      if (s.ok() || !o.failover || tries >= 2 * o.num_producers) break;
+      bool follow;
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        follow = switch_routes;
+      }
+      if (follow) {
+        const uint64_t before = routes_hash;
+        reset_background();
+        Status f = refresh_routes();
+        if (!f.ok() || routes_hash == before) {
+          if (!f.ok()) s = f;
+          break;
+        }
+        old_hashes.insert(before);
+        rep.failures.push_back(fmt::format("consumer {}: followed producers to routes without a failed producer", rank));
+        for (int p = 0; p < o.num_producers; ++p) {
+          bool ok;
+          {
+            std::lock_guard<std::mutex> lk(mu);
+            ok = !dead.count(p) && peers[static_cast<size_t>(p)].connected && !failed.count(p);
+          }
+          if (ok) send_to(p, MsgType::kFailover, v, -1);
+        }
+        rep.bytes = 0;
+        rep.bytes_per_peer.clear();
+        continue;
+      }
+      if (failed_p < 0) break;
+      old_hashes.insert(routes_hash);
+      Status f = failover(v, s, rep);
+      if (!f.ok()) {
+        s = f;
+        break;
+      }
+      rep.bytes = 0;
+      rep.bytes_per_peer.clear();
+    }
     std::unique_lock<std::mutex> lk(mu);
     if (!s.ok()) {
       // Let the background thread finish what it holds, then tell producers we gave up.
@@ -404,6 +555,14 @@ struct Consumer::Impl {
     st.has_version = true;
     st.torn = false;
     lk.unlock();
+    for (int p = 0; p < o.num_producers; ++p) {
+      bool ok;
+      {
+        std::lock_guard<std::mutex> g(mu);
+        ok = peers[static_cast<size_t>(p)].connected && !failed.count(p);
+      }
+      if (ok) send_to(p, MsgType::kDone, v, -1);
+    }
     rep.seconds = seconds_since(t0);
     if (o.after_sync) o.after_sync(v);
     return rep;
@@ -444,9 +603,16 @@ Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, in
   if (!plan.ok()) return plan.status().with_context(fmt::format("consumer {} recording its plan", rank));
   m.plan = std::move(*plan);
   FERRY_RETURN_IF_ERROR(store.set(key_plan(options.job, rank), m.plan.encode()));
-  FERRY_ASSIGN_OR_RETURN(m.routes, rendezvous_routes(store, options, metadata));
-  m.routes_hash = m.routes.hash();
-  m.pr = &m.routes.consumer(static_cast<size_t>(rank));
+  FERRY_ASSIGN_OR_RETURN(m.inputs, rendezvous_inputs(store, options, metadata));
+  if (options.failover) {
+    FERRY_ASSIGN_OR_RETURN(m.dead, read_dead(store, options.job));
+  }
+  FERRY_ASSIGN_OR_RETURN(auto routes, build_routes_excluding(m.inputs, m.dead));
+  // Receive slots fit any routing: a class reads the same bytes per group whoever sends.
+  uint64_t largest = 0;
+  for (const auto& g : routes.consumer(static_cast<size_t>(rank)).groups) largest = std::max(largest, g.recv_bytes);
+  m.slot_bytes = align_up(std::max<uint64_t>(largest, 64), 64);
+  FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));
   // Param buffers.
   for (const ParamInfo& p : m.rl->params()) {
     auto it = params.find(p.decl.name);
@@ -468,21 +634,6 @@ Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, in
     FERRY_RETURN_IF_ERROR(execute(zeros_only, {}, m.loaded));
   }
   m.final_ = m.loaded;
-  // Loader group k is complete after the last route group that writes one of its params.
-  std::map<std::string, int> last_group;
-  for (int g = 0; g < m.routes.num_groups(); ++g) {
-    for (const UnpackOp& u : m.pr->groups[static_cast<size_t>(g)].unpacks) last_group[m.pr->params[u.param].name] = g;
-  }
-  m.loader_group_ready_at.assign(m.rl->groups().size(), 0);
-  for (const ParamInfo& p : m.rl->params()) {
-    auto it = last_group.find(p.decl.name);
-    if (it != last_group.end() && p.group >= 0 && static_cast<size_t>(p.group) < m.loader_group_ready_at.size())
-      m.loader_group_ready_at[static_cast<size_t>(p.group)] =
-          std::max(m.loader_group_ready_at[static_cast<size_t>(p.group)], it->second);
-  }
-  uint64_t largest = 0;
-  for (const auto& g : m.pr->groups) largest = std::max(largest, g.recv_bytes);
-  m.slot_bytes = align_up(std::max<uint64_t>(largest, 64), 64);
   FERRY_RETURN_IF_ERROR(m.ring.allocate(transport, m.slot_bytes * Impl::kSlots));
   FERRY_ASSIGN_OR_RETURN(auto key, transport.export_key(m.ring.region));
   m.peers.resize(static_cast<size_t>(options.num_producers));

@@ -5,6 +5,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <unordered_map>
 
 #include <xxhash.h>
 
@@ -23,6 +24,12 @@ struct Producer::Impl {
   Holdings holdings;
   Routes routes;
   uint64_t routes_hash = 0;
+  RouteInputs inputs;
+  std::set<int> dead;                   // producers excluded from `routes`
+  bool restart = false;                 // a consumer asked to restart the sync (failover); mu
+  uint64_t restart_hash = 0;            // ... with these routes; mu
+  std::map<int, uint64_t> consumer_hash;  // consumer -> routes it moved to this sync (FAILOVER); mu
+  std::map<int, uint64_t> done;         // consumer -> last version it committed; mu
   RegisteredBuffer ring;
   uint64_t slot_bytes = 0;
   int nslots = 0;
@@ -48,6 +55,7 @@ struct Producer::Impl {
   std::vector<bool> live;
   struct Slot {
     int group = -1;
+    uint64_t hash = 0;  // routes of the attempt that packed it
     bool packed = false;
     std::set<int> pending;
     std::set<int> pushing;  // push: writes posted
@@ -102,9 +110,9 @@ struct Producer::Impl {
   }
 
   // The slot holding (current version, g), or -1. mu held.
-  int slot_of_locked(int g) {
+  int slot_of_locked(int g, uint64_t hash) {
     for (size_t i = 0; i < slots.size(); ++i) {
-      if (slots[i].group == g && slots[i].packed) return static_cast<int>(i);
+      if (slots[i].group == g && slots[i].packed && slots[i].hash == hash) return static_cast<int>(i);
     }
     return -1;
   }
@@ -130,7 +138,9 @@ struct Producer::Impl {
     {
       std::lock_guard<std::mutex> lk(mu);
       Slot& sl = slots[static_cast<size_t>(s)];
-      if (!in_sync || version != v || sl.group != g || !sl.pending.count(c) || sl.pushing.count(c)) return;
+      if (!in_sync || version != v || sl.group != g || sl.hash != routes_hash || !sl.pending.count(c) ||
+          sl.pushing.count(c))
+        return;
       sl.pushing.insert(c);
       const Peer& p = peers[static_cast<size_t>(c)];
       id = p.id;
@@ -203,10 +213,30 @@ struct Producer::Impl {
       switch (static_cast<MsgType>(m->type)) {
         case MsgType::kRelease: {
           if (!current) return;
-          const int s = slot_of_locked(m->group);
+          const int s = slot_of_locked(m->group, m->routes_hash);
           if (s >= 0) release_locked(s, c);
           break;
         }
+        case MsgType::kFailover:
+          if (!current) return;
+          // c abandoned its attempt: it reads none of the slots it had pending.
+          consumer_hash[c] = m->routes_hash;
+          for (auto& sl : slots) {
+            if (sl.hash != m->routes_hash && sl.pending.erase(c)) cv.notify_all();
+          }
+          if (m->routes_hash != routes_hash) {
+            restart = true;
+            restart_hash = m->routes_hash;
+            cv.notify_all();
+          }
+          break;
+        case MsgType::kDone:
+          done[c] = std::max(done[c], m->version);
+          if (current) {
+            for (auto& sl : slots) sl.pending.erase(c);
+            cv.notify_all();
+          }
+          break;
         case MsgType::kAbort:
           if (current) drop_locked(c, "it aborted the sync", nullptr);
           break;
@@ -215,7 +245,7 @@ struct Producer::Impl {
           if (in_sync ? m->version < version : false) return;
           if (ready.size() > 100000) return;
           ready[{m->version, m->group, c}] = {from, m->slot};
-          if (current && known) push_slot = slot_of_locked(m->group);
+          if (current && known) push_slot = slot_of_locked(m->group, m->routes_hash);
           break;
         }
         default:
@@ -232,6 +262,37 @@ struct Producer::Impl {
     const int c = it->second;
     if (peers[static_cast<size_t>(c)].id == peer) peers[static_cast<size_t>(c)].connected = false;
     if (in_sync && peers[static_cast<size_t>(c)].id == peer) drop_locked(c, "transport: " + why.to_string(), nullptr);
+  }
+
+  // Installs routes (caller thread; handlers read routes under mu).
+  Status apply_routes(Routes r) {
+    const ProducerRoute& pr = r.producers[static_cast<size_t>(rank)];
+    std::vector<std::map<uint32_t, uint64_t>> sg(static_cast<size_t>(r.num_groups()));
+    for (int g = 0; g < r.num_groups(); ++g) {
+      const auto& grp = pr.groups[static_cast<size_t>(g)];
+      if (slot_bytes && grp.staging_bytes > slot_bytes)
+        return failed_precondition("producer {}: group {} needs {} staging bytes after failover, the ring has {}", rank, g,
+                                   grp.staging_bytes, slot_bytes);
+      for (const Segment& x : grp.segments) {
+        if (x.bytes) sg[static_cast<size_t>(g)][x.plan] += x.bytes;
+      }
+    }
+    std::lock_guard<std::mutex> lk(mu);
+    routes = std::move(r);
+    routes_hash = routes.hash();
+    seg = std::move(sg);
+    return Status::Ok();
+  }
+
+  // Rebuilds routes when the set of dead producers in the store changed.
+  Status refresh_routes() {
+    if (!o.failover) return Status::Ok();
+    FERRY_ASSIGN_OR_RETURN(auto d, read_dead(store, o.job));
+    if (d == dead) return Status::Ok();
+    FERRY_ASSIGN_OR_RETURN(auto r, build_routes_excluding(inputs, d));
+    FERRY_RETURN_IF_ERROR(apply_routes(std::move(r)));
+    dead = d;
+    return Status::Ok();
   }
 
   // Re-reads consumer leases, connects new instances; marks who takes part in this sync.
@@ -274,10 +335,10 @@ struct Producer::Impl {
   }
 
   // Waits until slot s is free; drops consumers that stall past stall_timeout.
-  Status wait_slot(size_t s) {
+  Status wait_slot(size_t s, bool stop_on_restart) {
     std::vector<int> n;
     std::unique_lock<std::mutex> lk(mu);
-    while (!slots[s].pending.empty()) {
+    while (!slots[s].pending.empty() && !(stop_on_restart && restart && restart_hash != routes_hash)) {
       const auto deadline = slots[s].since + o.stall_timeout;
       if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline) {
         const std::set<int> late = slots[s].pending;
@@ -295,52 +356,44 @@ struct Producer::Impl {
     return Status::Ok();
   }
 
-  Result<SyncReport> sync(uint64_t v) {
-    const auto t0 = Clock::now();
-    {
-      std::lock_guard<std::mutex> lk(mu);
-      report = SyncReport{};
-      report.version = v;
-      for (auto it = ready.begin(); it != ready.end();) it = std::get<0>(it->first) < v ? ready.erase(it) : std::next(it);
-      for (auto& s : slots) s = Slot{};
-    }
-    refresh_membership();
-    {
-      std::lock_guard<std::mutex> lk(mu);
-      version = v;
-      in_sync = true;
-    }
+  // One attempt at sync v with the current routes. Sets *restarted when a consumer asked
+  // for a failover restart.
+  Status attempt(uint64_t v, bool* restarted) {
     const ProducerRoute& pr = routes.producers[static_cast<size_t>(rank)];
-    Status failure;
-    for (int g = 0; g < routes.num_groups() && failure.ok(); ++g) {
+    const uint64_t hash = routes_hash;
+    auto check_restart = [&] {
+      std::lock_guard<std::mutex> lk(mu);
+      return restart && restart_hash != hash;
+    };
+    for (int g = 0; g < routes.num_groups(); ++g) {
       const ProducerGroup& grp = pr.groups[static_cast<size_t>(g)];
       std::vector<int> targets;
       {
         std::lock_guard<std::mutex> lk(mu);
         for (int c = 0; c < o.num_consumers; ++c) {
-          if (live[static_cast<size_t>(c)] && seg[static_cast<size_t>(g)].count(cls(c))) targets.push_back(c);
+          if (live[static_cast<size_t>(c)] && seg[static_cast<size_t>(g)].count(cls(c)) &&
+              !(done.count(c) && done[c] >= v))
+            targets.push_back(c);
         }
       }
       if (targets.empty()) continue;
       const size_t s = static_cast<size_t>(g % nslots);
       auto tw = Clock::now();
-      FERRY_RETURN_IF_ERROR(wait_slot(s));
+      FERRY_RETURN_IF_ERROR(wait_slot(s, true));
       report.wait_seconds += seconds_since(tw);
+      if (check_restart()) {
+        *restarted = true;
+        return Status::Ok();
+      }
       if (o.test_point) o.test_point(v, g);
       auto tm = Clock::now();
       auto boxes = source.materialize(g);
       report.materialize_seconds += seconds_since(tm);
-      if (!boxes.ok()) {
-        failure = boxes.status().with_context(fmt::format("producer {} materialize group {}", rank, g));
-        break;
-      }
+      if (!boxes.ok()) return boxes.status().with_context(fmt::format("producer {} materialize group {}", rank, g));
       auto tp = Clock::now();
       std::span<std::byte> staging(ring.data + s * slot_bytes, grp.staging_bytes);
       Status st = pack_group(routes, static_cast<uint32_t>(rank), g, holdings, *boxes, staging);
-      if (!st.ok()) {
-        failure = st.with_context(fmt::format("producer {} pack group {}", rank, g));
-        break;
-      }
+      if (!st.ok()) return st.with_context(fmt::format("producer {} pack group {}", rank, g));
       std::map<uint32_t, uint64_t> sums;
       if (o.checksums) {
         for (const Segment& sg : grp.segments) sums[sg.plan] = XXH64(staging.data() + sg.offset, sg.bytes, 0);
@@ -356,15 +409,18 @@ struct Producer::Impl {
         Slot& sl = slots[s];
         sl = Slot{};
         sl.group = g;
+        sl.hash = hash;
         sl.packed = true;
         sl.since = Clock::now();
         sl.checksum = sums;
         for (int c : targets) {
-          if (!live[static_cast<size_t>(c)]) continue;
+          if (!live[static_cast<size_t>(c)] || (done.count(c) && done[c] >= v)) continue;
+          if (auto it = consumer_hash.find(c); it != consumer_hash.end() && it->second != hash) continue;
           sl.pending.insert(c);
           if (o.mode == SyncMode::kPull) {
             to_announce.emplace_back(c, peers[static_cast<size_t>(c)].id);
-          } else if (auto it = ready.find({v, g, c}); it != ready.end() && it->second.first == peers[static_cast<size_t>(c)].id) {
+          } else if (auto it = ready.find({v, g, c});
+                     it != ready.end() && it->second.first == peers[static_cast<size_t>(c)].id) {
             to_push.emplace_back(c, it->second.second);
           }
         }
@@ -375,7 +431,7 @@ struct Producer::Impl {
         m.rank = static_cast<uint32_t>(rank);
         m.group = g;
         m.version = v;
-        m.routes_hash = routes_hash;
+        m.routes_hash = hash;
         m.slot_offset = s * slot_bytes;
         if (o.checksums) {
           m.checksum = sums[cls(c)];
@@ -390,8 +446,52 @@ struct Producer::Impl {
       for (auto [c, rs] : to_push) start_push(static_cast<int>(s), c, rs, g, v);
     }
     auto tw = Clock::now();
-    for (size_t s = 0; s < slots.size(); ++s) FERRY_RETURN_IF_ERROR(wait_slot(s));
+    for (size_t s = 0; s < slots.size(); ++s) FERRY_RETURN_IF_ERROR(wait_slot(s, true));
     report.wait_seconds += seconds_since(tw);
+    if (check_restart()) *restarted = true;
+    return Status::Ok();
+  }
+
+  Result<SyncReport> sync(uint64_t v) {
+    const auto t0 = Clock::now();
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      report = SyncReport{};
+      report.version = v;
+      restart = false;
+      consumer_hash.clear();
+      for (auto it = ready.begin(); it != ready.end();) it = std::get<0>(it->first) < v ? ready.erase(it) : std::next(it);
+      for (auto& s : slots) s = Slot{};
+    }
+    FERRY_RETURN_IF_ERROR(refresh_routes().with_context(fmt::format("producer {} sync {}", rank, v)));
+    refresh_membership();
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      version = v;
+      in_sync = true;
+    }
+    Status failure;
+    for (int tries = 0;; ++tries) {
+      bool restarted = false;
+      failure = attempt(v, &restarted);
+      if (!failure.ok() || !restarted) break;
+      if (tries > o.num_producers) {
+        failure = internal_error("producer {}: sync {} restarted {} times", rank, v, tries);
+        break;
+      }
+      failure = refresh_routes().with_context(fmt::format("producer {} failover in sync {}", rank, v));
+      if (!failure.ok()) break;
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        if (restart_hash == routes_hash) restart = false;
+      }
+      std::string ds;
+      for (int d : dead) ds += (ds.empty() ? "" : ",") + std::to_string(d);
+      std::lock_guard<std::mutex> lk(mu);
+      report.failures.push_back(fmt::format("producer {}: failover, routes rebuilt without producer(s) {}", rank, ds));
+    }
+    // Leave no slot pending (a failed attempt may have left some).
+    for (size_t s = 0; s < slots.size(); ++s) wait_slot(s, false).ignore();
     std::lock_guard<std::mutex> lk(mu);
     in_sync = false;
     report.seconds = seconds_since(t0);
@@ -418,19 +518,47 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
   const std::string meta = encode_decls(source.metadata());
   if (m.rank == 0) FERRY_RETURN_IF_ERROR(store.set(key_meta(options.job), meta));
   FERRY_RETURN_IF_ERROR(store.set(key_holdings(options.job, m.rank), encode_holdings(m.holdings)));
-  FERRY_ASSIGN_OR_RETURN(m.routes, rendezvous_routes(store, options, source.metadata()));
-  m.routes_hash = m.routes.hash();
-  const ProducerRoute& pr = m.routes.producers[static_cast<size_t>(m.rank)];
+  // A restarted producer is alive again: take it out of the dead set.
+  if (options.failover) store.remove(key_dead(options.job, m.rank)).status().ignore();
+  FERRY_ASSIGN_OR_RETURN(m.inputs, rendezvous_inputs(store, options, source.metadata()));
+  if (options.failover) {
+    FERRY_ASSIGN_OR_RETURN(m.dead, read_dead(store, options.job));
+  }
+  FERRY_ASSIGN_OR_RETURN(auto routes, build_routes_excluding(m.inputs, m.dead));
   uint64_t largest = 0;
-  m.seg.resize(static_cast<size_t>(m.routes.num_groups()));
-  for (int g = 0; g < m.routes.num_groups(); ++g) {
-    const auto& grp = pr.groups[static_cast<size_t>(g)];
-    largest = std::max(largest, grp.staging_bytes);
-    for (const Segment& s : grp.segments) {
-      if (s.bytes) m.seg[static_cast<size_t>(g)][s.plan] += s.bytes;
+  for (const auto& grp : routes.producers[static_cast<size_t>(m.rank)].groups) largest = std::max(largest, grp.staging_bytes);
+  // With failover, this producer may take over a dead replica's pieces: size slots for
+  // the worst case, every plan class reading all it holds of a group.
+  if (options.failover) {
+    const Groups groups(source.metadata());
+    std::vector<uint64_t> held(static_cast<size_t>(groups.size()), 0);
+    std::unordered_map<std::string, std::vector<const Box*>> others;
+    for (int q = 0; q < options.num_producers; ++q) {
+      if (q == m.rank) continue;
+      const Holdings& h = m.inputs.holdings[static_cast<size_t>(q)];
+      for (const HeldBox& ob : h.boxes) others[h.tensors[ob.tensor].name].push_back(&ob.box);
+    }
+    bool shared = false;
+    for (const HeldBox& b : m.holdings.boxes) {
+      const TensorDecl& d = m.holdings.tensors[b.tensor];
+      held[static_cast<size_t>(groups.of_name(d.name))] += static_cast<uint64_t>(b.box.numel()) * dtype_size(d.dtype);
+      if (shared) continue;
+      if (auto it = others.find(d.name); it != others.end()) {
+        for (const Box* ob : it->second) {
+          if (ob->intersects(b.box)) {
+            shared = true;
+            break;
+          }
+        }
+      }
+    }
+    if (shared) {
+      const uint64_t classes = routes.plans.size();
+      for (uint64_t h : held) largest = std::max(largest, classes * (h + 64));
     }
   }
   m.slot_bytes = align_up(std::max<uint64_t>(largest, 64), 64);
+  FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));
   if (options.staging_budget == 0) {
     m.nslots = 2;
   } else {
