@@ -195,9 +195,15 @@ struct Consumer::Impl {
       }
       FERRY_ASSIGN_OR_RETURN(auto f, decode_fields(*blob, 3));
       auto id = tr.connect(string_bytes(f[0]));
-      if (!id.ok()) return id.status().with_context(fmt::format("connecting to producer {}", p));
+      if (!id.ok()) {
+        failed_p = p;  // a candidate for failover
+        return id.status().with_context(fmt::format("connecting to producer {}", p));
+      }
       auto key = tr.import_key(string_bytes(f[1]));
-      if (!key.ok()) return key.status().with_context(fmt::format("staging key of producer {}", p));
+      if (!key.ok()) {
+        failed_p = p;
+        return key.status().with_context(fmt::format("staging key of producer {}", p));
+      }
       std::lock_guard<std::mutex> lk(mu);
       Peer& pe = peers[static_cast<size_t>(p)];
       pe.blob = *blob;
@@ -485,7 +491,11 @@ struct Consumer::Impl {
       unpacked_any = false;
     }
     old_hashes.clear();
+    const uint64_t previous = routes_hash;
     Status s = refresh_routes().with_context(fmt::format("consumer {} sync {}", rank, v));
+    // Routes changed before we began (another participant already failed over this
+    // sync): announcements made with the old ones are stale, not a reason to switch.
+    if (routes_hash != previous) old_hashes.insert(previous);
     for (int tries = 0; s.ok() || tries > 0; ++tries) {
       failed_p = -1;
       {

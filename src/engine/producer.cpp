@@ -29,6 +29,9 @@ struct Producer::Impl {
   bool restart = false;                 // a consumer asked to restart the sync (failover); mu
   uint64_t restart_hash = 0;            // ... with these routes; mu
   std::map<int, uint64_t> consumer_hash;  // consumer -> routes it moved to this sync (FAILOVER); mu
+  // FAILOVERs that arrived before this producer's sync of that version began:
+  // consumer -> (version, routes); applied when the sync starts.
+  std::map<int, std::pair<uint64_t, uint64_t>> early_failover;
   std::map<int, uint64_t> done;         // consumer -> last version it committed; mu
   RegisteredBuffer ring;
   uint64_t slot_bytes = 0;
@@ -218,7 +221,10 @@ struct Producer::Impl {
           break;
         }
         case MsgType::kFailover:
-          if (!current) return;
+          if (!current) {
+            if (!in_sync && m->version > version) early_failover[c] = {m->version, m->routes_hash};
+            return;
+          }
           // c abandoned its attempt: it reads none of the slots it had pending.
           consumer_hash[c] = m->routes_hash;
           for (auto& sl : slots) {
@@ -460,10 +466,21 @@ struct Producer::Impl {
       report.version = v;
       restart = false;
       consumer_hash.clear();
+      for (const auto& [c, vh] : early_failover) {
+        if (vh.first != v) continue;
+        consumer_hash[c] = vh.second;
+        restart = true;
+        restart_hash = vh.second;
+      }
+      early_failover.clear();
       for (auto it = ready.begin(); it != ready.end();) it = std::get<0>(it->first) < v ? ready.erase(it) : std::next(it);
       for (auto& s : slots) s = Slot{};
     }
     FERRY_RETURN_IF_ERROR(refresh_routes().with_context(fmt::format("producer {} sync {}", rank, v)));
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      if (restart && restart_hash == routes_hash) restart = false;
+    }
     refresh_membership();
     {
       std::lock_guard<std::mutex> lk(mu);
@@ -474,6 +491,23 @@ struct Producer::Impl {
     for (int tries = 0;; ++tries) {
       bool restarted = false;
       failure = attempt(v, &restarted);
+      if (failure.ok() && !restarted) {
+        // Stay in the sync until every live consumer committed it (DONE), so that a
+        // consumer that fails over late still finds this producer; bounded by the stall
+        // timeout (a slow consumer is not dropped for it).
+        std::unique_lock<std::mutex> lk(mu);
+        const auto deadline = Clock::now() + o.stall_timeout;
+        auto all_done = [&] {
+          for (int c = 0; c < o.num_consumers; ++c) {
+            if (live[static_cast<size_t>(c)] && !(done.count(c) && done[c] >= v)) return false;
+          }
+          return true;
+        };
+        while (!all_done() && !(restart && restart_hash != routes_hash)) {
+          if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline) break;
+        }
+        restarted = restart && restart_hash != routes_hash;
+      }
       if (!failure.ok() || !restarted) break;
       if (tries > o.num_producers) {
         failure = internal_error("producer {}: sync {} restarted {} times", rank, v, tries);

@@ -107,7 +107,14 @@ TEST(EngineMultiProcess, Soak) {
   const auto t0 = std::chrono::steady_clock::now();
   auto r = engine::run_demo(d);
   expect_ok(r, d.syncs);
-  EXPECT_LE(r.max_rss_growth_kib, 8 * 1024) << "RSS grew by " << r.max_rss_growth_kib << " KiB";
+#if defined(__SANITIZE_ADDRESS__)
+  // ASan's quarantine (256 MiB by default) keeps freed memory resident, so RSS is no
+  // leak signal there; LeakSanitizer checks the workers for leaks instead.
+  constexpr int64_t kMaxGrowthKib = 512 * 1024;
+#else
+  constexpr int64_t kMaxGrowthKib = 8 * 1024;
+#endif
+  EXPECT_LE(r.max_rss_growth_kib, kMaxGrowthKib) << "RSS grew by " << r.max_rss_growth_kib << " KiB";
   EXPECT_LE(r.max_fd_growth, 0) << "open descriptors grew by " << r.max_fd_growth;
   std::printf("soak: %d syncs in %.1f s, max RSS growth %lld KiB, max fd growth %lld\n", d.syncs,
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),

@@ -300,8 +300,10 @@ TEST(EngineThreads, OnlyHolderDiesThenRecovers) {
 
 // A producer with a DP replica dies mid-sync: every participant rebuilds the same routes
 // without it, the sync completes verified; after it restarts, it rejoins.
-// Flaky (a race between restarted producers and consumers that had not seen the failure;
-// one run in ~5 stalls a consumer until stall_timeout): disabled until fixed.
+// DISABLED: passes ~49 runs in 50; in the rest one consumer stalls on a restarted
+// producer's group until stall_timeout (a race between producers restarting the sync
+// and consumers that had not seen the failure yet). Run with
+// --gtest_also_run_disabled_tests.
 TEST(EngineThreads, DISABLED_ProducerDiesFailoverToDpReplica) {
   Cluster k;
   k.tweak_producer = [&k](ProducerOptions& o, int p) {
