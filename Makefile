@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 
 FERRY := $(BUILD)/src/cli/ferry
 
-.PHONY: all deps build test demo asan fuzz bench clean
+.PHONY: all deps build test demo soak asan fuzz bench clean
 
 all: build
 
@@ -24,12 +24,14 @@ build: deps $(BUILD)/build.ninja
 test: build
 	@cd $(BUILD) && ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
 
-# Until the sync engine lands: check a shrunk real model, every rank loaded two ways
-# (loader on real tensors vs recorded plan + executor), bit for bit.
-DEMO_MODEL  ?= configs/qwen3-30b-a3b.json
-DEMO_LAYOUT ?= tp=2,dp=2,ep=4,replicas=2
+# The main job: trainer and inference ranks as local processes, several verified syncs
+# of a shrunk Qwen3-30B-A3B, one inference rank killed and caught up (ferry demo --help).
 demo: build
-	$(FERRY) check --model $(DEMO_MODEL) --inference $(DEMO_LAYOUT) --shrink
+	$(FERRY) demo
+
+# 200 consecutive multi-process syncs: every one verified, RSS and descriptors flat.
+soak: build
+	@cd $(BUILD) && FERRY_SOAK_SYNCS=200 ctest -R 'EngineMultiProcess.Soak' --output-on-failure
 
 # Every test again under AddressSanitizer + UndefinedBehaviorSanitizer.
 asan: deps
