@@ -294,4 +294,8 @@ class TensorList {
 void strided_copy(const std::byte* src, const Layout& src_layout, DType src_dtype,
                   std::byte* dst, const Layout& dst_layout, DType dst_dtype);
 
+// Zero-fills the `layout`-shaped elements of dtype `dtype` at `base` (innermost
+// contiguous runs as memset). No bounds checks, as strided_copy.
+void strided_zero(std::byte* base, const Layout& layout, DType dtype);
+
 }  // namespace ferry

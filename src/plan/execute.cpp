@@ -50,34 +50,6 @@ Layout restrict_outer(const Layout& l, int64_t begin, int64_t end) {
   return r;
 }
 
-void zero_layout(std::byte* base, const Layout& layout, DType dtype) {
-  const int64_t es = static_cast<int64_t>(dtype_size(dtype));
-  Layout l = layout;
-  coalesce_layout(l);
-  if (l.numel() == 0) return;
-  if (l.ndim() == 0) {
-    std::memset(base + l.offset * es, 0, static_cast<size_t>(es));
-    return;
-  }
-  const int64_t inner = l.shape.back();
-  const int64_t istride = l.strides.back();
-  Shape outer(l.shape.begin(), l.shape.end() - 1);
-  const int64_t rows = shape_numel(outer);
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t off = l.offset;
-    int64_t rem = r;
-    for (size_t k = outer.size(); k-- > 0;) {
-      off += (rem % outer[k]) * l.strides[k];
-      rem /= outer[k];
-    }
-    if (istride == 1) {
-      std::memset(base + off * es, 0, static_cast<size_t>(inner * es));
-    } else {
-      for (int64_t i = 0; i < inner; ++i) std::memset(base + (off + i * istride) * es, 0, static_cast<size_t>(es));
-    }
-  }
-}
-
 }  // namespace
 
 Status execute(const Plan& plan, const TensorMap& sources, const TensorMap& params, const ExecuteOptions& options) {
@@ -108,7 +80,7 @@ Status execute(const Plan& plan, const TensorMap& sources, const TensorMap& para
   };
   if (threads == 1) {
     for (const Copy& c : plan.copies()) run_copy(c, 0, -1);
-    for (const Zero& z : plan.zeros()) zero_layout(dst[z.param].base, z.dst, dst[z.param].dtype);
+    for (const Zero& z : plan.zeros()) strided_zero(dst[z.param].base, z.dst, dst[z.param].dtype);
     return Status::Ok();
   }
 
@@ -138,7 +110,7 @@ Status execute(const Plan& plan, const TensorMap& sources, const TensorMap& para
         run_copy(plan.copies()[unit.copy], unit.begin, unit.end);
       } else {
         const Zero& z = plan.zeros()[unit.zero];
-        zero_layout(dst[z.param].base, z.dst, dst[z.param].dtype);
+        strided_zero(dst[z.param].base, z.dst, dst[z.param].dtype);
       }
     }
   };

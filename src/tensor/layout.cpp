@@ -240,4 +240,32 @@ void strided_copy(const std::byte* src, const Layout& src_layout, DType src_dtyp
 #endif
 }
 
+void strided_zero(std::byte* base, const Layout& layout, DType dtype) {
+  const int64_t es = static_cast<int64_t>(dtype_size(dtype));
+  Layout l = layout;
+  coalesce_layout(l);
+  if (l.numel() == 0) return;
+  if (l.ndim() == 0) {
+    std::memset(base + l.offset * es, 0, static_cast<size_t>(es));
+    return;
+  }
+  const int64_t inner = l.shape.back();
+  const int64_t istride = l.strides.back();
+  Shape outer(l.shape.begin(), l.shape.end() - 1);
+  const int64_t rows = shape_numel(outer);
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t off = l.offset;
+    int64_t rem = r;
+    for (size_t k = outer.size(); k-- > 0;) {
+      off += (rem % outer[k]) * l.strides[k];
+      rem /= outer[k];
+    }
+    if (istride == 1) {
+      std::memset(base + off * es, 0, static_cast<size_t>(inner * es));
+    } else {
+      for (int64_t i = 0; i < inner; ++i) std::memset(base + (off + i * istride) * es, 0, static_cast<size_t>(es));
+    }
+  }
+}
+
 }  // namespace ferry

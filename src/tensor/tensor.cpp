@@ -631,30 +631,7 @@ Status Tensor::zero_() const {
     return sink->record_zero(*this);
   }
   if (is_read_only()) return failed_precondition("zero_: {} is read-only; clone() it first", describe());
-  const int64_t es = static_cast<int64_t>(dtype_size(dtype()));
-  Layout l = layout();
-  coalesce_layout(l);
-  if (l.numel() == 0) return Status::Ok();
-  // Zero runs of the innermost dim.
-  Layout outer = l;
-  const int64_t inner = l.shape.back();
-  const int64_t istride = l.strides.back();
-  outer.shape.back() = 1;
-  std::vector<int64_t> idx(outer.shape.size(), 0);
-  const int64_t rows = outer.numel();
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t rem = r;
-    for (size_t k = outer.shape.size(); k-- > 0;) {
-      idx[k] = rem % outer.shape[k];
-      rem /= outer.shape[k];
-    }
-    std::byte* base = impl_->storage->data + outer.offset_of(idx) * es;
-    if (istride == 1) {
-      std::memset(base, 0, static_cast<size_t>(inner * es));
-    } else {
-      for (int64_t i = 0; i < inner; ++i) std::memset(base + i * istride * es, 0, static_cast<size_t>(es));
-    }
-  }
+  strided_zero(impl_->storage->data, layout(), dtype());
   return Status::Ok();
 }
 
@@ -913,7 +890,7 @@ class Composer {
       for (size_t j = 0; j < q0.size(); ++j) s += piece.root.strides[j] * dq[k][j];
       out.root.strides[k] = box.size[k] > 1 ? s : 0;
     }
-    // Size-1 dims get the stride the layout would have for tidiness; it is never used.
+    // Size-1 dims of the box get stride 0 (never stepped).
     out_.push_back(std::move(out));
   }
 

@@ -379,6 +379,9 @@ TEST(TensorWrites, Zero) {
   EXPECT_EQ(values(t), (std::vector<double>{0, 0, 0, 3, 4, 0, 0, 7, 8, 0, 0, 11}));
   ASSERT_TRUE(t.t().select(0, 0).zero_().ok());
   EXPECT_EQ(values(t.select(1, 0)), (std::vector<double>{0, 0, 0}));
+  Tensor scalar = iota({3}, DType::kF32).select(0, 2);  // 0-d
+  ASSERT_TRUE(scalar.zero_().ok());
+  EXPECT_EQ(*scalar.item(), 0.0);
   Status st = Tensor::source("s", {2}, DType::kF32).zero_();
   EXPECT_NE(st.message().find("recording source"), std::string::npos);
   st = Tensor::param("p", {2}, DType::kF32).zero_();
