@@ -1,0 +1,204 @@
+// ferry-mpi-bcast: the broadcast weight-sync design that RL frameworks run today (an NCCL
+// broadcast of every full HF tensor to every inference rank, which keeps its shard), on a
+// real collective library: OpenMPI's MPI_Bcast. `ferry bench` launches it with mpirun to
+// measure what ferry replaces, in the same run.
+//
+// Ranks 0..S-1 are the roots, one per trainer PP stage (each holds its stage's full
+// tensors, as after the gather a broadcast design does first); ranks S..S+C-1 are the
+// inference ranks. Per trial: every tensor, in checkpoint order, is broadcast from its
+// stage's root to every inference rank, which copies its shard out into its params with
+// its recorded plan (vLLM's weight_loader step), then post-processes. Timed from a barrier
+// to the last rank's end (one host: CLOCK_MONOTONIC agrees across processes). After the
+// trials every inference rank verifies its params bit for bit against a direct load.
+// Rank 0 prints one JSON line: {"seconds": median, "trials": [...], "bytes": received by
+// all inference ranks per trial, "verified": bool, "ranks": S + C}.
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/harness.h"
+
+namespace {
+
+using namespace ferry;
+
+int64_t mono_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// The copies of `plan` that read source `src`, as a plan of their own (per-tensor
+// copy-out, as a loader does weight by weight).
+Result<Plan> sub_plan(const Plan& plan, uint32_t src) {
+  Plan out;
+  FERRY_ASSIGN_OR_RETURN(uint32_t s, out.declare_source(plan.sources()[src]));
+  for (const Copy& c : plan.copies()) {
+    if (c.source != src) continue;
+    FERRY_ASSIGN_OR_RETURN(uint32_t p, out.declare_param(plan.params()[c.param]));
+    Copy k = c;
+    k.source = s;
+    k.param = p;
+    FERRY_RETURN_IF_ERROR(out.add_copy(k));
+  }
+  return out;
+}
+
+// MPI counts are int: broadcast in chunks below INT_MAX.
+void bcast(std::byte* data, uint64_t bytes, MPI_Comm comm) {
+  constexpr uint64_t kChunk = 1u << 30;
+  for (uint64_t off = 0; off < bytes; off += kChunk) {
+    const int n = static_cast<int>(std::min(kChunk, bytes - off));
+    MPI_Bcast(data + off, n, MPI_BYTE, 0, comm);
+  }
+}
+
+int fail(const char* what, const Status& s) {
+  std::fprintf(stderr, "ferry-mpi-bcast: %s: %s\n", what, s.to_string().c_str());
+  MPI_Abort(MPI_COMM_WORLD, 2);
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int rank = 0, size = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  std::string model_path, trainer, inference;
+  int trials = 5;
+  uint64_t seed = 1;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--model") model_path = v;
+    else if (k == "--trainer") trainer = v;
+    else if (k == "--inference") inference = v;
+    else if (k == "--trials") trials = std::max(1, std::atoi(v.c_str()));
+    else if (k == "--seed") seed = std::strtoull(v.c_str(), nullptr, 10);
+    else return fail("usage", invalid_argument("unknown option {}", k));
+  }
+  auto m = engine::make_job_model(model_path, trainer, inference, false);
+  if (!m.ok()) return fail("model", m.status());
+  const int S = m->trainer.pp, C = m->inference.world_size();
+  if (size != S + C) return fail("ranks", invalid_argument("need {} ranks ({} roots + {} inference), got {}", S + C, S, C, size));
+  const auto& meta = m->metadata;
+  const uint64_t version = 1;
+
+  // One communicator per stage: its root first, then every inference rank.
+  MPI_Group world;
+  MPI_Comm_group(MPI_COMM_WORLD, &world);
+  std::vector<MPI_Comm> comm(static_cast<size_t>(S), MPI_COMM_NULL);
+  for (int s = 0; s < S; ++s) {
+    std::vector<int> members = {s};
+    for (int c = 0; c < C; ++c) members.push_back(S + c);
+    MPI_Group g;
+    MPI_Group_incl(world, static_cast<int>(members.size()), members.data(), &g);
+    MPI_Comm_create(MPI_COMM_WORLD, g, &comm[static_cast<size_t>(s)]);
+    MPI_Group_free(&g);
+  }
+
+  const bool root = rank < S;
+  const int c = rank - S;
+  std::vector<Tensor> full(meta.size());  // root: its stage's tensors
+  std::vector<Plan> subs(meta.size());    // inference: per-tensor copy-out
+  std::vector<std::byte> recv;
+  TensorMap params;
+  std::shared_ptr<const RankLoader> rl;
+  if (root) {
+    for (size_t i = 0; i < meta.size(); ++i)
+      if (m->tensor_stage[i] == rank) full[i] = synthetic_tensor(seed, version, meta[i]);
+  } else {
+    auto plan = record_plan(*m->loader, c, meta);
+    if (!plan.ok()) return fail("plan", plan.status());
+    uint64_t largest = 0;
+    for (size_t i = 0; i < meta.size(); ++i) {
+      largest = std::max<uint64_t>(largest, static_cast<uint64_t>(shape_numel(meta[i].shape)) * dtype_size(meta[i].dtype));
+      if (auto src = plan->find_source(meta[i].name)) {
+        auto sp = sub_plan(*plan, *src);
+        if (!sp.ok()) return fail("sub-plan", sp.status());
+        subs[i] = std::move(*sp);
+      }
+    }
+    recv.resize(largest);
+    std::memset(recv.data(), 0, recv.size());
+    for (const auto& p : plan->params()) params.emplace(p.name, Tensor::empty(p.shape, p.dtype, p.name));
+    auto r = m->loader->rank(c);
+    if (!r.ok()) return fail("loader", r.status());
+    rl = *r;
+  }
+
+  ExecuteOptions eo;
+  eo.threads = 1;  // one thread per rank, like the engine's background unpack
+  std::vector<double> secs;
+  uint64_t received = 0;
+  for (int t = 0; t <= trials; ++t) {  // trial 0: warm-up
+    MPI_Barrier(MPI_COMM_WORLD);
+    const int64_t t0 = mono_ns();
+    received = 0;
+    TensorMap work = params;
+    for (size_t i = 0; i < meta.size(); ++i) {
+      const int s = m->tensor_stage[i];
+      if (root && rank != s) continue;
+      const uint64_t bytes = static_cast<uint64_t>(shape_numel(meta[i].shape)) * dtype_size(meta[i].dtype);
+      if (root) {
+        auto p = full[i].data_ptr();
+        if (!p.ok()) return fail("tensor", p.status());
+        bcast(*p, bytes, comm[static_cast<size_t>(s)]);
+        continue;
+      }
+      bcast(recv.data(), bytes, comm[static_cast<size_t>(s)]);
+      received += bytes;
+      if (subs[i].copies().empty()) continue;
+      TensorMap src = {{meta[i].name, Tensor::borrow(recv.data(), meta[i].shape, meta[i].dtype)}};
+      if (Status e = execute(subs[i], src, work, eo); !e.ok()) return fail("copy-out", e);
+    }
+    if (!root) {
+      for (size_t k = 0; k < rl->groups().size(); ++k)
+        if (Status e = rl->process_weights_after_loading(static_cast<int>(k), work); !e.ok()) return fail("post", e);
+      if (t == trials) params = work;
+    }
+    const int64_t t1 = mono_ns();
+    int64_t start = 0, end = 0;
+    uint64_t total = 0;
+    MPI_Reduce(&t0, &start, 1, MPI_INT64_T, MPI_MIN, 0, MPI_COMM_WORLD);
+    MPI_Reduce(&t1, &end, 1, MPI_INT64_T, MPI_MAX, 0, MPI_COMM_WORLD);
+    MPI_Reduce(&received, &total, 1, MPI_UINT64_T, MPI_SUM, 0, MPI_COMM_WORLD);
+    received = total;
+    if (t > 0) secs.push_back(static_cast<double>(end - start) / 1e9);
+  }
+
+  int ok = 1;
+  std::string mismatch;
+  if (!root) {
+    auto v = engine::verify_params(*m, c, params, seed, version);
+    if (!v.ok()) mismatch = v.status().to_string();
+    else if (v->has_value()) mismatch = **v;
+    ok = mismatch.empty();
+    if (!ok) std::fprintf(stderr, "ferry-mpi-bcast: inference rank %d: %s\n", c, mismatch.c_str());
+  }
+  int all_ok = 0;
+  MPI_Reduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, 0, MPI_COMM_WORLD);
+  if (rank == 0) {
+    std::vector<double> sorted = secs;
+    std::sort(sorted.begin(), sorted.end());
+    const size_t n = sorted.size();
+    const double med = n % 2 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
+    nlohmann::json j = {{"seconds", med}, {"trials", secs}, {"bytes", received}, {"verified", all_ok == 1},
+                        {"ranks", size}, {"roots", S}};
+    std::printf("%s\n", j.dump().c_str());
+    std::fflush(stdout);
+  }
+  for (auto& k : comm)
+    if (k != MPI_COMM_NULL) MPI_Comm_free(&k);
+  MPI_Group_free(&world);
+  MPI_Finalize();
+  return 0;
+}

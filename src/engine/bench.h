@@ -1,0 +1,64 @@
+// `ferry bench` (internal): the engine's sync time for a fixed model and layouts, side by
+// side in one run with what bounds it and what it replaces:
+//   raw      the same consumer <- producer reads (sizes and offsets from the routes) as
+//            bare Transport::read of allocate_memory'd rings, same concurrency, same UCX_TLS;
+//   memcpy   the same bytes copied by the same consumer processes;
+//   broadcast  the NCCL-style design on a real collective library: OpenMPI MPI_Bcast of
+//            every full tensor from one root per trainer PP stage to every inference rank,
+//            which copies its shard out with its recorded plan (`ferry-mpi-bcast`).
+// Ranks are processes (`ferry bench-worker`), coordinated through an embedded store; every
+// timed step starts at an agreed CLOCK_MONOTONIC instant and lasts from the earliest start
+// to the latest end over its participants (one host, so the clocks agree).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "ferry/status.h"
+
+namespace ferry::engine {
+
+struct BenchSpec {
+  std::string worker_binary;  // the ferry executable (runs `bench-worker`)
+  std::string mpi_binary;     // ferry-mpi-bcast
+  std::string model;          // HF config.json
+  std::string overrides;      // JSON merged into the (shrunk) config
+  bool shrink = true;
+  std::string trainer = "tp=2";
+  std::string inference = "tp=4";
+  std::string tls = "sm,self";  // UCX_TLS of every rank (and picks MPI's fabric)
+  int syncs = 5;                // timed trials (after one warm-up)
+  uint64_t seed = 1;
+  std::string mpirun = "mpirun";
+  std::string mpi_mca;          // replaces the default MCA selection ("--mca a b --mca c d")
+  int timeout_ms = 120000;      // bound on each wait of the driver
+};
+
+// Medians of the timed trials and what they were measured on.
+struct BenchResult {
+  std::string error;  // empty: ok
+  nlohmann::json json;  // every figure (see cmd_bench.cpp for the keys)
+};
+
+BenchResult run_bench(const BenchSpec& spec);
+
+// One rank of the bench (a process): builds its Producer or Consumer, its raw-read ring,
+// then runs the steps the driver posts in the store until told to exit.
+struct BenchWorkerSpec {
+  std::string role;  // "producer" | "consumer"
+  int rank = 0;
+  std::string model;  // config path (already shrunk)
+  std::string trainer;
+  std::string inference;
+  std::string store;  // URL (token from FERRY_TOKEN)
+  std::string job;
+  std::string tls = "sm,self";
+  uint64_t seed = 1;
+  int timeout_ms = 60000;
+};
+int run_bench_worker(const BenchWorkerSpec& spec);
+
+}  // namespace ferry::engine

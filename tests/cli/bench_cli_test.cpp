@@ -1,0 +1,96 @@
+// `ferry bench --json` at a tiny size: every key there, sane values, ratios consistent
+// with the figures they come from. No timing thresholds (CI machines vary).
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+namespace {
+
+bool mpirun_on_path() {
+  const char* path = std::getenv("PATH");
+  std::stringstream ss(path ? path : "");
+  std::string dir;
+  while (std::getline(ss, dir, ':'))
+    if (!dir.empty() && ::access((dir + "/mpirun").c_str(), X_OK) == 0) return true;
+  return false;
+}
+
+struct BenchRun {
+  int status = -1;
+  std::string out, err;
+};
+
+BenchRun run_bench(const std::string& extra) {
+  const std::string err_path = ::testing::TempDir() + "/bench_cli_test.err";
+  const std::string cmd = std::string(FERRY_BIN) + " bench --json --model " FERRY_SOURCE_DIR
+                          "/configs/llama-3.1-8b.json --config-overrides '{\"num_hidden_layers\": 2, "
+                          "\"hidden_size\": 256, \"intermediate_size\": 512, \"vocab_size\": 1024, "
+                          "\"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"head_dim\": 64}' "
+                          "--trainer tp=2 --inference tp=2 --syncs 2 " +
+                          extra + " 2>" + err_path;
+  BenchRun r;
+  FILE* f = ::popen(cmd.c_str(), "r");
+  if (!f) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) r.out.append(buf, n);
+  r.status = ::pclose(f);
+  std::ifstream e(err_path);
+  std::stringstream ss;
+  ss << e.rdbuf();
+  r.err = ss.str();
+  return r;
+}
+
+TEST(BenchCli, JsonHasEveryKeyWithSaneValues) {
+  if (!mpirun_on_path()) {
+    // Without OpenMPI the bench must refuse clearly (CI installs it: scripts/install-deps.sh).
+    BenchRun r = run_bench("");
+    EXPECT_NE(r.status, 0);
+    EXPECT_NE(r.err.find("mpirun"), std::string::npos) << r.err;
+    GTEST_SKIP() << "mpirun not installed";
+  }
+  BenchRun r = run_bench("");
+  ASSERT_EQ(r.status, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << r.out << "\n" << r.err;
+  for (const char* k : {"sync_seconds", "bytes_moved", "gbps", "raw_transport_gbps", "memcpy_gbps", "broadcast_seconds",
+                        "speedup_vs_broadcast", "efficiency_vs_raw"}) {
+    ASSERT_TRUE(j.contains(k)) << k << " missing: " << r.out;
+    ASSERT_TRUE(j[k].is_number()) << k;
+    EXPECT_GT(j[k].get<double>(), 0) << k;
+    EXPECT_TRUE(std::isfinite(j[k].get<double>())) << k;
+  }
+  const double sync = j["sync_seconds"], bytes = j["bytes_moved"], gbps = j["gbps"];
+  const double raw = j["raw_transport_gbps"], bcast = j["broadcast_seconds"];
+  auto near = [](double a, double b) { return std::abs(a - b) <= 1e-6 * std::max(std::abs(a), std::abs(b)); };
+  EXPECT_TRUE(near(gbps, bytes / sync / 1e9)) << r.out;
+  EXPECT_TRUE(near(j["speedup_vs_broadcast"].get<double>(), bcast / sync)) << r.out;
+  EXPECT_TRUE(near(j["efficiency_vs_raw"].get<double>(), gbps / raw)) << r.out;
+  // Every inference rank keeps 1/tp of the model (tp=2): ferry moves about half of
+  // what the broadcast delivers to each of the 2 ranks, and every rank verified.
+  EXPECT_EQ(j["consumers"], 2);
+  EXPECT_EQ(j["verified_ranks"], 2);
+  const double ckpt = j["checkpoint_bytes"];
+  EXPECT_GE(bytes, ckpt * 0.99);  // replicated tensors (norms) make it slightly more than 1x
+  EXPECT_LT(bytes, ckpt * 1.5);
+  EXPECT_EQ(j["broadcast_bytes"].get<double>(), 2 * ckpt);
+  EXPECT_EQ(j["trials"].size(), 3u);  // warm-up + 2
+}
+
+TEST(BenchCli, MissingMpirunIsAClearError) {
+  BenchRun r = run_bench("--mpirun /nonexistent/mpirun");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("/nonexistent/mpirun"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("openmpi"), std::string::npos) << r.err;
+}
+
+}  // namespace
