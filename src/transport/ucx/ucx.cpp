@@ -2,11 +2,13 @@
 // messages, error-handling mode PEER for failure detection.
 //
 // Threading: the worker is created in UCS_THREAD_MODE_SINGLE and only ever touched by
-// one thread at a time: the constructing thread, then the progress thread, then (after
-// it has been joined) the destructor. Every API call validates against the tables
+// one thread at a time, whoever holds worker_mu_: the progress thread, a caller posting
+// a read/write directly (rma(), when the worker is free), or the destructor after the
+// progress thread has been joined. Every other API call validates against the tables
 // (under mu_) and posts a command to the progress thread, which makes the UCX call.
 // Commands run in FIFO order, so an operation validated before a release/deregister
-// executes before the handle it uses is destroyed.
+// executes before the handle it uses is destroyed; a direct post holds the worker, so
+// no such command runs between its validation and its post.
 //
 // Peer failure: endpoints use UCP_ERR_HANDLING_MODE_PEER. Some UCX builds cannot
 // honour that for every transport (UCX 1.13's posix/sysv shared memory has no peer
@@ -38,10 +40,6 @@ using Clock = std::chrono::steady_clock;
 constexpr unsigned kAmId = 0x4652;  // "FR"
 // True while a caller thread runs an operation directly on the worker (see rma()).
 thread_local bool direct_caller = false;
-// Direct posting from caller threads (see rma()) is OFF: with it, the engine's
-// multi-process pull tests (tests/engine, UCX sm) read wrong bytes; not understood
-// yet. With it off every operation is handed to the progress thread.
-constexpr bool kDirectPost = false;
 // Control calls (connect, register, ...) wait at most this long for the progress thread.
 constexpr auto kControlTimeout = std::chrono::seconds(30);
 // After the last activity the progress thread keeps spinning this long, then sleeps in
@@ -381,19 +379,20 @@ class UcxBackend final : public TransportBackend {
   Result<Completion> rma(bool is_write, const MemoryRegion& local, uint64_t local_offset, const RemoteRegion& remote,
                          uint64_t remote_offset, uint64_t length, CompletionCallback on_done) override {
     const char* op = is_write ? "write" : "read";
-    // Fast path: a caller thread takes the worker (worker_mu_, before mu_: the progress
-    // thread's order) and posts the operation itself, saving a thread hand-off per op.
-    // Callbacks still never run inline (see complete_op).
+    // Fast path: when the worker is free (the progress thread is not inside it), the
+    // caller takes it (worker_mu_, before mu_: the progress thread's order) and posts
+    // the operation itself. Over shared memory a get completes inside the post, so the
+    // hand-off to the progress thread and the completion's hand-back were most of an
+    // op's cost. Only try_lock: a caller never waits for the progress thread (which
+    // may be running a callback that waits for a lock the caller holds); when the
+    // worker is busy the op is queued as before. Callbacks never run inline (see
+    // complete_op).
     std::unique_lock<std::mutex> worker(worker_mu_, std::defer_lock);
-    if (kDirectPost && progress_tid_.load() != std::this_thread::get_id()) {
-      worker_waiters_.fetch_add(1, std::memory_order_acq_rel);
-      worker.lock();
-      worker_waiters_.fetch_sub(1, std::memory_order_acq_rel);
+    if (progress_tid_.load() != std::this_thread::get_id() && worker.try_lock()) {
       std::lock_guard<std::mutex> lock(cmd_mu_);
       if (stop_) return cancelled("{}: the transport is shutting down", op);
     }
-    std::function<void()> fn;
-    std::shared_ptr<OpState> state;
+    RmaOp r;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto l = regions_.find(local.id);
@@ -407,53 +406,72 @@ class UcxBackend final : public TransportBackend {
       }
       const Key& key = k->second;
       if (key.owner->failed) return peer_failed("{}: peer {:#x} failed: {}", op, key.peer, key.owner->why.message());
-      state = std::make_shared<OpState>(std::move(on_done), &progress_tid_);
-      void* lp = static_cast<std::byte*>(l->second.base) + local_offset;
-      uint64_t raddr = key.base + remote_offset;
-      ucp_mem_h memh = l->second.memh;
-      ucp_rkey_h rkey = key.rkey;
-      std::shared_ptr<Peer> peer = key.owner;
+      r = RmaOp{std::make_shared<OpState>(std::move(on_done), &progress_tid_), is_write,
+                static_cast<std::byte*>(l->second.base) + local_offset, key.base + remote_offset, length,
+                l->second.memh, key.rkey, key.owner};
       (is_write ? stats_.writes : stats_.reads)++;
-      fn = [this, state, is_write, lp, raddr, memh, rkey, peer, length] {
-        if (!peer_usable(*peer)) {
-          complete_op(state, peer_failed("{}: peer {:#x} failed", is_write ? "write" : "read", peer->id));
-          return;
-        }
-        if (length == 0) {
-          complete_op(state, Status::Ok());
-          return;
-        }
-        uint64_t op_id = track(peer.get(), [this, state, is_write, length, peer](ucs_status_t st) {
-          if (st == UCS_OK) (is_write ? stats_.bytes_written : stats_.bytes_read) += length;
-          if (debug_ep_info_ && peer->ep != nullptr && !peer->printed) {
-            peer->printed = true;
-            ucp_ep_print_info(peer->ep, stderr);
-          }
-          complete_op(state, from_ucs(st, is_write ? "write" : "read"));
-        });
-        ucp_request_param_t prm{};
-        prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
-        prm.cb.send = &UcxBackend::send_cb;
-        prm.user_data = this;
-        prm.memh = memh;  // skips UCX's registration-cache lookup
-        ucs_status_ptr_t r = is_write ? ucp_put_nbx(peer->ep, lp, length, raddr, rkey, &prm)
-                                      : ucp_get_nbx(peer->ep, lp, length, raddr, rkey, &prm);
-        settle(op_id, r);
-      };
       if (!worker.owns_lock()) {
-        // On the progress thread: queue it (posted under mu_, so FIFO with respect to
-        // release_key/deregister/disconnect, which also run as commands).
-        if (!post(std::move(fn))) return cancelled("{}: the transport is shutting down", op);
+        // Queued under mu_, so FIFO with respect to release_key/deregister/disconnect,
+        // which also run as commands.
+        auto state = r.state;
+        if (!post([this, r = std::move(r)] { start_rma(r); })) return cancelled("{}: the transport is shutting down", op);
         return Completion(state);
       }
     }
     // We own the worker: no command (and so no release/deregister) can run meanwhile.
     direct_caller = true;
-    fn();
+    const bool pending = start_rma(r);
     direct_caller = false;
     worker.unlock();
-    wake();  // it must progress the op
-    return Completion(state);
+    if (pending) kick();  // the progress thread must progress it
+    return Completion(r.state);
+  }
+
+  // One validated read/write, ready to post.
+  struct RmaOp {
+    std::shared_ptr<OpState> state;
+    bool is_write = false;
+    void* local = nullptr;
+    uint64_t remote_addr = 0;
+    uint64_t length = 0;
+    ucp_mem_h memh = nullptr;
+    ucp_rkey_h rkey = nullptr;
+    std::shared_ptr<Peer> peer;
+  };
+
+  // Posts `r` on the worker (the caller holds it). Returns whether it is still in
+  // flight (false: already completed, successfully or not).
+  bool start_rma(const RmaOp& r) {
+    if (!peer_usable(*r.peer)) {
+      complete_op(r.state, peer_failed("{}: peer {:#x} failed", r.is_write ? "write" : "read", r.peer->id));
+      return false;
+    }
+    if (r.length == 0) {
+      complete_op(r.state, Status::Ok());
+      return false;
+    }
+    ucp_request_param_t prm{};
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
+    prm.cb.send = &UcxBackend::send_cb;
+    prm.user_data = this;
+    prm.memh = r.memh;  // skips UCX's registration-cache lookup
+    ucs_status_ptr_t req = r.is_write ? ucp_put_nbx(r.peer->ep, r.local, r.length, r.remote_addr, r.rkey, &prm)
+                                      : ucp_get_nbx(r.peer->ep, r.local, r.length, r.remote_addr, r.rkey, &prm);
+    if (!UCS_PTR_IS_PTR(req)) {  // completed inside the post (shared memory): no tracking
+      rma_done(r, UCS_PTR_STATUS(req));
+      return false;
+    }
+    *static_cast<uint64_t*>(req) = track(r.peer.get(), [this, r](ucs_status_t st) { rma_done(r, st); });
+    return true;
+  }
+
+  void rma_done(const RmaOp& r, ucs_status_t st) {
+    if (st == UCS_OK) (r.is_write ? stats_.bytes_written : stats_.bytes_read) += r.length;
+    if (debug_ep_info_ && r.peer->ep != nullptr && !r.peer->printed) {
+      r.peer->printed = true;
+      ucp_ep_print_info(r.peer->ep, stderr);
+    }
+    complete_op(r.state, from_ucs(st, r.is_write ? "write" : "read"));
   }
 
   // Completes an op; on a caller thread posting directly, an op with a callback is
@@ -562,16 +580,21 @@ class UcxBackend final : public TransportBackend {
     cmd_cv_.notify_one();
   }
 
+  // After a caller posted an operation directly that is still in flight: the progress
+  // thread must progress it. Pairs with run()'s check before sleeping (both seq_cst):
+  // either it sees direct_posts_ move, or this sees sleeping_ and signals.
+  void kick() {
+    direct_posts_.fetch_add(1);
+    if (!sleeping_.load()) return;
+    if (efd_ >= 0) ucp_worker_signal(worker_);
+    cmd_cv_.notify_one();
+  }
+
   void run() {
     progress_tid_ = std::this_thread::get_id();
     auto last_active = Clock::now();
     std::deque<std::function<void()>> batch;
     for (;;) {
-      // A caller waiting to post directly goes first (bounded: callers are finite).
-      if (worker_waiters_.load(std::memory_order_acquire) > 0) {
-        std::this_thread::yield();
-        continue;
-      }
       bool active = false, busy = false;
       {
         std::lock_guard<std::mutex> worker(worker_mu_);
@@ -595,6 +618,7 @@ class UcxBackend final : public TransportBackend {
         continue;
       }
       if (Clock::now() - last_active < kSpinWindow) continue;
+      const uint64_t posts_seen = direct_posts_.load();
       if (efd_ >= 0) {
         ucs_status_t st;
         {
@@ -607,7 +631,8 @@ class UcxBackend final : public TransportBackend {
           bool pending;
           {
             std::lock_guard<std::mutex> lock(cmd_mu_);
-            pending = stop_ || !cmds_.empty();  // posted before sleeping_ was visible
+            // Posted before sleeping_ was visible.
+            pending = stop_ || !cmds_.empty() || direct_posts_.load() != posts_seen;
           }
           if (!pending) {
             // Bounded: the process watch and stop_ are checked at least this often.
@@ -621,7 +646,7 @@ class UcxBackend final : public TransportBackend {
       }
       std::unique_lock<std::mutex> lock(cmd_mu_);
       sleeping_.store(true);
-      cmd_cv_.wait_for(lock, kIdleSleep, [&] { return stop_ || !cmds_.empty(); });
+      cmd_cv_.wait_for(lock, kIdleSleep, [&] { return stop_ || !cmds_.empty() || direct_posts_.load() != posts_seen; });
       sleeping_.store(false);
     }
     // Commands posted before stop still run (they complete their ops as cancelled or
@@ -880,7 +905,7 @@ class UcxBackend final : public TransportBackend {
   // it while it runs commands and progresses; rma() callers take it to post directly.
   // Lock order: worker_mu_, then mu_, then cmd_mu_.
   std::mutex worker_mu_;
-  std::atomic<int> worker_waiters_{0};
+  std::atomic<uint64_t> direct_posts_{0};  // operations left in flight by direct posts (see kick)
   int efd_ = -1;  // the worker's event fd (UCP_FEATURE_WAKEUP), -1: timed naps
   std::atomic<int> watched_{0};  // peers with a pidfd (never decremented: only a hint)
   Clock::time_point next_watch_{};
