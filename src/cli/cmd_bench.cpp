@@ -31,11 +31,11 @@ constexpr const char* kOverrides =
     R"({"num_hidden_layers": 6, "hidden_size": 1024, "intermediate_size": 4096, "vocab_size": 32000,)"
     R"( "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64})";
 
-int run_bench_cmd(engine::BenchSpec b, bool json, bool overrides_given) {
+int run_bench_cmd(engine::BenchSpec b, bool json, bool model_given, bool overrides_given) {
   const std::string self = exe_path();
   b.worker_binary = self;
   b.mpi_binary = self.substr(0, self.rfind('/') + 1) + "ferry-mpi-bcast";
-  if (!overrides_given && b.model == kModel) b.overrides = kOverrides;
+  if (!model_given && !overrides_given) b.overrides = kOverrides;
   engine::BenchResult r = engine::run_bench(b);
   if (!r.error.empty()) {
     std::fprintf(stderr, "ferry bench: %s\n", r.error.c_str());
@@ -48,14 +48,15 @@ int run_bench_cmd(engine::BenchSpec b, bool json, bool overrides_given) {
   }
   const double bytes = j["bytes_moved"].get<double>();
   const double sync = j["sync_seconds"].get<double>();
+  const bool push = j["mode"] == "push";
   std::printf("\n%s, %.1f MB; trainer %s (%d ranks) -> inference %s (%d ranks); UCX_TLS=%s; median of %d\n",
               j["architecture"].get<std::string>().c_str(), j["checkpoint_bytes"].get<double>() / 1e6,
               j["trainer"].get<std::string>().c_str(), j["producers"].get<int>(),
               j["inference"].get<std::string>().c_str(), j["consumers"].get<int>(), j["tls"].get<std::string>().c_str(),
               j["syncs"].get<int>());
   std::printf("%-34s %10s %12s %9s\n", "", "seconds", "bytes", "GB/s");
-  std::printf("%-34s %10.4f %12.0f %9.2f\n", "ferry sync (pull, verified)", sync, bytes, j["gbps"].get<double>());
-  std::printf("%-34s %10.4f %12.0f %9.2f\n", "raw UCX reads, same sizes", j["raw_transport_seconds"].get<double>(),
+  std::printf("%-34s %10.4f %12.0f %9.2f\n", push ? "ferry sync (push, verified)" : "ferry sync (pull, verified)", sync, bytes, j["gbps"].get<double>());
+  std::printf("%-34s %10.4f %12.0f %9.2f\n", push ? "raw UCX writes, same sizes" : "raw UCX reads, same sizes", j["raw_transport_seconds"].get<double>(),
               bytes, j["raw_transport_gbps"].get<double>());
   std::printf("%-34s %10.4f %12.0f %9.2f\n", "memcpy, same bytes", j["memcpy_seconds"].get<double>(), bytes,
               j["memcpy_gbps"].get<double>());
@@ -72,19 +73,20 @@ std::function<int()> setup_bench(CLI::App& app) {
   auto json = std::make_shared<bool>(false);
   b->model = kModel;
   if (const char* tls = std::getenv("FERRY_UCX_TLS")) b->tls = tls;
-  app.add_option("--model", b->model, "HF config.json (shrunk unless --no-shrink); default: Llama-3.1-8B ~300 MB");
+  auto model = app.add_option("--model", b->model, "HF config.json (shrunk unless --no-shrink); default: Llama-3.1-8B ~300 MB");
   app.add_flag("!--no-shrink", b->shrink, "use the config as is");
   auto ov = app.add_option("--config-overrides", b->overrides, "JSON merged into the shrunk config");
   app.add_option("--trainer", b->trainer, "trainer layout (tp=,pp=,ep=,etp=,dp= | fsdp=)");
   app.add_option("--inference", b->inference, "inference layout (tp=,dp=,ep=,replicas=)");
   app.add_option("--tls", b->tls, "UCX_TLS of every rank (default $FERRY_UCX_TLS or sm,self); tcp picks MPI's tcp BTL");
+  app.add_option("--mode", b->mode, "pull | push (push: the raw baseline is UCX writes)");
   app.add_option("--syncs", b->syncs, "timed trials of each measurement, after one warm-up (medians)");
   app.add_option("--seed", b->seed, "seed of the synthetic weights");
   app.add_option("--mpirun", b->mpirun, "mpirun executable");
   app.add_option("--mpi-mca", b->mpi_mca, "MCA options replacing the default (\"--mca pml ob1 --mca btl self,vader\")");
   app.add_option("--timeout-ms", b->timeout_ms, "bound on each wait");
   app.add_flag("--json", *json, "print one JSON object");
-  return [b, json, ov] { return run_bench_cmd(*b, *json, ov->count() > 0); };
+  return [b, json, model, ov] { return run_bench_cmd(*b, *json, model->count() > 0, ov->count() > 0); };
 }
 
 std::function<int()> setup_bench_worker(CLI::App& app) {
@@ -98,6 +100,7 @@ std::function<int()> setup_bench_worker(CLI::App& app) {
   app.add_option("--store", w->store)->required();
   app.add_option("--job", w->job)->required();
   app.add_option("--tls", w->tls);
+  app.add_option("--mode", w->mode);
   app.add_option("--seed", w->seed);
   app.add_option("--timeout-ms", w->timeout_ms);
   return [w] { return engine::run_bench_worker(*w); };

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -21,6 +22,15 @@
 
 namespace ferry::engine {
 namespace {
+
+// CPU seconds of this process so far (every thread): tells a CPU-bound step (ranks'
+// CPU adds up to cores x wall) from one that waits.
+double cpu_seconds() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+}
 
 int64_t mono_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
@@ -82,7 +92,9 @@ std::string key_go(const std::string& job, int step) { return fmt::format("{}/be
 std::string key_result(const std::string& job, int step, const std::string& role, int rank) {
   return fmt::format("{}/bench/result/{}/{}{}", job, step, role, rank);
 }
-std::string key_raw(const std::string& job, int p) { return fmt::format("{}/bench/raw/{}", job, p); }
+std::string key_raw(const std::string& job, const std::string& role, int rank) {
+  return fmt::format("{}/bench/raw/{}{}", job, role, rank);
+}
 std::string key_ready(const std::string& job, const std::string& role, int rank) {
   return fmt::format("{}/bench/ready/{}{}", job, role, rank);
 }
@@ -113,6 +125,9 @@ int run_bench_worker(const BenchWorkerSpec& s) {
   eo.job = s.job;
   eo.num_producers = model->trainer.world_size();
   eo.num_consumers = model->inference.world_size();
+  auto mode = parse_sync_mode(s.mode);
+  if (!mode.ok()) return bench_worker_fail(s, mode.status());
+  eo.mode = *mode;
   eo.timeout = eo.stall_timeout = std::chrono::milliseconds(s.timeout_ms);
   eo.rendezvous_timeout = std::chrono::milliseconds(s.timeout_ms);
   const int P = eo.num_producers;
@@ -120,14 +135,20 @@ int run_bench_worker(const BenchWorkerSpec& s) {
   std::unique_ptr<PreparedSource> source;
   std::unique_ptr<Producer> producer;
   std::unique_ptr<Consumer> consumer;
-  // Raw-read rings: the engine's ring sizes (two slots of the largest group), allocated
-  // the same way (allocate_memory), touched once so no timed step pays first faults.
+  // Raw rings: the engine's ring sizes (two slots of the largest group), allocated the
+  // same way (allocate_memory), touched once so no timed step pays first faults. Every
+  // rank imports the other side's (pull: consumers read producers'; push: producers
+  // write into consumers').
   RegisteredBuffer raw;
   uint64_t raw_slot = 0;
-  std::vector<RemoteRegion> raw_remote(static_cast<size_t>(P));
-  std::vector<uint64_t> raw_remote_slot(static_cast<size_t>(P));
+  const bool is_producer = s.role == "producer";
+  const int peers = is_producer ? eo.num_consumers : P;
+  std::vector<RemoteRegion> raw_remote(static_cast<size_t>(peers));
+  std::vector<uint64_t> raw_remote_slot(static_cast<size_t>(peers));
+  std::vector<PeerId> raw_peer(static_cast<size_t>(peers));
   std::vector<std::byte> memcpy_src;
-  if (s.role == "producer") {
+  uint64_t largest = 0;
+  if (is_producer) {
     auto src = PreparedSource::create(*model, s.rank, s.seed);
     if (!src.ok()) return bench_worker_fail(s, src.status());
     source = std::move(*src);
@@ -136,48 +157,48 @@ int run_bench_worker(const BenchWorkerSpec& s) {
     auto p = Producer::create(*source, tr, st, po);
     if (!p.ok()) return bench_worker_fail(s, p.status());
     producer = std::move(*p);
-    uint64_t largest = 0;
     for (const auto& g : producer->routes().producers[static_cast<size_t>(s.rank)].groups)
       largest = std::max(largest, g.staging_bytes);
-    raw_slot = ring_slot(largest);
-    if (Status a = raw.allocate(tr, 2 * raw_slot); !a.ok()) return bench_worker_fail(s, a);
-    std::memset(raw.data, 0x5a, raw.bytes);
-    auto key = tr.export_key(raw.region);
-    if (!key.ok()) return bench_worker_fail(s, key.status());
-    const std::string blob = encode_fields({bytes_to_string(tr.address()), bytes_to_string(*key), u64_field(raw_slot)});
-    if (Status w = st.set(key_raw(s.job, s.rank), blob); !w.ok()) return bench_worker_fail(s, w);
   } else if (s.role == "consumer") {
     ConsumerOptions co;
     static_cast<EngineOptions&>(co) = eo;
     auto c = Consumer::create(*model->loader, s.rank, tr, st, co);
     if (!c.ok()) return bench_worker_fail(s, c.status());
     consumer = std::move(*c);
-    uint64_t largest = 0;
     for (const auto& g : consumer->routes().consumer(static_cast<size_t>(s.rank)).groups)
       largest = std::max(largest, g.recv_bytes);
-    raw_slot = ring_slot(largest);
-    if (Status a = raw.allocate(tr, 2 * raw_slot); !a.ok()) return bench_worker_fail(s, a);
-    std::memset(raw.data, 0, raw.bytes);
-    memcpy_src.assign(raw.bytes, std::byte{0x3c});
+  } else {
+    return bench_worker_fail(s, invalid_argument("unknown role '{}'", s.role));
+  }
+  const Routes& routes = producer ? producer->routes() : consumer->routes();
+  raw_slot = ring_slot(largest);
+  if (Status a = raw.allocate(tr, 2 * raw_slot); !a.ok()) return bench_worker_fail(s, a);
+  std::memset(raw.data, is_producer ? 0x5a : 0, raw.bytes);
+  if (!is_producer) memcpy_src.assign(raw.bytes, std::byte{0x3c});
+  {
+    auto key = tr.export_key(raw.region);
+    if (!key.ok()) return bench_worker_fail(s, key.status());
+    const std::string blob = encode_fields({bytes_to_string(tr.address()), bytes_to_string(*key), u64_field(raw_slot)});
+    if (Status w = st.set(key_raw(s.job, s.role, s.rank), blob); !w.ok()) return bench_worker_fail(s, w);
+    const std::string other = is_producer ? "consumer" : "producer";
     std::vector<std::string> keys;
-    for (int p = 0; p < P; ++p) keys.push_back(key_raw(s.job, p));
+    for (int q = 0; q < peers; ++q) keys.push_back(key_raw(s.job, other, q));
     if (Status w = st.wait(keys, eo.rendezvous_timeout); !w.ok()) return bench_worker_fail(s, w);
-    for (int p = 0; p < P; ++p) {
-      auto blob = st.get(key_raw(s.job, p));
-      if (!blob.ok()) return bench_worker_fail(s, blob.status());
-      auto f = decode_fields(*blob, 3);
+    for (int q = 0; q < peers; ++q) {
+      auto b = st.get(keys[static_cast<size_t>(q)]);
+      if (!b.ok()) return bench_worker_fail(s, b.status());
+      auto f = decode_fields(*b, 3);
       if (!f.ok()) return bench_worker_fail(s, f.status());
       auto id = tr.connect(string_bytes((*f)[0]));  // the engine's peer: same endpoint
       if (!id.ok()) return bench_worker_fail(s, id.status());
-      auto key = tr.import_key(string_bytes((*f)[1]));
-      if (!key.ok()) return bench_worker_fail(s, key.status());
+      auto k = tr.import_key(string_bytes((*f)[1]));
+      if (!k.ok()) return bench_worker_fail(s, k.status());
       auto slot = parse_u64_field((*f)[2]);
       if (!slot.ok()) return bench_worker_fail(s, slot.status());
-      raw_remote[static_cast<size_t>(p)] = *key;
-      raw_remote_slot[static_cast<size_t>(p)] = *slot;
+      raw_peer[static_cast<size_t>(q)] = *id;
+      raw_remote[static_cast<size_t>(q)] = *k;
+      raw_remote_slot[static_cast<size_t>(q)] = *slot;
     }
-  } else {
-    return bench_worker_fail(s, invalid_argument("unknown role '{}'", s.role));
   }
   if (Status w = st.set(key_ready(s.job, s.role, s.rank), std::to_string(::getpid())); !w.ok())
     return bench_worker_fail(s, w);
@@ -195,6 +216,7 @@ int run_bench_worker(const BenchWorkerSpec& s) {
     std::this_thread::sleep_until(Clock::time_point(std::chrono::nanoseconds(go.value("start_ns", int64_t{0}))));
     nlohmann::json out;
     out["ok"] = true;
+    const double c0 = cpu_seconds();
     const int64_t t0 = mono_ns();
     if (kind == "sync") {
       Result<SyncReport> rep = producer ? (source->set_data_version(data_version(v)), producer->sync(v))
@@ -210,10 +232,10 @@ int run_bench_worker(const BenchWorkerSpec& s) {
       } else {
         out["error"] = rep.status().to_string();
       }
-    } else if (kind == "raw" && consumer) {
+    } else if (kind == "raw" && consumer && eo.mode == SyncMode::kPull) {
       // The engine's read pattern without its protocol: per group, per producer, that
       // producer's reads posted together and waited for, into the same ring slot.
-      const PlanRoute& pr = consumer->routes().consumer(static_cast<size_t>(s.rank));
+      const PlanRoute& pr = routes.consumer(static_cast<size_t>(s.rank));
       uint64_t bytes = 0;
       Status err;
       for (size_t g = 0; g < pr.groups.size() && err.ok(); ++g) {
@@ -238,8 +260,45 @@ int run_bench_worker(const BenchWorkerSpec& s) {
       out["ok"] = err.ok();
       out["bytes"] = bytes;
       if (!err.ok()) out["error"] = err.to_string();
+    } else if (kind == "raw" && producer && eo.mode == SyncMode::kPush) {
+      // The engine's push pattern without its protocol: per group, this producer's
+      // segment for every consumer written into that consumer's ring slot and flushed;
+      // two groups in flight (the engine's two staging slots).
+      uint64_t bytes = 0;
+      Status err;
+      std::vector<Completion> prev, cur;
+      for (int g = 0; g < routes.num_groups() && err.ok(); ++g) {
+        cur.clear();
+        for (int c = 0; c < eo.num_consumers && err.ok(); ++c) {
+          bool any = false;
+          for (const Read& r : routes.consumer(static_cast<size_t>(c)).groups[static_cast<size_t>(g)].reads) {
+            if (!r.length || static_cast<int>(r.producer) != s.rank) continue;
+            auto w = tr.write(raw.region, (g % 2) * raw_slot + r.offset, raw_remote[static_cast<size_t>(c)],
+                              (g % 2) * raw_remote_slot[static_cast<size_t>(c)] + r.recv_offset, r.length);
+            if (!w.ok()) {
+              err = w.status();
+              break;
+            }
+            cur.push_back(*w);
+            bytes += r.length;
+            any = true;
+          }
+          if (any && err.ok()) {
+            auto f = tr.flush(raw_peer[static_cast<size_t>(c)]);
+            if (!f.ok()) err = f.status();
+            else cur.push_back(*f);
+          }
+        }
+        if (err.ok() && !prev.empty()) err = wait_all(prev, timeout);
+        prev.swap(cur);
+      }
+      if (err.ok() && !prev.empty()) err = wait_all(prev, timeout);
+      out["end_ns"] = mono_ns();
+      out["ok"] = err.ok();
+      out["bytes"] = bytes;
+      if (!err.ok()) out["error"] = err.to_string();
     } else if (kind == "memcpy" && consumer) {
-      const PlanRoute& pr = consumer->routes().consumer(static_cast<size_t>(s.rank));
+      const PlanRoute& pr = routes.consumer(static_cast<size_t>(s.rank));
       uint64_t bytes = 0;
       for (size_t g = 0; g < pr.groups.size(); ++g) {
         const uint64_t base = (g % 2) * raw_slot;
@@ -261,6 +320,7 @@ int run_bench_worker(const BenchWorkerSpec& s) {
       out["idle"] = true;
     }
     out["start_ns"] = t0;
+    out["cpu_seconds"] = cpu_seconds() - c0;
     if (Status w = st.set(key_result(s.job, step, s.role, s.rank), out.dump()); !w.ok()) return bench_worker_fail(s, w);
   }
   return 0;
@@ -409,8 +469,9 @@ BenchResult run_bench(const BenchSpec& b) {
   progress(fmt::format("ferry bench: {} ({}), checkpoint {:.1f} MB, {} tensors, {} groups\n", m.config.architecture(),
                        b.model, static_cast<double>(m.checkpoint_bytes) / 1e6, m.metadata.size(),
                        Groups(m.metadata).size()));
-  progress(fmt::format("  trainer {} ({} ranks) -> inference {} ({} ranks), UCX_TLS={}\n", m.trainer.to_string(), P,
-                       m.inference.to_string(), C, b.tls));
+  progress(fmt::format("  trainer {} ({} ranks) -> inference {} ({} ranks), UCX_TLS={}, mode {}\n",
+                       m.trainer.to_string(), P, m.inference.to_string(), C, b.tls, b.mode));
+  const char* raw_name = b.mode == "push" ? "raw writes" : "raw reads";
 
   std::vector<Proc> procs;
   auto kill_all = [&] {
@@ -434,7 +495,7 @@ BenchResult run_bench(const BenchSpec& b) {
     const int rank = prod ? k : k - P;
     std::vector<std::string> args = {b.worker_binary, "bench-worker", "--role", role, "--rank", std::to_string(rank),
                                      "--model", config_path, "--trainer", b.trainer, "--inference", b.inference,
-                                     "--store", (*server)->url(), "--job", job, "--tls", b.tls, "--seed",
+                                     "--store", (*server)->url(), "--job", job, "--tls", b.tls, "--mode", b.mode, "--seed",
                                      std::to_string(b.seed), "--timeout-ms", std::to_string(b.timeout_ms)};
     auto p = spawn(args, fmt::format("{} {}", role, rank), fmt::format("{}/{}{}.log", dir, role, rank));
     if (!p.ok()) return kill_all(), fail(p.status().to_string());
@@ -457,6 +518,7 @@ BenchResult run_bench(const BenchSpec& b) {
   int step = 0;
   struct StepOut {
     double seconds = 0;
+    double cpu = 0;  // CPU seconds of every rank
     uint64_t bytes = 0;
     std::vector<nlohmann::json> results;  // per rank, in `ranks` order
   };
@@ -474,10 +536,12 @@ BenchResult run_bench(const BenchSpec& b) {
       if (j.is_discarded()) return corrupt("bad result {}", keys[i]);
       if (!j.value("ok", false))
         return internal_error("{} {} {}: {}", kind, ranks[i].first, ranks[i].second, j.value("error", std::string("?")));
+      o.cpu += j.value("cpu_seconds", 0.0);
       if (!j.value("idle", false)) {
         t0 = std::min(t0, j.value("start_ns", int64_t{0}));
         t1 = std::max(t1, j.value("end_ns", int64_t{0}));
-        if (ranks[i].first == "consumer") o.bytes += j.value("bytes", uint64_t{0});
+        // Received bytes (consumers), except raw push, where producers report what they wrote.
+        if (ranks[i].first == "consumer" || kind == "raw") o.bytes += j.value("bytes", uint64_t{0});
       }
       o.results.push_back(std::move(j));
     }
@@ -497,7 +561,7 @@ BenchResult run_bench(const BenchSpec& b) {
     auto sy = run_step("sync", version);
     if (!sy.ok()) return kill_all(), fail(fmt::format("sync {}: {}\n{}", version, sy.status().to_string(), logs()));
     auto rw = run_step("raw", version);
-    if (!rw.ok()) return kill_all(), fail(fmt::format("raw reads: {}\n{}", rw.status().to_string(), logs()));
+    if (!rw.ok()) return kill_all(), fail(fmt::format("{}: {}\n{}", raw_name, rw.status().to_string(), logs()));
     auto mc = run_step("memcpy", version);
     if (!mc.ok()) return kill_all(), fail(fmt::format("memcpy: {}\n{}", mc.status().to_string(), logs()));
     // Per-phase maxima over ranks (where a slow sync spends its time).
@@ -511,12 +575,14 @@ BenchResult run_bench(const BenchSpec& b) {
       }
     }
     nlohmann::json tj = {{"sync_seconds", sy->seconds}, {"raw_seconds", rw->seconds},
-                         {"memcpy_seconds", mc->seconds}, {"phases_max", ph}, {"warmup", t == 0}};
+                         {"memcpy_seconds", mc->seconds}, {"sync_cpu_seconds", sy->cpu},
+                         {"raw_cpu_seconds", rw->cpu},     {"phases_max", ph},
+                         {"warmup", t == 0}};
     trials.push_back(tj);
-    progress(fmt::format("  {} {}: sync {:.3f} s ({:.2f} GB/s), raw reads {:.3f} s, memcpy {:.3f} s\n",
+      progress(fmt::format("  {} {}: sync {:.3f} s ({:.2f} GB/s, {:.2f} CPU s), {} {:.3f} s ({:.2f} CPU s), memcpy {:.3f} s\n",
                          t == 0 ? "warm-up" : "trial  ", t, sy->seconds,
-                         sy->seconds > 0 ? static_cast<double>(sy->bytes) / sy->seconds / 1e9 : 0.0, rw->seconds,
-                         mc->seconds));
+                         sy->seconds > 0 ? static_cast<double>(sy->bytes) / sy->seconds / 1e9 : 0.0, sy->cpu,
+                         raw_name, rw->seconds, rw->cpu, mc->seconds));
     if (t == 0) continue;
     sync_s.push_back(sy->seconds);
     raw_s.push_back(rw->seconds);
@@ -603,6 +669,7 @@ BenchResult run_bench(const BenchSpec& b) {
   j["producers"] = P;
   j["consumers"] = C;
   j["tls"] = b.tls;
+  j["mode"] = b.mode;
   j["syncs"] = b.syncs;
   j["verified_ranks"] = verified;
   j["trials"] = trials;
