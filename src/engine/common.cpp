@@ -18,7 +18,7 @@ Result<Msg> decode_msg(std::span<const std::byte> bytes) {
   Msg m;
   std::memcpy(&m, bytes.data(), sizeof(Msg));
   if (m.magic != kMagic) return corrupt("engine message with bad magic {:#x}", m.magic);
-  if (m.type < 1 || m.type > 8) return corrupt("engine message of unknown type {}", m.type);
+  if (m.type < 1 || m.type > 10) return corrupt("engine message of unknown type {}", m.type);
   return m;
 }
 

@@ -30,6 +30,8 @@ enum class MsgType : uint8_t {
   kAbort = 6,     // c -> p: this consumer gave up sync `version`
   kFailover = 7,  // c -> p: restart sync `version` with the routes `routes_hash` (producers in {job}/dead/ excluded)
   kDone = 8,      // c -> p: committed `version`
+  kRoutes = 9,    // p -> c: this producer runs sync `version` with routes `routes_hash` (after a failover)
+  kFlushed = 10,  // p -> c (push): answer to FAILOVER `routes_hash`: no write of other routes to c in flight
 };
 
 struct Msg {

@@ -58,6 +58,11 @@ struct Consumer::Impl {
   std::map<std::tuple<uint64_t, int, int>, std::pair<PeerId, Msg>> inbox;
   std::set<uint64_t> old_hashes;  // routes abandoned during the current sync
   bool switch_routes = false;     // a producer announced other routes for this sync
+  bool declare = false;           // tell producers our routes once connected (sync began on failed-over routes)
+  // Push: producers sent READY this sync (they may have writes into our receive ring in
+  // flight), and the FLUSHED answers to our FAILOVERs: producer -> (version, routes). mu.
+  std::set<int> readied;
+  std::map<int, std::pair<uint64_t, uint64_t>> flushed_from;
   std::set<uint64_t> dropped_versions;
   // Background thread.
   struct Job {
@@ -109,6 +114,16 @@ struct Consumer::Impl {
         if (st.has_version && m->version <= st.version) return;  // stale
         if (inbox.size() > 100000) return;
         inbox[{m->version, m->group, p}] = {from, *m};
+        break;
+      case MsgType::kRoutes:
+        // Kept under group -1 (never awaited): await_any sees its routes and switches.
+        if (st.has_version && m->version <= st.version) return;
+        if (inbox.size() > 100000) return;
+        inbox[{m->version, -1, p}] = {from, *m};
+        break;
+      case MsgType::kFlushed:
+        if (!known) return;
+        flushed_from[p] = {m->version, m->routes_hash};
         break;
       case MsgType::kDropped:
         if (!known) return;
@@ -309,6 +324,10 @@ struct Consumer::Impl {
 
   Status sync_groups(uint64_t v, SyncReport& rep) {
     FERRY_RETURN_IF_ERROR(refresh_producers());
+    if (declare) {
+      declare = false;
+      declare_routes(v);
+    }
     for (int g = 0; g < routes.num_groups(); ++g) {
       const PlanGroup& pg = pr->groups[static_cast<size_t>(g)];
       std::set<int> from;
@@ -364,7 +383,10 @@ struct Consumer::Impl {
           send_to(p, MsgType::kRelease, v, g);
         }
       } else {
-        for (int p : from) send_to(p, MsgType::kReady, v, g, static_cast<uint32_t>(s));
+        for (int p : from) {
+          readied.insert(p);
+          send_to(p, MsgType::kReady, v, g, static_cast<uint32_t>(s));
+        }
         point(g, 1);
         auto tw = Clock::now();
         std::set<int> remaining = from;
@@ -464,19 +486,53 @@ struct Consumer::Impl {
     for (int p : d) ds += (ds.empty() ? "" : ",") + std::to_string(p);
     rep.failures.push_back(fmt::format("consumer {}: {}; failover: routes rebuilt without producer(s) {}", rank,
                                        why.to_string(), ds));
+    declare_routes(v);
+    return Status::Ok();
+  }
+
+  // Tells every live producer which routes this consumer reads sync v with (FAILOVER): a
+  // producer on other routes restarts the sync with these, and no producer keeps a slot
+  // of routes this consumer does not read waiting for it. Needed also when this sync
+  // began on failed-over routes (the dead set was already in the store): otherwise
+  // producers still on the old routes wait for releases that never come while this
+  // consumer waits for announcements of the new ones.
+  void declare_routes(uint64_t v) {
     for (int p = 0; p < o.num_producers; ++p) {
       bool ok;
       {
         std::lock_guard<std::mutex> lk(mu);
-        ok = !d.count(p) && peers[static_cast<size_t>(p)].connected && !failed.count(p);
+        ok = !dead.count(p) && peers[static_cast<size_t>(p)].connected && !failed.count(p);
       }
       if (ok) send_to(p, MsgType::kFailover, v, -1);
     }
+  }
+
+  // Push, after moving to new routes mid-sync: a producer that we asked to write (READY)
+  // under the old routes may still have those writes in flight into our receive ring,
+  // where they would land on top of the new attempt's groups. Waits until each of them
+  // answered our FAILOVER with FLUSHED (sent once none is left), has failed, or is dead.
+  Status wait_flushed(uint64_t v) {
+    if (o.mode != SyncMode::kPush) return Status::Ok();
+    std::unique_lock<std::mutex> lk(mu);
+    const auto deadline = Clock::now() + o.timeout;
+    for (int p : readied) {
+      while (!dead.count(p) && !failed.count(p) && peers[static_cast<size_t>(p)].connected) {
+        auto it = flushed_from.find(p);
+        if (it != flushed_from.end() && it->second == std::make_pair(v, routes_hash)) break;
+        if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
+        if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline)
+          return timeout_error("consumer {}: producer {} did not confirm within {} ms that its writes of abandoned "
+                               "routes into this consumer's receive ring ended (sync {})",
+                               rank, p, o.timeout.count(), v);
+      }
+    }
+    readied.clear();
     return Status::Ok();
   }
 
   Result<SyncReport> sync(uint64_t v) {
     const auto t0 = Clock::now();
+    readied.clear();
     SyncReport rep;
     rep.version = v;
     if (o.before_sync) o.before_sync(v);
@@ -496,6 +552,7 @@ struct Consumer::Impl {
     // Routes changed before we began (another participant already failed over this
     // sync): announcements made with the old ones are stale, not a reason to switch.
     if (routes_hash != previous) old_hashes.insert(previous);
+    declare = !dead.empty();
     for (int tries = 0; s.ok() || tries > 0; ++tries) {
       failed_p = -1;
       {
@@ -519,13 +576,10 @@ struct Consumer::Impl {
         }
         old_hashes.insert(before);
         rep.failures.push_back(fmt::format("consumer {}: followed producers to routes without a failed producer", rank));
-        for (int p = 0; p < o.num_producers; ++p) {
-          bool ok;
-          {
-            std::lock_guard<std::mutex> lk(mu);
-            ok = !dead.count(p) && peers[static_cast<size_t>(p)].connected && !failed.count(p);
-          }
-          if (ok) send_to(p, MsgType::kFailover, v, -1);
+        declare_routes(v);
+        if (Status w = wait_flushed(v); !w.ok()) {
+          s = w;
+          break;
         }
         rep.bytes = 0;
         rep.bytes_per_peer.clear();
@@ -534,6 +588,7 @@ struct Consumer::Impl {
       if (failed_p < 0) break;
       old_hashes.insert(routes_hash);
       Status f = failover(v, s, rep);
+      if (f.ok()) f = wait_flushed(v);
       if (!f.ok()) {
         s = f;
         break;

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <unordered_map>
 
@@ -32,6 +33,7 @@ struct Producer::Impl {
   // FAILOVERs that arrived before this producer's sync of that version began:
   // consumer -> (version, routes); applied when the sync starts.
   std::map<int, std::pair<uint64_t, uint64_t>> early_failover;
+  std::map<int, uint64_t> early_abort;  // consumer -> version it aborted before this producer's sync began; mu
   std::map<int, uint64_t> done;         // consumer -> last version it committed; mu
   RegisteredBuffer ring;
   uint64_t slot_bytes = 0;
@@ -66,9 +68,20 @@ struct Producer::Impl {
     std::map<uint32_t, uint64_t> checksum;  // per plan class
   };
   std::vector<Slot> slots;
-  // push: (version, group, consumer) -> (sender instance, receive slot); kept even from
-  // instances not connected yet (a consumer may ask before this producer's sync began).
-  std::map<std::tuple<uint64_t, int, int>, std::pair<PeerId, uint32_t>> ready;
+  // push: (version, group, consumer) -> READY (sender instance, receive slot, routes); kept
+  // even from instances not connected yet (a consumer may ask before this producer's sync
+  // began). Only a READY of the routes a slot was packed with is served from it: a READY of
+  // abandoned routes names a receive slot the consumer now uses for another group.
+  struct Ready {
+    PeerId from = 0;
+    uint32_t slot = 0;
+    uint64_t hash = 0;
+  };
+  std::map<std::tuple<uint64_t, int, int>, Ready> ready;
+  // push: writes to a consumer posted and not yet finished (flushed or failed), and the
+  // FLUSHED reply owed to its FAILOVER once they are: consumer -> (version, routes). mu.
+  std::map<int, int> pushes_inflight;
+  std::map<int, std::pair<uint64_t, uint64_t>> flushed_owed;
   SyncReport report;
 
   Impl(WeightSource& s, Transport& t, Store& st, const ProducerOptions& opt) : source(s), tr(t), store(st), o(opt) {}
@@ -112,6 +125,32 @@ struct Producer::Impl {
     }
   }
 
+  // After a failover, tells every live consumer of sync v that has not moved to this
+  // producer's routes yet which routes it now serves. Without it a restarted attempt can
+  // deadlock: it waits for a slot of the abandoned attempt that a consumer still on the
+  // old routes has not released, while that consumer waits for an announcement of the
+  // old routes that no restarted producer will make, and no announcement of the new ones
+  // reaches it. On the notice the consumer switches (FAILOVER), which frees the slot.
+  void send_routes_notice(uint64_t v) {
+    std::vector<PeerId> to;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      for (int c = 0; c < o.num_consumers; ++c) {
+        const auto i = static_cast<size_t>(c);
+        if (!live[i] || !peers[i].connected || (done.count(c) && done[c] >= v)) continue;
+        if (auto it = consumer_hash.find(c); it != consumer_hash.end() && it->second == routes_hash) continue;
+        to.push_back(peers[i].id);
+      }
+    }
+    Msg m;
+    m.type = static_cast<uint8_t>(MsgType::kRoutes);
+    m.rank = static_cast<uint32_t>(rank);
+    m.group = -1;
+    m.version = v;
+    m.routes_hash = routes_hash;
+    for (PeerId id : to) tr.send(id, kTag, encode_msg(m)).status().ignore();
+  }
+
   // The slot holding (current version, g), or -1. mu held.
   int slot_of_locked(int g, uint64_t hash) {
     for (size_t i = 0; i < slots.size(); ++i) {
@@ -130,6 +169,30 @@ struct Producer::Impl {
     }
   }
 
+  // Push: one write sequence to consumer c ended; owes it FLUSHED once none is left.
+  void push_done(int c) {
+    PeerId to = 0;
+    Msg m;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      if (--pushes_inflight[c] > 0) return;
+      auto it = flushed_owed.find(c);
+      if (it == flushed_owed.end() || !peers[static_cast<size_t>(c)].connected) return;
+      m.version = it->second.first;
+      m.routes_hash = it->second.second;
+      flushed_owed.erase(it);
+      to = peers[static_cast<size_t>(c)].id;
+    }
+    send_flushed(to, m);
+  }
+
+  void send_flushed(PeerId to, Msg m) {
+    m.type = static_cast<uint8_t>(MsgType::kFlushed);
+    m.rank = static_cast<uint32_t>(rank);
+    m.group = -1;
+    tr.send(to, kTag, encode_msg(m)).status().ignore();
+  }
+
   // Push: posts the writes of slot s for consumer c into its receive slot `rslot`.
   // Called without mu.
   void start_push(int s, int c, uint32_t rslot, int g, uint64_t v) {
@@ -138,6 +201,7 @@ struct Producer::Impl {
     RemoteRegion recv;
     uint64_t rbytes;
     uint64_t checksum = 0;
+    uint64_t hash;
     {
       std::lock_guard<std::mutex> lk(mu);
       Slot& sl = slots[static_cast<size_t>(s)];
@@ -145,6 +209,8 @@ struct Producer::Impl {
           sl.pushing.count(c))
         return;
       sl.pushing.insert(c);
+      hash = sl.hash;
+      ++pushes_inflight[c];
       const Peer& p = peers[static_cast<size_t>(c)];
       id = p.id;
       recv = p.recv;
@@ -154,31 +220,37 @@ struct Producer::Impl {
         if (r.producer == static_cast<uint32_t>(rank) && r.length) mine.push_back(r);
       }
     }
+    // Exactly one of fail() and the PUSHED path ends each push (push_done).
     auto fail = [this, c, v](const Status& st) {
       std::vector<int> n;
       {
         std::lock_guard<std::mutex> lk(mu);
         if (version == v) drop_locked(c, "push failed: " + st.to_string(), &n);
       }
+      push_done(c);
     };
     auto remaining = std::make_shared<std::atomic<size_t>>(mine.size());
     auto failed = std::make_shared<std::atomic<bool>>(false);
-    auto finish = [this, s, c, g, v, id, rslot, checksum, fail]() {
-      auto fl = tr.flush(id, [this, s, c, g, v, id, rslot, checksum, fail](const Status& st) {
+    auto finish = [this, s, c, g, v, id, rslot, checksum, hash, fail]() {
+      auto fl = tr.flush(id, [this, s, c, g, v, id, rslot, checksum, hash, fail](const Status& st) {
         if (!st.ok()) return fail(st);
         Msg m;
         m.type = static_cast<uint8_t>(MsgType::kPushed);
         m.rank = static_cast<uint32_t>(rank);
         m.group = g;
         m.version = v;
-        m.routes_hash = routes_hash;
+        m.routes_hash = hash;  // the routes the bytes were laid out by, whatever this producer runs now
         m.slot = rslot;
         m.checksum = checksum;
         m.has_checksum = o.checksums ? 1 : 0;
         auto sent = tr.send(id, kTag, encode_msg(m));
         if (!sent.ok()) return fail(sent.status());
-        std::lock_guard<std::mutex> lk(mu);
-        if (version == v && slots[static_cast<size_t>(s)].group == g) release_locked(s, c);
+        {
+          std::lock_guard<std::mutex> lk(mu);
+          const Slot& sl = slots[static_cast<size_t>(s)];
+          if (version == v && sl.group == g && sl.hash == hash) release_locked(s, c);
+        }
+        push_done(c);
       });
       if (!fl.ok()) fail(fl.status());
     };
@@ -206,6 +278,7 @@ struct Producer::Impl {
     if (!m.ok()) return;
     const int c = static_cast<int>(m->rank);
     int push_slot = -1;
+    std::optional<Msg> flushed;
     {
       std::lock_guard<std::mutex> lk(mu);
       if (c < 0 || c >= static_cast<int>(peers.size())) return;
@@ -221,6 +294,16 @@ struct Producer::Impl {
           break;
         }
         case MsgType::kFailover:
+          if (o.mode == SyncMode::kPush) {
+            // Reply FLUSHED once no write of ours to c is in flight: c reuses its receive
+            // slots for the new routes only then. (Below, c leaves every slot of other
+            // routes, so no new write of those starts.)
+            if (pushes_inflight[c] == 0) {
+              flushed = *m;
+            } else {
+              flushed_owed[c] = {m->version, m->routes_hash};
+            }
+          }
           if (!current) {
             if (!in_sync && m->version > version) early_failover[c] = {m->version, m->routes_hash};
             return;
@@ -244,13 +327,17 @@ struct Producer::Impl {
           }
           break;
         case MsgType::kAbort:
-          if (current) drop_locked(c, "it aborted the sync", nullptr);
+          if (current) {
+            drop_locked(c, "it aborted the sync", nullptr);
+          } else if (!in_sync && m->version > version) {
+            early_abort[c] = m->version;
+          }
           break;
         case MsgType::kReady: {
           // A consumer may ask before this producer's sync of that version started.
           if (in_sync ? m->version < version : false) return;
           if (ready.size() > 100000) return;
-          ready[{m->version, m->group, c}] = {from, m->slot};
+          ready[{m->version, m->group, c}] = Ready{from, m->slot, m->routes_hash};
           if (current && known) push_slot = slot_of_locked(m->group, m->routes_hash);
           break;
         }
@@ -259,6 +346,7 @@ struct Producer::Impl {
       }
     }
     if (push_slot >= 0) start_push(push_slot, c, m->slot, m->group, m->version);
+    if (flushed) send_flushed(from, *flushed);
   }
 
   void on_peer_failure(PeerId peer, const Status& why) {
@@ -425,9 +513,10 @@ struct Producer::Impl {
           sl.pending.insert(c);
           if (o.mode == SyncMode::kPull) {
             to_announce.emplace_back(c, peers[static_cast<size_t>(c)].id);
-          } else if (auto it = ready.find({v, g, c});
-                     it != ready.end() && it->second.first == peers[static_cast<size_t>(c)].id) {
-            to_push.emplace_back(c, it->second.second);
+          } else if (auto it = ready.find({v, g, c}); it != ready.end() &&
+                                                      it->second.from == peers[static_cast<size_t>(c)].id &&
+                                                      it->second.hash == hash) {
+            to_push.emplace_back(c, it->second.slot);
           }
         }
       }
@@ -466,30 +555,37 @@ struct Producer::Impl {
       report.version = v;
       restart = false;
       consumer_hash.clear();
-      for (const auto& [c, vh] : early_failover) {
-        if (vh.first != v) continue;
-        consumer_hash[c] = vh.second;
-        restart = true;
-        restart_hash = vh.second;
-      }
-      early_failover.clear();
       for (auto it = ready.begin(); it != ready.end();) it = std::get<0>(it->first) < v ? ready.erase(it) : std::next(it);
       for (auto& s : slots) s = Slot{};
     }
     FERRY_RETURN_IF_ERROR(refresh_routes().with_context(fmt::format("producer {} sync {}", rank, v)));
-    {
-      std::lock_guard<std::mutex> lk(mu);
-      if (restart && restart_hash == routes_hash) restart = false;
-    }
     refresh_membership();
     {
+      // FAILOVERs / ABORTs of v that came before this point were kept aside (not yet in
+      // the sync); apply them in the same step that makes later ones current, so that
+      // none falls in between and is lost (a consumer would then wait on routes this
+      // producer never serves, and it on releases that never come).
       std::lock_guard<std::mutex> lk(mu);
       version = v;
       in_sync = true;
+      for (const auto& [c, vh] : early_failover) {
+        if (vh.first != v) continue;
+        consumer_hash[c] = vh.second;
+        if (vh.second != routes_hash) {
+          restart = true;
+          restart_hash = vh.second;
+        }
+      }
+      early_failover.clear();
+      for (const auto& [c, ev] : early_abort) {
+        if (ev == v) drop_locked(c, "it aborted the sync", nullptr);
+      }
+      early_abort.clear();
     }
     Status failure;
     for (int tries = 0;; ++tries) {
       bool restarted = false;
+      if (!dead.empty()) send_routes_notice(v);
       failure = attempt(v, &restarted);
       if (failure.ok() && !restarted) {
         // Stay in the sync until every live consumer committed it (DONE), so that a
