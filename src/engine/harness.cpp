@@ -109,6 +109,9 @@ int run_worker(const WorkerSpec& s) {
     source = std::make_unique<SyntheticSource>(model->metadata, model->holdings, s.rank, s.seed);
     ProducerOptions po;
     static_cast<EngineOptions&>(po) = eo;
+    po.test_point = [&s](uint64_t v, int g) {
+      if (static_cast<int>(v) == s.crash_version && g == s.crash_point) ::kill(::getpid(), SIGKILL);
+    };
     auto p = Producer::create(*source, **transport, st, po);
     if (!p.ok()) return worker_fail(s, p.status());
     producer = std::move(*p);
@@ -295,8 +298,11 @@ DemoResult run_demo(const DemoSpec& d) {
   const int groups = Groups(m.metadata).size();
   std::mt19937_64 rng(d.seed * 7919 + 1);
   std::vector<std::pair<int, int>> kills = d.kills;
+  const bool kill_producer = d.kill_role == "producer";
+  if (!kill_producer && d.kill_role != "consumer") return fail("kill role must be consumer or producer, not " + d.kill_role);
+  const int points = kill_producer ? groups : groups * 4;
   for (auto& k : kills) {
-    if (k.second < 0) k.second = static_cast<int>(rng() % static_cast<uint64_t>(groups * 4));
+    if (k.second < 0) k.second = static_cast<int>(rng() % static_cast<uint64_t>(points));
   }
   size_t next_kill = 0;
   auto victim_crash = [&](int from_version) -> std::pair<int, int> {
@@ -322,19 +328,18 @@ DemoResult run_demo(const DemoSpec& d) {
   };
   auto logs_of = [&](const Child& c) { return read_file(c.log); };
   auto ready_key = [&](const std::string& role, int r) { return fmt::format("{}/ready/{}{}", job, role, r); };
-  for (int p = 0; p < P; ++p) {
-    auto c = spawn_worker(d, config_path, store_url, job, dir, "producer", p, 1, -1, 0);
-    if (!c.ok()) return kill_all(), fail(c.status().to_string());
-    children.push_back(*c);
-  }
   int victim = -1;
-  for (int r = 0; r < C; ++r) {
-    auto [cv, cp] = r == d.kill_rank ? victim_crash(1) : std::pair<int, int>{-1, 0};
-    auto c = spawn_worker(d, config_path, store_url, job, dir, "consumer", r, 1, cv, cp);
+  for (int i = 0; i < P + C; ++i) {
+    const bool producer = i < P;
+    const int r = producer ? i : i - P;
+    const bool is_victim = producer == kill_producer && r == d.kill_rank && !kills.empty();
+    auto [cv, cp] = is_victim ? victim_crash(1) : std::pair<int, int>{-1, 0};
+    auto c = spawn_worker(d, config_path, store_url, job, dir, producer ? "producer" : "consumer", r, 1, cv, cp);
     if (!c.ok()) return kill_all(), fail(c.status().to_string());
-    if (r == d.kill_rank) victim = static_cast<int>(children.size());
+    if (is_victim) victim = static_cast<int>(children.size());
     children.push_back(*c);
   }
+  if (!kills.empty() && victim < 0) return kill_all(), fail(fmt::format("no {} rank {} to kill", d.kill_role, d.kill_rank));
   auto wait_ready = [&](std::vector<std::string> keys) -> Status {
     return st.wait(keys, std::chrono::milliseconds(d.timeout_ms));
   };
@@ -361,13 +366,17 @@ DemoResult run_demo(const DemoSpec& d) {
     DemoSyncRow row;
     row.version = v;
     row.broadcast_bytes = bc.bytes;
+    row.producer_bytes.assign(static_cast<size_t>(P), 0);
     const auto crash = victim >= 0 ? victim_crash(v) : std::pair<int, int>{-1, 0};
     const bool killing = victim >= 0 && crash.first == v;
     if (auto s = st.set(fmt::format("{}/go/{}", job, v), "1"); !s.ok()) return kill_all(), fail(s.to_string());
     std::vector<std::string> keys;
-    for (int p = 0; p < P; ++p) keys.push_back(fmt::format("{}/result/{}/producer{}", job, v, p));
+    for (int p = 0; p < P; ++p) {
+      if (killing && kill_producer && p == d.kill_rank) continue;
+      keys.push_back(fmt::format("{}/result/{}/producer{}", job, v, p));
+    }
     for (int r = 0; r < C; ++r) {
-      if (killing && r == d.kill_rank) continue;
+      if (killing && !kill_producer && r == d.kill_rank) continue;
       keys.push_back(fmt::format("{}/result/{}/consumer{}", job, v, r));
     }
     if (Status s = st.wait(keys, std::chrono::milliseconds(d.timeout_ms)); !s.ok()) {
@@ -390,12 +399,23 @@ DemoResult run_demo(const DemoSpec& d) {
       if (!text.ok()) return kill_all(), fail(text.status().to_string());
       auto j = nlohmann::json::parse(*text, nullptr, false);
       const bool is_consumer = k.find("consumer") != std::string::npos;
+      if (is_consumer && j.value("torn", false)) ++row.torn;
       if (!j.value("ok", false)) {
-        notes.push_back(fmt::format("{}: {}", k.substr(k.rfind('/') + 1), j.value("error", std::string("?"))));
-        if (is_consumer) all_ok = false;
+        const std::string e = fmt::format("{}: {}", k.substr(k.rfind('/') + 1), j.value("error", std::string("?")));
+        notes.push_back(e);
+        if (is_consumer) {
+          all_ok = false;
+          ++row.expected;
+          ++row.failed;
+          row.errors.push_back(e);
+        }
         continue;
       }
       secs = std::max(secs, j.value("seconds", 0.0));
+      if (!is_consumer) {
+        const int pr = std::atoi(k.c_str() + k.rfind("producer") + 8);
+        if (pr >= 0 && pr < P) row.producer_bytes[static_cast<size_t>(pr)] = j.value("bytes", uint64_t{0});
+      }
       if (d.verbose && j.contains("phases")) {
         std::string ph;
         for (auto& [name, val] : j["phases"].items()) {
@@ -403,7 +423,10 @@ DemoResult run_demo(const DemoSpec& d) {
         }
         notes.push_back(fmt::format("{}: {:.3f} s:{}", k.substr(k.rfind('/') + 1), j.value("seconds", 0.0), ph));
       }
-      for (const auto& f : j.value("failures", std::vector<std::string>{})) notes.push_back(f);
+      for (const auto& f : j.value("failures", std::vector<std::string>{})) {
+        notes.push_back(f);
+        row.failures.push_back(f);
+      }
       if (is_consumer) {
         row.bytes += j.value("bytes", uint64_t{0});
         ++row.expected;
@@ -425,20 +448,22 @@ DemoResult run_demo(const DemoSpec& d) {
       pid_t w = 0;
       while ((w = ::waitpid(vc.pid, &status, WNOHANG)) == 0 && seconds_since(t0) * 1000 < d.timeout_ms)
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      const std::string who = fmt::format("{} rank {}", kill_producer ? "trainer" : "inference", d.kill_rank);
       if (w != vc.pid || !WIFSIGNALED(status) || WTERMSIG(status) != SIGKILL) {
+        std::string logs = logs_of(vc);
         kill_all();
-        return fail(fmt::format("sync {}: inference rank {} was to be SIGKILLed but was not", v, d.kill_rank));
+        return fail(fmt::format("sync {}: {} was to be SIGKILLed but was not\n{}", v, who, logs));
       }
-      killed = fmt::format("inference rank {} SIGKILLed at group {} phase {}", d.kill_rank, crash.second / 4,
-                           crash.second % 4);
-      row.note = "rank " + std::to_string(d.kill_rank) + " killed";
+      killed = kill_producer ? fmt::format("{} SIGKILLed at group {}", who, crash.second)
+                             : fmt::format("{} SIGKILLed at group {} phase {}", who, crash.second / 4, crash.second % 4);
+      row.note = who + " killed";
       if (v < d.syncs) {
-        st.remove(ready_key("consumer", d.kill_rank)).status().ignore();
+        st.remove(ready_key(d.kill_role, d.kill_rank)).status().ignore();
         auto [cv, cp] = victim_crash(v + 1);
-        auto c = spawn_worker(d, config_path, store_url, job, dir, "consumer", d.kill_rank, v + 1, cv, cp);
+        auto c = spawn_worker(d, config_path, store_url, job, dir, d.kill_role, d.kill_rank, v + 1, cv, cp);
         if (!c.ok()) return kill_all(), fail(c.status().to_string());
         vc = *c;
-        if (Status s = wait_ready({ready_key("consumer", d.kill_rank)}); !s.ok()) {
+        if (Status s = wait_ready({ready_key(d.kill_role, d.kill_rank)}); !s.ok()) {
           std::string logs = logs_of(vc);
           kill_all();
           return fail("restarted rank not ready: " + s.to_string() + "\n" + logs);

@@ -52,8 +52,9 @@ struct WorkerSpec {
   uint64_t seed = 1;
   int first_version = 1;
   int last_version = 1;
-  int crash_version = -1;  // consumer: SIGKILL itself at `crash_point` of this sync
-  int crash_point = 0;     // group * 4 + phase (see ConsumerOptions::test_point)
+  int crash_version = -1;  // SIGKILL itself at `crash_point` of this sync
+  int crash_point = 0;     // consumer: group * 4 + phase (see ConsumerOptions::test_point);
+                           // producer: the group it is about to materialise
   int stall_ms = 20000;
   int timeout_ms = 20000;
 };
@@ -65,8 +66,8 @@ namespace ferry::engine {
 
 // The driver of `ferry demo` and the multi-process tests: starts every trainer and
 // inference rank as a process (`worker_binary worker ...`), runs `syncs` syncs through
-// the store, SIGKILLs consumer `kill_rank` at the given (version, point)s (restarting it
-// for the next sync), and collects per-sync figures.
+// the store, SIGKILLs rank `kill_rank` of `kill_role` at the given (version, point)s
+// (restarting it for the next sync), and collects per-sync figures.
 struct DemoSpec {
   std::string worker_binary;  // the ferry executable
   std::string model = "configs/qwen3-30b-a3b.json";
@@ -80,8 +81,10 @@ struct DemoSpec {
   bool checksums = false;
   int syncs = 4;
   uint64_t seed = 1;
+  std::string kill_role = "consumer";  // "consumer" (inference rank) | "producer" (trainer rank)
   int kill_rank = 1;
-  std::vector<std::pair<int, int>> kills;  // (version, point); point -1: random
+  // (version, point); point -1: random. Consumer: group * 4 + phase; producer: group.
+  std::vector<std::pair<int, int>> kills;
   int timeout_ms = 60000;     // bound on each wait of the driver
   bool quiet = false;
   bool verbose = false;       // per-rank phase times under each sync
@@ -92,7 +95,12 @@ struct DemoSyncRow {
   double seconds = 0;
   uint64_t broadcast_bytes = 0;
   int verified = 0;
-  int expected = 0;
+  int expected = 0;   // consumers that reported (the killed one excluded)
+  int failed = 0;     // consumers whose sync failed
+  int torn = 0;       // consumers reporting torn state after the sync
+  std::vector<std::string> errors;  // "consumerN: error" of each failed consumer
+  std::vector<std::string> failures;  // failure lines of every rank (failovers, drops)
+  std::vector<uint64_t> producer_bytes;  // bytes each trainer rank served (0: none or no result)
   std::string note;
 };
 struct DemoResult {
