@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -404,6 +405,42 @@ bool on_path(const std::string& exe) {
   return false;
 }
 
+// CPU seconds (user + system) of process `pid` so far; 0 when it is gone.
+double proc_cpu(pid_t pid) {
+  std::ifstream f(fmt::format("/proc/{}/stat", pid));
+  std::string text;
+  std::getline(f, text);
+  const size_t close = text.rfind(')');
+  if (close == std::string::npos) return 0;
+  std::stringstream ss(text.substr(close + 2));
+  std::string field;
+  double ticks = 0;
+  for (int i = 3; i <= 15 && ss >> field; ++i)  // fields 14 and 15: utime, stime
+    if (i >= 14) ticks += std::strtod(field.c_str(), nullptr);
+  return ticks / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
+// CPU seconds of `pid` and its children (mpirun's ranks).
+double tree_cpu(pid_t pid) {
+  double sum = proc_cpu(pid);
+  std::error_code ec;
+  for (auto it = std::filesystem::directory_iterator("/proc", ec); !ec && it != std::filesystem::directory_iterator();
+       it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.empty() || !std::isdigit(static_cast<unsigned char>(name[0]))) continue;
+    std::ifstream f(it->path() / "stat");
+    std::string text;
+    std::getline(f, text);
+    const size_t close = text.rfind(')');
+    if (close == std::string::npos) continue;
+    std::stringstream ss(text.substr(close + 2));
+    std::string state;
+    long ppid = 0;
+    if (ss >> state >> ppid && ppid == pid) sum += proc_cpu(static_cast<pid_t>(std::stol(name)));
+  }
+  return sum;
+}
+
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -465,7 +502,7 @@ BenchResult run_bench(const BenchSpec& b) {
   if (!store.ok()) return fail(store.status().to_string());
   Store& st = **store;
   const std::string job = fmt::format("bench-{}", ::getpid());
-  const auto bc = broadcast_baseline(m.metadata, m.tensor_stage, C);
+  const auto bcb = broadcast_baseline(m.metadata, m.tensor_stage, C);
   progress(fmt::format("ferry bench: {} ({}), checkpoint {:.1f} MB, {} tensors, {} groups\n", m.config.architecture(),
                        b.model, static_cast<double>(m.checkpoint_bytes) / 1e6, m.metadata.size(),
                        Groups(m.metadata).size()));
@@ -501,17 +538,62 @@ BenchResult run_bench(const BenchSpec& b) {
     if (!p.ok()) return kill_all(), fail(p.status().to_string());
     procs.push_back(*p);
   }
+  // The broadcast design under OpenMPI, on the same class of fabric as ferry's UCX. Its
+  // ranks join the same steps through the store (blocked on it, not polling, while the
+  // others run), so its trials interleave with ferry's.
+  const bool tcp = tls_is_tcp(b.tls);
+  std::vector<std::string> mca = words(b.mpi_mca.empty()
+                                           ? (tcp ? "--mca pml ob1 --mca btl self,tcp --mca btl_tcp_if_include lo"
+                                                  : "--mca pml ob1 --mca btl self,vader")
+                                           : b.mpi_mca);
+  std::vector<std::string> margs = {b.mpirun, "--oversubscribe", "-np", std::to_string(S + C)};
+  if (::geteuid() == 0) margs.push_back("--allow-run-as-root");
+  margs.insert(margs.end(), mca.begin(), mca.end());
+  if (const char* asan = std::getenv("ASAN_OPTIONS")) {
+    // Sanitizer builds: OpenMPI keeps allocations until exit that are not ferry's leaks.
+    margs.push_back("-x");
+    margs.push_back("ASAN_OPTIONS=" + std::string(asan) + ":detect_leaks=0");
+  }
+  margs.insert(margs.end(), {"-x", "FERRY_TOKEN", "-x", "UCX_TLS=" + b.tls, b.mpi_binary, "--model", config_path,
+                             "--trainer", b.trainer, "--inference", b.inference, "--seed", std::to_string(b.seed),
+                             "--store", (*server)->url(), "--job", job});
+  std::string mpi_cmd;
+  for (const auto& a : margs) mpi_cmd += (mpi_cmd.empty() ? "" : " ") + a;
+  {
+    auto mp = spawn(margs, "mpirun", dir + "/mpirun.log");
+    if (!mp.ok()) return kill_all(), fail(mp.status().to_string());
+    procs.push_back(*mp);
+  }
+  // Waits for `keys`, failing fast when a process exits early.
+  auto wait_keys = [&](const std::vector<std::string>& keys, const std::string& what) -> Status {
+    const auto deadline = Clock::now() + std::chrono::milliseconds(b.timeout_ms);
+    for (;;) {
+      Status s = st.wait(keys, std::chrono::milliseconds(500));
+      if (s.code() != StatusCode::kTimeout) return s;
+      for (auto& p : procs) {
+        int status = 0;
+        if (p.pid > 0 && ::waitpid(p.pid, &status, WNOHANG) == p.pid) {
+          p.pid = -1;
+          return internal_error("{}: {} exited early (status {})", what, p.name, status);
+        }
+      }
+      if (Clock::now() >= deadline) return timeout_error("{}: no answer within {} ms", what, b.timeout_ms);
+    }
+  };
   std::vector<std::pair<std::string, int>> ranks;
   for (int p = 0; p < P; ++p) ranks.emplace_back("producer", p);
   for (int c = 0; c < C; ++c) ranks.emplace_back("consumer", c);
+  const std::vector<std::pair<std::string, int>> mpi_ranks = {{"mpi", 0}};
   {
     std::vector<std::string> keys;
     for (auto& [role, r] : ranks) keys.push_back(key_ready(job, role, r));
-    if (Status s = st.wait(keys, std::chrono::milliseconds(b.timeout_ms)); !s.ok())
-      return kill_all(), fail("ranks did not become ready: " + s.to_string() + "\n" + logs());
+    keys.push_back(key_ready(job, "mpi", 0));
+    if (Status s = wait_keys(keys, "start-up"); !s.ok())
+      return kill_all(), fail("ranks did not become ready: " + s.to_string() + "\n" + mpi_cmd + "\n" + logs());
   }
-  progress(fmt::format("  {} + {} processes ready in {:.1f} s (weights prepared, plans recorded, routes built)\n", P, C,
-                       seconds_since(t_start)));
+  progress(fmt::format("  {} + {} processes and {} MPI ranks ready in {:.1f} s (weights prepared, plans recorded, "
+                       "routes built)\n  broadcast: {}\n",
+                       P, C, S + C, seconds_since(t_start), mpi_cmd));
 
   // One step: every rank waits for go, starts at start_ns, reports; the step's seconds
   // run from the earliest start to the latest end of its participants.
@@ -519,29 +601,46 @@ BenchResult run_bench(const BenchSpec& b) {
   struct StepOut {
     double seconds = 0;
     double cpu = 0;  // CPU seconds of every rank
+    double idle_cpu = 0;  // CPU seconds the other side's processes used meanwhile (should be ~0)
     uint64_t bytes = 0;
     std::vector<nlohmann::json> results;  // per rank, in `ranks` order
   };
+  // The processes that sit out a step: MPI's for ferry's steps, ferry's for MPI's.
+  auto idle_cpu = [&](bool mpi_step) {
+    double sum = 0;
+    for (const auto& p : procs) {
+      if (p.pid <= 0) continue;
+      if (p.name == "mpirun") {
+        if (!mpi_step) sum += tree_cpu(p.pid);
+      } else if (mpi_step) {
+        sum += proc_cpu(p.pid);
+      }
+    }
+    return sum;
+  };
   auto run_step = [&](const std::string& kind, uint64_t version) -> Result<StepOut> {
+    const double idle0 = idle_cpu(kind == "bcast");
     nlohmann::json go = {{"kind", kind}, {"version", version}, {"start_ns", mono_ns() + 30'000'000}};
     FERRY_RETURN_IF_ERROR(st.set(key_go(job, step), go.dump()));
+    const auto& who = kind == "bcast" ? mpi_ranks : ranks;
     std::vector<std::string> keys;
-    for (auto& [role, r] : ranks) keys.push_back(key_result(job, step, role, r));
-    FERRY_RETURN_IF_ERROR(st.wait(keys, std::chrono::milliseconds(b.timeout_ms)).with_context(kind));
+    for (auto& [role, r] : who) keys.push_back(key_result(job, step, role, r));
+    FERRY_RETURN_IF_ERROR(wait_keys(keys, kind));
     StepOut o;
+    o.idle_cpu = idle_cpu(kind == "bcast") - idle0;
     int64_t t0 = INT64_MAX, t1 = 0;
     for (size_t i = 0; i < keys.size(); ++i) {
       FERRY_ASSIGN_OR_RETURN(auto text, st.get(keys[i]));
       auto j = nlohmann::json::parse(text, nullptr, false);
       if (j.is_discarded()) return corrupt("bad result {}", keys[i]);
       if (!j.value("ok", false))
-        return internal_error("{} {} {}: {}", kind, ranks[i].first, ranks[i].second, j.value("error", std::string("?")));
+        return internal_error("{} {} {}: {}", kind, who[i].first, who[i].second, j.value("error", std::string("?")));
       o.cpu += j.value("cpu_seconds", 0.0);
       if (!j.value("idle", false)) {
         t0 = std::min(t0, j.value("start_ns", int64_t{0}));
         t1 = std::max(t1, j.value("end_ns", int64_t{0}));
-        // Received bytes (consumers), except raw push, where producers report what they wrote.
-        if (ranks[i].first == "consumer" || kind == "raw") o.bytes += j.value("bytes", uint64_t{0});
+        // Received bytes (consumers, MPI), except raw push, where producers report what they wrote.
+        if (who[i].first != "producer" || kind == "raw") o.bytes += j.value("bytes", uint64_t{0});
       }
       o.results.push_back(std::move(j));
     }
@@ -550,9 +649,9 @@ BenchResult run_bench(const BenchSpec& b) {
     return o;
   };
 
-  std::vector<double> sync_s, raw_s, memcpy_s;
+  std::vector<double> sync_s, raw_s, memcpy_s, bcast_s;
   nlohmann::json trials = nlohmann::json::array();
-  uint64_t bytes_moved = 0, raw_bytes = 0, memcpy_bytes = 0;
+  uint64_t bytes_moved = 0, raw_bytes = 0, memcpy_bytes = 0, bcast_bytes = 0;
   uint64_t version = 0;
   // Warm-up (trial 0, not counted), then interleaved trials: drift in the machine's load
   // hits the engine and its baselines alike.
@@ -564,6 +663,8 @@ BenchResult run_bench(const BenchSpec& b) {
     if (!rw.ok()) return kill_all(), fail(fmt::format("{}: {}\n{}", raw_name, rw.status().to_string(), logs()));
     auto mc = run_step("memcpy", version);
     if (!mc.ok()) return kill_all(), fail(fmt::format("memcpy: {}\n{}", mc.status().to_string(), logs()));
+    auto bc = run_step("bcast", version);
+    if (!bc.ok()) return kill_all(), fail(fmt::format("broadcast: {}\n{}", bc.status().to_string(), logs()));
     // Per-phase maxima over ranks (where a slow sync spends its time).
     nlohmann::json ph = nlohmann::json::object();
     for (size_t i = 0; i < ranks.size(); ++i) {
@@ -574,25 +675,34 @@ BenchResult run_bench(const BenchSpec& b) {
         ph[key] = std::max(ph.value(key, 0.0), val.get<double>());
       }
     }
-    nlohmann::json tj = {{"sync_seconds", sy->seconds}, {"raw_seconds", rw->seconds},
-                         {"memcpy_seconds", mc->seconds}, {"sync_cpu_seconds", sy->cpu},
-                         {"raw_cpu_seconds", rw->cpu},     {"phases_max", ph},
+    nlohmann::json tj = {{"sync_seconds", sy->seconds},    {"raw_seconds", rw->seconds},
+                         {"memcpy_seconds", mc->seconds},  {"broadcast_seconds", bc->seconds},
+                         {"sync_cpu_seconds", sy->cpu},    {"raw_cpu_seconds", rw->cpu},
+                         {"broadcast_cpu_seconds", bc->cpu}, {"mpi_idle_cpu_seconds", sy->idle_cpu + rw->idle_cpu},
+                         {"ferry_idle_cpu_seconds", bc->idle_cpu}, {"phases_max", ph},
                          {"warmup", t == 0}};
     trials.push_back(tj);
-      progress(fmt::format("  {} {}: sync {:.3f} s ({:.2f} GB/s, {:.2f} CPU s), {} {:.3f} s ({:.2f} CPU s), memcpy {:.3f} s\n",
+    progress(fmt::format("  {} {}: sync {:.3f} s ({:.2f} GB/s, {:.2f} CPU s), {} {:.3f} s ({:.2f} CPU s), memcpy {:.3f} s, "
+                         "broadcast {:.3f} s ({:.2f} CPU s); idle sides {:.2f} / {:.2f} CPU s\n",
                          t == 0 ? "warm-up" : "trial  ", t, sy->seconds,
                          sy->seconds > 0 ? static_cast<double>(sy->bytes) / sy->seconds / 1e9 : 0.0, sy->cpu,
-                         raw_name, rw->seconds, rw->cpu, mc->seconds));
+                         raw_name, rw->seconds, rw->cpu, mc->seconds, bc->seconds, bc->cpu,
+                         sy->idle_cpu + rw->idle_cpu, bc->idle_cpu));
     if (t == 0) continue;
     sync_s.push_back(sy->seconds);
     raw_s.push_back(rw->seconds);
     memcpy_s.push_back(mc->seconds);
+    bcast_s.push_back(bc->seconds);
     bytes_moved = sy->bytes;
     raw_bytes = rw->bytes;
     memcpy_bytes = mc->bytes;
+    bcast_bytes = bc->bytes;
   }
   auto vr = run_step("verify", version);
   if (!vr.ok()) return kill_all(), fail(fmt::format("verify: {}\n{}", vr.status().to_string(), logs()));
+  // The MPI ranks verify in the same step (their result arrives under its own key).
+  if (Status s = wait_keys({key_result(job, step - 1, "mpi", 0)}, "broadcast verify"); !s.ok())
+    return kill_all(), fail(fmt::format("broadcast verify: {}\n{}", s.to_string(), logs()));
   int verified = 0;
   std::string mismatch;
   for (size_t i = 0; i < ranks.size(); ++i) {
@@ -601,47 +711,21 @@ BenchResult run_bench(const BenchSpec& b) {
     else if (mismatch.empty())
       mismatch = fmt::format("consumer {}: {}", ranks[i].second, vr->results[i].value("mismatch", std::string("?")));
   }
-  progress(fmt::format("  verified {}/{} inference ranks bit for bit (version {})\n", verified, C, version));
+  nlohmann::json mv;
+  if (auto text = st.get(key_result(job, step - 1, "mpi", 0)); text.ok())
+    mv = nlohmann::json::parse(*text, nullptr, false);
+  const bool bcast_verified = mv.is_object() && mv.value("verified", false);
+  progress(fmt::format("  verified {}/{} inference ranks bit for bit (version {}); broadcast: {}\n", verified, C,
+                       version, bcast_verified ? "every inference rank verified" : "NOT verified"));
   if (Status s = st.set(key_go(job, step), nlohmann::json{{"kind", "exit"}}.dump()); !s.ok())
     return kill_all(), fail(s.to_string());
   for (auto& p : procs) reap(p, std::chrono::milliseconds(10000));
   if (verified != C) return fail(fmt::format("verification failed: {}", mismatch));
+  if (!bcast_verified)
+    return fail(fmt::format("broadcast baseline: inference ranks did not verify: {}", mv.is_object() ? mv.dump() : ""));
   if (bytes_moved != raw_bytes || bytes_moved != memcpy_bytes)
     return fail(fmt::format("byte counts disagree: sync {}, raw {}, memcpy {}", bytes_moved, raw_bytes, memcpy_bytes));
-
-  // The broadcast design under OpenMPI, on the same class of fabric as ferry's UCX.
-  const bool tcp = tls_is_tcp(b.tls);
-  std::vector<std::string> mca = words(b.mpi_mca.empty()
-                                           ? (tcp ? "--mca pml ob1 --mca btl self,tcp --mca btl_tcp_if_include lo"
-                                                  : "--mca pml ob1 --mca btl self,vader")
-                                           : b.mpi_mca);
-  std::vector<std::string> args = {b.mpirun, "--oversubscribe", "-np", std::to_string(S + C)};
-  if (::geteuid() == 0) args.push_back("--allow-run-as-root");
-  args.insert(args.end(), mca.begin(), mca.end());
-  args.insert(args.end(), {"-x", "UCX_TLS=" + b.tls, b.mpi_binary, "--model", config_path, "--trainer", b.trainer,
-                           "--inference", b.inference, "--trials", std::to_string(b.syncs), "--seed",
-                           std::to_string(b.seed)});
-  std::string cmdline;
-  for (const auto& a : args) cmdline += (cmdline.empty() ? "" : " ") + a;
-  progress(fmt::format("  broadcast: {} roots + {} inference ranks: {}\n", S, C, cmdline));
-  auto mp = spawn(args, "mpirun", dir + "/mpirun.log", dir + "/mpirun.out");
-  if (!mp.ok()) return fail(mp.status().to_string());
-  const int rc = reap(*mp, std::chrono::milliseconds(b.timeout_ms) * 2);
-  const std::string mout = slurp(dir + "/mpirun.out");
-  nlohmann::json mj;
-  {
-    std::stringstream ss(mout);
-    std::string line;
-    while (std::getline(ss, line)) {
-      if (line.rfind("{", 0) == 0) mj = nlohmann::json::parse(line, nullptr, false);
-    }
-  }
-  if (rc != 0 || !mj.is_object() || !mj.contains("seconds"))
-    return fail(fmt::format("broadcast baseline failed (exit {}): {}\n{}\n{}", rc, cmdline, tail(mout),
-                            tail(slurp(dir + "/mpirun.log"))));
-  if (!mj.value("verified", false)) return fail("broadcast baseline: inference ranks did not verify: " + mout);
-  const double bcast = mj["seconds"].get<double>();
-  progress(fmt::format("  broadcast: {:.3f} s median of {} ({} inference ranks verified)\n", bcast, b.syncs, C));
+  const double bcast = median(bcast_s);
 
   const double sync = median(sync_s), rawm = median(raw_s), mem = median(memcpy_s);
   const auto gb = [&](double secs) { return secs > 0 ? static_cast<double>(bytes_moved) / secs / 1e9 : 0.0; };
@@ -656,11 +740,10 @@ BenchResult run_bench(const BenchSpec& b) {
   j["efficiency_vs_raw"] = gb(rawm) > 0 ? gb(sync) / gb(rawm) : 0.0;
   j["raw_transport_seconds"] = rawm;
   j["memcpy_seconds"] = mem;
-  j["broadcast_bytes"] = mj.value("bytes", uint64_t{0});
-  j["broadcast_bytes_model"] = bc.bytes;
-  j["broadcast_gbps"] = bcast > 0 ? static_cast<double>(mj.value("bytes", uint64_t{0})) / bcast / 1e9 : 0.0;
-  j["broadcast_trials"] = mj.value("trials", nlohmann::json::array());
-  j["broadcast_mpi"] = {{"command", cmdline}, {"ranks", S + C}};
+  j["broadcast_bytes"] = bcast_bytes;
+  j["broadcast_bytes_model"] = bcb.bytes;
+  j["broadcast_gbps"] = bcast > 0 ? static_cast<double>(bcast_bytes) / bcast / 1e9 : 0.0;
+  j["broadcast_mpi"] = {{"command", mpi_cmd}, {"ranks", S + C}, {"roots", S}};
   j["model"] = b.model;
   j["architecture"] = m.config.architecture();
   j["checkpoint_bytes"] = m.checkpoint_bytes;

@@ -8,11 +8,16 @@
 // inference ranks. Per trial: every tensor, in checkpoint order, is broadcast from its
 // stage's root to every inference rank, which copies its shard out into its params with
 // its recorded plan (vLLM's weight_loader step), then post-processes. Timed from a barrier
-// to the last rank's end (one host: CLOCK_MONOTONIC agrees across processes). After the
-// trials every inference rank verifies its params bit for bit against a direct load.
-// Rank 0 prints one JSON line: {"seconds": median, "trials": [...], "bytes": received by
-// all inference ranks per trial, "verified": bool, "ranks": S + C}.
+// to the last rank's end (one host: CLOCK_MONOTONIC agrees across processes).
+//
+// Steps come from `ferry bench` through its store, as for its own ranks (see
+// engine/bench.cpp): every rank blocks on {job}/bench/go/{step} (no MPI polling while
+// ferry's steps run); "bcast" runs one trial moving synthetic version 1 + v % 2 (two
+// versions alternate, so the last trial's verification proves it moved every byte),
+// "verify" checks every inference rank bit for bit against a direct load, "exit" ends.
+// Rank 0 reports each step in {job}/bench/result/{step}/mpi0.
 #include <mpi.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -23,6 +28,8 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+#include <thread>
 
 #include "engine/harness.h"
 
@@ -60,6 +67,13 @@ void bcast(std::byte* data, uint64_t bytes, MPI_Comm comm) {
   }
 }
 
+double cpu_seconds() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+}
+
 int fail(const char* what, const Status& s) {
   std::fprintf(stderr, "ferry-mpi-bcast: %s: %s\n", what, s.to_string().c_str());
   MPI_Abort(MPI_COMM_WORLD, 2);
@@ -73,24 +87,26 @@ int main(int argc, char** argv) {
   int rank = 0, size = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
-  std::string model_path, trainer, inference;
-  int trials = 5;
+  std::string model_path, trainer, inference, store_url, job;
   uint64_t seed = 1;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--model") model_path = v;
     else if (k == "--trainer") trainer = v;
     else if (k == "--inference") inference = v;
-    else if (k == "--trials") trials = std::max(1, std::atoi(v.c_str()));
     else if (k == "--seed") seed = std::strtoull(v.c_str(), nullptr, 10);
+    else if (k == "--store") store_url = v;
+    else if (k == "--job") job = v;
     else return fail("usage", invalid_argument("unknown option {}", k));
   }
   auto m = engine::make_job_model(model_path, trainer, inference, false);
   if (!m.ok()) return fail("model", m.status());
+  auto store = Store::open(store_url);
+  if (!store.ok()) return fail("store", store.status());
+  Store& st = **store;
   const int S = m->trainer.pp, C = m->inference.world_size();
   if (size != S + C) return fail("ranks", invalid_argument("need {} ranks ({} roots + {} inference), got {}", S + C, S, C, size));
   const auto& meta = m->metadata;
-  const uint64_t version = 1;
 
   // One communicator per stage: its root first, then every inference rank.
   MPI_Group world;
@@ -107,14 +123,17 @@ int main(int argc, char** argv) {
 
   const bool root = rank < S;
   const int c = rank - S;
-  std::vector<Tensor> full(meta.size());  // root: its stage's tensors
-  std::vector<Plan> subs(meta.size());    // inference: per-tensor copy-out
+  std::vector<Tensor> full[2];         // root: its stage's tensors, both versions
+  std::vector<Plan> subs(meta.size());  // inference: per-tensor copy-out
   std::vector<std::byte> recv;
   TensorMap params;
   std::shared_ptr<const RankLoader> rl;
   if (root) {
-    for (size_t i = 0; i < meta.size(); ++i)
-      if (m->tensor_stage[i] == rank) full[i] = synthetic_tensor(seed, version, meta[i]);
+    for (int d = 0; d < 2; ++d) {
+      full[d].resize(meta.size());
+      for (size_t i = 0; i < meta.size(); ++i)
+        if (m->tensor_stage[i] == rank) full[d][i] = synthetic_tensor(seed, static_cast<uint64_t>(d + 1), meta[i]);
+    }
   } else {
     auto plan = record_plan(*m->loader, c, meta);
     if (!plan.ok()) return fail("plan", plan.status());
@@ -134,67 +153,88 @@ int main(int argc, char** argv) {
     if (!r.ok()) return fail("loader", r.status());
     rl = *r;
   }
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (rank == 0) {
+    if (Status w = st.set(fmt::format("{}/bench/ready/mpi0", job), "1"); !w.ok()) return fail("store", w);
+  }
 
   ExecuteOptions eo;
   eo.threads = 1;  // one thread per rank, like the engine's background unpack
-  std::vector<double> secs;
-  uint64_t received = 0;
-  for (int t = 0; t <= trials; ++t) {  // trial 0: warm-up
-    MPI_Barrier(MPI_COMM_WORLD);
-    const int64_t t0 = mono_ns();
-    received = 0;
-    TensorMap work = params;
-    for (size_t i = 0; i < meta.size(); ++i) {
-      const int s = m->tensor_stage[i];
-      if (root && rank != s) continue;
-      const uint64_t bytes = static_cast<uint64_t>(shape_numel(meta[i].shape)) * dtype_size(meta[i].dtype);
-      if (root) {
-        auto p = full[i].data_ptr();
-        if (!p.ok()) return fail("tensor", p.status());
-        bcast(*p, bytes, comm[static_cast<size_t>(s)]);
-        continue;
+  uint64_t version = 0;
+  const auto timeout = std::chrono::milliseconds(600000);
+  for (int step = 0;; ++step) {
+    const std::string go_key = fmt::format("{}/bench/go/{}", job, step);
+    if (Status w = st.wait({go_key}, timeout); !w.ok()) return fail("store", w);
+    auto text = st.get(go_key);
+    if (!text.ok()) return fail("store", text.status());
+    const auto go = nlohmann::json::parse(*text, nullptr, false);
+    const std::string kind = go.is_object() ? go.value("kind", std::string()) : "";
+    if (kind == "exit") break;
+    if (kind != "bcast" && kind != "verify") continue;  // another rank kind's step
+    std::this_thread::sleep_until(std::chrono::steady_clock::time_point(
+        std::chrono::nanoseconds(go.value("start_ns", int64_t{0}))));
+    nlohmann::json out = {{"ok", true}};
+    if (kind == "bcast") {
+      version = go.value("version", uint64_t{1});
+      const int d = static_cast<int>(version % 2);  // data version 1 + v % 2
+      const double c0 = cpu_seconds();
+      MPI_Barrier(MPI_COMM_WORLD);
+      const int64_t t0 = mono_ns();
+      uint64_t received = 0;
+      TensorMap work = params;
+      for (size_t i = 0; i < meta.size(); ++i) {
+        const int s = m->tensor_stage[i];
+        if (root && rank != s) continue;
+        const uint64_t bytes = static_cast<uint64_t>(shape_numel(meta[i].shape)) * dtype_size(meta[i].dtype);
+        if (root) {
+          auto p = full[d][i].data_ptr();
+          if (!p.ok()) return fail("tensor", p.status());
+          bcast(*p, bytes, comm[static_cast<size_t>(s)]);
+          continue;
+        }
+        bcast(recv.data(), bytes, comm[static_cast<size_t>(s)]);
+        received += bytes;
+        if (subs[i].copies().empty()) continue;
+        TensorMap src = {{meta[i].name, Tensor::borrow(recv.data(), meta[i].shape, meta[i].dtype)}};
+        if (Status e = execute(subs[i], src, work, eo); !e.ok()) return fail("copy-out", e);
       }
-      bcast(recv.data(), bytes, comm[static_cast<size_t>(s)]);
-      received += bytes;
-      if (subs[i].copies().empty()) continue;
-      TensorMap src = {{meta[i].name, Tensor::borrow(recv.data(), meta[i].shape, meta[i].dtype)}};
-      if (Status e = execute(subs[i], src, work, eo); !e.ok()) return fail("copy-out", e);
+      if (!root) {
+        for (size_t k = 0; k < rl->groups().size(); ++k)
+          if (Status e = rl->process_weights_after_loading(static_cast<int>(k), work); !e.ok()) return fail("post", e);
+        params = work;
+      }
+      const int64_t t1 = mono_ns();
+      const double cpu = cpu_seconds() - c0;
+      int64_t start = 0, end = 0;
+      uint64_t total = 0;
+      double cpu_total = 0;
+      MPI_Reduce(&t0, &start, 1, MPI_INT64_T, MPI_MIN, 0, MPI_COMM_WORLD);
+      MPI_Reduce(&t1, &end, 1, MPI_INT64_T, MPI_MAX, 0, MPI_COMM_WORLD);
+      MPI_Reduce(&received, &total, 1, MPI_UINT64_T, MPI_SUM, 0, MPI_COMM_WORLD);
+      MPI_Reduce(&cpu, &cpu_total, 1, MPI_DOUBLE, MPI_SUM, 0, MPI_COMM_WORLD);
+      out["start_ns"] = start;
+      out["end_ns"] = end;
+      out["bytes"] = total;
+      out["cpu_seconds"] = cpu_total;
+    } else {
+      int ok = 1;
+      if (!root) {
+        std::string mismatch;
+        auto v = engine::verify_params(*m, c, params, seed, 1 + version % 2);
+        if (!v.ok()) mismatch = v.status().to_string();
+        else if (v->has_value()) mismatch = **v;
+        ok = mismatch.empty();
+        if (!ok) std::fprintf(stderr, "ferry-mpi-bcast: inference rank %d: %s\n", c, mismatch.c_str());
+      }
+      int all_ok = 0;
+      MPI_Reduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, 0, MPI_COMM_WORLD);
+      out["verified"] = all_ok == 1 && version > 0;
+      out["idle"] = true;
     }
-    if (!root) {
-      for (size_t k = 0; k < rl->groups().size(); ++k)
-        if (Status e = rl->process_weights_after_loading(static_cast<int>(k), work); !e.ok()) return fail("post", e);
-      if (t == trials) params = work;
+    if (rank == 0) {
+      if (Status w = st.set(fmt::format("{}/bench/result/{}/mpi0", job, step), out.dump()); !w.ok())
+        return fail("store", w);
     }
-    const int64_t t1 = mono_ns();
-    int64_t start = 0, end = 0;
-    uint64_t total = 0;
-    MPI_Reduce(&t0, &start, 1, MPI_INT64_T, MPI_MIN, 0, MPI_COMM_WORLD);
-    MPI_Reduce(&t1, &end, 1, MPI_INT64_T, MPI_MAX, 0, MPI_COMM_WORLD);
-    MPI_Reduce(&received, &total, 1, MPI_UINT64_T, MPI_SUM, 0, MPI_COMM_WORLD);
-    received = total;
-    if (t > 0) secs.push_back(static_cast<double>(end - start) / 1e9);
-  }
-
-  int ok = 1;
-  std::string mismatch;
-  if (!root) {
-    auto v = engine::verify_params(*m, c, params, seed, version);
-    if (!v.ok()) mismatch = v.status().to_string();
-    else if (v->has_value()) mismatch = **v;
-    ok = mismatch.empty();
-    if (!ok) std::fprintf(stderr, "ferry-mpi-bcast: inference rank %d: %s\n", c, mismatch.c_str());
-  }
-  int all_ok = 0;
-  MPI_Reduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, 0, MPI_COMM_WORLD);
-  if (rank == 0) {
-    std::vector<double> sorted = secs;
-    std::sort(sorted.begin(), sorted.end());
-    const size_t n = sorted.size();
-    const double med = n % 2 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
-    nlohmann::json j = {{"seconds", med}, {"trials", secs}, {"bytes", received}, {"verified", all_ok == 1},
-                        {"ranks", size}, {"roots", S}};
-    std::printf("%s\n", j.dump().c_str());
-    std::fflush(stdout);
   }
   for (auto& k : comm)
     if (k != MPI_COMM_NULL) MPI_Comm_free(&k);
