@@ -61,9 +61,14 @@
 //     handlers must not block waiting for another operation of the same Transport
 //     (Completion::wait from the progress thread returns kFailedPrecondition at once
 //     instead of deadlocking); they may post new operations.
-//   * Remote progress: UCX over tcp emulates RMA get with messages, so the *target*
-//     must progress too. The progress thread does that for as long as the Transport
-//     lives; the application never has to call a progress function.
+//   * Remote progress: where UCX has no native RMA to a peer (tcp), ferry reads and
+//     writes by active messages (UCX's own emulation aborts the target process when
+//     the initiator dies mid-operation), so the *target* must progress too. The
+//     progress thread does that for as long as the Transport lives; the application
+//     never has to call a progress function. Results and checks are the same either
+//     way; the target also checks every such access against its registered region.
+//   * read()/write() may post from the calling thread when the worker is free; they
+//     never wait for the progress thread.
 //   * The progress thread spins while operations are in flight (and 2 ms after), then
 //     sleeps until UCX reports an event or an operation is posted (UCX event fd; timed
 //     naps of 0.5 ms where there is none), so an idle Transport costs no CPU.

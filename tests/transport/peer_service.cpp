@@ -1,5 +1,8 @@
 #include "transport/peer_service.h"
 
+#include <algorithm>
+#include <chrono>
+
 #include "transport/protocol.h"
 
 namespace ferry::transport_test {
@@ -23,6 +26,8 @@ Result<std::unique_ptr<PeerService>> PeerService::start(Transport& t, uint64_t b
 
 PeerService::~PeerService() {
   t_.set_message_handler({});
+  stop_reading_ = true;
+  if (reader_.joinable()) reader_.join();
   if (region_.id != 0) t_.deregister_memory(region_).ignore();
 }
 
@@ -49,9 +54,55 @@ void PeerService::on_message(PeerId from, uint32_t tag, std::span<const std::byt
     case kExit:
       exit_ = true;
       break;
+    case kReadLoop:
+    case kWriteLoop:
+      if (!reader_.joinable()) {
+        reader_ = std::thread(
+            [this, write = tag == kWriteLoop, key = std::vector<std::byte>(payload.begin(), payload.end())]() mutable {
+              rma_loop(std::move(key), write);
+            });
+      }
+      break;
     default:
       break;
   }
+}
+
+// Reads (or writes) the parent's region over and over (the parent is the *target*: over
+// UCX tcp its worker serves emulated gets/puts) until an op fails or the service stops.
+// Bounded by the test: the parent kills this process or stops the service.
+void PeerService::rma_loop(std::vector<std::byte> key, bool write) {
+  auto remote = t_.import_key(key);
+  if (!remote.ok()) return;
+  constexpr uint64_t kChunk = 64 << 10;
+  constexpr int kInFlight = 8;
+  auto local = t_.allocate_memory(kChunk * kInFlight);
+  if (!local.ok()) return;
+  const uint64_t chunks = std::max<uint64_t>(1, remote->length / kChunk);
+  std::vector<Completion> ring(kInFlight);
+  bool announced = false;
+  for (uint64_t i = 0; !stop_reading_; ++i) {
+    Completion& slot = ring[i % kInFlight];
+    if (slot.valid() && !slot.wait(std::chrono::seconds(30)).ok()) break;
+    if (write && i % kInFlight == 0 && i > 0) {
+      auto f = t_.flush(parent_);
+      if (!f.ok() || !f->wait(std::chrono::seconds(30)).ok()) break;
+    }
+    const uint64_t len = std::min(kChunk, remote->length);
+    const uint64_t off = (i % chunks) * kChunk % (remote->length - len + 1);
+    auto c = write ? t_.write(*local, (i % kInFlight) * kChunk, *remote, off, len)
+                   : t_.read(*local, (i % kInFlight) * kChunk, *remote, off, len);
+    if (!c.ok()) break;
+    slot = *c;
+    if (!announced && i == 2 * kInFlight) {
+      announced = true;
+      t_.send(parent_, kReadLoopStarted, {}).status().ignore();
+    }
+  }
+  for (auto& c : ring) {
+    if (c.valid()) c.wait(std::chrono::seconds(30)).ignore();
+  }
+  t_.deregister_memory(*local).ignore();
 }
 
 }  // namespace ferry::transport_test

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <memory>
+#include <thread>
 
 #include "ferry/transport.h"
 
@@ -26,6 +27,7 @@ class PeerService {
  private:
   explicit PeerService(Transport& t) : t_(t) {}
   void on_message(PeerId from, uint32_t tag, std::span<const std::byte> payload);
+  void rma_loop(std::vector<std::byte> key, bool write);
 
   Transport& t_;
   std::byte* mem_ = nullptr;
@@ -34,6 +36,8 @@ class PeerService {
   std::vector<std::byte> key_;
   PeerId parent_ = 0;
   std::atomic<bool> exit_{false};
+  std::atomic<bool> stop_reading_{false};
+  std::thread reader_;  // kReadLoop
 };
 
 }  // namespace ferry::transport_test

@@ -15,9 +15,14 @@ enum Tag : uint32_t {
   kHash = 2,       // payload: u64 offset, u64 length; reply kHashReply: offset, length, xxh3, ok(0/1)
   kFill = 3,       // payload: u64 offset, u64 length, u64 seed; reply kFillReply: offset, length, ok
   kExit = 4,       // the peer exits (process) / stops serving
+  kReadLoop = 5,   // payload: a key of the sender's region; the peer reads from it in a
+                   // loop (64 KiB reads, 8 in flight) until it fails; reply kReadLoopStarted
+                   // once the first reads completed
+  kWriteLoop = 6,  // the same with writes (each window flushed)
   kEchoReply = 101,
   kHashReply = 102,
   kFillReply = 103,
+  kReadLoopStarted = 105,
 };
 
 // The pattern byte at absolute offset `off` of a region filled with `seed`.

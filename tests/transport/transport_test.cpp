@@ -48,6 +48,10 @@ class TransportTest : public ::testing::TestWithParam<BackendCase> {
     remote_ = std::move(r).value();
   }
 
+  // The survivor is the *target*: the peer runs `loop_tag` (kReadLoop / kWriteLoop) on
+  // our region when it is SIGKILLed.
+  void killed_initiator(uint32_t loop_tag);
+
   // The remote's xxh3 of [off, off + len).
   uint64_t remote_hash(uint64_t off, uint64_t len) {
     auto s = local_->send(remote_->peer, kHash, pack_u64s({off, len}));
@@ -348,6 +352,63 @@ TEST_P(TransportTest, KilledPeerIsReported) {
   remote_.reset();
   local_.reset();
   EXPECT_LT(std::chrono::steady_clock::now() - t1, 5s);
+}
+
+// The survivor is the *target*: the peer is reading (writing) our region in a loop when
+// it is SIGKILLed — a producer serving a consumer that dies mid-read (a consumer whose
+// producer dies mid-push). Over UCX tcp the target's worker serves emulated gets and
+// puts, so the death hits it mid-service. It must report the failure, never abort, and
+// go on working with other peers.
+TEST_P(TransportTest, KilledReaderLeavesTargetWorking) {
+  ASSERT_NO_FATAL_FAILURE(killed_initiator(kReadLoop));
+}
+
+TEST_P(TransportTest, KilledWriterLeavesTargetWorking) {
+  ASSERT_NO_FATAL_FAILURE(killed_initiator(kWriteLoop));
+}
+
+void TransportTest::killed_initiator(uint32_t loop_tag) {
+  ASSERT_NO_FATAL_FAILURE(spawn(1 << 20));
+  // Shared with the handler, which also runs at teardown (the second peer goes first).
+  struct Failures {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::vector<PeerId> peers;
+  };
+  auto failures = std::make_shared<Failures>();
+  local_->set_peer_failure_handler([failures](PeerId p, const Status&) {
+    std::lock_guard<std::mutex> lock(failures->mu);
+    failures->peers.push_back(p);
+    failures->cv.notify_all();
+  });
+  ASSERT_OK_AND_ASSIGN(MemoryRegion ours, local_->allocate_memory(4 << 20));  // as a staging ring
+  fill_pattern(static_cast<std::byte*>(ours.base), 0, ours.length, 9);  // (writers overwrite it)
+  ASSERT_OK_AND_ASSIGN(std::vector<std::byte> key, local_->export_key(ours));
+  ASSERT_OK_AND_ASSIGN(Completion s, local_->send(remote_->peer, loop_tag, key));
+  ASSERT_OK(s.wait(kWait));
+  ASSERT_TRUE(mailbox_.wait(kReadLoopStarted, kWait).ok()) << "the peer never started its loop";
+  std::this_thread::sleep_for(50ms);  // reads keep flowing
+  const PeerId dead = remote_->peer;
+  ASSERT_OK(remote_->kill());
+  {
+    std::unique_lock<std::mutex> lock(failures->mu);
+    ASSERT_TRUE(failures->cv.wait_for(lock, 10s, [&] { return !failures->peers.empty(); }))
+        << "no peer-failure callback in 10 s";
+    EXPECT_EQ(failures->peers[0], dead);
+  }
+  remote_.reset();
+  // Still serving: a new peer, both directions.
+  ASSERT_NO_FATAL_FAILURE(spawn(1 << 16));
+  Buffer buf(1 << 16);
+  ASSERT_OK_AND_ASSIGN(MemoryRegion mr, local_->register_memory(buf.data(), buf.size()));
+  ASSERT_OK_AND_ASSIGN(Completion r, local_->read(mr, 0, remote_->region, 0, buf.size()));
+  ASSERT_OK(r.wait(kWait));
+  EXPECT_EQ(check_pattern(buf.data(), 0, buf.size(), 1), std::numeric_limits<uint64_t>::max());
+  ASSERT_OK_AND_ASSIGN(Completion e, local_->send(remote_->peer, kEcho, pack_u64s({7})));
+  ASSERT_OK(e.wait(kWait));
+  EXPECT_TRUE(mailbox_.wait(kEchoReply, kWait).ok());
+  ASSERT_OK(local_->deregister_memory(mr));
+  ASSERT_OK(local_->deregister_memory(ours));
 }
 
 TEST_P(TransportTest, ConnectIsIdempotentAndSelfWorks) {

@@ -26,7 +26,9 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "transport/backend.h"
 #include "transport/wire.h"
@@ -37,7 +39,18 @@ namespace {
 namespace wire = ferry::transport_wire;
 using Clock = std::chrono::steady_clock;
 
-constexpr unsigned kAmId = 0x4652;  // "FR"
+constexpr unsigned kAmId = 0x4652;        // "FR": control messages (send)
+// ferry's own get/put where UCX would emulate them, see "RMA by message" below.
+constexpr unsigned kAmReadReq = 0x4653;
+constexpr unsigned kAmReadData = 0x4654;
+constexpr unsigned kAmWrite = 0x4655;
+constexpr unsigned kAmFlushReq = 0x4656;
+constexpr unsigned kAmFlushAck = 0x4657;
+constexpr uint32_t kReadMagic = 0x46524452;  // "FRDR"
+// RMA by message: a message carries at most this much, and a target keeps at most
+// kReadWindow replies of one read in flight (bounds its copy buffers).
+constexpr uint64_t kReadChunk = 1 << 20;
+constexpr int kReadWindow = 4;
 // True while a caller thread runs an operation directly on the worker (see rma()).
 thread_local bool direct_caller = false;
 // Control calls (connect, register, ...) wait at most this long for the progress thread.
@@ -66,6 +79,8 @@ Status from_ucs(ucs_status_t st, const std::string& what) {
     case UCS_ERR_NO_MEMORY: return io_error("{}", msg);
     case UCS_ERR_INVALID_PARAM: return invalid_argument("{}", msg);
     case UCS_ERR_UNSUPPORTED: return unimplemented("{}", msg);
+    case UCS_ERR_OUT_OF_RANGE: return out_of_range("{} (refused by the target)", msg);
+    case UCS_ERR_NO_ELEM: return not_found("{} (the target's region is not registered)", msg);
     default: return internal_error("{}", msg);
   }
 }
@@ -81,6 +96,7 @@ struct Peer {
   ucp_ep_h ep = nullptr;  // progress thread only
   int pidfd = -1;         // >= 0: mode NONE endpoint, liveness watched by ferry
   bool printed = false;   // FERRY_UCX_EP_INFO printed this endpoint's lanes
+  bool rma_by_message = false;  // no native get lane: reads/writes/flush by message (set at connect)
   pid_t pid = 0;
   bool failed = false;    // under mu_
   bool closed = false;    // under mu_ (disconnect)
@@ -97,6 +113,7 @@ struct Region {
 
 struct Key {
   PeerId peer;
+  uint64_t region_id;  // the owner's region id (reads by message name it)
   uint64_t base;
   uint64_t length;
   MemoryKind kind;
@@ -164,6 +181,26 @@ class UcxBackend final : public TransportBackend {
     ap.flags = UCP_AM_FLAG_WHOLE_MSG;
     st = ucp_worker_set_am_recv_handler(worker_, &ap);
     if (st != UCS_OK) return unavailable("ucx: setting the AM handler failed: {}", ucs_status_string(st));
+    ap.id = kAmReadReq;
+    ap.cb = &UcxBackend::read_req_cb;
+    st = ucp_worker_set_am_recv_handler(worker_, &ap);
+    if (st != UCS_OK) return unavailable("ucx: setting the AM handler failed: {}", ucs_status_string(st));
+    ap.id = kAmReadData;
+    ap.cb = &UcxBackend::read_data_cb;
+    st = ucp_worker_set_am_recv_handler(worker_, &ap);
+    if (st != UCS_OK) return unavailable("ucx: setting the AM handler failed: {}", ucs_status_string(st));
+    ap.id = kAmWrite;
+    ap.cb = &UcxBackend::write_cb;
+    st = ucp_worker_set_am_recv_handler(worker_, &ap);
+    if (st != UCS_OK) return unavailable("ucx: setting the AM handler failed: {}", ucs_status_string(st));
+    ap.id = kAmFlushReq;
+    ap.cb = &UcxBackend::flush_req_cb;
+    st = ucp_worker_set_am_recv_handler(worker_, &ap);
+    if (st != UCS_OK) return unavailable("ucx: setting the AM handler failed: {}", ucs_status_string(st));
+    ap.id = kAmFlushAck;
+    ap.cb = &UcxBackend::flush_ack_cb;
+    st = ucp_worker_set_am_recv_handler(worker_, &ap);
+    if (st != UCS_OK) return unavailable("ucx: setting the AM handler failed: {}", ucs_status_string(st));
 
     thread_ = std::thread([this] { run(); });
     return Status::Ok();
@@ -189,6 +226,20 @@ class UcxBackend final : public TransportBackend {
   Result<PeerId> connect(std::span<const std::byte> bytes) override {
     FERRY_ASSIGN_OR_RETURN(wire::Address a, wire::decode_address(bytes, wire::Backend::kUcx));
     if (a.payload.empty()) return corrupt("ucx address: empty worker address");
+    FERRY_ASSIGN_OR_RETURN(PeerId id, create_ep(std::move(a)));
+    // Finish the wire-up now, while the peer is known to be alive: UCX 1.13 over tcp
+    // asserts (wireup_ep.c "pending_count == 0") when a peer dies while messages wait
+    // on a half-wired endpoint, which a lazily wired endpoint risks at its first use.
+    // Not on the progress thread (a callback may connect; it cannot wait).
+    if (progress_tid_.load() != std::this_thread::get_id()) {
+      FERRY_ASSIGN_OR_RETURN(Completion f, flush(id, nullptr));
+      Status st = f.wait(kControlTimeout);
+      if (!st.ok()) return Status(st.code(), fmt::format("connect: completing the connection to peer {:#x}: {}", id, st.message()));
+    }
+    return id;
+  }
+
+  Result<PeerId> create_ep(wire::Address a) {
     return run_sync<PeerId>([this, a = std::move(a)]() -> Result<PeerId> {
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -226,6 +277,7 @@ class UcxBackend final : public TransportBackend {
         // A malformed worker address inside a well-framed blob ends up here.
         return unavailable("connect: ucp_ep_create to peer {:#x} failed: {}", a.instance_id, ucs_status_string(st));
       }
+      peer->rma_by_message = rma_by_message(peer->ep);
       std::lock_guard<std::mutex> lock(mu_);
       if (peer->pidfd >= 0) watched_++;
       peers_.emplace(a.instance_id, std::move(peer));
@@ -356,7 +408,7 @@ class UcxBackend final : public TransportBackend {
       if (st != UCS_OK) return corrupt("import_key: UCX refused the packed rkey: {}", ucs_status_string(st));
       std::lock_guard<std::mutex> lock(mu_);
       uint64_t id = next_key_++;
-      keys_.emplace(id, Key{k.owner_id, k.base, k.length, k.kind, rkey, p});
+      keys_.emplace(id, Key{k.owner_id, k.region_id, k.base, k.length, k.kind, rkey, p});
       return RemoteRegion{id, k.owner_id, k.base, k.length, k.kind};
     });
   }
@@ -408,7 +460,7 @@ class UcxBackend final : public TransportBackend {
       if (key.owner->failed) return peer_failed("{}: peer {:#x} failed: {}", op, key.peer, key.owner->why.message());
       r = RmaOp{std::make_shared<OpState>(std::move(on_done), &progress_tid_), is_write,
                 static_cast<std::byte*>(l->second.base) + local_offset, key.base + remote_offset, length,
-                l->second.memh, key.rkey, key.owner};
+                l->second.memh, key.rkey, key.owner, key.region_id};
       (is_write ? stats_.writes : stats_.reads)++;
       if (!worker.owns_lock()) {
         // Queued under mu_, so FIFO with respect to release_key/deregister/disconnect,
@@ -437,6 +489,7 @@ class UcxBackend final : public TransportBackend {
     ucp_mem_h memh = nullptr;
     ucp_rkey_h rkey = nullptr;
     std::shared_ptr<Peer> peer;
+    uint64_t region_id = 0;  // the target's
   };
 
   // Posts `r` on the worker (the caller holds it). Returns whether it is still in
@@ -450,6 +503,7 @@ class UcxBackend final : public TransportBackend {
       complete_op(r.state, Status::Ok());
       return false;
     }
+    if (r.peer->rma_by_message) return r.is_write ? start_write_by_message(r) : start_read_by_message(r);
     ucp_request_param_t prm{};
     prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
     prm.cb.send = &UcxBackend::send_cb;
@@ -474,6 +528,339 @@ class UcxBackend final : public TransportBackend {
     complete_op(r.state, from_ucs(st, r.is_write ? "write" : "read"));
   }
 
+  // ---- RMA by message ---------------------------------------------------------------
+  // Where an endpoint has no native get lane (UCX 1.13 over tcp), UCX emulates get and
+  // put with messages, and its target-side handlers abort the whole process (ucs_fatal
+  // "unexpected error") when they answer an initiator that has just died. So ferry
+  // emulates them itself, with active messages whose send errors are reported, never
+  // fatal:
+  //  * read: the reader sends READ_REQ (region id, address, length); the target checks
+  //    the range against its registered region, copies the bytes out in chunks of
+  //    kReadChunk (at most kReadWindow in flight per request) and sends them as eager
+  //    READ_DATA messages; the reader copies each into place and completes the read
+  //    when every byte arrived. Late data of a read already failed is dropped.
+  //  * write: WRITE messages (region id, address, bytes) in chunks, straight from the
+  //    caller's buffer; complete when every chunk was sent. The target checks each
+  //    against its region, copies it in, and remembers a refused one for the writer.
+  //  * flush: FLUSH_REQ after the writes (messages on one endpoint arrive in order);
+  //    the target answers FLUSH_ACK once every earlier WRITE is applied, with an error
+  //    if one was refused since the last flush.
+  struct ReadReq {
+    uint32_t magic;
+    uint32_t reserved;
+    uint64_t op;      // the reader's op id
+    uint64_t reader;  // the reader's instance id
+    uint64_t region;  // the target's region id
+    uint64_t addr;
+    uint64_t length;
+  };
+  struct ReadData {
+    uint32_t magic;
+    int32_t status;  // 0, or a ucs_status_t refusing the whole read
+    uint64_t op;
+    uint64_t offset;  // within the read
+    uint64_t length;  // of this chunk (== the message's data length)
+  };
+  struct AmRead {
+    std::byte* dst;
+    uint64_t length;
+    uint64_t got;
+  };
+  // One request being answered (target side).
+  struct ReadReply {
+    ucp_ep_h ep;                  // the reader's endpoint (ours if connected, else the reply ep)
+    std::shared_ptr<Peer> peer;   // null when answering on the reply ep
+    uint64_t op, region, addr, length;
+    uint64_t sent = 0;            // bytes handed to UCX
+    int in_flight = 0;
+    bool stopped = false;
+  };
+
+  // Whether `ep` reads by message: UCX's description of the endpoint shows no get lane.
+  // FERRY_UCX_READS=message|rma forces either (tests, diagnostics).
+  bool rma_by_message(ucp_ep_h ep) {
+    if (const char* force = std::getenv("FERRY_UCX_READS")) {
+      if (std::strcmp(force, "message") == 0) return true;
+      if (std::strcmp(force, "rma") == 0) return false;
+    }
+    char* text = nullptr;
+    size_t len = 0;
+    FILE* f = open_memstream(&text, &len);
+    if (f == nullptr) return false;
+    ucp_ep_print_info(ep, f);
+    std::fclose(f);
+    std::string info(text == nullptr ? "" : text, len);
+    std::free(text);
+    if (info.find("lane[") == std::string::npos) return false;  // unknown format: trust UCX
+    return info.find("get[") == std::string::npos;
+  }
+
+  // Caller holds the worker. Returns true (the read is in flight).
+  bool start_read_by_message(const RmaOp& r) {
+    uint64_t op_id = track(r.peer.get(), [this, r](ucs_status_t st) { rma_done(r, st); });
+    am_reads_.emplace(op_id, AmRead{static_cast<std::byte*>(r.local), r.length, 0});
+    auto req = std::make_shared<ReadReq>(ReadReq{kReadMagic, 0, op_id, id_, r.region_id, r.remote_addr, r.length});
+    ucp_request_param_t prm{};
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    prm.cb.send = &UcxBackend::send_cb;
+    prm.user_data = this;
+    prm.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
+    uint64_t send_id = track(r.peer.get(), [this, op_id, req](ucs_status_t st) {
+      if (st != UCS_OK) finish(op_id, st);  // the request never left: fail the read
+    });
+    settle(send_id, ucp_am_send_nbx(r.peer->ep, kAmReadReq, req.get(), sizeof(ReadReq), nullptr, 0, &prm));
+    return true;
+  }
+
+  // Target: a READ_REQ arrived (progress thread, inside ucp_worker_progress).
+  static ucs_status_t read_req_cb(void* arg, const void* header, size_t header_length, void*, size_t length,
+                                  const ucp_am_recv_param_t* param) {
+    auto* self = static_cast<UcxBackend*>(arg);
+    ReadReq q{};
+    if (header_length != sizeof q || length != 0) {
+      self->stats_.malformed_messages++;
+      return UCS_OK;
+    }
+    std::memcpy(&q, header, sizeof q);
+    if (q.magic != kReadMagic) {
+      self->stats_.malformed_messages++;
+      return UCS_OK;
+    }
+    auto reply = std::make_shared<ReadReply>();
+    reply->op = q.op;
+    reply->region = q.region;
+    reply->addr = q.addr;
+    reply->length = q.length;
+    std::tie(reply->ep, reply->peer) = self->answer_ep(q.reader, param);
+    if (reply->ep == nullptr) {
+      self->stats_.malformed_messages++;
+      return UCS_OK;
+    }
+    self->pump_reply(reply);
+    return UCS_OK;
+  }
+
+  // Target: sends the next chunks of `rp` (progress thread).
+  void pump_reply(const std::shared_ptr<ReadReply>& rp) {
+    while (!rp->stopped && rp->in_flight < kReadWindow && (rp->sent < rp->length || rp->length == 0)) {
+      if (rp->peer && !peer_usable(*rp->peer)) {
+        rp->stopped = true;
+        return;
+      }
+      auto buf = std::make_shared<std::vector<std::byte>>();
+      ReadData d{kReadMagic, 0, rp->op, rp->sent, 0};
+      {
+        // Checked again for every chunk: the region may be deregistered meanwhile.
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = regions_.find(rp->region);
+        const uint64_t base = it == regions_.end() ? 0 : uint64_t(reinterpret_cast<uintptr_t>(it->second.base));
+        if (it == regions_.end() || rp->addr < base || rp->length > it->second.length ||
+            rp->addr - base > it->second.length - rp->length) {
+          d.status = it == regions_.end() ? int32_t(UCS_ERR_NO_ELEM) : int32_t(UCS_ERR_OUT_OF_RANGE);
+        } else {
+          d.length = std::min(kReadChunk, rp->length - rp->sent);
+          const auto* src = reinterpret_cast<const std::byte*>(rp->addr + rp->sent);
+          buf->assign(src, src + d.length);
+        }
+      }
+      auto hdr = std::make_shared<ReadData>(d);
+      rp->sent += d.length;
+      rp->in_flight++;
+      if (d.status != 0 || rp->length == 0) rp->stopped = true;  // the last message of this request
+      ucp_request_param_t prm{};
+      prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+      prm.cb.send = &UcxBackend::send_cb;
+      prm.user_data = this;
+      prm.flags = UCP_AM_SEND_FLAG_EAGER;
+      uint64_t id = track(rp->peer.get(), [this, rp, hdr, buf](ucs_status_t st) {
+        rp->in_flight--;
+        if (st != UCS_OK) {
+          rp->stopped = true;  // the reader is gone or unreachable: nothing to answer
+          return;
+        }
+        pump_reply(rp);
+      });
+      settle(id, ucp_am_send_nbx(rp->ep, kAmReadData, hdr.get(), sizeof(ReadData), buf->data(), buf->size(), &prm));
+    }
+  }
+
+  struct WriteData {
+    uint32_t magic;
+    uint32_t reserved;
+    uint64_t writer;  // the writer's instance id
+    uint64_t region;  // the target's region id
+    uint64_t addr;
+    uint64_t length;  // == the message's data length
+  };
+  struct FlushMsg {
+    uint32_t magic;
+    int32_t status;   // FLUSH_ACK: 0, or the ucs_status_t of a refused write
+    uint64_t op;      // the flusher's op id
+    uint64_t sender;  // the sender's instance id
+  };
+
+  // Caller holds the worker. Returns true (in flight, or already completed).
+  bool start_write_by_message(const RmaOp& r) {
+    uint64_t op_id = track(r.peer.get(), [this, r](ucs_status_t st) { rma_done(r, st); });
+    const uint64_t chunks = (r.length + kReadChunk - 1) / kReadChunk;
+    auto left = std::make_shared<uint64_t>(chunks);
+    for (uint64_t i = 0; i < chunks; ++i) {
+      const uint64_t off = i * kReadChunk;
+      const uint64_t len = std::min(kReadChunk, r.length - off);
+      auto hdr = std::make_shared<WriteData>(WriteData{kReadMagic, 0, id_, r.region_id, r.remote_addr + off, len});
+      ucp_request_param_t prm{};
+      prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+      prm.cb.send = &UcxBackend::send_cb;
+      prm.user_data = this;
+      prm.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
+      uint64_t send_id = track(r.peer.get(), [this, op_id, left, hdr](ucs_status_t st) {
+        if (st != UCS_OK) return finish(op_id, st);
+        if (--*left == 0) finish(op_id, UCS_OK);
+      });
+      settle(send_id, ucp_am_send_nbx(r.peer->ep, kAmWrite, hdr.get(), sizeof(WriteData),
+                                      static_cast<const std::byte*>(r.local) + off, len, &prm));
+    }
+    return true;
+  }
+
+  // Target: a WRITE chunk arrived (progress thread).
+  static ucs_status_t write_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                               const ucp_am_recv_param_t* param) {
+    auto* self = static_cast<UcxBackend*>(arg);
+    WriteData w{};
+    if (header_length != sizeof w || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+      self->stats_.malformed_messages++;
+      return UCS_OK;
+    }
+    std::memcpy(&w, header, sizeof w);
+    if (w.magic != kReadMagic || w.length != length) {
+      self->stats_.malformed_messages++;
+      return UCS_OK;
+    }
+    std::lock_guard<std::mutex> lock(self->mu_);
+    auto it = self->regions_.find(w.region);
+    const uint64_t base = it == self->regions_.end() ? 0 : uint64_t(reinterpret_cast<uintptr_t>(it->second.base));
+    if (it == self->regions_.end() || w.addr < base || w.length > it->second.length ||
+        w.addr - base > it->second.length - w.length) {
+      self->refused_writes_[w.writer] = it == self->regions_.end() ? UCS_ERR_NO_ELEM : UCS_ERR_OUT_OF_RANGE;
+      return UCS_OK;
+    }
+    std::memcpy(reinterpret_cast<void*>(w.addr), data, length);
+    return UCS_OK;
+  }
+
+  // Caller holds the worker (a flush command on the progress thread).
+  void start_flush_by_message(const std::shared_ptr<Peer>& peer, const std::shared_ptr<OpState>& state) {
+    uint64_t op_id = track(peer.get(), [state](ucs_status_t st) { state->complete(from_ucs(st, "flush")); });
+    am_flushes_.insert(op_id);
+    auto msg = std::make_shared<FlushMsg>(FlushMsg{kReadMagic, 0, op_id, id_});
+    ucp_request_param_t prm{};
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    prm.cb.send = &UcxBackend::send_cb;
+    prm.user_data = this;
+    prm.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
+    uint64_t send_id = track(peer.get(), [this, op_id, msg](ucs_status_t st) {
+      if (st != UCS_OK) finish(op_id, st);
+    });
+    settle(send_id, ucp_am_send_nbx(peer->ep, kAmFlushReq, msg.get(), sizeof(FlushMsg), nullptr, 0, &prm));
+  }
+
+  // The endpoint to answer `sender` on: ours when connected to it, else UCX's reply ep.
+  std::pair<ucp_ep_h, std::shared_ptr<Peer>> answer_ep(uint64_t sender, const ucp_am_recv_param_t* param) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = peers_.find(sender);
+      if (it != peers_.end() && !it->second->failed && it->second->ep != nullptr) return {it->second->ep, it->second};
+    }
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) && param->reply_ep != nullptr) return {param->reply_ep, nullptr};
+    return {nullptr, nullptr};
+  }
+
+  // Target: FLUSH_REQ (progress thread). Every earlier WRITE of this sender is applied.
+  static ucs_status_t flush_req_cb(void* arg, const void* header, size_t header_length, void*, size_t length,
+                                   const ucp_am_recv_param_t* param) {
+    auto* self = static_cast<UcxBackend*>(arg);
+    FlushMsg f{};
+    if (header_length != sizeof f || length != 0) {
+      self->stats_.malformed_messages++;
+      return UCS_OK;
+    }
+    std::memcpy(&f, header, sizeof f);
+    auto [ep, peer] = self->answer_ep(f.sender, param);
+    if (f.magic != kReadMagic || ep == nullptr) {
+      self->stats_.malformed_messages++;
+      return UCS_OK;
+    }
+    ucs_status_t refused = UCS_OK;
+    {
+      std::lock_guard<std::mutex> lock(self->mu_);
+      auto it = self->refused_writes_.find(f.sender);
+      if (it != self->refused_writes_.end()) {
+        refused = it->second;
+        self->refused_writes_.erase(it);
+      }
+    }
+    auto ack = std::make_shared<FlushMsg>(FlushMsg{kReadMagic, int32_t(refused), f.op, self->id_});
+    ucp_request_param_t prm{};
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    prm.cb.send = &UcxBackend::send_cb;
+    prm.user_data = self;
+    prm.flags = UCP_AM_SEND_FLAG_EAGER;
+    uint64_t id = self->track(peer.get(), [ack](ucs_status_t) {});
+    self->settle(id, ucp_am_send_nbx(ep, kAmFlushAck, ack.get(), sizeof(FlushMsg), nullptr, 0, &prm));
+    return UCS_OK;
+  }
+
+  // Flusher: FLUSH_ACK (progress thread).
+  static ucs_status_t flush_ack_cb(void* arg, const void* header, size_t header_length, void*, size_t length,
+                                   const ucp_am_recv_param_t*) {
+    auto* self = static_cast<UcxBackend*>(arg);
+    FlushMsg f{};
+    if (header_length != sizeof f || length != 0) {
+      self->stats_.malformed_messages++;
+      return UCS_OK;
+    }
+    std::memcpy(&f, header, sizeof f);
+    if (f.magic != kReadMagic) {
+      self->stats_.malformed_messages++;
+      return UCS_OK;
+    }
+    if (self->am_flushes_.erase(f.op) == 0) return UCS_OK;  // a flush already failed: drop
+    self->finish(f.op, f.status == 0 ? UCS_OK : ucs_status_t(f.status));
+    return UCS_OK;
+  }
+
+  // Reader: a chunk of a read arrived (progress thread).
+  static ucs_status_t read_data_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                                   const ucp_am_recv_param_t* param) {
+    auto* self = static_cast<UcxBackend*>(arg);
+    ReadData d{};
+    if (header_length != sizeof d || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+      self->stats_.malformed_messages++;
+      return UCS_OK;
+    }
+    std::memcpy(&d, header, sizeof d);
+    auto it = self->am_reads_.find(d.op);
+    if (d.magic != kReadMagic || it == self->am_reads_.end()) {
+      if (d.magic != kReadMagic) self->stats_.malformed_messages++;
+      return UCS_OK;  // a read that already failed (or never was): drop
+    }
+    AmRead& rd = it->second;
+    if (d.status != 0) {
+      self->finish(d.op, ucs_status_t(d.status));
+      return UCS_OK;
+    }
+    if (d.length != length || d.offset > rd.length || d.length > rd.length - d.offset) {
+      self->stats_.malformed_messages++;
+      self->finish(d.op, UCS_ERR_IO_ERROR);
+      return UCS_OK;
+    }
+    std::memcpy(rd.dst + d.offset, data, length);
+    rd.got += length;
+    if (rd.got >= rd.length) self->finish(d.op, UCS_OK);
+    return UCS_OK;
+  }
+
   // Completes an op; on a caller thread posting directly, an op with a callback is
   // completed from the progress thread instead (callbacks never run inline).
   void complete_op(const std::shared_ptr<OpState>& state, Status st) {
@@ -492,6 +879,7 @@ class UcxBackend final : public TransportBackend {
         state->complete(peer_failed("flush: peer {:#x} failed", peer->id));
         return;
       }
+      if (peer->rma_by_message) return start_flush_by_message(peer, state);
       uint64_t op_id = track(peer.get(), [state](ucs_status_t st) { state->complete(from_ucs(st, "flush")); });
       ucp_request_param_t prm{};
       prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -690,6 +1078,8 @@ class UcxBackend final : public TransportBackend {
 
   // Completes op `id` once; a later UCX callback for it finds nothing and is ignored.
   void finish(uint64_t id, ucs_status_t st) {
+    am_reads_.erase(id);  // late chunks of a failed read must not land in the caller's buffer
+    am_flushes_.erase(id);
     auto it = inflight_.find(id);
     if (it == inflight_.end()) return;
     auto fn = std::move(it->second.fn);
@@ -918,6 +1308,7 @@ class UcxBackend final : public TransportBackend {
   uint64_t next_key_ = 1;
   std::shared_ptr<const MessageHandler> message_handler_;
   std::shared_ptr<const PeerFailureHandler> failure_handler_;
+  std::map<uint64_t, ucs_status_t> refused_writes_;  // writer id -> refused WRITE since its last flush
   std::mutex handler_mu_;  // held while a handler runs (set_* waits for a running one)
 
   // Progress thread only.
@@ -926,6 +1317,8 @@ class UcxBackend final : public TransportBackend {
     std::function<void(ucs_status_t)> fn;
   };
   std::unordered_map<uint64_t, Inflight> inflight_;
+  std::unordered_map<uint64_t, AmRead> am_reads_;  // reads by message, by op id
+  std::unordered_set<uint64_t> am_flushes_;        // flushes by message, by op id
   uint64_t next_op_ = 1;
 };
 
