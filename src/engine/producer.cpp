@@ -83,6 +83,7 @@ struct Producer::Impl {
   std::map<int, int> pushes_inflight;
   std::map<int, std::pair<uint64_t, uint64_t>> flushed_owed;
   SyncReport report;
+  Status local_failure;  // see note_local_failure; mu
 
   Impl(WeightSource& s, Transport& t, Store& st, const ProducerOptions& opt) : source(s), tr(t), store(st), o(opt) {}
 
@@ -149,6 +150,16 @@ struct Producer::Impl {
     m.version = v;
     m.routes_hash = routes_hash;
     for (PeerId id : to) tr.send(id, kTag, encode_msg(m)).status().ignore();
+  }
+
+  // An op refused by this side's own transport (shut down, or crashed by failure
+  // injection), not because of the peer: this producer can serve nobody, so its sync
+  // fails at once instead of waiting out stall_timeout for releases that cannot come.
+  void note_local_failure(const Status& st) {
+    if (st.code() != StatusCode::kCancelled && st.code() != StatusCode::kFailedPrecondition) return;
+    std::lock_guard<std::mutex> lk(mu);
+    if (local_failure.ok()) local_failure = st.with_context(fmt::format("producer {}: its transport failed", rank));
+    cv.notify_all();
   }
 
   // The slot holding (current version, g), or -1. mu held.
@@ -222,6 +233,7 @@ struct Producer::Impl {
     }
     // Exactly one of fail() and the PUSHED path ends each push (push_done).
     auto fail = [this, c, v](const Status& st) {
+      note_local_failure(st);
       std::vector<int> n;
       {
         std::lock_guard<std::mutex> lk(mu);
@@ -432,7 +444,9 @@ struct Producer::Impl {
   Status wait_slot(size_t s, bool stop_on_restart) {
     std::vector<int> n;
     std::unique_lock<std::mutex> lk(mu);
-    while (!slots[s].pending.empty() && !(stop_on_restart && restart && restart_hash != routes_hash)) {
+    if (!local_failure.ok()) return local_failure;
+    while (!slots[s].pending.empty() && !(stop_on_restart && restart && restart_hash != routes_hash) &&
+           local_failure.ok()) {
       const auto deadline = slots[s].since + o.stall_timeout;
       if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline) {
         const std::set<int> late = slots[s].pending;
@@ -445,9 +459,10 @@ struct Producer::Impl {
       }
     }
     const uint64_t v = version;
+    Status failure = local_failure;
     lk.unlock();
     send_dropped(n, v);
-    return Status::Ok();
+    return failure;
   }
 
   // One attempt at sync v with the current routes. Sets *restarted when a consumer asked
@@ -534,9 +549,14 @@ struct Producer::Impl {
         }
         auto sent = tr.send(id, kTag, encode_msg(m));
         if (!sent.ok()) {
+          note_local_failure(sent.status());
           std::lock_guard<std::mutex> lk(mu);
           drop_locked(c, "announce failed: " + sent.status().to_string(), nullptr);
         }
+      }
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        if (!local_failure.ok()) return local_failure;
       }
       for (auto [c, rs] : to_push) start_push(static_cast<int>(s), c, rs, g, v);
     }
@@ -554,6 +574,7 @@ struct Producer::Impl {
       report = SyncReport{};
       report.version = v;
       restart = false;
+      local_failure = Status::Ok();
       consumer_hash.clear();
       for (auto it = ready.begin(); it != ready.end();) it = std::get<0>(it->first) < v ? ready.erase(it) : std::next(it);
       for (auto& s : slots) s = Slot{};
@@ -599,7 +620,7 @@ struct Producer::Impl {
           }
           return true;
         };
-        while (!all_done() && !(restart && restart_hash != routes_hash)) {
+        while (!all_done() && !(restart && restart_hash != routes_hash) && local_failure.ok()) {
           if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline) break;
         }
         restarted = restart && restart_hash != routes_hash;

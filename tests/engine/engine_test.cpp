@@ -299,11 +299,13 @@ TEST(EngineThreads, OnlyHolderDiesThenRecovers) {
 // without it, the sync completes verified (no consumer dropped: a consumer still on the
 // old routes is told of the new ones, see Producer send_routes_notice); after it
 // restarts, it rejoins.
-TEST(EngineThreads, ProducerDiesFailoverToDpReplica) {
+void failover_to_dp_replica(SyncMode mode) {
   Cluster k;
+  k.eo.mode = mode;
   k.tweak_producer = [&k](ProducerOptions& o, int p) {
     if (p != 1) return;
-    o.stall_timeout = 1s;  // the crashed producer's own sync thread (a dead process has none)
+    // (The crashed producer's own sync thread, which a dead process would not have,
+    // ends at its first refused send: no stall timeout involved.)
     o.test_point = [&k](uint64_t v, int g) {
       if (v == 2 && g == 2) k.ptr[1]->simulate_crash().ignore();
     };
@@ -348,6 +350,10 @@ TEST(EngineThreads, ProducerDiesFailoverToDpReplica) {
   EXPECT_EQ(k.prod[0]->routes().hash(), full);
   for (auto& c : k.cons) EXPECT_EQ(c->routes().hash(), full);
 }
+TEST(EngineThreads, ProducerDiesFailoverToDpReplica) { failover_to_dp_replica(SyncMode::kPull); }
+// Push: producers write into receive slots, so a consumer that moves to new routes
+// must not reuse a slot while a write of the old ones may still land there (FLUSHED).
+TEST(EngineThreads, PushProducerDiesFailoverToDpReplica) { failover_to_dp_replica(SyncMode::kPush); }
 
 }  // namespace
 }  // namespace ferry
