@@ -40,7 +40,8 @@
 //     consumers fail over (EngineOptions::failover) and the sync completes; otherwise the
 //     sync fails with kPeerFailed naming the producer; groups already unpacked are new
 //     and the rest old: state() reports torn until a later sync completes. A restarted
-//     producer (Producer::create again) rejoins at the next sync.
+//     producer (Producer::create again, between syncs: it clears its {job}/dead/ mark)
+//     rejoins at the next sync.
 //   * Every wait is bounded (timeout, stall_timeout, rendezvous_timeout); every
 //     message is length-checked, every read is checked against the staging region
 //     (Routes::validate plus the transport's key bounds).
