@@ -557,11 +557,13 @@ class UcxBackend final : public TransportBackend {
   struct ReadData {
     uint32_t magic;
     int32_t status;  // 0, or a ucs_status_t refusing the whole read
+    uint64_t target;  // the target's instance id (the reader checks it is the one it asked)
     uint64_t op;
     uint64_t offset;  // within the read
     uint64_t length;  // of this chunk (== the message's data length)
   };
   struct AmRead {
+    PeerId target;
     std::byte* dst;
     uint64_t length;
     uint64_t got;
@@ -598,7 +600,7 @@ class UcxBackend final : public TransportBackend {
   // Caller holds the worker. Returns true (the read is in flight).
   bool start_read_by_message(const RmaOp& r) {
     uint64_t op_id = track(r.peer.get(), [this, r](ucs_status_t st) { rma_done(r, st); });
-    am_reads_.emplace(op_id, AmRead{static_cast<std::byte*>(r.local), r.length, 0});
+    am_reads_.emplace(op_id, AmRead{r.peer->id, static_cast<std::byte*>(r.local), r.length, 0});
     auto req = std::make_shared<ReadReq>(ReadReq{kReadMagic, 0, op_id, id_, r.region_id, r.remote_addr, r.length});
     ucp_request_param_t prm{};
     prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
@@ -648,7 +650,7 @@ class UcxBackend final : public TransportBackend {
         return;
       }
       auto buf = std::make_shared<std::vector<std::byte>>();
-      ReadData d{kReadMagic, 0, rp->op, rp->sent, 0};
+      ReadData d{kReadMagic, 0, id_, rp->op, rp->sent, 0};
       {
         // Checked again for every chunk: the region may be deregistered meanwhile.
         std::lock_guard<std::mutex> lock(mu_);
@@ -841,7 +843,7 @@ class UcxBackend final : public TransportBackend {
     }
     std::memcpy(&d, header, sizeof d);
     auto it = self->am_reads_.find(d.op);
-    if (d.magic != kReadMagic || it == self->am_reads_.end()) {
+    if (d.magic != kReadMagic || it == self->am_reads_.end() || it->second.target != d.target) {
       if (d.magic != kReadMagic) self->stats_.malformed_messages++;
       return UCS_OK;  // a read that already failed (or never was): drop
     }
