@@ -54,14 +54,16 @@ int run_bench_cmd(engine::BenchSpec b, bool json, bool model_given, bool overrid
               j["trainer"].get<std::string>().c_str(), j["producers"].get<int>(),
               j["inference"].get<std::string>().c_str(), j["consumers"].get<int>(), j["tls"].get<std::string>().c_str(),
               j["syncs"].get<int>());
-  std::printf("%-34s %10s %12s %9s\n", "", "seconds", "bytes", "GB/s");
-  std::printf("%-34s %10.4f %12.0f %9.2f\n", push ? "ferry sync (push, verified)" : "ferry sync (pull, verified)", sync, bytes, j["gbps"].get<double>());
-  std::printf("%-34s %10.4f %12.0f %9.2f\n", push ? "raw UCX writes, same sizes" : "raw UCX reads, same sizes", j["raw_transport_seconds"].get<double>(),
-              bytes, j["raw_transport_gbps"].get<double>());
+  std::printf("%-34s %10s %12s %9s %8s\n", "", "seconds", "bytes", "GB/s", "CPU s");
+  std::printf("%-34s %10.4f %12.0f %9.2f %8.2f\n", push ? "ferry sync (push, verified)" : "ferry sync (pull, verified)", sync,
+              bytes, j["gbps"].get<double>(), j["sync_cpu_seconds"].get<double>());
+  std::printf("%-34s %10.4f %12.0f %9.2f %8.2f\n", push ? "raw UCX writes, same sizes" : "raw UCX reads, same sizes", j["raw_transport_seconds"].get<double>(),
+              bytes, j["raw_transport_gbps"].get<double>(), j["raw_cpu_seconds"].get<double>());
   std::printf("%-34s %10.4f %12.0f %9.2f\n", "memcpy, same bytes", j["memcpy_seconds"].get<double>(), bytes,
               j["memcpy_gbps"].get<double>());
-  std::printf("%-34s %10.4f %12.0f %9.2f\n", "broadcast (OpenMPI MPI_Bcast)", j["broadcast_seconds"].get<double>(),
-              j["broadcast_bytes"].get<double>(), j["broadcast_gbps"].get<double>());
+  std::printf("%-34s %10.4f %12.0f %9.2f %8.2f\n", "broadcast (OpenMPI MPI_Bcast)",
+              j["broadcast_seconds"].get<double>(), j["broadcast_bytes"].get<double>(), j["broadcast_gbps"].get<double>(),
+              j["broadcast_cpu_seconds"].get<double>());
   std::printf("\nefficiency_vs_raw     %.2f  (ferry GB/s / raw UCX GB/s)\n", j["efficiency_vs_raw"].get<double>());
   std::printf("speedup_vs_broadcast  %.2f  (broadcast seconds / ferry seconds)\n",
               j["speedup_vs_broadcast"].get<double>());
