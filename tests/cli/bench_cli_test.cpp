@@ -34,7 +34,9 @@ BenchRun run_bench(const std::string& extra) {
                           "/configs/llama-3.1-8b.json --config-overrides '{\"num_hidden_layers\": 2, "
                           "\"hidden_size\": 256, \"intermediate_size\": 512, \"vocab_size\": 1024, "
                           "\"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"head_dim\": 64}' "
-                          "--trainer tp=2 --inference tp=2 --syncs 2 " +
+                          "--trainer tp=2 --inference tp=2 --syncs 2 "
+                          // No CMA single copy: containers often forbid process_vm_readv.
+                          "--mpi-mca '--mca pml ob1 --mca btl self,vader --mca btl_vader_single_copy_mechanism none' " +
                           extra + " 2>" + err_path;
   BenchRun r;
   FILE* f = ::popen(cmd.c_str(), "r");
