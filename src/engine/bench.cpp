@@ -513,11 +513,16 @@ BenchResult run_bench(const BenchSpec& b) {
   std::vector<Proc> procs;
   auto kill_all = [&] {
     for (auto& p : procs) {
-      if (p.pid > 0) {
-        ::kill(p.pid, SIGKILL);
-        ::waitpid(p.pid, nullptr, 0);
-        p.pid = -1;
+      if (p.pid <= 0) continue;
+      // mpirun passes SIGTERM on to its ranks (a SIGKILLed mpirun would orphan them).
+      if (p.name == "mpirun") {
+        ::kill(p.pid, SIGTERM);
+        reap(p, std::chrono::milliseconds(3000));
+        continue;
       }
+      ::kill(p.pid, SIGKILL);
+      ::waitpid(p.pid, nullptr, 0);
+      p.pid = -1;
     }
   };
   auto logs = [&] {
