@@ -318,7 +318,7 @@ struct Producer::Impl {
           }
           if (!current) {
             if (!in_sync && m->version > version) early_failover[c] = {m->version, m->routes_hash};
-            return;
+            break;  // (not return: FLUSHED is still owed)
           }
           // c abandoned its attempt: it reads none of the slots it had pending.
           consumer_hash[c] = m->routes_hash;
