@@ -79,9 +79,9 @@ int run_worker(const WorkerSpec& s) {
   to.backend = s.backend;
   if (to.backend == "ucx") {
     const char* tls = std::getenv("FERRY_UCX_TLS");
-    // Shared memory by default: UCX 1.13 aborts (ucp_request_try_send: "unexpected
-    // error: Endpoint timeout") when a peer dies while this side still answers its
-    // emulated gets over tcp; FERRY_UCX_TLS=tcp,self selects tcp.
+    // Shared memory by default (one host); FERRY_UCX_TLS=tcp,self selects tcp, where the
+    // transport does RMA by message (UCX 1.13's own emulation aborted the serving process
+    // when its peer died; the fault tests run over tcp too).
     to.ucx_config = {{"TLS", tls ? tls : "sm,self"}};
     if (!tls || std::string(tls).find("tcp") != std::string::npos) to.ucx_config.push_back({"NET_DEVICES", "lo"});
   }

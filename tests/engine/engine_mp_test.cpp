@@ -176,6 +176,36 @@ void producer_only_holder(const char* mode) {
 TEST(EngineMultiProcess, ProducerSigkillOnlyHolderThenRecovers) { producer_only_holder("pull"); }
 TEST(EngineMultiProcess, PushProducerSigkillOnlyHolderThenRecovers) { producer_only_holder("push"); }
 
+// Over UCX tcp (FERRY_UCX_TLS=tcp,self for the workers): peers die while this side serves
+// their reads/writes by message, and a producer dies mid-sync. (UCX 1.13's own get
+// emulation over tcp aborted the serving process here; the transport now does RMA by
+// message itself.)
+struct UcxTlsEnv {
+  explicit UcxTlsEnv(const char* tls) { ::setenv("FERRY_UCX_TLS", tls, 1); }
+  ~UcxTlsEnv() { ::unsetenv("FERRY_UCX_TLS"); }
+};
+
+TEST(EngineMultiProcess, ConsumerSigkillOverUcxTcpPullAndPush) {
+  UcxTlsEnv tcp("tcp,self");
+  for (const char* mode : {"pull", "push"}) {
+    auto d = spec("llama-3.1-8b.json", "tp=2,pp=2", "tp=2,replicas=2");
+    d.mode = mode;
+    d.overrides = R"({"num_hidden_layers": 4})";
+    const int points = 8;
+    d.syncs = 2 * points + 1;
+    for (int i = 0; i < points; ++i) d.kills.push_back({2 * i + 1, 3 * i});
+    d.timeout_ms = 30000;
+    auto r = engine::run_demo(d);
+    expect_ok(r, d.syncs);
+  }
+}
+
+TEST(EngineMultiProcess, ProducerSigkillFailoverOverUcxTcp) {
+  UcxTlsEnv tcp("tcp,self");
+  producer_failover("pull");
+  producer_failover("push");
+}
+
 // MLA + MoE end to end: DeepSeek-V3 shrunk (MLA q/kv LoRA, 1 dense + 3 MoE layers, 4
 // routed experts; bf16, its FP8 block scales would not split over trainer TP), trainer
 // TP/PP/EP shards read where they lie (every trainer rank serves), 2 inference replicas of
