@@ -26,15 +26,16 @@ std::string self_exe() {
 
 constexpr const char* kMoeModel = "configs/qwen3-30b-a3b.json";
 constexpr const char* kDenseModel = "configs/llama-3.1-8b.json";
-// Shrunk-model sizes for the demo: ~47 MB (MoE; ~45 MB dense) that 2 cores sync and verify (a direct load
-// of every version on every rank) well within a minute; --config-overrides scales up.
+// Shrunk-model sizes for the demo: ~288 MB (MoE: 16 experts of 1024x512, 4 layers;
+// ~190 MB dense) that 2 cores sync and verify (a direct load of every version on every
+// rank) in well under a minute; --config-overrides scales up or down.
 constexpr const char* kMoeOverrides =
-    R"({"num_hidden_layers": 4, "hidden_size": 512, "moe_intermediate_size": 256, "num_experts": 8,)"
-    R"( "num_experts_per_tok": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,)"
-    R"( "vocab_size": 8000})";
+    R"({"num_hidden_layers": 4, "hidden_size": 1024, "moe_intermediate_size": 512, "num_experts": 16,)"
+    R"( "num_experts_per_tok": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,)"
+    R"( "vocab_size": 16000})";
 constexpr const char* kDenseOverrides =
-    R"({"num_hidden_layers": 4, "hidden_size": 512, "intermediate_size": 2048, "vocab_size": 8000,)"
-    R"( "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64})";
+    R"({"num_hidden_layers": 4, "hidden_size": 1024, "intermediate_size": 4096, "vocab_size": 16000,)"
+    R"( "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128})";
 
 int run_demo_cmd(engine::DemoSpec d, int kill_sync, int kill_point, bool model_given, bool overrides_given) {
   d.worker_binary = self_exe();

@@ -1,6 +1,9 @@
 // The synthetic in-memory WeightSource: values derivable from (seed, version, name, index).
 #include <xxhash.h>
 
+#include <cstring>
+#include <vector>
+
 #include "ferry/source.h"
 
 namespace ferry {
@@ -36,19 +39,92 @@ double value_of(uint64_t key, int64_t index, DType dtype) {
   return 0;
 }
 
-// Fills `out` (contiguous, box-shaped) with the box's elements of `decl`.
+// The encoded bytes of every value value_of can give a dtype: for every dtype but f32
+// it draws from a small set (h % modulus), so filling is a table lookup instead of a
+// double conversion per element. modulus 0: no table (f32).
+struct ValueTable {
+  uint64_t modulus = 0;
+  size_t size = 0;  // element bytes
+  std::vector<std::byte> bytes;
+};
+
+ValueTable value_table(DType dtype) {
+  ValueTable t;
+  t.size = dtype_size(dtype);
+  switch (dtype) {
+    case DType::kF32: return t;
+    case DType::kBF16:
+    case DType::kF16: t.modulus = 128; break;
+    case DType::kF8E4M3:
+    case DType::kF8E5M2: t.modulus = 32; break;
+    case DType::kI8:
+    case DType::kI16:
+    case DType::kI32:
+    case DType::kI64: t.modulus = 201; break;
+    case DType::kU8: t.modulus = 256; break;
+    case DType::kBool: t.modulus = 2; break;
+  }
+  t.bytes.resize(t.modulus * t.size);
+  // value_of(key, index) depends on h only through h % modulus: feed it each residue.
+  for (uint64_t r = 0; r < t.modulus; ++r) {
+    double v = 0;
+    switch (dtype) {
+      case DType::kBF16:
+      case DType::kF16: v = static_cast<double>(static_cast<int64_t>(r) - 64) / 8.0; break;
+      case DType::kF8E4M3:
+      case DType::kF8E5M2: v = static_cast<double>(static_cast<int64_t>(r) - 16) / 4.0; break;
+      case DType::kI8:
+      case DType::kI16:
+      case DType::kI32:
+      case DType::kI64: v = static_cast<double>(static_cast<int64_t>(r) - 100); break;
+      default: v = static_cast<double>(r); break;
+    }
+    store_element(t.bytes.data() + r * t.size, dtype, v);
+  }
+  return t;
+}
+
+// Writes the elements of flat indices [flat, flat + n) to out.
+void fill_run(uint64_t key, DType dtype, const ValueTable& t, int64_t flat, int64_t n, std::byte* out) {
+  if (t.modulus == 0) {
+    for (int64_t j = 0; j < n; ++j) store_element(out + static_cast<size_t>(j) * t.size, dtype, value_of(key, flat + j, dtype));
+    return;
+  }
+  const bool pow2 = (t.modulus & (t.modulus - 1)) == 0;
+  const std::byte* tb = t.bytes.data();
+  for (int64_t j = 0; j < n; ++j) {
+    const uint64_t h = mix(key ^ (static_cast<uint64_t>(flat + j) * 0xd6e8feb86659fd93ull));
+    const uint64_t r = pow2 ? (h & (t.modulus - 1)) : h % t.modulus;
+    std::byte* dst = out + static_cast<size_t>(j) * t.size;
+    switch (t.size) {  // constant-size copies
+      case 1: *dst = tb[r]; break;
+      case 2: std::memcpy(dst, tb + r * 2, 2); break;
+      case 4: std::memcpy(dst, tb + r * 4, 4); break;
+      default: std::memcpy(dst, tb + r * t.size, t.size); break;
+    }
+  }
+}
+
+// Fills `out` (contiguous, box-shaped) with the box's elements of `decl`, one
+// innermost-dimension run at a time.
 void fill_box(uint64_t key, const TensorDecl& decl, const Box& box, std::byte* out) {
   const size_t es = dtype_size(decl.dtype);
   const int64_t n = box.numel();
   if (n == 0) return;
+  const ValueTable table = value_table(decl.dtype);
   const Shape strides = contiguous_strides(decl.shape);
   const size_t nd = box.size.size();
-  Shape idx(nd, 0);
-  for (int64_t i = 0; i < n; ++i) {
-    int64_t flat = 0;
-    for (size_t k = 0; k < nd; ++k) flat += (box.start[k] + idx[k]) * strides[k];
-    store_element(out + static_cast<size_t>(i) * es, decl.dtype, value_of(key, flat, decl.dtype));
-    for (size_t k = nd; k-- > 0;) {
+  if (nd == 0) {
+    fill_run(key, decl.dtype, table, 0, 1, out);
+    return;
+  }
+  const int64_t inner = box.size[nd - 1];
+  Shape idx(nd - 1, 0);  // outer index within the box
+  for (int64_t row = 0; row < n / inner; ++row) {
+    int64_t flat = box.start[nd - 1] * strides[nd - 1];
+    for (size_t k = 0; k + 1 < nd; ++k) flat += (box.start[k] + idx[k]) * strides[k];
+    fill_run(key, decl.dtype, table, flat, inner, out + static_cast<size_t>(row * inner) * es);
+    for (size_t k = nd - 1; k-- > 0;) {
       if (++idx[k] < box.size[k]) break;
       idx[k] = 0;
     }

@@ -1,5 +1,6 @@
 // WeightSource pieces: trainer layout parsing, groups, classification, Megatron and FSDP
 // holdings, the synthetic source.
+#include <cstring>
 #include <map>
 
 #include <gtest/gtest.h>
@@ -305,6 +306,28 @@ TEST(ModelInfo, FromConfig) {
   i = model_info_from_config(j);
   EXPECT_EQ(i.q_rows, 32);
   EXPECT_EQ(i.kv_rows, 32);
+}
+
+// The table-driven fill against the element-wise definition (synthetic_value), for every
+// dtype and a 0-d tensor. (Boxes of held shards against the full tensor: above.)
+TEST(SyntheticSource, FillMatchesElementwiseDefinition) {
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16, DType::kF8E4M3, DType::kF8E5M2, DType::kI8, DType::kI16,
+                   DType::kI32, DType::kI64, DType::kU8, DType::kBool}) {
+    const TensorDecl d{"layers.0.w", dt, {5, 6, 7}};
+    const Tensor full = synthetic_tensor(3, 2, d);
+    const std::byte* p = full.data_ptr().value();
+    const size_t es = dtype_size(dt);
+    std::vector<std::byte> want(es);
+    for (int64_t i = 0; i < 5 * 6 * 7; ++i) {
+      store_element(want.data(), dt, synthetic_value(3, 2, d.name, i, dt));
+      ASSERT_EQ(std::memcmp(p + static_cast<size_t>(i) * es, want.data(), es), 0) << dtype_name(dt) << " index " << i;
+    }
+  }
+  const TensorDecl scalar{"s", DType::kBF16, {}};
+  const Tensor t = synthetic_tensor(3, 2, scalar);
+  std::vector<std::byte> want(2);
+  store_element(want.data(), DType::kBF16, synthetic_value(3, 2, "s", 0, DType::kBF16));
+  EXPECT_EQ(std::memcmp(t.data_ptr().value(), want.data(), 2), 0);
 }
 
 }  // namespace
