@@ -651,19 +651,13 @@ class UcxBackend final : public TransportBackend {
       }
       auto buf = std::make_shared<std::vector<std::byte>>();
       ReadData d{kReadMagic, 0, id_, rp->op, rp->sent, 0};
-      {
-        // Checked again for every chunk: the region may be deregistered meanwhile.
-        std::lock_guard<std::mutex> lock(mu_);
-        auto it = regions_.find(rp->region);
-        const uint64_t base = it == regions_.end() ? 0 : uint64_t(reinterpret_cast<uintptr_t>(it->second.base));
-        if (it == regions_.end() || rp->addr < base || rp->length > it->second.length ||
-            rp->addr - base > it->second.length - rp->length) {
-          d.status = it == regions_.end() ? int32_t(UCS_ERR_NO_ELEM) : int32_t(UCS_ERR_OUT_OF_RANGE);
-        } else {
-          d.length = std::min(kReadChunk, rp->length - rp->sent);
-          const auto* src = reinterpret_cast<const std::byte*>(rp->addr + rp->sent);
-          buf->assign(src, src + d.length);
-        }
+      // Checked again for every chunk: the region may have been deregistered since (only
+      // by a command of this thread, so not during the copy below).
+      d.status = check_target_range(rp->region, rp->addr, rp->length);
+      if (d.status == 0) {
+        d.length = std::min(kReadChunk, rp->length - rp->sent);
+        const auto* src = reinterpret_cast<const std::byte*>(rp->addr + rp->sent);
+        buf->assign(src, src + d.length);
       }
       auto hdr = std::make_shared<ReadData>(d);
       rp->sent += d.length;
@@ -701,6 +695,19 @@ class UcxBackend final : public TransportBackend {
     uint64_t sender;  // the sender's instance id
   };
 
+  // 0 when [addr, addr + length) lies inside registered region `region`, else the
+  // ucs_status_t refusing it.
+  int32_t check_target_range(uint64_t region, uint64_t addr, uint64_t length) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = regions_.find(region);
+    if (it == regions_.end()) return int32_t(UCS_ERR_NO_ELEM);
+    const uint64_t base = uint64_t(reinterpret_cast<uintptr_t>(it->second.base));
+    if (addr < base || length > it->second.length || addr - base > it->second.length - length) {
+      return int32_t(UCS_ERR_OUT_OF_RANGE);
+    }
+    return 0;
+  }
+
   // Caller holds the worker. Returns true (in flight, or already completed).
   bool start_write_by_message(const RmaOp& r) {
     uint64_t op_id = track(r.peer.get(), [this, r](ucs_status_t st) { rma_done(r, st); });
@@ -714,7 +721,7 @@ class UcxBackend final : public TransportBackend {
       prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
       prm.cb.send = &UcxBackend::send_cb;
       prm.user_data = this;
-      prm.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
+      prm.flags = UCP_AM_SEND_FLAG_EAGER;
       uint64_t send_id = track(r.peer.get(), [this, op_id, left, hdr](ucs_status_t st) {
         if (st != UCS_OK) return finish(op_id, st);
         if (--*left == 0) finish(op_id, UCS_OK);
@@ -739,14 +746,13 @@ class UcxBackend final : public TransportBackend {
       self->stats_.malformed_messages++;
       return UCS_OK;
     }
-    std::lock_guard<std::mutex> lock(self->mu_);
-    auto it = self->regions_.find(w.region);
-    const uint64_t base = it == self->regions_.end() ? 0 : uint64_t(reinterpret_cast<uintptr_t>(it->second.base));
-    if (it == self->regions_.end() || w.addr < base || w.length > it->second.length ||
-        w.addr - base > it->second.length - w.length) {
-      self->refused_writes_[w.writer] = it == self->regions_.end() ? UCS_ERR_NO_ELEM : UCS_ERR_OUT_OF_RANGE;
+    const int32_t refused = self->check_target_range(w.region, w.addr, w.length);
+    if (refused != 0) {
+      std::lock_guard<std::mutex> lock(self->mu_);
+      self->refused_writes_[w.writer] = ucs_status_t(refused);
       return UCS_OK;
     }
+    // Regions are deregistered only by commands of this (the progress) thread.
     std::memcpy(reinterpret_cast<void*>(w.addr), data, length);
     return UCS_OK;
   }
