@@ -61,6 +61,8 @@ int run_bench_cmd(engine::BenchSpec b, bool json, bool model_given, bool overrid
               bytes, j["raw_transport_gbps"].get<double>(), j["raw_cpu_seconds"].get<double>());
   std::printf("%-34s %10.4f %12.0f %9.2f\n", "memcpy, same bytes", j["memcpy_seconds"].get<double>(), bytes,
               j["memcpy_gbps"].get<double>());
+  std::printf("%-34s %10.4f %12.0f %9.2f\n", "its copies alone (pack+read+unpack)", j["staged_seconds"].get<double>(),
+              bytes, bytes / j["staged_seconds"].get<double>() / 1e9);
   std::printf("%-34s %10.4f %12.0f %9.2f %8.2f\n", "broadcast (OpenMPI MPI_Bcast)",
               j["broadcast_seconds"].get<double>(), j["broadcast_bytes"].get<double>(), j["broadcast_gbps"].get<double>(),
               j["broadcast_cpu_seconds"].get<double>());
