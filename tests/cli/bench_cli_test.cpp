@@ -86,6 +86,8 @@ TEST(BenchCli, JsonHasEveryKeyWithSaneValues) {
   EXPECT_LT(bytes, ckpt * 1.5);
   EXPECT_EQ(j["broadcast_bytes"].get<double>(), 2 * ckpt);
   EXPECT_EQ(j["trials"].size(), 3u);  // warm-up + 2
+  EXPECT_GT(j["staged_seconds"].get<double>(), 0);
+  EXPECT_EQ(j["broadcast_mpi"]["ranks"], 3);  // 1 root (trainer pp=1) + 2 inference ranks
 }
 
 TEST(BenchCli, MissingMpirunIsAClearError) {
