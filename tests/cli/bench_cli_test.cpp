@@ -60,6 +60,13 @@ TEST(BenchCli, JsonHasEveryKeyWithSaneValues) {
     EXPECT_NE(r.err.find("mpirun"), std::string::npos) << r.err;
     GTEST_SKIP() << "mpirun not installed";
   }
+  const std::string bin = FERRY_BIN;
+  if (::access((bin.substr(0, bin.rfind('/') + 1) + "ferry-mpi-bcast").c_str(), X_OK) != 0) {
+    BenchRun r = run_bench("");
+    EXPECT_NE(r.status, 0);
+    EXPECT_NE(r.err.find("built without MPI"), std::string::npos) << r.err;
+    GTEST_SKIP() << "ferry-mpi-bcast not built (no MPI at configure time)";
+  }
   BenchRun r = run_bench("");
   ASSERT_EQ(r.status, 0) << r.err;
   auto j = nlohmann::json::parse(r.out, nullptr, false);
