@@ -69,7 +69,8 @@
 //     way; the target also checks every such access against its registered region.
 //   * read()/write() may post from the calling thread when the worker is free; they
 //     never wait for the progress thread.
-//   * The progress thread spins while operations are in flight (and 2 ms after), then
+//   * The progress thread spins while operations are in flight (and spin_after_activity
+//     after), then
 //     sleeps until UCX reports an event or an operation is posted (UCX event fd; timed
 //     naps of 0.5 ms where there is none), so an idle Transport costs no CPU.
 //
@@ -141,6 +142,12 @@ struct TransportOptions {
   std::chrono::milliseconds close_timeout{2000};
   // UCX keepalive interval: bounds how long a silent dead peer goes unnoticed.
   std::chrono::milliseconds keepalive_interval{500};
+  // How long the progress thread keeps spinning after its last activity before it
+  // sleeps on the worker's event fd (it always spins while operations are in flight).
+  // Longer: lower latency for the next message; 0 (default): no CPU taken from other
+  // ranks between operations — on a 2-core box with 6 ranks, a 2 ms spin made a sync
+  // 2.7x slower (docs/RESULTS.md). FERRY_UCX_SPIN_US overrides it.
+  std::chrono::microseconds spin_after_activity{0};
 };
 
 // A locally registered region: value handle. Offsets in read/write are relative to

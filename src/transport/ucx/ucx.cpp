@@ -55,9 +55,8 @@ constexpr int kReadWindow = 4;
 thread_local bool direct_caller = false;
 // Control calls (connect, register, ...) wait at most this long for the progress thread.
 constexpr auto kControlTimeout = std::chrono::seconds(30);
-// After the last activity the progress thread keeps spinning this long, then sleeps in
-// slices of kIdleSleep (commands wake it at once).
-constexpr auto kSpinWindow = std::chrono::milliseconds(2);
+// Without an event fd the progress thread sleeps in slices of kIdleSleep (commands wake
+// it at once) once TransportOptions::spin_after_activity has passed.
 constexpr auto kIdleSleep = std::chrono::microseconds(500);
 // Longest sleep on the worker's event fd (wake-ups come from UCX events or posts).
 constexpr auto kMaxSleep = std::chrono::milliseconds(100);
@@ -123,7 +122,10 @@ struct Key {
 
 class UcxBackend final : public TransportBackend {
  public:
-  explicit UcxBackend(const TransportOptions& options) : opt_(options), id_(new_instance_id()) {}
+  explicit UcxBackend(const TransportOptions& options) : opt_(options), id_(new_instance_id()) {
+    spin_window_ = opt_.spin_after_activity;
+    if (const char* us = std::getenv("FERRY_UCX_SPIN_US")) spin_window_ = std::chrono::microseconds(std::atoll(us));
+  }
 
   Status init() {
     ucp_config_t* config = nullptr;
@@ -1013,7 +1015,7 @@ class UcxBackend final : public TransportBackend {
         last_active = Clock::now();
         continue;
       }
-      if (Clock::now() - last_active < kSpinWindow) continue;
+      if (Clock::now() - last_active < spin_window_) continue;
       const uint64_t posts_seen = direct_posts_.load();
       if (efd_ >= 0) {
         ucs_status_t st;
@@ -1284,6 +1286,7 @@ class UcxBackend final : public TransportBackend {
 
   TransportOptions opt_;
   uint64_t id_;
+  std::chrono::microseconds spin_window_;  // spin_after_activity (or FERRY_UCX_SPIN_US)
   // FERRY_UCX_EP_INFO=1: print each endpoint's UCX configuration (lanes) after its
   // first completed read/write (diagnostics).
   const bool debug_ep_info_ = std::getenv("FERRY_UCX_EP_INFO") != nullptr;
