@@ -122,7 +122,7 @@ struct Producer::Impl {
       m.rank = static_cast<uint32_t>(rank);
       m.version = v;
       m.routes_hash = routes_hash;
-      tr.send(id, kTag, encode_msg(m)).status().ignore();
+      if (auto sent = tr.send(id, kTag, encode_msg(m)); !sent.ok()) note_local_failure(sent.status());
     }
   }
 
@@ -459,10 +459,10 @@ struct Producer::Impl {
       }
     }
     const uint64_t v = version;
-    Status failure = local_failure;
     lk.unlock();
     send_dropped(n, v);
-    return failure;
+    std::lock_guard<std::mutex> relock(mu);
+    return local_failure;
   }
 
   // One attempt at sync v with the current routes. Sets *restarted when a consumer asked
