@@ -54,6 +54,7 @@ struct Producer::Impl {
   std::condition_variable cv;
   std::vector<Peer> peers;             // per consumer rank
   std::map<PeerId, int> peer_rank;     // connected consumer id -> rank
+  std::set<PeerId> failed_ids;         // failed before being mapped to a rank (see on_peer_failure)
   // Sync state (mu).
   bool in_sync = false;
   uint64_t version = 0;
@@ -364,10 +365,18 @@ struct Producer::Impl {
   void on_peer_failure(PeerId peer, const Status& why) {
     std::lock_guard<std::mutex> lk(mu);
     auto it = peer_rank.find(peer);
-    if (it == peer_rank.end()) return;
+    if (it == peer_rank.end()) {
+      failed_ids.insert(peer);  // failed before refresh_membership mapped it
+      return;
+    }
     const int c = it->second;
-    if (peers[static_cast<size_t>(c)].id == peer) peers[static_cast<size_t>(c)].connected = false;
-    if (in_sync && peers[static_cast<size_t>(c)].id == peer) drop_locked(c, "transport: " + why.to_string(), nullptr);
+    if (peers[static_cast<size_t>(c)].id != peer) return;
+    peers[static_cast<size_t>(c)].connected = false;
+    if (in_sync) {
+      drop_locked(c, "transport: " + why.to_string(), nullptr);
+    } else if (static_cast<size_t>(c) < live.size()) {
+      live[static_cast<size_t>(c)] = false;  // died between refresh and the sync: not waited for
+    }
   }
 
   // Installs routes (caller thread; handlers read routes under mu).
@@ -427,6 +436,7 @@ struct Producer::Impl {
           rbytes = parse_u64_field((*f)[2]).value_or(0);
         }
         std::lock_guard<std::mutex> lk(mu);
+        if (failed_ids.count(*id) != 0) continue;  // died while we connected
         p.blob = *blob;
         p.id = *id;
         p.connected = true;
@@ -437,6 +447,9 @@ struct Producer::Impl {
       now[static_cast<size_t>(c)] = true;
     }
     std::lock_guard<std::mutex> lk(mu);
+    for (int c = 0; c < o.num_consumers; ++c) {
+      if (!peers[static_cast<size_t>(c)].connected) now[static_cast<size_t>(c)] = false;  // failed since connecting
+    }
     live = now;
   }
 

@@ -40,7 +40,10 @@ void expect_ok(const engine::DemoResult& r, int syncs) {
   EXPECT_TRUE(r.all_verified) << r.error;
   ASSERT_EQ(static_cast<int>(r.rows.size()), syncs) << r.error;
   for (const auto& row : r.rows) {
-    EXPECT_EQ(row.verified, row.expected) << "sync " << row.version;
+    std::string why;
+    for (const auto& e : row.errors) why += "\n  " + e;
+    for (const auto& f : row.failures) why += "\n  " + f;
+    EXPECT_EQ(row.verified, row.expected) << "sync " << row.version << why;
     EXPECT_GT(row.bytes, 0u);
     EXPECT_LT(row.bytes, row.broadcast_bytes);
   }

@@ -22,6 +22,7 @@
 #include <unistd.h>
 #include <ucp/api/ucp.h>
 
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -228,6 +229,10 @@ class UcxBackend final : public TransportBackend {
   Result<PeerId> connect(std::span<const std::byte> bytes) override {
     FERRY_ASSIGN_OR_RETURN(wire::Address a, wire::decode_address(bytes, wire::Backend::kUcx));
     if (a.payload.empty()) return corrupt("ucx address: empty worker address");
+    if (local_process_exited(a)) {
+      // UCX 1.13 over tcp can assert inside its wire-up when the peer is already gone.
+      return peer_failed("connect: peer {:#x} (process {}) has exited", a.instance_id, a.pid);
+    }
     FERRY_ASSIGN_OR_RETURN(PeerId id, create_ep(std::move(a)));
     // Finish the wire-up now, while the peer is known to be alive: UCX 1.13 over tcp
     // asserts (wireup_ep.c "pending_count == 0") when a peer dies while messages wait
@@ -271,6 +276,7 @@ class UcxBackend final : public TransportBackend {
         }
         peer->pidfd = fd;
         peer->pid = pid_t(a.pid);
+        if (process_exited(*peer)) return peer_failed("connect: peer {:#x} (process {}) has exited", a.instance_id, a.pid);
         ep.field_mask &= ~uint64_t(UCP_EP_PARAM_FIELD_ERR_HANDLER);
         ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
         st = ucp_ep_create(worker_, &ep, &peer->ep);
@@ -405,6 +411,12 @@ class UcxBackend final : public TransportBackend {
         if (p->failed) return p->why;
       }
       if (p->ep == nullptr) return peer_failed("import_key: peer {:#x} has no endpoint", k.owner_id);
+      if (process_exited(*p)) {
+        // Unpacking a shared-memory rkey attaches the owner's segment; UCX 1.13 crashes
+        // (SIGSEGV in ucp_rkey_destroy) when that fails because the owner is gone.
+        on_peer_failure(p.get(), fmt::format("process {} exited", p->pid));
+        return peer_failed("import_key: peer {:#x} (process {}) has exited", k.owner_id, p->pid);
+      }
       ucp_rkey_h rkey = nullptr;
       ucs_status_t st = ucp_ep_rkey_unpack(p->ep, k.payload.data(), &rkey);
       if (st != UCS_OK) return corrupt("import_key: UCX refused the packed rkey: {}", ucs_status_string(st));
@@ -1056,6 +1068,24 @@ class UcxBackend final : public TransportBackend {
       rest.swap(cmds_);
     }
     for (auto& fn : rest) fn();
+  }
+
+  // Whether the address is of a process on this host that has exited (a zombie counts).
+  static bool local_process_exited(const wire::Address& a) {
+    if (a.pid == 0 || a.host_tag == 0 || a.host_tag != wire::local_host_tag()) return false;
+    int fd = int(syscall(SYS_pidfd_open, pid_t(a.pid), 0));
+    if (fd < 0) return errno == ESRCH;
+    pollfd p{fd, POLLIN, 0};
+    const bool exited = poll(&p, 1, 0) > 0;
+    close(fd);
+    return exited;
+  }
+
+  // A watched peer (mode NONE endpoint) whose process has exited (its pidfd is readable).
+  static bool process_exited(const Peer& p) {
+    if (p.pidfd < 0) return false;
+    pollfd fd{p.pidfd, POLLIN, 0};
+    return poll(&fd, 1, 0) > 0;
   }
 
   // Peers whose liveness ferry watches (mode NONE endpoints): a readable pidfd means
