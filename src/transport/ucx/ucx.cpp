@@ -175,35 +175,21 @@ class UcxBackend final : public TransportBackend {
     ucp_worker_release_address(worker_, addr);
     address_ = wire::encode_address(a);
 
-    ucp_am_handler_param_t ap{};
-    ap.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG |
-                    UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
-    ap.id = kAmId;
-    ap.cb = &UcxBackend::am_cb;
-    ap.arg = this;
-    ap.flags = UCP_AM_FLAG_WHOLE_MSG;
-    st = ucp_worker_set_am_recv_handler(worker_, &ap);
-    if (st != UCS_OK) return unavailable("ucx: setting the AM handler failed: {}", ucs_status_string(st));
-    ap.id = kAmReadReq;
-    ap.cb = &UcxBackend::read_req_cb;
-    st = ucp_worker_set_am_recv_handler(worker_, &ap);
-    if (st != UCS_OK) return unavailable("ucx: setting the AM handler failed: {}", ucs_status_string(st));
-    ap.id = kAmReadData;
-    ap.cb = &UcxBackend::read_data_cb;
-    st = ucp_worker_set_am_recv_handler(worker_, &ap);
-    if (st != UCS_OK) return unavailable("ucx: setting the AM handler failed: {}", ucs_status_string(st));
-    ap.id = kAmWrite;
-    ap.cb = &UcxBackend::write_cb;
-    st = ucp_worker_set_am_recv_handler(worker_, &ap);
-    if (st != UCS_OK) return unavailable("ucx: setting the AM handler failed: {}", ucs_status_string(st));
-    ap.id = kAmFlushReq;
-    ap.cb = &UcxBackend::flush_req_cb;
-    st = ucp_worker_set_am_recv_handler(worker_, &ap);
-    if (st != UCS_OK) return unavailable("ucx: setting the AM handler failed: {}", ucs_status_string(st));
-    ap.id = kAmFlushAck;
-    ap.cb = &UcxBackend::flush_ack_cb;
-    st = ucp_worker_set_am_recv_handler(worker_, &ap);
-    if (st != UCS_OK) return unavailable("ucx: setting the AM handler failed: {}", ucs_status_string(st));
+    const std::pair<unsigned, ucp_am_recv_callback_t> handlers[] = {
+        {kAmId, &UcxBackend::am_cb},          {kAmReadReq, &UcxBackend::read_req_cb},
+        {kAmReadData, &UcxBackend::read_data_cb}, {kAmWrite, &UcxBackend::write_cb},
+        {kAmFlushReq, &UcxBackend::flush_req_cb}, {kAmFlushAck, &UcxBackend::flush_ack_cb}};
+    for (const auto& [id, cb] : handlers) {
+      ucp_am_handler_param_t ap{};
+      ap.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG |
+                      UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+      ap.id = id;
+      ap.cb = cb;
+      ap.arg = this;
+      ap.flags = UCP_AM_FLAG_WHOLE_MSG;
+      st = ucp_worker_set_am_recv_handler(worker_, &ap);
+      if (st != UCS_OK) return unavailable("ucx: setting AM handler {:#x} failed: {}", id, ucs_status_string(st));
+    }
 
     thread_ = std::thread([this] { run(); });
     return Status::Ok();
@@ -592,6 +578,17 @@ class UcxBackend final : public TransportBackend {
     bool stopped = false;
   };
 
+  // An eager active-message send completing through send_cb (op id in the request).
+  // reply: the receiver may answer on the sender's reply ep.
+  ucp_request_param_t eager_params(bool reply) {
+    ucp_request_param_t prm{};
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    prm.cb.send = &UcxBackend::send_cb;
+    prm.user_data = this;
+    prm.flags = UCP_AM_SEND_FLAG_EAGER | (reply ? UCP_AM_SEND_FLAG_REPLY : 0);
+    return prm;
+  }
+
   // Whether `ep` reads by message: UCX's description of the endpoint shows no get lane.
   // FERRY_UCX_READS=message|rma forces either (tests, diagnostics).
   bool rma_by_message(ucp_ep_h ep) {
@@ -616,11 +613,7 @@ class UcxBackend final : public TransportBackend {
     uint64_t op_id = track(r.peer.get(), [this, r](ucs_status_t st) { rma_done(r, st); });
     am_reads_.emplace(op_id, AmRead{r.peer->id, static_cast<std::byte*>(r.local), r.length, 0});
     auto req = std::make_shared<ReadReq>(ReadReq{kReadMagic, 0, op_id, id_, r.region_id, r.remote_addr, r.length});
-    ucp_request_param_t prm{};
-    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-    prm.cb.send = &UcxBackend::send_cb;
-    prm.user_data = this;
-    prm.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
+    ucp_request_param_t prm = eager_params(true);
     uint64_t send_id = track(r.peer.get(), [this, op_id, req](ucs_status_t st) {
       if (st != UCS_OK) finish(op_id, st);  // the request never left: fail the read
     });
@@ -677,11 +670,7 @@ class UcxBackend final : public TransportBackend {
       rp->sent += d.length;
       rp->in_flight++;
       if (d.status != 0 || rp->length == 0) rp->stopped = true;  // the last message of this request
-      ucp_request_param_t prm{};
-      prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-      prm.cb.send = &UcxBackend::send_cb;
-      prm.user_data = this;
-      prm.flags = UCP_AM_SEND_FLAG_EAGER;
+      ucp_request_param_t prm = eager_params(false);
       uint64_t id = track(rp->peer.get(), [this, rp, hdr, buf](ucs_status_t st) {
         rp->in_flight--;
         if (st != UCS_OK) {
@@ -731,11 +720,7 @@ class UcxBackend final : public TransportBackend {
       const uint64_t off = i * kReadChunk;
       const uint64_t len = std::min(kReadChunk, r.length - off);
       auto hdr = std::make_shared<WriteData>(WriteData{kReadMagic, 0, id_, r.region_id, r.remote_addr + off, len});
-      ucp_request_param_t prm{};
-      prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-      prm.cb.send = &UcxBackend::send_cb;
-      prm.user_data = this;
-      prm.flags = UCP_AM_SEND_FLAG_EAGER;
+      ucp_request_param_t prm = eager_params(false);
       uint64_t send_id = track(r.peer.get(), [this, op_id, left, hdr](ucs_status_t st) {
         if (st != UCS_OK) return finish(op_id, st);
         if (--*left == 0) finish(op_id, UCS_OK);
@@ -776,11 +761,7 @@ class UcxBackend final : public TransportBackend {
     uint64_t op_id = track(peer.get(), [state](ucs_status_t st) { state->complete(from_ucs(st, "flush")); });
     am_flushes_.insert(op_id);
     auto msg = std::make_shared<FlushMsg>(FlushMsg{kReadMagic, 0, op_id, id_});
-    ucp_request_param_t prm{};
-    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-    prm.cb.send = &UcxBackend::send_cb;
-    prm.user_data = this;
-    prm.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
+    ucp_request_param_t prm = eager_params(true);
     uint64_t send_id = track(peer.get(), [this, op_id, msg](ucs_status_t st) {
       if (st != UCS_OK) finish(op_id, st);
     });
@@ -823,11 +804,7 @@ class UcxBackend final : public TransportBackend {
       }
     }
     auto ack = std::make_shared<FlushMsg>(FlushMsg{kReadMagic, int32_t(refused), f.op, self->id_});
-    ucp_request_param_t prm{};
-    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-    prm.cb.send = &UcxBackend::send_cb;
-    prm.user_data = self;
-    prm.flags = UCP_AM_SEND_FLAG_EAGER;
+    ucp_request_param_t prm = self->eager_params(false);
     uint64_t id = self->track(peer.get(), [ack](ucs_status_t) {});
     self->settle(id, ucp_am_send_nbx(ep, kAmFlushAck, ack.get(), sizeof(FlushMsg), nullptr, 0, &prm));
     return UCS_OK;
@@ -936,11 +913,7 @@ class UcxBackend final : public TransportBackend {
         return;
       }
       uint64_t op_id = track(peer.get(), [state, buf](ucs_status_t st) { state->complete(from_ucs(st, "send")); });
-      ucp_request_param_t prm{};
-      prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-      prm.cb.send = &UcxBackend::send_cb;
-      prm.user_data = this;
-      prm.flags = UCP_AM_SEND_FLAG_EAGER;
+      ucp_request_param_t prm = eager_params(false);
       settle(op_id, ucp_am_send_nbx(peer->ep, kAmId, buf->header, sizeof buf->header, buf->payload.data(),
                                     buf->payload.size(), &prm));
     });
