@@ -26,6 +26,11 @@
 //     and runs RankLoader::process_weights_after_loading for every loader group whose
 //     params are now complete; meanwhile the caller thread reads g+1. v is committed
 //     only when every group landed.
+// Zero copy (pull; docs/engine.md): consumers read pieces that unpack as plain byte
+//   copies straight into their (registered) params, and producers whose weights live in
+//   transport regions (ProducerOptions::source_regions) let consumers read contiguous
+//   pieces from there, unpacked and unstaged; such in-place bytes that land in params are
+//   read ahead, for every group, once the producer announced anything of v.
 // Push mode: the consumer sends READY(v, g, recv slot) instead of waiting for ANNOUNCE;
 //   the producer writes its segments into that receive slot, flushes, and sends PUSHED.
 // Membership per sync: a producer serves the consumers whose lease exists when its sync
@@ -104,6 +109,18 @@ struct EngineOptions {
 };
 
 struct ProducerOptions : EngineOptions {
+  // Zero-copy serving: regions of this producer's Transport (allocate_memory or
+  // register_memory) that hold the source's weights *in place*: every box
+  // materialize() returns inside one of them is at the same address every sync and
+  // unchanged from the start of sync() until it returns (the trainer's own parameter
+  // storage, updated only between syncs). Consumers read the pieces of such boxes that
+  // are contiguous runs of at least direct_min_bytes straight from there; they are
+  // neither packed nor staged. create() materialises every group once to learn where
+  // each box lies; a sync fails (naming the tensor) if a box has moved. Empty (the
+  // default): every byte is packed into staging. Over UCX 1.13 shared memory, peers read
+  // allocate_memory regions by plain copy but user memory only by slower emulation.
+  std::vector<MemoryRegion> source_regions;
+  uint64_t direct_min_bytes = 64 * 1024;
   // Bytes of registered staging memory; 0: two groups (two slots of the largest group).
   uint64_t staging_budget = 0;
   // Test hooks: after checksumming, flip one byte of group `corrupt_group`'s staging in
@@ -115,6 +132,11 @@ struct ProducerOptions : EngineOptions {
 };
 
 struct ConsumerOptions : EngineOptions {
+  // Zero-copy (pull): a piece of at least this many bytes that unpacks as a plain byte
+  // copy into a contiguous run of a param is read straight into the param (registered
+  // with the transport at create) instead of through the receive ring. 0: every such
+  // piece; UINT64_MAX: none (everything through the ring, as push mode does).
+  uint64_t direct_min_bytes = 64 * 1024;
   std::function<void(uint64_t version)> before_sync;             // e.g. pause generation
   std::function<void(uint64_t version, int group)> after_group;  // background thread
   std::function<void(uint64_t version)> after_sync;              // resume with version
@@ -128,6 +150,8 @@ struct SyncReport {
   uint64_t version = 0;
   Status status;                // OK when this side finished the sync
   uint64_t bytes = 0;           // producer: served (per consumer); consumer: received
+  uint64_t direct_bytes = 0;    // of `bytes`: consumer: read straight into params; producer: served from the
+                                // source's own memory (no staging copy)
   double seconds = 0;           // wall time of sync()
   // Phases (seconds, summed over groups). Producer: materialize, pack, wait (slots).
   // Consumer: wait (announces), read, unpack, post (process_weights_after_loading).

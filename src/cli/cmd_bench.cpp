@@ -61,7 +61,10 @@ int run_bench_cmd(engine::BenchSpec b, bool json, bool model_given, bool overrid
               bytes, j["raw_transport_gbps"].get<double>(), j["raw_cpu_seconds"].get<double>());
   std::printf("%-34s %10.4f %12.0f %9.2f\n", "memcpy, same bytes", j["memcpy_seconds"].get<double>(), bytes,
               j["memcpy_gbps"].get<double>());
-  std::printf("%-34s %10.4f %12.0f %9.2f\n", "its copies alone (pack+read+unpack)", j["staged_seconds"].get<double>(),
+  std::printf("  zero-copy: %.0f%% of the bytes served in place from trainer memory%s, %.0f%% read straight into params\n",
+              100 * j["in_place_fraction"].get<double>(), j["in_place"].get<bool>() ? "" : " (--no-in-place)",
+              100 * j["into_params_fraction"].get<double>());
+  std::printf("%-34s %10.4f %12.0f %9.2f\n", "staged pack+read+unpack (no 0-copy)", j["staged_seconds"].get<double>(),
               bytes, bytes / j["staged_seconds"].get<double>() / 1e9);
   std::printf("%-34s %10.4f %12.0f %9.2f %8.2f\n", "broadcast (OpenMPI MPI_Bcast)",
               j["broadcast_seconds"].get<double>(), j["broadcast_bytes"].get<double>(), j["broadcast_gbps"].get<double>(),
@@ -89,6 +92,9 @@ std::function<int()> setup_bench(CLI::App& app) {
   app.add_option("--mpirun", b->mpirun, "mpirun executable");
   app.add_option("--mpi-mca", b->mpi_mca, "MCA options replacing the default (\"--mca pml ob1 --mca btl self,vader\")");
   app.add_option("--timeout-ms", b->timeout_ms, "bound on each wait");
+  app.add_flag("!--no-in-place", b->in_place,
+               "trainer weights in ordinary memory, every byte packed into staging (default: in a transport region, "
+               "served in place)");
   app.add_flag("--json", *json, "print one JSON object");
   return [b, json, model, ov] { return run_bench_cmd(*b, *json, model->count() > 0, ov->count() > 0); };
 }
@@ -107,6 +113,7 @@ std::function<int()> setup_bench_worker(CLI::App& app) {
   app.add_option("--mode", w->mode);
   app.add_option("--seed", w->seed);
   app.add_option("--timeout-ms", w->timeout_ms);
+  app.add_option("--in-place", w->in_place);
   return [w] { return engine::run_bench_worker(*w); };
 }
 

@@ -45,9 +45,13 @@ bool tls_is_tcp(const std::string& tls) { return tls.find("tcp") != std::string:
 
 // A trainer rank whose weights already sit in memory: both data versions are generated
 // before any timed sync, so materialize() costs what a real trainer's does (nothing).
+// With `in_place`, the current version lives in one region allocated through the
+// producer's transport, box by box at fixed addresses (a trainer that allocates its
+// parameters through ferry), and set_data_version copies the other version over it
+// (the optimizer step, outside the timed sync); the producer serves from it in place.
 class PreparedSource final : public WeightSource {
  public:
-  static Result<std::unique_ptr<PreparedSource>> create(const JobModel& m, int rank, uint64_t seed) {
+  static Result<std::unique_ptr<PreparedSource>> create(const JobModel& m, int rank, uint64_t seed, Transport* in_place) {
     auto s = std::unique_ptr<PreparedSource>(new PreparedSource());
     s->metadata_ = m.metadata;
     s->holdings_ = m.holdings;
@@ -64,6 +68,23 @@ class PreparedSource final : public WeightSource {
         for (auto& b : boxes) ver[static_cast<size_t>(g)].push_back(LocalBox{b.box, b.data.clone()});
       }
     }
+    if (in_place) {
+      uint64_t bytes = 0;
+      for (const auto& grp : s->data_[0])
+        for (const auto& b : grp) bytes += align_up(b.data.numel() * dtype_size(b.data.dtype()), 64);
+      FERRY_RETURN_IF_ERROR(s->region_.allocate(*in_place, bytes));
+      uint64_t at = 0;
+      s->live_.resize(static_cast<size_t>(groups));
+      for (int g = 0; g < groups; ++g) {
+        for (const auto& b : s->data_[0][static_cast<size_t>(g)]) {
+          s->live_[static_cast<size_t>(g)].push_back(
+              LocalBox{b.box, Tensor::borrow(s->region_.data + at, b.data.shape(), b.data.dtype())});
+          at += align_up(b.data.numel() * dtype_size(b.data.dtype()), 64);
+        }
+      }
+      s->current_ = 0;
+      FERRY_RETURN_IF_ERROR(s->set_data_version(1));
+    }
     return s;
   }
   const std::vector<TensorDecl>& metadata() const override { return metadata_; }
@@ -74,11 +95,24 @@ class PreparedSource final : public WeightSource {
     return (*holdings_)[static_cast<size_t>(rank)];
   }
   Result<std::vector<LocalBox>> materialize(int group) override {
-    const auto& ver = data_[current_ - 1];
+    const auto& ver = region_.data ? live_ : data_[current_ - 1];
     if (group < 0 || group >= static_cast<int>(ver.size())) return invalid_argument("group {} out of range", group);
     return ver[static_cast<size_t>(group)];
   }
-  void set_data_version(uint64_t d) { current_ = static_cast<int>(d); }
+  Status set_data_version(uint64_t d) {
+    if (static_cast<int>(d) == current_) return Status::Ok();
+    current_ = static_cast<int>(d);
+    if (!region_.data) return Status::Ok();
+    const auto& ver = data_[current_ - 1];
+    for (size_t g = 0; g < ver.size(); ++g)
+      for (size_t i = 0; i < ver[g].size(); ++i) FERRY_RETURN_IF_ERROR(live_[g][i].data.copy_(ver[g][i].data));
+    return Status::Ok();
+  }
+  // The in-place region (ProducerOptions::source_regions), if any.
+  std::vector<MemoryRegion> regions() const {
+    if (!region_.data) return {};
+    return {region_.region};
+  }
 
  private:
   PreparedSource() = default;
@@ -87,6 +121,8 @@ class PreparedSource final : public WeightSource {
   int rank_ = 0;
   int current_ = 1;
   std::vector<std::vector<LocalBox>> data_[2];
+  RegisteredBuffer region_;
+  std::vector<std::vector<LocalBox>> live_;
 };
 
 std::string key_go(const std::string& job, int step) { return fmt::format("{}/bench/go/{}", job, step); }
@@ -150,11 +186,12 @@ int run_bench_worker(const BenchWorkerSpec& s) {
   std::vector<std::byte> memcpy_src;
   uint64_t largest = 0;
   if (is_producer) {
-    auto src = PreparedSource::create(*model, s.rank, s.seed);
+    auto src = PreparedSource::create(*model, s.rank, s.seed, s.in_place ? &tr : nullptr);
     if (!src.ok()) return bench_worker_fail(s, src.status());
     source = std::move(*src);
     ProducerOptions po;
     static_cast<EngineOptions&>(po) = eo;
+    po.source_regions = source->regions();
     auto p = Producer::create(*source, tr, st, po);
     if (!p.ok()) return bench_worker_fail(s, p.status());
     producer = std::move(*p);
@@ -250,18 +287,23 @@ int run_bench_worker(const BenchWorkerSpec& s) {
     const std::string kind = go.value("kind", std::string());
     if (kind == "exit") break;
     const uint64_t v = go.value("version", uint64_t{0});
+    // The trainer's weights of version v are written before its sync starts (in place:
+    // a copy over the region, like an optimizer step), outside the timed window.
+    if (producer && (kind == "sync" || kind == "spack")) {
+      if (Status d = source->set_data_version(data_version(v)); !d.ok()) return bench_worker_fail(s, d);
+    }
     std::this_thread::sleep_until(Clock::time_point(std::chrono::nanoseconds(go.value("start_ns", int64_t{0}))));
     nlohmann::json out;
     out["ok"] = true;
     const double c0 = cpu_seconds();
     const int64_t t0 = mono_ns();
     if (kind == "sync") {
-      Result<SyncReport> rep = producer ? (source->set_data_version(data_version(v)), producer->sync(v))
-                                        : consumer->sync(v);
+      Result<SyncReport> rep = producer ? producer->sync(v) : consumer->sync(v);
       out["end_ns"] = mono_ns();
       out["ok"] = rep.ok();
       if (rep.ok()) {
         out["bytes"] = rep->bytes;
+        out["direct_bytes"] = rep->direct_bytes;
         out["phases"] = {{"materialize", rep->materialize_seconds}, {"pack", rep->pack_seconds},
                          {"wait", rep->wait_seconds},               {"read", rep->read_seconds},
                          {"unpack", rep->unpack_seconds},           {"post", rep->post_seconds}};
@@ -335,7 +377,6 @@ int run_bench_worker(const BenchWorkerSpec& s) {
       out["bytes"] = bytes;
       if (!err.ok()) out["error"] = err.to_string();
     } else if (kind == "spack" && producer) {
-      source->set_data_version(data_version(v));
       const Holdings& h = (*model->holdings)[static_cast<size_t>(s.rank)];
       uint64_t bytes = 0;
       Status err;
@@ -633,7 +674,8 @@ BenchResult run_bench(const BenchSpec& b) {
     std::vector<std::string> args = {b.worker_binary, "bench-worker", "--role", role, "--rank", std::to_string(rank),
                                      "--model", config_path, "--trainer", b.trainer, "--inference", b.inference,
                                      "--store", (*server)->url(), "--job", job, "--tls", b.tls, "--mode", b.mode, "--seed",
-                                     std::to_string(b.seed), "--timeout-ms", std::to_string(b.timeout_ms)};
+                                     std::to_string(b.seed), "--timeout-ms", std::to_string(b.timeout_ms),
+                                     "--in-place", b.in_place ? "1" : "0"};
     auto p = spawn(args, fmt::format("{} {}", role, rank), fmt::format("{}/{}{}.log", dir, role, rank));
     if (!p.ok()) return kill_all(), fail(p.status().to_string());
     procs.push_back(*p);
@@ -720,7 +762,7 @@ BenchResult run_bench(const BenchSpec& b) {
   };
   auto run_step = [&](const std::string& kind, uint64_t version) -> Result<StepOut> {
     const double idle0 = idle_cpu(kind == "bcast");
-    nlohmann::json go = {{"kind", kind}, {"version", version}, {"start_ns", mono_ns() + 30'000'000}};
+    nlohmann::json go = {{"kind", kind}, {"version", version}, {"start_ns", mono_ns() + 150'000'000}};
     FERRY_RETURN_IF_ERROR(st.set(key_go(job, step), go.dump()));
     const auto& who = kind == "bcast" ? mpi_ranks : ranks;
     std::vector<std::string> keys;
@@ -752,6 +794,7 @@ BenchResult run_bench(const BenchSpec& b) {
   std::vector<double> sync_s, raw_s, memcpy_s, bcast_s;
   nlohmann::json trials = nlohmann::json::array();
   uint64_t bytes_moved = 0, raw_bytes = 0, memcpy_bytes = 0, bcast_bytes = 0;
+  uint64_t last_in_place = 0, last_into_params = 0;
   uint64_t version = 0;
   // Warm-up (trial 0, not counted), then interleaved trials: drift in the machine's load
   // hits the engine and its baselines alike.
@@ -783,6 +826,13 @@ BenchResult run_bench(const BenchSpec& b) {
         ph[key] = std::max(ph.value(key, 0.0), val.get<double>());
       }
     }
+    // Zero-copy shares: bytes producers served in place, bytes consumers read into params.
+    uint64_t in_place_bytes = 0, into_params_bytes = 0;
+    for (size_t i = 0; i < ranks.size(); ++i)
+      (ranks[i].first == "producer" ? in_place_bytes : into_params_bytes) +=
+          sy->results[i].value("direct_bytes", uint64_t{0});
+    last_in_place = in_place_bytes;
+    last_into_params = into_params_bytes;
     nlohmann::json tj = {{"sync_seconds", sy->seconds},    {"raw_seconds", rw->seconds},
                          {"memcpy_seconds", mc->seconds},  {"broadcast_seconds", bc->seconds},
                          {"sync_cpu_seconds", sy->cpu},    {"raw_cpu_seconds", rw->cpu},
@@ -849,6 +899,10 @@ BenchResult run_bench(const BenchSpec& b) {
   j["broadcast_seconds"] = bcast;
   j["speedup_vs_broadcast"] = sync > 0 ? bcast / sync : 0.0;
   j["efficiency_vs_raw"] = gb(rawm) > 0 ? gb(sync) / gb(rawm) : 0.0;
+  j["in_place"] = b.in_place;
+  j["in_place_fraction"] = bytes_moved ? static_cast<double>(last_in_place) / static_cast<double>(bytes_moved) : 0.0;
+  j["into_params_fraction"] =
+      bytes_moved ? static_cast<double>(last_into_params) / static_cast<double>(bytes_moved) : 0.0;
   // CPU seconds (every process of the step, medians): on an oversubscribed machine the
   // figure that depends least on how the scheduler shares the cores.
   std::vector<double> sc, bcc, rc;

@@ -36,6 +36,9 @@ struct BenchSpec {
   std::string mpirun = "mpirun";
   std::string mpi_mca;          // replaces the default MCA selection ("--mca a b --mca c d")
   int timeout_ms = 120000;      // bound on each wait of the driver
+  // Trainer weights in a transport region, served in place (ProducerOptions::
+  // source_regions); false: in ordinary memory, every byte packed into staging.
+  bool in_place = true;
 };
 
 // Medians of the timed trials and what they were measured on.
@@ -60,6 +63,7 @@ struct BenchWorkerSpec {
   std::string mode = "pull";
   uint64_t seed = 1;
   int timeout_ms = 60000;
+  bool in_place = true;
 };
 int run_bench_worker(const BenchWorkerSpec& spec);
 

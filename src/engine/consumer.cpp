@@ -12,6 +12,7 @@
 #include <xxhash.h>
 
 #include "engine/common.h"
+#include "engine/in_place.h"
 
 namespace ferry {
 
@@ -38,6 +39,36 @@ struct Consumer::Impl {
   static constexpr int kSlots = 2;
   uint64_t slot_bytes = 0;
   RegisteredBuffer ring;
+  // Zero-copy pull: a piece of a read that unpacks as a plain byte copy (same dtype,
+  // contiguous destination, not shared with another unpack) of at least
+  // o.direct_min_bytes is read straight into the param's memory, registered with the transport;
+  // the rest goes through the receive ring and is unpacked on the background thread.
+  // This saves one full copy of almost every byte (routes lay segments out in
+  // destination order, so most pieces are contiguous runs of a param).
+  struct ParamRegion {
+    MemoryRegion region;
+    uint64_t offset = 0;  // of the param inside `region`
+    std::byte* data = nullptr;
+    uint64_t bytes = 0;
+  };
+  std::map<std::string, ParamRegion> param_regions;  // registered params by name
+  std::vector<MemoryRegion> registrations;           // ours to deregister
+  // One read (or part of one): recv bytes [recv_offset, +length) of group g, from the
+  // producer's staging at Read::offset + (recv_offset - Read::recv_offset), land in the
+  // receive slot (param == nullptr) or at param_offset of a param.
+  // `region` >= 0: the bytes come from the producer's source region `region` (served in
+  // place, see ProducerOptions::source_regions) at `remote`, not from its staging.
+  struct SubRead {
+    uint32_t read = 0;
+    uint64_t recv_offset = 0, length = 0;
+    const ParamRegion* param = nullptr;
+    uint64_t param_offset = 0;
+    int32_t region = -1;
+    uint64_t remote = 0;  // region offset (region >= 0) or group staging offset
+  };
+  std::vector<std::vector<SubRead>> subs;  // per group of `routes` (pull)
+  bool subs_stale = true;                  // a producer's in-place table changed
+  PlanRoute unpack_route;                  // *pr less the unpacks read straight into params
   std::unique_ptr<Lease> lease;
 
   struct Peer {
@@ -45,6 +76,8 @@ struct Consumer::Impl {
     PeerId id = 0;
     RemoteRegion staging;
     bool connected = false;
+    InPlaceTable in_place;              // boxes it serves from the trainer's memory
+    std::vector<RemoteRegion> regions;  // their source regions (in_place.keys imported)
   };
 
   std::mutex mu;
@@ -94,6 +127,7 @@ struct Consumer::Impl {
     tr.set_message_handler({});
     tr.set_peer_failure_handler({});
     if (lease) lease->release().ignore();
+    for (const MemoryRegion& r : registrations) tr.deregister_memory(r).ignore();
   }
 
   void point(int g, int phase) {
@@ -163,7 +197,8 @@ struct Consumer::Impl {
         point(job.group, 3);
         auto t = Clock::now();
         const uint64_t n = pr->groups[static_cast<size_t>(job.group)].recv_bytes;
-        s = unpack_group(*pr, job.group, std::span<const std::byte>(ring.data + job.slot * slot_bytes, n), loaded);
+        s = unpack_group(unpack_route, job.group, std::span<const std::byte>(ring.data + job.slot * slot_bytes, n),
+                         loaded);
         if (!s.ok()) s = s.with_context(fmt::format("consumer {} unpack group {}", rank, job.group));
         tu = seconds_since(t);
       }
@@ -208,7 +243,9 @@ struct Consumer::Impl {
         const Peer& pe = peers[static_cast<size_t>(p)];
         if (pe.connected && pe.blob == *blob) continue;
       }
-      FERRY_ASSIGN_OR_RETURN(auto f, decode_fields(*blob, 3));
+      FERRY_ASSIGN_OR_RETURN(auto f, decode_fields(*blob, 4));
+      auto table = InPlaceTable::decode(f[3], inputs.holdings[static_cast<size_t>(p)].boxes.size());
+      if (!table.ok()) return table.status().with_context(fmt::format("in-place table of producer {}", p));
       auto id = tr.connect(string_bytes(f[0]));
       if (!id.ok()) {
         failed_p = p;  // a candidate for failover
@@ -219,12 +256,26 @@ struct Consumer::Impl {
         failed_p = p;
         return key.status().with_context(fmt::format("staging key of producer {}", p));
       }
+      std::vector<RemoteRegion> regions;
+      if (o.mode == SyncMode::kPull) {
+        for (size_t k = 0; k < table->keys.size(); ++k) {
+          auto r = tr.import_key(string_bytes(table->keys[k]));
+          if (!r.ok()) {
+            failed_p = p;
+            return r.status().with_context(fmt::format("source region {} key of producer {}", k, p));
+          }
+          regions.push_back(*r);
+        }
+      }
       std::lock_guard<std::mutex> lk(mu);
       Peer& pe = peers[static_cast<size_t>(p)];
       pe.blob = *blob;
       pe.id = *id;
       pe.staging = *key;
       pe.connected = true;
+      pe.in_place = o.mode == SyncMode::kPull ? std::move(*table) : InPlaceTable{};
+      pe.regions = std::move(regions);
+      subs_stale = true;
       peer_rank[*id] = p;
       failed.erase(p);
     }
@@ -305,15 +356,25 @@ struct Consumer::Impl {
     cv.notify_all();
   }
 
+  // Where the bytes of sub-read `sr` of the receive slot `slot` land.
+  std::byte* landing(const SubRead& sr, int slot) const {
+    if (sr.param) return sr.param->data + sr.param_offset;
+    return ring.data + static_cast<uint64_t>(slot) * slot_bytes + sr.recv_offset;
+  }
+
+  // The checksum covers producer p's bytes of group g in staging order, wherever they
+  // landed (receive slot or params).
   Status verify(int p, int g, const Msg& m, int s, const std::vector<Read>& reads) {
     if (!m.has_checksum) return Status::Ok();
-    std::vector<const Read*> mine;
-    for (const Read& r : reads)
-      if (static_cast<int>(r.producer) == p && r.length) mine.push_back(&r);
-    std::sort(mine.begin(), mine.end(), [](const Read* a, const Read* b) { return a->offset < b->offset; });
+    std::vector<std::pair<uint64_t, const SubRead*>> mine;  // staging offset -> piece
+    for (const SubRead& sr : subs[static_cast<size_t>(g)]) {
+      const Read& r = reads[sr.read];
+      if (static_cast<int>(r.producer) == p) mine.emplace_back(r.offset + (sr.recv_offset - r.recv_offset), &sr);
+    }
+    std::sort(mine.begin(), mine.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
     XXH64_state_t* h = XXH64_createState();
     XXH64_reset(h, 0);
-    for (const Read* r : mine) XXH64_update(h, ring.data + static_cast<uint64_t>(s) * slot_bytes + r->recv_offset, r->length);
+    for (const auto& [offset, sr] : mine) XXH64_update(h, landing(*sr, s), sr->length);
     const uint64_t got = XXH64_digest(h);
     XXH64_freeState(h);
     if (got != m.checksum)
@@ -322,12 +383,71 @@ struct Consumer::Impl {
     return Status::Ok();
   }
 
+  // Which sub-reads post() posts: staged ones (from the slot an announcement named), or
+  // in-place ones landing in the receive ring or in params.
+  enum PostWhat { kStaged, kInPlaceToRing, kInPlaceToParams };
+  Status post(int g, int p, uint64_t base, PostWhat what, const Msg* announce, std::vector<Completion>& ops) {
+    const PlanGroup& pg = pr->groups[static_cast<size_t>(g)];
+    RemoteRegion staging;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      staging = peers[static_cast<size_t>(p)].staging;
+    }
+    for (const SubRead& sr : subs[static_cast<size_t>(g)]) {
+      if (static_cast<int>(pg.reads[sr.read].producer) != p) continue;
+      const PostWhat kind = sr.region < 0 ? kStaged : sr.param ? kInPlaceToParams : kInPlaceToRing;
+      if (kind != what) continue;
+      RemoteRegion from_region = staging;
+      uint64_t remote = (announce ? announce->slot_offset : 0) + sr.remote;
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        if (sr.region >= 0) {
+          from_region = peers[static_cast<size_t>(p)].regions[static_cast<size_t>(sr.region)];
+          remote = sr.remote;
+        }
+        if (sr.param) unpacked_any = true;  // params change from here on: a failure now leaves us torn
+      }
+      auto c = sr.param ? tr.read(sr.param->region, sr.param->offset + sr.param_offset, from_region, remote, sr.length)
+                        : tr.read(ring.region, base + sr.recv_offset, from_region, remote, sr.length);
+      if (!c.ok()) {
+        failed_p = p;
+        return c.status().with_context(fmt::format("consumer {} reading group {} from producer {}", rank, g, p));
+      }
+      ops.push_back(*c);
+    }
+    return Status::Ok();
+  }
+
   Status sync_groups(uint64_t v, SyncReport& rep) {
     FERRY_RETURN_IF_ERROR(refresh_producers());
+    {
+      std::lock_guard<std::mutex> lk(mu);  // the background thread is idle between attempts
+      if (subs_stale) plan_subreads();
+    }
     if (declare) {
       declare = false;
       declare_routes(v);
     }
+    // Pull. In-place bytes are the trainer's weights of v from the start of the
+    // producer's sync v until it ends (after our DONE). So once a producer announced
+    // anything of v in this attempt (in_v), its in-place bytes that land in params are
+    // read *ahead*, every later group at once, with no per-group handshake; in-place
+    // bytes that land in the receive ring are read as soon as the group's slot is ours;
+    // only staged bytes wait for the group's announcement.
+    std::set<int> in_v;
+    std::map<std::pair<int, int>, std::vector<Completion>> ahead;  // (group, producer) -> reads posted ahead
+    std::map<int, std::vector<Completion>> ops;                     // this group's, per producer
+    // On an error return, reads still in flight must land before the next attempt
+    // reuses the receive slots (and before params are declared torn).
+    struct Drain {
+      std::map<std::pair<int, int>, std::vector<Completion>>& ahead;
+      std::map<int, std::vector<Completion>>& ops;
+      std::chrono::milliseconds limit;
+      ~Drain() {
+        for (auto& [k, v] : ahead) wait_all(v, limit).ignore();
+        for (auto& [k, v] : ops) wait_all(v, limit).ignore();
+      }
+    } drain{ahead, ops, o.timeout};
     for (int g = 0; g < routes.num_groups(); ++g) {
       const PlanGroup& pg = pr->groups[static_cast<size_t>(g)];
       std::set<int> from;
@@ -344,6 +464,12 @@ struct Consumer::Impl {
       if (o.mode == SyncMode::kPull) {
         // Read from each producer as soon as it announced, and release it at once, so
         // that one slow producer never holds another's staging slot.
+        auto tr0 = Clock::now();
+        ops.clear();
+        for (int p : from) {
+          if (in_v.count(p)) FERRY_RETURN_IF_ERROR(post(g, p, base, kInPlaceToRing, nullptr, ops[p]));
+        }
+        rep.read_seconds += seconds_since(tr0);
         std::set<int> remaining = from;
         bool posted = false;
         while (!remaining.empty()) {
@@ -353,33 +479,31 @@ struct Consumer::Impl {
           const int p = pm.first;
           got[p] = pm.second;
           remaining.erase(p);
-          auto tr0 = Clock::now();
-          RemoteRegion staging;
-          {
-            std::lock_guard<std::mutex> lk(mu);
-            staging = peers[static_cast<size_t>(p)].staging;
+          auto tr1 = Clock::now();
+          if (in_v.insert(p).second) {
+            // p is in sync v: its in-place bytes are the weights of v (see ahead).
+            FERRY_RETURN_IF_ERROR(post(g, p, base, kInPlaceToRing, nullptr, ops[p]));
+            for (int g2 = g; g2 < routes.num_groups(); ++g2)
+              FERRY_RETURN_IF_ERROR(post(g2, p, 0, kInPlaceToParams, nullptr, ahead[{g2, p}]));
           }
-          std::vector<Completion> ops;
-          for (const Read& r : pg.reads) {
-            if (!r.length || static_cast<int>(r.producer) != p) continue;
-            auto c = tr.read(ring.region, base + r.recv_offset, staging, got[p].slot_offset + r.offset, r.length);
-            if (!c.ok()) {
-              failed_p = p;
-              return c.status().with_context(fmt::format("consumer {} reading group {} from producer {}", rank, g, p));
-            }
-            ops.push_back(*c);
-          }
+          FERRY_RETURN_IF_ERROR(post(g, p, base, kStaged, &got[p], ops[p]));
           if (!posted) {
             posted = true;
             point(g, 1);
           }
-          Status st = wait_all(ops, o.timeout);
+          Status st = wait_all(ops[p], o.timeout);
+          if (st.ok()) {
+            if (auto it = ahead.find({g, p}); it != ahead.end()) {
+              st = wait_all(it->second, o.timeout);
+              ahead.erase(it);
+            }
+          }
           if (!st.ok()) {
             failed_p = p;
             return Status(st.code(),
                           fmt::format("consumer {} reading group {} from producer {}: {}", rank, g, p, st.message()));
           }
-          rep.read_seconds += seconds_since(tr0);
+          rep.read_seconds += seconds_since(tr1);
           send_to(p, MsgType::kRelease, v, g);
         }
       } else {
@@ -402,6 +526,8 @@ struct Consumer::Impl {
         rep.bytes += r.length;
         rep.bytes_per_peer[static_cast<int>(r.producer)] += r.length;
       }
+      for (const SubRead& sr : subs[static_cast<size_t>(g)])
+        if (sr.param) rep.direct_bytes += sr.length;
       for (int p : from) FERRY_RETURN_IF_ERROR(verify(p, g, got[p], s, pg.reads));
       point(g, 2);
       enqueue(v, g, s);
@@ -441,7 +567,135 @@ struct Consumer::Impl {
     routes_hash = routes.hash();
     pr = &routes.consumer(static_cast<size_t>(rank));
     loader_group_ready_at = std::move(ready_at);
+    plan_subreads();
     return Status::Ok();
+  }
+
+  // Splits the reads of the current routes into sub-reads (see SubRead) and leaves in
+  // unpack_route only the unpacks that still go through the receive ring. Push mode
+  // keeps every byte in the ring: producers write into receive slots.
+  void plan_subreads() {
+    unpack_route = *pr;
+    subs.assign(pr->groups.size(), {});
+    for (size_t g = 0; g < pr->groups.size(); ++g) {
+      const PlanGroup& pg = pr->groups[g];
+      PlanGroup& ug = unpack_route.groups[g];
+      // Direct candidates: byte copies into a registered param, alone on their bytes.
+      struct Direct {
+        uint64_t offset, bytes;
+        const ParamRegion* param;
+        uint64_t param_offset;
+      };
+      std::vector<Direct> direct;
+      std::vector<bool> is_direct(pg.unpacks.size(), false);
+      if (o.mode == SyncMode::kPull) {
+        std::vector<std::pair<uint64_t, uint64_t>> spans;  // every unpack's recv bytes
+        for (const UnpackOp& u : pg.unpacks)
+          spans.emplace_back(u.offset, u.offset + static_cast<uint64_t>(u.dst.numel()) * dtype_size(u.src_dtype));
+        std::vector<std::pair<uint64_t, uint64_t>> sorted = spans;
+        std::sort(sorted.begin(), sorted.end());
+        auto shared = [&](uint64_t lo, uint64_t hi) {  // another unpack overlaps [lo, hi)
+          int n = 0;
+          auto it = std::upper_bound(sorted.begin(), sorted.end(), std::make_pair(hi, uint64_t{0}));
+          for (auto j = sorted.begin(); j != it; ++j)
+            if (j->second > lo && ++n > 1) return true;
+          return false;
+        };
+        std::vector<std::pair<uint64_t, uint64_t>> reads;  // recv bytes of each read
+        for (const Read& r : pg.reads)
+          if (r.length) reads.emplace_back(r.recv_offset, r.recv_offset + r.length);
+        std::sort(reads.begin(), reads.end());
+        auto in_one_read = [&](uint64_t lo, uint64_t hi) {
+          auto it = std::upper_bound(reads.begin(), reads.end(), std::make_pair(lo, UINT64_MAX));
+          return it != reads.begin() && std::prev(it)->first <= lo && hi <= std::prev(it)->second;
+        };
+        for (size_t k = 0; k < pg.unpacks.size(); ++k) {
+          const UnpackOp& u = pg.unpacks[k];
+          const TensorDecl& d = pr->params[u.param];
+          const auto [lo, hi] = spans[k];
+          if (u.src_dtype != d.dtype || !u.dst.is_contiguous() || hi - lo < o.direct_min_bytes || hi == lo) continue;
+          auto it = param_regions.find(d.name);
+          if (it == param_regions.end()) continue;
+          const uint64_t at = static_cast<uint64_t>(u.dst.offset) * dtype_size(d.dtype);
+          if (u.dst.offset < 0 || at + (hi - lo) > it->second.bytes || shared(lo, hi) || !in_one_read(lo, hi)) continue;
+          direct.push_back(Direct{lo, hi - lo, &it->second, at});
+          is_direct[k] = true;
+        }
+        std::sort(direct.begin(), direct.end(), [](const Direct& a, const Direct& b) { return a.offset < b.offset; });
+      }
+      std::vector<UnpackOp> rest;
+      for (size_t k = 0; k < pg.unpacks.size(); ++k)
+        if (!is_direct[k]) rest.push_back(pg.unpacks[k]);
+      ug.unpacks = std::move(rest);
+      // In-place runs of each producer in this group (staging coordinates, sorted).
+      std::map<uint32_t, std::vector<InPlacePiece>> remote;
+      for (const Read& r : pg.reads) {
+        if (!r.length || remote.count(r.producer) || r.producer >= peers.size()) continue;
+        const Peer& pe = peers[r.producer];
+        if (pe.in_place.empty() || pe.regions.size() != pe.in_place.keys.size()) continue;
+        remote[r.producer] = in_place_pieces(routes.producers[r.producer].groups[g],
+                                             inputs.holdings[r.producer], pe.in_place);
+      }
+      std::vector<SubRead>& out = subs[g];
+      auto emit = [&](const SubRead& x) {
+        if (!x.length) return;
+        if (!out.empty()) {  // merge with the previous piece when every side continues it
+          SubRead& b = out.back();
+          if (b.read == x.read && b.recv_offset + b.length == x.recv_offset && b.param == x.param &&
+              (!x.param || b.param_offset + b.length == x.param_offset) && b.region == x.region &&
+              b.remote + b.length == x.remote) {
+            b.length += x.length;
+            return;
+          }
+        }
+        out.push_back(x);
+      };
+      for (size_t i = 0; i < pg.reads.size(); ++i) {
+        const Read& r = pg.reads[i];
+        if (!r.length) continue;
+        const uint64_t lo = r.recv_offset, hi = r.recv_offset + r.length;
+        // Cut the read where the local side (param / ring) or the remote side (source
+        // region / staging) changes; in recv coordinates.
+        std::vector<uint64_t> cuts{lo, hi};
+        auto first_local = std::lower_bound(direct.begin(), direct.end(), lo,
+                                            [](const Direct& d, uint64_t v) { return d.offset < v; });
+        for (auto it = first_local; it != direct.end() && it->offset + it->bytes <= hi; ++it) {
+          cuts.push_back(it->offset);
+          cuts.push_back(it->offset + it->bytes);
+        }
+        std::vector<InPlacePiece> runs;  // this read's in-place runs, in recv coordinates
+        if (auto rit = remote.find(r.producer); rit != remote.end()) {
+          for (const InPlacePiece& x : rit->second) {
+            if (x.offset < r.offset || x.offset + x.bytes > r.offset + r.length) continue;
+            InPlacePiece y = x;
+            y.offset = lo + (x.offset - r.offset);
+            runs.push_back(y);
+            cuts.push_back(y.offset);
+            cuts.push_back(y.offset + y.bytes);
+          }
+        }
+        std::sort(cuts.begin(), cuts.end());
+        cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+        auto local = first_local;
+        auto run = runs.begin();
+        for (size_t k = 0; k + 1 < cuts.size(); ++k) {
+          const uint64_t a = cuts[k], b = cuts[k + 1];
+          while (local != direct.end() && local->offset + local->bytes <= a) ++local;
+          while (run != runs.end() && run->offset + run->bytes <= a) ++run;
+          SubRead x{static_cast<uint32_t>(i), a, b - a, nullptr, 0, -1, r.offset + (a - lo)};
+          if (local != direct.end() && local->offset <= a && a < local->offset + local->bytes) {
+            x.param = local->param;
+            x.param_offset = local->param_offset + (a - local->offset);
+          }
+          if (run != runs.end() && run->offset <= a && a < run->offset + run->bytes) {
+            x.region = run->region;
+            x.remote = run->region_offset + (a - run->offset);
+          }
+          emit(x);
+        }
+      }
+    }
+    subs_stale = false;
   }
 
   Status refresh_routes() {
@@ -581,7 +835,7 @@ struct Consumer::Impl {
           s = w;
           break;
         }
-        rep.bytes = 0;
+        rep.bytes = rep.direct_bytes = 0;
         rep.bytes_per_peer.clear();
         continue;
       }
@@ -593,7 +847,7 @@ struct Consumer::Impl {
         s = f;
         break;
       }
-      rep.bytes = 0;
+      rep.bytes = rep.direct_bytes = 0;
       rep.bytes_per_peer.clear();
     }
     std::unique_lock<std::mutex> lk(mu);
@@ -677,20 +931,54 @@ Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, in
   uint64_t largest = 0;
   for (const auto& g : routes.consumer(static_cast<size_t>(rank)).groups) largest = std::max(largest, g.recv_bytes);
   m.slot_bytes = align_up(std::max<uint64_t>(largest, 64), 64);
-  FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));
-  // Param buffers.
+  // Param buffers: the caller's (each registered, if large enough to be read into
+  // directly), or ours: one registered arena (one registration, zeroed).
+  uint64_t arena_bytes = 0;
   for (const ParamInfo& p : m.rl->params()) {
     auto it = params.find(p.decl.name);
     if (it == params.end()) {
-      m.loaded.emplace(p.decl.name, Tensor::empty(p.decl.shape, p.decl.dtype, p.decl.name));
+      arena_bytes += align_up(shape_numel(p.decl.shape) * dtype_size(p.decl.dtype), 64);
       continue;
     }
     const Tensor& t = it->second;
     if (!t.is_real() || !t.is_contiguous() || t.dtype() != p.decl.dtype || t.shape() != p.decl.shape)
       return invalid_argument("consumer {}: param buffer '{}' must be real, contiguous, {} {}", rank, p.decl.name,
                               dtype_name(p.decl.dtype), shape_str(p.decl.shape));
-    m.loaded.emplace(p.decl.name, t);
   }
+  std::shared_ptr<std::byte> arena;
+  MemoryRegion arena_region;
+  if (arena_bytes) {
+    arena_bytes = align_up(arena_bytes, 4096);
+    void* mem = std::aligned_alloc(4096, arena_bytes);
+    if (!mem) return io_error("consumer {}: allocating {} bytes of params", rank, arena_bytes);
+    std::memset(mem, 0, arena_bytes);
+    arena = std::shared_ptr<std::byte>(static_cast<std::byte*>(mem), [](std::byte* b) { std::free(b); });
+    auto r = transport.register_memory(mem, arena_bytes);
+    if (!r.ok()) return r.status().with_context(fmt::format("consumer {}: registering its params", rank));
+    arena_region = *r;
+    m.registrations.push_back(*r);
+  }
+  uint64_t at = 0;
+  for (const ParamInfo& p : m.rl->params()) {
+    const uint64_t bytes = shape_numel(p.decl.shape) * dtype_size(p.decl.dtype);
+    auto it = params.find(p.decl.name);
+    if (it == params.end()) {
+      Tensor t = Tensor::borrow(arena.get() + at, p.decl.shape, p.decl.dtype, arena, p.decl.name);
+      m.loaded.emplace(p.decl.name, t);
+      m.param_regions[p.decl.name] = Impl::ParamRegion{arena_region, at, arena.get() + at, bytes};
+      at += align_up(bytes, 64);
+      continue;
+    }
+    const Tensor& t = it->second;
+    m.loaded.emplace(p.decl.name, t);
+    if (options.mode != SyncMode::kPull || bytes < options.direct_min_bytes || bytes == 0) continue;
+    FERRY_ASSIGN_OR_RETURN(void* data, t.data_ptr());
+    auto r = transport.register_memory(data, bytes);
+    if (!r.ok()) return r.status().with_context(fmt::format("consumer {}: registering param '{}'", rank, p.decl.name));
+    m.registrations.push_back(*r);
+    m.param_regions[p.decl.name] = Impl::ParamRegion{*r, 0, static_cast<std::byte*>(data), bytes};
+  }
+  FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));
   // Padding: the plan's zeros are written once (routes carry only source bytes).
   if (!m.plan.zeros().empty()) {
     Plan zeros_only;

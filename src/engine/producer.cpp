@@ -11,6 +11,7 @@
 #include <xxhash.h>
 
 #include "engine/common.h"
+#include "engine/in_place.h"
 
 namespace ferry {
 
@@ -39,6 +40,13 @@ struct Producer::Impl {
   uint64_t slot_bytes = 0;
   int nslots = 0;
   std::unique_ptr<Lease> lease;
+  // Zero-copy serving (ProducerOptions::source_regions): where each held box lies, and
+  // per group of the current routes the staging runs consumers read in place instead;
+  // pack_routes is this producer's route less those pack ops (others' routes empty).
+  InPlaceTable in_place;
+  std::vector<std::vector<InPlacePiece>> pieces;
+  Routes pack_routes;
+  std::vector<std::map<uint32_t, uint64_t>> seg_direct;  // [g][plan class]: in-place bytes of the segment
 
   struct Peer {
     std::string blob;
@@ -176,6 +184,7 @@ struct Producer::Impl {
     if (sl.pending.erase(c)) {
       const uint64_t b = seg[static_cast<size_t>(sl.group)][cls(c)];
       report.bytes += b;
+      report.direct_bytes += seg_direct[static_cast<size_t>(sl.group)][cls(c)];
       report.bytes_per_peer[c] += b;
       cv.notify_all();
     }
@@ -379,6 +388,38 @@ struct Producer::Impl {
     }
   }
 
+  // Zero-copy serving: materialises every group once and records which source region
+  // holds each box (contiguous boxes only); exports the regions' keys.
+  Status locate_in_place() {
+    InPlaceTable t;
+    t.min_bytes = o.direct_min_bytes;
+    t.boxes.resize(holdings.boxes.size());
+    for (const MemoryRegion& r : o.source_regions) {
+      FERRY_ASSIGN_OR_RETURN(auto key, tr.export_key(r));
+      t.keys.push_back(bytes_to_string(key));
+    }
+    const Groups groups(source.metadata());
+    for (int g = 0; g < groups.size(); ++g) {
+      auto boxes = source.materialize(g);
+      if (!boxes.ok()) return boxes.status().with_context(fmt::format("producer {} materialize group {}", rank, g));
+      for (const LocalBox& lb : *boxes) {
+        if (lb.box >= t.boxes.size() || !lb.data.is_real() || !lb.data.is_contiguous()) continue;
+        auto ptr = lb.data.data_ptr();
+        if (!ptr.ok()) continue;
+        const uint64_t bytes = static_cast<uint64_t>(lb.data.numel()) * dtype_size(lb.data.dtype());
+        for (size_t r = 0; r < o.source_regions.size(); ++r) {
+          const auto* base = static_cast<const std::byte*>(o.source_regions[r].base);
+          if (*ptr >= base && *ptr + bytes <= base + o.source_regions[r].length) {
+            t.boxes[lb.box] = InPlaceTable::At{static_cast<int32_t>(r), static_cast<uint64_t>(*ptr - base)};
+            break;
+          }
+        }
+      }
+    }
+    in_place = std::move(t);
+    return Status::Ok();
+  }
+
   // Installs routes (caller thread; handlers read routes under mu).
   Status apply_routes(Routes r) {
     const ProducerRoute& pr = r.producers[static_cast<size_t>(rank)];
@@ -392,11 +433,77 @@ struct Producer::Impl {
         if (x.bytes) sg[static_cast<size_t>(g)][x.plan] += x.bytes;
       }
     }
+    // In place: the runs consumers read from the source regions, and what is left to pack.
+    std::vector<std::vector<InPlacePiece>> pc(static_cast<size_t>(r.num_groups()));
+    std::vector<std::map<uint32_t, uint64_t>> sd(static_cast<size_t>(r.num_groups()));
+    Routes packs;
+    packs.group_names = r.group_names;
+    packs.producers.resize(static_cast<size_t>(rank) + 1);
+    packs.producers[static_cast<size_t>(rank)] = pr;
+    for (int g = 0; g < r.num_groups(); ++g) {
+      const auto gi = static_cast<size_t>(g);
+      pc[gi] = in_place_pieces(pr.groups[gi], holdings, in_place);
+      if (pc[gi].empty()) continue;
+      std::set<uint64_t> at;
+      for (const InPlacePiece& x : pc[gi]) {
+        at.insert(x.offset);
+        for (const Segment& sgm : pr.groups[gi].segments) {
+          if (x.offset >= sgm.offset && x.offset + x.bytes <= sgm.offset + sgm.bytes) sd[gi][sgm.plan] += x.bytes;
+        }
+      }
+      auto& ops = packs.producers[static_cast<size_t>(rank)].groups[gi].packs;
+      std::erase_if(ops, [&](const PackOp& op) { return at.count(op.offset) && op.src.numel() > 0; });
+    }
     std::lock_guard<std::mutex> lk(mu);
     routes = std::move(r);
     routes_hash = routes.hash();
     seg = std::move(sg);
+    pieces = std::move(pc);
+    pack_routes = std::move(packs);
+    seg_direct = std::move(sd);
     return Status::Ok();
+  }
+
+  // In place: the boxes of group g must be where create() found them.
+  Status check_in_place(int g, const std::vector<LocalBox>& boxes) const {
+    if (in_place.empty()) return Status::Ok();
+    for (const LocalBox& lb : boxes) {
+      if (lb.box >= in_place.boxes.size() || in_place.boxes[lb.box].region < 0) continue;
+      const InPlaceTable::At& at = in_place.boxes[lb.box];
+      auto ptr = lb.data.data_ptr();
+      const auto* expected = static_cast<const std::byte*>(o.source_regions[static_cast<size_t>(at.region)].base) + at.offset;
+      if (!ptr.ok() || *ptr != expected || !lb.data.is_contiguous())
+        return failed_precondition(
+            "producer {}: tensor '{}' box {} of group {} moved since create() (source_regions promise weights in place)",
+            rank, holdings.tensors[holdings.boxes[lb.box].tensor].name, holdings.boxes[lb.box].box.to_string(), g);
+    }
+    return Status::Ok();
+  }
+
+  // xxHash64 of every segment of group g as consumers receive it: staged bytes, and the
+  // in-place runs from the source memory.
+  std::map<uint32_t, uint64_t> checksums(int g, std::span<const std::byte> staging) const {
+    const ProducerGroup& grp = routes.producers[static_cast<size_t>(rank)].groups[static_cast<size_t>(g)];
+    const auto& pcs = pieces[static_cast<size_t>(g)];
+    std::map<uint32_t, uint64_t> sums;
+    XXH64_state_t* h = XXH64_createState();
+    for (const Segment& sg : grp.segments) {
+      XXH64_reset(h, 0);
+      uint64_t at = sg.offset;
+      const uint64_t end = sg.offset + sg.bytes;
+      auto it = std::lower_bound(pcs.begin(), pcs.end(), at,
+                                 [](const InPlacePiece& x, uint64_t v) { return x.offset < v; });
+      for (; it != pcs.end() && it->offset + it->bytes <= end; ++it) {
+        XXH64_update(h, staging.data() + at, it->offset - at);
+        const auto* base = static_cast<const std::byte*>(o.source_regions[static_cast<size_t>(it->region)].base);
+        XXH64_update(h, base + it->region_offset, it->bytes);
+        at = it->offset + it->bytes;
+      }
+      XXH64_update(h, staging.data() + at, end - at);
+      sums[sg.plan] = XXH64_digest(h);
+    }
+    XXH64_freeState(h);
+    return sums;
   }
 
   // Rebuilds routes when the set of dead producers in the store changed.
@@ -514,12 +621,11 @@ struct Producer::Impl {
       if (!boxes.ok()) return boxes.status().with_context(fmt::format("producer {} materialize group {}", rank, g));
       auto tp = Clock::now();
       std::span<std::byte> staging(ring.data + s * slot_bytes, grp.staging_bytes);
-      Status st = pack_group(routes, static_cast<uint32_t>(rank), g, holdings, *boxes, staging);
+      FERRY_RETURN_IF_ERROR(check_in_place(g, *boxes));
+      Status st = pack_group(pack_routes, static_cast<uint32_t>(rank), g, holdings, *boxes, staging);
       if (!st.ok()) return st.with_context(fmt::format("producer {} pack group {}", rank, g));
       std::map<uint32_t, uint64_t> sums;
-      if (o.checksums) {
-        for (const Segment& sg : grp.segments) sums[sg.plan] = XXH64(staging.data() + sg.offset, sg.bytes, 0);
-      }
+      if (o.checksums) sums = checksums(g, staging);
       if (o.corrupt_group == g && o.corrupt_version == v && !grp.segments.empty() && grp.segments[0].bytes) {
         staging[grp.segments[0].offset] ^= std::byte{0x40};
       }
@@ -722,6 +828,8 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
     }
   }
   m.slot_bytes = align_up(std::max<uint64_t>(largest, 64), 64);
+  // Push writes whole staged segments: in-place serving is for pull only.
+  if (!options.source_regions.empty() && options.mode == SyncMode::kPull) FERRY_RETURN_IF_ERROR(m.locate_in_place());
   FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));
   if (options.staging_budget == 0) {
     m.nslots = 2;
@@ -742,8 +850,8 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
         if (tag == kTag) self->on_message(from, payload);
       });
   transport.set_peer_failure_handler([self](PeerId peer, const Status& why) { self->on_peer_failure(peer, why); });
-  const std::string blob =
-      encode_fields({bytes_to_string(transport.address()), bytes_to_string(key), u64_field(m.slot_bytes)});
+  const std::string blob = encode_fields(
+      {bytes_to_string(transport.address()), bytes_to_string(key), u64_field(m.slot_bytes), m.in_place.encode()});
   FERRY_ASSIGN_OR_RETURN(m.lease, store.hold_lease(key_producer(options.job, m.rank), blob, options.lease_ttl));
   return std::unique_ptr<Producer>(new Producer(std::move(impl)));
 }

@@ -95,6 +95,26 @@ TEST(BenchCli, JsonHasEveryKeyWithSaneValues) {
   EXPECT_EQ(j["trials"].size(), 3u);  // warm-up + 2
   EXPECT_GT(j["staged_seconds"].get<double>(), 0);
   EXPECT_EQ(j["broadcast_mpi"]["ranks"], 3);  // 1 root (trainer pp=1) + 2 inference ranks
+  // Zero-copy by default: trainer weights served in place, bytes read into params.
+  EXPECT_EQ(j["in_place"], true);
+  EXPECT_GT(j["in_place_fraction"].get<double>(), 0) << r.out;
+  EXPECT_GT(j["into_params_fraction"].get<double>(), 0) << r.out;
+  EXPECT_LE(j["in_place_fraction"].get<double>(), 1);
+}
+
+// --no-in-place: the trainer's weights in ordinary memory, every byte staged; still
+// verified bit for bit.
+TEST(BenchCli, NoInPlaceStagesEveryByte) {
+  const std::string bin = FERRY_BIN;
+  if (!mpirun_on_path() || ::access((bin.substr(0, bin.rfind('/') + 1) + "ferry-mpi-bcast").c_str(), X_OK) != 0)
+    GTEST_SKIP() << "no OpenMPI (see JsonHasEveryKeyWithSaneValues)";
+  BenchRun r = run_bench("--no-in-place");
+  ASSERT_EQ(r.status, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << r.out << "\n" << r.err;
+  EXPECT_EQ(j["in_place"], false);
+  EXPECT_EQ(j["in_place_fraction"].get<double>(), 0);
+  EXPECT_EQ(j["verified_ranks"], 2);
 }
 
 TEST(BenchCli, MissingMpirunIsAClearError) {

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "engine/harness.h"
+#include "engine/in_place.h"
 #include "ferry/engine.h"
 
 namespace ferry {
@@ -19,6 +20,68 @@ using namespace std::chrono_literals;
 
 std::string cfg(const char* name) { return std::string(FERRY_SOURCE_DIR) + "/configs/" + name; }
 
+// A trainer rank whose weights live in place in one region of its transport (a trainer
+// that allocates its parameters through ferry): the boxes of a SyntheticSource, copied
+// at fixed addresses; a new version of the inner source is written over the same memory
+// by the first materialize() of the next sync (the optimizer step). `move_box`: from
+// then on, materialize() hands out a copy of box 0 instead (a broken promise).
+class InPlaceSource final : public WeightSource {
+ public:
+  InPlaceSource(SyntheticSource& inner, Transport& t) : inner_(inner), tr_(t) {}
+  ~InPlaceSource() override {
+    if (region_.base) tr_.deregister_memory(region_).ignore();
+  }
+  Status init() {
+    const int groups = Groups(inner_.metadata()).size();
+    uint64_t bytes = 0;
+    std::vector<std::vector<std::pair<uint32_t, Tensor>>> shapes(static_cast<size_t>(groups));
+    for (int g = 0; g < groups; ++g) {
+      FERRY_ASSIGN_OR_RETURN(auto boxes, inner_.materialize(g));
+      for (auto& b : boxes) bytes += (static_cast<uint64_t>(b.data.numel()) * dtype_size(b.data.dtype()) + 63) / 64 * 64;
+    }
+    FERRY_ASSIGN_OR_RETURN(region_, tr_.allocate_memory(std::max<uint64_t>(bytes, 64)));
+    auto* base = static_cast<std::byte*>(region_.base);
+    uint64_t at = 0;
+    boxes_.resize(static_cast<size_t>(groups));
+    for (int g = 0; g < groups; ++g) {
+      FERRY_ASSIGN_OR_RETURN(auto boxes, inner_.materialize(g));
+      for (auto& b : boxes) {
+        boxes_[static_cast<size_t>(g)].push_back(LocalBox{b.box, Tensor::borrow(base + at, b.data.shape(), b.data.dtype())});
+        at += (static_cast<uint64_t>(b.data.numel()) * dtype_size(b.data.dtype()) + 63) / 64 * 64;
+      }
+    }
+    return refill();
+  }
+  const MemoryRegion& region() const { return region_; }
+  const std::vector<TensorDecl>& metadata() const override { return inner_.metadata(); }
+  int rank() const override { return inner_.rank(); }
+  int world_size() const override { return inner_.world_size(); }
+  Result<Holdings> holdings(int rank) const override { return inner_.holdings(rank); }
+  Result<std::vector<LocalBox>> materialize(int group) override {
+    if (inner_.version() != filled_) FERRY_RETURN_IF_ERROR(refill());
+    if (group < 0 || static_cast<size_t>(group) >= boxes_.size()) return invalid_argument("group {}", group);
+    auto out = boxes_[static_cast<size_t>(group)];
+    if (move_box && !out.empty()) out[0].data = out[0].data.clone();
+    return out;
+  }
+  bool move_box = false;
+
+ private:
+  Status refill() {
+    for (size_t g = 0; g < boxes_.size(); ++g) {
+      FERRY_ASSIGN_OR_RETURN(auto boxes, inner_.materialize(static_cast<int>(g)));
+      for (size_t i = 0; i < boxes.size(); ++i) FERRY_RETURN_IF_ERROR(boxes_[g][i].data.copy_(boxes[i].data));
+    }
+    filled_ = inner_.version();
+    return Status::Ok();
+  }
+  SyntheticSource& inner_;
+  Transport& tr_;
+  MemoryRegion region_;
+  std::vector<std::vector<LocalBox>> boxes_;
+  uint64_t filled_ = 0;
+};
+
 struct Cluster {
   std::unique_ptr<StoreServer> server;
   JobModel model;
@@ -27,10 +90,13 @@ struct Cluster {
   std::vector<std::unique_ptr<Transport>> ptr, ctr;
   std::vector<std::unique_ptr<Store>> pst, cst;
   std::vector<std::unique_ptr<SyntheticSource>> src;
+  std::vector<std::unique_ptr<InPlaceSource>> in_place_src;  // when in_place
   std::vector<std::unique_ptr<Producer>> prod;
   std::vector<std::unique_ptr<Consumer>> cons;
   std::function<void(ProducerOptions&, int)> tweak_producer;
   std::function<void(ConsumerOptions&, int)> tweak_consumer;
+  bool caller_params = false;  // consumers get param buffers allocated by the test
+  bool in_place = false;       // producers serve from InPlaceSource regions
   static inline std::atomic<int> job_counter{0};
 
   Cluster() {
@@ -66,6 +132,7 @@ struct Cluster {
     ptr.resize(static_cast<size_t>(P()));
     pst.resize(static_cast<size_t>(P()));
     src.resize(static_cast<size_t>(P()));
+    in_place_src.resize(static_cast<size_t>(P()));
     prod.resize(static_cast<size_t>(P()));
     ctr.resize(static_cast<size_t>(C()));
     cst.resize(static_cast<size_t>(C()));
@@ -82,13 +149,21 @@ struct Cluster {
   Status start_producer(int p) {
     const size_t i = static_cast<size_t>(p);
     prod[i].reset();
+    in_place_src[i].reset();  // (deregisters from the transport replaced next)
     FERRY_ASSIGN_OR_RETURN(ptr[i], transport());
     FERRY_ASSIGN_OR_RETURN(pst[i], store());
     src[i] = std::make_unique<SyntheticSource>(model.metadata, model.holdings, p, seed);
     ProducerOptions po;
     static_cast<EngineOptions&>(po) = eo;
+    WeightSource* source = src[i].get();
+    if (in_place) {
+      in_place_src[i] = std::make_unique<InPlaceSource>(*src[i], *ptr[i]);
+      FERRY_RETURN_IF_ERROR(in_place_src[i]->init());
+      po.source_regions = {in_place_src[i]->region()};
+      source = in_place_src[i].get();
+    }
     if (tweak_producer) tweak_producer(po, p);
-    FERRY_ASSIGN_OR_RETURN(prod[i], Producer::create(*src[i], *ptr[i], *pst[i], po));
+    FERRY_ASSIGN_OR_RETURN(prod[i], Producer::create(*source, *ptr[i], *pst[i], po));
     return Status::Ok();
   }
 
@@ -100,7 +175,20 @@ struct Cluster {
     ConsumerOptions co;
     static_cast<EngineOptions&>(co) = eo;
     if (tweak_consumer) tweak_consumer(co, c);
-    FERRY_ASSIGN_OR_RETURN(cons[i], Consumer::create(*model.loader, c, *ctr[i], *cst[i], co));
+    TensorMap params;
+    if (caller_params) {
+      FERRY_ASSIGN_OR_RETURN(auto rl, model.loader->rank(c));
+      for (const ParamInfo& p : rl->params())
+        params.emplace(p.decl.name, Tensor::empty(p.decl.shape, p.decl.dtype, p.decl.name));
+    }
+    FERRY_ASSIGN_OR_RETURN(cons[i], Consumer::create(*model.loader, c, *ctr[i], *cst[i], co, params));
+    if (caller_params) {  // the consumer works in the caller's buffers, not copies
+      for (const auto& [name, t] : params) {
+        auto it = cons[i]->params().find(name);
+        if (it == cons[i]->params().end() || *it->second.data_ptr() != *t.data_ptr())
+          return internal_error("consumer {} does not use the caller's buffer of {}", c, name);
+      }
+    }
     return Status::Ok();
   }
 
@@ -161,10 +249,52 @@ TEST(EngineThreads, DenseGqaTwoReplicasPull) {
     EXPECT_EQ(got, routes.stats.bytes_moved);
     EXPECT_EQ(served, got);
     EXPECT_EQ(got, routes.stats.bytes_min) << "exactly the bytes each consumer keeps";
+    // Zero-copy: most bytes are read straight into the params; what is left (small
+    // pieces) went through the receive ring and was unpacked, and the params verified.
+    for (auto& c : o.c) {
+      EXPECT_GT((**c).direct_bytes, 0u);
+      EXPECT_LT((**c).direct_bytes, (**c).bytes);
+    }
   }
   // Every participant built the same routes.
   for (auto& c : k.cons) EXPECT_EQ(c->routes().hash(), routes.hash());
   for (auto& p : k.prod) EXPECT_EQ(p->routes().hash(), routes.hash());
+}
+
+// Zero-copy reads into params, whatever the threshold: every piece (0), the default, or
+// none (everything through the receive ring); params allocated by the consumer or by
+// the caller (registered one by one); with checksums, which then cover bytes that landed
+// in params. Every consumer verified bit for bit, every sync.
+TEST(EngineThreads, ZeroCopyReadsIntoParams) {
+  struct Case {
+    uint64_t min_bytes;
+    bool caller_params;
+  };
+  for (Case t : {Case{0, false}, Case{0, true}, Case{4096, true}, Case{64 * 1024, false}, Case{UINT64_MAX, false}}) {
+    SCOPED_TRACE(fmt::format("direct_min_bytes {} caller_params {}", t.min_bytes, t.caller_params));
+    Cluster k;
+    k.caller_params = t.caller_params;
+    k.tweak_consumer = [&](ConsumerOptions& co, int) {
+      co.direct_min_bytes = t.min_bytes;
+      co.checksums = true;
+    };
+    k.tweak_producer = [&](ProducerOptions& po, int) { po.checksums = true; };
+    ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2,pp=2", "tp=2,replicas=2").ok());
+    for (uint64_t v = 1; v <= 2; ++v) {
+      auto o = k.sync(v);
+      k.expect_all_ok(o, v);
+      for (auto& c : o.c) {
+        if (t.min_bytes == UINT64_MAX) {
+          EXPECT_EQ((**c).direct_bytes, 0u);
+        } else if (t.min_bytes == 0) {
+          // Llama has no dtype conversion and no shared source bytes: all of it.
+          EXPECT_EQ((**c).direct_bytes, (**c).bytes);
+        } else {
+          EXPECT_GT((**c).direct_bytes, 0u);
+        }
+      }
+    }
+  }
 }
 
 TEST(EngineThreads, MoeWithExpertParallelism) {
@@ -299,9 +429,10 @@ TEST(EngineThreads, OnlyHolderDiesThenRecovers) {
 // without it, the sync completes verified (no consumer dropped: a consumer still on the
 // old routes is told of the new ones, see Producer send_routes_notice); after it
 // restarts, it rejoins.
-void failover_to_dp_replica(SyncMode mode) {
+void failover_to_dp_replica(SyncMode mode, bool in_place = false) {
   Cluster k;
   k.eo.mode = mode;
+  k.in_place = in_place;
   k.tweak_producer = [&k](ProducerOptions& o, int p) {
     if (p != 1) return;
     // (The crashed producer's own sync thread, which a dead process would not have,
@@ -354,6 +485,88 @@ TEST(EngineThreads, ProducerDiesFailoverToDpReplica) { failover_to_dp_replica(Sy
 // Push: producers write into receive slots, so a consumer that moves to new routes
 // must not reuse a slot while a write of the old ones may still land there (FLUSHED).
 TEST(EngineThreads, PushProducerDiesFailoverToDpReplica) { failover_to_dp_replica(SyncMode::kPush); }
+// In place: the replica serves the dead producer's pieces from its own trainer memory.
+TEST(EngineThreads, InPlaceProducerDiesFailoverToDpReplica) { failover_to_dp_replica(SyncMode::kPull, true); }
+
+// Producers serve from the trainer's memory in place (ProducerOptions::source_regions):
+// pieces that are contiguous runs of a box are neither packed nor staged; consumers read
+// them from the source region, into params or the ring. Every consumer verified bit for
+// bit, with checksums (which then cover in-place bytes), at thresholds from every piece
+// to none; push mode ignores source_regions (it writes whole staged segments).
+TEST(EngineThreads, InPlaceSourceServesWithoutStaging) {
+  struct Case {
+    uint64_t min_bytes;
+    SyncMode mode;
+    uint64_t consumer_min;
+  };
+  for (Case t : {Case{0, SyncMode::kPull, 0}, Case{4096, SyncMode::kPull, 64 * 1024},
+                 Case{0, SyncMode::kPull, UINT64_MAX}, Case{UINT64_MAX, SyncMode::kPull, 0},
+                 Case{0, SyncMode::kPush, 0}}) {
+    SCOPED_TRACE(fmt::format("producer min {} mode {} consumer min {}", t.min_bytes, sync_mode_name(t.mode),
+                             t.consumer_min));
+    Cluster k;
+    k.in_place = true;
+    k.eo.mode = t.mode;
+    k.eo.checksums = true;
+    k.tweak_producer = [&](ProducerOptions& po, int) { po.direct_min_bytes = t.min_bytes; };
+    k.tweak_consumer = [&](ConsumerOptions& co, int) { co.direct_min_bytes = t.consumer_min; };
+    ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2,pp=2", "tp=4").ok());
+    for (uint64_t v = 1; v <= 3; ++v) {
+      auto o = k.sync(v);
+      k.expect_all_ok(o, v);
+      uint64_t served = 0, in_place = 0;
+      for (auto& p : o.p) {
+        served += (**p).bytes;
+        in_place += (**p).direct_bytes;
+      }
+      if (t.mode == SyncMode::kPush || t.min_bytes == UINT64_MAX) {
+        EXPECT_EQ(in_place, 0u);
+      } else {
+        EXPECT_GT(in_place, 0u);
+        EXPECT_LT(in_place, served) << "tp=2 -> tp=4: row-parallel pieces are strided in the trainer's box";
+      }
+    }
+  }
+}
+
+// The in-place table travels in the producer's lease: decoding it is bounds-checked.
+TEST(InPlaceTable, RoundTripAndMalformedBytes) {
+  engine::InPlaceTable t;
+  t.min_bytes = 4096;
+  t.keys = {"key-a", "key-b"};
+  t.boxes = {{0, 128}, {-1, 0}, {1, 1 << 20}};
+  const std::string bytes = t.encode();
+  auto d = engine::InPlaceTable::decode(bytes, 3);
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  EXPECT_EQ(d->min_bytes, 4096u);
+  EXPECT_EQ(d->keys, t.keys);
+  ASSERT_EQ(d->boxes.size(), 3u);
+  EXPECT_EQ(d->boxes[2].region, 1);
+  EXPECT_EQ(d->boxes[2].offset, uint64_t{1} << 20);
+  EXPECT_TRUE(engine::InPlaceTable::decode("", 3)->empty());  // no source regions
+  EXPECT_EQ(engine::InPlaceTable::decode(bytes, 4).status().code(), StatusCode::kCorrupt);  // box count
+  for (size_t n = 1; n < bytes.size(); n += 7)
+    EXPECT_FALSE(engine::InPlaceTable::decode(bytes.substr(0, n), 3).ok()) << "truncated at " << n;
+  t.boxes[1].region = 2;  // names a region the table lacks
+  EXPECT_EQ(engine::InPlaceTable::decode(t.encode(), 3).status().code(), StatusCode::kCorrupt);
+}
+
+// A source that breaks its in-place promise (a box at another address) fails the sync
+// with an error naming the tensor, and the consumers do not commit.
+TEST(EngineThreads, InPlaceBoxThatMovedFailsTheSync) {
+  Cluster k;
+  k.in_place = true;
+  k.eo.timeout = 3s;
+  k.eo.stall_timeout = 3s;
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  k.in_place_src[0]->move_box = true;
+  auto o = k.sync(2);
+  ASSERT_FALSE(o.p[0]->ok());
+  EXPECT_NE(o.p[0]->status().message().find("moved"), std::string::npos) << o.p[0]->status().to_string();
+  for (auto& c : o.c) EXPECT_FALSE(c->ok());
+  for (auto& c : k.cons) EXPECT_EQ(c->state().version, 1u);
+}
 
 }  // namespace
 }  // namespace ferry

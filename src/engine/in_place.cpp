@@ -1,0 +1,60 @@
+#include "engine/in_place.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "engine/common.h"
+
+namespace ferry::engine {
+
+std::string InPlaceTable::encode() const {
+  if (empty()) return {};
+  std::string at(boxes.size() * 16, '\0');
+  for (size_t i = 0; i < boxes.size(); ++i) {
+    const int64_t r = boxes[i].region;
+    std::memcpy(at.data() + 16 * i, &r, 8);
+    std::memcpy(at.data() + 16 * i + 8, &boxes[i].offset, 8);
+  }
+  return encode_fields({u64_field(min_bytes), u64_field(keys.size()), at, encode_fields(keys)});
+}
+
+Result<InPlaceTable> InPlaceTable::decode(std::string_view bytes, size_t num_boxes) {
+  InPlaceTable t;
+  if (bytes.empty()) return t;
+  FERRY_ASSIGN_OR_RETURN(auto f, decode_fields(bytes, 4));
+  FERRY_ASSIGN_OR_RETURN(t.min_bytes, parse_u64_field(f[0]));
+  if (f[2].size() != num_boxes * 16)
+    return corrupt("in-place table describes {} bytes of boxes, the producer holds {} boxes", f[2].size(), num_boxes);
+  FERRY_ASSIGN_OR_RETURN(const uint64_t nkeys, parse_u64_field(f[1]));
+  if (nkeys == 0 || nkeys > kMaxRegions) return corrupt("in-place table names {} regions", nkeys);
+  FERRY_ASSIGN_OR_RETURN(t.keys, decode_fields(f[3], nkeys));
+  t.boxes.resize(num_boxes);
+  for (size_t i = 0; i < num_boxes; ++i) {
+    int64_t r;
+    std::memcpy(&r, f[2].data() + 16 * i, 8);
+    std::memcpy(&t.boxes[i].offset, f[2].data() + 16 * i + 8, 8);
+    if (r < -1 || r >= static_cast<int64_t>(t.keys.size()))
+      return corrupt("in-place table: box {} names region {} of {}", i, r, t.keys.size());
+    t.boxes[i].region = static_cast<int32_t>(r);
+  }
+  return t;
+}
+
+std::vector<InPlacePiece> in_place_pieces(const ProducerGroup& group, const Holdings& holdings,
+                                          const InPlaceTable& table) {
+  std::vector<InPlacePiece> out;
+  if (table.empty()) return out;
+  for (const PackOp& op : group.packs) {
+    if (op.box >= table.boxes.size() || op.box >= holdings.boxes.size()) continue;
+    const InPlaceTable::At& at = table.boxes[op.box];
+    if (at.region < 0 || !op.src.is_contiguous() || op.src.offset < 0) continue;
+    const uint64_t es = dtype_size(op.dtype);
+    const uint64_t bytes = static_cast<uint64_t>(op.src.numel()) * es;
+    if (bytes == 0 || bytes < table.min_bytes) continue;
+    out.push_back(InPlacePiece{op.offset, bytes, at.region, at.offset + static_cast<uint64_t>(op.src.offset) * es});
+  }
+  std::sort(out.begin(), out.end(), [](const InPlacePiece& a, const InPlacePiece& b) { return a.offset < b.offset; });
+  return out;
+}
+
+}  // namespace ferry::engine

@@ -1,0 +1,49 @@
+// Zero-copy serving (ProducerOptions::source_regions): a producer whose weights live in
+// transport regions publishes where each held box is, and then neither packs nor
+// stages the pieces of those boxes that are contiguous runs of at least `min_bytes`:
+// consumers read them straight from the trainer's memory. Producer and consumers derive
+// the same pieces from the same routes and table (in_place_pieces), so nothing per
+// sync crosses the wire.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ferry/route.h"
+#include "ferry/source.h"
+#include "ferry/status.h"
+
+namespace ferry::engine {
+
+struct InPlaceTable {
+  static constexpr uint64_t kMaxRegions = 4096;
+  struct At {
+    int32_t region = -1;  // index into keys; -1: not in place
+    uint64_t offset = 0;  // byte offset of the box's data inside that region
+  };
+  uint64_t min_bytes = 0;
+  std::vector<std::string> keys;  // exported remote keys of the source regions
+  std::vector<At> boxes;          // per held box (Holdings::boxes order)
+
+  bool empty() const { return keys.empty(); }
+  std::string encode() const;  // "" for an empty table
+  // Bounds-checked: `num_boxes` is the producer's held box count.
+  static Result<InPlaceTable> decode(std::string_view bytes, size_t num_boxes);
+};
+
+// A run of group staging bytes [offset, offset + bytes) that the producer serves from
+// region `region` at `region_offset` instead.
+struct InPlacePiece {
+  uint64_t offset = 0, bytes = 0;
+  int32_t region = -1;
+  uint64_t region_offset = 0;
+};
+
+// The pieces of `group` served in place, sorted by offset, disjoint: the pack ops whose
+// box is in place, whose source is contiguous within the box and at least min_bytes.
+std::vector<InPlacePiece> in_place_pieces(const ProducerGroup& group, const Holdings& holdings,
+                                          const InPlaceTable& table);
+
+}  // namespace ferry::engine
