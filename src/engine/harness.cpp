@@ -81,7 +81,8 @@ int run_worker(const WorkerSpec& s) {
     const char* tls = std::getenv("FERRY_UCX_TLS");
     // Shared memory by default (one host); FERRY_UCX_TLS=tcp,self selects tcp, where the
     // transport does RMA by message (UCX 1.13's own emulation aborted the serving process
-    // when its peer died; the fault tests run over tcp too).
+    // when its peer died). The driver sets tcp for runs that SIGKILL ranks: see
+    // DemoSpec::ucx_tls for why shared memory cannot survive that.
     to.ucx_config = {{"TLS", tls ? tls : "sm,self"}};
     if (!tls || std::string(tls).find("tcp") != std::string::npos) to.ucx_config.push_back({"NET_DEVICES", "lo"});
   }
@@ -193,9 +194,10 @@ struct Child {
   std::string log;
 };
 
-Result<Child> spawn_worker(const DemoSpec& d, const std::string& config_path, const std::string& store_url,
-                           const std::string& job, const std::string& dir, const std::string& role, int rank,
-                           int first_version, int crash_version, int crash_point) {
+Result<Child> spawn_worker(const DemoSpec& d, const std::string& tls, const std::string& config_path,
+                           const std::string& store_url, const std::string& job, const std::string& dir,
+                           const std::string& role, int rank, int first_version, int crash_version,
+                           int crash_point) {
   Child ch;
   ch.role = role;
   ch.rank = rank;
@@ -210,6 +212,16 @@ Result<Child> spawn_worker(const DemoSpec& d, const std::string& config_path, co
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
+  // The worker's environment with FERRY_UCX_TLS set, built before fork: the child of a
+  // multithreaded process may only make async-signal-safe calls, so it cannot setenv.
+  std::vector<std::string> env_text;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (!std::string_view(*e).starts_with("FERRY_UCX_TLS=")) env_text.emplace_back(*e);
+  }
+  if (!tls.empty()) env_text.push_back("FERRY_UCX_TLS=" + tls);
+  std::vector<char*> envp;
+  for (auto& e : env_text) envp.push_back(e.data());
+  envp.push_back(nullptr);
   const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid < 0) return io_error("fork failed");
@@ -222,7 +234,7 @@ Result<Child> spawn_worker(const DemoSpec& d, const std::string& config_path, co
       ::dup2(fd, 2);
       ::close(fd);
     }
-    ::execv(argv[0], argv.data());
+    ::execve(argv[0], argv.data(), envp.data());
     ::_exit(127);
   }
   ch.pid = pid;
@@ -313,8 +325,24 @@ DemoResult run_demo(const DemoSpec& d) {
   auto rinfo = m.inference.rank(0);
   say(fmt::format("ferry demo: {} ({}), checkpoint {:.1f} MB, {} tensors, {} groups\n", m.config.architecture(),
                   d.model, static_cast<double>(m.checkpoint_bytes) / 1e6, m.metadata.size(), groups));
-  say(fmt::format("  trainer {} ({} ranks) -> inference {} ({} ranks), mode {}, transport {}, store {}\n",
-                  m.trainer.to_string(), P, m.inference.to_string(), C, d.mode, d.backend, st.url()));
+  // Workers' UCX_TLS (see DemoSpec::ucx_tls): with ranks to SIGKILL, a transport whose
+  // delivery survives a sender's death. Over sm a victim killed while its progress thread
+  // wrote a message (the crash points follow sends: RELEASE, ANNOUNCE) wedged that peer's
+  // receive FIFO: the peer never heard from any rank again (seen as a producer that
+  // stalled every consumer and overran the driver's wait).
+  std::string tls = d.ucx_tls;
+  if (tls.empty()) {
+    if (const char* e = std::getenv("FERRY_UCX_TLS"); e != nullptr && *e != '\0') {
+      tls = e;
+    } else if (!kills.empty() && d.backend == "ucx") {
+      tls = "tcp,self";
+    }
+  }
+  res.ucx_tls = tls;
+  say(fmt::format("  trainer {} ({} ranks) -> inference {} ({} ranks), mode {}, transport {}{}, store {}\n",
+                  m.trainer.to_string(), P, m.inference.to_string(), C, d.mode, d.backend,
+                  d.backend == "ucx" ? fmt::format(" (UCX_TLS {})", tls.empty() ? "sm,self" : tls) : std::string(),
+                  st.url()));
 
   std::vector<Child> children;
   auto kill_all = [&] {
@@ -334,7 +362,7 @@ DemoResult run_demo(const DemoSpec& d) {
     const int r = producer ? i : i - P;
     const bool is_victim = producer == kill_producer && r == d.kill_rank && !kills.empty();
     auto [cv, cp] = is_victim ? victim_crash(1) : std::pair<int, int>{-1, 0};
-    auto c = spawn_worker(d, config_path, store_url, job, dir, producer ? "producer" : "consumer", r, 1, cv, cp);
+    auto c = spawn_worker(d, tls, config_path, store_url, job, dir, producer ? "producer" : "consumer", r, 1, cv, cp);
     if (!c.ok()) return kill_all(), fail(c.status().to_string());
     if (is_victim) victim = static_cast<int>(children.size());
     children.push_back(*c);
@@ -460,7 +488,7 @@ DemoResult run_demo(const DemoSpec& d) {
       if (v < d.syncs) {
         st.remove(ready_key(d.kill_role, d.kill_rank)).status().ignore();
         auto [cv, cp] = victim_crash(v + 1);
-        auto c = spawn_worker(d, config_path, store_url, job, dir, d.kill_role, d.kill_rank, v + 1, cv, cp);
+        auto c = spawn_worker(d, tls, config_path, store_url, job, dir, d.kill_role, d.kill_rank, v + 1, cv, cp);
         if (!c.ok()) return kill_all(), fail(c.status().to_string());
         vc = *c;
         if (Status s = wait_ready({ready_key(d.kill_role, d.kill_rank)}); !s.ok()) {

@@ -78,6 +78,13 @@ struct DemoSpec {
   std::string mode = "pull";
   std::string store;          // empty: an embedded TCP store in this process
   std::string backend = "ucx";
+  // UCX_TLS of the workers (passed as FERRY_UCX_TLS). Empty: $FERRY_UCX_TLS when set;
+  // otherwise tcp,self when `kills` SIGKILL ranks, else the workers' default (sm,self).
+  // UCX 1.13's shared memory has no peer-failure support: its receive FIFO is shared by
+  // every sender, and a sender killed between reserving a FIFO entry and publishing it
+  // leaves the receiver unable to read past that entry, deaf to every peer for good.
+  // tcp keeps each peer's messages on its own connection, so a SIGKILL breaks only that.
+  std::string ucx_tls;
   bool checksums = false;
   int syncs = 4;
   uint64_t seed = 1;
@@ -110,6 +117,7 @@ struct DemoResult {
   int64_t max_rss_growth_kib = 0;
   int64_t max_fd_growth = 0;
   bool all_verified = false;
+  std::string ucx_tls;  // the workers' UCX_TLS (empty: their default, sm,self)
   std::string error;
 };
 DemoResult run_demo(const DemoSpec& spec);
