@@ -300,7 +300,9 @@ struct Consumer::Impl {
 
   // Waits for the message (v, g, p) from any producer p in `from`; fails when one of
   // them failed, when we were dropped, or after `timeout`.
-  Result<std::pair<int, Msg>> await_any(uint64_t v, int g, const std::set<int>& from, const char* what) {
+  // `none` (polling): return at once with *none = true when nothing is there yet.
+  Result<std::pair<int, Msg>> await_any(uint64_t v, int g, const std::set<int>& from, const char* what,
+                                        bool* none = nullptr) {
     std::unique_lock<std::mutex> lk(mu);
     const auto deadline = Clock::now() + o.timeout;
     for (;;) {
@@ -330,6 +332,10 @@ struct Consumer::Impl {
       if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
       if (dropped_versions.count(v)) return cancelled("consumer {} was dropped from sync {} by a producer", rank, v);
       if (!bg_status.ok()) return bg_status;
+      if (none) {
+        *none = true;
+        return timeout_error("consumer {}: no {} yet", rank, what);
+      }
       if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline) {
         std::string missing;
         for (int p : from) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
@@ -388,34 +394,79 @@ struct Consumer::Impl {
   enum PostWhat { kStaged, kInPlaceToRing, kInPlaceToParams };
   Status post(int g, int p, uint64_t base, PostWhat what, const Msg* announce, std::vector<Completion>& ops) {
     const PlanGroup& pg = pr->groups[static_cast<size_t>(g)];
-    RemoteRegion staging;
-    {
-      std::lock_guard<std::mutex> lk(mu);
-      staging = peers[static_cast<size_t>(p)].staging;
-    }
     for (const SubRead& sr : subs[static_cast<size_t>(g)]) {
       if (static_cast<int>(pg.reads[sr.read].producer) != p) continue;
       const PostWhat kind = sr.region < 0 ? kStaged : sr.param ? kInPlaceToParams : kInPlaceToRing;
       if (kind != what) continue;
-      RemoteRegion from_region = staging;
-      uint64_t remote = (announce ? announce->slot_offset : 0) + sr.remote;
-      {
-        std::lock_guard<std::mutex> lk(mu);
-        if (sr.region >= 0) {
-          from_region = peers[static_cast<size_t>(p)].regions[static_cast<size_t>(sr.region)];
-          remote = sr.remote;
-        }
-        if (sr.param) unpacked_any = true;  // params change from here on: a failure now leaves us torn
-      }
-      auto c = sr.param ? tr.read(sr.param->region, sr.param->offset + sr.param_offset, from_region, remote, sr.length)
-                        : tr.read(ring.region, base + sr.recv_offset, from_region, remote, sr.length);
-      if (!c.ok()) {
-        failed_p = p;
-        return c.status().with_context(fmt::format("consumer {} reading group {} from producer {}", rank, g, p));
-      }
-      ops.push_back(*c);
+      FERRY_RETURN_IF_ERROR(post_one(g, p, sr, 0, sr.length, base, announce, ops));
     }
     return Status::Ok();
+  }
+
+  // Posts bytes [at, at + n) of sub-read `sr` of producer p in group g.
+  Status post_one(int g, int p, const SubRead& sr, uint64_t at, uint64_t n, uint64_t base, const Msg* announce,
+                  std::vector<Completion>& ops) {
+    RemoteRegion from_region;
+    uint64_t remote = (announce ? announce->slot_offset : 0) + sr.remote + at;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      const Peer& pe = peers[static_cast<size_t>(p)];
+      from_region = pe.staging;
+      if (sr.region >= 0) {
+        from_region = pe.regions[static_cast<size_t>(sr.region)];
+        remote = sr.remote + at;
+      }
+      if (sr.param) unpacked_any = true;  // params change from here on: a failure now leaves us torn
+    }
+    auto c = sr.param ? tr.read(sr.param->region, sr.param->offset + sr.param_offset + at, from_region, remote, n)
+                      : tr.read(ring.region, base + sr.recv_offset + at, from_region, remote, n);
+    if (!c.ok()) {
+      failed_p = p;
+      return c.status().with_context(fmt::format("consumer {} reading group {} from producer {}", rank, g, p));
+    }
+    ops.push_back(*c);
+    return Status::Ok();
+  }
+
+  // In-place bytes into params not posted yet, per group: taken lowest group first, a
+  // chunk at a time, while the consumer has nothing else to do (see await_working).
+  struct Backlog {
+    struct Item {
+      int p;
+      const SubRead* sr;
+      uint64_t done;
+    };
+    std::map<int, std::deque<Item>> by_group;
+    bool empty() const { return by_group.empty(); }
+  };
+  // Over shared memory a read is a copy made by the posting thread: in chunks, so the
+  // consumer answers announcements between them.
+  static constexpr uint64_t kChunk = 1 << 20;
+
+  // Posts one chunk of the lowest group's backlog into ahead[(group, p)].
+  Status work_one(Backlog& b, std::map<std::pair<int, int>, std::vector<Completion>>& ahead) {
+    auto it = b.by_group.begin();
+    auto& item = it->second.front();
+    const uint64_t n = std::min(kChunk, item.sr->length - item.done);
+    FERRY_RETURN_IF_ERROR(post_one(it->first, item.p, *item.sr, item.done, n, 0, nullptr, ahead[{it->first, item.p}]));
+    item.done += n;
+    if (item.done == item.sr->length) {
+      it->second.pop_front();
+      if (it->second.empty()) b.by_group.erase(it);
+    }
+    return Status::Ok();
+  }
+
+  // await_any for an announcement, working through the backlog while none is there.
+  Result<std::pair<int, Msg>> await_working(uint64_t v, int g, const std::set<int>& from, Backlog& b,
+                                            std::map<std::pair<int, int>, std::vector<Completion>>& ahead) {
+    while (!b.empty()) {
+      bool none = false;
+      auto r = await_any(v, g, from, "announce", &none);
+      if (!none) return r;
+      FERRY_RETURN_IF_ERROR(work_one(b, ahead));
+    }
+    return await_any(v, g, from, "announce");
   }
 
   Status sync_groups(uint64_t v, SyncReport& rep) {
@@ -431,12 +482,15 @@ struct Consumer::Impl {
     // Pull. In-place bytes are the trainer's weights of v from the start of the
     // producer's sync v until it ends (after our DONE). So once a producer announced
     // anything of v in this attempt (in_v), its in-place bytes that land in params are
-    // read *ahead*, every later group at once, with no per-group handshake; in-place
+    // read *ahead*, with no handshake, whenever the consumer would otherwise wait for an
+    // announcement (a chunk at a time, so staging slots are still released promptly:
+    // producers pack group g+2 only once every consumer released group g); in-place
     // bytes that land in the receive ring are read as soon as the group's slot is ours;
     // only staged bytes wait for the group's announcement.
     std::set<int> in_v;
-    std::map<std::pair<int, int>, std::vector<Completion>> ahead;  // (group, producer) -> reads posted ahead
+    std::map<std::pair<int, int>, std::vector<Completion>> ahead;  // (group, producer) -> in-place reads posted
     std::map<int, std::vector<Completion>> ops;                     // this group's, per producer
+    Backlog backlog;                                                // in-place reads not posted yet
     // On an error return, reads still in flight must land before the next attempt
     // reuses the receive slots (and before params are declared torn).
     struct Drain {
@@ -462,8 +516,9 @@ struct Consumer::Impl {
       const uint64_t base = static_cast<uint64_t>(s) * slot_bytes;
       std::map<int, Msg> got;
       if (o.mode == SyncMode::kPull) {
-        // Read from each producer as soon as it announced, and release it at once, so
-        // that one slow producer never holds another's staging slot.
+        // Staged bytes: read from each producer as soon as it announced, and release it
+        // at once (before any in-place bytes are waited for), so that one slow producer
+        // never holds another's staging slot and producers pack on while we copy.
         auto tr0 = Clock::now();
         ops.clear();
         for (int p : from) {
@@ -474,38 +529,53 @@ struct Consumer::Impl {
         bool posted = false;
         while (!remaining.empty()) {
           auto tw = Clock::now();
-          FERRY_ASSIGN_OR_RETURN(auto pm, await_any(v, g, remaining, "announce"));
+          FERRY_ASSIGN_OR_RETURN(auto pm, await_working(v, g, remaining, backlog, ahead));
           rep.wait_seconds += seconds_since(tw);
           const int p = pm.first;
           got[p] = pm.second;
           remaining.erase(p);
           auto tr1 = Clock::now();
-          if (in_v.insert(p).second) {
-            // p is in sync v: its in-place bytes are the weights of v (see ahead).
-            FERRY_RETURN_IF_ERROR(post(g, p, base, kInPlaceToRing, nullptr, ops[p]));
-            for (int g2 = g; g2 < routes.num_groups(); ++g2)
-              FERRY_RETURN_IF_ERROR(post(g2, p, 0, kInPlaceToParams, nullptr, ahead[{g2, p}]));
-          }
-          FERRY_RETURN_IF_ERROR(post(g, p, base, kStaged, &got[p], ops[p]));
+          std::vector<Completion> staged;
+          FERRY_RETURN_IF_ERROR(post(g, p, base, kStaged, &got[p], staged));
           if (!posted) {
             posted = true;
             point(g, 1);
           }
-          Status st = wait_all(ops[p], o.timeout);
-          if (st.ok()) {
-            if (auto it = ahead.find({g, p}); it != ahead.end()) {
-              st = wait_all(it->second, o.timeout);
-              ahead.erase(it);
+          Status st = wait_all(staged, o.timeout);
+          if (!st.ok()) {
+            failed_p = p;
+            return Status(st.code(),
+                          fmt::format("consumer {} reading group {} from producer {}: {}", rank, g, p, st.message()));
+          }
+          send_to(p, MsgType::kRelease, v, g);
+          if (in_v.insert(p).second) {  // p is in sync v: its in-place bytes are the weights of v
+            FERRY_RETURN_IF_ERROR(post(g, p, base, kInPlaceToRing, nullptr, ops[p]));
+            for (int g2 = g; g2 < routes.num_groups(); ++g2) {
+              const PlanGroup& pg2 = pr->groups[static_cast<size_t>(g2)];
+              for (const SubRead& sr : subs[static_cast<size_t>(g2)])
+                if (sr.region >= 0 && sr.param && static_cast<int>(pg2.reads[sr.read].producer) == p)
+                  backlog.by_group[g2].push_back(Backlog::Item{p, &sr, 0});
             }
+          }
+          rep.read_seconds += seconds_since(tr1);
+        }
+        // This group's in-place bytes: post what is left of them, wait for all.
+        auto tr2 = Clock::now();
+        while (!backlog.empty() && backlog.by_group.begin()->first <= g) FERRY_RETURN_IF_ERROR(work_one(backlog, ahead));
+        for (int p : from) {
+          Status st = wait_all(ops[p], o.timeout);
+          if (auto it = ahead.find({g, p}); st.ok() && it != ahead.end()) {
+            st = wait_all(it->second, o.timeout);
+            ahead.erase(it);
           }
           if (!st.ok()) {
             failed_p = p;
             return Status(st.code(),
                           fmt::format("consumer {} reading group {} from producer {}: {}", rank, g, p, st.message()));
           }
-          rep.read_seconds += seconds_since(tr1);
-          send_to(p, MsgType::kRelease, v, g);
         }
+        ops.clear();
+        rep.read_seconds += seconds_since(tr2);
       } else {
         for (int p : from) {
           readied.insert(p);
