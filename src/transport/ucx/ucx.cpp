@@ -61,6 +61,17 @@ constexpr auto kControlTimeout = std::chrono::seconds(30);
 constexpr auto kIdleSleep = std::chrono::microseconds(500);
 // Longest sleep on the worker's event fd (wake-ups come from UCX events or posts).
 constexpr auto kMaxSleep = std::chrono::milliseconds(100);
+// With operations in flight, the progress thread spins at most kBusySpin after the last
+// event, then sleeps on the event fd as an idle one does (at most kBusySleep, a safety
+// net for a transport that raises no event). Spinning for as long as operations were in
+// flight made tcp reads 2-3x slower on a loaded 2-core machine: the spinning initiator
+// and target took the CPU from the threads that had work (the peer's copy, the caller
+// posting the next read), while a tcp arrival wakes the fd at once. Any spin longer
+// than the gap between two arrivals (~50 us per 64 KiB at 1.3 GB/s) is a full spin:
+// 20 and 100 us measured between that and no spin, 0 best (docs/RESULTS.md).
+// FERRY_UCX_BUSY_SPIN_US overrides it.
+constexpr auto kBusySpin = std::chrono::microseconds(0);
+constexpr auto kBusySleep = std::chrono::milliseconds(1);
 // How often watched peer processes (see below) are polled.
 constexpr auto kWatchInterval = std::chrono::milliseconds(20);
 
@@ -126,6 +137,7 @@ class UcxBackend final : public TransportBackend {
   explicit UcxBackend(const TransportOptions& options) : opt_(options), id_(new_instance_id()) {
     spin_window_ = opt_.spin_after_activity;
     if (const char* us = std::getenv("FERRY_UCX_SPIN_US")) spin_window_ = std::chrono::microseconds(std::atoll(us));
+    if (const char* us = std::getenv("FERRY_UCX_BUSY_SPIN_US")) busy_spin_ = std::chrono::microseconds(std::atoll(us));
   }
 
   Status init() {
@@ -996,11 +1008,15 @@ class UcxBackend final : public TransportBackend {
         while (ucp_worker_progress(worker_) != 0) active = true;
         busy = !inflight_.empty();
       }
-      if (active || busy) {
-        last_active = Clock::now();
+      const auto now = Clock::now();
+      if (active) {
+        last_active = now;
         continue;
       }
-      if (Clock::now() - last_active < spin_window_) continue;
+      // Nothing happened in this pass. With operations in flight, spin only briefly,
+      // then sleep on the event fd like an idle worker (see kBusySpin).
+      if (busy && (efd_ < 0 || now - last_active < busy_spin_)) continue;
+      if (!busy && now - last_active < spin_window_) continue;
       const uint64_t posts_seen = direct_posts_.load();
       if (efd_ >= 0) {
         ucs_status_t st;
@@ -1018,10 +1034,12 @@ class UcxBackend final : public TransportBackend {
             pending = stop_ || !cmds_.empty() || direct_posts_.load() != posts_seen;
           }
           if (!pending) {
-            // Bounded: the process watch and stop_ are checked at least this often.
-            int ms = watched_.load() > 0 ? int(kWatchInterval.count()) : int(kMaxSleep.count());
+            // Bounded: the process watch and stop_ are checked at least this often, and
+            // an operation in flight is progressed at least every kBusySleep even if
+            // some transport raised no event for it.
+            auto limit = busy ? kBusySleep : watched_.load() > 0 ? kWatchInterval : kMaxSleep;
             pollfd p{efd_, POLLIN, 0};
-            poll(&p, 1, ms);
+            poll(&p, 1, int(std::chrono::duration_cast<std::chrono::milliseconds>(limit).count()));
           }
           sleeping_.store(false);
           continue;
@@ -1290,6 +1308,7 @@ class UcxBackend final : public TransportBackend {
   TransportOptions opt_;
   uint64_t id_;
   std::chrono::microseconds spin_window_;  // spin_after_activity (or FERRY_UCX_SPIN_US)
+  std::chrono::microseconds busy_spin_ = kBusySpin;  // or FERRY_UCX_BUSY_SPIN_US
   // FERRY_UCX_EP_INFO=1: print each endpoint's UCX configuration (lanes) after its
   // first completed read/write (diagnostics).
   const bool debug_ep_info_ = std::getenv("FERRY_UCX_EP_INFO") != nullptr;
