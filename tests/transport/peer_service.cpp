@@ -56,10 +56,17 @@ void PeerService::on_message(PeerId from, uint32_t tag, std::span<const std::byt
       break;
     case kReadLoop:
     case kWriteLoop:
+    case kWideReadLoop:
+      // One loop at a time; a loop that has ended (an op failed) makes room for the next
+      // (joined here only once it has returned: it waits for this thread until then).
+      if (reader_.joinable() && loop_done_) reader_.join();
       if (!reader_.joinable()) {
+        loop_done_ = false;
         reader_ = std::thread(
-            [this, write = tag == kWriteLoop, key = std::vector<std::byte>(payload.begin(), payload.end())]() mutable {
-              rma_loop(std::move(key), write);
+            [this, write = tag == kWriteLoop, wide = tag == kWideReadLoop,
+             key = std::vector<std::byte>(payload.begin(), payload.end())]() mutable {
+              rma_loop(std::move(key), write, wide);
+              loop_done_ = true;
             });
       }
       break;
@@ -71,11 +78,11 @@ void PeerService::on_message(PeerId from, uint32_t tag, std::span<const std::byt
 // Reads (or writes) the parent's region over and over (the parent is the *target*: over
 // UCX tcp its worker serves emulated gets/puts) until an op fails or the service stops.
 // Bounded by the test: the parent kills this process or stops the service.
-void PeerService::rma_loop(std::vector<std::byte> key, bool write) {
+void PeerService::rma_loop(std::vector<std::byte> key, bool write, bool wide) {
   auto remote = t_.import_key(key);
   if (!remote.ok()) return;
-  constexpr uint64_t kChunk = 64 << 10;
-  constexpr int kInFlight = 8;
+  const uint64_t kChunk = wide ? 1 << 20 : 64 << 10;
+  const uint64_t kInFlight = wide ? 16 : 8;
   auto local = t_.allocate_memory(kChunk * kInFlight);
   if (!local.ok()) return;
   const uint64_t chunks = std::max<uint64_t>(1, remote->length / kChunk);

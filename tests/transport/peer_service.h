@@ -27,7 +27,7 @@ class PeerService {
  private:
   explicit PeerService(Transport& t) : t_(t) {}
   void on_message(PeerId from, uint32_t tag, std::span<const std::byte> payload);
-  void rma_loop(std::vector<std::byte> key, bool write);
+  void rma_loop(std::vector<std::byte> key, bool write, bool wide);
 
   Transport& t_;
   std::byte* mem_ = nullptr;
@@ -38,6 +38,7 @@ class PeerService {
   std::atomic<bool> exit_{false};
   std::atomic<bool> stop_reading_{false};
   std::thread reader_;  // kReadLoop
+  std::atomic<bool> loop_done_{false};  // reader_ has returned from rma_loop
 };
 
 }  // namespace ferry::transport_test

@@ -19,6 +19,8 @@ enum Tag : uint32_t {
                    // loop (64 KiB reads, 8 in flight) until it fails; reply kReadLoopStarted
                    // once the first reads completed
   kWriteLoop = 6,  // the same with writes (each window flushed)
+  kWideReadLoop = 7,  // kReadLoop with 1 MiB reads, 16 in flight (more than a tcp socket
+                      // buffer holds, so the target has sends waiting)
   kEchoReply = 101,
   kHashReply = 102,
   kFillReply = 103,

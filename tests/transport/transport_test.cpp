@@ -411,6 +411,41 @@ void TransportTest::killed_initiator(uint32_t loop_tag) {
   ASSERT_OK(local_->deregister_memory(ours));
 }
 
+// The target deregisters (and so frees) an allocated region while a peer is reading it
+// in a loop (16 MiB in flight). Over UCX tcp the target answers those reads with messages sent straight
+// from the region, so the free must wait for the sends in flight. Deregistration
+// succeeds, the peer's later reads are refused (over shm it maps the segment itself and
+// may go on reading its mapping), nobody is reported failed, both sides keep working.
+TEST_P(TransportTest, DeregisterWhilePeerReads) {
+  ASSERT_NO_FATAL_FAILURE(spawn(1 << 16));
+  std::atomic<int> failed{0};
+  local_->set_peer_failure_handler([&failed](PeerId, const Status&) { failed++; });
+  for (int round = 0; round < 3; ++round) {
+    ASSERT_OK_AND_ASSIGN(MemoryRegion ours, local_->allocate_memory(4 << 20));
+    fill_pattern(static_cast<std::byte*>(ours.base), 0, ours.length, 9);
+    ASSERT_OK_AND_ASSIGN(std::vector<std::byte> key, local_->export_key(ours));
+    ASSERT_OK_AND_ASSIGN(Completion s, local_->send(remote_->peer, kWideReadLoop, key));
+    ASSERT_OK(s.wait(kWait));
+    if (round == 0) {
+      ASSERT_TRUE(mailbox_.wait(kReadLoopStarted, kWait).ok()) << "the peer never started its loop";
+    }
+    std::this_thread::sleep_for(20ms);  // reads keep flowing
+    ASSERT_OK(local_->deregister_memory(ours));
+    EXPECT_EQ(local_->deregister_memory(ours).code(), StatusCode::kNotFound);
+  }
+  std::this_thread::sleep_for(100ms);
+  Buffer buf(1 << 16);
+  ASSERT_OK_AND_ASSIGN(MemoryRegion mr, local_->register_memory(buf.data(), buf.size()));
+  ASSERT_OK_AND_ASSIGN(Completion r, local_->read(mr, 0, remote_->region, 0, buf.size()));
+  ASSERT_OK(r.wait(kWait));
+  EXPECT_EQ(check_pattern(buf.data(), 0, buf.size(), 1), std::numeric_limits<uint64_t>::max());
+  ASSERT_OK_AND_ASSIGN(Completion e, local_->send(remote_->peer, kEcho, pack_u64s({7})));
+  ASSERT_OK(e.wait(kWait));
+  EXPECT_TRUE(mailbox_.wait(kEchoReply, kWait).ok());
+  EXPECT_EQ(failed.load(), 0);
+  ASSERT_OK(local_->deregister_memory(mr));
+}
+
 TEST_P(TransportTest, ConnectIsIdempotentAndSelfWorks) {
   ASSERT_NO_FATAL_FAILURE(spawn(4096));
   // Connecting again returns the same peer; its id is the remote's instance id.

@@ -48,10 +48,16 @@ constexpr unsigned kAmWrite = 0x4655;
 constexpr unsigned kAmFlushReq = 0x4656;
 constexpr unsigned kAmFlushAck = 0x4657;
 constexpr uint32_t kReadMagic = 0x46524452;  // "FRDR"
-// RMA by message: a message carries at most this much, and a target keeps at most
-// kReadWindow replies of one read in flight (bounds its copy buffers).
-constexpr uint64_t kReadChunk = 1 << 20;
-constexpr int kReadWindow = 4;
+// RMA by message. A READ_DATA reply carries at most kReadChunk bytes: with its headers
+// it fits one tcp active-message fragment (UCX 1.13: am_zcopy <= 64 KiB), so the reader
+// gets it in UCX's receive buffer and copies it into place once; a longer message is
+// sent in fragments that UCX first reassembles in a buffer of its own (one copy more).
+// A target keeps at most kReadWindow replies of one read in flight (~1 MiB).
+constexpr uint64_t kReadChunk = (64 << 10) - 512;
+constexpr int kReadWindow = 16;
+// A WRITE message carries at most this much (UCX fragments it; writes were at or above
+// ucx_perftest's put with it, docs/RESULTS.md).
+constexpr uint64_t kWriteChunk = 1 << 20;
 // True while a caller thread runs an operation directly on the worker (see rma()).
 thread_local bool direct_caller = false;
 // Control calls (connect, register, ...) wait at most this long for the progress thread.
@@ -120,6 +126,7 @@ struct Region {
   MemoryKind kind;
   ucp_mem_h memh;
   std::vector<std::byte> packed_rkey;
+  bool allocated;  // allocate_memory: ferry owns the memory (see pump_reply)
 };
 
 struct Key {
@@ -358,7 +365,7 @@ class UcxBackend final : public TransportBackend {
         ucp_mem_unmap(ctx_, memh);
         return from_ucs(st, fmt::format("{}: ucp_rkey_pack", op));
       }
-      Region r{addr, length, kind, memh, {}};
+      Region r{addr, length, kind, memh, {}, allocate};
       r.packed_rkey.assign(static_cast<std::byte*>(packed), static_cast<std::byte*>(packed) + packed_len);
       ucp_rkey_buffer_release(packed);
       std::lock_guard<std::mutex> lock(mu_);
@@ -379,6 +386,13 @@ class UcxBackend final : public TransportBackend {
         }
         memh = it->second.memh;
         regions_.erase(it);
+      }
+      if (region_sends_.contains(region.id)) {
+        // Peers' reads are being sent from it (allocated regions only, see pump_reply):
+        // unmapped (and freed) when the last of those sends completes. From now on the
+        // region is unknown, so no new ones start.
+        dying_.emplace(region.id, memh);
+        return Status::Ok();
       }
       ucp_mem_unmap(ctx_, memh);
       return Status::Ok();
@@ -671,27 +685,46 @@ class UcxBackend final : public TransportBackend {
       auto buf = std::make_shared<std::vector<std::byte>>();
       ReadData d{kReadMagic, 0, id_, rp->op, rp->sent, 0};
       // Checked again for every chunk: the region may have been deregistered since (only
-      // by a command of this thread, so not during the copy below).
-      d.status = check_target_range(rp->region, rp->addr, rp->length);
+      // by a command of this thread, so not during the send below).
+      const TargetRange t = check_target_range(rp->region, rp->addr, rp->length);
+      d.status = t.status;
+      const std::byte* src = nullptr;
       if (d.status == 0) {
         d.length = std::min(kReadChunk, rp->length - rp->sent);
-        const auto* src = reinterpret_cast<const std::byte*>(rp->addr + rp->sent);
-        buf->assign(src, src + d.length);
+        src = reinterpret_cast<const std::byte*>(rp->addr + rp->sent);
+        if (!t.allocated) {
+          // The caller's memory (register_memory) must be free to go once
+          // deregister_memory returns, which may be called on this thread and cannot
+          // wait for a send: copy.
+          buf->assign(src, src + d.length);
+          src = buf->data();
+        }
       }
+      const bool zero_copy = d.length > 0 && buf->empty();
       auto hdr = std::make_shared<ReadData>(d);
       rp->sent += d.length;
       rp->in_flight++;
       if (d.status != 0 || rp->length == 0) rp->stopped = true;  // the last message of this request
       ucp_request_param_t prm = eager_params(false);
-      uint64_t id = track(rp->peer.get(), [this, rp, hdr, buf](ucs_status_t st) {
+      if (zero_copy) {
+        // Sent straight from the region: it stays mapped until UCX has completed the send
+        // (region_sends_, see deregister_memory).
+        region_sends_[rp->region]++;
+      }
+      // A zero-copy send is tracked without its peer: only UCX's own completion (an
+      // error once the reader failed) may release the region, not ferry's early failing
+      // of a dead peer's operations.
+      uint64_t id = track(zero_copy ? nullptr : rp->peer.get(),
+                          [this, rp, hdr, buf, zero_copy, region = rp->region](ucs_status_t st) {
         rp->in_flight--;
+        if (zero_copy) region_send_done(region);
         if (st != UCS_OK) {
           rp->stopped = true;  // the reader is gone or unreachable: nothing to answer
           return;
         }
         pump_reply(rp);
       });
-      settle(id, ucp_am_send_nbx(rp->ep, kAmReadData, hdr.get(), sizeof(ReadData), buf->data(), buf->size(), &prm));
+      settle(id, ucp_am_send_nbx(rp->ep, kAmReadData, hdr.get(), sizeof(ReadData), src, d.length, &prm));
     }
   }
 
@@ -710,27 +743,46 @@ class UcxBackend final : public TransportBackend {
     uint64_t sender;  // the sender's instance id
   };
 
-  // 0 when [addr, addr + length) lies inside registered region `region`, else the
-  // ucs_status_t refusing it.
-  int32_t check_target_range(uint64_t region, uint64_t addr, uint64_t length) {
+  struct TargetRange {
+    int32_t status = 0;  // 0, or the ucs_status_t refusing the access
+    bool allocated = false;
+  };
+  // Whether [addr, addr + length) lies inside registered region `region`.
+  TargetRange check_target_range(uint64_t region, uint64_t addr, uint64_t length) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = regions_.find(region);
-    if (it == regions_.end()) return int32_t(UCS_ERR_NO_ELEM);
+    if (it == regions_.end()) return {int32_t(UCS_ERR_NO_ELEM)};
     const uint64_t base = uint64_t(reinterpret_cast<uintptr_t>(it->second.base));
     if (addr < base || length > it->second.length || addr - base > it->second.length - length) {
-      return int32_t(UCS_ERR_OUT_OF_RANGE);
+      return {int32_t(UCS_ERR_OUT_OF_RANGE)};
     }
-    return 0;
+    return {0, it->second.allocated};
+  }
+
+  // A zero-copy READ_DATA send from `region` completed (progress thread, possibly inside
+  // a UCX callback): the last one of a deregistered region unmaps it, from a command
+  // (not inside the callback).
+  void region_send_done(uint64_t region) {
+    auto it = region_sends_.find(region);
+    if (it == region_sends_.end() || --it->second > 0) return;
+    region_sends_.erase(it);
+    if (!dying_.contains(region)) return;
+    post([this, region] {
+      auto d = dying_.find(region);
+      if (d == dying_.end() || region_sends_.contains(region)) return;
+      ucp_mem_unmap(ctx_, d->second);
+      dying_.erase(d);
+    });  // if the transport is stopping, shutdown() unmaps it
   }
 
   // Caller holds the worker. Returns true (in flight, or already completed).
   bool start_write_by_message(const RmaOp& r) {
     uint64_t op_id = track(r.peer.get(), [this, r](ucs_status_t st) { rma_done(r, st); });
-    const uint64_t chunks = (r.length + kReadChunk - 1) / kReadChunk;
+    const uint64_t chunks = (r.length + kWriteChunk - 1) / kWriteChunk;
     auto left = std::make_shared<uint64_t>(chunks);
     for (uint64_t i = 0; i < chunks; ++i) {
-      const uint64_t off = i * kReadChunk;
-      const uint64_t len = std::min(kReadChunk, r.length - off);
+      const uint64_t off = i * kWriteChunk;
+      const uint64_t len = std::min(kWriteChunk, r.length - off);
       auto hdr = std::make_shared<WriteData>(WriteData{kReadMagic, 0, id_, r.region_id, r.remote_addr + off, len});
       ucp_request_param_t prm = eager_params(false);
       uint64_t send_id = track(r.peer.get(), [this, op_id, left, hdr](ucs_status_t st) {
@@ -757,7 +809,7 @@ class UcxBackend final : public TransportBackend {
       self->stats_.malformed_messages++;
       return UCS_OK;
     }
-    const int32_t refused = self->check_target_range(w.region, w.addr, w.length);
+    const int32_t refused = self->check_target_range(w.region, w.addr, w.length).status;
     if (refused != 0) {
       std::lock_guard<std::mutex> lock(self->mu_);
       self->refused_writes_[w.writer] = ucs_status_t(refused);
@@ -1296,13 +1348,17 @@ class UcxBackend final : public TransportBackend {
     auto left = std::move(inflight_);
     inflight_.clear();
     for (auto& [id, op] : left) op.fn(UCS_ERR_CANCELED);
+    // The worker goes first: a send UCX still holds (to a peer that stopped reading)
+    // may point into a region, and nothing is sent once the worker is gone.
+    ucp_worker_destroy(worker_);
+    worker_ = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (auto& [id, r] : regions_) ucp_mem_unmap(ctx_, r.memh);
       regions_.clear();
     }
-    ucp_worker_destroy(worker_);
-    worker_ = nullptr;
+    for (auto& [id, memh] : dying_) ucp_mem_unmap(ctx_, memh);
+    dying_.clear();
   }
 
   TransportOptions opt_;
@@ -1352,6 +1408,8 @@ class UcxBackend final : public TransportBackend {
   std::unordered_map<uint64_t, Inflight> inflight_;
   std::unordered_map<uint64_t, AmRead> am_reads_;  // reads by message, by op id
   std::unordered_set<uint64_t> am_flushes_;        // flushes by message, by op id
+  std::unordered_map<uint64_t, int> region_sends_;  // region id -> zero-copy READ_DATA sends in flight
+  std::unordered_map<uint64_t, ucp_mem_h> dying_;   // deregistered, unmapped when its sends complete
   uint64_t next_op_ = 1;
 };
 
