@@ -602,6 +602,7 @@ class UcxBackend final : public TransportBackend {
     uint64_t sent = 0;            // bytes handed to UCX
     int in_flight = 0;
     bool stopped = false;
+    bool pumping = false;         // inside pump_reply (see there)
   };
 
   // An eager active-message send completing through send_cb (op id in the request).
@@ -677,10 +678,16 @@ class UcxBackend final : public TransportBackend {
 
   // Target: sends the next chunks of `rp` (progress thread).
   void pump_reply(const std::shared_ptr<ReadReply>& rp) {
+    // A send that completes inside its post (the socket took it all) runs its
+    // completion, which calls this again: that inner call returns at once and this loop
+    // goes on. Recursing instead nested a call per chunk — 16 000 for a 1 GiB read —
+    // and overflowed the progress thread's stack (seen under ASan).
+    if (rp->pumping) return;
+    rp->pumping = true;
     while (!rp->stopped && rp->in_flight < kReadWindow && (rp->sent < rp->length || rp->length == 0)) {
       if (rp->peer && !peer_usable(*rp->peer)) {
         rp->stopped = true;
-        return;
+        break;
       }
       auto buf = std::make_shared<std::vector<std::byte>>();
       ReadData d{kReadMagic, 0, id_, rp->op, rp->sent, 0};
@@ -726,6 +733,7 @@ class UcxBackend final : public TransportBackend {
       });
       settle(id, ucp_am_send_nbx(rp->ep, kAmReadData, hdr.get(), sizeof(ReadData), src, d.length, &prm));
     }
+    rp->pumping = false;
   }
 
   struct WriteData {
