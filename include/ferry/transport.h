@@ -69,10 +69,12 @@
 //     way; the target also checks every such access against its registered region.
 //   * read()/write() may post from the calling thread when the worker is free; they
 //     never wait for the progress thread.
-//   * The progress thread spins while operations are in flight (and spin_after_activity
-//     after), then
-//     sleeps until UCX reports an event or an operation is posted (UCX event fd; timed
-//     naps of 0.5 ms where there is none), so an idle Transport costs no CPU.
+//   * After a pass that made no progress, the progress thread sleeps until UCX reports
+//     an event or an operation is posted (UCX event fd; timed naps of 0.5 ms where there
+//     is none): at once while operations are in flight (at most 1 ms per sleep;
+//     FERRY_UCX_BUSY_SPIN_US spins that long first), after spin_after_activity when
+//     idle. So an idle Transport costs no CPU, and a busy one leaves the cores to the
+//     threads with work (ranks often outnumber cores).
 //
 // Messages
 //   send(peer, tag, payload) delivers payload (at most max_message_bytes) to the
