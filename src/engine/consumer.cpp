@@ -662,15 +662,25 @@ struct Consumer::Impl {
         std::vector<std::pair<uint64_t, uint64_t>> spans;  // every unpack's recv bytes
         for (const UnpackOp& u : pg.unpacks)
           spans.emplace_back(u.offset, u.offset + static_cast<uint64_t>(u.dst.numel()) * dtype_size(u.src_dtype));
-        std::vector<std::pair<uint64_t, uint64_t>> sorted = spans;
-        std::sort(sorted.begin(), sorted.end());
-        auto shared = [&](uint64_t lo, uint64_t hi) {  // another unpack overlaps [lo, hi)
-          int n = 0;
-          auto it = std::upper_bound(sorted.begin(), sorted.end(), std::make_pair(hi, uint64_t{0}));
-          for (auto j = sorted.begin(); j != it; ++j)
-            if (j->second > lo && ++n > 1) return true;
-          return false;
-        };
+        // shared[k]: another unpack reads some of op k's bytes (one sweep in offset order:
+        // an op overlaps an earlier one iff it starts below the earlier ends' maximum).
+        std::vector<bool> shared(spans.size(), false);
+        {
+          std::vector<size_t> order;
+          for (size_t k = 0; k < spans.size(); ++k)
+            if (spans[k].second > spans[k].first) order.push_back(k);
+          std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return spans[a] < spans[b]; });
+          uint64_t max_hi = 0;
+          size_t max_at = 0;
+          for (size_t i = 0; i < order.size(); ++i) {
+            const size_t k = order[i];
+            if (i > 0 && spans[k].first < max_hi) shared[k] = shared[max_at] = true;
+            if (spans[k].second > max_hi) {
+              max_hi = spans[k].second;
+              max_at = k;
+            }
+          }
+        }
         std::vector<std::pair<uint64_t, uint64_t>> reads;  // recv bytes of each read
         for (const Read& r : pg.reads)
           if (r.length) reads.emplace_back(r.recv_offset, r.recv_offset + r.length);
@@ -687,7 +697,7 @@ struct Consumer::Impl {
           auto it = param_regions.find(d.name);
           if (it == param_regions.end()) continue;
           const uint64_t at = static_cast<uint64_t>(u.dst.offset) * dtype_size(d.dtype);
-          if (u.dst.offset < 0 || at + (hi - lo) > it->second.bytes || shared(lo, hi) || !in_one_read(lo, hi)) continue;
+          if (u.dst.offset < 0 || at + (hi - lo) > it->second.bytes || shared[k] || !in_one_read(lo, hi)) continue;
           direct.push_back(Direct{lo, hi - lo, &it->second, at});
           is_direct[k] = true;
         }
