@@ -278,6 +278,21 @@ int run_bench_worker(const BenchWorkerSpec& s) {
     return bench_worker_fail(s, w);
 
   const auto timeout = std::chrono::milliseconds(s.timeout_ms);
+  // The engine's read pattern for one producer in one group, without its protocol: its
+  // reads posted together (into `local` at local_base + recv_offset, from `remote` at
+  // remote_base + offset) and waited for; adds the bytes to `bytes`.
+  auto read_group = [&](const PlanGroup& grp, int p, const MemoryRegion& local, uint64_t local_base,
+                        const RemoteRegion& remote, uint64_t remote_base, uint64_t& bytes) -> Status {
+    std::vector<Completion> ops;
+    for (const Read& r : grp.reads) {
+      if (!r.length || static_cast<int>(r.producer) != p) continue;
+      FERRY_ASSIGN_OR_RETURN(Completion c,
+                             tr.read(local, local_base + r.recv_offset, remote, remote_base + r.offset, r.length));
+      ops.push_back(c);
+      bytes += r.length;
+    }
+    return ops.empty() ? Status::Ok() : wait_all(ops, timeout);
+  };
   for (int step = 0;; ++step) {
     if (Status w = st.wait({key_go(s.job, step)}, timeout); !w.ok()) return bench_worker_fail(s, w);
     auto text = st.get(key_go(s.job, step));
@@ -320,19 +335,8 @@ int run_bench_worker(const BenchWorkerSpec& s) {
       for (size_t g = 0; g < pr.groups.size() && err.ok(); ++g) {
         const uint64_t base = (g % 2) * raw_slot;
         for (int p = 0; p < P && err.ok(); ++p) {
-          std::vector<Completion> ops;
-          for (const Read& r : pr.groups[g].reads) {
-            if (!r.length || static_cast<int>(r.producer) != p) continue;
-            auto c = tr.read(raw.region, base + r.recv_offset, raw_remote[static_cast<size_t>(p)],
-                             (g % 2) * raw_remote_slot[static_cast<size_t>(p)] + r.offset, r.length);
-            if (!c.ok()) {
-              err = c.status();
-              break;
-            }
-            ops.push_back(*c);
-            bytes += r.length;
-          }
-          if (err.ok() && !ops.empty()) err = wait_all(ops, timeout);
+          err = read_group(pr.groups[g], p, raw.region, base, raw_remote[static_cast<size_t>(p)],
+                           (g % 2) * raw_remote_slot[static_cast<size_t>(p)], bytes);
         }
       }
       out["end_ns"] = mono_ns();
@@ -402,20 +406,8 @@ int run_bench_worker(const BenchWorkerSpec& s) {
       Status err;
       for (size_t g = 0; g < pr.groups.size() && err.ok(); ++g) {
         for (int p = 0; p < P && err.ok(); ++p) {
-          const uint64_t roff = producer_offsets(routes, p)[g];
-          std::vector<Completion> ops;
-          for (const Read& r : pr.groups[g].reads) {
-            if (!r.length || static_cast<int>(r.producer) != p) continue;
-            auto c = tr.read(staged.region, staged_off[g] + r.recv_offset, staged_remote[static_cast<size_t>(p)],
-                             roff + r.offset, r.length);
-            if (!c.ok()) {
-              err = c.status();
-              break;
-            }
-            ops.push_back(*c);
-            bytes += r.length;
-          }
-          if (err.ok() && !ops.empty()) err = wait_all(ops, timeout);
+          err = read_group(pr.groups[g], p, staged.region, staged_off[g], staged_remote[static_cast<size_t>(p)],
+                           producer_offsets(routes, p)[g], bytes);
         }
       }
       out["end_ns"] = mono_ns();
