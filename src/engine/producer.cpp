@@ -42,7 +42,8 @@ struct Producer::Impl {
   std::unique_ptr<Lease> lease;
   // Zero-copy serving (ProducerOptions::source_regions): where each held box lies, and
   // per group of the current routes the staging runs consumers read in place instead;
-  // pack_routes is this producer's route less those pack ops (others' routes empty).
+  // pack_routes is this producer's route less those pack ops (others' routes empty;
+  // unused, and empty, without source regions).
   InPlaceTable in_place;
   std::vector<std::vector<InPlacePiece>> pieces;
   Routes pack_routes;
@@ -433,14 +434,17 @@ struct Producer::Impl {
         if (x.bytes) sg[static_cast<size_t>(g)][x.plan] += x.bytes;
       }
     }
-    // In place: the runs consumers read from the source regions, and what is left to pack.
+    // In place: the runs consumers read from the source regions, and what is left to pack
+    // (without source regions, `routes` itself is packed: no copy).
     std::vector<std::vector<InPlacePiece>> pc(static_cast<size_t>(r.num_groups()));
     std::vector<std::map<uint32_t, uint64_t>> sd(static_cast<size_t>(r.num_groups()));
     Routes packs;
-    packs.group_names = r.group_names;
-    packs.producers.resize(static_cast<size_t>(rank) + 1);
-    packs.producers[static_cast<size_t>(rank)] = pr;
-    for (int g = 0; g < r.num_groups(); ++g) {
+    if (!in_place.empty()) {
+      packs.group_names = r.group_names;
+      packs.producers.resize(static_cast<size_t>(rank) + 1);
+      packs.producers[static_cast<size_t>(rank)] = pr;
+    }
+    for (int g = 0; g < r.num_groups() && !in_place.empty(); ++g) {
       const auto gi = static_cast<size_t>(g);
       pc[gi] = in_place_pieces(pr.groups[gi], holdings, in_place);
       if (pc[gi].empty()) continue;
@@ -622,7 +626,8 @@ struct Producer::Impl {
       auto tp = Clock::now();
       std::span<std::byte> staging(ring.data + s * slot_bytes, grp.staging_bytes);
       FERRY_RETURN_IF_ERROR(check_in_place(g, *boxes));
-      Status st = pack_group(pack_routes, static_cast<uint32_t>(rank), g, holdings, *boxes, staging);
+      Status st = pack_group(in_place.empty() ? routes : pack_routes, static_cast<uint32_t>(rank), g, holdings, *boxes,
+                             staging);
       if (!st.ok()) return st.with_context(fmt::format("producer {} pack group {}", rank, g));
       std::map<uint32_t, uint64_t> sums;
       if (o.checksums) sums = checksums(g, staging);
