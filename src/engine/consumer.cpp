@@ -1012,7 +1012,8 @@ Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, in
   for (const auto& g : routes.consumer(static_cast<size_t>(rank)).groups) largest = std::max(largest, g.recv_bytes);
   m.slot_bytes = align_up(std::max<uint64_t>(largest, 64), 64);
   // Param buffers: the caller's (each registered, if large enough to be read into
-  // directly), or ours: one registered arena (one registration, zeroed).
+  // directly), or ours: one arena (zeroed; one registration). Registered in pull mode
+  // only: push writes into the receive ring.
   uint64_t arena_bytes = 0;
   for (const ParamInfo& p : m.rl->params()) {
     auto it = params.find(p.decl.name);
@@ -1033,10 +1034,12 @@ Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, in
     if (!mem) return io_error("consumer {}: allocating {} bytes of params", rank, arena_bytes);
     std::memset(mem, 0, arena_bytes);
     arena = std::shared_ptr<std::byte>(static_cast<std::byte*>(mem), [](std::byte* b) { std::free(b); });
-    auto r = transport.register_memory(mem, arena_bytes);
-    if (!r.ok()) return r.status().with_context(fmt::format("consumer {}: registering its params", rank));
-    arena_region = *r;
-    m.registrations.push_back(*r);
+    if (options.mode == SyncMode::kPull) {
+      auto r = transport.register_memory(mem, arena_bytes);
+      if (!r.ok()) return r.status().with_context(fmt::format("consumer {}: registering its params", rank));
+      arena_region = *r;
+      m.registrations.push_back(*r);
+    }
   }
   uint64_t at = 0;
   for (const ParamInfo& p : m.rl->params()) {
@@ -1045,7 +1048,8 @@ Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, in
     if (it == params.end()) {
       Tensor t = Tensor::borrow(arena.get() + at, p.decl.shape, p.decl.dtype, arena, p.decl.name);
       m.loaded.emplace(p.decl.name, t);
-      m.param_regions[p.decl.name] = Impl::ParamRegion{arena_region, at, arena.get() + at, bytes};
+      if (options.mode == SyncMode::kPull)
+        m.param_regions[p.decl.name] = Impl::ParamRegion{arena_region, at, arena.get() + at, bytes};
       at += align_up(bytes, 64);
       continue;
     }
