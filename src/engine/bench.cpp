@@ -243,6 +243,10 @@ int run_bench_worker(const BenchWorkerSpec& s) {
       staged_params.emplace(d.name, Tensor::empty(d.shape, d.dtype, d.name));
   }
   std::vector<RemoteRegion> staged_remote(static_cast<size_t>(peers));
+  std::vector<std::vector<uint64_t>> producer_off;  // consumer: every producer's staged offsets
+  if (!is_producer) {
+    for (int p = 0; p < P; ++p) producer_off.push_back(producer_offsets(routes, p));
+  }
   {
     auto key = tr.export_key(raw.region);
     if (!key.ok()) return bench_worker_fail(s, key.status());
@@ -407,7 +411,7 @@ int run_bench_worker(const BenchWorkerSpec& s) {
       for (size_t g = 0; g < pr.groups.size() && err.ok(); ++g) {
         for (int p = 0; p < P && err.ok(); ++p) {
           err = read_group(pr.groups[g], p, staged.region, staged_off[g], staged_remote[static_cast<size_t>(p)],
-                           producer_offsets(routes, p)[g], bytes);
+                           producer_off[static_cast<size_t>(p)][g], bytes);
         }
       }
       out["end_ns"] = mono_ns();
