@@ -424,8 +424,10 @@ void TransportTest::killed_initiator(uint32_t loop_tag) {
 // may go on reading its mapping), nobody is reported failed, both sides keep working.
 TEST_P(TransportTest, DeregisterWhilePeerReads) {
   ASSERT_NO_FATAL_FAILURE(spawn(1 << 16));
-  std::atomic<int> failed{0};
-  local_->set_peer_failure_handler([&failed](PeerId, const Status&) { failed++; });
+  // Shared: the handler outlives this body (TearDown destroys the remote, which
+  // reports it failed to us).
+  auto failed = std::make_shared<std::atomic<int>>(0);
+  local_->set_peer_failure_handler([failed](PeerId, const Status&) { (*failed)++; });
   for (int round = 0; round < 3; ++round) {
     ASSERT_OK_AND_ASSIGN(MemoryRegion ours, local_->allocate_memory(4 << 20));
     fill_pattern(static_cast<std::byte*>(ours.base), 0, ours.length, 9);
@@ -441,7 +443,7 @@ TEST_P(TransportTest, DeregisterWhilePeerReads) {
   }
   std::this_thread::sleep_for(100ms);
   ASSERT_NO_FATAL_FAILURE(expect_remote_serves());
-  EXPECT_EQ(failed.load(), 0);
+  EXPECT_EQ(failed->load(), 0);
 }
 
 TEST_P(TransportTest, ConnectIsIdempotentAndSelfWorks) {
