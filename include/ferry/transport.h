@@ -100,10 +100,14 @@
 //     Transport connect()ed to are watched.
 //   * Detection time is bounded by the backend: immediate for inproc; for UCX the
 //     broken connection is seen by UCX (tcp: at once; otherwise UCX keepalive, set to
-//     TransportOptions::keepalive_interval). Where the UCX build offers no transport
-//     with peer-failure support to a peer (UCX 1.13's shared memory), and the peer is a
-//     process on this host, ferry watches the process itself (pidfd) and reports its
-//     exit within ~20 ms; a remote peer without such a transport is refused at connect.
+//     TransportOptions::keepalive_interval). UCX: every message to a peer goes on an
+//     endpoint with peer-failure support (tcp on one host); a peer on this host is also
+//     read and written over shared memory on a second endpoint that carries no message
+//     (UCX 1.13's shared-memory receive queue can be wedged by a sender killed mid-send;
+//     docs/transport.md). Where UCX_TLS offers no transport with peer-failure support to
+//     a peer on this host (sm,self), messages go over shared memory and ferry watches
+//     the process itself (pidfd, exit reported within ~20 ms), with that risk (warned
+//     on stderr); a remote peer without such a transport is refused at connect.
 #pragma once
 
 #include <chrono>
@@ -209,6 +213,9 @@ struct TransportStats {
   uint64_t messages_received = 0;
   uint64_t malformed_messages = 0, dropped_messages = 0;
   uint64_t failed_peers = 0;
+  // Reads/writes carried by messages instead of native get/put (UCX: over tcp, or to a
+  // region that a shared-memory data endpoint cannot map; see docs/transport.md).
+  uint64_t reads_by_message = 0, writes_by_message = 0;
 };
 
 class Transport final {

@@ -85,7 +85,7 @@ std::function<int()> setup_bench(CLI::App& app) {
   auto ov = app.add_option("--config-overrides", b->overrides, "JSON merged into the shrunk config");
   app.add_option("--trainer", b->trainer, "trainer layout (tp=,pp=,ep=,etp=,dp= | fsdp=)");
   app.add_option("--inference", b->inference, "inference layout (tp=,dp=,ep=,replicas=)");
-  app.add_option("--tls", b->tls, "UCX_TLS of every rank (default $FERRY_UCX_TLS or sm,self); tcp picks MPI's tcp BTL");
+  app.add_option("--tls", b->tls, "UCX_TLS of every rank (default $FERRY_UCX_TLS or sm,tcp,self: bytes over shared memory, messages over tcp); MPI's baseline uses shared memory when the list has it, else tcp");
   app.add_option("--mode", b->mode, "pull | push (push: the raw baseline is UCX writes)");
   app.add_option("--syncs", b->syncs, "timed trials of each measurement, after one warm-up (medians)");
   app.add_option("--seed", b->seed, "seed of the synthetic weights");

@@ -42,6 +42,20 @@ int64_t mono_ns() {
 uint64_t data_version(uint64_t v) { return 1 + v % 2; }
 
 bool tls_is_tcp(const std::string& tls) { return tls.find("tcp") != std::string::npos; }
+// Whether UCX_TLS lets ferry read over shared memory (then MPI's baseline uses it too).
+// "^a,b" lists what is excluded.
+bool tls_has_shared_memory(const std::string& tls) {
+  const bool excluding = tls.starts_with('^');
+  bool listed = false;
+  std::string rest = excluding ? tls.substr(1) : tls;
+  for (size_t at = 0; at <= rest.size();) {
+    const size_t comma = std::min(rest.find(',', at), rest.size());
+    const std::string tl = rest.substr(at, comma - at);
+    for (const char* shm : {"sm", "shm", "posix", "sysv", "cma", "xpmem", "knem", "all"}) listed |= tl == shm;
+    at = comma + 1;
+  }
+  return excluding != listed;
+}
 
 // A trainer rank whose weights already sit in memory: both data versions are generated
 // before any timed sync, so materialize() costs what a real trainer's does (nothing).
@@ -679,7 +693,9 @@ BenchResult run_bench(const BenchSpec& b) {
   // The broadcast design under OpenMPI, on the same class of fabric as ferry's UCX. Its
   // ranks join the same steps through the store (blocked on it, not polling, while the
   // others run), so its trials interleave with ferry's.
-  const bool tcp = tls_is_tcp(b.tls);
+  // MPI's fabric follows where ferry's bytes go: shared memory when UCX_TLS has it
+  // (ferry carries only its messages over tcp then), else tcp on loopback.
+  const bool tcp = !tls_has_shared_memory(b.tls);
   std::vector<std::string> mca = words(b.mpi_mca.empty()
                                            ? (tcp ? "--mca pml ob1 --mca btl self,tcp --mca btl_tcp_if_include lo"
                                                   : "--mca pml ob1 --mca btl self,vader")

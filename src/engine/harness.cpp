@@ -79,11 +79,10 @@ int run_worker(const WorkerSpec& s) {
   to.backend = s.backend;
   if (to.backend == "ucx") {
     const char* tls = std::getenv("FERRY_UCX_TLS");
-    // Shared memory by default (one host); FERRY_UCX_TLS=tcp,self selects tcp, where the
-    // transport does RMA by message (UCX 1.13's own emulation aborted the serving process
-    // when its peer died). The driver sets tcp for runs that SIGKILL ranks: see
-    // DemoSpec::ucx_tls for why shared memory cannot survive that.
-    to.ucx_config = {{"TLS", tls ? tls : "sm,self"}};
+    // One host: reads and writes over shared memory, messages over loopback tcp (the
+    // transport's control endpoints; see DemoSpec::ucx_tls). FERRY_UCX_TLS=tcp,self
+    // selects tcp alone, where the transport reads and writes by message.
+    to.ucx_config = {{"TLS", tls ? tls : kDefaultUcxTls}};
     if (!tls || std::string(tls).find("tcp") != std::string::npos) to.ucx_config.push_back({"NET_DEVICES", "lo"});
   }
   auto transport = Transport::create(to);
@@ -325,23 +324,16 @@ DemoResult run_demo(const DemoSpec& d) {
   auto rinfo = m.inference.rank(0);
   say(fmt::format("ferry demo: {} ({}), checkpoint {:.1f} MB, {} tensors, {} groups\n", m.config.architecture(),
                   d.model, static_cast<double>(m.checkpoint_bytes) / 1e6, m.metadata.size(), groups));
-  // Workers' UCX_TLS (see DemoSpec::ucx_tls): with ranks to SIGKILL, a transport whose
-  // delivery survives a sender's death. Over sm a victim killed while its progress thread
-  // wrote a message (the crash points follow sends: RELEASE, ANNOUNCE) wedged that peer's
-  // receive FIFO: the peer never heard from any rank again (seen as a producer that
-  // stalled every consumer and overran the driver's wait).
+  // Workers' UCX_TLS (see DemoSpec::ucx_tls).
   std::string tls = d.ucx_tls;
   if (tls.empty()) {
-    if (const char* e = std::getenv("FERRY_UCX_TLS"); e != nullptr && *e != '\0') {
-      tls = e;
-    } else if (!kills.empty() && d.backend == "ucx") {
-      tls = "tcp,self";
-    }
+    if (const char* e = std::getenv("FERRY_UCX_TLS"); e != nullptr && *e != '\0') tls = e;
   }
+  if (tls.empty() && d.backend == "ucx") tls = kDefaultUcxTls;
   res.ucx_tls = tls;
   say(fmt::format("  trainer {} ({} ranks) -> inference {} ({} ranks), mode {}, transport {}{}, store {}\n",
                   m.trainer.to_string(), P, m.inference.to_string(), C, d.mode, d.backend,
-                  d.backend == "ucx" ? fmt::format(" (UCX_TLS {})", tls.empty() ? "sm,self" : tls) : std::string(),
+                  d.backend == "ucx" ? fmt::format(" (UCX_TLS {})", tls) : std::string(),
                   st.url()));
 
   std::vector<Child> children;

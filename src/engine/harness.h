@@ -64,6 +64,10 @@ int run_worker(const WorkerSpec& spec);
 
 namespace ferry::engine {
 
+// The workers' UCX_TLS unless told otherwise: bytes over shared memory, messages over
+// loopback tcp (see DemoSpec::ucx_tls).
+inline constexpr const char* kDefaultUcxTls = "sm,tcp,self";
+
 // The driver of `ferry demo` and the multi-process tests: starts every trainer and
 // inference rank as a process (`worker_binary worker ...`), runs `syncs` syncs through
 // the store, SIGKILLs rank `kill_rank` of `kill_role` at the given (version, point)s
@@ -78,12 +82,12 @@ struct DemoSpec {
   std::string mode = "pull";
   std::string store;          // empty: an embedded TCP store in this process
   std::string backend = "ucx";
-  // UCX_TLS of the workers (passed as FERRY_UCX_TLS). Empty: $FERRY_UCX_TLS when set;
-  // otherwise tcp,self when `kills` SIGKILL ranks, else the workers' default (sm,self).
-  // UCX 1.13's shared memory has no peer-failure support: its receive FIFO is shared by
-  // every sender, and a sender killed between reserving a FIFO entry and publishing it
-  // leaves the receiver unable to read past that entry, deaf to every peer for good.
-  // tcp keeps each peer's messages on its own connection, so a SIGKILL breaks only that.
+  // UCX_TLS of the workers (passed as FERRY_UCX_TLS). Empty: $FERRY_UCX_TLS when set,
+  // else kDefaultUcxTls, sm,tcp,self: reads and writes over shared memory, every
+  // message over loopback tcp. Runs that SIGKILL ranks need tcp (or another transport
+  // with peer-failure support) in the list: UCX 1.13's shared-memory receive FIFO is
+  // shared by every sender, and a sender killed mid-send can leave the receiver deaf to
+  // every peer for good, so the transport keeps messages off it (docs/transport.md).
   std::string ucx_tls;
   bool checksums = false;
   int syncs = 4;
@@ -117,7 +121,7 @@ struct DemoResult {
   int64_t max_rss_growth_kib = 0;
   int64_t max_fd_growth = 0;
   bool all_verified = false;
-  std::string ucx_tls;  // the workers' UCX_TLS (empty: their default, sm,self)
+  std::string ucx_tls;  // the workers' UCX_TLS
   std::string error;
 };
 DemoResult run_demo(const DemoSpec& spec);

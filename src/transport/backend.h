@@ -118,6 +118,7 @@ uint64_t new_instance_id();
 struct AtomicStats {
   std::atomic<uint64_t> reads{0}, writes{0}, sends{0}, bytes_read{0}, bytes_written{0};
   std::atomic<uint64_t> messages_received{0}, malformed_messages{0}, dropped_messages{0}, failed_peers{0};
+  std::atomic<uint64_t> reads_by_message{0}, writes_by_message{0};
   TransportStats snapshot() const {
     TransportStats s;
     s.reads = reads;
@@ -129,6 +130,8 @@ struct AtomicStats {
     s.malformed_messages = malformed_messages;
     s.dropped_messages = dropped_messages;
     s.failed_peers = failed_peers;
+    s.reads_by_message = reads_by_message;
+    s.writes_by_message = writes_by_message;
     return s;
   }
 };

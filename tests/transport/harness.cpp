@@ -151,6 +151,10 @@ Result<std::unique_ptr<Remote>> spawn_remote(const BackendCase& c, Transport& lo
 
 void Mailbox::attach(Transport& t) {
   t.set_message_handler([this](PeerId from, uint32_t tag, std::span<const std::byte> payload) {
+    if (tag == kFlood) {
+      floods_++;
+      return;
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       q_.push_back({from, tag, std::vector<std::byte>(payload.begin(), payload.end())});

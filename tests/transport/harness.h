@@ -5,6 +5,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -45,6 +46,8 @@ class Mailbox {
   // The payload of the first message with `tag` (older ones with other tags are kept).
   Result<std::vector<std::byte>> wait(uint32_t tag, std::chrono::milliseconds timeout);
   size_t size();
+  // kFlood messages received (counted, never queued).
+  uint64_t floods() const { return floods_.load(); }
 
  private:
   struct Msg {
@@ -55,6 +58,7 @@ class Mailbox {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Msg> q_;
+  std::atomic<uint64_t> floods_{0};
 };
 
 // Memory for large tests (mmap, page aligned, freed on destruction).

@@ -28,6 +28,7 @@ PeerService::~PeerService() {
   t_.set_message_handler({});
   stop_reading_ = true;
   if (reader_.joinable()) reader_.join();
+  if (copier_.joinable()) copier_.join();
   if (region_.id != 0) t_.deregister_memory(region_).ignore();
 }
 
@@ -51,27 +52,83 @@ void PeerService::on_message(PeerId from, uint32_t tag, std::span<const std::byt
       t_.send(from, kFillReply, pack_u64s({a[0], a[1], ok ? 1u : 0u})).status().ignore();
       break;
     }
+    case kCopy: {
+      uint64_t a[3] = {};
+      const bool ok = payload.size() > 24 && unpack_u64s(payload.first(24), 3, a) && a[2] <= bytes_;
+      if (!ok) {
+        t_.send(from, kCopyReply, pack_u64s({0u, 0u})).status().ignore();
+        break;
+      }
+      // Not on this (the progress) thread: it cannot wait for the operation.
+      if (copier_.joinable()) copier_.join();  // the parent waited for its reply
+      copier_ = std::thread([this, write = a[0] != 0, offset = a[1], length = a[2],
+                             key = std::vector<std::byte>(payload.begin() + 24, payload.end())] {
+        const bool done = copy(key, write, offset, length).ok();
+        const uint64_t h = done ? hash_bytes(mem_, length) : 0;
+        t_.send(parent_, kCopyReply, pack_u64s({done ? 1u : 0u, h})).status().ignore();
+      });
+      break;
+    }
     case kExit:
       exit_ = true;
       break;
     case kReadLoop:
     case kWriteLoop:
     case kWideReadLoop:
+    case kSendLoop:
       // One loop at a time; a loop that has ended (an op failed) makes room for the next
       // (joined here only once it has returned: it waits for this thread until then).
       if (reader_.joinable() && loop_done_) reader_.join();
       if (!reader_.joinable()) {
         loop_done_ = false;
         reader_ = std::thread(
-            [this, write = tag == kWriteLoop, wide = tag == kWideReadLoop,
+            [this, write = tag == kWriteLoop, wide = tag == kWideReadLoop, flood = tag == kSendLoop,
              key = std::vector<std::byte>(payload.begin(), payload.end())]() mutable {
-              rma_loop(std::move(key), write, wide);
+              if (flood) {
+                send_loop();
+              } else {
+                rma_loop(std::move(key), write, wide);
+              }
               loop_done_ = true;
             });
       }
       break;
     default:
       break;
+  }
+}
+
+// kCopy: one read or write between the parent's region (`key`) and ours (a thread of
+// its own; bounded waits).
+Status PeerService::copy(std::span<const std::byte> key, bool write, uint64_t offset, uint64_t length) {
+  auto remote = t_.import_key(key);
+  if (!remote.ok()) return remote.status();
+  auto c = write ? t_.write(region_, 0, *remote, offset, length) : t_.read(region_, 0, *remote, offset, length);
+  Status result = c.ok() ? c->wait(std::chrono::seconds(30)) : c.status();
+  if (result.ok() && write) {
+    auto f = t_.flush(parent_);
+    result = f.ok() ? f->wait(std::chrono::seconds(30)) : f.status();
+  }
+  Status released = t_.release_key(*remote);
+  return result.ok() ? released : result;
+}
+
+// kSendLoop: floods the parent with messages until one fails or the service stops.
+// Bounded by the test: the parent kills this process or stops the service.
+void PeerService::send_loop() {
+  constexpr int kInFlight = 16;
+  std::vector<Completion> ring(kInFlight);
+  const std::vector<std::byte> payload(64, std::byte{0x5a});
+  for (uint64_t i = 0; !stop_reading_; ++i) {
+    Completion& slot = ring[i % kInFlight];
+    if (slot.valid() && !slot.wait(std::chrono::seconds(30)).ok()) break;
+    auto c = t_.send(parent_, kFlood, payload);
+    if (!c.ok()) break;
+    slot = *c;
+    if (i == 256) t_.send(parent_, kReadLoopStarted, {}).status().ignore();
+  }
+  for (auto& c : ring) {
+    if (c.valid()) c.wait(std::chrono::seconds(30)).ignore();
   }
 }
 

@@ -28,6 +28,8 @@ class PeerService {
   explicit PeerService(Transport& t) : t_(t) {}
   void on_message(PeerId from, uint32_t tag, std::span<const std::byte> payload);
   void rma_loop(std::vector<std::byte> key, bool write, bool wide);
+  void send_loop();
+  Status copy(std::span<const std::byte> key, bool write, uint64_t offset, uint64_t length);
 
   Transport& t_;
   std::byte* mem_ = nullptr;
@@ -38,6 +40,7 @@ class PeerService {
   std::atomic<bool> exit_{false};
   std::atomic<bool> stop_reading_{false};
   std::thread reader_;  // kReadLoop
+  std::thread copier_;  // kCopy
   std::atomic<bool> loop_done_{false};  // reader_ has returned from rma_loop
 };
 

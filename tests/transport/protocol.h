@@ -21,10 +21,19 @@ enum Tag : uint32_t {
   kWriteLoop = 6,  // the same with writes (each window flushed)
   kWideReadLoop = 7,  // kReadLoop with 1 MiB reads, 16 in flight (more than a tcp socket
                       // buffer holds, so the target has sends waiting)
+  kCopy = 8,       // payload: u64 write(0/1), u64 offset, u64 length, then a key of the
+                   // sender's region. read: the peer reads [offset, offset + length) of
+                   // it into its own region at 0; write: the peer writes its region's
+                   // [0, length) there and flushes. Reply kCopyReply: ok(0/1), xxh3 of
+                   // its region's [0, length)
+  kSendLoop = 9,   // the peer sends kFlood messages (64 bytes) to the sender, 16 in
+                   // flight, until one fails; kReadLoopStarted after the first 256
   kEchoReply = 101,
   kHashReply = 102,
   kFillReply = 103,
   kReadLoopStarted = 105,
+  kCopyReply = 108,
+  kFlood = 109,  // counted by the Mailbox, never queued
 };
 
 // The pattern byte at absolute offset `off` of a region filled with `seed`.

@@ -10,23 +10,40 @@
 // executes before the handle it uses is destroyed; a direct post holds the worker, so
 // no such command runs between its validation and its post.
 //
-// Peer failure: endpoints use UCP_ERR_HANDLING_MODE_PEER. Some UCX builds cannot
-// honour that for every transport (UCX 1.13's posix/sysv shared memory has no peer
-// failure support, so UCX_TLS=sm,self finds no lane). Then, if the peer is a process
-// on this host (same boot id and PID namespace, carried in the address), the endpoint
-// is created in mode NONE and ferry watches the peer's process through a pidfd: its
-// exit is reported exactly like a UCX endpoint error, and the endpoint is force-closed,
-// which completes its outstanding requests with UCS_ERR_CANCELED.
+// Peer failure: endpoints use UCP_ERR_HANDLING_MODE_PEER. UCX 1.13's shared memory
+// (posix/sysv) has no peer-failure support, and it has a worse problem: every process
+// has one receive FIFO that all senders write, and a sender SIGKILLed between reserving
+// an entry and publishing it leaves the receiver unable to read anything after it, from
+// any peer, with no error. So nothing but get/put may go over shared memory:
+//  * Every peer has a *control* endpoint in mode PEER. It carries every active message
+//    (ferry's messages, reads/writes by message, flushes by message), and its error
+//    callback is the failure report. Over a host's UCX_TLS with tcp, UCX builds it on
+//    tcp only (the one transport here with peer-failure support).
+//  * A peer on this host whose control endpoint has no native get lane (tcp) gets a
+//    second, *data* endpoint in mode NONE, kept only if all its lanes are shared-memory
+//    transports with native get/put (cma, posix/sysv rkey_ptr, xpmem, knem): reads and
+//    writes go there, at memory speed, and it never sends a message. It is created
+//    right after the control endpoint, on both sides in that order (UCX pairs the two
+//    processes' endpoints by creation order), and closed in flush mode (UCX 1.13 refuses
+//    to force-close a mode-NONE endpoint; with nothing but RMA on it, the flush is local).
+//  * Where UCX_TLS offers no transport with peer-failure support to a peer (sm,self),
+//    and the peer is a process on this host (same boot id and PID namespace, carried in
+//    the address), the single endpoint is created in mode NONE and ferry watches the
+//    peer's process through a pidfd: its exit is reported exactly like a UCX endpoint
+//    error. Messages then go over shared memory, and the FIFO risk above remains (the
+//    transport says so once, on stderr).
 #include <poll.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
+#include <optional>
 #include <tuple>
 #include <unordered_map>
 #include <unordered_set>
@@ -110,10 +127,18 @@ struct Peer {
   }
   UcxBackend* self = nullptr;
   PeerId id = 0;
-  ucp_ep_h ep = nullptr;  // progress thread only
-  int pidfd = -1;         // >= 0: mode NONE endpoint, liveness watched by ferry
+  ucp_ep_h ep = nullptr;       // control endpoint: every message (progress thread only)
+  ucp_ep_h data_ep = nullptr;  // shared-memory get/put only, mode NONE (see the top); or null
+  int pidfd = -1;         // >= 0: a process on this host (import_key checks it is alive)
+  bool watched = false;   // mode NONE control endpoint: liveness watched through pidfd
   bool printed = false;   // FERRY_UCX_EP_INFO printed this endpoint's lanes
   bool rma_by_message = false;  // no native get lane: reads/writes/flush by message (set at connect)
+  // A write by message went to this peer since its last flush (a peer with a data
+  // endpoint writes by message to regions that endpoint cannot map; progress thread or
+  // direct caller, under worker_mu_).
+  bool wrote_by_message = false;
+  // The endpoint reads and writes go on.
+  ucp_ep_h rma_ep() const { return data_ep != nullptr ? data_ep : ep; }
   pid_t pid = 0;
   bool failed = false;    // under mu_
   bool closed = false;    // under mu_ (disconnect)
@@ -137,6 +162,9 @@ struct Key {
   MemoryKind kind;
   ucp_rkey_h rkey;
   std::shared_ptr<Peer> owner;
+  // Read and written by message over the control endpoint: the owner's endpoint has no
+  // native get lane, or its data endpoint cannot map this region (see import_key).
+  bool by_message;
 };
 
 class UcxBackend final : public TransportBackend {
@@ -174,6 +202,8 @@ class UcxBackend final : public TransportBackend {
     st = ucp_init(&params, config, &ctx_);
     ucp_config_release(config);
     if (st != UCS_OK) return unavailable("ucx: ucp_init failed: {}", ucs_status_string(st));
+
+    shm_transports_ = context_has_shared_memory();
 
     ucp_worker_params_t wp{};
     wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
@@ -214,6 +244,26 @@ class UcxBackend final : public TransportBackend {
     return Status::Ok();
   }
 
+  // Whether the context's resources ("resource N : md M dev D flags -- tl/dev" lines of
+  // ucp_context_print_info) include a shared-memory transport other than self.
+  bool context_has_shared_memory() {
+    char* text = nullptr;
+    size_t len = 0;
+    FILE* f = open_memstream(&text, &len);
+    if (f == nullptr) return false;
+    ucp_context_print_info(ctx_, f);
+    std::fclose(f);
+    std::string info(text == nullptr ? "" : text, len);
+    std::free(text);
+    for (size_t at = info.find("-- "); at != std::string::npos; at = info.find("-- ", at + 1)) {
+      size_t slash = info.find('/', at);
+      if (slash == std::string::npos) break;
+      std::string tl = info.substr(at + 3, slash - at - 3);
+      if (tl != "self" && is_shared_memory_transport(tl)) return true;
+    }
+    return false;
+  }
+
   ~UcxBackend() override {
     {
       std::lock_guard<std::mutex> lock(cmd_mu_);
@@ -244,7 +294,7 @@ class UcxBackend final : public TransportBackend {
     // on a half-wired endpoint, which a lazily wired endpoint risks at its first use.
     // Not on the progress thread (a callback may connect; it cannot wait).
     if (progress_tid_.load() != std::this_thread::get_id()) {
-      FERRY_ASSIGN_OR_RETURN(Completion f, flush(id, nullptr));
+      FERRY_ASSIGN_OR_RETURN(Completion f, flush_ep(id, true, nullptr));
       Status st = f.wait(kControlTimeout);
       if (!st.ok()) return Status(st.code(), fmt::format("connect: completing the connection to peer {:#x}: {}", id, st.message()));
     }
@@ -272,27 +322,58 @@ class UcxBackend final : public TransportBackend {
       ep.err_handler.cb = &UcxBackend::ep_err_cb;
       ep.err_handler.arg = peer.get();
       ucs_status_t st = ucp_ep_create(worker_, &ep, &peer->ep);
-      if (st == UCS_ERR_UNREACHABLE && a.pid != 0 && a.host_tag != 0 && a.host_tag == wire::local_host_tag()) {
+      const bool local = a.pid != 0 && a.host_tag != 0 && a.host_tag == wire::local_host_tag();
+      if (local) {
+        // Best effort: import_key checks the owner is alive before UCX attaches its
+        // shared-memory segment (see there).
+        peer->pidfd = int(syscall(SYS_pidfd_open, pid_t(a.pid), 0));
+        peer->pid = pid_t(a.pid);
+      }
+      if (st == UCS_ERR_UNREACHABLE && local) {
         // No transport with peer-failure support (e.g. UCX 1.13 shm): watch the process.
-        int fd = int(syscall(SYS_pidfd_open, pid_t(a.pid), 0));
-        if (fd < 0) {
+        if (peer->pidfd < 0) {
           return unavailable("connect: peer {:#x} (pid {}) has no transport with peer-failure support and "
                              "cannot be watched: {}", a.instance_id, a.pid, std::strerror(errno));
         }
-        peer->pidfd = fd;
-        peer->pid = pid_t(a.pid);
+        peer->watched = true;
         if (process_exited(*peer)) return peer_failed("connect: peer {:#x} (process {}) has exited", a.instance_id, a.pid);
         ep.field_mask &= ~uint64_t(UCP_EP_PARAM_FIELD_ERR_HANDLER);
         ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
         st = ucp_ep_create(worker_, &ep, &peer->ep);
+        if (st == UCS_OK && !warned_unsafe_shm_.exchange(true)) {
+          std::fprintf(stderr,
+                       "ferry: UCX_TLS offers no transport with peer-failure support to peers on this host; "
+                       "their messages go over shared memory, where a peer killed mid-send can leave this "
+                       "process unable to receive from anyone (UCX 1.13). Add tcp to UCX_TLS (e.g. sm,tcp,self) "
+                       "to carry messages over loopback tcp and keep reads and writes on shared memory.\n");
+        }
       }
       if (st != UCS_OK) {
         // A malformed worker address inside a well-framed blob ends up here.
         return unavailable("connect: ucp_ep_create to peer {:#x} failed: {}", a.instance_id, ucs_status_string(st));
       }
       peer->rma_by_message = rma_by_message(peer->ep);
+      if (local && !peer->watched && peer->rma_by_message && shm_transports_ && !forced_reads_by_message()) {
+        // The control endpoint reads by message (tcp): read and write over shared memory
+        // on a data endpoint instead (see the top of this file). Created now, right after
+        // the control endpoint: the peer does the same in the same order.
+        ep.field_mask &= ~uint64_t(UCP_EP_PARAM_FIELD_ERR_HANDLER);
+        ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+        ucp_ep_h data = nullptr;
+        if (ucp_ep_create(worker_, &ep, &data) == UCS_OK) {
+          const std::string info = ep_info(data);
+          if (rma_lanes_only_shared_memory(info)) {
+            peer->data_ep = data;
+            peer->rma_by_message = false;
+          } else {
+            // Not usable (the peer lacks shared memory, or UCX picked a network lane):
+            // closed at once, before anything used it.
+            close_one(peer, data, false);
+          }
+        }
+      }
       std::lock_guard<std::mutex> lock(mu_);
-      if (peer->pidfd >= 0) watched_++;
+      if (peer->watched) watched_++;
       peers_.emplace(a.instance_id, std::move(peer));
       return a.instance_id;
     });
@@ -430,11 +511,21 @@ class UcxBackend final : public TransportBackend {
         return peer_failed("import_key: peer {:#x} (process {}) has exited", k.owner_id, p->pid);
       }
       ucp_rkey_h rkey = nullptr;
-      ucs_status_t st = ucp_ep_rkey_unpack(p->ep, k.payload.data(), &rkey);
+      ucs_status_t st = ucp_ep_rkey_unpack(p->rma_ep(), k.payload.data(), &rkey);
       if (st != UCS_OK) return corrupt("import_key: UCX refused the packed rkey: {}", ucs_status_string(st));
+      bool by_message = p->rma_by_message;
+      if (!by_message && p->data_ep != nullptr) {
+        // The data endpoint reads memory the owner allocated through UCX (its shared-
+        // memory segments) natively. For memory the owner registered in place, UCX 1.13
+        // has no get lane on it and would emulate get/put with messages over the shared-
+        // memory FIFO, which a peer killed mid-send can wedge (see the top): such a
+        // region is read and written by message over the control endpoint instead.
+        void* mapped = nullptr;
+        by_message = ucp_rkey_ptr(rkey, k.base, &mapped) != UCS_OK;
+      }
       std::lock_guard<std::mutex> lock(mu_);
       uint64_t id = next_key_++;
-      keys_.emplace(id, Key{k.owner_id, k.region_id, k.base, k.length, k.kind, rkey, p});
+      keys_.emplace(id, Key{k.owner_id, k.region_id, k.base, k.length, k.kind, rkey, p, by_message});
       return RemoteRegion{id, k.owner_id, k.base, k.length, k.kind};
     });
   }
@@ -486,7 +577,7 @@ class UcxBackend final : public TransportBackend {
       if (key.owner->failed) return peer_failed("{}: peer {:#x} failed: {}", op, key.peer, key.owner->why.message());
       r = RmaOp{std::make_shared<OpState>(std::move(on_done), &progress_tid_), is_write,
                 static_cast<std::byte*>(l->second.base) + local_offset, key.base + remote_offset, length,
-                l->second.memh, key.rkey, key.owner, key.region_id};
+                l->second.memh, key.rkey, key.owner, key.region_id, key.by_message};
       (is_write ? stats_.writes : stats_.reads)++;
       if (!worker.owns_lock()) {
         // Queued under mu_, so FIFO with respect to release_key/deregister/disconnect,
@@ -516,6 +607,7 @@ class UcxBackend final : public TransportBackend {
     ucp_rkey_h rkey = nullptr;
     std::shared_ptr<Peer> peer;
     uint64_t region_id = 0;  // the target's
+    bool by_message = false;  // Key::by_message
   };
 
   // Posts `r` on the worker (the caller holds it). Returns whether it is still in
@@ -529,14 +621,23 @@ class UcxBackend final : public TransportBackend {
       complete_op(r.state, Status::Ok());
       return false;
     }
-    if (r.peer->rma_by_message) return r.is_write ? start_write_by_message(r) : start_read_by_message(r);
+    if (r.by_message) {
+      if (!r.is_write) {
+        stats_.reads_by_message++;
+        return start_read_by_message(r);
+      }
+      stats_.writes_by_message++;
+      r.peer->wrote_by_message = true;
+      return start_write_by_message(r);
+    }
     ucp_request_param_t prm{};
     prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
     prm.cb.send = &UcxBackend::send_cb;
     prm.user_data = this;
     prm.memh = r.memh;  // skips UCX's registration-cache lookup
-    ucs_status_ptr_t req = r.is_write ? ucp_put_nbx(r.peer->ep, r.local, r.length, r.remote_addr, r.rkey, &prm)
-                                      : ucp_get_nbx(r.peer->ep, r.local, r.length, r.remote_addr, r.rkey, &prm);
+    ucp_ep_h ep = r.peer->rma_ep();
+    ucs_status_ptr_t req = r.is_write ? ucp_put_nbx(ep, r.local, r.length, r.remote_addr, r.rkey, &prm)
+                                      : ucp_get_nbx(ep, r.local, r.length, r.remote_addr, r.rkey, &prm);
     if (!UCS_PTR_IS_PTR(req)) {  // completed inside the post (shared memory): no tracking
       rma_done(r, UCS_PTR_STATUS(req));
       return false;
@@ -550,6 +651,7 @@ class UcxBackend final : public TransportBackend {
     if (debug_ep_info_ && r.peer->ep != nullptr && !r.peer->printed) {
       r.peer->printed = true;
       ucp_ep_print_info(r.peer->ep, stderr);
+      if (r.peer->data_ep != nullptr) ucp_ep_print_info(r.peer->data_ep, stderr);
     }
     complete_op(r.state, from_ucs(st, r.is_write ? "write" : "read"));
   }
@@ -616,21 +718,65 @@ class UcxBackend final : public TransportBackend {
     return prm;
   }
 
-  // Whether `ep` reads by message: UCX's description of the endpoint shows no get lane.
-  // FERRY_UCX_READS=message|rma forces either (tests, diagnostics).
-  bool rma_by_message(ucp_ep_h ep) {
+  // FERRY_UCX_READS=message|rma forces reads/writes by message or by UCX's get/put
+  // (tests, diagnostics); nullopt: not forced.
+  static std::optional<bool> forced_reads() {
     if (const char* force = std::getenv("FERRY_UCX_READS")) {
       if (std::strcmp(force, "message") == 0) return true;
       if (std::strcmp(force, "rma") == 0) return false;
     }
+    return std::nullopt;
+  }
+  static bool forced_reads_by_message() { return forced_reads().value_or(false); }
+
+  // UCX's description of an endpoint's lanes (ucp_ep_print_info), e.g.
+  //   "#   lane[0]:  8:tcp/lo.0 md[4]  -> md[4]/tcp/sysdev[255] rma_bw#0 am am_bw#0".
+  static std::string ep_info(ucp_ep_h ep) {
     char* text = nullptr;
     size_t len = 0;
     FILE* f = open_memstream(&text, &len);
-    if (f == nullptr) return false;
+    if (f == nullptr) return {};
     ucp_ep_print_info(ep, f);
     std::fclose(f);
     std::string info(text == nullptr ? "" : text, len);
     std::free(text);
+    return info;
+  }
+
+  // The transport of each "lane[N]:  I:tl/dev" line of ep_info.
+  static std::vector<std::string> lane_transports(const std::string& info) {
+    std::vector<std::string> tls;
+    for (size_t at = info.find("lane["); at != std::string::npos; at = info.find("lane[", at + 1)) {
+      size_t colon = info.find("]:", at);
+      if (colon == std::string::npos) break;
+      size_t p = info.find_first_not_of(" \t", colon + 2);
+      if (p == std::string::npos) break;
+      p = info.find_first_not_of("0123456789", p);  // the resource index
+      if (p == std::string::npos || info[p] != ':') continue;
+      size_t slash = info.find('/', p + 1);
+      size_t eol = info.find('\n', p + 1);
+      if (slash == std::string::npos || slash > eol) continue;
+      tls.push_back(info.substr(p + 1, slash - p - 1));
+    }
+    return tls;
+  }
+
+  static bool is_shared_memory_transport(std::string_view tl) {
+    return tl == "posix" || tl == "sysv" || tl == "cma" || tl == "xpmem" || tl == "knem" || tl == "self";
+  }
+
+  // Whether a data endpoint may be kept: it has native get and put lanes, and every lane
+  // is a shared-memory transport (no network lane, which in mode NONE could hang).
+  static bool rma_lanes_only_shared_memory(const std::string& info) {
+    const auto tls = lane_transports(info);
+    if (tls.empty() || info.find("get[") == std::string::npos || info.find("put[") == std::string::npos) return false;
+    return std::all_of(tls.begin(), tls.end(), is_shared_memory_transport);
+  }
+
+  // Whether `ep` reads by message: UCX's description of the endpoint shows no get lane.
+  bool rma_by_message(ucp_ep_h ep) {
+    if (auto forced = forced_reads()) return *forced;
+    const std::string info = ep_info(ep);
     if (info.find("lane[") == std::string::npos) return false;  // unknown format: trust UCX
     return info.find("get[") == std::string::npos;
   }
@@ -829,8 +975,9 @@ class UcxBackend final : public TransportBackend {
   }
 
   // Caller holds the worker (a flush command on the progress thread).
-  void start_flush_by_message(const std::shared_ptr<Peer>& peer, const std::shared_ptr<OpState>& state) {
-    uint64_t op_id = track(peer.get(), [state](ucs_status_t st) { state->complete(from_ucs(st, "flush")); });
+  void start_flush_by_message(const std::shared_ptr<Peer>& peer, std::function<void(ucs_status_t)> done) {
+    peer->wrote_by_message = false;
+    uint64_t op_id = track(peer.get(), std::move(done));
     am_flushes_.insert(op_id);
     auto msg = std::make_shared<FlushMsg>(FlushMsg{kReadMagic, 0, op_id, id_});
     ucp_request_param_t prm = eager_params(true);
@@ -942,21 +1089,41 @@ class UcxBackend final : public TransportBackend {
   }
 
   Result<Completion> flush(PeerId id, CompletionCallback on_done) override {
+    return flush_ep(id, false, std::move(on_done));
+  }
+
+  // Flushes the endpoint writes go on (control == false), or the control endpoint (to
+  // finish its wire-up at connect).
+  Result<Completion> flush_ep(PeerId id, bool control, CompletionCallback on_done) {
     std::lock_guard<std::mutex> lock(mu_);
     FERRY_ASSIGN_OR_RETURN(std::shared_ptr<Peer> peer, usable_peer(id, "flush"));
     auto state = std::make_shared<OpState>(std::move(on_done), &progress_tid_);
-    bool posted = post([this, state, peer] {
+    bool posted = post([this, state, peer, control] {
       if (!peer_usable(*peer)) {
         state->complete(peer_failed("flush: peer {:#x} failed", peer->id));
         return;
       }
-      if (peer->rma_by_message) return start_flush_by_message(peer, state);
-      uint64_t op_id = track(peer.get(), [state](ucs_status_t st) { state->complete(from_ucs(st, "flush")); });
+      // A peer with a data endpoint may have had writes by message too (regions it
+      // cannot map): then both paths are flushed, and the flush completes after both.
+      const bool by_message = !control && (peer->rma_by_message || peer->wrote_by_message);
+      const bool by_ucx = control || !peer->rma_by_message;
+      struct Both {
+        int left;
+        ucs_status_t st = UCS_OK;
+      };
+      auto both = std::make_shared<Both>(Both{int(by_message) + int(by_ucx)});
+      auto done = [state, both](ucs_status_t st) {
+        if (st != UCS_OK && both->st == UCS_OK) both->st = st;
+        if (--both->left == 0) state->complete(from_ucs(both->st, "flush"));
+      };
+      if (by_message) start_flush_by_message(peer, done);
+      if (!by_ucx) return;
+      uint64_t op_id = track(peer.get(), done);
       ucp_request_param_t prm{};
       prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
       prm.cb.send = &UcxBackend::send_cb;
       prm.user_data = this;
-      settle(op_id, ucp_ep_flush_nbx(peer->ep, &prm));
+      settle(op_id, ucp_ep_flush_nbx(control ? peer->ep : peer->rma_ep(), &prm));
     });
     if (!posted) return cancelled("flush: the transport is shutting down");
     return Completion(state);
@@ -1132,7 +1299,7 @@ class UcxBackend final : public TransportBackend {
     return exited;
   }
 
-  // A watched peer (mode NONE endpoint) whose process has exited (its pidfd is readable).
+  // A peer on this host whose process has exited (its pidfd is readable).
   static bool process_exited(const Peer& p) {
     if (p.pidfd < 0) return false;
     pollfd fd{p.pidfd, POLLIN, 0};
@@ -1146,7 +1313,7 @@ class UcxBackend final : public TransportBackend {
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (auto& [id, p] : peers_) {
-        if (p->pidfd >= 0 && !p->failed) watch.push_back(p);
+        if (p->watched && !p->failed) watch.push_back(p);
       }
     }
     if (watch.empty()) return;
@@ -1249,14 +1416,24 @@ class UcxBackend final : public TransportBackend {
     }
   }
 
-  // Progress thread (or the destructor after join). Starts closing the endpoint.
+  // Progress thread (or the destructor after join). Starts closing the peer's endpoints.
   void close_ep(const std::shared_ptr<Peer>& p, bool flush) {
-    if (p->ep == nullptr) return;
-    ucp_ep_h ep = p->ep;
-    p->ep = nullptr;
+    if (p->data_ep != nullptr) {
+      // Mode NONE: flush mode only (UCX 1.13 refuses FORCE for it); only get/put ever
+      // used it, so its flush is local and ends at once even towards a dead peer.
+      close_one(p, p->data_ep, false);
+      p->data_ep = nullptr;
+    }
+    if (p->ep != nullptr) {
+      close_one(p, p->ep, !flush);
+      p->ep = nullptr;
+    }
+  }
+
+  void close_one(const std::shared_ptr<Peer>& p, ucp_ep_h ep, bool force) {
     ucp_request_param_t prm{};
     prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    prm.flags = flush ? 0 : UCP_EP_CLOSE_FLAG_FORCE;
+    prm.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     prm.cb.send = &UcxBackend::send_cb;
     prm.user_data = this;
     uint64_t id = track(nullptr, [p](ucs_status_t) {});  // keeps the Peer (error-callback arg) alive until closed
@@ -1342,7 +1519,7 @@ class UcxBackend final : public TransportBackend {
     }
     for (auto& [id, p] : peers) {
       bool gone = p->failed;
-      if (!gone && p->pidfd >= 0) {  // a watched peer may have exited since the last check
+      if (!gone && p->pidfd >= 0) {  // a local peer may have exited since the last check
         pollfd fd{p->pidfd, POLLIN, 0};
         gone = poll(&fd, 1, 0) > 0;
       }
@@ -1394,7 +1571,9 @@ class UcxBackend final : public TransportBackend {
   std::mutex worker_mu_;
   std::atomic<uint64_t> direct_posts_{0};  // operations left in flight by direct posts (see kick)
   int efd_ = -1;  // the worker's event fd (UCP_FEATURE_WAKEUP), -1: timed naps
-  std::atomic<int> watched_{0};  // peers with a pidfd (never decremented: only a hint)
+  std::atomic<int> watched_{0};  // peers with `watched` set (never decremented: only a hint)
+  std::atomic<bool> warned_unsafe_shm_{false};  // the mode-NONE control warning was printed
+  bool shm_transports_ = false;  // UCX_TLS has a shared-memory transport (set by init)
   Clock::time_point next_watch_{};
 
   std::mutex mu_;  // tables and handlers
