@@ -197,7 +197,7 @@ int main(int argc, char** argv) {
     a.sizes = {65536, 1 << 20, 16 << 20};
     a.bytes_per_size = 256 << 20;
     int rc = 0;
-    for (const char* tls : {"sm,self", "tcp,self"}) {
+    for (const char* tls : {"sm,self", "sm,tcp,self", "tcp,self"}) {
       a.tls = tls;
       std::printf("# UCX_TLS=%s\n", tls);
       rc |= bench(a);

@@ -104,10 +104,11 @@
 //     endpoint with peer-failure support (tcp on one host); a peer on this host is also
 //     read and written over shared memory on a second endpoint that carries no message
 //     (UCX 1.13's shared-memory receive queue can be wedged by a sender killed mid-send;
-//     docs/transport.md). Where UCX_TLS offers no transport with peer-failure support to
-//     a peer on this host (sm,self), messages go over shared memory and ferry watches
-//     the process itself (pidfd, exit reported within ~20 ms), with that risk (warned
-//     on stderr); a remote peer without such a transport is refused at connect.
+//     docs/transport.md; UCX_TLS=sm,self gets tcp added, see ucx_tcp_control). Where
+//     there is still no transport with peer-failure support to a peer on this host,
+//     messages go over shared memory and ferry watches the process itself (pidfd, exit
+//     reported within ~20 ms), with that risk (warned on stderr); a remote peer without
+//     such a transport is refused at connect.
 #pragma once
 
 #include <chrono>
@@ -142,6 +143,13 @@ struct TransportOptions {
   // UCX configuration applied on top of the UCX_* environment variables, e.g.
   // {{"TLS", "tcp,self"}, {"NET_DEVICES", "lo"}}. Ignored by "inproc".
   std::vector<std::pair<std::string, std::string>> ucx_config;
+  // UCX: when UCX_TLS (environment or ucx_config) lists shared-memory transports but
+  // none with peer-failure support (e.g. "sm,self"), add tcp, on loopback unless
+  // UCX_NET_DEVICES says otherwise, for messages and failure reports; reads and writes
+  // stay on shared memory. Without it, messages would go over UCX 1.13's shared-memory
+  // receive queue, which a peer killed mid-send can wedge for good (docs/transport.md).
+  // false: use UCX_TLS exactly as given (ferry then watches same-host peers by pidfd).
+  bool ucx_tcp_control = true;
   // Largest payload send() accepts (and a receiver hands to its handler).
   size_t max_message_bytes = 64 * 1024;
   // How long the destructor / disconnect waits for endpoints to flush and close.

@@ -24,6 +24,7 @@ TransportOptions options_for(const BackendCase& c) {
   TransportOptions o;
   o.backend = c.backend;
   if (c.backend == "ucx") o.ucx_config = {{"TLS", c.tls}, {"NET_DEVICES", "lo"}};
+  o.ucx_tcp_control = c.tcp_control;
   return o;
 }
 
@@ -108,7 +109,7 @@ Result<std::unique_ptr<Remote>> spawn_process(const BackendCase& c, Transport& l
   std::string addr = to_hex(local.address());
   std::string nbytes = std::to_string(bytes);
   const char* argv[] = {FERRY_TRANSPORT_PEER_BIN, "--tls", c.tls.c_str(), "--bytes", nbytes.c_str(),
-                        "--parent", addr.c_str(), nullptr};
+                        "--parent", addr.c_str(), "--tcp-control", c.tcp_control ? "1" : "0", nullptr};
   pid_t pid = fork();
   if (pid < 0) return io_error("fork: {}", std::strerror(errno));
   if (pid == 0) {

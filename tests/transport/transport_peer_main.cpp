@@ -1,5 +1,5 @@
 // transport_peer: the remote rank of the UCX transport tests, a separate process.
-//   transport_peer --tls TLS --bytes N --parent HEX_ADDRESS
+//   transport_peer --tls TLS --bytes N --parent HEX_ADDRESS [--tcp-control 0|1]
 // Prints "READY <address hex> <key hex>" on stdout, then serves messages until it is
 // told to exit (kExit), its stdin reaches EOF (the parent died or closed the pipe),
 // or 120 s pass.
@@ -20,11 +20,13 @@ using namespace ferry::transport_test;
 int main(int argc, char** argv) {
   std::string tls, parent_hex;
   uint64_t bytes = 0;
+  bool tcp_control = true;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i];
     if (k == "--tls") tls = argv[i + 1];
     else if (k == "--bytes") bytes = std::strtoull(argv[i + 1], nullptr, 10);
     else if (k == "--parent") parent_hex = argv[i + 1];
+    else if (k == "--tcp-control") tcp_control = std::strcmp(argv[i + 1], "0") != 0;
   }
   std::vector<std::byte> parent;
   if (tls.empty() || bytes == 0 || !from_hex(parent_hex, &parent)) {
@@ -34,6 +36,7 @@ int main(int argc, char** argv) {
   TransportOptions opt;
   opt.backend = "ucx";
   opt.ucx_config = {{"TLS", tls}, {"NET_DEVICES", "lo"}};
+  opt.ucx_tcp_control = tcp_control;
   auto t = Transport::create(opt);
   if (!t.ok()) {
     std::fprintf(stderr, "transport_peer: %s\n", t.status().to_string().c_str());

@@ -138,8 +138,8 @@ TEST_P(TransportTest, ReadRegion) {
   ASSERT_OK_AND_ASSIGN(Completion c2, local_->read(mr, 3, remote_->region, 12345, 100001));
   ASSERT_OK(c2.wait(kWait));
   EXPECT_EQ(check_pattern(buf.data() + 3, 12345, 100001, 1), std::numeric_limits<uint64_t>::max());
-  // The path taken: over UCX tcp by message; with shared memory in UCX_TLS by get (with
-  // tcp too, on the peer's shared-memory data endpoint: the region is allocated).
+  // The path taken: over UCX tcp by message; with shared memory in UCX_TLS by get (on
+  // the shared-memory data endpoint where there is one: the region is allocated).
   const TransportStats stats = local_->stats();
   EXPECT_EQ(stats.reads_by_message, GetParam().tls == "tcp,self" ? stats.reads : 0u);
   EXPECT_EQ(local_->stats().reads, 2u);
@@ -548,11 +548,12 @@ TEST_P(TransportTest, ConnectIsIdempotentAndSelfWorks) {
 
 // Messages from a peer SIGKILLed while it floods us with them, several times over, at a
 // random moment: the survivor hears of each death and goes on hearing every later peer.
-// Not instantiated over UCX shared memory alone (sm,self): UCX 1.13 gives each process
-// one shared-memory receive FIFO, and a sender killed mid-send can wedge it for good
-// (docs/transport.md, "Known limit over shared memory"; the transport warns at connect).
-// With tcp in UCX_TLS (ucx_shm_tcp) messages go over tcp while reads and writes stay on
-// shared memory, and this must hold. FERRY_TEST_KILL_ROUNDS sets the rounds (default 16).
+// Over UCX with shared memory, messages go over tcp (added to sm,self by the transport)
+// while reads and writes stay on shared memory, and this must hold. Not instantiated
+// for ucx_shm_only (ucx_tcp_control off: messages over shared memory): UCX 1.13 gives
+// each process one shared-memory receive FIFO, and a sender killed mid-send can wedge
+// it for good (docs/transport.md; the transport warns at connect).
+// FERRY_TEST_KILL_ROUNDS sets the rounds (default 16).
 class CrashSafeTransportTest : public TransportTest {};
 
 TEST_P(CrashSafeTransportTest, KilledSendersLeaveReceiverHearing) {
@@ -575,6 +576,7 @@ TEST_P(CrashSafeTransportTest, KilledSendersLeaveReceiverHearing) {
 
 INSTANTIATE_TEST_SUITE_P(Backends, CrashSafeTransportTest,
                          ::testing::Values(BackendCase{"inproc", "inproc", ""},
+                                           BackendCase{"ucx_shm", "ucx", "sm,self"},
                                            BackendCase{"ucx_tcp", "ucx", "tcp,self"},
                                            BackendCase{"ucx_shm_tcp", "ucx", "sm,tcp,self"}),
                          [](const ::testing::TestParamInfo<BackendCase>& i) { return i.param.name; });
@@ -583,7 +585,8 @@ INSTANTIATE_TEST_SUITE_P(Backends, TransportTest,
                          ::testing::Values(BackendCase{"inproc", "inproc", ""},
                                            BackendCase{"ucx_shm", "ucx", "sm,self"},
                                            BackendCase{"ucx_tcp", "ucx", "tcp,self"},
-                                           BackendCase{"ucx_shm_tcp", "ucx", "sm,tcp,self"}),
+                                           BackendCase{"ucx_shm_tcp", "ucx", "sm,tcp,self"},
+                                           BackendCase{"ucx_shm_only", "ucx", "sm,self", false}),
                          [](const ::testing::TestParamInfo<BackendCase>& i) { return i.param.name; });
 
 }  // namespace

@@ -26,7 +26,10 @@
 //    right after the control endpoint, on both sides in that order (UCX pairs the two
 //    processes' endpoints by creation order), and closed in flush mode (UCX 1.13 refuses
 //    to force-close a mode-NONE endpoint; with nothing but RMA on it, the flush is local).
-//  * Where UCX_TLS offers no transport with peer-failure support to a peer (sm,self),
+//  * UCX_TLS with shared memory but no transport with peer-failure support (sm,self)
+//    gets tcp added (on loopback) at init, for the control endpoints, unless
+//    TransportOptions::ucx_tcp_control is off.
+//  * Where UCX_TLS still offers no transport with peer-failure support to a peer,
 //    and the peer is a process on this host (same boot id and PID namespace, carried in
 //    the address), the single endpoint is created in mode NONE and ferry watches the
 //    peer's process through a pidfd: its exit is reported exactly like a UCX endpoint
@@ -180,8 +183,13 @@ class UcxBackend final : public TransportBackend {
     ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
     if (st != UCS_OK) return from_ucs(st, "ucx: reading the UCX configuration");
     bool keepalive_set = false;
+    std::optional<std::string> tls, net_devices;  // as UCX will see them
+    if (const char* e = std::getenv("UCX_TLS")) tls = e;
+    if (const char* e = std::getenv("UCX_NET_DEVICES")) net_devices = e;
     for (const auto& [k, v] : opt_.ucx_config) {
       if (k == "KEEPALIVE_INTERVAL") keepalive_set = true;
+      if (k == "TLS") tls = v;
+      if (k == "NET_DEVICES") net_devices = v;
       st = ucp_config_modify(config, k.c_str(), v.c_str());
       if (st != UCS_OK) {
         ucp_config_release(config);
@@ -191,6 +199,17 @@ class UcxBackend final : public TransportBackend {
     if (!keepalive_set) {
       std::string ka = std::to_string(opt_.keepalive_interval.count()) + "ms";
       ucp_config_modify(config, "KEEPALIVE_INTERVAL", ka.c_str());  // best effort
+    }
+    if (opt_.ucx_tcp_control && tls && needs_tcp_control(*tls)) {
+      // Messages must not go over shared memory (see the top of this file): tcp carries
+      // them. The list had no network transport, so loopback is all tcp needs.
+      const std::string with_tcp = *tls + ",tcp";
+      st = ucp_config_modify(config, "TLS", with_tcp.c_str());
+      if (st == UCS_OK && !net_devices) st = ucp_config_modify(config, "NET_DEVICES", "lo");
+      if (st != UCS_OK) {
+        ucp_config_release(config);
+        return invalid_argument("ucx: adding tcp to UCX_TLS={} for control messages: {}", *tls, ucs_status_string(st));
+      }
     }
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_REQUEST_SIZE | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
@@ -242,6 +261,25 @@ class UcxBackend final : public TransportBackend {
 
     thread_ = std::thread([this] { run(); });
     return Status::Ok();
+  }
+
+  // Whether UCX_TLS `tls` lists shared-memory transports and none with peer-failure
+  // support: then ferry adds tcp (TransportOptions::ucx_tcp_control). A "^..." list
+  // (everything but) or "all" already has tcp unless the user excluded it.
+  static bool needs_tcp_control(const std::string& tls) {
+    if (tls.empty() || tls.starts_with('^')) return false;
+    bool shm = false;
+    for (size_t at = 0; at <= tls.size();) {
+      const size_t comma = std::min(tls.find(',', at), tls.size());
+      const std::string tl = tls.substr(at, comma - at);
+      at = comma + 1;
+      for (const char* net : {"all", "tcp", "ib", "rc", "ud", "dc", "rc_v", "rc_x", "ud_v", "ud_x", "dc_x", "rc_mlx5",
+                              "ud_mlx5", "dc_mlx5", "rc_verbs", "ud_verbs"}) {
+        if (tl == net) return false;
+      }
+      for (const char* mem : {"sm", "shm", "mm", "posix", "sysv", "cma", "xpmem", "knem"}) shm |= tl == mem;
+    }
+    return shm;
   }
 
   // Whether the context's resources ("resource N : md M dev D flags -- tl/dev" lines of
@@ -342,10 +380,11 @@ class UcxBackend final : public TransportBackend {
         st = ucp_ep_create(worker_, &ep, &peer->ep);
         if (st == UCS_OK && !warned_unsafe_shm_.exchange(true)) {
           std::fprintf(stderr,
-                       "ferry: UCX_TLS offers no transport with peer-failure support to peers on this host; "
-                       "their messages go over shared memory, where a peer killed mid-send can leave this "
-                       "process unable to receive from anyone (UCX 1.13). Add tcp to UCX_TLS (e.g. sm,tcp,self) "
-                       "to carry messages over loopback tcp and keep reads and writes on shared memory.\n");
+                       "ferry: no UCX transport with peer-failure support to peers on this host (UCX_TLS "
+                       "without tcp, and TransportOptions::ucx_tcp_control off or tcp unusable): messages go "
+                       "over shared memory, where a peer killed mid-send can leave this process unable to "
+                       "receive from anyone (UCX 1.13). With tcp in UCX_TLS (e.g. sm,tcp,self) messages go "
+                       "over loopback tcp and reads and writes stay on shared memory.\n");
         }
       }
       if (st != UCS_OK) {
