@@ -149,6 +149,7 @@ struct TransportOptions {
   // stay on shared memory. Without it, messages would go over UCX 1.13's shared-memory
   // receive queue, which a peer killed mid-send can wedge for good (docs/transport.md).
   // false: use UCX_TLS exactly as given (ferry then watches same-host peers by pidfd).
+  // FERRY_UCX_TCP_CONTROL=0|1 overrides it (diagnostics, benchmarks).
   bool ucx_tcp_control = true;
   // Largest payload send() accepts (and a receiver hands to its handler).
   size_t max_message_bytes = 64 * 1024;

@@ -200,7 +200,9 @@ class UcxBackend final : public TransportBackend {
       std::string ka = std::to_string(opt_.keepalive_interval.count()) + "ms";
       ucp_config_modify(config, "KEEPALIVE_INTERVAL", ka.c_str());  // best effort
     }
-    if (opt_.ucx_tcp_control && tls && needs_tcp_control(*tls)) {
+    bool tcp_control = opt_.ucx_tcp_control;
+    if (const char* e = std::getenv("FERRY_UCX_TCP_CONTROL")) tcp_control = std::strcmp(e, "0") != 0;  // diagnostics
+    if (tcp_control && tls && needs_tcp_control(*tls)) {
       // Messages must not go over shared memory (see the top of this file): tcp carries
       // them. The list had no network transport, so loopback is all tcp needs.
       const std::string with_tcp = *tls + ",tcp";
