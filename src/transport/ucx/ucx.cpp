@@ -363,17 +363,19 @@ class UcxBackend final : public TransportBackend {
       ep.err_handler.arg = peer.get();
       ucs_status_t st = ucp_ep_create(worker_, &ep, &peer->ep);
       const bool local = a.pid != 0 && a.host_tag != 0 && a.host_tag == wire::local_host_tag();
+      int pidfd_errno = 0;
       if (local) {
         // Best effort: import_key checks the owner is alive before UCX attaches its
         // shared-memory segment (see there).
         peer->pidfd = int(syscall(SYS_pidfd_open, pid_t(a.pid), 0));
+        if (peer->pidfd < 0) pidfd_errno = errno;
         peer->pid = pid_t(a.pid);
       }
       if (st == UCS_ERR_UNREACHABLE && local) {
         // No transport with peer-failure support (e.g. UCX 1.13 shm): watch the process.
         if (peer->pidfd < 0) {
           return unavailable("connect: peer {:#x} (pid {}) has no transport with peer-failure support and "
-                             "cannot be watched: {}", a.instance_id, a.pid, std::strerror(errno));
+                             "cannot be watched: {}", a.instance_id, a.pid, std::strerror(pidfd_errno));
         }
         peer->watched = true;
         if (process_exited(*peer)) return peer_failed("connect: peer {:#x} (process {}) has exited", a.instance_id, a.pid);
