@@ -225,6 +225,10 @@ struct TransportStats {
   // Reads/writes carried by messages instead of native get/put (UCX: over tcp, or to a
   // region that a shared-memory data endpoint cannot map; see docs/transport.md).
   uint64_t reads_by_message = 0, writes_by_message = 0;
+  // Peers connected so far whose messages travel over shared memory: UCX offered no
+  // transport with peer-failure support to them, and a peer killed mid-send can then
+  // wedge this process's receive queue (UCX 1.13; see ucx_tcp_control). 0 is the goal.
+  uint64_t shared_memory_message_peers = 0;
 };
 
 class Transport final {

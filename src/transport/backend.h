@@ -118,7 +118,7 @@ uint64_t new_instance_id();
 struct AtomicStats {
   std::atomic<uint64_t> reads{0}, writes{0}, sends{0}, bytes_read{0}, bytes_written{0};
   std::atomic<uint64_t> messages_received{0}, malformed_messages{0}, dropped_messages{0}, failed_peers{0};
-  std::atomic<uint64_t> reads_by_message{0}, writes_by_message{0};
+  std::atomic<uint64_t> reads_by_message{0}, writes_by_message{0}, shared_memory_message_peers{0};
   TransportStats snapshot() const {
     TransportStats s;
     s.reads = reads;
@@ -132,6 +132,7 @@ struct AtomicStats {
     s.failed_peers = failed_peers;
     s.reads_by_message = reads_by_message;
     s.writes_by_message = writes_by_message;
+    s.shared_memory_message_peers = shared_memory_message_peers;
     return s;
   }
 };

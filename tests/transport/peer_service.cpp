@@ -56,16 +56,24 @@ void PeerService::on_message(PeerId from, uint32_t tag, std::span<const std::byt
       uint64_t a[3] = {};
       const bool ok = payload.size() > 24 && unpack_u64s(payload.first(24), 3, a) && a[2] <= bytes_;
       if (!ok) {
-        t_.send(from, kCopyReply, pack_u64s({0u, 0u})).status().ignore();
+        t_.send(from, kCopyReply, pack_u64s({0u, 0u, 0u})).status().ignore();
         break;
       }
       // Not on this (the progress) thread: it cannot wait for the operation.
       if (copier_.joinable()) copier_.join();  // the parent waited for its reply
+      // Joining it here, on the progress thread, cannot deadlock: the parent sends the
+      // next kCopy only after this one's reply, the copier's last step.
       copier_ = std::thread([this, write = a[0] != 0, offset = a[1], length = a[2],
                              key = std::vector<std::byte>(payload.begin() + 24, payload.end())] {
+        auto by_message = [&] {
+          const TransportStats s = t_.stats();
+          return write ? s.writes_by_message : s.reads_by_message;
+        };
+        const uint64_t before = by_message();
         const bool done = copy(key, write, offset, length).ok();
         const uint64_t h = done ? hash_bytes(mem_, length) : 0;
-        t_.send(parent_, kCopyReply, pack_u64s({done ? 1u : 0u, h})).status().ignore();
+        const uint64_t moved = by_message() != before ? 1u : 0u;
+        t_.send(parent_, kCopyReply, pack_u64s({done ? 1u : 0u, h, moved})).status().ignore();
       });
       break;
     }

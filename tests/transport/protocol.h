@@ -25,7 +25,8 @@ enum Tag : uint32_t {
                    // sender's region. read: the peer reads [offset, offset + length) of
                    // it into its own region at 0; write: the peer writes its region's
                    // [0, length) there and flushes. Reply kCopyReply: ok(0/1), xxh3 of
-                   // its region's [0, length)
+                   // its region's [0, length), and whether the operation went by
+                   // message (TransportStats::reads/writes_by_message moved: 0/1)
   kSendLoop = 9,   // the peer sends kFlood messages (64 bytes) to the sender, 16 in
                    // flight, until one fails; kReadLoopStarted after the first 256
   kEchoReply = 101,

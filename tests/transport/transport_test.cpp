@@ -142,6 +142,8 @@ TEST_P(TransportTest, ReadRegion) {
   // the shared-memory data endpoint where there is one: the region is allocated).
   const TransportStats stats = local_->stats();
   EXPECT_EQ(stats.reads_by_message, GetParam().tls == "tcp,self" ? stats.reads : 0u);
+  // Messages over shared memory only where nothing else reaches the peer.
+  EXPECT_EQ(stats.shared_memory_message_peers, GetParam().tcp_control ? 0u : 1u);
   EXPECT_EQ(local_->stats().reads, 2u);
   EXPECT_EQ(local_->stats().bytes_read, kBytes + 100001);
   ASSERT_OK(local_->deregister_memory(mr));
@@ -472,8 +474,16 @@ TEST_P(TransportTest, DeregisterWhilePeerReads) {
 // The peer reads and writes a region of ours, registered in place (register_memory) and
 // allocated by the transport (allocate_memory). Over UCX shared memory they take
 // different paths: UCX maps an allocated region, while one registered in place is read
-// and written by message over the control endpoint (ucx.cpp, import_key).
+// and written by message over the control endpoint (ucx.cpp, import_key), never with
+// UCX's emulation over the shared-memory FIFO (except in ucx_shm_only, which has no
+// other channel).
 TEST_P(TransportTest, PeerReadsAndWritesOurRegions) {
+  const BackendCase& c = GetParam();
+  auto expect_by_message = [&](bool in_place) -> uint64_t {
+    if (c.backend != "ucx") return 0;
+    if (c.tls == "tcp,self") return 1;  // no native get/put at all
+    return in_place && c.tcp_control ? 1 : 0;
+  };
   constexpr uint64_t kBytes = 3 << 20;
   ASSERT_NO_FATAL_FAILURE(spawn(kBytes));
   Buffer registered(4 << 20);
@@ -486,14 +496,16 @@ TEST_P(TransportTest, PeerReadsAndWritesOurRegions) {
     ASSERT_OK_AND_ASSIGN(std::vector<std::byte> key, local_->export_key(ours));
     for (uint64_t length : {uint64_t(1), uint64_t(4097), kBytes}) {
       const uint64_t off = ours.length - length - 3;  // unaligned, near the end
+      const uint64_t by_message = expect_by_message(ours.id == in_place.id);
       auto copy = [&](bool write) -> Result<uint64_t> {
         std::vector<std::byte> msg = pack_u64s({write ? 1u : 0u, off, length});
         msg.insert(msg.end(), key.begin(), key.end());
         auto s = local_->send(remote_->peer, kCopy, msg);
         if (!s.ok()) return s.status();
         FERRY_ASSIGN_OR_RETURN(std::vector<std::byte> reply, mailbox_.wait(kCopyReply, kWait));
-        uint64_t v[2] = {};
-        if (!unpack_u64s(reply, 2, v) || v[0] != 1) return internal_error("the peer's copy failed");
+        uint64_t v[3] = {};
+        if (!unpack_u64s(reply, 3, v) || v[0] != 1) return internal_error("the peer's copy failed");
+        EXPECT_EQ(v[2], by_message) << (write ? "write" : "read") << " by message";
         return v[1];
       };
       // Read: the peer's copy of our bytes hashes like ours.
@@ -510,6 +522,8 @@ TEST_P(TransportTest, PeerReadsAndWritesOurRegions) {
       ASSERT_TRUE(written.ok()) << written.status().to_string();
       EXPECT_EQ(check_pattern(mem + off, 0, length, seed), std::numeric_limits<uint64_t>::max()) << length << " bytes written";
       EXPECT_EQ(check_pattern(mem, 0, off, 9), std::numeric_limits<uint64_t>::max()) << "bytes before the write changed";
+      EXPECT_EQ(check_pattern(mem + off + length, off + length, 3, 9), std::numeric_limits<uint64_t>::max())
+          << "bytes after the write changed";
       fill_pattern(mem + off, off, length, 9);
     }
   }
@@ -561,9 +575,15 @@ TEST_P(CrashSafeTransportTest, KilledSendersLeaveReceiverHearing) {
   const int rounds = env != nullptr ? std::max(1, std::atoi(env)) : 16;
   auto failures = watch_failures();
   std::mt19937 rng(std::random_device{}());
+  // The deterministic half of the check: no peer's messages go over shared memory (the
+  // kills below catch a wedge only when they hit the window, ~1 kill in 50).
+  auto no_shared_memory_messages = [&] {
+    EXPECT_EQ(local_->stats().shared_memory_message_peers, 0u) << "messages to a peer go over shared memory";
+  };
   for (int round = 0; round < rounds; ++round) {
     SCOPED_TRACE(fmt::format("round {}", round));
     ASSERT_NO_FATAL_FAILURE(spawn(1 << 16));
+    no_shared_memory_messages();
     // Deaf (a wedged receive path) shows here: the peer's messages never arrive.
     ASSERT_NO_FATAL_FAILURE(start_loop(kSendLoop, {}, 10s));
     std::this_thread::sleep_for(std::chrono::microseconds(rng() % 5000));  // messages keep flowing

@@ -23,9 +23,20 @@
 //    second, *data* endpoint in mode NONE, kept only if all its lanes are shared-memory
 //    transports with native get/put (cma, posix/sysv rkey_ptr, xpmem, knem): reads and
 //    writes go there, at memory speed, and it never sends a message. It is created
-//    right after the control endpoint, on both sides in that order (UCX pairs the two
-//    processes' endpoints by creation order), and closed in flush mode (UCX 1.13 refuses
-//    to force-close a mode-NONE endpoint; with nothing but RMA on it, the flush is local).
+//    right after the control endpoint and closed in flush mode (UCX 1.13 refuses to
+//    force-close a mode-NONE endpoint; with nothing but RMA on it, the flush is local).
+//    UCX pairs a wire-up request with the peer's endpoint of the same creation index
+//    (per pair of workers); a data endpoint never wires up, but takes an index. So both
+//    processes must create as many endpoints per connect to each other, which they do
+//    when they run with the same UCX_TLS (2 with shared memory, else 1; a connect that
+//    falls back to mode NONE also takes 2). A mixed configuration where only one side
+//    creates a data endpoint is safe for the first connect of each pair, and a
+//    reconnect after disconnect() (same two processes) could then fail to wire up
+//    (kTimeout after 30 s) rather than pair wrongly.
+//  * Reads and writes of a region the data endpoint cannot map (ucp_rkey_ptr fails:
+//    memory registered in place, not allocated by UCX) would be emulated by UCX with
+//    messages over the shared-memory FIFO: they go by message over the control
+//    endpoint instead (Key::by_message).
 //  * UCX_TLS with shared memory but no transport with peer-failure support (sm,self)
 //    gets tcp added (on loopback) at init, for the control endpoints, unless
 //    TransportOptions::ucx_tcp_control is off.
@@ -201,7 +212,10 @@ class UcxBackend final : public TransportBackend {
       ucp_config_modify(config, "KEEPALIVE_INTERVAL", ka.c_str());  // best effort
     }
     bool tcp_control = opt_.ucx_tcp_control;
-    if (const char* e = std::getenv("FERRY_UCX_TCP_CONTROL")) tcp_control = std::strcmp(e, "0") != 0;  // diagnostics
+    if (const char* e = std::getenv("FERRY_UCX_TCP_CONTROL")) {  // diagnostics
+      const std::string_view v(e);
+      tcp_control = !(v == "0" || v == "false" || v == "off" || v == "no");
+    }
     if (tcp_control && tls && needs_tcp_control(*tls)) {
       // Messages must not go over shared memory (see the top of this file): tcp carries
       // them. The list had no network transport, so loopback is all tcp needs.
@@ -285,7 +299,8 @@ class UcxBackend final : public TransportBackend {
   }
 
   // Whether the context's resources ("resource N : md M dev D flags -- tl/dev" lines of
-  // ucp_context_print_info) include a shared-memory transport other than self.
+  // ucp_context_print_info) include a shared-memory transport that maps a peer's memory
+  // (cma and knem alone serve UCX's rendezvous only: no native get/put lane).
   bool context_has_shared_memory() {
     char* text = nullptr;
     size_t len = 0;
@@ -299,7 +314,7 @@ class UcxBackend final : public TransportBackend {
       size_t slash = info.find('/', at);
       if (slash == std::string::npos) break;
       std::string tl = info.substr(at + 3, slash - at - 3);
-      if (tl != "self" && is_shared_memory_transport(tl)) return true;
+      if (tl == "posix" || tl == "sysv" || tl == "xpmem") return true;
     }
     return false;
   }
@@ -396,6 +411,12 @@ class UcxBackend final : public TransportBackend {
         return unavailable("connect: ucp_ep_create to peer {:#x} failed: {}", a.instance_id, ucs_status_string(st));
       }
       peer->rma_by_message = rma_by_message(peer->ep);
+      for (const std::string& tl : lane_transports(ep_info(peer->ep))) {
+        if (tl == "posix" || tl == "sysv" || tl == "xpmem") {  // a shared-memory FIFO
+          stats_.shared_memory_message_peers++;
+          break;
+        }
+      }
       if (local && !peer->watched && peer->rma_by_message && shm_transports_ && !forced_reads_by_message()) {
         // The control endpoint reads by message (tcp): read and write over shared memory
         // on a data endpoint instead (see the top of this file). Created now, right after
@@ -442,6 +463,9 @@ class UcxBackend final : public TransportBackend {
         }
       }
       close_ep(p, !p->failed);
+      // Nothing of this peer may stay in flight for good: a read by message still
+      // waiting for its data, a flush for its ack. A late answer finds nothing.
+      fail_inflight(p.get());
       return Status::Ok();
     });
   }
@@ -558,6 +582,9 @@ class UcxBackend final : public TransportBackend {
       if (st != UCS_OK) return corrupt("import_key: UCX refused the packed rkey: {}", ucs_status_string(st));
       bool by_message = p->rma_by_message;
       if (!by_message && p->data_ep != nullptr) {
+        // (Unpacking on the data endpoint attaches the owner's segment: the
+        // process_exited() check above narrows, but cannot close, the window in which
+        // UCX 1.13 crashes if the owner dies just then.)
         // The data endpoint reads memory the owner allocated through UCX (its shared-
         // memory segments) natively. For memory the owner registered in place, UCX 1.13
         // has no get lane on it and would emulate get/put with messages over the shared-
@@ -1462,13 +1489,20 @@ class UcxBackend final : public TransportBackend {
   // Progress thread (or the destructor after join). Starts closing the peer's endpoints.
   void close_ep(const std::shared_ptr<Peer>& p, bool flush) {
     if (p->data_ep != nullptr) {
-      // Mode NONE: flush mode only (UCX 1.13 refuses FORCE for it); only get/put ever
-      // used it, so its flush is local and ends at once even towards a dead peer.
+      // Mode NONE: flush mode only (UCX 1.13 refuses FORCE for it). Only get/put ever
+      // used it, which over shared memory complete inside their post, so its flush has
+      // nothing to wait for (measured: < 0.1 ms towards a dead peer).
       close_one(p, p->data_ep, false);
       p->data_ep = nullptr;
     }
     if (p->ep != nullptr) {
-      close_one(p, p->ep, !flush);
+      if (!flush && p->watched) {
+        // A mode-NONE control endpoint to a failed peer: UCX 1.13 refuses to force-close
+        // it, and a flush-mode close may wait for room in the dead peer's FIFO forever.
+        // Left to ucp_worker_destroy (one endpoint per failed peer).
+      } else {
+        close_one(p, p->ep, !flush);
+      }
       p->ep = nullptr;
     }
   }
