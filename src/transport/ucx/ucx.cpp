@@ -147,6 +147,7 @@ struct Peer {
   bool watched = false;   // mode NONE control endpoint: liveness watched through pidfd
   bool printed = false;   // FERRY_UCX_EP_INFO printed this endpoint's lanes
   bool rma_by_message = false;  // no native get lane: reads/writes/flush by message (set at connect)
+  bool control_by_message = false;  // the control endpoint alone has no native get lane (tcp)
   // A write by message went to this peer since its last flush (a peer with a data
   // endpoint writes by message to regions that endpoint cannot map; progress thread or
   // direct caller, under worker_mu_).
@@ -411,6 +412,7 @@ class UcxBackend final : public TransportBackend {
         return unavailable("connect: ucp_ep_create to peer {:#x} failed: {}", a.instance_id, ucs_status_string(st));
       }
       peer->rma_by_message = rma_by_message(peer->ep);
+      peer->control_by_message = peer->rma_by_message;
       for (const std::string& tl : lane_transports(ep_info(peer->ep))) {
         if (tl == "posix" || tl == "sysv" || tl == "xpmem") {  // a shared-memory FIFO
           stats_.shared_memory_message_peers++;
@@ -1175,8 +1177,12 @@ class UcxBackend final : public TransportBackend {
       }
       // A peer with a data endpoint may have had writes by message too (regions it
       // cannot map): then both paths are flushed, and the flush completes after both.
-      const bool by_message = !control && (peer->rma_by_message || peer->wrote_by_message);
-      const bool by_ucx = control || !peer->rma_by_message;
+      // The control endpoint (connect) over tcp is flushed by a message round trip:
+      // UCX's own flush may complete before the wire-up has finished both ways, and
+      // UCX 1.13 asserts (ucp_request.c "got REP message") when the peer dies while a
+      // wire-up reply still waits to be sent (seen in the consumer-kill tests over tcp).
+      const bool by_message = control ? peer->control_by_message : (peer->rma_by_message || peer->wrote_by_message);
+      const bool by_ucx = control ? !peer->control_by_message : !peer->rma_by_message;
       struct Both {
         int left;
         ucs_status_t st = UCS_OK;
