@@ -146,14 +146,14 @@ struct Peer {
   int pidfd = -1;         // >= 0: a process on this host (import_key checks it is alive)
   bool watched = false;   // mode NONE control endpoint: liveness watched through pidfd
   bool printed = false;   // FERRY_UCX_EP_INFO printed this endpoint's lanes
-  bool rma_by_message = false;  // no native get lane: reads/writes/flush by message (set at connect)
-  bool control_by_message = false;  // the control endpoint alone has no native get lane (tcp)
+  bool control_by_message = false;  // the control endpoint has no native get lane (tcp; set at connect)
   // A write by message went to this peer since its last flush (a peer with a data
   // endpoint writes by message to regions that endpoint cannot map; progress thread or
   // direct caller, under worker_mu_).
   bool wrote_by_message = false;
-  // The endpoint reads and writes go on.
+  // The endpoint reads and writes go on, and whether they go by message on it.
   ucp_ep_h rma_ep() const { return data_ep != nullptr ? data_ep : ep; }
+  bool rma_by_message() const { return data_ep == nullptr && control_by_message; }
   pid_t pid = 0;
   bool failed = false;    // under mu_
   bool closed = false;    // under mu_ (disconnect)
@@ -300,22 +300,13 @@ class UcxBackend final : public TransportBackend {
   }
 
   // Whether the context's resources ("resource N : md M dev D flags -- tl/dev" lines of
-  // ucp_context_print_info) include a shared-memory transport that maps a peer's memory
-  // (cma and knem alone serve UCX's rendezvous only: no native get/put lane).
+  // ucp_context_print_info) include a shared-memory transport that maps a peer's memory.
   bool context_has_shared_memory() {
-    char* text = nullptr;
-    size_t len = 0;
-    FILE* f = open_memstream(&text, &len);
-    if (f == nullptr) return false;
-    ucp_context_print_info(ctx_, f);
-    std::fclose(f);
-    std::string info(text == nullptr ? "" : text, len);
-    std::free(text);
+    const std::string info = printed([this](FILE* f) { ucp_context_print_info(ctx_, f); });
     for (size_t at = info.find("-- "); at != std::string::npos; at = info.find("-- ", at + 1)) {
       size_t slash = info.find('/', at);
       if (slash == std::string::npos) break;
-      std::string tl = info.substr(at + 3, slash - at - 3);
-      if (tl == "posix" || tl == "sysv" || tl == "xpmem") return true;
+      if (maps_peer_memory(std::string_view(info).substr(at + 3, slash - at - 3))) return true;
     }
     return false;
   }
@@ -411,15 +402,11 @@ class UcxBackend final : public TransportBackend {
         // A malformed worker address inside a well-framed blob ends up here.
         return unavailable("connect: ucp_ep_create to peer {:#x} failed: {}", a.instance_id, ucs_status_string(st));
       }
-      peer->rma_by_message = rma_by_message(peer->ep);
-      peer->control_by_message = peer->rma_by_message;
-      for (const std::string& tl : lane_transports(ep_info(peer->ep))) {
-        if (tl == "posix" || tl == "sysv" || tl == "xpmem") {  // a shared-memory FIFO
-          stats_.shared_memory_message_peers++;
-          break;
-        }
-      }
-      if (local && !peer->watched && peer->rma_by_message && shm_transports_ && !forced_reads_by_message()) {
+      const std::string control_info = ep_info(peer->ep);
+      peer->control_by_message = forced_reads().value_or(no_get_lane(control_info));
+      const auto control_tls = lane_transports(control_info);
+      if (std::any_of(control_tls.begin(), control_tls.end(), maps_peer_memory)) stats_.shared_memory_message_peers++;
+      if (local && !peer->watched && peer->control_by_message && shm_transports_ && !forced_reads().value_or(false)) {
         // The control endpoint reads by message (tcp): read and write over shared memory
         // on a data endpoint instead (see the top of this file). Created now, right after
         // the control endpoint: the peer does the same in the same order.
@@ -427,10 +414,8 @@ class UcxBackend final : public TransportBackend {
         ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
         ucp_ep_h data = nullptr;
         if (ucp_ep_create(worker_, &ep, &data) == UCS_OK) {
-          const std::string info = ep_info(data);
-          if (rma_lanes_only_shared_memory(info)) {
+          if (rma_lanes_only_shared_memory(ep_info(data))) {
             peer->data_ep = data;
-            peer->rma_by_message = false;
           } else {
             // Not usable (the peer lacks shared memory, or UCX picked a network lane):
             // closed at once, before anything used it.
@@ -582,7 +567,7 @@ class UcxBackend final : public TransportBackend {
       ucp_rkey_h rkey = nullptr;
       ucs_status_t st = ucp_ep_rkey_unpack(p->rma_ep(), k.payload.data(), &rkey);
       if (st != UCS_OK) return corrupt("import_key: UCX refused the packed rkey: {}", ucs_status_string(st));
-      bool by_message = p->rma_by_message;
+      bool by_message = p->rma_by_message();
       if (!by_message && p->data_ep != nullptr) {
         // (Unpacking on the data endpoint attaches the owner's segment: the
         // process_exited() check above narrows, but cannot close, the window in which
@@ -799,20 +784,25 @@ class UcxBackend final : public TransportBackend {
     }
     return std::nullopt;
   }
-  static bool forced_reads_by_message() { return forced_reads().value_or(false); }
 
-  // UCX's description of an endpoint's lanes (ucp_ep_print_info), e.g.
-  //   "#   lane[0]:  8:tcp/lo.0 md[4]  -> md[4]/tcp/sysdev[255] rma_bw#0 am am_bw#0".
-  static std::string ep_info(ucp_ep_h ep) {
+  // What a UCX print function (ucp_ep_print_info, ucp_context_print_info) writes.
+  template <typename Print>
+  static std::string printed(Print print) {
     char* text = nullptr;
     size_t len = 0;
     FILE* f = open_memstream(&text, &len);
     if (f == nullptr) return {};
-    ucp_ep_print_info(ep, f);
+    print(f);
     std::fclose(f);
-    std::string info(text == nullptr ? "" : text, len);
+    std::string out(text == nullptr ? "" : text, len);
     std::free(text);
-    return info;
+    return out;
+  }
+
+  // UCX's description of an endpoint's lanes, e.g.
+  //   "#   lane[0]:  8:tcp/lo.0 md[4]  -> md[4]/tcp/sysdev[255] rma_bw#0 am am_bw#0".
+  static std::string ep_info(ucp_ep_h ep) {
+    return printed([ep](FILE* f) { ucp_ep_print_info(ep, f); });
   }
 
   // The transport of each "lane[N]:  I:tl/dev" line of ep_info.
@@ -834,8 +824,11 @@ class UcxBackend final : public TransportBackend {
   }
 
   static bool is_shared_memory_transport(std::string_view tl) {
-    return tl == "posix" || tl == "sysv" || tl == "cma" || tl == "xpmem" || tl == "knem" || tl == "self";
+    return maps_peer_memory(tl) || tl == "cma" || tl == "knem" || tl == "self";
   }
+  // Shared-memory transports that map a peer's memory: native get/put on its segments,
+  // and a receive FIFO for messages (cma and knem serve UCX's rendezvous only).
+  static bool maps_peer_memory(std::string_view tl) { return tl == "posix" || tl == "sysv" || tl == "xpmem"; }
 
   // Whether a data endpoint may be kept: it has native get and put lanes, and every lane
   // is a shared-memory transport (no network lane, which in mode NONE could hang).
@@ -845,10 +838,8 @@ class UcxBackend final : public TransportBackend {
     return std::all_of(tls.begin(), tls.end(), is_shared_memory_transport);
   }
 
-  // Whether `ep` reads by message: UCX's description of the endpoint shows no get lane.
-  bool rma_by_message(ucp_ep_h ep) {
-    if (auto forced = forced_reads()) return *forced;
-    const std::string info = ep_info(ep);
+  // Whether an endpoint (its ep_info) has no native get lane: then it reads by message.
+  static bool no_get_lane(const std::string& info) {
     if (info.find("lane[") == std::string::npos) return false;  // unknown format: trust UCX
     return info.find("get[") == std::string::npos;
   }
@@ -1181,8 +1172,8 @@ class UcxBackend final : public TransportBackend {
       // UCX's own flush may complete before the wire-up has finished both ways, and
       // UCX 1.13 asserts (ucp_request.c "got REP message") when the peer dies while a
       // wire-up reply still waits to be sent (seen in the consumer-kill tests over tcp).
-      const bool by_message = control ? peer->control_by_message : (peer->rma_by_message || peer->wrote_by_message);
-      const bool by_ucx = control ? !peer->control_by_message : !peer->rma_by_message;
+      const bool by_message = control ? peer->control_by_message : (peer->rma_by_message() || peer->wrote_by_message);
+      const bool by_ucx = control ? !peer->control_by_message : !peer->rma_by_message();
       struct Both {
         int left;
         ucs_status_t st = UCS_OK;
@@ -1656,7 +1647,7 @@ class UcxBackend final : public TransportBackend {
   int efd_ = -1;  // the worker's event fd (UCP_FEATURE_WAKEUP), -1: timed naps
   std::atomic<int> watched_{0};  // peers with `watched` set (never decremented: only a hint)
   std::atomic<bool> warned_unsafe_shm_{false};  // the mode-NONE control warning was printed
-  bool shm_transports_ = false;  // UCX_TLS has a shared-memory transport (set by init)
+  bool shm_transports_ = false;  // the context has a transport that maps peers' memory (init)
   Clock::time_point next_watch_{};
 
   std::mutex mu_;  // tables and handlers
