@@ -118,7 +118,8 @@ struct ProducerOptions : EngineOptions {
   // neither packed nor staged. create() materialises every group once to learn where
   // each box lies; a sync fails (naming the tensor) if a box has moved. Empty (the
   // default): every byte is packed into staging. Over UCX 1.13 shared memory, peers read
-  // allocate_memory regions by plain copy but user memory only by slower emulation.
+  // allocate_memory regions by plain copy, memory registered in place only by message
+  // over tcp (docs/transport.md).
   std::vector<MemoryRegion> source_regions;
   uint64_t direct_min_bytes = 64 * 1024;
   // Bytes of registered staging memory; 0: two groups (two slots of the largest group).
