@@ -82,11 +82,12 @@ TEST(EngineMultiProcess, MoeUcxRedisPull) {
 
 // SIGKILL inference rank 1 at 20 different points of a sync (every other sync); the others
 // complete every sync, the restarted rank verifies at the next one; bounded in time.
-// The workers run over UCX tcp (run_demo picks it for runs that SIGKILL ranks): over
-// UCX 1.13 shared memory a victim killed while its progress thread wrote the message it
-// had just posted (RELEASE precedes points 2 and 3) left an entry of the receiver's FIFO
-// reserved and never published; that producer then heard from no consumer again, dropped
-// them all as stalled and overran the driver's wait (about 1 run in 10).
+// The workers run over UCX sm,tcp,self: bytes over shared memory, messages over tcp.
+// When messages went over UCX 1.13 shared memory too, a victim killed while its progress
+// thread wrote the message it had just posted (RELEASE precedes points 2 and 3) left an
+// entry of the receiver's FIFO reserved and never published; that producer then heard
+// from no consumer again, dropped them all as stalled and overran the driver's wait
+// (about 1 run in 10).
 TEST(EngineMultiProcess, ConsumerSigkillAtTwentyPoints) {
   auto d = spec("llama-3.1-8b.json", "tp=2,pp=2", "tp=2,replicas=2");
   d.overrides = R"({"num_hidden_layers": 4})";  // 6 groups x 4 phases = 24 points

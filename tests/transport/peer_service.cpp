@@ -59,10 +59,10 @@ void PeerService::on_message(PeerId from, uint32_t tag, std::span<const std::byt
         t_.send(from, kCopyReply, pack_u64s({0u, 0u, 0u})).status().ignore();
         break;
       }
-      // Not on this (the progress) thread: it cannot wait for the operation.
-      if (copier_.joinable()) copier_.join();  // the parent waited for its reply
-      // Joining it here, on the progress thread, cannot deadlock: the parent sends the
-      // next kCopy only after this one's reply, the copier's last step.
+      // On a thread of its own: this (the progress) thread cannot wait for the operation.
+      // Joining the previous one here cannot deadlock: the parent sends the next kCopy
+      // only after that one's reply, its last step (send() does not wait).
+      if (copier_.joinable()) copier_.join();
       copier_ = std::thread([this, write = a[0] != 0, offset = a[1], length = a[2],
                              key = std::vector<std::byte>(payload.begin() + 24, payload.end())] {
         auto by_message = [&] {
