@@ -189,17 +189,4 @@ Status pack_group(const Routes& routes, uint32_t producer, int group, const Hold
 // contiguous, declared dtype and shape).
 Status unpack_group(const PlanRoute& plan, int group, std::span<const std::byte> recv, const TensorMap& params);
 
-// ---------------------------------------------------------------------------------------
-// Broadcast baseline: one rank per PP stage sends every full tensor of its stage to
-// every inference rank (NCCL broadcast designs).
-struct BroadcastStats {
-  uint64_t bytes = 0;               // total bytes received over all consumers
-  uint64_t max_producer_bytes = 0;  // the busiest stage sender
-  uint64_t max_consumer_bytes = 0;  // every consumer receives the whole model
-  int senders = 0;
-};
-// `tensor_stage`: the PP stage of each metadata tensor (TrainerHoldings::tensor_stage).
-BroadcastStats broadcast_baseline(const std::vector<TensorDecl>& metadata, const std::vector<int>& tensor_stage,
-                                  int num_consumers);
-
 }  // namespace ferry

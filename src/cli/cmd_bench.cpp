@@ -11,7 +11,7 @@
 #include <string>
 
 #include "cli/command.h"
-#include "engine/bench.h"
+#include "tools/bench.h"
 
 namespace ferry::cli {
 namespace {
@@ -31,12 +31,12 @@ constexpr const char* kOverrides =
     R"({"num_hidden_layers": 6, "hidden_size": 1024, "intermediate_size": 4096, "vocab_size": 32000,)"
     R"( "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64})";
 
-int run_bench_cmd(engine::BenchSpec b, bool json, bool model_given, bool overrides_given) {
+int run_bench_cmd(tools::BenchSpec b, bool json, bool model_given, bool overrides_given) {
   const std::string self = exe_path();
   b.worker_binary = self;
   b.mpi_binary = self.substr(0, self.rfind('/') + 1) + "ferry-mpi-bcast";
   if (!model_given && !overrides_given) b.overrides = kOverrides;
-  engine::BenchResult r = engine::run_bench(b);
+  tools::BenchResult r = tools::run_bench(b);
   if (!r.error.empty()) {
     std::fprintf(stderr, "ferry bench: %s\n", r.error.c_str());
     return 1;
@@ -76,7 +76,7 @@ int run_bench_cmd(engine::BenchSpec b, bool json, bool model_given, bool overrid
 }
 
 std::function<int()> setup_bench(CLI::App& app) {
-  auto b = std::make_shared<engine::BenchSpec>();
+  auto b = std::make_shared<tools::BenchSpec>();
   auto json = std::make_shared<bool>(false);
   b->model = kModel;
   if (const char* tls = std::getenv("FERRY_UCX_TLS")) b->tls = tls;
@@ -101,7 +101,7 @@ std::function<int()> setup_bench(CLI::App& app) {
 
 std::function<int()> setup_bench_worker(CLI::App& app) {
   app.group("");  // hidden
-  auto w = std::make_shared<engine::BenchWorkerSpec>();
+  auto w = std::make_shared<tools::BenchWorkerSpec>();
   app.add_option("--role", w->role)->required();
   app.add_option("--rank", w->rank)->required();
   app.add_option("--model", w->model)->required();
@@ -114,7 +114,7 @@ std::function<int()> setup_bench_worker(CLI::App& app) {
   app.add_option("--seed", w->seed);
   app.add_option("--timeout-ms", w->timeout_ms);
   app.add_option("--in-place", w->in_place);
-  return [w] { return engine::run_bench_worker(*w); };
+  return [w] { return tools::run_bench_worker(*w); };
 }
 
 }  // namespace

@@ -5,13 +5,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cstdio>
 #include <memory>
 #include <string>
 
 #include "cli/command.h"
-#include "engine/harness.h"
+#include "ferry/models.h"
+#include "tools/demo.h"
+#include "tools/worker.h"
 
 namespace ferry::cli {
 namespace {
@@ -37,7 +40,7 @@ constexpr const char* kDenseOverrides =
     R"({"num_hidden_layers": 4, "hidden_size": 1024, "intermediate_size": 4096, "vocab_size": 16000,)"
     R"( "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128})";
 
-int run_demo_cmd(engine::DemoSpec d, int kill_sync, int kill_point, bool model_given, bool overrides_given) {
+int run_demo_cmd(tools::DemoSpec d, int kill_sync, int kill_point, bool model_given, bool overrides_given) {
   d.worker_binary = self_exe();
   if (!model_given) {
     auto archs = supported_architectures();
@@ -53,7 +56,7 @@ int run_demo_cmd(engine::DemoSpec d, int kill_sync, int kill_point, bool model_g
   if (!overrides_given) d.overrides = d.model.find("llama") != std::string::npos ? kDenseOverrides : kMoeOverrides;
   if (kill_sync > 0) d.kills = {{kill_sync, kill_point}};
   const auto t0 = std::chrono::steady_clock::now();
-  engine::DemoResult r = engine::run_demo(d);
+  tools::DemoResult r = tools::run_demo(d);
   if (!r.rows.empty()) {
     std::printf("\n%8s %12s %9s %9s %16s %9s  %s\n", "version", "bytes", "seconds", "GB/s", "broadcast bytes", "verified",
                 "");
@@ -72,7 +75,7 @@ int run_demo_cmd(engine::DemoSpec d, int kill_sync, int kill_point, bool model_g
 }
 
 std::function<int()> setup_demo(CLI::App& app) {
-                auto d = std::make_shared<engine::DemoSpec>();
+                auto d = std::make_shared<tools::DemoSpec>();
                 auto kill_sync = std::make_shared<int>(2);
                 auto kill_point = std::make_shared<int>(-1);
                 auto model_opt = app.add_option("--model", d->model,
@@ -98,7 +101,7 @@ std::function<int()> setup_demo(CLI::App& app) {
 
 std::function<int()> setup_worker(CLI::App& app) {
   app.group("");  // hidden
-  auto w = std::make_shared<engine::WorkerSpec>();
+  auto w = std::make_shared<tools::WorkerSpec>();
   app.add_option("--role", w->role)->required();
   app.add_option("--rank", w->rank)->required();
   app.add_option("--model", w->model)->required();
@@ -116,7 +119,7 @@ std::function<int()> setup_worker(CLI::App& app) {
   app.add_option("--crash-point", w->crash_point);
   app.add_option("--stall-ms", w->stall_ms);
   app.add_option("--timeout-ms", w->timeout_ms);
-  return [w] { return engine::run_worker(*w); };
+  return [w] { return tools::run_worker(*w); };
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include "ferry/models.h"
 #include "ferry/route.h"
 #include "ferry/source.h"
+#include "tools/broadcast.h"
 
 namespace ferry::cli {
 namespace {
@@ -133,7 +134,7 @@ int run_plan(const PlanArgs& a) {
   auto routes = build_routes(in);
   if (!routes.ok()) return fail(routes.status());
   const auto t_end = clock::now();
-  const BroadcastStats bc = broadcast_baseline(meta, th->tensor_stage, world);
+  const tools::BroadcastStats bc = tools::broadcast_baseline(meta, th->tensor_stage, world);
 
   auto secs = [](auto d) { return std::chrono::duration<double>(d).count(); };
   const RouteStats& st = routes->stats;

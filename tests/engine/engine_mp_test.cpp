@@ -8,16 +8,17 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "engine/harness.h"
+#include "ferry/models.h"
 #include "store/redis_server.h"
+#include "tools/demo.h"
 
 namespace ferry {
 namespace {
 
 std::string cfg(const char* name) { return std::string(FERRY_SOURCE_DIR) + "/configs/" + name; }
 
-engine::DemoSpec spec(const char* model, const char* trainer, const char* inference) {
-  engine::DemoSpec d;
+tools::DemoSpec spec(const char* model, const char* trainer, const char* inference) {
+  tools::DemoSpec d;
   d.worker_binary = FERRY_BINARY;
   d.model = cfg(model);
   d.trainer = trainer;
@@ -36,7 +37,7 @@ bool moe_supported() {
 #define SKIP_WITHOUT_MOE() \
   if (!moe_supported()) GTEST_SKIP() << "the Qwen3-MoE loader has not landed in this build"
 
-void expect_ok(const engine::DemoResult& r, int syncs) {
+void expect_ok(const tools::DemoResult& r, int syncs) {
   EXPECT_TRUE(r.all_verified) << r.error;
   ASSERT_EQ(static_cast<int>(r.rows.size()), syncs) << r.error;
   for (const auto& row : r.rows) {
@@ -51,14 +52,14 @@ void expect_ok(const engine::DemoResult& r, int syncs) {
 
 TEST(EngineMultiProcess, DenseGqaUcxTcpStorePull) {
   auto d = spec("llama-3.1-8b.json", "tp=2,pp=2", "tp=2,replicas=2");
-  expect_ok(engine::run_demo(d), d.syncs);
+  expect_ok(tools::run_demo(d), d.syncs);
 }
 
 TEST(EngineMultiProcess, MoeExpertParallelUcxTcpStorePullChecksums) {
   SKIP_WITHOUT_MOE();
   auto d = spec("qwen3-30b-a3b.json", "tp=2,pp=2,ep=2", "tp=2,ep=2,replicas=2");
   d.checksums = true;
-  expect_ok(engine::run_demo(d), d.syncs);
+  expect_ok(tools::run_demo(d), d.syncs);
 }
 
 TEST(EngineMultiProcess, DenseGqaUcxRedisPush) {
@@ -67,7 +68,7 @@ TEST(EngineMultiProcess, DenseGqaUcxRedisPush) {
   auto d = spec("llama-3.1-8b.json", "tp=2", "tp=2,replicas=2");
   d.mode = "push";
   d.store = fmt::format("redis://:engine-mp@127.0.0.1:{}/enginemp", (*redis)->port());
-  expect_ok(engine::run_demo(d), d.syncs);
+  expect_ok(tools::run_demo(d), d.syncs);
 }
 
 TEST(EngineMultiProcess, MoeUcxRedisPull) {
@@ -77,7 +78,7 @@ TEST(EngineMultiProcess, MoeUcxRedisPull) {
   auto d = spec("qwen3-30b-a3b.json", "tp=2,pp=2,ep=2", "tp=2,ep=2,replicas=2");
   d.store = fmt::format("redis://:engine-mp@127.0.0.1:{}/enginemp2", (*redis)->port());
   d.syncs = 2;
-  expect_ok(engine::run_demo(d), d.syncs);
+  expect_ok(tools::run_demo(d), d.syncs);
 }
 
 // SIGKILL inference rank 1 at 20 different points of a sync (every other sync); the others
@@ -95,7 +96,7 @@ TEST(EngineMultiProcess, ConsumerSigkillAtTwentyPoints) {
   d.syncs = 2 * points + 1;
   for (int i = 0; i < points; ++i) d.kills.push_back({2 * i + 1, i});
   d.timeout_ms = 30000;
-  auto r = engine::run_demo(d);
+  auto r = tools::run_demo(d);
   expect_ok(r, d.syncs);
   if (std::getenv("FERRY_UCX_TLS") == nullptr) {
     // Killed over shared memory: the transport keeps messages on tcp (see ucx.cpp).
@@ -117,7 +118,7 @@ TEST(EngineMultiProcess, PushConsumerSigkillAtEightPoints) {
   d.syncs = 2 * points + 1;
   for (int i = 0; i < points; ++i) d.kills.push_back({2 * i + 1, 3 * i});  // points 0, 3, ..., 21
   d.timeout_ms = 30000;
-  auto r = engine::run_demo(d);
+  auto r = tools::run_demo(d);
   expect_ok(r, d.syncs);
   for (const auto& row : r.rows) {
     const int expected = row.version % 2 == 1 && row.version < d.syncs ? 3 : 4;
@@ -139,7 +140,7 @@ void producer_failover(const char* mode) {
   d.syncs = 2 * groups + 1;
   for (int g = 1; g <= groups; ++g) d.kills.push_back({2 * g, g});  // before it materialises group g
   d.timeout_ms = 30000;
-  auto r = engine::run_demo(d);
+  auto r = tools::run_demo(d);
   expect_ok(r, d.syncs);
   ASSERT_EQ(static_cast<int>(r.rows.size()), d.syncs);
   for (const auto& row : r.rows) {
@@ -170,7 +171,7 @@ void producer_only_holder(const char* mode) {
   d.kill_rank = 1;
   d.kills = {{2, 3}};
   d.timeout_ms = 30000;
-  auto r = engine::run_demo(d);
+  auto r = tools::run_demo(d);
   ASSERT_EQ(r.rows.size(), 3u) << r.error;
   EXPECT_FALSE(r.all_verified) << "sync 2 cannot complete without producer 1";
   EXPECT_EQ(r.rows[0].verified, 4);
@@ -217,7 +218,7 @@ TEST(EngineMultiProcess, ConsumerSigkillOverUcxTcpPullAndPush) {
     d.syncs = 2 * points + 1;
     for (int i = 0; i < points; ++i) d.kills.push_back({2 * i + 1, 3 * i});
     d.timeout_ms = 30000;
-    auto r = engine::run_demo(d);
+    auto r = tools::run_demo(d);
     expect_ok(r, d.syncs);
   }
 }
@@ -236,7 +237,7 @@ TEST(EngineMultiProcess, ProducerSigkillFailoverOverUcxTcp) {
 TEST(EngineMultiProcess, MlaDeepseekV3UcxTcpStorePull) {
   auto d = spec("deepseek-v3.json", "tp=2,pp=2,ep=2", "tp=2,ep=2,replicas=2");
   d.overrides = R"({"quantization_config": null, "num_hidden_layers": 4})";
-  auto r = engine::run_demo(d);
+  auto r = tools::run_demo(d);
   expect_ok(r, d.syncs);
   for (const auto& row : r.rows) {
     EXPECT_EQ(row.verified, 4) << "sync " << row.version;
@@ -252,7 +253,7 @@ TEST(EngineMultiProcess, MlaKimiK2UcxRedisPush) {
   d.overrides = R"({"quantization_config": null, "num_hidden_layers": 4})";
   d.mode = "push";
   d.store = fmt::format("redis://:engine-mp@127.0.0.1:{}/enginemla", (*redis)->port());
-  auto r = engine::run_demo(d);
+  auto r = tools::run_demo(d);
   expect_ok(r, d.syncs);
   for (const auto& row : r.rows) EXPECT_EQ(row.verified, 4) << "sync " << row.version;
 }
@@ -265,7 +266,7 @@ TEST(EngineMultiProcess, Soak) {
   d.syncs = 40;
   if (const char* n = std::getenv("FERRY_SOAK_SYNCS")) d.syncs = std::max(4, std::atoi(n));
   const auto t0 = std::chrono::steady_clock::now();
-  auto r = engine::run_demo(d);
+  auto r = tools::run_demo(d);
   expect_ok(r, d.syncs);
 #if defined(__SANITIZE_ADDRESS__)
   // ASan's quarantine (256 MiB by default) keeps freed memory resident, so RSS is no

@@ -8,14 +8,14 @@
 #include <set>
 #include <thread>
 
-#include "engine/harness.h"
 #include "engine/in_place.h"
 #include "ferry/engine.h"
+#include "tools/job_model.h"
 
 namespace ferry {
 namespace {
 
-using engine::JobModel;
+using tools::JobModel;
 using namespace std::chrono_literals;
 
 std::string cfg(const char* name) { return std::string(FERRY_SOURCE_DIR) + "/configs/" + name; }
@@ -125,7 +125,7 @@ struct Cluster {
     StoreServerOptions sso;
     sso.token = "engine-test";
     FERRY_ASSIGN_OR_RETURN(server, StoreServer::start(sso));
-    FERRY_ASSIGN_OR_RETURN(model, engine::make_job_model(config, trainer, inference, true, overrides));
+    FERRY_ASSIGN_OR_RETURN(model, tools::make_job_model(config, trainer, inference, true, overrides));
     eo.job = fmt::format("job{}", job_counter++);
     eo.num_producers = P();
     eo.num_consumers = C();
@@ -214,7 +214,7 @@ struct Cluster {
   }
 
   void expect_verified(int c, uint64_t v) {
-    auto r = engine::verify_params(model, c, cons[static_cast<size_t>(c)]->params(), seed, v);
+    auto r = tools::verify_params(model, c, cons[static_cast<size_t>(c)]->params(), seed, v);
     ASSERT_TRUE(r.ok()) << r.status().to_string();
     EXPECT_FALSE(r->has_value()) << "consumer " << c << " version " << v << ": " << **r;
     EXPECT_EQ(cons[static_cast<size_t>(c)]->state().version, v);

@@ -1,5 +1,5 @@
 // Router unit tests: errors (each naming the tensor), sharing and balance, segments,
-// encoding (round trip, truncation, corruption), the broadcast baseline.
+// encoding (round trip, truncation, corruption).
 #include <gtest/gtest.h>
 
 #include "route/synthetic_model.h"
@@ -202,15 +202,6 @@ TEST(Router, PackAndUnpackCheckTheirBuffers) {
   TensorMap params;
   params.emplace("p", Tensor::empty({8}, DType::kF32, "p"));
   EXPECT_FALSE(unpack_group(r->plans[0], r->num_groups() - 1, staging, params).ok());  // wrong dtype
-}
-
-TEST(Broadcast, OneSenderPerStageToEveryConsumer) {
-  std::vector<TensorDecl> meta = {decl("a", {10}), decl("b", {20}), decl("c", {30}, DType::kF32)};
-  auto b = broadcast_baseline(meta, {0, 1, 1}, 4);
-  EXPECT_EQ(b.bytes, (20u + 40u + 120u) * 4u);
-  EXPECT_EQ(b.max_consumer_bytes, 180u);
-  EXPECT_EQ(b.max_producer_bytes, 160u * 4u);
-  EXPECT_EQ(b.senders, 2);
 }
 
 }  // namespace

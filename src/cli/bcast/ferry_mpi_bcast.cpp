@@ -11,7 +11,7 @@
 // to the last rank's end (one host: CLOCK_MONOTONIC agrees across processes).
 //
 // Steps come from `ferry bench` through its store, as for its own ranks (see
-// engine/bench.cpp): every rank blocks on {job}/bench/go/{step} (no MPI polling while
+// tools/bench.cpp): every rank blocks on {job}/bench/go/{step} (no MPI polling while
 // ferry's steps run); "bcast" runs one trial moving synthetic version 1 + v % 2 (two
 // versions alternate, so the last trial's verification proves it moved every byte),
 // "verify" checks every inference rank bit for bit against a direct load, "exit" ends.
@@ -31,7 +31,7 @@
 
 #include <thread>
 
-#include "engine/harness.h"
+#include "tools/job_model.h"
 
 namespace {
 
@@ -99,7 +99,7 @@ int main(int argc, char** argv) {
     else if (k == "--job") job = v;
     else return fail("usage", invalid_argument("unknown option {}", k));
   }
-  auto m = engine::make_job_model(model_path, trainer, inference, false);
+  auto m = tools::make_job_model(model_path, trainer, inference, false);
   if (!m.ok()) return fail("model", m.status());
   auto store = Store::open(store_url);
   if (!store.ok()) return fail("store", store.status());
@@ -220,7 +220,7 @@ int main(int argc, char** argv) {
       int ok = 1;
       if (!root) {
         std::string mismatch;
-        auto v = engine::verify_params(*m, c, params, seed, 1 + version % 2);
+        auto v = tools::verify_params(*m, c, params, seed, 1 + version % 2);
         if (!v.ok()) mismatch = v.status().to_string();
         else if (v->has_value()) mismatch = **v;
         ok = mismatch.empty();

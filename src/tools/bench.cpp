@@ -1,14 +1,9 @@
-#include "engine/bench.h"
+#include "tools/bench.h"
 
-#include <fcntl.h>
-#include <signal.h>
-#include <sys/prctl.h>
 #include <sys/resource.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -19,10 +14,24 @@
 #include <thread>
 
 #include "engine/common.h"
-#include "engine/harness.h"
+#include "ferry/engine.h"
+#include "tools/broadcast.h"
+#include "tools/job_model.h"
+#include "tools/subprocess.h"
 
-namespace ferry::engine {
+namespace ferry::tools {
 namespace {
+
+using engine::align_up;
+using engine::bytes_to_string;
+using engine::Clock;
+using engine::decode_fields;
+using engine::encode_fields;
+using engine::parse_u64_field;
+using engine::RegisteredBuffer;
+using engine::seconds_since;
+using engine::string_bytes;
+using engine::u64_field;
 
 // CPU seconds of this process so far (every thread): tells a CPU-bound step (ranks'
 // CPU adds up to cores x wall) from one that waits.
@@ -41,7 +50,6 @@ int64_t mono_ns() {
 // after the last sync proves that sync moved every byte (the previous one left the other).
 uint64_t data_version(uint64_t v) { return 1 + v % 2; }
 
-bool tls_is_tcp(const std::string& tls) { return tls.find("tcp") != std::string::npos; }
 // Whether UCX_TLS lets ferry read over shared memory (then MPI's baseline uses it too).
 // "^a,b" lists what is excluded.
 bool tls_has_shared_memory(const std::string& tls) {
@@ -165,11 +173,7 @@ int run_bench_worker(const BenchWorkerSpec& s) {
   auto store = Store::open(s.store);
   if (!store.ok()) return bench_worker_fail(s, store.status());
   Store& st = **store;
-  TransportOptions to;
-  to.backend = "ucx";
-  to.ucx_config = {{"TLS", s.tls}};
-  if (tls_is_tcp(s.tls)) to.ucx_config.push_back({"NET_DEVICES", "lo"});
-  auto transport = Transport::create(to);
+  auto transport = Transport::create(worker_transport_options("ucx", s.tls));
   if (!transport.ok()) return bench_worker_fail(s, transport.status());
   Transport& tr = **transport;
   EngineOptions eo;
@@ -478,114 +482,7 @@ int run_bench_worker(const BenchWorkerSpec& s) {
 
 namespace {
 
-struct Proc {
-  pid_t pid = -1;
-  std::string name;
-  std::string log;
-};
-
-Result<Proc> spawn(const std::vector<std::string>& args, const std::string& name, const std::string& log,
-                   const std::string& out = "") {
-  Proc ch;
-  ch.name = name;
-  ch.log = log;
-  std::vector<std::string> a = args;
-  std::vector<char*> argv;
-  for (auto& x : a) argv.push_back(x.data());
-  argv.push_back(nullptr);
-  const pid_t parent = ::getpid();
-  const pid_t pid = ::fork();
-  if (pid < 0) return io_error("fork failed");
-  if (pid == 0) {
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (::getppid() != parent) ::_exit(127);
-    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    const int fo = out.empty() ? fd : ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd >= 0) ::dup2(fd, 2);
-    if (fo >= 0) ::dup2(fo, 1);
-    ::execvp(argv[0], argv.data());
-    std::fprintf(stderr, "exec %s: %s\n", argv[0], std::strerror(errno));
-    ::_exit(127);
-  }
-  ch.pid = pid;
-  return ch;
-}
-
-std::string slurp(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
 std::string tail(const std::string& text, size_t n = 3000) { return text.size() > n ? text.substr(text.size() - n) : text; }
-
-// Waits for `p` to exit within `timeout`; SIGKILLs it otherwise. Its exit status, or -1.
-int reap(Proc& p, std::chrono::milliseconds timeout) {
-  if (p.pid <= 0) return -1;
-  const auto deadline = Clock::now() + timeout;
-  int status = 0;
-  for (;;) {
-    const pid_t r = ::waitpid(p.pid, &status, WNOHANG);
-    if (r == p.pid) break;
-    if (r < 0 || Clock::now() >= deadline) {
-      ::kill(p.pid, SIGKILL);
-      ::waitpid(p.pid, &status, 0);
-      p.pid = -1;
-      return -1;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  p.pid = -1;
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
-
-bool on_path(const std::string& exe) {
-  if (exe.find('/') != std::string::npos) return ::access(exe.c_str(), X_OK) == 0;
-  const char* path = std::getenv("PATH");
-  std::stringstream ss(path ? path : "");
-  std::string dir;
-  while (std::getline(ss, dir, ':')) {
-    if (!dir.empty() && ::access((dir + "/" + exe).c_str(), X_OK) == 0) return true;
-  }
-  return false;
-}
-
-// CPU seconds (user + system) of process `pid` so far; 0 when it is gone.
-double proc_cpu(pid_t pid) {
-  std::ifstream f(fmt::format("/proc/{}/stat", pid));
-  std::string text;
-  std::getline(f, text);
-  const size_t close = text.rfind(')');
-  if (close == std::string::npos) return 0;
-  std::stringstream ss(text.substr(close + 2));
-  std::string field;
-  double ticks = 0;
-  for (int i = 3; i <= 15 && ss >> field; ++i)  // fields 14 and 15: utime, stime
-    if (i >= 14) ticks += std::strtod(field.c_str(), nullptr);
-  return ticks / static_cast<double>(::sysconf(_SC_CLK_TCK));
-}
-
-// CPU seconds of `pid` and its children (mpirun's ranks).
-double tree_cpu(pid_t pid) {
-  double sum = proc_cpu(pid);
-  std::error_code ec;
-  for (auto it = std::filesystem::directory_iterator("/proc", ec); !ec && it != std::filesystem::directory_iterator();
-       it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    if (name.empty() || !std::isdigit(static_cast<unsigned char>(name[0]))) continue;
-    std::ifstream f(it->path() / "stat");
-    std::string text;
-    std::getline(f, text);
-    const size_t close = text.rfind(')');
-    if (close == std::string::npos) continue;
-    std::stringstream ss(text.substr(close + 2));
-    std::string state;
-    long ppid = 0;
-    if (ss >> state >> ppid && ppid == pid) sum += proc_cpu(static_cast<pid_t>(std::stol(name)));
-  }
-  return sum;
-}
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -617,7 +514,7 @@ BenchResult run_bench(const BenchSpec& b) {
     return res;
   };
   // The broadcast baseline needs MPI: refuse before spending a minute on the rest.
-  if (!on_path(b.mpirun))
+  if (!is_executable(b.mpirun))
     return fail(fmt::format("'{}' not found: the broadcast baseline runs OpenMPI (Debian: openmpi-bin "
                             "libopenmpi-dev; scripts/install-deps.sh installs them)",
                             b.mpirun));
@@ -656,25 +553,29 @@ BenchResult run_bench(const BenchSpec& b) {
                        m.trainer.to_string(), P, m.inference.to_string(), C, b.tls, b.mode));
   const char* raw_name = b.mode == "push" ? "raw writes" : "raw reads";
 
-  std::vector<Proc> procs;
+  std::vector<Child> procs;
   auto kill_all = [&] {
     for (auto& p : procs) {
-      if (p.pid <= 0) continue;
       // mpirun passes SIGTERM on to its ranks (a SIGKILLed mpirun would orphan them).
       if (p.name == "mpirun") {
-        ::kill(p.pid, SIGTERM);
-        reap(p, std::chrono::milliseconds(3000));
-        continue;
+        terminate(p, std::chrono::milliseconds(3000));
+      } else {
+        kill_now(p);
       }
-      ::kill(p.pid, SIGKILL);
-      ::waitpid(p.pid, nullptr, 0);
-      p.pid = -1;
     }
   };
   auto logs = [&] {
     std::string s;
-    for (auto& p : procs) s += fmt::format("--- {}\n{}", p.name, tail(slurp(p.log)));
+    for (auto& p : procs) s += fmt::format("--- {}\n{}", p.name, tail(read_log(p)));
     return s;
+  };
+  // Every process of the bench: stdout and stderr to its log, this process's environment.
+  auto spawn_proc = [](std::vector<std::string> argv, const std::string& name, const std::string& log) {
+    ProcessSpec ps;
+    ps.argv = std::move(argv);
+    ps.name = name;
+    ps.log = log;
+    return spawn(ps);
   };
   const auto t_start = Clock::now();
   for (int k = 0; k < P + C; ++k) {
@@ -686,7 +587,7 @@ BenchResult run_bench(const BenchSpec& b) {
                                      "--store", (*server)->url(), "--job", job, "--tls", b.tls, "--mode", b.mode, "--seed",
                                      std::to_string(b.seed), "--timeout-ms", std::to_string(b.timeout_ms),
                                      "--in-place", b.in_place ? "1" : "0"};
-    auto p = spawn(args, fmt::format("{} {}", role, rank), fmt::format("{}/{}{}.log", dir, role, rank));
+    auto p = spawn_proc(std::move(args), fmt::format("{} {}", role, rank), fmt::format("{}/{}{}.log", dir, role, rank));
     if (!p.ok()) return kill_all(), fail(p.status().to_string());
     procs.push_back(*p);
   }
@@ -714,7 +615,7 @@ BenchResult run_bench(const BenchSpec& b) {
   std::string mpi_cmd;
   for (const auto& a : margs) mpi_cmd += (mpi_cmd.empty() ? "" : " ") + a;
   {
-    auto mp = spawn(margs, "mpirun", dir + "/mpirun.log");
+    auto mp = spawn_proc(margs, "mpirun", dir + "/mpirun.log");
     if (!mp.ok()) return kill_all(), fail(mp.status().to_string());
     procs.push_back(*mp);
   }
@@ -725,11 +626,8 @@ BenchResult run_bench(const BenchSpec& b) {
       Status s = st.wait(keys, std::chrono::milliseconds(500));
       if (s.code() != StatusCode::kTimeout) return s;
       for (auto& p : procs) {
-        int status = 0;
-        if (p.pid > 0 && ::waitpid(p.pid, &status, WNOHANG) == p.pid) {
-          p.pid = -1;
-          return internal_error("{}: {} exited early (status {})", what, p.name, status);
-        }
+        if (auto status = wait_exit(p, Clock::now()))  // polls once
+          return internal_error("{}: {} exited early (status {})", what, p.name, *status);
       }
       if (Clock::now() >= deadline) return timeout_error("{}: no answer within {} ms", what, b.timeout_ms);
     }
@@ -970,4 +868,4 @@ BenchResult run_bench(const BenchSpec& b) {
   return res;
 }
 
-}  // namespace ferry::engine
+}  // namespace ferry::tools

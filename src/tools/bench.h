@@ -6,9 +6,10 @@
 //   broadcast  the NCCL-style design on a real collective library: OpenMPI MPI_Bcast of
 //            every full tensor from one root per trainer PP stage to every inference rank,
 //            which copies its shard out with its recorded plan (`ferry-mpi-bcast`).
-// Ranks are processes (`ferry bench-worker`), coordinated through an embedded store; every
-// timed step starts at an agreed CLOCK_MONOTONIC instant and lasts from the earliest start
-// to the latest end over its participants (one host, so the clocks agree).
+// Ranks are processes (`ferry bench-worker`, started and reaped through tools/subprocess.h),
+// coordinated through an embedded store; every timed step starts at an agreed
+// CLOCK_MONOTONIC instant and lasts from the earliest start to the latest end over its
+// participants (one host, so the clocks agree).
 #pragma once
 
 #include <cstdint>
@@ -18,8 +19,9 @@
 #include <nlohmann/json.hpp>
 
 #include "ferry/status.h"
+#include "tools/transport_options.h"
 
-namespace ferry::engine {
+namespace ferry::tools {
 
 struct BenchSpec {
   std::string worker_binary;  // the ferry executable (runs `bench-worker`)
@@ -29,7 +31,7 @@ struct BenchSpec {
   bool shrink = true;
   std::string trainer = "tp=2";
   std::string inference = "tp=4";
-  std::string tls = "sm,tcp,self";  // UCX_TLS of every rank (and picks MPI's fabric)
+  std::string tls = kDefaultUcxTls;  // UCX_TLS of every rank (and picks MPI's fabric)
   std::string mode = "pull";    // engine mode; push: the raw baseline writes instead of reads
   int syncs = 5;                // timed trials (after one warm-up)
   uint64_t seed = 1;
@@ -59,7 +61,7 @@ struct BenchWorkerSpec {
   std::string inference;
   std::string store;  // URL (token from FERRY_TOKEN)
   std::string job;
-  std::string tls = "sm,tcp,self";
+  std::string tls = kDefaultUcxTls;
   std::string mode = "pull";
   uint64_t seed = 1;
   int timeout_ms = 60000;
@@ -67,4 +69,4 @@ struct BenchWorkerSpec {
 };
 int run_bench_worker(const BenchWorkerSpec& spec);
 
-}  // namespace ferry::engine
+}  // namespace ferry::tools

@@ -1,0 +1,56 @@
+#include "tools/job_model.h"
+
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+namespace ferry::tools {
+
+Result<JobModel> make_job_model_from(const ModelConfig& config, const std::string& trainer,
+                                     const std::string& inference) {
+  JobModel m;
+  m.config = config;
+  FERRY_ASSIGN_OR_RETURN(m.inference, InferenceLayout::parse(inference));
+  FERRY_ASSIGN_OR_RETURN(m.trainer, TrainerLayout::parse(trainer));
+  FERRY_ASSIGN_OR_RETURN(m.loader, make_model_loader(m.config, m.inference));
+  m.metadata = m.loader->checkpoint();
+  auto th = make_holdings(m.metadata, m.trainer, model_info_from_config(m.config.json()));
+  if (!th.ok()) return th.status().with_context(fmt::format("trainer layout {}", trainer));
+  m.holdings = std::make_shared<const std::vector<Holdings>>(std::move(th->ranks));
+  m.tensor_stage = std::move(th->tensor_stage);
+  for (const auto& d : m.metadata) m.checkpoint_bytes += static_cast<uint64_t>(shape_numel(d.shape)) * dtype_size(d.dtype);
+  return m;
+}
+
+Result<JobModel> make_job_model(const std::string& config_path, const std::string& trainer, const std::string& inference,
+                                bool shrink, const std::string& overrides) {
+  FERRY_ASSIGN_OR_RETURN(auto config, ModelConfig::load(config_path));
+  if (shrink) {
+    FERRY_ASSIGN_OR_RETURN(auto layout, InferenceLayout::parse(inference));
+    FERRY_ASSIGN_OR_RETURN(auto s, shrink_config(config, layout));
+    config = s.config;
+  }
+  if (!overrides.empty()) {
+    nlohmann::json j = config.json();
+    try {
+      j.merge_patch(nlohmann::json::parse(overrides));
+    } catch (const std::exception& e) {
+      return invalid_argument("config overrides: {}", e.what());
+    }
+    FERRY_ASSIGN_OR_RETURN(config, ModelConfig::from_json(j, config.path()));
+  }
+  return make_job_model_from(config, trainer, inference);
+}
+
+Result<std::optional<std::string>> verify_params(const JobModel& m, int rank, const TensorMap& params, uint64_t seed,
+                                                 uint64_t version) {
+  TensorMap ckpt;
+  for (const auto& d : m.metadata) ckpt.emplace(d.name, synthetic_tensor(seed, version, d));
+  FERRY_ASSIGN_OR_RETURN(auto direct, load_rank_direct(*m.loader, rank, ckpt));
+  FERRY_ASSIGN_OR_RETURN(auto rl, m.loader->rank(rank));
+  FERRY_ASSIGN_OR_RETURN(auto mm, compare_params(rl->final_params(), direct, params));
+  if (!mm.has_value()) return std::optional<std::string>{};
+  return std::optional<std::string>(fmt::format("param '{}' index {}: {}", mm->param, mm->index, mm->detail));
+}
+
+}  // namespace ferry::tools

@@ -1,0 +1,40 @@
+// The model of one job, for the tools and the tests (internal): config, loader, layouts,
+// trainer holdings; synthetic checkpoints per version and bit-for-bit verification of an
+// inference rank's params against a direct load of one.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ferry/engine.h"
+
+namespace ferry::tools {
+
+struct JobModel {
+  ModelConfig config;
+  std::unique_ptr<ModelLoader> loader;
+  InferenceLayout inference;
+  TrainerLayout trainer;
+  std::vector<TensorDecl> metadata;
+  std::shared_ptr<const std::vector<Holdings>> holdings;
+  std::vector<int> tensor_stage;
+  uint64_t checkpoint_bytes = 0;
+};
+
+// `overrides`: JSON object merged into the config after shrinking (e.g.
+// {"num_hidden_layers": 4}); empty: none.
+Result<JobModel> make_job_model(const std::string& config_path, const std::string& trainer, const std::string& inference,
+                                bool shrink, const std::string& overrides = "");
+Result<JobModel> make_job_model_from(const ModelConfig& config, const std::string& trainer,
+                                     const std::string& inference);
+
+// Compares consumer `rank`'s final params with a direct load of synthetic version
+// `version` (synthetic_tensor(seed, version, ...) of every checkpoint tensor); the first
+// mismatch as text, nullopt when every param matches bit for bit.
+Result<std::optional<std::string>> verify_params(const JobModel& m, int rank, const TensorMap& params, uint64_t seed,
+                                                 uint64_t version);
+
+}  // namespace ferry::tools

@@ -1,0 +1,138 @@
+// Unit tests of the tools: the broadcast baseline; starting, waiting for, killing and
+// reaping child processes (tools/subprocess.h).
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include "tools/broadcast.h"
+#include "tools/subprocess.h"
+
+namespace ferry {
+namespace {
+
+using namespace std::chrono_literals;
+using tools::Child;
+using tools::ProcessSpec;
+
+TensorDecl decl(std::string name, Shape shape, DType dt = DType::kBF16) { return TensorDecl{std::move(name), dt, std::move(shape)}; }
+
+TEST(Broadcast, OneSenderPerStageToEveryConsumer) {
+  std::vector<TensorDecl> meta = {decl("a", {10}), decl("b", {20}), decl("c", {30}, DType::kF32)};
+  auto b = tools::broadcast_baseline(meta, {0, 1, 1}, 4);
+  EXPECT_EQ(b.bytes, (20u + 40u + 120u) * 4u);
+  EXPECT_EQ(b.max_consumer_bytes, 180u);
+  EXPECT_EQ(b.max_producer_bytes, 160u * 4u);
+  EXPECT_EQ(b.senders, 2);
+}
+
+std::string temp_log(const char* name) {
+  return (std::filesystem::temp_directory_path() / (std::string("ferry-tools-test-") + std::to_string(::getpid()) + "-" + name))
+      .string();
+}
+
+std::chrono::steady_clock::time_point in(std::chrono::milliseconds d) { return std::chrono::steady_clock::now() + d; }
+
+TEST(Subprocess, RunsAPathNameWithTheGivenEnvironmentAndLog) {
+  ProcessSpec ps;
+  ps.name = "sh";
+  ps.log = temp_log("env.log");
+  ps.argv = {"sh", "-c", "echo out=$FERRY_TOOLS_TEST_VAR; echo err >&2; exit 3"};  // found on $PATH
+  ::setenv("FERRY_TOOLS_TEST_VAR", "old", 1);
+  ps.env = tools::environment_with("FERRY_TOOLS_TEST_VAR", "new");
+  ::unsetenv("FERRY_TOOLS_TEST_VAR");
+  auto c = tools::spawn(ps);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_GT(c->pid, 0);
+  auto status = tools::wait_exit(*c, in(10s));
+  ASSERT_TRUE(status.has_value());
+  EXPECT_TRUE(WIFEXITED(*status));
+  EXPECT_EQ(WEXITSTATUS(*status), 3);
+  EXPECT_EQ(c->pid, -1);
+  EXPECT_EQ(tools::read_log(*c), "out=new\nerr\n");
+  std::filesystem::remove(ps.log);
+}
+
+TEST(Subprocess, EnvironmentWithoutAName) {
+  ::setenv("FERRY_TOOLS_TEST_VAR", "x", 1);
+  for (const auto& e : tools::environment_with("FERRY_TOOLS_TEST_VAR", "")) EXPECT_NE(e.rfind("FERRY_TOOLS_TEST_VAR=", 0), 0u);
+  ::unsetenv("FERRY_TOOLS_TEST_VAR");
+}
+
+TEST(Subprocess, AFailedExecIsLoggedAndExits127) {
+  for (const char* exe : {"/nonexistent/ferry-tools-test", "ferry-tools-test-not-on-path"}) {
+    ProcessSpec ps;
+    ps.name = "missing";
+    ps.log = temp_log("missing.log");
+    ps.argv = {exe, "--help"};
+    auto c = tools::spawn(ps);
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+    auto status = tools::wait_exit(*c, in(10s));
+    ASSERT_TRUE(status.has_value());
+    EXPECT_TRUE(WIFEXITED(*status));
+    EXPECT_EQ(WEXITSTATUS(*status), 127);
+    EXPECT_EQ(tools::read_log(*c), std::string("exec ") + exe + ": No such file or directory\n");
+    std::filesystem::remove(ps.log);
+  }
+  EXPECT_FALSE(tools::is_executable("ferry-tools-test-not-on-path"));
+  EXPECT_TRUE(tools::is_executable("sh"));
+}
+
+TEST(Subprocess, WaitsAreBoundedAndKillReaps) {
+  ProcessSpec ps;
+  ps.name = "sleep";
+  ps.argv = {"sleep", "30"};
+  auto c = tools::spawn(ps);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(tools::wait_exit(*c, in(50ms)).has_value());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  EXPECT_GT(c->pid, 0);  // still running, still ours
+  const pid_t pid = c->pid;
+  tools::kill_now(*c);
+  EXPECT_EQ(c->pid, -1);
+  EXPECT_EQ(::waitpid(pid, nullptr, WNOHANG), -1);  // reaped
+  tools::kill_now(*c);  // no-op
+  EXPECT_FALSE(tools::wait_exit(*c, in(0ms)).has_value());
+}
+
+TEST(Subprocess, ReapGivesTheExitCodeOrKillsAtTheTimeout) {
+  ProcessSpec quick;
+  quick.name = "true";
+  quick.argv = {"sh", "-c", "exit 5"};
+  auto a = tools::spawn(quick);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(tools::reap(*a, 10s), 5);
+  EXPECT_EQ(a->pid, -1);
+
+  ProcessSpec slow;
+  slow.name = "sleep";
+  slow.argv = {"sleep", "30"};
+  auto b = tools::spawn(slow);
+  ASSERT_TRUE(b.ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(tools::reap(*b, 100ms), -1);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+  EXPECT_EQ(b->pid, -1);
+
+  auto t = tools::spawn(slow);
+  ASSERT_TRUE(t.ok());
+  tools::terminate(*t, 10s);  // sleep dies of SIGTERM
+  EXPECT_EQ(t->pid, -1);
+}
+
+TEST(Subprocess, ProcessFiguresOfThisProcess) {
+  auto [rss, fds] = tools::proc_usage(::getpid());
+  EXPECT_GT(rss, 0);
+  EXPECT_GT(fds, 0);
+  EXPECT_GE(tools::proc_cpu(::getpid()), 0.0);
+  EXPECT_GE(tools::tree_cpu(::getpid()), tools::proc_cpu(::getpid()) - 0.5);
+}
+
+}  // namespace
+}  // namespace ferry
