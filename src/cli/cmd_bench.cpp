@@ -12,6 +12,7 @@
 
 #include "cli/command.h"
 #include "engine/bench.h"
+#include "ferry/transport.h"
 
 namespace ferry::cli {
 namespace {
@@ -79,7 +80,10 @@ std::function<int()> setup_bench(CLI::App& app) {
   auto b = std::make_shared<engine::BenchSpec>();
   auto json = std::make_shared<bool>(false);
   b->model = kModel;
-  if (const char* tls = std::getenv("FERRY_UCX_TLS")) b->tls = tls;
+  // The workers' default (one host): $FERRY_UCX_TLS, else sm,tcp,self.
+  if (auto resolved = Transport::resolve_params("ucx", {{"one_host", "1"}}); resolved.ok()) {
+    b->tls = resolved->at("tls");
+  }
   auto model = app.add_option("--model", b->model, "HF config.json (shrunk unless --no-shrink); default: Llama-3.1-8B ~300 MB");
   app.add_flag("!--no-shrink", b->shrink, "use the config as is");
   auto ov = app.add_option("--config-overrides", b->overrides, "JSON merged into the shrunk config");

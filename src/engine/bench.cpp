@@ -41,7 +41,6 @@ int64_t mono_ns() {
 // after the last sync proves that sync moved every byte (the previous one left the other).
 uint64_t data_version(uint64_t v) { return 1 + v % 2; }
 
-bool tls_is_tcp(const std::string& tls) { return tls.find("tcp") != std::string::npos; }
 // Whether UCX_TLS lets ferry read over shared memory (then MPI's baseline uses it too).
 // "^a,b" lists what is excluded.
 bool tls_has_shared_memory(const std::string& tls) {
@@ -167,8 +166,7 @@ int run_bench_worker(const BenchWorkerSpec& s) {
   Store& st = **store;
   TransportOptions to;
   to.backend = "ucx";
-  to.ucx_config = {{"TLS", s.tls}};
-  if (tls_is_tcp(s.tls)) to.ucx_config.push_back({"NET_DEVICES", "lo"});
+  to.params = {{"tls", s.tls}, {"one_host", "1"}};  // one host: tcp on loopback
   auto transport = Transport::create(to);
   if (!transport.ok()) return bench_worker_fail(s, transport.status());
   Transport& tr = **transport;

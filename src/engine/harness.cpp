@@ -77,13 +77,11 @@ int run_worker(const WorkerSpec& s) {
   if (!store.ok()) return worker_fail(s, store.status());
   TransportOptions to;
   to.backend = s.backend;
-  if (to.backend == "ucx") {
-    const char* tls = std::getenv("FERRY_UCX_TLS");
-    // One host: reads and writes over shared memory, messages over loopback tcp (the
-    // transport's control endpoints; see DemoSpec::ucx_tls). FERRY_UCX_TLS=tcp,self
-    // selects tcp alone, where the transport reads and writes by message.
-    to.ucx_config = {{"TLS", tls ? tls : kDefaultUcxTls}};
-    if (!tls || std::string(tls).find("tcp") != std::string::npos) to.ucx_config.push_back({"NET_DEVICES", "lo"});
+  // Every rank on this host: the backend's one-host settings where it has them (ucx:
+  // bytes over shared memory, messages over loopback tcp, the TLS from the driver's
+  // FERRY_UCX_TLS; see DemoSpec::ucx_tls and src/transport/ucx/config.h).
+  if (auto info = Transport::backend_info(to.backend); info.ok() && info->accepts("one_host")) {
+    to.params = {{"one_host", "1"}};
   }
   auto transport = Transport::create(to);
   if (!transport.ok()) return worker_fail(s, transport.status());
@@ -326,10 +324,10 @@ DemoResult run_demo(const DemoSpec& d) {
                   d.model, static_cast<double>(m.checkpoint_bytes) / 1e6, m.metadata.size(), groups));
   // Workers' UCX_TLS (see DemoSpec::ucx_tls).
   std::string tls = d.ucx_tls;
-  if (tls.empty()) {
-    if (const char* e = std::getenv("FERRY_UCX_TLS"); e != nullptr && *e != '\0') tls = e;
+  if (tls.empty()) {  // what the workers' one_host param gives: FERRY_UCX_TLS, else sm,tcp,self
+    auto resolved = Transport::resolve_params(d.backend, {{"one_host", "1"}});
+    if (resolved.ok() && resolved->contains("tls")) tls = resolved->at("tls");
   }
-  if (tls.empty() && d.backend == "ucx") tls = kDefaultUcxTls;
   res.ucx_tls = tls;
   say(fmt::format("  trainer {} ({} ranks) -> inference {} ({} ranks), mode {}, transport {}{}, store {}\n",
                   m.trainer.to_string(), P, m.inference.to_string(), C, d.mode, d.backend,
