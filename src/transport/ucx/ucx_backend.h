@@ -265,6 +265,28 @@ class UcxBackend final : public TransportBackend {
   std::string_view name() const override { return "ucx"; }
   PeerId id() const override { return id_; }
   std::vector<std::byte> address() const override { return address_; }
+  TransportStats stats() const override { return stats_.snapshot(); }
+  // The TransportBackend interface (and init, for create()).
+  Status init();
+  ~UcxBackend() override;
+  Result<MemoryRegion> register_memory(void* base, uint64_t length, MemoryKind kind) override;
+  Result<MemoryRegion> allocate_memory(uint64_t length, MemoryKind kind) override;
+  Status deregister_memory(const MemoryRegion& region) override;
+  Result<std::vector<std::byte>> export_key(const MemoryRegion& region) override;
+  Result<RemoteRegion> import_key(std::span<const std::byte> bytes) override;
+  Status release_key(const RemoteRegion& remote) override;
+  Result<Completion> rma(bool is_write, const MemoryRegion& local, uint64_t local_offset, const RemoteRegion& remote,
+                         uint64_t remote_offset, uint64_t length, CompletionCallback on_done) override;
+  Result<Completion> flush(PeerId id, CompletionCallback on_done) override;
+  Result<Completion> send(PeerId id, uint32_t tag, std::span<const std::byte> payload,
+                          CompletionCallback on_done) override;
+  void set_message_handler(MessageHandler handler) override;
+  void set_peer_failure_handler(PeerFailureHandler handler) override;
+  Status simulate_crash() override;
+  Result<PeerId> connect(std::span<const std::byte> bytes) override;
+  Status disconnect(PeerId id) override;
+
+ private:
   // What a UCX print function (ucp_ep_print_info, ucp_context_print_info) writes.
   template <typename Print>
   static std::string printed(Print print) {
@@ -281,7 +303,6 @@ class UcxBackend final : public TransportBackend {
   // Shared-memory transports that map a peer's memory: native get/put on its segments,
   // and a receive FIFO for messages (cma and knem serve UCX's rendezvous only).
   static bool maps_peer_memory(std::string_view tl) { return tl == "posix" || tl == "sysv" || tl == "xpmem"; }
-  TransportStats stats() const override { return stats_.snapshot(); }
   // Runs fn on the progress thread (inline when already there) and waits, bounded.
   template <typename T>
   Result<T> run_sync(std::function<Result<T>()> fn) {
@@ -309,35 +330,17 @@ class UcxBackend final : public TransportBackend {
   }
 
   // ---- ucx_backend.cpp -------------------------------------------------------
-  Status init();
-  ~UcxBackend() override;
-  Result<MemoryRegion> register_memory(void* base, uint64_t length, MemoryKind kind) override;
-  Result<MemoryRegion> allocate_memory(uint64_t length, MemoryKind kind) override;
   Result<MemoryRegion> map_memory(void* base, uint64_t length, MemoryKind kind, bool allocate);
-  Status deregister_memory(const MemoryRegion& region) override;
-  Result<std::vector<std::byte>> export_key(const MemoryRegion& region) override;
-  Result<RemoteRegion> import_key(std::span<const std::byte> bytes) override;
-  Status release_key(const RemoteRegion& remote) override;
-  Result<Completion> rma(bool is_write, const MemoryRegion& local, uint64_t local_offset, const RemoteRegion& remote,
-                         uint64_t remote_offset, uint64_t length, CompletionCallback on_done) override;
   bool start_rma(const RmaOp& r);
   void rma_done(const RmaOp& r, ucs_status_t st);
   void complete_op(const std::shared_ptr<OpState>& state, Status st);
-  Result<Completion> flush(PeerId id, CompletionCallback on_done) override;
   Result<Completion> flush_ep(PeerId id, bool control, CompletionCallback on_done);
-  Result<Completion> send(PeerId id, uint32_t tag, std::span<const std::byte> payload,
-                          CompletionCallback on_done) override;
-  void set_message_handler(MessageHandler handler) override;
-  void set_peer_failure_handler(PeerFailureHandler handler) override;
-  Status simulate_crash() override;
   static ucs_status_t am_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
                             const ucp_am_recv_param_t* param);
   void shutdown();
 
   // ---- endpoints.cpp ---------------------------------------------------------
-  Result<PeerId> connect(std::span<const std::byte> bytes) override;
   Result<PeerId> create_ep(wire::Address a);
-  Status disconnect(PeerId id) override;
   bool context_has_shared_memory();
   static std::string ep_info(ucp_ep_h ep);
   static std::vector<std::string> lane_transports(const std::string& info);
@@ -388,7 +391,6 @@ class UcxBackend final : public TransportBackend {
   static bool process_exited(const Peer& p);
   void check_watched_processes();
 
- private:
   TransportOptions opt_;
   uint64_t id_;
   UcxConfig cfg_;  // the params and FERRY_UCX_* variables, parsed (config.h)
