@@ -47,7 +47,7 @@ Result<MemoryRegion> buffer(Transport& t, const Args& a, uint64_t bytes, std::ve
 TransportOptions options(const Args& a) {
   TransportOptions o;
   o.backend = "ucx";
-  o.ucx_config = {{"TLS", a.tls}, {"NET_DEVICES", "lo"}};
+  o.params = {{"tls", a.tls}, {"net_devices", "lo"}};
   return o;
 }
 

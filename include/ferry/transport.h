@@ -72,8 +72,7 @@
 //   * After a pass that made no progress, the progress thread sleeps until UCX reports
 //     an event or an operation is posted (UCX event fd; timed naps of 0.5 ms where there
 //     is none): at once while operations are in flight (at most 1 ms per sleep;
-//     FERRY_UCX_BUSY_SPIN_US spins that long first), after spin_after_activity when
-//     idle. So an idle Transport costs no CPU, and a busy one leaves the cores to the
+//     the ucx param busy_spin_us spins that long first), after spin_us when idle. So an idle Transport costs no CPU, and a busy one leaves the cores to the
 //     threads with work (ranks often outnumber cores).
 //
 // Messages
@@ -100,11 +99,11 @@
 //     Transport connect()ed to are watched.
 //   * Detection time is bounded by the backend: immediate for inproc; for UCX the
 //     broken connection is seen by UCX (tcp: at once; otherwise UCX keepalive, set to
-//     TransportOptions::keepalive_interval). UCX: every message to a peer goes on an
+//     the ucx param keepalive_ms). UCX: every message to a peer goes on an
 //     endpoint with peer-failure support (tcp on one host); a peer on this host is also
 //     read and written over shared memory on a second endpoint that carries no message
 //     (UCX 1.13's shared-memory receive queue can be wedged by a sender killed mid-send;
-//     docs/transport.md; UCX_TLS=sm,self gets tcp added, see ucx_tcp_control). Where
+//     docs/transport.md; tls sm,self gets tcp added, see the ucx param tcp_control). Where
 //     there is still no transport with peer-failure support to a peer on this host,
 //     messages go over shared memory and ferry watches the process itself (pidfd, exit
 //     reported within ~20 ms), with that risk (warned on stderr); a remote peer without
@@ -115,6 +114,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -137,32 +137,40 @@ const char* memory_kind_name(MemoryKind kind);
 // A connected peer: the remote Transport's instance id (see the vocabulary above).
 using PeerId = uint64_t;
 
+// A backend's own options, by name, passed through by generic code unchanged. Each
+// backend declares what it accepts (Transport::backend_info; docs/transport.md) and
+// Transport::create refuses an unknown or malformed one with kInvalidArgument naming it
+// and listing the backend's options.
+using TransportParams = std::map<std::string, std::string>;
+
 struct TransportOptions {
   // "ucx" or "inproc" (Transport::backends() lists what this build has).
   std::string backend = "ucx";
-  // UCX configuration applied on top of the UCX_* environment variables, e.g.
-  // {{"TLS", "tcp,self"}, {"NET_DEVICES", "lo"}}. Ignored by "inproc".
-  std::vector<std::pair<std::string, std::string>> ucx_config;
-  // UCX: when UCX_TLS (environment or ucx_config) lists shared-memory transports but
-  // none with peer-failure support (e.g. "sm,self"), add tcp, on loopback unless
-  // UCX_NET_DEVICES says otherwise, for messages and failure reports; reads and writes
-  // stay on shared memory. Without it, messages would go over UCX 1.13's shared-memory
-  // receive queue, which a peer killed mid-send can wedge for good (docs/transport.md).
-  // false: use UCX_TLS exactly as given (ferry then watches same-host peers by pidfd).
-  // FERRY_UCX_TCP_CONTROL=0|1 overrides it (diagnostics, benchmarks).
-  bool ucx_tcp_control = true;
+  // Options of that backend, e.g. for "ucx" {{"tls", "sm,tcp,self"}, {"net_devices", "lo"}}
+  // (src/transport/ucx/config.h). "inproc" has none.
+  TransportParams params;
   // Largest payload send() accepts (and a receiver hands to its handler).
   size_t max_message_bytes = 64 * 1024;
   // How long the destructor / disconnect waits for endpoints to flush and close.
   std::chrono::milliseconds close_timeout{2000};
-  // UCX keepalive interval: bounds how long a silent dead peer goes unnoticed.
-  std::chrono::milliseconds keepalive_interval{500};
-  // How long the progress thread keeps spinning after its last activity before it
-  // sleeps on the worker's event fd (it always spins while operations are in flight).
-  // Longer: lower latency for the next message; 0 (default): no CPU taken from other
-  // ranks between operations — on a 2-core box with 6 ranks, a 2 ms spin made a sync
-  // 2.7x slower (docs/RESULTS.md). FERRY_UCX_SPIN_US overrides it.
-  std::chrono::microseconds spin_after_activity{0};
+};
+
+// One option a backend accepts in TransportOptions::params.
+struct BackendOption {
+  // The param's name; a name ending in '.' is a prefix: "ucx." stands for every
+  // "ucx.<KEY>".
+  std::string name;
+  std::string default_value;  // as a param string; empty: unset (see doc)
+  std::string doc;            // one line
+};
+
+// What Transport::backend_info says about a backend.
+struct BackendInfo {
+  std::string name;
+  std::string doc;  // one line
+  std::vector<BackendOption> options;
+  // Whether `param` names one of `options` (a prefix option covers every name it starts).
+  bool accepts(std::string_view param) const;
 };
 
 // A locally registered region: value handle. Offsets in read/write are relative to
@@ -227,18 +235,26 @@ struct TransportStats {
   uint64_t reads_by_message = 0, writes_by_message = 0;
   // Peers connected so far whose messages travel over shared memory: UCX offered no
   // transport with peer-failure support to them, and a peer killed mid-send can then
-  // wedge this process's receive queue (UCX 1.13; see ucx_tcp_control). 0 is the goal.
+  // wedge this process's receive queue (UCX 1.13; see the ucx param tcp_control). 0 is the goal.
   uint64_t shared_memory_message_peers = 0;
 };
 
 class Transport final {
  public:
   // The factory: builds the backend named by options.backend, starts its progress
-  // thread. kNotFound for an unknown backend name, kUnavailable when the backend
-  // cannot start (e.g. UCX has no transport for the given UCX_TLS).
+  // thread. kNotFound for an unknown backend name, kInvalidArgument for a param the
+  // backend does not declare or a malformed value (the message names the param and
+  // lists the backend's options), kUnavailable when the backend cannot start (e.g. UCX
+  // has no transport for the given tls).
   static Result<std::unique_ptr<Transport>> create(const TransportOptions& options);
-  // Backend names this build supports: {"inproc", "ucx"}.
+  // Backend names this build supports, from the backend registry: {"inproc", "ucx"}.
   static std::vector<std::string> backends();
+  // A backend's options (name, default, doc); kNotFound for an unknown backend.
+  static Result<BackendInfo> backend_info(std::string_view backend);
+  // The value of every option of `backend` that create() would use with `params`: the
+  // backend's defaults, overridden by `params`, and by its environment variables where
+  // the backend documents them (ucx: FERRY_UCX_*). Errors as create(). Starts nothing.
+  static Result<TransportParams> resolve_params(std::string_view backend, const TransportParams& params);
 
   ~Transport();
   Transport(const Transport&) = delete;

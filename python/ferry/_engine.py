@@ -2,6 +2,7 @@
 import os
 import secrets
 import sys
+import warnings
 
 from . import _ferry
 from .errors import InvalidArgumentError, UnimplementedError
@@ -116,14 +117,28 @@ def _store_args(store, token):
     return store, token
 
 
-def _options(token, backend, job, mode, timeout, rendezvous_timeout, stall_timeout, lease_ttl, checksums, ucx_config):
+def _transport_params(transport_params, ucx_config):
+    """The transport backend's params (``Transport::backend_info``; for "ucx":
+    src/transport/ucx/config.h). ``ucx_config`` (deprecated) is the old form: each UCX
+    setting KEY becomes the param ``ucx.KEY``."""
+    params = {str(k): str(v) for k, v in (transport_params or {}).items()}
+    if ucx_config:
+        warnings.warn("ucx_config= is deprecated: pass transport_params={'ucx.KEY': value} "
+                      "(or 'tls', 'net_devices', ...)", DeprecationWarning, stacklevel=3)
+        for k, v in ucx_config.items():
+            params.setdefault("ucx." + str(k), str(v))
+    return params
+
+
+def _options(token, backend, job, mode, timeout, rendezvous_timeout, stall_timeout, lease_ttl, checksums,
+             transport_params):
     kw = {"backend": backend, "job": job, "mode": mode, "timeout": float(timeout),
           "rendezvous_timeout": float(rendezvous_timeout), "stall_timeout": float(stall_timeout),
           "lease_ttl": float(lease_ttl), "checksums": bool(checksums)}
     if token is not None:
         kw["token"] = token
-    if ucx_config:
-        kw["ucx_config"] = {str(k): str(v) for k, v in ucx_config.items()}
+    if transport_params:
+        kw["transport_params"] = transport_params
     return kw
 
 
@@ -160,12 +175,13 @@ class Producer:
 
     def __init__(self, source, store, *, rank=None, token=None, num_consumers=1, num_producers=None,
                  backend="ucx", job="ferry", mode="pull", timeout=30.0, rendezvous_timeout=60.0,
-                 stall_timeout=10.0, lease_ttl=3.0, checksums=False, staging_budget=0, ucx_config=None):
+                 stall_timeout=10.0, lease_ttl=3.0, checksums=False, staging_budget=0, transport_params=None,
+                 ucx_config=None):
         if not isinstance(source, WeightSource):
             raise InvalidArgumentError("Producer: source must be a ferry.WeightSource")
         url, token = _store_args(store, token)
         kw = _options(token, backend, job, mode, timeout, rendezvous_timeout, stall_timeout, lease_ttl, checksums,
-                      ucx_config)
+                      _transport_params(transport_params, ucx_config))
         kw["num_consumers"] = int(num_consumers)
         kw["num_producers"] = int(num_producers if num_producers is not None else source.world_size)
         kw["staging_budget"] = int(staging_budget)
@@ -201,7 +217,7 @@ class Consumer:
     def __init__(self, model_config=None, layout="tp=1", rank=0, store=None, *, loader=None, params=None,
                  quantize="none", token=None, num_producers=1, num_consumers=None, backend="ucx", job="ferry",
                  mode="pull", timeout=30.0, rendezvous_timeout=60.0, stall_timeout=10.0, lease_ttl=3.0,
-                 checksums=False, ucx_config=None):
+                 checksums=False, transport_params=None, ucx_config=None):
         if loader is None:
             if model_config is None:
                 raise InvalidArgumentError("Consumer: pass model_config (and layout) or loader")
@@ -212,7 +228,7 @@ class Consumer:
             raise InvalidArgumentError("Consumer: store is required")
         url, token = _store_args(store, token)
         kw = _options(token, backend, job, mode, timeout, rendezvous_timeout, stall_timeout, lease_ttl, checksums,
-                      ucx_config)
+                      _transport_params(transport_params, ucx_config))
         kw["num_producers"] = int(num_producers)
         kw["num_consumers"] = int(num_consumers if num_consumers is not None else loader.world_size)
         self.loader = loader

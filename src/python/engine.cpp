@@ -158,10 +158,8 @@ void fill_engine_options(EngineOptions& o, const py::dict& kw) {
 std::unique_ptr<Transport> make_transport(const py::dict& kw) {
   TransportOptions t;
   if (kw.contains("backend")) t.backend = kw["backend"].cast<std::string>();
-  if (kw.contains("ucx_config")) {
-    for (auto item : kw["ucx_config"].cast<py::dict>()) {
-      t.ucx_config.emplace_back(py::str(item.first), py::str(item.second));
-    }
+  if (kw.contains("transport_params")) {
+    for (auto item : kw["transport_params"].cast<py::dict>()) t.params[py::str(item.first)] = py::str(item.second);
   }
   return value_or_raise(Transport::create(t));
 }

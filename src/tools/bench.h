@@ -31,7 +31,7 @@ struct BenchSpec {
   bool shrink = true;
   std::string trainer = "tp=2";
   std::string inference = "tp=4";
-  std::string tls = kDefaultUcxTls;  // UCX_TLS of every rank (and picks MPI's fabric)
+  std::string tls = default_worker_tls();  // UCX_TLS of every rank (and picks MPI's fabric)
   std::string mode = "pull";    // engine mode; push: the raw baseline writes instead of reads
   int syncs = 5;                // timed trials (after one warm-up)
   uint64_t seed = 1;
@@ -61,7 +61,7 @@ struct BenchWorkerSpec {
   std::string inference;
   std::string store;  // URL (token from FERRY_TOKEN)
   std::string job;
-  std::string tls = kDefaultUcxTls;
+  std::string tls = default_worker_tls();
   std::string mode = "pull";
   uint64_t seed = 1;
   int timeout_ms = 60000;

@@ -114,15 +114,11 @@ DemoResult run_demo(const DemoSpec& d) {
   say(fmt::format("ferry demo: {} ({}), checkpoint {:.1f} MB, {} tensors, {} groups\n", m.config.architecture(),
                   d.model, static_cast<double>(m.checkpoint_bytes) / 1e6, m.metadata.size(), groups));
   // Workers' UCX_TLS (see DemoSpec::ucx_tls).
-  std::string tls = d.ucx_tls;
-  if (tls.empty()) {
-    if (const char* e = std::getenv("FERRY_UCX_TLS"); e != nullptr && *e != '\0') tls = e;
-  }
-  if (tls.empty() && d.backend == "ucx") tls = kDefaultUcxTls;
+  std::string tls = d.ucx_tls.empty() ? default_worker_tls(d.backend) : d.ucx_tls;
   res.ucx_tls = tls;
   say(fmt::format("  trainer {} ({} ranks) -> inference {} ({} ranks), mode {}, transport {}{}, store {}\n",
                   m.trainer.to_string(), P, m.inference.to_string(), C, d.mode, d.backend,
-                  d.backend == "ucx" ? fmt::format(" (UCX_TLS {})", tls) : std::string(),
+                  tls.empty() ? std::string() : fmt::format(" (UCX_TLS {})", tls),
                   st.url()));
 
   std::vector<Child> children;

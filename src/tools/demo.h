@@ -23,8 +23,8 @@ struct DemoSpec {
   std::string mode = "pull";
   std::string store;          // empty: an embedded TCP store in this process
   std::string backend = "ucx";
-  // UCX_TLS of the workers (passed as FERRY_UCX_TLS). Empty: $FERRY_UCX_TLS when set,
-  // else kDefaultUcxTls (tools/transport_options.h), sm,tcp,self: reads and writes over
+  // UCX_TLS of the workers (passed as FERRY_UCX_TLS). Empty: default_worker_tls()
+  // (tools/transport_options.h): $FERRY_UCX_TLS when set, else sm,tcp,self: reads and writes over
   // shared memory, every message over loopback tcp. Runs that SIGKILL ranks need tcp (or
   // another transport with peer-failure support) in the list: UCX 1.13's shared-memory
   // receive FIFO is shared by every sender, and a sender killed mid-send can leave the

@@ -1,6 +1,8 @@
 // The one place where the tools (the rank workers of `ferry demo`, of the multi-process
 // tests and of `ferry bench`) build a Transport's options, so that a change to how a
-// backend is configured is made here alone.
+// backend is configured is made here alone. The tools know no backend's knobs: every
+// rank runs on this host, so they ask for the backend's one-host settings (param
+// `one_host`, where the backend declares it; ucx: docs/transport.md "Backend options").
 #pragma once
 
 #include <string>
@@ -9,13 +11,12 @@
 
 namespace ferry::tools {
 
-// The workers' UCX_TLS unless told otherwise: bytes over shared memory, messages over
-// loopback tcp (see DemoSpec::ucx_tls).
-inline constexpr const char* kDefaultUcxTls = "sm,tcp,self";
+// The options of a worker's transport on this host: the backend's one-host settings,
+// with `tls` (the ucx backend's transport list) when not empty.
+TransportOptions worker_transport_options(const std::string& backend, const std::string& tls = "");
 
-// The options of a worker's transport on this host. Backend "ucx": UCX_TLS `tls`, and
-// UCX_NET_DEVICES lo when `tls` names tcp (every rank on one host). Other backends take
-// no configuration here.
-TransportOptions worker_transport_options(const std::string& backend, const std::string& tls);
+// The transport list a worker gets when the tools pass none (ucx: $FERRY_UCX_TLS, else
+// sm,tcp,self); empty for a backend without one. For reports and for choosing MPI's fabric.
+std::string default_worker_tls(const std::string& backend = "ucx");
 
 }  // namespace ferry::tools

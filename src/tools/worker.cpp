@@ -39,11 +39,10 @@ int run_worker(const WorkerSpec& s) {
   if (!model.ok()) return worker_fail(s, model.status());
   auto store = Store::open(s.store);
   if (!store.ok()) return worker_fail(s, store.status());
-  // One host: reads and writes over shared memory, messages over loopback tcp (the
-  // transport's control endpoints; see DemoSpec::ucx_tls). FERRY_UCX_TLS=tcp,self
-  // selects tcp alone, where the transport reads and writes by message.
-  const char* tls = std::getenv("FERRY_UCX_TLS");
-  auto transport = Transport::create(worker_transport_options(s.backend, tls ? tls : kDefaultUcxTls));
+  // One host: the backend's one-host settings (ucx: reads and writes over shared memory,
+  // messages over loopback tcp, the transport list from the driver's FERRY_UCX_TLS; see
+  // DemoSpec::ucx_tls).
+  auto transport = Transport::create(worker_transport_options(s.backend));
   if (!transport.ok()) return worker_fail(s, transport.status());
   auto mode = parse_sync_mode(s.mode);
   if (!mode.ok()) return worker_fail(s, mode.status());

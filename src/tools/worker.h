@@ -21,7 +21,7 @@ struct WorkerSpec {
   std::string inference;
   std::string store;       // URL (token from FERRY_TOKEN)
   std::string job = "ferry";
-  std::string backend = "ucx";  // UCX_TLS from FERRY_UCX_TLS, else kDefaultUcxTls
+  std::string backend = "ucx";  // one-host settings; ucx: UCX_TLS from FERRY_UCX_TLS, else sm,tcp,self
   std::string mode = "pull";
   bool checksums = false;
   uint64_t seed = 1;

@@ -137,8 +137,23 @@ struct AtomicStats {
   }
 };
 
-// Backend constructors (each in its own directory).
-Result<std::unique_ptr<TransportBackend>> make_inproc_backend(const TransportOptions& options);
-Result<std::unique_ptr<TransportBackend>> make_ucx_backend(const TransportOptions& options);
+// One entry of the backend registry (transport.cpp), provided by each backend's own
+// directory: what it accepts, the values it would use, and how to start it. Both
+// resolve and create validate options.params (check_params, then the values).
+struct BackendEntry {
+  const BackendInfo& (*info)();
+  Result<TransportParams> (*resolve)(const TransportParams& params);
+  Result<std::unique_ptr<TransportBackend>> (*create)(const TransportOptions& options);
+};
+const BackendEntry& inproc_backend_entry();
+const BackendEntry& ucx_backend_entry();
+
+// kInvalidArgument for the first param `info` does not declare, naming it and listing
+// the backend's options.
+Status check_params(const BackendInfo& info, const TransportParams& params);
+// kInvalidArgument for a malformed value of param `name` ("expected ...").
+Status bad_param(const BackendInfo& info, std::string_view name, std::string_view value, std::string_view expected);
+// The names of `info`'s options, for messages: "tls, net_devices, ucx.<KEY>".
+std::string option_list(const BackendInfo& info);
 
 }  // namespace ferry::detail

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <map>
 #include <random>
 
 #include "transport/backend.h"
@@ -65,20 +66,89 @@ Status wait_all(std::span<const Completion> ops, std::chrono::milliseconds timeo
   return Status::Ok();
 }
 
-Result<std::unique_ptr<Transport>> Transport::create(const TransportOptions& options) {
-  Result<std::unique_ptr<detail::TransportBackend>> impl = not_found("");
-  if (options.backend == "inproc") {
-    impl = detail::make_inproc_backend(options);
-  } else if (options.backend == "ucx") {
-    impl = detail::make_ucx_backend(options);
-  } else {
-    return not_found("transport backend '{}' does not exist (this build has: inproc, ucx)", options.backend);
+namespace detail {
+
+std::string option_list(const BackendInfo& info) {
+  if (info.options.empty()) return "none";
+  std::string out;
+  for (const BackendOption& o : info.options) {
+    if (!out.empty()) out += ", ";
+    out += o.name;
+    if (o.name.ends_with('.')) out += "<KEY>";
   }
-  if (!impl.ok()) return impl.status();
-  return std::make_unique<Transport>(std::move(impl).value());
+  return out;
 }
 
-std::vector<std::string> Transport::backends() { return {"inproc", "ucx"}; }
+Status check_params(const BackendInfo& info, const TransportParams& params) {
+  for (const auto& [name, value] : params) {
+    if (!info.accepts(name)) {
+      return invalid_argument("transport backend '{}': unknown param '{}' (its params: {})", info.name, name,
+                              option_list(info));
+    }
+  }
+  return Status::Ok();
+}
+
+Status bad_param(const BackendInfo& info, std::string_view name, std::string_view value, std::string_view expected) {
+  return invalid_argument("transport backend '{}': param '{}' = '{}' is malformed: expected {} (its params: {})",
+                          info.name, name, value, expected, option_list(info));
+}
+
+namespace {
+
+// The backend registry: every backend this build has, by name.
+const std::map<std::string, const BackendEntry*, std::less<>>& registry() {
+  static const std::map<std::string, const BackendEntry*, std::less<>> r = [] {
+    std::map<std::string, const BackendEntry*, std::less<>> m;
+    for (const BackendEntry* e : {&inproc_backend_entry(), &ucx_backend_entry()}) m.emplace(e->info().name, e);
+    return m;
+  }();
+  return r;
+}
+
+Result<const BackendEntry*> find_backend(std::string_view name) {
+  auto it = registry().find(name);
+  if (it == registry().end()) {
+    std::string names;
+    for (const auto& [n, e] : registry()) names += (names.empty() ? "" : ", ") + n;
+    return not_found("transport backend '{}' does not exist (this build has: {})", name, names);
+  }
+  return it->second;
+}
+
+}  // namespace
+}  // namespace detail
+
+bool BackendInfo::accepts(std::string_view param) const {
+  for (const BackendOption& o : options) {
+    if (o.name.ends_with('.') ? (param.starts_with(o.name) && param.size() > o.name.size()) : param == o.name) {
+      return true;
+    }
+  }
+  return false;
+}
+
+Result<std::unique_ptr<Transport>> Transport::create(const TransportOptions& options) {
+  FERRY_ASSIGN_OR_RETURN(const detail::BackendEntry* entry, detail::find_backend(options.backend));
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<detail::TransportBackend> impl, entry->create(options));
+  return std::make_unique<Transport>(std::move(impl));
+}
+
+std::vector<std::string> Transport::backends() {
+  std::vector<std::string> names;
+  for (const auto& [name, entry] : detail::registry()) names.push_back(name);
+  return names;
+}
+
+Result<BackendInfo> Transport::backend_info(std::string_view backend) {
+  FERRY_ASSIGN_OR_RETURN(const detail::BackendEntry* entry, detail::find_backend(backend));
+  return entry->info();
+}
+
+Result<TransportParams> Transport::resolve_params(std::string_view backend, const TransportParams& params) {
+  FERRY_ASSIGN_OR_RETURN(const detail::BackendEntry* entry, detail::find_backend(backend));
+  return entry->resolve(params);
+}
 
 Transport::Transport(std::unique_ptr<detail::TransportBackend> impl) : impl_(std::move(impl)) {}
 Transport::~Transport() = default;

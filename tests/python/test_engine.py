@@ -22,7 +22,8 @@ CONFIG = {
     "num_hidden_layers": 2, "vocab_size": 200, "rms_norm_eps": 1e-5,
     "tie_word_embeddings": False, "torch_dtype": "float32",
 }
-UCX = {"TLS": "tcp,self", "NET_DEVICES": "lo"}
+# The UCX backend's params (src/transport/ucx/config.h): tcp on loopback.
+UCX = {"tls": "tcp,self", "net_devices": "lo"}
 HAVE_ENGINE = hasattr(ferry, "Producer")
 
 
@@ -199,6 +200,21 @@ class EngineTest(unittest.TestCase):
         with self.assertRaises(ferry.UnimplementedError):
             NumpyTrainer(0, 2).holdings(1)
 
+    def test_transport_params_and_deprecated_ucx_config(self):
+        from ferry import _engine
+        self.assertEqual(_engine._transport_params({"tls": "tcp,self", "spin_us": 5}, None),
+                         {"tls": "tcp,self", "spin_us": "5"})
+        with self.assertWarns(DeprecationWarning):
+            p = _engine._transport_params({"tls": "sm,self"}, {"NET_DEVICES": "lo", "RNDV_THRESH": "8k"})
+        self.assertEqual(p, {"tls": "sm,self", "ucx.NET_DEVICES": "lo", "ucx.RNDV_THRESH": "8k"})
+
+    def test_unknown_transport_param_is_refused(self):
+        trainer = NumpyTrainer()
+        with self.assertRaises(ferry.InvalidArgumentError) as e:
+            ferry.Producer(trainer, "tcp://127.0.0.1:1", token="t", backend="inproc",
+                           transport_params={"tls": "tcp"}, rendezvous_timeout=1.0)
+        self.assertIn("unknown param 'tls'", str(e.exception))
+
     def test_two_processes_ucx(self):
         if "ucx" not in ferry.transport_backends():
             self.skipTest("built without UCX")
@@ -211,7 +227,7 @@ class EngineTest(unittest.TestCase):
                 params = [{n: np.zeros(d.shape, np.float32) for n, d in loader.params(r).items()} for r in range(2)]
                 consumers = run_threads([
                     lambda r=r: ferry.Consumer(loader=loader, rank=r, store=server.url, token=server.token,
-                                               params=params[r], job="ucx2p", backend="ucx", ucx_config=UCX,
+                                               params=params[r], job="ucx2p", backend="ucx", transport_params=UCX,
                                                timeout=20.0) for r in range(2)])
                 for v in (1, 2):
                     child.stdin.write(f"{v}\n")
@@ -232,7 +248,7 @@ class EngineTest(unittest.TestCase):
 
 def producer_main(url, token, job):
     trainer = NumpyTrainer()
-    with ferry.Producer(trainer, url, token=token, num_consumers=2, job=job, backend="ucx", ucx_config=UCX,
+    with ferry.Producer(trainer, url, token=token, num_consumers=2, job=job, backend="ucx", ucx_config={"TLS": "tcp,self", "NET_DEVICES": "lo"},
                         timeout=20.0) as producer:
         for line in sys.stdin:
             trainer.version = int(line)

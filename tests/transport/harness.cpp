@@ -23,8 +23,9 @@ namespace ferry::transport_test {
 TransportOptions options_for(const BackendCase& c) {
   TransportOptions o;
   o.backend = c.backend;
-  if (c.backend == "ucx") o.ucx_config = {{"TLS", c.tls}, {"NET_DEVICES", "lo"}};
-  o.ucx_tcp_control = c.tcp_control;
+  if (c.backend == "ucx") {
+    o.params = {{"tls", c.tls}, {"net_devices", "lo"}, {"tcp_control", c.tcp_control ? "1" : "0"}};
+  }
   return o;
 }
 

@@ -21,7 +21,7 @@ struct BackendCase {
   std::string name;     // test-name suffix
   std::string backend;  // "inproc" | "ucx"
   std::string tls;      // UCX_TLS for ucx
-  bool tcp_control = true;  // TransportOptions::ucx_tcp_control
+  bool tcp_control = true;  // the ucx param tcp_control
 };
 
 TransportOptions options_for(const BackendCase& c);

@@ -35,8 +35,7 @@ int main(int argc, char** argv) {
   }
   TransportOptions opt;
   opt.backend = "ucx";
-  opt.ucx_config = {{"TLS", tls}, {"NET_DEVICES", "lo"}};
-  opt.ucx_tcp_control = tcp_control;
+  opt.params = {{"tls", tls}, {"net_devices", "lo"}, {"tcp_control", tcp_control ? "1" : "0"}};
   auto t = Transport::create(opt);
   if (!t.ok()) {
     std::fprintf(stderr, "transport_peer: %s\n", t.status().to_string().c_str());

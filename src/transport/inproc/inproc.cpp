@@ -506,7 +506,20 @@ class InprocBackend final : public TransportBackend {
 
 }  // namespace
 
+namespace {
+
+const BackendInfo& inproc_info() {
+  static const BackendInfo info{"inproc", "ranks are threads of one process; memcpy between registered regions", {}};
+  return info;
+}
+
+Result<TransportParams> inproc_resolve(const TransportParams& params) {
+  FERRY_RETURN_IF_ERROR(check_params(inproc_info(), params));
+  return TransportParams{};
+}
+
 Result<std::unique_ptr<TransportBackend>> make_inproc_backend(const TransportOptions& options) {
+  FERRY_RETURN_IF_ERROR(check_params(inproc_info(), options.params));
   auto core = std::make_shared<Core>(options);
   {
     Registry& r = registry();
@@ -515,6 +528,13 @@ Result<std::unique_ptr<TransportBackend>> make_inproc_backend(const TransportOpt
   }
   core->start();
   return std::unique_ptr<TransportBackend>(new InprocBackend(std::move(core)));
+}
+
+}  // namespace
+
+const BackendEntry& inproc_backend_entry() {
+  static const BackendEntry entry{&inproc_info, &inproc_resolve, &make_inproc_backend};
+  return entry;
 }
 
 }  // namespace ferry::detail

@@ -1,0 +1,203 @@
+// The UCX backend's options (see config.h): declaration, parsing, the environment,
+// and the UCX configuration they make.
+#include "transport/ucx/config.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cstdlib>
+
+#include "transport/backend.h"
+
+namespace ferry::detail::ucx {
+namespace {
+
+std::optional<std::string> env(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return std::nullopt;
+  return std::string(v);
+}
+
+Result<bool> parse_bool(std::string_view name, const std::string& v) {
+  if (v == "1" || v == "true" || v == "on" || v == "yes") return true;
+  if (v == "0" || v == "false" || v == "off" || v == "no") return false;
+  return bad_param(backend_info(), name, v, "0 or 1 (false/true, off/on, no/yes)");
+}
+
+Result<uint64_t> parse_count(std::string_view name, const std::string& v) {
+  uint64_t n = 0;
+  auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+  if (v.empty() || ec != std::errc() || end != v.data() + v.size()) {
+    return bad_param(backend_info(), name, v, "a non-negative decimal integer");
+  }
+  return n;
+}
+
+// Sets `slot` from param `name`; refuses a second form of the same setting.
+Status set_once(std::optional<std::string>& slot, std::string_view name, const std::string& value,
+                std::string_view other) {
+  if (slot) {
+    return invalid_argument("transport backend 'ucx': params '{}' and '{}' set the same UCX setting; give one",
+                            name, other);
+  }
+  slot = value;
+  return Status::Ok();
+}
+
+}  // namespace
+
+UcxEnv read_env() {
+  UcxEnv e;
+  e.ferry_tls = env("FERRY_UCX_TLS");
+  e.tcp_control = env("FERRY_UCX_TCP_CONTROL");
+  e.spin_us = env("FERRY_UCX_SPIN_US");
+  e.busy_spin_us = env("FERRY_UCX_BUSY_SPIN_US");
+  e.reads = env("FERRY_UCX_READS");
+  e.ep_info = env("FERRY_UCX_EP_INFO");
+  e.ucx_tls = env("UCX_TLS");
+  e.ucx_net_devices = env("UCX_NET_DEVICES");
+  return e;
+}
+
+const BackendInfo& backend_info() {
+  static const BackendInfo info{
+      "ucx",
+      "UCP get/put and active messages over whatever UCX transports the host has (shm/cma, tcp, verbs)",
+      {
+          {"tls", "", "UCX_TLS of this transport; unset: the UCX_TLS variable, else UCX's default"},
+          {"net_devices", "", "UCX_NET_DEVICES; unset: the UCX_NET_DEVICES variable, else UCX's default"},
+          {"ucx.", "", "any UCX setting KEY (without UCX_), e.g. ucx.RNDV_THRESH=8k; ucx.TLS is tls"},
+          {"one_host", "0",
+           "every peer on this host: tls defaults to $FERRY_UCX_TLS, else sm,tcp,self; net_devices=lo if tls has tcp"},
+          {"tcp_control", "1",
+           "add tcp for messages and failure reports when tls has shared memory only (FERRY_UCX_TCP_CONTROL wins)"},
+          {"keepalive_ms", "500", "UCX keepalive interval: bounds how long a silent dead peer goes unnoticed"},
+          {"spin_us", "0", "idle progress thread spins this long before sleeping (FERRY_UCX_SPIN_US wins)"},
+          {"busy_spin_us", "0", "the same with operations in flight (FERRY_UCX_BUSY_SPIN_US wins)"},
+          {"reads", "auto", "auto | message | rma: force reads/writes by message or UCX get/put (FERRY_UCX_READS wins)"},
+          {"ep_info", "0", "print each peer's UCX lanes after its first read/write (FERRY_UCX_EP_INFO wins)"},
+      }};
+  return info;
+}
+
+Result<UcxConfig> parse_config(const TransportParams& params, const UcxEnv& e) {
+  FERRY_RETURN_IF_ERROR(check_params(backend_info(), params));
+  UcxConfig c;
+  c.env_tls = e.ucx_tls;
+  c.env_net_devices = e.ucx_net_devices;
+  for (const auto& [name, value] : params) {
+    if (name == "tls") {
+      FERRY_RETURN_IF_ERROR(set_once(c.tls, name, value, "ucx.TLS"));
+    } else if (name == "ucx.TLS") {
+      FERRY_RETURN_IF_ERROR(set_once(c.tls, name, value, "tls"));
+    } else if (name == "net_devices") {
+      FERRY_RETURN_IF_ERROR(set_once(c.net_devices, name, value, "ucx.NET_DEVICES"));
+    } else if (name == "ucx.NET_DEVICES") {
+      FERRY_RETURN_IF_ERROR(set_once(c.net_devices, name, value, "net_devices"));
+    } else if (name.starts_with("ucx.")) {
+      c.ucx.emplace_back(name.substr(4), value);
+    } else if (name == "one_host") {
+      FERRY_ASSIGN_OR_RETURN(c.one_host, parse_bool(name, value));
+    } else if (name == "tcp_control") {
+      FERRY_ASSIGN_OR_RETURN(c.tcp_control, parse_bool(name, value));
+    } else if (name == "ep_info") {
+      FERRY_ASSIGN_OR_RETURN(c.ep_info, parse_bool(name, value));
+    } else if (name == "keepalive_ms") {
+      FERRY_ASSIGN_OR_RETURN(uint64_t n, parse_count(name, value));
+      c.keepalive = std::chrono::milliseconds(n);
+    } else if (name == "spin_us") {
+      FERRY_ASSIGN_OR_RETURN(uint64_t n, parse_count(name, value));
+      c.spin = std::chrono::microseconds(n);
+    } else if (name == "busy_spin_us") {
+      FERRY_ASSIGN_OR_RETURN(uint64_t n, parse_count(name, value));
+      c.busy_spin = std::chrono::microseconds(n);
+    } else if (name == "reads") {
+      if (value == "message") {
+        c.forced_reads = true;
+      } else if (value == "rma") {
+        c.forced_reads = false;
+      } else if (value != "auto") {
+        return bad_param(backend_info(), name, value, "auto, message or rma");
+      }
+    }
+  }
+  // The environment overrides, parsed as they always were (diagnostics, benchmarks).
+  if (e.tcp_control) {
+    const std::string_view v(*e.tcp_control);
+    c.tcp_control = !(v == "0" || v == "false" || v == "off" || v == "no");
+  }
+  if (e.spin_us) c.spin = std::chrono::microseconds(std::atoll(e.spin_us->c_str()));
+  if (e.busy_spin_us) c.busy_spin = std::chrono::microseconds(std::atoll(e.busy_spin_us->c_str()));
+  if (e.reads && *e.reads == "message") c.forced_reads = true;
+  if (e.reads && *e.reads == "rma") c.forced_reads = false;
+  if (e.ep_info) c.ep_info = true;
+  if (c.one_host) {
+    // Every peer on this host: bytes over shared memory, messages over tcp, on loopback.
+    if (!c.tls) c.tls = e.ferry_tls && !e.ferry_tls->empty() ? *e.ferry_tls : std::string(kOneHostTls);
+    if (!c.net_devices && c.tls->find("tcp") != std::string::npos) c.net_devices = "lo";
+  }
+  return c;
+}
+
+TransportParams describe(const UcxConfig& c) {
+  TransportParams p;
+  p["tls"] = c.tls.value_or("");
+  p["net_devices"] = c.net_devices.value_or("");
+  for (const auto& [k, v] : c.ucx) p["ucx." + k] = v;
+  p["one_host"] = c.one_host ? "1" : "0";
+  p["tcp_control"] = c.tcp_control ? "1" : "0";
+  p["keepalive_ms"] = std::to_string(c.keepalive.count());
+  p["spin_us"] = std::to_string(c.spin.count());
+  p["busy_spin_us"] = std::to_string(c.busy_spin.count());
+  p["reads"] = !c.forced_reads ? "auto" : *c.forced_reads ? "message" : "rma";
+  p["ep_info"] = c.ep_info ? "1" : "0";
+  return p;
+}
+
+bool needs_tcp_control(const std::string& tls) {
+  if (tls.empty() || tls.starts_with('^')) return false;
+  bool shm = false;
+  for (size_t at = 0; at <= tls.size();) {
+    const size_t comma = std::min(tls.find(',', at), tls.size());
+    const std::string tl = tls.substr(at, comma - at);
+    at = comma + 1;
+    for (const char* net : {"all", "tcp", "ib", "rc", "ud", "dc", "rc_v", "rc_x", "ud_v", "ud_x", "dc_x", "rc_mlx5",
+                            "ud_mlx5", "dc_mlx5", "rc_verbs", "ud_verbs"}) {
+      if (tl == net) return false;
+    }
+    for (const char* mem : {"sm", "shm", "mm", "posix", "sysv", "cma", "xpmem", "knem"}) shm |= tl == mem;
+  }
+  return shm;
+}
+
+Status apply(const UcxConfig& c, ucp_config_t* config) {
+  std::vector<std::pair<std::string, std::string>> settings;
+  if (c.tls) settings.emplace_back("TLS", *c.tls);
+  if (c.net_devices) settings.emplace_back("NET_DEVICES", *c.net_devices);
+  settings.insert(settings.end(), c.ucx.begin(), c.ucx.end());
+  bool keepalive_set = false;
+  std::optional<std::string> tls = c.env_tls, net_devices = c.env_net_devices;  // as UCX will see them
+  for (const auto& [k, v] : settings) {
+    if (k == "KEEPALIVE_INTERVAL") keepalive_set = true;
+    if (k == "TLS") tls = v;
+    if (k == "NET_DEVICES") net_devices = v;
+    ucs_status_t st = ucp_config_modify(config, k.c_str(), v.c_str());
+    if (st != UCS_OK) return invalid_argument("ucx: setting {}={}: {}", k, v, ucs_status_string(st));
+  }
+  if (!keepalive_set) {
+    std::string ka = std::to_string(c.keepalive.count()) + "ms";
+    ucp_config_modify(config, "KEEPALIVE_INTERVAL", ka.c_str());  // best effort
+  }
+  if (c.tcp_control && tls && needs_tcp_control(*tls)) {
+    // Messages must not go over shared memory (see ucx_backend.h): tcp carries them.
+    // The list had no network transport, so loopback is all tcp needs.
+    const std::string with_tcp = *tls + ",tcp";
+    ucs_status_t st = ucp_config_modify(config, "TLS", with_tcp.c_str());
+    if (st == UCS_OK && !net_devices) st = ucp_config_modify(config, "NET_DEVICES", "lo");
+    if (st != UCS_OK) {
+      return invalid_argument("ucx: adding tcp to UCX_TLS={} for control messages: {}", *tls, ucs_status_string(st));
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace ferry::detail::ucx

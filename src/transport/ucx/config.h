@@ -1,0 +1,108 @@
+// transport/ucx/config.h — the UCX backend's options: what TransportOptions::params
+// may say for backend "ucx", the FERRY_UCX_* environment variables, and how both
+// become the UCX configuration of ucp_init. The one place in ferry that reads
+// FERRY_UCX_* (read_env, config.cpp).
+//
+// Params (TransportOptions::params; defaults in brackets):
+//   tls           [unset]  UCX_TLS of this transport; unset: the UCX_TLS environment
+//                          variable, else UCX's own default (every transport).
+//   net_devices   [unset]  UCX_NET_DEVICES; unset: the environment's, else UCX's.
+//   ucx.<KEY>     [-]      any other UCX setting, e.g. ucx.RNDV_THRESH=8k (KEY without
+//                          the UCX_ prefix); ucx.TLS / ucx.NET_DEVICES are tls /
+//                          net_devices (giving both forms is refused).
+//   one_host      [0]      every peer runs on this host (ferry's demo and bench
+//                          workers): tls defaults to FERRY_UCX_TLS, else sm,tcp,self
+//                          (bytes over shared memory, messages over tcp); when the tls
+//                          in force names tcp and net_devices is unset, net_devices=lo.
+//   tcp_control   [1]      when tls lists shared-memory transports but none with
+//                          peer-failure support (sm,self), add tcp (on lo unless
+//                          net_devices says otherwise) for messages and failure
+//                          reports; 0: use tls exactly (same-host peers watched by pidfd).
+//   keepalive_ms  [500]    UCX keepalive interval (ucx.KEEPALIVE_INTERVAL wins).
+//   spin_us       [0]      how long the idle progress thread spins after its last
+//                          activity before sleeping on the event fd.
+//   busy_spin_us  [0]      the same with operations in flight.
+//   reads         [auto]   auto | message | rma: force reads/writes by message or by
+//                          UCX get/put (tests, diagnostics).
+//   ep_info       [0]      print each peer's UCX lanes after its first read/write.
+// Booleans: 0/1, false/true, off/on, no/yes. Numbers: decimal, >= 0.
+//
+// Precedence, exactly as before the params existed: default <- param <- FERRY_UCX_*
+// environment variable, the variable winning:
+//   FERRY_UCX_TCP_CONTROL  tcp_control (0/false/off/no: off; any other value: on)
+//   FERRY_UCX_SPIN_US      spin_us
+//   FERRY_UCX_BUSY_SPIN_US busy_spin_us
+//   FERRY_UCX_READS        reads (message | rma; other values: no override)
+//   FERRY_UCX_EP_INFO      ep_info (set, to anything: on)
+// except FERRY_UCX_TLS, which is the default of tls under one_host only (a tls param
+// wins: `ferry bench --tls` over the variable), and is ignored otherwise. The UCX_*
+// variables are UCX's: params (tls, net_devices, ucx.<KEY>) are applied on top of them.
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <chrono>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ferry/status.h"
+#include "ferry/transport.h"
+
+namespace ferry::detail::ucx {
+
+// The tls of one_host when FERRY_UCX_TLS is not set.
+inline constexpr const char* kOneHostTls = "sm,tcp,self";
+
+// With operations in flight, the progress thread spins at most kBusySpin after the last
+// event, then sleeps on the event fd as an idle one does (at most kBusySleep, a safety
+// net for a transport that raises no event; ucx_backend.h). Spinning for as long as operations were in
+// flight made tcp reads 2-3x slower on a loaded 2-core machine: the spinning initiator
+// and target took the CPU from the threads that had work (the peer's copy, the caller
+// posting the next read), while a tcp arrival wakes the fd at once. Any spin longer
+// than the gap between two arrivals (~50 us per 64 KiB at 1.3 GB/s) is a full spin:
+// 20 and 100 us measured between that and no spin, 0 best (docs/RESULTS.md).
+// The default of busy_spin_us (FERRY_UCX_BUSY_SPIN_US overrides it).
+inline constexpr auto kBusySpin = std::chrono::microseconds(0);
+
+// The environment variables the backend reads, read once per create (read_env).
+struct UcxEnv {
+  std::optional<std::string> ferry_tls, tcp_control, spin_us, busy_spin_us, reads, ep_info;  // FERRY_UCX_*
+  std::optional<std::string> ucx_tls, ucx_net_devices;  // UCX_TLS, UCX_NET_DEVICES (what UCX sees)
+};
+UcxEnv read_env();
+
+// The parsed, validated options of one transport.
+struct UcxConfig {
+  std::optional<std::string> tls;          // the TLS ferry sets (nullopt: UCX's own)
+  std::optional<std::string> net_devices;  // the NET_DEVICES ferry sets
+  std::vector<std::pair<std::string, std::string>> ucx;  // every other ucx.<KEY>, KEY -> value
+  bool one_host = false;
+  bool tcp_control = true;
+  std::chrono::milliseconds keepalive{500};
+  std::chrono::microseconds spin{0};
+  std::chrono::microseconds busy_spin = kBusySpin;
+  std::optional<bool> forced_reads;  // true: by message; false: by UCX get/put; nullopt: auto
+  bool ep_info = false;
+  // What UCX reads from its environment (for the tcp_control decision).
+  std::optional<std::string> env_tls, env_net_devices;
+};
+
+const BackendInfo& backend_info();
+// kInvalidArgument for an unknown or malformed param (naming it, listing the options).
+Result<UcxConfig> parse_config(const TransportParams& params, const UcxEnv& env);
+// Every option's value in force (resolve_params): tls "" when UCX's own.
+TransportParams describe(const UcxConfig& cfg);
+
+// Whether UCX_TLS `tls` lists shared-memory transports and none with peer-failure
+// support: then tcp_control adds tcp. A "^..." list (everything but) or "all" already
+// has tcp unless the user excluded it.
+bool needs_tcp_control(const std::string& tls);
+
+// Applies `cfg` to a configuration from ucp_config_read: tls, net_devices, ucx.<KEY>,
+// keepalive, then tcp for control messages (tcp_control). kInvalidArgument when UCX
+// refuses a setting.
+Status apply(const UcxConfig& cfg, ucp_config_t* config);
+
+}  // namespace ferry::detail::ucx

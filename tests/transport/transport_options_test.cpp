@@ -1,0 +1,199 @@
+// The backend registry and the backends' options: what each declares, how params are
+// validated (an unknown or malformed one is refused, naming it and the known ones), the
+// UCX defaults, and the precedence of the FERRY_UCX_* environment variables.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ferry/transport.h"
+
+namespace ferry {
+namespace {
+
+// Clears every variable the UCX backend reads for the test's lifetime, restoring them.
+class CleanEnv {
+ public:
+  CleanEnv() {
+    for (const char* n : kNames) {
+      const char* v = std::getenv(n);
+      saved_.emplace_back(n, v ? std::optional<std::string>(v) : std::nullopt);
+      ::unsetenv(n);
+    }
+  }
+  ~CleanEnv() {
+    for (const auto& [n, v] : saved_) {
+      if (v) {
+        ::setenv(n, v->c_str(), 1);
+      } else {
+        ::unsetenv(n);
+      }
+    }
+  }
+  void set(const char* name, const char* value) { ::setenv(name, value, 1); }
+
+ private:
+  static constexpr const char* kNames[] = {"FERRY_UCX_TLS",   "FERRY_UCX_TCP_CONTROL", "FERRY_UCX_SPIN_US",
+                                           "FERRY_UCX_BUSY_SPIN_US", "FERRY_UCX_READS", "FERRY_UCX_EP_INFO"};
+  std::vector<std::pair<const char*, std::optional<std::string>>> saved_;
+};
+
+TransportParams resolved(const TransportParams& params) {
+  auto r = Transport::resolve_params("ucx", params);
+  EXPECT_TRUE(r.ok()) << r.status().to_string();
+  return r.ok() ? *r : TransportParams{};
+}
+
+TEST(TransportBackendOptions, RegistryListsBackendsAndTheirOptions) {
+  EXPECT_EQ(Transport::backends(), (std::vector<std::string>{"inproc", "ucx"}));
+  for (const std::string& name : Transport::backends()) {
+    auto info = Transport::backend_info(name);
+    ASSERT_TRUE(info.ok()) << info.status().to_string();
+    EXPECT_EQ(info->name, name);
+    EXPECT_FALSE(info->doc.empty());
+    for (const BackendOption& o : info->options) EXPECT_FALSE(o.doc.empty()) << o.name;
+  }
+  auto inproc = Transport::backend_info("inproc");
+  ASSERT_TRUE(inproc.ok());
+  EXPECT_TRUE(inproc->options.empty());
+  auto ucx = Transport::backend_info("ucx");
+  ASSERT_TRUE(ucx.ok());
+  std::vector<std::string> names;
+  for (const BackendOption& o : ucx->options) names.push_back(o.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"tls", "net_devices", "ucx.", "one_host", "tcp_control", "keepalive_ms",
+                                             "spin_us", "busy_spin_us", "reads", "ep_info"}));
+  EXPECT_TRUE(ucx->accepts("tls"));
+  EXPECT_TRUE(ucx->accepts("ucx.RNDV_THRESH"));
+  EXPECT_FALSE(ucx->accepts("ucx."));  // a prefix needs a KEY
+  EXPECT_FALSE(ucx->accepts("TLS"));
+  EXPECT_EQ(Transport::backend_info("carrier-pigeon").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(Transport::resolve_params("carrier-pigeon", {}).status().code(), StatusCode::kNotFound);
+}
+
+TEST(TransportBackendOptions, UnknownParamIsRefusedNamingTheKnownOnes) {
+  CleanEnv env;
+  TransportOptions o;
+  o.backend = "ucx";
+  o.params = {{"tls", "tcp,self"}, {"spin_usec", "5"}};
+  Status st = Transport::create(o).status();
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("'spin_usec'"), std::string::npos) << st.message();
+  for (const char* known : {"tls", "net_devices", "ucx.<KEY>", "tcp_control", "keepalive_ms", "spin_us"}) {
+    EXPECT_NE(st.message().find(known), std::string::npos) << known << ": " << st.message();
+  }
+  // inproc has no options: any param is refused.
+  o.backend = "inproc";
+  o.params = {{"tls", "tcp,self"}};
+  st = Transport::create(o).status();
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("unknown param 'tls' (its params: none)"), std::string::npos) << st.message();
+  EXPECT_EQ(Transport::resolve_params("inproc", {{"x", "1"}}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Transport::resolve_params("inproc", {}).ok());
+}
+
+TEST(TransportBackendOptions, MalformedUcxParamIsRefused) {
+  CleanEnv env;
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"spin_us", "abc"},   {"spin_us", "-1"},       {"busy_spin_us", "1.5"}, {"keepalive_ms", ""},
+      {"tcp_control", "2"}, {"one_host", "maybe"},   {"ep_info", "Yes!"},     {"reads", "fast"},
+  };
+  for (const auto& [name, value] : bad) {
+    auto r = Transport::resolve_params("ucx", {{name, value}});
+    ASSERT_EQ(r.status().code(), StatusCode::kInvalidArgument) << name << "=" << value;
+    EXPECT_NE(r.status().message().find("'" + name + "'"), std::string::npos) << r.status().message();
+    TransportOptions o;
+    o.params = {{name, value}};
+    EXPECT_EQ(Transport::create(o).status().code(), StatusCode::kInvalidArgument) << name;
+  }
+  // Two forms of one UCX setting.
+  auto r = Transport::resolve_params("ucx", {{"tls", "tcp"}, {"ucx.TLS", "sm"}});
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("ucx.TLS"), std::string::npos) << r.status().message();
+  // A ucx.<KEY> value UCX refuses is refused at create (UCX itself only warns about a
+  // KEY it does not know).
+  TransportOptions o;
+  o.params = {{"ucx.RNDV_THRESH", "lots"}};
+  Status st = Transport::create(o).status();
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("RNDV_THRESH=lots"), std::string::npos) << st.message();
+}
+
+TEST(TransportBackendOptions, UcxDefaultsAndParams) {
+  CleanEnv env;
+  EXPECT_EQ(resolved({}), (TransportParams{{"tls", ""}, {"net_devices", ""}, {"one_host", "0"}, {"tcp_control", "1"},
+                                           {"keepalive_ms", "500"}, {"spin_us", "0"}, {"busy_spin_us", "0"},
+                                           {"reads", "auto"}, {"ep_info", "0"}}));
+  auto info = Transport::backend_info("ucx");
+  ASSERT_TRUE(info.ok());
+  const TransportParams defaults = resolved({});
+  for (const BackendOption& o : info->options) {
+    if (!o.name.ends_with('.')) {
+      EXPECT_EQ(defaults.at(o.name), o.default_value) << o.name;
+    }
+  }
+  auto p = resolved({{"tls", "sm,self"}, {"ucx.NET_DEVICES", "lo"}, {"ucx.RNDV_THRESH", "8k"}, {"tcp_control", "off"},
+                     {"keepalive_ms", "250"}, {"spin_us", "20"}, {"busy_spin_us", "3"}, {"reads", "rma"},
+                     {"ep_info", "yes"}});
+  EXPECT_EQ(p["tls"], "sm,self");
+  EXPECT_EQ(p["net_devices"], "lo");
+  EXPECT_EQ(p["ucx.RNDV_THRESH"], "8k");
+  EXPECT_EQ(p["tcp_control"], "0");
+  EXPECT_EQ(p["keepalive_ms"], "250");
+  EXPECT_EQ(p["spin_us"], "20");
+  EXPECT_EQ(p["busy_spin_us"], "3");
+  EXPECT_EQ(p["reads"], "rma");
+  EXPECT_EQ(p["ep_info"], "1");
+  EXPECT_EQ(resolved({{"ucx.TLS", "tcp"}})["tls"], "tcp");
+}
+
+TEST(TransportBackendOptions, UcxEnvironmentOverridesParams) {
+  CleanEnv env;
+  const TransportParams params = {{"tcp_control", "1"}, {"spin_us", "3"}, {"busy_spin_us", "4"}, {"reads", "rma"}};
+  env.set("FERRY_UCX_TCP_CONTROL", "off");
+  env.set("FERRY_UCX_SPIN_US", "70");
+  env.set("FERRY_UCX_BUSY_SPIN_US", "80");
+  env.set("FERRY_UCX_READS", "message");
+  env.set("FERRY_UCX_EP_INFO", "0");  // set at all: on
+  auto p = resolved(params);
+  EXPECT_EQ(p["tcp_control"], "0");
+  EXPECT_EQ(p["spin_us"], "70");
+  EXPECT_EQ(p["busy_spin_us"], "80");
+  EXPECT_EQ(p["reads"], "message");
+  EXPECT_EQ(p["ep_info"], "1");
+  // Values the variables never understood leave the param alone (reads), or mean on.
+  env.set("FERRY_UCX_TCP_CONTROL", "whatever");
+  env.set("FERRY_UCX_READS", "auto");
+  p = resolved({{"tcp_control", "0"}, {"reads", "rma"}});
+  EXPECT_EQ(p["tcp_control"], "1");
+  EXPECT_EQ(p["reads"], "rma");
+  // FERRY_UCX_TLS means nothing without one_host.
+  env.set("FERRY_UCX_TLS", "tcp,self");
+  EXPECT_EQ(resolved({})["tls"], "");
+  EXPECT_EQ(resolved({{"tls", "sm,self"}})["tls"], "sm,self");
+}
+
+TEST(TransportBackendOptions, UcxOneHost) {
+  CleanEnv env;
+  auto p = resolved({{"one_host", "1"}});
+  EXPECT_EQ(p["tls"], "sm,tcp,self");  // bytes over shared memory, messages over loopback tcp
+  EXPECT_EQ(p["net_devices"], "lo");
+  env.set("FERRY_UCX_TLS", "tcp,self");  // the tools' selector: the default of tls
+  p = resolved({{"one_host", "1"}});
+  EXPECT_EQ(p["tls"], "tcp,self");
+  EXPECT_EQ(p["net_devices"], "lo");
+  env.set("FERRY_UCX_TLS", "sm,self");  // no tcp named: net_devices left to UCX (tcp_control adds lo)
+  p = resolved({{"one_host", "1"}});
+  EXPECT_EQ(p["tls"], "sm,self");
+  EXPECT_EQ(p["net_devices"], "");
+  // A tls param wins over FERRY_UCX_TLS (ferry bench --tls), net_devices over lo.
+  p = resolved({{"one_host", "1"}, {"tls", "sm,tcp,self"}, {"net_devices", "eth0"}});
+  EXPECT_EQ(p["tls"], "sm,tcp,self");
+  EXPECT_EQ(p["net_devices"], "eth0");
+  env.set("FERRY_UCX_TLS", "");  // empty: unset
+  EXPECT_EQ(resolved({{"one_host", "1"}})["tls"], "sm,tcp,self");
+}
+
+}  // namespace
+}  // namespace ferry
