@@ -18,7 +18,9 @@
 #include <sstream>
 #include <thread>
 
-#include "engine/common.h"
+#include "engine/clock.h"
+#include "engine/protocol.h"
+#include "engine/registered_buffer.h"
 #include "engine/harness.h"
 
 namespace ferry::engine {

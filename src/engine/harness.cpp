@@ -8,7 +8,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/common.h"
+#include "engine/clock.h"
+#include "engine/protocol.h"
+#include "engine/registered_buffer.h"
 
 namespace ferry::engine {
 
