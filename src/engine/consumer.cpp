@@ -16,6 +16,7 @@
 #include "engine/registered_buffer.h"
 #include "engine/rendezvous.h"
 #include "engine/schedule.h"
+#include "engine/unpack_worker.h"
 
 namespace ferry {
 
@@ -89,33 +90,19 @@ struct Consumer::Impl {
   std::set<int> readied;
   std::map<int, std::pair<uint64_t, uint64_t>> flushed_from;
   std::set<uint64_t> dropped_versions;
-  // Background thread.
-  struct Job {
-    uint64_t version;
-    int group;
-    int slot;  // -1: no data
-  };
-  std::deque<Job> jobs;
-  bool slot_busy[kSlots] = {false, false};
-  bool busy = false;
-  bool stop = false;
-  bool crashed = false;
-  Status bg_status;
+  // Params changed in this attempt (reads straight into them, or the worker unpacked):
+  // a failure now leaves the consumer torn.
   bool unpacked_any = false;
-  double unpack_seconds = 0, post_seconds = 0;
-  std::thread worker;
+  std::atomic<bool> crashed{false};  // simulate_crash (test hook)
   ConsumerState st;
+  // The unpack + post-processing thread (unpack_worker.h). Last: destroyed first.
+  std::unique_ptr<UnpackWorker> worker;
 
   Impl(const ModelLoader& l, int r, Transport& t, Store& s, const ConsumerOptions& opt)
       : loader(l), rank(r), tr(t), store(s), o(opt), keys(opt.job), route_state(s, JobKeys(opt.job), opt.failover) {}
 
   ~Impl() {
-    {
-      std::lock_guard<std::mutex> lk(mu);
-      stop = true;
-      cv.notify_all();
-    }
-    if (worker.joinable()) worker.join();
+    worker.reset();  // stops after its current job
     tr.set_message_handler({});
     tr.set_peer_failure_handler({});
     if (lease) lease->release().ignore();
@@ -172,55 +159,32 @@ struct Consumer::Impl {
     cv.notify_all();
   }
 
-  void bg_loop() {
-    for (;;) {
-      Job job;
-      {
-        std::unique_lock<std::mutex> lk(mu);
-        cv.wait(lk, [&] { return stop || !jobs.empty(); });
-        if (stop) return;
-        job = jobs.front();
-        jobs.pop_front();
-        busy = true;
-      }
-      Status s;
-      double tu = 0, tp = 0;
-      if (job.slot >= 0) {
-        point(job.group, 3);
-        auto t = Clock::now();
-        const uint64_t n = pr->groups[static_cast<size_t>(job.group)].recv_bytes;
-        s = unpack_group(schedule.unpack, job.group,
-                         std::span<const std::byte>(ring.data + job.slot * slot_bytes, n), loaded);
-        if (!s.ok()) s = s.with_context(fmt::format("consumer {} unpack group {}", rank, job.group));
-        tu = seconds_since(t);
-      }
-      {
-        std::lock_guard<std::mutex> lk(mu);
-        if (job.slot >= 0) {
-          slot_busy[job.slot] = false;
-          unpacked_any = true;
-        }
-      }
-      if (s.ok()) {
-        auto t = Clock::now();
-        for (int k : schedule.groups[static_cast<size_t>(job.group)].post_groups) {
-          s = rl->process_weights_after_loading(k, work);
-          if (!s.ok()) {
-            s = s.with_context(fmt::format("consumer {} post-processing {}", rank, rl->groups()[static_cast<size_t>(k)].name));
-            break;
-          }
-        }
-        tp = seconds_since(t);
-      }
-      if (s.ok() && o.after_group) o.after_group(job.version, job.group);
+  // The worker's job steps (on its thread).
+  Status unpack_job(const UnpackWorker::Job& job) {
+    point(job.group, 3);
+    const uint64_t n = pr->groups[static_cast<size_t>(job.group)].recv_bytes;
+    Status s = unpack_group(schedule.unpack, job.group,
+                            std::span<const std::byte>(ring.data + static_cast<uint64_t>(job.slot) * slot_bytes, n), loaded);
+    {
       std::lock_guard<std::mutex> lk(mu);
-      unpack_seconds += tu;
-      post_seconds += tp;
-      if (!s.ok() && bg_status.ok()) bg_status = s;
-      busy = false;
-      cv.notify_all();
+      unpacked_any = true;  // (even a failed unpack may have written some params)
     }
+    if (!s.ok()) return s.with_context(fmt::format("consumer {} unpack group {}", rank, job.group));
+    return s;
   }
+  Status post_job(const UnpackWorker::Job& job) {
+    for (int k : schedule.groups[static_cast<size_t>(job.group)].post_groups) {
+      Status s = rl->process_weights_after_loading(k, work);
+      if (!s.ok())
+        return s.with_context(fmt::format("consumer {} post-processing {}", rank, rl->groups()[static_cast<size_t>(k)].name));
+    }
+    return Status::Ok();
+  }
+  void wake() {
+    std::lock_guard<std::mutex> lk(mu);
+    cv.notify_all();
+  }
+  std::string who() const { return fmt::format("consumer {}", rank); }
 
   Status refresh_producers() {
     for (int p = 0; p < o.num_producers; ++p) {
@@ -319,7 +283,7 @@ struct Consumer::Impl {
       }
       if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
       if (dropped_versions.count(v)) return cancelled("consumer {} was dropped from sync {} by a producer", rank, v);
-      if (!bg_status.ok()) return bg_status;
+      if (Status w = worker->status(); !w.ok()) return w;
       if (none) {
         *none = true;
         return timeout_error("consumer {}: no {} yet", rank, what);
@@ -334,20 +298,9 @@ struct Consumer::Impl {
   }
 
   Result<int> acquire_slot(int g) {
-    const int s = g % kSlots;
-    std::unique_lock<std::mutex> lk(mu);
-    if (!cv.wait_for(lk, o.timeout, [&] { return !slot_busy[s] || !bg_status.ok() || crashed; }))
-      return timeout_error("consumer {}: receive slot not freed within {} ms", rank, o.timeout.count());
-    if (!bg_status.ok()) return bg_status;
-    if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
-    slot_busy[s] = true;
+    auto s = worker->acquire(g % kSlots, o.timeout, [this] { return crashed.load(); }, who());
+    if (!s.ok() && crashed) return cancelled("consumer {} crashed (test hook)", rank);
     return s;
-  }
-
-  void enqueue(uint64_t v, int g, int slot) {
-    std::lock_guard<std::mutex> lk(mu);
-    jobs.push_back(Job{v, g, slot});
-    cv.notify_all();
   }
 
   // Where the bytes of sub-read `sr` of the receive slot `slot` land.
@@ -488,7 +441,7 @@ struct Consumer::Impl {
       const ConsumerGroupSchedule& gs = schedule.groups[static_cast<size_t>(g)];
       const std::set<int> from(gs.from.begin(), gs.from.end());
       if (from.empty()) {
-        enqueue(v, g, -1);
+        worker->enqueue({v, g, -1});
         continue;
       }
       FERRY_ASSIGN_OR_RETURN(int s, acquire_slot(g));
@@ -575,17 +528,12 @@ struct Consumer::Impl {
       for (const auto& [p, b] : gs.received_from) rep.bytes_per_peer[p] += b;
       for (int p : from) FERRY_RETURN_IF_ERROR(verify(p, g, got[p], s));
       point(g, 2);
-      enqueue(v, g, s);
+      worker->enqueue({v, g, s});
     }
     // Drain the background thread.
-    std::unique_lock<std::mutex> lk(mu);
-    const auto deadline = Clock::now() + o.timeout;
-    while ((!jobs.empty() || busy) && bg_status.ok()) {
-      if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline)
-        return timeout_error("consumer {}: unpacking did not finish within {} ms", rank, o.timeout.count());
-    }
+    Status drained = worker->drain(o.timeout, who());
     if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
-    return bg_status;
+    return drained;
   }
 
   // Installs routes (only between attempts: the background thread is idle).
@@ -627,12 +575,7 @@ struct Consumer::Impl {
 
   // Waits for the background thread to go idle, then resets it for a new attempt.
   void reset_background() {
-    std::unique_lock<std::mutex> lk(mu);
-    cv.wait_for(lk, o.timeout, [&] { return jobs.empty() && !busy; });
-    jobs.clear();
-    bg_status = Status::Ok();
-    unpack_seconds = post_seconds = 0;
-    slot_busy[0] = slot_busy[1] = false;
+    worker->reset(o.timeout);
     work = loaded;
   }
 
@@ -766,11 +709,10 @@ struct Consumer::Impl {
       rep.bytes = rep.direct_bytes = 0;
       rep.bytes_per_peer.clear();
     }
+    // On failure, let the background thread finish what it holds, then tell producers we gave up.
+    if (!s.ok()) worker->clear(o.timeout);
     std::unique_lock<std::mutex> lk(mu);
     if (!s.ok()) {
-      // Let the background thread finish what it holds, then tell producers we gave up.
-      cv.wait_for(lk, o.timeout, [&] { return jobs.empty() && !busy; });
-      jobs.clear();
       if (unpacked_any) st.torn = true;
       lk.unlock();
       for (int p = 0; p < o.num_producers; ++p) {
@@ -783,8 +725,8 @@ struct Consumer::Impl {
       }
       return s;
     }
-    rep.unpack_seconds = unpack_seconds;
-    rep.post_seconds = post_seconds;
+    rep.unpack_seconds = worker->unpack_seconds();
+    rep.post_seconds = worker->post_seconds();
     final_ = work;
     st.version = v;
     st.has_version = true;
@@ -820,6 +762,7 @@ void Consumer::simulate_crash() {
     std::lock_guard<std::mutex> lk(impl_->mu);
     impl_->crashed = true;
     impl_->cv.notify_all();
+    impl_->worker->interrupt();
   }
   if (impl_->lease) impl_->lease->release().ignore();
 }
@@ -913,7 +856,14 @@ Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, in
   for (int p = 0; p < options.num_producers; ++p) producer_keys.push_back(m.keys.producer(p));
   FERRY_RETURN_IF_ERROR(store.wait(producer_keys, options.rendezvous_timeout).with_context("waiting for producers"));
   FERRY_RETURN_IF_ERROR(m.refresh_producers());
-  m.worker = std::thread([self] { self->bg_loop(); });
+  m.worker = std::make_unique<UnpackWorker>(
+      Impl::kSlots, [self](const UnpackWorker::Job& j) { return self->unpack_job(j); },
+      [self](const UnpackWorker::Job& j) { return self->post_job(j); },
+      [self](const UnpackWorker::Job& j) {
+        if (self->o.after_group) self->o.after_group(j.version, j.group);
+      },
+      [self] { self->wake(); });
+  m.worker->start();
   const std::string blob = encode_lease(ConsumerLease{bytes_to_string(transport.address()), bytes_to_string(key), m.slot_bytes});
   FERRY_ASSIGN_OR_RETURN(m.lease, store.hold_lease(m.keys.consumer(rank), blob, options.lease_ttl));
   return std::unique_ptr<Consumer>(new Consumer(std::move(impl)));
