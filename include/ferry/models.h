@@ -168,10 +168,14 @@ using PostFn = std::function<Status(TensorMap& params)>;
 // What one inference rank holds and how it loads. Made by ModelLoader::rank().
 class RankLoader {
  public:
-  struct Route {
+  // How one checkpoint tensor is loaded (a tensor may have several, e.g. q, k and v
+  // into a fused qkv): the load function and the post-processing groups it writes.
+  struct TensorLoad {
     LoadFn fn;
-    std::vector<int> groups;  // groups of the params it writes
+    std::vector<int> groups;  // post-processing groups of the params it writes
   };
+  // A post-processing group (not a sync's layer group, Routes::group_names): params
+  // post-processed together once all of them landed (vLLM's process_weights_after_loading).
   struct Group {
     std::string name;          // "embedding", "layer 3", "final"
     std::vector<PostFn> post;  // in order
@@ -201,7 +205,7 @@ class RankLoader {
   std::shared_ptr<const std::unordered_map<std::string, TensorDecl>> checkpoint_index_;
   std::vector<ParamInfo> params_;
   std::vector<TensorDecl> final_params_;
-  std::unordered_map<std::string, std::vector<Route>> routes_;
+  std::unordered_map<std::string, std::vector<TensorLoad>> loads_;  // by checkpoint tensor name
   std::vector<Group> groups_;
 };
 

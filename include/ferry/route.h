@@ -185,6 +185,10 @@ Result<Routes> build_routes(const RouterInput& input, const RouterOptions& optio
 // `staging` must hold ProducerGroup::staging_bytes. Checks every op against its box.
 Status pack_group(const Routes& routes, uint32_t producer, int group, const Holdings& holdings,
                   const std::vector<LocalBox>& boxes, std::span<std::byte> staging);
+// The same for one group's route `group_route` (of `producer`, layer group `group`), e.g.
+// one with the packs another path serves removed.
+Status pack_group(const ProducerGroup& group_route, uint32_t producer, int group, const Holdings& holdings,
+                  const std::vector<LocalBox>& boxes, std::span<std::byte> staging);
 // Unpacks a received group buffer (PlanGroup::recv_bytes) into real params (by name,
 // contiguous, declared dtype and shape).
 Status unpack_group(const PlanRoute& plan, int group, std::span<const std::byte> recv, const TensorMap& params);

@@ -9,10 +9,14 @@
 #include <thread>
 
 #include <unistd.h>
-#include <xxhash.h>
 
-#include "engine/common.h"
+#include "engine/clock.h"
 #include "engine/in_place.h"
+#include "engine/protocol.h"
+#include "engine/registered_buffer.h"
+#include "engine/rendezvous.h"
+#include "engine/schedule.h"
+#include "engine/unpack_worker.h"
 
 namespace ferry {
 
@@ -25,50 +29,32 @@ struct Consumer::Impl {
   Transport& tr;
   Store& store;
   ConsumerOptions o;
+  JobKeys keys;
   Plan plan;
+  RouteState route_state;  // rendezvous inputs; producers excluded from `routes`
   Routes routes;
   uint64_t routes_hash = 0;
-  const PlanRoute* pr = nullptr;
-  RouteInputs inputs;
-  std::set<int> dead;   // producers excluded from `routes`
+  const PlanRoute* pr = nullptr;  // this rank's plan class in `routes`
   int failed_p = -1;    // the producer whose failure ended the last attempt
   TensorMap loaded;   // param buffers as loaded (what unpack writes)
   TensorMap final_;   // after post-processing, of the last committed sync
   TensorMap work;     // being post-processed (background thread)
-  std::vector<int> loader_group_ready_at;  // loader group -> route group after which it is complete
   static constexpr int kSlots = 2;
   uint64_t slot_bytes = 0;
   RegisteredBuffer ring;
   // Zero-copy pull: a piece of a read that unpacks as a plain byte copy (same dtype,
   // contiguous destination, not shared with another unpack) of at least
-  // o.direct_min_bytes is read straight into the param's memory, registered with the transport;
-  // the rest goes through the receive ring and is unpacked on the background thread.
-  // This saves one full copy of almost every byte (routes lay segments out in
+  // o.direct_min_bytes is read straight into the param's memory, registered with the
+  // transport; the rest goes through the receive ring and is unpacked on the background
+  // thread. This saves one full copy of almost every byte (routes lay segments out in
   // destination order, so most pieces are contiguous runs of a param).
-  struct ParamRegion {
-    MemoryRegion region;
-    uint64_t offset = 0;  // of the param inside `region`
-    std::byte* data = nullptr;
-    uint64_t bytes = 0;
-  };
-  std::map<std::string, ParamRegion> param_regions;  // registered params by name
-  std::vector<MemoryRegion> registrations;           // ours to deregister
-  // One read (or part of one): recv bytes [recv_offset, +length) of group g, from the
-  // producer's staging at Read::offset + (recv_offset - Read::recv_offset), land in the
-  // receive slot (param == nullptr) or at param_offset of a param.
-  // `region` >= 0: the bytes come from the producer's source region `region` (served in
-  // place, see ProducerOptions::source_regions) at `remote`, not from its staging.
-  struct SubRead {
-    uint32_t read = 0;
-    uint64_t recv_offset = 0, length = 0;
-    const ParamRegion* param = nullptr;
-    uint64_t param_offset = 0;
-    int32_t region = -1;
-    uint64_t remote = 0;  // region offset (region >= 0) or group staging offset
-  };
-  std::vector<std::vector<SubRead>> subs;  // per group of `routes` (pull)
-  bool subs_stale = true;                  // a producer's in-place table changed
-  PlanRoute unpack_route;                  // *pr less the unpacks read straight into params
+  std::map<std::string, RegisteredParam> param_regions;  // registered params by name
+  std::vector<MemoryRegion> registrations;               // ours to deregister
+  // Per layer group of `routes`: what to read from whom into where, what to unpack,
+  // which post-processing groups complete (engine/schedule.h). Rebuilt when routes
+  // change or a producer's in-place table does (schedule_stale).
+  ConsumerSchedule schedule;
+  bool schedule_stale = true;
   std::unique_ptr<Lease> lease;
 
   struct Peer {
@@ -85,10 +71,17 @@ struct Consumer::Impl {
   std::vector<Peer> peers;
   std::map<PeerId, int> peer_rank;
   std::map<int, Status> failed;                             // producer -> why
-  // (version, group, producer) -> (sender instance, message). Kept even from instances
-  // not connected yet (a restarted producer may announce before we re-read its lease);
-  // checked against the connected instance when taken.
-  std::map<std::tuple<uint64_t, int, int>, std::pair<PeerId, Msg>> inbox;
+  // An Announce (pull), Pushed (push) or RoutesNotice (group -1) as the sync loop takes it.
+  struct Arrival {
+    PeerId from = 0;          // sender instance
+    uint64_t routes = 0;      // the routes the sender runs (laid the bytes out by)
+    uint64_t slot_offset = 0; // Announce: the group's offset in the producer's staging ring
+    std::optional<uint64_t> checksum;
+  };
+  // (version, group, producer) -> arrival. Kept even from instances not connected yet (a
+  // restarted producer may announce before we re-read its lease); checked against the
+  // connected instance when taken.
+  std::map<std::tuple<uint64_t, int, int>, Arrival> inbox;
   std::set<uint64_t> old_hashes;  // routes abandoned during the current sync
   bool switch_routes = false;     // a producer announced other routes for this sync
   bool declare = false;           // tell producers our routes once connected (sync began on failed-over routes)
@@ -97,33 +90,19 @@ struct Consumer::Impl {
   std::set<int> readied;
   std::map<int, std::pair<uint64_t, uint64_t>> flushed_from;
   std::set<uint64_t> dropped_versions;
-  // Background thread.
-  struct Job {
-    uint64_t version;
-    int group;
-    int slot;  // -1: no data
-  };
-  std::deque<Job> jobs;
-  bool slot_busy[kSlots] = {false, false};
-  bool busy = false;
-  bool stop = false;
-  bool crashed = false;
-  Status bg_status;
+  // Params changed in this attempt (reads straight into them, or the worker unpacked):
+  // a failure now leaves the consumer torn.
   bool unpacked_any = false;
-  double unpack_seconds = 0, post_seconds = 0;
-  std::thread worker;
+  std::atomic<bool> crashed{false};  // simulate_crash (test hook)
   ConsumerState st;
+  // The unpack + post-processing thread (unpack_worker.h). Last: destroyed first.
+  std::unique_ptr<UnpackWorker> worker;
 
   Impl(const ModelLoader& l, int r, Transport& t, Store& s, const ConsumerOptions& opt)
-      : loader(l), rank(r), tr(t), store(s), o(opt) {}
+      : loader(l), rank(r), tr(t), store(s), o(opt), keys(opt.job), route_state(s, JobKeys(opt.job), opt.failover) {}
 
   ~Impl() {
-    {
-      std::lock_guard<std::mutex> lk(mu);
-      stop = true;
-      cv.notify_all();
-    }
-    if (worker.joinable()) worker.join();
+    worker.reset();  // stops after its current job
     tr.set_message_handler({});
     tr.set_peer_failure_handler({});
     if (lease) lease->release().ignore();
@@ -135,36 +114,36 @@ struct Consumer::Impl {
   }
 
   void on_message(PeerId from, std::span<const std::byte> payload) {
-    auto m = decode_msg(payload);
-    if (!m.ok()) return;
+    auto decoded = decode_message(payload);
+    if (!decoded.ok()) return;
+    const Message& msg = *decoded;
     std::lock_guard<std::mutex> lk(mu);
-    const int p = static_cast<int>(m->rank);
+    const int p = static_cast<int>(sender_of(msg));
     if (p < 0 || p >= o.num_producers) return;
     auto it = peer_rank.find(from);
     const bool known = it != peer_rank.end() && it->second == p;
-    switch (static_cast<MsgType>(m->type)) {
-      case MsgType::kAnnounce:
-      case MsgType::kPushed:
-        if (st.has_version && m->version <= st.version) return;  // stale
-        if (inbox.size() > 100000) return;
-        inbox[{m->version, m->group, p}] = {from, *m};
-        break;
-      case MsgType::kRoutes:
-        // Kept under group -1 (never awaited): await_any sees its routes and switches.
-        if (st.has_version && m->version <= st.version) return;
-        if (inbox.size() > 100000) return;
-        inbox[{m->version, -1, p}] = {from, *m};
-        break;
-      case MsgType::kFlushed:
-        if (!known) return;
-        flushed_from[p] = {m->version, m->routes_hash};
-        break;
-      case MsgType::kDropped:
-        if (!known) return;
-        dropped_versions.insert(m->version);
-        break;
-      default:
-        return;
+    const uint64_t mv = version_of(msg);
+    auto keep = [&](int group, const Arrival& a) {
+      if (st.has_version && mv <= st.version) return false;  // stale
+      if (inbox.size() > 100000) return false;
+      inbox[{mv, group, p}] = a;
+      return true;
+    };
+    if (const auto* m = std::get_if<Announce>(&msg)) {
+      if (!keep(m->group, Arrival{from, m->routes, m->slot_offset, m->checksum})) return;
+    } else if (const auto* m = std::get_if<Pushed>(&msg)) {
+      if (!keep(m->group, Arrival{from, m->routes, 0, m->checksum})) return;
+    } else if (const auto* m = std::get_if<RoutesNotice>(&msg)) {
+      // Kept under group -1 (never awaited): await_any sees its routes and switches.
+      if (!keep(-1, Arrival{from, m->routes, 0, std::nullopt})) return;
+    } else if (const auto* m = std::get_if<Flushed>(&msg)) {
+      if (!known) return;
+      flushed_from[p] = {m->version, m->routes};
+    } else if (const auto* m = std::get_if<Dropped>(&msg)) {
+      if (!known) return;
+      dropped_versions.insert(m->version);
+    } else {
+      return;
     }
     cv.notify_all();
   }
@@ -180,62 +159,40 @@ struct Consumer::Impl {
     cv.notify_all();
   }
 
-  void bg_loop() {
-    for (;;) {
-      Job job;
-      {
-        std::unique_lock<std::mutex> lk(mu);
-        cv.wait(lk, [&] { return stop || !jobs.empty(); });
-        if (stop) return;
-        job = jobs.front();
-        jobs.pop_front();
-        busy = true;
-      }
-      Status s;
-      double tu = 0, tp = 0;
-      if (job.slot >= 0) {
-        point(job.group, 3);
-        auto t = Clock::now();
-        const uint64_t n = pr->groups[static_cast<size_t>(job.group)].recv_bytes;
-        s = unpack_group(unpack_route, job.group, std::span<const std::byte>(ring.data + job.slot * slot_bytes, n),
-                         loaded);
-        if (!s.ok()) s = s.with_context(fmt::format("consumer {} unpack group {}", rank, job.group));
-        tu = seconds_since(t);
-      }
-      {
-        std::lock_guard<std::mutex> lk(mu);
-        if (job.slot >= 0) {
-          slot_busy[job.slot] = false;
-          unpacked_any = true;
-        }
-      }
-      if (s.ok()) {
-        auto t = Clock::now();
-        for (size_t k = 0; k < loader_group_ready_at.size() && s.ok(); ++k) {
-          if (loader_group_ready_at[k] == job.group) {
-            s = rl->process_weights_after_loading(static_cast<int>(k), work);
-            if (!s.ok()) s = s.with_context(fmt::format("consumer {} post-processing {}", rank, rl->groups()[k].name));
-          }
-        }
-        tp = seconds_since(t);
-      }
-      if (s.ok() && o.after_group) o.after_group(job.version, job.group);
+  // The worker's job steps (on its thread).
+  Status unpack_job(const UnpackWorker::Job& job) {
+    point(job.group, 3);
+    const uint64_t n = pr->groups[static_cast<size_t>(job.group)].recv_bytes;
+    Status s = unpack_group(schedule.unpack, job.group,
+                            std::span<const std::byte>(ring.data + static_cast<uint64_t>(job.slot) * slot_bytes, n), loaded);
+    {
       std::lock_guard<std::mutex> lk(mu);
-      unpack_seconds += tu;
-      post_seconds += tp;
-      if (!s.ok() && bg_status.ok()) bg_status = s;
-      busy = false;
-      cv.notify_all();
+      unpacked_any = true;  // (even a failed unpack may have written some params)
     }
+    if (!s.ok()) return s.with_context(fmt::format("consumer {} unpack group {}", rank, job.group));
+    return s;
   }
+  Status post_job(const UnpackWorker::Job& job) {
+    for (int k : schedule.groups[static_cast<size_t>(job.group)].post_groups) {
+      Status s = rl->process_weights_after_loading(k, work);
+      if (!s.ok())
+        return s.with_context(fmt::format("consumer {} post-processing {}", rank, rl->groups()[static_cast<size_t>(k)].name));
+    }
+    return Status::Ok();
+  }
+  void wake() {
+    std::lock_guard<std::mutex> lk(mu);
+    cv.notify_all();
+  }
+  std::string who() const { return fmt::format("consumer {}", rank); }
 
   Status refresh_producers() {
     for (int p = 0; p < o.num_producers; ++p) {
-      if (dead.count(p)) continue;  // failed over: not read from
-      auto blob = store.get(key_producer(o.job, p));
+      if (route_state.dead().count(p)) continue;  // failed over: not read from
+      auto blob = store.get(keys.producer(p));
       if (!blob.ok()) {
         if (blob.status().code() == StatusCode::kNotFound)
-          return unavailable("producer {} is not registered (no live lease {})", p, key_producer(o.job, p));
+          return unavailable("producer {} is not registered (no live lease {})", p, keys.producer(p));
         return blob.status();
       }
       {
@@ -243,15 +200,16 @@ struct Consumer::Impl {
         const Peer& pe = peers[static_cast<size_t>(p)];
         if (pe.connected && pe.blob == *blob) continue;
       }
-      FERRY_ASSIGN_OR_RETURN(auto f, decode_fields(*blob, 4));
-      auto table = InPlaceTable::decode(f[3], inputs.holdings[static_cast<size_t>(p)].boxes.size());
+      auto lease = decode_producer_lease(*blob);
+      if (!lease.ok()) return lease.status().with_context(fmt::format("lease of producer {}", p));
+      auto table = InPlaceTable::decode(lease->in_place, route_state.inputs().holdings[static_cast<size_t>(p)].boxes.size());
       if (!table.ok()) return table.status().with_context(fmt::format("in-place table of producer {}", p));
-      auto id = tr.connect(string_bytes(f[0]));
+      auto id = tr.connect(string_bytes(lease->address));
       if (!id.ok()) {
         failed_p = p;  // a candidate for failover
         return id.status().with_context(fmt::format("connecting to producer {}", p));
       }
-      auto key = tr.import_key(string_bytes(f[1]));
+      auto key = tr.import_key(string_bytes(lease->staging_key));
       if (!key.ok()) {
         failed_p = p;
         return key.status().with_context(fmt::format("staging key of producer {}", p));
@@ -275,50 +233,44 @@ struct Consumer::Impl {
       pe.connected = true;
       pe.in_place = o.mode == SyncMode::kPull ? std::move(*table) : InPlaceTable{};
       pe.regions = std::move(regions);
-      subs_stale = true;
+      schedule_stale = true;
       peer_rank[*id] = p;
       failed.erase(p);
     }
     return Status::Ok();
   }
 
-  void send_to(int p, MsgType type, uint64_t v, int g, uint32_t slot = 0) {
+  void send_to(int p, const Message& m) {
     PeerId id;
     {
       std::lock_guard<std::mutex> lk(mu);
       id = peers[static_cast<size_t>(p)].id;
     }
-    Msg m;
-    m.type = static_cast<uint8_t>(type);
-    m.rank = static_cast<uint32_t>(rank);
-    m.group = g;
-    m.version = v;
-    m.routes_hash = routes_hash;
-    m.slot = slot;
-    tr.send(id, kTag, encode_msg(m)).status().ignore();
+    tr.send(id, kEngineTag, encode_message(m)).status().ignore();
   }
+  uint32_t me() const { return static_cast<uint32_t>(rank); }
 
   // Waits for the message (v, g, p) from any producer p in `from`; fails when one of
   // them failed, when we were dropped, or after `timeout`.
   // `none` (polling): return at once with *none = true when nothing is there yet.
-  Result<std::pair<int, Msg>> await_any(uint64_t v, int g, const std::set<int>& from, const char* what,
-                                        bool* none = nullptr) {
+  Result<std::pair<int, Arrival>> await_any(uint64_t v, int g, const std::set<int>& from, const char* what,
+                                            bool* none = nullptr) {
     std::unique_lock<std::mutex> lk(mu);
     const auto deadline = Clock::now() + o.timeout;
     for (;;) {
       for (int p : from) {
         auto it = inbox.find({v, g, p});
         // A message of another attempt (other routes) stays: it may be the next one's.
-        if (it == inbox.end() || it->second.second.routes_hash != routes_hash) continue;
-        if (it->second.first != peers[static_cast<size_t>(p)].id) continue;  // not the connected instance
-        Msg m = it->second.second;
+        if (it == inbox.end() || it->second.routes != routes_hash) continue;
+        if (it->second.from != peers[static_cast<size_t>(p)].id) continue;  // not the connected instance
+        Arrival a = it->second;
         inbox.erase(it);
-        return std::make_pair(p, m);
+        return std::make_pair(p, a);
       }
       // A producer restarted this sync with other routes (failover another consumer
       // started): follow it.
       for (const auto& [key, e] : inbox) {
-        if (std::get<0>(key) == v && e.second.routes_hash != routes_hash && !old_hashes.count(e.second.routes_hash)) {
+        if (std::get<0>(key) == v && e.routes != routes_hash && !old_hashes.count(e.routes)) {
           switch_routes = true;
           return unavailable("consumer {}: producer {} switched routes for sync {}", rank, std::get<2>(key), v);
         }
@@ -331,7 +283,7 @@ struct Consumer::Impl {
       }
       if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
       if (dropped_versions.count(v)) return cancelled("consumer {} was dropped from sync {} by a producer", rank, v);
-      if (!bg_status.ok()) return bg_status;
+      if (Status w = worker->status(); !w.ok()) return w;
       if (none) {
         *none = true;
         return timeout_error("consumer {}: no {} yet", rank, what);
@@ -346,20 +298,9 @@ struct Consumer::Impl {
   }
 
   Result<int> acquire_slot(int g) {
-    const int s = g % kSlots;
-    std::unique_lock<std::mutex> lk(mu);
-    if (!cv.wait_for(lk, o.timeout, [&] { return !slot_busy[s] || !bg_status.ok() || crashed; }))
-      return timeout_error("consumer {}: receive slot not freed within {} ms", rank, o.timeout.count());
-    if (!bg_status.ok()) return bg_status;
-    if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
-    slot_busy[s] = true;
+    auto s = worker->acquire(g % kSlots, o.timeout, [this] { return crashed.load(); }, who());
+    if (!s.ok() && crashed) return cancelled("consumer {} crashed (test hook)", rank);
     return s;
-  }
-
-  void enqueue(uint64_t v, int g, int slot) {
-    std::lock_guard<std::mutex> lk(mu);
-    jobs.push_back(Job{v, g, slot});
-    cv.notify_all();
   }
 
   // Where the bytes of sub-read `sr` of the receive slot `slot` land.
@@ -370,32 +311,26 @@ struct Consumer::Impl {
 
   // The checksum covers producer p's bytes of group g in staging order, wherever they
   // landed (receive slot or params).
-  Status verify(int p, int g, const Msg& m, int s, const std::vector<Read>& reads) {
-    if (!m.has_checksum) return Status::Ok();
-    std::vector<std::pair<uint64_t, const SubRead*>> mine;  // staging offset -> piece
-    for (const SubRead& sr : subs[static_cast<size_t>(g)]) {
-      const Read& r = reads[sr.read];
-      if (static_cast<int>(r.producer) == p) mine.emplace_back(r.offset + (sr.recv_offset - r.recv_offset), &sr);
+  Status verify(int p, int g, const Arrival& a, int s) {
+    if (!a.checksum) return Status::Ok();
+    const ConsumerGroupSchedule& gs = schedule.groups[static_cast<size_t>(g)];
+    SegmentHash h;
+    if (auto it = gs.checksum_order.find(p); it != gs.checksum_order.end()) {
+      for (uint32_t k : it->second) h.update(landing(gs.reads[k], s), gs.reads[k].length);
     }
-    std::sort(mine.begin(), mine.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-    XXH64_state_t* h = XXH64_createState();
-    XXH64_reset(h, 0);
-    for (const auto& [offset, sr] : mine) XXH64_update(h, landing(*sr, s), sr->length);
-    const uint64_t got = XXH64_digest(h);
-    XXH64_freeState(h);
-    if (got != m.checksum)
+    const uint64_t got = h.digest();
+    if (got != *a.checksum)
       return corrupt("consumer {}: checksum mismatch on the segment of producer {} in group {} ({}): got {:016x}, sent {:016x}",
-                     rank, p, g, routes.group_names[static_cast<size_t>(g)], got, m.checksum);
+                     rank, p, g, routes.group_names[static_cast<size_t>(g)], got, *a.checksum);
     return Status::Ok();
   }
 
   // Which sub-reads post() posts: staged ones (from the slot an announcement named), or
   // in-place ones landing in the receive ring or in params.
   enum PostWhat { kStaged, kInPlaceToRing, kInPlaceToParams };
-  Status post(int g, int p, uint64_t base, PostWhat what, const Msg* announce, std::vector<Completion>& ops) {
-    const PlanGroup& pg = pr->groups[static_cast<size_t>(g)];
-    for (const SubRead& sr : subs[static_cast<size_t>(g)]) {
-      if (static_cast<int>(pg.reads[sr.read].producer) != p) continue;
+  Status post(int g, int p, uint64_t base, PostWhat what, const Arrival* announce, std::vector<Completion>& ops) {
+    for (const SubRead& sr : schedule.groups[static_cast<size_t>(g)].reads) {
+      if (static_cast<int>(sr.producer) != p) continue;
       const PostWhat kind = sr.region < 0 ? kStaged : sr.param ? kInPlaceToParams : kInPlaceToRing;
       if (kind != what) continue;
       FERRY_RETURN_IF_ERROR(post_one(g, p, sr, 0, sr.length, base, announce, ops));
@@ -404,7 +339,7 @@ struct Consumer::Impl {
   }
 
   // Posts bytes [at, at + n) of sub-read `sr` of producer p in group g.
-  Status post_one(int g, int p, const SubRead& sr, uint64_t at, uint64_t n, uint64_t base, const Msg* announce,
+  Status post_one(int g, int p, const SubRead& sr, uint64_t at, uint64_t n, uint64_t base, const Arrival* announce,
                   std::vector<Completion>& ops) {
     RemoteRegion from_region;
     uint64_t remote = (announce ? announce->slot_offset : 0) + sr.remote + at;
@@ -458,7 +393,7 @@ struct Consumer::Impl {
   }
 
   // await_any for an announcement, working through the backlog while none is there.
-  Result<std::pair<int, Msg>> await_working(uint64_t v, int g, const std::set<int>& from, Backlog& b,
+  Result<std::pair<int, Arrival>> await_working(uint64_t v, int g, const std::set<int>& from, Backlog& b,
                                             std::map<std::pair<int, int>, std::vector<Completion>>& ahead) {
     while (!b.empty()) {
       bool none = false;
@@ -473,7 +408,7 @@ struct Consumer::Impl {
     FERRY_RETURN_IF_ERROR(refresh_producers());
     {
       std::lock_guard<std::mutex> lk(mu);  // the background thread is idle between attempts
-      if (subs_stale) plan_subreads();
+      if (schedule_stale) rebuild_schedule();
     }
     if (declare) {
       declare = false;
@@ -503,18 +438,16 @@ struct Consumer::Impl {
       }
     } drain{ahead, ops, o.timeout};
     for (int g = 0; g < routes.num_groups(); ++g) {
-      const PlanGroup& pg = pr->groups[static_cast<size_t>(g)];
-      std::set<int> from;
-      for (const Read& r : pg.reads)
-        if (r.length) from.insert(static_cast<int>(r.producer));
+      const ConsumerGroupSchedule& gs = schedule.groups[static_cast<size_t>(g)];
+      const std::set<int> from(gs.from.begin(), gs.from.end());
       if (from.empty()) {
-        enqueue(v, g, -1);
+        worker->enqueue({v, g, -1});
         continue;
       }
       FERRY_ASSIGN_OR_RETURN(int s, acquire_slot(g));
       point(g, 0);
       const uint64_t base = static_cast<uint64_t>(s) * slot_bytes;
-      std::map<int, Msg> got;
+      std::map<int, Arrival> got;
       if (o.mode == SyncMode::kPull) {
         // Staged bytes: read from each producer as soon as it announced, and release it
         // at once (before any in-place bytes are waited for), so that one slow producer
@@ -547,13 +480,12 @@ struct Consumer::Impl {
             return Status(st.code(),
                           fmt::format("consumer {} reading group {} from producer {}: {}", rank, g, p, st.message()));
           }
-          send_to(p, MsgType::kRelease, v, g);
+          send_to(p, Release{me(), v, g, routes_hash});
           if (in_v.insert(p).second) {  // p is in sync v: its in-place bytes are the weights of v
             FERRY_RETURN_IF_ERROR(post(g, p, base, kInPlaceToRing, nullptr, ops[p]));
             for (int g2 = g; g2 < routes.num_groups(); ++g2) {
-              const PlanGroup& pg2 = pr->groups[static_cast<size_t>(g2)];
-              for (const SubRead& sr : subs[static_cast<size_t>(g2)])
-                if (sr.region >= 0 && sr.param && static_cast<int>(pg2.reads[sr.read].producer) == p)
+              for (const SubRead& sr : schedule.groups[static_cast<size_t>(g2)].reads)
+                if (sr.region >= 0 && sr.param && static_cast<int>(sr.producer) == p)
                   backlog.by_group[g2].push_back(Backlog::Item{p, &sr, 0});
             }
           }
@@ -579,7 +511,7 @@ struct Consumer::Impl {
       } else {
         for (int p : from) {
           readied.insert(p);
-          send_to(p, MsgType::kReady, v, g, static_cast<uint32_t>(s));
+          send_to(p, Ready{me(), v, g, routes_hash, static_cast<uint32_t>(s)});
         }
         point(g, 1);
         auto tw = Clock::now();
@@ -591,231 +523,78 @@ struct Consumer::Impl {
         }
         rep.wait_seconds += seconds_since(tw);
       }
-      for (const Read& r : pg.reads) {
-        if (!r.length) continue;
-        rep.bytes += r.length;
-        rep.bytes_per_peer[static_cast<int>(r.producer)] += r.length;
-      }
-      for (const SubRead& sr : subs[static_cast<size_t>(g)])
-        if (sr.param) rep.direct_bytes += sr.length;
-      for (int p : from) FERRY_RETURN_IF_ERROR(verify(p, g, got[p], s, pg.reads));
+      rep.bytes += gs.received;
+      rep.direct_bytes += gs.direct;
+      for (const auto& [p, b] : gs.received_from) rep.bytes_per_peer[p] += b;
+      for (int p : from) FERRY_RETURN_IF_ERROR(verify(p, g, got[p], s));
       point(g, 2);
-      enqueue(v, g, s);
+      worker->enqueue({v, g, s});
     }
     // Drain the background thread.
-    std::unique_lock<std::mutex> lk(mu);
-    const auto deadline = Clock::now() + o.timeout;
-    while ((!jobs.empty() || busy) && bg_status.ok()) {
-      if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline)
-        return timeout_error("consumer {}: unpacking did not finish within {} ms", rank, o.timeout.count());
-    }
+    Status drained = worker->drain(o.timeout, who());
     if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
-    return bg_status;
+    return drained;
   }
 
   // Installs routes (only between attempts: the background thread is idle).
   Status apply_routes(Routes r) {
-    const PlanRoute& plan_route = r.consumer(static_cast<size_t>(rank));
-    for (const auto& g : plan_route.groups) {
-      if (g.recv_bytes > slot_bytes)
-        return failed_precondition("consumer {}: a group needs {} receive bytes, the ring has {}", rank, g.recv_bytes,
-                                   slot_bytes);
-    }
-    std::map<std::string, int> last_group;
-    for (int g = 0; g < r.num_groups(); ++g) {
-      for (const UnpackOp& u : plan_route.groups[static_cast<size_t>(g)].unpacks)
-        last_group[plan_route.params[u.param].name] = g;
-    }
-    std::vector<int> ready_at(rl->groups().size(), 0);
-    for (const ParamInfo& p : rl->params()) {
-      auto it = last_group.find(p.decl.name);
-      if (it != last_group.end() && p.group >= 0 && static_cast<size_t>(p.group) < ready_at.size())
-        ready_at[static_cast<size_t>(p.group)] = std::max(ready_at[static_cast<size_t>(p.group)], it->second);
-    }
+    const uint64_t needed = consumer_slot_bytes(r.consumer(static_cast<size_t>(rank)));
+    if (needed > slot_bytes)
+      return failed_precondition("consumer {}: a group needs {} receive bytes, the ring has {}", rank, needed, slot_bytes);
     std::lock_guard<std::mutex> lk(mu);
     routes = std::move(r);
     routes_hash = routes.hash();
     pr = &routes.consumer(static_cast<size_t>(rank));
-    loader_group_ready_at = std::move(ready_at);
-    plan_subreads();
+    rebuild_schedule();
     return Status::Ok();
   }
 
-  // Splits the reads of the current routes into sub-reads (see SubRead) and leaves in
-  // unpack_route only the unpacks that still go through the receive ring. Push mode
-  // keeps every byte in the ring: producers write into receive slots.
-  void plan_subreads() {
-    unpack_route = *pr;
-    subs.assign(pr->groups.size(), {});
-    for (size_t g = 0; g < pr->groups.size(); ++g) {
-      const PlanGroup& pg = pr->groups[g];
-      PlanGroup& ug = unpack_route.groups[g];
-      // Direct candidates: byte copies into a registered param, alone on their bytes.
-      struct Direct {
-        uint64_t offset, bytes;
-        const ParamRegion* param;
-        uint64_t param_offset;
-      };
-      std::vector<Direct> direct;
-      std::vector<bool> is_direct(pg.unpacks.size(), false);
-      if (o.mode == SyncMode::kPull) {
-        std::vector<std::pair<uint64_t, uint64_t>> spans;  // every unpack's recv bytes
-        for (const UnpackOp& u : pg.unpacks)
-          spans.emplace_back(u.offset, u.offset + static_cast<uint64_t>(u.dst.numel()) * dtype_size(u.src_dtype));
-        // shared[k]: another unpack reads some of op k's bytes (one sweep in offset order:
-        // an op overlaps an earlier one iff it starts below the earlier ends' maximum).
-        std::vector<bool> shared(spans.size(), false);
-        {
-          std::vector<size_t> order;
-          for (size_t k = 0; k < spans.size(); ++k)
-            if (spans[k].second > spans[k].first) order.push_back(k);
-          std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return spans[a] < spans[b]; });
-          uint64_t max_hi = 0;
-          size_t max_at = 0;
-          for (size_t i = 0; i < order.size(); ++i) {
-            const size_t k = order[i];
-            if (i > 0 && spans[k].first < max_hi) shared[k] = shared[max_at] = true;
-            if (spans[k].second > max_hi) {
-              max_hi = spans[k].second;
-              max_at = k;
-            }
-          }
-        }
-        std::vector<std::pair<uint64_t, uint64_t>> reads;  // recv bytes of each read
-        for (const Read& r : pg.reads)
-          if (r.length) reads.emplace_back(r.recv_offset, r.recv_offset + r.length);
-        std::sort(reads.begin(), reads.end());
-        auto in_one_read = [&](uint64_t lo, uint64_t hi) {
-          auto it = std::upper_bound(reads.begin(), reads.end(), std::make_pair(lo, UINT64_MAX));
-          return it != reads.begin() && std::prev(it)->first <= lo && hi <= std::prev(it)->second;
-        };
-        for (size_t k = 0; k < pg.unpacks.size(); ++k) {
-          const UnpackOp& u = pg.unpacks[k];
-          const TensorDecl& d = pr->params[u.param];
-          const auto [lo, hi] = spans[k];
-          if (u.src_dtype != d.dtype || !u.dst.is_contiguous() || hi - lo < o.direct_min_bytes || hi == lo) continue;
-          auto it = param_regions.find(d.name);
-          if (it == param_regions.end()) continue;
-          const uint64_t at = static_cast<uint64_t>(u.dst.offset) * dtype_size(d.dtype);
-          if (u.dst.offset < 0 || at + (hi - lo) > it->second.bytes || shared[k] || !in_one_read(lo, hi)) continue;
-          direct.push_back(Direct{lo, hi - lo, &it->second, at});
-          is_direct[k] = true;
-        }
-        std::sort(direct.begin(), direct.end(), [](const Direct& a, const Direct& b) { return a.offset < b.offset; });
-      }
-      std::vector<UnpackOp> rest;
-      for (size_t k = 0; k < pg.unpacks.size(); ++k)
-        if (!is_direct[k]) rest.push_back(pg.unpacks[k]);
-      ug.unpacks = std::move(rest);
-      // In-place runs of each producer in this group (staging coordinates, sorted).
-      std::map<uint32_t, std::vector<InPlacePiece>> remote;
-      for (const Read& r : pg.reads) {
-        if (!r.length || remote.count(r.producer) || r.producer >= peers.size()) continue;
-        const Peer& pe = peers[r.producer];
-        if (pe.in_place.empty() || pe.regions.size() != pe.in_place.keys.size()) continue;
-        remote[r.producer] = in_place_pieces(routes.producers[r.producer].groups[g],
-                                             inputs.holdings[r.producer], pe.in_place);
-      }
-      std::vector<SubRead>& out = subs[g];
-      auto emit = [&](const SubRead& x) {
-        if (!x.length) return;
-        if (!out.empty()) {  // merge with the previous piece when every side continues it
-          SubRead& b = out.back();
-          if (b.read == x.read && b.recv_offset + b.length == x.recv_offset && b.param == x.param &&
-              (!x.param || b.param_offset + b.length == x.param_offset) && b.region == x.region &&
-              b.remote + b.length == x.remote) {
-            b.length += x.length;
-            return;
-          }
-        }
-        out.push_back(x);
-      };
-      for (size_t i = 0; i < pg.reads.size(); ++i) {
-        const Read& r = pg.reads[i];
-        if (!r.length) continue;
-        const uint64_t lo = r.recv_offset, hi = r.recv_offset + r.length;
-        // Cut the read where the local side (param / ring) or the remote side (source
-        // region / staging) changes; in recv coordinates.
-        std::vector<uint64_t> cuts{lo, hi};
-        auto first_local = std::lower_bound(direct.begin(), direct.end(), lo,
-                                            [](const Direct& d, uint64_t v) { return d.offset < v; });
-        for (auto it = first_local; it != direct.end() && it->offset + it->bytes <= hi; ++it) {
-          cuts.push_back(it->offset);
-          cuts.push_back(it->offset + it->bytes);
-        }
-        std::vector<InPlacePiece> runs;  // this read's in-place runs, in recv coordinates
-        if (auto rit = remote.find(r.producer); rit != remote.end()) {
-          for (const InPlacePiece& x : rit->second) {
-            if (x.offset < r.offset || x.offset + x.bytes > r.offset + r.length) continue;
-            InPlacePiece y = x;
-            y.offset = lo + (x.offset - r.offset);
-            runs.push_back(y);
-            cuts.push_back(y.offset);
-            cuts.push_back(y.offset + y.bytes);
-          }
-        }
-        std::sort(cuts.begin(), cuts.end());
-        cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
-        auto local = first_local;
-        auto run = runs.begin();
-        for (size_t k = 0; k + 1 < cuts.size(); ++k) {
-          const uint64_t a = cuts[k], b = cuts[k + 1];
-          while (local != direct.end() && local->offset + local->bytes <= a) ++local;
-          while (run != runs.end() && run->offset + run->bytes <= a) ++run;
-          SubRead x{static_cast<uint32_t>(i), a, b - a, nullptr, 0, -1, r.offset + (a - lo)};
-          if (local != direct.end() && local->offset <= a && a < local->offset + local->bytes) {
-            x.param = local->param;
-            x.param_offset = local->param_offset + (a - local->offset);
-          }
-          if (run != runs.end() && run->offset <= a && a < run->offset + run->bytes) {
-            x.region = run->region;
-            x.remote = run->region_offset + (a - run->offset);
-          }
-          emit(x);
-        }
-      }
+  // The schedule of the current routes with the producers' current in-place tables
+  // (only those whose source regions are imported). mu held.
+  void rebuild_schedule() {
+    ConsumerScheduleInputs in;
+    in.routes = &routes;
+    in.rank = rank;
+    in.mode = o.mode;
+    in.direct_min_bytes = o.direct_min_bytes;
+    in.params = &param_regions;
+    in.holdings = &route_state.inputs().holdings;
+    for (const Peer& pe : peers) {
+      const bool usable = !pe.in_place.empty() && pe.regions.size() == pe.in_place.keys.size();
+      in.in_place.push_back(usable ? &pe.in_place : nullptr);
     }
-    subs_stale = false;
+    for (const ParamInfo& p : rl->params()) in.post_group_of[p.decl.name] = p.group;
+    in.num_post_groups = rl->groups().size();
+    schedule = make_consumer_schedule(in);
+    schedule_stale = false;
   }
 
   Status refresh_routes() {
-    if (!o.failover) return Status::Ok();
-    FERRY_ASSIGN_OR_RETURN(auto d, read_dead(store, o.job));
-    if (d == dead) return Status::Ok();
-    FERRY_ASSIGN_OR_RETURN(auto r, build_routes_excluding(inputs, d));
-    FERRY_RETURN_IF_ERROR(apply_routes(std::move(r)));
-    dead = d;
-    return Status::Ok();
+    return route_state.refresh([this](Routes r) { return apply_routes(std::move(r)); });
   }
 
   // Waits for the background thread to go idle, then resets it for a new attempt.
   void reset_background() {
-    std::unique_lock<std::mutex> lk(mu);
-    cv.wait_for(lk, o.timeout, [&] { return jobs.empty() && !busy; });
-    jobs.clear();
-    bg_status = Status::Ok();
-    unpack_seconds = post_seconds = 0;
-    slot_busy[0] = slot_busy[1] = false;
+    worker->reset(o.timeout);
     work = loaded;
   }
 
   // After producer failed_p failed: mark it dead and rebuild routes without it, if the
   // remaining producers hold everything. Then ask live producers to restart.
   Status failover(uint64_t v, const Status& why, SyncReport& rep) {
-    std::set<int> d = dead;
+    std::set<int> d = route_state.dead();
     d.insert(failed_p);
     {
       std::lock_guard<std::mutex> lk(mu);
       for (const auto& [p, st] : failed) d.insert(p);
     }
-    if (auto stored = read_dead(store, o.job); stored.ok()) d.insert(stored->begin(), stored->end());
-    auto r = build_routes_excluding(inputs, d);
+    if (auto stored = route_state.read_dead(); stored.ok()) d.insert(stored->begin(), stored->end());
+    auto r = route_state.routes_without(d);
     if (!r.ok())
       return Status(why.code(), fmt::format("{}; no failover: {}", why.message(), r.status().message()));
-    for (int p : d) FERRY_RETURN_IF_ERROR(store.set(key_dead(o.job, p), "1"));
+    FERRY_RETURN_IF_ERROR(route_state.mark_dead(d));
     reset_background();
-    FERRY_RETURN_IF_ERROR(apply_routes(std::move(*r)));
-    dead = d;
+    FERRY_RETURN_IF_ERROR(route_state.adopt(d, std::move(*r), [this](Routes x) { return apply_routes(std::move(x)); }));
     std::string ds;
     for (int p : d) ds += (ds.empty() ? "" : ",") + std::to_string(p);
     rep.failures.push_back(fmt::format("consumer {}: {}; failover: routes rebuilt without producer(s) {}", rank,
@@ -835,9 +614,9 @@ struct Consumer::Impl {
       bool ok;
       {
         std::lock_guard<std::mutex> lk(mu);
-        ok = !dead.count(p) && peers[static_cast<size_t>(p)].connected && !failed.count(p);
+        ok = !route_state.dead().count(p) && peers[static_cast<size_t>(p)].connected && !failed.count(p);
       }
-      if (ok) send_to(p, MsgType::kFailover, v, -1);
+      if (ok) send_to(p, Failover{me(), v, routes_hash});
     }
   }
 
@@ -850,7 +629,7 @@ struct Consumer::Impl {
     std::unique_lock<std::mutex> lk(mu);
     const auto deadline = Clock::now() + o.timeout;
     for (int p : readied) {
-      while (!dead.count(p) && !failed.count(p) && peers[static_cast<size_t>(p)].connected) {
+      while (!route_state.dead().count(p) && !failed.count(p) && peers[static_cast<size_t>(p)].connected) {
         auto it = flushed_from.find(p);
         if (it != flushed_from.end() && it->second == std::make_pair(v, routes_hash)) break;
         if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
@@ -886,7 +665,7 @@ struct Consumer::Impl {
     // Routes changed before we began (another participant already failed over this
     // sync): announcements made with the old ones are stale, not a reason to switch.
     if (routes_hash != previous) old_hashes.insert(previous);
-    declare = !dead.empty();
+    declare = !route_state.dead().empty();
     for (int tries = 0; s.ok() || tries > 0; ++tries) {
       failed_p = -1;
       {
@@ -930,11 +709,10 @@ struct Consumer::Impl {
       rep.bytes = rep.direct_bytes = 0;
       rep.bytes_per_peer.clear();
     }
+    // On failure, let the background thread finish what it holds, then tell producers we gave up.
+    if (!s.ok()) worker->clear(o.timeout);
     std::unique_lock<std::mutex> lk(mu);
     if (!s.ok()) {
-      // Let the background thread finish what it holds, then tell producers we gave up.
-      cv.wait_for(lk, o.timeout, [&] { return jobs.empty() && !busy; });
-      jobs.clear();
       if (unpacked_any) st.torn = true;
       lk.unlock();
       for (int p = 0; p < o.num_producers; ++p) {
@@ -943,12 +721,12 @@ struct Consumer::Impl {
           std::lock_guard<std::mutex> g(mu);
           ok = peers[static_cast<size_t>(p)].connected && !failed.count(p);
         }
-        if (ok) send_to(p, MsgType::kAbort, v, -1);
+        if (ok) send_to(p, Abort{me(), v, routes_hash});
       }
       return s;
     }
-    rep.unpack_seconds = unpack_seconds;
-    rep.post_seconds = post_seconds;
+    rep.unpack_seconds = worker->unpack_seconds();
+    rep.post_seconds = worker->post_seconds();
     final_ = work;
     st.version = v;
     st.has_version = true;
@@ -960,7 +738,7 @@ struct Consumer::Impl {
         std::lock_guard<std::mutex> g(mu);
         ok = peers[static_cast<size_t>(p)].connected && !failed.count(p);
       }
-      if (ok) send_to(p, MsgType::kDone, v, -1);
+      if (ok) send_to(p, Done{me(), v, routes_hash});
     }
     rep.seconds = seconds_since(t0);
     if (o.after_sync) o.after_sync(v);
@@ -984,6 +762,7 @@ void Consumer::simulate_crash() {
     std::lock_guard<std::mutex> lk(impl_->mu);
     impl_->crashed = true;
     impl_->cv.notify_all();
+    impl_->worker->interrupt();
   }
   if (impl_->lease) impl_->lease->release().ignore();
 }
@@ -995,22 +774,16 @@ Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, in
   if (rank < 0 || rank >= options.num_consumers)
     return invalid_argument("consumer rank {} outside num_consumers {}", rank, options.num_consumers);
   FERRY_ASSIGN_OR_RETURN(m.rl, loader.rank(rank));
-  FERRY_RETURN_IF_ERROR(store.wait({key_meta(options.job)}, options.rendezvous_timeout).with_context("engine rendezvous"));
-  FERRY_ASSIGN_OR_RETURN(auto meta_text, store.get(key_meta(options.job)));
+  FERRY_RETURN_IF_ERROR(store.wait({m.keys.meta()}, options.rendezvous_timeout).with_context("engine rendezvous"));
+  FERRY_ASSIGN_OR_RETURN(auto meta_text, store.get(m.keys.meta()));
   FERRY_ASSIGN_OR_RETURN(auto metadata, decode_decls(meta_text));
   auto plan = record_plan(loader, rank, metadata);
   if (!plan.ok()) return plan.status().with_context(fmt::format("consumer {} recording its plan", rank));
   m.plan = std::move(*plan);
-  FERRY_RETURN_IF_ERROR(store.set(key_plan(options.job, rank), m.plan.encode()));
-  FERRY_ASSIGN_OR_RETURN(m.inputs, rendezvous_inputs(store, options, metadata));
-  if (options.failover) {
-    FERRY_ASSIGN_OR_RETURN(m.dead, read_dead(store, options.job));
-  }
-  FERRY_ASSIGN_OR_RETURN(auto routes, build_routes_excluding(m.inputs, m.dead));
-  // Receive slots fit any routing: a class reads the same bytes per group whoever sends.
-  uint64_t largest = 0;
-  for (const auto& g : routes.consumer(static_cast<size_t>(rank)).groups) largest = std::max(largest, g.recv_bytes);
-  m.slot_bytes = align_up(std::max<uint64_t>(largest, 64), 64);
+  FERRY_RETURN_IF_ERROR(store.set(m.keys.plan(rank), m.plan.encode()));
+  FERRY_ASSIGN_OR_RETURN(auto inputs, rendezvous_inputs(store, m.keys, options, metadata));
+  FERRY_ASSIGN_OR_RETURN(auto routes, m.route_state.start(std::move(inputs)));
+  m.slot_bytes = consumer_slot_bytes(routes.consumer(static_cast<size_t>(rank)));
   // Param buffers: the caller's (each registered, if large enough to be read into
   // directly), or ours: one arena (zeroed; one registration). Registered in pull mode
   // only: push writes into the receive ring.
@@ -1049,7 +822,7 @@ Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, in
       Tensor t = Tensor::borrow(arena.get() + at, p.decl.shape, p.decl.dtype, arena, p.decl.name);
       m.loaded.emplace(p.decl.name, t);
       if (options.mode == SyncMode::kPull)
-        m.param_regions[p.decl.name] = Impl::ParamRegion{arena_region, at, arena.get() + at, bytes};
+        m.param_regions[p.decl.name] = RegisteredParam{arena_region, at, arena.get() + at, bytes};
       at += align_up(bytes, 64);
       continue;
     }
@@ -1060,7 +833,7 @@ Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, in
     auto r = transport.register_memory(data, bytes);
     if (!r.ok()) return r.status().with_context(fmt::format("consumer {}: registering param '{}'", rank, p.decl.name));
     m.registrations.push_back(*r);
-    m.param_regions[p.decl.name] = Impl::ParamRegion{*r, 0, static_cast<std::byte*>(data), bytes};
+    m.param_regions[p.decl.name] = RegisteredParam{*r, 0, static_cast<std::byte*>(data), bytes};
   }
   FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));
   // Padding: the plan's zeros are written once (routes carry only source bytes).
@@ -1076,17 +849,23 @@ Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, in
   m.peers.resize(static_cast<size_t>(options.num_producers));
   Impl* self = impl.get();
   transport.set_message_handler([self](PeerId from, uint32_t tag, std::span<const std::byte> payload) {
-    if (tag == kTag) self->on_message(from, payload);
+    if (tag == kEngineTag) self->on_message(from, payload);
   });
   transport.set_peer_failure_handler([self](PeerId peer, const Status& why) { self->on_peer_failure(peer, why); });
-  std::vector<std::string> keys;
-  for (int p = 0; p < options.num_producers; ++p) keys.push_back(key_producer(options.job, p));
-  FERRY_RETURN_IF_ERROR(store.wait(keys, options.rendezvous_timeout).with_context("waiting for producers"));
+  std::vector<std::string> producer_keys;
+  for (int p = 0; p < options.num_producers; ++p) producer_keys.push_back(m.keys.producer(p));
+  FERRY_RETURN_IF_ERROR(store.wait(producer_keys, options.rendezvous_timeout).with_context("waiting for producers"));
   FERRY_RETURN_IF_ERROR(m.refresh_producers());
-  m.worker = std::thread([self] { self->bg_loop(); });
-  const std::string blob =
-      encode_fields({bytes_to_string(transport.address()), bytes_to_string(key), u64_field(m.slot_bytes)});
-  FERRY_ASSIGN_OR_RETURN(m.lease, store.hold_lease(key_consumer(options.job, rank), blob, options.lease_ttl));
+  m.worker = std::make_unique<UnpackWorker>(
+      Impl::kSlots, [self](const UnpackWorker::Job& j) { return self->unpack_job(j); },
+      [self](const UnpackWorker::Job& j) { return self->post_job(j); },
+      [self](const UnpackWorker::Job& j) {
+        if (self->o.after_group) self->o.after_group(j.version, j.group);
+      },
+      [self] { self->wake(); });
+  m.worker->start();
+  const std::string blob = encode_lease(ConsumerLease{bytes_to_string(transport.address()), bytes_to_string(key), m.slot_bytes});
+  FERRY_ASSIGN_OR_RETURN(m.lease, store.hold_lease(m.keys.consumer(rank), blob, options.lease_ttl));
   return std::unique_ptr<Consumer>(new Consumer(std::move(impl)));
 }
 

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "engine/common.h"
+#include "engine/protocol.h"
 
 namespace ferry::engine {
 

@@ -8,10 +8,12 @@
 #include <set>
 #include <unordered_map>
 
-#include <xxhash.h>
-
-#include "engine/common.h"
+#include "engine/clock.h"
 #include "engine/in_place.h"
+#include "engine/protocol.h"
+#include "engine/registered_buffer.h"
+#include "engine/rendezvous.h"
+#include "engine/schedule.h"
 
 namespace ferry {
 
@@ -22,12 +24,13 @@ struct Producer::Impl {
   Transport& tr;
   Store& store;
   ProducerOptions o;
+  JobKeys keys;
   int rank = 0;
   Holdings holdings;
+  RouteState route_state;               // rendezvous inputs; producers excluded from `routes`
   Routes routes;
   uint64_t routes_hash = 0;
-  RouteInputs inputs;
-  std::set<int> dead;                   // producers excluded from `routes`
+  ProducerSchedule schedule;            // per group of `routes`: what to pack, serve in place, checksum
   bool restart = false;                 // a consumer asked to restart the sync (failover); mu
   uint64_t restart_hash = 0;            // ... with these routes; mu
   std::map<int, uint64_t> consumer_hash;  // consumer -> routes it moved to this sync (FAILOVER); mu
@@ -40,14 +43,8 @@ struct Producer::Impl {
   uint64_t slot_bytes = 0;
   int nslots = 0;
   std::unique_ptr<Lease> lease;
-  // Zero-copy serving (ProducerOptions::source_regions): where each held box lies, and
-  // per group of the current routes the staging runs consumers read in place instead;
-  // pack_routes is this producer's route less those pack ops (others' routes empty;
-  // unused, and empty, without source regions).
+  // Zero-copy serving (ProducerOptions::source_regions): where each held box lies.
   InPlaceTable in_place;
-  std::vector<std::vector<InPlacePiece>> pieces;
-  Routes pack_routes;
-  std::vector<std::map<uint32_t, uint64_t>> seg_direct;  // [g][plan class]: in-place bytes of the segment
 
   struct Peer {
     std::string blob;
@@ -56,9 +53,6 @@ struct Producer::Impl {
     RemoteRegion recv;       // push: the consumer's receive ring
     uint64_t recv_slot_bytes = 0;
   };
-  // seg_bytes[g][plan class]: bytes of this producer's segment for that class in g.
-  std::vector<std::map<uint32_t, uint64_t>> seg;
-
   std::mutex mu;
   std::condition_variable cv;
   std::vector<Peer> peers;             // per consumer rank
@@ -82,12 +76,12 @@ struct Producer::Impl {
   // even from instances not connected yet (a consumer may ask before this producer's sync
   // began). Only a READY of the routes a slot was packed with is served from it: a READY of
   // abandoned routes names a receive slot the consumer now uses for another group.
-  struct Ready {
+  struct ReadyFrom {
     PeerId from = 0;
     uint32_t slot = 0;
     uint64_t hash = 0;
   };
-  std::map<std::tuple<uint64_t, int, int>, Ready> ready;
+  std::map<std::tuple<uint64_t, int, int>, ReadyFrom> ready;
   // push: writes to a consumer posted and not yet finished (flushed or failed), and the
   // FLUSHED reply owed to its FAILOVER once they are: consumer -> (version, routes). mu.
   std::map<int, int> pushes_inflight;
@@ -95,7 +89,15 @@ struct Producer::Impl {
   SyncReport report;
   Status local_failure;  // see note_local_failure; mu
 
-  Impl(WeightSource& s, Transport& t, Store& st, const ProducerOptions& opt) : source(s), tr(t), store(st), o(opt) {}
+  Impl(WeightSource& s, Transport& t, Store& st, const ProducerOptions& opt)
+      : source(s), tr(t), store(st), o(opt), keys(opt.job), route_state(st, JobKeys(opt.job), opt.failover) {}
+
+  // Sends m to `to`; an error from our own transport fails the sync (note_local_failure).
+  Status send(PeerId to, const Message& m) {
+    auto sent = tr.send(to, kEngineTag, encode_message(m));
+    if (!sent.ok()) note_local_failure(sent.status());
+    return sent.status();
+  }
 
   ~Impl() {
     tr.set_message_handler({});
@@ -127,12 +129,7 @@ struct Producer::Impl {
         if (!peers[static_cast<size_t>(c)].connected) continue;
         id = peers[static_cast<size_t>(c)].id;
       }
-      Msg m;
-      m.type = static_cast<uint8_t>(MsgType::kDropped);
-      m.rank = static_cast<uint32_t>(rank);
-      m.version = v;
-      m.routes_hash = routes_hash;
-      if (auto sent = tr.send(id, kTag, encode_msg(m)); !sent.ok()) note_local_failure(sent.status());
+      send(id, Dropped{static_cast<uint32_t>(rank), v, routes_hash}).ignore();
     }
   }
 
@@ -153,13 +150,8 @@ struct Producer::Impl {
         to.push_back(peers[i].id);
       }
     }
-    Msg m;
-    m.type = static_cast<uint8_t>(MsgType::kRoutes);
-    m.rank = static_cast<uint32_t>(rank);
-    m.group = -1;
-    m.version = v;
-    m.routes_hash = routes_hash;
-    for (PeerId id : to) tr.send(id, kTag, encode_msg(m)).status().ignore();
+    const RoutesNotice m{static_cast<uint32_t>(rank), v, routes_hash};
+    for (PeerId id : to) tr.send(id, kEngineTag, encode_message(m)).status().ignore();
   }
 
   // An op refused by this side's own transport (shut down, or crashed by failure
@@ -180,12 +172,18 @@ struct Producer::Impl {
     return -1;
   }
 
+  static uint64_t served(const std::map<uint32_t, uint64_t>& by_class, uint32_t cls) {
+    auto it = by_class.find(cls);
+    return it == by_class.end() ? 0 : it->second;
+  }
+
   void release_locked(int s, int c) {
     Slot& sl = slots[static_cast<size_t>(s)];
     if (sl.pending.erase(c)) {
-      const uint64_t b = seg[static_cast<size_t>(sl.group)][cls(c)];
+      const ProducerGroupSchedule& gs = schedule.groups[static_cast<size_t>(sl.group)];
+      const uint64_t b = served(gs.served, cls(c));
       report.bytes += b;
-      report.direct_bytes += seg_direct[static_cast<size_t>(sl.group)][cls(c)];
+      report.direct_bytes += served(gs.served_in_place, cls(c));
       report.bytes_per_peer[c] += b;
       cv.notify_all();
     }
@@ -194,25 +192,22 @@ struct Producer::Impl {
   // Push: one write sequence to consumer c ended; owes it FLUSHED once none is left.
   void push_done(int c) {
     PeerId to = 0;
-    Msg m;
+    uint64_t v = 0, hash = 0;
     {
       std::lock_guard<std::mutex> lk(mu);
       if (--pushes_inflight[c] > 0) return;
       auto it = flushed_owed.find(c);
       if (it == flushed_owed.end() || !peers[static_cast<size_t>(c)].connected) return;
-      m.version = it->second.first;
-      m.routes_hash = it->second.second;
+      v = it->second.first;
+      hash = it->second.second;
       flushed_owed.erase(it);
       to = peers[static_cast<size_t>(c)].id;
     }
-    send_flushed(to, m);
+    send_flushed(to, v, hash);
   }
 
-  void send_flushed(PeerId to, Msg m) {
-    m.type = static_cast<uint8_t>(MsgType::kFlushed);
-    m.rank = static_cast<uint32_t>(rank);
-    m.group = -1;
-    tr.send(to, kTag, encode_msg(m)).status().ignore();
+  void send_flushed(PeerId to, uint64_t v, uint64_t hash) {
+    tr.send(to, kEngineTag, encode_message(Flushed{static_cast<uint32_t>(rank), v, hash})).status().ignore();
   }
 
   // Push: posts the writes of slot s for consumer c into its receive slot `rslot`.
@@ -222,7 +217,7 @@ struct Producer::Impl {
     PeerId id;
     RemoteRegion recv;
     uint64_t rbytes;
-    uint64_t checksum = 0;
+    std::optional<uint64_t> checksum;
     uint64_t hash;
     {
       std::lock_guard<std::mutex> lk(mu);
@@ -237,7 +232,10 @@ struct Producer::Impl {
       id = p.id;
       recv = p.recv;
       rbytes = p.recv_slot_bytes;
-      if (auto it = sl.checksum.find(cls(c)); it != sl.checksum.end()) checksum = it->second;
+      if (o.checksums) {
+        auto it = sl.checksum.find(cls(c));
+        checksum = it != sl.checksum.end() ? it->second : 0;
+      }
       for (const Read& r : routes.plans[cls(c)].groups[static_cast<size_t>(g)].reads) {
         if (r.producer == static_cast<uint32_t>(rank) && r.length) mine.push_back(r);
       }
@@ -257,16 +255,9 @@ struct Producer::Impl {
     auto finish = [this, s, c, g, v, id, rslot, checksum, hash, fail]() {
       auto fl = tr.flush(id, [this, s, c, g, v, id, rslot, checksum, hash, fail](const Status& st) {
         if (!st.ok()) return fail(st);
-        Msg m;
-        m.type = static_cast<uint8_t>(MsgType::kPushed);
-        m.rank = static_cast<uint32_t>(rank);
-        m.group = g;
-        m.version = v;
-        m.routes_hash = hash;  // the routes the bytes were laid out by, whatever this producer runs now
-        m.slot = rslot;
-        m.checksum = checksum;
-        m.has_checksum = o.checksums ? 1 : 0;
-        auto sent = tr.send(id, kTag, encode_msg(m));
+        // routes: the ones the bytes were laid out by, whatever this producer runs now.
+        const Pushed m{static_cast<uint32_t>(rank), v, g, hash, rslot, checksum};
+        auto sent = tr.send(id, kEngineTag, encode_message(m));
         if (!sent.ok()) return fail(sent.status());
         {
           std::lock_guard<std::mutex> lk(mu);
@@ -297,79 +288,75 @@ struct Producer::Impl {
   }
 
   void on_message(PeerId from, std::span<const std::byte> payload) {
-    auto m = decode_msg(payload);
-    if (!m.ok()) return;
-    const int c = static_cast<int>(m->rank);
+    auto decoded = decode_message(payload);
+    if (!decoded.ok()) return;
+    const Message& msg = *decoded;
+    const int c = static_cast<int>(sender_of(msg));
+    const uint64_t mv = version_of(msg);
     int push_slot = -1;
-    std::optional<Msg> flushed;
+    std::optional<Ready> push;
+    std::optional<std::pair<uint64_t, uint64_t>> flushed;  // (version, routes) answered at once
     {
       std::lock_guard<std::mutex> lk(mu);
       if (c < 0 || c >= static_cast<int>(peers.size())) return;
       auto it = peer_rank.find(from);
       const bool known = it != peer_rank.end() && it->second == c;
-      if (!known && m->type != static_cast<uint8_t>(MsgType::kReady)) return;  // stale instance or unknown peer
-      const bool current = in_sync && m->version == version;
-      switch (static_cast<MsgType>(m->type)) {
-        case MsgType::kRelease: {
-          if (!current) return;
-          const int s = slot_of_locked(m->group, m->routes_hash);
-          if (s >= 0) release_locked(s, c);
-          break;
+      if (!known && !std::holds_alternative<Ready>(msg)) return;  // stale instance or unknown peer
+      const bool current = in_sync && mv == version;
+      if (const auto* m = std::get_if<Release>(&msg)) {
+        if (!current) return;
+        const int s = slot_of_locked(m->group, m->routes);
+        if (s >= 0) release_locked(s, c);
+      } else if (const auto* m = std::get_if<Failover>(&msg)) {
+        if (o.mode == SyncMode::kPush) {
+          // Reply FLUSHED once no write of ours to c is in flight: c reuses its receive
+          // slots for the new routes only then. (Below, c leaves every slot of other
+          // routes, so no new write of those starts.)
+          if (pushes_inflight[c] == 0) {
+            flushed = std::make_pair(m->version, m->routes);
+          } else {
+            flushed_owed[c] = {m->version, m->routes};
+          }
         }
-        case MsgType::kFailover:
-          if (o.mode == SyncMode::kPush) {
-            // Reply FLUSHED once no write of ours to c is in flight: c reuses its receive
-            // slots for the new routes only then. (Below, c leaves every slot of other
-            // routes, so no new write of those starts.)
-            if (pushes_inflight[c] == 0) {
-              flushed = *m;
-            } else {
-              flushed_owed[c] = {m->version, m->routes_hash};
-            }
-          }
-          if (!current) {
-            if (!in_sync && m->version > version) early_failover[c] = {m->version, m->routes_hash};
-            break;  // (not return: FLUSHED is still owed)
-          }
+        if (!current) {
+          if (!in_sync && m->version > version) early_failover[c] = {m->version, m->routes};
+        } else {
           // c abandoned its attempt: it reads none of the slots it had pending.
-          consumer_hash[c] = m->routes_hash;
+          consumer_hash[c] = m->routes;
           for (auto& sl : slots) {
-            if (sl.hash != m->routes_hash && sl.pending.erase(c)) cv.notify_all();
+            if (sl.hash != m->routes && sl.pending.erase(c)) cv.notify_all();
           }
-          if (m->routes_hash != routes_hash) {
+          if (m->routes != routes_hash) {
             restart = true;
-            restart_hash = m->routes_hash;
+            restart_hash = m->routes;
             cv.notify_all();
           }
-          break;
-        case MsgType::kDone:
-          done[c] = std::max(done[c], m->version);
-          if (current) {
-            for (auto& sl : slots) sl.pending.erase(c);
-            cv.notify_all();
-          }
-          break;
-        case MsgType::kAbort:
-          if (current) {
-            drop_locked(c, "it aborted the sync", nullptr);
-          } else if (!in_sync && m->version > version) {
-            early_abort[c] = m->version;
-          }
-          break;
-        case MsgType::kReady: {
-          // A consumer may ask before this producer's sync of that version started.
-          if (in_sync ? m->version < version : false) return;
-          if (ready.size() > 100000) return;
-          ready[{m->version, m->group, c}] = Ready{from, m->slot, m->routes_hash};
-          if (current && known) push_slot = slot_of_locked(m->group, m->routes_hash);
-          break;
         }
-        default:
-          break;
+      } else if (const auto* m = std::get_if<Done>(&msg)) {
+        done[c] = std::max(done[c], m->version);
+        if (current) {
+          for (auto& sl : slots) sl.pending.erase(c);
+          cv.notify_all();
+        }
+      } else if (const auto* m = std::get_if<Abort>(&msg)) {
+        if (current) {
+          drop_locked(c, "it aborted the sync", nullptr);
+        } else if (!in_sync && m->version > version) {
+          early_abort[c] = m->version;
+        }
+      } else if (const auto* m = std::get_if<Ready>(&msg)) {
+        // A consumer may ask before this producer's sync of that version started.
+        if (in_sync && m->version < version) return;
+        if (ready.size() > 100000) return;
+        ready[{m->version, m->group, c}] = ReadyFrom{from, m->recv_slot, m->routes};
+        if (current && known) {
+          push_slot = slot_of_locked(m->group, m->routes);
+          push = *m;
+        }
       }
     }
-    if (push_slot >= 0) start_push(push_slot, c, m->slot, m->group, m->version);
-    if (flushed) send_flushed(from, *flushed);
+    if (push_slot >= 0) start_push(push_slot, c, push->recv_slot, push->group, push->version);
+    if (flushed) send_flushed(from, flushed->first, flushed->second);
   }
 
   void on_peer_failure(PeerId peer, const Status& why) {
@@ -421,50 +408,13 @@ struct Producer::Impl {
     return Status::Ok();
   }
 
-  // Installs routes (caller thread; handlers read routes under mu).
+  // Installs routes and their schedule (caller thread; handlers read both under mu).
   Status apply_routes(Routes r) {
-    const ProducerRoute& pr = r.producers[static_cast<size_t>(rank)];
-    std::vector<std::map<uint32_t, uint64_t>> sg(static_cast<size_t>(r.num_groups()));
-    for (int g = 0; g < r.num_groups(); ++g) {
-      const auto& grp = pr.groups[static_cast<size_t>(g)];
-      if (slot_bytes && grp.staging_bytes > slot_bytes)
-        return failed_precondition("producer {}: group {} needs {} staging bytes after failover, the ring has {}", rank, g,
-                                   grp.staging_bytes, slot_bytes);
-      for (const Segment& x : grp.segments) {
-        if (x.bytes) sg[static_cast<size_t>(g)][x.plan] += x.bytes;
-      }
-    }
-    // In place: the runs consumers read from the source regions, and what is left to pack
-    // (without source regions, `routes` itself is packed: no copy).
-    std::vector<std::vector<InPlacePiece>> pc(static_cast<size_t>(r.num_groups()));
-    std::vector<std::map<uint32_t, uint64_t>> sd(static_cast<size_t>(r.num_groups()));
-    Routes packs;
-    if (!in_place.empty()) {
-      packs.group_names = r.group_names;
-      packs.producers.resize(static_cast<size_t>(rank) + 1);
-      packs.producers[static_cast<size_t>(rank)] = pr;
-    }
-    for (int g = 0; g < r.num_groups() && !in_place.empty(); ++g) {
-      const auto gi = static_cast<size_t>(g);
-      pc[gi] = in_place_pieces(pr.groups[gi], holdings, in_place);
-      if (pc[gi].empty()) continue;
-      std::set<uint64_t> at;
-      for (const InPlacePiece& x : pc[gi]) {
-        at.insert(x.offset);
-        for (const Segment& sgm : pr.groups[gi].segments) {
-          if (x.offset >= sgm.offset && x.offset + x.bytes <= sgm.offset + sgm.bytes) sd[gi][sgm.plan] += x.bytes;
-        }
-      }
-      auto& ops = packs.producers[static_cast<size_t>(rank)].groups[gi].packs;
-      std::erase_if(ops, [&](const PackOp& op) { return at.count(op.offset) && op.src.numel() > 0; });
-    }
+    FERRY_ASSIGN_OR_RETURN(auto sched, make_producer_schedule(r, rank, holdings, in_place, slot_bytes));
     std::lock_guard<std::mutex> lk(mu);
     routes = std::move(r);
     routes_hash = routes.hash();
-    seg = std::move(sg);
-    pieces = std::move(pc);
-    pack_routes = std::move(packs);
-    seg_direct = std::move(sd);
+    schedule = std::move(sched);
     return Status::Ok();
   }
 
@@ -487,45 +437,29 @@ struct Producer::Impl {
   // xxHash64 of every segment of group g as consumers receive it: staged bytes, and the
   // in-place runs from the source memory.
   std::map<uint32_t, uint64_t> checksums(int g, std::span<const std::byte> staging) const {
-    const ProducerGroup& grp = routes.producers[static_cast<size_t>(rank)].groups[static_cast<size_t>(g)];
-    const auto& pcs = pieces[static_cast<size_t>(g)];
     std::map<uint32_t, uint64_t> sums;
-    XXH64_state_t* h = XXH64_createState();
-    for (const Segment& sg : grp.segments) {
-      XXH64_reset(h, 0);
-      uint64_t at = sg.offset;
-      const uint64_t end = sg.offset + sg.bytes;
-      auto it = std::lower_bound(pcs.begin(), pcs.end(), at,
-                                 [](const InPlacePiece& x, uint64_t v) { return x.offset < v; });
-      for (; it != pcs.end() && it->offset + it->bytes <= end; ++it) {
-        XXH64_update(h, staging.data() + at, it->offset - at);
-        const auto* base = static_cast<const std::byte*>(o.source_regions[static_cast<size_t>(it->region)].base);
-        XXH64_update(h, base + it->region_offset, it->bytes);
-        at = it->offset + it->bytes;
+    for (const auto& [cls, spans] : schedule.groups[static_cast<size_t>(g)].checksum_spans) {
+      SegmentHash h;
+      for (const SegmentSpan& x : spans) {
+        const std::byte* base = x.region < 0 ? staging.data()
+                                             : static_cast<const std::byte*>(o.source_regions[static_cast<size_t>(x.region)].base);
+        h.update(base + x.offset, x.bytes);
       }
-      XXH64_update(h, staging.data() + at, end - at);
-      sums[sg.plan] = XXH64_digest(h);
+      sums[cls] = h.digest();
     }
-    XXH64_freeState(h);
     return sums;
   }
 
   // Rebuilds routes when the set of dead producers in the store changed.
   Status refresh_routes() {
-    if (!o.failover) return Status::Ok();
-    FERRY_ASSIGN_OR_RETURN(auto d, read_dead(store, o.job));
-    if (d == dead) return Status::Ok();
-    FERRY_ASSIGN_OR_RETURN(auto r, build_routes_excluding(inputs, d));
-    FERRY_RETURN_IF_ERROR(apply_routes(std::move(r)));
-    dead = d;
-    return Status::Ok();
+    return route_state.refresh([this](Routes r) { return apply_routes(std::move(r)); });
   }
 
   // Re-reads consumer leases, connects new instances; marks who takes part in this sync.
   void refresh_membership() {
     std::vector<bool> now(static_cast<size_t>(o.num_consumers), false);
     for (int c = 0; c < o.num_consumers; ++c) {
-      auto blob = store.get(key_consumer(o.job, c));
+      auto blob = store.get(keys.consumer(c));
       if (!blob.ok()) continue;
       Peer& p = peers[static_cast<size_t>(c)];
       bool fresh;
@@ -534,17 +468,17 @@ struct Producer::Impl {
         fresh = !p.connected || p.blob != *blob;
       }
       if (fresh) {
-        auto f = decode_fields(*blob, 3);
-        if (!f.ok()) continue;
-        auto id = tr.connect(string_bytes((*f)[0]));
+        auto lease = decode_consumer_lease(*blob);
+        if (!lease.ok()) continue;
+        auto id = tr.connect(string_bytes(lease->address));
         if (!id.ok()) continue;
         RemoteRegion recv;
         uint64_t rbytes = 0;
         if (o.mode == SyncMode::kPush) {
-          auto k = tr.import_key(string_bytes((*f)[1]));
+          auto k = tr.import_key(string_bytes(lease->recv_key));
           if (!k.ok()) continue;
           recv = *k;
-          rbytes = parse_u64_field((*f)[2]).value_or(0);
+          rbytes = lease->recv_slot_bytes;
         }
         std::lock_guard<std::mutex> lk(mu);
         if (failed_ids.count(*id) != 0) continue;  // died while we connected
@@ -592,19 +526,20 @@ struct Producer::Impl {
   // One attempt at sync v with the current routes. Sets *restarted when a consumer asked
   // for a failover restart.
   Status attempt(uint64_t v, bool* restarted) {
-    const ProducerRoute& pr = routes.producers[static_cast<size_t>(rank)];
+    const ProducerRoute& route = routes.producers[static_cast<size_t>(rank)];
     const uint64_t hash = routes_hash;
     auto check_restart = [&] {
       std::lock_guard<std::mutex> lk(mu);
       return restart && restart_hash != hash;
     };
     for (int g = 0; g < routes.num_groups(); ++g) {
-      const ProducerGroup& grp = pr.groups[static_cast<size_t>(g)];
+      const ProducerGroup& grp = route.groups[static_cast<size_t>(g)];
+      const ProducerGroupSchedule& gs = schedule.groups[static_cast<size_t>(g)];
       std::vector<int> targets;
       {
         std::lock_guard<std::mutex> lk(mu);
         for (int c = 0; c < o.num_consumers; ++c) {
-          if (live[static_cast<size_t>(c)] && seg[static_cast<size_t>(g)].count(cls(c)) &&
+          if (live[static_cast<size_t>(c)] && gs.served.count(cls(c)) &&
               !(done.count(c) && done[c] >= v))
             targets.push_back(c);
         }
@@ -626,8 +561,7 @@ struct Producer::Impl {
       auto tp = Clock::now();
       std::span<std::byte> staging(ring.data + s * slot_bytes, grp.staging_bytes);
       FERRY_RETURN_IF_ERROR(check_in_place(g, *boxes));
-      Status st = pack_group(in_place.empty() ? routes : pack_routes, static_cast<uint32_t>(rank), g, holdings, *boxes,
-                             staging);
+      Status st = pack_group(gs.pack, static_cast<uint32_t>(rank), g, holdings, *boxes, staging);
       if (!st.ok()) return st.with_context(fmt::format("producer {} pack group {}", rank, g));
       std::map<uint32_t, uint64_t> sums;
       if (o.checksums) sums = checksums(g, staging);
@@ -660,22 +594,11 @@ struct Producer::Impl {
         }
       }
       for (auto [c, id] : to_announce) {
-        Msg m;
-        m.type = static_cast<uint8_t>(MsgType::kAnnounce);
-        m.rank = static_cast<uint32_t>(rank);
-        m.group = g;
-        m.version = v;
-        m.routes_hash = hash;
-        m.slot_offset = s * slot_bytes;
-        if (o.checksums) {
-          m.checksum = sums[cls(c)];
-          m.has_checksum = 1;
-        }
-        auto sent = tr.send(id, kTag, encode_msg(m));
-        if (!sent.ok()) {
-          note_local_failure(sent.status());
+        Announce m{static_cast<uint32_t>(rank), v, g, hash, s * slot_bytes, std::nullopt};
+        if (o.checksums) m.checksum = sums[cls(c)];
+        if (Status sent = send(id, m); !sent.ok()) {
           std::lock_guard<std::mutex> lk(mu);
-          drop_locked(c, "announce failed: " + sent.status().to_string(), nullptr);
+          drop_locked(c, "announce failed: " + sent.to_string(), nullptr);
         }
       }
       {
@@ -730,7 +653,7 @@ struct Producer::Impl {
     Status failure;
     for (int tries = 0;; ++tries) {
       bool restarted = false;
-      if (!dead.empty()) send_routes_notice(v);
+      if (!route_state.dead().empty()) send_routes_notice(v);
       failure = attempt(v, &restarted);
       if (failure.ok() && !restarted) {
         // Stay in the sync until every live consumer committed it (DONE), so that a
@@ -761,7 +684,7 @@ struct Producer::Impl {
         if (restart_hash == routes_hash) restart = false;
       }
       std::string ds;
-      for (int d : dead) ds += (ds.empty() ? "" : ",") + std::to_string(d);
+      for (int d : route_state.dead()) ds += (ds.empty() ? "" : ",") + std::to_string(d);
       std::lock_guard<std::mutex> lk(mu);
       report.failures.push_back(fmt::format("producer {}: failover, routes rebuilt without producer(s) {}", rank, ds));
     }
@@ -791,48 +714,14 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
     return invalid_argument("producer rank {} outside num_producers {}", m.rank, options.num_producers);
   FERRY_ASSIGN_OR_RETURN(m.holdings, source.holdings(m.rank));
   const std::string meta = encode_decls(source.metadata());
-  if (m.rank == 0) FERRY_RETURN_IF_ERROR(store.set(key_meta(options.job), meta));
-  FERRY_RETURN_IF_ERROR(store.set(key_holdings(options.job, m.rank), encode_holdings(m.holdings)));
+  if (m.rank == 0) FERRY_RETURN_IF_ERROR(store.set(m.keys.meta(), meta));
+  FERRY_RETURN_IF_ERROR(store.set(m.keys.holdings(m.rank), encode_holdings(m.holdings)));
   // A restarted producer is alive again: take it out of the dead set.
-  if (options.failover) store.remove(key_dead(options.job, m.rank)).status().ignore();
-  FERRY_ASSIGN_OR_RETURN(m.inputs, rendezvous_inputs(store, options, source.metadata()));
-  if (options.failover) {
-    FERRY_ASSIGN_OR_RETURN(m.dead, read_dead(store, options.job));
-  }
-  FERRY_ASSIGN_OR_RETURN(auto routes, build_routes_excluding(m.inputs, m.dead));
-  uint64_t largest = 0;
-  for (const auto& grp : routes.producers[static_cast<size_t>(m.rank)].groups) largest = std::max(largest, grp.staging_bytes);
-  // With failover, this producer may take over a dead replica's pieces: size slots for
-  // the worst case, every plan class reading all it holds of a group.
-  if (options.failover) {
-    const Groups groups(source.metadata());
-    std::vector<uint64_t> held(static_cast<size_t>(groups.size()), 0);
-    std::unordered_map<std::string, std::vector<const Box*>> others;
-    for (int q = 0; q < options.num_producers; ++q) {
-      if (q == m.rank) continue;
-      const Holdings& h = m.inputs.holdings[static_cast<size_t>(q)];
-      for (const HeldBox& ob : h.boxes) others[h.tensors[ob.tensor].name].push_back(&ob.box);
-    }
-    bool shared = false;
-    for (const HeldBox& b : m.holdings.boxes) {
-      const TensorDecl& d = m.holdings.tensors[b.tensor];
-      held[static_cast<size_t>(groups.of_name(d.name))] += static_cast<uint64_t>(b.box.numel()) * dtype_size(d.dtype);
-      if (shared) continue;
-      if (auto it = others.find(d.name); it != others.end()) {
-        for (const Box* ob : it->second) {
-          if (ob->intersects(b.box)) {
-            shared = true;
-            break;
-          }
-        }
-      }
-    }
-    if (shared) {
-      const uint64_t classes = routes.plans.size();
-      for (uint64_t h : held) largest = std::max(largest, classes * (h + 64));
-    }
-  }
-  m.slot_bytes = align_up(std::max<uint64_t>(largest, 64), 64);
+  if (options.failover) store.remove(m.keys.dead(m.rank)).status().ignore();
+  FERRY_ASSIGN_OR_RETURN(auto inputs, rendezvous_inputs(store, m.keys, options, source.metadata()));
+  FERRY_ASSIGN_OR_RETURN(auto routes, m.route_state.start(std::move(inputs)));
+  m.slot_bytes = producer_slot_bytes(routes, m.rank, m.route_state.inputs().metadata, m.route_state.inputs().holdings,
+                                     options.failover);
   // Push writes whole staged segments: in-place serving is for pull only.
   if (!options.source_regions.empty() && options.mode == SyncMode::kPull) FERRY_RETURN_IF_ERROR(m.locate_in_place());
   FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));
@@ -850,14 +739,13 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
   m.peers.resize(static_cast<size_t>(options.num_consumers));
   m.live.assign(static_cast<size_t>(options.num_consumers), false);
   Impl* self = impl.get();
-  transport.set_message_handler(
-      [self](PeerId from, uint32_t tag, std::span<const std::byte> payload) {
-        if (tag == kTag) self->on_message(from, payload);
-      });
+  transport.set_message_handler([self](PeerId from, uint32_t tag, std::span<const std::byte> payload) {
+    if (tag == kEngineTag) self->on_message(from, payload);
+  });
   transport.set_peer_failure_handler([self](PeerId peer, const Status& why) { self->on_peer_failure(peer, why); });
-  const std::string blob = encode_fields(
-      {bytes_to_string(transport.address()), bytes_to_string(key), u64_field(m.slot_bytes), m.in_place.encode()});
-  FERRY_ASSIGN_OR_RETURN(m.lease, store.hold_lease(key_producer(options.job, m.rank), blob, options.lease_ttl));
+  const std::string blob =
+      encode_lease(ProducerLease{bytes_to_string(transport.address()), bytes_to_string(key), m.slot_bytes, m.in_place.encode()});
+  FERRY_ASSIGN_OR_RETURN(m.lease, store.hold_lease(m.keys.producer(m.rank), blob, options.lease_ttl));
   return std::unique_ptr<Producer>(new Producer(std::move(impl)));
 }
 

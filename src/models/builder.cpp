@@ -171,7 +171,7 @@ Status RankBuilder::param(std::string name, Shape shape, DType dtype, int group,
 
 Status RankBuilder::route(const std::string& source, const std::vector<std::string>& params, LoadFn fn) {
   FERRY_RETURN_IF_ERROR(this->source(source).status());
-  RankLoader::Route r;
+  RankLoader::TensorLoad r;
   r.fn = std::move(fn);
   for (const auto& p : params) {
     auto it = param_index_.find(p);
@@ -179,7 +179,7 @@ Status RankBuilder::route(const std::string& source, const std::vector<std::stri
     const int g = loader_->params_[it->second].group;
     if (std::find(r.groups.begin(), r.groups.end(), g) == r.groups.end()) r.groups.push_back(g);
   }
-  loader_->routes_[source].push_back(std::move(r));
+  loader_->loads_[source].push_back(std::move(r));
   return Status::Ok();
 }
 

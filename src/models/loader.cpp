@@ -28,19 +28,19 @@ Status RankLoader::load(std::string_view source_name, const Tensor& source, cons
     return invalid_argument("checkpoint tensor '{}': got {} {}, the model expects {} {}", name, shape_str(source.shape()),
                             dtype_name(source.dtype()), shape_str(d.shape), dtype_name(d.dtype));
   }
-  auto it = routes_.find(name);
-  if (it == routes_.end()) return Status::Ok();
-  for (const Route& r : it->second) {
+  auto it = loads_.find(name);
+  if (it == loads_.end()) return Status::Ok();
+  for (const TensorLoad& r : it->second) {
     FERRY_RETURN_IF_ERROR(r.fn(source, params).with_context(fmt::format("{}: loading '{}'", info_.to_string(), name)));
   }
   return Status::Ok();
 }
 
 std::vector<int> RankLoader::groups_written_by(std::string_view source_name) const {
-  auto it = routes_.find(std::string(source_name));
-  if (it == routes_.end()) return {};
+  auto it = loads_.find(std::string(source_name));
+  if (it == loads_.end()) return {};
   std::vector<int> out;
-  for (const Route& r : it->second) {
+  for (const TensorLoad& r : it->second) {
     for (int g : r.groups) {
       if (std::find(out.begin(), out.end(), g) == out.end()) out.push_back(g);
     }

@@ -400,7 +400,12 @@ Status pack_group(const Routes& routes, uint32_t producer, int group, const Hold
                   const std::vector<LocalBox>& boxes, std::span<std::byte> staging) {
   if (producer >= routes.producers.size()) return out_of_range("pack: producer {} of {}", producer, routes.producers.size());
   if (group < 0 || group >= routes.num_groups()) return out_of_range("pack: group {} of {}", group, routes.num_groups());
-  const ProducerGroup& pg = routes.producers[producer].groups[static_cast<size_t>(group)];
+  return pack_group(routes.producers[producer].groups[static_cast<size_t>(group)], producer, group, holdings, boxes,
+                    staging);
+}
+
+Status pack_group(const ProducerGroup& pg, uint32_t producer, int group, const Holdings& holdings,
+                  const std::vector<LocalBox>& boxes, std::span<std::byte> staging) {
   if (staging.size() < pg.staging_bytes) {
     return out_of_range("pack: producer {} group {} needs {} staging bytes, got {}", producer, group, pg.staging_bytes,
                         staging.size());

@@ -13,7 +13,10 @@
 #include <sstream>
 #include <thread>
 
-#include "engine/common.h"
+#include "engine/clock.h"
+#include "engine/protocol.h"
+#include "engine/registered_buffer.h"
+#include "engine/schedule.h"
 #include "ferry/engine.h"
 #include "tools/broadcast.h"
 #include "tools/job_model.h"
@@ -163,7 +166,6 @@ int bench_worker_fail(const BenchWorkerSpec& s, const Status& st) {
   return 2;
 }
 
-uint64_t ring_slot(uint64_t largest) { return align_up(std::max<uint64_t>(largest, 64), 64); }
 
 }  // namespace
 
@@ -202,7 +204,6 @@ int run_bench_worker(const BenchWorkerSpec& s) {
   std::vector<uint64_t> raw_remote_slot(static_cast<size_t>(peers));
   std::vector<PeerId> raw_peer(static_cast<size_t>(peers));
   std::vector<std::byte> memcpy_src;
-  uint64_t largest = 0;
   if (is_producer) {
     auto src = PreparedSource::create(*model, s.rank, s.seed, s.in_place ? &tr : nullptr);
     if (!src.ok()) return bench_worker_fail(s, src.status());
@@ -213,21 +214,19 @@ int run_bench_worker(const BenchWorkerSpec& s) {
     auto p = Producer::create(*source, tr, st, po);
     if (!p.ok()) return bench_worker_fail(s, p.status());
     producer = std::move(*p);
-    for (const auto& g : producer->routes().producers[static_cast<size_t>(s.rank)].groups)
-      largest = std::max(largest, g.staging_bytes);
+    // The engine's slot size (engine/schedule.h), without the failover worst case.
+    raw_slot = engine::producer_slot_bytes(producer->routes(), s.rank, model->metadata, *model->holdings, false);
   } else if (s.role == "consumer") {
     ConsumerOptions co;
     static_cast<EngineOptions&>(co) = eo;
     auto c = Consumer::create(*model->loader, s.rank, tr, st, co);
     if (!c.ok()) return bench_worker_fail(s, c.status());
     consumer = std::move(*c);
-    for (const auto& g : consumer->routes().consumer(static_cast<size_t>(s.rank)).groups)
-      largest = std::max(largest, g.recv_bytes);
+    raw_slot = engine::consumer_slot_bytes(consumer->routes().consumer(static_cast<size_t>(s.rank)));
   } else {
     return bench_worker_fail(s, invalid_argument("unknown role '{}'", s.role));
   }
   const Routes& routes = producer ? producer->routes() : consumer->routes();
-  raw_slot = ring_slot(largest);
   if (Status a = raw.allocate(tr, 2 * raw_slot); !a.ok()) return bench_worker_fail(s, a);
   std::memset(raw.data, is_producer ? 0x5a : 0, raw.bytes);
   if (!is_producer) memcpy_src.assign(raw.bytes, std::byte{0x3c});

@@ -18,7 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/common.h"
+#include "engine/clock.h"
 #include "ferry/engine.h"
 #include "tools/broadcast.h"
 #include "tools/job_model.h"

@@ -1,0 +1,11 @@
+// engine/clock.h — the engine's clock (internal).
+#pragma once
+
+#include <chrono>
+
+namespace ferry::engine {
+
+using Clock = std::chrono::steady_clock;
+inline double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+}  // namespace ferry::engine

@@ -1,0 +1,226 @@
+#include "engine/protocol.h"
+
+#include <cstring>
+#include <type_traits>
+
+#include <fmt/format.h>
+
+namespace ferry::engine {
+
+namespace {
+
+constexpr uint32_t kMessageMagic = 0x46455232u;  // "FER2"
+constexpr std::string_view kProducerLeaseMagic = "FPL1";
+constexpr std::string_view kConsumerLeaseMagic = "FCL1";
+
+// The fields of each message, in wire order: one list serves encode and decode.
+template <class M, class F>
+void fields(M& m, F&& f) {
+  using T = std::remove_const_t<M>;
+  if constexpr (std::is_same_v<T, Announce>) {
+    f(m.producer), f(m.version), f(m.routes), f(m.group), f(m.slot_offset), f(m.checksum);
+  } else if constexpr (std::is_same_v<T, Release>) {
+    f(m.consumer), f(m.version), f(m.routes), f(m.group);
+  } else if constexpr (std::is_same_v<T, Ready>) {
+    f(m.consumer), f(m.version), f(m.routes), f(m.group), f(m.recv_slot);
+  } else if constexpr (std::is_same_v<T, Pushed>) {
+    f(m.producer), f(m.version), f(m.routes), f(m.group), f(m.recv_slot), f(m.checksum);
+  } else if constexpr (std::is_same_v<T, Dropped> || std::is_same_v<T, RoutesNotice> || std::is_same_v<T, Flushed>) {
+    f(m.producer), f(m.version), f(m.routes);
+  } else {
+    static_assert(std::is_same_v<T, Abort> || std::is_same_v<T, Done> || std::is_same_v<T, Failover>);
+    f(m.consumer), f(m.version), f(m.routes);
+  }
+}
+
+struct Writer {
+  std::vector<std::byte>& out;
+  template <class T>
+  void operator()(const T& v) {
+    if constexpr (std::is_same_v<T, std::optional<uint64_t>>) {
+      (*this)(static_cast<uint8_t>(v.has_value()));
+      (*this)(v.value_or(0));
+    } else {
+      static_assert(std::is_integral_v<T>);
+      const size_t at = out.size();
+      out.resize(at + sizeof(T));
+      std::memcpy(out.data() + at, &v, sizeof(T));
+    }
+  }
+};
+
+struct Reader {
+  std::span<const std::byte> in;
+  size_t pos = 0;
+  bool ok = true;
+  template <class T>
+  void operator()(T& v) {
+    if constexpr (std::is_same_v<T, std::optional<uint64_t>>) {
+      uint8_t has = 0;
+      uint64_t x = 0;
+      (*this)(has);
+      (*this)(x);
+      if (has > 1) ok = false;
+      v = has ? std::optional<uint64_t>(x) : std::nullopt;
+    } else {
+      static_assert(std::is_integral_v<T>);
+      if (!ok || in.size() - pos < sizeof(T)) {
+        ok = false;
+        return;
+      }
+      std::memcpy(&v, in.data() + pos, sizeof(T));
+      pos += sizeof(T);
+    }
+  }
+};
+
+template <class M>
+Result<Message> decode_as(std::span<const std::byte> bytes, size_t header) {
+  M m;
+  Reader r{bytes, header};
+  fields(m, r);
+  if (!r.ok) return corrupt("engine message {}: truncated or bad flag ({} bytes)", message_name(Message(m)), bytes.size());
+  if (r.pos != bytes.size())
+    return corrupt("engine message {} of {} bytes, expected {}", message_name(Message(m)), bytes.size(), r.pos);
+  return Message(std::move(m));
+}
+
+template <size_t I = 0>
+Result<Message> decode_index(size_t index, std::span<const std::byte> bytes, size_t header) {
+  if constexpr (I < std::variant_size_v<Message>) {
+    if (index == I) return decode_as<std::variant_alternative_t<I, Message>>(bytes, header);
+    return decode_index<I + 1>(index, bytes, header);
+  } else {
+    return corrupt("engine message of unknown type {}", index + 1);
+  }
+}
+
+}  // namespace
+
+uint32_t sender_of(const Message& m) {
+  return std::visit(
+      [](const auto& x) -> uint32_t {
+        if constexpr (requires { x.producer; }) {
+          return x.producer;
+        } else {
+          return x.consumer;
+        }
+      },
+      m);
+}
+
+uint64_t version_of(const Message& m) {
+  return std::visit([](const auto& x) { return x.version; }, m);
+}
+
+const char* message_name(const Message& m) {
+  static constexpr const char* kNames[] = {"Announce", "Release", "Ready",    "Pushed",       "Dropped",
+                                           "Abort",    "Done",    "Failover", "RoutesNotice", "Flushed"};
+  static_assert(std::size(kNames) == std::variant_size_v<Message>);
+  return kNames[m.index()];
+}
+
+std::vector<std::byte> encode_message(const Message& m) {
+  std::vector<std::byte> out;
+  out.reserve(48);
+  Writer w{out};
+  w(kMessageMagic);
+  w(static_cast<uint8_t>(m.index() + 1));
+  std::visit([&w](const auto& x) { fields(x, w); }, m);
+  return out;
+}
+
+Result<Message> decode_message(std::span<const std::byte> bytes) {
+  constexpr size_t kHeader = sizeof(uint32_t) + sizeof(uint8_t);
+  if (bytes.size() < kHeader) return corrupt("engine message of {} bytes is shorter than its header", bytes.size());
+  uint32_t magic;
+  std::memcpy(&magic, bytes.data(), sizeof(magic));
+  if (magic != kMessageMagic) return corrupt("engine message with bad magic {:#x}", magic);
+  const auto type = static_cast<uint8_t>(bytes[sizeof(uint32_t)]);
+  if (type == 0 || type > std::variant_size_v<Message>) return corrupt("engine message of unknown type {}", type);
+  return decode_index(type - 1u, bytes, kHeader);
+}
+
+// ---------------------------------------------------------------------------------------
+
+std::string encode_fields(const std::vector<std::string>& fields) {
+  std::string out;
+  for (const auto& f : fields) {
+    const uint64_t n = f.size();
+    out.append(reinterpret_cast<const char*>(&n), sizeof(n));
+    out += f;
+  }
+  return out;
+}
+
+Result<std::vector<std::string>> decode_fields(std::string_view blob, size_t expected) {
+  std::vector<std::string> out;
+  size_t pos = 0;
+  while (pos < blob.size()) {
+    uint64_t n = 0;
+    if (blob.size() - pos < sizeof(n)) return corrupt("store blob truncated at byte {}", pos);
+    if (out.size() == expected) return corrupt("store blob has more than {} fields", expected);
+    std::memcpy(&n, blob.data() + pos, sizeof(n));
+    pos += sizeof(n);
+    if (n > blob.size() - pos) return corrupt("store blob field of {} bytes overruns the blob", n);
+    out.emplace_back(blob.substr(pos, n));
+    pos += n;
+  }
+  if (out.size() != expected) return corrupt("store blob has {} fields, expected {}", out.size(), expected);
+  return out;
+}
+
+std::string u64_field(uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), sizeof(v)); }
+Result<uint64_t> parse_u64_field(std::string_view s) {
+  if (s.size() != 8) return corrupt("u64 field of {} bytes", s.size());
+  uint64_t v;
+  std::memcpy(&v, s.data(), 8);
+  return v;
+}
+
+std::string encode_lease(const ProducerLease& l) {
+  return encode_fields({std::string(kProducerLeaseMagic), l.address, l.staging_key, u64_field(l.slot_bytes), l.in_place});
+}
+
+std::string encode_lease(const ConsumerLease& l) {
+  return encode_fields({std::string(kConsumerLeaseMagic), l.address, l.recv_key, u64_field(l.recv_slot_bytes)});
+}
+
+Result<ProducerLease> decode_producer_lease(std::string_view blob) {
+  auto f = decode_fields(blob, 5);
+  if (!f.ok()) return f.status().with_context("producer lease");
+  if ((*f)[0] != kProducerLeaseMagic) return corrupt("producer lease: not a producer lease");
+  ProducerLease l;
+  l.address = std::move((*f)[1]);
+  l.staging_key = std::move((*f)[2]);
+  auto slot = parse_u64_field((*f)[3]);
+  if (!slot.ok()) return slot.status().with_context("producer lease slot_bytes");
+  l.slot_bytes = *slot;
+  l.in_place = std::move((*f)[4]);
+  return l;
+}
+
+Result<ConsumerLease> decode_consumer_lease(std::string_view blob) {
+  auto f = decode_fields(blob, 4);
+  if (!f.ok()) return f.status().with_context("consumer lease");
+  if ((*f)[0] != kConsumerLeaseMagic) return corrupt("consumer lease: not a consumer lease");
+  ConsumerLease l;
+  l.address = std::move((*f)[1]);
+  l.recv_key = std::move((*f)[2]);
+  auto slot = parse_u64_field((*f)[3]);
+  if (!slot.ok()) return slot.status().with_context("consumer lease recv_slot_bytes");
+  l.recv_slot_bytes = *slot;
+  return l;
+}
+
+// ---------------------------------------------------------------------------------------
+
+std::string JobKeys::meta() const { return job_ + "/meta"; }
+std::string JobKeys::holdings(int p) const { return fmt::format("{}/holdings/{}", job_, p); }
+std::string JobKeys::plan(int c) const { return fmt::format("{}/plan/{}", job_, c); }
+std::string JobKeys::producer(int p) const { return fmt::format("{}/producer/{}", job_, p); }
+std::string JobKeys::consumer(int c) const { return fmt::format("{}/consumer/{}", job_, c); }
+std::string JobKeys::dead(int p) const { return fmt::format("{}/dead/{}", job_, p); }
+std::string JobKeys::dead_prefix() const { return job_ + "/dead/"; }
+
+}  // namespace ferry::engine

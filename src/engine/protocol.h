@@ -1,0 +1,174 @@
+// engine/protocol.h — the engine's wire and store formats (internal): the typed control
+// messages producers and consumers exchange over the Transport, the typed leases each
+// publishes in the store, and the store's key names. Every format has one encode and
+// one decode, side by side here; decoding takes untrusted bytes (exact lengths, known
+// types, flags 0/1) and never reads past them (fuzz/protocol_fuzz.cpp).
+//
+// The messages of one sync (see ferry/engine.h for the protocol they make):
+//   pull:  p -> c  Announce   group g of version v is packed at slot_offset of p's staging
+//          c -> p  Release    c has read (v, g): p may reuse the slot
+//   push:  c -> p  Ready      c's receive slot `recv_slot` is free for (v, g)
+//          p -> c  Pushed     (v, g) is written into receive slot `recv_slot` and flushed
+//   both:  p -> c  Dropped    c was dropped from sync v
+//          c -> p  Abort      c gave up sync v
+//          c -> p  Done       c committed v
+//   failover:
+//          c -> p  Failover   c runs sync v with routes `routes` (producers marked dead
+//                             in the store excluded); p restarts v with them
+//          p -> c  RoutesNotice  p runs sync v with routes `routes` (after a failover)
+//          p -> c  Flushed    (push) answer to Failover: no write of other routes to c in flight
+// Every message carries the sender's rank, the version and the hash of the routes the
+// sender runs (or, for Pushed, laid the bytes out by).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "ferry/status.h"
+
+namespace ferry::engine {
+
+// Transport tag of every engine message.
+inline constexpr uint32_t kEngineTag = 0xFE770001u;
+
+struct Announce {
+  uint32_t producer = 0;
+  uint64_t version = 0;
+  int32_t group = 0;
+  uint64_t routes = 0;
+  uint64_t slot_offset = 0;              // byte offset of the group in the staging ring
+  std::optional<uint64_t> checksum;      // checksums on: xxHash64 of c's segment
+  friend bool operator==(const Announce&, const Announce&) = default;
+};
+struct Release {
+  uint32_t consumer = 0;
+  uint64_t version = 0;
+  int32_t group = 0;
+  uint64_t routes = 0;
+  friend bool operator==(const Release&, const Release&) = default;
+};
+struct Ready {
+  uint32_t consumer = 0;
+  uint64_t version = 0;
+  int32_t group = 0;
+  uint64_t routes = 0;
+  uint32_t recv_slot = 0;
+  friend bool operator==(const Ready&, const Ready&) = default;
+};
+struct Pushed {
+  uint32_t producer = 0;
+  uint64_t version = 0;
+  int32_t group = 0;
+  uint64_t routes = 0;
+  uint32_t recv_slot = 0;
+  std::optional<uint64_t> checksum;
+  friend bool operator==(const Pushed&, const Pushed&) = default;
+};
+struct Dropped {
+  uint32_t producer = 0;
+  uint64_t version = 0;
+  uint64_t routes = 0;
+  friend bool operator==(const Dropped&, const Dropped&) = default;
+};
+struct Abort {
+  uint32_t consumer = 0;
+  uint64_t version = 0;
+  uint64_t routes = 0;
+  friend bool operator==(const Abort&, const Abort&) = default;
+};
+struct Done {
+  uint32_t consumer = 0;
+  uint64_t version = 0;
+  uint64_t routes = 0;
+  friend bool operator==(const Done&, const Done&) = default;
+};
+struct Failover {
+  uint32_t consumer = 0;
+  uint64_t version = 0;
+  uint64_t routes = 0;
+  friend bool operator==(const Failover&, const Failover&) = default;
+};
+struct RoutesNotice {
+  uint32_t producer = 0;
+  uint64_t version = 0;
+  uint64_t routes = 0;
+  friend bool operator==(const RoutesNotice&, const RoutesNotice&) = default;
+};
+struct Flushed {
+  uint32_t producer = 0;
+  uint64_t version = 0;
+  uint64_t routes = 0;
+  friend bool operator==(const Flushed&, const Flushed&) = default;
+};
+
+using Message = std::variant<Announce, Release, Ready, Pushed, Dropped, Abort, Done, Failover, RoutesNotice, Flushed>;
+
+// The sender's rank (producer or consumer, by message type), version and routes.
+uint32_t sender_of(const Message& m);
+uint64_t version_of(const Message& m);
+const char* message_name(const Message& m);
+
+std::vector<std::byte> encode_message(const Message& m);
+// Exact-length, known-type, magic-checked decoding; kCorrupt otherwise.
+Result<Message> decode_message(std::span<const std::byte> bytes);
+
+// ---------------------------------------------------------------------------------------
+// Leases ({job}/producer/{p}, {job}/consumer/{c}): what a peer needs to reach a rank.
+
+struct ProducerLease {
+  std::string address;      // Transport::address()
+  std::string staging_key;  // exported key of the staging ring
+  uint64_t slot_bytes = 0;  // bytes per staging slot
+  std::string in_place;     // InPlaceTable::encode() ("" when nothing is served in place)
+  friend bool operator==(const ProducerLease&, const ProducerLease&) = default;
+};
+struct ConsumerLease {
+  std::string address;           // Transport::address()
+  std::string recv_key;          // exported key of the receive ring (push writes there)
+  uint64_t recv_slot_bytes = 0;  // bytes per receive slot
+  friend bool operator==(const ConsumerLease&, const ConsumerLease&) = default;
+};
+std::string encode_lease(const ProducerLease& l);
+std::string encode_lease(const ConsumerLease& l);
+Result<ProducerLease> decode_producer_lease(std::string_view blob);
+Result<ConsumerLease> decode_consumer_lease(std::string_view blob);
+
+// A store blob of length-prefixed fields (the leases' framing; also used by the tools'
+// own blobs). decode_fields checks every length against the bytes left and the count.
+std::string encode_fields(const std::vector<std::string>& fields);
+Result<std::vector<std::string>> decode_fields(std::string_view blob, size_t expected);
+std::string u64_field(uint64_t v);
+Result<uint64_t> parse_u64_field(std::string_view s);
+
+inline std::string bytes_to_string(std::span<const std::byte> b) {
+  return std::string(reinterpret_cast<const char*>(b.data()), b.size());
+}
+inline std::span<const std::byte> string_bytes(const std::string& s) {
+  return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
+}
+
+// ---------------------------------------------------------------------------------------
+// Store keys of one job (every key under the prefix `job`).
+class JobKeys {
+ public:
+  explicit JobKeys(std::string job) : job_(std::move(job)) {}
+  const std::string& job() const { return job_; }
+  std::string meta() const;               // trainer metadata (JSON; producer 0)
+  std::string holdings(int p) const;      // producer p's holdings (JSON)
+  std::string plan(int c) const;          // consumer c's canonical plan
+  std::string producer(int p) const;      // producer p's lease
+  std::string consumer(int c) const;      // consumer c's lease
+  std::string dead(int p) const;          // producer p failed over (failover)
+  std::string dead_prefix() const;
+
+ private:
+  std::string job_;
+};
+
+}  // namespace ferry::engine

@@ -1,0 +1,144 @@
+// engine/schedule.h — what each side does per layer group of a sync, worked out once
+// from the routes (internal). Pure functions of the routes, the holdings, the
+// producers' in-place tables and the consumer's registered params: no transport call,
+// no store, no thread. Producer, consumer and `ferry bench` all take their slot sizes,
+// pack lists, read lists and checksum layouts from here, so the two sides of a sync
+// agree by construction (schedule_test.cpp checks them against each other).
+//
+// Vocabulary: a *layer group* is one step of a sync (Routes::group_names); a
+// *post-processing group* is a loader's unit of process_weights_after_loading
+// (RankLoader::groups()), run once every param it covers has landed.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/in_place.h"
+#include "ferry/engine.h"
+
+namespace ferry::engine {
+
+// ---------------------------------------------------------------------------------------
+// Slot sizes.
+
+// A ring slot for `largest` bytes (at least 64, 64-byte aligned).
+uint64_t slot_bytes_for(uint64_t largest);
+// The consumer's receive slot: its plan class's largest group (any routing of the same
+// plans reads the same bytes per group, so failover never needs a larger one).
+uint64_t consumer_slot_bytes(const PlanRoute& plan_route);
+// Producer `rank`'s staging slot: its largest group under `routes`; with failover, when
+// it shares a box with another producer (a replica it may take over from), the worst
+// case: every plan class reading all it holds of a group.
+uint64_t producer_slot_bytes(const Routes& routes, int rank, const std::vector<TensorDecl>& metadata,
+                             const std::vector<Holdings>& holdings, bool failover);
+
+// ---------------------------------------------------------------------------------------
+// Checksums (EngineOptions::checksums): xxHash64 over the bytes of one producer's
+// segment for one plan class, in staging order, wherever each piece lies.
+class SegmentHash {
+ public:
+  SegmentHash();
+  ~SegmentHash();
+  SegmentHash(const SegmentHash&) = delete;
+  SegmentHash& operator=(const SegmentHash&) = delete;
+  void update(const std::byte* data, uint64_t bytes);
+  uint64_t digest() const;
+
+ private:
+  void* state_;
+};
+
+// A run of a producer's segment as it is hashed: staging bytes (region < 0, `offset`
+// into the group's staging) or source-region bytes served in place.
+struct SegmentSpan {
+  int32_t region = -1;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+
+// ---------------------------------------------------------------------------------------
+// Producer.
+
+struct ProducerGroupSchedule {
+  // The group's route with the packs of in-place runs removed: what pack_group packs.
+  ProducerGroup pack;
+  // Staging runs consumers read from the source regions instead (sorted, disjoint).
+  std::vector<InPlacePiece> in_place;
+  // Per plan class: bytes this producer serves in the group, and of those in place.
+  std::map<uint32_t, uint64_t> served;
+  std::map<uint32_t, uint64_t> served_in_place;
+  // Per plan class: the spans its checksum covers, in staging order.
+  std::map<uint32_t, std::vector<SegmentSpan>> checksum_spans;
+};
+
+struct ProducerSchedule {
+  std::vector<ProducerGroupSchedule> groups;  // per layer group
+};
+
+// kFailedPrecondition when a group needs more staging than `slot_bytes` (0: unchecked).
+Result<ProducerSchedule> make_producer_schedule(const Routes& routes, int rank, const Holdings& holdings,
+                                                const InPlaceTable& in_place, uint64_t slot_bytes);
+
+// ---------------------------------------------------------------------------------------
+// Consumer.
+
+// A param registered with the consumer's transport: reads may land in it directly.
+struct RegisteredParam {
+  MemoryRegion region;
+  uint64_t offset = 0;  // of the param inside `region`
+  std::byte* data = nullptr;
+  uint64_t bytes = 0;
+};
+
+// One read (or part of one): receive bytes [recv_offset, +length) of the layer group,
+// from the producer's staging at Read::offset + (recv_offset - Read::recv_offset),
+// landing in the receive slot (param == nullptr) or at param_offset of a param.
+// region >= 0: the bytes come from the producer's source region `region` at `remote`
+// (served in place), not from its staging.
+struct SubRead {
+  uint32_t read = 0;  // index into PlanGroup::reads
+  uint64_t recv_offset = 0, length = 0;
+  const RegisteredParam* param = nullptr;
+  uint64_t param_offset = 0;
+  int32_t region = -1;
+  uint64_t remote = 0;  // region offset (region >= 0) or group staging offset
+  uint32_t producer = 0;
+};
+
+struct ConsumerGroupSchedule {
+  std::vector<SubRead> reads;
+  std::vector<int> from;  // producers with bytes for this group, ascending
+  // Per producer: indices into `reads` in staging order (what its checksum covers).
+  std::map<int, std::vector<uint32_t>> checksum_order;
+  uint64_t received = 0, direct = 0;  // bytes, and of those read straight into params
+  std::map<int, uint64_t> received_from;  // producer -> bytes
+  std::vector<int> post_groups;  // post-processing groups complete after this group
+};
+
+struct ConsumerSchedule {
+  std::vector<ConsumerGroupSchedule> groups;  // per layer group
+  PlanRoute unpack;                           // the plan route less what lands in params directly
+};
+
+struct ConsumerScheduleInputs {
+  const Routes* routes = nullptr;
+  int rank = 0;
+  SyncMode mode = SyncMode::kPull;
+  uint64_t direct_min_bytes = 0;
+  // Registered params by name; SubRead::param points into this map (keep it alive).
+  const std::map<std::string, RegisteredParam>* params = nullptr;
+  const std::vector<Holdings>* holdings = nullptr;  // per producer
+  // Per producer: its in-place table when its source regions are imported; null: staged.
+  std::vector<const InPlaceTable*> in_place;
+  // Post-processing: param name -> its post-processing group (-1: none), and how many
+  // groups there are. Empty: no post-processing.
+  std::map<std::string, int> post_group_of;
+  size_t num_post_groups = 0;
+};
+
+ConsumerSchedule make_consumer_schedule(const ConsumerScheduleInputs& in);
+
+}  // namespace ferry::engine

@@ -1,0 +1,316 @@
+// The per-group schedule (engine/schedule.h) on its own, with no transport: producers
+// pack what their schedule says, consumers copy what theirs says from staging or the
+// trainer's memory into the receive slot or straight into params, unpack the rest, and
+// every consumer must equal a direct load bit for bit; both sides' byte counts and
+// checksums must agree. Instantiated over models, layouts and modes (pull with and
+// without in-place serving and reads into params, push).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <numeric>
+
+#include "engine/in_place.h"
+#include "engine/registered_buffer.h"
+#include "engine/schedule.h"
+#include "tools/job_model.h"
+
+namespace ferry::engine {
+namespace {
+
+using tools::JobModel;
+using tools::make_job_model;
+using tools::verify_params;
+
+std::string cfg(const char* name) { return std::string(FERRY_SOURCE_DIR) + "/configs/" + name; }
+
+struct ScheduleCase {
+  const char* name;
+  const char* config;
+  const char* trainer;
+  const char* inference;
+  SyncMode mode;
+  bool in_place;              // producers' boxes laid out in one source region each
+  uint64_t direct_min_bytes;  // UINT64_MAX: nothing read into params
+};
+
+class ScheduleTest : public ::testing::TestWithParam<ScheduleCase> {};
+
+Routes build(const JobModel& m, std::vector<Plan>& plans) {
+  for (int c = 0; c < m.inference.world_size(); ++c) {
+    auto p = record_plan(*m.loader, c, m.metadata);
+    EXPECT_TRUE(p.ok()) << p.status().to_string();
+    plans.push_back(std::move(*p));
+  }
+  RouterInput in;
+  in.metadata = m.metadata;
+  in.producers = *m.holdings;
+  for (const Plan& p : plans) in.consumers.push_back(&p);
+  auto r = build_routes(in);
+  EXPECT_TRUE(r.ok()) << r.status().to_string();
+  return std::move(*r);
+}
+
+// One producer's weights of version 1, each group's boxes copied into one source region
+// (the trainer's own memory when in place).
+struct ProducerSide {
+  std::vector<std::byte> region;
+  std::vector<std::vector<LocalBox>> boxes;  // per group, borrowing `region`
+  InPlaceTable table;
+  ProducerSchedule schedule;
+  std::vector<std::vector<std::byte>> staging;  // per group
+};
+
+TEST_P(ScheduleTest, MovesEveryByteAndBothSidesAgree) {
+  const ScheduleCase& k = GetParam();
+  auto model = make_job_model(cfg(k.config), k.trainer, k.inference, true, R"({"num_hidden_layers": 2})");
+  ASSERT_TRUE(model.ok()) << model.status().to_string();
+  const JobModel& m = *model;
+  std::vector<Plan> plans;
+  const Routes routes = build(m, plans);
+  const int P = m.trainer.world_size(), C = m.inference.world_size(), G = routes.num_groups();
+  const uint64_t seed = 5, version = 1;
+
+  std::vector<ProducerSide> prod(static_cast<size_t>(P));
+  for (int p = 0; p < P; ++p) {
+    ProducerSide& ps = prod[static_cast<size_t>(p)];
+    SyntheticSource src(m.metadata, m.holdings, p, seed);
+    src.set_version(version);
+    const Holdings& h = (*m.holdings)[static_cast<size_t>(p)];
+    uint64_t bytes = 0;
+    std::vector<std::vector<LocalBox>> tmp(static_cast<size_t>(G));
+    for (int g = 0; g < G; ++g) {
+      auto b = src.materialize(g);
+      ASSERT_TRUE(b.ok()) << b.status().to_string();
+      tmp[static_cast<size_t>(g)] = std::move(*b);
+      for (const LocalBox& lb : tmp[static_cast<size_t>(g)])
+        bytes += align_up(static_cast<uint64_t>(lb.data.numel()) * dtype_size(lb.data.dtype()), 64);
+    }
+    ps.region.resize(bytes + 64);
+    ps.boxes.resize(static_cast<size_t>(G));
+    ps.table.min_bytes = 64;
+    ps.table.boxes.resize(h.boxes.size());
+    uint64_t at = 0;
+    for (int g = 0; g < G; ++g) {
+      for (const LocalBox& lb : tmp[static_cast<size_t>(g)]) {
+        Tensor t = Tensor::borrow(ps.region.data() + at, lb.data.shape(), lb.data.dtype());
+        ASSERT_TRUE(t.copy_(lb.data).ok());
+        ps.boxes[static_cast<size_t>(g)].push_back(LocalBox{lb.box, t});
+        ps.table.boxes[lb.box] = InPlaceTable::At{0, at};
+        at += align_up(static_cast<uint64_t>(lb.data.numel()) * dtype_size(lb.data.dtype()), 64);
+      }
+    }
+    if (k.in_place) {
+      ps.table.keys = {"region0"};
+    } else {
+      ps.table = InPlaceTable{};
+    }
+    const uint64_t slot = producer_slot_bytes(routes, p, m.metadata, *m.holdings, true);
+    auto s = make_producer_schedule(routes, p, h, ps.table, slot);
+    ASSERT_TRUE(s.ok()) << s.status().to_string();
+    ps.schedule = std::move(*s);
+    ps.staging.resize(static_cast<size_t>(G));
+    for (int g = 0; g < G; ++g) {
+      const ProducerGroupSchedule& gs = ps.schedule.groups[static_cast<size_t>(g)];
+      ASSERT_LE(gs.pack.staging_bytes, slot) << "producer " << p << " group " << g;
+      ps.staging[static_cast<size_t>(g)].assign(gs.pack.staging_bytes, std::byte{0xEE});
+      ASSERT_TRUE(pack_group(gs.pack, static_cast<uint32_t>(p), g, h, ps.boxes[static_cast<size_t>(g)],
+                             ps.staging[static_cast<size_t>(g)])
+                      .ok());
+      if (!k.in_place) {
+        EXPECT_TRUE(gs.in_place.empty());
+      }
+    }
+  }
+
+  uint64_t in_place_bytes = 0, direct_bytes = 0;
+  for (int c = 0; c < C; ++c) {
+    auto rl = m.loader->rank(c);
+    ASSERT_TRUE(rl.ok());
+    TensorMap params;
+    std::map<std::string, RegisteredParam> registered;
+    for (const ParamInfo& pi : (*rl)->params()) {
+      Tensor t = Tensor::empty(pi.decl.shape, pi.decl.dtype, pi.decl.name);
+      auto* data = static_cast<std::byte*>(*t.data_ptr());
+      const uint64_t bytes = shape_numel(pi.decl.shape) * dtype_size(pi.decl.dtype);
+      std::memset(data, 0, bytes);
+      params.emplace(pi.decl.name, t);
+      registered[pi.decl.name] = RegisteredParam{MemoryRegion{}, 0, data, bytes};
+    }
+    ConsumerScheduleInputs in;
+    in.routes = &routes;
+    in.rank = c;
+    in.mode = k.mode;
+    in.direct_min_bytes = k.direct_min_bytes;
+    in.params = &registered;
+    in.holdings = m.holdings.get();
+    for (const ProducerSide& ps : prod) in.in_place.push_back(k.in_place ? &ps.table : nullptr);
+    const ConsumerSchedule cs = make_consumer_schedule(in);
+    ASSERT_EQ(cs.groups.size(), static_cast<size_t>(G));
+    const PlanRoute& plan_route = routes.consumer(static_cast<size_t>(c));
+    const uint32_t cls = routes.consumer_plan[static_cast<size_t>(c)];
+    std::vector<std::byte> ring(consumer_slot_bytes(plan_route));
+    for (int g = 0; g < G; ++g) {
+      const ConsumerGroupSchedule& gs = cs.groups[static_cast<size_t>(g)];
+      ASSERT_LE(plan_route.groups[static_cast<size_t>(g)].recv_bytes, ring.size());
+      std::fill(ring.begin(), ring.end(), std::byte{0xCD});
+      std::map<int, uint64_t> got, got_in_place;
+      for (const SubRead& sr : gs.reads) {
+        const ProducerSide& ps = prod[sr.producer];
+        const std::byte* from = sr.region >= 0 ? ps.region.data() + sr.remote
+                                               : ps.staging[static_cast<size_t>(g)].data() + sr.remote;
+        std::byte* to = sr.param ? sr.param->data + sr.param_offset : ring.data() + sr.recv_offset;
+        if (sr.region < 0) {
+          ASSERT_LE(sr.remote + sr.length, ps.staging[static_cast<size_t>(g)].size());
+        }
+        std::memcpy(to, from, sr.length);
+        got[static_cast<int>(sr.producer)] += sr.length;
+        if (sr.region >= 0) got_in_place[static_cast<int>(sr.producer)] += sr.length;
+        if (sr.param) direct_bytes += sr.length;
+        if (k.mode == SyncMode::kPush) {
+          EXPECT_TRUE(sr.param == nullptr && sr.region < 0) << "push reads into the ring only";
+        }
+      }
+      uint64_t total = 0;
+      for (int p : gs.from) {
+        const ProducerGroupSchedule& ps = prod[static_cast<size_t>(p)].schedule.groups[static_cast<size_t>(g)];
+        ASSERT_TRUE(ps.served.count(cls)) << "consumer " << c << " reads from producer " << p << " which serves it nothing";
+        EXPECT_EQ(got[p], ps.served.at(cls)) << "consumer " << c << " producer " << p << " group " << g;
+        EXPECT_EQ(gs.received_from.at(p), ps.served.at(cls));
+        const uint64_t ip = ps.served_in_place.count(cls) ? ps.served_in_place.at(cls) : 0;
+        EXPECT_EQ(got_in_place[p], ip) << "consumer " << c << " producer " << p << " group " << g;
+        in_place_bytes += got_in_place[p];
+        total += got[p];
+        // Checksums: the consumer hashes where the bytes landed, in its checksum order;
+        // the producer hashes its spans. They must agree.
+        SegmentHash mine;
+        for (uint32_t i : gs.checksum_order.at(p)) {
+          const SubRead& sr = gs.reads[i];
+          mine.update(sr.param ? sr.param->data + sr.param_offset : ring.data() + sr.recv_offset, sr.length);
+        }
+        SegmentHash theirs;
+        for (const SegmentSpan& x : ps.checksum_spans.at(cls)) {
+          const ProducerSide& side = prod[static_cast<size_t>(p)];
+          theirs.update((x.region < 0 ? side.staging[static_cast<size_t>(g)].data() : side.region.data()) + x.offset,
+                        x.bytes);
+        }
+        EXPECT_EQ(mine.digest(), theirs.digest()) << "consumer " << c << " producer " << p << " group " << g;
+      }
+      EXPECT_EQ(total, gs.received);
+      ASSERT_TRUE(unpack_group(cs.unpack, g, std::span<const std::byte>(ring.data(), ring.size()), params).ok());
+    }
+    auto mismatch = verify_params(m, c, params, seed, version);
+    ASSERT_TRUE(mismatch.ok()) << mismatch.status().to_string();
+    EXPECT_FALSE(mismatch->has_value()) << "consumer " << c << ": " << **mismatch;
+  }
+  // The case's premise holds: in-place and direct paths are taken when the case asks.
+  if (k.in_place && k.mode == SyncMode::kPull) {
+    EXPECT_GT(in_place_bytes, 0u);
+  }
+  if (!k.in_place) {
+    EXPECT_EQ(in_place_bytes, 0u);
+  }
+  if (k.mode == SyncMode::kPull && k.direct_min_bytes != UINT64_MAX) {
+    EXPECT_GT(direct_bytes, 0u);
+  }
+  if (k.direct_min_bytes == UINT64_MAX) {
+    EXPECT_EQ(direct_bytes, 0u);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, ScheduleTest,
+    ::testing::Values(
+        ScheduleCase{"DenseStaged", "llama-3.1-8b.json", "tp=2", "tp=4", SyncMode::kPull, false, UINT64_MAX},
+        ScheduleCase{"DenseIntoParams", "llama-3.1-8b.json", "tp=2", "tp=4", SyncMode::kPull, false, 0},
+        ScheduleCase{"DenseInPlace", "llama-3.1-8b.json", "tp=2", "tp=4", SyncMode::kPull, true, 1024},
+        ScheduleCase{"DenseInPlaceStagedReads", "llama-3.1-8b.json", "tp=4", "tp=2,replicas=2", SyncMode::kPull, true,
+                     UINT64_MAX},
+        ScheduleCase{"DensePush", "llama-3.1-8b.json", "tp=2", "tp=4", SyncMode::kPush, false, UINT64_MAX},
+        ScheduleCase{"MoeInPlace", "qwen3-30b-a3b.json", "tp=2,pp=2,ep=2", "tp=2,ep=2,replicas=2", SyncMode::kPull,
+                     true, 64 * 1024},
+        ScheduleCase{"MoeReplicasPush", "qwen3-30b-a3b.json", "tp=2,dp=2", "tp=2,ep=2", SyncMode::kPush, false,
+                     UINT64_MAX},
+        ScheduleCase{"FsdpIntoParams", "llama-3.1-8b.json", "fsdp=4", "tp=2", SyncMode::kPull, false, 0}),
+    [](const ::testing::TestParamInfo<ScheduleCase>& i) { return std::string(i.param.name); });
+
+// Slot sizes: every group fits; with failover, a producer's slot fits what it serves
+// after any replica of it is gone.
+TEST(ScheduleSlots, FitEveryGroupAndEveryFailover) {
+  auto model = make_job_model(cfg("llama-3.1-8b.json"), "tp=2,dp=2", "tp=2,replicas=2", true,
+                              R"({"num_hidden_layers": 2})");
+  ASSERT_TRUE(model.ok()) << model.status().to_string();
+  std::vector<Plan> plans;
+  const Routes routes = build(*model, plans);
+  const int P = model->trainer.world_size();
+  for (int c = 0; c < model->inference.world_size(); ++c) {
+    const uint64_t slot = consumer_slot_bytes(routes.consumer(static_cast<size_t>(c)));
+    EXPECT_EQ(slot % 64, 0u);
+    for (const PlanGroup& g : routes.consumer(static_cast<size_t>(c)).groups) {
+      EXPECT_LE(g.recv_bytes, slot);
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    const uint64_t with = producer_slot_bytes(routes, p, model->metadata, *model->holdings, true);
+    const uint64_t without = producer_slot_bytes(routes, p, model->metadata, *model->holdings, false);
+    EXPECT_GE(with, without);
+    EXPECT_GT(with, without) << "producer " << p << " has a replica: its slot must cover a takeover";
+    for (int dead = 0; dead < P; ++dead) {
+      if (dead == p) continue;
+      RouterInput in;
+      in.metadata = model->metadata;
+      in.producers = *model->holdings;
+      in.producers[static_cast<size_t>(dead)] = Holdings{};
+      for (const Plan& pl : plans) in.consumers.push_back(&pl);
+      auto r = build_routes(in);
+      ASSERT_TRUE(r.ok()) << r.status().to_string();
+      Holdings h = (*model->holdings)[static_cast<size_t>(p)];
+      auto s = make_producer_schedule(*r, p, h, InPlaceTable{}, with);
+      EXPECT_TRUE(s.ok()) << "producer " << p << " without producer " << dead << ": " << s.status().to_string();
+    }
+    // A slot too small is refused, naming the group.
+    auto small = make_producer_schedule(routes, p, (*model->holdings)[static_cast<size_t>(p)], InPlaceTable{}, 64);
+    ASSERT_FALSE(small.ok());
+    EXPECT_EQ(small.status().code(), StatusCode::kFailedPrecondition);
+    EXPECT_NE(small.status().message().find("staging bytes"), std::string::npos);
+  }
+}
+
+// Post-processing groups run once, after the last layer group that writes one of their params.
+TEST(ScheduleSlots, PostProcessingGroupsRunOnceAfterTheirLastParam) {
+  auto model = make_job_model(cfg("qwen3-235b-a22b-fp8.json"), "tp=1", "tp=2", true, R"({"num_hidden_layers": 2})");
+  ASSERT_TRUE(model.ok()) << model.status().to_string();
+  std::vector<Plan> plans;
+  const Routes routes = build(*model, plans);
+  auto rl = model->loader->rank(0);
+  ASSERT_TRUE(rl.ok());
+  std::map<std::string, RegisteredParam> none;
+  ConsumerScheduleInputs in;
+  in.routes = &routes;
+  in.params = &none;
+  in.holdings = model->holdings.get();
+  for (const ParamInfo& p : (*rl)->params()) in.post_group_of[p.decl.name] = p.group;
+  in.num_post_groups = (*rl)->groups().size();
+  ASSERT_GT(in.num_post_groups, 0u) << "the FP8 loader post-processes";
+  const ConsumerSchedule cs = make_consumer_schedule(in);
+  std::vector<int> runs(in.num_post_groups, 0);
+  std::map<std::string, int> last;
+  const PlanRoute& pr = routes.consumer(0);
+  for (size_t g = 0; g < pr.groups.size(); ++g)
+    for (const UnpackOp& u : pr.groups[g].unpacks) last[pr.params[u.param].name] = static_cast<int>(g);
+  for (size_t g = 0; g < cs.groups.size(); ++g) {
+    for (int k : cs.groups[g].post_groups) {
+      ++runs[static_cast<size_t>(k)];
+      for (const ParamInfo& p : (*rl)->params()) {
+        if (p.group == k && last.count(p.decl.name)) {
+          EXPECT_LE(last[p.decl.name], static_cast<int>(g)) << p.decl.name;
+        }
+      }
+    }
+  }
+  for (size_t k = 0; k < runs.size(); ++k) {
+    EXPECT_EQ(runs[k], 1) << "post-processing group " << k;
+  }
+}
+
+}  // namespace
+}  // namespace ferry::engine
