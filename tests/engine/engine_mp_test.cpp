@@ -29,13 +29,6 @@ engine::DemoSpec spec(const char* model, const char* trainer, const char* infere
   return d;
 }
 
-bool moe_supported() {
-  auto names = supported_architectures();
-  return std::find(names.begin(), names.end(), "Qwen3MoeForCausalLM") != names.end();
-}
-#define SKIP_WITHOUT_MOE() \
-  if (!moe_supported()) GTEST_SKIP() << "the Qwen3-MoE loader has not landed in this build"
-
 void expect_ok(const engine::DemoResult& r, int syncs) {
   EXPECT_TRUE(r.all_verified) << r.error;
   ASSERT_EQ(static_cast<int>(r.rows.size()), syncs) << r.error;
@@ -55,7 +48,6 @@ TEST(EngineMultiProcess, DenseGqaUcxTcpStorePull) {
 }
 
 TEST(EngineMultiProcess, MoeExpertParallelUcxTcpStorePullChecksums) {
-  SKIP_WITHOUT_MOE();
   auto d = spec("qwen3-30b-a3b.json", "tp=2,pp=2,ep=2", "tp=2,ep=2,replicas=2");
   d.checksums = true;
   expect_ok(engine::run_demo(d), d.syncs);
@@ -71,7 +63,6 @@ TEST(EngineMultiProcess, DenseGqaUcxRedisPush) {
 }
 
 TEST(EngineMultiProcess, MoeUcxRedisPull) {
-  SKIP_WITHOUT_MOE();
   auto redis = testing::RedisServer::start("engine-mp");
   ASSERT_TRUE(redis.ok()) << redis.status().to_string();
   auto d = spec("qwen3-30b-a3b.json", "tp=2,pp=2,ep=2", "tp=2,ep=2,replicas=2");
