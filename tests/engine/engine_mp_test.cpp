@@ -177,6 +177,7 @@ void producer_only_holder(const char* mode) {
     EXPECT_GT(bad.torn, 0);
     EXPECT_LE(bad.torn, bad.failed);
   }
+  ASSERT_EQ(bad.errors.size(), static_cast<size_t>(bad.failed)) << "one error per failed consumer";
   for (const auto& e : bad.errors) {
     EXPECT_NE(e.find("producer 1"), std::string::npos) << e;
     EXPECT_NE(e.find("no failover"), std::string::npos) << e;
