@@ -1,16 +1,20 @@
 // Multi-process end-to-end tests: every trainer and inference rank is a `ferry worker`
 // process, data over UCX on loopback, rendezvous through the embedded TCP store or a
 // private redis-server; every consumer verified bit for bit against a direct load.
+// Processes need UCX, so these run on UCX only; pull and push (and the store, or the
+// workers' UCX_TLS for the SIGKILL tests) are parameters of one suite.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <ostream>
+#include <string>
 
 #include "ferry/models.h"
-#include "store/redis_server.h"
 #include "tools/demo.h"
+#include "store/redis_server.h"
 
 namespace ferry {
 namespace {
@@ -30,13 +34,6 @@ tools::DemoSpec spec(const char* model, const char* trainer, const char* inferen
   return d;
 }
 
-bool moe_supported() {
-  auto names = supported_architectures();
-  return std::find(names.begin(), names.end(), "Qwen3MoeForCausalLM") != names.end();
-}
-#define SKIP_WITHOUT_MOE() \
-  if (!moe_supported()) GTEST_SKIP() << "the Qwen3-MoE loader has not landed in this build"
-
 void expect_ok(const tools::DemoResult& r, int syncs) {
   EXPECT_TRUE(r.all_verified) << r.error;
   ASSERT_EQ(static_cast<int>(r.rows.size()), syncs) << r.error;
@@ -50,76 +47,129 @@ void expect_ok(const tools::DemoResult& r, int syncs) {
   }
 }
 
-TEST(EngineMultiProcess, DenseGqaUcxTcpStorePull) {
-  auto d = spec("llama-3.1-8b.json", "tp=2,pp=2", "tp=2,replicas=2");
+// --- cases -----------------------------------------------------------------------------
+// Every test below is one parameterised test: pull and push (and, for the tests that
+// do not SIGKILL, the embedded TCP store and a private redis-server; for those that do,
+// the workers' UCX_TLS) are parameters, not copies.
+
+enum class StoreKind { kTcp, kRedis };
+
+struct MpCase {
+  const char* mode;                    // "pull" | "push"
+  StoreKind store = StoreKind::kTcp;   // the rendezvous store
+  const char* tls = "sm,tcp,self";     // the workers' UCX_TLS
+};
+
+const char* store_name(StoreKind s) { return s == StoreKind::kTcp ? "tcpstore" : "redis"; }
+std::string tls_name(const char* tls) {
+  std::string out = tls;
+  std::replace(out.begin(), out.end(), ',', '_');
+  return out;
+}
+void PrintTo(const MpCase& c, std::ostream* os) { *os << c.mode << " " << store_name(c.store) << " " << c.tls; }
+// Case names say what varies in the suite: "pull_redis" (EngineMpTest), "push_tcp_self"
+// (EngineMpFaultTest).
+std::string mode_store_name(const ::testing::TestParamInfo<MpCase>& i) {
+  return fmt::format("{}_{}", i.param.mode, store_name(i.param.store));
+}
+std::string mode_tls_name(const ::testing::TestParamInfo<MpCase>& i) {
+  return fmt::format("{}_{}", i.param.mode, tls_name(i.param.tls));
+}
+
+class EngineMpTest : public ::testing::TestWithParam<MpCase> {
+ protected:
+  bool pull() const { return std::string(GetParam().mode) == "pull"; }
+  // The spec for this case; a redis store is started here and lives as long as the test.
+  tools::DemoSpec spec_for(const char* model, const char* trainer, const char* inference) {
+    auto d = spec(model, trainer, inference);
+    d.mode = GetParam().mode;
+    d.ucx_tls = GetParam().tls;
+    if (GetParam().store == StoreKind::kRedis) {
+      auto r = testing::RedisServer::start("engine-mp");
+      EXPECT_TRUE(r.ok()) << r.status().to_string();
+      if (r.ok()) {
+        redis_ = std::move(*r);
+        d.store = fmt::format("redis://:engine-mp@127.0.0.1:{}/enginemp", redis_->port());
+      }
+    }
+    return d;
+  }
+  std::unique_ptr<testing::RedisServer> redis_;
+};
+// Ranks SIGKILLed: over UCX sm,tcp,self (bytes over shared memory, messages over tcp) and
+// over tcp,self (this side serves the peers' reads and writes by message while they die).
+class EngineMpFaultTest : public EngineMpTest {};
+
+INSTANTIATE_TEST_SUITE_P(Ucx, EngineMpTest,
+                         ::testing::Values(MpCase{"pull", StoreKind::kTcp}, MpCase{"push", StoreKind::kTcp},
+                                           MpCase{"pull", StoreKind::kRedis}, MpCase{"push", StoreKind::kRedis}),
+                         mode_store_name);
+INSTANTIATE_TEST_SUITE_P(Ucx, EngineMpFaultTest,
+                         ::testing::Values(MpCase{"pull", StoreKind::kTcp, "sm,tcp,self"},
+                                           MpCase{"push", StoreKind::kTcp, "sm,tcp,self"},
+                                           MpCase{"pull", StoreKind::kTcp, "tcp,self"},
+                                           MpCase{"push", StoreKind::kTcp, "tcp,self"}),
+                         mode_tls_name);
+
+TEST_P(EngineMpTest, DenseGqa) {
+  auto d = spec_for("llama-3.1-8b.json", "tp=2,pp=2", "tp=2,replicas=2");
+  ASSERT_FALSE(HasFailure());
   expect_ok(tools::run_demo(d), d.syncs);
 }
 
-TEST(EngineMultiProcess, MoeExpertParallelUcxTcpStorePullChecksums) {
-  SKIP_WITHOUT_MOE();
-  auto d = spec("qwen3-30b-a3b.json", "tp=2,pp=2,ep=2", "tp=2,ep=2,replicas=2");
+TEST_P(EngineMpTest, MoeExpertParallelChecksums) {
+  auto d = spec_for("qwen3-30b-a3b.json", "tp=2,pp=2,ep=2", "tp=2,ep=2,replicas=2");
+  ASSERT_FALSE(HasFailure());
   d.checksums = true;
   expect_ok(tools::run_demo(d), d.syncs);
 }
 
-TEST(EngineMultiProcess, DenseGqaUcxRedisPush) {
-  auto redis = testing::RedisServer::start("engine-mp");
-  ASSERT_TRUE(redis.ok()) << redis.status().to_string();
-  auto d = spec("llama-3.1-8b.json", "tp=2", "tp=2,replicas=2");
-  d.mode = "push";
-  d.store = fmt::format("redis://:engine-mp@127.0.0.1:{}/enginemp", (*redis)->port());
-  expect_ok(tools::run_demo(d), d.syncs);
+// MLA + MoE end to end: DeepSeek-V3 and Kimi-K2 (same architecture) shrunk (MLA q/kv
+// LoRA, 1 dense + 3 MoE layers, routed experts; bf16, their FP8 block scales would not
+// split over trainer TP), trainer TP/PP/EP shards read where they lie (every trainer
+// rank serves), 2 inference replicas of tp=2 with EP.
+void expect_mla(const tools::DemoSpec& d) {
+  auto r = tools::run_demo(d);
+  expect_ok(r, d.syncs);
+  for (const auto& row : r.rows) {
+    EXPECT_EQ(row.verified, 4) << "sync " << row.version;
+    for (size_t p = 0; p < row.producer_bytes.size(); ++p)
+      EXPECT_GT(row.producer_bytes[p], 0u) << "sync " << row.version << " trainer rank " << p;
+  }
+}
+TEST_P(EngineMpTest, MlaDeepseekV3) {
+  auto d = spec_for("deepseek-v3.json", "tp=2,pp=2,ep=2", "tp=2,ep=2,replicas=2");
+  ASSERT_FALSE(HasFailure());
+  d.overrides = R"({"quantization_config": null, "num_hidden_layers": 4})";
+  expect_mla(d);
+}
+TEST_P(EngineMpTest, MlaKimiK2) {
+  auto d = spec_for("kimi-k2-instruct.json", "tp=2,pp=2,ep=2", "tp=2,ep=2,replicas=2");
+  ASSERT_FALSE(HasFailure());
+  d.overrides = R"({"quantization_config": null, "num_hidden_layers": 4})";
+  expect_mla(d);
 }
 
-TEST(EngineMultiProcess, MoeUcxRedisPull) {
-  SKIP_WITHOUT_MOE();
-  auto redis = testing::RedisServer::start("engine-mp");
-  ASSERT_TRUE(redis.ok()) << redis.status().to_string();
-  auto d = spec("qwen3-30b-a3b.json", "tp=2,pp=2,ep=2", "tp=2,ep=2,replicas=2");
-  d.store = fmt::format("redis://:engine-mp@127.0.0.1:{}/enginemp2", (*redis)->port());
-  d.syncs = 2;
-  expect_ok(tools::run_demo(d), d.syncs);
-}
-
-// SIGKILL inference rank 1 at 20 different points of a sync (every other sync); the others
+// SIGKILL inference rank 1 at many points of a sync (every other sync); the others
 // complete every sync, the restarted rank verifies at the next one; bounded in time.
-// The workers run over UCX sm,tcp,self: bytes over shared memory, messages over tcp.
+// Points (group * 4 + phase, 6 groups x 4 phases): pull over shared memory, 0 to 19 in
+// turn; the other cases, 8 points spread over every group (0, 3, ..., 21).
 // When messages went over UCX 1.13 shared memory too, a victim killed while its progress
 // thread wrote the message it had just posted (RELEASE precedes points 2 and 3) left an
 // entry of the receiver's FIFO reserved and never published; that producer then heard
 // from no consumer again, dropped them all as stalled and overran the driver's wait
-// (about 1 run in 10).
-TEST(EngineMultiProcess, ConsumerSigkillAtTwentyPoints) {
-  auto d = spec("llama-3.1-8b.json", "tp=2,pp=2", "tp=2,replicas=2");
+// (about 1 run in 10 of the 20-point pull case).
+TEST_P(EngineMpFaultTest, ConsumerSigkill) {
+  auto d = spec_for("llama-3.1-8b.json", "tp=2,pp=2", "tp=2,replicas=2");
   d.overrides = R"({"num_hidden_layers": 4})";  // 6 groups x 4 phases = 24 points
-  const int points = 20;
+  const bool every_point = pull() && std::string(GetParam().tls) == "sm,tcp,self";
+  const int points = every_point ? 20 : 8;
   d.syncs = 2 * points + 1;
-  for (int i = 0; i < points; ++i) d.kills.push_back({2 * i + 1, i});
+  for (int i = 0; i < points; ++i) d.kills.push_back({2 * i + 1, every_point ? i : 3 * i});
   d.timeout_ms = 30000;
   auto r = tools::run_demo(d);
   expect_ok(r, d.syncs);
-  if (std::getenv("FERRY_UCX_TLS") == nullptr) {
-    // Killed over shared memory: the transport keeps messages on tcp (see ucx.cpp).
-    EXPECT_EQ(r.ucx_tls, "sm,tcp,self");
-  }
-  for (const auto& row : r.rows) {
-    const int expected = row.version % 2 == 1 && row.version < d.syncs ? 3 : 4;
-    EXPECT_EQ(row.expected, expected) << "sync " << row.version;
-  }
-}
-
-// Push mode: SIGKILL inference rank 1 at 8 points (every phase, groups 0 to 5); the others
-// complete, the restarted rank verifies at the next sync.
-TEST(EngineMultiProcess, PushConsumerSigkillAtEightPoints) {
-  auto d = spec("llama-3.1-8b.json", "tp=2,pp=2", "tp=2,replicas=2");
-  d.mode = "push";
-  d.overrides = R"({"num_hidden_layers": 4})";  // 6 groups x 4 phases
-  const int points = 8;
-  d.syncs = 2 * points + 1;
-  for (int i = 0; i < points; ++i) d.kills.push_back({2 * i + 1, 3 * i});  // points 0, 3, ..., 21
-  d.timeout_ms = 30000;
-  auto r = tools::run_demo(d);
-  expect_ok(r, d.syncs);
+  EXPECT_EQ(r.ucx_tls, GetParam().tls);
   for (const auto& row : r.rows) {
     const int expected = row.version % 2 == 1 && row.version < d.syncs ? 3 : 4;
     EXPECT_EQ(row.expected, expected) << "sync " << row.version;
@@ -128,12 +178,11 @@ TEST(EngineMultiProcess, PushConsumerSigkillAtEightPoints) {
 
 // SIGKILL trainer rank 1 (tp=2,dp=2: rank 3 holds the same boxes) while it serves a sync,
 // before each group it serves in turn (1, 2, 3 in syncs 2, 4, 6; group 0 is read from its
-// replica; restarted for the next sync): the
-// consumers fail over to the DP replica and the sync completes, every consumer verified
-// bit for bit; the restarted rank rejoins at the next sync (full routes), verified.
-void producer_failover(const char* mode) {
-  auto d = spec("llama-3.1-8b.json", "tp=2,dp=2", "tp=2,replicas=2");
-  d.mode = mode;
+// replica; restarted for the next sync): the consumers fail over to the DP replica and
+// the sync completes, every consumer verified bit for bit; the restarted rank rejoins at
+// the next sync (full routes), verified.
+TEST_P(EngineMpFaultTest, ProducerSigkillFailoverToDpReplica) {
+  auto d = spec_for("llama-3.1-8b.json", "tp=2,dp=2", "tp=2,replicas=2");
   d.kill_role = "producer";
   d.kill_rank = 1;
   const int groups = 3;
@@ -156,17 +205,14 @@ void producer_failover(const char* mode) {
     }
   }
 }
-TEST(EngineMultiProcess, ProducerSigkillFailoverToDpReplica) { producer_failover("pull"); }
-TEST(EngineMultiProcess, PushProducerSigkillFailoverToDpReplica) { producer_failover("push"); }
 
 // SIGKILL trainer rank 1 of tp=2 (the only holder of its shards) during sync 2, before it
 // materialises group 3 of 4: every consumer that needed it fails with an error naming it
 // and reports torn state; the others' report is verified; with the rank restarted, sync 3
 // recovers and verifies everywhere. (Rank 1 reaches group 3 only once every consumer
 // released its group 1, so a consumer reading from it there has group 1 landed: torn.)
-void producer_only_holder(const char* mode) {
-  auto d = spec("llama-3.1-8b.json", "tp=2", "tp=2,replicas=2");
-  d.mode = mode;
+TEST_P(EngineMpFaultTest, ProducerSigkillOnlyHolderThenRecovers) {
+  auto d = spec_for("llama-3.1-8b.json", "tp=2", "tp=2,replicas=2");
   d.kill_role = "producer";
   d.kill_rank = 1;
   d.kills = {{2, 3}};
@@ -181,12 +227,13 @@ void producer_only_holder(const char* mode) {
   EXPECT_EQ(bad.failed + bad.verified, bad.expected);
   // Pull: a RELEASE proves the group was read. Push: a slot is free once PUSHED was sent,
   // and a SIGKILL may lose a message still queued, so only "some" is certain.
-  if (std::string(mode) == "pull") {
+  if (pull()) {
     EXPECT_EQ(bad.torn, bad.failed);
   } else {
     EXPECT_GT(bad.torn, 0);
     EXPECT_LE(bad.torn, bad.failed);
   }
+  ASSERT_EQ(bad.errors.size(), static_cast<size_t>(bad.failed)) << "one error per failed consumer";
   for (const auto& e : bad.errors) {
     EXPECT_NE(e.find("producer 1"), std::string::npos) << e;
     EXPECT_NE(e.find("no failover"), std::string::npos) << e;
@@ -195,67 +242,6 @@ void producer_only_holder(const char* mode) {
   EXPECT_EQ(r.rows[2].expected, 4);
   EXPECT_EQ(r.rows[2].torn, 0);
   if (!bad.errors.empty()) std::printf("sync 2: %s\n", bad.errors[0].c_str());
-}
-TEST(EngineMultiProcess, ProducerSigkillOnlyHolderThenRecovers) { producer_only_holder("pull"); }
-TEST(EngineMultiProcess, PushProducerSigkillOnlyHolderThenRecovers) { producer_only_holder("push"); }
-
-// Over UCX tcp (FERRY_UCX_TLS=tcp,self for the workers): peers die while this side serves
-// their reads/writes by message, and a producer dies mid-sync. (UCX 1.13's own get
-// emulation over tcp aborted the serving process here; the transport now does RMA by
-// message itself.)
-struct UcxTlsEnv {
-  explicit UcxTlsEnv(const char* tls) { ::setenv("FERRY_UCX_TLS", tls, 1); }
-  ~UcxTlsEnv() { ::unsetenv("FERRY_UCX_TLS"); }
-};
-
-TEST(EngineMultiProcess, ConsumerSigkillOverUcxTcpPullAndPush) {
-  UcxTlsEnv tcp("tcp,self");
-  for (const char* mode : {"pull", "push"}) {
-    auto d = spec("llama-3.1-8b.json", "tp=2,pp=2", "tp=2,replicas=2");
-    d.mode = mode;
-    d.overrides = R"({"num_hidden_layers": 4})";
-    const int points = 8;
-    d.syncs = 2 * points + 1;
-    for (int i = 0; i < points; ++i) d.kills.push_back({2 * i + 1, 3 * i});
-    d.timeout_ms = 30000;
-    auto r = tools::run_demo(d);
-    expect_ok(r, d.syncs);
-  }
-}
-
-TEST(EngineMultiProcess, ProducerSigkillFailoverOverUcxTcp) {
-  UcxTlsEnv tcp("tcp,self");
-  producer_failover("pull");
-  producer_failover("push");
-}
-
-// MLA + MoE end to end: DeepSeek-V3 shrunk (MLA q/kv LoRA, 1 dense + 3 MoE layers, 4
-// routed experts; bf16, its FP8 block scales would not split over trainer TP), trainer
-// TP/PP/EP shards read where they lie (every trainer rank serves), 2 inference replicas of
-// tp=2 with EP, pull over the embedded store; Kimi-K2 (same architecture) pushed through
-// Redis.
-TEST(EngineMultiProcess, MlaDeepseekV3UcxTcpStorePull) {
-  auto d = spec("deepseek-v3.json", "tp=2,pp=2,ep=2", "tp=2,ep=2,replicas=2");
-  d.overrides = R"({"quantization_config": null, "num_hidden_layers": 4})";
-  auto r = tools::run_demo(d);
-  expect_ok(r, d.syncs);
-  for (const auto& row : r.rows) {
-    EXPECT_EQ(row.verified, 4) << "sync " << row.version;
-    for (size_t p = 0; p < row.producer_bytes.size(); ++p)
-      EXPECT_GT(row.producer_bytes[p], 0u) << "sync " << row.version << " trainer rank " << p;
-  }
-}
-
-TEST(EngineMultiProcess, MlaKimiK2UcxRedisPush) {
-  auto redis = testing::RedisServer::start("engine-mp");
-  ASSERT_TRUE(redis.ok()) << redis.status().to_string();
-  auto d = spec("kimi-k2-instruct.json", "tp=2,pp=2,ep=2", "tp=2,ep=2,replicas=2");
-  d.overrides = R"({"quantization_config": null, "num_hidden_layers": 4})";
-  d.mode = "push";
-  d.store = fmt::format("redis://:engine-mp@127.0.0.1:{}/enginemla", (*redis)->port());
-  auto r = tools::run_demo(d);
-  expect_ok(r, d.syncs);
-  for (const auto& row : r.rows) EXPECT_EQ(row.verified, 4) << "sync " << row.version;
 }
 
 // Many consecutive syncs: every one verified, worker RSS flat, no leaked descriptors

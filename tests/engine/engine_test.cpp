@@ -1,10 +1,14 @@
-// Ranks-as-threads tests of the engine: in-process transport, in-process TCP store
-// server, real model loaders, synthetic trainer data; every consumer verified bit for bit
-// against a direct load of the same version.
+// Ranks-as-threads tests of the engine: in-process TCP store server, real model
+// loaders, synthetic trainer data; every consumer verified bit for bit against a direct
+// load of the same version. One suite, instantiated per transport (inproc; UCX over
+// sm,tcp,self, every rank its own Transport in this process) and per mode (pull, push,
+// pull with the trainer's weights served in place); tests of what only one transport
+// has (inproc's failure injection) are instantiated for that transport only.
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <optional>
+#include <ostream>
 #include <set>
 #include <thread>
 
@@ -19,6 +23,42 @@ using tools::JobModel;
 using namespace std::chrono_literals;
 
 std::string cfg(const char* name) { return std::string(FERRY_SOURCE_DIR) + "/configs/" + name; }
+
+// --- cases -----------------------------------------------------------------------------
+
+enum class Backend { kInproc, kUcx };
+// kInPlace: pull, producers serving the trainer's weights from transport regions in place
+// (ProducerOptions::source_regions over InPlaceSource).
+enum class Mode { kPull, kPush, kInPlace };
+
+struct EngineCase {
+  Backend backend;
+  Mode mode;
+};
+
+const char* backend_name(Backend b) { return b == Backend::kInproc ? "inproc" : "ucx"; }
+const char* mode_name(Mode m) {
+  switch (m) {
+    case Mode::kPull: return "pull";
+    case Mode::kPush: return "push";
+    case Mode::kInPlace: return "in_place";
+  }
+  return "?";
+}
+std::string case_name(const EngineCase& c) { return fmt::format("{}_{}", backend_name(c.backend), mode_name(c.mode)); }
+void PrintTo(const EngineCase& c, std::ostream* os) { *os << case_name(c); }
+std::string case_name_of(const ::testing::TestParamInfo<EngineCase>& info) { return case_name(info.param); }
+
+// Every (transport, mode) pair drawn from the two lists.
+auto cases(std::vector<Backend> backends, std::vector<Mode> modes) {
+  std::vector<EngineCase> out;
+  for (Backend b : backends) {
+    for (Mode m : modes) out.push_back({b, m});
+  }
+  return ::testing::ValuesIn(out);
+}
+const std::vector<Backend> kAllBackends = {Backend::kInproc, Backend::kUcx};
+const std::vector<Mode> kAllModes = {Mode::kPull, Mode::kPush, Mode::kInPlace};
 
 // A trainer rank whose weights live in place in one region of its transport (a trainer
 // that allocates its parameters through ferry): the boxes of a SyntheticSource, copied
@@ -97,21 +137,31 @@ struct Cluster {
   std::function<void(ConsumerOptions&, int)> tweak_consumer;
   bool caller_params = false;  // consumers get param buffers allocated by the test
   bool in_place = false;       // producers serve from InPlaceSource regions
+  Backend backend = Backend::kInproc;
   static inline std::atomic<int> job_counter{0};
 
-  Cluster() {
+  explicit Cluster(EngineCase c = {Backend::kInproc, Mode::kPull}) : backend(c.backend) {
     eo.timeout = 20s;
     eo.stall_timeout = 20s;
     eo.lease_ttl = 2000ms;
     eo.rendezvous_timeout = 30s;
+    eo.mode = c.mode == Mode::kPush ? SyncMode::kPush : SyncMode::kPull;
+    in_place = c.mode == Mode::kInPlace;
   }
 
   int P() const { return model.trainer.world_size(); }
   int C() const { return model.inference.world_size(); }
 
+  // UCX as tests/transport runs it between processes: shared memory for reads and
+  // writes, tcp on loopback for messages and failure reports.
   Result<std::unique_ptr<Transport>> transport() {
     TransportOptions o;
-    o.backend = "inproc";
+    if (backend == Backend::kInproc) {
+      o.backend = "inproc";
+    } else {
+      o.backend = "ucx";
+      o.params = {{"tls", "sm,tcp,self"}, {"net_devices", "lo"}};
+    }
     return Transport::create(o);
   }
   Result<std::unique_ptr<Store>> store() {
@@ -233,27 +283,62 @@ struct Cluster {
   }
 };
 
-TEST(EngineThreads, DenseGqaTwoReplicasPull) {
-  Cluster k;
+// --- suites ----------------------------------------------------------------------------
+
+// Every transport x every mode.
+class EngineTest : public ::testing::TestWithParam<EngineCase> {
+ protected:
+  Mode mode() const { return GetParam().mode; }
+};
+// Inproc only (its failure injection: Transport::simulate_crash, Consumer::simulate_crash),
+// every mode.
+class EngineInprocTest : public EngineTest {};
+// Consumers reading into params: the pull modes (push writes whole segments into the
+// receive ring), every transport.
+class EngineZeroCopyTest : public EngineTest {};
+// Producers serving in place: every transport, in-place mode.
+class EngineInPlaceTest : public EngineTest {};
+
+INSTANTIATE_TEST_SUITE_P(Cases, EngineTest, cases(kAllBackends, kAllModes), case_name_of);
+INSTANTIATE_TEST_SUITE_P(Cases, EngineInprocTest, cases({Backend::kInproc}, kAllModes), case_name_of);
+INSTANTIATE_TEST_SUITE_P(Cases, EngineZeroCopyTest, cases(kAllBackends, {Mode::kPull, Mode::kInPlace}), case_name_of);
+INSTANTIATE_TEST_SUITE_P(Cases, EngineInPlaceTest, cases(kAllBackends, {Mode::kInPlace}), case_name_of);
+
+TEST_P(EngineTest, DenseGqaTwoReplicas) {
+  Cluster k(GetParam());
   ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2,pp=2", "tp=2,replicas=2").ok());
   const Routes& routes = k.prod[0]->routes();
   for (uint64_t v = 1; v <= 3; ++v) {
     auto o = k.sync(v);
     k.expect_all_ok(o, v);
-    uint64_t got = 0, served = 0;
+    uint64_t got = 0, served = 0, in_place = 0;
     for (auto& c : o.c) got += (**c).bytes;
     for (auto& p : o.p) {
       served += (**p).bytes;
+      in_place += (**p).direct_bytes;
       EXPECT_GT((**p).bytes, 0u) << "every TP shard holder serves its own shard";
     }
     EXPECT_EQ(got, routes.stats.bytes_moved);
     EXPECT_EQ(served, got);
     EXPECT_EQ(got, routes.stats.bytes_min) << "exactly the bytes each consumer keeps";
-    // Zero-copy: most bytes are read straight into the params; what is left (small
-    // pieces) went through the receive ring and was unpacked, and the params verified.
+    // Zero-copy (pull): most bytes are read straight into the params; what is left
+    // (small pieces) went through the receive ring and was unpacked, and the params
+    // verified. Push writes every byte into receive slots.
     for (auto& c : o.c) {
-      EXPECT_GT((**c).direct_bytes, 0u);
-      EXPECT_LT((**c).direct_bytes, (**c).bytes);
+      if (mode() == Mode::kPush) {
+        EXPECT_EQ((**c).direct_bytes, 0u);
+      } else {
+        EXPECT_GT((**c).direct_bytes, 0u);
+        EXPECT_LT((**c).direct_bytes, (**c).bytes);
+      }
+    }
+    // In place: producers serve most bytes from the trainer's memory, small pieces (the
+    // norms, under direct_min_bytes) from staging.
+    if (mode() == Mode::kInPlace) {
+      EXPECT_GT(in_place, 0u);
+      EXPECT_LT(in_place, served);
+    } else {
+      EXPECT_EQ(in_place, 0u);
     }
   }
   // Every participant built the same routes.
@@ -265,14 +350,14 @@ TEST(EngineThreads, DenseGqaTwoReplicasPull) {
 // none (everything through the receive ring); params allocated by the consumer or by
 // the caller (registered one by one); with checksums, which then cover bytes that landed
 // in params. Every consumer verified bit for bit, every sync.
-TEST(EngineThreads, ZeroCopyReadsIntoParams) {
+TEST_P(EngineZeroCopyTest, ReadsIntoParams) {
   struct Case {
     uint64_t min_bytes;
     bool caller_params;
   };
   for (Case t : {Case{0, false}, Case{0, true}, Case{4096, true}, Case{64 * 1024, false}, Case{UINT64_MAX, false}}) {
     SCOPED_TRACE(fmt::format("direct_min_bytes {} caller_params {}", t.min_bytes, t.caller_params));
-    Cluster k;
+    Cluster k(GetParam());
     k.caller_params = t.caller_params;
     k.tweak_consumer = [&](ConsumerOptions& co, int) {
       co.direct_min_bytes = t.min_bytes;
@@ -297,32 +382,26 @@ TEST(EngineThreads, ZeroCopyReadsIntoParams) {
   }
 }
 
-TEST(EngineThreads, MoeWithExpertParallelism) {
-  Cluster k;
+TEST_P(EngineTest, MoeWithExpertParallelism) {
+  Cluster k(GetParam());
   Status s = k.start(cfg("qwen3-30b-a3b.json"), "tp=2,pp=2,ep=2", "tp=2,ep=2,replicas=2");
-  if (!s.ok() && s.message().find("unknown architecture") != std::string::npos) GTEST_SKIP() << s.to_string();
   ASSERT_TRUE(s.ok()) << s.to_string();
   for (uint64_t v = 1; v <= 2; ++v) k.expect_all_ok(k.sync(v), v);
 }
 
-TEST(EngineThreads, PushMode) {
-  Cluster k;
-  k.eo.mode = SyncMode::kPush;
-  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2,pp=2", "tp=2,replicas=2").ok());
-  for (uint64_t v = 1; v <= 3; ++v) k.expect_all_ok(k.sync(v), v);
-}
-
-TEST(EngineThreads, HooksAndSmallStagingBudget) {
-  Cluster k;
+TEST_P(EngineTest, HooksAndSmallStagingBudget) {
   std::atomic<int> before{0}, after{0}, groups{0};
-  k.eo.rendezvous_timeout = 2s;
-  k.tweak_producer = [](ProducerOptions& o, int) { o.staging_budget = 1; };
-  // Budget 1 byte is refused (smaller than a group): check the error, then use a budget
-  // of one slot.
-  Status s = k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2");
-  ASSERT_FALSE(s.ok());
-  EXPECT_NE(s.message().find("staging budget"), std::string::npos) << s.to_string();
-  Cluster k2;
+  {
+    // Budget 1 byte is refused (smaller than a group): check the error, then use a
+    // budget of one slot.
+    Cluster k(GetParam());
+    k.eo.rendezvous_timeout = 2s;
+    k.tweak_producer = [](ProducerOptions& o, int) { o.staging_budget = 1; };
+    Status s = k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2");
+    ASSERT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("staging budget"), std::string::npos) << s.to_string();
+  }
+  Cluster k2(GetParam());
   k2.tweak_producer = [](ProducerOptions& o, int) { o.staging_budget = 64ull << 20; };
   k2.tweak_consumer = [&](ConsumerOptions& o, int) {
     o.before_sync = [&](uint64_t) { ++before; };
@@ -336,8 +415,8 @@ TEST(EngineThreads, HooksAndSmallStagingBudget) {
   EXPECT_EQ(groups.load(), 2 * k2.prod[0]->routes().num_groups());
 }
 
-TEST(EngineThreads, ChecksumDetectsCorruptSegment) {
-  Cluster k;
+TEST_P(EngineTest, ChecksumDetectsCorruptSegment) {
+  Cluster k(GetParam());
   k.eo.checksums = true;
   k.tweak_producer = [](ProducerOptions& o, int p) {
     if (p == 0) {
@@ -365,8 +444,8 @@ TEST(EngineThreads, ChecksumDetectsCorruptSegment) {
 
 // A consumer crashes at every point of a sync in turn (group x phase); the others
 // complete, nothing hangs, and the restarted consumer verifies at the next sync.
-TEST(EngineThreads, ConsumerCrashAtEveryPoint) {
-  Cluster k;
+TEST_P(EngineInprocTest, ConsumerCrashAtEveryPoint) {
+  Cluster k(GetParam());
   k.eo.stall_timeout = 20s;  // crashes are detected at once (inproc); this only bounds a bug
   std::atomic<int> crash_at{-1};
   std::atomic<bool> crashed{false};
@@ -401,8 +480,8 @@ TEST(EngineThreads, ConsumerCrashAtEveryPoint) {
 
 // The only holder of some boxes dies mid-sync: consumers fail naming it and report torn;
 // once it is back, the next sync recovers.
-TEST(EngineThreads, OnlyHolderDiesThenRecovers) {
-  Cluster k;
+TEST_P(EngineInprocTest, OnlyHolderDiesThenRecovers) {
+  Cluster k(GetParam());
   k.tweak_producer = [&k](ProducerOptions& o, int p) {
     if (p != 1) return;
     o.test_point = [&k](uint64_t v, int g) {
@@ -428,11 +507,12 @@ TEST(EngineThreads, OnlyHolderDiesThenRecovers) {
 // A producer with a DP replica dies mid-sync: every participant rebuilds the same routes
 // without it, the sync completes verified (no consumer dropped: a consumer still on the
 // old routes is told of the new ones, see Producer send_routes_notice); after it
-// restarts, it rejoins.
-void failover_to_dp_replica(SyncMode mode, bool in_place = false) {
-  Cluster k;
-  k.eo.mode = mode;
-  k.in_place = in_place;
+// restarts, it rejoins. Push: producers write into receive slots, so a consumer that
+// moves to new routes must not reuse a slot while a write of the old ones may still land
+// there (FLUSHED). In place: the replica serves the dead producer's pieces from its own
+// trainer memory.
+TEST_P(EngineInprocTest, ProducerDiesFailoverToDpReplica) {
+  Cluster k(GetParam());
   k.tweak_producer = [&k](ProducerOptions& o, int p) {
     if (p != 1) return;
     // (The crashed producer's own sync thread, which a dead process would not have,
@@ -481,19 +561,13 @@ void failover_to_dp_replica(SyncMode mode, bool in_place = false) {
   EXPECT_EQ(k.prod[0]->routes().hash(), full);
   for (auto& c : k.cons) EXPECT_EQ(c->routes().hash(), full);
 }
-TEST(EngineThreads, ProducerDiesFailoverToDpReplica) { failover_to_dp_replica(SyncMode::kPull); }
-// Push: producers write into receive slots, so a consumer that moves to new routes
-// must not reuse a slot while a write of the old ones may still land there (FLUSHED).
-TEST(EngineThreads, PushProducerDiesFailoverToDpReplica) { failover_to_dp_replica(SyncMode::kPush); }
-// In place: the replica serves the dead producer's pieces from its own trainer memory.
-TEST(EngineThreads, InPlaceProducerDiesFailoverToDpReplica) { failover_to_dp_replica(SyncMode::kPull, true); }
 
 // Producers serve from the trainer's memory in place (ProducerOptions::source_regions):
 // pieces that are contiguous runs of a box are neither packed nor staged; consumers read
 // them from the source region, into params or the ring. Every consumer verified bit for
 // bit, with checksums (which then cover in-place bytes), at thresholds from every piece
 // to none; push mode ignores source_regions (it writes whole staged segments).
-TEST(EngineThreads, InPlaceSourceServesWithoutStaging) {
+TEST_P(EngineInPlaceTest, ServesWithoutStaging) {
   struct Case {
     uint64_t min_bytes;
     SyncMode mode;
@@ -504,8 +578,8 @@ TEST(EngineThreads, InPlaceSourceServesWithoutStaging) {
                  Case{0, SyncMode::kPush, 0}}) {
     SCOPED_TRACE(fmt::format("producer min {} mode {} consumer min {}", t.min_bytes, sync_mode_name(t.mode),
                              t.consumer_min));
-    Cluster k;
-    k.in_place = true;
+    Cluster k(GetParam());
+    k.in_place = true;  // also in push, which ignores it
     k.eo.mode = t.mode;
     k.eo.checksums = true;
     k.tweak_producer = [&](ProducerOptions& po, int) { po.direct_min_bytes = t.min_bytes; };
@@ -529,6 +603,22 @@ TEST(EngineThreads, InPlaceSourceServesWithoutStaging) {
   }
 }
 
+// A source that breaks its in-place promise (a box at another address) fails the sync
+// with an error naming the tensor, and the consumers do not commit.
+TEST_P(EngineInPlaceTest, BoxThatMovedFailsTheSync) {
+  Cluster k(GetParam());
+  k.eo.timeout = 3s;
+  k.eo.stall_timeout = 3s;
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  k.in_place_src[0]->move_box = true;
+  auto o = k.sync(2);
+  ASSERT_FALSE(o.p[0]->ok());
+  EXPECT_NE(o.p[0]->status().message().find("moved"), std::string::npos) << o.p[0]->status().to_string();
+  for (auto& c : o.c) EXPECT_FALSE(c->ok());
+  for (auto& c : k.cons) EXPECT_EQ(c->state().version, 1u);
+}
+
 // The in-place table travels in the producer's lease: decoding it is bounds-checked.
 TEST(InPlaceTable, RoundTripAndMalformedBytes) {
   engine::InPlaceTable t;
@@ -549,23 +639,6 @@ TEST(InPlaceTable, RoundTripAndMalformedBytes) {
     EXPECT_FALSE(engine::InPlaceTable::decode(bytes.substr(0, n), 3).ok()) << "truncated at " << n;
   t.boxes[1].region = 2;  // names a region the table lacks
   EXPECT_EQ(engine::InPlaceTable::decode(t.encode(), 3).status().code(), StatusCode::kCorrupt);
-}
-
-// A source that breaks its in-place promise (a box at another address) fails the sync
-// with an error naming the tensor, and the consumers do not commit.
-TEST(EngineThreads, InPlaceBoxThatMovedFailsTheSync) {
-  Cluster k;
-  k.in_place = true;
-  k.eo.timeout = 3s;
-  k.eo.stall_timeout = 3s;
-  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2").ok());
-  k.expect_all_ok(k.sync(1), 1);
-  k.in_place_src[0]->move_box = true;
-  auto o = k.sync(2);
-  ASSERT_FALSE(o.p[0]->ok());
-  EXPECT_NE(o.p[0]->status().message().find("moved"), std::string::npos) << o.p[0]->status().to_string();
-  for (auto& c : o.c) EXPECT_FALSE(c->ok());
-  for (auto& c : k.cons) EXPECT_EQ(c->state().version, 1u);
 }
 
 }  // namespace

@@ -223,18 +223,20 @@ TEST(Shrink, HandWrittenConfigsLoadAtManyLayouts) {
   }
 }
 
-// Full size, no data: recording is cheap (llama-3.1-70b, tp=8, one rank).
+// Full size, no data: recording is cheap (llama-3.1-70b, tp=8, one rank). Cheap as a
+// count of work, not a time: the plan of 8.8e9 elements is a few copies per checkpoint
+// tensor (its size follows the tensors, never the elements).
 TEST(Record, FullSizeLlama70bRank) {
   auto c = ModelConfig::load(kConfigs + "/llama-3.1-70b.json");
   ASSERT_TRUE(c.ok());
   auto l = testing::loader_for(*c, "tp=8,replicas=2");
   ASSERT_NE(l, nullptr);
   EXPECT_EQ(l->checkpoint().size(), 3u + 80u * 9u);
-  const auto t0 = std::chrono::steady_clock::now();
   auto plan = record_plan(*l, 11);
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ASSERT_TRUE(plan.ok()) << plan.status().to_string();
-  EXPECT_LT(s, 5.0);
+  EXPECT_GE(plan->stats().copies, l->checkpoint().size());
+  EXPECT_LE(plan->stats().copies, 2 * l->checkpoint().size()) << "copies per checkpoint tensor";
+  EXPECT_LT(plan->encode().size(), 256u * l->checkpoint().size()) << "encoded bytes per checkpoint tensor";
   auto params = l->params(11);
   ASSERT_TRUE(params.ok());
   uint64_t numel = 0;

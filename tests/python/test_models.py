@@ -53,7 +53,6 @@ def torch_llama_loader(params, weights, rank, tp, cfg):
             params[name].data.copy_(w)
 
 
-@unittest.skipUnless(hasattr(ferry, "ModelLoader"), "ferry built without the models module")
 class ModelLoaderTest(unittest.TestCase):
     def test_architectures(self):
         archs = ferry.supported_architectures()

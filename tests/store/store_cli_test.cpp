@@ -87,7 +87,7 @@ TEST(StoreCliTest, ServesUntilSigterm) {
   auto child = spawn({"store", "--port", "0", "--token", "cli-token"}, {});
   ASSERT_NE(child, nullptr);
   const std::regex url_re("tcp://127\\.0\\.0\\.1:[0-9]+");
-  std::string out = read_until(child->out, url_re, 10s);
+  std::string out = read_until(child->out, url_re, 30s);
   std::smatch m;
   ASSERT_TRUE(std::regex_search(out, m, url_re)) << "stdout: " << out;
   const std::string url = m.str();
@@ -103,7 +103,7 @@ TEST(StoreCliTest, ServesUntilSigterm) {
   EXPECT_EQ(Store::open(url, o).status().code(), StatusCode::kPermissionDenied);
 
   ASSERT_EQ(::kill(child->pid, SIGTERM), 0);
-  int status = testing::wait_for_exit(child->pid, 5000);
+  int status = testing::wait_for_exit(child->pid, 30000);
   ASSERT_NE(status, -1) << "ferry store did not exit within 5 s of SIGTERM";
   child->pid = -1;
   EXPECT_TRUE(WIFEXITED(status)) << status;
@@ -118,7 +118,7 @@ TEST(StoreCliTest, TokenFromEnvironmentAndSigint) {
   auto child = spawn({"store", "--port", std::to_string(*port)}, {"FERRY_TOKEN=env-token"});
   ASSERT_NE(child, nullptr);
   const std::string url = "tcp://127.0.0.1:" + std::to_string(*port);
-  std::string out = read_until(child->out, std::regex(url), 10s);
+  std::string out = read_until(child->out, std::regex(url), 30s);
   ASSERT_NE(out.find(url), std::string::npos) << out;
   StoreOptions o;
   o.token = "env-token";
@@ -126,7 +126,7 @@ TEST(StoreCliTest, TokenFromEnvironmentAndSigint) {
   ASSERT_TRUE(s.ok()) << s.status().to_string();
   EXPECT_EQ((*s)->add("n", 2).value_or(-1), 2);
   ASSERT_EQ(::kill(child->pid, SIGINT), 0);
-  int status = testing::wait_for_exit(child->pid, 5000);
+  int status = testing::wait_for_exit(child->pid, 30000);
   ASSERT_NE(status, -1);
   child->pid = -1;
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
@@ -135,7 +135,7 @@ TEST(StoreCliTest, TokenFromEnvironmentAndSigint) {
 TEST(StoreCliTest, WithoutATokenItRefusesToStart) {
   auto child = spawn({"store", "--port", "0"}, {});  // empty environment: no FERRY_TOKEN
   ASSERT_NE(child, nullptr);
-  int status = testing::wait_for_exit(child->pid, 5000);
+  int status = testing::wait_for_exit(child->pid, 30000);
   ASSERT_NE(status, -1);
   child->pid = -1;
   EXPECT_TRUE(WIFEXITED(status));

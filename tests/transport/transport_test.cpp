@@ -6,6 +6,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <functional>
+#include <future>
 #include <limits>
 #include <random>
 #include <thread>
@@ -19,6 +21,24 @@ namespace {
 
 using namespace std::chrono_literals;
 constexpr auto kWait = 30s;  // every wait is bounded
+
+// Runs `fn` on a thread and waits for it up to `deadline`. A hang is no failure that the
+// test could recover from (the thread still owns what it closes): it is reported, then
+// the process aborts instead of waiting for ctest's TIMEOUT.
+void finish_within(std::chrono::milliseconds deadline, const std::function<void()>& fn) {
+  std::promise<void> done;
+  std::future<void> f = done.get_future();
+  std::thread t([&] {
+    fn();
+    done.set_value();
+  });
+  if (f.wait_for(deadline) != std::future_status::ready) {
+    std::fprintf(stderr, "still running after %lld ms: aborting\n", static_cast<long long>(deadline.count()));
+    std::fflush(stderr);
+    std::abort();
+  }
+  t.join();
+}
 
 #define ASSERT_OK(expr)                                      \
   do {                                                       \
@@ -393,25 +413,26 @@ TEST_P(TransportTest, KilledPeerIsReported) {
   ASSERT_OK(remote_->kill());
   {
     std::unique_lock<std::mutex> lock(mu);
-    ASSERT_TRUE(cv.wait_for(lock, 10s, [&] { return !failures.empty(); })) << "no peer-failure callback in 10 s";
+    ASSERT_TRUE(cv.wait_for(lock, kWait, [&] { return !failures.empty(); })) << "no peer-failure callback";
     EXPECT_EQ(failures[0].first, remote_->peer);
     EXPECT_FALSE(failures[0].second.ok());
   }
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("peer failure reported after %.3f s: %s\n", secs, failures[0].second.to_string().c_str());
   // Everything that was in flight is done (either way), within a bound.
-  EXPECT_NE(wait_all(ops, 10s).code(), StatusCode::kTimeout);
+  EXPECT_NE(wait_all(ops, kWait).code(), StatusCode::kTimeout);
   // Later operations are refused at once.
   auto r = local_->read(mr, 0, remote_->region, 0, 16);
   EXPECT_EQ(r.status().code(), StatusCode::kPeerFailed);
   EXPECT_EQ(local_->send(remote_->peer, kEcho, {}).status().code(), StatusCode::kPeerFailed);
   EXPECT_EQ(local_->flush(remote_->peer).status().code(), StatusCode::kPeerFailed);
   EXPECT_EQ(local_->stats().failed_peers, 1u);
-  // And the survivor shuts down without hanging (bounded by close_timeout).
-  auto t1 = std::chrono::steady_clock::now();
-  remote_.reset();
-  local_.reset();
-  EXPECT_LT(std::chrono::steady_clock::now() - t1, 5s);
+  // And the survivor shuts down without hanging (close_timeout bounds it; the deadline
+  // here only tells a hang from a slow machine).
+  finish_within(kWait, [&] {
+    remote_.reset();
+    local_.reset();
+  });
 }
 
 // The survivor is the *target*: the peer is reading (writing) our region in a loop when
