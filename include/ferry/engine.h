@@ -82,6 +82,11 @@
 
 namespace ferry {
 
+namespace engine {
+struct TestHooks;   // src/engine/testing.h (internal)
+struct TestAccess;  // ditto
+}  // namespace engine
+
 enum class SyncMode : uint8_t { kPull, kPush };
 Result<SyncMode> parse_sync_mode(std::string_view text);  // "pull" | "push"
 std::string_view sync_mode_name(SyncMode mode);
@@ -106,6 +111,8 @@ struct EngineOptions {
   // producer holds what it held does the sync fail. Producers size staging slots for
   // the worst case when they share boxes with a replica.
   bool failover = true;
+  // Fault injection for ferry's own tests (src/engine/testing.h); null in production.
+  std::shared_ptr<const engine::TestHooks> test_hooks;
 };
 
 struct ProducerOptions : EngineOptions {
@@ -124,12 +131,6 @@ struct ProducerOptions : EngineOptions {
   uint64_t direct_min_bytes = 64 * 1024;
   // Bytes of registered staging memory; 0: two groups (two slots of the largest group).
   uint64_t staging_budget = 0;
-  // Test hooks: after checksumming, flip one byte of group `corrupt_group`'s staging in
-  // sync `corrupt_version` (-1: never); test_point(version, group) runs before each
-  // group is materialised.
-  int corrupt_group = -1;
-  uint64_t corrupt_version = 0;
-  std::function<void(uint64_t version, int group)> test_point;
 };
 
 struct ConsumerOptions : EngineOptions {
@@ -141,10 +142,6 @@ struct ConsumerOptions : EngineOptions {
   std::function<void(uint64_t version)> before_sync;             // e.g. pause generation
   std::function<void(uint64_t version, int group)> after_group;  // background thread
   std::function<void(uint64_t version)> after_sync;              // resume with version
-  // Test hook: called at points of a sync — (group, phase) with phase 0: before waiting
-  // for group's data, 1: reads posted (push: READY sent), 2: group received and
-  // released, 3: on the background thread before unpacking. Fault tests crash here.
-  std::function<void(int group, int phase)> test_point;
 };
 
 struct SyncReport {
@@ -216,11 +213,10 @@ class Consumer {
   const TensorMap& params() const;
   const Routes& routes() const;
   int rank() const;
-  // Test hook (inproc): behave as a SIGKILLed process — crash the transport, drop the lease.
-  void simulate_crash();
   struct Impl;
 
  private:
+  friend struct engine::TestAccess;
   explicit Consumer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

@@ -16,6 +16,7 @@
 #include "engine/registered_buffer.h"
 #include "engine/rendezvous.h"
 #include "engine/schedule.h"
+#include "engine/testing.h"
 #include "engine/unpack_worker.h"
 
 namespace ferry {
@@ -110,7 +111,7 @@ struct Consumer::Impl {
   }
 
   void point(int g, int phase) {
-    if (o.test_point) o.test_point(g, phase);
+    if (o.test_hooks && o.test_hooks->consumer_point) o.test_hooks->consumer_point(g, phase);
   }
 
   void on_message(PeerId from, std::span<const std::byte> payload) {
@@ -756,7 +757,8 @@ ConsumerState Consumer::state() const {
 const TensorMap& Consumer::params() const { return impl_->final_; }
 const Routes& Consumer::routes() const { return impl_->routes; }
 int Consumer::rank() const { return impl_->rank; }
-void Consumer::simulate_crash() {
+void engine::TestAccess::simulate_crash(Consumer& c) {
+  Consumer::Impl* impl_ = c.impl_.get();
   impl_->tr.simulate_crash().ignore();
   {
     std::lock_guard<std::mutex> lk(impl_->mu);

@@ -14,6 +14,7 @@
 #include "engine/registered_buffer.h"
 #include "engine/rendezvous.h"
 #include "engine/schedule.h"
+#include "engine/testing.h"
 
 namespace ferry {
 
@@ -553,7 +554,7 @@ struct Producer::Impl {
         *restarted = true;
         return Status::Ok();
       }
-      if (o.test_point) o.test_point(v, g);
+      if (o.test_hooks && o.test_hooks->before_materialize) o.test_hooks->before_materialize(v, g);
       auto tm = Clock::now();
       auto boxes = source.materialize(g);
       report.materialize_seconds += seconds_since(tm);
@@ -565,7 +566,8 @@ struct Producer::Impl {
       if (!st.ok()) return st.with_context(fmt::format("producer {} pack group {}", rank, g));
       std::map<uint32_t, uint64_t> sums;
       if (o.checksums) sums = checksums(g, staging);
-      if (o.corrupt_group == g && o.corrupt_version == v && !grp.segments.empty() && grp.segments[0].bytes) {
+      if (o.test_hooks && o.test_hooks->corrupt_group == g && o.test_hooks->corrupt_version == v &&
+          !grp.segments.empty() && grp.segments[0].bytes) {
         staging[grp.segments[0].offset] ^= std::byte{0x40};
       }
       report.pack_seconds += seconds_since(tp);

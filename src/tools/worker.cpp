@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "engine/testing.h"
 #include "ferry/engine.h"
 #include "tools/job_model.h"
 #include "tools/transport_options.h"
@@ -66,18 +67,22 @@ int run_worker(const WorkerSpec& s) {
     source = std::make_unique<SyntheticSource>(model->metadata, model->holdings, s.rank, s.seed);
     ProducerOptions po;
     static_cast<EngineOptions&>(po) = eo;
-    po.test_point = [&s](uint64_t v, int g) {
+    engine::TestHooks hooks;
+    hooks.before_materialize = [&s](uint64_t v, int g) {
       if (static_cast<int>(v) == s.crash_version && g == s.crash_point) ::kill(::getpid(), SIGKILL);
     };
+    po.test_hooks = engine::make_test_hooks(std::move(hooks));
     auto p = Producer::create(*source, **transport, st, po);
     if (!p.ok()) return worker_fail(s, p.status());
     producer = std::move(*p);
   } else if (s.role == "consumer") {
     ConsumerOptions co;
     static_cast<EngineOptions&>(co) = eo;
-    co.test_point = [&s, &version](int g, int phase) {
+    engine::TestHooks hooks;
+    hooks.consumer_point = [&s, &version](int g, int phase) {
       if (version == s.crash_version && g * 4 + phase == s.crash_point) ::kill(::getpid(), SIGKILL);
     };
+    co.test_hooks = engine::make_test_hooks(std::move(hooks));
     auto c = Consumer::create(*model->loader, s.rank, **transport, st, co);
     if (!c.ok()) return worker_fail(s, c.status());
     consumer = std::move(*c);

@@ -28,7 +28,7 @@ struct WorkerSpec {
   int first_version = 1;
   int last_version = 1;
   int crash_version = -1;  // SIGKILL itself at `crash_point` of this sync
-  int crash_point = 0;     // consumer: group * 4 + phase (see ConsumerOptions::test_point);
+  int crash_point = 0;     // consumer: group * 4 + phase (see engine::TestHooks::consumer_point);
                            // producer: the group it is about to materialise
   int stall_ms = 20000;
   int timeout_ms = 20000;

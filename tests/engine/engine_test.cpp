@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "engine/in_place.h"
+#include "engine/testing.h"
 #include "ferry/engine.h"
 #include "tools/job_model.h"
 
@@ -420,8 +421,10 @@ TEST_P(EngineTest, ChecksumDetectsCorruptSegment) {
   k.eo.checksums = true;
   k.tweak_producer = [](ProducerOptions& o, int p) {
     if (p == 0) {
-      o.corrupt_group = 1;
-      o.corrupt_version = 2;
+      engine::TestHooks hooks;
+      hooks.corrupt_group = 1;
+      hooks.corrupt_version = 2;
+      o.test_hooks = engine::make_test_hooks(std::move(hooks));
     }
   };
   ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2,replicas=2").ok());
@@ -451,9 +454,11 @@ TEST_P(EngineInprocTest, ConsumerCrashAtEveryPoint) {
   std::atomic<bool> crashed{false};
   k.tweak_consumer = [&](ConsumerOptions& o, int c) {
     if (c != 1) return;
-    o.test_point = [&k, &crash_at, &crashed](int g, int phase) {
-      if (g * 4 + phase == crash_at.load() && !crashed.exchange(true)) k.cons[1]->simulate_crash();
+    engine::TestHooks hooks;
+    hooks.consumer_point = [&k, &crash_at, &crashed](int g, int phase) {
+      if (g * 4 + phase == crash_at.load() && !crashed.exchange(true)) engine::simulate_crash(*k.cons[1]);
     };
+    o.test_hooks = engine::make_test_hooks(std::move(hooks));
   };
   ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2,pp=2", "tp=2,replicas=2", R"({"num_hidden_layers": 4})").ok());
   const int points = k.prod[0]->routes().num_groups() * 4;
@@ -484,9 +489,11 @@ TEST_P(EngineInprocTest, OnlyHolderDiesThenRecovers) {
   Cluster k(GetParam());
   k.tweak_producer = [&k](ProducerOptions& o, int p) {
     if (p != 1) return;
-    o.test_point = [&k](uint64_t v, int g) {
+    engine::TestHooks hooks;
+    hooks.before_materialize = [&k](uint64_t v, int g) {
       if (v == 2 && g == 2) k.ptr[1]->simulate_crash().ignore();
     };
+    o.test_hooks = engine::make_test_hooks(std::move(hooks));
   };
   ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2,replicas=2").ok());
   k.expect_all_ok(k.sync(1), 1);
@@ -517,9 +524,11 @@ TEST_P(EngineInprocTest, ProducerDiesFailoverToDpReplica) {
     if (p != 1) return;
     // (The crashed producer's own sync thread, which a dead process would not have,
     // ends at its first refused send: no stall timeout involved.)
-    o.test_point = [&k](uint64_t v, int g) {
+    engine::TestHooks hooks;
+    hooks.before_materialize = [&k](uint64_t v, int g) {
       if (v == 2 && g == 2) k.ptr[1]->simulate_crash().ignore();
     };
+    o.test_hooks = engine::make_test_hooks(std::move(hooks));
   };
   ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2,dp=2", "tp=2,replicas=2").ok());
   const uint64_t full = k.prod[0]->routes().hash();

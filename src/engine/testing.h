@@ -1,0 +1,39 @@
+// engine/testing.h — fault injection for ferry's own tests, the demo and the
+// multi-process workers (internal; never set in production). The public option structs
+// carry only an opaque pointer to these hooks (EngineOptions::test_hooks).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+#include "ferry/engine.h"
+
+namespace ferry::engine {
+
+struct TestHooks {
+  // Producer: runs before group `group` of sync `version` is materialised.
+  std::function<void(uint64_t version, int group)> before_materialize;
+  // Producer: after checksumming, flips one byte of group `corrupt_group`'s staging in
+  // sync `corrupt_version` (-1: never).
+  int corrupt_group = -1;
+  uint64_t corrupt_version = 0;
+  // Consumer: runs at points of a sync — (group, phase) with phase 0: before waiting for
+  // the group's data, 1: reads posted (push: READY sent), 2: group received and
+  // released, 3: on the background thread before unpacking. Fault tests crash here.
+  std::function<void(int group, int phase)> consumer_point;
+};
+
+inline std::shared_ptr<const TestHooks> make_test_hooks(TestHooks hooks) {
+  return std::make_shared<const TestHooks>(std::move(hooks));
+}
+
+// What only tests may do to a live engine object.
+struct TestAccess {
+  // Makes consumer `c` behave as a SIGKILLed process (inproc transport): crashes its
+  // transport, drops its lease, fails its waits.
+  static void simulate_crash(Consumer& c);
+};
+inline void simulate_crash(Consumer& c) { TestAccess::simulate_crash(c); }
+
+}  // namespace ferry::engine
