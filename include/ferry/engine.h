@@ -147,9 +147,11 @@ struct ConsumerOptions : EngineOptions {
 struct SyncReport {
   uint64_t version = 0;
   Status status;                // OK when this side finished the sync
-  uint64_t bytes = 0;           // producer: served (per consumer); consumer: received
-  uint64_t direct_bytes = 0;    // of `bytes`: consumer: read straight into params; producer: served from the
-                                // source's own memory (no staging copy)
+  // Producer: bytes sent (each consumer's share counted), and of those served in place
+  // (read straight from the source's own memory, no staging copy). Zero on a consumer.
+  uint64_t bytes_sent = 0, sent_in_place = 0;
+  // Consumer: bytes received, and of those read straight into params. Zero on a producer.
+  uint64_t bytes_received = 0, received_into_params = 0;
   double seconds = 0;           // wall time of sync()
   // Phases (seconds, summed over groups). Producer: materialize, pack, wait (slots).
   // Consumer: wait (announces), read, unpack, post (process_weights_after_loading).

@@ -189,7 +189,8 @@ class Producer:
         self._p = _ferry._Producer(source, source._metadata(), rank, source.world_size, url, kw)
 
     def sync(self, version):
-        """Serves version ``version``; the report: ok, bytes, seconds, per-phase seconds,
+        """Serves version ``version``; the report: ok, bytes_sent, sent_in_place (bytes is
+        the same as bytes_sent), seconds, per-phase seconds,
         bytes_per_peer, dropped consumers, failures, text."""
         return self._p.sync(int(version))
 
@@ -236,7 +237,8 @@ class Consumer:
         self._c = _ferry._Consumer(loader._l, int(rank), url, params, kw)
 
     def sync(self, version):
-        """Receives version ``version`` into the params; the report as a dict. Raises
+        """Receives version ``version`` into the params; the report as a dict (bytes_received,
+        received_into_params; bytes is the same as bytes_received). Raises
         (e.g. ferry.PeerFailedError naming the producer) when the sync fails; then
         ``state()["torn"]`` tells whether some groups are already new."""
         return self._c.sync(int(version))

@@ -524,8 +524,8 @@ struct Consumer::Impl {
         }
         rep.wait_seconds += seconds_since(tw);
       }
-      rep.bytes += gs.received;
-      rep.direct_bytes += gs.direct;
+      rep.bytes_received += gs.received;
+      rep.received_into_params += gs.direct;
       for (const auto& [p, b] : gs.received_from) rep.bytes_per_peer[p] += b;
       for (int p : from) FERRY_RETURN_IF_ERROR(verify(p, g, got[p], s));
       point(g, 2);
@@ -695,7 +695,7 @@ struct Consumer::Impl {
           s = w;
           break;
         }
-        rep.bytes = rep.direct_bytes = 0;
+        rep.bytes_received = rep.received_into_params = 0;
         rep.bytes_per_peer.clear();
         continue;
       }
@@ -707,7 +707,7 @@ struct Consumer::Impl {
         s = f;
         break;
       }
-      rep.bytes = rep.direct_bytes = 0;
+      rep.bytes_received = rep.received_into_params = 0;
       rep.bytes_per_peer.clear();
     }
     // On failure, let the background thread finish what it holds, then tell producers we gave up.

@@ -183,8 +183,8 @@ struct Producer::Impl {
     if (sl.pending.erase(c)) {
       const ProducerGroupSchedule& gs = schedule.groups[static_cast<size_t>(sl.group)];
       const uint64_t b = served(gs.served, cls(c));
-      report.bytes += b;
-      report.direct_bytes += served(gs.served_in_place, cls(c));
+      report.bytes_sent += b;
+      report.sent_in_place += served(gs.served_in_place, cls(c));
       report.bytes_per_peer[c] += b;
       cv.notify_all();
     }

@@ -175,7 +175,11 @@ py::dict report_dict(const SyncReport& r) {
   d["version"] = r.version;
   d["ok"] = r.status.ok();
   d["error"] = r.status.ok() ? py::object(py::none()) : py::object(py::str(r.status.to_string()));
-  d["bytes"] = r.bytes;
+  d["bytes_sent"] = r.bytes_sent;          // producer
+  d["sent_in_place"] = r.sent_in_place;
+  d["bytes_received"] = r.bytes_received;  // consumer
+  d["received_into_params"] = r.received_into_params;
+  d["bytes"] = r.bytes_sent + r.bytes_received;  // this side's bytes (one of the two is zero)
   d["seconds"] = r.seconds;
   d["materialize_seconds"] = r.materialize_seconds;
   d["pack_seconds"] = r.pack_seconds;

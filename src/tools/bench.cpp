@@ -338,8 +338,8 @@ int run_bench_worker(const BenchWorkerSpec& s) {
       out["end_ns"] = mono_ns();
       out["ok"] = rep.ok();
       if (rep.ok()) {
-        out["bytes"] = rep->bytes;
-        out["direct_bytes"] = rep->direct_bytes;
+        out["bytes"] = rep->bytes_sent + rep->bytes_received;  // this rank's side: sent or received
+        out["direct_bytes"] = rep->sent_in_place + rep->received_into_params;
         out["phases"] = {{"materialize", rep->materialize_seconds}, {"pack", rep->pack_seconds},
                          {"wait", rep->wait_seconds},               {"read", rep->read_seconds},
                          {"unpack", rep->unpack_seconds},           {"post", rep->post_seconds}};

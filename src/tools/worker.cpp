@@ -99,7 +99,7 @@ int run_worker(const WorkerSpec& s) {
     Result<SyncReport> rep = producer ? (source->set_version(v), producer->sync(v)) : consumer->sync(v);
     out["ok"] = rep.ok();
     if (rep.ok()) {
-      out["bytes"] = rep->bytes;
+      out["bytes"] = rep->bytes_sent + rep->bytes_received;  // this rank's side: sent or received
       out["seconds"] = rep->seconds;
       out["dropped"] = rep->dropped;
       out["failures"] = rep->failures;

@@ -313,11 +313,11 @@ TEST_P(EngineTest, DenseGqaTwoReplicas) {
     auto o = k.sync(v);
     k.expect_all_ok(o, v);
     uint64_t got = 0, served = 0, in_place = 0;
-    for (auto& c : o.c) got += (**c).bytes;
+    for (auto& c : o.c) got += (**c).bytes_received;
     for (auto& p : o.p) {
-      served += (**p).bytes;
-      in_place += (**p).direct_bytes;
-      EXPECT_GT((**p).bytes, 0u) << "every TP shard holder serves its own shard";
+      served += (**p).bytes_sent;
+      in_place += (**p).sent_in_place;
+      EXPECT_GT((**p).bytes_sent, 0u) << "every TP shard holder serves its own shard";
     }
     EXPECT_EQ(got, routes.stats.bytes_moved);
     EXPECT_EQ(served, got);
@@ -327,10 +327,10 @@ TEST_P(EngineTest, DenseGqaTwoReplicas) {
     // verified. Push writes every byte into receive slots.
     for (auto& c : o.c) {
       if (mode() == Mode::kPush) {
-        EXPECT_EQ((**c).direct_bytes, 0u);
+        EXPECT_EQ((**c).received_into_params, 0u);
       } else {
-        EXPECT_GT((**c).direct_bytes, 0u);
-        EXPECT_LT((**c).direct_bytes, (**c).bytes);
+        EXPECT_GT((**c).received_into_params, 0u);
+        EXPECT_LT((**c).received_into_params, (**c).bytes_received);
       }
     }
     // In place: producers serve most bytes from the trainer's memory, small pieces (the
@@ -371,12 +371,12 @@ TEST_P(EngineZeroCopyTest, ReadsIntoParams) {
       k.expect_all_ok(o, v);
       for (auto& c : o.c) {
         if (t.min_bytes == UINT64_MAX) {
-          EXPECT_EQ((**c).direct_bytes, 0u);
+          EXPECT_EQ((**c).received_into_params, 0u);
         } else if (t.min_bytes == 0) {
           // Llama has no dtype conversion and no shared source bytes: all of it.
-          EXPECT_EQ((**c).direct_bytes, (**c).bytes);
+          EXPECT_EQ((**c).received_into_params, (**c).bytes_received);
         } else {
-          EXPECT_GT((**c).direct_bytes, 0u);
+          EXPECT_GT((**c).received_into_params, 0u);
         }
       }
     }
@@ -599,8 +599,8 @@ TEST_P(EngineInPlaceTest, ServesWithoutStaging) {
       k.expect_all_ok(o, v);
       uint64_t served = 0, in_place = 0;
       for (auto& p : o.p) {
-        served += (**p).bytes;
-        in_place += (**p).direct_bytes;
+        served += (**p).bytes_sent;
+        in_place += (**p).sent_in_place;
       }
       if (t.mode == SyncMode::kPush || t.min_bytes == UINT64_MAX) {
         EXPECT_EQ(in_place, 0u);
