@@ -25,17 +25,17 @@ using namespace engine;
 
 struct Consumer::Impl {
   const ModelLoader& loader;
-  std::shared_ptr<const RankLoader> rl;
+  std::shared_ptr<const RankLoader> rank_loader;
   int rank = 0;
-  Transport& tr;
+  Transport& transport;
   Store& store;
-  ConsumerOptions o;
+  ConsumerOptions opts;
   JobKeys keys;
   Plan plan;
   RouteState route_state;  // rendezvous inputs; producers excluded from `routes`
   Routes routes;
   uint64_t routes_hash = 0;
-  const PlanRoute* pr = nullptr;  // this rank's plan class in `routes`
+  const PlanRoute* plan_route = nullptr;  // this rank's plan class in `routes`
   int failed_p = -1;    // the producer whose failure ended the last attempt
   TensorMap loaded;   // param buffers as loaded (what unpack writes)
   TensorMap final_;   // after post-processing, of the last committed sync
@@ -45,7 +45,7 @@ struct Consumer::Impl {
   RegisteredBuffer ring;
   // Zero-copy pull: a piece of a read that unpacks as a plain byte copy (same dtype,
   // contiguous destination, not shared with another unpack) of at least
-  // o.direct_min_bytes is read straight into the param's memory, registered with the
+  // opts.direct_min_bytes is read straight into the param's memory, registered with the
   // transport; the rest goes through the receive ring and is unpacked on the background
   // thread. This saves one full copy of almost every byte (routes lay segments out in
   // destination order, so most pieces are contiguous runs of a param).
@@ -95,23 +95,23 @@ struct Consumer::Impl {
   // a failure now leaves the consumer torn.
   bool unpacked_any = false;
   std::atomic<bool> crashed{false};  // simulate_crash (test hook)
-  ConsumerState st;
+  ConsumerState held;  // what the consumer holds (state())
   // The unpack + post-processing thread (unpack_worker.h). Last: destroyed first.
   std::unique_ptr<UnpackWorker> worker;
 
   Impl(const ModelLoader& l, int r, Transport& t, Store& s, const ConsumerOptions& opt)
-      : loader(l), rank(r), tr(t), store(s), o(opt), keys(opt.job), route_state(s, JobKeys(opt.job), opt.failover) {}
+      : loader(l), rank(r), transport(t), store(s), opts(opt), keys(opt.job), route_state(s, JobKeys(opt.job), opt.failover) {}
 
   ~Impl() {
     worker.reset();  // stops after its current job
-    tr.set_message_handler({});
-    tr.set_peer_failure_handler({});
+    transport.set_message_handler({});
+    transport.set_peer_failure_handler({});
     if (lease) lease->release().ignore();
-    for (const MemoryRegion& r : registrations) tr.deregister_memory(r).ignore();
+    for (const MemoryRegion& r : registrations) transport.deregister_memory(r).ignore();
   }
 
   void point(int g, int phase) {
-    if (o.test_hooks && o.test_hooks->consumer_point) o.test_hooks->consumer_point(g, phase);
+    if (opts.test_hooks && opts.test_hooks->consumer_point) opts.test_hooks->consumer_point(g, phase);
   }
 
   void on_message(PeerId from, std::span<const std::byte> payload) {
@@ -120,12 +120,12 @@ struct Consumer::Impl {
     const Message& msg = *decoded;
     std::lock_guard<std::mutex> lk(mu);
     const int p = static_cast<int>(sender_of(msg));
-    if (p < 0 || p >= o.num_producers) return;
+    if (p < 0 || p >= opts.num_producers) return;
     auto it = peer_rank.find(from);
     const bool known = it != peer_rank.end() && it->second == p;
     const uint64_t mv = version_of(msg);
     auto keep = [&](int group, const Arrival& a) {
-      if (st.has_version && mv <= st.version) return false;  // stale
+      if (held.has_version && mv <= held.version) return false;  // stale
       if (inbox.size() > 100000) return false;
       inbox[{mv, group, p}] = a;
       return true;
@@ -163,7 +163,7 @@ struct Consumer::Impl {
   // The worker's job steps (on its thread).
   Status unpack_job(const UnpackWorker::Job& job) {
     point(job.group, 3);
-    const uint64_t n = pr->groups[static_cast<size_t>(job.group)].recv_bytes;
+    const uint64_t n = plan_route->groups[static_cast<size_t>(job.group)].recv_bytes;
     Status s = unpack_group(schedule.unpack, job.group,
                             std::span<const std::byte>(ring.data + static_cast<uint64_t>(job.slot) * slot_bytes, n), loaded);
     {
@@ -175,9 +175,9 @@ struct Consumer::Impl {
   }
   Status post_job(const UnpackWorker::Job& job) {
     for (int k : schedule.groups[static_cast<size_t>(job.group)].post_groups) {
-      Status s = rl->process_weights_after_loading(k, work);
+      Status s = rank_loader->process_weights_after_loading(k, work);
       if (!s.ok())
-        return s.with_context(fmt::format("consumer {} post-processing {}", rank, rl->groups()[static_cast<size_t>(k)].name));
+        return s.with_context(fmt::format("consumer {} post-processing {}", rank, rank_loader->groups()[static_cast<size_t>(k)].name));
     }
     return Status::Ok();
   }
@@ -188,7 +188,7 @@ struct Consumer::Impl {
   std::string who() const { return fmt::format("consumer {}", rank); }
 
   Status refresh_producers() {
-    for (int p = 0; p < o.num_producers; ++p) {
+    for (int p = 0; p < opts.num_producers; ++p) {
       if (route_state.dead().count(p)) continue;  // failed over: not read from
       auto blob = store.get(keys.producer(p));
       if (!blob.ok()) {
@@ -205,20 +205,20 @@ struct Consumer::Impl {
       if (!lease.ok()) return lease.status().with_context(fmt::format("lease of producer {}", p));
       auto table = InPlaceTable::decode(lease->in_place, route_state.inputs().holdings[static_cast<size_t>(p)].boxes.size());
       if (!table.ok()) return table.status().with_context(fmt::format("in-place table of producer {}", p));
-      auto id = tr.connect(string_bytes(lease->address));
+      auto id = transport.connect(string_bytes(lease->address));
       if (!id.ok()) {
         failed_p = p;  // a candidate for failover
         return id.status().with_context(fmt::format("connecting to producer {}", p));
       }
-      auto key = tr.import_key(string_bytes(lease->staging_key));
+      auto key = transport.import_key(string_bytes(lease->staging_key));
       if (!key.ok()) {
         failed_p = p;
         return key.status().with_context(fmt::format("staging key of producer {}", p));
       }
       std::vector<RemoteRegion> regions;
-      if (o.mode == SyncMode::kPull) {
+      if (opts.mode == SyncMode::kPull) {
         for (size_t k = 0; k < table->keys.size(); ++k) {
-          auto r = tr.import_key(string_bytes(table->keys[k]));
+          auto r = transport.import_key(string_bytes(table->keys[k]));
           if (!r.ok()) {
             failed_p = p;
             return r.status().with_context(fmt::format("source region {} key of producer {}", k, p));
@@ -232,7 +232,7 @@ struct Consumer::Impl {
       pe.id = *id;
       pe.staging = *key;
       pe.connected = true;
-      pe.in_place = o.mode == SyncMode::kPull ? std::move(*table) : InPlaceTable{};
+      pe.in_place = opts.mode == SyncMode::kPull ? std::move(*table) : InPlaceTable{};
       pe.regions = std::move(regions);
       schedule_stale = true;
       peer_rank[*id] = p;
@@ -247,7 +247,7 @@ struct Consumer::Impl {
       std::lock_guard<std::mutex> lk(mu);
       id = peers[static_cast<size_t>(p)].id;
     }
-    tr.send(id, kEngineTag, encode_message(m)).status().ignore();
+    transport.send(id, kEngineTag, encode_message(m)).status().ignore();
   }
   uint32_t me() const { return static_cast<uint32_t>(rank); }
 
@@ -257,7 +257,7 @@ struct Consumer::Impl {
   Result<std::pair<int, Arrival>> await_any(uint64_t v, int g, const std::set<int>& from, const char* what,
                                             bool* none = nullptr) {
     std::unique_lock<std::mutex> lk(mu);
-    const auto deadline = Clock::now() + o.timeout;
+    const auto deadline = Clock::now() + opts.timeout;
     for (;;) {
       for (int p : from) {
         auto it = inbox.find({v, g, p});
@@ -293,13 +293,13 @@ struct Consumer::Impl {
         std::string missing;
         for (int p : from) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
         return timeout_error("consumer {}: no {} from producer(s) {} for version {} group {} within {} ms", rank, what,
-                             missing, v, g, o.timeout.count());
+                             missing, v, g, opts.timeout.count());
       }
     }
   }
 
   Result<int> acquire_slot(int g) {
-    auto s = worker->acquire(g % kSlots, o.timeout, [this] { return crashed.load(); }, who());
+    auto s = worker->acquire(g % kSlots, opts.timeout, [this] { return crashed.load(); }, who());
     if (!s.ok() && crashed) return cancelled("consumer {} crashed (test hook)", rank);
     return s;
   }
@@ -354,8 +354,8 @@ struct Consumer::Impl {
       }
       if (sr.param) unpacked_any = true;  // params change from here on: a failure now leaves us torn
     }
-    auto c = sr.param ? tr.read(sr.param->region, sr.param->offset + sr.param_offset + at, from_region, remote, n)
-                      : tr.read(ring.region, base + sr.recv_offset + at, from_region, remote, n);
+    auto c = sr.param ? transport.read(sr.param->region, sr.param->offset + sr.param_offset + at, from_region, remote, n)
+                      : transport.read(ring.region, base + sr.recv_offset + at, from_region, remote, n);
     if (!c.ok()) {
       failed_p = p;
       return c.status().with_context(fmt::format("consumer {} reading group {} from producer {}", rank, g, p));
@@ -437,7 +437,7 @@ struct Consumer::Impl {
         for (auto& [k, v] : ahead) wait_all(v, limit).ignore();
         for (auto& [k, v] : ops) wait_all(v, limit).ignore();
       }
-    } drain{ahead, ops, o.timeout};
+    } drain{ahead, ops, opts.timeout};
     for (int g = 0; g < routes.num_groups(); ++g) {
       const ConsumerGroupSchedule& gs = schedule.groups[static_cast<size_t>(g)];
       const std::set<int> from(gs.from.begin(), gs.from.end());
@@ -449,7 +449,7 @@ struct Consumer::Impl {
       point(g, 0);
       const uint64_t base = static_cast<uint64_t>(s) * slot_bytes;
       std::map<int, Arrival> got;
-      if (o.mode == SyncMode::kPull) {
+      if (opts.mode == SyncMode::kPull) {
         // Staged bytes: read from each producer as soon as it announced, and release it
         // at once (before any in-place bytes are waited for), so that one slow producer
         // never holds another's staging slot and producers pack on while we copy.
@@ -475,7 +475,7 @@ struct Consumer::Impl {
             posted = true;
             point(g, 1);
           }
-          Status st = wait_all(staged, o.timeout);
+          Status st = wait_all(staged, opts.timeout);
           if (!st.ok()) {
             failed_p = p;
             return Status(st.code(),
@@ -496,9 +496,9 @@ struct Consumer::Impl {
         auto tr2 = Clock::now();
         while (!backlog.empty() && backlog.by_group.begin()->first <= g) FERRY_RETURN_IF_ERROR(work_one(backlog, ahead));
         for (int p : from) {
-          Status st = wait_all(ops[p], o.timeout);
+          Status st = wait_all(ops[p], opts.timeout);
           if (auto it = ahead.find({g, p}); st.ok() && it != ahead.end()) {
-            st = wait_all(it->second, o.timeout);
+            st = wait_all(it->second, opts.timeout);
             ahead.erase(it);
           }
           if (!st.ok()) {
@@ -532,7 +532,7 @@ struct Consumer::Impl {
       worker->enqueue({v, g, s});
     }
     // Drain the background thread.
-    Status drained = worker->drain(o.timeout, who());
+    Status drained = worker->drain(opts.timeout, who());
     if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
     return drained;
   }
@@ -545,7 +545,7 @@ struct Consumer::Impl {
     std::lock_guard<std::mutex> lk(mu);
     routes = std::move(r);
     routes_hash = routes.hash();
-    pr = &routes.consumer(static_cast<size_t>(rank));
+    plan_route = &routes.consumer(static_cast<size_t>(rank));
     rebuild_schedule();
     return Status::Ok();
   }
@@ -556,16 +556,16 @@ struct Consumer::Impl {
     ConsumerScheduleInputs in;
     in.routes = &routes;
     in.rank = rank;
-    in.mode = o.mode;
-    in.direct_min_bytes = o.direct_min_bytes;
+    in.mode = opts.mode;
+    in.direct_min_bytes = opts.direct_min_bytes;
     in.params = &param_regions;
     in.holdings = &route_state.inputs().holdings;
     for (const Peer& pe : peers) {
       const bool usable = !pe.in_place.empty() && pe.regions.size() == pe.in_place.keys.size();
       in.in_place.push_back(usable ? &pe.in_place : nullptr);
     }
-    for (const ParamInfo& p : rl->params()) in.post_group_of[p.decl.name] = p.group;
-    in.num_post_groups = rl->groups().size();
+    for (const ParamInfo& p : rank_loader->params()) in.post_group_of[p.decl.name] = p.group;
+    in.num_post_groups = rank_loader->groups().size();
     schedule = make_consumer_schedule(in);
     schedule_stale = false;
   }
@@ -576,7 +576,7 @@ struct Consumer::Impl {
 
   // Waits for the background thread to go idle, then resets it for a new attempt.
   void reset_background() {
-    worker->reset(o.timeout);
+    worker->reset(opts.timeout);
     work = loaded;
   }
 
@@ -611,7 +611,7 @@ struct Consumer::Impl {
   // producers still on the old routes wait for releases that never come while this
   // consumer waits for announcements of the new ones.
   void declare_routes(uint64_t v) {
-    for (int p = 0; p < o.num_producers; ++p) {
+    for (int p = 0; p < opts.num_producers; ++p) {
       bool ok;
       {
         std::lock_guard<std::mutex> lk(mu);
@@ -626,9 +626,9 @@ struct Consumer::Impl {
   // where they would land on top of the new attempt's groups. Waits until each of them
   // answered our FAILOVER with FLUSHED (sent once none is left), has failed, or is dead.
   Status wait_flushed(uint64_t v) {
-    if (o.mode != SyncMode::kPush) return Status::Ok();
+    if (opts.mode != SyncMode::kPush) return Status::Ok();
     std::unique_lock<std::mutex> lk(mu);
-    const auto deadline = Clock::now() + o.timeout;
+    const auto deadline = Clock::now() + opts.timeout;
     for (int p : readied) {
       while (!route_state.dead().count(p) && !failed.count(p) && peers[static_cast<size_t>(p)].connected) {
         auto it = flushed_from.find(p);
@@ -637,7 +637,7 @@ struct Consumer::Impl {
         if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline)
           return timeout_error("consumer {}: producer {} did not confirm within {} ms that its writes of abandoned "
                                "routes into this consumer's receive ring ended (sync {})",
-                               rank, p, o.timeout.count(), v);
+                               rank, p, opts.timeout.count(), v);
       }
     }
     readied.clear();
@@ -649,7 +649,7 @@ struct Consumer::Impl {
     readied.clear();
     SyncReport rep;
     rep.version = v;
-    if (o.before_sync) o.before_sync(v);
+    if (opts.before_sync) opts.before_sync(v);
     {
       std::lock_guard<std::mutex> lk(mu);
       // Drop announcements of older versions.
@@ -674,7 +674,7 @@ struct Consumer::Impl {
         switch_routes = false;
       }
       s = sync_groups(v, rep);
-      if (s.ok() || !o.failover || tries >= 2 * o.num_producers) break;
+      if (s.ok() || !opts.failover || tries >= 2 * opts.num_producers) break;
       bool follow;
       {
         std::lock_guard<std::mutex> lk(mu);
@@ -711,12 +711,12 @@ struct Consumer::Impl {
       rep.bytes_per_peer.clear();
     }
     // On failure, let the background thread finish what it holds, then tell producers we gave up.
-    if (!s.ok()) worker->clear(o.timeout);
+    if (!s.ok()) worker->clear(opts.timeout);
     std::unique_lock<std::mutex> lk(mu);
     if (!s.ok()) {
-      if (unpacked_any) st.torn = true;
+      if (unpacked_any) held.torn = true;
       lk.unlock();
-      for (int p = 0; p < o.num_producers; ++p) {
+      for (int p = 0; p < opts.num_producers; ++p) {
         bool ok;
         {
           std::lock_guard<std::mutex> g(mu);
@@ -729,11 +729,11 @@ struct Consumer::Impl {
     rep.unpack_seconds = worker->unpack_seconds();
     rep.post_seconds = worker->post_seconds();
     final_ = work;
-    st.version = v;
-    st.has_version = true;
-    st.torn = false;
+    held.version = v;
+    held.has_version = true;
+    held.torn = false;
     lk.unlock();
-    for (int p = 0; p < o.num_producers; ++p) {
+    for (int p = 0; p < opts.num_producers; ++p) {
       bool ok;
       {
         std::lock_guard<std::mutex> g(mu);
@@ -742,7 +742,7 @@ struct Consumer::Impl {
       if (ok) send_to(p, Done{me(), v, routes_hash});
     }
     rep.seconds = seconds_since(t0);
-    if (o.after_sync) o.after_sync(v);
+    if (opts.after_sync) opts.after_sync(v);
     return rep;
   }
 };
@@ -752,14 +752,14 @@ Consumer::~Consumer() = default;
 Result<SyncReport> Consumer::sync(uint64_t version) { return impl_->sync(version); }
 ConsumerState Consumer::state() const {
   std::lock_guard<std::mutex> lk(impl_->mu);
-  return impl_->st;
+  return impl_->held;
 }
 const TensorMap& Consumer::params() const { return impl_->final_; }
 const Routes& Consumer::routes() const { return impl_->routes; }
 int Consumer::rank() const { return impl_->rank; }
 void engine::TestAccess::simulate_crash(Consumer& c) {
   Consumer::Impl* impl_ = c.impl_.get();
-  impl_->tr.simulate_crash().ignore();
+  impl_->transport.simulate_crash().ignore();
   {
     std::lock_guard<std::mutex> lk(impl_->mu);
     impl_->crashed = true;
@@ -775,7 +775,7 @@ Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, in
   Impl& m = *impl;
   if (rank < 0 || rank >= options.num_consumers)
     return invalid_argument("consumer rank {} outside num_consumers {}", rank, options.num_consumers);
-  FERRY_ASSIGN_OR_RETURN(m.rl, loader.rank(rank));
+  FERRY_ASSIGN_OR_RETURN(m.rank_loader, loader.rank(rank));
   FERRY_RETURN_IF_ERROR(store.wait({m.keys.meta()}, options.rendezvous_timeout).with_context("engine rendezvous"));
   FERRY_ASSIGN_OR_RETURN(auto meta_text, store.get(m.keys.meta()));
   FERRY_ASSIGN_OR_RETURN(auto metadata, decode_decls(meta_text));
@@ -790,7 +790,7 @@ Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, in
   // directly), or ours: one arena (zeroed; one registration). Registered in pull mode
   // only: push writes into the receive ring.
   uint64_t arena_bytes = 0;
-  for (const ParamInfo& p : m.rl->params()) {
+  for (const ParamInfo& p : m.rank_loader->params()) {
     auto it = params.find(p.decl.name);
     if (it == params.end()) {
       arena_bytes += align_up(shape_numel(p.decl.shape) * dtype_size(p.decl.dtype), 64);
@@ -817,7 +817,7 @@ Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, in
     }
   }
   uint64_t at = 0;
-  for (const ParamInfo& p : m.rl->params()) {
+  for (const ParamInfo& p : m.rank_loader->params()) {
     const uint64_t bytes = shape_numel(p.decl.shape) * dtype_size(p.decl.dtype);
     auto it = params.find(p.decl.name);
     if (it == params.end()) {
@@ -862,7 +862,7 @@ Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, in
       Impl::kSlots, [self](const UnpackWorker::Job& j) { return self->unpack_job(j); },
       [self](const UnpackWorker::Job& j) { return self->post_job(j); },
       [self](const UnpackWorker::Job& j) {
-        if (self->o.after_group) self->o.after_group(j.version, j.group);
+        if (self->opts.after_group) self->opts.after_group(j.version, j.group);
       },
       [self] { self->wake(); });
   m.worker->start();

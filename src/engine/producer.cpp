@@ -22,9 +22,9 @@ using namespace engine;
 
 struct Producer::Impl {
   WeightSource& source;
-  Transport& tr;
+  Transport& transport;
   Store& store;
-  ProducerOptions o;
+  ProducerOptions opts;
   JobKeys keys;
   int rank = 0;
   Holdings holdings;
@@ -91,18 +91,18 @@ struct Producer::Impl {
   Status local_failure;  // see note_local_failure; mu
 
   Impl(WeightSource& s, Transport& t, Store& st, const ProducerOptions& opt)
-      : source(s), tr(t), store(st), o(opt), keys(opt.job), route_state(st, JobKeys(opt.job), opt.failover) {}
+      : source(s), transport(t), store(st), opts(opt), keys(opt.job), route_state(st, JobKeys(opt.job), opt.failover) {}
 
   // Sends m to `to`; an error from our own transport fails the sync (note_local_failure).
   Status send(PeerId to, const Message& m) {
-    auto sent = tr.send(to, kEngineTag, encode_message(m));
+    auto sent = transport.send(to, kEngineTag, encode_message(m));
     if (!sent.ok()) note_local_failure(sent.status());
     return sent.status();
   }
 
   ~Impl() {
-    tr.set_message_handler({});
-    tr.set_peer_failure_handler({});
+    transport.set_message_handler({});
+    transport.set_peer_failure_handler({});
     if (lease) lease->release().ignore();
   }
 
@@ -144,7 +144,7 @@ struct Producer::Impl {
     std::vector<PeerId> to;
     {
       std::lock_guard<std::mutex> lk(mu);
-      for (int c = 0; c < o.num_consumers; ++c) {
+      for (int c = 0; c < opts.num_consumers; ++c) {
         const auto i = static_cast<size_t>(c);
         if (!live[i] || !peers[i].connected || (done.count(c) && done[c] >= v)) continue;
         if (auto it = consumer_hash.find(c); it != consumer_hash.end() && it->second == routes_hash) continue;
@@ -152,7 +152,7 @@ struct Producer::Impl {
       }
     }
     const RoutesNotice m{static_cast<uint32_t>(rank), v, routes_hash};
-    for (PeerId id : to) tr.send(id, kEngineTag, encode_message(m)).status().ignore();
+    for (PeerId id : to) transport.send(id, kEngineTag, encode_message(m)).status().ignore();
   }
 
   // An op refused by this side's own transport (shut down, or crashed by failure
@@ -208,7 +208,7 @@ struct Producer::Impl {
   }
 
   void send_flushed(PeerId to, uint64_t v, uint64_t hash) {
-    tr.send(to, kEngineTag, encode_message(Flushed{static_cast<uint32_t>(rank), v, hash})).status().ignore();
+    transport.send(to, kEngineTag, encode_message(Flushed{static_cast<uint32_t>(rank), v, hash})).status().ignore();
   }
 
   // Push: posts the writes of slot s for consumer c into its receive slot `rslot`.
@@ -233,7 +233,7 @@ struct Producer::Impl {
       id = p.id;
       recv = p.recv;
       rbytes = p.recv_slot_bytes;
-      if (o.checksums) {
+      if (opts.checksums) {
         auto it = sl.checksum.find(cls(c));
         checksum = it != sl.checksum.end() ? it->second : 0;
       }
@@ -254,11 +254,11 @@ struct Producer::Impl {
     auto remaining = std::make_shared<std::atomic<size_t>>(mine.size());
     auto failed = std::make_shared<std::atomic<bool>>(false);
     auto finish = [this, s, c, g, v, id, rslot, checksum, hash, fail]() {
-      auto fl = tr.flush(id, [this, s, c, g, v, id, rslot, checksum, hash, fail](const Status& st) {
+      auto fl = transport.flush(id, [this, s, c, g, v, id, rslot, checksum, hash, fail](const Status& st) {
         if (!st.ok()) return fail(st);
         // routes: the ones the bytes were laid out by, whatever this producer runs now.
         const Pushed m{static_cast<uint32_t>(rank), v, g, hash, rslot, checksum};
-        auto sent = tr.send(id, kEngineTag, encode_message(m));
+        auto sent = transport.send(id, kEngineTag, encode_message(m));
         if (!sent.ok()) return fail(sent.status());
         {
           std::lock_guard<std::mutex> lk(mu);
@@ -272,7 +272,7 @@ struct Producer::Impl {
     if (mine.empty()) return finish();
     const uint64_t base = static_cast<uint64_t>(s) * slot_bytes;
     for (const Read& r : mine) {
-      auto w = tr.write(ring.region, base + r.offset, recv, static_cast<uint64_t>(rslot) * rbytes + r.recv_offset, r.length,
+      auto w = transport.write(ring.region, base + r.offset, recv, static_cast<uint64_t>(rslot) * rbytes + r.recv_offset, r.length,
                         [remaining, failed, finish, fail](const Status& st) {
                           if (!st.ok()) {
                             if (!failed->exchange(true)) fail(st);
@@ -309,7 +309,7 @@ struct Producer::Impl {
         const int s = slot_of_locked(m->group, m->routes);
         if (s >= 0) release_locked(s, c);
       } else if (const auto* m = std::get_if<Failover>(&msg)) {
-        if (o.mode == SyncMode::kPush) {
+        if (opts.mode == SyncMode::kPush) {
           // Reply FLUSHED once no write of ours to c is in flight: c reuses its receive
           // slots for the new routes only then. (Below, c leaves every slot of other
           // routes, so no new write of those starts.)
@@ -381,10 +381,10 @@ struct Producer::Impl {
   // holds each box (contiguous boxes only); exports the regions' keys.
   Status locate_in_place() {
     InPlaceTable t;
-    t.min_bytes = o.direct_min_bytes;
+    t.min_bytes = opts.direct_min_bytes;
     t.boxes.resize(holdings.boxes.size());
-    for (const MemoryRegion& r : o.source_regions) {
-      FERRY_ASSIGN_OR_RETURN(auto key, tr.export_key(r));
+    for (const MemoryRegion& r : opts.source_regions) {
+      FERRY_ASSIGN_OR_RETURN(auto key, transport.export_key(r));
       t.keys.push_back(bytes_to_string(key));
     }
     const Groups groups(source.metadata());
@@ -396,9 +396,9 @@ struct Producer::Impl {
         auto ptr = lb.data.data_ptr();
         if (!ptr.ok()) continue;
         const uint64_t bytes = static_cast<uint64_t>(lb.data.numel()) * dtype_size(lb.data.dtype());
-        for (size_t r = 0; r < o.source_regions.size(); ++r) {
-          const auto* base = static_cast<const std::byte*>(o.source_regions[r].base);
-          if (*ptr >= base && *ptr + bytes <= base + o.source_regions[r].length) {
+        for (size_t r = 0; r < opts.source_regions.size(); ++r) {
+          const auto* base = static_cast<const std::byte*>(opts.source_regions[r].base);
+          if (*ptr >= base && *ptr + bytes <= base + opts.source_regions[r].length) {
             t.boxes[lb.box] = InPlaceTable::At{static_cast<int32_t>(r), static_cast<uint64_t>(*ptr - base)};
             break;
           }
@@ -426,7 +426,7 @@ struct Producer::Impl {
       if (lb.box >= in_place.boxes.size() || in_place.boxes[lb.box].region < 0) continue;
       const InPlaceTable::At& at = in_place.boxes[lb.box];
       auto ptr = lb.data.data_ptr();
-      const auto* expected = static_cast<const std::byte*>(o.source_regions[static_cast<size_t>(at.region)].base) + at.offset;
+      const auto* expected = static_cast<const std::byte*>(opts.source_regions[static_cast<size_t>(at.region)].base) + at.offset;
       if (!ptr.ok() || *ptr != expected || !lb.data.is_contiguous())
         return failed_precondition(
             "producer {}: tensor '{}' box {} of group {} moved since create() (source_regions promise weights in place)",
@@ -443,7 +443,7 @@ struct Producer::Impl {
       SegmentHash h;
       for (const SegmentSpan& x : spans) {
         const std::byte* base = x.region < 0 ? staging.data()
-                                             : static_cast<const std::byte*>(o.source_regions[static_cast<size_t>(x.region)].base);
+                                             : static_cast<const std::byte*>(opts.source_regions[static_cast<size_t>(x.region)].base);
         h.update(base + x.offset, x.bytes);
       }
       sums[cls] = h.digest();
@@ -458,8 +458,8 @@ struct Producer::Impl {
 
   // Re-reads consumer leases, connects new instances; marks who takes part in this sync.
   void refresh_membership() {
-    std::vector<bool> now(static_cast<size_t>(o.num_consumers), false);
-    for (int c = 0; c < o.num_consumers; ++c) {
+    std::vector<bool> now(static_cast<size_t>(opts.num_consumers), false);
+    for (int c = 0; c < opts.num_consumers; ++c) {
       auto blob = store.get(keys.consumer(c));
       if (!blob.ok()) continue;
       Peer& p = peers[static_cast<size_t>(c)];
@@ -471,12 +471,12 @@ struct Producer::Impl {
       if (fresh) {
         auto lease = decode_consumer_lease(*blob);
         if (!lease.ok()) continue;
-        auto id = tr.connect(string_bytes(lease->address));
+        auto id = transport.connect(string_bytes(lease->address));
         if (!id.ok()) continue;
         RemoteRegion recv;
         uint64_t rbytes = 0;
-        if (o.mode == SyncMode::kPush) {
-          auto k = tr.import_key(string_bytes(lease->recv_key));
+        if (opts.mode == SyncMode::kPush) {
+          auto k = transport.import_key(string_bytes(lease->recv_key));
           if (!k.ok()) continue;
           recv = *k;
           rbytes = lease->recv_slot_bytes;
@@ -493,7 +493,7 @@ struct Producer::Impl {
       now[static_cast<size_t>(c)] = true;
     }
     std::lock_guard<std::mutex> lk(mu);
-    for (int c = 0; c < o.num_consumers; ++c) {
+    for (int c = 0; c < opts.num_consumers; ++c) {
       if (!peers[static_cast<size_t>(c)].connected) now[static_cast<size_t>(c)] = false;  // failed since connecting
     }
     live = now;
@@ -506,13 +506,13 @@ struct Producer::Impl {
     if (!local_failure.ok()) return local_failure;
     while (!slots[s].pending.empty() && !(stop_on_restart && restart && restart_hash != routes_hash) &&
            local_failure.ok()) {
-      const auto deadline = slots[s].since + o.stall_timeout;
+      const auto deadline = slots[s].since + opts.stall_timeout;
       if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline) {
         const std::set<int> late = slots[s].pending;
         for (int c : late) {
           drop_locked(c,
                       fmt::format("stalled: group {} not {} within {} ms", slots[s].group,
-                                  o.mode == SyncMode::kPull ? "released" : "requested", o.stall_timeout.count()),
+                                  opts.mode == SyncMode::kPull ? "released" : "requested", opts.stall_timeout.count()),
                       &n);
         }
       }
@@ -539,7 +539,7 @@ struct Producer::Impl {
       std::vector<int> targets;
       {
         std::lock_guard<std::mutex> lk(mu);
-        for (int c = 0; c < o.num_consumers; ++c) {
+        for (int c = 0; c < opts.num_consumers; ++c) {
           if (live[static_cast<size_t>(c)] && gs.served.count(cls(c)) &&
               !(done.count(c) && done[c] >= v))
             targets.push_back(c);
@@ -554,7 +554,7 @@ struct Producer::Impl {
         *restarted = true;
         return Status::Ok();
       }
-      if (o.test_hooks && o.test_hooks->before_materialize) o.test_hooks->before_materialize(v, g);
+      if (opts.test_hooks && opts.test_hooks->before_materialize) opts.test_hooks->before_materialize(v, g);
       auto tm = Clock::now();
       auto boxes = source.materialize(g);
       report.materialize_seconds += seconds_since(tm);
@@ -565,8 +565,8 @@ struct Producer::Impl {
       Status st = pack_group(gs.pack, static_cast<uint32_t>(rank), g, holdings, *boxes, staging);
       if (!st.ok()) return st.with_context(fmt::format("producer {} pack group {}", rank, g));
       std::map<uint32_t, uint64_t> sums;
-      if (o.checksums) sums = checksums(g, staging);
-      if (o.test_hooks && o.test_hooks->corrupt_group == g && o.test_hooks->corrupt_version == v &&
+      if (opts.checksums) sums = checksums(g, staging);
+      if (opts.test_hooks && opts.test_hooks->corrupt_group == g && opts.test_hooks->corrupt_version == v &&
           !grp.segments.empty() && grp.segments[0].bytes) {
         staging[grp.segments[0].offset] ^= std::byte{0x40};
       }
@@ -586,7 +586,7 @@ struct Producer::Impl {
           if (!live[static_cast<size_t>(c)] || (done.count(c) && done[c] >= v)) continue;
           if (auto it = consumer_hash.find(c); it != consumer_hash.end() && it->second != hash) continue;
           sl.pending.insert(c);
-          if (o.mode == SyncMode::kPull) {
+          if (opts.mode == SyncMode::kPull) {
             to_announce.emplace_back(c, peers[static_cast<size_t>(c)].id);
           } else if (auto it = ready.find({v, g, c}); it != ready.end() &&
                                                       it->second.from == peers[static_cast<size_t>(c)].id &&
@@ -597,7 +597,7 @@ struct Producer::Impl {
       }
       for (auto [c, id] : to_announce) {
         Announce m{static_cast<uint32_t>(rank), v, g, hash, s * slot_bytes, std::nullopt};
-        if (o.checksums) m.checksum = sums[cls(c)];
+        if (opts.checksums) m.checksum = sums[cls(c)];
         if (Status sent = send(id, m); !sent.ok()) {
           std::lock_guard<std::mutex> lk(mu);
           drop_locked(c, "announce failed: " + sent.to_string(), nullptr);
@@ -662,9 +662,9 @@ struct Producer::Impl {
         // consumer that fails over late still finds this producer; bounded by the stall
         // timeout (a slow consumer is not dropped for it).
         std::unique_lock<std::mutex> lk(mu);
-        const auto deadline = Clock::now() + o.stall_timeout;
+        const auto deadline = Clock::now() + opts.stall_timeout;
         auto all_done = [&] {
-          for (int c = 0; c < o.num_consumers; ++c) {
+          for (int c = 0; c < opts.num_consumers; ++c) {
             if (live[static_cast<size_t>(c)] && !(done.count(c) && done[c] >= v)) return false;
           }
           return true;
@@ -675,7 +675,7 @@ struct Producer::Impl {
         restarted = restart && restart_hash != routes_hash;
       }
       if (!failure.ok() || !restarted) break;
-      if (tries > o.num_producers) {
+      if (tries > opts.num_producers) {
         failure = internal_error("producer {}: sync {} restarted {} times", rank, v, tries);
         break;
       }
