@@ -109,180 +109,211 @@ Result<ProducerSchedule> make_producer_schedule(const Routes& routes, int rank, 
 
 // ---------------------------------------------------------------------------------------
 
+namespace {
+
+// A byte copy into a registered param, alone on its receive bytes: read straight there.
+struct DirectRun {
+  uint64_t offset, bytes;  // receive bytes
+  const RegisteredParam* param;
+  uint64_t param_offset;
+};
+struct DirectUnpacks {
+  std::vector<DirectRun> runs;  // sorted by offset
+  std::vector<bool> is_direct;  // per PlanGroup::unpacks
+};
+
+// The unpacks of `pg` that are plain byte copies (same dtype, contiguous destination in
+// a registered param, at least direct_min_bytes, not sharing bytes with another unpack,
+// inside one read): those land in the param directly (pull only).
+DirectUnpacks find_direct_unpacks(const PlanGroup& pg, const PlanRoute& plan_route, const ConsumerScheduleInputs& in) {
+  DirectUnpacks out;
+  out.is_direct.assign(pg.unpacks.size(), false);
+  if (in.mode != SyncMode::kPull) return out;
+  std::vector<std::pair<uint64_t, uint64_t>> spans;  // every unpack's recv bytes
+  for (const UnpackOp& u : pg.unpacks)
+    spans.emplace_back(u.offset, u.offset + static_cast<uint64_t>(u.dst.numel()) * dtype_size(u.src_dtype));
+  // shared[k]: another unpack reads some of op k's bytes (one sweep in offset order:
+  // an op overlaps an earlier one iff it starts below the earlier ends' maximum).
+  std::vector<bool> shared(spans.size(), false);
+  {
+    std::vector<size_t> order;
+    for (size_t k = 0; k < spans.size(); ++k)
+      if (spans[k].second > spans[k].first) order.push_back(k);
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return spans[a] < spans[b]; });
+    uint64_t max_hi = 0;
+    size_t max_at = 0;
+    for (size_t i = 0; i < order.size(); ++i) {
+      const size_t k = order[i];
+      if (i > 0 && spans[k].first < max_hi) shared[k] = shared[max_at] = true;
+      if (spans[k].second > max_hi) {
+        max_hi = spans[k].second;
+        max_at = k;
+      }
+    }
+  }
+  std::vector<std::pair<uint64_t, uint64_t>> reads;  // recv bytes of each read
+  for (const Read& r : pg.reads)
+    if (r.length) reads.emplace_back(r.recv_offset, r.recv_offset + r.length);
+  std::sort(reads.begin(), reads.end());
+  auto in_one_read = [&](uint64_t lo, uint64_t hi) {
+    auto it = std::upper_bound(reads.begin(), reads.end(), std::make_pair(lo, UINT64_MAX));
+    return it != reads.begin() && std::prev(it)->first <= lo && hi <= std::prev(it)->second;
+  };
+  for (size_t k = 0; k < pg.unpacks.size(); ++k) {
+    const UnpackOp& u = pg.unpacks[k];
+    const TensorDecl& d = plan_route.params[u.param];
+    const auto [lo, hi] = spans[k];
+    if (u.src_dtype != d.dtype || !u.dst.is_contiguous() || hi - lo < in.direct_min_bytes || hi == lo) continue;
+    auto it = in.params->find(d.name);
+    if (it == in.params->end()) continue;
+    const uint64_t at = static_cast<uint64_t>(u.dst.offset) * dtype_size(d.dtype);
+    if (u.dst.offset < 0 || at + (hi - lo) > it->second.bytes || shared[k] || !in_one_read(lo, hi)) continue;
+    out.runs.push_back(DirectRun{lo, hi - lo, &it->second, at});
+    out.is_direct[k] = true;
+  }
+  std::sort(out.runs.begin(), out.runs.end(), [](const DirectRun& a, const DirectRun& b) { return a.offset < b.offset; });
+  return out;
+}
+
+// In-place runs of each producer of group `g` (staging coordinates, sorted): only of
+// producers whose table is usable.
+std::map<uint32_t, std::vector<InPlacePiece>> in_place_runs(const PlanGroup& pg, size_t g,
+                                                            const ConsumerScheduleInputs& in) {
+  std::map<uint32_t, std::vector<InPlacePiece>> remote;
+  for (const Read& r : pg.reads) {
+    if (!r.length || remote.count(r.producer) || r.producer >= in.in_place.size()) continue;
+    const InPlaceTable* table = in.in_place[r.producer];
+    if (!table || table->empty()) continue;
+    remote[r.producer] = in_place_pieces(in.routes->producers[r.producer].groups[g], (*in.holdings)[r.producer], *table);
+  }
+  return remote;
+}
+
+// Cuts each read of `pg` where the local side (param / ring) or the remote side (source
+// region / staging) changes, merging pieces that continue each other on every side.
+void cut_reads(const PlanGroup& pg, const std::vector<DirectRun>& direct,
+               const std::map<uint32_t, std::vector<InPlacePiece>>& remote, std::vector<SubRead>& out) {
+  auto emit = [&](const SubRead& x) {
+    if (!x.length) return;
+    if (!out.empty()) {  // merge with the previous piece when every side continues it
+      SubRead& b = out.back();
+      if (b.read == x.read && b.recv_offset + b.length == x.recv_offset && b.param == x.param &&
+          (!x.param || b.param_offset + b.length == x.param_offset) && b.region == x.region &&
+          b.remote + b.length == x.remote) {
+        b.length += x.length;
+        return;
+      }
+    }
+    out.push_back(x);
+  };
+  for (size_t i = 0; i < pg.reads.size(); ++i) {
+    const Read& r = pg.reads[i];
+    if (!r.length) continue;
+    const uint64_t lo = r.recv_offset, hi = r.recv_offset + r.length;
+    // Cut the read where the local side (param / ring) or the remote side (source
+    // region / staging) changes; in recv coordinates.
+    std::vector<uint64_t> cuts{lo, hi};
+    auto first_local = std::lower_bound(direct.begin(), direct.end(), lo,
+                                        [](const DirectRun& d, uint64_t v) { return d.offset < v; });
+    for (auto it = first_local; it != direct.end() && it->offset + it->bytes <= hi; ++it) {
+      cuts.push_back(it->offset);
+      cuts.push_back(it->offset + it->bytes);
+    }
+    std::vector<InPlacePiece> runs;  // this read's in-place runs, in recv coordinates
+    if (auto rit = remote.find(r.producer); rit != remote.end()) {
+      for (const InPlacePiece& x : rit->second) {
+        if (x.offset < r.offset || x.offset + x.bytes > r.offset + r.length) continue;
+        InPlacePiece y = x;
+        y.offset = lo + (x.offset - r.offset);
+        runs.push_back(y);
+        cuts.push_back(y.offset);
+        cuts.push_back(y.offset + y.bytes);
+      }
+    }
+    std::sort(cuts.begin(), cuts.end());
+    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+    auto local = first_local;
+    auto run = runs.begin();
+    for (size_t k = 0; k + 1 < cuts.size(); ++k) {
+      const uint64_t a = cuts[k], b = cuts[k + 1];
+      while (local != direct.end() && local->offset + local->bytes <= a) ++local;
+      while (run != runs.end() && run->offset + run->bytes <= a) ++run;
+      SubRead x{static_cast<uint32_t>(i), a, b - a, nullptr, 0, -1, r.offset + (a - lo), r.producer};
+      if (local != direct.end() && local->offset <= a && a < local->offset + local->bytes) {
+        x.param = local->param;
+        x.param_offset = local->param_offset + (a - local->offset);
+      }
+      if (run != runs.end() && run->offset <= a && a < run->offset + run->bytes) {
+        x.region = run->region;
+        x.remote = run->region_offset + (a - run->offset);
+      }
+      emit(x);
+    }
+  }
+}
+
+// What the group moves, and per producer the order its checksum covers.
+void summarize(const PlanGroup& pg, ConsumerGroupSchedule& cg) {
+  std::set<int> from;
+  for (const Read& r : pg.reads) {
+    if (!r.length) continue;
+    from.insert(static_cast<int>(r.producer));
+    cg.received += r.length;
+    cg.received_from[static_cast<int>(r.producer)] += r.length;
+  }
+  cg.from.assign(from.begin(), from.end());
+  std::map<int, std::vector<std::pair<uint64_t, uint32_t>>> by_staging;  // producer -> (staging offset, sub-read)
+  for (size_t k = 0; k < cg.reads.size(); ++k) {
+    const SubRead& sr = cg.reads[k];
+    if (sr.param) cg.direct += sr.length;
+    const Read& r = pg.reads[sr.read];
+    by_staging[static_cast<int>(r.producer)].emplace_back(r.offset + (sr.recv_offset - r.recv_offset),
+                                                          static_cast<uint32_t>(k));
+  }
+  for (auto& [p, v] : by_staging) {
+    std::sort(v.begin(), v.end());
+    auto& order = cg.checksum_order[p];
+    for (const auto& e : v) order.push_back(e.second);
+  }
+}
+
+// Post-processing: a group runs after the last layer group that writes one of its params.
+void place_post_groups(const PlanRoute& plan_route, const ConsumerScheduleInputs& in, ConsumerSchedule& out) {
+  if (!in.num_post_groups) return;
+  std::map<std::string, int> last_group;
+  for (size_t g = 0; g < plan_route.groups.size(); ++g) {
+    for (const UnpackOp& u : plan_route.groups[g].unpacks) last_group[plan_route.params[u.param].name] = static_cast<int>(g);
+  }
+  std::vector<int> ready_at(in.num_post_groups, 0);
+  for (const auto& [name, k] : in.post_group_of) {
+    auto it = last_group.find(name);
+    if (it != last_group.end() && k >= 0 && static_cast<size_t>(k) < ready_at.size())
+      ready_at[static_cast<size_t>(k)] = std::max(ready_at[static_cast<size_t>(k)], it->second);
+  }
+  for (size_t k = 0; k < ready_at.size(); ++k) {
+    const auto g = static_cast<size_t>(ready_at[k]);
+    if (g < out.groups.size()) out.groups[g].post_groups.push_back(static_cast<int>(k));
+  }
+}
+
+}  // namespace
+
 ConsumerSchedule make_consumer_schedule(const ConsumerScheduleInputs& in) {
-  const Routes& routes = *in.routes;
-  const PlanRoute* pr = &routes.consumer(static_cast<size_t>(in.rank));
-  const auto& param_regions = *in.params;
+  const PlanRoute& plan_route = in.routes->consumer(static_cast<size_t>(in.rank));
   ConsumerSchedule out;
-  out.unpack = *pr;
-  out.groups.resize(pr->groups.size());
-  for (size_t g = 0; g < pr->groups.size(); ++g) {
-    const PlanGroup& pg = pr->groups[g];
-    PlanGroup& ug = out.unpack.groups[g];
-    // Direct candidates: byte copies into a registered param, alone on their bytes.
-    struct Direct {
-      uint64_t offset, bytes;
-      const RegisteredParam* param;
-      uint64_t param_offset;
-    };
-    std::vector<Direct> direct;
-    std::vector<bool> is_direct(pg.unpacks.size(), false);
-    if (in.mode == SyncMode::kPull) {
-      std::vector<std::pair<uint64_t, uint64_t>> spans;  // every unpack's recv bytes
-      for (const UnpackOp& u : pg.unpacks)
-        spans.emplace_back(u.offset, u.offset + static_cast<uint64_t>(u.dst.numel()) * dtype_size(u.src_dtype));
-      // shared[k]: another unpack reads some of op k's bytes (one sweep in offset order:
-      // an op overlaps an earlier one iff it starts below the earlier ends' maximum).
-      std::vector<bool> shared(spans.size(), false);
-      {
-        std::vector<size_t> order;
-        for (size_t k = 0; k < spans.size(); ++k)
-          if (spans[k].second > spans[k].first) order.push_back(k);
-        std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return spans[a] < spans[b]; });
-        uint64_t max_hi = 0;
-        size_t max_at = 0;
-        for (size_t i = 0; i < order.size(); ++i) {
-          const size_t k = order[i];
-          if (i > 0 && spans[k].first < max_hi) shared[k] = shared[max_at] = true;
-          if (spans[k].second > max_hi) {
-            max_hi = spans[k].second;
-            max_at = k;
-          }
-        }
-      }
-      std::vector<std::pair<uint64_t, uint64_t>> reads;  // recv bytes of each read
-      for (const Read& r : pg.reads)
-        if (r.length) reads.emplace_back(r.recv_offset, r.recv_offset + r.length);
-      std::sort(reads.begin(), reads.end());
-      auto in_one_read = [&](uint64_t lo, uint64_t hi) {
-        auto it = std::upper_bound(reads.begin(), reads.end(), std::make_pair(lo, UINT64_MAX));
-        return it != reads.begin() && std::prev(it)->first <= lo && hi <= std::prev(it)->second;
-      };
-      for (size_t k = 0; k < pg.unpacks.size(); ++k) {
-        const UnpackOp& u = pg.unpacks[k];
-        const TensorDecl& d = pr->params[u.param];
-        const auto [lo, hi] = spans[k];
-        if (u.src_dtype != d.dtype || !u.dst.is_contiguous() || hi - lo < in.direct_min_bytes || hi == lo) continue;
-        auto it = param_regions.find(d.name);
-        if (it == param_regions.end()) continue;
-        const uint64_t at = static_cast<uint64_t>(u.dst.offset) * dtype_size(d.dtype);
-        if (u.dst.offset < 0 || at + (hi - lo) > it->second.bytes || shared[k] || !in_one_read(lo, hi)) continue;
-        direct.push_back(Direct{lo, hi - lo, &it->second, at});
-        is_direct[k] = true;
-      }
-      std::sort(direct.begin(), direct.end(), [](const Direct& a, const Direct& b) { return a.offset < b.offset; });
-    }
-    std::vector<UnpackOp> rest;
+  out.unpack = plan_route;
+  out.groups.resize(plan_route.groups.size());
+  for (size_t g = 0; g < plan_route.groups.size(); ++g) {
+    const PlanGroup& pg = plan_route.groups[g];
+    const DirectUnpacks direct = find_direct_unpacks(pg, plan_route, in);
+    std::vector<UnpackOp> rest;  // what still goes through the receive slot
     for (size_t k = 0; k < pg.unpacks.size(); ++k)
-      if (!is_direct[k]) rest.push_back(pg.unpacks[k]);
-    ug.unpacks = std::move(rest);
-    // In-place runs of each producer in this group (staging coordinates, sorted).
-    std::map<uint32_t, std::vector<InPlacePiece>> remote;
-    for (const Read& r : pg.reads) {
-      if (!r.length || remote.count(r.producer) || r.producer >= in.in_place.size()) continue;
-      const InPlaceTable* table = in.in_place[r.producer];
-      if (!table || table->empty()) continue;
-      remote[r.producer] = in_place_pieces(routes.producers[r.producer].groups[g], (*in.holdings)[r.producer], *table);
-    }
-    std::vector<SubRead>& reads_out = out.groups[g].reads;
-    auto emit = [&](const SubRead& x) {
-      if (!x.length) return;
-      if (!reads_out.empty()) {  // merge with the previous piece when every side continues it
-        SubRead& b = reads_out.back();
-        if (b.read == x.read && b.recv_offset + b.length == x.recv_offset && b.param == x.param &&
-            (!x.param || b.param_offset + b.length == x.param_offset) && b.region == x.region &&
-            b.remote + b.length == x.remote) {
-          b.length += x.length;
-          return;
-        }
-      }
-      reads_out.push_back(x);
-    };
-    for (size_t i = 0; i < pg.reads.size(); ++i) {
-      const Read& r = pg.reads[i];
-      if (!r.length) continue;
-      const uint64_t lo = r.recv_offset, hi = r.recv_offset + r.length;
-      // Cut the read where the local side (param / ring) or the remote side (source
-      // region / staging) changes; in recv coordinates.
-      std::vector<uint64_t> cuts{lo, hi};
-      auto first_local = std::lower_bound(direct.begin(), direct.end(), lo,
-                                          [](const Direct& d, uint64_t v) { return d.offset < v; });
-      for (auto it = first_local; it != direct.end() && it->offset + it->bytes <= hi; ++it) {
-        cuts.push_back(it->offset);
-        cuts.push_back(it->offset + it->bytes);
-      }
-      std::vector<InPlacePiece> runs;  // this read's in-place runs, in recv coordinates
-      if (auto rit = remote.find(r.producer); rit != remote.end()) {
-        for (const InPlacePiece& x : rit->second) {
-          if (x.offset < r.offset || x.offset + x.bytes > r.offset + r.length) continue;
-          InPlacePiece y = x;
-          y.offset = lo + (x.offset - r.offset);
-          runs.push_back(y);
-          cuts.push_back(y.offset);
-          cuts.push_back(y.offset + y.bytes);
-        }
-      }
-      std::sort(cuts.begin(), cuts.end());
-      cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
-      auto local = first_local;
-      auto run = runs.begin();
-      for (size_t k = 0; k + 1 < cuts.size(); ++k) {
-        const uint64_t a = cuts[k], b = cuts[k + 1];
-        while (local != direct.end() && local->offset + local->bytes <= a) ++local;
-        while (run != runs.end() && run->offset + run->bytes <= a) ++run;
-        SubRead x{static_cast<uint32_t>(i), a, b - a, nullptr, 0, -1, r.offset + (a - lo), r.producer};
-        if (local != direct.end() && local->offset <= a && a < local->offset + local->bytes) {
-          x.param = local->param;
-          x.param_offset = local->param_offset + (a - local->offset);
-        }
-        if (run != runs.end() && run->offset <= a && a < run->offset + run->bytes) {
-          x.region = run->region;
-          x.remote = run->region_offset + (a - run->offset);
-        }
-        emit(x);
-      }
-    }
-    // What the group moves, and per producer the order its checksum covers.
-    ConsumerGroupSchedule& cg = out.groups[g];
-    std::set<int> from;
-    for (const Read& r : pg.reads) {
-      if (!r.length) continue;
-      from.insert(static_cast<int>(r.producer));
-      cg.received += r.length;
-      cg.received_from[static_cast<int>(r.producer)] += r.length;
-    }
-    cg.from.assign(from.begin(), from.end());
-    std::map<int, std::vector<std::pair<uint64_t, uint32_t>>> by_staging;  // producer -> (staging offset, sub-read)
-    for (size_t k = 0; k < cg.reads.size(); ++k) {
-      const SubRead& sr = cg.reads[k];
-      if (sr.param) cg.direct += sr.length;
-      const Read& r = pg.reads[sr.read];
-      by_staging[static_cast<int>(r.producer)].emplace_back(r.offset + (sr.recv_offset - r.recv_offset),
-                                                            static_cast<uint32_t>(k));
-    }
-    for (auto& [p, v] : by_staging) {
-      std::sort(v.begin(), v.end());
-      auto& order = cg.checksum_order[p];
-      for (const auto& e : v) order.push_back(e.second);
-    }
+      if (!direct.is_direct[k]) rest.push_back(pg.unpacks[k]);
+    out.unpack.groups[g].unpacks = std::move(rest);
+    cut_reads(pg, direct.runs, in_place_runs(pg, g, in), out.groups[g].reads);
+    summarize(pg, out.groups[g]);
   }
-  // Post-processing: a group runs after the last layer group that writes one of its params.
-  if (in.num_post_groups) {
-    std::map<std::string, int> last_group;
-    for (size_t g = 0; g < pr->groups.size(); ++g) {
-      for (const UnpackOp& u : pr->groups[g].unpacks) last_group[pr->params[u.param].name] = static_cast<int>(g);
-    }
-    std::vector<int> ready_at(in.num_post_groups, 0);
-    for (const auto& [name, k] : in.post_group_of) {
-      auto it = last_group.find(name);
-      if (it != last_group.end() && k >= 0 && static_cast<size_t>(k) < ready_at.size())
-        ready_at[static_cast<size_t>(k)] = std::max(ready_at[static_cast<size_t>(k)], it->second);
-    }
-    for (size_t k = 0; k < ready_at.size(); ++k) {
-      const auto g = static_cast<size_t>(ready_at[k]);
-      if (g < out.groups.size()) out.groups[g].post_groups.push_back(static_cast<int>(k));
-    }
-  }
+  place_post_groups(plan_route, in, out);
   return out;
 }
 
