@@ -40,7 +40,7 @@ struct Consumer::Impl {
   TensorMap loaded;   // param buffers as loaded (what unpack writes)
   TensorMap final_;   // after post-processing, of the last committed sync
   TensorMap work;     // being post-processed (background thread)
-  static constexpr int kSlots = 2;
+  static constexpr int kSlots = static_cast<int>(kReceiveSlots);
   uint64_t slot_bytes = 0;
   RegisteredBuffer ring;
   // Zero-copy pull: a piece of a read that unpacks as a plain byte copy (same dtype,
@@ -300,7 +300,8 @@ struct Consumer::Impl {
 
   Result<int> acquire_slot(int g) {
     auto s = worker->acquire(g % kSlots, opts.timeout, [this] { return crashed.load(); }, who());
-    if (!s.ok() && crashed) return cancelled("consumer {} crashed (test hook)", rank);
+    if (!s.ok() && s.status().code() == StatusCode::kCancelled && crashed)
+      return cancelled("consumer {} crashed (test hook)", rank);
     return s;
   }
 
@@ -533,6 +534,7 @@ struct Consumer::Impl {
     }
     // Drain the background thread.
     Status drained = worker->drain(opts.timeout, who());
+    if (drained.code() == StatusCode::kTimeout) return drained;
     if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
     return drained;
   }

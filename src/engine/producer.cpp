@@ -348,6 +348,7 @@ struct Producer::Impl {
       } else if (const auto* m = std::get_if<Ready>(&msg)) {
         // A consumer may ask before this producer's sync of that version started.
         if (in_sync && m->version < version) return;
+        if (m->recv_slot >= kReceiveSlots) return;  // not a slot of the consumer's ring
         if (ready.size() > 100000) return;
         ready[{m->version, m->group, c}] = ReadyFrom{from, m->recv_slot, m->routes};
         if (current && known) {

@@ -36,6 +36,8 @@ namespace ferry::engine {
 
 // Transport tag of every engine message.
 inline constexpr uint32_t kEngineTag = 0xFE770001u;
+// Slots of a consumer's receive ring: a Ready naming another slot is refused.
+inline constexpr uint32_t kReceiveSlots = 2;
 
 struct Announce {
   uint32_t producer = 0;

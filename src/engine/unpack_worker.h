@@ -3,11 +3,11 @@
 // params and runs the post-processing groups g completes, in order.
 //
 // Ownership and threading: owned by the Consumer; every method is called from the
-// consumer's sync thread except `changed`, which the worker calls on its own thread
-// after each state change (a slot freed, a job finished, a failure) with no lock of its
-// held, so the consumer can wake waits that also watch its own state. One lock, this
-// class's own; the consumer may call status()/idle() while holding its lock (the worker
-// never takes the consumer's).
+// consumer's sync thread. The worker runs every callback (`unpack`, `post`, `done`,
+// `changed` after each state change: a slot freed, a job finished, a failure) on its
+// own thread with its own lock released, so callbacks may take the consumer's lock and
+// the consumer may call status()/interrupt() while holding it: the only lock order is
+// consumer -> worker.
 #pragma once
 
 #include <chrono>
