@@ -23,7 +23,7 @@
 //   consumer: for each group g: as each producer it reads from in g announces, read
 //     that producer's segments into a slot of its registered receive ring (two slots)
 //     and send it RELEASE; then hand the slot to a background thread that unpacks into the params
-//     and runs RankLoader::process_weights_after_loading for every loader group whose
+//     and runs RankLoader::process_weights_after_loading for every post-processing group whose
 //     params are now complete; meanwhile the caller thread reads g+1. v is committed
 //     only when every group landed.
 // Zero copy (pull; docs/engine.md): consumers read pieces that unpack as plain byte
