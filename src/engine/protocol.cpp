@@ -60,7 +60,7 @@ struct Reader {
       uint64_t x = 0;
       (*this)(has);
       (*this)(x);
-      if (has > 1) ok = false;
+      if (has > 1 || (!has && x != 0)) ok = false;  // one encoding per value
       v = has ? std::optional<uint64_t>(x) : std::nullopt;
     } else {
       static_assert(std::is_integral_v<T>);

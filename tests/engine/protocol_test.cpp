@@ -70,6 +70,10 @@ TEST(EngineProtocol, BadMagicTypeAndFlagAreCorrupt) {
   bad = bytes;
   bad[bad.size() - 9] = std::byte{2};
   EXPECT_EQ(decode_message(bad).status().code(), StatusCode::kCorrupt);
+  // An absent checksum is all zeros: one encoding per message.
+  bad = encode_message(Announce{1, 7, 2, 3, 4, std::nullopt});
+  bad[bad.size() - 1] = std::byte{1};
+  EXPECT_EQ(decode_message(bad).status().code(), StatusCode::kCorrupt);
   // Bytes of one type retyped as another of a different layout are refused (length).
   auto release = encode_message(Release{3, 7, 2, 9});
   release[4] = std::byte{static_cast<uint8_t>(Message(Ready{}).index() + 1)};
