@@ -80,7 +80,6 @@ std::function<int()> setup_bench(CLI::App& app) {
   auto b = std::make_shared<tools::BenchSpec>();
   auto json = std::make_shared<bool>(false);
   b->model = kModel;
-  b->tls = tools::default_worker_tls();  // the workers' default (one host): $FERRY_UCX_TLS, else sm,tcp,self
   auto model = app.add_option("--model", b->model, "HF config.json (shrunk unless --no-shrink); default: Llama-3.1-8B ~300 MB");
   app.add_flag("!--no-shrink", b->shrink, "use the config as is");
   auto ov = app.add_option("--config-overrides", b->overrides, "JSON merged into the shrunk config");

@@ -441,7 +441,8 @@ struct Consumer::Impl {
     } drain{ahead, ops, opts.timeout};
     for (int g = 0; g < routes.num_groups(); ++g) {
       const ConsumerGroupSchedule& gs = schedule.groups[static_cast<size_t>(g)];
-      const std::set<int> from(gs.from.begin(), gs.from.end());
+      std::set<int> from;
+      for (const auto& [p, bytes] : gs.received_from) from.insert(p);
       if (from.empty()) {
         worker->enqueue({v, g, -1});
         continue;

@@ -254,14 +254,11 @@ void cut_reads(const PlanGroup& pg, const std::vector<DirectRun>& direct,
 
 // What the group moves, and per producer the order its checksum covers.
 void summarize(const PlanGroup& pg, ConsumerGroupSchedule& cg) {
-  std::set<int> from;
   for (const Read& r : pg.reads) {
     if (!r.length) continue;
-    from.insert(static_cast<int>(r.producer));
     cg.received += r.length;
     cg.received_from[static_cast<int>(r.producer)] += r.length;
   }
-  cg.from.assign(from.begin(), from.end());
   std::map<int, std::vector<std::pair<uint64_t, uint32_t>>> by_staging;  // producer -> (staging offset, sub-read)
   for (size_t k = 0; k < cg.reads.size(); ++k) {
     const SubRead& sr = cg.reads[k];

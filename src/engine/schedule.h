@@ -110,11 +110,10 @@ struct SubRead {
 
 struct ConsumerGroupSchedule {
   std::vector<SubRead> reads;
-  std::vector<int> from;  // producers with bytes for this group, ascending
   // Per producer: indices into `reads` in staging order (what its checksum covers).
   std::map<int, std::vector<uint32_t>> checksum_order;
   uint64_t received = 0, direct = 0;  // bytes, and of those read straight into params
-  std::map<int, uint64_t> received_from;  // producer -> bytes
+  std::map<int, uint64_t> received_from;  // producer -> bytes (every producer with bytes for the group)
   std::vector<int> post_groups;  // post-processing groups complete after this group
 };
 

@@ -171,7 +171,7 @@ TEST_P(ScheduleTest, MovesEveryByteAndBothSidesAgree) {
         }
       }
       uint64_t total = 0;
-      for (int p : gs.from) {
+      for (const auto& [p, bytes] : gs.received_from) {
         const ProducerGroupSchedule& ps = prod[static_cast<size_t>(p)].schedule.groups[static_cast<size_t>(g)];
         ASSERT_TRUE(ps.served.count(cls)) << "consumer " << c << " reads from producer " << p << " which serves it nothing";
         EXPECT_EQ(got[p], ps.served.at(cls)) << "consumer " << c << " producer " << p << " group " << g;
