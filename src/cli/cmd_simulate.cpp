@@ -1,0 +1,246 @@
+// `ferry simulate`: predicts a sync's seconds on a described cluster, for ferry's design
+// (from the real routes) or for the designs it replaces, on SimGrid (docs/simulation.md).
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/command.h"
+#include "simulate/cluster.h"
+#include "simulate/simulate.h"
+#include "simulate/workload.h"
+#include "tools/config_path.h"
+#include "tools/subprocess.h"
+
+namespace ferry::cli {
+namespace {
+
+using namespace ferry::simulate;
+
+struct SimulateArgs {
+  JobSpec job;
+  std::string cluster;
+  std::string design = "ferry";
+  std::string mode = "pull";
+  bool json = false;
+  std::string plot;
+};
+
+int fail(const Status& st) {
+  std::fprintf(stderr, "ferry simulate: %s\n", st.to_string().c_str());
+  return 2;
+}
+
+double cpu_seconds() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+         static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
+}
+
+uint64_t peak_rss_bytes() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<uint64_t>(ru.ru_maxrss) * 1024;
+}
+
+// The --plot picture: NIC receive utilisation over time, drawn by Debian's matplotlib
+// (python3-matplotlib) from the JSON result; ferry itself carries no plotting code.
+constexpr const char* kPlotScript = R"PY(
+import json, sys
+try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:
+    sys.exit(3)  # ferry names the package
+if len(sys.argv) < 3:
+    sys.exit(0)
+r = json.load(open(sys.argv[1]))
+fig, ax = plt.subplots(figsize=(9, 4.5))
+dt = r["timeline"]["bin_seconds"]
+for row in r["timeline"]["rx_utilisation"]:
+    v = row["utilisation"]
+    ax.step([i * dt for i in range(len(v))], v, where="post", label=row["nic"], linewidth=1)
+ax.set_xlabel("seconds")
+ax.set_ylabel("receive utilisation (of NIC rate)")
+ax.set_ylim(0, 1.05)
+ax.set_title("%s %s: %s -> %s, %.3f s (floor %.3f s)" % (r["design"], r["mode"], r["trainer"], r["inference"],
+             r["seconds"], r["floor_seconds"]), fontsize=9)
+ax.legend(fontsize=7, loc="lower right")
+fig.tight_layout()
+fig.savefig(sys.argv[2], dpi=120)
+)PY";
+
+Status run_python(const std::vector<std::string>& args) {
+  tools::ProcessSpec spec;
+  spec.argv = {"/usr/bin/python3", "-c", kPlotScript};
+  spec.argv.insert(spec.argv.end(), args.begin(), args.end());
+  spec.name = "python3 (--plot)";
+  FERRY_ASSIGN_OR_RETURN(auto child, tools::spawn(spec));
+  const int code = tools::reap(child, std::chrono::seconds(60));
+  if (code == 3) return failed_precondition("--plot needs matplotlib: apt-get install python3-matplotlib");
+  if (code != 0) return io_error("--plot: /usr/bin/python3 with matplotlib exited with {} drawing the picture", code);
+  return Status::Ok();
+}
+
+std::string gb(double b) { return fmt::format("{:.2f} GB", b / 1e9); }
+
+int run_simulate(const SimulateArgs& a) {
+  auto design = parse_design(a.design);
+  if (!design.ok()) return fail(design.status());
+  auto mode = parse_mode(a.mode);
+  if (!mode.ok()) return fail(mode.status());
+  if (*design != Design::kFerry && *mode == Mode::kPush) {
+    return fail(invalid_argument("--mode push: only ferry's design has a push mode (got --design {})", a.design));
+  }
+  // A relative cluster file is found as a model config is (working directory, the
+  // installed share/ferry/, the source tree), so configs/clusters/*.json work anywhere.
+  auto cluster_path = tools::find_model_config(a.cluster);
+  if (!cluster_path.ok()) return fail(cluster_path.status().with_context("--cluster"));
+  auto cluster = ClusterSpec::load(*cluster_path);
+  if (!cluster.ok()) return fail(cluster.status().with_context("--cluster"));
+  if (!a.plot.empty()) {
+    // Before minutes of simulation: is matplotlib there at all?
+    auto st = run_python({});
+    if (!st.ok()) return fail(st);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  auto work = build_workload(a.job, *design);
+  if (!work.ok()) return fail(work.status());
+  const auto t1 = std::chrono::steady_clock::now();
+  SimOptions opts;
+  opts.design = *design;
+  opts.mode = *mode;
+  auto r = run_simulation(*cluster, work->work, opts);
+  if (!r.ok()) return fail(r.status());
+  const auto t2 = std::chrono::steady_clock::now();
+  auto secs = [](auto d) { return std::chrono::duration<double>(d).count(); };
+
+  nlohmann::json j;
+  j["design"] = a.design;
+  j["mode"] = a.mode;
+  j["model"] = a.job.model;
+  j["trainer"] = a.job.trainer;
+  j["inference"] = a.job.inference;
+  j["cluster"] = cluster->name.empty() ? a.cluster : cluster->name;
+  j["producers"] = work->producers;
+  j["consumers"] = work->consumers;
+  j["seconds"] = r->seconds;
+  j["floor_seconds"] = r->floor_seconds;
+  j["rx_floor_seconds"] = r->rx_floor_seconds;
+  j["lockstep_seconds"] = r->lockstep_seconds;
+  nlohmann::json cp = nlohmann::json::array();
+  for (const auto& [k, v] : r->critical_path) cp.push_back({{"phase", k}, {"seconds", v}});
+  j["critical_path"] = cp;
+  auto nic = [&](size_t i) {
+    const NicUse& u = r->nics[i];
+    return nlohmann::json{{"nic", u.name},
+                          {"bytes_in", u.bytes_in},
+                          {"bytes_out", u.bytes_out},
+                          {"rate_bytes_per_s", u.rate},
+                          {"rx_utilisation", r->seconds > 0 ? u.bytes_in / u.rate / r->seconds : 0.0},
+                          {"tx_utilisation", r->seconds > 0 ? u.bytes_out / u.rate / r->seconds : 0.0}};
+  };
+  nlohmann::json nics = nlohmann::json::array();
+  for (size_t i = 0; i < r->nics.size(); ++i)
+    if (r->nics[i].bytes_in || r->nics[i].bytes_out) nics.push_back(nic(i));
+  if (!r->nics.empty()) {
+    j["busiest_rx_nic"] = nic(r->busiest_rx);
+    j["busiest_tx_nic"] = nic(r->busiest_tx);
+  }
+  j["nics"] = nics;
+  j["model_bytes"] = work->model_bytes;
+  j["max_consumer_bytes"] = work->max_consumer_bytes;
+  j["bytes_moved"] = *design == Design::kBroadcast ? 0 : work->bytes_moved;
+  j["flows"] = r->flows;
+  j["route_seconds"] = secs(t1 - t0);
+  j["simulate_seconds"] = secs(t2 - t1);
+  j["cpu_seconds"] = cpu_seconds();
+  j["peak_rss_bytes"] = peak_rss_bytes();
+  nlohmann::json tl = nlohmann::json::array();
+  for (const auto& [name, v] : r->rx_timeline) tl.push_back({{"nic", name}, {"utilisation", v}});
+  j["timeline"] = {{"bin_seconds", r->bin_seconds}, {"rx_utilisation", tl}};
+
+  if (!a.plot.empty()) {
+    const std::string tmp = fmt::format("{}.{}.json", a.plot, getpid());
+    {
+      std::ofstream f(tmp);
+      f << j.dump();
+      if (!f) return fail(io_error("--plot: cannot write '{}'", tmp));
+    }
+    auto st = run_python({tmp, a.plot});
+    std::filesystem::remove(tmp);
+    if (!st.ok()) return fail(st);
+  }
+  if (a.json) {
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  std::printf("ferry simulate: %s (%s), %s -> %s on %s\n", a.design.c_str(), a.mode.c_str(), a.job.trainer.c_str(),
+              a.job.inference.c_str(), j["cluster"].get<std::string>().c_str());
+  std::printf("  predicted sync            %.3f s   (floor %.3f s: busiest NIC bytes / rate; receive side %.3f s)\n",
+              r->seconds, r->floor_seconds, r->rx_floor_seconds);
+  if (r->lockstep_seconds > 0) {
+    std::printf("  groups in lockstep        %.3f s   (sum over groups of the group's busiest NIC bytes / rate)\n",
+                r->lockstep_seconds);
+  }
+  std::printf("  critical path:\n");
+  for (const auto& [k, v] : r->critical_path) {
+    if (k.rfind("(", 0) == 0) {
+      std::printf("    %s\n", k.c_str());
+    } else {
+      std::printf("    %-46s %.3f s\n", k.c_str(), v);
+    }
+  }
+  if (!r->nics.empty()) {
+    for (auto [what, i] : {std::pair<const char*, size_t>{"busiest receiving NIC", r->busiest_rx},
+                           std::pair<const char*, size_t>{"busiest sending NIC", r->busiest_tx}}) {
+      const NicUse& u = r->nics[i];
+      const uint64_t b = what[8] == 'r' ? u.bytes_in : u.bytes_out;
+      std::printf("  %-25s %s: %s at %.1f GB/s, %.0f%% utilised\n", what, u.name.c_str(), gb(static_cast<double>(b)).c_str(),
+                  u.rate / 1e9, r->seconds > 0 ? 100.0 * b / u.rate / r->seconds : 0.0);
+    }
+  }
+  std::printf("  bytes: model %s, busiest inference rank receives %s; %llu flows\n",
+              gb(static_cast<double>(work->model_bytes)).c_str(), gb(static_cast<double>(work->max_consumer_bytes)).c_str(),
+              static_cast<unsigned long long>(r->flows));
+  std::printf("  took %.2f s routing + %.2f s simulating (%.2f s cpu), peak RSS %.0f MiB (--json lists bytes per NIC)\n",
+              secs(t1 - t0), secs(t2 - t1), cpu_seconds(), static_cast<double>(peak_rss_bytes()) / (1 << 20));
+  return 0;
+}
+
+FERRY_COMMAND(simulate_command, "simulate",
+              "Predict a sync's seconds on a described cluster (ferry, broadcast or sharded-gather design) on SimGrid",
+              [](CLI::App& app) -> std::function<int()> {
+                auto a = std::make_shared<SimulateArgs>();
+                app.add_option("--model,-m", a->job.model, "HF config.json of the model")->required();
+                app.add_option("--config-overrides", a->job.config_overrides,
+                               "JSON merged into the config (e.g. '{\"quantization_config\": null}': bf16)");
+                app.add_option("--trainer,-t", a->job.trainer, "Trainer layout: \"tp=..,pp=..,ep=..,etp=..[,dp=..]\"")
+                    ->required();
+                app.add_option("--inference,-i", a->job.inference, "Inference layout: \"tp=..,dp=..,ep=..,replicas=..\"")
+                    ->required();
+                app.add_option("--cluster,-c", a->cluster, "Cluster description (JSON; docs/simulation.md)")->required();
+                app.add_option("--design", a->design, "ferry | broadcast | sharded-gather")->default_val("ferry");
+                app.add_option("--mode", a->mode, "ferry's mode: pull | push")->default_val("pull");
+                app.add_option("--staging-budget", a->job.staging_budget,
+                               "Each producer's staging budget (bytes, suffixes KiB, MiB, GiB; 0: two slots)")
+                    ->transform(CLI::AsSizeValue(false));
+                app.add_flag("--shrink", a->job.shrink,
+                             "Route a structurally equal small variant of the model (what ferry demo syncs)");
+                app.add_flag("--json", a->json, "Print one JSON object");
+                app.add_option("--plot", a->plot,
+                               "Write a PNG of NIC receive utilisation over time (needs python3-matplotlib)");
+                return [a] { return run_simulate(*a); };
+              });
+
+}  // namespace
+}  // namespace ferry::cli

@@ -1,0 +1,184 @@
+#include "simulate/workload.h"
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <unordered_map>
+
+#include <fmt/format.h>
+
+#include "ferry/models.h"
+#include "ferry/route.h"
+#include "ferry/source.h"
+#include "tools/job_model.h"
+
+namespace ferry::simulate {
+namespace {
+
+uint64_t box_bytes(const Box& b, DType d) { return static_cast<uint64_t>(b.numel()) * dtype_size(d); }
+
+// Per rank, per group: the bytes of its holdings.
+std::vector<std::vector<uint64_t>> held_bytes(const std::vector<Holdings>& ranks, const Groups& groups,
+                                              const std::unordered_map<std::string, size_t>& index) {
+  std::vector<std::vector<uint64_t>> out(ranks.size(), std::vector<uint64_t>(static_cast<size_t>(groups.size()), 0));
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    for (const HeldBox& hb : ranks[r].boxes) {
+      const TensorDecl& d = ranks[r].tensors[hb.tensor];
+      out[r][static_cast<size_t>(groups.of_tensor(index.at(d.name)))] += box_bytes(hb.box, d.dtype);
+    }
+  }
+  return out;
+}
+
+Result<Routes> route(const tools::JobModel& m, const std::vector<Holdings>& holdings, std::vector<Plan>& plans) {
+  const int world = m.inference.world_size(), engine = m.inference.engine_size();
+  if (plans.empty()) {
+    for (int r = 0; r < engine; ++r) {
+      FERRY_ASSIGN_OR_RETURN(auto plan, tools::record_rank_plan(*m.loader, r));
+      plans.push_back(std::move(plan));
+    }
+  }
+  RouterInput in;
+  in.metadata = m.metadata;
+  in.producers = holdings;
+  for (int r = 0; r < world; ++r) in.consumers.push_back(&plans[static_cast<size_t>(r % engine)]);
+  return build_routes(in);
+}
+
+// Routes -> per group: pack bytes, transfers merged per (producer, consumer), unpack bytes.
+void fill_from_routes(const Routes& routes, std::vector<GroupWork>& groups, JobWorkload& out) {
+  const size_t P = routes.producers.size(), C = routes.consumer_plan.size();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    GroupWork& gw = groups[g];
+    gw.pack_bytes.assign(P, 0);
+    gw.unpack_bytes.assign(C, 0);
+    for (size_t p = 0; p < P; ++p) gw.pack_bytes[p] = routes.producers[p].groups[g].staging_bytes;
+    for (size_t c = 0; c < C; ++c) {
+      const PlanGroup& pg = routes.consumer(c).groups[g];
+      gw.unpack_bytes[c] = pg.recv_bytes;
+      std::map<uint32_t, Flow> by;
+      for (const Read& r : pg.reads) {
+        Flow& f = by[r.producer];
+        f.from = r.producer;
+        f.to = static_cast<uint32_t>(c);
+        f.bytes += r.length;
+        f.ops = f.bytes == r.length ? 1 : f.ops + 1;
+      }
+      for (auto& [p, f] : by) {
+        gw.transfers.push_back(f);
+        out.bytes_moved += f.bytes;
+      }
+    }
+  }
+  out.max_consumer_bytes = routes.stats.max_consumer_bytes;
+}
+
+}  // namespace
+
+Result<JobWorkload> build_workload(const JobSpec& job, Design design) {
+  const auto t0 = std::chrono::steady_clock::now();
+  FERRY_ASSIGN_OR_RETURN(auto m, tools::make_job_model(job.model, job.trainer, job.inference, job.shrink, job.config_overrides));
+  if (design != Design::kFerry && m.trainer.kind != TrainerLayout::Kind::kMegatron) {
+    return invalid_argument("--design {}: needs a Megatron trainer layout (tp=..,pp=..), got {}", design_name(design),
+                            m.trainer.to_string());
+  }
+  JobWorkload out;
+  out.producers = m.trainer.world_size();
+  out.consumers = m.inference.world_size();
+  out.model_bytes = m.checkpoint_bytes;
+  Workload& w = out.work;
+  w.producers = out.producers;
+  w.consumers = out.consumers;
+  const Groups groups(m.metadata);
+  std::unordered_map<std::string, size_t> index;
+  for (size_t i = 0; i < m.metadata.size(); ++i) index.emplace(m.metadata[i].name, i);
+  w.groups.resize(static_cast<size_t>(groups.size()));
+  for (size_t t = 0; t < m.metadata.size(); ++t) {
+    GroupWork& gw = w.groups[static_cast<size_t>(groups.of_tensor(t))];
+    gw.stage = std::max(gw.stage, m.tensor_stage[t]);
+  }
+
+  std::vector<Plan> plans;
+  if (design == Design::kShardedGather) {
+    // After the TP all-gather every TP rank holds the whole dense tensors of its stage:
+    // the same ranks as a trainer with tp=1 and the TP ranks as data-parallel replicas
+    // (global rank stage*T*D + d*T + t is the same rank; experts are not gathered).
+    TrainerLayout gathered = m.trainer;
+    gathered.dp *= gathered.tp;
+    gathered.tp = 1;
+    auto th = make_holdings(m.metadata, gathered, model_info_from_config(m.config.json()));
+    if (!th.ok()) return th.status().with_context("sharded-gather's gathered trainer " + gathered.to_string());
+    FERRY_ASSIGN_OR_RETURN(auto routes, route(m, th->ranks, plans));
+    fill_from_routes(routes, w.groups, out);
+    // The all-gather: each rank receives what it lacks of its stage's dense tensors,
+    // evenly from its TP peers (ranks base..base+T-1, the same stage and DP index).
+    const auto before = held_bytes(*m.holdings, groups, index);
+    const auto after = held_bytes(th->ranks, groups, index);
+    const int T = m.trainer.tp;
+    for (size_t g = 0; g < w.groups.size() && T > 1; ++g) {
+      for (int p = 0; p < out.producers; ++p) {
+        const uint64_t need = after[p][g] - std::min(after[p][g], before[p][g]);
+        if (need == 0) continue;
+        const int base = p - p % T;
+        for (int q = base; q < base + T; ++q) {
+          if (q != p) w.groups[g].gather.push_back({static_cast<uint32_t>(q), static_cast<uint32_t>(p), need / (T - 1), 1});
+        }
+      }
+    }
+    w.serial_stages = true;
+  } else {
+    FERRY_ASSIGN_OR_RETURN(auto routes, route(m, *m.holdings, plans));
+    fill_from_routes(routes, w.groups, out);
+  }
+  if (job.staging_budget > 0) {
+    uint64_t largest = 0;
+    for (const GroupWork& gw : w.groups)
+      for (uint64_t b : gw.pack_bytes) largest = std::max(largest, b);
+    w.staging_slots = largest == 0 ? 2 : static_cast<int>(std::max<uint64_t>(1, job.staging_budget / largest));
+  }
+  if (design == Design::kBroadcast) {
+    // Each stage's first rank gathers the stage's full tensors (one holder per distinct
+    // box, itself where it holds one) and broadcasts them; consumers keep what their
+    // routes say they receive (the ferry routes' unpack bytes).
+    const int S = m.trainer.stage_size();
+    std::vector<std::map<uint32_t, uint64_t>> from(w.groups.size());  // per group: source -> bytes
+    for (size_t t = 0; t < m.metadata.size(); ++t) {
+      GroupWork& gw = w.groups[static_cast<size_t>(groups.of_tensor(t))];
+      gw.broadcast_bytes += static_cast<uint64_t>(shape_numel(m.metadata[t].shape)) * dtype_size(m.metadata[t].dtype);
+      gw.tensors += 1;
+    }
+    for (size_t g = 0; g < w.groups.size(); ++g) {
+      w.groups[g].root = w.groups[g].stage * S;
+      w.groups[g].transfers.clear();
+      w.groups[g].pack_bytes.clear();
+    }
+    // Distinct boxes per tensor: the root's own, else the lowest rank's.
+    std::map<std::pair<size_t, Shape>, int> holder;  // (tensor, box start) -> rank
+    std::map<std::pair<size_t, Shape>, uint64_t> bytes;
+    for (size_t r = 0; r < m.holdings->size(); ++r) {
+      const Holdings& h = (*m.holdings)[r];
+      for (const HeldBox& hb : h.boxes) {
+        const TensorDecl& d = h.tensors[hb.tensor];
+        const size_t t = index.at(d.name);
+        const int root = m.tensor_stage[t] * S;
+        auto key = std::make_pair(t, hb.box.start);
+        auto it = holder.find(key);
+        if (it == holder.end() || static_cast<int>(r) == root) holder[key] = static_cast<int>(r);
+        bytes[key] = box_bytes(hb.box, d.dtype);
+      }
+    }
+    for (const auto& [key, r] : holder) {
+      const size_t g = static_cast<size_t>(groups.of_tensor(key.first));
+      if (r != w.groups[g].root) from[g][static_cast<uint32_t>(r)] += bytes[key];
+    }
+    for (size_t g = 0; g < w.groups.size(); ++g) {
+      for (const auto& [r, b] : from[g]) w.groups[g].gather.push_back({r, static_cast<uint32_t>(w.groups[g].root), b, 1});
+    }
+    // PP stages in series and groups in stage order: the broadcast actor walks the groups
+    // in order, which is stage order already (pre, layers, post).
+  }
+  out.route_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return out;
+}
+
+}  // namespace ferry::simulate

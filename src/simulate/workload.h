@@ -1,0 +1,39 @@
+// What each design moves, from a job's real routes (docs/simulation.md, "The designs"):
+// the routes `ferry plan` computes give, per layer group, every producer's pack bytes,
+// every consumer's reads (merged per producer: one endpoint per peer) and unpack bytes.
+// The sharded-gather design is routed from the same trainer with TP gathered (tp=1, the
+// TP ranks as replicas) plus the all-gather flows into each TP rank; the broadcast
+// design gathers every tensor of a stage on its first rank and broadcasts it whole.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "ferry/status.h"
+#include "simulate/simulate.h"
+
+namespace ferry::simulate {
+
+struct JobSpec {
+  std::string model;             // HF config.json (tools::find_model_config)
+  std::string config_overrides;  // JSON merge patch ({"quantization_config": null}: bf16)
+  std::string trainer;           // TrainerLayout text
+  std::string inference;         // InferenceLayout text
+  uint64_t staging_budget = 0;   // ProducerOptions::staging_budget (0: two slots)
+  bool shrink = false;           // route shrink_config's small variant (as ferry demo does)
+};
+
+struct JobWorkload {
+  Workload work;
+  uint64_t model_bytes = 0;
+  uint64_t bytes_moved = 0;        // over the network and NVLink, all transfers
+  uint64_t max_consumer_bytes = 0; // what the busiest inference rank receives
+  int producers = 0, consumers = 0;
+  double route_seconds = 0;        // wall time to record plans and route
+};
+
+// Errors: the config, the layouts, routing (each names what failed); a design that
+// needs a Megatron trainer (sharded-gather, broadcast) given an FSDP one.
+Result<JobWorkload> build_workload(const JobSpec& job, Design design);
+
+}  // namespace ferry::simulate

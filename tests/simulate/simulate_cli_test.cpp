@@ -1,0 +1,131 @@
+// `ferry simulate` end to end on a small model and the emulated-hosts cluster: the JSON
+// parses, its fields are there and sane, the prediction is at least its floor, bytes per
+// NIC are exactly what the designs move; bad input exits 2 with a message.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "cli/run_command.h"
+
+namespace {
+
+using CliRun = ferry_cli_test::CommandRun;
+
+CliRun run(const std::string& args) { return ferry_cli_test::run_command(std::string(FERRY_BIN) + " simulate " + args); }
+
+// Llama-3.1-8B's structure at toy size (2 layers, hidden 256): 2 trainer ranks (tp=2) on
+// one host, 2 inference replicas of tp=2 on the other.
+const std::string kJob = "--model " FERRY_SOURCE_DIR
+                         "/configs/llama-3.1-8b.json --config-overrides '{\"num_hidden_layers\": 2, "
+                         "\"hidden_size\": 256, \"intermediate_size\": 512, \"vocab_size\": 1024, "
+                         "\"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"head_dim\": 64}' "
+                         "--trainer tp=2 ";
+const std::string kCluster = "--cluster " FERRY_SOURCE_DIR "/configs/clusters/emulated-2host-1gbit.json ";
+
+nlohmann::json simulate_json(const std::string& extra) {
+  CliRun r = run(kJob + kCluster + "--inference tp=2,replicas=2 --json " + extra);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out, nullptr, false);
+  EXPECT_TRUE(j.is_object()) << r.out << "\n" << r.err;
+  return j;
+}
+
+TEST(SimulateCli, JsonHasEveryFieldAndThePredictionIsAtLeastItsFloor) {
+  for (const char* extra : {"--design ferry --mode pull", "--design ferry --mode push", "--design sharded-gather",
+                            "--design broadcast"}) {
+    SCOPED_TRACE(extra);
+    nlohmann::json j = simulate_json(extra);
+    if (!j.is_object()) continue;
+    for (const char* k : {"seconds", "floor_seconds", "rx_floor_seconds", "critical_path", "busiest_rx_nic",
+                          "busiest_tx_nic", "nics", "model_bytes", "max_consumer_bytes", "flows", "simulate_seconds",
+                          "peak_rss_bytes", "timeline"}) {
+      EXPECT_TRUE(j.contains(k)) << k;
+    }
+    EXPECT_GT(j["seconds"].get<double>(), 0);
+    EXPECT_GT(j["floor_seconds"].get<double>(), 0);
+    EXPECT_GE(j["seconds"].get<double>(), j["floor_seconds"].get<double>());
+    EXPECT_GT(j["model_bytes"].get<uint64_t>(), 0u);
+    EXPECT_GT(j["flows"].get<uint64_t>(), 0u);
+    EXPECT_FALSE(j["critical_path"].empty());
+    double sum = 0;
+    for (const auto& p : j["critical_path"]) sum += p["seconds"].get<double>();
+    EXPECT_NEAR(sum, j["seconds"].get<double>(), 1e-6 * j["seconds"].get<double>()) << "phases sum to the sync";
+    const auto& rx = j["busiest_rx_nic"];
+    EXPECT_GT(rx["rx_utilisation"].get<double>(), 0);
+    EXPECT_LE(rx["rx_utilisation"].get<double>(), 1.0 + 1e-9);
+  }
+}
+
+TEST(SimulateCli, BytesPerNicAreWhatTheDesignMoves) {
+  // All inference ranks share the inference host's one link. ferry: each of the 2
+  // replicas pulls the whole model across it (its TP ranks each a copy of the
+  // replicated norms: a little more than 2x the model). broadcast: the model crosses it
+  // once (the chain's next hops stay inside the host).
+  nlohmann::json f = simulate_json("--design ferry");
+  nlohmann::json b = simulate_json("--design broadcast");
+  ASSERT_TRUE(f.is_object() && b.is_object());
+  const uint64_t model = f["model_bytes"].get<uint64_t>();
+  const uint64_t moved = f["bytes_moved"].get<uint64_t>();
+  EXPECT_GE(moved, 2 * model);
+  EXPECT_LT(moved, 2 * model + model / 100);
+  EXPECT_EQ(f["busiest_rx_nic"]["bytes_in"].get<uint64_t>(), moved);
+  EXPECT_EQ(b["busiest_rx_nic"]["bytes_in"].get<uint64_t>(), model);
+  // The floor is those bytes over the link's payload rate (1 Gbit/s x 0.956).
+  EXPECT_NEAR(f["rx_floor_seconds"].get<double>(), moved / (0.956 * 1e9 / 8), 1e-9);
+}
+
+TEST(SimulateCli, PlotWritesAPngOrNamesMatplotlib) {
+  const std::string png = ::testing::TempDir() + "/simulate_cli_test." + std::to_string(::getpid()) + ".png";
+  std::remove(png.c_str());
+  CliRun r = run(kJob + kCluster + "--inference tp=2,replicas=2 --plot " + png);
+  const bool have = std::system("/usr/bin/python3 -c 'import matplotlib' 2>/dev/null") == 0;
+  if (!have) {
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_NE(r.err.find("apt-get install python3-matplotlib"), std::string::npos) << r.err;
+    EXPECT_NE(::access(png.c_str(), F_OK), 0) << "no picture without matplotlib";
+    return;
+  }
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::ifstream f(png, std::ios::binary);
+  char magic[8] = {};
+  f.read(magic, 8);
+  EXPECT_EQ(std::string(magic + 1, 3), "PNG");
+  std::remove(png.c_str());
+}
+
+TEST(SimulateCli, BadInputExitsTwoWithAMessage) {
+  struct Case {
+    std::string args;
+    const char* expect;
+  };
+  const std::string bad_cluster = ::testing::TempDir() + "/simulate_cli_bad_cluster.json";
+  {
+    std::ofstream(bad_cluster) << R"({"trainer": {"nodes": 1}, "inference": {"nodes": 1, "nic_gbit_s": -4}})";
+  }
+  const Case cases[] = {
+      {kJob + kCluster + "--inference tp=2 --design nccl", "unknown design 'nccl'"},
+      {kJob + kCluster + "--inference tp=2 --mode pushpull", "unknown mode 'pushpull'"},
+      {kJob + kCluster + "--inference tp=2 --design broadcast --mode push", "only ferry's design has a push mode"},
+      {kJob + "--cluster /nonexistent/c.json --inference tp=2", "/nonexistent/c.json"},
+      {kJob + "--cluster " + bad_cluster + " --inference tp=2", "inference.nic_gbit_s"},
+      {kJob + kCluster + "--inference tp=2,pp=3", "unknown key 'pp'"},
+      {kJob + kCluster + "--inference tp=2,replicas=4", "8 inference ranks do not fit"},
+      {"--model /nonexistent/config.json --trainer tp=1 --inference tp=1 " + kCluster, "/nonexistent/config.json"},
+  };
+  for (const Case& c : cases) {
+    CliRun r = run(c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.err;
+    EXPECT_NE(r.err.find(c.expect), std::string::npos) << c.args << "\n" << r.err;
+  }
+  std::remove(bad_cluster.c_str());
+}
+
+}  // namespace
