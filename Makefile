@@ -15,8 +15,11 @@ all: build
 deps:
 	@scripts/install-deps.sh
 
-$(BUILD)/build.ninja: CMakeLists.txt | deps
-	@cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_FLAGS) >/dev/null
+# The dev builds treat warnings as errors (FERRY_WERROR; a plain cmake build does not).
+DEV_FLAGS := -DFERRY_WERROR=ON
+
+$(BUILD)/build.ninja: CMakeLists.txt Makefile | deps
+	@cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo $(DEV_FLAGS) $(CMAKE_FLAGS) >/dev/null
 
 build: deps $(BUILD)/build.ninja
 	@cmake --build $(BUILD) -j $(JOBS)
@@ -29,20 +32,23 @@ test: build
 demo: build
 	$(FERRY) demo
 
-# 200 consecutive multi-process syncs: every one verified, RSS and descriptors flat.
+# 200 consecutive multi-process syncs: every one verified, RSS and descriptors flat; then
+# 200 syncs with a random SIGSTOP/SIGCONT of a rank or the store every other sync (seeded:
+# FERRY_PAUSE_SOAK_SEED), every report true.
 soak: build
 	@cd $(BUILD) && FERRY_SOAK_SYNCS=200 ctest -R 'EngineMultiProcess.Soak' --output-on-failure
+	@cd $(BUILD) && FERRY_PAUSE_SOAK_SYNCS=200 ctest -R 'EnginePauseSoak' --output-on-failure -V | grep -A12 'pause soak'
 
 # Every test again under AddressSanitizer + UndefinedBehaviorSanitizer.
 asan: deps
-	@cmake -S . -B $(BUILD_ASAN) -G Ninja -DCMAKE_BUILD_TYPE=Debug -DFERRY_SANITIZE=ON -DFERRY_BENCH=OFF $(CMAKE_FLAGS) >/dev/null
+	@cmake -S . -B $(BUILD_ASAN) -G Ninja -DCMAKE_BUILD_TYPE=Debug -DFERRY_SANITIZE=ON -DFERRY_BENCH=OFF $(DEV_FLAGS) $(CMAKE_FLAGS) >/dev/null
 	@cmake --build $(BUILD_ASAN) -j $(JOBS)
 	@cd $(BUILD_ASAN) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  LSAN_OPTIONS=suppressions=$(CURDIR)/scripts/lsan-ucx.supp ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
 
 # libFuzzer targets (clang), each run for FUZZ_SECONDS.
 fuzz: deps
-	@CC=clang CXX=clang++ cmake -S . -B $(BUILD_FUZZ) -G Ninja -DCMAKE_BUILD_TYPE=Debug -DFERRY_FUZZ=ON -DFERRY_SANITIZE=ON -DFERRY_BENCH=OFF >/dev/null
+	@CC=clang CXX=clang++ cmake -S . -B $(BUILD_FUZZ) -G Ninja -DCMAKE_BUILD_TYPE=Debug -DFERRY_FUZZ=ON -DFERRY_SANITIZE=ON -DFERRY_BENCH=OFF $(DEV_FLAGS) >/dev/null
 	@cmake --build $(BUILD_FUZZ) -j $(JOBS) --target fuzz_targets
 	@scripts/run-fuzz.sh $(BUILD_FUZZ)/fuzz $(FUZZ_SECONDS)
 

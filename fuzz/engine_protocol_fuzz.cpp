@@ -30,6 +30,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   if (auto l = decode_consumer_lease(text); l.ok()) {
     if (encode_lease(*l) != text) std::abort();
+    if (auto t = ParamTable::decode(l->params); t.ok()) {
+      for (const auto& [name, p] : t->params)
+        if (p.key >= t->keys.size()) std::abort();
+    }
+  }
+  if (auto t = ParamTable::decode(text); t.ok() && !text.empty()) {
+    if (ParamTable::decode(t->encode()).value().params.size() != t->params.size()) std::abort();
   }
   for (size_t expected : {1, 3, 4}) (void)decode_fields(text, expected);
   if (auto t = InPlaceTable::decode(text, size % 64); t.ok() && size > 0) {

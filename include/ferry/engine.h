@@ -8,8 +8,11 @@
 //   {job}/plan/{c}           consumer c's canonical plan (Plan::encode)
 //   {job}/producer/{p}       lease: producer p's transport address + staging-ring key
 //   {job}/consumer/{c}       lease: consumer c's transport address + receive-ring key
-// Every participant waits (bounded by rendezvous_timeout) until every expected producer
-// and consumer has published, then builds the same Routes with build_routes (a pure
+//   {job}/world/{role}/{r}/{P}/{C}  the world sizes rank r was given (in the key name)
+//   {job}/committed/{c}     the version consumer c committed last (committed_versions)
+// Every participant waits (bounded by rendezvous_timeout; world sizes that differ
+// between ranks fail within a second, kInvalidArgument naming both) until every expected
+// producer and consumer has published, then builds the same Routes with build_routes (a pure
 // function of metadata, holdings and plans), so no routes cross the wire. Routes do not
 // depend on which consumers are alive: a dead consumer is skipped, a restarted one (same
 // rank, same plan) rejoins at the next sync without any rebuild.
@@ -26,15 +29,30 @@
 //     and runs RankLoader::process_weights_after_loading for every post-processing group whose
 //     params are now complete; meanwhile the caller thread reads g+1. v is committed
 //     only when every group landed.
-// Zero copy (pull; docs/engine.md): consumers read pieces that unpack as plain byte
-//   copies straight into their (registered) params, and producers whose weights live in
-//   transport regions (ProducerOptions::source_regions) let consumers read contiguous
-//   pieces from there, unpacked and unstaged; such in-place bytes that land in params are
-//   read ahead, for every group, once the producer announced anything of v.
+// Zero copy (docs/engine.md): pieces that unpack as plain byte copies land straight in
+//   the consumer's (registered) params, and producers whose weights live in transport
+//   regions (ProducerOptions::source_regions) serve contiguous pieces from there,
+//   unpacked and unstaged. Pull: consumers read them; in-place bytes that land in params
+//   are read ahead, for every group, once the producer announced anything of v. Push:
+//   the producer writes them (the consumer's lease says where its params lie).
 // Push mode: the consumer sends READY(v, g, recv slot) instead of waiting for ANNOUNCE;
-//   the producer writes its segments into that receive slot, flushes, and sends PUSHED.
+//   the producer writes its segments into that receive slot and the consumer's params,
+//   flushes, and sends PUSHED. A consumer that gives up a push sync returns only once no
+//   write of a producer into it is in flight (ABORT, answered by FLUSHED; up to timeout).
 // Membership per sync: a producer serves the consumers whose lease exists when its sync
-//   starts (re-reading addresses, so restarted consumers are connected afresh).
+//   starts (re-reading addresses, so restarted consumers are connected afresh), waiting
+//   up to one lease_ttl for the lease of a consumer it is still connected to (a resumed
+//   pause heals it; after a store restart, for every consumer); one still without a lease
+//   is told DROPPED. One that it serves and that did not commit the version is named in
+//   SyncReport::missed.
+// Store restarts: at the start of every sync each rank re-publishes the keys it wrote
+//   once at create (meta, holdings, plan) if the store lost them; a store that cannot be
+//   reached fails sync() with the store's error, which names its URL.
+// Creation: Producer::create returns once every consumer's lease is published (each
+//   consumer's last step), so a sync() right away reaches all of them.
+// Versions: every rank syncs the same version; a consumer whose producers serve another
+//   fails at once (kFailedPrecondition, or kCancelled when a push producer dropped it),
+//   naming both. An earlier version synced by every rank (a rollback) is a normal sync.
 //
 // Failure semantics
 //   * A consumer that dies (transport peer failure) or stalls (no RELEASE/READY within
@@ -46,7 +64,10 @@
 //     sync fails with kPeerFailed naming the producer; groups already unpacked are new
 //     and the rest old: state() reports torn until a later sync completes. A restarted
 //     producer (Producer::create again, between syncs: it clears its {job}/dead/ mark)
-//     rejoins at the next sync.
+//     rejoins at the next sync. A producer a consumer waits for that is silent with its
+//     lease gone at two checks a lease_ttl apart (its host cut off, or paused) is
+//     failed over the same way when a replica holds its boxes; being alive, it clears
+//     its own mark at the end of that sync and rejoins at the next one.
 //   * Every wait is bounded (timeout, stall_timeout, rendezvous_timeout); every
 //     message is length-checked, every read is checked against the staging region
 //     (Routes::validate plus the transport's key bounds).
@@ -69,6 +90,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -103,13 +125,23 @@ struct EngineOptions {
   // this long after it was announced. A consumer takes groups in order, so a slow
   // producer of an earlier group delays it: keep this above the slowest materialise.
   std::chrono::milliseconds stall_timeout{30000};
+  // Producer: a straggler — a consumer that has not released (pull) / asked for (push) a
+  // slot the other consumers of that slot are done with, for longer than
+  // max(straggler_floor, straggler_factor x the time the others took) since the last of
+  // them — is dropped from this sync early (so it holds the others back by at most that
+  // bound, not by stall_timeout) and catches up at the next sync. The bound is relative
+  // so that a big group that takes everyone long is not a straggler, with a floor of
+  // seconds so that ordinary jitter (scheduling, a short GC) is not either. A lone
+  // consumer of a slot is never a straggler: only stall_timeout applies. 0: off.
+  std::chrono::milliseconds straggler_floor{2000};
+  double straggler_factor = 8;
   std::chrono::milliseconds lease_ttl{3000};
   bool checksums = false;
   // Producer failover: when a producer dies mid-sync, consumers mark it in
   // {job}/dead/{p}, every participant rebuilds routes without it (the same routes:
   // build_routes over the remaining holdings) and the sync restarts; only when no other
   // producer holds what it held does the sync fail. Producers size staging slots for
-  // the worst case when they share boxes with a replica.
+  // the worst case when they share boxes with a replica (within staging_budget, if given).
   bool failover = true;
   // Fault injection for ferry's own tests (src/engine/testing.h); null in production.
   std::shared_ptr<const engine::TestHooks> test_hooks;
@@ -120,32 +152,106 @@ struct ProducerOptions : EngineOptions {
   // register_memory) that hold the source's weights *in place*: every box
   // materialize() returns inside one of them is at the same address every sync and
   // unchanged from the start of sync() until it returns (the trainer's own parameter
-  // storage, updated only between syncs). Consumers read the pieces of such boxes that
-  // are contiguous runs of at least direct_min_bytes straight from there; they are
-  // neither packed nor staged. create() materialises every group once to learn where
+  // storage, updated only between syncs). Consumers read (pull), or this producer writes
+  // (push), the pieces of such boxes that are contiguous runs of at least
+  // direct_min_bytes straight from there; they are neither packed nor staged. create() materialises every group once to learn where
   // each box lies; a sync fails (naming the tensor) if a box has moved. Empty (the
   // default): every byte is packed into staging. Over UCX 1.13 shared memory, peers read
   // allocate_memory regions by plain copy, memory registered in place only by message
   // over tcp (docs/transport.md).
   std::vector<MemoryRegion> source_regions;
   uint64_t direct_min_bytes = 64 * 1024;
-  // Bytes of registered staging memory; 0: two groups (two slots of the largest group).
+  // Bytes of registered staging memory; 0: two slots of the largest group (with failover
+  // and boxes shared with another producer: of the largest a failover may need). A budget
+  // smaller than the largest group under the routes now is refused (kInvalidArgument
+  // naming the bytes needed); one smaller than the failover worst case gets slots as
+  // large as two fit in it, and a failover needing more fails that sync naming the bytes.
   uint64_t staging_budget = 0;
 };
 
 struct ConsumerOptions : EngineOptions {
-  // Zero-copy (pull): a piece of at least this many bytes that unpacks as a plain byte
-  // copy into a contiguous run of a param is read straight into the param (registered
-  // with the transport at create) instead of through the receive ring. 0: every such
-  // piece; UINT64_MAX: none (everything through the ring, as push mode does).
+  // Zero copy: a piece of at least this many bytes that unpacks as a plain byte copy into
+  // a contiguous run of a param is read (pull) or written by its producer (push)
+  // straight into the param (registered with the transport at create) instead of through
+  // the receive ring. 0: every such piece; UINT64_MAX: none (everything through the ring).
   uint64_t direct_min_bytes = 64 * 1024;
   std::function<void(uint64_t version)> before_sync;             // e.g. pause generation
   std::function<void(uint64_t version, int group)> after_group;  // background thread
   std::function<void(uint64_t version)> after_sync;              // resume with version
 };
 
+// What an inference rank syncs into when its plan comes from anywhere (the inference
+// engine's own load_weights recorded on recording tensors, ferry.record_load, a plan
+// written by hand) rather than from a built-in ModelLoader.
+struct ConsumerModel {
+  // The rank's plan. Its sources must match the trainer's metadata (name, dtype, shape;
+  // kInvalidArgument naming the tensor otherwise). Ranks with equal plans (Plan::hash)
+  // are replicas: the router sends them the same pieces from the same producers.
+  Plan plan;
+  // Real, contiguous buffers for the plan's params (the engine's own parameters),
+  // written in place by every sync; the caller keeps them alive and at the same address
+  // for the Consumer's lifetime. A param not given is allocated by the engine (zeroed).
+  TensorMap params;
+  // Post-processing groups are the layer groups of the param names (group_of: "pre",
+  // "layer N", "post"). Optional; runs on the consumer's background thread once every
+  // param of `group` landed in a sync, and may rewrite those params in place. An error
+  // fails the sync (the rank is then torn).
+  struct PostGroup {
+    int id = 0;
+    std::string name;                 // "pre", "layer 3", "post"
+    std::vector<std::string> params;  // the plan params it covers
+  };
+  std::function<Status(const PostGroup& group, TensorMap& params)> post_process;
+};
+
+// The memory one rank holds for the engine beyond what it was handed (the weights a
+// producer's source holds, the params a consumer syncs into), by kind. Every figure is
+// what the engine allocated or built, not a guess from the process (docs/engine.md,
+// "Memory": what each kind costs, with the formula). Bounds, whatever the model size:
+//   producer: extra() <= staging ring (<= max(staging_budget, one slot); default two
+//             slots of its largest group) + metadata + kFixedAllowance
+//   consumer: extra() <= receive ring (two slots of its largest group) + metadata +
+//             kFixedAllowance
+// where metadata grows linearly in tensors and copies (routes, plans, holdings).
+struct MemoryUse {
+  // The allowance for what the engine cannot count from inside: the transport's own
+  // buffers (UCX endpoints, its shared-memory FIFOs and bounce buffers), the engine's
+  // threads and message buffers. Checked against measured RSS by
+  // tests/engine/memory_mp_test.cpp.
+  static constexpr uint64_t kFixedAllowance = 64ull << 20;
+  uint64_t staging_ring = 0;   // producer: registered staging slots (slots x slot bytes)
+  uint64_t receive_ring = 0;   // consumer: registered receive slots (2 x slot bytes)
+  // Memory of the caller's (or the rank's params) registered in place with the
+  // transport: source regions, params read into directly. No copy: not extra.
+  uint64_t registered_in_place = 0;
+  // Consumer: params the engine allocated because the caller passed none (one arena).
+  // They are the rank's params, not extra; reported so a caller can tell who owns them.
+  uint64_t own_params = 0;
+  // Routes, every rank's plan and holdings, the schedules and in-place tables: estimated
+  // from their element counts (heap blocks included), linear in tensors and copies.
+  uint64_t metadata = 0;
+  uint64_t transport_allowance = kFixedAllowance;  // see kFixedAllowance
+  uint64_t extra() const { return staging_ring + receive_ring + metadata + transport_allowance; }
+  std::string to_string() const;
+};
+
+// What every rank will hold (MemoryUse), before any starts (`ferry plan`): from the
+// routes, the inputs every rank keeps after rendezvous (metadata, every producer's
+// holdings, every consumer's plan) and the producers' options (staging_budget,
+// failover). A staging budget smaller than a producer's largest group is
+// kInvalidArgument naming the producer and the bytes needed, as Producer::create says.
+struct MemoryPrediction {
+  std::vector<MemoryUse> producers;  // per trainer rank
+  std::vector<MemoryUse> consumers;  // per inference rank
+};
+Result<MemoryPrediction> predict_memory(const Routes& routes, const std::vector<TensorDecl>& metadata,
+                                        const std::vector<Holdings>& holdings, const std::vector<const Plan*>& plans,
+                                        const ProducerOptions& options);
+
 struct SyncReport {
   uint64_t version = 0;
+  // This rank's extra memory during the sync (the same every sync unless routes change).
+  MemoryUse memory;
   Status status;                // OK when this side finished the sync
   // Producer: bytes sent (each consumer's share counted), and of those served in place
   // (read straight from the source's own memory, no staging copy). Zero on a consumer.
@@ -159,7 +265,14 @@ struct SyncReport {
          post_seconds = 0;
   std::map<int, uint64_t> bytes_per_peer;  // peer rank -> bytes
   std::vector<int> dropped;                // producer: consumers dropped this sync
+  // Producer: the consumers it serves (that read anything from it) that did not commit
+  // this version: dropped, failed, absent (no live lease: not a member of this sync) or
+  // silent (no DONE within stall_timeout). Each has a line in `failures` saying why.
+  std::vector<int> missed;
   std::vector<std::string> failures;       // one line per failure
+  // True only if this side finished and (producer) every consumer it serves committed
+  // the version: a report never says ok while a member missed it.
+  bool ok() const { return status.ok() && missed.empty(); }
   std::string to_string() const;
 };
 
@@ -169,6 +282,13 @@ struct ConsumerState {
   bool has_version = false;
   bool torn = false;      // a failed sync left some groups newer than `version`
 };
+
+// The version each consumer 0..num_consumers-1 of job `job` committed last (written to
+// {job}/committed/{c} by the consumer after every successful sync), nullopt for one that
+// has committed none. What a framework asks before it serves with new weights; the
+// job-wide version is the minimum. Errors are the store's.
+Result<std::vector<std::optional<uint64_t>>> committed_versions(Store& store, std::string_view job,
+                                                                int num_consumers);
 
 class Producer {
  public:
@@ -202,6 +322,10 @@ class Consumer {
   static Result<std::unique_ptr<Consumer>> create(const ModelLoader& loader, int rank, Transport& transport,
                                                   Store& store, const ConsumerOptions& options,
                                                   TensorMap params = {});
+  // The same from any recorded plan (ConsumerModel): publishes model.plan, syncs into
+  // model.params.
+  static Result<std::unique_ptr<Consumer>> create(ConsumerModel model, int rank, Transport& transport, Store& store,
+                                                  const ConsumerOptions& options);
   ~Consumer();
   Consumer(const Consumer&) = delete;
   Consumer& operator=(const Consumer&) = delete;
@@ -211,7 +335,10 @@ class Consumer {
   Result<SyncReport> sync(uint64_t version);
 
   ConsumerState state() const;
-  // Final params (after post-processing) of the last sync; valid between syncs.
+  // Final params (after post-processing) of the last sync; valid between syncs. Params
+  // the consumer allocated (none passed to create) live as long as it: in push they are
+  // its transport's memory (allocate_memory, so that producers on the host write them by
+  // plain copy), freed with the consumer; copy them to keep them beyond it.
   const TensorMap& params() const;
   const Routes& routes() const;
   int rank() const;

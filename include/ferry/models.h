@@ -251,6 +251,11 @@ Result<Plan> record_plan(const ModelLoader& loader, int global, const std::vecto
 // group's post-processing as soon as every checkpoint tensor feeding it has landed.
 // Returns the final params (RankLoader::final_params()).
 Result<TensorMap> load_rank_direct(const ModelLoader& loader, int global, const TensorMap& checkpoint);
+// The same with each checkpoint tensor fetched when the loader needs it and dropped once
+// loaded (a checkpoint too big to hold at once: memory is the params plus one tensor).
+// Tensors the rank loads nothing from are not fetched. fetch's errors are returned.
+using FetchTensor = std::function<Result<Tensor>(const TensorDecl& decl)>;
+Result<TensorMap> load_rank_direct(const ModelLoader& loader, int global, const FetchTensor& fetch);
 // Loads rank `global` by executing `plan` on the checkpoint, then post-processes every
 // group in order. Returns the final params.
 Result<TensorMap> load_rank_from_plan(const ModelLoader& loader, int global, const Plan& plan,

@@ -17,7 +17,13 @@
 //      "tensor 'model.norm.weight': data_offsets [0, 10] hold 10 bytes but shape [4] x
 //       BF16 needs 8".
 //    Errors from SafetensorsFile::open / SafetensorsDir::open are prefixed with the path.
-//  * Ownership. SafetensorsFile maps the file read-only (PROT_READ, MAP_PRIVATE). Every
+//  * Access. SafetensorsAccess::kRead (the default) reads the whole file with pread into
+//    read-only memory the process owns: a file truncated while it is read is an
+//    kIoError naming the file, and one truncated later changes nothing. kMap maps the
+//    file instead (no copy, pages read on first touch); the caller then promises that
+//    nobody truncates the file while any of its tensors lives, because a touch of a
+//    page past the new end raises SIGBUS wherever it happens.
+//  * Ownership. SafetensorsFile holds the bytes (read or mapped) read-only. Every
 //    Tensor it hands out borrows the mapping and holds a shared reference to it, so a
 //    view keeps the mapping alive after the SafetensorsFile (and every copy of it) is
 //    gone; the file is unmapped when the last of them goes. The bytes are read-only
@@ -25,7 +31,6 @@
 //    a store through data_ptr() faults. clone() first to get writable bytes. Tensors may be unaligned for their
 //    dtype when a third-party writer did not align the buffer (ferry's writer does);
 //    ferry's element access tolerates that.
-//    Truncating a file while it is mapped makes reads fault (SIGBUS); don't.
 //  * Threading. SafetensorsFile and SafetensorsDir are immutable values (cheap copies
 //    of a shared handle): safe to share and read from any number of threads.
 //  * Writing. write_safetensors() writes to a temporary file in the same folder and
@@ -84,12 +89,19 @@ struct SafetensorsEntry {
   Tensor tensor;
 };
 
-// An open, validated .safetensors file whose tensors borrow a read-only mapping.
+// How SafetensorsFile gets a file's bytes (see Access above).
+enum class SafetensorsAccess : uint8_t {
+  kRead,  // pread into owned memory: safe against truncation
+  kMap,   // mmap: no copy; SIGBUS if the file is truncated while its tensors live
+};
+
+// An open, validated .safetensors file whose tensors borrow its read-only bytes.
 class SafetensorsFile {
  public:
-  // Maps and validates `path`. kNotFound / kIoError when the OS refuses, kCorrupt
-  // when validation fails; messages start with the path.
-  static Result<SafetensorsFile> open(const std::string& path);
+  // Reads (or maps) and validates `path`. kNotFound / kIoError when the OS refuses or
+  // the file shrinks while read, kCorrupt when validation fails; messages start with
+  // the path.
+  static Result<SafetensorsFile> open(const std::string& path, SafetensorsAccess access = SafetensorsAccess::kRead);
 
   const std::string& path() const;
   const SafetensorsHeader& header() const;
@@ -97,6 +109,11 @@ class SafetensorsFile {
 
   // The tensors in file order; each borrows the mapping and is named after its entry.
   const std::vector<SafetensorsEntry>& tensors() const;
+  // The whole file's bytes as opened (the mapping under kMap, the owned copy under
+  // kRead): read-only, at a fixed address while this file or any of its tensors lives
+  // (what a trainer registers to serve its tensors in place). Under kMap the same
+  // SIGBUS caveat as the tensors' applies.
+  std::span<const std::byte> bytes() const;
   size_t size() const { return tensors().size(); }
   bool contains(std::string_view name) const;
   // nullptr when absent.
@@ -118,7 +135,7 @@ class SafetensorsDir {
   // kNotFound when `dir` is missing or holds no *.safetensors; any file's error
   // (prefixed with its path); kCorrupt when one tensor name appears in two files
   // ("tensor 'x' appears in both 'DIR/a.safetensors' and 'DIR/b.safetensors'").
-  static Result<SafetensorsDir> open(const std::string& dir);
+  static Result<SafetensorsDir> open(const std::string& dir, SafetensorsAccess access = SafetensorsAccess::kRead);
 
   const std::string& dir() const;
   // The files, sorted by file name.

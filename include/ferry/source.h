@@ -126,9 +126,13 @@ struct TrainerLayout {
   // decoder_first/last_pipeline_num_layers: the other stages split the rest evenly.
   int first = 0, last = 0;
 
+  // The most ranks a layout may have (each value and every product of them), the same
+  // bound as InferenceLayout's: checked before anything is sized by a rank count.
+  static constexpr int kMaxRanks = 1 << 20;
+
   // Parses the --trainer string. Errors: unknown or repeated key, a value that is not a
   // positive integer, fsdp mixed with Megatron keys, T*D not a multiple of E*X, world
-  // not a multiple of T*P.
+  // not a multiple of T*P, a value or a product (T*P*D, E*X) over kMaxRanks.
   static Result<TrainerLayout> parse(std::string_view text);
   int world_size() const;
   int stage_size() const { return kind == Kind::kFsdp ? fsdp : tp * dp; }
@@ -141,8 +145,9 @@ struct ModelInfo {
   int64_t q_rows = 0;   // num_attention_heads * head_dim
   int64_t kv_rows = 0;  // num_key_value_heads * head_dim
 };
-// From an HF config (fields at the top level or under text_config). Missing fields
-// leave zeros (a fused qkv_proj then fails naming the tensor).
+// From an HF config (fields at the top level or under text_config). Missing or
+// non-positive fields, and rows that overflow int64, leave zeros (a fused qkv_proj then
+// fails naming the tensor).
 ModelInfo model_info_from_config(const nlohmann::json& config);
 
 // How a tensor is split across a Megatron trainer's ranks (see docs/routing.md).
@@ -171,15 +176,19 @@ struct TrainerHoldings {
 };
 // Errors name the tensor and the constraint ("tp 4 does not divide dim 0 (6) of
 // 'model.layers.0.self_attn.k_proj.weight'", "24 experts of layer 3 are not divisible
-// by ep 16").
+// by ep 16"), or the layout's: more than kMaxRanks ranks, a non-positive value, a PP
+// stage left without layers (pp larger than the model's layers), all checked before
+// any rank's holdings are allocated.
 Result<TrainerHoldings> make_holdings(const std::vector<TensorDecl>& metadata, const TrainerLayout& layout,
                                       const ModelInfo& info = {});
 
 // ---------------------------------------------------------------------------------------
 // WeightSource
 
-// The local data of one held box: a real contiguous tensor of the box's shape, in the
-// tensor's dtype, holding the box's elements in row-major order. `box` indexes
+// The local data of one held box: a real tensor of the box's shape, in the tensor's
+// dtype; any non-negative strides (a view of the trainer's own memory, e.g. a row range
+// of a fused weight or a column range: packed straight from there). Contiguous boxes
+// can also be served in place (ProducerOptions::source_regions). `box` indexes
 // Holdings::boxes.
 struct LocalBox {
   uint32_t box = 0;

@@ -25,16 +25,22 @@
 //      Unavailable       cannot connect, or the connection broke mid-call;
 //      PermissionDenied  the token was refused;
 //      PeerFailed        the server broke the protocol.
-//  * Tokens. Every connection is authenticated with a shared token: the first of
-//    StoreOptions::token, the URL's TOKEN, the FERRY_TOKEN environment variable. None of
-//    them set is InvalidArgument. The TCP store answers a server nonce with
-//    HMAC-SHA256(token, nonce) (the token never crosses the wire); Redis uses AUTH.
+//  * Tokens. Every connection is authenticated with a shared token of at least
+//    kMinTokenBytes bytes: the first of StoreOptions::token, the URL's TOKEN, the
+//    FERRY_TOKEN environment variable, the file named by FERRY_TOKEN_FILE (see
+//    read_token_file). None of them set, or a shorter token, is InvalidArgument naming
+//    the length. Prefer the environment or a file to a URL or argv: those show in `ps`.
+//    The TCP store authenticates both ways (the client checks the server too) and
+//    protects every later frame with an HMAC (src/store/tcp/protocol.h); Redis uses AUTH.
 //  * Connections. `open` connects and authenticates eagerly (retrying a refused
 //    connection until StoreOptions::connect_timeout, so clients may start before the
 //    server), so a wrong token or a dead server is reported by `open`. When a call
 //    fails with Unavailable or Timeout the connection is dropped and the *next* call
 //    reconnects; the failed call itself is not retried (it may or may not have been
-//    applied — `add` in particular is not idempotent).
+//    applied — `add` in particular is not idempotent). A TCP connection the server
+//    would drop for idleness (StoreServerOptions::idle_timeout, announced in the
+//    handshake) is replaced before the next call is sent, so an idle client never sees
+//    that drop as an error.
 //  * Threading. A Store is thread-safe: any number of threads may share one. Calls on
 //    one Store are serialised on its single connection, so a blocking `wait` on the
 //    TCP backend holds that connection until it returns; give threads that wait
@@ -77,9 +83,17 @@ inline constexpr size_t kMaxValueBytes = size_t{32} << 20;  // 32 MiB
 inline constexpr size_t kMaxWaitKeys = 65536;
 inline constexpr Millis kMaxTtl = std::chrono::hours(24 * 30);
 inline constexpr Millis kMaxWaitTimeout = std::chrono::hours(24);
+// Shortest token the store accepts (client and server, both backends): 16 bytes, e.g.
+// `openssl rand -hex 16` (32 characters, 128 bits).
+inline constexpr size_t kMinTokenBytes = 16;
+
+// Reads a token from a file: the whole file, less one trailing "\n" or "\r\n".
+// NotFound/IoError naming the file when it cannot be read; InvalidArgument when it is
+// empty, shorter than kMinTokenBytes, or over 4096 bytes.
+Result<std::string> read_token_file(const std::string& path);
 
 struct StoreOptions {
-  // Shared secret; empty means: the URL's token, else FERRY_TOKEN.
+  // Shared secret; empty means: the URL's token, else FERRY_TOKEN, else FERRY_TOKEN_FILE.
   std::string token;
   // How long `open` (and a reconnect) keeps retrying a refused or unreachable server.
   Millis connect_timeout{10000};
@@ -180,10 +194,14 @@ class Lease {
 
   const std::string& key() const { return key_; }
 
-  // True once a renewal found the key gone (it expired because the heartbeat was
-  // starved for longer than the ttl, or someone deleted it). A lost lease stops its
-  // heartbeat and is never re-created: others may already have declared us dead.
+  // A renewal that finds the key gone (it expired while the holder or the store was
+  // paused — a GC, a swap, a busy host, a Redis fsync — or a restarted store lost it)
+  // re-creates it with the same value, but only if it is still absent (compare_set):
+  // the holder is alive again and rejoins. reacquired() counts those. If someone else
+  // wrote the key meanwhile (a restarted instance of the same rank took over), the lease
+  // is lost for good: lost() turns true, the heartbeat stops and the key is left alone.
   bool lost() const { return lost_.load(); }
+  uint64_t reacquired() const { return reacquired_.load(); }
 
   // The last error a renewal hit (OK if none); renewals keep retrying transient errors.
   Status last_error() const;
@@ -195,13 +213,15 @@ class Lease {
 
  private:
   friend class Store;
-  Lease(std::unique_ptr<Store> store, std::string key, Millis ttl);
+  Lease(std::unique_ptr<Store> store, std::string key, std::string value, Millis ttl);
   void heartbeat();
 
   std::unique_ptr<Store> store_;
   std::string key_;
+  std::string value_;
   Millis ttl_;
   std::atomic<bool> lost_{false};
+  std::atomic<uint64_t> reacquired_{0};
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;
@@ -215,16 +235,39 @@ class Lease {
 // number of clients. Start it inside any process (e.g. on trainer rank 0) or run
 // `ferry store --port P`. The data lives in memory and dies with the server.
 //
-// Wire protocol: length-prefixed binary frames (u32 little-endian payload length, then
-// the payload), at most 64 MiB (256 bytes before authentication). A malformed frame
-// closes that client's connection and nothing else. A client that has not answered the
-// challenge within handshake_timeout is dropped.
+// Wire protocol (src/store/tcp/protocol.h): length-prefixed binary frames, at most
+// 64 MiB (256 bytes before authentication), read into buffers that grow as bytes
+// arrive, never to the claimed length. A mutual HMAC-SHA256 challenge-response over
+// nonces from both sides, then an HMAC with a sequence number on every frame. A
+// malformed or tampered frame closes that client's connection and nothing else.
+//
+// Unauthenticated connections cannot lock legitimate clients out. They are kept apart
+// from authenticated ones and capped (max_unauthenticated in all,
+// max_unauthenticated_per_peer per source address); a connection that would exceed a
+// cap evicts the *oldest* unauthenticated connection (of that address, else of all),
+// and every one is dropped at handshake_timeout. A real client answers the challenge
+// in one round trip, so it is evicted only when more than the cap of connections from
+// its address arrive within its round trip; an idle flood is churned through instead
+// of filling the server. (All local clients share 127.0.0.1, so refusing new
+// connections at a per-address cap would lock local clients out; evicting the oldest
+// does not. Evicting silent connections first would not help: a flood can send one
+// byte to look busy.) A client evicted mid-handshake sees Unavailable and retries.
 struct StoreServerOptions {
   std::string host = "127.0.0.1";
   uint16_t port = 0;  // 0: an ephemeral port (see StoreServer::port)
-  std::string token;  // empty: FERRY_TOKEN; both empty is InvalidArgument
-  Millis handshake_timeout{10000};
+  std::string token;  // empty: FERRY_TOKEN, then FERRY_TOKEN_FILE; none is InvalidArgument
+  // How long a new connection may take to authenticate. 2 s: a client answers within
+  // one round trip plus two HMACs (well under 100 ms even across a WAN, and the client
+  // retries a dropped attempt), while a silent socket holds a slot only briefly.
+  Millis handshake_timeout{2000};
+  // An authenticated connection with no request for this long is closed (0: never).
+  // Clients learn it in the handshake and reconnect before it, and leases renew every
+  // ttl/3, so only abandoned connections are dropped.
+  Millis idle_timeout{300000};
+  // Authenticated connections; one more is refused with Unavailable.
   size_t max_connections = 4096;
+  size_t max_unauthenticated = 1024;
+  size_t max_unauthenticated_per_peer = 256;
 };
 
 class StoreServer {
@@ -239,8 +282,10 @@ class StoreServer {
   uint16_t port() const;
   // "tcp://HOST:PORT" (no token), what clients pass to Store::open.
   std::string url() const;
-  // Number of open client connections (for tests and monitoring).
+  // Number of open client connections, authenticated or not (for tests and monitoring).
   size_t connections() const;
+  // Connections closed to make room for a newer unauthenticated one (see above).
+  size_t evicted() const;
   // Closes every connection and joins the event-loop thread. Idempotent; thread-safe.
   void stop();
 

@@ -168,6 +168,11 @@ class Tensor {
   // it fail instead of faulting. data_ptr() still returns the address: don't write.
   static Tensor borrow_readonly(const void* data, Shape shape, DType dtype,
                                 std::shared_ptr<const void> keepalive = nullptr, std::string name = "");
+  // Real storage of `numel` elements at `data` (not owned), seen through `layout`: a
+  // view with any non-negative strides (e.g. a torch view of a trainer's own parameter),
+  // no copy. Errors: a negative stride or offset, or an element outside [0, numel).
+  static Tensor borrow_strided(void* data, int64_t numel, Layout layout, DType dtype,
+                               std::shared_ptr<const void> keepalive = nullptr, std::string name = "");
   // Recording storage: a checkpoint tensor with no bytes.
   static Tensor source(std::string name, Shape shape, DType dtype);
   // Recording storage: an inference parameter with no bytes.
@@ -232,8 +237,9 @@ class Tensor {
   Tensor clone() const;
 
   // --- writes ---------------------------------------------------------------------
-  // Copies `src` into this tensor, elements matched in row-major order; numels must be
-  // equal. Real <- real: copies, converting between float dtypes (other dtypes must
+  // Copies `src` into this tensor with torch's shape rule: `src` must broadcast to this
+  // shape (right-aligned dims equal or 1 in `src`; a broadcast src is copied into every
+  // slice). Real <- real: copies, converting between float dtypes (other dtypes must
   // match). Real or param <- recording source: recorded (needs an active recorder).
   Status copy_(const Tensor& src) const;
   // Zero-fills (real) or records explicit zeros (recording param, for padding).

@@ -153,7 +153,21 @@ struct TransportOptions {
   size_t max_message_bytes = 64 * 1024;
   // How long the destructor / disconnect waits for endpoints to flush and close.
   std::chrono::milliseconds close_timeout{2000};
+  // The job's shared secret (the store's token). Set: every connection runs a
+  // challenge-response handshake (HMAC-SHA256 over nonces of both sides) in connect(),
+  // each side proving the token to the other, and this transport serves messages,
+  // reads, writes and flushes only to peers that proved it (to anyone else: refused,
+  // stats().refused_unauthenticated). connect() fails with kPermissionDenied when the
+  // peer refuses our proof or cannot prove the token itself. Every backend honours it.
+  // Empty (the default): no handshake, every peer is served — for tests and one-user
+  // machines only; production should set it (docs/transport.md, "Authentication").
+  // When set, at least kMinTransportTokenBytes long (Transport::create refuses less).
+  std::string token;
 };
+
+// Shortest TransportOptions::token accepted: 16 bytes, the store's kMinTokenBytes (the
+// same secret serves both).
+inline constexpr size_t kMinTransportTokenBytes = 16;
 
 // One option a backend accepts in TransportOptions::params.
 struct BackendOption {
@@ -237,6 +251,13 @@ struct TransportStats {
   // transport with peer-failure support to them, and a peer killed mid-send can then
   // wedge this process's receive queue (UCX 1.13; see the ucx param tcp_control). 0 is the goal.
   uint64_t shared_memory_message_peers = 0;
+  // What this transport refused to serve as a target (docs/transport.md,
+  // "Authentication"): a message, read, write, flush or handshake from a peer that did
+  // not prove the token (or failed the handshake); a read/write naming a region that
+  // was never exported (export_key) or is deregistered; one outside its region's bounds.
+  uint64_t refused_unauthenticated = 0, refused_region = 0, refused_bounds = 0;
+  // Connections that proved the token to this transport (as acceptor).
+  uint64_t authenticated_peers = 0;
 };
 
 class Transport final {
@@ -244,7 +265,8 @@ class Transport final {
   // The factory: builds the backend named by options.backend, starts its progress
   // thread. kNotFound for an unknown backend name, kInvalidArgument for a param the
   // backend does not declare or a malformed value (the message names the param and
-  // lists the backend's options), kUnavailable when the backend cannot start (e.g. UCX
+  // lists the backend's options) or a token shorter than kMinTransportTokenBytes,
+  // kUnavailable when the backend cannot start (e.g. UCX
   // has no transport for the given tls).
   static Result<std::unique_ptr<Transport>> create(const TransportOptions& options);
   // Backend names this build supports, from the backend registry: {"inproc", "ucx"}.

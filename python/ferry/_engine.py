@@ -5,27 +5,36 @@ import sys
 import warnings
 
 from . import _ferry
-from .errors import InvalidArgumentError, UnimplementedError
+from .errors import FailedPreconditionError, InvalidArgumentError, UnimplementedError
 from ._tensor import dtype_name
 from ._models import ModelLoader
+from ._plan import TensorDecl
+from ._launcher import launcher_rank, launcher_world_size
 
 
 def _normalize_metadata(meta):
-    """[(name, shape tuple, ferry dtype name)] from {name: (shape, dtype)}, a list of
-    (name, shape, dtype), or TensorDecls."""
-    items = meta.items() if hasattr(meta, "items") else None
+    """[(name, shape tuple, ferry dtype name)] from {name: (shape, dtype)}, {name: TensorDecl},
+    {name: array}, or a list of (name, shape, dtype) / TensorDecls."""
+    dtypes = {}  # dtype -> ferry name: tens of thousands of tensors share a handful of dtypes
+
+    def dt_name(dt):
+        key = str(dt)
+        if key not in dtypes:
+            dtypes[key] = dtype_name(dt)
+        return dtypes[key]
+
     out = []
-    if items is not None:
-        for name, v in items:
-            if hasattr(v, "shape") and hasattr(v, "dtype") and not isinstance(v, tuple):
+    if hasattr(meta, "items"):
+        for name, v in meta.items():
+            if isinstance(v, TensorDecl) or not isinstance(v, (tuple, list)):  # TensorDecl, array, tensor
                 shape, dt = v.shape, v.dtype
             else:
                 shape, dt = v[0], v[1]
-            out.append((str(name), tuple(int(s) for s in shape), dtype_name(dt)))
+            out.append((str(name), tuple(int(s) for s in shape), dt_name(dt)))
     else:
         for entry in meta:
             name, shape, dt = entry[0], entry[1], entry[2]
-            out.append((str(name), tuple(int(s) for s in shape), dtype_name(dt)))
+            out.append((str(name), tuple(int(s) for s in shape), dt_name(dt)))
     return out
 
 
@@ -33,27 +42,44 @@ class WeightSource:
     """What a trainer implements to adopt ferry (one object per trainer rank).
 
     Implement:
-      * ``metadata()``: every HF-format tensor of the model — ``{name: (shape, dtype)}``
-        (or a list of ``(name, shape, dtype)``); the same on every rank;
+      * ``metadata()``: every HF-format tensor of the model — ``{name: (shape, dtype)}``,
+        ``{name: TensorDecl}`` or a list of ``(name, shape, dtype)`` / ``TensorDecl``; the
+        same on every rank; called once;
       * ``materialize(group)``: this rank's data for layer group ``group`` (see
         ``groups()`` / ``boxes(group)``) — ``{name: array}`` with one numpy array or CPU
-        torch tensor per box this rank holds in that group, in HF layout, the box's
-        shape, contiguous. They must stay alive and unchanged until the next call.
+        torch tensor per box this rank holds in that group (a list, in holdings order,
+        when it holds several boxes of that tensor), of the box's shape, in HF element
+        order. Any strides: a view of the trainer's own tensor (a row range of a fused
+        ``linear_qkv``, a column range of a weight) is read where it lies, no copy. They
+        must stay alive and unchanged until the next call (with ``in_place=True`` on the
+        Producer: at the same address for every sync, see ``Producer``).
     and, unless ``layout`` is given (or there is a single rank), ``holdings(rank)``:
     the boxes rank ``rank`` holds — an iterable of ``name`` (the whole tensor) or
-    ``(name, start, size)`` (a box: per-dimension start and extent).
+    ``(name, start, size)`` (a box: per-dimension start and extent). It is asked once per
+    rank; the answer is cached.
 
     ``layout``: a Megatron ("tp=2,pp=2,ep=2,etp=1,dp=1") or FSDP ("fsdp=8") trainer
     layout; ferry then computes every rank's holdings (``model_config``: the HF config
-    dict, needed only for fused-QKV checkpoints such as Phi-3)."""
+    dict, needed only for fused-QKV checkpoints such as Phi-3). ``ferry.megatron``
+    describes Megatron-Core's own tensors (padded vocab, fused ``linear_qkv``).
 
-    def __init__(self, rank=0, world_size=1, layout=None, model_config=None):
-        self.rank = int(rank)
-        self.world_size = int(world_size)
+    ``rank`` / ``world_size`` default to the launcher's environment (``RANK`` /
+    ``WORLD_SIZE``, Open MPI's, Slurm's: see ferry._launcher), else 0 / 1."""
+
+    def __init__(self, rank=None, world_size=None, layout=None, model_config=None):
+        self.rank = launcher_rank(rank)
+        self.world_size = launcher_world_size(world_size, default=1)
+        if not 0 <= self.rank < self.world_size:
+            raise InvalidArgumentError(f"WeightSource: rank {self.rank} is outside world_size {self.world_size}")
         self.layout = layout
         self.model_config = model_config
         self._meta = None
-        self._computed = None
+        self._index = None        # name -> metadata index
+        self._group_names = None  # group id -> "pre" | "layer N" | "post"
+        self._tensor_group = None  # metadata index -> group id
+        self._layout_holdings = None
+        self._held = {}           # rank -> [(name, start, size)]
+        self._by_group = {}       # rank -> {group id: [(name, start, size)]}
 
     # --- to implement ---------------------------------------------------------------
     def metadata(self):
@@ -64,14 +90,16 @@ class WeightSource:
 
     def holdings(self, rank):
         if self.layout is not None:
-            if self._computed is None:
+            if self._layout_holdings is None:
                 cfg = self.model_config or {}
                 heads = cfg.get("num_attention_heads", 0)
                 head_dim = cfg.get("head_dim") or (cfg.get("hidden_size", 0) // heads if heads else 0)
                 kv = cfg.get("num_key_value_heads", heads)
-                self._computed = _ferry._make_holdings(self._metadata(), str(self.layout), heads * head_dim,
-                                                       kv * head_dim)
-            return self._computed[rank]
+                # Every rank's holdings are computed once in C++; a rank's boxes cross into
+                # Python only when asked for.
+                self._layout_holdings = _ferry._LayoutHoldings(self._metadata(), str(self.layout), heads * head_dim,
+                                                               kv * head_dim)
+            return self._layout_holdings.rank(int(rank))
         if self.world_size == 1:
             return [name for name, _, _ in self._metadata()]
         raise UnimplementedError("WeightSource.holdings(rank): implement it, or pass layout= to WeightSource.__init__")
@@ -79,34 +107,67 @@ class WeightSource:
     # --- helpers ----------------------------------------------------------------------
     def _metadata(self):
         if self._meta is None:
-            self._meta = _normalize_metadata(self.metadata())
+            meta = _normalize_metadata(self.metadata())
+            index = {}
+            for i, (name, _, _) in enumerate(meta):
+                if name in index:
+                    raise InvalidArgumentError(f"metadata(): tensor '{name}' is listed twice")
+                index[name] = i
+            self._meta, self._index = meta, index
         return self._meta
+
+    def _grouping(self):
+        if self._group_names is None:
+            names, of_tensor = _ferry._groups(self._metadata())
+            self._group_names, self._tensor_group = list(names), list(of_tensor)
+        return self._group_names, self._tensor_group
 
     def groups(self):
         """Group names by id: "pre" (embeddings), "layer 0", ..., "post" (final norm, lm_head)."""
-        return list(_ferry._groups(self._metadata())[0])
+        return list(self._grouping()[0])
 
     def group_of(self, name):
-        names = [n for n, _, _ in self._metadata()]
-        return _ferry._groups(self._metadata())[1][names.index(name)]
+        """The group id of tensor ``name``."""
+        self._metadata()
+        i = self._index.get(name)
+        if i is None:
+            raise InvalidArgumentError(f"group_of: '{name}' is not in the metadata")
+        return self._grouping()[1][i]
 
     def boxes(self, group, rank=None):
         """[(name, start, size)] that ``rank`` (default: this rank) holds in ``group``."""
-        rank = self.rank if rank is None else rank
-        return [b for b in self._ferry_holdings(rank) if self.group_of(b[0]) == group]
+        rank = self.rank if rank is None else int(rank)
+        by_group = self._by_group.get(rank)
+        if by_group is None:
+            of_tensor = self._grouping()[1]
+            by_group = {}
+            for b in self._ferry_holdings(rank):
+                by_group.setdefault(of_tensor[self._index[b[0]]], []).append(b)
+            self._by_group[rank] = by_group
+        return list(by_group.get(group, ()))
 
     def _ferry_holdings(self, rank):
-        shapes = {n: s for n, s, _ in self._metadata()}
-        out = []
+        held = self._held.get(rank)
+        if held is not None:
+            return held
+        meta = self._metadata()
+        index = self._index
+        held = []
         for h in self.holdings(rank):
             if isinstance(h, str):
-                if h not in shapes:
+                i = index.get(h)
+                if i is None:
                     raise InvalidArgumentError(f"holdings({rank}): '{h}' is not in the metadata")
-                out.append((h, (0,) * len(shapes[h]), shapes[h]))
+                shape = meta[i][1]
+                held.append((h, (0,) * len(shape), shape))
             else:
                 name, start, size = h
-                out.append((str(name), tuple(int(x) for x in start), tuple(int(x) for x in size)))
-        return out
+                name = str(name)
+                if name not in index:
+                    raise InvalidArgumentError(f"holdings({rank}): '{name}' is not in the metadata")
+                held.append((name, tuple(int(x) for x in start), tuple(int(x) for x in size)))
+        self._held[rank] = held
+        return held
 
 
 def _store_args(store, token):
@@ -171,12 +232,27 @@ class StoreServer:
 class Producer:
     """A trainer rank's side of the sync. Creation blocks until every producer and
     consumer of the job has published (rendezvous). ``sync(version)`` moves what
-    ``source.materialize`` returns now and returns the report (a dict)."""
+    ``source.materialize`` returns now and returns the report (a dict).
+
+    ``in_place=True`` serves the trainer's tensors where they lie: at creation every
+    group is materialized once and the memory of what it returns (a torch tensor's
+    whole storage; a numpy array's bytes) is registered with the transport; consumers
+    then read each contiguous box (a whole parameter, a row range of a fused
+    ``linear_qkv`` or ``linear_fc1``, the unpadded rows of a vocab shard) straight from
+    there, with no copy into staging, for every piece of at least ``direct_min_bytes``
+    (default 64 KiB; 0: every piece). Strided boxes (a column range) are still packed.
+    The promise: every box stays at the same address, and is not written while
+    ``sync()`` runs (an optimizer updating parameters in place between syncs is fine;
+    one that rebinds ``p.data`` is not: that sync fails naming the tensor). The report's
+    ``sent_in_place`` counts the bytes so served.
+
+    ``rank`` defaults to ``source.rank``; ``num_producers`` to ``source.world_size``.
+    Timeouts are seconds; ``float('inf')`` means unbounded."""
 
     def __init__(self, source, store, *, rank=None, token=None, num_consumers=1, num_producers=None,
                  backend="ucx", job="ferry", mode="pull", timeout=30.0, rendezvous_timeout=60.0,
-                 stall_timeout=10.0, lease_ttl=3.0, checksums=False, staging_budget=0, transport_params=None,
-                 ucx_config=None):
+                 stall_timeout=10.0, lease_ttl=3.0, checksums=False, staging_budget=0, in_place=False,
+                 direct_min_bytes=None, transport_params=None, ucx_config=None):
         if not isinstance(source, WeightSource):
             raise InvalidArgumentError("Producer: source must be a ferry.WeightSource")
         url, token = _store_args(store, token)
@@ -185,6 +261,9 @@ class Producer:
         kw["num_consumers"] = int(num_consumers)
         kw["num_producers"] = int(num_producers if num_producers is not None else source.world_size)
         kw["staging_budget"] = int(staging_budget)
+        kw["in_place"] = bool(in_place)
+        if direct_min_bytes is not None:
+            kw["direct_min_bytes"] = int(direct_min_bytes)
         rank = source.rank if rank is None else int(rank)
         self._p = _ferry._Producer(source, source._metadata(), rank, source.world_size, url, kw)
 
@@ -208,54 +287,159 @@ class Producer:
         self.close()
 
 
-class Consumer:
-    """An inference rank's side of the sync. ``model_config`` (path, JSON text or dict)
-    with ``layout`` ("tp=2,dp=1,ep=1,replicas=1"), or ``loader`` (a ferry.ModelLoader),
-    say what rank ``rank`` holds and how it loads. ``params``: the rank's parameter
-    buffers (``loader.params(rank)``: numpy arrays / CPU torch tensors, written in place);
-    None: ferry allocates them (see ``params()``)."""
+def _param_address(obj):
+    """Where a param's memory is: data_ptr() of a torch tensor, the buffer address of a
+    numpy array, else the object itself (compared by identity)."""
+    if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):
+        return obj.data_ptr()
+    iface = getattr(obj, "__array_interface__", None)
+    if iface is not None:
+        return iface["data"][0]
+    return id(obj)
 
-    def __init__(self, model_config=None, layout="tp=1", rank=0, store=None, *, loader=None, params=None,
+
+class Consumer:
+    """An inference rank's side of the sync. What rank ``rank`` holds and how it loads is
+    one of:
+
+      * ``plan`` (a ferry.Plan, e.g. ``ferry.record_load(module, metadata)``: the engine's
+        own loader, recorded) with ``params``, the engine's own parameters (a mapping name
+        -> CPU torch tensor / numpy array, or an ``nn.Module`` whose ``named_parameters()``
+        are used), written in place; plan params missing from ``params`` are allocated by
+        ferry (zeroed; see ``params()``). ``post_process(group_name, params)`` (optional)
+        runs on the consumer's background thread once every param of a layer group
+        ("pre", "layer N", "post") landed in a sync, with ``{name: param}`` of that group;
+        an exception fails the sync with its message;
+      * ``model_config`` (path, JSON text or dict) with ``layout``
+        ("tp=2,dp=1,ep=1,replicas=1"), or ``loader`` (a ferry.ModelLoader): ferry's
+        built-in loader; ``params``: ``loader.params(rank)`` buffers, or None (allocated).
+
+    ``rank`` / ``num_consumers`` default to the launcher's environment (RANK / WORLD_SIZE,
+    ...: see ferry._launcher); with ``loader``, num_consumers defaults to the layout's
+    world size. Hooks, with the GIL held: ``before_sync(version)`` and
+    ``after_sync(version)`` on the thread calling ``sync`` (before anything moves; after
+    the version is committed), ``after_group(version, group_id)`` on the background thread
+    after a group is unpacked and post-processed. An exception in any of them fails that
+    sync with the hook's error (after_group's and after_sync's once the version has
+    landed: ``state()`` tells). Durations are in seconds; ``float('inf')``: no bound.
+
+    Each sync checks that every param registered at creation is still where it was: a
+    param re-bound since (``p.data = new_tensor``, or a mapping entry replaced) would
+    leave the engine writing the old memory, so sync raises FailedPreconditionError
+    naming it (create a new Consumer for the new memory, or copy into the old one)."""
+
+    def __init__(self, model_config=None, layout="tp=1", rank=None, store=None, *, loader=None, plan=None,
+                 params=None, post_process=None, before_sync=None, after_group=None, after_sync=None,
                  quantize="none", token=None, num_producers=1, num_consumers=None, backend="ucx", job="ferry",
                  mode="pull", timeout=30.0, rendezvous_timeout=60.0, stall_timeout=10.0, lease_ttl=3.0,
                  checksums=False, transport_params=None, ucx_config=None):
-        if loader is None:
+        from ._plan import Plan
+        from ._launcher import launcher_rank, launcher_world_size
+
+        if plan is not None:
+            if not isinstance(plan, Plan):
+                raise InvalidArgumentError(f"Consumer: plan must be a ferry.Plan, got {type(plan).__name__}")
+            if loader is not None or model_config is not None:
+                raise InvalidArgumentError("Consumer: pass plan= or model_config/loader=, not both")
+        elif loader is None:
             if model_config is None:
-                raise InvalidArgumentError("Consumer: pass model_config (and layout) or loader")
+                raise InvalidArgumentError("Consumer: pass plan= (e.g. ferry.record_load(...)), model_config (and layout) "
+                                           "or loader")
             loader = ModelLoader(model_config, layout, quantize)
         elif not isinstance(loader, ModelLoader):
             raise InvalidArgumentError("Consumer: loader must be a ferry.ModelLoader")
+        if post_process is not None and plan is None:
+            raise InvalidArgumentError("Consumer: post_process= goes with plan= (a built-in loader post-processes itself)")
+        for hook_name, hook in (("post_process", post_process), ("before_sync", before_sync),
+                                ("after_group", after_group), ("after_sync", after_sync)):
+            if hook is not None and not callable(hook):
+                raise InvalidArgumentError(f"Consumer: {hook_name} must be callable, got {type(hook).__name__}")
         if store is None:
             raise InvalidArgumentError("Consumer: store is required")
+        rank = launcher_rank(rank)
+        if num_consumers is None:
+            num_consumers = loader.world_size if loader is not None else launcher_world_size(None, default=1)
         url, token = _store_args(store, token)
         kw = _options(token, backend, job, mode, timeout, rendezvous_timeout, stall_timeout, lease_ttl, checksums,
                       _transport_params(transport_params, ucx_config))
         kw["num_producers"] = int(num_producers)
-        kw["num_consumers"] = int(num_consumers if num_consumers is not None else loader.world_size)
+        kw["num_consumers"] = int(num_consumers)
+        if after_group is not None:
+            kw["after_group"] = after_group
         self.loader = loader
-        self._user_params = params
-        self._c = _ferry._Consumer(loader._l, int(rank), url, params, kw)
+        self.plan = plan
+        self._before_sync, self._after_sync = before_sync, after_sync
+        self._params_owner = params  # a mapping, or a module (re-read at each sync)
+        mapping = self._current_params()
+        if plan is not None:
+            names = [n for n in plan.params if mapping is not None and n in mapping]
+            self._c = _ferry._Consumer.from_plan(plan._handle(), int(rank), url, mapping, post_process, kw)
+        else:
+            names = list(loader.params(int(rank))) if mapping is not None else []
+            self._c = _ferry._Consumer(loader._l, int(rank), url, mapping, kw)
+        # What the engine registered: re-checked at every sync (re-binding detection).
+        self._bound = {n: _param_address(mapping[n]) for n in names}
+
+    def _current_params(self):
+        owner = self._params_owner
+        if owner is None:
+            return None
+        if hasattr(owner, "named_parameters") and not hasattr(owner, "keys"):
+            return dict(owner.named_parameters())
+        if not hasattr(owner, "keys") or not hasattr(owner, "__getitem__"):
+            raise InvalidArgumentError(
+                f"Consumer: params must be a mapping name -> tensor or an nn.Module, got {type(owner).__name__}")
+        return owner
+
+    def _check_params_in_place(self):
+        if not self._bound:
+            return
+        current = self._current_params()
+        for name, address in self._bound.items():
+            if name not in current:
+                raise FailedPreconditionError(
+                    f"Consumer.sync: param '{name}' registered at creation is no longer in params; the engine "
+                    f"would write memory nobody reads. Create a new Consumer for the new params")
+            now = _param_address(current[name])
+            if now != address:
+                raise FailedPreconditionError(
+                    f"Consumer.sync: param '{name}' was re-bound after the Consumer was created (its memory moved "
+                    f"from 0x{address:x} to 0x{now:x}, e.g. by `p.data = new_tensor`); the engine writes the memory "
+                    f"registered at creation. Copy into the old memory instead (p.data.copy_(new)), or create a new "
+                    f"Consumer for the new memory")
 
     def sync(self, version):
         """Receives version ``version`` into the params; the report as a dict (bytes_received,
         received_into_params; bytes is the same as bytes_received). Raises
         (e.g. ferry.PeerFailedError naming the producer) when the sync fails; then
         ``state()["torn"]`` tells whether some groups are already new."""
-        return self._c.sync(int(version))
+        self._check_params_in_place()
+        version = int(version)
+        if self._before_sync is not None:
+            self._before_sync(version)
+        report = self._c.sync(version)
+        if self._after_sync is not None:
+            self._after_sync(version)
+        return report
 
     def state(self):
         """{"version": last complete version or None, "torn": bool}"""
         return self._c.state()
 
     def params(self):
-        """The rank's final params: the ``params`` passed in (when given and not
-        quantized), else views of ferry's buffers (torch tensors when torch is imported,
-        else numpy arrays; bf16/fp8 as raw uint16/uint8 bits without torch)."""
-        if self._user_params is not None and self.loader.final_params(self.rank) == self.loader.params(self.rank):
-            return self._user_params
+        """The rank's final params: the ``params`` passed in where given (and, with a built-in
+        loader, not quantized), else views of ferry's buffers (torch tensors when torch is
+        imported, else numpy arrays; bf16/fp8 as raw uint16/uint8 bits without torch)."""
+        given = self._current_params()
+        if given is not None and self.loader is not None and \
+                self.loader.final_params(self.rank) == self.loader.params(self.rank):
+            return given
         torch = sys.modules.get("torch")
         out = {}
         for name, (dt, arr) in self._c.params().items():
+            if self.plan is not None and given is not None and name in given:
+                out[name] = given[name]
+                continue
             if torch is not None:
                 if arr.dtype.kind == "u" and arr.dtype.itemsize == 2:  # bf16 bits; torch lacks uint16
                     arr = arr.view("i2")
@@ -280,6 +464,15 @@ class Consumer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def committed_versions(store, num_consumers, *, job="ferry", token=None):
+    """The version each inference rank 0..num_consumers-1 of ``job`` committed last (None
+    for one that has committed none), from the store. The job-wide live version is the
+    minimum; ask before serving with new weights."""
+    url, token = _store_args(store, token)
+    kw = {"token": token} if token is not None else {}
+    return list(_ferry._committed_versions(url, kw, str(job), int(num_consumers)))
 
 
 def transport_backends():

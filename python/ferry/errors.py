@@ -115,3 +115,15 @@ del _cls
 def _classes():
     g = globals()
     return {name: g[name] for name in __all__}
+
+
+def _class_for_code(code):
+    """The class of a C++ status code name ("NotFound" -> NotFoundError), for reports that
+    carry a code; ``Error`` for an unknown one."""
+    g = globals()
+    for name in __all__:
+        cls = g[name]
+        # The class that defines the code itself, not a refinement (RecordingError, MismatchError).
+        if cls.__dict__.get("code") == code and cls is not RecordingError:
+            return cls
+    return Error

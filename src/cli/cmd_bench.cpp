@@ -43,6 +43,10 @@ int run_bench_cmd(tools::BenchSpec b, bool json, bool model_given, bool override
     return 1;
   }
   const auto& j = r.json;
+  if (b.estimate_only) {
+    std::printf("%s\n", j.dump(json ? -1 : 2).c_str());
+    return j["fits"].get<bool>() ? 0 : 1;
+  }
   if (json) {
     std::printf("%s\n", j.dump().c_str());
     return 0;
@@ -87,14 +91,17 @@ std::function<int()> setup_bench(CLI::App& app) {
   app.add_option("--inference", b->inference, "inference layout (tp=,dp=,ep=,replicas=)");
   app.add_option("--tls", b->tls, "UCX_TLS of every rank (default $FERRY_UCX_TLS or sm,tcp,self: bytes over shared memory, messages over tcp); MPI's baseline uses shared memory when the list has it, else tcp");
   app.add_option("--mode", b->mode, "pull | push (push: the raw baseline is UCX writes)");
-  app.add_option("--syncs", b->syncs, "timed trials of each measurement, after one warm-up (medians)");
-  app.add_option("--seed", b->seed, "seed of the synthetic weights");
+  app.add_option("--syncs", b->syncs, "timed trials of each measurement, after one warm-up (medians)")
+      ->check(number_in(1, 1 << 20));
+  app.add_option("--seed", b->seed, "seed of the synthetic weights")->check(number_in(0, 1.8e19));
   app.add_option("--mpirun", b->mpirun, "mpirun executable");
   app.add_option("--mpi-mca", b->mpi_mca, "MCA options replacing the default (\"--mca pml ob1 --mca btl self,vader\")");
-  app.add_option("--timeout-ms", b->timeout_ms, "bound on each wait");
+  app.add_option("--timeout-ms", b->timeout_ms, "bound on each wait")->check(number_in(1, 1 << 30));
   app.add_flag("!--no-in-place", b->in_place,
                "trainer weights in ordinary memory, every byte packed into staging (default: in a transport region, "
                "served in place)");
+  app.add_flag("--memory-estimate", b->estimate_only,
+               "print what every process would hold and MemAvailable, start nothing (exit 1 if it does not fit)");
   app.add_flag("--json", *json, "print one JSON object");
   return [b, json, model, ov] { return run_bench_cmd(*b, *json, model->count() > 0, ov->count() > 0); };
 }
@@ -103,7 +110,7 @@ std::function<int()> setup_bench_worker(CLI::App& app) {
   app.group("");  // hidden
   auto w = std::make_shared<tools::BenchWorkerSpec>();
   app.add_option("--role", w->role)->required();
-  app.add_option("--rank", w->rank)->required();
+  app.add_option("--rank", w->rank)->required()->check(number_in(0, 1 << 20));
   app.add_option("--model", w->model)->required();
   app.add_option("--trainer", w->trainer)->required();
   app.add_option("--inference", w->inference)->required();
@@ -111,8 +118,8 @@ std::function<int()> setup_bench_worker(CLI::App& app) {
   app.add_option("--job", w->job)->required();
   app.add_option("--tls", w->tls);
   app.add_option("--mode", w->mode);
-  app.add_option("--seed", w->seed);
-  app.add_option("--timeout-ms", w->timeout_ms);
+  app.add_option("--seed", w->seed)->check(number_in(0, 1.8e19));
+  app.add_option("--timeout-ms", w->timeout_ms)->check(number_in(1, 1 << 30));
   app.add_option("--in-place", w->in_place);
   return [w] { return tools::run_bench_worker(*w); };
 }

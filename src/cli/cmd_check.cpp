@@ -9,6 +9,7 @@
 
 #include "cli/command.h"
 #include "ferry/models.h"
+#include "tools/config_path.h"
 
 namespace ferry::cli {
 namespace {
@@ -37,7 +38,9 @@ std::string human_bytes(uint64_t b) {
 }
 
 int run_check(const CheckOptions& o) {
-  auto cfg = ModelConfig::load(o.model);
+  auto found = tools::find_model_config(o.model);
+  if (!found.ok()) return fail(found.status());
+  auto cfg = ModelConfig::load(*found);
   if (!cfg.ok()) return fail(cfg.status());
   auto layout = InferenceLayout::parse(o.inference);
   if (!layout.ok()) return fail(layout.status());
@@ -156,7 +159,7 @@ FERRY_COMMAND(check_command, "check",
                 auto* shrink = app.add_flag("--shrink", o->shrink,
                                             "first derive a structurally equal small variant of the model (fewer "
                                             "layers, heads, experts, smaller dims) and print what changed");
-                app.add_option("--seed", o->seed, "seed of the random checkpoint")->default_val(0);
+                app.add_option("--seed", o->seed, "seed of the random checkpoint")->default_val(0)->check(number_in(0, 1.8e19));
                 app.add_option("--checkpoint", o->checkpoint,
                                "read the checkpoint from the *.safetensors files of DIR instead of random values")
                     ->excludes(shrink);
@@ -165,7 +168,8 @@ FERRY_COMMAND(check_command, "check",
                     ->default_val("none")
                     ->check(CLI::IsMember({"none", "fp8"}));
                 app.add_option("--max-gib", o->max_gib, "refuse a random checkpoint larger than this (GiB)")
-                    ->default_val(4.0);
+                    ->default_val(4.0)
+                    ->check(number_in(0, 1 << 20));
                 app.add_flag("-v,--verbose", o->verbose, "print every rank's plan");
                 return [o] { return run_check(*o); };
               });

@@ -9,11 +9,17 @@
 #include <climits>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "cli/command.h"
 #include "ferry/models.h"
 #include "tools/demo.h"
+#include "tools/emulated_hosts.h"
+#include "tools/job_model.h"
 #include "tools/worker.h"
 
 namespace ferry::cli {
@@ -40,7 +46,185 @@ constexpr const char* kDenseOverrides =
     R"({"num_hidden_layers": 4, "hidden_size": 1024, "intermediate_size": 4096, "vocab_size": 16000,)"
     R"( "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128})";
 
-int run_demo_cmd(tools::DemoSpec d, int kill_sync, int kill_point, bool model_given, bool overrides_given) {
+// `--hosts H`: where each rank runs. Trainer ranks on the first max(1, H/2) hosts,
+// inference ranks on the others (every host when H is 1), each side in contiguous
+// blocks, so a host's bytes in or out all cross its link.
+struct Placement {
+  int hosts = 0, trainer_hosts = 0;
+  int producers = 0, consumers = 0;
+  int host_of(bool producer, int rank) const {
+    if (hosts <= 1) return 0;
+    const int inference_hosts = hosts - trainer_hosts;
+    return producer ? rank * trainer_hosts / producers : trainer_hosts + rank * inference_hosts / consumers;
+  }
+};
+
+// Parses "rate=1gbit,loss=0.01" (scripts/hosts.sh's syntax).
+bool parse_link(const std::string& text, tools::LinkShape& link, double& rate_bytes) {
+  link = {};
+  rate_bytes = 0;
+  size_t at = 0;
+  while (at < text.size()) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    const std::string kv = text.substr(at, comma - at);
+    at = comma + 1;
+    if (kv.rfind("rate=", 0) == 0) {
+      link.rate = kv.substr(5);
+      char* end = nullptr;
+      const double n = std::strtod(link.rate.c_str(), &end);
+      const std::string unit = end;
+      const double scale = unit == "gbit" ? 1e9 : unit == "mbit" ? 1e6 : unit == "kbit" ? 1e3 : unit == "bit" ? 1 : 0;
+      if (!(n > 0) || scale == 0) return false;
+      rate_bytes = n * scale / 8;
+    } else if (kv.rfind("loss=", 0) == 0) {
+      link.loss = std::strtod(kv.c_str() + 5, nullptr);
+      if (!(link.loss >= 0 && link.loss < 1)) return false;
+    } else if (!kv.empty()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Per sync: each host's bytes in and out (what its ranks received or served from other
+// hosts: the placement puts the two sides on different hosts) and the speed of light
+// of the setup, max over hosts of max(in, out) / link rate.
+void print_host_table(const tools::DemoResult& r, const Placement& pl, double rate_bytes) {
+  std::printf("\n%8s %6s %12s %12s %10s %10s %8s\n", "version", "host", "bytes in", "bytes out", "seconds", "light s",
+              "of light");
+  for (const auto& row : r.rows) {
+    std::vector<uint64_t> in(static_cast<size_t>(pl.hosts)), out(static_cast<size_t>(pl.hosts));
+    for (const auto& [who, text] : row.results) {
+      const bool producer = who.rfind("producer", 0) == 0;
+      const int rank = std::atoi(who.c_str() + 8);  // after "producer" or "consumer"
+      auto j = nlohmann::json::parse(text, nullptr, false);
+      if (j.is_discarded() || !j.value("ok", false)) continue;
+      const auto h = static_cast<size_t>(pl.host_of(producer, rank));
+      (producer ? out : in)[h] += j.value("bytes", uint64_t{0});
+    }
+    uint64_t worst = 0;
+    for (int h = 0; h < pl.hosts; ++h) worst = std::max({worst, in[static_cast<size_t>(h)], out[static_cast<size_t>(h)]});
+    const double light = rate_bytes > 0 ? static_cast<double>(worst) / rate_bytes : 0;
+    for (int h = 0; h < pl.hosts; ++h) {
+      const bool last = h == pl.hosts - 1;
+      std::printf("%8d %6d %12llu %12llu %10s %10s %8s\n", row.version, h,
+                  static_cast<unsigned long long>(in[static_cast<size_t>(h)]),
+                  static_cast<unsigned long long>(out[static_cast<size_t>(h)]),
+                  last ? fmt::format("{:.3f}", row.seconds).c_str() : "",
+                  last && light > 0 ? fmt::format("{:.3f}", light).c_str() : "",
+                  last && light > 0 && row.seconds > 0 ? fmt::format("{:.2f}", light / row.seconds).c_str() : "");
+    }
+  }
+}
+
+// The --pause-* options: one pause per --pause-ms value, at syncs V, V+2, V+4, ... (the
+// sync after each shows the catch-up).
+struct PauseArgs {
+  std::string role;
+  int rank = 0;
+  int sync = 2;
+  int point = -1;
+  std::vector<int> ms;
+};
+
+// One --cut HOST:SYNC[:POINT[:MS]] as written; the rank it stops at is resolved once the
+// placement is known (cuts_for).
+struct CutArg {
+  std::string text;
+  int host = 0, sync = 0;
+  int point = -1;  // -1: "start" (every rank stops at the start of the sync)
+  int ms = 3000;
+};
+
+bool parse_int(const std::string& s, int& out) {
+  if (s.empty() || s.size() > 9 || s.find_first_not_of("0123456789") != std::string::npos) return false;
+  out = std::stoi(s);
+  return true;
+}
+
+Result<CutArg> parse_cut(const std::string& text) {
+  CutArg c;
+  c.text = text;
+  std::vector<std::string> parts;
+  for (size_t at = 0;;) {
+    const size_t colon = text.find(':', at);
+    parts.push_back(text.substr(at, colon == std::string::npos ? std::string::npos : colon - at));
+    if (colon == std::string::npos) break;
+    at = colon + 1;
+  }
+  const bool ok = parts.size() >= 2 && parts.size() <= 4 && parse_int(parts[0], c.host) && parse_int(parts[1], c.sync) &&
+                  (parts.size() < 3 || parts[2] == "start" || parse_int(parts[2], c.point)) &&
+                  (parts.size() < 4 || parse_int(parts[3], c.ms));
+  if (!ok) {
+    return invalid_argument("--cut '{}': expected HOST:SYNC[:POINT[:MS]] (POINT: start, or a point of the host's first "
+                            "rank: consumer group*4+phase, producer group; MS: how long the link stays down, in ms)",
+                            text);
+  }
+  return c;
+}
+
+// The cuts as DemoLinkCuts: a point belongs to the first rank placed on the host.
+Result<std::vector<tools::DemoLinkCut>> cuts_for(const std::vector<CutArg>& args, const Placement& pl, int syncs) {
+  std::vector<tools::DemoLinkCut> out;
+  for (const CutArg& c : args) {
+    if (c.host >= pl.hosts) {
+      return out_of_range("--cut {}: host {} is outside 0..{} (--hosts {})", c.text, c.host, pl.hosts - 1, pl.hosts);
+    }
+    if (c.sync < 1 || c.sync > syncs) {
+      return out_of_range("--cut {}: sync {} is outside 1..{} (--syncs {})", c.text, c.sync, syncs, syncs);
+    }
+    tools::DemoLinkCut lc{.host = c.host, .version = c.sync, .role = "start", .rank = 0, .point = 0, .ms = c.ms};
+    if (c.point >= 0) {
+      lc.point = c.point;
+      lc.role.clear();
+      for (int r = 0; r < pl.producers && lc.role.empty(); ++r) {
+        if (pl.host_of(true, r) == c.host) lc.role = "producer", lc.rank = r;
+      }
+      for (int r = 0; r < pl.consumers && lc.role.empty(); ++r) {
+        if (pl.host_of(false, r) == c.host) lc.role = "consumer", lc.rank = r;
+      }
+      if (lc.role.empty()) {
+        return invalid_argument("--cut {}: host {} runs no rank to stop at point {}; cut it at the start instead ({}:{}:start)",
+                                c.text, c.host, c.point, c.host, c.sync);
+      }
+    }
+    out.push_back(lc);
+  }
+  return out;
+}
+
+int run_demo_cmd(tools::DemoSpec d, int kill_sync, int kill_point, bool model_given, bool overrides_given, int hosts,
+                 const std::string& link_text, const PauseArgs& pause, const std::vector<std::string>& cut_texts) {
+  std::vector<CutArg> cut_args;
+  for (const std::string& t : cut_texts) {
+    auto c = parse_cut(t);
+    if (!c.ok()) {
+      std::fprintf(stderr, "ferry demo: %s\n", c.status().message().c_str());
+      return 2;
+    }
+    cut_args.push_back(*c);
+  }
+  if (!cut_args.empty()) {
+    if (hosts == 0) {
+      std::fprintf(stderr, "ferry demo: --cut takes an emulated host's link down: give --hosts too\n");
+      return 2;
+    }
+    kill_sync = 0;  // one kind of fault at a time
+  }
+  if (!pause.role.empty()) {
+    if (pause.ms.empty()) {
+      std::fprintf(stderr, "ferry demo: --pause-role needs --pause-ms\n");
+      return 2;
+    }
+    for (size_t i = 0; i < pause.ms.size(); ++i) {
+      d.pauses.push_back(tools::DemoPause{pause.role, pause.rank, pause.sync + 2 * static_cast<int>(i), pause.point,
+                                          pause.ms[i]});
+    }
+    const int last = d.pauses.back().version + 1;
+    if (d.syncs < last) d.syncs = last;
+    if (pause.role == "store" && d.store.empty()) d.store_process = true;
+    kill_sync = 0;  // one kind of fault at a time
+  }
   d.worker_binary = self_exe();
   if (!model_given) {
     auto archs = supported_architectures();
@@ -56,17 +240,100 @@ int run_demo_cmd(tools::DemoSpec d, int kill_sync, int kill_point, bool model_gi
   if (!overrides_given) d.overrides = d.model.find("llama") != std::string::npos ? kDenseOverrides : kMoeOverrides;
   if (kill_sync > 0) d.kills = {{kill_sync, kill_point}};
   const auto t0 = std::chrono::steady_clock::now();
+  tools::LinkShape link;
+  double rate_bytes = 0;
+  if (!parse_link(link_text, link, rate_bytes)) {
+    std::fprintf(stderr, "ferry demo: --link '%s': expected rate=R[,loss=P] (R: a number with bit, kbit, mbit or gbit; "
+                         "P: a fraction in [0, 1))\n", link_text.c_str());
+    return 2;
+  }
+  if (!link_text.empty() && hosts == 0) {
+    std::fprintf(stderr, "ferry demo: --link shapes the links of emulated hosts: give --hosts too\n");
+    return 2;
+  }
+  std::unique_ptr<tools::EmulatedHosts> emulated;
+  std::optional<tools::EmulatedHosts::Inside> inside;
+  Placement pl;
+  if (hosts > 0) {
+    if (!d.store.empty()) {
+      std::fprintf(stderr, "ferry demo: --hosts runs its own store on host 0; drop --store\n");
+      return 2;
+    }
+    auto m = tools::make_job_model(d.model, d.trainer, d.inference, d.shrink, d.overrides);
+    if (!m.ok()) {
+      std::fprintf(stderr, "ferry demo: %s\n", m.status().to_string().c_str());
+      return 2;
+    }
+    pl.hosts = hosts;
+    pl.trainer_hosts = std::max(1, hosts / 2);
+    pl.producers = m->trainer.world_size();
+    pl.consumers = m->inference.world_size();
+    auto cuts = cuts_for(cut_args, pl, d.syncs);
+    if (!cuts.ok()) {
+      std::fprintf(stderr, "ferry demo: %s\n", cuts.status().message().c_str());
+      return 2;
+    }
+    d.link_cuts = std::move(*cuts);
+    auto h = tools::EmulatedHosts::create(hosts, link);
+    if (!h.ok()) {
+      std::fprintf(stderr, "ferry demo: --hosts %d: %s\n", hosts, h.status().to_string().c_str());
+      return 2;
+    }
+    emulated = std::move(*h);
+    // The driver and its embedded store live on host 0 (threads started from here on
+    // are born in its network namespace).
+    auto in = emulated->enter(0);
+    if (!in.ok()) {
+      std::fprintf(stderr, "ferry demo: %s\n", in.status().to_string().c_str());
+      return 2;
+    }
+    inside.emplace(std::move(*in));
+    d.store_host = emulated->address(0);
+    const tools::EmulatedHosts* eh = emulated.get();
+    d.launch_prefix = [eh, pl](const std::string& role, int rank) {
+      return eh->exec_prefix(pl.host_of(role == "producer", rank));
+    };
+    tools::EmulatedHosts* links = emulated.get();
+    d.set_link = [links](int host, bool up) { return links->set_link(host, up); };
+    std::printf("demo: %d emulated hosts (network namespaces %s-h*), links %s; trainer ranks on hosts 0..%d, "
+                "inference on %d..%d; no delay emulated (no netem)\n",
+                hosts, emulated->prefix().c_str(), link_text.empty() ? "unshaped" : link_text.c_str(),
+                pl.trainer_hosts - 1, hosts > 1 ? pl.trainer_hosts : 0, hosts - 1);
+  }
   tools::DemoResult r = tools::run_demo(d);
+  inside.reset();
+  if (emulated && !r.rows.empty()) print_host_table(r, pl, rate_bytes);
+  emulated.reset();
   if (!r.rows.empty()) {
     std::printf("\n%8s %12s %9s %9s %16s %9s  %s\n", "version", "bytes", "seconds", "GB/s", "broadcast bytes", "verified",
                 "");
     for (const auto& row : r.rows) {
+      // The row names what was done to its sync: a kill, a pause, a store restart, a link cut.
+      std::string note = row.note;
+      std::string fault = row.paused;
+      while (!fault.empty() && (fault.back() == ' ' || fault.back() == ';')) fault.pop_back();
+      if (!fault.empty()) note += (note.empty() ? "" : "; ") + fault;
       std::printf("%8d %12llu %9.3f %9.2f %16llu %6d/%-2d  %s\n", row.version, static_cast<unsigned long long>(row.bytes),
                   row.seconds, row.seconds > 0 ? static_cast<double>(row.bytes) / row.seconds / 1e9 : 0.0,
-                  static_cast<unsigned long long>(row.broadcast_bytes), row.verified, row.expected, row.note.c_str());
+                  static_cast<unsigned long long>(row.broadcast_bytes), row.verified, row.expected, note.c_str());
     }
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  int untrue = 0;
+  for (const auto& row : r.rows) untrue += static_cast<int>(row.untrue.size());
+  if (!d.pauses.empty() || !d.store_restarts.empty() || !d.link_cuts.empty()) {
+    std::printf("pauses injected %d, store restarts %d, link cuts %d; reports untrue: %d\n", r.pauses_injected,
+                r.store_restarts, r.link_cuts_done, untrue);
+    for (const auto& n : r.pauses_not_reached) std::printf("  %s\n", n.c_str());
+    // A sync with a member paused may miss it (named in the reports); the job must
+    // recover: the last sync verified everywhere, and every report true.
+    const bool recovered = !r.rows.empty() && r.rows.back().verified == r.rows.back().expected &&
+                           r.rows.back().failed == 0 && untrue == 0 && r.error.empty();
+    if (!r.error.empty()) std::fprintf(stderr, "ferry demo: %s\n", r.error.c_str());
+    std::printf("%s in %.1f s\n", recovered ? "demo: recovered from every fault; every report true"
+                                             : "demo: FAILED", secs);
+    return recovered ? 0 : 1;
+  }
   if (!r.error.empty()) std::fprintf(stderr, "ferry demo: %s\n", r.error.c_str());
   std::printf("%s in %.1f s\n", r.all_verified ? "demo: every consumer verified bit for bit at every sync it took part in"
                                                : "demo: FAILED",
@@ -88,14 +355,55 @@ std::function<int()> setup_demo(CLI::App& app) {
                 app.add_option("--store", d->store, "store URL (tcp://... or redis://...); default: embedded");
                 app.add_option("--backend", d->backend, "transport backend (ucx)");
                 app.add_flag("--checksums", d->checksums, "xxHash64 per segment, checked on arrival");
-                app.add_option("--syncs", d->syncs, "number of syncs");
-                app.add_option("--seed", d->seed, "seed of the synthetic weights");
-                app.add_option("--kill-sync", *kill_sync, "SIGKILL an inference rank during this sync (0: never)");
-                app.add_option("--kill-rank", d->kill_rank, "the inference rank to kill");
-                app.add_option("--kill-point", *kill_point, "point of the sync (group*4+phase; -1: random)");
+                app.add_option("--syncs", d->syncs, "number of syncs")->check(number_in(1, 1 << 20));
+                app.add_option("--seed", d->seed, "seed of the synthetic weights")->check(number_in(0, 1.8e19));
+                app.add_option("--kill-sync", *kill_sync, "SIGKILL an inference rank during this sync (0: never)")
+                    ->check(number_in(0, 1 << 20));
+                app.add_option("--kill-rank", d->kill_rank, "the inference rank to kill")->check(number_in(0, 1 << 20));
+                app.add_option("--kill-point", *kill_point, "point of the sync (group*4+phase; -1: random)")
+                    ->check(number_in(-1, 1 << 30));
+                auto pause = std::make_shared<PauseArgs>();
+                app.add_option("--pause-role", pause->role,
+                               "SIGSTOP a process instead of killing one: consumer | producer | store (the "
+                               "store then runs as its own `ferry store` process)")
+                    ->check(CLI::IsMember({"consumer", "producer", "store"}));
+                app.add_option("--pause-rank", pause->rank, "the rank to pause")->check(number_in(0, 1 << 20));
+                app.add_option("--pause-sync", pause->sync, "the sync of the first pause (then every other one)")
+                    ->check(number_in(1, 1 << 20));
+                app.add_option("--pause-point", pause->point,
+                               "-1: between syncs (before the sync's go); else mid-sync at this point (consumer: "
+                               "group*4+phase, producer: group; the store: at the go)")
+                    ->check(number_in(-1, 1 << 30));
+                app.add_option("--pause-ms", pause->ms, "how long each pause lasts, one pause per value (e.g. 600,1500,6000)")
+                    ->delimiter(',')
+                    ->check(number_in(0, 3600000));
+                app.add_flag("--store-process", d->store_process, "run the embedded store as its own process");
+                app.add_option("--store-restart-sync", d->store_restarts,
+                               "restart the store (no data kept) before these syncs")
+                    ->delimiter(',')
+                    ->check(number_in(1, 1 << 20));
+                app.add_option("--lease-ttl-ms", d->lease_ttl_ms, "the ranks' lease ttl")->check(number_in(10, 1 << 30));
                 app.add_flag("-v,--verbose", d->verbose, "per-rank phase times");
-                return [d, kill_sync, kill_point, model_opt, ov_opt] {
-                  return run_demo_cmd(*d, *kill_sync, *kill_point, model_opt->count() > 0, ov_opt->count() > 0);
+                auto hosts = std::make_shared<int>(0);
+                auto link = std::make_shared<std::string>();
+                app.add_option("--hosts", *hosts,
+                               "run the ranks on this many emulated hosts (network namespaces on this machine; "
+                               "needs root): trainer ranks on the first half, inference on the rest")
+                    ->check(number_in(0, 64));
+                app.add_option("--link", *link,
+                               "shape every emulated host's link: rate=R (tc rate: 1gbit, 200mbit), loss=P "
+                               "(fraction of packets dropped each way); e.g. rate=1gbit,loss=0.01");
+                auto cuts = std::make_shared<std::vector<std::string>>();
+                app.add_option("--cut", *cuts,
+                               "take emulated host HOST's link down during sync SYNC for MS ms (default 3000), "
+                               "HOST:SYNC[:POINT[:MS]]: at the start of every rank's sync (POINT start, the "
+                               "default) or when the host's first rank reaches POINT (consumer: group*4+phase, "
+                               "producer: group); repeatable; needs --hosts")
+                    ->take_all();
+                return [d, kill_sync, kill_point, model_opt, ov_opt, hosts, link, pause, cuts] {
+                  if (!d->store_restarts.empty()) *kill_sync = 0;
+                  return run_demo_cmd(*d, *kill_sync, *kill_point, model_opt->count() > 0, ov_opt->count() > 0,
+                                      *hosts, *link, *pause, *cuts);
                 };
 }
 
@@ -103,7 +411,7 @@ std::function<int()> setup_worker(CLI::App& app) {
   app.group("");  // hidden
   auto w = std::make_shared<tools::WorkerSpec>();
   app.add_option("--role", w->role)->required();
-  app.add_option("--rank", w->rank)->required();
+  app.add_option("--rank", w->rank)->required()->check(number_in(0, 1 << 20));
   app.add_option("--model", w->model)->required();
   app.add_option("--trainer", w->trainer)->required();
   app.add_option("--inference", w->inference)->required();
@@ -112,14 +420,27 @@ std::function<int()> setup_worker(CLI::App& app) {
   app.add_option("--backend", w->backend);
   app.add_option("--mode", w->mode);
   app.add_flag("--checksums", w->checksums);
-  app.add_option("--seed", w->seed);
-  app.add_option("--first-version", w->first_version);
-  app.add_option("--last-version", w->last_version);
-  app.add_option("--crash-version", w->crash_version);
-  app.add_option("--crash-point", w->crash_point);
-  app.add_option("--stall-ms", w->stall_ms);
-  app.add_option("--timeout-ms", w->timeout_ms);
-  return [w] { return tools::run_worker(*w); };
+  app.add_option("--seed", w->seed)->check(number_in(0, 1.8e19));
+  app.add_option("--first-version", w->first_version)->check(number_in(0, 1 << 30));
+  app.add_option("--last-version", w->last_version)->check(number_in(0, 1 << 30));
+  app.add_option("--crash-version", w->crash_version)->check(number_in(-1, 1 << 30));
+  app.add_option("--crash-point", w->crash_point)->check(number_in(-1, 1 << 30));
+  app.add_option("--staging-budget", w->staging_budget)->check(number_in(0, 1.8e19));
+  app.add_option("--stall-ms", w->stall_ms)->check(number_in(0, 1 << 30));
+  app.add_option("--timeout-ms", w->timeout_ms)->check(number_in(1, 1 << 30));
+  app.add_option("--lease-ttl-ms", w->lease_ttl_ms)->check(number_in(10, 1 << 30));
+  app.add_option("--go-timeout-ms", w->go_timeout_ms)->check(number_in(1, 1 << 30));
+  auto pauses = std::make_shared<std::string>();
+  app.add_option("--pause-at", *pauses);  // VERSION:POINT,...: SIGSTOP itself there
+  return [w, pauses] {
+    auto p = tools::parse_pause_points(*pauses);
+    if (!p.ok()) {
+      std::fprintf(stderr, "ferry worker: --pause-at: %s\n", p.status().to_string().c_str());
+      return 2;
+    }
+    w->pauses = *p;
+    return tools::run_worker(*w);
+  };
 }
 
 }  // namespace

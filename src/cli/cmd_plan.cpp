@@ -6,16 +6,20 @@
 
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <memory>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
 #include "cli/command.h"
+#include "ferry/engine.h"
 #include "ferry/models.h"
 #include "ferry/route.h"
 #include "ferry/source.h"
 #include "tools/broadcast.h"
+#include "tools/config_path.h"
+#include "tools/job_model.h"
 
 namespace ferry::cli {
 namespace {
@@ -29,6 +33,8 @@ struct PlanArgs {
   bool json = false;
   bool every_rank = false;
   bool loader_record = false;
+  uint64_t staging_budget = 0;  // ProducerOptions::staging_budget (0: two slots)
+  bool no_failover = false;
 };
 
 int fail(const Status& st) {
@@ -52,31 +58,6 @@ uint64_t peak_rss_bytes() {
   return static_cast<uint64_t>(ru.ru_maxrss) * 1024;  // kilobytes on Linux
 }
 
-// record_plan(), skipping the checkpoint tensors this rank loads nothing from (most of
-// them for an EP rank of a large MoE: the loader would be called with each as a no-op).
-Result<Plan> record_rank(const ModelLoader& loader, int global) {
-  FERRY_ASSIGN_OR_RETURN(auto rl, loader.rank(global));
-  TensorMap params;
-  params.reserve(rl->params().size());
-  for (const auto& p : rl->params()) params.emplace(p.decl.name, Tensor::param(p.decl.name, p.decl.shape, p.decl.dtype));
-  Plan plan;
-  {
-    Recorder rec;
-    for (const TensorDecl& d : loader.checkpoint()) {
-      if (rl->groups_written_by(d.name).empty()) continue;
-      FERRY_RETURN_IF_ERROR(rl->load(d.name, Tensor::source(d.name, d.shape, d.dtype), params));
-    }
-    FERRY_ASSIGN_OR_RETURN(plan, rec.finish());
-  }
-  for (const auto& p : rl->params()) {
-    if (!plan.find_param(p.decl.name)) {
-      return invalid_argument("{}: param '{}' is written by no copy", rl->info().to_string(), p.decl.name);
-    }
-  }
-  FERRY_RETURN_IF_ERROR(plan.check_coverage().with_context(rl->info().to_string()));
-  return plan;
-}
-
 double cpu_seconds() {
   struct rusage ru {};
   getrusage(RUSAGE_SELF, &ru);
@@ -87,7 +68,9 @@ double cpu_seconds() {
 int run_plan(const PlanArgs& a) {
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
-  auto cfg = ModelConfig::load(a.model);
+  auto found = tools::find_model_config(a.model);
+  if (!found.ok()) return fail(found.status());
+  auto cfg = ModelConfig::load(*found);
   if (!cfg.ok()) return fail(cfg.status());
   auto inference = InferenceLayout::parse(a.inference);
   if (!inference.ok()) return fail(inference.status().with_context("--inference"));
@@ -121,7 +104,7 @@ int run_plan(const PlanArgs& a) {
   std::vector<Plan> plans;
   plans.reserve(static_cast<size_t>(recorded));
   for (int r = 0; r < recorded; ++r) {
-    auto plan = a.loader_record ? record_plan(**loader, r) : record_rank(**loader, r);
+    auto plan = a.loader_record ? record_plan(**loader, r) : tools::record_rank_plan(**loader, r);
     if (!plan.ok()) return fail(plan.status());
     plans.push_back(std::move(*plan));
   }
@@ -143,6 +126,20 @@ int run_plan(const PlanArgs& a) {
     params += static_cast<uint64_t>(shape_numel(d.shape));
     model_bytes += static_cast<uint64_t>(shape_numel(d.shape)) * dtype_size(d.dtype);
   }
+  // What every rank will hold beyond its weights / params (the engine's MemoryUse), as
+  // Producer/Consumer will allocate it; a budget too small is refused here, up front.
+  ProducerOptions po;
+  po.staging_budget = a.staging_budget;
+  po.failover = !a.no_failover;
+  auto mem = predict_memory(*routes, meta, in.producers, in.consumers, po);
+  if (!mem.ok()) return fail(mem.status().with_context("--staging-budget"));
+  auto largest = [](const std::vector<MemoryUse>& v) {
+    size_t at = 0;
+    for (size_t i = 0; i < v.size(); ++i)
+      if (v[i].extra() > v[at].extra()) at = i;
+    return at;
+  };
+  const size_t max_p = largest(mem->producers), max_c = largest(mem->consumers);
   const double plan_seconds = secs(t_end - t0);
   const double plan_cpu_seconds = cpu_seconds();
   const uint64_t rss = peak_rss_bytes();
@@ -180,6 +177,17 @@ int run_plan(const PlanArgs& a) {
     j["record_seconds"] = secs(t_route - t_rec);
     j["route_seconds"] = secs(t_end - t_route);
     j["peak_rss_bytes"] = rss;
+    auto mem_json = [](const MemoryUse& m) {
+      return nlohmann::json{{"staging_ring", m.staging_ring}, {"receive_ring", m.receive_ring},
+                            {"metadata", m.metadata},         {"transport_allowance", m.transport_allowance},
+                            {"extra", m.extra()}};
+    };
+    nlohmann::json pm = nlohmann::json::array(), cm = nlohmann::json::array();
+    for (const auto& m : mem->producers) pm.push_back(mem_json(m));
+    for (const auto& m : mem->consumers) cm.push_back(mem_json(m));
+    j["staging_budget"] = a.staging_budget;
+    j["memory"] = {{"producers", pm}, {"consumers", cm}, {"max_producer_extra", mem->producers[max_p].extra()},
+                   {"max_consumer_extra", mem->consumers[max_c].extra()}};
     std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
@@ -209,6 +217,37 @@ int run_plan(const PlanArgs& a) {
                                plan_seconds, plan_cpu_seconds, secs(t_rec - t_hold), recorded, secs(t_route - t_rec),
                                secs(t_end - t_route)));
   row("peak memory (ru_maxrss)", human(static_cast<double>(rss)));
+  // Predicted extra memory per rank (docs/engine.md, "Memory"): ranks with the same
+  // figures are listed together.
+  std::printf("  predicted extra memory per rank (beyond weights / params; staging budget %s):\n",
+              a.staging_budget ? human(static_cast<double>(a.staging_budget)).c_str() : "default, two slots");
+  // Ranks with the same ring to the MiB (metadata differs by bytes) share one line: the ranks
+  // (ranges), then the largest figures among them.
+  auto rows = [&](const char* role, const std::vector<MemoryUse>& v, bool producer) {
+    std::map<uint64_t, std::vector<size_t>> by_ring;
+    for (size_t i = 0; i < v.size(); ++i) by_ring[(producer ? v[i].staging_ring : v[i].receive_ring) >> 20].push_back(i);
+    for (auto it = by_ring.rbegin(); it != by_ring.rend(); ++it) {
+      const std::vector<size_t>& r = it->second;
+      std::string who;
+      for (size_t a = 0; a < r.size();) {
+        size_t b = a;
+        while (b + 1 < r.size() && r[b + 1] == r[b] + 1) ++b;
+        who += (who.empty() ? "" : ",") + (a == b ? std::to_string(r[a]) : fmt::format("{}-{}", r[a], r[b]));
+        a = b + 1;
+      }
+      if (who.size() > 40) who = who.substr(0, 37) + "...";
+      MemoryUse m = v[r[0]];
+      for (size_t q : r)
+        if (v[q].extra() > m.extra()) m = v[q];
+      std::printf("    %zu %s%s %s: %s = %s %s + metadata %s + transport allowance %s\n", r.size(), role,
+                  r.size() == 1 ? "" : "s", who.c_str(), human(static_cast<double>(m.extra())).c_str(),
+                  producer ? "staging ring" : "receive ring",
+                  human(static_cast<double>(producer ? m.staging_ring : m.receive_ring)).c_str(),
+                  human(static_cast<double>(m.metadata)).c_str(), human(static_cast<double>(m.transport_allowance)).c_str());
+    }
+  };
+  rows("producer", mem->producers, true);
+  rows("consumer", mem->consumers, false);
   return 0;
 }
 
@@ -229,6 +268,12 @@ FERRY_COMMAND(plan_command, "plan",
                 app.add_flag("--loader-record", a->loader_record,
                              "Record with record_plan() over every checkpoint tensor (default: skip the tensors a rank "
                              "loads nothing from)");
+                app.add_option("--staging-budget", a->staging_budget,
+                               "Each producer's staging budget (bytes; suffixes KiB, MiB, GiB; 0: two slots of its "
+                               "largest group); refused when smaller than the largest group, with the bytes needed")
+                    ->transform(CLI::AsSizeValue(false));
+                app.add_flag("--no-failover", a->no_failover,
+                             "Size staging as a producer without failover (no worst case for a replica's boxes)");
                 app.add_flag("--json", a->json, "Print one JSON object");
                 return [a] { return run_plan(*a); };
               });

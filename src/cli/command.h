@@ -3,11 +3,15 @@
 // from the registry, so adding a command touches only its own file.
 #pragma once
 
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 
 namespace ferry::cli {
 
@@ -22,6 +26,26 @@ struct CommandInfo {
 };
 
 std::vector<CommandInfo>& command_registry();
+
+// A validator for every numeric option: the value must be a finite number in [lo, hi].
+// CLI11's own NonNegativeNumber/Range compare with < and >, which NaN passes ("--max-gib
+// nan" skipped the size guard), and an int option otherwise takes any negative number.
+inline CLI::Validator number_in(double lo, double hi) {
+  return CLI::Validator(
+      [lo, hi](std::string& text) -> std::string {
+        char* end = nullptr;
+        errno = 0;
+        const double v = std::strtod(text.c_str(), &end);
+        if (text.empty() || end != text.c_str() + text.size() || errno == ERANGE || !std::isfinite(v)) {
+          return "'" + text + "' is not a finite number";
+        }
+        if (v < lo || v > hi) {
+          return "'" + text + "' is outside [" + fmt::format("{}", lo) + ", " + fmt::format("{}", hi) + "]";
+        }
+        return std::string();
+      },
+      "NUMBER in [" + fmt::format("{}", lo) + ", " + fmt::format("{}", hi) + "]");
+}
 
 struct CommandRegistrar {
   CommandRegistrar(std::string name, std::string help, CommandSetup setup) {

@@ -2,8 +2,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <map>
+#include <string>
 
 #include "cli/command.h"
+#include "ferry/version.h"
 
 namespace ferry::cli {
 std::vector<CommandInfo>& command_registry() {
@@ -15,6 +17,7 @@ std::vector<CommandInfo>& command_registry() {
 int main(int argc, char** argv) {
   using namespace ferry::cli;
   CLI::App app{"ferry: moves model weights from RL trainer ranks to inference ranks"};
+  app.set_version_flag("--version", std::string("ferry ") + ferry::kVersion, "Print the version and exit");
   app.require_subcommand(1);
   auto& registry = command_registry();
   std::sort(registry.begin(), registry.end(),

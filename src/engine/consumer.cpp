@@ -7,6 +7,7 @@
 #include <mutex>
 #include <set>
 #include <thread>
+#include <unordered_map>
 
 #include <unistd.h>
 
@@ -17,6 +18,7 @@
 #include "engine/rendezvous.h"
 #include "engine/schedule.h"
 #include "engine/testing.h"
+#include "engine/memory.h"
 #include "engine/unpack_worker.h"
 
 namespace ferry {
@@ -24,14 +26,18 @@ namespace ferry {
 using namespace engine;
 
 struct Consumer::Impl {
-  const ModelLoader& loader;
-  std::shared_ptr<const RankLoader> rank_loader;
   int rank = 0;
   Transport& transport;
   Store& store;
   ConsumerOptions opts;
   JobKeys keys;
   Plan plan;
+  // What this rank loads into and how it post-processes: from a built-in RankLoader or a
+  // ConsumerModel (set by the two create()s, then fixed).
+  std::vector<TensorDecl> param_decls;       // as loaded, in declaration order
+  std::map<std::string, int> post_group_of;  // param -> post-processing group
+  std::vector<std::string> post_group_names;
+  std::function<Status(int group, TensorMap& params)> post_process;  // empty: none
   RouteState route_state;  // rendezvous inputs; producers excluded from `routes`
   Routes routes;
   uint64_t routes_hash = 0;
@@ -43,12 +49,13 @@ struct Consumer::Impl {
   static constexpr int kSlots = static_cast<int>(kReceiveSlots);
   uint64_t slot_bytes = 0;
   RegisteredBuffer ring;
-  // Zero-copy pull: a piece of a read that unpacks as a plain byte copy (same dtype,
+  // Zero copy: a piece of a read that unpacks as a plain byte copy (same dtype,
   // contiguous destination, not shared with another unpack) of at least
-  // opts.direct_min_bytes is read straight into the param's memory, registered with the
-  // transport; the rest goes through the receive ring and is unpacked on the background
-  // thread. This saves one full copy of almost every byte (routes lay segments out in
-  // destination order, so most pieces are contiguous runs of a param).
+  // opts.direct_min_bytes is read (pull) or written by the producer (push) straight into
+  // the param's memory, registered with the transport; the rest goes through the
+  // receive ring and is unpacked on the background thread. This saves one full copy of
+  // almost every byte (routes lay segments out in destination order, so most pieces are
+  // contiguous runs of a param).
   std::map<std::string, RegisteredParam> param_regions;  // registered params by name
   std::vector<MemoryRegion> registrations;               // ours to deregister
   // Per layer group of `routes`: what to read from whom into where, what to unpack,
@@ -57,6 +64,7 @@ struct Consumer::Impl {
   ConsumerSchedule schedule;
   bool schedule_stale = true;
   std::unique_ptr<Lease> lease;
+  Published published;  // its plan, put back if the store lost it (republish)
 
   struct Peer {
     std::string blob;
@@ -90,17 +98,26 @@ struct Consumer::Impl {
   // flight), and the FLUSHED answers to our FAILOVERs: producer -> (version, routes). mu.
   std::set<int> readied;
   std::map<int, std::pair<uint64_t, uint64_t>> flushed_from;
-  std::set<uint64_t> dropped_versions;
+  // Push: per producer, READYs of this sync not answered by PUSHED yet: its writes of
+  // those groups may be in flight (sync thread only).
+  std::map<int, int> unanswered;
+  std::map<uint64_t, std::string> dropped_versions;  // version -> which producer dropped us and why
   // Params changed in this attempt (reads straight into them, or the worker unpacked):
   // a failure now leaves the consumer torn.
   bool unpacked_any = false;
   std::atomic<bool> crashed{false};  // simulate_crash (test hook)
   ConsumerState held;  // what the consumer holds (state())
+  std::optional<uint64_t> syncing;  // the version of the sync in progress; mu
+  std::set<uint64_t> attempted;     // versions this instance began syncs of (the last 64); mu
+  // Producers that announced, during this sync, an older version this instance never
+  // synced (so not a late message): producer -> that version. mu.
+  std::map<int, uint64_t> behind;
+  std::set<uint64_t> mismatched;  // versions producers served when ours differed (the last 64); mu
   // The unpack + post-processing thread (unpack_worker.h). Last: destroyed first.
   std::unique_ptr<UnpackWorker> worker;
 
-  Impl(const ModelLoader& l, int r, Transport& t, Store& s, const ConsumerOptions& opt)
-      : loader(l), rank(r), transport(t), store(s), opts(opt), keys(opt.job), route_state(s, JobKeys(opt.job), opt.failover) {}
+  Impl(int r, Transport& t, Store& s, const ConsumerOptions& opt)
+      : rank(r), transport(t), store(s), opts(opt), keys(opt.job), route_state(s, JobKeys(opt.job), opt.failover) {}
 
   ~Impl() {
     worker.reset();  // stops after its current job
@@ -125,8 +142,19 @@ struct Consumer::Impl {
     const bool known = it != peer_rank.end() && it->second == p;
     const uint64_t mv = version_of(msg);
     auto keep = [&](int group, const Arrival& a) {
-      if (held.has_version && mv <= held.version) return false;  // stale
-      if (inbox.size() > 100000) return false;
+      if (syncing && mv != *syncing && (attempted.count(mv) || mismatched.count(mv)))
+        return false;  // of a sync this instance already ran or gave up: stale
+      if (syncing && mv < *syncing) {  // the producer is behind
+        if (known) {
+          behind[p] = mv;
+          cv.notify_all();
+        }
+        return false;
+      }
+      // Bounded by what producers can legitimately have outstanding (two versions of
+      // every group each), whoever sends: the sender is verified only when taken.
+      const size_t bound = 4 * (static_cast<size_t>(routes.num_groups()) + 1) * static_cast<size_t>(opts.num_producers);
+      if (inbox.size() >= bound && !inbox.count({mv, group, p})) return false;
       inbox[{mv, group, p}] = a;
       return true;
     };
@@ -142,7 +170,7 @@ struct Consumer::Impl {
       flushed_from[p] = {m->version, m->routes};
     } else if (const auto* m = std::get_if<Dropped>(&msg)) {
       if (!known) return;
-      dropped_versions.insert(m->version);
+      dropped_versions.emplace(m->version, fmt::format("producer {}: {}", p, m->reason));
     } else {
       return;
     }
@@ -175,9 +203,9 @@ struct Consumer::Impl {
   }
   Status post_job(const UnpackWorker::Job& job) {
     for (int k : schedule.groups[static_cast<size_t>(job.group)].post_groups) {
-      Status s = rank_loader->process_weights_after_loading(k, work);
+      Status s = post_process(k, work);
       if (!s.ok())
-        return s.with_context(fmt::format("consumer {} post-processing {}", rank, rank_loader->groups()[static_cast<size_t>(k)].name));
+        return s.with_context(fmt::format("consumer {} post-processing {}", rank, post_group_names[static_cast<size_t>(k)]));
     }
     return Status::Ok();
   }
@@ -192,9 +220,31 @@ struct Consumer::Impl {
       if (route_state.dead().count(p)) continue;  // failed over: not read from
       auto blob = store.get(keys.producer(p));
       if (!blob.ok()) {
-        if (blob.status().code() == StatusCode::kNotFound)
-          return unavailable("producer {} is not registered (no live lease {})", p, keys.producer(p));
-        return blob.status();
+        if (blob.status().code() != StatusCode::kNotFound) return blob.status();
+        // Its lease lapsed: it may only be paused (its lease heals when it resumes), so
+        // keep reading from the instance we are connected to — a dead one is reported by
+        // the transport and failed over.
+        {
+          std::lock_guard<std::mutex> lk(mu);
+          const Peer& pe = peers[static_cast<size_t>(p)];
+          if (pe.connected && !failed.count(p)) continue;
+        }
+        // One we never reached: its lease may be healing (it resumed from a pause, or
+        // the store restarted or paused and every lease lapsed), which takes at most
+        // ttl/3 once it runs. Give it one lease_ttl before it is a failover candidate,
+        // so that a live producer is not marked dead for good.
+        const auto until = Clock::now() + opts.lease_ttl;
+        const auto poll = std::clamp(opts.lease_ttl / 10, std::chrono::milliseconds(1), std::chrono::milliseconds(50));
+        while (!blob.ok() && blob.status().code() == StatusCode::kNotFound && Clock::now() < until) {
+          std::this_thread::sleep_for(poll);
+          blob = store.get(keys.producer(p));
+        }
+        if (!blob.ok()) {
+          if (blob.status().code() != StatusCode::kNotFound) return blob.status();
+          failed_p = p;
+          return unavailable("producer {} is not registered (no live lease {} within lease_ttl {} ms)", p,
+                             keys.producer(p), opts.lease_ttl.count());
+        }
       }
       {
         std::lock_guard<std::mutex> lk(mu);
@@ -241,6 +291,29 @@ struct Consumer::Impl {
     return Status::Ok();
   }
 
+  // A producer we wait for serves another version than this sync's: the trainer and this
+  // inference rank disagree (a caller bug or a rollback on one side only). Fails at once
+  // rather than at the timeout. Older versions are those this instance never synced
+  // (an announcement of a version it did sync may just be late). mu held.
+  Status version_mismatch_locked(uint64_t v, const std::set<int>& from) {
+    auto mismatch = [&](int p, uint64_t mv) {
+      mismatched.insert(mv);
+      if (mismatched.size() > 64) mismatched.erase(mismatched.begin());
+      return failed_precondition(
+          "consumer {} syncs version {} but producer {} serves version {}: every rank of the job must sync the "
+          "same version",
+          rank, v, p, mv);
+    };
+    for (const auto& [p, mv] : behind) {
+      if (from.count(p)) return mismatch(p, mv);
+    }
+    for (const auto& [key, e] : inbox) {
+      const auto& [mv, g, p] = key;
+      if (mv > v && from.count(p) && e.from == peers[static_cast<size_t>(p)].id) return mismatch(p, mv);
+    }
+    return Status::Ok();
+  }
+
   void send_to(int p, const Message& m) {
     PeerId id;
     {
@@ -258,6 +331,10 @@ struct Consumer::Impl {
                                             bool* none = nullptr) {
     std::unique_lock<std::mutex> lk(mu);
     const auto deadline = Clock::now() + opts.timeout;
+    // Checked each lease_ttl of silence: producers whose lease was gone at the last check
+    // too (lost_producer).
+    auto next_check = Clock::now() + opts.lease_ttl;
+    std::set<int> lapsed;
     for (;;) {
       for (int p : from) {
         auto it = inbox.find({v, g, p});
@@ -283,18 +360,75 @@ struct Consumer::Impl {
         }
       }
       if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
-      if (dropped_versions.count(v)) return cancelled("consumer {} was dropped from sync {} by a producer", rank, v);
+      if (auto d = dropped_versions.find(v); d != dropped_versions.end())
+        return cancelled("consumer {} was dropped from sync {} by {}", rank, v, d->second);
+      if (Status m = version_mismatch_locked(v, from); !m.ok()) return m;
       if (Status w = worker->status(); !w.ok()) return w;
       if (none) {
         *none = true;
         return timeout_error("consumer {}: no {} yet", rank, what);
       }
-      if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline) {
+      const bool watch = opts.failover && opts.lease_ttl.count() > 0;
+      if (cv.wait_until(lk, watch ? std::min(deadline, next_check) : deadline) == std::cv_status::timeout &&
+          watch && Clock::now() >= next_check && Clock::now() < deadline) {
+        lk.unlock();
+        const int lost = lost_producer(from, lapsed);
+        lk.lock();
+        next_check = Clock::now() + opts.lease_ttl;
+        if (lost >= 0) {
+          failed_p = lost;
+          return peer_failed("producer {} lost during sync {} (group {}): no {} and its lease {} gone for over "
+                             "{} ms (cut off or paused)", lost, v, g, what, keys.producer(lost), opts.lease_ttl.count());
+        }
+        continue;
+      }
+      if (Clock::now() >= deadline) {
         std::string missing;
         for (int p : from) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
         return timeout_error("consumer {}: no {} from producer(s) {} for version {} group {} within {} ms", rank, what,
                              missing, v, g, opts.timeout.count());
       }
+    }
+  }
+
+  // A producer of `from` that went silent and lost its lease (its heartbeat renews it
+  // every ttl/3) at two checks a lease_ttl apart — so not a lease that a store restart
+  // dropped and that is healing — and whose boxes the others hold: cut off or paused,
+  // it cannot be told from dead by the transport, and waiting for it would get this
+  // consumer dropped as a stalled reader by every other producer. It is failed over
+  // (it rejoins at the next sync: Producer::sync clears its mark once alive). -1: none.
+  // A store that cannot be reached tells nothing: no lease is judged then.
+  int lost_producer(const std::set<int>& from, std::set<int>& lapsed) {
+    for (int p : from) {
+      if (route_state.dead().count(p)) continue;
+      auto blob = store.get(keys.producer(p));
+      if (blob.ok() || blob.status().code() != StatusCode::kNotFound) {
+        lapsed.erase(p);
+        continue;
+      }
+      if (!lapsed.insert(p).second) {
+        std::set<int> d = route_state.dead();
+        d.insert(p);
+        if (route_state.routes_without(d).ok()) return p;
+      }
+    }
+    return -1;
+  }
+
+  // wait_all for reads from producer p, bounded by timeout; kPeerFailed as soon as p is
+  // lost (lost_producer): a host cut off mid-read stalls tcp, it does not fail it.
+  Status wait_reads(std::span<const Completion> ops, int p, uint64_t v, int g) {
+    const auto deadline = Clock::now() + opts.timeout;
+    const bool watch = opts.failover && opts.lease_ttl.count() > 0;
+    std::set<int> lapsed;
+    for (;;) {
+      const auto left = std::max(std::chrono::milliseconds(0),
+                                 std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+      Status st = wait_all(ops, watch ? std::min(left, opts.lease_ttl) : left);
+      if (st.code() != StatusCode::kTimeout || !watch || Clock::now() >= deadline) return st;
+      if (lost_producer({p}, lapsed) == p)
+        return peer_failed("producer {} lost during sync {} (group {}): reads pending and its lease {} gone for over "
+                           "{} ms (cut off or paused)", p, v, g, keys.producer(p), opts.lease_ttl.count());
     }
   }
 
@@ -477,7 +611,7 @@ struct Consumer::Impl {
             posted = true;
             point(g, 1);
           }
-          Status st = wait_all(staged, opts.timeout);
+          Status st = wait_reads(staged, p, v, g);
           if (!st.ok()) {
             failed_p = p;
             return Status(st.code(),
@@ -498,9 +632,9 @@ struct Consumer::Impl {
         auto tr2 = Clock::now();
         while (!backlog.empty() && backlog.by_group.begin()->first <= g) FERRY_RETURN_IF_ERROR(work_one(backlog, ahead));
         for (int p : from) {
-          Status st = wait_all(ops[p], opts.timeout);
+          Status st = wait_reads(ops[p], p, v, g);
           if (auto it = ahead.find({g, p}); st.ok() && it != ahead.end()) {
-            st = wait_all(it->second, opts.timeout);
+            st = wait_reads(it->second, p, v, g);
             ahead.erase(it);
           }
           if (!st.ok()) {
@@ -512,8 +646,13 @@ struct Consumer::Impl {
         ops.clear();
         rep.read_seconds += seconds_since(tr2);
       } else {
+        if (gs.direct) {
+          std::lock_guard<std::mutex> lk(mu);
+          unpacked_any = true;  // producers write into params from here on: a failure now leaves us torn
+        }
         for (int p : from) {
           readied.insert(p);
+          ++unanswered[p];
           send_to(p, Ready{me(), v, g, routes_hash, static_cast<uint32_t>(s)});
         }
         point(g, 1);
@@ -523,6 +662,7 @@ struct Consumer::Impl {
           FERRY_ASSIGN_OR_RETURN(auto pm, await_any(v, g, remaining, "push"));
           got[pm.first] = pm.second;
           remaining.erase(pm.first);
+          --unanswered[pm.first];  // PUSHED: its writes of (v, g) ended (flushed before it was sent)
         }
         rep.wait_seconds += seconds_since(tw);
       }
@@ -553,13 +693,30 @@ struct Consumer::Impl {
     return Status::Ok();
   }
 
+  // This consumer's extra memory (MemoryUse) for the routes and schedule now installed.
+  // Caller thread, between attempts (mu taken for the schedule and the peers' tables).
+  MemoryUse memory_use() {
+    MemoryUse m;
+    m.receive_ring = ring.bytes;
+    m.own_params = own_params_bytes;
+    for (const MemoryRegion& r : registrations) m.registered_in_place += r.length;
+    const RouteInputs& in = route_state.inputs();
+    std::vector<const Plan*> plans;
+    for (const Plan& p : in.plans) plans.push_back(&p);
+    m.metadata = metadata_heap_bytes(routes, in.metadata, in.holdings, plans);
+    std::lock_guard<std::mutex> lk(mu);
+    m.metadata += schedule_heap_bytes(schedule);
+    for (const Peer& pe : peers) m.metadata += pe.in_place.boxes.capacity() * sizeof(InPlaceTable::At);
+    return m;
+  }
+  uint64_t own_params_bytes = 0;  // the arena of params the caller did not pass
+
   // The schedule of the current routes with the producers' current in-place tables
   // (only those whose source regions are imported). mu held.
   void rebuild_schedule() {
     ConsumerScheduleInputs in;
     in.routes = &routes;
     in.rank = rank;
-    in.mode = opts.mode;
     in.direct_min_bytes = opts.direct_min_bytes;
     in.params = &param_regions;
     in.holdings = &route_state.inputs().holdings;
@@ -567,8 +724,10 @@ struct Consumer::Impl {
       const bool usable = !pe.in_place.empty() && pe.regions.size() == pe.in_place.keys.size();
       in.in_place.push_back(usable ? &pe.in_place : nullptr);
     }
-    for (const ParamInfo& p : rank_loader->params()) in.post_group_of[p.decl.name] = p.group;
-    in.num_post_groups = rank_loader->groups().size();
+    if (post_process) {
+      in.post_group_of = post_group_of;
+      in.num_post_groups = post_group_names.size();
+    }
     schedule = make_consumer_schedule(in);
     schedule_stale = false;
   }
@@ -600,7 +759,10 @@ struct Consumer::Impl {
     reset_background();
     FERRY_RETURN_IF_ERROR(route_state.adopt(d, std::move(*r), [this](Routes x) { return apply_routes(std::move(x)); }));
     std::string ds;
-    for (int p : d) ds += (ds.empty() ? "" : ",") + std::to_string(p);
+    for (int p : d) {  // piecewise: gcc 12 -O3 reports a false -Wrestrict on `"," + string`
+      if (!ds.empty()) ds += ',';
+      ds += std::to_string(p);
+    }
     rep.failures.push_back(fmt::format("consumer {}: {}; failover: routes rebuilt without producer(s) {}", rank,
                                        why.to_string(), ds));
     declare_routes(v);
@@ -644,19 +806,56 @@ struct Consumer::Impl {
       }
     }
     readied.clear();
+    unanswered.clear();
     return Status::Ok();
   }
+
+  // Push, after giving up sync v (ABORT sent): a producer whose READY we have not seen
+  // answered may still be writing into our receive ring and params, which the caller
+  // owns again once sync() returns. Waits, up to `timeout`, until each such producer
+  // answered the ABORT with FLUSHED (sent once no write to us is in flight), failed, or
+  // is dead. Returns why when one did not.
+  Status wait_aborted_writes(uint64_t v) {
+    if (opts.mode != SyncMode::kPush) return Status::Ok();
+    std::unique_lock<std::mutex> lk(mu);
+    const auto deadline = Clock::now() + opts.timeout;
+    for (const auto& [p, n] : unanswered) {
+      if (n <= 0) continue;
+      while (!crashed && !route_state.dead().count(p) && !failed.count(p) && peers[static_cast<size_t>(p)].connected) {
+        auto it = flushed_from.find(p);
+        if (it != flushed_from.end() && it->second == std::make_pair(v, routes_hash)) break;
+        if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline)
+          return timeout_error("consumer {}: producer {} did not confirm within {} ms, after this consumer gave up "
+                               "sync {}, that its writes into this consumer's receive ring and params ended",
+                               rank, p, opts.timeout.count(), v);
+      }
+    }
+    return Status::Ok();
+  }
+
+  Result<std::vector<TensorDecl>> await_metadata();
+  Status start(const std::vector<TensorDecl>& metadata, TensorMap params);
 
   Result<SyncReport> sync(uint64_t v) {
     const auto t0 = Clock::now();
     readied.clear();
+    unanswered.clear();
     SyncReport rep;
     rep.version = v;
     if (opts.before_sync) opts.before_sync(v);
     {
       std::lock_guard<std::mutex> lk(mu);
-      // Drop announcements of older versions.
-      for (auto it = inbox.begin(); it != inbox.end();) it = std::get<0>(it->first) < v ? inbox.erase(it) : std::next(it);
+      // Drop announcements of older versions and of other syncs this instance ran or gave
+      // up (a rollback after a failed sync must not take them for a producer ahead).
+      for (auto it = inbox.begin(); it != inbox.end();) {
+        const uint64_t mv = std::get<0>(it->first);
+        const bool stale = mv < v || (mv != v && (attempted.count(mv) || mismatched.count(mv)));
+        it = stale ? inbox.erase(it) : std::next(it);
+      }
+      syncing = v;
+      behind.clear();
+      attempted.insert(v);
+      if (attempted.size() > 64) attempted.erase(attempted.begin());
     }
     reset_background();
     {
@@ -665,7 +864,15 @@ struct Consumer::Impl {
     }
     old_hashes.clear();
     const uint64_t previous = routes_hash;
-    Status s = refresh_routes().with_context(fmt::format("consumer {} sync {}", rank, v));
+    Status s = Status::Ok();
+    if (auto again = republish(store, published); !again.ok()) {
+      s = again.status();
+    } else if (*again > 0) {
+      rep.failures.push_back(fmt::format("consumer {}: the store {} had lost its rendezvous keys (restarted?); "
+                                         "re-published its plan", rank, store.url()));
+    }
+    if (s.ok()) s = refresh_routes();
+    s = s.with_context(fmt::format("consumer {} sync {}", rank, v));
     // Routes changed before we began (another participant already failed over this
     // sync): announcements made with the old ones are stale, not a reason to switch.
     if (routes_hash != previous) old_hashes.insert(previous);
@@ -716,8 +923,10 @@ struct Consumer::Impl {
     // On failure, let the background thread finish what it holds, then tell producers we gave up.
     if (!s.ok()) worker->clear(opts.timeout);
     std::unique_lock<std::mutex> lk(mu);
+    syncing.reset();
     if (!s.ok()) {
       if (unpacked_any) held.torn = true;
+      for (const auto& [p, n] : unanswered) flushed_from.erase(p);  // an answer to an earlier FAILOVER is not one to this ABORT
       lk.unlock();
       for (int p = 0; p < opts.num_producers; ++p) {
         bool ok;
@@ -727,6 +936,7 @@ struct Consumer::Impl {
         }
         if (ok) send_to(p, Abort{me(), v, routes_hash});
       }
+      if (Status w = wait_aborted_writes(v); !w.ok()) return Status(s.code(), fmt::format("{}; {}", s.message(), w.message()));
       return s;
     }
     rep.unpack_seconds = worker->unpack_seconds();
@@ -744,7 +954,11 @@ struct Consumer::Impl {
       }
       if (ok) send_to(p, Done{me(), v, routes_hash});
     }
+    // For committed_versions(): what a framework asks before it serves with these weights.
+    if (Status c = store.set(keys.committed(rank), std::to_string(v)); !c.ok())
+      rep.failures.push_back(fmt::format("consumer {}: recording committed version {}: {}", rank, v, c.to_string()));
     rep.seconds = seconds_since(t0);
+    rep.memory = memory_use();
     if (opts.after_sync) opts.after_sync(v);
     return rep;
   }
@@ -774,45 +988,124 @@ void engine::TestAccess::simulate_crash(Consumer& c) {
 
 Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, int rank, Transport& transport, Store& store,
                                                    const ConsumerOptions& options, TensorMap params) {
-  auto impl = std::make_unique<Impl>(loader, rank, transport, store, options);
+  auto impl = std::make_unique<Impl>(rank, transport, store, options);
   Impl& m = *impl;
   if (rank < 0 || rank >= options.num_consumers)
     return invalid_argument("consumer rank {} outside num_consumers {}", rank, options.num_consumers);
-  FERRY_ASSIGN_OR_RETURN(m.rank_loader, loader.rank(rank));
-  FERRY_RETURN_IF_ERROR(store.wait({m.keys.meta()}, options.rendezvous_timeout).with_context("engine rendezvous"));
-  FERRY_ASSIGN_OR_RETURN(auto meta_text, store.get(m.keys.meta()));
-  FERRY_ASSIGN_OR_RETURN(auto metadata, decode_decls(meta_text));
+  FERRY_ASSIGN_OR_RETURN(std::shared_ptr<const RankLoader> rank_loader, loader.rank(rank));
+  FERRY_ASSIGN_OR_RETURN(auto metadata, m.await_metadata());
   auto plan = record_plan(loader, rank, metadata);
   if (!plan.ok()) return plan.status().with_context(fmt::format("consumer {} recording its plan", rank));
   m.plan = std::move(*plan);
-  FERRY_RETURN_IF_ERROR(store.set(m.keys.plan(rank), m.plan.encode()));
-  FERRY_ASSIGN_OR_RETURN(auto inputs, rendezvous_inputs(store, m.keys, options, metadata));
+  for (const ParamInfo& p : rank_loader->params()) {
+    m.param_decls.push_back(p.decl);
+    m.post_group_of[p.decl.name] = p.group;
+  }
+  for (const RankLoader::Group& g : rank_loader->groups()) m.post_group_names.push_back(g.name);
+  m.post_process = [rank_loader](int group, TensorMap& work) {
+    return rank_loader->process_weights_after_loading(group, work);
+  };
+  FERRY_RETURN_IF_ERROR(m.start(metadata, std::move(params)));
+  return std::unique_ptr<Consumer>(new Consumer(std::move(impl)));
+}
+
+Result<std::unique_ptr<Consumer>> Consumer::create(ConsumerModel model, int rank, Transport& transport, Store& store,
+                                                   const ConsumerOptions& options) {
+  auto impl = std::make_unique<Impl>(rank, transport, store, options);
+  Impl& m = *impl;
+  if (rank < 0 || rank >= options.num_consumers)
+    return invalid_argument("consumer rank {} outside num_consumers {}", rank, options.num_consumers);
+  FERRY_ASSIGN_OR_RETURN(auto metadata, m.await_metadata());
+  // The plan was recorded against the loader's idea of the checkpoint: it must be the
+  // trainer's (a mismatch would otherwise surface as a routing error far from its cause).
+  std::unordered_map<std::string_view, const TensorDecl*> by_name;
+  for (const TensorDecl& d : metadata) by_name.emplace(d.name, &d);
+  for (const TensorDecl& s : model.plan.sources()) {
+    auto it = by_name.find(s.name);
+    if (it == by_name.end())
+      return invalid_argument("consumer {}: its plan reads '{}', which the trainer's metadata does not have", rank,
+                              s.name);
+    const TensorDecl& t = *it->second;
+    if (t.dtype != s.dtype || t.shape != s.shape)
+      return invalid_argument("consumer {}: its plan reads '{}' as {} {}, the trainer has {} {}", rank, s.name,
+                              dtype_name(s.dtype), shape_str(s.shape), dtype_name(t.dtype), shape_str(t.shape));
+  }
+  m.plan = std::move(model.plan);
+  m.param_decls = m.plan.params();
+  // Post-processing groups: the layer groups of the param names, as the trainer's are of
+  // the checkpoint names.
+  const Groups groups(m.param_decls);
+  std::vector<ConsumerModel::PostGroup> post(static_cast<size_t>(groups.size()));
+  for (int g = 0; g < groups.size(); ++g) post[static_cast<size_t>(g)] = {g, groups.name(g), {}};
+  for (size_t i = 0; i < m.param_decls.size(); ++i) {
+    const int g = groups.of_tensor(i);
+    m.post_group_of[m.param_decls[i].name] = g;
+    post[static_cast<size_t>(g)].params.push_back(m.param_decls[i].name);
+  }
+  for (const auto& g : post) m.post_group_names.push_back(g.name);
+  if (model.post_process) {
+    m.post_process = [post = std::move(post), fn = std::move(model.post_process)](int group, TensorMap& work) {
+      return fn(post[static_cast<size_t>(group)], work);
+    };
+  }
+  FERRY_RETURN_IF_ERROR(m.start(metadata, std::move(model.params)));
+  return std::unique_ptr<Consumer>(new Consumer(std::move(impl)));
+}
+
+Result<std::vector<TensorDecl>> Consumer::Impl::await_metadata() {
+  const Participant me{"consumer", rank};
+  FERRY_RETURN_IF_ERROR(publish_world(store, keys, opts, me));
+  FERRY_RETURN_IF_ERROR(
+      await_keys(store, keys, opts, me, {keys.meta()}, "the trainer's metadata").with_context("engine rendezvous"));
+  FERRY_ASSIGN_OR_RETURN(auto meta_text, store.get(keys.meta()));
+  return decode_decls(meta_text);
+}
+
+// The rest of creation, the same for both kinds of model: publish the plan, build
+// routes, set up param buffers and the receive ring, wait for producers, publish the lease.
+Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap params) {
+  Impl& m = *this;
+  const ConsumerOptions& options = opts;
+  m.published.emplace_back(m.keys.plan(rank), m.plan.encode());
+  FERRY_RETURN_IF_ERROR(store.set(m.keys.plan(rank), m.published.back().second));
+  FERRY_ASSIGN_OR_RETURN(auto inputs, rendezvous_inputs(store, m.keys, options, Participant{"consumer", rank}, metadata));
   FERRY_ASSIGN_OR_RETURN(auto routes, m.route_state.start(std::move(inputs)));
   m.slot_bytes = consumer_slot_bytes(routes.consumer(static_cast<size_t>(rank)));
-  // Param buffers: the caller's (each registered, if large enough to be read into
-  // directly), or ours: one arena (zeroed; one registration). Registered in pull mode
-  // only: push writes into the receive ring.
+  // Param buffers: the caller's (each registered, if large enough to be read or written
+  // into directly), or ours: one arena (zeroed; one registration). In push, their keys
+  // go to producers in the lease (ParamTable), so that they write there.
   uint64_t arena_bytes = 0;
-  for (const ParamInfo& p : m.rank_loader->params()) {
-    auto it = params.find(p.decl.name);
+  for (const TensorDecl& d : m.param_decls) {
+    auto it = params.find(d.name);
     if (it == params.end()) {
-      arena_bytes += align_up(shape_numel(p.decl.shape) * dtype_size(p.decl.dtype), 64);
+      arena_bytes += align_up(shape_numel(d.shape) * dtype_size(d.dtype), 64);
       continue;
     }
     const Tensor& t = it->second;
-    if (!t.is_real() || !t.is_contiguous() || t.dtype() != p.decl.dtype || t.shape() != p.decl.shape)
-      return invalid_argument("consumer {}: param buffer '{}' must be real, contiguous, {} {}", rank, p.decl.name,
-                              dtype_name(p.decl.dtype), shape_str(p.decl.shape));
+    if (!t.is_real() || !t.is_contiguous() || t.dtype() != d.dtype || t.shape() != d.shape)
+      return invalid_argument("consumer {}: param buffer '{}' must be real, contiguous, {} {}", rank, d.name,
+                              dtype_name(d.dtype), shape_str(d.shape));
   }
   std::shared_ptr<std::byte> arena;
   MemoryRegion arena_region;
   if (arena_bytes) {
     arena_bytes = align_up(arena_bytes, 4096);
-    void* mem = std::aligned_alloc(4096, arena_bytes);
-    if (!mem) return io_error("consumer {}: allocating {} bytes of params", rank, arena_bytes);
-    std::memset(mem, 0, arena_bytes);
-    arena = std::shared_ptr<std::byte>(static_cast<std::byte*>(mem), [](std::byte* b) { std::free(b); });
-    if (options.mode == SyncMode::kPull) {
+    m.own_params_bytes = arena_bytes;
+    if (options.mode == SyncMode::kPush) {
+      // Producers write into it: the transport's own memory, which peers on the host
+      // write by plain copy (UCX shared memory writes memory registered in place only by
+      // message, at tcp speed). Freed with its registration when the consumer goes.
+      auto r = transport.allocate_memory(arena_bytes);
+      if (!r.ok()) return r.status().with_context(fmt::format("consumer {}: allocating {} bytes of params", rank, arena_bytes));
+      arena_region = *r;
+      m.registrations.push_back(*r);
+      std::memset(r->base, 0, arena_bytes);
+      arena = std::shared_ptr<std::byte>(static_cast<std::byte*>(r->base), [](std::byte*) {});
+    } else {
+      void* mem = std::aligned_alloc(4096, arena_bytes);
+      if (!mem) return io_error("consumer {}: allocating {} bytes of params", rank, arena_bytes);
+      std::memset(mem, 0, arena_bytes);
+      arena = std::shared_ptr<std::byte>(static_cast<std::byte*>(mem), [](std::byte* b) { std::free(b); });
       auto r = transport.register_memory(mem, arena_bytes);
       if (!r.ok()) return r.status().with_context(fmt::format("consumer {}: registering its params", rank));
       arena_region = *r;
@@ -820,25 +1113,25 @@ Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, in
     }
   }
   uint64_t at = 0;
-  for (const ParamInfo& p : m.rank_loader->params()) {
-    const uint64_t bytes = shape_numel(p.decl.shape) * dtype_size(p.decl.dtype);
-    auto it = params.find(p.decl.name);
+  for (const TensorDecl& d : m.param_decls) {
+    const uint64_t bytes = shape_numel(d.shape) * dtype_size(d.dtype);
+    auto it = params.find(d.name);
     if (it == params.end()) {
-      Tensor t = Tensor::borrow(arena.get() + at, p.decl.shape, p.decl.dtype, arena, p.decl.name);
-      m.loaded.emplace(p.decl.name, t);
-      if (options.mode == SyncMode::kPull)
-        m.param_regions[p.decl.name] = RegisteredParam{arena_region, at, arena.get() + at, bytes};
+      Tensor t = Tensor::borrow(arena.get() + at, d.shape, d.dtype, arena, d.name);
+      m.loaded.emplace(d.name, t);
+      m.param_regions[d.name] = RegisteredParam{arena_region, at, arena.get() + at, bytes, 0};
       at += align_up(bytes, 64);
       continue;
     }
     const Tensor& t = it->second;
-    m.loaded.emplace(p.decl.name, t);
-    if (options.mode != SyncMode::kPull || bytes < options.direct_min_bytes || bytes == 0) continue;
+    m.loaded.emplace(d.name, t);
+    if (bytes < options.direct_min_bytes || bytes == 0) continue;
     FERRY_ASSIGN_OR_RETURN(void* data, t.data_ptr());
     auto r = transport.register_memory(data, bytes);
-    if (!r.ok()) return r.status().with_context(fmt::format("consumer {}: registering param '{}'", rank, p.decl.name));
+    if (!r.ok()) return r.status().with_context(fmt::format("consumer {}: registering param '{}'", rank, d.name));
     m.registrations.push_back(*r);
-    m.param_regions[p.decl.name] = RegisteredParam{*r, 0, static_cast<std::byte*>(data), bytes};
+    m.param_regions[d.name] =
+        RegisteredParam{*r, 0, static_cast<std::byte*>(data), bytes, static_cast<uint32_t>(m.registrations.size() - 1)};
   }
   FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));
   // Padding: the plan's zeros are written once (routes carry only source bytes).
@@ -852,14 +1145,15 @@ Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, in
   FERRY_RETURN_IF_ERROR(m.ring.allocate(transport, m.slot_bytes * Impl::kSlots));
   FERRY_ASSIGN_OR_RETURN(auto key, transport.export_key(m.ring.region));
   m.peers.resize(static_cast<size_t>(options.num_producers));
-  Impl* self = impl.get();
+  Impl* self = this;
   transport.set_message_handler([self](PeerId from, uint32_t tag, std::span<const std::byte> payload) {
     if (tag == kEngineTag) self->on_message(from, payload);
   });
   transport.set_peer_failure_handler([self](PeerId peer, const Status& why) { self->on_peer_failure(peer, why); });
   std::vector<std::string> producer_keys;
   for (int p = 0; p < options.num_producers; ++p) producer_keys.push_back(m.keys.producer(p));
-  FERRY_RETURN_IF_ERROR(store.wait(producer_keys, options.rendezvous_timeout).with_context("waiting for producers"));
+  FERRY_RETURN_IF_ERROR(await_keys(store, m.keys, options, Participant{"consumer", rank}, producer_keys,
+                                   "every producer's lease"));
   FERRY_RETURN_IF_ERROR(m.refresh_producers());
   m.worker = std::make_unique<UnpackWorker>(
       Impl::kSlots, [self](const UnpackWorker::Job& j) { return self->unpack_job(j); },
@@ -869,9 +1163,22 @@ Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, in
       },
       [self] { self->wake(); });
   m.worker->start();
-  const std::string blob = encode_lease(ConsumerLease{bytes_to_string(transport.address()), bytes_to_string(key), m.slot_bytes});
+  // Push: where producers may write into params. In the lease (not in each READY) because
+  // it is fixed for the instance's life and producers derive every write from it and
+  // the routes once, as they read the lease of a new instance anyway.
+  ParamTable param_table;
+  if (options.mode == SyncMode::kPush && !m.param_regions.empty()) {
+    param_table.min_bytes = options.direct_min_bytes;
+    for (const MemoryRegion& r : m.registrations) {
+      FERRY_ASSIGN_OR_RETURN(auto k, transport.export_key(r));
+      param_table.keys.push_back(bytes_to_string(k));
+    }
+    for (const auto& [name, rp] : m.param_regions) param_table.params[name] = ParamTable::Param{rp.key, rp.offset, rp.bytes};
+  }
+  const std::string blob = encode_lease(
+      ConsumerLease{bytes_to_string(transport.address()), bytes_to_string(key), m.slot_bytes, param_table.encode()});
   FERRY_ASSIGN_OR_RETURN(m.lease, store.hold_lease(m.keys.consumer(rank), blob, options.lease_ttl));
-  return std::unique_ptr<Consumer>(new Consumer(std::move(impl)));
+  return Status::Ok();
 }
 
 }  // namespace ferry

@@ -2,6 +2,11 @@
 #include "ferry/engine.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <charconv>
+
+#include "engine/protocol.h"
 
 namespace ferry {
 
@@ -14,10 +19,34 @@ std::string_view sync_mode_name(SyncMode mode) { return mode == SyncMode::kPull 
 
 std::string SyncReport::to_string() const {
   std::string s = fmt::format("version {}: {}, {} bytes {} in {:.3f} s", version,
-                              status.ok() ? "ok" : status.to_string(), bytes_sent + bytes_received,
+                              !status.ok()     ? status.to_string()
+                              : missed.empty() ? std::string("ok")
+                                               : fmt::format("NOT ok, consumer(s) {} missed it", fmt::join(missed, ",")),
+                              bytes_sent + bytes_received,
                               bytes_received ? "received" : "sent", seconds);
   for (const auto& f : failures) s += "; " + f;
   return s;
+}
+
+Result<std::vector<std::optional<uint64_t>>> committed_versions(Store& store, std::string_view job,
+                                                                int num_consumers) {
+  if (num_consumers < 0) return invalid_argument("committed_versions: num_consumers {} is negative", num_consumers);
+  const engine::JobKeys keys{std::string(job)};
+  std::vector<std::optional<uint64_t>> out;
+  for (int c = 0; c < num_consumers; ++c) {
+    auto v = store.get(keys.committed(c));
+    if (!v.ok()) {
+      if (v.status().code() != StatusCode::kNotFound) return v.status();
+      out.emplace_back();
+      continue;
+    }
+    uint64_t x = 0;
+    auto [end, ec] = std::from_chars(v->data(), v->data() + v->size(), x);
+    if (ec != std::errc() || end != v->data() + v->size())
+      return corrupt("committed version of consumer {} in job '{}' is not a number: '{}'", c, job, *v);
+    out.push_back(x);
+  }
+  return out;
 }
 
 }  // namespace ferry

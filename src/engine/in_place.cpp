@@ -40,6 +40,42 @@ Result<InPlaceTable> InPlaceTable::decode(std::string_view bytes, size_t num_box
   return t;
 }
 
+std::string ParamTable::encode() const {
+  if (empty()) return {};
+  std::vector<std::string> entries;
+  entries.reserve(params.size());
+  for (const auto& [name, p] : params)
+    entries.push_back(encode_fields({name, u64_field(p.key), u64_field(p.offset), u64_field(p.bytes)}));
+  return encode_fields({u64_field(min_bytes), u64_field(keys.size()), encode_fields(keys), u64_field(entries.size()),
+                        encode_fields(entries)});
+}
+
+Result<ParamTable> ParamTable::decode(std::string_view bytes) {
+  ParamTable t;
+  if (bytes.empty()) return t;
+  FERRY_ASSIGN_OR_RETURN(auto f, decode_fields(bytes, 5));
+  FERRY_ASSIGN_OR_RETURN(t.min_bytes, parse_u64_field(f[0]));
+  FERRY_ASSIGN_OR_RETURN(const uint64_t nkeys, parse_u64_field(f[1]));
+  if (nkeys == 0 || nkeys > kMaxRegions) return corrupt("param table names {} regions", nkeys);
+  FERRY_ASSIGN_OR_RETURN(t.keys, decode_fields(f[2], nkeys));
+  FERRY_ASSIGN_OR_RETURN(const uint64_t nparams, parse_u64_field(f[3]));
+  // Each entry takes at least its four length prefixes: a count beyond that is a lie.
+  if (nparams > f[4].size()) return corrupt("param table names {} params in {} bytes", nparams, f[4].size());
+  FERRY_ASSIGN_OR_RETURN(auto entries, decode_fields(f[4], nparams));
+  for (const std::string& e : entries) {
+    FERRY_ASSIGN_OR_RETURN(auto x, decode_fields(e, 4));
+    Param p;
+    FERRY_ASSIGN_OR_RETURN(const uint64_t key, parse_u64_field(x[1]));
+    FERRY_ASSIGN_OR_RETURN(p.offset, parse_u64_field(x[2]));
+    FERRY_ASSIGN_OR_RETURN(p.bytes, parse_u64_field(x[3]));
+    if (key >= nkeys) return corrupt("param table: param '{}' names region {} of {}", x[0], key, nkeys);
+    if (p.offset + p.bytes < p.offset) return corrupt("param table: param '{}' at {} + {} bytes overflows", x[0], p.offset, p.bytes);
+    p.key = static_cast<uint32_t>(key);
+    if (!t.params.emplace(x[0], p).second) return corrupt("param table: param '{}' appears twice", x[0]);
+  }
+  return t;
+}
+
 std::vector<InPlacePiece> in_place_pieces(const ProducerGroup& group, const Holdings& holdings,
                                           const InPlaceTable& table) {
   std::vector<InPlacePiece> out;

@@ -4,9 +4,16 @@
 // consumers read them straight from the trainer's memory. Producer and consumers derive
 // the same pieces from the same routes and table (in_place_pieces), so nothing per
 // sync crosses the wire.
+//
+// Push zero copy, the other way round: a consumer whose params are registered with its
+// transport publishes where each of them is (ParamTable, in its lease), so that a
+// producer derives from the same routes the same reads-into-params the consumer's
+// schedule has (make_consumer_schedule over the table) and writes those bytes straight
+// into the params instead of the receive ring.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -31,6 +38,26 @@ struct InPlaceTable {
   std::string encode() const;  // "" for an empty table
   // Bounds-checked: `num_boxes` is the producer's held box count.
   static Result<InPlaceTable> decode(std::string_view bytes, size_t num_boxes);
+};
+
+// Where a consumer's registered params lie (ConsumerLease::params): per param name, the
+// index of its registration in `keys` (exported remote keys) and its byte offset and
+// size there; `min_bytes` is the consumer's ConsumerOptions::direct_min_bytes. What
+// make_consumer_schedule needs to find the same direct runs on the producer's side.
+struct ParamTable {
+  static constexpr uint64_t kMaxRegions = 1u << 20;
+  struct Param {
+    uint32_t key = 0;
+    uint64_t offset = 0, bytes = 0;
+  };
+  uint64_t min_bytes = 0;
+  std::vector<std::string> keys;
+  std::map<std::string, Param> params;
+
+  bool empty() const { return keys.empty(); }
+  std::string encode() const;  // "" for an empty table
+  // Bounds-checked: every key index names a key, offset + bytes does not overflow.
+  static Result<ParamTable> decode(std::string_view bytes);
 };
 
 // A run of group staging bytes [offset, offset + bytes) that the producer serves from

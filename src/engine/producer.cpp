@@ -2,10 +2,12 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <set>
+#include <thread>
 #include <unordered_map>
 
 #include "engine/clock.h"
@@ -13,6 +15,7 @@
 #include "engine/protocol.h"
 #include "engine/registered_buffer.h"
 #include "engine/rendezvous.h"
+#include "engine/memory.h"
 #include "engine/schedule.h"
 #include "engine/testing.h"
 
@@ -39,13 +42,25 @@ struct Producer::Impl {
   // consumer -> (version, routes); applied when the sync starts.
   std::map<int, std::pair<uint64_t, uint64_t>> early_failover;
   std::map<int, uint64_t> early_abort;  // consumer -> version it aborted before this producer's sync began; mu
-  std::map<int, uint64_t> done;         // consumer -> last version it committed; mu
+  std::map<int, uint64_t> done;         // consumer -> the version it committed last; mu
   RegisteredBuffer ring;
   uint64_t slot_bytes = 0;
   int nslots = 0;
   std::unique_ptr<Lease> lease;
+  Published published;  // metadata (rank 0) and holdings, put back if the store lost them
   // Zero-copy serving (ProducerOptions::source_regions): where each held box lies.
   InPlaceTable in_place;
+
+  // Push: one write of a group to a consumer, from staging (region < 0: `local` is the
+  // group's staging offset) or in place from source region `region` at `local`, into its
+  // receive slot (param_key < 0: `remote` is the offset in the slot) or straight into a
+  // param (its registration `param_key` of the consumer's ParamTable at `remote`).
+  struct PushWrite {
+    int32_t region = -1;
+    uint64_t local = 0;
+    int32_t param_key = -1;
+    uint64_t remote = 0, length = 0;
+  };
 
   struct Peer {
     std::string blob;
@@ -53,6 +68,11 @@ struct Producer::Impl {
     bool connected = false;
     RemoteRegion recv;       // push: the consumer's receive ring
     uint64_t recv_slot_bytes = 0;
+    // Push: where its registered params lie (its lease's ParamTable) and their imported
+    // keys; per layer group of `routes`, this producer's writes to it (push_writes).
+    ParamTable params;
+    std::vector<RemoteRegion> param_regions;
+    std::vector<std::vector<PushWrite>> writes;
   };
   std::mutex mu;
   std::condition_variable cv;
@@ -70,6 +90,9 @@ struct Producer::Impl {
     std::set<int> pending;
     std::set<int> pushing;  // push: writes posted
     Clock::time_point since;
+    // When a consumer last released (pull) / was served (push) this slot: the others'
+    // pace, against which a straggler is measured (wait_slot).
+    std::optional<Clock::time_point> last_release;
     std::map<uint32_t, uint64_t> checksum;  // per plan class
   };
   std::vector<Slot> slots;
@@ -88,6 +111,7 @@ struct Producer::Impl {
   std::map<int, int> pushes_inflight;
   std::map<int, std::pair<uint64_t, uint64_t>> flushed_owed;
   SyncReport report;
+  std::map<int, std::string> drop_reason;  // consumer -> why it was dropped (told with DROPPED); mu
   Status local_failure;  // see note_local_failure; mu
 
   Impl(WeightSource& s, Transport& t, Store& st, const ProducerOptions& opt)
@@ -114,6 +138,7 @@ struct Producer::Impl {
     live[static_cast<size_t>(c)] = false;
     report.dropped.push_back(c);
     report.failures.push_back(fmt::format("producer {} dropped consumer {}: {}", rank, c, why));
+    drop_reason[c] = why;
     for (auto& s : slots) {
       s.pending.erase(c);
       s.pushing.erase(c);
@@ -122,15 +147,41 @@ struct Producer::Impl {
     cv.notify_all();
   }
 
+  // SyncReport::missed: every consumer this producer serves that did not commit v, with
+  // why (a dropped one already has its line in failures). mu held.
+  void note_missed_locked(uint64_t v) {
+    std::vector<bool> served(static_cast<size_t>(opts.num_consumers), false);
+    for (const ProducerGroupSchedule& gs : schedule.groups) {
+      for (int c = 0; c < opts.num_consumers; ++c) {
+        if (gs.served.count(cls(c))) served[static_cast<size_t>(c)] = true;
+      }
+    }
+    const std::set<int> dropped(report.dropped.begin(), report.dropped.end());
+    for (int c = 0; c < opts.num_consumers; ++c) {
+      if (!served[static_cast<size_t>(c)] || (done.count(c) && done[c] == v)) continue;
+      report.missed.push_back(c);
+      if (dropped.count(c)) continue;
+      if (!live[static_cast<size_t>(c)]) {
+        report.failures.push_back(fmt::format("producer {}: consumer {} is not a member of sync {} (no live lease {})",
+                                              rank, c, v, keys.consumer(c)));
+      } else {
+        report.failures.push_back(fmt::format("producer {}: consumer {} did not confirm it committed sync {} within "
+                                              "stall_timeout {} ms", rank, c, v, opts.stall_timeout.count()));
+      }
+    }
+  }
+
   void send_dropped(const std::vector<int>& cs, uint64_t v) {
     for (int c : cs) {
       PeerId id;
+      std::string why;
       {
         std::lock_guard<std::mutex> lk(mu);
         if (!peers[static_cast<size_t>(c)].connected) continue;
         id = peers[static_cast<size_t>(c)].id;
+        why = drop_reason[c];
       }
-      send(id, Dropped{static_cast<uint32_t>(rank), v, routes_hash}).ignore();
+      send(id, Dropped{static_cast<uint32_t>(rank), v, routes_hash, why}).ignore();
     }
   }
 
@@ -146,7 +197,7 @@ struct Producer::Impl {
       std::lock_guard<std::mutex> lk(mu);
       for (int c = 0; c < opts.num_consumers; ++c) {
         const auto i = static_cast<size_t>(c);
-        if (!live[i] || !peers[i].connected || (done.count(c) && done[c] >= v)) continue;
+        if (!live[i] || !peers[i].connected || (done.count(c) && done[c] == v)) continue;
         if (auto it = consumer_hash.find(c); it != consumer_hash.end() && it->second == routes_hash) continue;
         to.push_back(peers[i].id);
       }
@@ -181,6 +232,7 @@ struct Producer::Impl {
   void release_locked(int s, int c) {
     Slot& sl = slots[static_cast<size_t>(s)];
     if (sl.pending.erase(c)) {
+      sl.last_release = Clock::now();
       const ProducerGroupSchedule& gs = schedule.groups[static_cast<size_t>(sl.group)];
       const uint64_t b = served(gs.served, cls(c));
       report.bytes_sent += b;
@@ -211,10 +263,43 @@ struct Producer::Impl {
     transport.send(to, kEngineTag, encode_message(Flushed{static_cast<uint32_t>(rank), v, hash})).status().ignore();
   }
 
-  // Push: posts the writes of slot s for consumer c into its receive slot `rslot`.
-  // Called without mu.
+  // Push: this producer's writes to consumer `c` per layer group under routes `r`: the
+  // consumer's own schedule (make_consumer_schedule) rebuilt from its ParamTable, so both
+  // sides agree on which bytes land in params (and the consumer hashes and unpacks
+  // accordingly), with this producer's in-place runs written from the source regions.
+  // Caller thread.
+  std::vector<std::vector<PushWrite>> push_writes(const Routes& r, int c, const ParamTable& table) const {
+    std::map<std::string, RegisteredParam> params;
+    for (const auto& [name, p] : table.params) params[name] = RegisteredParam{MemoryRegion{}, p.offset, nullptr, p.bytes, p.key};
+    ConsumerScheduleInputs in;
+    in.routes = &r;
+    in.rank = c;
+    in.direct_min_bytes = table.min_bytes;
+    in.params = &params;
+    in.holdings = &route_state.inputs().holdings;
+    in.in_place.assign(static_cast<size_t>(opts.num_producers), nullptr);
+    if (!in_place.empty()) in.in_place[static_cast<size_t>(rank)] = &in_place;
+    const ConsumerSchedule cs = make_consumer_schedule(in);
+    std::vector<std::vector<PushWrite>> out(cs.groups.size());
+    for (size_t g = 0; g < cs.groups.size(); ++g) {
+      for (const SubRead& sr : cs.groups[g].reads) {
+        if (sr.producer != static_cast<uint32_t>(rank) || !sr.length) continue;
+        PushWrite w{sr.region, sr.remote, -1, sr.recv_offset, sr.length};
+        if (sr.param) {
+          w.param_key = static_cast<int32_t>(sr.param->key);
+          w.remote = sr.param->offset + sr.param_offset;
+        }
+        out[g].push_back(w);
+      }
+    }
+    return out;
+  }
+
+  // Push: posts the writes of slot s for consumer c into its receive slot `rslot` and
+  // params. Called without mu.
   void start_push(int s, int c, uint32_t rslot, int g, uint64_t v) {
-    std::vector<Read> mine;
+    std::vector<PushWrite> mine;
+    std::vector<RemoteRegion> into;
     PeerId id;
     RemoteRegion recv;
     uint64_t rbytes;
@@ -237,22 +322,21 @@ struct Producer::Impl {
         auto it = sl.checksum.find(cls(c));
         checksum = it != sl.checksum.end() ? it->second : 0;
       }
-      for (const Read& r : routes.plans[cls(c)].groups[static_cast<size_t>(g)].reads) {
-        if (r.producer == static_cast<uint32_t>(rank) && r.length) mine.push_back(r);
-      }
+      if (static_cast<size_t>(g) < p.writes.size()) mine = p.writes[static_cast<size_t>(g)];
+      into = p.param_regions;
     }
-    // Exactly one of fail() and the PUSHED path ends each push (push_done).
-    auto fail = [this, c, v](const Status& st) {
+    // Exactly one of fail() and the PUSHED path ends each push (push_done). `failed`
+    // takes c out of the sync (and fails it, if our own transport failed) at the first
+    // error, before the writes already posted have completed.
+    auto failed = [this, c, v](const Status& st) {
       note_local_failure(st);
-      std::vector<int> n;
-      {
-        std::lock_guard<std::mutex> lk(mu);
-        if (version == v) drop_locked(c, "push failed: " + st.to_string(), &n);
-      }
+      std::lock_guard<std::mutex> lk(mu);
+      if (version == v) drop_locked(c, "push failed: " + st.to_string(), nullptr);
+    };
+    auto fail = [this, c, failed](const Status& st) {
+      failed(st);
       push_done(c);
     };
-    auto remaining = std::make_shared<std::atomic<size_t>>(mine.size());
-    auto failed = std::make_shared<std::atomic<bool>>(false);
     auto finish = [this, s, c, g, v, id, rslot, checksum, hash, fail]() {
       auto fl = transport.flush(id, [this, s, c, g, v, id, rslot, checksum, hash, fail](const Status& st) {
         if (!st.ok()) return fail(st);
@@ -269,22 +353,67 @@ struct Producer::Impl {
       });
       if (!fl.ok()) fail(fl.status());
     };
-    if (mine.empty()) return finish();
-    const uint64_t base = static_cast<uint64_t>(s) * slot_bytes;
-    for (const Read& r : mine) {
-      auto w = transport.write(ring.region, base + r.offset, recv, static_cast<uint64_t>(rslot) * rbytes + r.recv_offset, r.length,
-                        [remaining, failed, finish, fail](const Status& st) {
-                          if (!st.ok()) {
-                            if (!failed->exchange(true)) fail(st);
-                            return;
-                          }
-                          if (remaining->fetch_sub(1) == 1 && !failed->load()) finish();
-                        });
-      if (!w.ok()) {
-        if (!failed->exchange(true)) fail(w.status());
-        // Ops already posted still complete; `failed` keeps finish() from running.
-        remaining->fetch_sub(1);
+    // The sequence ends (finish or fail) once every write posted has completed, not at
+    // the first error: until then bytes may still land in the consumer's params, and
+    // FLUSHED (push_done) must not say otherwise. `left` counts the writes not yet
+    // completed plus this posting thread, so the end runs exactly once.
+    struct Sequence {
+      std::mutex mu;
+      size_t left = 0;
+      Status error;
+    };
+    auto seq = std::make_shared<Sequence>();
+    seq->left = mine.size() + 1;
+    auto one_done = [this, c, seq, finish, failed](const Status& st) {
+      Status error;
+      bool first_error = false;
+      bool last;
+      {
+        std::lock_guard<std::mutex> lk(seq->mu);
+        if (!st.ok() && seq->error.ok()) {
+          seq->error = st;
+          first_error = true;
+        }
+        last = --seq->left == 0;
+        error = seq->error;
       }
+      if (first_error) failed(st);
+      if (!last) return;
+      if (error.ok()) {
+        finish();
+      } else {
+        push_done(c);
+      }
+    };
+    if (opts.test_hooks && opts.test_hooks->before_push) opts.test_hooks->before_push(v, g, c);
+    const uint64_t base = static_cast<uint64_t>(s) * slot_bytes;
+    bool refused = false;
+    for (const PushWrite& w : mine) {
+      if (refused) {  // not posted after an error: nothing of it can land
+        one_done(Status::Ok());
+        continue;
+      }
+      const MemoryRegion& from = w.region < 0 ? ring.region : opts.source_regions[static_cast<size_t>(w.region)];
+      const uint64_t from_at = w.region < 0 ? base + w.local : w.local;
+      const bool to_param = w.param_key >= 0 && static_cast<size_t>(w.param_key) < into.size();
+      const RemoteRegion& to = to_param ? into[static_cast<size_t>(w.param_key)] : recv;
+      const uint64_t to_at = to_param ? w.remote : static_cast<uint64_t>(rslot) * rbytes + w.remote;
+      auto posted = transport.write(from, from_at, to, to_at, w.length, one_done);
+      if (!posted.ok()) {
+        refused = true;
+        one_done(posted.status());
+      }
+    }
+    one_done(Status::Ok());
+  }
+
+  // Consumer c's sync of v is over (DONE or ABORT): its READYs of v are history, not
+  // requests, so that a later sync of an older version (a rollback) does not read them
+  // as a consumer asking for another version. mu held.
+  void forget_ready_locked(int c, uint64_t v) {
+    for (auto it = ready.lower_bound({v, std::numeric_limits<int>::min(), std::numeric_limits<int>::min()});
+         it != ready.end() && std::get<0>(it->first) == v;) {
+      it = std::get<2>(it->first) == c ? ready.erase(it) : std::next(it);
     }
   }
 
@@ -296,12 +425,17 @@ struct Producer::Impl {
     const uint64_t mv = version_of(msg);
     int push_slot = -1;
     std::optional<Ready> push;
+    std::optional<Dropped> mismatch_drop;  // sent once mu is released
     std::optional<std::pair<uint64_t, uint64_t>> flushed;  // (version, routes) answered at once
     {
       std::lock_guard<std::mutex> lk(mu);
       if (c < 0 || c >= static_cast<int>(peers.size())) return;
       auto it = peer_rank.find(from);
       const bool known = it != peer_rank.end() && it->second == c;
+      if (!known) {
+        // An instance not admitted yet that gave up: serve none of its READYs later.
+        if (const auto* m = std::get_if<Abort>(&msg)) forget_ready_locked(c, m->version);
+      }
       if (!known && !std::holds_alternative<Ready>(msg)) return;  // stale instance or unknown peer
       const bool current = in_sync && mv == version;
       if (const auto* m = std::get_if<Release>(&msg)) {
@@ -334,20 +468,44 @@ struct Producer::Impl {
           }
         }
       } else if (const auto* m = std::get_if<Done>(&msg)) {
-        done[c] = std::max(done[c], m->version);
+        done[c] = m->version;  // (not max: a rollback commits an older version)
+        forget_ready_locked(c, m->version);
         if (current) {
           for (auto& sl : slots) sl.pending.erase(c);
           cv.notify_all();
         }
       } else if (const auto* m = std::get_if<Abort>(&msg)) {
+        forget_ready_locked(c, m->version);
+        if (opts.mode == SyncMode::kPush) {
+          // c owns its params again once none of our writes is in flight: say when (below,
+          // c leaves the sync, so no new write to it starts).
+          if (pushes_inflight[c] == 0) {
+            flushed = std::make_pair(m->version, m->routes);
+          } else {
+            flushed_owed[c] = {m->version, m->routes};
+          }
+        }
         if (current) {
           drop_locked(c, "it aborted the sync", nullptr);
         } else if (!in_sync && m->version > version) {
           early_abort[c] = m->version;
+        } else if (in_sync && m->version > version) {
+          // It gave up a later version than ours: it is not in this sync (a version
+          // mismatch), so waiting for it would only hold the slots to the stall timeout.
+          drop_locked(c, fmt::format("it synced version {}, not this sync's {}", m->version, version), nullptr);
         }
       } else if (const auto* m = std::get_if<Ready>(&msg)) {
         // A consumer may ask before this producer's sync of that version started.
         if (in_sync && m->version < version) return;
+        // ... but only once it committed ours: one that asks for a later version while a
+        // member of this sync syncs another version than ours (a caller's mismatch).
+        // Drop it, and tell it under its own version so that it fails now, naming both.
+        if (known && in_sync && m->version > version && !(done.count(c) && done[c] == version) &&
+            static_cast<size_t>(c) < live.size() && live[static_cast<size_t>(c)]) {
+          const std::string why = fmt::format("it syncs version {} but this producer serves version {}", m->version, version);
+          drop_locked(c, why, nullptr);
+          mismatch_drop = Dropped{static_cast<uint32_t>(rank), m->version, routes_hash, why};
+        }
         if (m->recv_slot >= kReceiveSlots) return;  // not a slot of the consumer's ring
         if (ready.size() > 100000) return;
         ready[{m->version, m->group, c}] = ReadyFrom{from, m->recv_slot, m->routes};
@@ -357,6 +515,7 @@ struct Producer::Impl {
         }
       }
     }
+    if (mismatch_drop) send(from, *mismatch_drop).ignore();
     if (push_slot >= 0) start_push(push_slot, c, push->recv_slot, push->group, push->version);
     if (flushed) send_flushed(from, flushed->first, flushed->second);
   }
@@ -413,12 +572,49 @@ struct Producer::Impl {
   // Installs routes and their schedule (caller thread; handlers read both under mu).
   Status apply_routes(Routes r) {
     FERRY_ASSIGN_OR_RETURN(auto sched, make_producer_schedule(r, rank, holdings, in_place, slot_bytes));
+    // Push: every admitted consumer's writes under the new routes (its table is fixed for
+    // its instance; peers and their tables change only on this thread).
+    std::vector<std::vector<std::vector<PushWrite>>> writes(peers.size());
+    if (opts.mode == SyncMode::kPush) {
+      for (size_t c = 0; c < peers.size(); ++c)
+        if (!peers[c].blob.empty()) writes[c] = push_writes(r, static_cast<int>(c), peers[c].params);
+    }
     std::lock_guard<std::mutex> lk(mu);
     routes = std::move(r);
     routes_hash = routes.hash();
     schedule = std::move(sched);
+    for (size_t c = 0; c < peers.size(); ++c) {
+      if (!peers[c].blob.empty()) peers[c].writes = std::move(writes[c]);
+    }
     return Status::Ok();
   }
+
+  // This producer's extra memory (MemoryUse) for the routes now installed; cached per
+  // routes and consumer instances (the walk over every plan's copies is linear in them).
+  // Caller thread, mu held.
+  MemoryUse memory_use() {
+    if (memory_hash != routes_hash || !memory_known) {
+      MemoryUse m;
+      m.staging_ring = ring.bytes;
+      for (const MemoryRegion& r : opts.source_regions) m.registered_in_place += r.length;
+      const RouteInputs& in = route_state.inputs();
+      std::vector<const Plan*> plans;
+      for (const Plan& p : in.plans) plans.push_back(&p);
+      m.metadata = metadata_heap_bytes(routes, in.metadata, in.holdings, plans) + schedule_heap_bytes(schedule) +
+                   in_place.boxes.capacity() * sizeof(InPlaceTable::At);
+      for (const Peer& p : peers) {  // (mu held by the caller)
+        for (const auto& g : p.writes) m.metadata += g.capacity() * sizeof(PushWrite);
+        m.metadata += p.writes.capacity() * sizeof(p.writes[0]);
+      }
+      memory = m;
+      memory_hash = routes_hash;
+      memory_known = true;
+    }
+    return memory;
+  }
+  MemoryUse memory;
+  uint64_t memory_hash = 0;
+  bool memory_known = false;
 
   // In place: the boxes of group g must be where create() found them.
   Status check_in_place(int g, const std::vector<LocalBox>& boxes) const {
@@ -457,47 +653,103 @@ struct Producer::Impl {
     return route_state.refresh([this](Routes r) { return apply_routes(std::move(r)); });
   }
 
-  // Re-reads consumer leases, connects new instances; marks who takes part in this sync.
-  void refresh_membership() {
-    std::vector<bool> now(static_cast<size_t>(opts.num_consumers), false);
-    for (int c = 0; c < opts.num_consumers; ++c) {
-      auto blob = store.get(keys.consumer(c));
-      if (!blob.ok()) continue;
-      Peer& p = peers[static_cast<size_t>(c)];
-      bool fresh;
-      {
-        std::lock_guard<std::mutex> lk(mu);
-        fresh = !p.connected || p.blob != *blob;
+  // Reads consumer c's lease and connects a new instance; true if c is a member now.
+  bool admit(int c) {
+    auto blob = store.get(keys.consumer(c));
+    if (!blob.ok()) return false;
+    Peer& p = peers[static_cast<size_t>(c)];
+    bool fresh;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      fresh = !p.connected || p.blob != *blob;
+    }
+    if (!fresh) return true;
+    auto lease = decode_consumer_lease(*blob);
+    if (!lease.ok()) return false;
+    auto id = transport.connect(string_bytes(lease->address));
+    if (!id.ok()) return false;
+    RemoteRegion recv;
+    uint64_t rbytes = 0;
+    ParamTable params;
+    std::vector<RemoteRegion> param_regions;
+    std::vector<std::vector<PushWrite>> writes;
+    if (opts.mode == SyncMode::kPush) {
+      auto k = transport.import_key(string_bytes(lease->recv_key));
+      if (!k.ok()) return false;
+      recv = *k;
+      rbytes = lease->recv_slot_bytes;
+      auto table = ParamTable::decode(lease->params);
+      if (!table.ok()) return false;
+      for (const std::string& key : table->keys) {
+        auto r = transport.import_key(string_bytes(key));
+        if (!r.ok()) return false;
+        param_regions.push_back(*r);
       }
-      if (fresh) {
-        auto lease = decode_consumer_lease(*blob);
-        if (!lease.ok()) continue;
-        auto id = transport.connect(string_bytes(lease->address));
-        if (!id.ok()) continue;
-        RemoteRegion recv;
-        uint64_t rbytes = 0;
-        if (opts.mode == SyncMode::kPush) {
-          auto k = transport.import_key(string_bytes(lease->recv_key));
-          if (!k.ok()) continue;
-          recv = *k;
-          rbytes = lease->recv_slot_bytes;
-        }
-        std::lock_guard<std::mutex> lk(mu);
-        if (failed_ids.count(*id) != 0) continue;  // died while we connected
-        p.blob = *blob;
-        p.id = *id;
-        p.connected = true;
-        p.recv = recv;
-        p.recv_slot_bytes = rbytes;
-        peer_rank[*id] = c;
-      }
-      now[static_cast<size_t>(c)] = true;
+      params = std::move(*table);
+      writes = push_writes(routes, c, params);
     }
     std::lock_guard<std::mutex> lk(mu);
+    if (failed_ids.count(*id) != 0) return false;  // died while we connected
+    p.blob = *blob;
+    p.id = *id;
+    p.connected = true;
+    p.recv = recv;
+    p.recv_slot_bytes = rbytes;
+    p.params = std::move(params);
+    p.param_regions = std::move(param_regions);
+    p.writes = std::move(writes);
+    memory_known = false;
+    peer_rank[*id] = c;
+    return true;
+  }
+
+  // Re-reads consumer leases, connects new instances; marks who takes part in this sync.
+  // `store_lost_keys`: the store had lost this producer's rendezvous keys (it restarted
+  // without its data), so every lease lapsed with them: wait for the leases of
+  // consumers not yet connected too (a new instance that registered just before).
+  void refresh_membership(uint64_t v, bool store_lost_keys) {
+    std::vector<bool> now(static_cast<size_t>(opts.num_consumers), false);
+    for (int c = 0; c < opts.num_consumers; ++c) now[static_cast<size_t>(c)] = admit(c);
+    // Consumers it serves that are still connected from an earlier sync but have no
+    // lease: paused past the ttl, or every lease lapsed because the store paused or
+    // restarted. A live one heals its lease within ttl/3 of resuming (Lease), so wait up
+    // to one lease_ttl for it before leaving it out of v; one still paused is told at
+    // once that it is not a member of v, so that it fails v as soon as it resumes
+    // instead of waiting out `timeout` for announcements that never come, and rejoins
+    // at the next sync. (A dead one is not connected: the transport reported it.)
+    auto absent = [&] {
+      std::vector<int> out;
+      std::lock_guard<std::mutex> lk(mu);
+      for (int c = 0; c < opts.num_consumers; ++c) {
+        if (now[static_cast<size_t>(c)] || !(peers[static_cast<size_t>(c)].connected || store_lost_keys)) continue;
+        bool serves = false;
+        for (const ProducerGroupSchedule& gs : schedule.groups) serves |= gs.served.count(cls(c)) > 0;
+        if (serves) out.push_back(c);
+      }
+      return out;
+    };
+    const auto heal_deadline = Clock::now() + opts.lease_ttl;
+    const auto poll = std::clamp(opts.lease_ttl / 10, std::chrono::milliseconds(1), std::chrono::milliseconds(50));
+    for (auto missing = absent(); !missing.empty() && Clock::now() < heal_deadline; missing = absent()) {
+      std::this_thread::sleep_for(poll);
+      for (int c : missing) now[static_cast<size_t>(c)] = admit(c);
+    }
+    std::vector<int> left_out = absent();
+    if (store_lost_keys) {  // told only if connected: one never reached may be dead
+      std::lock_guard<std::mutex> lk(mu);
+      std::erase_if(left_out, [&](int c) { return !peers[static_cast<size_t>(c)].connected; });
+    }
+    std::unique_lock<std::mutex> lk(mu);
     for (int c = 0; c < opts.num_consumers; ++c) {
       if (!peers[static_cast<size_t>(c)].connected) now[static_cast<size_t>(c)] = false;  // failed since connecting
     }
     live = now;
+    for (int c : left_out) {
+      drop_reason[c] = fmt::format("not a member of sync {}: no live lease {} within lease_ttl {} ms of its start "
+                                   "(paused?); rejoin at the next sync", v, keys.consumer(c), opts.lease_ttl.count());
+    }
+    lk.unlock();
+    send_dropped(left_out, v);
   }
 
   // Waits until slot s is free; drops consumers that stall past stall_timeout.
@@ -508,6 +760,34 @@ struct Producer::Impl {
     while (!slots[s].pending.empty() && !(stop_on_restart && restart && restart_hash != routes_hash) &&
            local_failure.ok()) {
       const auto deadline = slots[s].since + opts.stall_timeout;
+      // A straggler: others released this slot and it lags them by more than the bound
+      // (EngineOptions::straggler_floor / straggler_factor), so it no longer holds them
+      // back for the whole stall timeout. It catches up at the next sync.
+      std::optional<Clock::time_point> straggler_at;
+      if (slots[s].last_release && opts.straggler_floor.count() > 0) {
+        const auto others = *slots[s].last_release - slots[s].since;
+        const auto bound = std::max<Clock::duration>(
+            opts.straggler_floor, std::chrono::duration_cast<Clock::duration>(others * opts.straggler_factor));
+        if (*slots[s].last_release + bound < deadline) straggler_at = *slots[s].last_release + bound;
+      }
+      if (straggler_at) {
+        if (cv.wait_until(lk, *straggler_at) == std::cv_status::timeout && Clock::now() >= *straggler_at &&
+            slots[s].last_release && !slots[s].pending.empty()) {
+          const auto lag = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - *slots[s].last_release);
+          const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(*slots[s].last_release - slots[s].since);
+          const std::set<int> late = slots[s].pending;
+          for (int c : late) {
+            drop_locked(c,
+                        fmt::format("straggler: group {} not {} {} ms after the other consumers ({} ms after it "
+                                    "was announced; bound: max(straggler_floor {} ms, {} x {} ms))",
+                                    slots[s].group, opts.mode == SyncMode::kPull ? "released" : "requested",
+                                    lag.count(), took.count(), opts.straggler_floor.count(), opts.straggler_factor,
+                                    took.count()),
+                        &n);
+          }
+        }
+        continue;
+      }
       if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline) {
         const std::set<int> late = slots[s].pending;
         for (int c : late) {
@@ -542,7 +822,7 @@ struct Producer::Impl {
         std::lock_guard<std::mutex> lk(mu);
         for (int c = 0; c < opts.num_consumers; ++c) {
           if (live[static_cast<size_t>(c)] && gs.served.count(cls(c)) &&
-              !(done.count(c) && done[c] >= v))
+              !(done.count(c) && done[c] == v))
             targets.push_back(c);
         }
       }
@@ -584,7 +864,7 @@ struct Producer::Impl {
         sl.since = Clock::now();
         sl.checksum = sums;
         for (int c : targets) {
-          if (!live[static_cast<size_t>(c)] || (done.count(c) && done[c] >= v)) continue;
+          if (!live[static_cast<size_t>(c)] || (done.count(c) && done[c] == v)) continue;
           if (auto it = consumer_hash.find(c); it != consumer_hash.end() && it->second != hash) continue;
           sl.pending.insert(c);
           if (opts.mode == SyncMode::kPull) {
@@ -629,8 +909,18 @@ struct Producer::Impl {
       for (auto it = ready.begin(); it != ready.end();) it = std::get<0>(it->first) < v ? ready.erase(it) : std::next(it);
       for (auto& s : slots) s = Slot{};
     }
+    bool store_lost_keys = false;
+    {
+      auto again = republish(store, published);
+      if (!again.ok()) return again.status().with_context(fmt::format("producer {} sync {}", rank, v));
+      store_lost_keys = *again > 0;
+      if (*again > 0)
+        report.failures.push_back(fmt::format("producer {}: the store {} had lost its rendezvous keys (restarted?); "
+                                              "re-published {}", rank, store.url(), *again));
+    }
     FERRY_RETURN_IF_ERROR(refresh_routes().with_context(fmt::format("producer {} sync {}", rank, v)));
-    refresh_membership();
+    refresh_membership(v, store_lost_keys);
+    std::vector<std::pair<PeerId, Dropped>> early_mismatch;  // sent once mu is released
     {
       // FAILOVERs / ABORTs of v that came before this point were kept aside (not yet in
       // the sync); apply them in the same step that makes later ones current, so that
@@ -652,7 +942,21 @@ struct Producer::Impl {
         if (ev == v) drop_locked(c, "it aborted the sync", nullptr);
       }
       early_abort.clear();
+      // A READY for a later version that came before this sync began is the same caller's
+      // mismatch as one that comes during it (on_message): that consumer syncs another
+      // version than ours and would otherwise wait for pushes of its version to its own
+      // timeout, while this producer waits for it to the stall timeout.
+      for (const auto& [key, rf] : ready) {
+        const auto& [rv, g, c] = key;
+        if (rv <= v || c < 0 || static_cast<size_t>(c) >= live.size() || !live[static_cast<size_t>(c)]) continue;
+        auto pr = peer_rank.find(rf.from);
+        if (pr == peer_rank.end() || pr->second != c || (done.count(c) && done[c] == v)) continue;
+        const std::string why = fmt::format("it syncs version {} but this producer serves version {}", rv, v);
+        drop_locked(c, why, nullptr);
+        early_mismatch.emplace_back(rf.from, Dropped{static_cast<uint32_t>(rank), rv, routes_hash, why});
+      }
     }
+    for (const auto& [to, d] : early_mismatch) send(to, d).ignore();
     Status failure;
     for (int tries = 0;; ++tries) {
       bool restarted = false;
@@ -666,7 +970,7 @@ struct Producer::Impl {
         const auto deadline = Clock::now() + opts.stall_timeout;
         auto all_done = [&] {
           for (int c = 0; c < opts.num_consumers; ++c) {
-            if (live[static_cast<size_t>(c)] && !(done.count(c) && done[c] >= v)) return false;
+            if (live[static_cast<size_t>(c)] && !(done.count(c) && done[c] == v)) return false;
           }
           return true;
         };
@@ -687,16 +991,36 @@ struct Producer::Impl {
         if (restart_hash == routes_hash) restart = false;
       }
       std::string ds;
-      for (int d : route_state.dead()) ds += (ds.empty() ? "" : ",") + std::to_string(d);
+      // Appended piecewise: gcc 12 at -O3 reports a false -Wrestrict inside
+      // `const char* + std::string` here.
+      for (int d : route_state.dead()) {
+        if (!ds.empty()) ds += ',';
+        ds += std::to_string(d);
+      }
       std::lock_guard<std::mutex> lk(mu);
       report.failures.push_back(fmt::format("producer {}: failover, routes rebuilt without producer(s) {}", rank, ds));
     }
     // Leave no slot pending (a failed attempt may have left some).
     for (size_t s = 0; s < slots.size(); ++s) wait_slot(s, false).ignore();
+    // Consumers failed this producer over while it was alive (cut off, or paused, with
+    // its lease gone): once every consumer is done with this sync, take the mark off, so
+    // that it serves again from the next sync on, as a restarted producer does.
+    if (auto marked = opts.failover ? route_state.read_dead() : Result<std::set<int>>(std::set<int>{});
+        marked.ok() && marked->count(rank)) {
+      Status cleared = store.remove(keys.dead(rank)).status();
+      std::lock_guard<std::mutex> lk(mu);
+      report.failures.push_back(
+          cleared.ok() ? fmt::format("producer {}: failed over by consumers in sync {} while alive; rejoins at the "
+                                     "next sync", rank, v)
+                       : fmt::format("producer {}: failed over in sync {} while alive; clearing its mark {}: {}", rank,
+                                     v, keys.dead(rank), cleared.to_string()));
+    }
     std::lock_guard<std::mutex> lk(mu);
     in_sync = false;
+    if (failure.ok()) note_missed_locked(v);
     report.seconds = seconds_since(t0);
     report.status = failure;
+    report.memory = memory_use();
     if (!failure.ok()) return failure;
     return report;
   }
@@ -715,27 +1039,29 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
   m.rank = source.rank();
   if (m.rank < 0 || m.rank >= options.num_producers)
     return invalid_argument("producer rank {} outside num_producers {}", m.rank, options.num_producers);
+  const Participant me{"producer", m.rank};
+  FERRY_RETURN_IF_ERROR(publish_world(store, m.keys, options, me));
   FERRY_ASSIGN_OR_RETURN(m.holdings, source.holdings(m.rank));
   const std::string meta = encode_decls(source.metadata());
-  if (m.rank == 0) FERRY_RETURN_IF_ERROR(store.set(m.keys.meta(), meta));
-  FERRY_RETURN_IF_ERROR(store.set(m.keys.holdings(m.rank), encode_holdings(m.holdings)));
+  if (m.rank == 0) m.published.emplace_back(m.keys.meta(), meta);
+  m.published.emplace_back(m.keys.holdings(m.rank), encode_holdings(m.holdings));
+  for (const auto& [key, value] : m.published) FERRY_RETURN_IF_ERROR(store.set(key, value));
   // A restarted producer is alive again: take it out of the dead set.
   if (options.failover) store.remove(m.keys.dead(m.rank)).status().ignore();
-  FERRY_ASSIGN_OR_RETURN(auto inputs, rendezvous_inputs(store, m.keys, options, source.metadata()));
+  FERRY_ASSIGN_OR_RETURN(auto inputs, rendezvous_inputs(store, m.keys, options, me, source.metadata()));
   FERRY_ASSIGN_OR_RETURN(auto routes, m.route_state.start(std::move(inputs)));
   m.slot_bytes = producer_slot_bytes(routes, m.rank, m.route_state.inputs().metadata, m.route_state.inputs().holdings,
                                      options.failover);
-  // Push writes whole staged segments: in-place serving is for pull only.
-  if (!options.source_regions.empty() && options.mode == SyncMode::kPull) FERRY_RETURN_IF_ERROR(m.locate_in_place());
-  FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));
-  if (options.staging_budget == 0) {
-    m.nslots = 2;
-  } else {
-    if (options.staging_budget < m.slot_bytes)
-      return invalid_argument("producer {}: staging budget {} bytes is smaller than its largest group ({} bytes)", m.rank,
-                              options.staging_budget, m.slot_bytes);
-    m.nslots = static_cast<int>(std::min<uint64_t>(options.staging_budget / m.slot_bytes, 64));
+  {
+    // Within staging_budget: worst-case slots when it holds them, else as large as it
+    // allows (memory.h, staging_ring).
+    const uint64_t needed = producer_slot_bytes(routes, m.rank, {}, false);
+    FERRY_ASSIGN_OR_RETURN(StagingRing sr, staging_ring(m.rank, needed, m.slot_bytes, options.staging_budget));
+    m.slot_bytes = sr.slot_bytes;
+    m.nslots = sr.slots;
   }
+  if (!options.source_regions.empty()) FERRY_RETURN_IF_ERROR(m.locate_in_place());
+  FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));
   m.slots.resize(static_cast<size_t>(m.nslots));
   FERRY_RETURN_IF_ERROR(m.ring.allocate(transport, m.slot_bytes * static_cast<uint64_t>(m.nslots)));
   FERRY_ASSIGN_OR_RETURN(auto key, transport.export_key(m.ring.region));
@@ -749,6 +1075,12 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
   const std::string blob =
       encode_lease(ProducerLease{bytes_to_string(transport.address()), bytes_to_string(key), m.slot_bytes, m.in_place.encode()});
   FERRY_ASSIGN_OR_RETURN(m.lease, store.hold_lease(m.keys.producer(m.rank), blob, options.lease_ttl));
+  // Return only once every consumer can receive (its lease is published last, after its
+  // ring and handlers are up): a sync() called right away then reaches all of them
+  // instead of finding none and reporting nothing moved.
+  std::vector<std::string> consumer_keys;
+  for (int c = 0; c < options.num_consumers; ++c) consumer_keys.push_back(m.keys.consumer(c));
+  FERRY_RETURN_IF_ERROR(await_keys(store, m.keys, options, me, consumer_keys, "every consumer's lease"));
   return std::unique_ptr<Producer>(new Producer(std::move(impl)));
 }
 

@@ -1,5 +1,6 @@
 #include "engine/protocol.h"
 
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 
@@ -9,7 +10,7 @@ namespace ferry::engine {
 
 namespace {
 
-constexpr uint32_t kMessageMagic = 0x46455232u;  // "FER2"
+constexpr uint32_t kMessageMagic = 0x46455233u;  // "FER3" (FER2 had no Dropped reason)
 constexpr std::string_view kProducerLeaseMagic = "FPL1";
 constexpr std::string_view kConsumerLeaseMagic = "FCL1";
 
@@ -25,7 +26,9 @@ void fields(M& m, F&& f) {
     f(m.consumer), f(m.version), f(m.routes), f(m.group), f(m.recv_slot);
   } else if constexpr (std::is_same_v<T, Pushed>) {
     f(m.producer), f(m.version), f(m.routes), f(m.group), f(m.recv_slot), f(m.checksum);
-  } else if constexpr (std::is_same_v<T, Dropped> || std::is_same_v<T, RoutesNotice> || std::is_same_v<T, Flushed>) {
+  } else if constexpr (std::is_same_v<T, Dropped>) {
+    f(m.producer), f(m.version), f(m.routes), f(m.reason);
+  } else if constexpr (std::is_same_v<T, RoutesNotice> || std::is_same_v<T, Flushed>) {
     f(m.producer), f(m.version), f(m.routes);
   } else {
     static_assert(std::is_same_v<T, Abort> || std::is_same_v<T, Done> || std::is_same_v<T, Failover>);
@@ -40,6 +43,12 @@ struct Writer {
     if constexpr (std::is_same_v<T, std::optional<uint64_t>>) {
       (*this)(static_cast<uint8_t>(v.has_value()));
       (*this)(v.value_or(0));
+    } else if constexpr (std::is_same_v<T, std::string>) {
+      const uint16_t n = static_cast<uint16_t>(std::min(v.size(), kMaxReasonBytes));
+      (*this)(n);
+      const size_t at = out.size();
+      out.resize(at + n);
+      std::memcpy(out.data() + at, v.data(), n);
     } else {
       static_assert(std::is_integral_v<T>);
       const size_t at = out.size();
@@ -62,6 +71,15 @@ struct Reader {
       (*this)(x);
       if (has > 1 || (!has && x != 0)) ok = false;  // one encoding per value
       v = has ? std::optional<uint64_t>(x) : std::nullopt;
+    } else if constexpr (std::is_same_v<T, std::string>) {
+      uint16_t n = 0;
+      (*this)(n);
+      if (!ok || n > kMaxReasonBytes || in.size() - pos < n) {
+        ok = false;
+        return;
+      }
+      v.assign(reinterpret_cast<const char*>(in.data() + pos), n);
+      pos += n;
     } else {
       static_assert(std::is_integral_v<T>);
       if (!ok || in.size() - pos < sizeof(T)) {
@@ -183,7 +201,8 @@ std::string encode_lease(const ProducerLease& l) {
 }
 
 std::string encode_lease(const ConsumerLease& l) {
-  return encode_fields({std::string(kConsumerLeaseMagic), l.address, l.recv_key, u64_field(l.recv_slot_bytes)});
+  return encode_fields(
+      {std::string(kConsumerLeaseMagic), l.address, l.recv_key, u64_field(l.recv_slot_bytes), l.params});
 }
 
 Result<ProducerLease> decode_producer_lease(std::string_view blob) {
@@ -201,7 +220,7 @@ Result<ProducerLease> decode_producer_lease(std::string_view blob) {
 }
 
 Result<ConsumerLease> decode_consumer_lease(std::string_view blob) {
-  auto f = decode_fields(blob, 4);
+  auto f = decode_fields(blob, 5);
   if (!f.ok()) return f.status().with_context("consumer lease");
   if ((*f)[0] != kConsumerLeaseMagic) return corrupt("consumer lease: not a consumer lease");
   ConsumerLease l;
@@ -210,6 +229,7 @@ Result<ConsumerLease> decode_consumer_lease(std::string_view blob) {
   auto slot = parse_u64_field((*f)[3]);
   if (!slot.ok()) return slot.status().with_context("consumer lease recv_slot_bytes");
   l.recv_slot_bytes = *slot;
+  l.params = std::move((*f)[4]);
   return l;
 }
 
@@ -222,5 +242,10 @@ std::string JobKeys::producer(int p) const { return fmt::format("{}/producer/{}"
 std::string JobKeys::consumer(int c) const { return fmt::format("{}/consumer/{}", job_, c); }
 std::string JobKeys::dead(int p) const { return fmt::format("{}/dead/{}", job_, p); }
 std::string JobKeys::dead_prefix() const { return job_ + "/dead/"; }
+std::string JobKeys::world(std::string_view role, int rank, int num_producers, int num_consumers) const {
+  return fmt::format("{}/world/{}/{}/{}/{}", job_, role, rank, num_producers, num_consumers);
+}
+std::string JobKeys::world_prefix() const { return job_ + "/world/"; }
+std::string JobKeys::committed(int c) const { return fmt::format("{}/committed/{}", job_, c); }
 
 }  // namespace ferry::engine

@@ -16,7 +16,8 @@
 //          c -> p  Failover   c runs sync v with routes `routes` (producers marked dead
 //                             in the store excluded); p restarts v with them
 //          p -> c  RoutesNotice  p runs sync v with routes `routes` (after a failover)
-//          p -> c  Flushed    (push) answer to Failover: no write of other routes to c in flight
+//          p -> c  Flushed    (push) answer to Failover or Abort: no write of other routes
+//                             (Abort: of that sync) to c in flight, into its ring or params
 // Every message carries the sender's rank, the version and the hash of the routes the
 // sender runs (or, for Pushed, laid the bytes out by).
 #pragma once
@@ -76,6 +77,7 @@ struct Dropped {
   uint32_t producer = 0;
   uint64_t version = 0;
   uint64_t routes = 0;
+  std::string reason;  // why (at most kMaxReasonBytes; longer is cut on encode)
   friend bool operator==(const Dropped&, const Dropped&) = default;
 };
 struct Abort {
@@ -109,6 +111,8 @@ struct Flushed {
   friend bool operator==(const Flushed&, const Flushed&) = default;
 };
 
+inline constexpr size_t kMaxReasonBytes = 1024;
+
 using Message = std::variant<Announce, Release, Ready, Pushed, Dropped, Abort, Done, Failover, RoutesNotice, Flushed>;
 
 // The sender's rank (producer or consumer, by message type), version and routes.
@@ -134,6 +138,7 @@ struct ConsumerLease {
   std::string address;           // Transport::address()
   std::string recv_key;          // exported key of the receive ring (push writes there)
   uint64_t recv_slot_bytes = 0;  // bytes per receive slot
+  std::string params;            // ParamTable::encode() (push: where producers may write into params)
   friend bool operator==(const ConsumerLease&, const ConsumerLease&) = default;
 };
 std::string encode_lease(const ProducerLease& l);
@@ -168,6 +173,10 @@ class JobKeys {
   std::string consumer(int c) const;      // consumer c's lease
   std::string dead(int p) const;          // producer p failed over (failover)
   std::string dead_prefix() const;
+  // The world sizes a participant was given, in the key's name (rendezvous.h).
+  std::string world(std::string_view role, int rank, int num_producers, int num_consumers) const;
+  std::string world_prefix() const;
+  std::string committed(int c) const;     // the last version consumer c committed
 
  private:
   std::string job_;

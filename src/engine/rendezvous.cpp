@@ -1,5 +1,10 @@
 #include "engine/rendezvous.h"
 
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+
 #include <nlohmann/json.hpp>
 
 namespace ferry::engine {
@@ -8,13 +13,30 @@ namespace {
 nlohmann::json decl_json(const TensorDecl& d) {
   return nlohmann::json{{"name", d.name}, {"dtype", std::string(dtype_name(d.dtype))}, {"shape", d.shape}};
 }
+// Types are checked before nlohmann converts: get<int64_t> static_casts a float such as
+// 1e300 (undefined behaviour, found by fuzz_rendezvous), and a negative dimension or
+// index is no shape.
+bool is_index(const nlohmann::json& j) {
+  return j.is_number_unsigned() && j.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX);
+}
+Result<Shape> json_shape(const nlohmann::json& j, const char* what) {
+  if (!j.is_array()) return corrupt("{} must be a list of non-negative integers, got {}", what, j.type_name());
+  Shape s;
+  for (const auto& e : j) {
+    if (!is_index(e)) return corrupt("{} must be a list of non-negative integers, got element {}", what, e.dump());
+    s.push_back(e.get<int64_t>());
+  }
+  return s;
+}
 Result<TensorDecl> json_decl(const nlohmann::json& j) {
   if (!j.is_object() || !j.contains("name") || !j.contains("dtype") || !j.contains("shape"))
     return corrupt("tensor declaration must have name, dtype and shape");
+  if (!j["name"].is_string() || !j["dtype"].is_string())
+    return corrupt("tensor declaration: name and dtype must be strings");
   TensorDecl d;
   d.name = j["name"].get<std::string>();
   FERRY_ASSIGN_OR_RETURN(d.dtype, parse_dtype(j["dtype"].get<std::string>()));
-  d.shape = j["shape"].get<Shape>();
+  FERRY_ASSIGN_OR_RETURN(d.shape, json_shape(j["shape"], "tensor declaration shape"));
   return d;
 }
 }  // namespace
@@ -58,10 +80,12 @@ Result<Holdings> decode_holdings(std::string_view text) {
     }
     for (const auto& e : j.at("boxes")) {
       HeldBox b;
-      b.tensor = e.at("t").get<uint32_t>();
-      if (b.tensor >= h.tensors.size()) return corrupt("holdings box names tensor {} of {}", b.tensor, h.tensors.size());
-      b.box.start = e.at("start").get<Shape>();
-      b.box.size = e.at("size").get<Shape>();
+      const auto& t = e.at("t");
+      if (!is_index(t) || t.get<uint64_t>() >= h.tensors.size())
+        return corrupt("holdings box names tensor {} of {}", t.dump(), h.tensors.size());
+      b.tensor = t.get<uint32_t>();
+      FERRY_ASSIGN_OR_RETURN(b.box.start, json_shape(e.at("start"), "holdings box start"));
+      FERRY_ASSIGN_OR_RETURN(b.box.size, json_shape(e.at("size"), "holdings box size"));
       h.boxes.push_back(std::move(b));
     }
     return h;
@@ -70,12 +94,52 @@ Result<Holdings> decode_holdings(std::string_view text) {
   }
 }
 
-Result<RouteInputs> rendezvous_inputs(Store& store, const JobKeys& keys, const EngineOptions& o,
+Status publish_world(Store& store, const JobKeys& keys, const EngineOptions& o, Participant me) {
+  const Millis ttl = std::clamp(o.rendezvous_timeout, Millis(1000), kMaxTtl);
+  return store.set(keys.world(me.role, me.rank, o.num_producers, o.num_consumers), "", ttl);
+}
+
+Status check_world(Store& store, const JobKeys& keys, const EngineOptions& o, Participant me) {
+  const std::string prefix = keys.world_prefix();
+  FERRY_ASSIGN_OR_RETURN(auto listed, store.list(prefix));
+  for (const std::string& k : listed) {
+    // {role}/{rank}/{num_producers}/{num_consumers}
+    char role[16] = {};
+    int rank = 0, np = 0, nc = 0;
+    if (std::sscanf(k.c_str() + prefix.size(), "%15[a-z]/%d/%d/%d", role, &rank, &np, &nc) != 4) continue;
+    if (np == o.num_producers && nc == o.num_consumers) continue;
+    const bool producers = np != o.num_producers;
+    return invalid_argument(
+        "{} {} was started with num_{}={} but {} {} with num_{}={} (num_producers/num_consumers must be the "
+        "trainer's and the inference side's world sizes on every rank of job '{}')",
+        me.role, me.rank, producers ? "producers" : "consumers", producers ? o.num_producers : o.num_consumers, role,
+        rank, producers ? "producers" : "consumers", producers ? np : nc, keys.job());
+  }
+  return Status::Ok();
+}
+
+Status await_keys(Store& store, const JobKeys& keys, const EngineOptions& o, Participant me,
+                  const std::vector<std::string>& wanted, std::string_view what) {
+  const auto deadline = std::chrono::steady_clock::now() + o.rendezvous_timeout;
+  for (;;) {
+    FERRY_RETURN_IF_ERROR(check_world(store, keys, o, me));
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    const auto slice = std::clamp(left, std::chrono::milliseconds(1), std::chrono::milliseconds(250));
+    Status s = store.wait(wanted, slice);
+    if (s.ok()) return check_world(store, keys, o, me);
+    if (s.code() != StatusCode::kTimeout || left <= slice)
+      return s.with_context(fmt::format("{} {} waiting for {} (rendezvous_timeout {} ms)", me.role, me.rank, what,
+                                        o.rendezvous_timeout.count()));
+  }
+}
+
+Result<RouteInputs> rendezvous_inputs(Store& store, const JobKeys& keys, const EngineOptions& o, Participant me,
                                       const std::vector<TensorDecl>& metadata) {
   std::vector<std::string> wanted;
   for (int p = 0; p < o.num_producers; ++p) wanted.push_back(keys.holdings(p));
   for (int c = 0; c < o.num_consumers; ++c) wanted.push_back(keys.plan(c));
-  FERRY_RETURN_IF_ERROR(store.wait(wanted, o.rendezvous_timeout).with_context("engine rendezvous"));
+  FERRY_RETURN_IF_ERROR(await_keys(store, keys, o, me, wanted, "every producer's holdings and consumer's plan")
+                            .with_context("engine rendezvous"));
   RouteInputs in;
   in.metadata = metadata;
   for (int p = 0; p < o.num_producers; ++p) {
@@ -91,6 +155,17 @@ Result<RouteInputs> rendezvous_inputs(Store& store, const JobKeys& keys, const E
     in.plans.push_back(std::move(*plan));
   }
   return in;
+}
+
+Result<int> republish(Store& store, const Published& published) {
+  int written = 0;
+  for (const auto& [key, value] : published) {
+    FERRY_ASSIGN_OR_RETURN(auto listed, store.list(key));
+    if (std::find(listed.begin(), listed.end(), key) != listed.end()) continue;
+    FERRY_RETURN_IF_ERROR(store.set(key, value));
+    ++written;
+  }
+  return written;
 }
 
 Result<Routes> RouteState::start(RouteInputs inputs) {

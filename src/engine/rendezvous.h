@@ -7,6 +7,8 @@
 
 #include <functional>
 #include <set>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/protocol.h"
@@ -20,9 +22,38 @@ struct RouteInputs {
   std::vector<Plan> plans;         // per consumer
 };
 
+// Who is waiting (for errors and the world-size check).
+struct Participant {
+  const char* role = "producer";  // "producer" | "consumer"
+  int rank = 0;
+};
+
+// World sizes: every participant publishes the num_producers / num_consumers it was
+// given, in the name of a key under {job}/world/ (so one list() reads them all, with a
+// ttl of rendezvous_timeout: they matter only while ranks meet, and a later job under
+// the same prefix with other sizes is not refused because of them). A participant
+// whose sizes differ from another's fails at once, naming both.
+Status publish_world(Store& store, const JobKeys& keys, const EngineOptions& options, Participant me);
+Status check_world(Store& store, const JobKeys& keys, const EngineOptions& options, Participant me);
+
+// Store::wait for `wanted` within rendezvous_timeout, checking world sizes between
+// slices so that a mismatch fails in well under a second rather than at the timeout.
+Status await_keys(Store& store, const JobKeys& keys, const EngineOptions& options, Participant me,
+                  const std::vector<std::string>& wanted, std::string_view what);
+
 // Waits (rendezvous_timeout) for every producer's holdings and every consumer's plan.
 Result<RouteInputs> rendezvous_inputs(Store& store, const JobKeys& keys, const EngineOptions& options,
-                                      const std::vector<TensorDecl>& metadata);
+                                      Participant me, const std::vector<TensorDecl>& metadata);
+
+// What a participant published once at create (producer: metadata on rank 0 and its
+// holdings; consumer: its plan), key -> value. A store that restarted without its data
+// (the embedded store, or Redis without persistence) has lost them, and a rank that
+// starts later would wait for them in vain: republish() writes back each one that is
+// gone (checked with one list() per key, so a sync pays a round trip each, not the
+// values) and says how many it wrote. The leases heal by themselves (Lease). Store
+// errors are returned as they are (they name the store).
+using Published = std::vector<std::pair<std::string, std::string>>;
+Result<int> republish(Store& store, const Published& published);
 
 // The routes one participant runs by, and the producers excluded from them. Not
 // thread-safe: owned by the participant's sync thread.

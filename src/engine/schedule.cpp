@@ -18,38 +18,52 @@ uint64_t consumer_slot_bytes(const PlanRoute& plan_route) {
   return slot_bytes_for(largest);
 }
 
-uint64_t producer_slot_bytes(const Routes& routes, int rank, const std::vector<TensorDecl>& metadata,
-                             const std::vector<Holdings>& holdings, bool failover) {
-  const auto me = static_cast<size_t>(rank);
-  uint64_t largest = 0;
-  for (const auto& grp : routes.producers[me].groups) largest = std::max(largest, grp.staging_bytes);
-  if (!failover) return slot_bytes_for(largest);
+std::vector<std::vector<uint64_t>> shared_held_bytes(const std::vector<TensorDecl>& metadata,
+                                                     const std::vector<Holdings>& holdings) {
   const Groups groups(metadata);
-  std::vector<uint64_t> held(static_cast<size_t>(groups.size()), 0);
-  std::unordered_map<std::string, std::vector<const Box*>> others;
-  for (size_t q = 0; q < holdings.size(); ++q) {
-    if (q == me) continue;
-    for (const HeldBox& ob : holdings[q].boxes) others[holdings[q].tensors[ob.tensor].name].push_back(&ob.box);
-  }
-  bool shared = false;
-  for (const HeldBox& b : holdings[me].boxes) {
-    const TensorDecl& d = holdings[me].tensors[b.tensor];
-    held[static_cast<size_t>(groups.of_name(d.name))] += static_cast<uint64_t>(b.box.numel()) * dtype_size(d.dtype);
-    if (shared) continue;
-    if (auto it = others.find(d.name); it != others.end()) {
-      for (const Box* ob : it->second) {
-        if (ob->intersects(b.box)) {
-          shared = true;
+  // One index of every producer's boxes by tensor name, so each box is checked against
+  // the other holders of its tensor only (Kimi-K2: 256 producers, ~350k boxes).
+  std::unordered_map<std::string, std::vector<std::pair<size_t, const Box*>>> by_name;
+  for (size_t q = 0; q < holdings.size(); ++q)
+    for (const HeldBox& b : holdings[q].boxes) by_name[holdings[q].tensors[b.tensor].name].emplace_back(q, &b.box);
+  std::vector<std::vector<uint64_t>> out(holdings.size(), std::vector<uint64_t>(static_cast<size_t>(groups.size()), 0));
+  for (size_t p = 0; p < holdings.size(); ++p) {
+    for (const HeldBox& b : holdings[p].boxes) {
+      const TensorDecl& d = holdings[p].tensors[b.tensor];
+      for (const auto& [q, ob] : by_name[d.name]) {
+        if (q != p && ob->intersects(b.box)) {
+          out[p][static_cast<size_t>(groups.of_name(d.name))] += static_cast<uint64_t>(b.box.numel()) * dtype_size(d.dtype);
           break;
         }
       }
     }
   }
-  if (shared) {
-    const uint64_t classes = routes.plans.size();
-    for (uint64_t h : held) largest = std::max(largest, classes * (h + 64));
+  return out;
+}
+
+uint64_t producer_slot_bytes(const Routes& routes, int rank, const std::vector<uint64_t>& shared, bool failover) {
+  const auto me = static_cast<size_t>(rank);
+  uint64_t largest = 0;
+  for (const auto& grp : routes.producers[me].groups) largest = std::max(largest, grp.staging_bytes);
+  if (!failover) return slot_bytes_for(largest);
+  // After a failover only boxes another producer also holds can move to this one: what
+  // it alone holds is in its staging already, under any routes. So a group's worst case
+  // is its staging now plus every plan class reading all of its shared boxes of the
+  // group (one more aligned segment each). Sizing every held byte that way (as before)
+  // made a tp=2 trainer whose ranks share only their replicated norms stage 4 classes x
+  // its whole largest group: 3.9 GiB instead of 1 GiB for Llama-3.1-8B -> tp=4.
+  const uint64_t classes = routes.plans.size();
+  const auto& mine = routes.producers[me].groups;
+  for (size_t g = 0; g < shared.size() && g < mine.size(); ++g) {
+    if (shared[g]) largest = std::max(largest, mine[g].staging_bytes + classes * (shared[g] + 64));
   }
   return slot_bytes_for(largest);
+}
+
+uint64_t producer_slot_bytes(const Routes& routes, int rank, const std::vector<TensorDecl>& metadata,
+                             const std::vector<Holdings>& holdings, bool failover) {
+  if (!failover) return producer_slot_bytes(routes, rank, std::vector<uint64_t>{}, false);
+  return producer_slot_bytes(routes, rank, shared_held_bytes(metadata, holdings)[static_cast<size_t>(rank)], true);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -124,11 +138,12 @@ struct DirectUnpacks {
 
 // The unpacks of `pg` that are plain byte copies (same dtype, contiguous destination in
 // a registered param, at least direct_min_bytes, not sharing bytes with another unpack,
-// inside one read): those land in the param directly (pull only).
+// inside one read): those land in the param directly (read there in pull, written there
+// in push).
 DirectUnpacks find_direct_unpacks(const PlanGroup& pg, const PlanRoute& plan_route, const ConsumerScheduleInputs& in) {
   DirectUnpacks out;
   out.is_direct.assign(pg.unpacks.size(), false);
-  if (in.mode != SyncMode::kPull) return out;
+  if (!in.params) return out;
   std::vector<std::pair<uint64_t, uint64_t>> spans;  // every unpack's recv bytes
   for (const UnpackOp& u : pg.unpacks)
     spans.emplace_back(u.offset, u.offset + static_cast<uint64_t>(u.dst.numel()) * dtype_size(u.src_dtype));

@@ -29,11 +29,18 @@ uint64_t slot_bytes_for(uint64_t largest);
 // The consumer's receive slot: its plan class's largest group (any routing of the same
 // plans reads the same bytes per group, so failover never needs a larger one).
 uint64_t consumer_slot_bytes(const PlanRoute& plan_route);
-// Producer `rank`'s staging slot: its largest group under `routes`; with failover, when
-// it shares a box with another producer (a replica it may take over from), the worst
-// case: every plan class reading all it holds of a group.
+// Producer `rank`'s staging slot: its largest group under `routes`; with failover, for
+// each group with boxes it shares with another producer (a replica it may take over
+// from), the worst case: its staging now plus every plan class reading all of those
+// shared boxes (what it alone holds is staged under any routes).
 uint64_t producer_slot_bytes(const Routes& routes, int rank, const std::vector<TensorDecl>& metadata,
                              const std::vector<Holdings>& holdings, bool failover);
+// Per producer, per layer group: the bytes of its boxes that another producer also holds
+// (what a failover may move to it). One pass over every box.
+std::vector<std::vector<uint64_t>> shared_held_bytes(const std::vector<TensorDecl>& metadata,
+                                                     const std::vector<Holdings>& holdings);
+// The same slot from that producer's row of shared_held_bytes (empty without failover).
+uint64_t producer_slot_bytes(const Routes& routes, int rank, const std::vector<uint64_t>& shared, bool failover);
 
 // ---------------------------------------------------------------------------------------
 // Checksums (EngineOptions::checksums): xxHash64 over the bytes of one producer's
@@ -85,12 +92,15 @@ Result<ProducerSchedule> make_producer_schedule(const Routes& routes, int rank, 
 // ---------------------------------------------------------------------------------------
 // Consumer.
 
-// A param registered with the consumer's transport: reads may land in it directly.
+// A param registered with the consumer's transport: reads (pull) and writes (push) may
+// land in it directly. On a producer computing a consumer's schedule from its
+// ParamTable, `region` and `data` are empty and `key` names the consumer's registration.
 struct RegisteredParam {
   MemoryRegion region;
   uint64_t offset = 0;  // of the param inside `region`
   std::byte* data = nullptr;
   uint64_t bytes = 0;
+  uint32_t key = 0;  // index of `region` among the consumer's exported param keys (ParamTable::keys)
 };
 
 // One read (or part of one): receive bytes [recv_offset, +length) of the layer group,
@@ -125,7 +135,6 @@ struct ConsumerSchedule {
 struct ConsumerScheduleInputs {
   const Routes* routes = nullptr;
   int rank = 0;
-  SyncMode mode = SyncMode::kPull;
   uint64_t direct_min_bytes = 0;
   // Registered params by name; SubRead::param points into this map (keep it alive).
   const std::map<std::string, RegisteredParam>* params = nullptr;

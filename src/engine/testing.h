@@ -18,6 +18,9 @@ struct TestHooks {
   // sync `corrupt_version` (-1: never).
   int corrupt_group = -1;
   uint64_t corrupt_version = 0;
+  // Producer (push): runs before the writes of group `group` of sync `version` to
+  // `consumer` are posted (after they count as in flight: a FLUSHED waits for them).
+  std::function<void(uint64_t version, int group, int consumer)> before_push;
   // Consumer: runs at points of a sync — (group, phase) with phase 0: before waiting for
   // the group's data, 1: reads posted (push: READY sent), 2: group received and
   // released, 3: on the background thread before unpacking. Fault tests crash here.

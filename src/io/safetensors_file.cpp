@@ -16,7 +16,8 @@ namespace {
 
 std::string errno_text(int err) { return std::error_code(err, std::generic_category()).message(); }
 
-// A read-only mapping of a whole file; unmapped when the last Tensor (or file) lets go.
+// Read-only pages holding a whole file (a mapping of it, or anonymous pages it was read
+// into); unmapped when the last Tensor (or file) lets go.
 struct Mapping {
   void* addr = nullptr;
   size_t size = 0;
@@ -45,7 +46,34 @@ struct SafetensorsFile::State {
   Index index;
 };
 
-Result<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
+namespace {
+
+// The whole file read with pread into memory this process owns. Why not the mapping:
+// a file truncated while mapped makes every later touch of a page past the new end
+// raise SIGBUS, anywhere in the program (the executor, a compare, a copy), and no
+// check made before a touch can rule out a truncation right after it. Reading is
+// sound: a truncation during the read is a short read, reported naming the file, and
+// one after it cannot change bytes already copied.
+Status read_whole(int fd, const std::string& path, std::byte* out, size_t size) {
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t n = ::pread(fd, out + done, size - done, static_cast<off_t>(done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return io_error("{}: read at byte {} of {}: {}", path, done, size, errno_text(errno));
+    }
+    if (n == 0) {
+      return io_error("{}: the file shrank while being read (truncated to {} of the {} bytes it had when opened)",
+                      path, done, size);
+    }
+    done += static_cast<size_t>(n);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<SafetensorsFile> SafetensorsFile::open(const std::string& path, SafetensorsAccess access) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     const int err = errno;
@@ -64,7 +92,21 @@ Result<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
   }
   auto mapping = std::make_shared<Mapping>();
   mapping->size = static_cast<size_t>(st.st_size);
-  if (mapping->size > 0) {
+  if (mapping->size > 0 && access == SafetensorsAccess::kRead) {
+    // Anonymous pages filled by read_whole, then made read-only like a file mapping.
+    void* addr = ::mmap(nullptr, mapping->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (addr == MAP_FAILED) {
+      const int err = errno;
+      ::close(fd);
+      return io_error("{}: allocating {} bytes to read it into: {}", path, mapping->size, errno_text(err));
+    }
+    mapping->addr = addr;
+    if (auto rd = read_whole(fd, path, static_cast<std::byte*>(addr), mapping->size); !rd.ok()) {
+      ::close(fd);
+      return rd;
+    }
+    ::mprotect(addr, mapping->size, PROT_READ);
+  } else if (mapping->size > 0) {
     void* addr = ::mmap(nullptr, mapping->size, PROT_READ, MAP_PRIVATE, fd, 0);
     if (addr == MAP_FAILED) {
       const int err = errno;
@@ -100,6 +142,9 @@ const std::string& SafetensorsFile::path() const { return state_->path; }
 const SafetensorsHeader& SafetensorsFile::header() const { return state_->header; }
 const std::map<std::string, std::string>& SafetensorsFile::metadata() const { return state_->header.metadata; }
 const std::vector<SafetensorsEntry>& SafetensorsFile::tensors() const { return state_->tensors; }
+std::span<const std::byte> SafetensorsFile::bytes() const {
+  return {static_cast<const std::byte*>(state_->mapping->addr), state_->mapping->size};
+}
 bool SafetensorsFile::contains(std::string_view name) const { return find(name) != nullptr; }
 const Tensor* SafetensorsFile::find(std::string_view name) const {
   return find_in(state_->index, state_->tensors, name);
@@ -119,7 +164,7 @@ struct SafetensorsDir::State {
   Index index;
 };
 
-Result<SafetensorsDir> SafetensorsDir::open(const std::string& dir) {
+Result<SafetensorsDir> SafetensorsDir::open(const std::string& dir, SafetensorsAccess access) {
   namespace fs = std::filesystem;
   std::error_code ec;
   const fs::file_status st = fs::status(dir, ec);
@@ -146,7 +191,7 @@ Result<SafetensorsDir> SafetensorsDir::open(const std::string& dir) {
   auto state = std::make_shared<State>();
   state->dir = dir;
   for (const auto& name : names) {
-    auto f = SafetensorsFile::open((fs::path(dir) / name).string());
+    auto f = SafetensorsFile::open((fs::path(dir) / name).string(), access);
     if (!f.ok()) return f.status();
     const size_t fi = state->files.size();
     for (const auto& e : f->tensors()) {

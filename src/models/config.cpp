@@ -1,5 +1,6 @@
 // ModelConfig (HF config.json), InferenceLayout, options.
 #include <charconv>
+#include <cmath>
 #include <fstream>
 #include <sstream>
 
@@ -108,8 +109,9 @@ Result<int64_t> ModelConfig::get_int(std::string_view field) const {
     return v->get<int64_t>();
   }
   if (v->is_number_float()) {
+    // Range first: casting a double outside int64 (1e300) is undefined behaviour.
     const double d = v->get<double>();
-    if (d == static_cast<double>(static_cast<int64_t>(d)) && d >= -9e15 && d <= 9e15) return static_cast<int64_t>(d);
+    if (d >= -9e15 && d <= 9e15 && d == std::trunc(d)) return static_cast<int64_t>(d);
   }
   return invalid_argument("{}: field '{}' must be an integer, got {} {}", path_, field, type_of(*v), short_dump(*v));
 }

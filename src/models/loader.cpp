@@ -140,6 +140,29 @@ Result<TensorMap> final_params(const RankLoader& rl, TensorMap params) {
 
 }  // namespace
 
+Result<TensorMap> load_rank_direct(const ModelLoader& loader, int global, const FetchTensor& fetch) {
+  FERRY_ASSIGN_OR_RETURN(auto rl, loader.rank(global));
+  TensorMap params = allocate_params(*rl);
+  const auto& decls = loader.checkpoint();
+  std::vector<int> pending(rl->groups().size(), 0);
+  for (const auto& d : decls) {
+    for (int g : rl->groups_written_by(d.name)) ++pending[static_cast<size_t>(g)];
+  }
+  for (size_t g = 0; g < pending.size(); ++g) {
+    if (pending[g] == 0) FERRY_RETURN_IF_ERROR(rl->process_weights_after_loading(static_cast<int>(g), params));
+  }
+  for (const auto& d : decls) {
+    const std::vector<int> groups = rl->groups_written_by(d.name);
+    if (groups.empty()) continue;  // nothing of it lands on this rank
+    FERRY_ASSIGN_OR_RETURN(Tensor t, fetch(d));
+    FERRY_RETURN_IF_ERROR(rl->load(d.name, t, params));
+    for (int g : groups) {
+      if (--pending[static_cast<size_t>(g)] == 0) FERRY_RETURN_IF_ERROR(rl->process_weights_after_loading(g, params));
+    }
+  }
+  return final_params(*rl, std::move(params));
+}
+
 Result<TensorMap> load_rank_direct(const ModelLoader& loader, int global, const TensorMap& checkpoint) {
   FERRY_ASSIGN_OR_RETURN(auto rl, loader.rank(global));
   TensorMap params = allocate_params(*rl);

@@ -47,7 +47,8 @@ struct Holders {
 };
 
 // A real Tensor over the memory of a numpy array / torch tensor / DLPack array (zero-copy),
-// checked against `decl` (errors name the tensor: "<what> '<name>'").
+// checked against `decl` (errors name the tensor: "<what> '<name>'", e.g. what = "replay:
+// param" or "Consumer: param").
 Tensor bind_object(py::handle obj, const TensorDecl& decl, const char* what, bool writable, Holders& holders);
 // Binds every tensor the plan reads (sources) or writes (params) from a name mapping.
 TensorMap bind_all(const Plan& plan, py::handle mapping, bool params, Holders& holders);
@@ -59,5 +60,6 @@ struct PyModelLoader {
 
 void register_models(py::module_& m);  // models.cpp (when the models module is built)
 void register_engine(py::module_& m);  // engine.cpp (when the engine is built)
+void register_rank(py::module_& m);    // rank.cpp (when the tools are built)
 
 }  // namespace ferry::python

@@ -9,11 +9,15 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <utility>
 
 #include "ferry/engine.h"
 #include "ferry/source.h"
@@ -50,6 +54,86 @@ std::vector<TensorDecl> decls_from_python(py::handle items) {
 
 Status status_from_python(py::error_already_set& e, const std::string& where) {
   return invalid_argument("{}: {}", where, e.what());
+}
+
+// Memory of a trainer's tensor that materialize returned: [base, base + bytes). For a
+// torch tensor its whole storage (so every view of one parameter names one region).
+struct Extent {
+  const std::byte* base = nullptr;
+  uint64_t bytes = 0;
+};
+
+bool is_torch(py::handle obj) {
+  py::object torch = py::module_::import("sys").attr("modules").attr("get")("torch");
+  return !torch.is_none() && py::isinstance(obj, torch.attr("Tensor"));
+}
+
+// A real ferry Tensor over a materialized array *as it lies* — a torch view or numpy
+// array with any non-negative strides (a row range of a fused weight, a column range),
+// no copy — checked against `decl` (the box). Other objects (DLPack) must be
+// contiguous (bind_object). `extent` receives the memory the tensor lives in.
+Tensor bind_view(py::handle obj, const TensorDecl& decl, Holders& holders, Extent& extent) {
+  auto where = [&] { return fmt::format("materialized tensor '{}'", decl.name); };
+  auto check = [&](DType dtype, const Shape& shape) {
+    if (dtype != decl.dtype) {
+      throw_status(invalid_argument("{} has dtype {} but the metadata says {}", where(), dtype_name(dtype),
+                                    dtype_name(decl.dtype)),
+                   "DTypeMismatchError");
+    }
+    if (shape != decl.shape) {
+      throw_status(invalid_argument("{} has shape {} but its box is {}", where(), shape_str(shape), shape_str(decl.shape)),
+                   "ShapeMismatchError");
+    }
+  };
+  const int64_t es = static_cast<int64_t>(dtype_size(decl.dtype));
+  if (is_torch(obj)) {
+    const std::string device = py::str(obj.attr("device").attr("type"));
+    if (device != "cpu") throw_status(invalid_argument("{} is on device '{}'; ferry reads CPU memory", where(), device));
+    std::string tname = py::str(obj.attr("dtype"));
+    if (tname.rfind("torch.", 0) == 0) tname.erase(0, 6);
+    auto d = parse_dtype(tname);
+    if (!d.ok()) throw_status(invalid_argument("{} has dtype {} but the metadata says {}", where(), tname, dtype_name(decl.dtype)), "DTypeMismatchError");
+    Layout l;
+    for (py::handle x : obj.attr("shape")) l.shape.push_back(x.cast<int64_t>());
+    check(*d, l.shape);
+    for (py::handle x : obj.attr("stride")()) l.strides.push_back(x.cast<int64_t>());
+    py::object storage = py::hasattr(obj, "untyped_storage") ? obj.attr("untyped_storage")() : obj.attr("storage")();
+    auto* base = reinterpret_cast<std::byte*>(storage.attr("data_ptr")().cast<uintptr_t>());
+    const auto nbytes = storage.attr("nbytes")().cast<int64_t>();
+    l.offset = obj.attr("storage_offset")().cast<int64_t>();
+    holders.objects.push_back(py::reinterpret_borrow<py::object>(obj));
+    extent = Extent{base, static_cast<uint64_t>(nbytes)};
+    static std::byte empty_storage[16];
+    if (base == nullptr && l.numel() == 0) base = empty_storage;
+    return checked(Tensor::borrow_strided(base, nbytes / es, std::move(l), *d, nullptr, decl.name));
+  }
+  if (PyObject_CheckBuffer(obj.ptr())) {
+    auto info = std::make_unique<py::buffer_info>(py::reinterpret_borrow<py::buffer>(obj).request());
+    DType dtype = decl.dtype;
+    if (info->itemsize != es) {
+      throw_status(invalid_argument("{} has {}-byte elements but the metadata says {}", where(), info->itemsize,
+                                    dtype_name(decl.dtype)),
+                   "DTypeMismatchError");
+    }
+    Layout l;
+    l.shape.assign(info->shape.begin(), info->shape.end());
+    check(dtype, l.shape);
+    for (py::ssize_t st : info->strides) {
+      if (st < 0 || st % es != 0) {
+        throw_status(invalid_argument("{}: stride of {} bytes is not a non-negative multiple of {}", where(), st, es));
+      }
+      l.strides.push_back(st / es);
+    }
+    const int64_t numel = l.numel() == 0 ? 0 : l.max_offset() + 1;
+    auto* base = static_cast<std::byte*>(info->ptr);
+    extent = Extent{base, static_cast<uint64_t>(numel * es)};
+    holders.views.push_back(std::move(info));
+    static std::byte empty_storage[16];
+    if (base == nullptr) base = empty_storage;
+    return checked(Tensor::borrow_strided(base, numel, std::move(l), dtype, nullptr, decl.name));
+  }
+  extent = Extent{};
+  return bind_object(obj, decl, "materialized tensor", false, holders);
 }
 
 // A WeightSource whose methods are those of a Python object (ferry.WeightSource).
@@ -98,7 +182,18 @@ class PySource final : public WeightSource {
     if (!mine_) {
       FERRY_ASSIGN_OR_RETURN(Holdings h, holdings(rank_));
       mine_ = std::move(h);
+      // Per group, its boxes grouped by tensor (holdings order): one pass, not one per group.
+      boxes_of_group_.assign(static_cast<size_t>(groups_.size()), {});
+      std::unordered_map<uint32_t, size_t> slot;  // tensor -> its entry in its group's list
+      for (uint32_t i = 0; i < mine_->boxes.size(); ++i) {
+        const uint32_t tensor = mine_->boxes[i].tensor;
+        auto& of_group = boxes_of_group_[static_cast<size_t>(groups_.of_name(mine_->tensors[tensor].name))];
+        auto [it, fresh] = slot.emplace(tensor, of_group.size());
+        if (fresh) of_group.emplace_back();
+        of_group[it->second].push_back(i);
+      }
     }
+    if (group < 0 || group >= groups_.size()) return out_of_range("materialize: group {} of {}", group, groups_.size());
     py::gil_scoped_acquire gil;
     auto holders = std::make_unique<Holders>();
     std::vector<LocalBox> out;
@@ -109,17 +204,28 @@ class PySource final : public WeightSource {
         return invalid_argument("{}: must return a mapping from tensor name to array, got {}", where,
                                 std::string(py::str(py::type::handle_of(got).attr("__qualname__"))));
       }
-      for (uint32_t i = 0; i < mine_->boxes.size(); ++i) {
-        const HeldBox& hb = mine_->boxes[i];
-        const TensorDecl& decl = mine_->tensors[hb.tensor];
-        if (groups_.of_name(decl.name) != group) continue;
+      for (const std::vector<uint32_t>& of_tensor : boxes_of_group_[static_cast<size_t>(group)]) {
+        const TensorDecl& decl = mine_->tensors[mine_->boxes[of_tensor[0]].tensor];
         py::str key(decl.name);
         if (!got.attr("__contains__")(key).cast<bool>()) {
-          return not_found("{}: '{}' (box {}) is missing", where, decl.name, hb.box.to_string());
+          return not_found("{}: '{}' (box {}) is missing", where, decl.name, mine_->boxes[of_tensor[0]].box.to_string());
         }
-        TensorDecl box_decl{decl.name, decl.dtype, hb.box.size};
-        Tensor t = bind_object(got.attr("__getitem__")(key), box_decl, "materialized tensor", false, *holders);
-        out.push_back(LocalBox{i, std::move(t)});
+        py::object value = got.attr("__getitem__")(key);
+        // Several boxes of one tensor (e.g. the q rows of two kv groups): a list, in holdings order.
+        const bool listed = py::isinstance<py::list>(value) || py::isinstance<py::tuple>(value);
+        if (of_tensor.size() > 1 && (!listed || py::len(value) != of_tensor.size())) {
+          return invalid_argument("{}: this rank holds {} boxes of '{}'; give a list of {} arrays in holdings order", where,
+                                  of_tensor.size(), decl.name, of_tensor.size());
+        }
+        for (size_t k = 0; k < of_tensor.size(); ++k) {
+          const HeldBox& hb = mine_->boxes[of_tensor[k]];
+          py::object obj = listed ? py::reinterpret_borrow<py::object>(value[py::int_(k)]) : value;
+          TensorDecl box_decl{decl.name, decl.dtype, hb.box.size};
+          Extent e;
+          Tensor t = bind_view(obj, box_decl, *holders, e);
+          if (collect_extents_ && e.bytes > 0) extents_.push_back(e);
+          out.push_back(LocalBox{of_tensor[k], std::move(t)});
+        }
       }
     } catch (py::error_already_set& e) {
       return status_from_python(e, where);
@@ -130,6 +236,25 @@ class PySource final : public WeightSource {
     return out;
   }
 
+  // The memory of every array materialize returned since the last call, merged where
+  // it overlaps (what in-place serving registers with the transport).
+  void collect_extents(bool on) { collect_extents_ = on; }
+  std::vector<Extent> take_extents() {
+    std::vector<Extent> e = std::move(extents_);
+    extents_.clear();
+    std::sort(e.begin(), e.end(), [](const Extent& a, const Extent& b) { return a.base < b.base; });
+    std::vector<Extent> merged;
+    for (const Extent& x : e) {
+      if (!merged.empty() && x.base <= merged.back().base + merged.back().bytes) {
+        const std::byte* end = std::max(merged.back().base + merged.back().bytes, x.base + x.bytes);
+        merged.back().bytes = static_cast<uint64_t>(end - merged.back().base);
+      } else {
+        merged.push_back(x);
+      }
+    }
+    return merged;
+  }
+
  private:
   py::object obj_;
   std::vector<TensorDecl> meta_;
@@ -138,26 +263,41 @@ class PySource final : public WeightSource {
   int rank_ = 0;
   int world_ = 1;
   std::optional<Holdings> mine_;
+  std::vector<std::vector<std::vector<uint32_t>>> boxes_of_group_;  // group -> tensor -> box indices
   std::unique_ptr<Holders> holders_;
+  bool collect_extents_ = false;
+  std::vector<Extent> extents_;
 };
 
-std::chrono::milliseconds ms(double seconds) { return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)); }
+// A duration option in seconds. inf (or anything longer) means "no bound" and becomes
+// kNoBound, one day: the longest wait the store accepts (Store::wait), and far from where
+// a steady_clock deadline (now + duration, in ns) would overflow int64.
+std::chrono::milliseconds ms(double seconds, const char* option) {
+  constexpr double kNoBound = 86400;
+  if (std::isnan(seconds) || seconds < 0) {
+    throw_status(invalid_argument("{}: must be >= 0 seconds (float('inf'): no bound), got {}", option, seconds));
+  }
+  return std::chrono::milliseconds(static_cast<int64_t>(std::min(seconds, kNoBound) * 1000));
+}
 
 void fill_engine_options(EngineOptions& o, const py::dict& kw) {
   if (kw.contains("job")) o.job = kw["job"].cast<std::string>();
   if (kw.contains("num_producers")) o.num_producers = kw["num_producers"].cast<int>();
   if (kw.contains("num_consumers")) o.num_consumers = kw["num_consumers"].cast<int>();
   if (kw.contains("mode")) o.mode = value_or_raise(parse_sync_mode(kw["mode"].cast<std::string>()));
-  if (kw.contains("rendezvous_timeout")) o.rendezvous_timeout = ms(kw["rendezvous_timeout"].cast<double>());
-  if (kw.contains("timeout")) o.timeout = ms(kw["timeout"].cast<double>());
-  if (kw.contains("stall_timeout")) o.stall_timeout = ms(kw["stall_timeout"].cast<double>());
-  if (kw.contains("lease_ttl")) o.lease_ttl = ms(kw["lease_ttl"].cast<double>());
+  if (kw.contains("rendezvous_timeout")) {
+    o.rendezvous_timeout = ms(kw["rendezvous_timeout"].cast<double>(), "rendezvous_timeout");
+  }
+  if (kw.contains("timeout")) o.timeout = ms(kw["timeout"].cast<double>(), "timeout");
+  if (kw.contains("stall_timeout")) o.stall_timeout = ms(kw["stall_timeout"].cast<double>(), "stall_timeout");
+  if (kw.contains("lease_ttl")) o.lease_ttl = ms(kw["lease_ttl"].cast<double>(), "lease_ttl");
   if (kw.contains("checksums")) o.checksums = kw["checksums"].cast<bool>();
 }
 
 std::unique_ptr<Transport> make_transport(const py::dict& kw) {
   TransportOptions t;
   if (kw.contains("backend")) t.backend = kw["backend"].cast<std::string>();
+  if (kw.contains("token")) t.token = kw["token"].cast<std::string>();  // the store's token guards the data plane too
   if (kw.contains("transport_params")) {
     for (auto item : kw["transport_params"].cast<py::dict>()) t.params[py::str(item.first)] = py::str(item.second);
   }
@@ -173,7 +313,8 @@ std::unique_ptr<Store> open_store(const std::string& url, const py::dict& kw) {
 py::dict report_dict(const SyncReport& r) {
   py::dict d;
   d["version"] = r.version;
-  d["ok"] = r.status.ok();
+  d["ok"] = r.ok();  // this side finished and (producer) every consumer it serves committed
+  d["missed"] = r.missed;
   d["error"] = r.status.ok() ? py::object(py::none()) : py::object(py::str(r.status.to_string()));
   d["bytes_sent"] = r.bytes_sent;          // producer
   d["sent_in_place"] = r.sent_in_place;
@@ -192,6 +333,18 @@ py::dict report_dict(const SyncReport& r) {
   d["bytes_per_peer"] = peers;
   d["dropped"] = r.dropped;
   d["failures"] = r.failures;
+  // This rank's extra memory by kind (bytes; MemoryUse): extra = rings + metadata +
+  // transport allowance; registered_in_place and own_params are not extra.
+  const MemoryUse& m = r.memory;
+  py::dict mem;
+  mem["staging_ring"] = m.staging_ring;
+  mem["receive_ring"] = m.receive_ring;
+  mem["metadata"] = m.metadata;
+  mem["transport_allowance"] = m.transport_allowance;
+  mem["extra"] = m.extra();
+  mem["registered_in_place"] = m.registered_in_place;
+  mem["own_params"] = m.own_params;
+  d["memory"] = mem;
   d["text"] = r.to_string();
   return d;
 }
@@ -199,6 +352,7 @@ py::dict report_dict(const SyncReport& r) {
 struct PyProducer {
   std::unique_ptr<PySource> source;
   std::unique_ptr<Transport> transport;
+  std::vector<MemoryRegion> source_regions;  // in place: the trainer's memory, registered
   std::unique_ptr<Store> store;
   std::unique_ptr<Producer> producer;
 
@@ -214,12 +368,44 @@ struct PyProducer {
   }
 };
 
+// A Python object that C++ may hold on any thread: its reference is dropped under the
+// GIL (the engine destroys its hooks with the GIL released).
+struct GilObject {
+  py::object obj;
+  explicit GilObject(py::object o) : obj(std::move(o)) {}
+  ~GilObject() {
+    py::gil_scoped_acquire gil;
+    obj = py::object();
+  }
+};
+
+// The first error a Python hook raised on the consumer's background thread (the C++
+// after_group hook returns nothing); sync() raises it once the engine returns.
+struct HookErrors {
+  std::mutex mu;
+  Status first;
+  void add(Status st) {
+    std::lock_guard<std::mutex> lk(mu);
+    if (first.ok()) first = std::move(st);
+  }
+  Status take() {
+    std::lock_guard<std::mutex> lk(mu);
+    return std::exchange(first, Status::Ok());
+  }
+};
+
+std::string python_error(py::error_already_set& e) {
+  std::string type = py::str(e.type().attr("__name__"));
+  return fmt::format("{}: {}", type, std::string(py::str(e.value())));
+}
+
 struct PyConsumer {
-  std::shared_ptr<const ModelLoader> loader;  // kept alive while the consumer lives
+  std::shared_ptr<const ModelLoader> loader;  // kept alive while the consumer lives (loader= path)
   std::unique_ptr<Transport> transport;
   std::unique_ptr<Store> store;
   std::unique_ptr<Consumer> consumer;
   Holders holders;  // the caller's param arrays
+  std::shared_ptr<HookErrors> hook_errors = std::make_shared<HookErrors>();
 
   void close() {
     py::gil_scoped_release release;
@@ -231,6 +417,28 @@ struct PyConsumer {
     if (consumer || transport || store) close();
   }
 };
+
+// Engine options plus the Python after_group hook (kw["after_group"]: callable(version,
+// group) or absent), called on the consumer's background thread with the GIL held; what
+// it raises is kept in c.hook_errors and fails that sync. before_sync/after_sync run in
+// ferry.Consumer.sync on the caller's thread (a raise there needs no C++ help).
+void fill_consumer_options(ConsumerOptions& co, const py::dict& kw, PyConsumer& c) {
+  fill_engine_options(co, kw);
+  if (kw.contains("after_group") && !kw["after_group"].is_none()) {
+    auto fn = std::make_shared<GilObject>(py::reinterpret_borrow<py::object>(kw["after_group"]));
+    std::shared_ptr<HookErrors> errors = c.hook_errors;
+    co.after_group = [fn, errors](uint64_t version, int group) {
+      py::gil_scoped_acquire gil;
+      try {
+        fn->obj(version, group);
+      } catch (py::error_already_set& e) {
+        errors->add(invalid_argument("after_group hook (version {}, group {}): {}", version, group, python_error(e)));
+      } catch (const std::exception& e) {  // nothing may escape onto the engine's thread
+        errors->add(internal_error("after_group hook (version {}, group {}): {}", version, group, e.what()));
+      }
+    };
+  }
+}
 
 struct PyStoreServer {
   std::unique_ptr<StoreServer> server;
@@ -271,25 +479,40 @@ void register_engine(py::module_& m) {
     for (int i = 0; i < g.size(); ++i) names.push_back(g.name(i));
     return py::make_tuple(names, g.tensor_groups());
   });
-  // Megatron/FSDP holdings of every trainer rank: [[(name, start, size), ...] per rank].
-  m.def("_make_holdings", [](py::handle metadata, const std::string& layout, int64_t q_rows, int64_t kv_rows) {
-    std::vector<TensorDecl> meta = decls_from_python(metadata);
-    TrainerLayout lay = value_or_raise(TrainerLayout::parse(layout));
-    ModelInfo info;
-    info.q_rows = q_rows;
-    info.kv_rows = kv_rows;
-    TrainerHoldings th = value_or_raise(make_holdings(meta, lay, info));
-    py::list ranks;
-    for (const Holdings& h : th.ranks) {
-      py::list boxes;
-      for (const HeldBox& b : h.boxes) {
-        boxes.append(py::make_tuple(h.tensors[b.tensor].name, to_tuple(b.box.start), to_tuple(b.box.size)));
-      }
-      ranks.append(boxes);
-    }
-    return ranks;
-  });
+  // Megatron/FSDP holdings of every trainer rank, computed once; rank(r) converts one
+  // rank's boxes to Python ([(name, start, size)]), so a trainer rank of a 1024-rank
+  // layout pays for its own boxes only.
+  py::class_<TrainerHoldings>(m, "_LayoutHoldings")
+      .def(py::init([](py::handle metadata, const std::string& layout, int64_t q_rows, int64_t kv_rows) {
+        std::vector<TensorDecl> meta = decls_from_python(metadata);
+        TrainerLayout lay = value_or_raise(TrainerLayout::parse(layout));
+        ModelInfo info;
+        info.q_rows = q_rows;
+        info.kv_rows = kv_rows;
+        return value_or_raise(make_holdings(meta, lay, info));
+      }))
+      .def_property_readonly("world_size", [](const TrainerHoldings& th) { return th.ranks.size(); })
+      .def("rank", [](const TrainerHoldings& th, int rank) {
+        if (rank < 0 || static_cast<size_t>(rank) >= th.ranks.size()) {
+          throw_status(out_of_range("holdings: rank {} outside the layout {} of {} ranks", rank, th.layout.to_string(),
+                                    th.ranks.size()));
+        }
+        const Holdings& h = th.ranks[static_cast<size_t>(rank)];
+        py::list boxes;
+        for (const HeldBox& b : h.boxes) {
+          boxes.append(py::make_tuple(h.tensors[b.tensor].name, to_tuple(b.box.start), to_tuple(b.box.size)));
+        }
+        return boxes;
+      });
   m.def("_transport_backends", [] { return Transport::backends(); });
+  m.def("_committed_versions", [](const std::string& url, const py::dict& kw, const std::string& job, int n) {
+    auto store = open_store(url, kw);
+    auto r = [&] {
+      py::gil_scoped_release nogil;
+      return committed_versions(*store, job, n);
+    }();
+    return value_or_raise(std::move(r));
+  });
 
   py::class_<PyStoreServer>(m, "_StoreServer")
       .def_static("start", [](const std::string& host, int port, const std::string& token) {
@@ -315,8 +538,31 @@ void register_engine(py::module_& m) {
         fill_engine_options(po, kw);
         if (!kw.contains("num_producers")) po.num_producers = world;
         if (kw.contains("staging_budget")) po.staging_budget = kw["staging_budget"].cast<uint64_t>();
+        if (kw.contains("direct_min_bytes")) po.direct_min_bytes = kw["direct_min_bytes"].cast<uint64_t>();
         p->transport = make_transport(kw);
         p->store = open_store(store_url, kw);
+        if (kw.contains("in_place") && kw["in_place"].cast<bool>()) {
+          // Serving in place: materialise every group once, register the memory the
+          // arrays live in (a torch tensor's whole storage) with the transport, and let
+          // create() find each box in those regions (ProducerOptions::source_regions).
+          // The Python objects that own that memory (the trainer's parameters) must keep
+          // it at the same address; a box that moved fails its sync, naming the tensor.
+          p->source->collect_extents(true);
+          const int groups = Groups(p->source->metadata()).size();
+          for (int g = 0; g < groups; ++g) {
+            Result<std::vector<LocalBox>> got = Status(StatusCode::kInternal, "not run");
+            {
+              py::gil_scoped_release release;
+              got = p->source->materialize(g);
+            }
+            if (!got.ok()) throw_status(got.status().with_context("Producer(in_place=True)"));
+          }
+          p->source->collect_extents(false);
+          for (const Extent& e : p->source->take_extents()) {
+            p->source_regions.push_back(value_or_raise(p->transport->register_memory(const_cast<std::byte*>(e.base), e.bytes)));
+          }
+          po.source_regions = p->source_regions;
+        }
         Result<std::unique_ptr<Producer>> made = Status(StatusCode::kInternal, "not run");
         {
           py::gil_scoped_release release;
@@ -343,7 +589,7 @@ void register_engine(py::module_& m) {
         // model_loader: a ferry._ferry._ModelLoader (shares the C++ loader).
         c->loader = model_loader.cast<const PyModelLoader&>().loader;
         ConsumerOptions co;
-        fill_engine_options(co, kw);
+        fill_consumer_options(co, kw, *c);
         TensorMap pm;
         if (!params.is_none()) {
           auto r = c->loader->rank(rank);
@@ -354,7 +600,7 @@ void register_engine(py::module_& m) {
               throw_status(not_found("Consumer: param '{}' {} {} is missing from params", d.name, shape_str(d.shape),
                                      dtype_name(d.dtype)));
             }
-            pm.emplace(d.name, bind_object(params.attr("__getitem__")(key), d, "param", true, c->holders));
+            pm.emplace(d.name, bind_object(params.attr("__getitem__")(key), d, "Consumer: param", true, c->holders));
           }
         }
         c->transport = make_transport(kw);
@@ -367,6 +613,61 @@ void register_engine(py::module_& m) {
         c->consumer = value_or_raise(std::move(made));
         return c;
       }))
+      // A consumer of a plan recorded anywhere (ferry.record_load, ferry.record): `params`
+      // a mapping name -> array/tensor written in place (names the plan lacks are
+      // ignored; plan params missing from it are allocated by the engine), post_process
+      // (group name, {name: param}) or None.
+      .def_static("from_plan", [](const PyPlan& plan, int rank, const std::string& store_url, py::object params,
+                                  py::object post_process, py::dict kw) {
+        auto c = std::make_unique<PyConsumer>();
+        ConsumerOptions co;
+        fill_consumer_options(co, kw, *c);
+        ConsumerModel model;
+        model.plan = plan.plan;
+        if (!params.is_none()) {
+          for (const TensorDecl& d : model.plan.params()) {
+            py::str key(d.name);
+            if (!params.attr("__contains__")(key).cast<bool>()) continue;
+            model.params.emplace(d.name, bind_object(params.attr("__getitem__")(key), d, "Consumer: param", true,
+                                                     c->holders));
+          }
+        }
+        if (!post_process.is_none()) {
+          auto fn = std::make_shared<GilObject>(post_process);
+          auto user = std::make_shared<GilObject>(params);
+          model.post_process = [fn, user](const ConsumerModel::PostGroup& group, TensorMap& all) -> Status {
+            py::gil_scoped_acquire gil;
+            try {
+              py::dict arg;
+              for (const std::string& name : group.params) {
+                py::str key(name);
+                if (!user->obj.is_none() && user->obj.attr("__contains__")(key).cast<bool>()) {
+                  arg[key] = user->obj.attr("__getitem__")(key);
+                } else if (auto it = all.find(name); it != all.end()) {
+                  arg[key] = numpy_view(it->second, py::none());
+                }
+              }
+              fn->obj(group.name, arg);
+              return Status::Ok();
+            } catch (py::error_already_set& e) {
+              return invalid_argument("post_process('{}'): {}", group.name, python_error(e));
+            } catch (const StatusError& e) {
+              return e.status.with_context(fmt::format("post_process('{}')", group.name));
+            } catch (const std::exception& e) {  // nothing may escape onto the engine's thread
+              return internal_error("post_process('{}'): {}", group.name, e.what());
+            }
+          };
+        }
+        c->transport = make_transport(kw);
+        c->store = open_store(store_url, kw);
+        Result<std::unique_ptr<Consumer>> made = Status(StatusCode::kInternal, "not run");
+        {
+          py::gil_scoped_release release;
+          made = Consumer::create(std::move(model), rank, *c->transport, *c->store, co);
+        }
+        c->consumer = value_or_raise(std::move(made));
+        return c;
+      })
       .def("sync", [](PyConsumer& c, uint64_t version) {
         if (!c.consumer) throw_status(failed_precondition("Consumer.sync: the consumer is closed"));
         Result<SyncReport> r = Status(StatusCode::kInternal, "not run");
@@ -374,7 +675,11 @@ void register_engine(py::module_& m) {
           py::gil_scoped_release release;
           r = c.consumer->sync(version);
         }
-        return report_dict(value_or_raise(std::move(r)));
+        // A hook that raised fails the sync with its own error (the engine's, if any, first).
+        Status hook = c.hook_errors->take();
+        SyncReport rep = value_or_raise(std::move(r));
+        if (!hook.ok()) throw_status(std::move(hook));
+        return report_dict(rep);
       })
       .def("state", [](const PyConsumer& c) {
         ConsumerState s = c.consumer->state();

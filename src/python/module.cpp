@@ -22,6 +22,7 @@
 #include "ferry/plan.h"
 #include "ferry/status.h"
 #include "ferry/tensor.h"
+#include "ferry/version.h"
 #include "python/common.h"
 
 namespace py = pybind11;
@@ -249,7 +250,9 @@ Result<DType> dtype_from_format(std::string fmt, py::ssize_t itemsize) {
 
 // A real ferry::Tensor over the memory of `obj` (zero-copy), checked against `decl`.
 Tensor bind_object(py::handle obj, const TensorDecl& decl, const char* kind, bool writable, Holders& holders) {
-  auto where = [&] { return fmt::format("replay: {} '{}'", kind, decl.name); };
+  // `kind` says who binds it ("replay: param", "Consumer: param", "materialized tensor"),
+  // so an engine error is not presented as a replay one.
+  auto where = [&] { return fmt::format("{} '{}'", kind, decl.name); };
   void* data = nullptr;
   Shape shape;
   DType dtype = decl.dtype;
@@ -363,6 +366,7 @@ TensorMap bind_all(const Plan& plan, py::handle mapping, bool params, Holders& h
     for (const Zero& z : plan.zeros()) used[z.param] = true;
   }
   const char* kind = params ? "param" : "source";
+  const char* bind_kind = params ? "replay: param" : "replay: source";
   if (!PyMapping_Check(mapping.ptr()) || !py::hasattr(mapping, "keys")) {
     throw_status(invalid_argument("replay: the {}s must be a mapping from name to array, got {}", kind, type_name(mapping)));
   }
@@ -376,7 +380,7 @@ TensorMap bind_all(const Plan& plan, py::handle mapping, bool params, Holders& h
       throw_status(not_found("replay: {} '{}' {} {} is missing", kind, d.name, shape_str(d.shape), dtype_name(d.dtype)));
     }
     py::object obj = map.attr("__getitem__")(key);
-    out.emplace(d.name, bind_object(obj, d, kind, params, holders));
+    out.emplace(d.name, bind_object(obj, d, bind_kind, params, holders));
   }
   return out;
 }
@@ -393,6 +397,7 @@ PYBIND11_MODULE(_ferry, m) {
   using namespace ferry;
   using namespace ferry::python;
   m.doc() = "ferry's C++ core (use the ferry package, not this module)";
+  m.attr("__version__") = FERRY_VERSION_STRING;
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {
@@ -500,6 +505,9 @@ PYBIND11_MODULE(_ferry, m) {
 #endif
 #ifdef FERRY_PYTHON_ENGINE
   register_engine(m);
+#endif
+#ifdef FERRY_PYTHON_RANK
+  register_rank(m);
 #endif
 
   py::class_<PyRecorder>(m, "_Recorder")

@@ -1,4 +1,5 @@
 // Routes: encoding, bounds-checked decoding, validation, hashing; pack/unpack executors.
+#include <algorithm>
 #include <cstring>
 #include <unordered_map>
 
@@ -396,6 +397,60 @@ Status Routes::validate() const {
 // ---------------------------------------------------------------------------------------
 // Executors
 
+namespace {
+
+// Copies the elements `sel` selects — a layout over the row-major index space of a box
+// of shape `box` — from a view of that box with strides `strides` whose element 0 is at
+// `src` (a trainer's own tensor: a row range of a fused weight, a column range, ...),
+// into `dst`, contiguous. Runs of `sel` are cut at the box's rows and each piece is
+// copied as one strided run of the view (a memcpy when its rows are contiguous).
+void gather_from_view(const std::byte* src, const Shape& strides, const Shape& box, Layout sel, DType dt,
+                      std::byte* dst) {
+  const uint64_t es = dtype_size(dt);
+  if (sel.numel() == 0) return;
+  if (box.empty()) {  // 0-d: one element
+    std::memcpy(dst, src, es);
+    return;
+  }
+  const Shape box_strides = contiguous_strides(box);
+  const int64_t row = box.back();
+  const int64_t row_stride = strides.back();
+  auto memory_of = [&](int64_t flat) {
+    int64_t m = 0;
+    for (size_t k = 0; k < box.size(); ++k) {
+      const int64_t i = flat / box_strides[k];
+      flat -= i * box_strides[k];
+      m += i * strides[k];
+    }
+    return m;
+  };
+  coalesce_layout(sel);
+  const size_t nd = sel.shape.size();
+  const int64_t inner = nd ? sel.shape.back() : 1;
+  const int64_t inner_stride = nd ? sel.strides.back() : 1;
+  Shape idx(nd > 0 ? nd - 1 : 0, 0);
+  for (;;) {
+    int64_t f = sel.offset;
+    for (size_t k = 0; k + 1 < nd; ++k) f += idx[k] * sel.strides[k];
+    if (inner_stride == 1) {
+      for (int64_t n = inner; n > 0;) {
+        const int64_t len = std::min(n, row - f % row);
+        strided_copy(src, Layout{{len}, {row_stride}, memory_of(f)}, dt, dst, Layout{{len}, {1}, 0}, dt);
+        dst += static_cast<uint64_t>(len) * es;
+        f += len;
+        n -= len;
+      }
+    } else {
+      for (int64_t j = 0; j < inner; ++j, dst += es) std::memcpy(dst, src + memory_of(f + j * inner_stride) * static_cast<int64_t>(es), es);
+    }
+    size_t k = idx.size();
+    while (k > 0 && ++idx[k - 1] == sel.shape[k - 1]) idx[--k] = 0;
+    if (k == 0) return;
+  }
+}
+
+}  // namespace
+
 Status pack_group(const Routes& routes, uint32_t producer, int group, const Holdings& holdings,
                   const std::vector<LocalBox>& boxes, std::span<std::byte> staging) {
   if (producer >= routes.producers.size()) return out_of_range("pack: producer {} of {}", producer, routes.producers.size());
@@ -422,8 +477,8 @@ Status pack_group(const ProducerGroup& pg, uint32_t producer, int group, const H
                        hb.box.to_string(), d.name);
     }
     const Tensor& t = *it->second;
-    if (!t.is_real() || !t.is_contiguous() || t.shape() != hb.box.size || t.dtype() != d.dtype || op.dtype != d.dtype) {
-      return invalid_argument("pack: tensor '{}' box {}: materialized {} but the routes need a contiguous {} {}", d.name,
+    if (!t.is_real() || t.shape() != hb.box.size || t.dtype() != d.dtype || op.dtype != d.dtype) {
+      return invalid_argument("pack: tensor '{}' box {}: materialized {} but the routes need a real {} {}", d.name,
                               hb.box.to_string(), t.describe(), dtype_name(d.dtype), shape_str(hb.box.size));
     }
     int64_t n, lo, hi;
@@ -434,8 +489,11 @@ Status pack_group(const ProducerGroup& pg, uint32_t producer, int group, const H
       return out_of_range("pack: tensor '{}' at {} overflows staging", d.name, op.offset);
     }
     FERRY_ASSIGN_OR_RETURN(std::byte * src, t.data_ptr());
-    strided_copy(src, op.src, d.dtype, staging.data() + op.offset,
-                 Layout::contiguous(op.src.shape), d.dtype);
+    if (t.is_contiguous()) {
+      strided_copy(src, op.src, d.dtype, staging.data() + op.offset, Layout::contiguous(op.src.shape), d.dtype);
+    } else {
+      gather_from_view(src, t.strides(), hb.box.size, op.src, d.dtype, staging.data() + op.offset);
+    }
   }
   return Status::Ok();
 }

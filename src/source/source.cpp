@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <charconv>
 #include <map>
+#include <numeric>
 #include <unordered_map>
 
 #include <nlohmann/json.hpp>
@@ -159,6 +160,9 @@ Result<TrainerLayout> TrainerLayout::parse(std::string_view text) {
     if (ec != std::errc() || p != val.data() + val.size() || n <= 0) {
       return invalid_argument("trainer layout '{}': {} must be a positive integer, got '{}'", text, key, val);
     }
+    if (n > kMaxRanks) {
+      return invalid_argument("trainer layout '{}': {} = {} exceeds the limit of {} ranks", text, key, n, kMaxRanks);
+    }
     v[key] = n;
     if (comma == std::string_view::npos) break;
     rest = rest.substr(comma + 1);
@@ -184,7 +188,17 @@ Result<TrainerLayout> TrainerLayout::parse(std::string_view text) {
   if ((l.first || l.last) && l.pp < 2) {
     return invalid_argument("trainer layout '{}': first/last (layers of the first/last PP stage) need pp >= 2", text);
   }
-  const int grid = l.ep * l.etp;
+  // Products in 64 bits and bounded before anything is sized by them: tp=100000,pp=100000
+  // overflowed int and then asked for a vector of that many ranks.
+  const int64_t grid64 = int64_t{l.ep} * l.etp;
+  if (grid64 > kMaxRanks) {
+    return invalid_argument("trainer layout '{}': ep*etp = {} exceeds the limit of {} ranks", text, grid64, kMaxRanks);
+  }
+  if (int64_t{l.tp} * l.pp > kMaxRanks) {
+    return invalid_argument("trainer layout '{}': tp*pp = {} exceeds the limit of {} ranks", text,
+                            int64_t{l.tp} * l.pp, kMaxRanks);
+  }
+  const int grid = static_cast<int>(grid64);
   if (v.count("world")) {
     const int w = v["world"];
     if (w % (l.tp * l.pp) != 0) {
@@ -198,8 +212,13 @@ Result<TrainerLayout> TrainerLayout::parse(std::string_view text) {
   } else if (v.count("dp")) {
     l.dp = v["dp"];
   } else {
-    l.dp = 1;
-    while ((l.tp * l.dp) % grid != 0) ++l.dp;
+    // The smallest D with T*D a multiple of E*X, in closed form: counting D up overflowed
+    // T*D in int for tp=1048573,ep=1048576 (found by fuzz_config_layout).
+    l.dp = grid / std::gcd(l.tp, grid);
+  }
+  if (int64_t{l.tp} * l.pp * l.dp > kMaxRanks) {
+    return invalid_argument("trainer layout '{}': tp*pp*dp = {} ranks exceeds the limit of {}", text,
+                            int64_t{l.tp} * l.pp * l.dp, kMaxRanks);
   }
   if ((l.tp * l.dp) % grid != 0) {
     return invalid_argument(
@@ -226,17 +245,25 @@ ModelInfo model_info_from_config(const nlohmann::json& config) {
       !config.contains("num_attention_heads")) {
     c = &config["text_config"];
   }
+  // Only positive values count (others read as missing), and a product that does not fit
+  // in int64 leaves a zero: num_attention_heads=2^62 with head_dim=4 overflowed (found by
+  // fuzz_config_layout).
   auto get = [&](const char* k) -> int64_t {
     if (!c->is_object() || !c->contains(k) || !(*c)[k].is_number_integer()) return 0;
-    return (*c)[k].get<int64_t>();
+    const int64_t v = (*c)[k].get<int64_t>();
+    return v > 0 ? v : 0;
+  };
+  auto rows = [](int64_t heads, int64_t head_dim) -> int64_t {
+    int64_t r = 0;
+    return __builtin_mul_overflow(heads, head_dim, &r) ? 0 : r;
   };
   const int64_t heads = get("num_attention_heads");
   int64_t kv = get("num_key_value_heads");
   if (kv == 0) kv = heads;
   int64_t hd = get("head_dim");
   if (hd == 0 && heads > 0) hd = get("hidden_size") / heads;
-  info.q_rows = heads * hd;
-  info.kv_rows = kv * hd;
+  info.q_rows = rows(heads, hd);
+  info.kv_rows = rows(kv, hd);
   return info;
 }
 
@@ -392,6 +419,28 @@ Status need_div(const TensorDecl& d, size_t dim, int64_t n, int parts, const cha
 
 Result<TrainerHoldings> make_holdings(const std::vector<TensorDecl>& metadata, const TrainerLayout& layout,
                                       const ModelInfo& info) {
+  // A layout built in code rather than parsed gets the same bounds before any rank is
+  // allocated.
+  {
+    const bool fsdp = layout.kind == TrainerLayout::Kind::kFsdp;
+    for (auto [key, n] : {std::pair<const char*, int>{"tp", layout.tp}, {"pp", layout.pp}, {"dp", layout.dp},
+                          {"ep", layout.ep}, {"etp", layout.etp}, {"fsdp", layout.fsdp}}) {
+      if (n <= 0) return invalid_argument("trainer layout {}: {} must be positive, got {}", layout.to_string(), key, n);
+    }
+    const int64_t world = fsdp ? int64_t{layout.fsdp} : int64_t{layout.tp} * layout.pp * layout.dp;
+    if (world > TrainerLayout::kMaxRanks) {
+      return invalid_argument("trainer layout {}: {} ranks exceeds the limit of {}", layout.to_string(), world,
+                              TrainerLayout::kMaxRanks);
+    }
+    if (!fsdp && (int64_t{layout.ep} * layout.etp > int64_t{layout.tp} * layout.dp ||
+                  (layout.tp * layout.dp) % (layout.ep * layout.etp) != 0)) {
+      return invalid_argument("trainer layout {}: ep*etp = {} must divide tp*dp = {}", layout.to_string(),
+                              int64_t{layout.ep} * layout.etp, int64_t{layout.tp} * layout.dp);
+    }
+    if (layout.first < 0 || layout.last < 0) {
+      return invalid_argument("trainer layout {}: first/last must not be negative", layout.to_string());
+    }
+  }
   TrainerHoldings out;
   out.layout = layout;
   out.tensor_stage.assign(metadata.size(), 0);
@@ -406,7 +455,11 @@ Result<TrainerHoldings> make_holdings(const std::vector<TensorDecl>& metadata, c
         // A 0-d tensor has one element: Box{} has numel 1 (empty shape).
         continue;
       }
-      for (int r = 0; r < layout.fsdp; ++r) {
+      // Only the ranks that hold rows: with more ranks than rows (fsdp=10^6) the rest
+      // hold nothing of this tensor, and visiting them would cost ranks x tensors.
+      const int64_t per = (d.shape[0] + layout.fsdp - 1) / layout.fsdp;
+      const int64_t holders = per > 0 ? (d.shape[0] + per - 1) / per : 0;
+      for (int r = 0; r < holders; ++r) {
         auto [a, n] = chunk_range(d.shape[0], layout.fsdp, r);
         b.add(r, t, narrowed(d.shape, 0, a, n));
       }
@@ -443,6 +496,16 @@ Result<TrainerHoldings> make_holdings(const std::vector<TensorDecl>& metadata, c
     for (int s = lo; s < hi; ++s) {
       const int64_t n = hi - lo;
       stage_layers[static_cast<size_t>(s)] = rest / n + ((s - lo) < rest % n ? 1 : 0);
+    }
+    // A stage without a layer holds nothing (or only embeddings or the head) and is no
+    // pipeline stage at all; Megatron refuses such a split too.
+    for (int s = 0; s < P; ++s) {
+      if (stage_layers[static_cast<size_t>(s)] == 0) {
+        return invalid_argument(
+            "trainer layout {}: pp {} leaves PP stage {} without layers (the model has {} layers; every stage needs "
+            "at least one, so pp must be at most {})",
+            layout.to_string(), P, s, L, L);
+      }
     }
   }
   std::vector<int> layer_stage;

@@ -25,7 +25,11 @@ Status check_wait(size_t nkeys, int64_t timeout_ms);
 // spaces), as Redis does for INCRBY.
 std::optional<int64_t> parse_counter(std::string_view text);
 
-// The token to use: explicit, else from the URL, else FERRY_TOKEN; InvalidArgument if none.
+// InvalidArgument naming `from` and the length when `token` is shorter than kMinTokenBytes.
+Status check_token(std::string_view token, std::string_view from);
+
+// The token to use: explicit, else from the URL, else FERRY_TOKEN, else the file named by
+// FERRY_TOKEN_FILE; InvalidArgument if none, or if it is too short (check_token).
 Result<std::string> resolve_token(const std::string& explicit_token, const std::string& url_token);
 
 }  // namespace ferry::store_detail

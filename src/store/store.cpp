@@ -1,7 +1,10 @@
 // Store front end: URL parsing, argument checks shared by the backends, open(), Lease.
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 #include "store/backends.h"
 #include "store/common.h"
@@ -72,14 +75,36 @@ std::optional<int64_t> parse_counter(std::string_view text) {
   return v;
 }
 
+Status check_token(std::string_view token, std::string_view from) {
+  if (token.size() < kMinTokenBytes) {
+    return invalid_argument(
+        "store: the token (from {}) is {} bytes; at least {} are required (e.g. `openssl rand -hex 16`)", from,
+        token.size(), kMinTokenBytes);
+  }
+  return Status::Ok();
+}
+
 Result<std::string> resolve_token(const std::string& explicit_token, const std::string& url_token) {
-  if (!explicit_token.empty()) return explicit_token;
-  if (!url_token.empty()) return url_token;
-  const char* env = std::getenv("FERRY_TOKEN");
-  if (env != nullptr && env[0] != '\0') return std::string(env);
-  return invalid_argument(
-      "store: no token: pass one in StoreOptions::token or the URL (scheme://:TOKEN@host:port), or set "
-      "FERRY_TOKEN");
+  std::string token, from;
+  if (!explicit_token.empty()) {
+    token = explicit_token;
+    from = "the options";
+  } else if (!url_token.empty()) {
+    token = url_token;
+    from = "the URL";
+  } else if (const char* env = std::getenv("FERRY_TOKEN"); env != nullptr && env[0] != '\0') {
+    token = env;
+    from = "FERRY_TOKEN";
+  } else if (const char* file = std::getenv("FERRY_TOKEN_FILE"); file != nullptr && file[0] != '\0') {
+    FERRY_ASSIGN_OR_RETURN(token, read_token_file(file));
+    return token;
+  } else {
+    return invalid_argument(
+        "store: no token: pass one in StoreOptions::token or the URL (scheme://:TOKEN@host:port), or set "
+        "FERRY_TOKEN or FERRY_TOKEN_FILE");
+  }
+  FERRY_RETURN_IF_ERROR(check_token(token, from));
+  return token;
 }
 
 namespace {
@@ -111,6 +136,31 @@ Result<std::string> percent_decode(std::string_view s) {
 
 }  // namespace
 }  // namespace store_detail
+
+Result<std::string> read_token_file(const std::string& path) {
+  constexpr size_t kMaxTokenFileBytes = 4096;
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) {
+    const int err = errno;
+    if (err == ENOENT) return not_found("store: token file '{}' does not exist", path);
+    return io_error("store: cannot open token file '{}': {}", path, std::strerror(err));
+  }
+  std::string text(kMaxTokenFileBytes + 1, '\0');
+  const size_t n = std::fread(text.data(), 1, text.size(), f);
+  const bool failed = std::ferror(f) != 0;
+  std::fclose(f);
+  if (failed) return io_error("store: cannot read token file '{}'", path);
+  if (n > kMaxTokenFileBytes) {
+    return invalid_argument("store: token file '{}' is over {} bytes; it should hold only the token", path,
+                            kMaxTokenFileBytes);
+  }
+  text.resize(n);
+  if (text.ends_with("\n")) text.pop_back();
+  if (text.ends_with("\r")) text.pop_back();
+  if (text.empty()) return invalid_argument("store: token file '{}' is empty", path);
+  FERRY_RETURN_IF_ERROR(store_detail::check_token(text, fmt::format("file '{}'", path)));
+  return text;
+}
 
 std::string StoreUrl::to_string() const {
   const bool v6 = host.find(':') != std::string::npos;
@@ -197,11 +247,11 @@ Result<std::unique_ptr<Lease>> Store::hold_lease(std::string_view key, std::stri
   FERRY_RETURN_IF_ERROR(store_detail::check_ttl("hold_lease", key, ttl.count(), true));
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Store> own, clone());
   FERRY_RETURN_IF_ERROR(own->set(key, value, ttl));
-  return std::unique_ptr<Lease>(new Lease(std::move(own), std::string(key), ttl));
+  return std::unique_ptr<Lease>(new Lease(std::move(own), std::string(key), std::string(value), ttl));
 }
 
-Lease::Lease(std::unique_ptr<Store> store, std::string key, Millis ttl)
-    : store_(std::move(store)), key_(std::move(key)), ttl_(ttl) {
+Lease::Lease(std::unique_ptr<Store> store, std::string key, std::string value, Millis ttl)
+    : store_(std::move(store)), key_(std::move(key)), value_(std::move(value)), ttl_(ttl) {
   thread_ = std::thread([this] { heartbeat(); });
 }
 
@@ -218,14 +268,28 @@ void Lease::heartbeat() {
   while (true) {
     if (cv_.wait_for(lock, interval, [this] { return stop_; })) return;
     lock.unlock();
-    Status st = store_->renew(key_, ttl_);
-    lock.lock();
-    if (st.ok()) continue;
-    last_error_ = st;
-    if (st.code() == StatusCode::kNotFound) {
-      lost_.store(true);
-      return;
+    // Renew only while the key is still ours (a plain renew would keep alive the key of
+    // a restarted instance that took the rank over); re-create it if it expired while
+    // we or the store were paused (see lost()).
+    Result<CompareSetResult> cs = store_->compare_set(key_, value_, value_, ttl_);
+    bool healed = false;
+    if (cs.ok() && !cs->swapped && !cs->value) {
+      cs = store_->compare_set(key_, std::nullopt, value_, ttl_);
+      healed = true;
     }
+    lock.lock();
+    if (!cs.ok()) {  // transient (the store is away): retry
+      last_error_ = cs.status();
+      continue;
+    }
+    if (cs->swapped) {
+      if (healed) reacquired_.fetch_add(1);
+      continue;
+    }
+    if (cs->value == value_) continue;  // ours after all (re-created by a racing renewal)
+    last_error_ = failed_precondition("lease '{}' was taken over by another holder", key_);
+    lost_.store(true);
+    return;
   }
 }
 
@@ -239,6 +303,8 @@ Status Lease::release() {
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
   if (lost_.load()) return Status::Ok();
+  // Not another holder's key (one that took over since the last renewal).
+  if (Result<std::string> v = store_->get(key_); v.ok() && *v != value_) return Status::Ok();
   Result<bool> r = store_->remove(key_);
   return r.status().with_context("releasing lease");
 }

@@ -230,6 +230,33 @@ Tensor Tensor::borrow(void* data, Shape shape, DType dtype, std::shared_ptr<cons
   return TensorOps::make_storage(std::move(storage), Layout::contiguous(std::move(shape)));
 }
 
+Tensor Tensor::borrow_strided(void* data, int64_t numel, Layout layout, DType dtype,
+                              std::shared_ptr<const void> keepalive, std::string name) {
+  if (auto st = check_shape(layout.shape, "borrow_strided"); !st.ok()) return error(st);
+  if (layout.strides.size() != layout.shape.size()) {
+    return error(invalid_argument("borrow_strided: {} strides for {} dims", layout.strides.size(), layout.shape.size()));
+  }
+  if (numel < 0) return error(invalid_argument("borrow_strided: negative storage size {}", numel));
+  for (int64_t s : layout.strides) {
+    if (s < 0) return error(invalid_argument("borrow_strided: negative stride in {}", layout.to_string()));
+  }
+  if (layout.numel() > 0) {
+    if (data == nullptr) return error(invalid_argument("borrow_strided: null data for {}", layout.to_string()));
+    if (layout.offset < 0 || layout.max_offset() >= numel) {
+      return error(out_of_range("borrow_strided: {} reaches outside a storage of {} elements", layout.to_string(), numel));
+    }
+  }
+  auto storage = std::make_shared<Storage>();
+  storage->kind = StorageKind::kReal;
+  storage->name = std::move(name);
+  storage->dtype = dtype;
+  storage->numel = numel;
+  storage->data = static_cast<std::byte*>(data);
+  storage->keepalive = std::move(keepalive);
+  storage->root_shape = {numel};
+  return TensorOps::make_storage(std::move(storage), std::move(layout));
+}
+
 Tensor Tensor::borrow_readonly(const void* data, Shape shape, DType dtype, std::shared_ptr<const void> keepalive,
                                std::string name) {
   Tensor t = borrow(const_cast<void*>(data), std::move(shape), dtype, std::move(keepalive), std::move(name));
@@ -587,9 +614,31 @@ Tensor Tensor::clone() const {
 Status Tensor::copy_(const Tensor& src) const {
   if (!ok()) return status().with_context("copy_ (destination)");
   if (!src.ok()) return src.status();
+  // torch's rule: src broadcasts to this shape (right-aligned, each src dim equal to the
+  // destination's or 1, src no more dims than the destination).
+  const Shape& ds = shape();
+  const Shape& ss = src.shape();
+  bool broadcasts = ss.size() <= ds.size();
+  for (size_t k = 0; broadcasts && k < ss.size(); ++k) {
+    const int64_t s = ss[ss.size() - 1 - k];
+    broadcasts = s == ds[ds.size() - 1 - k] || s == 1;
+  }
+  if (!broadcasts) {
+    return invalid_argument("copy_: {} (numel {}) does not broadcast to {} (numel {}); torch's copy_ needs each source "
+                            "dim, right-aligned, equal to the destination's or 1",
+                            src.describe(), src.numel(), describe(), numel());
+  }
   if (numel() != src.numel()) {
-    return invalid_argument("copy_: numel {} of source {} differs from numel {} of destination {}", src.numel(), src.describe(),
-                            numel(), describe());
+    // A real broadcast: copy src into every slice along the first broadcast dim (each
+    // slice recurses until the shapes agree), so a recording records one copy per slice.
+    const size_t lead = ds.size() - ss.size();
+    size_t dim = 0;
+    while (dim < ds.size() && !(dim < lead || (ss[dim - lead] == 1 && ds[dim] != 1))) ++dim;
+    for (int64_t i = 0; i < ds[dim]; ++i) {
+      const Tensor part = dim < lead ? select(static_cast<int64_t>(dim), i) : narrow(static_cast<int64_t>(dim), i, 1);
+      FERRY_RETURN_IF_ERROR(part.copy_(src));
+    }
+    return Status::Ok();
   }
   if (src.is_recording() || is_recording()) {
     if (!src.is_recording()) {
@@ -742,9 +791,21 @@ class Composer {
   Composer(const Layout& layout, const Shape& radix, const std::vector<MapPiece>& parent)
       : layout_(layout), radix_(radix), parent_(parent) {}
 
+  // Boxes wait on an explicit stack, not on the call stack: a copy that crosses N pieces
+  // (a row-parallel weight over fsdp=N holders) is cut N times, and recursing once per
+  // cut overflowed the stack at N = 10^6. Pushing the second half first and popping the
+  // first visits boxes in the same depth-first order the recursion did, so the output
+  // is unchanged; the stack stays shallow (a peeled cut leaves one box behind).
   std::vector<MapPiece> run() {
     Box all{Shape(layout_.shape.size(), 0), layout_.shape};
-    if (shape_numel(all.size) > 0) visit(all);
+    if (shape_numel(all.size) == 0) return std::move(out_);
+    index_pieces();
+    pending_.push_back(std::move(all));
+    while (!pending_.empty()) {
+      Box box = std::move(pending_.back());
+      pending_.pop_back();
+      visit(box);
+    }
     return std::move(out_);
   }
 
@@ -780,8 +841,16 @@ class Composer {
       split_at_limits(box, q0, dq, Shape(nq, 0), radix_);
       return;
     }
-    // Which parent pieces does the box touch?
-    for (size_t pi = 0; pi < parent_.size(); ++pi) {
+    // Which parent pieces does the box touch? Only those whose start on the key digit
+    // lies within [lo - widest + 1, hi] can; they are taken by that start, so the first
+    // partial one (which decides the cut) is the nearest, and a box peeled piece by
+    // piece finds its next piece at once instead of after every piece already cut off.
+    auto [key_lo, key_hi] = range(key_digit_);
+    const size_t j0 = key_digit_;
+    auto first = std::lower_bound(by_start_.begin(), by_start_.end(), key_lo - key_widest_ + 1,
+                                  [&](uint32_t i, int64_t v) { return parent_[i].start[j0] < v; });
+    for (auto it = first; it != by_start_.end() && parent_[*it].start[j0] <= key_hi; ++it) {
+      const uint32_t pi = *it;
       const MapPiece& piece = parent_[pi];
       bool inside = true, disjoint = false;
       for (size_t j = 0; j < nq; ++j) {
@@ -793,7 +862,7 @@ class Composer {
       }
       if (disjoint) continue;
       if (inside) {
-        emit(box, q0, dq, piece, static_cast<uint32_t>(pi));
+        emit(box, q0, dq, piece, pi);
         continue;
       }
       // Partial: cut the box where it crosses this piece and visit both parts.
@@ -868,14 +937,41 @@ class Composer {
   }
   static int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
 
+  // Queues the two halves of `box` cut at `cut` along dim k, the first on top.
   void split(const Box& box, size_t k, int64_t cut) {
     Box a = box, b = box;
     a.size[k] = cut;
     b.start[k] += cut;
     b.size[k] -= cut;
-    visit(a);
-    visit(b);
+    pending_.push_back(std::move(b));
+    pending_.push_back(std::move(a));
   }
+
+  // Every visit used to test every piece, and a copy over N pieces takes O(N) visits:
+  // O(N^2) per copy, what made fsdp routing quadratic in the ranks. Pieces are disjoint
+  // boxes, so they are indexed by their start on one digit (the one on which pieces are
+  // narrowest relative to the radix: dim 0 for FSDP chunks, dim 1 for row-parallel
+  // slices), ties in index order.
+  void index_pieces() {
+    const size_t nq = radix_.size();
+    double best = 2;
+    for (size_t j = 0; j < nq; ++j) {
+      int64_t widest = 1;
+      for (const MapPiece& p : parent_) widest = std::max(widest, p.root.shape[j]);
+      const double narrowness = static_cast<double>(widest) / static_cast<double>(std::max<int64_t>(radix_[j], 1));
+      if (narrowness < best) {
+        best = narrowness;
+        key_digit_ = j;
+        key_widest_ = widest;
+      }
+    }
+    by_start_.resize(parent_.size());
+    for (uint32_t i = 0; i < by_start_.size(); ++i) by_start_[i] = i;
+    std::stable_sort(by_start_.begin(), by_start_.end(), [&](uint32_t a, uint32_t b) {
+      return parent_[a].start[key_digit_] < parent_[b].start[key_digit_];
+    });
+  }
+
 
   void emit(const Box& box, const Shape& q0, const std::vector<Shape>& dq, const MapPiece& piece, uint32_t part) {
     MapPiece out;
@@ -898,6 +994,10 @@ class Composer {
   const Shape& radix_;
   const std::vector<MapPiece>& parent_;
   std::vector<MapPiece> out_;
+  std::vector<Box> pending_;          // boxes still to visit, the next on top
+  size_t key_digit_ = 0;              // the digit pieces are indexed by
+  int64_t key_widest_ = 1;            // the widest piece's extent on that digit
+  std::vector<uint32_t> by_start_;    // piece indices by start on the key digit
 };
 
 }  // namespace

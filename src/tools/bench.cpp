@@ -14,12 +14,14 @@
 #include <thread>
 
 #include "engine/clock.h"
+#include "engine/memory.h"
 #include "engine/protocol.h"
 #include "engine/registered_buffer.h"
 #include "engine/schedule.h"
 #include "ferry/engine.h"
 #include "tools/broadcast.h"
 #include "tools/job_model.h"
+#include "tools/proc_memory.h"
 #include "tools/subprocess.h"
 
 namespace ferry::tools {
@@ -68,48 +70,37 @@ bool tls_has_shared_memory(const std::string& tls) {
   return excluding != listed;
 }
 
-// A trainer rank whose weights already sit in memory: both data versions are generated
-// before any timed sync, so materialize() costs what a real trainer's does (nothing).
-// With `in_place`, the current version lives in one region allocated through the
-// producer's transport, box by box at fixed addresses (a trainer that allocates its
-// parameters through ferry), and set_data_version copies the other version over it
-// (the optimizer step, outside the timed sync); the producer serves from it in place.
+// A trainer rank whose weights already sit in memory: one version, at fixed addresses,
+// written before each timed sync (set_data_version, in the driver's "prepare" step: the
+// optimizer step, outside the timed window), so materialize() costs what a real
+// trainer's does (nothing). With
+// `in_place`, the weights live in one region allocated through the producer's transport
+// (a trainer that allocates its parameters through ferry) and the producer serves from
+// it in place; else in ordinary memory. Either way the rank holds its shard once, plus
+// one group of the synthetic generator while it writes a version.
 class PreparedSource final : public WeightSource {
  public:
   static Result<std::unique_ptr<PreparedSource>> create(const JobModel& m, int rank, uint64_t seed, Transport* in_place) {
-    auto s = std::unique_ptr<PreparedSource>(new PreparedSource());
-    s->metadata_ = m.metadata;
-    s->holdings_ = m.holdings;
-    s->rank_ = rank;
-    const int groups = Groups(m.metadata).size();
-    for (int d = 0; d < 2; ++d) {
-      SyntheticSource src(m.metadata, m.holdings, rank, seed);
-      src.set_version(static_cast<uint64_t>(d + 1));
-      auto& ver = s->data_[d];
-      ver.resize(static_cast<size_t>(groups));
-      for (int g = 0; g < groups; ++g) {
-        FERRY_ASSIGN_OR_RETURN(auto boxes, src.materialize(g));
-        // materialize() may reuse its buffers: keep private copies.
-        for (auto& b : boxes) ver[static_cast<size_t>(g)].push_back(LocalBox{b.box, b.data.clone()});
-      }
+    auto s = std::unique_ptr<PreparedSource>(new PreparedSource(m, rank, seed));
+    const Holdings& h = (*m.holdings)[static_cast<size_t>(rank)];
+    const Groups groups(m.metadata);
+    s->live_.resize(static_cast<size_t>(groups.size()));
+    uint64_t bytes = 0;
+    for (const HeldBox& b : h.boxes) bytes += align_up(static_cast<uint64_t>(b.box.numel()) * dtype_size(h.tensors[b.tensor].dtype), 64);
+    if (in_place) FERRY_RETURN_IF_ERROR(s->region_.allocate(*in_place, bytes));
+    // Boxes in the order SyntheticSource::materialize returns them (holdings order within
+    // each group), at consecutive 64-byte-aligned addresses of the region.
+    uint64_t at = 0;
+    for (size_t i = 0; i < h.boxes.size(); ++i) {
+      const HeldBox& b = h.boxes[i];
+      const TensorDecl& d = h.tensors[b.tensor];
+      const int g = groups.of_name(d.name);
+      Tensor t = in_place ? Tensor::borrow(s->region_.data + at, b.box.size, d.dtype) : Tensor::empty(b.box.size, d.dtype, d.name);
+      at += align_up(static_cast<uint64_t>(b.box.numel()) * dtype_size(d.dtype), 64);
+      s->live_[static_cast<size_t>(g)].push_back(LocalBox{static_cast<uint32_t>(i), t});
     }
-    if (in_place) {
-      uint64_t bytes = 0;
-      for (const auto& grp : s->data_[0])
-        for (const auto& b : grp) bytes += align_up(b.data.numel() * dtype_size(b.data.dtype()), 64);
-      FERRY_RETURN_IF_ERROR(s->region_.allocate(*in_place, bytes));
-      uint64_t at = 0;
-      s->live_.resize(static_cast<size_t>(groups));
-      for (int g = 0; g < groups; ++g) {
-        for (const auto& b : s->data_[0][static_cast<size_t>(g)]) {
-          s->live_[static_cast<size_t>(g)].push_back(
-              LocalBox{b.box, Tensor::borrow(s->region_.data + at, b.data.shape(), b.data.dtype())});
-          at += align_up(b.data.numel() * dtype_size(b.data.dtype()), 64);
-        }
-      }
-      s->current_ = 0;
-      FERRY_RETURN_IF_ERROR(s->set_data_version(1));
-    }
+    s->held_ = bytes;
+    FERRY_RETURN_IF_ERROR(s->set_data_version(1));
     return s;
   }
   const std::vector<TensorDecl>& metadata() const override { return metadata_; }
@@ -120,17 +111,22 @@ class PreparedSource final : public WeightSource {
     return (*holdings_)[static_cast<size_t>(rank)];
   }
   Result<std::vector<LocalBox>> materialize(int group) override {
-    const auto& ver = region_.data ? live_ : data_[current_ - 1];
-    if (group < 0 || group >= static_cast<int>(ver.size())) return invalid_argument("group {} out of range", group);
-    return ver[static_cast<size_t>(group)];
+    if (group < 0 || group >= static_cast<int>(live_.size())) return invalid_argument("group {} out of range", group);
+    return live_[static_cast<size_t>(group)];
   }
+  // Writes data version d over the weights, group by group (the generator's buffers of
+  // one group at a time).
   Status set_data_version(uint64_t d) {
-    if (static_cast<int>(d) == current_) return Status::Ok();
-    current_ = static_cast<int>(d);
-    if (!region_.data) return Status::Ok();
-    const auto& ver = data_[current_ - 1];
-    for (size_t g = 0; g < ver.size(); ++g)
-      for (size_t i = 0; i < ver[g].size(); ++i) FERRY_RETURN_IF_ERROR(live_[g][i].data.copy_(ver[g][i].data));
+    if (d == current_) return Status::Ok();
+    generator_.set_version(d);
+    for (size_t g = 0; g < live_.size(); ++g) {
+      FERRY_ASSIGN_OR_RETURN(auto boxes, generator_.materialize(static_cast<int>(g)));
+      if (boxes.size() != live_[g].size())
+        return internal_error("prepared source: group {} has {} boxes, the generator gave {}", g, live_[g].size(),
+                              boxes.size());
+      for (size_t i = 0; i < boxes.size(); ++i) FERRY_RETURN_IF_ERROR(live_[g][i].data.copy_(boxes[i].data));
+    }
+    current_ = d;
     return Status::Ok();
   }
   // The in-place region (ProducerOptions::source_regions), if any.
@@ -138,16 +134,19 @@ class PreparedSource final : public WeightSource {
     if (!region_.data) return {};
     return {region_.region};
   }
+  uint64_t held_bytes() const { return held_; }
 
  private:
-  PreparedSource() = default;
+  PreparedSource(const JobModel& m, int rank, uint64_t seed)
+      : metadata_(m.metadata), holdings_(m.holdings), rank_(rank), generator_(m.metadata, m.holdings, rank, seed) {}
   std::vector<TensorDecl> metadata_;
   std::shared_ptr<const std::vector<Holdings>> holdings_;
   int rank_ = 0;
-  int current_ = 1;
-  std::vector<std::vector<LocalBox>> data_[2];
+  uint64_t current_ = 0;
+  uint64_t held_ = 0;
+  SyntheticSource generator_;
   RegisteredBuffer region_;
-  std::vector<std::vector<LocalBox>> live_;
+  std::vector<std::vector<LocalBox>> live_;  // per group, in the generator's order
 };
 
 std::string key_go(const std::string& job, int step) { return fmt::format("{}/bench/go/{}", job, step); }
@@ -232,10 +231,15 @@ int run_bench_worker(const BenchWorkerSpec& s) {
   if (!is_producer) memcpy_src.assign(raw.bytes, std::byte{0x3c});
   // Staged diagnostic (steps spack, sread, sunpack): the engine's three copies of every
   // byte — pack into staging, read, unpack into params — as separate whole-model steps
-  // with no protocol and no overlap. Whole-model buffers, group g at offset off[g].
+  // with no protocol and no overlap. Two slots of the largest group, group g in slot
+  // g % 2 (the engine's ring; a whole-model buffer per rank was scaffolding that grew
+  // with the model): off[g] is its offset, off.back() the buffer's size.
   auto group_offsets = [](const std::vector<uint64_t>& sizes) {
+    uint64_t slot = 0;
+    for (uint64_t n : sizes) slot = std::max(slot, align_up(n, 64));
     std::vector<uint64_t> off(sizes.size() + 1, 0);
-    for (size_t g = 0; g < sizes.size(); ++g) off[g + 1] = off[g] + align_up(sizes[g], 64);
+    for (size_t g = 0; g < sizes.size(); ++g) off[g] = (g % 2) * slot;
+    off[sizes.size()] = 2 * slot;
     return off;
   };
   auto producer_offsets = [&](const Routes& r, int p) {
@@ -295,6 +299,21 @@ int run_bench_worker(const BenchWorkerSpec& s) {
       staged_remote[static_cast<size_t>(q)] = *sk;
     }
   }
+  // What the rank holds that is not the engine's: its weights shard (producer) or params
+  // (consumer), and the bench's own buffers (scaffolding), by kind.
+  uint64_t held_bytes = 0;
+  nlohmann::json scaffolding = {{"raw_ring", raw.bytes}, {"staged_ring", staged.bytes}, {"memcpy_source", memcpy_src.size()}};
+  if (producer) {
+    held_bytes = source->held_bytes();
+  } else {
+    for (const auto& [name, t] : consumer->params()) held_bytes += static_cast<uint64_t>(t.numel()) * dtype_size(t.dtype());
+    uint64_t sp = 0;
+    for (const auto& [name, t] : staged_params) sp += static_cast<uint64_t>(t.numel()) * dtype_size(t.dtype());
+    scaffolding["staged_params"] = sp;
+  }
+  uint64_t scaffolding_total = 0;
+  for (const auto& [k, v] : scaffolding.items()) scaffolding_total += v.get<uint64_t>();
+  scaffolding["total"] = scaffolding_total;
   if (Status w = st.set(key_ready(s.job, s.role, s.rank), std::to_string(::getpid())); !w.ok())
     return bench_worker_fail(s, w);
 
@@ -325,7 +344,7 @@ int run_bench_worker(const BenchWorkerSpec& s) {
     const uint64_t v = go.value("version", uint64_t{0});
     // The trainer's weights of version v are written before its sync starts (in place:
     // a copy over the region, like an optimizer step), outside the timed window.
-    if (producer && (kind == "sync" || kind == "spack")) {
+    if (producer && kind == "prepare") {
       if (Status d = source->set_data_version(data_version(v)); !d.ok()) return bench_worker_fail(s, d);
     }
     std::this_thread::sleep_until(Clock::time_point(std::chrono::nanoseconds(go.value("start_ns", int64_t{0}))));
@@ -344,6 +363,9 @@ int run_bench_worker(const BenchWorkerSpec& s) {
                          {"wait", rep->wait_seconds},               {"read", rep->read_seconds},
                          {"unpack", rep->unpack_seconds},           {"post", rep->post_seconds}};
         if (!rep->failures.empty()) out["failures"] = rep->failures;
+        // The engine's share (its MemoryUse) apart from the bench's own buffers and from
+        // the weights / params the rank holds.
+        out["memory"] = memory_use_json(rep->memory);
       } else {
         out["error"] = rep.status().to_string();
       }
@@ -471,6 +493,14 @@ int run_bench_worker(const BenchWorkerSpec& s) {
     }
     out["start_ns"] = t0;
     out["cpu_seconds"] = cpu_seconds() - c0;
+    if (kind == "sync" || kind == "verify") {
+      out["held_bytes"] = held_bytes;
+      out["scaffolding"] = scaffolding;
+      if (auto pm = proc_memory(); pm.ok()) {
+        out["rss_bytes"] = pm->rss_bytes;
+        out["peak_rss_bytes"] = pm->peak_rss_bytes;
+      }
+    }
     if (Status w = st.set(key_result(s.job, step, s.role, s.rank), out.dump()); !w.ok()) return bench_worker_fail(s, w);
   }
   return 0;
@@ -495,6 +525,103 @@ void progress(const std::string& s) {
   std::fflush(stderr);
 }
 
+std::string gib(uint64_t b) { return fmt::format("{:.2f} GiB", static_cast<double>(b) / (1ull << 30)); }
+
+// What one process of the bench holds beside its share: the executable, its libraries,
+// UCX or MPI, the job model (measured: ~60-90 MiB per rank on Debian 12).
+constexpr uint64_t kProcessBase = 128ull << 20;
+
+struct BenchMemoryEstimate {
+  uint64_t total = 0;
+  nlohmann::json json;  // per role: the largest rank's figures by kind
+};
+
+// Every process of the bench, before any starts: each producer's weights shard, one
+// group of its generator, the engine's extra memory (predict_memory), its raw and staged
+// rings; each consumer's params, the engine's extra, its raw ring, memcpy source, staged
+// ring and staged params, and verification (a direct load: params plus one tensor); each
+// MPI rank's share (root: its stage's tensors; inference: params, one tensor received,
+// verification); kProcessBase per process.
+Result<BenchMemoryEstimate> estimate_bench_memory(const JobModel& m) {
+  const int P = m.trainer.world_size(), C = m.inference.world_size(), S = m.trainer.pp;
+  std::vector<Plan> plans;
+  for (int c = 0; c < C; ++c) {
+    FERRY_ASSIGN_OR_RETURN(auto plan, record_plan(*m.loader, c, m.metadata));
+    plans.push_back(std::move(plan));
+  }
+  RouterInput in;
+  in.metadata = m.metadata;
+  in.producers = *m.holdings;
+  for (const Plan& p : plans) in.consumers.push_back(&p);
+  FERRY_ASSIGN_OR_RETURN(auto routes, build_routes(in));
+  ProducerOptions po;
+  FERRY_ASSIGN_OR_RETURN(auto engine_mem, predict_memory(routes, m.metadata, in.producers, in.consumers, po));
+  const Groups groups(m.metadata);
+  uint64_t largest_tensor = 0;
+  std::vector<uint64_t> stage_bytes(static_cast<size_t>(S), 0);
+  for (size_t i = 0; i < m.metadata.size(); ++i) {
+    const uint64_t n = static_cast<uint64_t>(shape_numel(m.metadata[i].shape)) * dtype_size(m.metadata[i].dtype);
+    largest_tensor = std::max(largest_tensor, n);
+    stage_bytes[static_cast<size_t>(m.tensor_stage[i])] += n;
+  }
+  BenchMemoryEstimate e;
+  nlohmann::json prod, cons;
+  for (int p = 0; p < P; ++p) {
+    const Holdings& h = (*m.holdings)[static_cast<size_t>(p)];
+    std::vector<uint64_t> per_group(static_cast<size_t>(groups.size()), 0);
+    for (const HeldBox& x : h.boxes)
+      per_group[static_cast<size_t>(groups.of_name(h.tensors[x.tensor].name))] +=
+          static_cast<uint64_t>(x.box.numel()) * dtype_size(h.tensors[x.tensor].dtype);
+    uint64_t staged_slot = 0;
+    for (const auto& g : routes.producers[static_cast<size_t>(p)].groups) staged_slot = std::max(staged_slot, align_up(g.staging_bytes, 64));
+    const uint64_t raw_slot = engine::producer_slot_bytes(routes, p, m.metadata, *m.holdings, false);
+    const nlohmann::json r = {{"held", h.bytes()},
+                              {"generator", *std::max_element(per_group.begin(), per_group.end())},
+                              {"engine", engine_mem.producers[static_cast<size_t>(p)].extra()},
+                              {"raw_ring", engine::registered_bytes(2 * raw_slot)},
+                              {"staged_ring", engine::registered_bytes(2 * staged_slot)},
+                              {"process", kProcessBase}};
+    uint64_t sum = 0;
+    for (const auto& [k, v] : r.items()) sum += v.get<uint64_t>();
+    e.total += sum;
+    if (prod.is_null() || sum > prod["total"].get<uint64_t>()) {
+      prod = r;
+      prod["total"] = sum;
+    }
+  }
+  uint64_t max_params = 0;
+  for (int c = 0; c < C; ++c) {
+    const PlanRoute& pr = routes.consumer(static_cast<size_t>(c));
+    uint64_t params = 0, staged_slot = 0;
+    for (const auto& d : pr.params) params += static_cast<uint64_t>(shape_numel(d.shape)) * dtype_size(d.dtype);
+    for (const auto& g : pr.groups) staged_slot = std::max(staged_slot, align_up(g.recv_bytes, 64));
+    max_params = std::max(max_params, params);
+    const uint64_t ring2 = engine::registered_bytes(2 * engine::consumer_slot_bytes(pr));
+    const nlohmann::json r = {{"held", params},          {"engine", engine_mem.consumers[static_cast<size_t>(c)].extra()},
+                              {"raw_ring", ring2},       {"memcpy_source", ring2},
+                              {"staged_ring", engine::registered_bytes(2 * staged_slot)},
+                              {"staged_params", params}, {"verify", params + largest_tensor},
+                              {"process", kProcessBase}};
+    uint64_t sum = 0;
+    for (const auto& [k, v] : r.items()) sum += v.get<uint64_t>();
+    e.total += sum;
+    if (cons.is_null() || sum > cons["total"].get<uint64_t>()) {
+      cons = r;
+      cons["total"] = sum;
+    }
+  }
+  uint64_t max_stage = *std::max_element(stage_bytes.begin(), stage_bytes.end());
+  const uint64_t mpi_root = max_stage + largest_tensor + kProcessBase;
+  const uint64_t mpi_inference = max_params + largest_tensor + (max_params + largest_tensor) + kProcessBase;
+  e.total += static_cast<uint64_t>(S) * mpi_root + static_cast<uint64_t>(C) * mpi_inference + kProcessBase;
+  e.json = {{"producer", prod},           {"consumer", cons},
+            {"mpi_root", mpi_root},       {"mpi_inference", mpi_inference},
+            {"producers", P},             {"consumers", C},
+            {"mpi_roots", S},             {"driver", kProcessBase},
+            {"total", e.total}};
+  return e;
+}
+
 // Splits "--mca a b --mca c d" into words.
 std::vector<std::string> words(const std::string& s) {
   std::vector<std::string> out;
@@ -513,11 +640,11 @@ BenchResult run_bench(const BenchSpec& b) {
     return res;
   };
   // The broadcast baseline needs MPI: refuse before spending a minute on the rest.
-  if (!is_executable(b.mpirun))
+  if (!b.estimate_only && !is_executable(b.mpirun))
     return fail(fmt::format("'{}' not found: the broadcast baseline runs OpenMPI (Debian: openmpi-bin "
                             "libopenmpi-dev; scripts/install-deps.sh installs them)",
                             b.mpirun));
-  if (b.mpi_binary.empty() || ::access(b.mpi_binary.c_str(), X_OK) != 0)
+  if (!b.estimate_only && (b.mpi_binary.empty() || ::access(b.mpi_binary.c_str(), X_OK) != 0))
     return fail(fmt::format("'{}' not found: ferry was built without MPI (install libopenmpi-dev and reconfigure)",
                             b.mpi_binary.empty() ? "ferry-mpi-bcast" : b.mpi_binary));
   if (b.syncs < 1) return fail("--syncs must be at least 1");
@@ -525,6 +652,28 @@ BenchResult run_bench(const BenchSpec& b) {
   if (!model.ok()) return fail(model.status().to_string());
   const JobModel& m = *model;
   const int P = m.trainer.world_size(), C = m.inference.world_size(), S = m.trainer.pp;
+  // What every process will hold, before any starts: refuse a model this machine cannot
+  // fit rather than let the kernel's OOM killer end the bench half way.
+  auto estimate = estimate_bench_memory(m);
+  if (!estimate.ok()) return fail(estimate.status().to_string());
+  {
+    auto avail = mem_available_bytes();
+    if (b.estimate_only) {
+      res.json = {{"memory_estimate", estimate->json},
+                  {"estimate_bytes", estimate->total},
+                  {"mem_available_bytes", avail.ok() ? *avail : 0},
+                  {"fits", avail.ok() && estimate->total <= *avail},
+                  {"checkpoint_bytes", m.checkpoint_bytes}};
+      return res;
+    }
+    if (avail.ok() && estimate->total > *avail)
+      return fail(fmt::format("the bench of this model needs an estimated {} of memory and the machine has {} "
+                              "available (MemAvailable); use a smaller model (fewer layers) or free memory. "
+                              "Estimate: {}",
+                              gib(estimate->total), gib(*avail), estimate->json.dump()));
+    progress(fmt::format("  memory: estimated {} for every process of the bench ({} available)\n", gib(estimate->total),
+                         avail.ok() ? gib(*avail) : std::string("? ")));
+  }
   char tmpl[] = "/tmp/ferry-bench-XXXXXX";
   if (!::mkdtemp(tmpl)) return fail("mkdtemp failed");
   const std::string dir = tmpl;
@@ -705,10 +854,15 @@ BenchResult run_bench(const BenchSpec& b) {
   uint64_t bytes_moved = 0, raw_bytes = 0, memcpy_bytes = 0, bcast_bytes = 0;
   uint64_t last_in_place = 0, last_into_params = 0;
   uint64_t version = 0;
+  std::vector<nlohmann::json> last_sync;  // per rank (ranks order): the last sync's results
   // Warm-up (trial 0, not counted), then interleaved trials: drift in the machine's load
   // hits the engine and its baselines alike.
   for (int t = 0; t <= b.syncs; ++t) {
     ++version;
+    // The trainer's weights of this version are written first (a step of its own, so the
+    // timed sync never waits for a producer still writing them).
+    if (auto pr = run_step("prepare", version); !pr.ok())
+      return kill_all(), fail(fmt::format("prepare {}: {}\n{}", version, pr.status().to_string(), logs()));
     auto sy = run_step("sync", version);
     if (!sy.ok()) return kill_all(), fail(fmt::format("sync {}: {}\n{}", version, sy.status().to_string(), logs()));
     auto rw = run_step("raw", version);
@@ -758,6 +912,7 @@ BenchResult run_bench(const BenchSpec& b) {
                          sy->seconds > 0 ? static_cast<double>(sy->bytes) / sy->seconds / 1e9 : 0.0, sy->cpu,
                          raw_name, rw->seconds, rw->cpu, mc->seconds, bc->seconds, bc->cpu,
                          sy->idle_cpu + rw->idle_cpu, bc->idle_cpu, staged[0], staged[1], staged[2]));
+    last_sync = sy->results;
     if (t == 0) continue;
     sync_s.push_back(sy->seconds);
     raw_s.push_back(rw->seconds);
@@ -857,6 +1012,28 @@ BenchResult run_bench(const BenchSpec& b) {
   j["syncs"] = b.syncs;
   j["verified_ranks"] = verified;
   j["trials"] = trials;
+  // Memory per rank, by role: what it holds (weights shard / params), the engine's
+  // extra memory by kind (SyncReport::memory, at the last sync), the bench's own buffers
+  // (scaffolding, never counted as the engine's) and peak RSS (at the end, verification
+  // included). The broadcast baseline's MPI ranks: peak RSS and what they hold.
+  {
+    nlohmann::json mem = {{"producers", nlohmann::json::array()}, {"consumers", nlohmann::json::array()}};
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      const auto& sj = last_sync[i];
+      const auto& vj = vr->results[i];
+      mem[ranks[i].first == "producer" ? "producers" : "consumers"].push_back(
+          {{"rank", ranks[i].second},
+           {"held_bytes", vj.value("held_bytes", uint64_t{0})},
+           {"engine", sj.value("memory", nlohmann::json::object())},
+           {"scaffolding", vj.value("scaffolding", nlohmann::json::object())},
+           {"rss_after_sync_bytes", sj.value("rss_bytes", uint64_t{0})},
+           {"peak_rss_bytes", vj.value("peak_rss_bytes", uint64_t{0})}});
+    }
+    mem["mpi"] = mv.is_object() ? mv.value("ranks", nlohmann::json::array()) : nlohmann::json::array();
+    mem["estimate"] = estimate->json;
+    mem["estimate_bytes"] = estimate->total;
+    j["memory"] = mem;
+  }
   j["cpus"] = std::thread::hardware_concurrency();
   std::ifstream la("/proc/loadavg");
   std::string load;

@@ -41,6 +41,9 @@ struct BenchSpec {
   // Trainer weights in a transport region, served in place (ProducerOptions::
   // source_regions); false: in ordinary memory, every byte packed into staging.
   bool in_place = true;
+  // Only estimate what every process would hold (json["memory_estimate"]) and compare it
+  // with MemAvailable; start nothing.
+  bool estimate_only = false;
 };
 
 // Medians of the timed trials and what they were measured on.

@@ -13,6 +13,11 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <set>
+#include <thread>
+#include <atomic>
+#include <iterator>
+#include <mutex>
 
 #include <fmt/format.h>
 
@@ -37,20 +42,124 @@ Result<Child> spawn_worker(const DemoSpec& d, const std::string& tls, const std:
                            const std::string& store_url, const std::string& job, const std::string& dir,
                            const std::string& role, int rank, int first_version, int crash_version,
                            int crash_point) {
+  std::string pause_at;  // this rank's mid-sync pauses from first_version on
+  for (const DemoPause& p : d.pauses) {
+    if (p.role != role || p.rank != rank || p.point < 0 || p.version < first_version) continue;
+    pause_at += fmt::format("{}{}:{}", pause_at.empty() ? "" : ",", p.version, p.point);
+  }
+  // A link cut at a rank's point stops that rank there too, for the driver to cut then.
+  for (const DemoLinkCut& c : d.link_cuts) {
+    if (c.version < first_version) continue;
+    if (c.role == "start") {
+      pause_at += fmt::format("{}{}:{}", pause_at.empty() ? "" : ",", c.version, kWorkerSyncStartPoint);
+    } else if (c.role == role && c.rank == rank) {
+      pause_at += fmt::format("{}{}:{}", pause_at.empty() ? "" : ",", c.version, c.point);
+    }
+  }
   ProcessSpec ps;
   ps.name = fmt::format("{} {}", role, rank);
   ps.log = fmt::format("{}/{}{}-from{}.log", dir, role, rank, first_version);
-  ps.argv = {d.worker_binary, "worker", "--role", role, "--rank", std::to_string(rank),
+  if (d.launch_prefix) ps.argv = d.launch_prefix(role, rank);
+  ps.argv.insert(ps.argv.end(), {d.worker_binary, "worker", "--role", role, "--rank", std::to_string(rank),
              "--model", config_path, "--trainer", d.trainer, "--inference", d.inference,
              "--store", store_url, "--job", job, "--backend", d.backend, "--mode", d.mode,
              "--seed", std::to_string(d.seed), "--first-version", std::to_string(first_version),
              "--last-version", std::to_string(d.syncs), "--crash-version",
-             std::to_string(crash_version), "--crash-point", std::to_string(crash_point)};
+             std::to_string(crash_version), "--crash-point", std::to_string(crash_point),
+             "--lease-ttl-ms", std::to_string(d.lease_ttl_ms), "--stall-ms", std::to_string(d.stall_ms),
+             "--timeout-ms", std::to_string(d.rank_timeout_ms)});
+  if (!pause_at.empty()) ps.argv.insert(ps.argv.end(), {"--pause-at", pause_at});
   if (d.checksums) ps.argv.push_back("--checksums");
+  if (d.staging_budget) ps.argv.insert(ps.argv.end(), {"--staging-budget", std::to_string(d.staging_budget)});
   // The worker's UCX_TLS (see DemoSpec::ucx_tls); none when `tls` is empty.
   ps.env = environment_with("FERRY_UCX_TLS", tls);
   return spawn(ps);
 }
+
+// Whether `pid` is stopped (state T in /proc/PID/stat).
+bool is_stopped(pid_t pid) {
+  std::ifstream f(fmt::format("/proc/{}/stat", pid));
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const size_t paren = text.rfind(')');
+  return paren != std::string::npos && paren + 2 < text.size() && text[paren + 2] == 'T';
+}
+
+// Polls until `pid` is stopped, `stop` turns true or `deadline` passes.
+bool await_stopped(pid_t pid, Clock::time_point deadline, const std::atomic<bool>* stop = nullptr) {
+  while (!is_stopped(pid)) {
+    if (Clock::now() >= deadline || (stop && stop->load())) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return true;
+}
+
+// The job's store, as the driver runs it: in this process, as its own `ferry store`
+// process, or the caller's (DemoSpec::store_pid / restart_store); how it is paused
+// (its pid) and restarted.
+struct StoreHost {
+  std::unique_ptr<StoreServer> server;  // in this process
+  Child child;                          // `ferry store` as a process
+  std::string url;
+  uint16_t port = 0;
+  std::string token;
+  std::string log;
+  const DemoSpec* d = nullptr;
+
+  pid_t pid() const { return child.pid > 0 ? child.pid : d->store_pid; }
+
+  // Starts `ferry store --port port` and reads its URL from its log.
+  Status spawn_process() {
+    ProcessSpec ps;
+    ps.name = "store";
+    ps.log = log;
+    ps.argv = {d->worker_binary, "store", "--host", d->store_host, "--port", std::to_string(port)};
+    FERRY_ASSIGN_OR_RETURN(child, spawn(ps));
+    const auto deadline = Clock::now() + std::chrono::milliseconds(d->timeout_ms);
+    for (;;) {
+      const std::string text = read_log(child);
+      const size_t at = text.find("serving tcp://");
+      if (at != std::string::npos && text.find(' ', at + 8) != std::string::npos) {
+        url = text.substr(at + 8, text.find(' ', at + 8) - at - 8);
+        port = static_cast<uint16_t>(std::atoi(url.c_str() + url.rfind(':') + 1));
+        return Status::Ok();
+      }
+      if (auto status = wait_exit(child, Clock::now()))
+        return unavailable("`ferry store` exited at start (wait status {}): {}", *status, text);
+      if (Clock::now() >= deadline) return timeout_error("`ferry store` did not start within {} ms: {}", d->timeout_ms, text);
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  Status start_in_process() {
+    StoreServerOptions so;
+    so.token = token;
+    so.host = d->store_host;
+    so.port = port;
+    auto s = StoreServer::start(so);
+    if (!s.ok()) return s.status();
+    server = std::move(*s);
+    url = server->url();
+    port = server->port();
+    return Status::Ok();
+  }
+  // Its data is lost (the embedded store keeps none; the caller's may).
+  Status restart() {
+    if (server) {
+      server->stop();
+      server.reset();
+      return start_in_process();
+    }
+    if (child.pid > 0) {
+      kill_now(child);  // SIGKILL: nothing is saved, clients see their connections reset
+      return spawn_process();
+    }
+    if (d->restart_store) return d->restart_store();
+    return failed_precondition("the store {} is not the driver's to restart (pass DemoSpec::restart_store)", url);
+  }
+  void stop() {
+    if (server) server->stop();
+    if (child.pid > 0) kill_now(child);
+  }
+};
 
 }  // namespace
 
@@ -78,22 +187,60 @@ DemoResult run_demo(const DemoSpec& d) {
     std::ofstream f(config_path);
     f << m.config.dump();
   }
-  std::unique_ptr<StoreServer> server;
+  StoreHost host;
+  host.d = &d;
+  host.log = dir + "/store.log";
   std::string store_url = d.store;
   if (store_url.empty()) {
     std::random_device rd;
-    const std::string token = fmt::format("{:08x}{:08x}", rd(), rd());
-    ::setenv("FERRY_TOKEN", token.c_str(), 1);
-    StoreServerOptions so;
-    so.token = token;
-    auto s = StoreServer::start(so);
-    if (!s.ok()) return fail(s.status().to_string());
-    server = std::move(*s);
-    store_url = server->url();
+    host.token = fmt::format("{:08x}{:08x}", rd(), rd());
+    ::setenv("FERRY_TOKEN", host.token.c_str(), 1);
+    Status s = d.store_process ? host.spawn_process() : host.start_in_process();
+    if (!s.ok()) return fail(s.to_string());
+    store_url = host.url;
   }
+  host.url = store_url;
+  for (const DemoPause& p : d.pauses) {
+    if (p.role != "store" && p.role != "consumer" && p.role != "producer")
+      return host.stop(), fail("pause role must be consumer, producer or store, not " + p.role);
+    if (p.role == "store" && host.pid() <= 0)
+      return host.stop(), fail("pausing the store needs it in a process of its own (DemoSpec::store_process, or "
+                               "store_pid for the caller's)");
+    if (p.ms < 0 || p.version < 1 || p.version > d.syncs)
+      return host.stop(), fail(fmt::format("pause of {} {} at sync {} for {} ms: sync outside 1..{} or negative length",
+                                           p.role, p.rank, p.version, p.ms, d.syncs));
+  }
+  for (const DemoLinkCut& c : d.link_cuts) {
+    if (!d.set_link) return host.stop(), fail("link cuts need DemoSpec::set_link");
+    if ((c.role != "consumer" && c.role != "producer" && c.role != "start") || c.ms < 0 || c.version < 1 ||
+        c.version > d.syncs)
+      return host.stop(), fail(fmt::format("link cut of host {} at sync {} ({} {}) for {} ms: role must be consumer, "
+                                           "producer or start, the sync within 1..{}, the length not negative",
+                                           c.host, c.version, c.role, c.rank, c.ms, d.syncs));
+  }
+  // Every link a cut took down comes back up, on every way out of run_demo.
+  struct LinkRestorer {
+    const DemoSpec& d;
+    std::mutex mu;
+    std::set<int> down;
+    Status cut(int h) {
+      std::lock_guard<std::mutex> lk(mu);
+      down.insert(h);
+      return d.set_link(h, false);
+    }
+    Status restore(int h) {
+      std::lock_guard<std::mutex> lk(mu);
+      down.erase(h);
+      return d.set_link(h, true);
+    }
+    ~LinkRestorer() {
+      for (int h : down) d.set_link(h, true).ignore();
+    }
+  } links{d, {}, {}};
   auto store = Store::open(store_url);
   if (!store.ok()) return fail(store.status().to_string());
   Store& st = **store;
+  res.store_url = st.url();
   const std::string job = fmt::format("demo-{}-{}", ::getpid(), std::chrono::steady_clock::now().time_since_epoch().count());
   const int groups = Groups(m.metadata).size();
   std::mt19937_64 rng(d.seed * 7919 + 1);
@@ -122,8 +269,10 @@ DemoResult run_demo(const DemoSpec& d) {
                   st.url()));
 
   std::vector<Child> children;
+  std::set<std::string> exited_clean;  // workers reaped (exit 0) while the driver waited
   auto kill_all = [&] {
     for (auto& c : children) kill_now(c);
+    host.stop();
   };
   auto logs_of = [&](const Child& c) { return read_log(c); };
   auto ready_key = [&](const std::string& role, int r) { return worker_ready_key(job, role, r); };
@@ -139,9 +288,38 @@ DemoResult run_demo(const DemoSpec& d) {
     children.push_back(*c);
   }
   if (!kills.empty() && victim < 0) return kill_all(), fail(fmt::format("no {} rank {} to kill", d.kill_role, d.kill_rank));
-  auto wait_ready = [&](std::vector<std::string> keys) -> Status {
-    return st.wait(keys, std::chrono::milliseconds(d.timeout_ms));
+  // Waits for `keys` up to the timeout, in slices, checking between them that no worker
+  // exited: a worker that fails at once (a bad --mode, a layout it refuses) is reported
+  // with its log right away instead of after the whole timeout. `expected_exit` is the
+  // child that is meant to die now (the victim of this sync), or -1.
+  auto wait_keys = [&](const std::vector<std::string>& keys, int expected_exit = -1) -> Status {
+    const auto deadline = Clock::now() + std::chrono::milliseconds(d.timeout_ms);
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      Status s = st.wait(keys, std::clamp(left, std::chrono::milliseconds(0), std::chrono::milliseconds(200)));
+      if (s.code() != StatusCode::kTimeout) return s;
+      for (size_t i = 0; i < children.size(); ++i) {
+        Child& c = children[i];
+        if (static_cast<int>(i) == expected_exit || c.pid <= 0) continue;
+        const std::string name = c.name;
+        if (auto status = wait_exit(c, Clock::now())) {  // polls once
+          // A worker that finished its last version exits 0 while the others (slower to
+          // verify, or on a slower host) still write their results: not a failure.
+          if (WIFEXITED(*status) && WEXITSTATUS(*status) == 0) {
+            exited_clean.insert(name);
+            continue;
+          }
+          const std::string how = WIFEXITED(*status) ? fmt::format("exited with status {}", WEXITSTATUS(*status))
+                                  : WIFSIGNALED(*status) ? fmt::format("was killed by signal {}", WTERMSIG(*status))
+                                                         : fmt::format("ended (wait status {})", *status);
+          return internal_error("{} {} while the driver waited for {} key(s) ({}...); its log:\n{}", name, how,
+                                keys.size(), keys.empty() ? std::string() : keys.front(), read_log(c));
+        }
+      }
+      if (Clock::now() >= deadline) return s;
+    }
   };
+  auto wait_ready = [&](std::vector<std::string> keys) -> Status { return wait_keys(keys); };
   const auto t_start = Clock::now();
   {
     std::vector<std::string> keys;
@@ -168,7 +346,114 @@ DemoResult run_demo(const DemoSpec& d) {
     row.producer_bytes.assign(static_cast<size_t>(P), 0);
     const auto crash = victim >= 0 ? victim_crash(v) : std::pair<int, int>{-1, 0};
     const bool killing = victim >= 0 && crash.first == v;
+    // Between syncs: store restarts, then pauses, before v's go.
+    if (std::count(d.store_restarts.begin(), d.store_restarts.end(), v) > 0) {
+      if (Status s = host.restart(); !s.ok())
+        return kill_all(), fail(fmt::format("restarting the store {} before sync {}: {}", host.url, v, s.to_string()));
+      ++res.store_restarts;
+      row.paused += "store restarted before the sync; ";
+    }
+    auto pid_of = [&](const DemoPause& p) -> pid_t {
+      if (p.role == "store") return host.pid();
+      const bool prod = p.role == "producer";
+      if (p.rank < 0 || p.rank >= (prod ? P : C)) return -1;
+      return children[static_cast<size_t>(prod ? p.rank : P + p.rank)].pid;
+    };
+    auto who_of = [](const DemoPause& p) {
+      return p.role == "store" ? std::string("store") : fmt::format("{} {}", p.role, p.rank);
+    };
+    for (const DemoPause& p : d.pauses) {
+      if (p.version != v || p.point >= 0) continue;
+      const pid_t pid = pid_of(p);
+      if (pid <= 0) return kill_all(), fail(fmt::format("sync {}: no process of {} to pause", v, who_of(p)));
+      ::kill(pid, SIGSTOP);
+      const bool stopped = await_stopped(pid, Clock::now() + std::chrono::milliseconds(d.timeout_ms));
+      if (stopped) std::this_thread::sleep_for(std::chrono::milliseconds(p.ms));
+      ::kill(pid, SIGCONT);
+      if (!stopped) return kill_all(), fail(fmt::format("sync {}: {} did not stop on SIGSTOP", v, who_of(p)));
+      ++res.pauses_injected;
+      row.paused += fmt::format("{} SIGSTOPped {} ms before the sync; ", who_of(p), p.ms);
+    }
     if (auto s = st.set(worker_go_key(job, v), "1"); !s.ok()) return kill_all(), fail(s.to_string());
+    // Mid-sync pauses: a rank stops itself at its point (the thread waits to see it
+    // stopped), the store is stopped now; each is SIGCONTed `ms` later. Joined before
+    // the results are read (and on every return: the guard).
+    std::atomic<bool> results_in{false};
+    std::mutex pause_mu;
+    std::vector<std::thread> pausers;
+    struct JoinGuard {
+      std::atomic<bool>& over;
+      std::vector<std::thread>& threads;
+      void join() {
+        over = true;
+        for (auto& t : threads) t.join();
+        threads.clear();
+      }
+      ~JoinGuard() { join(); }
+    } pause_guard{results_in, pausers};
+    for (const DemoPause& p : d.pauses) {
+      if (p.version != v || p.point < 0) continue;
+      const pid_t pid = pid_of(p);
+      if (pid <= 0) return kill_all(), fail(fmt::format("sync {}: no process of {} to pause", v, who_of(p)));
+      const std::string who = who_of(p);
+      pausers.emplace_back([&, p, pid, who] {
+        const auto deadline = Clock::now() + std::chrono::milliseconds(d.timeout_ms);
+        if (p.role == "store") {
+          ::kill(pid, SIGSTOP);
+          await_stopped(pid, deadline);
+        } else if (!await_stopped(pid, deadline, &results_in)) {
+          std::lock_guard<std::mutex> lk(pause_mu);
+          res.pauses_not_reached.push_back(fmt::format("sync {}: {} never reached point {}", v, who, p.point));
+          return;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(p.ms));
+        ::kill(pid, SIGCONT);
+        std::lock_guard<std::mutex> lk(pause_mu);
+        ++res.pauses_injected;
+        row.paused += p.role == "store" ? fmt::format("store SIGSTOPped {} ms at the go; ", p.ms)
+                                        : fmt::format("{} SIGSTOPped {} ms at point {}; ", who, p.ms, p.point);
+      });
+    }
+    // Link cuts: down once the rank (every rank, for "start") stopped itself at its
+    // point, then they go on; back up `ms` later.
+    for (const DemoLinkCut& c : d.link_cuts) {
+      if (c.version != v) continue;
+      std::vector<pid_t> pids;
+      if (c.role == "start") {
+        for (const Child& ch : children) pids.push_back(ch.pid);
+      } else {
+        const bool prod = c.role == "producer";
+        if (c.rank < 0 || c.rank >= (prod ? P : C))
+          return kill_all(), fail(fmt::format("sync {}: no {} {} to cut a link at", v, c.role, c.rank));
+        pids.push_back(children[static_cast<size_t>(prod ? c.rank : P + c.rank)].pid);
+      }
+      pausers.emplace_back([&, c, pids] {
+        const auto deadline = Clock::now() + std::chrono::milliseconds(d.timeout_ms);
+        const std::string at = c.role == "start" ? std::string("at the start of every rank's sync")
+                                                 : fmt::format("at {} {} point {}", c.role, c.rank, c.point);
+        for (pid_t pid : pids) {
+          if (await_stopped(pid, deadline, &results_in)) continue;
+          for (pid_t q : pids) ::kill(q, SIGCONT);
+          std::lock_guard<std::mutex> lk(pause_mu);
+          res.pauses_not_reached.push_back(fmt::format("sync {}: link cut of host {} {}: pid {} never stopped there", v,
+                                                       c.host, at, pid));
+          return;
+        }
+        Status down = links.cut(c.host);
+        for (pid_t pid : pids) ::kill(pid, SIGCONT);
+        const auto t0 = Clock::now();
+        if (down.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(c.ms));
+        Status up = links.restore(c.host);
+        std::lock_guard<std::mutex> lk(pause_mu);
+        if (!down.ok() || !up.ok()) {
+          res.pauses_not_reached.push_back(fmt::format("sync {}: link of host {}: down: {}; up: {}", v, c.host,
+                                                       down.to_string(), up.to_string()));
+          return;
+        }
+        ++res.link_cuts_done;
+        row.paused += fmt::format("host {} link down {:.0f} ms {}; ", c.host, seconds_since(t0) * 1e3, at);
+      });
+    }
     std::vector<std::string> keys;
     for (int p = 0; p < P; ++p) {
       if (killing && kill_producer && p == d.kill_rank) continue;
@@ -178,7 +463,7 @@ DemoResult run_demo(const DemoSpec& d) {
       if (killing && !kill_producer && r == d.kill_rank) continue;
       keys.push_back(worker_result_key(job, v, "consumer", r));
     }
-    if (Status s = st.wait(keys, std::chrono::milliseconds(d.timeout_ms)); !s.ok()) {
+    if (Status s = wait_keys(keys, killing ? victim : -1); !s.ok()) {
       if (std::getenv("FERRY_DEMO_GDB")) {
         for (auto& c : children) {
           if (c.pid <= 0) continue;
@@ -191,11 +476,21 @@ DemoResult run_demo(const DemoSpec& d) {
       kill_all();
       return fail(fmt::format("sync {}: {}\n{}", v, s.to_string(), logs));
     }
+    pause_guard.join();
     double secs = 0;
     std::vector<std::string> notes;
+    // For the truth of the reports: who verified v, what each producer said.
+    std::set<int> verified_consumers;
+    struct ProducerSaid {
+      bool ok = false;
+      std::set<int> missed;
+      std::vector<int> serves;
+    };
+    std::map<int, ProducerSaid> said;
     for (const auto& k : keys) {
       auto text = st.get(k);
       if (!text.ok()) return kill_all(), fail(text.status().to_string());
+      row.results[k.substr(k.rfind('/') + 1)] = *text;
       auto j = nlohmann::json::parse(*text, nullptr, false);
       const bool is_consumer = k.find("consumer") != std::string::npos;
       if (is_consumer && j.value("torn", false)) ++row.torn;
@@ -214,6 +509,10 @@ DemoResult run_demo(const DemoSpec& d) {
       if (!is_consumer) {
         const int pr = std::atoi(k.c_str() + k.rfind("producer") + 8);
         if (pr >= 0 && pr < P) row.producer_bytes[static_cast<size_t>(pr)] = j.value("bytes", uint64_t{0});
+        ProducerSaid& ps = said[pr];
+        ps.ok = j.value("report_ok", false);
+        ps.serves = j.value("serves", std::vector<int>{});
+        for (int c : j.value("missed", std::vector<int>{})) ps.missed.insert(c);
       }
       if (d.verbose && j.contains("phases")) {
         std::string ph;
@@ -231,6 +530,7 @@ DemoResult run_demo(const DemoSpec& d) {
         ++row.expected;
         if (j.value("verified", false)) {
           ++row.verified;
+          verified_consumers.insert(std::atoi(k.c_str() + k.rfind("consumer") + 8));
         } else {
           all_ok = false;
           notes.push_back(fmt::format("{}: NOT verified: {}", k.substr(k.rfind('/') + 1), j.value("mismatch", "")));
@@ -238,6 +538,24 @@ DemoResult run_demo(const DemoSpec& d) {
       }
     }
     row.seconds = secs;
+    // A report is true when it says ok only if every consumer it serves verified v, and
+    // names in `missed` every one of them that did not.
+    std::set<int> missed_any;
+    for (const auto& [p, ps] : said) {
+      if (ps.ok) ++row.producers_ok;
+      missed_any.insert(ps.missed.begin(), ps.missed.end());
+      for (int c : ps.serves) {
+        if (verified_consumers.count(c)) continue;
+        if (ps.ok)
+          row.untrue.push_back(fmt::format("producer {} says ok but consumer {}, which it serves, did not verify {}", p, c, v));
+        else if (!ps.missed.count(c))
+          row.untrue.push_back(fmt::format("consumer {} did not verify {} and producer {}, which serves it, does not name "
+                                           "it in missed", c, v, p));
+      }
+    }
+    row.missed = static_cast<int>(missed_any.size());
+    for (const auto& u : row.untrue) notes.push_back("UNTRUE: " + u);
+    if (!row.paused.empty()) notes.push_back(row.paused);
     std::string killed;
     if (killing) {
       // The victim SIGKILLed itself at its crash point; reap it and restart it.
@@ -293,6 +611,7 @@ DemoResult run_demo(const DemoSpec& d) {
   // victim killed in the last sync was reaped and not restarted: it counts as not clean.
   const auto exit_deadline = Clock::now() + std::chrono::milliseconds(d.timeout_ms);
   for (auto& c : children) {
+    if (c.pid <= 0 && exited_clean.count(c.name)) continue;
     const auto status = wait_exit(c, exit_deadline);
     if (!status || !WIFEXITED(*status) || WEXITSTATUS(*status) != 0) {
       all_ok = false;
@@ -300,7 +619,6 @@ DemoResult run_demo(const DemoSpec& d) {
     }
   }
   kill_all();
-  if (server) server->stop();
   res.all_verified = all_ok && res.error.empty();
   if (res.all_verified) std::filesystem::remove_all(dir);
   return res;

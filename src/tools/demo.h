@@ -2,12 +2,48 @@
 // processes (tools/worker.h), started and reaped through tools/subprocess.h.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "ferry/status.h"
+
 namespace ferry::tools {
+
+// A SIGSTOP of one process of the job for `ms`, then SIGCONT (DemoSpec::pauses).
+struct DemoPause {
+  std::string role = "consumer";  // "consumer" | "producer" | "store"
+  int rank = 0;                   // ignored for the store
+  int version = 2;                // the sync it falls in (point >= 0) or before (point -1)
+  // -1: between syncs (after sync version-1 reported, before version's go). Otherwise
+  // mid-sync: a rank stops itself at this point of sync `version` (consumer: group * 4 +
+  // phase; producer: the group it is about to materialise, as for kills); the store is
+  // stopped as soon as the driver has written version's go (every rank is then at the
+  // start of that sync, reading membership from it).
+  int point = -1;
+  int ms = 1000;
+};
+
+// A host's network link taken down during one sync, then brought back up `ms` later
+// (DemoSpec::link_cuts; the hosts are the caller's, reached through DemoSpec::set_link).
+struct DemoLinkCut {
+  int host = 0;      // passed to DemoSpec::set_link
+  int version = 2;   // the sync it falls in
+  // Where: rank `rank` of `role` stops itself at `point` of sync `version` (the points
+  // of DemoPause), the driver takes the link down, then lets the rank go on: the cut
+  // lands at that point of the sync. role "start": every rank stops itself at the start
+  // of sync `version` (its go received, before any store call of the sync), and all go
+  // on once the link is down.
+  std::string role = "consumer";  // "consumer" | "producer" | "start"
+  int rank = 0;
+  int point = 0;
+  int ms = 3000;     // how long the link stays down
+};
 
 // The driver of `ferry demo` and the multi-process tests: starts every trainer and
 // inference rank as a process (`worker_binary worker ...`), runs `syncs` syncs through
@@ -22,6 +58,27 @@ struct DemoSpec {
   std::string inference = "tp=2,ep=2,replicas=2";
   std::string mode = "pull";
   std::string store;          // empty: an embedded TCP store in this process
+  std::string store_host = "127.0.0.1";  // the address the embedded store listens on
+  // With `store` empty: run the embedded store as its own process (`ferry store`), which
+  // a pause of the store needs (the in-process one would stop the driver with it).
+  bool store_process = false;
+  // A store run by the caller (e.g. a private redis-server): its pid, for pauses of the
+  // store, and how to restart it, for store_restarts.
+  pid_t store_pid = -1;
+  std::function<Status()> restart_store;
+  // Before each of these syncs (between syncs), the store is restarted: the embedded one
+  // (in this process or its own) stopped or SIGKILLed and started again on the same
+  // port with no data, the caller's through restart_store.
+  std::vector<int> store_restarts;
+  std::vector<DemoPause> pauses;
+  // Link cuts (DemoLinkCut): set_link(host, up) takes a host's link down or up (e.g.
+  // EmulatedHosts::set_link); every link cut is brought back up before run_demo
+  // returns, whatever happened. Results: DemoSyncRow::paused names each cut.
+  std::vector<DemoLinkCut> link_cuts;
+  std::function<Status(int host, bool up)> set_link;
+  int lease_ttl_ms = 2000;    // the workers' EngineOptions::lease_ttl
+  int stall_ms = 20000;       // the workers' stall_timeout
+  int rank_timeout_ms = 20000;  // the workers' EngineOptions::timeout
   std::string backend = "ucx";
   // UCX_TLS of the workers (passed as FERRY_UCX_TLS). Empty: default_worker_tls()
   // (tools/transport_options.h): $FERRY_UCX_TLS when set, else sm,tcp,self: reads and writes over
@@ -32,12 +89,17 @@ struct DemoSpec {
   // (docs/transport.md).
   std::string ucx_tls;
   bool checksums = false;
+  uint64_t staging_budget = 0;  // every producer's ProducerOptions::staging_budget (0: two slots)
   int syncs = 4;
   uint64_t seed = 1;
   std::string kill_role = "consumer";  // "consumer" (inference rank) | "producer" (trainer rank)
   int kill_rank = 1;
   // (version, point); point -1: random. Consumer: group * 4 + phase; producer: group.
   std::vector<std::pair<int, int>> kills;
+  // The argv prefix each rank's `ferry worker` runs under (e.g. scripts/hosts.sh exec P H:
+  // on emulated host H); it must exec the worker, so that the pid is the worker's. Empty
+  // (or no function): the worker runs directly.
+  std::function<std::vector<std::string>(const std::string& role, int rank)> launch_prefix;
   int timeout_ms = 60000;     // bound on each wait of the driver
   bool quiet = false;
   bool verbose = false;       // per-rank phase times under each sync
@@ -54,6 +116,16 @@ struct DemoSyncRow {
   std::vector<std::string> errors;  // "consumerN: error" of each failed consumer
   std::vector<std::string> failures;  // failure lines of every rank (failovers, drops)
   std::vector<uint64_t> producer_bytes;  // bytes each trainer rank served (0: none or no result)
+  // Each rank's result as it reported it ("producer0" -> worker JSON, tools/worker.h).
+  std::map<std::string, std::string> results;
+  // Reports: producers whose report said ok; consumers named in some producer's
+  // `missed`; and every way a report was untrue ("producer 0 says ok but consumer 2,
+  // which it serves, did not verify 3"; "consumer 2 did not verify 3 and producer 1,
+  // which serves it, does not name it in missed"). Empty when every report was true.
+  int producers_ok = 0;
+  int missed = 0;
+  std::vector<std::string> untrue;
+  std::string paused;       // what was paused during or before this sync
   std::string note;
 };
 struct DemoResult {
@@ -64,6 +136,11 @@ struct DemoResult {
   int64_t max_fd_growth = 0;
   bool all_verified = false;
   std::string ucx_tls;  // the workers' UCX_TLS
+  std::string store_url;  // without its token
+  int pauses_injected = 0;  // SIGSTOP/SIGCONT pairs done
+  std::vector<std::string> pauses_not_reached;  // mid-sync pauses whose rank never stopped
+  int store_restarts = 0;
+  int link_cuts_done = 0;   // links taken down and brought back up
   std::string error;
 };
 DemoResult run_demo(const DemoSpec& spec);

@@ -1,5 +1,7 @@
 #include "tools/job_model.h"
 
+#include "tools/config_path.h"
+
 #include <fmt/format.h>
 
 #include <nlohmann/json.hpp>
@@ -24,7 +26,8 @@ Result<JobModel> make_job_model_from(const ModelConfig& config, const std::strin
 
 Result<JobModel> make_job_model(const std::string& config_path, const std::string& trainer, const std::string& inference,
                                 bool shrink, const std::string& overrides) {
-  FERRY_ASSIGN_OR_RETURN(auto config, ModelConfig::load(config_path));
+  FERRY_ASSIGN_OR_RETURN(auto found, find_model_config(config_path));
+  FERRY_ASSIGN_OR_RETURN(auto config, ModelConfig::load(found));
   if (shrink) {
     FERRY_ASSIGN_OR_RETURN(auto layout, InferenceLayout::parse(inference));
     FERRY_ASSIGN_OR_RETURN(auto s, shrink_config(config, layout));
@@ -42,11 +45,22 @@ Result<JobModel> make_job_model(const std::string& config_path, const std::strin
   return make_job_model_from(config, trainer, inference);
 }
 
+Result<Plan> record_rank_plan(const ModelLoader& loader, int global) {
+  FERRY_ASSIGN_OR_RETURN(auto rl, loader.rank(global));
+  std::vector<TensorDecl> loaded;
+  for (const TensorDecl& d : loader.checkpoint()) {
+    if (!rl->groups_written_by(d.name).empty()) loaded.push_back(d);
+  }
+  return record_plan(loader, global, loaded);
+}
+
 Result<std::optional<std::string>> verify_params(const JobModel& m, int rank, const TensorMap& params, uint64_t seed,
                                                  uint64_t version) {
-  TensorMap ckpt;
-  for (const auto& d : m.metadata) ckpt.emplace(d.name, synthetic_tensor(seed, version, d));
-  FERRY_ASSIGN_OR_RETURN(auto direct, load_rank_direct(*m.loader, rank, ckpt));
+  // One checkpoint tensor at a time: every rank of a bench verifies at once, and a whole
+  // synthetic checkpoint per rank is what ran a 1.6 GB bench out of memory.
+  FERRY_ASSIGN_OR_RETURN(auto direct, load_rank_direct(*m.loader, rank, [&](const TensorDecl& d) -> Result<Tensor> {
+                           return synthetic_tensor(seed, version, d);
+                         }));
   FERRY_ASSIGN_OR_RETURN(auto rl, m.loader->rank(rank));
   FERRY_ASSIGN_OR_RETURN(auto mm, compare_params(rl->final_params(), direct, params));
   if (!mm.has_value()) return std::optional<std::string>{};

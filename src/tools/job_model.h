@@ -31,6 +31,11 @@ Result<JobModel> make_job_model(const std::string& config_path, const std::strin
 Result<JobModel> make_job_model_from(const ModelConfig& config, const std::string& trainer,
                                      const std::string& inference);
 
+// record_plan() of inference rank `global`, skipping the checkpoint tensors it loads
+// nothing from (most of them for an EP rank of a large MoE); the plan `ferry plan` and
+// `ferry simulate` route with. Errors: the loader's, a param no copy writes, coverage.
+Result<Plan> record_rank_plan(const ModelLoader& loader, int global);
+
 // Compares consumer `rank`'s final params with a direct load of synthetic version
 // `version` (synthetic_tensor(seed, version, ...) of every checkpoint tensor); the first
 // mismatch as text, nullopt when every param matches bit for bit.

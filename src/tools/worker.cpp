@@ -3,9 +3,14 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
+#include <map>
 #include <memory>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -14,6 +19,7 @@
 #include "engine/testing.h"
 #include "ferry/engine.h"
 #include "tools/job_model.h"
+#include "tools/proc_memory.h"
 #include "tools/transport_options.h"
 
 namespace ferry::tools {
@@ -24,6 +30,22 @@ std::string worker_ready_key(const std::string& job, const std::string& role, in
 std::string worker_go_key(const std::string& job, int version) { return fmt::format("{}/go/{}", job, version); }
 std::string worker_result_key(const std::string& job, int version, const std::string& role, int rank) {
   return fmt::format("{}/result/{}/{}{}", job, version, role, rank);
+}
+
+Result<std::vector<std::pair<int, int>>> parse_pause_points(std::string_view text) {
+  std::vector<std::pair<int, int>> out;
+  size_t at = 0;
+  while (at < text.size()) {
+    size_t end = text.find(',', at);
+    if (end == std::string_view::npos) end = text.size();
+    const std::string item(text.substr(at, end - at));
+    int v = 0, point = 0, used = 0;
+    if (std::sscanf(item.c_str(), "%d:%d%n", &v, &point, &used) != 2 || used != static_cast<int>(item.size()) || v < 0)
+      return invalid_argument("pause point '{}' is not VERSION:POINT (in '{}')", item, text);
+    out.emplace_back(v, point);
+    at = end + 1;
+  }
+  return out;
 }
 
 namespace {
@@ -38,12 +60,18 @@ int worker_fail(const WorkerSpec& s, const Status& st) {
 int run_worker(const WorkerSpec& s) {
   auto model = make_job_model(s.model, s.trainer, s.inference, false);
   if (!model.ok()) return worker_fail(s, model.status());
-  auto store = Store::open(s.store);
+  // Every store call is bounded by the rank's timeout too (not the client's 30 s
+  // default): a store that is cut off fails a sync within --timeout-ms, naming it.
+  StoreOptions so;
+  so.connect_timeout = std::chrono::milliseconds(s.timeout_ms);
+  so.io_timeout = std::chrono::milliseconds(s.timeout_ms);
+  auto store = Store::open(s.store, so);
   if (!store.ok()) return worker_fail(s, store.status());
-  // One host: the backend's one-host settings (ucx: reads and writes over shared memory,
-  // messages over loopback tcp, the transport list from the driver's FERRY_UCX_TLS; see
-  // DemoSpec::ucx_tls).
-  auto transport = Transport::create(worker_transport_options(s.backend));
+  // A store on loopback: the backend's one-host settings (ucx: reads and writes over
+  // shared memory, messages over loopback tcp, the transport list from the driver's
+  // FERRY_UCX_TLS; see DemoSpec::ucx_tls). Elsewhere: the interface routing to the
+  // store's host (tools/transport_options.h).
+  auto transport = Transport::create(worker_transport_options(s.backend, "", s.store));
   if (!transport.ok()) return worker_fail(s, transport.status());
   auto mode = parse_sync_mode(s.mode);
   if (!mode.ok()) return worker_fail(s, mode.status());
@@ -55,10 +83,44 @@ int run_worker(const WorkerSpec& s) {
   eo.checksums = s.checksums;
   eo.stall_timeout = std::chrono::milliseconds(s.stall_ms);
   eo.timeout = std::chrono::milliseconds(s.timeout_ms);
-  eo.lease_ttl = std::chrono::milliseconds(2000);
+  eo.lease_ttl = std::chrono::milliseconds(s.lease_ttl_ms);
   eo.rendezvous_timeout = std::chrono::milliseconds(60000);
   Store& st = **store;
-  const auto go_timeout = std::chrono::milliseconds(120000);
+  const auto go_timeout = std::chrono::milliseconds(s.go_timeout_ms);
+  // The driver's store may be paused or restarted between syncs (DemoSpec::pauses,
+  // store_restarts): a store error is waited out until the go timeout, not fatal.
+  auto transient = [](const Status& e) {
+    return e.code() == StatusCode::kUnavailable || e.code() == StatusCode::kTimeout ||
+           e.code() == StatusCode::kPeerFailed;
+  };
+  auto await_go = [&](int v) -> Status {
+    const auto deadline = std::chrono::steady_clock::now() + go_timeout;
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      Status w = st.wait({worker_go_key(s.job, v)}, std::clamp(left, std::chrono::milliseconds(1), std::chrono::milliseconds(1000)));
+      if (w.ok() || (!transient(w) && w.code() != StatusCode::kTimeout) || left.count() <= 0)
+        return w.with_context(fmt::format("waiting for the driver's go of sync {}", v));
+      if (w.code() != StatusCode::kTimeout) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  };
+  auto put_result = [&](const std::string& key, const std::string& value) -> Status {
+    const auto deadline = std::chrono::steady_clock::now() + go_timeout;
+    for (;;) {
+      Status w = st.set(key, value);
+      if (w.ok() || !transient(w) || std::chrono::steady_clock::now() >= deadline) return w;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  };
+  // Pauses: SIGSTOP at the point; the driver sees the process stopped and SIGCONTs it.
+  auto pause_at = [&s](int v, int point) {
+    for (const auto& [pv, pp] : s.pauses) {
+      if (pv == v && pp == point) ::raise(SIGSTOP);
+    }
+  };
+  // What the process holds before the engine exists (libraries, the job model, the
+  // transport): the base the memory test subtracts from RSS.
+  const ProcMemory base = proc_memory().value_or(ProcMemory{});
+  uint64_t held = 0, source_resident = 0;
   std::unique_ptr<SyntheticSource> source;
   std::unique_ptr<Producer> producer;
   std::unique_ptr<Consumer> consumer;
@@ -68,10 +130,22 @@ int run_worker(const WorkerSpec& s) {
     ProducerOptions po;
     static_cast<EngineOptions&>(po) = eo;
     engine::TestHooks hooks;
-    hooks.before_materialize = [&s](uint64_t v, int g) {
+    hooks.before_materialize = [&s, pause_at](uint64_t v, int g) {
       if (static_cast<int>(v) == s.crash_version && g == s.crash_point) ::kill(::getpid(), SIGKILL);
+      pause_at(static_cast<int>(v), g);
     };
     po.test_hooks = engine::make_test_hooks(std::move(hooks));
+    po.staging_budget = s.staging_budget;
+    const Holdings& h = (*model->holdings)[static_cast<size_t>(s.rank)];
+    held = h.bytes();
+    // SyntheticSource materialises one group at a time, into fresh buffers.
+    std::map<int, uint64_t> per_group;
+    const Groups groups(model->metadata);
+    for (const HeldBox& b : h.boxes) {
+      const TensorDecl& d = h.tensors[b.tensor];
+      per_group[groups.of_name(d.name)] += static_cast<uint64_t>(b.box.numel()) * dtype_size(d.dtype);
+    }
+    for (const auto& [g, n] : per_group) source_resident = std::max(source_resident, n);
     auto p = Producer::create(*source, **transport, st, po);
     if (!p.ok()) return worker_fail(s, p.status());
     producer = std::move(*p);
@@ -79,29 +153,71 @@ int run_worker(const WorkerSpec& s) {
     ConsumerOptions co;
     static_cast<EngineOptions&>(co) = eo;
     engine::TestHooks hooks;
-    hooks.consumer_point = [&s, &version](int g, int phase) {
+    hooks.consumer_point = [&s, &version, pause_at](int g, int phase) {
       if (version == s.crash_version && g * 4 + phase == s.crash_point) ::kill(::getpid(), SIGKILL);
+      pause_at(version, g * 4 + phase);
     };
     co.test_hooks = engine::make_test_hooks(std::move(hooks));
     auto c = Consumer::create(*model->loader, s.rank, **transport, st, co);
     if (!c.ok()) return worker_fail(s, c.status());
     consumer = std::move(*c);
+    for (const auto& [name, t] : consumer->params()) held += static_cast<uint64_t>(t.numel()) * dtype_size(t.dtype());
   } else {
     return worker_fail(s, invalid_argument("unknown role '{}'", s.role));
   }
-  if (auto r = st.set(worker_ready_key(s.job, s.role, s.rank), std::to_string(::getpid())); !r.ok())
+  // The consumers that read anything from this producer under the full routes (what
+  // the driver checks a report's `missed` against).
+  std::vector<int> served;
+  if (producer) {
+    const Routes& routes = producer->routes();
+    for (size_t c = 0; c < routes.consumer_plan.size(); ++c) {
+      bool reads = false;
+      for (const PlanGroup& g : routes.consumer(c).groups) {
+        for (const Read& r : g.reads) reads |= static_cast<int>(r.producer) == s.rank;
+      }
+      if (reads) served.push_back(static_cast<int>(c));
+    }
+  }
+  // (Retried: the driver may restart the store as soon as it sees the key, before this
+  // set's answer arrived.)
+  const uint64_t rss_created = proc_memory().value_or(ProcMemory{}).rss_bytes;
+  if (auto r = put_result(worker_ready_key(s.job, s.role, s.rank), std::to_string(::getpid())); !r.ok())
     return worker_fail(s, r);
   for (version = s.first_version; version <= s.last_version; ++version) {
     const auto v = static_cast<uint64_t>(version);
-    if (auto w = st.wait({worker_go_key(s.job, version)}, go_timeout); !w.ok()) return worker_fail(s, w);
+    if (auto w = await_go(version); !w.ok()) return worker_fail(s, w);
+    pause_at(version, kWorkerSyncStartPoint);
     std::fprintf(stderr, "[%s %d] sync %llu start\n", s.role.c_str(), s.rank, static_cast<unsigned long long>(v));
     nlohmann::json out;
+    const auto t_sync = std::chrono::steady_clock::now();
     Result<SyncReport> rep = producer ? (source->set_version(v), producer->sync(v)) : consumer->sync(v);
     out["ok"] = rep.ok();
+    out["elapsed"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_sync).count();
+    if (producer) out["serves"] = served;
+    if (auto pm = proc_memory(); pm.ok()) {
+      out["rss_base_bytes"] = base.rss_bytes;
+      out["anon_base_bytes"] = base.anon_bytes;
+      out["anon_bytes"] = pm->anon_bytes;
+      out["shmem_bytes"] = pm->shmem_bytes;
+      out["rss_created_bytes"] = rss_created;
+      out["rss_bytes"] = pm->rss_bytes;
+      out["peak_rss_bytes"] = pm->peak_rss_bytes;
+    }
+    out["held_bytes"] = held;
+    // Which path carried the bytes: reads and writes by message are tcp (or a region
+    // shared memory cannot map), the others native get/put (shared memory on one host).
+    const TransportStats ts = (*transport)->stats();
+    out["transport"] = {{"reads", ts.reads},           {"reads_by_message", ts.reads_by_message},
+                        {"writes", ts.writes},         {"writes_by_message", ts.writes_by_message},
+                        {"bytes_read", ts.bytes_read}, {"bytes_written", ts.bytes_written}};
+    if (producer) out["source_resident_bytes"] = source_resident;
     if (rep.ok()) {
+      out["report_ok"] = rep->ok();
+      out["memory"] = memory_use_json(rep->memory);
       out["bytes"] = rep->bytes_sent + rep->bytes_received;  // this rank's side: sent or received
       out["seconds"] = rep->seconds;
       out["dropped"] = rep->dropped;
+      out["missed"] = rep->missed;
       out["failures"] = rep->failures;
       out["phases"] = {{"materialize", rep->materialize_seconds}, {"pack", rep->pack_seconds},
                        {"wait", rep->wait_seconds},               {"read", rep->read_seconds},
@@ -111,6 +227,7 @@ int run_worker(const WorkerSpec& s) {
     }
     if (consumer) {
       out["torn"] = consumer->state().torn;
+      if (consumer->state().has_version) out["holds"] = consumer->state().version;
       if (rep.ok()) {
         auto ver = verify_params(*model, s.rank, consumer->params(), s.seed, v);
         if (!ver.ok()) {
@@ -124,7 +241,7 @@ int run_worker(const WorkerSpec& s) {
     }
     std::fprintf(stderr, "[%s %d] sync %llu: %s\n", s.role.c_str(), s.rank, static_cast<unsigned long long>(v),
                  out.dump().c_str());
-    if (auto w = st.set(worker_result_key(s.job, version, s.role, s.rank), out.dump()); !w.ok())
+    if (auto w = put_result(worker_result_key(s.job, version, s.role, s.rank), out.dump()); !w.ok())
       return worker_fail(s, w);
   }
   return 0;

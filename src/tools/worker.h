@@ -4,12 +4,23 @@
 // Protocol, through the store: the worker writes {job}/ready/{role}{rank} (its pid) once
 // its Producer or Consumer is created; the driver writes {job}/go/{v}; the worker syncs v
 // and writes {job}/result/{v}/{role}{rank} (JSON: ok, error, bytes, seconds, verified,
-// mismatch, torn, dropped, failures, phases). It exits 0 after its last version, 2 on an
-// error of its own (the message on stderr).
+// elapsed (the wall seconds of sync(), whatever its outcome), mismatch, torn, holds (consumer: the version it holds, absent before any), dropped, missed, report_ok, failures, phases; a producer also
+// `serves`: the consumers that read from it under the full routes; memory: the engine's
+// MemoryUse by kind; held_bytes: the rank's weights shard / params;
+// source_resident_bytes (producer): the most the synthetic source holds at once, one
+// group; from /proc: rss_base_bytes and anon_base_bytes before the engine was created,
+// rss_created_bytes once it was, and after the sync (before verifying) rss_bytes,
+// peak_rss_bytes, anon_bytes, shmem_bytes; `transport`: reads, writes, bytes and those by message).
+// It exits 0 after its last version, 2 on an error of its own (the message on stderr).
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "ferry/status.h"
 
 namespace ferry::tools {
 
@@ -30,9 +41,22 @@ struct WorkerSpec {
   int crash_version = -1;  // SIGKILL itself at `crash_point` of this sync
   int crash_point = 0;     // consumer: group * 4 + phase (see engine::TestHooks::consumer_point);
                            // producer: the group it is about to materialise
+  // SIGSTOP itself at these (version, point)s (the same points as crash_point); the
+  // driver SIGCONTs it (DemoSpec::pauses).
+  std::vector<std::pair<int, int>> pauses;
+  uint64_t staging_budget = 0;  // ProducerOptions::staging_budget (0: two slots)
   int stall_ms = 20000;
   int timeout_ms = 20000;
+  int lease_ttl_ms = 2000;
+  // Bound on the wait for the driver's go key (and the retries of its own store
+  // writes: a paused or restarting store is waited out, up to this long).
+  int go_timeout_ms = 120000;
 };
+// The pause point at the start of a sync: the go received, before Producer/Consumer::sync
+// (so before any store call of that sync).
+inline constexpr int kWorkerSyncStartPoint = -2;
+// "2:5,4:-1" -> {(2,5),(4,-1)}; InvalidArgument naming the bad item.
+Result<std::vector<std::pair<int, int>>> parse_pause_points(std::string_view text);
 int run_worker(const WorkerSpec& spec);
 
 // The protocol's store keys.

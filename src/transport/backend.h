@@ -119,6 +119,7 @@ struct AtomicStats {
   std::atomic<uint64_t> reads{0}, writes{0}, sends{0}, bytes_read{0}, bytes_written{0};
   std::atomic<uint64_t> messages_received{0}, malformed_messages{0}, dropped_messages{0}, failed_peers{0};
   std::atomic<uint64_t> reads_by_message{0}, writes_by_message{0}, shared_memory_message_peers{0};
+  std::atomic<uint64_t> refused_unauthenticated{0}, refused_region{0}, refused_bounds{0}, authenticated_peers{0};
   TransportStats snapshot() const {
     TransportStats s;
     s.reads = reads;
@@ -133,6 +134,10 @@ struct AtomicStats {
     s.reads_by_message = reads_by_message;
     s.writes_by_message = writes_by_message;
     s.shared_memory_message_peers = shared_memory_message_peers;
+    s.refused_unauthenticated = refused_unauthenticated;
+    s.refused_region = refused_region;
+    s.refused_bounds = refused_bounds;
+    s.authenticated_peers = authenticated_peers;
     return s;
   }
 };

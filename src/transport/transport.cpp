@@ -129,6 +129,13 @@ bool BackendInfo::accepts(std::string_view param) const {
 }
 
 Result<std::unique_ptr<Transport>> Transport::create(const TransportOptions& options) {
+  // The store's rule (a guessable secret proves nothing); the transport does not depend
+  // on the store, so the figure is its own constant, kept equal to kMinTokenBytes.
+  if (!options.token.empty() && options.token.size() < kMinTransportTokenBytes) {
+    return invalid_argument(
+        "transport token of {} bytes: at least {} are required (e.g. `openssl rand -hex 16`), or none at all",
+        options.token.size(), kMinTransportTokenBytes);
+  }
   FERRY_ASSIGN_OR_RETURN(const detail::BackendEntry* entry, detail::find_backend(options.backend));
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<detail::TransportBackend> impl, entry->create(options));
   return std::make_unique<Transport>(std::move(impl));

@@ -14,6 +14,7 @@ namespace {
 constexpr uint32_t kAddressMagic = 0x44415246;  // "FRAD" little-endian
 constexpr uint32_t kKeyMagic = 0x4b525246;      // "FRRK"
 constexpr uint32_t kMessageMagic = 0x534d5246;  // "FRMS"
+constexpr uint32_t kHandshakeMagic = 0x53485246;  // "FRHS"
 constexpr size_t kAddressFixed = 32;
 constexpr size_t kKeyFixed = 44;
 
@@ -240,6 +241,61 @@ Result<MessageHeader> decode_message_header(std::span<const std::byte> header, s
   if (payload_size > max_payload) {
     return corrupt("message: payload of {} bytes exceeds the limit {}", payload_size, max_payload);
   }
+  return h;
+}
+
+const char* handshake_step_name(HandshakeStep step) {
+  switch (step) {
+    case HandshakeStep::kHello: return "hello";
+    case HandshakeStep::kChallenge: return "challenge";
+    case HandshakeStep::kProof: return "proof";
+    case HandshakeStep::kAccept: return "accept";
+    case HandshakeStep::kRefuse: return "refuse";
+  }
+  return "unknown";
+}
+
+std::array<std::byte, kHandshakeSize> encode_handshake(const Handshake& h) {
+  std::vector<std::byte> out;
+  out.reserve(kHandshakeSize);
+  Writer w(out);
+  w.u32(kHandshakeMagic);
+  w.u8(kVersion);
+  w.u8(uint8_t(h.step));
+  w.u16(0);
+  w.u64(h.sender_id);
+  w.u64(h.receiver_id);
+  w.bytes(std::as_bytes(std::span(h.nonce)));
+  w.bytes(std::as_bytes(std::span(h.mac)));
+  std::array<std::byte, kHandshakeSize> frame{};
+  std::memcpy(frame.data(), out.data(), kHandshakeSize);
+  return frame;
+}
+
+Result<Handshake> decode_handshake(std::span<const std::byte> bytes) {
+  if (bytes.size() != kHandshakeSize) {
+    return corrupt("transport handshake: {} bytes, expected {}", bytes.size(), kHandshakeSize);
+  }
+  Reader r(bytes);
+  uint32_t magic = r.u32();
+  if (magic != kHandshakeMagic) return corrupt("transport handshake: bad magic {:#x}", magic);
+  uint8_t version = r.u8();
+  if (version != kVersion) return corrupt("transport handshake: unsupported version {}", version);
+  uint8_t step = r.u8();
+  if (step < uint8_t(HandshakeStep::kHello) || step > uint8_t(HandshakeStep::kRefuse)) {
+    return corrupt("transport handshake: unknown step {}", step);
+  }
+  if (r.u16() != 0) return corrupt("transport handshake: reserved bytes are not zero");
+  Handshake h;
+  h.step = HandshakeStep(step);
+  h.sender_id = r.u64();
+  h.receiver_id = r.u64();
+  std::vector<std::byte> nonce = r.bytes(h.nonce.size());
+  std::vector<std::byte> mac = r.bytes(h.mac.size());
+  if (!r.ok()) return corrupt("transport handshake: truncated");
+  if (h.sender_id == 0 || h.receiver_id == 0) return corrupt("transport handshake: instance id 0");
+  std::memcpy(h.nonce.data(), nonce.data(), h.nonce.size());
+  std::memcpy(h.mac.data(), mac.data(), h.mac.size());
   return h;
 }
 

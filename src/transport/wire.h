@@ -12,9 +12,13 @@
 //   message header (UCX active-message header; inproc passes it in memory):
 //            magic "FRMS"(4) version(1) reserved(3)=0 sender_id(8) tag(4)
 //            payload_len(4)                                            — total 24
+//   handshake (one per step of the token handshake, docs/transport.md "Authentication"):
+//            magic "FRHS"(4) version(1) step(1) reserved(2)=0 sender_id(8)
+//            receiver_id(8) nonce(32) mac(32)                          — total 88
 #pragma once
 
 #include <cstddef>
+#include <array>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -69,5 +73,27 @@ void encode_message_header(const MessageHeader& h, std::byte out[kMessageHeaderS
 // payload_len bytes and at most max_payload.
 Result<MessageHeader> decode_message_header(std::span<const std::byte> header, size_t payload_size,
                                             size_t max_payload);
+
+// One step of the token handshake (a connector proves the job's token to an acceptor,
+// and the acceptor to it) — the transport-level handshake of every connection when
+// TransportOptions::token is set:
+//   kHello      connector -> acceptor: its nonce (mac zero)
+//   kChallenge  acceptor -> connector: its nonce and acceptor_proof (auth.h)
+//   kProof      connector -> acceptor: the acceptor's nonce echoed and connector_proof
+//   kAccept / kRefuse  acceptor -> connector: the verdict (nonce and mac zero)
+enum class HandshakeStep : uint8_t { kHello = 1, kChallenge = 2, kProof = 3, kAccept = 4, kRefuse = 5 };
+const char* handshake_step_name(HandshakeStep step);
+inline constexpr size_t kHandshakeSize = 88;
+struct Handshake {
+  HandshakeStep step = HandshakeStep::kHello;
+  uint64_t sender_id = 0;
+  uint64_t receiver_id = 0;
+  std::array<uint8_t, 32> nonce{};
+  std::array<uint8_t, 32> mac{};
+};
+std::array<std::byte, kHandshakeSize> encode_handshake(const Handshake& h);
+// kCorrupt unless exactly kHandshakeSize bytes with the magic, version, a known step,
+// zero reserved bytes and non-zero ids.
+Result<Handshake> decode_handshake(std::span<const std::byte> bytes);
 
 }  // namespace ferry::transport_wire

@@ -2,6 +2,7 @@
 // with the figures they come from. No timing thresholds (CI machines vary).
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -11,6 +12,8 @@
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+
+#include "cli/run_command.h"
 
 namespace {
 
@@ -23,13 +26,10 @@ bool mpirun_on_path() {
   return false;
 }
 
-struct BenchRun {
-  int status = -1;
-  std::string out, err;
-};
+using BenchRun = ferry_cli_test::CommandRun;
+using ferry_cli_test::run_command;
 
 BenchRun run_bench(const std::string& extra) {
-  const std::string err_path = ::testing::TempDir() + "/bench_cli_test.err";
   const std::string cmd = std::string(FERRY_BIN) + " bench --json --model " FERRY_SOURCE_DIR
                           "/configs/llama-3.1-8b.json --config-overrides '{\"num_hidden_layers\": 2, "
                           "\"hidden_size\": 256, \"intermediate_size\": 512, \"vocab_size\": 1024, "
@@ -37,38 +37,27 @@ BenchRun run_bench(const std::string& extra) {
                           "--trainer tp=2 --inference tp=2 --syncs 2 "
                           // No CMA single copy: containers often forbid process_vm_readv.
                           "--mpi-mca '--mca pml ob1 --mca btl self,vader --mca btl_vader_single_copy_mechanism none' " +
-                          extra + " 2>" + err_path;
-  BenchRun r;
-  FILE* f = ::popen(cmd.c_str(), "r");
-  if (!f) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) r.out.append(buf, n);
-  r.status = ::pclose(f);
-  std::ifstream e(err_path);
-  std::stringstream ss;
-  ss << e.rdbuf();
-  r.err = ss.str();
-  return r;
+                          extra;
+  return run_command(cmd);
 }
 
 TEST(BenchCli, JsonHasEveryKeyWithSaneValues) {
   if (!mpirun_on_path()) {
     // Without OpenMPI the bench must refuse clearly (CI installs it: scripts/install-deps.sh).
     BenchRun r = run_bench("");
-    EXPECT_NE(r.status, 0);
+    EXPECT_NE(r.exit_code, 0);
     EXPECT_NE(r.err.find("mpirun"), std::string::npos) << r.err;
     GTEST_SKIP() << "mpirun not installed";
   }
   const std::string bin = FERRY_BIN;
   if (::access((bin.substr(0, bin.rfind('/') + 1) + "ferry-mpi-bcast").c_str(), X_OK) != 0) {
     BenchRun r = run_bench("");
-    EXPECT_NE(r.status, 0);
+    EXPECT_NE(r.exit_code, 0);
     EXPECT_NE(r.err.find("built without MPI"), std::string::npos) << r.err;
     GTEST_SKIP() << "ferry-mpi-bcast not built (no MPI at configure time)";
   }
   BenchRun r = run_bench("");
-  ASSERT_EQ(r.status, 0) << r.err;
+  ASSERT_EQ(r.exit_code, 0) << r.err;
   auto j = nlohmann::json::parse(r.out, nullptr, false);
   ASSERT_TRUE(j.is_object()) << r.out << "\n" << r.err;
   for (const char* k : {"sync_seconds", "bytes_moved", "gbps", "raw_transport_gbps", "memcpy_gbps", "broadcast_seconds",
@@ -109,7 +98,7 @@ TEST(BenchCli, NoInPlaceStagesEveryByte) {
   if (!mpirun_on_path() || ::access((bin.substr(0, bin.rfind('/') + 1) + "ferry-mpi-bcast").c_str(), X_OK) != 0)
     GTEST_SKIP() << "no OpenMPI (see JsonHasEveryKeyWithSaneValues)";
   BenchRun r = run_bench("--no-in-place");
-  ASSERT_EQ(r.status, 0) << r.err;
+  ASSERT_EQ(r.exit_code, 0) << r.err;
   auto j = nlohmann::json::parse(r.out, nullptr, false);
   ASSERT_TRUE(j.is_object()) << r.out << "\n" << r.err;
   EXPECT_EQ(j["in_place"], false);
@@ -117,9 +106,30 @@ TEST(BenchCli, NoInPlaceStagesEveryByte) {
   EXPECT_EQ(j["verified_ranks"], 2);
 }
 
+// A model this machine cannot hold is refused with the estimate before any rank starts
+// (a ~440 GB Llama: 1000 layers at full width), never left to the OOM killer.
+TEST(BenchCli, ModelThatCannotFitIsRefusedWithTheEstimate) {
+  const std::string cmd = std::string(FERRY_BIN) + " bench --model " FERRY_SOURCE_DIR
+                          "/configs/llama-3.1-8b.json --no-shrink --config-overrides '{\"num_hidden_layers\": 1000}' "
+                          "--trainer tp=2 --inference tp=4";
+  BenchRun est = run_command(cmd + " --memory-estimate");
+  EXPECT_EQ(est.exit_code, 1) << est.err;
+  auto j = nlohmann::json::parse(est.out, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << est.out << "\n" << est.err;
+  EXPECT_EQ(j["fits"], false);
+  EXPECT_GT(j["estimate_bytes"].get<double>(), 400e9);
+  EXPECT_GT(j["mem_available_bytes"].get<double>(), 0);
+  if (!mpirun_on_path()) return;  // the run itself first needs OpenMPI (MissingMpirunIsAClearError)
+  BenchRun r = run_command(cmd);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("needs an estimated"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("MemAvailable"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("trial"), std::string::npos) << "no rank may start: " << r.err;
+}
+
 TEST(BenchCli, MissingMpirunIsAClearError) {
   BenchRun r = run_bench("--mpirun /nonexistent/mpirun");
-  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("/nonexistent/mpirun"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("openmpi"), std::string::npos) << r.err;
 }

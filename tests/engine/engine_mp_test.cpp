@@ -85,11 +85,11 @@ class EngineMpTest : public ::testing::TestWithParam<MpCase> {
     d.mode = GetParam().mode;
     d.ucx_tls = GetParam().tls;
     if (GetParam().store == StoreKind::kRedis) {
-      auto r = testing::RedisServer::start("engine-mp");
+      auto r = testing::RedisServer::start("engine-mp-token-0123");
       EXPECT_TRUE(r.ok()) << r.status().to_string();
       if (r.ok()) {
         redis_ = std::move(*r);
-        d.store = fmt::format("redis://:engine-mp@127.0.0.1:{}/enginemp", redis_->port());
+        d.store = fmt::format("redis://:engine-mp-token-0123@127.0.0.1:{}/enginemp", redis_->port());
       }
     }
     return d;

@@ -14,7 +14,8 @@ std::vector<Message> one_of_each() {
           Ready{3, 7, 2, 0xabcdef, 1},
           Pushed{1, 7, 2, 0xabcdef, 1, 99},
           Pushed{1, 7, 2, 0xabcdef, 1, std::nullopt},
-          Dropped{1, 7, 5},
+          Dropped{1, 7, 5, "stalled: group 3 not released within 3000 ms"},
+          Dropped{1, 7, 5, ""},
           Abort{3, 7, 5},
           Done{3, 7, 5},
           Failover{3, 7, 5},
@@ -82,7 +83,7 @@ TEST(EngineProtocol, BadMagicTypeAndFlagAreCorrupt) {
 
 TEST(EngineProtocol, LeasesRoundTripAndAreNotConfused) {
   const ProducerLease p{"addr\0x", "key", 4096, "table"};
-  const ConsumerLease c{"caddr", "ckey", 128};
+  const ConsumerLease c{"caddr", "ckey", 128, "params"};
   auto pb = decode_producer_lease(encode_lease(p));
   ASSERT_TRUE(pb.ok()) << pb.status().to_string();
   EXPECT_EQ(*pb, p);
@@ -95,7 +96,7 @@ TEST(EngineProtocol, LeasesRoundTripAndAreNotConfused) {
   for (size_t n = 0; n < blob.size(); ++n)
     EXPECT_FALSE(decode_producer_lease(std::string_view(blob).substr(0, n)).ok()) << "truncated to " << n;
   // A wrong-width number is refused, not read short.
-  const std::string odd = encode_fields({"FCL1", "a", "k", "1234567"});
+  const std::string odd = encode_fields({"FCL1", "a", "k", "1234567", ""});
   EXPECT_EQ(decode_consumer_lease(odd).status().code(), StatusCode::kCorrupt);
 }
 

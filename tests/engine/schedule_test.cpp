@@ -3,13 +3,15 @@
 // trainer's memory into the receive slot or straight into params, unpack the rest, and
 // every consumer must equal a direct load bit for bit; both sides' byte counts and
 // checksums must agree. Instantiated over models, layouts and modes (pull with and
-// without in-place serving and reads into params, push).
+// without in-place serving and reads into params; push, which writes in place into params
+// by the same schedule).
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <numeric>
 
 #include "engine/in_place.h"
+#include "engine/memory.h"
 #include "engine/registered_buffer.h"
 #include "engine/schedule.h"
 #include "tools/job_model.h"
@@ -28,7 +30,7 @@ struct ScheduleCase {
   const char* config;
   const char* trainer;
   const char* inference;
-  SyncMode mode;
+  SyncMode mode;               // what the case stands for: the schedule is the same in both modes
   bool in_place;              // producers' boxes laid out in one source region each
   uint64_t direct_min_bytes;  // UINT64_MAX: nothing read into params
 };
@@ -139,7 +141,6 @@ TEST_P(ScheduleTest, MovesEveryByteAndBothSidesAgree) {
     ConsumerScheduleInputs in;
     in.routes = &routes;
     in.rank = c;
-    in.mode = k.mode;
     in.direct_min_bytes = k.direct_min_bytes;
     in.params = &registered;
     in.holdings = m.holdings.get();
@@ -166,9 +167,6 @@ TEST_P(ScheduleTest, MovesEveryByteAndBothSidesAgree) {
         got[static_cast<int>(sr.producer)] += sr.length;
         if (sr.region >= 0) got_in_place[static_cast<int>(sr.producer)] += sr.length;
         if (sr.param) direct_bytes += sr.length;
-        if (k.mode == SyncMode::kPush) {
-          EXPECT_TRUE(sr.param == nullptr && sr.region < 0) << "push reads into the ring only";
-        }
       }
       uint64_t total = 0;
       for (const auto& [p, bytes] : gs.received_from) {
@@ -203,13 +201,13 @@ TEST_P(ScheduleTest, MovesEveryByteAndBothSidesAgree) {
     EXPECT_FALSE(mismatch->has_value()) << "consumer " << c << ": " << **mismatch;
   }
   // The case's premise holds: in-place and direct paths are taken when the case asks.
-  if (k.in_place && k.mode == SyncMode::kPull) {
+  if (k.in_place) {
     EXPECT_GT(in_place_bytes, 0u);
   }
   if (!k.in_place) {
     EXPECT_EQ(in_place_bytes, 0u);
   }
-  if (k.mode == SyncMode::kPull && k.direct_min_bytes != UINT64_MAX) {
+  if (k.direct_min_bytes != UINT64_MAX) {
     EXPECT_GT(direct_bytes, 0u);
   }
   if (k.direct_min_bytes == UINT64_MAX) {
@@ -225,11 +223,11 @@ INSTANTIATE_TEST_SUITE_P(
         ScheduleCase{"DenseInPlace", "llama-3.1-8b.json", "tp=2", "tp=4", SyncMode::kPull, true, 1024},
         ScheduleCase{"DenseInPlaceStagedReads", "llama-3.1-8b.json", "tp=4", "tp=2,replicas=2", SyncMode::kPull, true,
                      UINT64_MAX},
-        ScheduleCase{"DensePush", "llama-3.1-8b.json", "tp=2", "tp=4", SyncMode::kPush, false, UINT64_MAX},
+        ScheduleCase{"DensePush", "llama-3.1-8b.json", "tp=2", "tp=4", SyncMode::kPush, true, 0},
         ScheduleCase{"MoeInPlace", "qwen3-30b-a3b.json", "tp=2,pp=2,ep=2", "tp=2,ep=2,replicas=2", SyncMode::kPull,
                      true, 64 * 1024},
-        ScheduleCase{"MoeReplicasPush", "qwen3-30b-a3b.json", "tp=2,dp=2", "tp=2,ep=2", SyncMode::kPush, false,
-                     UINT64_MAX},
+        ScheduleCase{"MoeReplicasPush", "qwen3-30b-a3b.json", "tp=2,dp=2", "tp=2,ep=2", SyncMode::kPush, true,
+                     64 * 1024},
         ScheduleCase{"FsdpIntoParams", "llama-3.1-8b.json", "fsdp=4", "tp=2", SyncMode::kPull, false, 0}),
     [](const ::testing::TestParamInfo<ScheduleCase>& i) { return std::string(i.param.name); });
 
@@ -310,6 +308,34 @@ TEST(ScheduleSlots, PostProcessingGroupsRunOnceAfterTheirLastParam) {
   for (size_t k = 0; k < runs.size(); ++k) {
     EXPECT_EQ(runs[k], 1) << "post-processing group " << k;
   }
+}
+
+
+// The staging ring a budget gives (memory.h): the budget bounds the ring whenever it
+// holds the largest group under the routes now; below that it is refused naming bytes.
+TEST(StagingRing, BudgetBoundsTheRing) {
+  const uint64_t needed = 1000 * 64, worst = 4000 * 64;
+  auto dflt = staging_ring(0, needed, worst, 0);
+  ASSERT_TRUE(dflt.ok());
+  EXPECT_EQ(dflt->slot_bytes, worst);
+  EXPECT_EQ(dflt->slots, 2);
+  auto roomy = staging_ring(0, needed, worst, 3 * worst);
+  ASSERT_TRUE(roomy.ok());
+  EXPECT_EQ(roomy->slot_bytes, worst);
+  EXPECT_EQ(roomy->slots, 3);
+  // Between one needed slot and one worst-case slot: two slots as large as fit.
+  for (uint64_t budget : {needed, 2 * needed, 3 * needed + 100, worst - 64}) {
+    auto r = staging_ring(0, needed, worst, budget);
+    ASSERT_TRUE(r.ok()) << budget;
+    EXPECT_GE(r->slot_bytes, needed) << budget;
+    EXPECT_LE(r->slot_bytes * static_cast<uint64_t>(r->slots), budget) << budget;
+    EXPECT_GE(r->slots, 1) << budget;
+  }
+  auto tight = staging_ring(3, needed, worst, needed - 1);
+  ASSERT_FALSE(tight.ok());
+  EXPECT_EQ(tight.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(tight.status().message().find("producer 3"), std::string::npos) << tight.status().to_string();
+  EXPECT_NE(tight.status().message().find(std::to_string(needed)), std::string::npos) << tight.status().to_string();
 }
 
 }  // namespace

@@ -148,6 +148,38 @@ TEST_F(SafetensorsTest, RoundTripLargeTensor) {
   EXPECT_EQ(fs::file_size(p), 8 + f->header().header_size + 1024 * 4096 * 2 + 12);
 }
 
+// A checkpoint truncated while open (as a trainer rewriting it under `ferry check`): the
+// default access read it whole, so its tensors keep their bytes; a mapped one would
+// raise SIGBUS on the first touch of a page past the new end.
+TEST_F(SafetensorsTest, TruncatedAfterOpenKeepsItsBytes) {
+  const Tensor big = filled({256, 1024}, DType::kF32, 7);  // 1 MiB: pages never touched by open
+  const std::string p = path("trunc.safetensors");
+  ASSERT_TRUE(write_safetensors(p, {{"big", big}}).ok());
+  auto f = SafetensorsFile::open(p);
+  ASSERT_TRUE(f.ok()) << f.status().to_string();
+  fs::resize_file(p, 16);
+  auto t = f->get("big");
+  ASSERT_TRUE(t.ok());
+  EXPECT_TRUE(same_bytes(*t, big));
+  // Opening the truncated file now is an error naming it.
+  auto again = SafetensorsFile::open(p);
+  ASSERT_FALSE(again.ok());
+  EXPECT_NE(again.status().message().find(p), std::string::npos) << again.status().to_string();
+}
+
+// kMap serves the same bytes without a copy (for callers that rule truncation out).
+TEST_F(SafetensorsTest, MappedAccessServesTheSameBytes) {
+  const Tensor t = filled({64, 33}, DType::kBF16, 3);
+  const std::string p = path("map.safetensors");
+  ASSERT_TRUE(write_safetensors(p, {{"t", t}}).ok());
+  auto f = SafetensorsFile::open(p, SafetensorsAccess::kMap);
+  ASSERT_TRUE(f.ok()) << f.status().to_string();
+  auto got = f->get("t");
+  ASSERT_TRUE(got.ok());
+  EXPECT_TRUE(got->is_read_only());
+  EXPECT_TRUE(same_bytes(*got, t));
+}
+
 TEST_F(SafetensorsTest, NonContiguousTensorsAreWrittenContiguous) {
   Tensor base = filled({4, 6}, DType::kF32, 3);
   Tensor tr = base.t();                  // [6, 4], strided

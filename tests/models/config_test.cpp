@@ -56,6 +56,18 @@ TEST(ModelConfig, WrongTypesAreErrors) {
   EXPECT_EQ(*c.get_number("x"), 2.5);
 }
 
+// A float field outside int64 was cast before its range was checked (UBSan,
+// fuzz_config_layout); now refused like any non-integer.
+TEST(ModelConfig, HugeFloatIsNotAnInteger) {
+  const ModelConfig c = config_from(R"({"architectures": ["LlamaForCausalLM"], "a": 1e300, "b": -1e19, "c": 9e15})");
+  auto a = c.get_int("a");
+  ASSERT_FALSE(a.ok());
+  EXPECT_NE(a.status().message().find("'a' must be an integer, got number 1e+300"), std::string::npos)
+      << a.status().to_string();
+  EXPECT_FALSE(c.get_int_or("b", 0).ok());
+  EXPECT_EQ(*c.get_int("c"), 9000000000000000);
+}
+
 TEST(ModelConfig, MalformedFiles) {
   EXPECT_EQ(ModelConfig::parse("{not json", "a.json").status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(ModelConfig::parse("[1]", "a.json").status().message().find("a.json"), std::string::npos);

@@ -119,7 +119,8 @@ TEST(Recorder, Errors) {
   {
     Recorder rec;
     ASSERT_TRUE(Tensor::param("p", {3}, DType::kF32).copy_(Tensor::source("s", {3}, DType::kF32)).ok());
-    EXPECT_STATUS_HAS(Tensor::param("p", {3}, DType::kF32).copy_(Tensor::source("s", {1, 3}, DType::kF32)),
+    // (into a [3] view of p: [1, 3] -> [3] does not broadcast, as in torch)
+    EXPECT_STATUS_HAS(Tensor::param("p", {3}, DType::kF32).unsqueeze(0).copy_(Tensor::source("s", {1, 3}, DType::kF32)),
                       "source 's' declared as [3] F32 and as [1, 3] F32");
   }
   {

@@ -113,6 +113,14 @@ class EngineTest(unittest.TestCase):
                     self.assert_params_equal(expected_params(loader, r, v), c.params())
                     self.assertIs(c.params(), params[r])  # written in place
                 self.assertGreater(sum(rep["bytes"] for rep in reports[2:]), 0)
+                # Each side's extra memory by kind: its own ring, metadata, the allowance.
+                for i, rep in enumerate(reports):
+                    mem, ring = rep["memory"], "staging_ring" if i < 2 else "receive_ring"
+                    other = "receive_ring" if i < 2 else "staging_ring"
+                    self.assertGreater(mem[ring], 0, mem)
+                    self.assertEqual(mem[other], 0, mem)
+                    self.assertGreater(mem["metadata"], 0, mem)
+                    self.assertEqual(mem["extra"], mem[ring] + mem["metadata"] + mem["transport_allowance"], mem)
             for x in producers + consumers:
                 x.close()
 
@@ -198,6 +206,147 @@ class EngineTest(unittest.TestCase):
         with self.assertRaises(ferry.UnimplementedError):
             NumpyTrainer(0, 2).holdings(1)
 
+    def test_weight_source_metadata_as_tensor_decls_and_launcher_env(self):
+        decls = {n: ferry.TensorDecl(n, tuple(a.shape), "float32") for n, a in checkpoint(1).items()}
+
+        class Decls(NumpyTrainer):
+            def metadata(self):
+                return decls  # the docstring allows TensorDecls; this used to fail "invalid literal for int()"
+
+        t = Decls(1, 2, "tp=2")
+        self.assertEqual(len(t._metadata()), len(decls))
+        self.assertEqual(t.boxes(0), NumpyTrainer(1, 2, "tp=2").boxes(0))
+        listed = type("Listed", (NumpyTrainer,), {"metadata": lambda self: list(decls.values())})()
+        self.assertEqual(len(listed._metadata()), len(decls))
+        old = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
+        os.environ.update(RANK="3", WORLD_SIZE="4")
+        try:
+            src = ferry.WeightSource()
+            self.assertEqual((src.rank, src.world_size), (3, 4))
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def test_bookkeeping_asks_holdings_once_and_caches_groups(self):
+        calls = []
+
+        class Counting(NumpyTrainer):
+            def holdings(self, rank):
+                calls.append(rank)
+                return super().holdings(rank)
+
+        t = Counting(0, 2, "tp=2")
+        for _ in range(3):
+            for g in range(len(t.groups())):
+                for name, _, _ in t.boxes(g):
+                    self.assertEqual(t.group_of(name), g)
+        self.assertEqual(calls, [0])
+        with self.assertRaises(ferry.InvalidArgumentError):
+            t.group_of("model.nope.weight")
+
+    def test_megatron_layout_views_are_the_native_tensors(self):
+        import torch
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from llama_megatron import native_shard
+        from llama_vllm import TEST_CONFIG, random_hf_state
+
+        # TEST_CONFIG (one kv group a rank) and 4 kv heads over tp=2 (two kv groups a rank:
+        # q, k and v are two boxes each, listed in holdings order).
+        for cfg in (TEST_CONFIG, dict(TEST_CONFIG, num_attention_heads=8, num_key_value_heads=4, head_dim=8)):
+            hf = random_hf_state(cfg, seed=1)
+            layout = ferry.megatron.GPTLayout(cfg, tp=2, make_vocab_size_divisible_by=128)
+            self.assertEqual(layout.padded_vocab, 1024)
+            meta = layout.metadata(torch.float32)
+            self.assertEqual({n: tuple(s) for n, (s, _) in meta.items()}, {n: tuple(t.shape) for n, t in hf.items()})
+            covered = {n: torch.zeros(t.shape, dtype=torch.int32) for n, t in hf.items()}
+            for r in range(2):
+                native = native_shard(hf, cfg, 2, r)
+                storages = {t.storage().data_ptr() for t in native.values()}
+                views = layout.views(r, native)
+                boxes = {}
+                for name, start, size in layout.holdings(r):
+                    boxes.setdefault(name, []).append((start, size))
+                self.assertEqual(set(views), set(boxes))
+                for name, vs in views.items():
+                    vs = vs if isinstance(vs, list) else [vs]
+                    self.assertEqual(len(vs), len(boxes[name]), name)
+                    for v, (start, size) in zip(vs, boxes[name]):
+                        self.assertIn(v.storage().data_ptr(), storages, name)  # a view, not a copy
+                        box = tuple(slice(a, a + n) for a, n in zip(start, size))
+                        self.assertTrue(torch.equal(v, hf[name][box]), (name, r, start))
+                        if not name.endswith("norm.weight"):  # norms: replicated on both ranks
+                            covered[name][box] += 1
+            for name, c in covered.items():
+                if not name.endswith("norm.weight"):
+                    self.assertTrue(bool((c == 1).all()), name)  # every element held exactly once
+            # Rank 1's vocab shard is rows 512..1023 of the padded vocab: 488 real rows.
+            self.assertIn(("model.embed_tokens.weight", (512, 0), (488, 64)), layout.holdings(1))
+        with self.assertRaises(ferry.InvalidArgumentError):
+            ferry.megatron.GPTLayout(dict(TEST_CONFIG, num_key_value_heads=1, num_attention_heads=4), tp=2)
+        # tp=2, pp=2, dp=2 (8 ranks, Megatron's order: tp fastest, then dp, then pp): each
+        # dp replica of each stage holds the stage's layers once over its TP ranks.
+        import numpy as np
+        cfg = dict(TEST_CONFIG, num_hidden_layers=3)
+        layout = ferry.megatron.GPTLayout(cfg, tp=2, pp=2, dp=2)
+        self.assertEqual([list(layout.stage_layers(s)) for s in range(2)], [[0, 1], [2]])
+        self.assertEqual(layout.coords(5), (1, 0, 1))
+        meta = layout.metadata("float32")
+        for dp in range(2):
+            count = {n: np.zeros(shape, np.int32) for n, (shape, _) in meta.items()}
+            for rank in range(8):
+                stage, d, r = layout.coords(rank)
+                if d != dp:
+                    continue
+                for name, start, size in layout.holdings(rank):
+                    if name.endswith("norm.weight") and r == 1:
+                        continue  # replicated over TP
+                    count[name][tuple(slice(a, a + n) for a, n in zip(start, size))] += 1
+            for name, c in count.items():
+                self.assertTrue(bool((c == 1).all()), (dp, name))
+
+    def test_strided_views_served_and_in_place(self):
+        import torch
+        # The trainer holds each 2-D weight inside a wider buffer (its own layout): the
+        # HF tensor is a column range of it (strided); 1-D tensors are whole storages
+        # (contiguous, served in place).
+        loader = ferry.ModelLoader(CONFIG, "tp=2")
+        full = {n: torch.from_numpy(a) for n, a in checkpoint(4).items()}
+        wide = {n: torch.zeros(t.shape[0], t.shape[1] + 3) if t.dim() == 2 else t.clone() for n, t in full.items()}
+        for n, t in full.items():
+            if t.dim() == 2:
+                wide[n][:, 1:1 + t.shape[1]] = t
+
+        class Views(ferry.WeightSource):
+            def metadata(self):
+                return {n: (t.shape, t.dtype) for n, t in full.items()}
+
+            def materialize(self, group):
+                out = {}
+                for n, _, _ in self.boxes(group):
+                    w = wide[n]
+                    out[n] = w[:, 1:1 + full[n].shape[1]] if w.dim() == 2 else w
+                return out
+
+        with ferry.StoreServer() as server:
+            common = dict(store=server, backend="inproc", job="views", timeout=20.0)
+            made = run_threads([lambda: ferry.Producer(Views(), num_consumers=2, in_place=True, direct_min_bytes=0,
+                                                       **dict(common, timeout=float("inf")))] +  # no bound
+                               [lambda r=r: ferry.Consumer(loader=loader, rank=r, **common) for r in range(2)])
+            reports = run_threads([lambda x=x: x.sync(1) for x in made])
+            self.assertTrue(all(r["ok"] for r in reports), [r["text"] for r in reports])
+            for r, c in enumerate(made[1:]):
+                self.assert_params_equal(expected_params(loader, r, 4), {n: t.numpy() for n, t in c.params().items()})
+            sent, in_place = reports[0]["bytes_sent"], reports[0]["sent_in_place"]
+            norm_bytes = sum(t.numel() * 4 for t in full.values() if t.dim() == 1)
+            self.assertGreater(in_place, 0)     # the contiguous norms, read from the trainer's storage
+            self.assertLess(in_place, sent)     # the strided column ranges, packed
+            self.assertLessEqual(in_place, 2 * norm_bytes)
+            for x in made:
+                x.close()
+
     def test_transport_params_and_deprecated_ucx_config(self):
         from ferry import _engine
         self.assertEqual(_engine._transport_params({"tls": "tcp,self", "spin_us": 5}, None),
@@ -209,7 +358,7 @@ class EngineTest(unittest.TestCase):
     def test_unknown_transport_param_is_refused(self):
         trainer = NumpyTrainer()
         with self.assertRaises(ferry.InvalidArgumentError) as e:
-            ferry.Producer(trainer, "tcp://127.0.0.1:1", token="t", backend="inproc",
+            ferry.Producer(trainer, "tcp://127.0.0.1:1", token="test-token-0123456789", backend="inproc",
                            transport_params={"tls": "tcp"}, rendezvous_timeout=1.0)
         self.assertIn("unknown param 'tls'", str(e.exception))
 

@@ -204,5 +204,49 @@ TEST(Router, PackAndUnpackCheckTheirBuffers) {
   EXPECT_FALSE(unpack_group(r->plans[0], r->num_groups() - 1, staging, params).ok());  // wrong dtype
 }
 
+// A box materialised as a strided view of the trainer's own tensor (a column range; a
+// column range of a transposed storage) packs the same bytes as a contiguous copy,
+// for plans that read it in order and transposed.
+TEST(Router, PackReadsStridedViewsOfTheTrainersTensor) {
+  const auto w = decl("model.layers.0.mlp.down_proj.weight", {6, 8}, DType::kF32);
+  const Box box{{0, 2}, {6, 4}};
+  Recorder rec1;
+  const Tensor src = Tensor::source(w.name, w.shape, w.dtype).narrow(1, 2, 4);
+  ASSERT_TRUE(Tensor::param("p", {6, 4}, w.dtype).copy_(src).ok());
+  const Plan in_order = rec1.finish().value();
+  Recorder rec2;
+  ASSERT_TRUE(Tensor::param("q", {4, 6}, w.dtype).copy_(src.t()).ok());
+  const Plan transposed = rec2.finish().value();
+  const Holdings h = hold(w, {box});
+  auto r = route({w}, {h}, {in_order, transposed});
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  const int g = 1;  // layer 0
+  ASSERT_GT(r->producers[0].groups[g].staging_bytes, 0u);
+
+  // The trainer's tensor: element (i, j) = 100 i + j; row-major, and stored transposed.
+  Tensor full = Tensor::empty({6, 8}, DType::kF32);
+  Tensor full_t = Tensor::empty({8, 6}, DType::kF32);
+  auto* f = reinterpret_cast<float*>(full.data_ptr().value());
+  auto* ft = reinterpret_cast<float*>(full_t.data_ptr().value());
+  for (int i = 0; i < 6; ++i)
+    for (int j = 0; j < 8; ++j) f[i * 8 + j] = ft[j * 6 + i] = static_cast<float>(100 * i + j);
+  const Tensor contiguous = full.narrow(1, 2, 4).clone();
+  const Tensor column_range = Tensor::borrow_strided(f, 48, Layout{{6, 4}, {8, 1}, 2}, DType::kF32);
+  const Tensor of_transposed = Tensor::borrow_strided(ft, 48, Layout{{6, 4}, {1, 6}, 12}, DType::kF32);
+  ASSERT_TRUE(column_range.ok() && of_transposed.ok());
+  EXPECT_FALSE(column_range.is_contiguous());
+  const size_t n = r->producers[0].groups[g].staging_bytes;
+  std::vector<std::byte> want(n), got1(n), got2(n);
+  ASSERT_TRUE(pack_group(*r, 0, g, h, {LocalBox{0, contiguous}}, want).ok());
+  ASSERT_TRUE(pack_group(*r, 0, g, h, {LocalBox{0, column_range}}, got1).ok());
+  ASSERT_TRUE(pack_group(*r, 0, g, h, {LocalBox{0, of_transposed}}, got2).ok());
+  EXPECT_EQ(want, got1);
+  EXPECT_EQ(want, got2);
+  // The views stay inside their storage.
+  EXPECT_TRUE(Tensor::borrow_strided(f, 46, Layout{{6, 4}, {8, 1}, 2}, DType::kF32).ok());  // last element: 45
+  EXPECT_FALSE(Tensor::borrow_strided(f, 45, Layout{{6, 4}, {8, 1}, 2}, DType::kF32).ok());
+  EXPECT_FALSE(Tensor::borrow_strided(f, 48, Layout{{6, 4}, {-8, 1}, 42}, DType::kF32).ok());
+}
+
 }  // namespace
 }  // namespace ferry

@@ -247,6 +247,66 @@ TEST(Holdings, MegatronErrorsNameTheTensor) {
   EXPECT_NE(th.status().message().find("'model.layers.0."), std::string::npos) << th.status().to_string();
 }
 
+// Sizes bounded before anything is allocated: tp=100000,pp=100000 overflowed int and
+// aborted on std::bad_alloc; every value and product is now checked against kMaxRanks.
+TEST(TrainerLayout, RankCountsAreBounded) {
+  auto msg = [](std::string_view s) { return TrainerLayout::parse(s).status().message(); };
+  EXPECT_EQ(msg("tp=100000,pp=100000"),
+            "trainer layout 'tp=100000,pp=100000': tp*pp = 10000000000 exceeds the limit of 1048576 ranks");
+  EXPECT_EQ(msg("tp=65536,dp=65536"),
+            "trainer layout 'tp=65536,dp=65536': tp*pp*dp = 4294967296 ranks exceeds the limit of 1048576");
+  EXPECT_EQ(msg("fsdp=2147483647"), "trainer layout 'fsdp=2147483647': fsdp = 2147483647 exceeds the limit of 1048576 ranks");
+  EXPECT_EQ(msg("ep=65536,etp=65536"), "trainer layout 'ep=65536,etp=65536': ep*etp = 4294967296 exceeds the limit of 1048576 ranks");
+  EXPECT_TRUE(TrainerLayout::parse("fsdp=1048576").ok());
+  // The default dp (smallest D with tp*D a multiple of ep*etp) was counted up in int and
+  // overflowed tp*D (UBSan, fuzz_config_layout); now D = 1048576 and the rank bound refuses it.
+  EXPECT_EQ(msg("tp=1048573,ep=1048576"),
+            "trainer layout 'tp=1048573,ep=1048576': tp*pp*dp = 1099508482048 ranks exceeds the limit of 1048576");
+  EXPECT_EQ(TrainerLayout::parse("tp=6,ep=4")->dp, 2);
+  EXPECT_EQ(TrainerLayout::parse("tp=3,ep=4,etp=2")->dp, 8);
+  // A layout built in code gets the same bound from make_holdings, before any rank is allocated.
+  TrainerLayout l;
+  l.tp = 1 << 16;
+  l.pp = 1 << 16;
+  auto th = make_holdings({{"model.norm.weight", DType::kF32, {4}}}, l);
+  ASSERT_FALSE(th.ok());
+  EXPECT_NE(th.status().message().find("4294967296 ranks exceeds the limit of 1048576"), std::string::npos)
+      << th.status().message();
+}
+
+// More PP stages than layers left stages empty and was accepted; now refused naming the
+// constraint and the numbers.
+TEST(Holdings, EmptyPipelineStagesAreRefused) {
+  testing::ModelSpec m;
+  m.layers = 4;
+  const auto meta = testing::make_metadata(m);
+  auto th = make_holdings(meta, TrainerLayout::parse("pp=8").value(), {m.q_rows(), m.kv_rows()});
+  ASSERT_FALSE(th.ok());
+  EXPECT_EQ(th.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(th.status().message().find("pp 8 leaves PP stage 4 without layers (the model has 4 layers"),
+            std::string::npos)
+      << th.status().message();
+  // first/last that leave a middle stage empty, too.
+  auto fl = make_holdings(meta, TrainerLayout::parse("pp=3,first=2,last=2").value(), {m.q_rows(), m.kv_rows()});
+  ASSERT_FALSE(fl.ok());
+  EXPECT_NE(fl.status().message().find("leaves PP stage 1 without layers"), std::string::npos) << fl.status().message();
+  EXPECT_TRUE(make_holdings(meta, TrainerLayout::parse("pp=4").value(), {m.q_rows(), m.kv_rows()}).ok());
+}
+
+// More FSDP ranks than rows: only the ranks holding rows are visited, the rest hold
+// nothing (a million ranks over a small model is quick).
+TEST(Holdings, FsdpWithMoreRanksThanRows) {
+  std::vector<TensorDecl> meta = {{"model.layers.0.w", DType::kBF16, {5, 3}}, {"model.norm.weight", DType::kF32, {7}}};
+  auto th = make_holdings(meta, TrainerLayout::parse("fsdp=1000000").value());
+  ASSERT_TRUE(th.ok()) << th.status().to_string();
+  ASSERT_EQ(th->ranks.size(), 1000000u);
+  size_t boxes = 0;
+  for (const auto& h : th->ranks) boxes += h.boxes.size();
+  EXPECT_EQ(boxes, 12u);
+  EXPECT_EQ(th->ranks[6].boxes.size(), 1u);
+  EXPECT_TRUE(th->ranks[7].boxes.empty());
+}
+
 TEST(Holdings, FsdpUnevenScalarsAndEmptyRanks) {
   std::vector<TensorDecl> meta = {{"model.layers.0.w", DType::kBF16, {5, 3}},
                                   {"model.layers.0.b", DType::kF32, {2}},
@@ -306,6 +366,18 @@ TEST(ModelInfo, FromConfig) {
   i = model_info_from_config(j);
   EXPECT_EQ(i.q_rows, 32);
   EXPECT_EQ(i.kv_rows, 32);
+}
+
+// heads * head_dim overflowed int64 (UBSan, fuzz_config_layout); rows that do not fit, and
+// non-positive fields, now read as missing (zeros).
+TEST(ModelInfo, HugeOrNegativeFieldsLeaveZeros) {
+  auto i = model_info_from_config(
+      nlohmann::json::parse(R"({"num_attention_heads": 4611686018427387904, "num_key_value_heads": 2, "head_dim": 4})"));
+  EXPECT_EQ(i.q_rows, 0);
+  EXPECT_EQ(i.kv_rows, 8);
+  i = model_info_from_config(nlohmann::json::parse(R"({"num_attention_heads": -4, "head_dim": 8})"));
+  EXPECT_EQ(i.q_rows, 0);
+  EXPECT_EQ(i.kv_rows, 0);
 }
 
 // The table-driven fill against the element-wise definition (synthetic_value), for every

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -68,6 +69,15 @@ bool answers_ping(int port, const std::string& token) {
       freeReplyObject(r);
     }
   }
+  // Serving, not loading its data set (a restart with persistence answers PING while it
+  // loads, but LOADING to commands on data).
+  if (ok) {
+    ok = false;
+    if (auto* r = static_cast<redisReply*>(redisCommand(c, "EXISTS ferry-ping"))) {
+      ok = r->type == REDIS_REPLY_INTEGER;
+      freeReplyObject(r);
+    }
+  }
   redisFree(c);
   return ok;
 }
@@ -103,63 +113,98 @@ int wait_for_exit(pid_t pid, int ms) {
   }
 }
 
-Result<std::unique_ptr<RedisServer>> RedisServer::start(const std::string& token) {
+Result<std::unique_ptr<RedisServer>> RedisServer::start(const std::string& token, bool persist) {
   const std::string bin = find_redis_server();
   if (bin.empty()) {
     return not_found(
         "redis-server not found (looked in $FERRY_REDIS_SERVER, PATH, /usr/bin, /usr/sbin). The Redis store "
         "tests never skip: install it with scripts/install-deps.sh (Debian package redis-server)");
   }
+  std::unique_ptr<RedisServer> server(new RedisServer(bin, token, persist));
+  if (persist) {
+    char dir_template[] = "/tmp/ferry-redis-data-XXXXXX";
+    if (!::mkdtemp(dir_template)) return io_error("mkdtemp: {}", std::strerror(errno));
+    server->dir_ = dir_template;
+  }
   Status last;
   for (int attempt = 0; attempt < 5; ++attempt) {
     FERRY_ASSIGN_OR_RETURN(int port, free_loopback_port());
-    char log_template[] = "/tmp/ferry-redis-XXXXXX";
-    int log_fd = ::mkstemp(log_template);
-    if (log_fd < 0) return io_error("mkstemp: {}", std::strerror(errno));
-    const std::string log = log_template;
-    const std::string port_s = std::to_string(port);
-    std::vector<std::string> args = {bin,        "--port",       port_s, "--bind", "127.0.0.1", "--requirepass",
-                                     token,      "--save",       "",     "--appendonly", "no", "--daemonize",
-                                     "no",       "--dir",        "/tmp", "--protected-mode", "yes"};
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    const pid_t parent = ::getpid();
-    pid_t pid = ::fork();
-    if (pid < 0) {
-      ::close(log_fd);
-      return io_error("fork: {}", std::strerror(errno));
-    }
-    if (pid == 0) {
-      // Child: only async-signal-safe calls until exec.
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != parent) ::_exit(127);
-      ::dup2(log_fd, 1);
-      ::dup2(log_fd, 2);
-      int devnull = ::open("/dev/null", O_RDONLY);
-      if (devnull >= 0) ::dup2(devnull, 0);
-      ::execv(argv[0], argv.data());
-      ::_exit(127);
-    }
-    ::close(log_fd);
-    std::unique_ptr<RedisServer> server(new RedisServer(pid, port, log));
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    bool exited = false;
-    while (std::chrono::steady_clock::now() < deadline) {
-      if (answers_ping(port, token)) return server;
-      int status = 0;
-      if (::waitpid(pid, &status, WNOHANG) == pid) {
-        exited = true;
-        server->pid_ = -1;
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    last = unavailable("redis-server on port {} {}; its log:\n{}", port,
-                       exited ? "exited at start (port taken?)" : "did not answer PING within 10 s", tail_of(log));
+    last = server->launch(port);
+    if (last.ok()) return server;
     // Retry on another port (another process may have taken ours).
   }
   return last;
+}
+
+Status RedisServer::launch(int port) {
+  if (log_.empty()) {
+    char log_template[] = "/tmp/ferry-redis-XXXXXX";
+    int fd = ::mkstemp(log_template);
+    if (fd < 0) return io_error("mkstemp: {}", std::strerror(errno));
+    ::close(fd);
+    log_ = log_template;
+  }
+  int log_fd = ::open(log_.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
+  if (log_fd < 0) return io_error("open {}: {}", log_, std::strerror(errno));
+  const std::string port_s = std::to_string(port);
+  std::vector<std::string> args = {bin_, "--port", port_s, "--bind", "127.0.0.1", "--requirepass", token_,
+                                   "--save", "", "--daemonize", "no", "--protected-mode", "yes"};
+  if (persist_) {
+    args.insert(args.end(), {"--dir", dir_, "--appendonly", "yes", "--appendfsync", "always"});
+  } else {
+    args.insert(args.end(), {"--dir", "/tmp", "--appendonly", "no"});
+  }
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t parent = ::getpid();
+  pid_t pid = ::fork();
+  if (pid < 0) {
+    ::close(log_fd);
+    return io_error("fork: {}", std::strerror(errno));
+  }
+  if (pid == 0) {
+    // Child: only async-signal-safe calls until exec.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(127);
+    ::dup2(log_fd, 1);
+    ::dup2(log_fd, 2);
+    int devnull = ::open("/dev/null", O_RDONLY);
+    if (devnull >= 0) ::dup2(devnull, 0);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  ::close(log_fd);
+  pid_ = pid;
+  port_ = port;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  bool exited = false;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (answers_ping(port, token_)) return Status::Ok();
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == pid) {
+      exited = true;
+      pid_ = -1;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (!exited) {
+    ::kill(pid, SIGKILL);
+    wait_for_exit(pid, 5000);
+    pid_ = -1;
+  }
+  return unavailable("redis-server on port {} {}; its log:\n{}", port,
+                     exited ? "exited at start (port taken?)" : "did not answer PING within 10 s", tail_of(log_));
+}
+
+Status RedisServer::restart() {
+  if (pid_ > 0) {
+    ::kill(pid_, SIGKILL);
+    wait_for_exit(pid_, 5000);
+    pid_ = -1;
+  }
+  return launch(port_);
 }
 
 RedisServer::~RedisServer() {
@@ -171,6 +216,7 @@ RedisServer::~RedisServer() {
     }
   }
   ::unlink(log_.c_str());
+  if (!dir_.empty()) std::filesystem::remove_all(dir_);
 }
 
 }  // namespace ferry::testing

@@ -16,16 +16,27 @@ class RedisServer {
   // Finds redis-server ($FERRY_REDIS_SERVER, else PATH, else /usr/bin, /usr/sbin), starts
   // it with `--requirepass token` and no persistence, and waits until it answers PING.
   // Fails with a message that says how to install it when it is missing.
-  static Result<std::unique_ptr<RedisServer>> start(const std::string& token);
+  // `persist`: an append-only file fsynced on every write (`--appendonly yes
+  // --appendfsync always`) in a private directory, so that restart() keeps every key.
+  static Result<std::unique_ptr<RedisServer>> start(const std::string& token, bool persist = false);
   ~RedisServer();  // SIGTERM, then SIGKILL after 2 s; always reaps the child
+
+  // SIGKILLs the server and starts it again on the same port (with its data when
+  // persistent), waiting until it answers PING (10 s at most).
+  Status restart();
 
   int port() const { return port_; }
   pid_t pid() const { return pid_; }
 
  private:
-  RedisServer(pid_t pid, int port, std::string log) : pid_(pid), port_(port), log_(std::move(log)) {}
-  pid_t pid_;
-  int port_;
+  RedisServer(std::string bin, std::string token, bool persist) : bin_(std::move(bin)), token_(std::move(token)), persist_(persist) {}
+  // Starts redis-server on `port` and waits for its PING.
+  Status launch(int port);
+  std::string bin_, token_;
+  bool persist_ = false;
+  std::string dir_;  // persistent: the data directory
+  pid_t pid_ = -1;
+  int port_ = 0;
   std::string log_;
 };
 

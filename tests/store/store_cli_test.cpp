@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <regex>
 
@@ -83,8 +84,28 @@ std::string read_until(int fd, const std::regex& pattern, std::chrono::milliseco
   return text;
 }
 
+constexpr const char* kCliToken = "cli-token-0123456789";
+
+// A token file in a fresh temporary directory; removed by the destructor.
+struct TokenFile {
+  explicit TokenFile(const std::string& text) {
+    char tmpl[] = "/tmp/ferry-cli-token-XXXXXX";
+    dir = ::mkdtemp(tmpl);
+    path = dir + "/token";
+    std::FILE* f = std::fopen(path.c_str(), "wb");
+    std::fwrite(text.data(), 1, text.size(), f);
+    std::fclose(f);
+  }
+  ~TokenFile() {
+    std::remove(path.c_str());
+    ::rmdir(dir.c_str());
+  }
+  std::string dir, path;
+};
+
 TEST(StoreCliTest, ServesUntilSigterm) {
-  auto child = spawn({"store", "--port", "0", "--token", "cli-token"}, {});
+  TokenFile file(std::string(kCliToken) + "\n");
+  auto child = spawn({"store", "--port", "0", "--token-file", file.path}, {});
   ASSERT_NE(child, nullptr);
   const std::regex url_re("tcp://127\\.0\\.0\\.1:[0-9]+");
   std::string out = read_until(child->out, url_re, 30s);
@@ -93,13 +114,13 @@ TEST(StoreCliTest, ServesUntilSigterm) {
   const std::string url = m.str();
 
   StoreOptions o;
-  o.token = "cli-token";
+  o.token = kCliToken;
   o.connect_timeout = 5s;
   auto s = Store::open(url, o);
   ASSERT_TRUE(s.ok()) << s.status().to_string();
   ASSERT_TRUE((*s)->set("hello", "world").ok());
   EXPECT_EQ((*s)->get("hello").value_or("?"), "world");
-  o.token = "wrong";
+  o.token = "wrong-token-0123456789";
   EXPECT_EQ(Store::open(url, o).status().code(), StatusCode::kPermissionDenied);
 
   ASSERT_EQ(::kill(child->pid, SIGTERM), 0);
@@ -115,13 +136,13 @@ TEST(StoreCliTest, ServesUntilSigterm) {
 TEST(StoreCliTest, TokenFromEnvironmentAndSigint) {
   auto port = testing::free_loopback_port();
   ASSERT_TRUE(port.ok());
-  auto child = spawn({"store", "--port", std::to_string(*port)}, {"FERRY_TOKEN=env-token"});
+  auto child = spawn({"store", "--port", std::to_string(*port)}, {"FERRY_TOKEN=env-token-0123456789"});
   ASSERT_NE(child, nullptr);
   const std::string url = "tcp://127.0.0.1:" + std::to_string(*port);
   std::string out = read_until(child->out, std::regex(url), 30s);
   ASSERT_NE(out.find(url), std::string::npos) << out;
   StoreOptions o;
-  o.token = "env-token";
+  o.token = "env-token-0123456789";
   auto s = Store::open(url, o);
   ASSERT_TRUE(s.ok()) << s.status().to_string();
   EXPECT_EQ((*s)->add("n", 2).value_or(-1), 2);
@@ -142,6 +163,45 @@ TEST(StoreCliTest, WithoutATokenItRefusesToStart) {
   EXPECT_NE(WEXITSTATUS(status), 0);
   std::string err = read_until(child->err, std::regex("FERRY_TOKEN"), 2s);
   EXPECT_NE(err.find("FERRY_TOKEN"), std::string::npos) << err;
+}
+
+TEST(StoreCliTest, TokenOnTheCommandLineWarnsAndAShortTokenIsRefused) {
+  {
+    auto child = spawn({"store", "--port", "0", "--token", kCliToken}, {});
+    ASSERT_NE(child, nullptr);
+    std::string err = read_until(child->err, std::regex("--token-file or FERRY_TOKEN"), 30s);
+    EXPECT_NE(err.find("warning: --token puts the secret on the command line"), std::string::npos) << err;
+    const std::regex url_re("tcp://127\\.0\\.0\\.1:[0-9]+");
+    std::string out = read_until(child->out, url_re, 30s);
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(out, m, url_re)) << "stdout: " << out;
+    StoreOptions o;
+    o.token = kCliToken;
+    o.connect_timeout = 5s;
+    EXPECT_TRUE(Store::open(m.str(), o).ok());  // still served
+    ASSERT_EQ(::kill(child->pid, SIGTERM), 0);
+    ASSERT_NE(testing::wait_for_exit(child->pid, 30000), -1);
+    child->pid = -1;
+  }
+  {
+    auto child = spawn({"store", "--port", "0"}, {"FERRY_TOKEN=short"});
+    ASSERT_NE(child, nullptr);
+    int status = testing::wait_for_exit(child->pid, 30000);
+    ASSERT_NE(status, -1);
+    child->pid = -1;
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << status;
+    std::string err = read_until(child->err, std::regex("at least 16"), 2s);
+    EXPECT_NE(err.find("is 5 bytes; at least 16"), std::string::npos) << err;
+  }
+  TokenFile shorty("abc\n");
+  auto child = spawn({"store", "--port", "0", "--token-file", shorty.path}, {});
+  ASSERT_NE(child, nullptr);
+  int status = testing::wait_for_exit(child->pid, 30000);
+  ASSERT_NE(status, -1);
+  child->pid = -1;
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 2) << status;
+  std::string err = read_until(child->err, std::regex("at least 16"), 2s);
+  EXPECT_NE(err.find(shorty.path), std::string::npos) << err;
 }
 
 }  // namespace

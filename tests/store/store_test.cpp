@@ -5,8 +5,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <thread>
+
+#include <unistd.h>
 
 #include "ferry/store.h"
 #include "store/redis_server.h"
@@ -18,7 +21,7 @@ using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 using testing::RedisServer;
 
-constexpr const char* kToken = "s3cret-token";
+constexpr const char* kToken = "s3cret-token-0123456789";
 
 enum class Backend { kTcp, kRedis };
 
@@ -360,17 +363,29 @@ TEST_P(StoreTest, LeaseHeartbeatKeepsKeyAlive) {
   ASSERT_OK((*lease)->release());  // idempotent
 }
 
-TEST_P(StoreTest, LeaseNoticesLossAndDestructorDeletes) {
+// A lease whose key vanished (expired while the holder or the store was paused) is
+// re-created with its value by the next renewal: the holder rejoins. One whose key
+// someone else wrote meanwhile (a restarted instance of the rank) is lost for good and
+// left alone.
+TEST_P(StoreTest, LeaseHealsAfterExpiryUnlessTakenAndDestructorDeletes) {
   auto lease = store_->hold_lease("member/1", "addr1", 150ms);
   ASSERT_TRUE(lease.ok()) << lease.status().to_string();
+  ASSERT_TRUE(store_->remove("member/1").ok());  // what a pause longer than the ttl does
+  auto t0 = Clock::now();
+  while ((*lease)->reacquired() == 0 && since(t0) < kGenerous) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ((*lease)->reacquired(), 1u);
+  EXPECT_FALSE((*lease)->lost());
+  EXPECT_EQ(store_->get("member/1").value_or("?"), "addr1");
+  // Another holder takes the key while it is absent: this lease is lost, the key theirs.
   ASSERT_TRUE(store_->remove("member/1").ok());
-  const auto t0 = Clock::now();
+  ASSERT_OK(store_->set("member/1", "addr1-restarted"));
+  t0 = Clock::now();
   while (!(*lease)->lost() && since(t0) < kGenerous) std::this_thread::sleep_for(10ms);
   EXPECT_TRUE((*lease)->lost());
-  EXPECT_EQ((*lease)->last_error().code(), StatusCode::kNotFound);
-  // A lost lease is not re-created.
   std::this_thread::sleep_for(200ms);
-  EXPECT_EQ(store_->get("member/1").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(store_->get("member/1").value_or("?"), "addr1-restarted");
+  ASSERT_OK((*lease)->release());  // a lost lease does not delete the other holder's key
+  EXPECT_EQ(store_->get("member/1").value_or("?"), "addr1-restarted");
 
   {
     auto held = store_->hold_lease("member/2", "addr2", 5000ms);
@@ -431,7 +446,7 @@ TEST_P(StoreTest, OneClientSharedByThreads) {
 TEST_P(StoreTest, WrongTokenRefused) {
   // Refused at once, not retried until connect_timeout: with a connect_timeout of 10
   // minutes, a client that retried would still be at it long after kGenerous.
-  StoreOptions o = options("not-the-token");
+  StoreOptions o = options("not-the-token-0123456789");
   o.connect_timeout = 600s;
   auto t0 = Clock::now();
   auto s = Store::open(url_, o);
@@ -456,11 +471,63 @@ TEST_P(StoreTest, TokenFromUrlOrEnvironment) {
   // From the URL (":TOKEN@"), percent-encoded characters allowed.
   const std::string scheme_end = "://";
   std::string with_token = url_;
-  with_token.insert(with_token.find(scheme_end) + scheme_end.size(), std::string(":s3cret%2Dtoken@"));
+  with_token.insert(with_token.find(scheme_end) + scheme_end.size(), std::string(":s3cret%2Dtoken-0123456789@"));
   auto in_url = Store::open(with_token, options(""));
   ASSERT_TRUE(in_url.ok()) << in_url.status().to_string();
   EXPECT_EQ((*in_url)->url().find("s3cret"), std::string::npos);  // url() hides the token
   ASSERT_OK((*in_url)->set("x", "1"));
+}
+
+TEST_P(StoreTest, ShortTokenRefusedNamingItsLength) {
+  // Refused by the client before it connects, on both backends, wherever it came from.
+  auto s = Store::open(url_, options("fifteen-bytes!!"));
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument) << s.status().to_string();
+  EXPECT_NE(s.status().message().find("is 15 bytes; at least 16"), std::string::npos) << s.status().to_string();
+  ::setenv("FERRY_TOKEN", "t", 1);
+  s = Store::open(url_, options(""));
+  ::unsetenv("FERRY_TOKEN");
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("FERRY_TOKEN) is 1 bytes"), std::string::npos) << s.status().to_string();
+  ASSERT_OK(store_->set("still", "served"));
+}
+
+TEST_P(StoreTest, TokenFromFile) {
+  char dir_template[] = "/tmp/ferry-token-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  const auto write = [&](const std::string& name, const std::string& text) {
+    std::FILE* f = std::fopen((dir + "/" + name).c_str(), "wb");
+    std::fwrite(text.data(), 1, text.size(), f);
+    std::fclose(f);
+    return dir + "/" + name;
+  };
+  // One trailing newline (as `echo` writes) is not part of the token.
+  const std::string good = write("good", std::string(kToken) + "\n");
+  auto t = read_token_file(good);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  EXPECT_EQ(*t, kToken);
+  ::setenv("FERRY_TOKEN_FILE", good.c_str(), 1);
+  auto s = Store::open(url_, options(""));
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  ASSERT_OK((*s)->set("from-file", "1"));
+  // FERRY_TOKEN wins over the file.
+  ::setenv("FERRY_TOKEN", "not-the-token-0123456789", 1);
+  EXPECT_EQ(Store::open(url_, options("")).status().code(), StatusCode::kPermissionDenied);
+  ::unsetenv("FERRY_TOKEN");
+  // A short, empty or missing file is refused naming the file.
+  const std::string shorty = write("short", "abc\n");
+  ::setenv("FERRY_TOKEN_FILE", shorty.c_str(), 1);
+  s = Store::open(url_, options(""));
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find(shorty), std::string::npos) << s.status().to_string();
+  EXPECT_NE(s.status().message().find("is 3 bytes"), std::string::npos) << s.status().to_string();
+  ::unsetenv("FERRY_TOKEN_FILE");
+  EXPECT_EQ(read_token_file(write("empty", "\n")).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(read_token_file(dir + "/missing").status().code(), StatusCode::kNotFound);
+  for (const char* name : {"good", "short", "empty"}) std::remove((dir + "/" + name).c_str());
+  ::rmdir(dir.c_str());
 }
 
 TEST_P(StoreTest, InvalidArgumentsAreRefusedByTheClient) {

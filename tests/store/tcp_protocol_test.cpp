@@ -120,21 +120,93 @@ TEST(StoreProtocolTest, ResponsesRoundTrip) {
   }
 }
 
-TEST(StoreProtocolTest, HandshakeRoundTripAndMac) {
+TEST(StoreProtocolTest, HandshakeRoundTripAndProofs) {
   Challenge c;
   for (size_t i = 0; i < c.nonce.size(); ++i) c.nonce[i] = static_cast<uint8_t>(i);
   auto back = decode_challenge(payload_of(encode_challenge(c)));
   ASSERT_TRUE(back.ok());
   EXPECT_EQ(back->nonce, c.nonce);
   Auth a;
-  a.mac = auth_mac("token", c.nonce);
+  a.nonce.fill(9);
+  a.mac = client_proof("token", c.nonce, a.nonce);
   auto aback = decode_auth(payload_of(encode_auth(a)));
   ASSERT_TRUE(aback.ok());
-  EXPECT_TRUE(macs_equal(aback->mac, auth_mac("token", c.nonce)));
-  EXPECT_FALSE(macs_equal(aback->mac, auth_mac("token2", c.nonce)));
+  EXPECT_EQ(aback->nonce, a.nonce);
+  EXPECT_TRUE(macs_equal(aback->mac, client_proof("token", c.nonce, a.nonce)));
+  EXPECT_FALSE(macs_equal(aback->mac, client_proof("token2", c.nonce, a.nonce)));
   auto other = c.nonce;
   other[0] ^= 1;
-  EXPECT_FALSE(macs_equal(aback->mac, auth_mac("token", other)));
+  EXPECT_FALSE(macs_equal(aback->mac, client_proof("token", other, a.nonce)));
+  EXPECT_FALSE(macs_equal(aback->mac, client_proof("token", c.nonce, other)));
+  // The session key depends on the token and on both nonces, and is not the proof.
+  const SessionKey k = session_key("token", c.nonce, a.nonce);
+  EXPECT_NE(k, session_key("token2", c.nonce, a.nonce));
+  EXPECT_NE(k, session_key("token", other, a.nonce));
+  EXPECT_NE(k, session_key("token", c.nonce, other));
+  EXPECT_NE(Mac(k), client_proof("token", c.nonce, a.nonce));
+}
+
+TEST(StoreProtocolTest, OtherVersionsAreNamed) {
+  Challenge c;
+  c.version = 1;
+  auto ch = decode_challenge(payload_of(encode_challenge(c)));
+  ASSERT_FALSE(ch.ok());
+  EXPECT_EQ(ch.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(ch.status().message().find("server speaks version 1"), std::string::npos) << ch.status().message();
+  // A version-1 auth (op, version, 32-byte mac) is named by its version, not "malformed".
+  Bytes v1 = {static_cast<uint8_t>(Op::kAuth), 1, 0, 0, 0};
+  v1.resize(v1.size() + 32, 0xab);
+  auto a = decode_auth(v1);
+  ASSERT_FALSE(a.ok());
+  EXPECT_EQ(a.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(a.status().message().find("client speaks version 1"), std::string::npos) << a.status().message();
+}
+
+Bytes sealed_request(Channel& ch, const std::string& key) {
+  Request q;
+  q.op = Op::kGet;
+  q.key = key;
+  return ch.seal(encode_request(q));
+}
+
+TEST(StoreProtocolTest, ChannelRefusesTamperedReplayedReorderedAndReflectedFrames) {
+  SessionKey key{};
+  key.fill(42);
+  Channel client(key, Direction::kClientToServer), server(key, Direction::kServerToClient);
+  const Bytes f0 = sealed_request(client, "a"), f1 = sealed_request(client, "b"), f2 = sealed_request(client, "c");
+  // The header counts the tag.
+  auto split = split_frame(f0, kMaxFrameBytes);
+  ASSERT_TRUE(split.ok());
+  EXPECT_EQ(split->consumed, f0.size());
+  // Reordered: frame 1 before frame 0.
+  EXPECT_EQ(server.open(payload_of(f1)).status().code(), StatusCode::kPermissionDenied);
+  auto b0 = server.open(payload_of(f0));
+  ASSERT_TRUE(b0.ok()) << b0.status().to_string();
+  auto q0 = decode_request(*b0);
+  ASSERT_TRUE(q0.ok());
+  EXPECT_EQ(q0->key, "a");
+  // Replayed.
+  EXPECT_EQ(server.open(payload_of(f0)).status().code(), StatusCode::kPermissionDenied);
+  // Tampered: any one bit of body or tag.
+  for (size_t i = kFrameHeaderBytes; i < f1.size(); ++i) {
+    Bytes bad = f1;
+    bad[i] ^= 0x10;
+    EXPECT_FALSE(server.open(payload_of(bad)).ok()) << "byte " << i;
+  }
+  ASSERT_TRUE(server.open(payload_of(f1)).ok());
+  // Too short to hold a tag.
+  EXPECT_FALSE(server.open(ByteSpan(f2).subspan(kFrameHeaderBytes, 10)).ok());
+  // Reflected: a client frame sent back to the client.
+  Channel client2(key, Direction::kClientToServer);
+  EXPECT_FALSE(client2.open(payload_of(sealed_request(client2, "x"))).ok());
+  // Another session key.
+  SessionKey other = key;
+  other[0] ^= 1;
+  Channel stranger(other, Direction::kServerToClient);
+  EXPECT_FALSE(stranger.open(payload_of(f0)).ok());
+  EXPECT_TRUE(server.open(payload_of(f2)).ok());
+  EXPECT_EQ(server.received(), 3u);
+  EXPECT_EQ(client.sent(), 3u);
 }
 
 TEST(StoreProtocolTest, EveryTruncationIsRejected) {

@@ -1,4 +1,5 @@
 // Unit tests for dtypes, layouts and every Tensor op: semantics, edge cases, errors.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -332,15 +333,40 @@ TEST(TensorWrites, CopyRealWithConversionAndStrides) {
   Tensor dst = Tensor::empty({3, 2}, DType::kBF16);
   ASSERT_TRUE(dst.t().copy_(src).ok());
   EXPECT_EQ(values(dst), (std::vector<double>{0, 3, 1, 4, 2, 5}));
-  // Same numel, different shape: row-major order.
+  // Shapes that differ only by size-1 dims: as torch.
   Tensor flat = Tensor::empty({6}, DType::kF32);
-  ASSERT_TRUE(flat.copy_(src.t()).ok());
+  ASSERT_TRUE(flat.unsqueeze(0).copy_(src.t().reshape({6})).ok());
   EXPECT_EQ(values(flat), (std::vector<double>{0, 3, 1, 4, 2, 5}));
   // Errors.
   Status st = Tensor::empty({5}, DType::kF32).copy_(src);
   EXPECT_NE(st.message().find("numel 6"), std::string::npos) << st.message();
   st = Tensor::empty({6}, DType::kI32).copy_(flat);
   EXPECT_NE(st.message().find("cannot convert"), std::string::npos) << st.message();
+}
+
+TEST(TensorWrites, CopyFollowsTorchBroadcastingRules) {
+  // Equal numels are not enough: torch refuses p(8,4).copy_(w.t()) for w (8,4), and (6,) <- (2,3).
+  Tensor w = iota({8, 4}, DType::kF32);
+  Status st = Tensor::empty({8, 4}, DType::kF32).copy_(w.t());
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("does not broadcast"), std::string::npos) << st.message();
+  EXPECT_FALSE(Tensor::empty({6}, DType::kF32).copy_(iota({2, 3}, DType::kF32)).ok());
+  EXPECT_FALSE(Tensor::empty({4}, DType::kF32).copy_(iota({1, 4}, DType::kF32)).ok());  // more dims than dst
+  // What torch accepts: broadcasting a row, a column, a scalar-like tensor.
+  Tensor row = Tensor::empty({3, 4}, DType::kF32);
+  ASSERT_TRUE(row.copy_(iota({4}, DType::kF32)).ok());
+  EXPECT_EQ(values(row), (std::vector<double>{0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3}));
+  Tensor col = Tensor::empty({2, 3}, DType::kF32);
+  ASSERT_TRUE(col.copy_(iota({2, 1}, DType::kF32)).ok());
+  EXPECT_EQ(values(col), (std::vector<double>{0, 0, 0, 1, 1, 1}));
+  Tensor one = Tensor::empty({1, 1, 2}, DType::kF32);
+  ASSERT_TRUE(one.copy_(iota({2}, DType::kF32)).ok());
+  EXPECT_EQ(values(one), (std::vector<double>{0, 1}));
+  // Recorded: a broadcast source is one copy per slice of the param.
+  Recorder rec;
+  ASSERT_TRUE(Tensor::param("p", {3, 4}, DType::kF32).copy_(Tensor::source("b", {4}, DType::kF32)).ok());
+  st = Tensor::param("q", {8, 4}, DType::kF32).copy_(Tensor::source("w", {8, 4}, DType::kF32).t());
+  EXPECT_NE(st.message().find("does not broadcast"), std::string::npos) << st.message();
 }
 
 TEST(TensorWrites, LargeCopiesUseStreamingStoresCorrectly) {
@@ -469,6 +495,38 @@ TEST(TensorMaps, WritingIntoARecordedCopyIsRefused) {
 
 namespace ferry {
 namespace {
+
+// A map over as many pieces as a row-parallel weight has holders under fsdp=10^6: the
+// recursion once per cut overflowed the stack (SIGSEGV), and every cut rescanned every
+// piece (quadratic). Each element lands in its own piece, in one pass.
+TEST(TensorMaps, ComposeLayoutOverManyPieces) {
+  const int64_t n = 300000;
+  std::vector<MapPiece> pieces;
+  pieces.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) pieces.push_back(MapPiece{{i}, Layout::contiguous({1})});
+  // Reversed: a view whose first element lies in the last piece.
+  const Layout reversed{{n}, {-1}, n - 1};
+  auto out = compose_layout(reversed, {n}, pieces);
+  ASSERT_EQ(out.size(), static_cast<size_t>(n));
+  std::vector<char> seen(static_cast<size_t>(n), 0);
+  for (const MapPiece& m : out) {
+    ASSERT_EQ(m.root.numel(), 1);
+    ASSERT_EQ(m.root.offset, 0);
+    const int64_t element = m.start[0];
+    EXPECT_EQ(m.part, static_cast<uint32_t>(n - 1 - element));
+    seen[static_cast<size_t>(element)]++;
+  }
+  EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), n);
+  // A 2-D weight split on dim 1 (row-parallel) into many column slices.
+  const int64_t rows = 3, cols = 20000;
+  std::vector<MapPiece> slices;
+  for (int64_t c = 0; c < cols; ++c) slices.push_back(MapPiece{{0, c}, Layout::contiguous({rows, 1})});
+  auto cut = compose_layout(Layout::contiguous({rows, cols}), {rows, cols}, slices);
+  int64_t covered = 0;
+  for (const MapPiece& m : cut) covered += m.root.numel();
+  EXPECT_EQ(covered, rows * cols);
+  EXPECT_EQ(cut.size(), static_cast<size_t>(cols));
+}
 
 // compose_layout against brute force: a random view of a random shape, the shape cut
 // into a grid of boxes each stored contiguously on its own; every element must land in

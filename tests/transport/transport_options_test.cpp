@@ -36,7 +36,8 @@ class CleanEnv {
 
  private:
   static constexpr const char* kNames[] = {"FERRY_UCX_TLS",   "FERRY_UCX_TCP_CONTROL", "FERRY_UCX_SPIN_US",
-                                           "FERRY_UCX_BUSY_SPIN_US", "FERRY_UCX_READS", "FERRY_UCX_EP_INFO"};
+                                           "FERRY_UCX_BUSY_SPIN_US", "FERRY_UCX_READS", "FERRY_UCX_EP_INFO",
+                                           "UCX_NET_DEVICES"};
   std::vector<std::pair<const char*, std::optional<std::string>>> saved_;
 };
 
@@ -62,7 +63,7 @@ TEST(TransportBackendOptions, RegistryListsBackendsAndTheirOptions) {
   ASSERT_TRUE(ucx.ok());
   std::vector<std::string> names;
   for (const BackendOption& o : ucx->options) names.push_back(o.name);
-  EXPECT_EQ(names, (std::vector<std::string>{"tls", "net_devices", "ucx.", "one_host", "tcp_control", "keepalive_ms",
+  EXPECT_EQ(names, (std::vector<std::string>{"tls", "net_devices", "ucx.", "route_to", "one_host", "tcp_control", "keepalive_ms",
                                              "spin_us", "busy_spin_us", "reads", "ep_info"}));
   EXPECT_TRUE(ucx->accepts("tls"));
   EXPECT_TRUE(ucx->accepts("ucx.RNDV_THRESH"));
@@ -122,7 +123,7 @@ TEST(TransportBackendOptions, MalformedUcxParamIsRefused) {
 
 TEST(TransportBackendOptions, UcxDefaultsAndParams) {
   CleanEnv env;
-  EXPECT_EQ(resolved({}), (TransportParams{{"tls", ""}, {"net_devices", ""}, {"one_host", "0"}, {"tcp_control", "1"},
+  EXPECT_EQ(resolved({}), (TransportParams{{"tls", ""}, {"net_devices", ""}, {"route_to", ""}, {"one_host", "0"}, {"tcp_control", "1"},
                                            {"keepalive_ms", "500"}, {"spin_us", "0"}, {"busy_spin_us", "0"},
                                            {"reads", "auto"}, {"ep_info", "0"}}));
   auto info = Transport::backend_info("ucx");
@@ -193,6 +194,31 @@ TEST(TransportBackendOptions, UcxOneHost) {
   EXPECT_EQ(p["net_devices"], "eth0");
   env.set("FERRY_UCX_TLS", "");  // empty: unset
   EXPECT_EQ(resolved({{"one_host", "1"}})["tls"], "sm,tcp,self");
+  // UCX_NET_DEVICES is the user's explicit choice: one_host no longer forces lo over it
+  // (it did, and a rank in a network namespace could then reach no other host).
+  env.set("UCX_NET_DEVICES", "eth0");
+  EXPECT_EQ(resolved({{"one_host", "1"}})["net_devices"], "");
+}
+
+// The device follows the route to route_to (the tools pass the store's host), unless the
+// user named one; an address with no route, or no address at all, is an error naming it.
+TEST(TransportBackendOptions, UcxRouteToPicksTheInterface) {
+  CleanEnv env;
+  auto lo = resolved({{"route_to", "127.0.0.1"}});
+  EXPECT_EQ(lo["net_devices"], "lo");
+  EXPECT_EQ(lo["route_to"], "127.0.0.1");
+  // route_to wins over one_host's loopback (several hosts, ranks on each use sm within).
+  EXPECT_EQ(resolved({{"route_to", "localhost"}, {"one_host", "1"}})["net_devices"], "lo");
+  EXPECT_EQ(resolved({{"route_to", "127.0.0.1"}, {"net_devices", "eth7"}})["net_devices"], "eth7");
+  env.set("UCX_NET_DEVICES", "eth7");
+  EXPECT_EQ(resolved({{"route_to", "127.0.0.1"}})["net_devices"], "");  // UCX reads the variable itself
+  ::unsetenv("UCX_NET_DEVICES");
+  auto bad = Transport::resolve_params("ucx", {{"route_to", "no-such-host.invalid"}});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("no-such-host.invalid"), std::string::npos) << bad.status().to_string();
+  auto empty = Transport::resolve_params("ucx", {{"route_to", ""}});
+  EXPECT_FALSE(empty.ok());
 }
 
 }  // namespace

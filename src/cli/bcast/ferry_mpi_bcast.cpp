@@ -32,6 +32,7 @@
 #include <thread>
 
 #include "tools/job_model.h"
+#include "tools/proc_memory.h"
 
 namespace {
 
@@ -123,17 +124,29 @@ int main(int argc, char** argv) {
 
   const bool root = rank < S;
   const int c = rank - S;
-  std::vector<Tensor> full[2];         // root: its stage's tensors, both versions
+  // Root: its stage's tensors, one data version at a time (written again, tensor by
+  // tensor, before a broadcast of the other version and outside its timed window: two
+  // whole versions per root were scaffolding that doubled with the model).
+  std::vector<Tensor> full(meta.size());
+  int full_version = 0;  // data version in `full` (0: none yet)
+  uint64_t held = 0;     // root: its stage's bytes; inference: its params
   std::vector<Plan> subs(meta.size());  // inference: per-tensor copy-out
   std::vector<std::byte> recv;
   TensorMap params;
   std::shared_ptr<const RankLoader> rl;
-  if (root) {
-    for (int d = 0; d < 2; ++d) {
-      full[d].resize(meta.size());
-      for (size_t i = 0; i < meta.size(); ++i)
-        if (m->tensor_stage[i] == rank) full[d][i] = synthetic_tensor(seed, static_cast<uint64_t>(d + 1), meta[i]);
+  auto write_version = [&](int d) {
+    if (d == full_version) return;
+    for (size_t i = 0; i < meta.size(); ++i) {
+      if (m->tensor_stage[i] != rank) continue;
+      full[i] = Tensor();  // the old one freed before the new one is made
+      full[i] = synthetic_tensor(seed, static_cast<uint64_t>(d), meta[i]);
     }
+    full_version = d;
+  };
+  if (root) {
+    write_version(1);
+    for (size_t i = 0; i < meta.size(); ++i)
+      if (m->tensor_stage[i] == rank) held += static_cast<uint64_t>(shape_numel(meta[i].shape)) * dtype_size(meta[i].dtype);
   } else {
     auto plan = record_plan(*m->loader, c, meta);
     if (!plan.ok()) return fail("plan", plan.status());
@@ -148,7 +161,10 @@ int main(int argc, char** argv) {
     }
     recv.resize(largest);
     std::memset(recv.data(), 0, recv.size());
-    for (const auto& p : plan->params()) params.emplace(p.name, Tensor::empty(p.shape, p.dtype, p.name));
+    for (const auto& p : plan->params()) {
+      params.emplace(p.name, Tensor::empty(p.shape, p.dtype, p.name));
+      held += static_cast<uint64_t>(shape_numel(p.shape)) * dtype_size(p.dtype);
+    }
     auto r = m->loader->rank(c);
     if (!r.ok()) return fail("loader", r.status());
     rl = *r;
@@ -176,7 +192,7 @@ int main(int argc, char** argv) {
     nlohmann::json out = {{"ok", true}};
     if (kind == "bcast") {
       version = go.value("version", uint64_t{1});
-      const int d = static_cast<int>(version % 2);  // data version 1 + v % 2
+      if (root) write_version(static_cast<int>(1 + version % 2));  // the optimizer step, untimed
       const double c0 = cpu_seconds();
       MPI_Barrier(MPI_COMM_WORLD);
       const int64_t t0 = mono_ns();
@@ -187,7 +203,7 @@ int main(int argc, char** argv) {
         if (root && rank != s) continue;
         const uint64_t bytes = static_cast<uint64_t>(shape_numel(meta[i].shape)) * dtype_size(meta[i].dtype);
         if (root) {
-          auto p = full[d][i].data_ptr();
+          auto p = full[i].data_ptr();
           if (!p.ok()) return fail("tensor", p.status());
           bcast(*p, bytes, comm[static_cast<size_t>(s)]);
           continue;
@@ -228,6 +244,15 @@ int main(int argc, char** argv) {
       }
       int all_ok = 0;
       MPI_Reduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, 0, MPI_COMM_WORLD);
+      // Every rank's peak RSS and what it holds (root: its stage; inference: params).
+      const uint64_t mine[2] = {tools::proc_memory().value_or(tools::ProcMemory{}).peak_rss_bytes, held};
+      std::vector<uint64_t> all(2 * static_cast<size_t>(size));
+      MPI_Gather(mine, 2, MPI_UINT64_T, all.data(), 2, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+      nlohmann::json rk = nlohmann::json::array();
+      for (int r = 0; r < size; ++r)
+        rk.push_back({{"rank", r}, {"root", r < S}, {"peak_rss_bytes", all[2 * static_cast<size_t>(r)]},
+                      {"held_bytes", all[2 * static_cast<size_t>(r) + 1]}});
+      out["ranks"] = rk;
       out["verified"] = all_ok == 1 && version > 0;
       out["idle"] = true;
     }

@@ -10,7 +10,13 @@
 //                the connection released between polls, bounded by the timeout
 //   renew        PEXPIRE k ttl            (0: absent → NotFound)
 // Every key is stored as "PREFIX/key" when the URL has a PREFIX.
+//
+// Replies are read with a bound: hiredis 0.14 buffers a reply until it is whole and has
+// no limit of its own, so read_reply() stops a reply whose unparsed bytes pass
+// kMaxReplyBytes (a hostile or confused server cannot make the client buffer without
+// end), and the size of every value returned is checked against the store's limits.
 #include <hiredis.h>
+#include <poll.h>
 
 #include <algorithm>
 #include <chrono>
@@ -20,11 +26,15 @@
 
 #include "store/backends.h"
 #include "store/common.h"
+#include "store/redis/replies.h"
 
 namespace ferry::store_detail {
 
 namespace {
 
+namespace replies = redis_replies;
+using replies::error_status;
+using replies::kMaxReplyBytes;
 using Clock = std::chrono::steady_clock;
 
 constexpr const char* kCompareSetLua = R"lua(
@@ -74,24 +84,6 @@ std::string glob_escape(std::string_view s) {
   return out;
 }
 
-Status error_status(std::string_view op, std::string_view key, std::string_view msg) {
-  std::string k = key.empty() ? std::string() : " " + quote_key(key);
-  if (msg.find("WRONGPASS") != std::string_view::npos || msg.find("NOAUTH") != std::string_view::npos ||
-      msg.find("invalid password") != std::string_view::npos) {
-    return permission_denied("store {}{}: redis refused the token: {}", op, k, msg);
-  }
-  if (msg.find("overflow") != std::string_view::npos) {
-    return out_of_range("store {}{}: redis: {}", op, k, msg);
-  }
-  if (msg.find("not an integer") != std::string_view::npos) {
-    return invalid_argument("store {}{}: the value is not a decimal integer (redis: {})", op, k, msg);
-  }
-  if (msg.find("WRONGTYPE") != std::string_view::npos) {
-    return invalid_argument("store {}{}: redis: {}", op, k, msg);
-  }
-  return internal_error("store {}{}: redis error: {}", op, k, msg);
-}
-
 class RedisStore final : public Store {
  public:
   RedisStore(StoreUrl url, StoreOptions options, std::string token)
@@ -124,17 +116,14 @@ class RedisStore final : public Store {
     FERRY_RETURN_IF_ERROR(check_key("get", key));
     const std::string k = full(key);
     FERRY_ASSIGN_OR_RETURN(Reply r, command("get", key, {"GET", k}));
-    if (r->type == REDIS_REPLY_NIL) return not_found("store get {}: no such key", quote_key(key));
-    if (r->type != REDIS_REPLY_STRING) return unexpected("get", key);
-    return std::string(r->str, r->len);
+    return checked(replies::get(*r, key));
   }
 
   Result<int64_t> add(std::string_view key, int64_t delta) override {
     FERRY_RETURN_IF_ERROR(check_key("add", key));
     const std::string k = full(key), d = std::to_string(delta);
     FERRY_ASSIGN_OR_RETURN(Reply r, command("add", key, {"INCRBY", k, d}));
-    if (r->type != REDIS_REPLY_INTEGER) return unexpected("add", key);
-    return static_cast<int64_t>(r->integer);
+    return checked(replies::integer(*r, "add", key));
   }
 
   Result<CompareSetResult> compare_set(std::string_view key, std::optional<std::string_view> expected,
@@ -147,25 +136,15 @@ class RedisStore final : public Store {
     FERRY_ASSIGN_OR_RETURN(Reply r, command("compare_set", key,
                                             {"EVAL", kCompareSetLua, "1", k, expected ? "1" : "0",
                                              expected.value_or(std::string_view()), desired, t}));
-    if (r->type != REDIS_REPLY_ARRAY || r->elements < 1 || r->elements > 2 ||
-        r->element[0]->type != REDIS_REPLY_INTEGER) {
-      return unexpected("compare_set", key);
-    }
-    CompareSetResult out;
-    out.swapped = r->element[0]->integer == 1;
-    if (r->elements == 2) {
-      if (r->element[1]->type != REDIS_REPLY_STRING) return unexpected("compare_set", key);
-      out.value = std::string(r->element[1]->str, r->element[1]->len);
-    }
-    return out;
+    return checked(replies::compare_set(*r, key));
   }
 
   Result<bool> remove(std::string_view key) override {
     FERRY_RETURN_IF_ERROR(check_key("remove", key));
     const std::string k = full(key);
     FERRY_ASSIGN_OR_RETURN(Reply r, command("remove", key, {"DEL", k}));
-    if (r->type != REDIS_REPLY_INTEGER) return unexpected("remove", key);
-    return r->integer > 0;
+    FERRY_ASSIGN_OR_RETURN(int64_t n, checked(replies::integer(*r, "remove", key)));
+    return n > 0;
   }
 
   Result<std::vector<std::string>> list(std::string_view prefix) override {
@@ -177,18 +156,9 @@ class RedisStore final : public Store {
     std::string cursor = "0";
     do {
       FERRY_ASSIGN_OR_RETURN(Reply r, command("list", "", {"SCAN", cursor, "MATCH", pattern, "COUNT", "1000"}));
-      if (r->type != REDIS_REPLY_ARRAY || r->elements != 2 || r->element[0]->type != REDIS_REPLY_STRING ||
-          r->element[1]->type != REDIS_REPLY_ARRAY) {
-        return unexpected("list", "");
-      }
-      cursor.assign(r->element[0]->str, r->element[0]->len);
-      const redisReply* arr = r->element[1];
-      for (size_t i = 0; i < arr->elements; ++i) {
-        if (arr->element[i]->type != REDIS_REPLY_STRING) return unexpected("list", "");
-        std::string_view k(arr->element[i]->str, arr->element[i]->len);
-        if (!k.starts_with(key_prefix_)) continue;
-        keys.emplace(k.substr(key_prefix_.size()));
-      }
+      FERRY_ASSIGN_OR_RETURN(replies::ScanPage page, checked(replies::scan_page(*r, key_prefix_)));
+      cursor = std::move(page.cursor);
+      for (auto& k : page.keys) keys.insert(std::move(k));
     } while (cursor != "0");
     return std::vector<std::string>(keys.begin(), keys.end());
   }
@@ -225,8 +195,8 @@ class RedisStore final : public Store {
     FERRY_RETURN_IF_ERROR(check_ttl("renew", key, ttl.count(), true));
     const std::string k = full(key), t = std::to_string(ttl.count());
     FERRY_ASSIGN_OR_RETURN(Reply r, command("renew", key, {"PEXPIRE", k, t}));
-    if (r->type != REDIS_REPLY_INTEGER) return unexpected("renew", key);
-    if (r->integer == 0) return not_found("store renew {}: no such key (expired or deleted)", quote_key(key));
+    FERRY_ASSIGN_OR_RETURN(int64_t n, checked(replies::integer(*r, "renew", key)));
+    if (n == 0) return not_found("store renew {}: no such key (expired or deleted)", quote_key(key));
     return Status::Ok();
   }
 
@@ -241,10 +211,15 @@ class RedisStore final : public Store {
  private:
   std::string full(std::string_view key) const { return key_prefix_ + std::string(key); }
 
-  Status unexpected(std::string_view op, std::string_view key) {
-    std::lock_guard<std::mutex> lock(mu_);
-    ctx_.reset();  // do not trust this connection any more
-    return peer_failed("store {}{}: unexpected reply from redis", op, key.empty() ? "" : " " + quote_key(key));
+  // A decoded reply; an unexpected one also drops the connection (not to be trusted any
+  // more: the next call reconnects).
+  template <typename T>
+  Result<T> checked(Result<T> decoded) {
+    if (!decoded.ok() && decoded.status().code() == StatusCode::kPeerFailed) {
+      std::lock_guard<std::mutex> lock(mu_);
+      ctx_.reset();
+    }
+    return decoded;
   }
 
   // One command; transport failures drop the connection (the next call reconnects).
@@ -261,9 +236,47 @@ class RedisStore final : public Store {
       argv.push_back(a.data());
       lens.push_back(a.size());
     }
-    Reply r(static_cast<redisReply*>(
-        redisCommandArgv(ctx_.get(), static_cast<int>(argv.size()), argv.data(), lens.data())));
+    if (redisAppendCommandArgv(ctx_.get(), static_cast<int>(argv.size()), argv.data(), lens.data()) != REDIS_OK) {
+      Status st = transport_error(op);
+      ctx_.reset();
+      return st;
+    }
+    FERRY_RETURN_IF_ERROR(flush(op));
+    FERRY_ASSIGN_OR_RETURN(Reply r, read_reply(op));
     return check_reply(op, key, std::move(r));
+  }
+
+  // Sends what redisAppendCommand* queued.
+  Status flush(std::string_view op) {
+    int done = 0;
+    while (!done) {
+      if (redisBufferWrite(ctx_.get(), &done) != REDIS_OK) {
+        Status st = transport_error(op);
+        ctx_.reset();
+        return st;
+      }
+    }
+    return Status::Ok();
+  }
+
+  // One reply, read as redisGetReply does but refusing to buffer more than
+  // kMaxReplyBytes of it.
+  Result<Reply> read_reply(std::string_view op) {
+    void* raw = nullptr;
+    while (true) {
+      if (redisGetReplyFromReader(ctx_.get(), &raw) != REDIS_OK) break;
+      if (raw != nullptr) return Reply(static_cast<redisReply*>(raw));
+      const redisReader* rd = ctx_->reader;
+      if (rd->len - rd->pos > kMaxReplyBytes) {
+        ctx_.reset();
+        return peer_failed("store {} ({}): redis sent a reply of over {} bytes; refused", op, url_.to_string(),
+                           kMaxReplyBytes);
+      }
+      if (redisBufferRead(ctx_.get()) != REDIS_OK) break;
+    }
+    Status st = transport_error(op);
+    ctx_.reset();
+    return st;
   }
 
   Result<Reply> check_reply(std::string_view op, std::string_view key, Reply r) {
@@ -300,14 +313,9 @@ class RedisStore final : public Store {
         return st;
       }
     }
+    FERRY_RETURN_IF_ERROR(flush("wait"));
     for (const auto& n : names) {
-      void* raw = nullptr;
-      if (redisGetReply(ctx_.get(), &raw) != REDIS_OK) {
-        Status st = transport_error("wait");
-        ctx_.reset();
-        return st;
-      }
-      Reply r(static_cast<redisReply*>(raw));
+      FERRY_ASSIGN_OR_RETURN(Reply r, read_reply("wait"));
       if (r->type == REDIS_REPLY_ERROR) {
         ctx_.reset();  // the rest of the pipeline is still queued: drop the connection
         return error_status("wait", n, std::string_view(r->str, r->len));
@@ -318,6 +326,14 @@ class RedisStore final : public Store {
   }
 
   Status ensure_connected() {
+    // A connection with no command in flight that is readable has been closed by the
+    // server (a restarted or killed redis-server; its timeout): replace it before
+    // sending, as the TCP client does, so that the first call after a restart is not
+    // failed for nothing. Nothing was sent on it, so this is safe for every op.
+    if (ctx_ && ctx_->fd >= 0) {
+      pollfd p{ctx_->fd, POLLIN, 0};
+      if (::poll(&p, 1, 0) != 0) ctx_.reset();
+    }
     if (ctx_) return Status::Ok();
     const auto deadline = Clock::now() + options_.connect_timeout;
     auto backoff = Millis{5};

@@ -1,5 +1,7 @@
 // The embedded TCP store's client: blocking POSIX sockets with poll() deadlines, one
-// connection guarded by a mutex. Frames are built and parsed by store/tcp/protocol.h.
+// connection guarded by a mutex. Frames are built and parsed by store/tcp/protocol.h;
+// the client checks the server's proof of the token in the handshake and the tag of
+// every frame after it.
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -12,6 +14,7 @@
 #include <chrono>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "store/backends.h"
@@ -87,9 +90,22 @@ Result<Bytes> read_frame(int fd, size_t max_payload, Clock::time_point deadline)
   FERRY_RETURN_IF_ERROR(read_exact(fd, header.data(), header.size(), deadline));
   Result<size_t> n = store_tcp::decode_frame_header(header, max_payload);
   if (!n.ok()) return peer_failed("store: bad frame from the server: {}", n.status().message());
-  Bytes payload(*n);
-  FERRY_RETURN_IF_ERROR(read_exact(fd, payload.data(), payload.size(), deadline));
+  // Grown as bytes arrive: a hostile server's claimed length costs nothing by itself.
+  Bytes payload;
+  while (payload.size() < *n) {
+    const size_t have = payload.size();
+    const size_t chunk = std::min(*n - have, store_tcp::kReadChunkBytes);
+    payload.resize(have + chunk);
+    FERRY_RETURN_IF_ERROR(read_exact(fd, payload.data() + have, chunk, deadline));
+  }
   return payload;
+}
+
+// True when the server has closed (or written to) a connection that has no request in
+// flight: the connection must be replaced before it is used.
+bool closed_while_idle(int fd) {
+  pollfd p{fd, POLLIN, 0};
+  return ::poll(&p, 1, 0) != 0;
 }
 
 class Fd {
@@ -230,9 +246,11 @@ class TcpStore final : public Store {
                               frame.size());
     }
     std::lock_guard<std::mutex> lock(mu_);
+    drop_if_stale();
     FERRY_RETURN_IF_ERROR(ensure_connected());
     const auto deadline = Clock::now() + options_.io_timeout + extra;
     Result<Response> r = exchange(frame, deadline);
+    last_used_ = Clock::now();
     if (!r.ok()) {
       fd_.reset();
       return r.status().with_context(fmt::format("store {} ({})", store_tcp::op_name(q.op), url_.to_string()));
@@ -246,11 +264,25 @@ class TcpStore final : public Store {
   }
 
   Result<Response> exchange(const Bytes& frame, Clock::time_point deadline) {
-    FERRY_RETURN_IF_ERROR(write_all(fd_.get(), frame.data(), frame.size(), deadline));
+    const Bytes sealed = channel_->seal(frame);
+    FERRY_RETURN_IF_ERROR(write_all(fd_.get(), sealed.data(), sealed.size(), deadline));
     FERRY_ASSIGN_OR_RETURN(Bytes payload, read_frame(fd_.get(), store_tcp::kMaxFrameBytes, deadline));
-    Result<Response> r = store_tcp::decode_response(payload);
+    Result<store_tcp::ByteSpan> body = channel_->open(payload);
+    if (!body.ok()) return peer_failed("store: answer from the server refused: {}", body.status().message());
+    Result<Response> r = store_tcp::decode_response(*body);
     if (!r.ok()) return peer_failed("store: bad answer from the server: {}", r.status().message());
     return r;
+  }
+
+  // Replaces, before a request is sent, a connection the server has closed or is about
+  // to close for idleness. Nothing is in flight, so this is safe for every op (unlike
+  // retrying a failed call). Half the announced idle timeout leaves room for a slow
+  // request to arrive whole before the server's deadline.
+  void drop_if_stale() {
+    if (!fd_.valid()) return;
+    const bool idle_too_long =
+        server_idle_timeout_.count() > 0 && Clock::now() - last_used_ >= server_idle_timeout_ / 2;
+    if (idle_too_long || closed_while_idle(fd_.get())) fd_.reset();
   }
 
   // Connects (retrying refused connections until connect_timeout) and authenticates.
@@ -296,19 +328,37 @@ class TcpStore final : public Store {
     }
     ::freeaddrinfo(res);
     if (!fd.valid()) return last;
-    // Handshake: challenge → HMAC answer → verdict.
+    // Handshake: challenge -> our nonce and proof -> the server's sealed welcome.
     FERRY_ASSIGN_OR_RETURN(Bytes ch, read_frame(fd.get(), store_tcp::kMaxHandshakeFrameBytes, deadline));
     FERRY_ASSIGN_OR_RETURN(store_tcp::Challenge c, store_tcp::decode_challenge(ch));
     store_tcp::Auth a;
-    a.mac = store_tcp::auth_mac(token_, c.nonce);
+    FERRY_RETURN_IF_ERROR(store_tcp::random_bytes(a.nonce));
+    a.mac = store_tcp::client_proof(token_, c.nonce, a.nonce);
     const Bytes auth = store_tcp::encode_auth(a);
     FERRY_RETURN_IF_ERROR(write_all(fd.get(), auth.data(), auth.size(), deadline));
-    Result<Bytes> verdict = read_frame(fd.get(), store_tcp::kMaxFrameBytes, deadline);
+    Result<Bytes> verdict = read_frame(fd.get(), store_tcp::kMaxHandshakeFrameBytes, deadline);
     if (!verdict.ok()) return verdict.status().with_context("store: during authentication");
-    FERRY_ASSIGN_OR_RETURN(Response r, store_tcp::decode_response(*verdict));
-    if (r.op != Op::kAuth) return peer_failed("store: unexpected answer to authentication");
-    if (r.code != StatusCode::kOk) return r.status();
+    store_tcp::Channel channel(store_tcp::session_key(token_, c.nonce, a.nonce),
+                               store_tcp::Direction::kClientToServer);
+    Result<store_tcp::ByteSpan> welcome = channel.open(*verdict);
+    if (!welcome.ok()) {
+      // Not sealed: either a refusal (plain, by design: it may come from a server that
+      // does not share our token) or an impostor.
+      Result<Response> refusal = store_tcp::decode_response(*verdict);
+      if (refusal.ok() && refusal->op == Op::kAuth && refusal->code != StatusCode::kOk) return refusal->status();
+      return permission_denied(
+          "store: the server at {} did not prove that it holds the token (a different token, or not a ferry "
+          "store)",
+          url_.to_string());
+    }
+    Result<Response> r = store_tcp::decode_response(*welcome);
+    if (!r.ok() || r->op != Op::kAuth || r->code != StatusCode::kOk || r->number < 0) {
+      return peer_failed("store: unexpected answer to authentication from {}", url_.to_string());
+    }
     fd_ = std::move(fd);
+    channel_.emplace(std::move(channel));
+    server_idle_timeout_ = Millis{r->number};
+    last_used_ = Clock::now();
     return Status::Ok();
   }
 
@@ -317,6 +367,10 @@ class TcpStore final : public Store {
   const std::string token_;
   std::mutex mu_;
   Fd fd_;
+  // Valid with fd_ (same connection): its integrity state and the server's idle timeout.
+  std::optional<store_tcp::Channel> channel_;
+  Millis server_idle_timeout_{0};
+  Clock::time_point last_used_;
 };
 
 }  // namespace

@@ -1,13 +1,16 @@
 #include "store/tcp/protocol.h"
 
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 
+#include <openssl/core_names.h>
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
-#include <openssl/hmac.h>
+#include <openssl/params.h>
 #include <openssl/rand.h>
 
+#include "common/hmac.h"
 #include "store/common.h"
 
 namespace ferry::store_tcp {
@@ -141,6 +144,7 @@ Bytes encode_auth(const Auth& a) {
   Writer w;
   w.u8(static_cast<uint8_t>(Op::kAuth));
   w.u32(a.version);
+  w.raw(a.nonce.data(), a.nonce.size());
   w.raw(a.mac.data(), a.mac.size());
   return w.finish();
 }
@@ -154,8 +158,9 @@ Result<Challenge> decode_challenge(ByteSpan payload) {
     return malformed("challenge");
   }
   if (c.version != kProtocolVersion) {
-    return failed_precondition("store protocol: server speaks version {}, this client {}", c.version,
-                               kProtocolVersion);
+    return failed_precondition("store protocol: server speaks version {}, this client {}; run client and server "
+                               "from the same ferry release",
+                               c.version, kProtocolVersion);
   }
   return c;
 }
@@ -165,12 +170,14 @@ Result<Auth> decode_auth(ByteSpan payload) {
   uint8_t op = 0;
   Auth a;
   if (!r.u8(op) || op != static_cast<uint8_t>(Op::kAuth)) return malformed("auth (op)");
-  if (!r.u32(a.version) || !r.raw(a.mac.data(), a.mac.size()) || r.left() != 0) {
-    return malformed("auth");
-  }
+  if (!r.u32(a.version)) return malformed("auth");
+  // The version before the rest: another version's auth may be laid out differently.
   if (a.version != kProtocolVersion) {
-    return failed_precondition("store protocol: client speaks version {}, this server {}", a.version,
-                               kProtocolVersion);
+    return failed_precondition("store protocol: client speaks version {}, this server {}; upgrade the client",
+                               a.version, kProtocolVersion);
+  }
+  if (!r.raw(a.nonce.data(), a.nonce.size()) || !r.raw(a.mac.data(), a.mac.size()) || r.left() != 0) {
+    return malformed("auth");
   }
   return a;
 }
@@ -315,6 +322,9 @@ Bytes encode_response(const Response& p) {
   w.str(p.message);
   if (p.code != StatusCode::kOk) return w.finish();
   switch (p.op) {
+    case Op::kAuth:
+      w.i64(p.number);
+      break;
     case Op::kGet:
       w.str(p.value.value_or(std::string()));
       break;
@@ -351,6 +361,9 @@ Result<Response> decode_response(ByteSpan payload) {
   bool ok = true;
   if (p.code == StatusCode::kOk) {
     switch (p.op) {
+      case Op::kAuth:
+        ok = r.i64(p.number);
+        break;
       case Op::kGet:
         ok = r.str(p.value.emplace(), kMaxValueBytes);
         break;
@@ -391,22 +404,60 @@ Result<Response> decode_response(ByteSpan payload) {
   return p;
 }
 
-std::array<uint8_t, kMacBytes> auth_mac(std::string_view token,
-                                        const std::array<uint8_t, kNonceBytes>& nonce) {
-  std::array<uint8_t, kAuthLabel.size() + kNonceBytes> msg{};
-  std::memcpy(msg.data(), kAuthLabel.data(), kAuthLabel.size());
-  std::memcpy(msg.data() + kAuthLabel.size(), nonce.data(), nonce.size());
-  std::array<uint8_t, kMacBytes> mac{};
-  unsigned int len = 0;
-  // An empty key is fine for HMAC; OpenSSL wants a non-null pointer.
-  static const char kEmpty = 0;
-  const void* key = token.empty() ? static_cast<const void*>(&kEmpty) : token.data();
-  HMAC(EVP_sha256(), key, static_cast<int>(token.size()), msg.data(), msg.size(), mac.data(), &len);
-  return mac;
+namespace {
+
+using crypto::hmac_sha256;
+
+ByteSpan bytes_of(std::string_view s) { return {reinterpret_cast<const uint8_t*>(s.data()), s.size()}; }
+
+}  // namespace
+
+Mac client_proof(std::string_view token, const Nonce& server_nonce, const Nonce& client_nonce) {
+  return hmac_sha256(bytes_of(token), {bytes_of(kClientProofLabel), server_nonce, client_nonce});
 }
 
-bool macs_equal(const std::array<uint8_t, kMacBytes>& a, const std::array<uint8_t, kMacBytes>& b) {
-  return CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+SessionKey session_key(std::string_view token, const Nonce& server_nonce, const Nonce& client_nonce) {
+  return hmac_sha256(bytes_of(token), {bytes_of(kSessionKeyLabel), server_nonce, client_nonce});
+}
+
+bool macs_equal(const Mac& a, const Mac& b) { return CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0; }
+
+Channel::Channel(const SessionKey& key, Direction sends) : key_(key), sends_(sends) {}
+
+Mac Channel::tag(Direction dir, uint64_t seq, ByteSpan body) const {
+  std::array<uint8_t, 9> head{};
+  head[0] = static_cast<uint8_t>(dir);
+  for (int i = 0; i < 8; ++i) head[1 + i] = static_cast<uint8_t>(seq >> (8 * i));
+  return hmac_sha256(key_, {head, body});
+}
+
+Bytes Channel::seal(Bytes frame) {
+  const ByteSpan body = ByteSpan(frame).subspan(kFrameHeaderBytes);
+  const Mac t = tag(sends_, send_seq_++, body);
+  frame.insert(frame.end(), t.begin(), t.end());
+  const size_t n = frame.size() - kFrameHeaderBytes;
+  for (int i = 0; i < 4; ++i) frame[i] = static_cast<uint8_t>(n >> (8 * i));
+  return frame;
+}
+
+Result<ByteSpan> Channel::open(ByteSpan payload) {
+  const Direction from =
+      sends_ == Direction::kClientToServer ? Direction::kServerToClient : Direction::kClientToServer;
+  if (payload.size() < kMacBytes) {
+    return permission_denied("store protocol: frame {} of {} bytes is too short to carry its integrity tag",
+                             recv_seq_, payload.size());
+  }
+  const ByteSpan body = payload.first(payload.size() - kMacBytes);
+  Mac got{};
+  std::memcpy(got.data(), payload.data() + body.size(), kMacBytes);
+  if (!macs_equal(got, tag(from, recv_seq_, body))) {
+    return permission_denied(
+        "store protocol: frame {} failed its integrity check (tampered, replayed, reordered or not from the "
+        "peer that holds the token)",
+        recv_seq_);
+  }
+  ++recv_seq_;
+  return body;
 }
 
 Status random_bytes(std::span<uint8_t> out) {

@@ -6,9 +6,19 @@
 // session as a Waiter, registered under each missing key, with a timer for its timeout;
 // while parked the session watches its socket so a client that hangs up is dropped at
 // once rather than when its wait runs out.
+//
+// Admission (see StoreServerOptions in ferry/store.h for the policy and why): a new
+// connection is *pending* until it authenticates. Pending sessions are kept in accept
+// order, in all and per source address; a newcomer that would exceed a cap evicts the
+// oldest pending session (of its address first). Each session has one deadline timer:
+// before authentication the handshake deadline, after it the idle timeout (re-armed
+// with every answer sent, off while a `wait` is parked).
+#include <fcntl.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <list>
 #include <map>
 #include <set>
 #include <thread>
@@ -60,7 +70,12 @@ struct StoreServer::Impl {
   std::set<std::pair<Clock::time_point, std::string>> expiry;
   std::unordered_map<std::string, std::vector<std::weak_ptr<Waiter>>> waiters;
   std::unordered_set<Session*> sessions;
+  // Unauthenticated sessions, oldest first: all of them, and per source address.
+  std::list<Session*> pending;
+  std::unordered_map<std::string, std::list<Session*>> pending_by_peer;
+  size_t authenticated = 0;
   std::atomic<size_t> connection_count{0};
+  std::atomic<size_t> evicted_count{0};
   bool stopping = false;  // event-loop thread only
 
   asio::io_context io;
@@ -73,6 +88,8 @@ struct StoreServer::Impl {
   bool stopped = false;
 
   void accept();
+  // Evicts the oldest pending session if one from `peer` would exceed a cap.
+  void make_room(const std::string& peer);
   void sweep();
   void close_all();
 
@@ -100,12 +117,19 @@ Response error_response(Op op, const Status& st) {
 
 class Session : public std::enable_shared_from_this<Session> {
  public:
-  Session(StoreServer::Impl& srv, tcp::socket sock)
-      : srv_(srv), sock_(std::move(sock)), handshake_timer_(srv.io) {
+  Session(StoreServer::Impl& srv, tcp::socket sock, std::string peer)
+      : srv_(srv), sock_(std::move(sock)), timer_(srv.io), peer_(std::move(peer)) {
     srv_.sessions.insert(this);
     srv_.connection_count.fetch_add(1);
+    srv_.pending.push_back(this);
+    pending_it_ = std::prev(srv_.pending.end());
+    auto& mine = srv_.pending_by_peer[peer_];
+    mine.push_back(this);
+    peer_it_ = std::prev(mine.end());
+    pending_ = true;
   }
   ~Session() {
+    leave_pending();
     srv_.sessions.erase(this);
     srv_.connection_count.fetch_sub(1);
   }
@@ -116,20 +140,19 @@ class Session : public std::enable_shared_from_this<Session> {
     store_tcp::Challenge c;
     if (!store_tcp::random_bytes(c.nonce).ok()) return close();
     nonce_ = c.nonce;
-    handshake_timer_.expires_after(srv_.options.handshake_timeout);
-    handshake_timer_.async_wait([self = shared_from_this()](const asio::error_code& e) {
-      if (!e && !self->authed_) self->close();
-    });
+    arm(srv_.options.handshake_timeout);
     send(store_tcp::encode_challenge(c), /*close_after=*/false);
   }
 
   void close() {
     if (closed_) return;
     closed_ = true;
+    leave_pending();
+    if (authed_) --srv_.authenticated;
     asio::error_code ec;
     sock_.shutdown(tcp::socket::shutdown_both, ec);
     sock_.close(ec);
-    handshake_timer_.cancel();
+    disarm();
     if (waiter_) {
       auto w = std::move(waiter_);
       w->done = true;
@@ -146,11 +169,12 @@ class Session : public std::enable_shared_from_this<Session> {
       asio::error_code ec;
       sock_.cancel(ec);  // the hang-up watch of the parked wait
     }
-    send(store_tcp::encode_response(r), false);
+    send(channel_->seal(store_tcp::encode_response(r)), false);
   }
 
   void park(std::shared_ptr<Waiter> w) {
     waiter_ = std::move(w);
+    disarm();  // waiting on the server's behalf is not idleness
     // Readable while parked means the client hung up (or broke the one-request-in-
     // flight rule): either way the connection is done.
     sock_.async_wait(tcp::socket::wait_read,
@@ -161,7 +185,39 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
  private:
+  void leave_pending() {
+    if (!pending_) return;
+    pending_ = false;
+    srv_.pending.erase(pending_it_);
+    auto it = srv_.pending_by_peer.find(peer_);
+    it->second.erase(peer_it_);
+    if (it->second.empty()) srv_.pending_by_peer.erase(it);
+  }
+
+  // The one deadline of this session; a later arm() or disarm() supersedes it.
+  void arm(Millis after) {
+    const uint64_t gen = ++timer_gen_;
+    timer_.expires_after(after);
+    timer_.async_wait([self = shared_from_this(), gen](const asio::error_code& e) {
+      if (e || gen != self->timer_gen_ || self->closed_) return;
+      self->close();
+    });
+  }
+  void disarm() {
+    ++timer_gen_;
+    timer_.cancel();
+  }
+
   void send(Bytes frame, bool close_after) {
+    if (authed_ && !close_after) {
+      // The idle clock runs from each answer: the client's next request must arrive
+      // (whole) within idle_timeout.
+      if (srv_.options.idle_timeout.count() > 0) {
+        arm(srv_.options.idle_timeout);
+      } else {
+        disarm();
+      }
+    }
     out_ = std::move(frame);
     asio::async_write(sock_, asio::buffer(out_),
                       [self = shared_from_this(), close_after](const asio::error_code& ec, size_t) {
@@ -180,40 +236,62 @@ class Session : public std::enable_shared_from_this<Session> {
                            self->authed_ ? store_tcp::kMaxFrameBytes : store_tcp::kMaxHandshakeFrameBytes;
                        Result<size_t> n = store_tcp::decode_frame_header(self->header_, max);
                        if (!n.ok()) return self->close();  // oversize: hang up, allocate nothing
-                       self->read_body(*n);
+                       self->body_.clear();
+                       self->want_ = *n;
+                       self->read_body();
                      });
   }
 
-  void read_body(size_t n) {
-    body_.resize(n);
-    asio::async_read(sock_, asio::buffer(body_),
-                     [self = shared_from_this()](const asio::error_code& ec, size_t) {
-                       if (ec || self->closed_) return self->close();
-                       self->on_payload();
-                     });
+  // Reads the payload in chunks of at most kReadChunkBytes, growing body_ as bytes
+  // arrive: a header claiming 64 MiB costs nothing until 64 MiB are actually sent.
+  void read_body() {
+    const size_t have = body_.size();
+    if (have == want_) return on_payload();
+    const size_t chunk = std::min(want_ - have, store_tcp::kReadChunkBytes);
+    body_.resize(have + chunk);
+    sock_.async_read_some(asio::buffer(body_.data() + have, chunk),
+                          [self = shared_from_this(), have](const asio::error_code& ec, size_t got) {
+                            if (ec || self->closed_) return self->close();
+                            self->body_.resize(have + got);
+                            self->read_body();
+                          });
+  }
+
+  void refuse(const Status& st) {
+    send(store_tcp::encode_response(error_response(Op::kAuth, st)), /*close_after=*/true);
+  }
+
+  void on_handshake() {
+    Result<store_tcp::Auth> a = store_tcp::decode_auth(body_);
+    body_ = Bytes();
+    if (!a.ok()) {
+      if (a.status().code() == StatusCode::kFailedPrecondition) return refuse(a.status());
+      return close();
+    }
+    if (!store_tcp::macs_equal(a->mac, store_tcp::client_proof(srv_.token, nonce_, a->nonce))) {
+      return refuse(permission_denied("store: the server refused the token"));
+    }
+    if (srv_.authenticated >= srv_.options.max_connections) {
+      return refuse(unavailable("store: the server is at its limit of {} authenticated connections "
+                                "(max_connections)",
+                                srv_.options.max_connections));
+    }
+    authed_ = true;
+    ++srv_.authenticated;
+    leave_pending();
+    channel_.emplace(store_tcp::session_key(srv_.token, nonce_, a->nonce),
+                     store_tcp::Direction::kServerToClient);
+    Response welcome;
+    welcome.op = Op::kAuth;
+    welcome.number = srv_.options.idle_timeout.count();
+    send(channel_->seal(store_tcp::encode_response(welcome)), false);
   }
 
   void on_payload() {
-    if (!authed_) {
-      Result<store_tcp::Auth> a = store_tcp::decode_auth(body_);
-      if (!a.ok()) {
-        if (a.status().code() == StatusCode::kFailedPrecondition) {
-          return send(store_tcp::encode_response(error_response(Op::kAuth, a.status())), true);
-        }
-        return close();
-      }
-      if (!store_tcp::macs_equal(a->mac, store_tcp::auth_mac(srv_.token, nonce_))) {
-        return send(store_tcp::encode_response(error_response(
-                        Op::kAuth, permission_denied("store: the server refused the token"))),
-                    true);
-      }
-      authed_ = true;
-      handshake_timer_.cancel();
-      Response ok;
-      ok.op = Op::kAuth;
-      return send(store_tcp::encode_response(ok), false);
-    }
-    Result<Request> q = store_tcp::decode_request(body_);
+    if (!authed_) return on_handshake();
+    Result<ByteSpan> body = channel_->open(body_);
+    if (!body.ok()) return close();  // tampered, replayed or reordered: hang up
+    Result<Request> q = store_tcp::decode_request(*body);
     body_ = Bytes();
     if (!q.ok()) return close();  // malformed: hang up on this client only
     if (Status st = store_tcp::validate_request(*q); !st.ok()) return reply(error_response(q->op, st));
@@ -227,11 +305,17 @@ class Session : public std::enable_shared_from_this<Session> {
 
   StoreServer::Impl& srv_;
   tcp::socket sock_;
-  asio::steady_timer handshake_timer_;
+  asio::steady_timer timer_;
+  uint64_t timer_gen_ = 0;
+  const std::string peer_;
+  std::list<Session*>::iterator pending_it_, peer_it_;
+  bool pending_ = false;
   std::array<uint8_t, store_tcp::kFrameHeaderBytes> header_{};
+  size_t want_ = 0;
   Bytes body_;
   Bytes out_;
-  std::array<uint8_t, store_tcp::kNonceBytes> nonce_{};
+  store_tcp::Nonce nonce_{};
+  std::optional<store_tcp::Channel> channel_;
   bool authed_ = false;
   bool closed_ = false;
   std::shared_ptr<Waiter> waiter_;
@@ -447,14 +531,31 @@ void StoreServer::Impl::accept() {
       });
       return;
     }
-    if (sessions.size() >= options.max_connections) {
-      asio::error_code ignored;
-      sock.close(ignored);
-    } else {
-      std::make_shared<Session>(*this, std::move(sock))->start();
-    }
+    // Not inherited by processes this one starts (asio opens sockets without
+    // SOCK_CLOEXEC): a child holding a client's socket would keep it open after the
+    // server dropped it.
+    ::fcntl(sock.native_handle(), F_SETFD, FD_CLOEXEC);
+    asio::error_code ep_ec;
+    const tcp::endpoint ep = sock.remote_endpoint(ep_ec);
+    std::string peer = ep_ec ? std::string("?") : ep.address().to_string();
+    make_room(peer);
+    std::make_shared<Session>(*this, std::move(sock), std::move(peer))->start();
     accept();
   });
+}
+
+void StoreServer::Impl::make_room(const std::string& peer) {
+  Session* victim = nullptr;
+  if (auto it = pending_by_peer.find(peer);
+      it != pending_by_peer.end() && it->second.size() >= options.max_unauthenticated_per_peer) {
+    victim = it->second.front();
+  } else if (pending.size() >= options.max_unauthenticated) {
+    victim = pending.front();
+  }
+  if (victim == nullptr) return;
+  evicted_count.fetch_add(1);
+  std::shared_ptr<Session> keep = victim->shared_from_this();  // close() may drop the last reference
+  keep->close();
 }
 
 void StoreServer::Impl::sweep() {
@@ -495,8 +596,13 @@ StoreServer::~StoreServer() { stop(); }
 
 Result<std::unique_ptr<StoreServer>> StoreServer::start(const StoreServerOptions& options) {
   FERRY_ASSIGN_OR_RETURN(std::string token, store_detail::resolve_token(options.token, ""));
-  if (options.handshake_timeout.count() <= 0 || options.max_connections == 0) {
-    return invalid_argument("store server: handshake_timeout and max_connections must be positive");
+  if (options.handshake_timeout.count() <= 0 || options.idle_timeout.count() < 0 || options.max_connections == 0 ||
+      options.max_unauthenticated == 0 || options.max_unauthenticated_per_peer == 0) {
+    return invalid_argument(
+        "store server: handshake_timeout ({} ms), max_connections ({}), max_unauthenticated ({}) and "
+        "max_unauthenticated_per_peer ({}) must be positive and idle_timeout ({} ms) not negative",
+        options.handshake_timeout.count(), options.max_connections, options.max_unauthenticated,
+        options.max_unauthenticated_per_peer, options.idle_timeout.count());
   }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
@@ -507,6 +613,10 @@ Result<std::unique_ptr<StoreServer>> StoreServer::start(const StoreServerOptions
   if (ec) return invalid_argument("store server: '{}' is not an IP address: {}", options.host, ec.message());
   tcp::endpoint ep(addr, options.port);
   impl->acceptor.open(ep.protocol(), ec);
+  // Close-on-exec: a process this one starts (a driver's rank workers) must not inherit
+  // the listening socket, or the port stays taken after the server stops and a restart
+  // on the same port fails.
+  if (!ec) ::fcntl(impl->acceptor.native_handle(), F_SETFD, FD_CLOEXEC);
   if (!ec) impl->acceptor.set_option(tcp::acceptor::reuse_address(true), ec);
   if (!ec) impl->acceptor.bind(ep, ec);
   if (!ec) impl->acceptor.listen(asio::socket_base::max_listen_connections, ec);
@@ -541,6 +651,8 @@ std::string StoreServer::url() const {
 }
 
 size_t StoreServer::connections() const { return impl_->connection_count.load(); }
+
+size_t StoreServer::evicted() const { return impl_->evicted_count.load(); }
 
 void StoreServer::stop() {
   if (!impl_) return;

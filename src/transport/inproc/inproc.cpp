@@ -2,11 +2,13 @@
 // is in a process-wide registry by instance id; read/write are memcpy between
 // registered regions, checked on both sides; each core has one progress thread that
 // runs its operations, completion callbacks and handlers, like a UCX worker's.
+#include <openssl/crypto.h>
 #include <sys/mman.h>
 
 #include <cstring>
 #include <deque>
 #include <map>
+#include <set>
 #include <shared_mutex>
 #include <unordered_map>
 
@@ -43,6 +45,7 @@ struct Region {
   uint64_t length;
   MemoryKind kind;
   bool owned = false;  // allocate_memory: munmap on deregister
+  bool exported = false;  // export_key was called: only then may peers read/write it
 };
 
 void release(const Region& r) {
@@ -106,8 +109,11 @@ class Core : public std::enable_shared_from_this<Core> {
   std::map<uint64_t, Region> regions;  // guarded by regions_mu
   uint64_t next_region_id = 1;         // guarded by regions_mu
 
-  std::mutex mu;  // guards peers, keys, handlers
+  std::mutex mu;  // guards peers, accepted, keys, handlers
   std::map<PeerId, PeerState> peers;
+  // Cores that connected to this one with its token (when it has one): the only ones
+  // whose messages, reads and writes it serves.
+  std::set<uint64_t> accepted;
   std::map<uint64_t, ImportedKey> keys;
   uint64_t next_key_id = 1;
   std::shared_ptr<const MessageHandler> message_handler;
@@ -142,11 +148,24 @@ class Core : public std::enable_shared_from_this<Core> {
     });
   }
 
+  // Whether `peer` may be served: this core has no token, or `peer` connected with it.
+  // Counts a refusal.
+  bool serves(uint64_t peer) {
+    if (options_.token.empty()) return true;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (accepted.contains(peer)) return true;
+    }
+    stats_.refused_unauthenticated++;
+    return false;
+  }
+
   // A message from `sender` arrives (called on the sender's progress thread).
   void deliver(uint64_t sender, uint32_t tag, std::shared_ptr<std::vector<std::byte>> payload) {
     auto self = shared_from_this();
     post([self, sender, tag, payload](bool cancelled) {
       if (cancelled || self->dead()) return;
+      if (!self->serves(sender)) return;
       // Same framing check as the UCX backend (never trust the frame).
       std::byte header[wire::kMessageHeaderSize];
       wire::encode_message_header({sender, tag, uint32_t(payload->size())}, header);
@@ -259,6 +278,23 @@ class InprocBackend final : public TransportBackend {
     if (!target || target->dead()) {
       return peer_failed("connect: inproc transport {:#x} does not exist (any more)", a.instance_id);
     }
+    // The token handshake, in process: each side must hold the other's token (an empty
+    // one on both sides: no authentication). Compared in constant time as ucx would.
+    const std::string& mine = core_->options().token;
+    const std::string& theirs = target->options().token;
+    const bool same = mine.size() == theirs.size() &&
+                      (mine.empty() || CRYPTO_memcmp(mine.data(), theirs.data(), mine.size()) == 0);
+    if (!same) {
+      if (!theirs.empty()) target->stats().refused_unauthenticated++;
+      return permission_denied("connect: inproc transport {:#x} and this one {:#x} do not share the job's token ({})",
+                               a.instance_id, core_->id(),
+                               theirs.empty() ? "the peer has none" : mine.empty() ? "this transport has none"
+                                                                                   : "they differ");
+    }
+    if (!theirs.empty()) {
+      std::lock_guard<std::mutex> lock(target->mu);
+      if (target->accepted.insert(core_->id()).second) target->stats().authenticated_peers++;
+    }
     std::lock_guard<std::mutex> lock(core_->mu);
     core_->peers.emplace(a.instance_id, PeerState{});
     return a.instance_id;
@@ -311,8 +347,9 @@ class InprocBackend final : public TransportBackend {
 
   Result<std::vector<std::byte>> export_key(const MemoryRegion& region) override {
     FERRY_RETURN_IF_ERROR(alive("export_key"));
-    std::shared_lock<std::shared_mutex> lock(core_->regions_mu);
+    std::unique_lock<std::shared_mutex> lock(core_->regions_mu);  // sets `exported`
     FERRY_RETURN_IF_ERROR(check_local(region, "export_key"));
+    core_->regions.at(region.id).exported = true;
     return wire::encode_key({wire::Backend::kInproc, region.kind, core_->id(), region.id,
                              uint64_t(reinterpret_cast<uintptr_t>(region.base)), region.length, {}});
   }
@@ -471,18 +508,26 @@ class InprocBackend final : public TransportBackend {
       auto p = self.peers.find(key.peer);
       if (p == self.peers.end() || p->second.failed) return peer_failed("{}: peer {:#x} failed", op, key.peer);
     }
+    if (!target->serves(self.id())) {
+      return permission_denied("{}: peer {:#x} refused: this transport did not prove its token to it", op, key.peer);
+    }
     std::shared_lock<std::shared_mutex> tlock(target->regions_mu);
     std::shared_lock<std::shared_mutex> llock;
     if (target.get() != &self) llock = std::shared_lock<std::shared_mutex>(self.regions_mu);
     auto t = target->regions.find(key.region_id);
-    if (t == target->regions.end()) {
-      return not_found("{}: peer {:#x} has no region {} (deregistered?)", op, key.peer, key.region_id);
+    if (t == target->regions.end() || !t->second.exported) {
+      target->stats().refused_region++;
+      return not_found("{}: peer {:#x} has no exported region {} (deregistered?)", op, key.peer, key.region_id);
     }
     // Target-side bounds: the registered region, not what the key claimed.
     if (uint64_t(reinterpret_cast<uintptr_t>(t->second.base)) != key.base) {
+      target->stats().refused_bounds++;
       return out_of_range("{}: peer {:#x} region {} moved", op, key.peer, key.region_id);
     }
-    FERRY_RETURN_IF_ERROR(check_range(op, "target", remote_offset, length, t->second.length));
+    if (Status in = check_range(op, "target", remote_offset, length, t->second.length); !in.ok()) {
+      target->stats().refused_bounds++;
+      return in;
+    }
     auto l = self.regions.find(local.id);
     if (l == self.regions.end() || l->second.base != local.base) {
       return not_found("{}: local region {} was deregistered", op, local.id);

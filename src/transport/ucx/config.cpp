@@ -2,9 +2,18 @@
 // and the UCX configuration they make.
 #include "transport/ucx/config.h"
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cstdlib>
+#include <cstring>
 
 #include "transport/backend.h"
 
@@ -66,8 +75,11 @@ const BackendInfo& backend_info() {
           {"tls", "", "UCX_TLS of this transport; unset: the UCX_TLS variable, else UCX's default"},
           {"net_devices", "", "UCX_NET_DEVICES; unset: the UCX_NET_DEVICES variable, else UCX's default"},
           {"ucx.", "", "any UCX setting KEY (without UCX_), e.g. ucx.RNDV_THRESH=8k; ucx.TLS is tls"},
+          {"route_to", "",
+           "an address this rank talks to (e.g. the store's host): net_devices defaults to the interface routing to it"},
           {"one_host", "0",
-           "every peer on this host: tls defaults to $FERRY_UCX_TLS, else sm,tcp,self; net_devices=lo if tls has tcp"},
+           "every peer on this host: tls defaults to $FERRY_UCX_TLS, else sm,tcp,self; net_devices=lo if tls has tcp "
+           "(unless net_devices, UCX_NET_DEVICES or route_to says otherwise)"},
           {"tcp_control", "1",
            "add tcp for messages and failure reports when tls has shared memory only (FERRY_UCX_TCP_CONTROL wins)"},
           {"keepalive_ms", "500", "UCX keepalive interval: bounds how long a silent dead peer goes unnoticed"},
@@ -95,6 +107,9 @@ Result<UcxConfig> parse_config(const TransportParams& params, const UcxEnv& e) {
       FERRY_RETURN_IF_ERROR(set_once(c.net_devices, name, value, "net_devices"));
     } else if (name.starts_with("ucx.")) {
       c.ucx.emplace_back(name.substr(4), value);
+    } else if (name == "route_to") {
+      if (value.empty()) return bad_param(backend_info(), name, value, "an IP address or a host name");
+      c.route_to = value;
     } else if (name == "one_host") {
       FERRY_ASSIGN_OR_RETURN(c.one_host, parse_bool(name, value));
     } else if (name == "tcp_control") {
@@ -130,10 +145,20 @@ Result<UcxConfig> parse_config(const TransportParams& params, const UcxEnv& e) {
   if (e.reads && *e.reads == "message") c.forced_reads = true;
   if (e.reads && *e.reads == "rma") c.forced_reads = false;
   if (e.ep_info) c.ep_info = true;
-  if (c.one_host) {
-    // Every peer on this host: bytes over shared memory, messages over tcp, on loopback.
-    if (!c.tls) c.tls = e.ferry_tls && !e.ferry_tls->empty() ? *e.ferry_tls : std::string(kOneHostTls);
-    if (!c.net_devices && c.tls->find("tcp") != std::string::npos) c.net_devices = "lo";
+  // FERRY_UCX_TLS selects the transports of the tools' workers (one_host or route_to).
+  if ((c.one_host || c.route_to) && !c.tls && e.ferry_tls && !e.ferry_tls->empty()) c.tls = *e.ferry_tls;
+  // Every peer on this host: bytes over shared memory, messages over tcp.
+  if (c.one_host && !c.tls) c.tls = std::string(kOneHostTls);
+  // The device: what the user named (the param, then UCX_NET_DEVICES), else the interface
+  // this host reaches route_to through, else loopback when every peer is on this host.
+  // UCX's own default (every device) is wrong on a host with several interfaces: it
+  // offers peers addresses (lo, a docker bridge) they cannot reach, or reach elsewhere.
+  if (!c.net_devices && !e.ucx_net_devices) {
+    if (c.route_to) {
+      FERRY_ASSIGN_OR_RETURN(c.net_devices, route_device(*c.route_to));
+    } else if (c.one_host && c.tls && c.tls->find("tcp") != std::string::npos) {
+      c.net_devices = "lo";
+    }
   }
   return c;
 }
@@ -143,6 +168,7 @@ TransportParams describe(const UcxConfig& c) {
   p["tls"] = c.tls.value_or("");
   p["net_devices"] = c.net_devices.value_or("");
   for (const auto& [k, v] : c.ucx) p["ucx." + k] = v;
+  p["route_to"] = c.route_to.value_or("");
   p["one_host"] = c.one_host ? "1" : "0";
   p["tcp_control"] = c.tcp_control ? "1" : "0";
   p["keepalive_ms"] = std::to_string(c.keepalive.count());
@@ -151,6 +177,48 @@ TransportParams describe(const UcxConfig& c) {
   p["reads"] = !c.forced_reads ? "auto" : *c.forced_reads ? "message" : "rma";
   p["ep_info"] = c.ep_info ? "1" : "0";
   return p;
+}
+
+Result<std::string> route_device(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (int rc = ::getaddrinfo(host.c_str(), "9", &hints, &found); rc != 0 || found == nullptr) {
+    return invalid_argument("ucx: route_to '{}': not an address or a host name that resolves ({})", host,
+                            ::gai_strerror(rc));
+  }
+  // connect() on a datagram socket only asks the kernel for the route: no packet leaves.
+  sockaddr_storage local{};
+  socklen_t len = sizeof(local);
+  const int fd = ::socket(found->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  int err = fd < 0 ? errno : 0;
+  if (fd >= 0 && ::connect(fd, found->ai_addr, found->ai_addrlen) != 0) err = errno;
+  if (fd >= 0 && err == 0 && ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) != 0) err = errno;
+  if (fd >= 0) ::close(fd);
+  ::freeaddrinfo(found);
+  if (err != 0) return unavailable("ucx: route_to '{}': no route to it from this host ({})", host, std::strerror(err));
+  char text[INET6_ADDRSTRLEN] = "?";
+  const void* raw = local.ss_family == AF_INET ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
+                                               : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
+  ::inet_ntop(local.ss_family, raw, text, sizeof(text));
+  ifaddrs* ifs = nullptr;
+  if (::getifaddrs(&ifs) != 0) return unavailable("ucx: route_to '{}': getifaddrs: {}", host, std::strerror(errno));
+  std::optional<std::string> device;
+  for (ifaddrs* i = ifs; i != nullptr && !device; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != local.ss_family) continue;
+    const bool same = local.ss_family == AF_INET
+                          ? std::memcmp(&reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr,
+                                        &reinterpret_cast<sockaddr_in*>(&local)->sin_addr, sizeof(in_addr)) == 0
+                          : std::memcmp(&reinterpret_cast<sockaddr_in6*>(i->ifa_addr)->sin6_addr,
+                                        &reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr, sizeof(in6_addr)) == 0;
+    if (same) device = i->ifa_name;
+  }
+  ::freeifaddrs(ifs);
+  if (!device) {
+    return unavailable("ucx: route_to '{}': no interface holds the source address {} of the route to it", host, text);
+  }
+  return *device;
 }
 
 bool needs_tcp_control(const std::string& tls) {

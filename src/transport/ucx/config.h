@@ -10,10 +10,17 @@
 //   ucx.<KEY>     [-]      any other UCX setting, e.g. ucx.RNDV_THRESH=8k (KEY without
 //                          the UCX_ prefix); ucx.TLS / ucx.NET_DEVICES are tls /
 //                          net_devices (giving both forms is refused).
+//   route_to      [unset]  an address (IPv4/IPv6 or a host name) of a machine this rank
+//                          talks to, e.g. the store's host: when neither net_devices
+//                          nor UCX_NET_DEVICES says otherwise, net_devices is the
+//                          network interface carrying this host's route to it (lo when
+//                          the address is local). kUnavailable when there is no route.
+//                          tls defaults to FERRY_UCX_TLS when set, else UCX's own.
 //   one_host      [0]      every peer runs on this host (ferry's demo and bench
 //                          workers): tls defaults to FERRY_UCX_TLS, else sm,tcp,self
 //                          (bytes over shared memory, messages over tcp); when the tls
-//                          in force names tcp and net_devices is unset, net_devices=lo.
+//                          in force names tcp and neither net_devices, UCX_NET_DEVICES
+//                          nor route_to is set, net_devices=lo.
 //   tcp_control   [1]      when tls lists shared-memory transports but none with
 //                          peer-failure support (sm,self), add tcp (on lo unless
 //                          net_devices says otherwise) for messages and failure
@@ -34,8 +41,8 @@
 //   FERRY_UCX_BUSY_SPIN_US busy_spin_us
 //   FERRY_UCX_READS        reads (message | rma; other values: no override)
 //   FERRY_UCX_EP_INFO      ep_info (set, to anything: on)
-// except FERRY_UCX_TLS, which is the default of tls under one_host only (a tls param
-// wins: `ferry bench --tls` over the variable), and is ignored otherwise. The UCX_*
+// except FERRY_UCX_TLS, which is the default of tls under one_host or route_to only (a
+// tls param wins: `ferry bench --tls` over the variable), and is ignored otherwise. The UCX_*
 // variables are UCX's: params (tls, net_devices, ucx.<KEY>) are applied on top of them.
 #pragma once
 
@@ -77,6 +84,7 @@ UcxEnv read_env();
 struct UcxConfig {
   std::optional<std::string> tls;          // the TLS ferry sets (nullopt: UCX's own)
   std::optional<std::string> net_devices;  // the NET_DEVICES ferry sets
+  std::optional<std::string> route_to;     // the address whose route chose net_devices
   std::vector<std::pair<std::string, std::string>> ucx;  // every other ucx.<KEY>, KEY -> value
   bool one_host = false;
   bool tcp_control = true;
@@ -94,6 +102,13 @@ const BackendInfo& backend_info();
 Result<UcxConfig> parse_config(const TransportParams& params, const UcxEnv& env);
 // Every option's value in force (resolve_params): tls "" when UCX's own.
 TransportParams describe(const UcxConfig& cfg);
+
+// The name of the network interface that carries this host's route to `host` (an IP
+// address or a name that resolves to one): the interface holding the source address the
+// kernel picks for it ("lo" for a local address). No packet is sent. kInvalidArgument
+// when `host` does not resolve, kUnavailable when there is no route or no interface
+// holds the source address; both name the host.
+Result<std::string> route_device(const std::string& host);
 
 // Whether UCX_TLS `tls` lists shared-memory transports and none with peer-failure
 // support: then tcp_control adds tcp. A "^..." list (everything but) or "all" already

@@ -24,7 +24,27 @@ Result<PeerId> UcxBackend::connect(std::span<const std::byte> bytes) {
     // UCX 1.13 over tcp can assert inside its wire-up when the peer is already gone.
     return peer_failed("connect: peer {:#x} (process {}) has exited", a.instance_id, a.pid);
   }
+  if (!opt_.token.empty() && progress_tid_.load() == std::this_thread::get_id()) {
+    return failed_precondition("connect: with a token, connect cannot run on the transport's progress thread "
+                               "(a callback): the token handshake must be waited for");
+  }
   FERRY_ASSIGN_OR_RETURN(PeerId id, create_ep(std::move(a)));
+  if (!opt_.token.empty()) {
+    // Before anything else goes to the peer (a flush by message would be refused). The
+    // handshake's round trip also completes the wire-up (see below).
+    if (Status st = handshake(id); !st.ok()) {
+      // The peer stays refused: a later connect() returns this at once (it never skips
+      // the handshake), every operation on it is refused. Its endpoint is kept, not
+      // closed: UCX pairs the peer's next endpoint to us with it, and a closed one
+      // would leave the peer's handshake unanswered (a timeout, not a refusal).
+      std::lock_guard<std::mutex> lock(mu_);
+      if (auto it = peers_.find(id); it != peers_.end() && !it->second->failed) {
+        it->second->failed = true;
+        it->second->why = st;
+      }
+      return st;
+    }
+  }
   // Finish the wire-up now, while the peer is known to be alive: UCX 1.13 over tcp
   // asserts (wireup_ep.c "pending_count == 0") when a peer dies while messages wait
   // on a half-wired endpoint, which a lazily wired endpoint risks at its first use.
@@ -128,6 +148,7 @@ Status UcxBackend::disconnect(PeerId id) {
       if (it == peers_.end()) return not_found("disconnect: peer {:#x} is not connected", id);
       p = it->second;
       p->closed = true;
+      p->authenticated = false;
       peers_.erase(it);
       for (auto k = keys_.begin(); k != keys_.end();) {
         if (k->second.peer == id) {
@@ -138,6 +159,8 @@ Status UcxBackend::disconnect(PeerId id) {
         }
       }
     }
+    end_connect(id, cancelled("connect: peer {:#x} was disconnected during the token handshake", id));
+    forget_authentication(id);
     close_ep(p, !p->failed);
     // Nothing of this peer may stay in flight for good: a read by message still
     // waiting for its data, a flush for its ack. A late answer finds nothing.
@@ -222,6 +245,8 @@ void UcxBackend::on_peer_failure(Peer* raw, const std::string& reason) {
   }
   stats_.failed_peers++;
   fail_inflight(raw);
+  end_connect(raw->id, why);
+  forget_authentication(raw->id);
   if (p) {
     // Close outside the UCX callback; in-flight requests are completed by UCX with
     // an error status.

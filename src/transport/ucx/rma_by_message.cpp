@@ -5,13 +5,14 @@
 namespace ferry::detail::ucx {
 
 // An eager active-message send completing through send_cb (op id in the request).
-// reply: the receiver may answer on the sender's reply ep.
-ucp_request_param_t UcxBackend::eager_params(bool reply) {
+// Always with UCX's reply ep: the receiver may answer on it, and it is what the token
+// handshake binds a peer's identity to (handshake.cpp).
+ucp_request_param_t UcxBackend::eager_params() {
   ucp_request_param_t prm{};
   prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   prm.cb.send = &UcxBackend::send_cb;
   prm.user_data = this;
-  prm.flags = UCP_AM_SEND_FLAG_EAGER | (reply ? UCP_AM_SEND_FLAG_REPLY : 0);
+  prm.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
   return prm;
 }
 
@@ -20,7 +21,7 @@ bool UcxBackend::start_read_by_message(const RmaOp& r) {
   uint64_t op_id = track(r.peer.get(), [this, r](ucs_status_t st) { rma_done(r, st); });
   am_reads_.emplace(op_id, AmRead{r.peer->id, static_cast<std::byte*>(r.local), r.length, 0});
   auto req = std::make_shared<ReadReq>(ReadReq{kReadMagic, 0, op_id, id_, r.region_id, r.remote_addr, r.length});
-  ucp_request_param_t prm = eager_params(true);
+  ucp_request_param_t prm = eager_params();
   uint64_t send_id = track(r.peer.get(), [this, op_id, req](ucs_status_t st) {
     if (st != UCS_OK) finish(op_id, st);  // the request never left: fail the read
   });
@@ -47,6 +48,14 @@ ucs_status_t UcxBackend::read_req_cb(void* arg, const void* header, size_t heade
   reply->region = q.region;
   reply->addr = q.addr;
   reply->length = q.length;
+  if (!self->authorized(param, q.reader)) {
+    // Answered with a refusal (on UCX's reply ep only), so a misconfigured reader fails
+    // at once instead of timing out; nothing of the region is read.
+    reply->refusal = int32_t(UCS_ERR_REJECTED);
+    reply->ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : nullptr;
+    if (reply->ep != nullptr) self->pump_reply(reply);
+    return UCS_OK;
+  }
   std::tie(reply->ep, reply->peer) = self->answer_ep(q.reader, param);
   if (reply->ep == nullptr) {
     self->stats_.malformed_messages++;
@@ -73,7 +82,7 @@ void UcxBackend::pump_reply(const std::shared_ptr<ReadReply>& rp) {
     ReadData d{kReadMagic, 0, id_, rp->op, rp->sent, 0};
     // Checked again for every chunk: the region may have been deregistered since (only
     // by a command of this thread, so not during the send below).
-    const TargetRange t = check_target_range(rp->region, rp->addr, rp->length);
+    const TargetRange t = rp->refusal != 0 ? TargetRange{rp->refusal} : check_target_range(rp->region, rp->addr, rp->length);
     d.status = t.status;
     const std::byte* src = nullptr;
     if (d.status == 0) {
@@ -92,7 +101,7 @@ void UcxBackend::pump_reply(const std::shared_ptr<ReadReply>& rp) {
     rp->sent += d.length;
     rp->in_flight++;
     if (d.status != 0 || rp->length == 0) rp->stopped = true;  // the last message of this request
-    ucp_request_param_t prm = eager_params(false);
+    ucp_request_param_t prm = eager_params();
     if (zero_copy) {
       // Sent straight from the region: it stays mapped until UCX has completed the send
       // (region_sends_, see deregister_memory).
@@ -116,13 +125,19 @@ void UcxBackend::pump_reply(const std::shared_ptr<ReadReply>& rp) {
   rp->pumping = false;
 }
 
-// Whether [addr, addr + length) lies inside registered region `region`.
+// Whether [addr, addr + length) lies inside registered region `region`, one this
+// transport exported (a peer may name any id: only a key we handed out is a right to
+// it). Counts a refusal.
 TargetRange UcxBackend::check_target_range(uint64_t region, uint64_t addr, uint64_t length) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = regions_.find(region);
-  if (it == regions_.end()) return {int32_t(UCS_ERR_NO_ELEM)};
+  if (it == regions_.end() || !it->second.exported) {
+    stats_.refused_region++;
+    return {int32_t(UCS_ERR_NO_ELEM)};
+  }
   const uint64_t base = uint64_t(reinterpret_cast<uintptr_t>(it->second.base));
   if (addr < base || length > it->second.length || addr - base > it->second.length - length) {
+    stats_.refused_bounds++;
     return {int32_t(UCS_ERR_OUT_OF_RANGE)};
   }
   return {0, it->second.allocated};
@@ -153,7 +168,7 @@ bool UcxBackend::start_write_by_message(const RmaOp& r) {
     const uint64_t off = i * kWriteChunk;
     const uint64_t len = std::min(kWriteChunk, r.length - off);
     auto hdr = std::make_shared<WriteData>(WriteData{kReadMagic, 0, id_, r.region_id, r.remote_addr + off, len});
-    ucp_request_param_t prm = eager_params(false);
+    ucp_request_param_t prm = eager_params();
     uint64_t send_id = track(r.peer.get(), [this, op_id, left, hdr](ucs_status_t st) {
       if (st != UCS_OK) return finish(op_id, st);
       if (--*left == 0) finish(op_id, UCS_OK);
@@ -178,6 +193,9 @@ ucs_status_t UcxBackend::write_cb(void* arg, const void* header, size_t header_l
     self->stats_.malformed_messages++;
     return UCS_OK;
   }
+  // Dropped without a trace kept for the writer: a refusal remembered per claimed
+  // writer id would let anyone grow refused_writes_ (its flush is refused anyway).
+  if (!self->authorized(param, w.writer)) return UCS_OK;
   const int32_t refused = self->check_target_range(w.region, w.addr, w.length).status;
   if (refused != 0) {
     std::lock_guard<std::mutex> lock(self->mu_);
@@ -195,7 +213,7 @@ void UcxBackend::start_flush_by_message(const std::shared_ptr<Peer>& peer, std::
   uint64_t op_id = track(peer.get(), std::move(done));
   am_flushes_.insert(op_id);
   auto msg = std::make_shared<FlushMsg>(FlushMsg{kReadMagic, 0, op_id, id_});
-  ucp_request_param_t prm = eager_params(true);
+  ucp_request_param_t prm = eager_params();
   uint64_t send_id = track(peer.get(), [this, op_id, msg](ucs_status_t st) {
     if (st != UCS_OK) finish(op_id, st);
   });
@@ -207,7 +225,13 @@ std::pair<ucp_ep_h, std::shared_ptr<Peer>> UcxBackend::answer_ep(uint64_t sender
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = peers_.find(sender);
-    if (it != peers_.end() && !it->second->failed && it->second->ep != nullptr) return {it->second->ep, it->second};
+    // With a token, our own endpoint only once our handshake with the sender finished:
+    // before that the sender would not accept answers on it (its reply ep is the one
+    // it authenticated).
+    if (it != peers_.end() && !it->second->failed && it->second->ep != nullptr &&
+        (opt_.token.empty() || it->second->authenticated)) {
+      return {it->second->ep, it->second};
+    }
   }
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) && param->reply_ep != nullptr) return {param->reply_ep, nullptr};
   return {nullptr, nullptr};
@@ -223,13 +247,21 @@ ucs_status_t UcxBackend::flush_req_cb(void* arg, const void* header, size_t head
     return UCS_OK;
   }
   std::memcpy(&f, header, sizeof f);
-  auto [ep, peer] = self->answer_ep(f.sender, param);
-  if (f.magic != kReadMagic || ep == nullptr) {
+  if (f.magic != kReadMagic) {
     self->stats_.malformed_messages++;
     return UCS_OK;
   }
-  ucs_status_t refused = UCS_OK;
-  {
+  const bool authorized = self->authorized(param, f.sender);
+  auto [ep, peer] = authorized ? self->answer_ep(f.sender, param)
+                               : std::pair<ucp_ep_h, std::shared_ptr<Peer>>{
+                                     (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : nullptr,
+                                     nullptr};
+  if (ep == nullptr) {
+    if (authorized) self->stats_.malformed_messages++;
+    return UCS_OK;
+  }
+  ucs_status_t refused = authorized ? UCS_OK : UCS_ERR_REJECTED;
+  if (authorized) {
     std::lock_guard<std::mutex> lock(self->mu_);
     auto it = self->refused_writes_.find(f.sender);
     if (it != self->refused_writes_.end()) {
@@ -238,7 +270,7 @@ ucs_status_t UcxBackend::flush_req_cb(void* arg, const void* header, size_t head
     }
   }
   auto ack = std::make_shared<FlushMsg>(FlushMsg{kReadMagic, int32_t(refused), f.op, self->id_});
-  ucp_request_param_t prm = self->eager_params(false);
+  ucp_request_param_t prm = self->eager_params();
   uint64_t id = self->track(peer.get(), [ack](ucs_status_t) {});
   self->settle(id, ucp_am_send_nbx(ep, kAmFlushAck, ack.get(), sizeof(FlushMsg), nullptr, 0, &prm));
   return UCS_OK;
@@ -246,7 +278,7 @@ ucs_status_t UcxBackend::flush_req_cb(void* arg, const void* header, size_t head
 
 // Flusher: FLUSH_ACK (progress thread).
 ucs_status_t UcxBackend::flush_ack_cb(void* arg, const void* header, size_t header_length, void*, size_t length,
-                                 const ucp_am_recv_param_t*) {
+                                 const ucp_am_recv_param_t* param) {
   auto* self = static_cast<UcxBackend*>(arg);
   FlushMsg f{};
   if (header_length != sizeof f || length != 0) {
@@ -258,6 +290,7 @@ ucs_status_t UcxBackend::flush_ack_cb(void* arg, const void* header, size_t head
     self->stats_.malformed_messages++;
     return UCS_OK;
   }
+  if (!self->authorized(param, f.sender)) return UCS_OK;
   if (self->am_flushes_.erase(f.op) == 0) return UCS_OK;  // a flush already failed: drop
   self->finish(f.op, f.status == 0 ? UCS_OK : ucs_status_t(f.status));
   return UCS_OK;
@@ -273,6 +306,7 @@ ucs_status_t UcxBackend::read_data_cb(void* arg, const void* header, size_t head
     return UCS_OK;
   }
   std::memcpy(&d, header, sizeof d);
+  if (d.magic == kReadMagic && !self->authorized(param, d.target)) return UCS_OK;
   auto it = self->am_reads_.find(d.op);
   if (d.magic != kReadMagic || it == self->am_reads_.end() || it->second.target != d.target) {
     if (d.magic != kReadMagic) self->stats_.malformed_messages++;

@@ -12,13 +12,15 @@ Status from_ucs(ucs_status_t st, const std::string& what) {
     case UCS_ERR_CONNECTION_RESET:
     case UCS_ERR_ENDPOINT_TIMEOUT:
     case UCS_ERR_UNREACHABLE:
-    case UCS_ERR_REJECTED:
     case UCS_ERR_NOT_CONNECTED:
     case UCS_ERR_IO_ERROR: return peer_failed("{}", msg);
     case UCS_ERR_TIMED_OUT: return timeout_error("{}", msg);
     case UCS_ERR_NO_MEMORY: return io_error("{}", msg);
     case UCS_ERR_INVALID_PARAM: return invalid_argument("{}", msg);
     case UCS_ERR_UNSUPPORTED: return unimplemented("{}", msg);
+    // Ours only (ferry uses no UCX connection manager, whose refusal it also is): the
+    // target refused a peer that did not prove the job's token.
+    case UCS_ERR_REJECTED: return permission_denied("{} (refused by the target: this transport did not prove the job's token to it)", msg);
     case UCS_ERR_OUT_OF_RANGE: return out_of_range("{} (refused by the target)", msg);
     case UCS_ERR_NO_ELEM: return not_found("{} (the target's region is not registered)", msg);
     default: return internal_error("{}", msg);
@@ -68,7 +70,8 @@ Status UcxBackend::init() {
   const std::pair<unsigned, ucp_am_recv_callback_t> handlers[] = {
       {kAmId, &UcxBackend::am_cb},          {kAmReadReq, &UcxBackend::read_req_cb},
       {kAmReadData, &UcxBackend::read_data_cb}, {kAmWrite, &UcxBackend::write_cb},
-      {kAmFlushReq, &UcxBackend::flush_req_cb}, {kAmFlushAck, &UcxBackend::flush_ack_cb}};
+      {kAmFlushReq, &UcxBackend::flush_req_cb}, {kAmFlushAck, &UcxBackend::flush_ack_cb},
+      {kAmHandshake, &UcxBackend::handshake_cb}};
   for (const auto& [id, cb] : handlers) {
     ucp_am_handler_param_t ap{};
     ap.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG |
@@ -181,6 +184,7 @@ Result<std::vector<std::byte>> UcxBackend::export_key(const MemoryRegion& region
   if (it == regions_.end() || it->second.base != region.base || it->second.length != region.length) {
     return not_found("export_key: region {} is not registered", region.id);
   }
+  it->second.exported = true;  // from now on peers may read/write it by message
   return wire::encode_key({wire::Backend::kUcx, region.kind, id_, region.id,
                            uint64_t(reinterpret_cast<uintptr_t>(region.base)), region.length,
                            it->second.packed_rkey});
@@ -417,7 +421,7 @@ Result<Completion> UcxBackend::send(PeerId id, uint32_t tag, std::span<const std
       return;
     }
     uint64_t op_id = track(peer.get(), [state, buf](ucs_status_t st) { state->complete(from_ucs(st, "send")); });
-    ucp_request_param_t prm = eager_params(false);
+    ucp_request_param_t prm = eager_params();
     settle(op_id, ucp_am_send_nbx(peer->ep, kAmId, buf->header, sizeof buf->header, buf->payload.data(),
                                   buf->payload.size(), &prm));
   });
@@ -460,6 +464,7 @@ ucs_status_t UcxBackend::am_cb(void* arg, const void* header, size_t header_leng
     self->stats_.malformed_messages++;
     return UCS_OK;
   }
+  if (!self->authorized(param, h->sender_id)) return UCS_OK;
   self->stats_.messages_received++;
   std::shared_ptr<const MessageHandler> handler;
   {

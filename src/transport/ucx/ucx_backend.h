@@ -64,6 +64,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "transport/auth.h"
 #include "transport/backend.h"
 #include "transport/ucx/config.h"
 #include "transport/wire.h"
@@ -80,6 +81,10 @@ inline constexpr unsigned kAmReadData = 0x4654;
 inline constexpr unsigned kAmWrite = 0x4655;
 inline constexpr unsigned kAmFlushReq = 0x4656;
 inline constexpr unsigned kAmFlushAck = 0x4657;
+inline constexpr unsigned kAmHandshake = 0x4658;  // the token handshake (handshake.cpp)
+// Handshakes answered but not finished (HELLO seen, no PROOF yet) kept at most; the
+// oldest is dropped beyond it, so unauthenticated peers cannot grow the table.
+inline constexpr size_t kMaxPendingAccepts = 256;
 inline constexpr uint32_t kReadMagic = 0x46524452;  // "FRDR"
 // RMA by message. A READ_DATA reply carries at most kReadChunk bytes: with its headers
 // it fits one tcp active-message fragment (UCX 1.13: am_zcopy <= 64 KiB), so the reader
@@ -132,6 +137,9 @@ struct Peer {
   ucp_ep_h rma_ep() const { return data_ep != nullptr ? data_ep : ep; }
   bool rma_by_message() const { return data_ep == nullptr && control_by_message; }
   pid_t pid = 0;
+  // The token handshake with this peer (we connected) finished: it proved the token
+  // and accepted ours (progress thread).
+  bool authenticated = false;
   bool failed = false;    // under mu_
   bool closed = false;    // under mu_ (disconnect)
   Status why;
@@ -144,6 +152,7 @@ struct Region {
   ucp_mem_h memh;
   std::vector<std::byte> packed_rkey;
   bool allocated;  // allocate_memory: ferry owns the memory (see pump_reply)
+  bool exported = false;  // export_key was called: only then is it served by message
 };
 
 struct Key {
@@ -225,6 +234,7 @@ struct ReadReply {
   int in_flight = 0;
   bool stopped = false;
   bool pumping = false;         // inside pump_reply (see there)
+  int32_t refusal = 0;          // non-zero: answer only this status (an unauthenticated reader)
 };
 
 struct WriteData {
@@ -246,6 +256,20 @@ struct FlushMsg {
 struct TargetRange {
   int32_t status = 0;  // 0, or the ucs_status_t refusing the access
   bool allocated = false;
+};
+
+// The token handshake (handshake.cpp), progress thread only. As connector: one per
+// peer we connect to, until its ACCEPT or REFUSE.
+struct PendingConnect {
+  transport_auth::Nonce nonce{};
+  bool proved = false;  // the acceptor's CHALLENGE carried a valid proof; our PROOF is sent
+  std::vector<std::shared_ptr<OpState>> waiters;  // connect() calls waiting for the verdict
+};
+// As acceptor: one per endpoint whose HELLO we answered, until its PROOF.
+struct PendingAccept {
+  uint64_t connector = 0;
+  transport_auth::Nonce connector_nonce{}, acceptor_nonce{};
+  uint64_t seq = 0;  // arrival order (the oldest is dropped at kMaxPendingAccepts)
 };
 
 // Progress thread only.
@@ -355,7 +379,7 @@ class UcxBackend final : public TransportBackend {
   void close_one(const std::shared_ptr<Peer>& p, ucp_ep_h ep, bool force);
 
   // ---- rma_by_message.cpp ----------------------------------------------------
-  ucp_request_param_t eager_params(bool reply);
+  ucp_request_param_t eager_params();
   bool start_read_by_message(const RmaOp& r);
   static ucs_status_t read_req_cb(void* arg, const void* header, size_t header_length, void*, size_t length,
                                   const ucp_am_recv_param_t* param);
@@ -373,6 +397,22 @@ class UcxBackend final : public TransportBackend {
                                    const ucp_am_recv_param_t*);
   static ucs_status_t read_data_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
                                    const ucp_am_recv_param_t* param);
+
+  // ---- handshake.cpp ---------------------------------------------------------
+  Status handshake(PeerId id);
+  static ucs_status_t handshake_cb(void* arg, const void* header, size_t header_length, void*, size_t length,
+                                   const ucp_am_recv_param_t* param);
+  void on_hello(const wire::Handshake& h, ucp_ep_h reply_ep);
+  void on_proof(const wire::Handshake& h, ucp_ep_h reply_ep);
+  void on_challenge(const wire::Handshake& h, ucp_ep_h reply_ep);
+  void on_verdict(const wire::Handshake& h, ucp_ep_h reply_ep);
+  void send_handshake(ucp_ep_h ep, const wire::Handshake& h, const std::shared_ptr<Peer>& peer);
+  void end_connect(PeerId id, Status st);
+  // Whether a message, read, write or flush that arrived with `param` may be served:
+  // no token, or it came on an endpoint that proved it for `claimed` (the sender id in
+  // the message). Counts a refusal. Progress thread.
+  bool authorized(const ucp_am_recv_param_t* param, uint64_t claimed);
+  void forget_authentication(PeerId id);
 
   // ---- progress.cpp ----------------------------------------------------------
   bool post(std::function<void()> fn);
@@ -431,6 +471,13 @@ class UcxBackend final : public TransportBackend {
   std::unordered_map<uint64_t, int> region_sends_;  // region id -> zero-copy READ_DATA sends in flight
   std::unordered_map<uint64_t, ucp_mem_h> dying_;   // deregistered, unmapped when its sends complete
   uint64_t next_op_ = 1;
+  // The token handshake (progress thread only): endpoints that proved the token, as the
+  // other side of a handshake (acceptor: its PROOF; connector: its CHALLENGE), to the
+  // instance id they proved it for; handshakes in progress.
+  std::unordered_map<ucp_ep_h, PeerId> authenticated_eps_;
+  std::map<PeerId, PendingConnect> connects_;
+  std::unordered_map<ucp_ep_h, PendingAccept> accepts_;
+  uint64_t accept_seq_ = 0;
 };
 
 }  // namespace ferry::detail::ucx

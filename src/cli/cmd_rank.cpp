@@ -1,0 +1,73 @@
+// `ferry serve` and `ferry fetch`: one trainer / inference rank as a process, for any
+// launcher (tools/rank_entry.h; docs/multihost.md).
+#include <memory>
+
+#include "cli/command.h"
+#include "tools/rank_entry.h"
+
+namespace ferry::cli {
+namespace {
+
+void add_common(CLI::App& app, tools::RankSpec& s) {
+  app.add_option("--store", s.store, "Store URL every rank of the job uses, e.g. tcp://10.0.0.1:29500 (token: "
+                                     "$FERRY_TOKEN or $FERRY_TOKEN_FILE)")
+      ->required();
+  app.add_option("--trainer", s.trainer, "Trainer layout, e.g. tp=2,pp=2 (the same on every rank)")->required();
+  app.add_option("--inference", s.inference, "Inference layout, e.g. tp=2,replicas=2 (the same on every rank)")
+      ->required();
+  app.add_option("--rank", s.rank,
+                 "This rank of its role (default: the launcher's: FERRY_RANK, RANK, OMPI_COMM_WORLD_RANK, PMI_RANK, "
+                 "SLURM_PROCID; when the launcher's world is trainer + inference ranks, the trainer's come first)")
+      ->check(number_in(0, 1 << 20));
+  app.add_option("--job", s.job, "Job name: the store key prefix (the same on every rank)")->default_val("ferry");
+  app.add_option("--mode", s.mode, "pull (consumers read) or push (trainers write); the same on every rank")
+      ->default_val("pull");
+  app.add_flag("--checksums", s.checksums, "End-to-end xxHash per segment (the same on every rank)");
+  app.add_option("--version", s.first_version, "First version to sync")->default_val(1)->check(number_in(0, 1 << 30));
+  app.add_option("--syncs", s.syncs, "Syncs to run: versions --version, --version + 1, ...")
+      ->default_val(1)
+      ->check(number_in(1, 1 << 30));
+  app.add_option("--timeout", s.timeout_ms, "Bound on each wait of a sync, in ms")
+      ->default_val(30000)
+      ->check(number_in(1, 1 << 30));
+  app.add_option("--rendezvous-timeout", s.rendezvous_ms, "Bound on waiting for every rank to start, in ms")
+      ->default_val(120000)
+      ->check(number_in(1, 1 << 30));
+}
+
+std::function<int()> setup_serve(CLI::App& app) {
+  auto s = std::make_shared<tools::RankSpec>();
+  add_common(app, *s);
+  app.add_option("--checkpoint", s->checkpoint,
+                 "Safetensors checkpoint directory this rank serves its holdings of (memory-mapped and served in "
+                 "place; it must not change while served)")
+      ->required();
+  app.add_flag("--read-checkpoint", s->read_checkpoint,
+               "Read the checkpoint into memory this rank owns instead of mapping it (costs its size in memory; "
+               "immune to the files changing while served)");
+  app.add_option("--model", s->model, "HF config.json (default: CHECKPOINT/config.json)");
+  return [s] { return tools::run_serve(*s); };
+}
+
+std::function<int()> setup_fetch(CLI::App& app) {
+  auto s = std::make_shared<tools::RankSpec>();
+  add_common(app, *s);
+  app.add_option("--model", s->model, "HF config.json of the model")->required();
+  app.add_option("--verify", s->checkpoint,
+                 "Checkpoint directory to compare the received params with, bit for bit (a direct load)");
+  app.add_option("--output", s->output, "Write the received params to DIR/rank-R.safetensors after the last sync");
+  return [s] { return tools::run_fetch(*s); };
+}
+
+}  // namespace
+
+FERRY_COMMAND(serve_command, "serve",
+              "Be one trainer rank: serve this rank's shards of a safetensors checkpoint to inference ranks "
+              "(start one per rank with any launcher)",
+              setup_serve);
+FERRY_COMMAND(fetch_command, "fetch",
+              "Be one inference rank: receive this rank's shard of a version, verified, optionally written as "
+              "safetensors (start one per rank with any launcher)",
+              setup_fetch);
+
+}  // namespace ferry::cli

@@ -1,0 +1,165 @@
+#include "engine/memory.h"
+
+#include <algorithm>
+#include <string>
+#include <type_traits>
+
+#include <fmt/format.h>
+
+#include "engine/protocol.h"
+#include "engine/registered_buffer.h"
+
+namespace ferry {
+
+namespace engine {
+namespace {
+
+// A glibc malloc block for n bytes: 8 bytes of header, 16-byte granules, 32 at least.
+uint64_t heap(uint64_t n) { return n ? std::max<uint64_t>(32, (n + 8 + 15) / 16 * 16) : 0; }
+
+// Every overload declared before the templates use them (the types are ferry's, so
+// argument-dependent lookup would not find later ones in this namespace).
+uint64_t bytes_of(const ProducerGroup& g);
+uint64_t bytes_of(const ProducerRoute& r);
+uint64_t bytes_of(const PlanGroup& g);
+uint64_t bytes_of(const PlanRoute& r);
+uint64_t bytes_of(const Holdings& h);
+uint64_t bytes_of(const ProducerGroupSchedule& g);
+uint64_t bytes_of(const ConsumerGroupSchedule& g);
+template <typename T>
+uint64_t bytes_of(const std::vector<T>& v);
+
+uint64_t bytes_of(const std::string& s) { return s.capacity() > 15 ? heap(s.capacity() + 1) : 0; }
+uint64_t bytes_of(const Shape& v) { return heap(v.capacity() * sizeof(int64_t)); }
+uint64_t bytes_of(const Layout& l) { return bytes_of(l.shape) + bytes_of(l.strides); }
+uint64_t bytes_of(const TensorDecl& d) { return bytes_of(d.name) + bytes_of(d.shape); }
+uint64_t bytes_of(const Box& b) { return bytes_of(b.start) + bytes_of(b.size); }
+uint64_t bytes_of(const HeldBox& b) { return bytes_of(b.box); }
+uint64_t bytes_of(const PackOp& p) { return bytes_of(p.src); }
+uint64_t bytes_of(const UnpackOp& u) { return bytes_of(u.dst); }
+uint64_t bytes_of(const Copy& c) { return bytes_of(c.src) + bytes_of(c.dst); }
+uint64_t bytes_of(const Zero& z) { return bytes_of(z.dst); }
+template <typename T>
+uint64_t bytes_of(const T&) requires std::is_trivially_copyable_v<T> { return 0; }
+
+// A vector's block plus what its elements own.
+template <typename T>
+uint64_t bytes_of(const std::vector<T>& v) {
+  uint64_t n = heap(v.capacity() * sizeof(T));
+  for (const T& x : v) n += bytes_of(x);
+  return n;
+}
+// A std::map / unordered_map node: key, value and three pointers (or a hash link).
+template <typename M>
+uint64_t map_bytes(const M& m) {
+  uint64_t n = 0;
+  for (const auto& [k, v] : m) n += heap(sizeof(k) + sizeof(v) + 32) + bytes_of(k) + bytes_of(v);
+  return n;
+}
+
+uint64_t bytes_of(const ProducerGroup& g) { return bytes_of(g.segments) + bytes_of(g.packs); }
+uint64_t bytes_of(const ProducerRoute& r) { return bytes_of(r.groups); }
+uint64_t bytes_of(const PlanGroup& g) { return bytes_of(g.reads) + bytes_of(g.unpacks); }
+uint64_t bytes_of(const PlanRoute& r) { return bytes_of(r.params) + bytes_of(r.groups); }
+uint64_t bytes_of(const Holdings& h) { return bytes_of(h.tensors) + bytes_of(h.boxes); }
+uint64_t bytes_of(const ProducerGroupSchedule& g) {
+  uint64_t n = bytes_of(g.pack) + bytes_of(g.in_place) + map_bytes(g.served) + map_bytes(g.served_in_place);
+  for (const auto& [cls, spans] : g.checksum_spans) n += heap(64) + bytes_of(spans);
+  return n;
+}
+uint64_t bytes_of(const ConsumerGroupSchedule& g) {
+  uint64_t n = bytes_of(g.reads) + map_bytes(g.received_from) + bytes_of(g.post_groups);
+  for (const auto& [p, order] : g.checksum_order) n += heap(64) + bytes_of(order);
+  return n;
+}
+
+uint64_t bytes_of(const Plan& p) {
+  // Two name indexes (hash nodes holding a copy of the name) beside the vectors.
+  uint64_t n = bytes_of(p.sources()) + bytes_of(p.params()) + bytes_of(p.copies()) + bytes_of(p.zeros());
+  for (const auto* decls : {&p.sources(), &p.params()})
+    for (const TensorDecl& d : *decls) n += heap(sizeof(std::string) + 16) + bytes_of(d.name) + 8;
+  return n;
+}
+
+}  // namespace
+
+uint64_t registered_bytes(uint64_t n) { return align_up(std::max<uint64_t>(n, 64), 4096); }
+
+Result<StagingRing> staging_ring(int rank, uint64_t needed, uint64_t worst, uint64_t staging_budget) {
+  worst = std::max(worst, needed);
+  if (staging_budget == 0) return StagingRing{worst, 2};
+  if (staging_budget < needed)
+    return invalid_argument(
+        "producer {}: staging budget {} bytes is smaller than its largest group ({} bytes): give at least {} bytes "
+        "(two slots, {} bytes, let packing overlap reads; {} bytes cover any failover)",
+        rank, staging_budget, needed, needed, 2 * needed, 2 * worst);
+  if (staging_budget >= worst)
+    return StagingRing{worst, static_cast<int>(std::min<uint64_t>(staging_budget / worst, 64))};
+  const uint64_t slot = std::max(needed, staging_budget / 2 / 64 * 64);
+  return StagingRing{slot, static_cast<int>(std::min<uint64_t>(staging_budget / slot, 64))};
+}
+
+uint64_t metadata_heap_bytes(const Routes& routes, const std::vector<TensorDecl>& metadata,
+                             const std::vector<Holdings>& holdings, const std::vector<const Plan*>& plans) {
+  uint64_t n = bytes_of(routes.group_names) + bytes_of(routes.producers) + bytes_of(routes.plans) +
+               bytes_of(routes.consumer_plan) + bytes_of(metadata) + bytes_of(holdings);
+  for (const Plan* p : plans)
+    if (p) n += bytes_of(*p);
+  return n;
+}
+
+uint64_t schedule_heap_bytes(const ProducerSchedule& s) { return bytes_of(s.groups); }
+uint64_t schedule_heap_bytes(const ConsumerSchedule& s) { return bytes_of(s.groups) + bytes_of(s.unpack); }
+uint64_t predicted_schedule_bytes(const ProducerRoute& route) { return bytes_of(route); }
+uint64_t predicted_schedule_bytes(const PlanRoute& route) {
+  uint64_t reads = 0;
+  for (const PlanGroup& g : route.groups) reads += g.reads.size();
+  return bytes_of(route) + heap(reads * sizeof(SubRead));
+}
+
+}  // namespace engine
+
+std::string MemoryUse::to_string() const {
+  auto mib = [](uint64_t b) { return static_cast<double>(b) / (1 << 20); };
+  return fmt::format(
+      "extra {:.1f} MiB (staging ring {:.1f}, receive ring {:.1f}, metadata {:.2f}, transport allowance {:.0f}); "
+      "registered in place {:.1f} MiB, own params {:.1f} MiB",
+      mib(extra()), mib(staging_ring), mib(receive_ring), mib(metadata), mib(transport_allowance),
+      mib(registered_in_place), mib(own_params));
+}
+
+Result<MemoryPrediction> predict_memory(const Routes& routes, const std::vector<TensorDecl>& metadata,
+                                        const std::vector<Holdings>& holdings, const std::vector<const Plan*>& plans,
+                                        const ProducerOptions& options) {
+  using namespace engine;
+  if (holdings.size() != routes.producers.size() || plans.size() != routes.consumer_plan.size())
+    return invalid_argument("predict_memory: {} holdings and {} plans for routes of {} producers and {} consumers",
+                            holdings.size(), plans.size(), routes.producers.size(), routes.consumer_plan.size());
+  // What every rank keeps alike, counted once.
+  const uint64_t common = metadata_heap_bytes(routes, metadata, holdings, plans);
+  MemoryPrediction out;
+  const auto shared = options.failover ? shared_held_bytes(metadata, holdings) : std::vector<std::vector<uint64_t>>{};
+  for (size_t p = 0; p < routes.producers.size(); ++p) {
+    const int rank = static_cast<int>(p);
+    const uint64_t needed = producer_slot_bytes(routes, rank, std::vector<uint64_t>{}, false);
+    const uint64_t worst =
+        options.failover ? producer_slot_bytes(routes, rank, shared[p], true) : needed;
+    FERRY_ASSIGN_OR_RETURN(StagingRing ring, staging_ring(rank, needed, worst, options.staging_budget));
+    MemoryUse m;
+    m.staging_ring = registered_bytes(ring.slot_bytes * static_cast<uint64_t>(ring.slots));
+    m.metadata = common + predicted_schedule_bytes(routes.producers[p]);
+    out.producers.push_back(m);
+  }
+  std::vector<uint64_t> per_class;  // plan classes share a route: one walk each
+  for (const PlanRoute& pr : routes.plans) per_class.push_back(predicted_schedule_bytes(pr));
+  for (size_t c = 0; c < routes.consumer_plan.size(); ++c) {
+    const PlanRoute& pr = routes.consumer(c);
+    MemoryUse m;
+    m.receive_ring = registered_bytes(consumer_slot_bytes(pr) * kReceiveSlots);
+    m.metadata = common + per_class[routes.consumer_plan[c]];
+    out.consumers.push_back(m);
+  }
+  return out;
+}
+
+}  // namespace ferry

@@ -1,0 +1,42 @@
+// engine/memory.h — what the engine's own memory costs (internal): ring sizes as the
+// engine allocates them, and the heap bytes of its metadata (routes, plans, holdings,
+// schedules) estimated from element counts. Producer, Consumer, predict_*_memory and
+// `ferry bench` take their MemoryUse figures from here, so prediction and report agree.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "engine/schedule.h"
+#include "ferry/engine.h"
+
+namespace ferry::engine {
+
+// Bytes RegisteredBuffer::allocate(n) really takes (at least 64, whole pages).
+uint64_t registered_bytes(uint64_t n);
+
+// A producer's staging ring: `needed` is the slot its largest group needs under the
+// routes now, `worst` the slot a failover may need (producer_slot_bytes). No budget: two
+// worst-case slots. A budget that holds a worst-case slot: as many of those as fit (at
+// most 64). A budget between one needed slot and one worst-case slot: slots as large as
+// two fit in it (at least `needed`): within the budget, and a failover that needs more
+// fails that sync naming the bytes. Smaller than `needed`: kInvalidArgument naming the
+// bytes needed.
+struct StagingRing {
+  uint64_t slot_bytes = 0;
+  int slots = 0;
+};
+Result<StagingRing> staging_ring(int rank, uint64_t needed, uint64_t worst, uint64_t staging_budget);
+
+// Heap bytes (malloc blocks included) of the metadata a rank keeps after rendezvous:
+// the trainer's metadata, every producer's holdings, every consumer's plan, the routes.
+uint64_t metadata_heap_bytes(const Routes& routes, const std::vector<TensorDecl>& metadata,
+                             const std::vector<Holdings>& holdings, const std::vector<const Plan*>& plans);
+// ... and of a rank's schedule (what make_*_schedule built).
+uint64_t schedule_heap_bytes(const ProducerSchedule& s);
+uint64_t schedule_heap_bytes(const ConsumerSchedule& s);
+// A producer's schedule before it is built: about its own route (prediction).
+uint64_t predicted_schedule_bytes(const ProducerRoute& route);
+uint64_t predicted_schedule_bytes(const PlanRoute& route);
+
+}  // namespace ferry::engine

@@ -1,0 +1,91 @@
+// ferry._ferry: the rank entry points (`ferry serve` / `ferry fetch`, tools/rank_entry.h)
+// as _serve(spec) / _fetch(spec): one trainer or inference rank run in the calling
+// process, the GIL released for the whole run (setup, rendezvous, every sync). They
+// return the per-sync reports as dicts built from the very JSON the commands print
+// (rank_report_json), so the two never differ in keys; a setup error raises by its code.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "python/common.h"
+#include "tools/rank_entry.h"
+
+namespace ferry::python {
+
+namespace {
+
+py::object to_python(const nlohmann::json& j) {
+  switch (j.type()) {
+    case nlohmann::json::value_t::object: {
+      py::dict d;
+      for (const auto& [k, v] : j.items()) d[py::str(k)] = to_python(v);
+      return d;
+    }
+    case nlohmann::json::value_t::array: {
+      py::list l;
+      for (const auto& v : j) l.append(to_python(v));
+      return l;
+    }
+    case nlohmann::json::value_t::string: return py::str(j.get<std::string>());
+    case nlohmann::json::value_t::boolean: return py::bool_(j.get<bool>());
+    case nlohmann::json::value_t::number_integer: return py::int_(j.get<int64_t>());
+    case nlohmann::json::value_t::number_unsigned: return py::int_(j.get<uint64_t>());
+    case nlohmann::json::value_t::number_float: return py::float_(j.get<double>());
+    default: return py::none();
+  }
+}
+
+template <typename T>
+void take(const py::dict& spec, const char* key, T& field) {
+  if (spec.contains(key) && !spec[key].is_none()) field = spec[key].cast<T>();
+}
+
+tools::RankSpec spec_from(const py::dict& d) {
+  tools::RankSpec s;
+  take(d, "store", s.store);
+  take(d, "token", s.token);
+  take(d, "job", s.job);
+  take(d, "model", s.model);
+  take(d, "trainer", s.trainer);
+  take(d, "inference", s.inference);
+  take(d, "checkpoint", s.checkpoint);
+  take(d, "output", s.output);
+  take(d, "rank", s.rank);
+  take(d, "mode", s.mode);
+  take(d, "checksums", s.checksums);
+  take(d, "read_checkpoint", s.read_checkpoint);
+  take(d, "first_version", s.first_version);
+  take(d, "syncs", s.syncs);
+  take(d, "timeout_ms", s.timeout_ms);
+  take(d, "rendezvous_ms", s.rendezvous_ms);
+  return s;
+}
+
+py::list run(bool producer, const py::dict& d) {
+  const tools::RankSpec s = spec_from(d);
+  std::optional<Result<std::vector<tools::RankReport>>> reports;
+  {
+    py::gil_scoped_release nogil;
+    reports.emplace(producer ? tools::serve_rank(s) : tools::fetch_rank(s));
+  }
+  if (!reports->ok()) throw_status(reports->status());
+  py::list out;
+  for (const auto& r : **reports) out.append(to_python(tools::rank_report_json(r)));
+  return out;
+}
+
+}  // namespace
+
+void register_rank(py::module_& m) {
+  m.def("_serve", [](const py::dict& spec) { return run(true, spec); }, py::arg("spec"),
+        "Be one trainer rank (tools::serve_rank); returns one report dict per sync");
+  m.def("_fetch", [](const py::dict& spec) { return run(false, spec); }, py::arg("spec"),
+        "Be one inference rank (tools::fetch_rank); returns one report dict per sync");
+}
+
+}  // namespace ferry::python

@@ -1,0 +1,52 @@
+#include "tools/proc_memory.h"
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+
+#include <fmt/format.h>
+
+namespace ferry::tools {
+namespace {
+
+// The "<key>: <n> kB" line of a /proc file, in bytes.
+Result<uint64_t> kb_field(const std::string& path, const char* key) {
+  std::ifstream f(path);
+  if (!f) return not_found("{}: cannot open", path);
+  std::string line;
+  const size_t n = std::strlen(key);
+  while (std::getline(f, line)) {
+    if (line.compare(0, n, key) != 0 || line.size() <= n || line[n] != ':') continue;
+    unsigned long long kb = 0;
+    if (std::sscanf(line.c_str() + n + 1, "%llu", &kb) != 1) return corrupt("{}: bad line '{}'", path, line);
+    return static_cast<uint64_t>(kb) * 1024;
+  }
+  return not_found("{}: no {} line", path, key);
+}
+
+}  // namespace
+
+Result<ProcMemory> proc_memory(pid_t pid) {
+  const std::string path = pid ? fmt::format("/proc/{}/status", pid) : std::string("/proc/self/status");
+  ProcMemory m;
+  FERRY_ASSIGN_OR_RETURN(m.rss_bytes, kb_field(path, "VmRSS"));
+  FERRY_ASSIGN_OR_RETURN(m.peak_rss_bytes, kb_field(path, "VmHWM"));
+  FERRY_ASSIGN_OR_RETURN(m.anon_bytes, kb_field(path, "RssAnon"));
+  FERRY_ASSIGN_OR_RETURN(m.shmem_bytes, kb_field(path, "RssShmem"));
+  return m;
+}
+
+Result<uint64_t> mem_available_bytes() { return kb_field("/proc/meminfo", "MemAvailable"); }
+
+nlohmann::json memory_use_json(const MemoryUse& m) {
+  return {{"staging_ring", m.staging_ring},
+          {"receive_ring", m.receive_ring},
+          {"metadata", m.metadata},
+          {"transport_allowance", m.transport_allowance},
+          {"extra", m.extra()},
+          {"registered_in_place", m.registered_in_place},
+          {"own_params", m.own_params}};
+}
+
+}  // namespace ferry::tools

@@ -1,0 +1,427 @@
+#include "tools/rank_entry.h"
+
+#include <charconv>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <vector>
+
+#include <sys/stat.h>
+
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+#include "ferry/engine.h"
+#include "ferry/safetensors.h"
+#include "tools/job_model.h"
+#include "tools/transport_options.h"
+
+namespace ferry::tools {
+namespace {
+
+Result<std::optional<std::pair<int, std::string>>> first_env(std::initializer_list<const char*> names) {
+  for (const char* name : names) {
+    const char* v = std::getenv(name);
+    if (v == nullptr || *v == '\0') continue;
+    int n = -1;
+    const std::string_view s(v);
+    auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), n);
+    if (ec != std::errc() || end != s.data() + s.size() || n < 0) {
+      return invalid_argument("environment variable {}='{}' is not a non-negative integer", name, v);
+    }
+    return std::optional<std::pair<int, std::string>>(std::pair<int, std::string>{n, name});
+  }
+  return std::optional<std::pair<int, std::string>>{};
+}
+
+// A trainer rank's holdings of a checkpoint it holds whole (memory-mapped, or read into
+// owned memory): each box is a view of the file's bytes; contiguous ones are served in
+// place from there (the files are the producer's source regions), the rest packed.
+class CheckpointSource final : public WeightSource {
+ public:
+  CheckpointSource(const JobModel& m, SafetensorsDir dir, int rank)
+      : m_(m), dir_(std::move(dir)), groups_(m.metadata), rank_(rank) {}
+  const std::vector<TensorDecl>& metadata() const override { return m_.metadata; }
+  int rank() const override { return rank_; }
+  int world_size() const override { return static_cast<int>(m_.holdings->size()); }
+  Result<Holdings> holdings(int rank) const override {
+    if (rank < 0 || rank >= world_size()) return out_of_range("checkpoint source: rank {} is outside 0..{}", rank, world_size() - 1);
+    return (*m_.holdings)[static_cast<size_t>(rank)];
+  }
+  Result<std::vector<LocalBox>> materialize(int group) override {
+    const Holdings& h = (*m_.holdings)[static_cast<size_t>(rank_)];
+    std::vector<LocalBox> out;
+    for (size_t i = 0; i < h.boxes.size(); ++i) {
+      const TensorDecl& d = h.tensors[h.boxes[i].tensor];
+      if (groups_.of_name(d.name) != group) continue;
+      FERRY_ASSIGN_OR_RETURN(Tensor t, dir_.get(d.name));
+      const Box& b = h.boxes[i].box;
+      for (size_t dim = 0; dim < b.start.size(); ++dim) {
+        if (b.start[dim] != 0 || b.size[dim] != d.shape[dim]) t = t.narrow(static_cast<int64_t>(dim), b.start[dim], b.size[dim]);
+      }
+      out.push_back(LocalBox{static_cast<uint32_t>(i), std::move(t)});
+    }
+    return out;
+  }
+
+ private:
+  const JobModel& m_;
+  SafetensorsDir dir_;
+  Groups groups_;
+  int rank_;
+};
+
+// What a served checkpoint file was when serve mapped it. A file truncated under a
+// mapping turns the next touch of a page past its new end into SIGBUS, anywhere in the
+// process, and a file rewritten in place changes the bytes being served: the checkpoint
+// must not change while it is served. Before each sync serve checks that each file is
+// still the one it mapped at the size it mapped, and stops serving (exit 1, naming the
+// file) when one is not, instead of crashing on a shorter file. (It cannot rule out a
+// change during a sync; --read-checkpoint, owned memory, can.)
+struct ServedFile {
+  std::string path;
+  uint64_t size = 0;
+  dev_t dev = 0;
+  ino_t ino = 0;
+  timespec mtime{};
+
+  static Result<ServedFile> of(const SafetensorsFile& f) {
+    struct stat st {};
+    if (::stat(f.path().c_str(), &st) != 0) return io_error("serve: stat {}: {}", f.path(), std::strerror(errno));
+    ServedFile out{f.path(), static_cast<uint64_t>(st.st_size), st.st_dev, st.st_ino, st.st_mtim};
+    if (out.size != f.bytes().size())
+      return failed_precondition("serve: {} is {} bytes, {} when it was opened: it changed while serve started", f.path(),
+                                 out.size, f.bytes().size());
+    return out;
+  }
+  Status unchanged() const {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0)
+      return failed_precondition("serve: checkpoint file {} is gone ({}): the checkpoint must not change while it is "
+                                 "served", path, std::strerror(errno));
+    const auto now = static_cast<uint64_t>(st.st_size);
+    if (st.st_dev != dev || st.st_ino != ino || now != size || st.st_mtim.tv_sec != mtime.tv_sec ||
+        st.st_mtim.tv_nsec != mtime.tv_nsec)
+      return failed_precondition("serve: checkpoint file {} changed since serve mapped it ({} bytes then, {} now{}): the "
+                                 "checkpoint must not change while it is served (or pass --read-checkpoint)", path, size,
+                                 now, st.st_ino != ino ? ", another file" : "");
+    return Status::Ok();
+  }
+};
+
+// The options every rank of the job must agree on, set on a Producer's or Consumer's.
+template <typename Options>
+Options engine_options(const RankSpec& s, const JobModel& m, SyncMode mode) {
+  Options eo;
+  eo.job = s.job;
+  eo.num_producers = m.trainer.world_size();
+  eo.num_consumers = m.inference.world_size();
+  eo.mode = mode;
+  eo.checksums = s.checksums;
+  eo.timeout = std::chrono::milliseconds(s.timeout_ms);
+  eo.stall_timeout = std::chrono::milliseconds(s.timeout_ms);
+  eo.rendezvous_timeout = std::chrono::milliseconds(s.rendezvous_ms);
+  return eo;
+}
+
+// What a rank needs before it can sync, made in two steps: the local checks first (the
+// spec, the model, the rank; a bad one fails at once, with no store to reach), then the
+// connections.
+struct Setup {
+  JobModel model;
+  SyncMode mode = SyncMode::kPull;
+  int rank = 0;
+  std::unique_ptr<Store> store;
+  std::unique_ptr<Transport> transport;
+};
+
+Result<Setup> local_setup(const RankSpec& s, bool producer) {
+  Setup u;
+  const char* role = producer ? "serve" : "fetch";
+  if (s.store.empty()) return invalid_argument("{}: --store is required (the URL every rank of the job uses)", role);
+  if (producer && s.checkpoint.empty()) return invalid_argument("serve: --checkpoint DIR is required");
+  if (s.syncs < 1) return invalid_argument("{}: syncs is {}; at least 1", role, s.syncs);
+  if (s.first_version < 0) return invalid_argument("{}: the first version is {}; versions are >= 0", role, s.first_version);
+  if (s.timeout_ms < 1 || s.rendezvous_ms < 1) {
+    return invalid_argument("{}: timeouts must be positive (timeout {} ms, rendezvous timeout {} ms)", role, s.timeout_ms,
+                            s.rendezvous_ms);
+  }
+  if (producer && !std::filesystem::is_directory(s.checkpoint)) {
+    return not_found("serve: checkpoint directory {} does not exist or is not a directory", s.checkpoint);
+  }
+  std::string model = s.model;
+  if (model.empty() && !s.checkpoint.empty()) model = s.checkpoint + "/config.json";
+  if (model.empty()) return invalid_argument("{}: --model (the HF config.json) is required", role);
+  FERRY_ASSIGN_OR_RETURN(u.model, make_job_model(model, s.trainer, s.inference, false));
+  FERRY_ASSIGN_OR_RETURN(LauncherRank env, launcher_rank_from_env());
+  FERRY_ASSIGN_OR_RETURN(u.rank, resolve_role_rank(producer, s.rank, u.model.trainer.world_size(),
+                                                   u.model.inference.world_size(), env));
+  FERRY_ASSIGN_OR_RETURN(u.mode, parse_sync_mode(s.mode));
+  return u;
+}
+
+Status connect(const RankSpec& s, Setup& u) {
+  StoreOptions so;
+  so.token = s.token;
+  FERRY_ASSIGN_OR_RETURN(u.store, Store::open(s.store, so));
+  TransportOptions to = worker_transport_options("ucx", "", s.store);
+  if (!s.token.empty()) to.token = s.token;
+  FERRY_ASSIGN_OR_RETURN(u.transport, Transport::create(to));
+  return Status::Ok();
+}
+
+// Every tensor of the model is in the checkpoint with the model's dtype and shape.
+Status check_checkpoint(const RankSpec& s, const JobModel& m, const SafetensorsDir& dir) {
+  for (const TensorDecl& d : m.metadata) {
+    const Tensor* t = dir.find(d.name);
+    if (t == nullptr) return not_found("serve: checkpoint {} has no tensor '{}'", s.checkpoint, d.name);
+    if (t->dtype() != d.dtype || t->shape() != d.shape) {
+      return invalid_argument("serve: checkpoint {}: tensor '{}' is {} {}, the model says {} {}", s.checkpoint, d.name,
+                              dtype_name(t->dtype()), shape_str(t->shape()), dtype_name(d.dtype), shape_str(d.shape));
+    }
+  }
+  return Status::Ok();
+}
+
+std::string join_ints(const std::vector<int>& v) {
+  std::string out;
+  for (int x : v) out += (out.empty() ? "" : ", ") + std::to_string(x);
+  return out;
+}
+
+// What rank `rank` must hold after a sync of the checkpoint in `dir`: a direct load.
+// Not inlined, and by out-parameter: GCC 12 inlining a Result<TensorMap>'s destructor
+// into the caller raised a false -Wfree-nonheap-object.
+[[gnu::noinline]] Status direct_load(const JobModel& m, int rank, const std::string& dir,
+                                     std::optional<TensorMap>& out) {
+  FERRY_ASSIGN_OR_RETURN(TensorMap ckpt, read_checkpoint_dir(dir));
+  FERRY_ASSIGN_OR_RETURN(TensorMap direct, load_rank_direct(*m.loader, rank, ckpt));
+  out = std::move(direct);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<LauncherRank> launcher_rank_from_env() {
+  LauncherRank r;
+  FERRY_ASSIGN_OR_RETURN(auto rank, first_env({"FERRY_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"}));
+  FERRY_ASSIGN_OR_RETURN(auto size, first_env({"FERRY_WORLD_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
+                                               "SLURM_NTASKS"}));
+  if (rank) r.rank = rank->first, r.rank_var = rank->second;
+  if (size) r.world_size = size->first, r.world_size_var = size->second;
+  return r;
+}
+
+Result<int> resolve_role_rank(bool producer, int flag, int producers, int consumers, const LauncherRank& env) {
+  const char* role = producer ? "trainer" : "inference";
+  const int own = producer ? producers : consumers;
+  if (flag >= 0) {
+    if (flag >= own) return out_of_range("{} rank {} is outside the layout's 0..{}", role, flag, own - 1);
+    return flag;
+  }
+  if (!env.rank) {
+    return invalid_argument("no {} rank: pass --rank, or start under a launcher that sets one of FERRY_RANK, RANK, "
+                            "OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID", role);
+  }
+  int rank = *env.rank;
+  const int world = env.world_size.value_or(own);
+  if (world == producers + consumers && world != own) {
+    // One launch for both roles: the trainer's ranks first.
+    if (producer ? rank >= producers : rank < producers) {
+      return invalid_argument("{}={} with {}={} (= {} trainer + {} inference ranks): ranks 0..{} are the trainer's, "
+                              "{}..{} the inference side's, so this rank is not a{} {} rank",
+                              env.rank_var, rank, env.world_size_var, world, producers, consumers, producers - 1,
+                              producers, world - 1, producer ? "" : "n", role);
+    }
+    if (!producer) rank -= producers;
+  } else if (world != own) {
+    return invalid_argument("{}={} is neither the layout's {} {} ranks nor the job's {} (trainer + inference)",
+                            env.world_size_var, world, own, role, producers + consumers);
+  }
+  if (rank >= own) return out_of_range("{} rank {} (from {}) is outside the layout's 0..{}", role, rank, env.rank_var, own - 1);
+  return rank;
+}
+
+bool rank_report_passed(const RankReport& r) { return r.ok && r.verified.value_or(true); }
+
+nlohmann::json rank_report_json(const RankReport& r) {
+  nlohmann::json out = {{"role", r.producer ? "trainer" : "inference"}, {"rank", r.rank}, {"version", r.version},
+                        {"ok", r.ok}};
+  if (r.ok || !r.failures.empty() || !r.missed.empty()) {
+    out["bytes"] = r.bytes;
+    out[r.producer ? "in_place_bytes" : "into_params_bytes"] = r.producer ? r.in_place_bytes : r.into_params_bytes;
+    out["seconds"] = r.seconds;
+    if (r.producer) {
+      out["dropped"] = r.dropped;
+      out["missed"] = r.missed;
+    }
+    out["failures"] = r.failures;
+  }
+  if (!r.ok) {
+    out["error"] = r.error.to_string();
+    out["code"] = status_code_name(r.error.code());
+  }
+  if (!r.producer) out["torn"] = r.torn;
+  if (r.verified) {
+    out["verified"] = *r.verified;
+    if (!*r.verified) out["mismatch"] = r.mismatch;
+  }
+  const TransportStats& ts = r.transport;
+  out["transport"] = {{"reads", ts.reads},           {"reads_by_message", ts.reads_by_message},
+                      {"writes", ts.writes},         {"writes_by_message", ts.writes_by_message},
+                      {"bytes_read", ts.bytes_read}, {"bytes_written", ts.bytes_written}};
+  return out;
+}
+
+Result<std::vector<RankReport>> serve_rank(const RankSpec& s, const RankReportSink& on_report) {
+  FERRY_ASSIGN_OR_RETURN(Setup u, local_setup(s, true));
+  const SafetensorsAccess access = s.read_checkpoint ? SafetensorsAccess::kRead : SafetensorsAccess::kMap;
+  FERRY_ASSIGN_OR_RETURN(SafetensorsDir dir, SafetensorsDir::open(s.checkpoint, access));
+  std::vector<ServedFile> served;
+  if (access == SafetensorsAccess::kMap) {
+    for (const SafetensorsFile& f : dir.files()) {
+      FERRY_ASSIGN_OR_RETURN(ServedFile sf, ServedFile::of(f));
+      served.push_back(std::move(sf));
+    }
+  }
+  FERRY_RETURN_IF_ERROR(check_checkpoint(s, u.model, dir));
+  FERRY_RETURN_IF_ERROR(connect(s, u));
+  // Served in place: each file's bytes are a source region (registered where they lie:
+  // no copy), so consumers read (pull) or this rank writes (push) the contiguous boxes
+  // straight from the mapping; strided pieces (a TP shard of a row-parallel weight) are
+  // packed from it into staging. The registrations live as long as the transport.
+  auto po = engine_options<ProducerOptions>(s, u.model, u.mode);
+  for (const SafetensorsFile& f : dir.files()) {
+    const std::span<const std::byte> b = f.bytes();
+    if (b.empty()) continue;
+    // (Peers only read it; this rank's writes take it as their source.)
+    auto r = u.transport->register_memory(const_cast<std::byte*>(b.data()), b.size());
+    if (!r.ok())
+      return r.status().with_context(fmt::format("serve: registering {} ({} bytes) to serve it in place", f.path(), b.size()));
+    po.source_regions.push_back(*r);
+  }
+  CheckpointSource source(u.model, std::move(dir), u.rank);
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Producer> p, Producer::create(source, *u.transport, *u.store, po));
+  std::fprintf(stderr, "ferry serve: trainer rank %d of %d, checkpoint %s, store %s\n", u.rank,
+               u.model.trainer.world_size(), s.checkpoint.c_str(), u.store->url().c_str());
+  std::vector<RankReport> reports;
+  for (int v = s.first_version; v < s.first_version + s.syncs; ++v) {
+    RankReport r{.producer = true, .rank = u.rank, .version = v};
+    Status same;
+    for (const ServedFile& f : served) {
+      if (same = f.unchanged(); !same.ok()) break;
+    }
+    if (!same.ok()) {
+      // Serving on would risk SIGBUS or bytes that are not the checkpoint: this report
+      // is the last.
+      r.error = same;
+      r.transport = u.transport->stats();
+      if (on_report) on_report(r);
+      reports.push_back(std::move(r));
+      break;
+    }
+    auto rep = p->sync(static_cast<uint64_t>(v));
+    if (rep.ok()) {
+      r.ok = rep->ok();
+      r.bytes = rep->bytes_sent;
+      r.in_place_bytes = rep->sent_in_place;
+      r.seconds = rep->seconds;
+      r.dropped = rep->dropped;
+      r.missed = rep->missed;
+      r.failures = rep->failures;
+      if (!r.ok) {
+        // A true report: this rank finished, but consumers it serves do not hold the version.
+        r.error = peer_failed("serve: version {}: consumers {} that this rank serves did not commit it{}{}", v,
+                              join_ints(rep->missed), rep->failures.empty() ? "" : ": ",
+                              rep->failures.empty() ? "" : rep->failures.front());
+      }
+    } else {
+      r.error = rep.status();
+    }
+    r.transport = u.transport->stats();
+    if (on_report) on_report(r);
+    reports.push_back(std::move(r));
+  }
+  return reports;
+}
+
+Result<std::vector<RankReport>> fetch_rank(const RankSpec& s, const RankReportSink& on_report) {
+  FERRY_ASSIGN_OR_RETURN(Setup u, local_setup(s, false));
+  std::optional<TensorMap> expected;
+  if (!s.checkpoint.empty()) FERRY_RETURN_IF_ERROR(direct_load(u.model, u.rank, s.checkpoint, expected));
+  FERRY_RETURN_IF_ERROR(connect(s, u));
+  const auto co = engine_options<ConsumerOptions>(s, u.model, u.mode);
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Consumer> c,
+                         Consumer::create(*u.model.loader, u.rank, *u.transport, *u.store, co));
+  std::fprintf(stderr, "ferry fetch: inference rank %d of %d, store %s\n", u.rank, u.model.inference.world_size(),
+               u.store->url().c_str());
+  std::vector<RankReport> reports;
+  bool all_passed = true;
+  for (int v = s.first_version; v < s.first_version + s.syncs; ++v) {
+    RankReport r{.producer = false, .rank = u.rank, .version = v};
+    auto rep = c->sync(static_cast<uint64_t>(v));
+    if (rep.ok()) {
+      r.ok = true;
+      r.bytes = rep->bytes_received;
+      r.into_params_bytes = rep->received_into_params;
+      r.seconds = rep->seconds;
+      r.failures = rep->failures;
+    } else {
+      r.error = rep.status();
+    }
+    r.torn = c->state().torn;
+    if (r.ok && expected) {
+      auto rl = u.model.loader->rank(u.rank);
+      auto mm = rl.ok() ? compare_params((*rl)->final_params(), *expected, c->params())
+                        : Result<std::optional<Mismatch>>(rl.status());
+      if (!mm.ok()) {
+        r.verified = false;
+        r.mismatch = mm.status().to_string();
+      } else {
+        r.verified = !mm->has_value();
+        if (mm->has_value()) r.mismatch = fmt::format("param '{}' index {}: {}", (*mm)->param, (*mm)->index, (*mm)->detail);
+      }
+    }
+    r.transport = u.transport->stats();
+    all_passed = all_passed && rank_report_passed(r);
+    if (on_report) on_report(r);
+    reports.push_back(std::move(r));
+  }
+  if (!s.output.empty() && all_passed) {
+    std::vector<SafetensorsEntry> entries;
+    for (const auto& [name, t] : c->params()) entries.push_back(SafetensorsEntry{name, t});
+    std::error_code ec;
+    std::filesystem::create_directories(s.output, ec);
+    const std::string path = fmt::format("{}/rank-{}.safetensors", s.output, u.rank);
+    FERRY_RETURN_IF_ERROR(write_safetensors(path, entries).with_context("fetch: output"));
+  }
+  return reports;
+}
+
+namespace {
+
+int run_rank(const char* cmd, const RankSpec& s, bool producer) {
+  bool passed = true;
+  auto print = [&](const RankReport& r) {
+    passed = passed && rank_report_passed(r);
+    std::printf("%s\n", rank_report_json(r).dump().c_str());
+    std::fflush(stdout);
+  };
+  auto reports = producer ? serve_rank(s, print) : fetch_rank(s, print);
+  if (!reports.ok()) {
+    std::fprintf(stderr, "ferry %s: %s\n", cmd, reports.status().to_string().c_str());
+    return 2;
+  }
+  return passed ? 0 : 1;
+}
+
+}  // namespace
+
+int run_serve(const RankSpec& s) { return run_rank("serve", s, true); }
+int run_fetch(const RankSpec& s) { return run_rank("fetch", s, false); }
+
+}  // namespace ferry::tools

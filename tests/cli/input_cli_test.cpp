@@ -1,0 +1,81 @@
+// Hostile input on the command line: each of these crashed, hung or was accepted
+// (issue 15, finding 5); each must now end at once with an error naming the constraint.
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "cli/run_command.h"
+
+namespace {
+
+using CliRun = ferry_cli_test::CommandRun;
+
+// Runs `ferry ARGS` under a 60 s `timeout` (a hang fails the test instead of stalling it).
+CliRun ferry(const std::string& args) {
+  // (stdout to /dev/null: workers a killed demo leaves behind must not hold the pipe open.)
+  return ferry_cli_test::run_command("timeout -s KILL 60 " + std::string(FERRY_BIN) + " " + args + " >/dev/null");
+}
+
+const std::string kModel = std::string(FERRY_SOURCE_DIR) + "/configs/llama-3.1-8b.json";
+
+TEST(InputCli, HugeLayoutIsRefusedNotBadAlloc) {
+  CliRun r = ferry("plan --model " + kModel + " --trainer tp=100000,pp=100000");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("tp*pp = 10000000000 exceeds the limit of 1048576 ranks"), std::string::npos) << r.err;
+  r = ferry("plan --model " + kModel + " --trainer fsdp=2147483647");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("exceeds the limit of 1048576 ranks"), std::string::npos) << r.err;
+}
+
+TEST(InputCli, EmptyPipelineStagesAreRefused) {
+  CliRun r = ferry("plan --model " + kModel + " --trainer pp=64");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("pp 64 leaves PP stage 32 without layers (the model has 32 layers"), std::string::npos) << r.err;
+}
+
+TEST(InputCli, NonFiniteAndNegativeNumbersAreRefused) {
+  for (const std::string v : {"nan", "-nan", "inf", "-1", "1e999", "x"}) {
+    CliRun r = ferry("check --model " + kModel + " --max-gib " + v);
+    EXPECT_NE(r.exit_code, 0) << v;
+    EXPECT_NE(r.exit_code, -1) << v;
+    EXPECT_NE(r.err.find("--max-gib"), std::string::npos) << v << ": " << r.err;
+    EXPECT_EQ(r.err.find("a random checkpoint"), std::string::npos) << v << ": " << r.err;
+  }
+  CliRun r = ferry("check --model " + kModel + " --seed -1");
+  EXPECT_NE(r.err.find("--seed: '-1' is outside [0, "), std::string::npos) << r.err;
+  r = ferry("demo --syncs -3");
+  EXPECT_NE(r.err.find("--syncs: '-3' is outside [1, 1048576]"), std::string::npos) << r.err;
+  r = ferry("demo --kill-rank nan");
+  EXPECT_NE(r.err.find("--kill-rank: 'nan' is not a finite number"), std::string::npos) << r.err;
+}
+
+// Workers that fail at once are reported at once (with their error), not after the
+// driver's whole wait (60 s by default).
+TEST(InputCli, DemoReportsAWorkerThatExitedAtOnce) {
+  CliRun r = ferry("demo --model " + std::string(FERRY_SOURCE_DIR) + "/configs/qwen3-30b-a3b.json --mode bogus --syncs 1");
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("exited with status 2 while the driver waited"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("sync mode 'bogus': expected pull or push"), std::string::npos) << r.err;
+}
+
+// --cut needs emulated hosts, and a host and a sync that the run has; each refusal comes
+// before any host is made (no root needed) and names the cut, the range and the option.
+TEST(InputCli, DemoCutIsRefusedWithoutHostsOrOutOfRange) {
+  const std::string demo = "demo --model " + kModel + " --trainer tp=2 --inference tp=2,replicas=2 --syncs 3 ";
+  CliRun r = ferry(demo + "--cut 1:2");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--cut takes an emulated host's link down: give --hosts too"), std::string::npos) << r.err;
+  r = ferry(demo + "--hosts 2 --cut 2:2");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--cut 2:2: host 2 is outside 0..1 (--hosts 2)"), std::string::npos) << r.err;
+  r = ferry(demo + "--hosts 2 --cut 1:1 --cut 1:4:4:500");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--cut 1:4:4:500: sync 4 is outside 1..3 (--syncs 3)"), std::string::npos) << r.err;
+  for (const char* bad : {"1", "1:2:x", "1:2:4:", "a:2", "1:2:4:500:9"}) {
+    r = ferry(demo + "--hosts 2 --cut " + bad);
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.err;
+    EXPECT_NE(r.err.find("expected HOST:SYNC[:POINT[:MS]]"), std::string::npos) << bad << ": " << r.err;
+  }
+}
+
+}  // namespace

@@ -1,0 +1,124 @@
+// `ferry serve` serving a safetensors checkpoint in place from its mapping, `ferry fetch`
+// verifying what it received bit for bit against a direct load of the same checkpoint:
+// every rank a process (UCX on loopback), the store in this process. Pull and push.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "ferry/models.h"
+#include "ferry/safetensors.h"
+#include "ferry/store.h"
+#include "tools/job_model.h"
+#include "tools/subprocess.h"
+
+namespace ferry::tools {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr const char* kTrainer = "tp=2";
+constexpr const char* kInference = "tp=2";
+
+// config.json + model.safetensors of a 2-layer Llama with random weights.
+std::string make_checkpoint() {
+  char tmpl[] = "/tmp/ferry-serve-XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl);
+  auto m = make_job_model(std::string(FERRY_SOURCE_DIR) + "/configs/llama-3.1-8b.json", kTrainer, kInference, true,
+                          R"({"num_hidden_layers": 2})");
+  EXPECT_TRUE(m.ok()) << m.status().to_string();
+  if (!m.ok()) return dir;
+  std::ofstream(dir + "/config.json") << m->config.dump();
+  auto ckpt = random_checkpoint(m->metadata, 11);
+  EXPECT_TRUE(ckpt.ok());
+  std::vector<SafetensorsEntry> entries;
+  for (const auto& d : m->metadata) entries.push_back({d.name, ckpt->at(d.name)});
+  EXPECT_TRUE(write_safetensors(dir + "/model.safetensors", entries).ok());
+  return dir;
+}
+
+std::vector<nlohmann::json> json_lines(const std::string& log) {
+  std::vector<nlohmann::json> out;
+  std::istringstream in(log);
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty() && line[0] == '{') out.push_back(nlohmann::json::parse(line, nullptr, false));
+  }
+  return out;
+}
+
+class ServeCliTest : public ::testing::TestWithParam<const char*> {};
+
+// Each trainer rank reports bytes served from the mapping (in_place_bytes > 0: the
+// checkpoint's contiguous boxes, neither packed nor staged), and each inference rank
+// verifies bit for bit, every sync.
+TEST_P(ServeCliTest, ServesTheMappingInPlaceAndFetchVerifies) {
+  const std::string mode = GetParam();
+  const std::string dir = make_checkpoint();
+  StoreServerOptions so;
+  std::random_device rd;
+  so.token = fmt::format("{:08x}{:08x}{:08x}", rd(), rd(), rd());
+  auto server = StoreServer::start(so);
+  ASSERT_TRUE(server.ok()) << server.status().to_string();
+  const std::vector<std::string> env = environment_with("FERRY_TOKEN", so.token);
+  const std::vector<std::string> common = {"--store", (*server)->url(), "--trainer", kTrainer, "--inference", kInference,
+                                           "--job", "serve-" + mode, "--mode", mode, "--checksums", "--syncs", "2",
+                                           "--timeout", "20000", "--rendezvous-timeout", "30000"};
+  std::vector<Child> ranks;
+  for (int r = 0; r < 2; ++r) {
+    for (const char* role : {"serve", "fetch"}) {
+      ProcessSpec ps;
+      ps.argv = {FERRY_BIN, role, "--rank", std::to_string(r)};
+      ps.argv.insert(ps.argv.end(), common.begin(), common.end());
+      if (std::string(role) == "serve") {
+        ps.argv.insert(ps.argv.end(), {"--checkpoint", dir});
+      } else {
+        ps.argv.insert(ps.argv.end(), {"--model", dir + "/config.json", "--verify", dir});
+      }
+      ps.env = env;
+      ps.log = fmt::format("{}/{}-{}-{}.log", dir, role, r, mode);
+      ps.name = fmt::format("{} {}", role, r);
+      auto c = spawn(ps);
+      ASSERT_TRUE(c.ok()) << c.status().to_string();
+      ranks.push_back(*c);
+    }
+  }
+  const auto deadline = std::chrono::steady_clock::now() + 90s;
+  for (Child& c : ranks) {
+    const std::string name = c.name;
+    auto st = wait_exit(c, deadline);
+    const std::string log = read_log(c);
+    if (!st) kill_now(c);
+    ASSERT_TRUE(st.has_value()) << name << " did not exit:\n" << log;
+    EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == 0) << name << " exit status " << *st << ":\n" << log;
+    const auto lines = json_lines(log);
+    ASSERT_EQ(lines.size(), 2u) << name << ":\n" << log;
+    for (const auto& j : lines) {
+      ASSERT_TRUE(j.is_object()) << log;
+      EXPECT_TRUE(j.value("ok", false)) << name << ": " << j.dump();
+      if (j.value("role", "") == "trainer") {
+        EXPECT_GT(j.value("in_place_bytes", uint64_t{0}), 0u) << name << " served nothing from the mapping: " << j.dump();
+        EXPECT_LE(j.value("in_place_bytes", uint64_t{0}), j.value("bytes", uint64_t{0})) << j.dump();
+      } else {
+        EXPECT_TRUE(j.value("verified", false)) << name << ": " << j.dump();
+        EXPECT_GT(j.value("into_params_bytes", uint64_t{0}), 0u) << name << ": " << j.dump();
+      }
+    }
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, ServeCliTest, ::testing::Values("pull", "push"),
+                         [](const ::testing::TestParamInfo<const char*>& i) { return std::string(i.param); });
+
+}  // namespace
+}  // namespace ferry::tools
