@@ -1003,9 +1003,14 @@ struct Producer::Impl {
     // Leave no slot pending (a failed attempt may have left some).
     for (size_t s = 0; s < slots.size(); ++s) wait_slot(s, false).ignore();
     // Consumers failed this producer over while it was alive (cut off, or paused, with
-    // its lease gone): once every consumer is done with this sync, take the mark off, so
-    // that it serves again from the next sync on, as a restarted producer does.
-    if (auto marked = opts.failover ? route_state.read_dead() : Result<std::set<int>>(std::set<int>{});
+    // its lease gone) and it still finished the sync (on the routes without it): take
+    // the mark off, so that it serves again from the next sync on, as a restarted
+    // producer does. Not after a failed sync: a producer that lost its transport
+    // (crashed, or cut off for good) would otherwise take its mark off while the others
+    // are still failing it over, and their next route rebuild would bring it back
+    // mid-sync (seen in CI: "sync 2 restarted 5 times"); it rejoins after a sync it
+    // finishes, or when it restarts (create clears the mark).
+    if (auto marked = opts.failover && failure.ok() ? route_state.read_dead() : Result<std::set<int>>(std::set<int>{});
         marked.ok() && marked->count(rank)) {
       Status cleared = store.remove(keys.dead(rank)).status();
       std::lock_guard<std::mutex> lk(mu);
