@@ -604,6 +604,10 @@ TEST_P(EngineInprocTest, ProducerDiesFailoverToDpReplica) {
     ASSERT_TRUE(o.c[c]->ok()) << "consumer " << c << ": " << o.c[c]->status().to_string();
     k.expect_verified(static_cast<int>(c), 2);
   }
+  // The dead producer's mark stays until it restarts: its own sync failed (its
+  // transport is gone), so it must not take the mark off, which would bring it back
+  // into the others' routes while they fail it over.
+  EXPECT_TRUE(k.pst[0]->get(engine::JobKeys(k.eo.job).dead(1)).ok());
   const uint64_t without = k.prod[0]->routes().hash();
   EXPECT_NE(without, full);
   for (int p : {2, 3}) EXPECT_EQ(k.prod[static_cast<size_t>(p)]->routes().hash(), without);
