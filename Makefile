@@ -48,7 +48,7 @@ asan: deps
 
 # libFuzzer targets (clang), each run for FUZZ_SECONDS.
 fuzz: deps
-	@CC=clang CXX=clang++ cmake -S . -B $(BUILD_FUZZ) -G Ninja -DCMAKE_BUILD_TYPE=Debug -DFERRY_FUZZ=ON -DFERRY_SANITIZE=ON -DFERRY_BENCH=OFF $(DEV_FLAGS) >/dev/null
+	@CC=clang CXX=clang++ cmake -S . -B $(BUILD_FUZZ) -G Ninja -DCMAKE_BUILD_TYPE=Debug -DFERRY_FUZZ=ON -DFERRY_SANITIZE=ON -DFERRY_BENCH=OFF -DFERRY_CUDA=OFF $(DEV_FLAGS) >/dev/null
 	@cmake --build $(BUILD_FUZZ) -j $(JOBS) --target fuzz_targets
 	@scripts/run-fuzz.sh $(BUILD_FUZZ)/fuzz $(FUZZ_SECONDS)
 

@@ -71,6 +71,24 @@ double load_element(const std::byte* p, DType dtype);
 void store_element(std::byte* p, DType dtype, double value);
 
 // ---------------------------------------------------------------------------------------
+// Devices: where a real tensor's bytes live (ferry/device.h has the rest: names, the
+// CUDA plugin, batched copies).
+
+enum class DeviceKind : uint8_t { kHost, kCuda };
+
+// Host memory, or CUDA device `index`.
+struct Device {
+  DeviceKind kind = DeviceKind::kHost;
+  int index = 0;  // CUDA device ordinal; 0 for the host
+
+  static Device host() { return {}; }
+  static Device cuda(int index) { return {DeviceKind::kCuda, index}; }
+  bool is_host() const { return kind == DeviceKind::kHost; }
+  bool is_cuda() const { return kind == DeviceKind::kCuda; }
+  friend bool operator==(const Device&, const Device&) = default;
+};
+
+// ---------------------------------------------------------------------------------------
 // Shapes and layouts
 
 using Shape = std::vector<int64_t>;
@@ -173,6 +191,12 @@ class Tensor {
   // no copy. Errors: a negative stride or offset, or an element outside [0, numel).
   static Tensor borrow_strided(void* data, int64_t numel, Layout layout, DType dtype,
                                std::shared_ptr<const void> keepalive = nullptr, std::string name = "");
+  // Real storage over `data` in `device`'s memory (not owned), contiguous; for a CUDA
+  // device, a device pointer (e.g. a torch CUDA tensor's data_ptr()). Values can't be
+  // read on the host (data_ptr, item, ... fail naming the device); copy_ and zero_
+  // between tensors of the same device run there (ferry/device.h's copy_batch).
+  static Tensor borrow_device(void* data, Shape shape, DType dtype, Device device,
+                              std::shared_ptr<const void> keepalive = nullptr, std::string name = "");
   // Recording storage: a checkpoint tensor with no bytes.
   static Tensor source(std::string name, Shape shape, DType dtype);
   // Recording storage: an inference parameter with no bytes.
@@ -187,6 +211,8 @@ class Tensor {
   bool is_recording() const;  // source or param (or a recorded copy of one)
   bool is_real() const;
   bool is_read_only() const;  // real storage made by borrow_readonly
+  // Where the bytes are: the host for every tensor but those made by borrow_device.
+  Device device() const;
   // The storage's name (the root storage for a recorded copy); may be empty for real.
   const std::string& name() const;
   // The full shape of the root storage (a source's or param's declared shape; a real
@@ -241,12 +267,16 @@ class Tensor {
   // shape (right-aligned dims equal or 1 in `src`; a broadcast src is copied into every
   // slice). Real <- real: copies, converting between float dtypes (other dtypes must
   // match). Real or param <- recording source: recorded (needs an active recorder).
+  // On a CUDA device both tensors must be on it and of one dtype (host <-> device
+  // copies are not copy_'s: they fail naming both devices).
   Status copy_(const Tensor& src) const;
   // Zero-fills (real) or records explicit zeros (recording param, for padding).
   Status zero_() const;
 
   // --- values (real storage only; recording tensors fail naming op and tensor) ------
-  Result<std::byte*> data_ptr() const;     // address of element offset()
+  Result<std::byte*> data_ptr() const;     // address of element offset() (host memory only)
+  // Address of element offset() in device()'s memory: a device pointer for CUDA tensors.
+  Result<std::byte*> device_ptr() const;
   Result<double> item() const;             // numel must be 1
   Result<std::vector<double>> to_vector() const;  // row-major values
   Result<bool> equal(const Tensor& other) const;  // same shape, dtype and bytes per element

@@ -2,8 +2,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <optional>
 #include <thread>
 
+#include "ferry/device.h"
 #include "ferry/plan.h"
 
 namespace ferry {
@@ -13,6 +15,8 @@ namespace {
 struct Bound {
   std::byte* base = nullptr;  // element 0 of the tensor's flat storage
   DType dtype = DType::kF32;
+  Device device;
+  const std::string* name = nullptr;
 };
 
 Result<Bound> bind_tensor(const TensorMap& map, const TensorDecl& decl, std::string_view kind) {
@@ -30,8 +34,8 @@ Result<Bound> bind_tensor(const TensorMap& map, const TensorDecl& decl, std::str
                             shape_str(decl.shape));
   }
   if (!t.is_contiguous()) return invalid_argument("execute: {} '{}' must be contiguous", kind, decl.name);
-  FERRY_ASSIGN_OR_RETURN(std::byte* p, t.data_ptr());
-  return Bound{p, t.dtype()};
+  FERRY_ASSIGN_OR_RETURN(std::byte* p, t.device_ptr());
+  return Bound{p, t.dtype(), t.device(), &decl.name};
 }
 
 // A unit of work: a copy (or zero), possibly restricted to a range of its outer dim.
@@ -48,6 +52,23 @@ Layout restrict_outer(const Layout& l, int64_t begin, int64_t end) {
   r.offset += begin * l.strides[0];
   r.shape[0] = end - begin;
   return r;
+}
+
+// A plan over tensors in one CUDA device's memory: every copy and zero in one batch.
+Status execute_on_device(const Plan& plan, const std::vector<Bound>& src, const std::vector<Bound>& dst, Device device) {
+  std::vector<StridedCopy> batch;
+  batch.reserve(plan.copies().size() + plan.zeros().size());
+  for (const Copy& c : plan.copies()) {
+    if (src[c.source].dtype != dst[c.param].dtype) {
+      return invalid_argument("execute on {}: source '{}' ({}) into param '{}' ({}) needs a dtype conversion, which runs "
+                              "on the host only",
+                              device_str(device), *src[c.source].name, dtype_name(src[c.source].dtype), *dst[c.param].name,
+                              dtype_name(dst[c.param].dtype));
+    }
+    batch.push_back({src[c.source].base, c.src, dst[c.param].base, c.dst, dst[c.param].dtype});
+  }
+  for (const Zero& z : plan.zeros()) batch.push_back({nullptr, {}, dst[z.param].base, z.dst, dst[z.param].dtype});
+  return copy_batch(device, batch);
 }
 
 }  // namespace
@@ -69,6 +90,21 @@ Status execute(const Plan& plan, const TensorMap& sources, const TensorMap& para
     if (!dst_used[i]) continue;
     FERRY_ASSIGN_OR_RETURN(dst[i], bind_tensor(params, plan.params()[i], "param"));
   }
+
+  // Host memory everywhere, or one CUDA device everywhere.
+  std::optional<Device> device;
+  for (const auto* side : {&src, &dst}) {
+    for (size_t i = 0; i < side->size(); ++i) {
+      const Bound& b = (*side)[i];
+      if (b.name == nullptr) continue;  // not used by the plan
+      if (!device) device = b.device;
+      if (b.device != *device) {
+        return invalid_argument("execute: '{}' is on {} but other tensors of the plan are on {}; a plan runs on one device",
+                                *b.name, device_str(b.device), device_str(*device));
+      }
+    }
+  }
+  if (device && !device->is_host()) return execute_on_device(plan, src, dst, *device);
 
   const auto stats = plan.stats();
   int threads = options.threads > 0 ? options.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));

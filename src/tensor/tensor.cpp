@@ -3,6 +3,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "ferry/device.h"
 #include "ferry/tensor.h"
 
 namespace ferry {
@@ -18,6 +19,7 @@ struct Storage {
   int64_t numel = 0;
   std::shared_ptr<const void> keepalive;
   bool read_only = false;
+  Device device;  // real storage: where `data` points
 };
 
 struct Tensor::Impl {
@@ -266,6 +268,16 @@ Tensor Tensor::borrow_readonly(const void* data, Shape shape, DType dtype, std::
   return t;
 }
 
+Tensor Tensor::borrow_device(void* data, Shape shape, DType dtype, Device device, std::shared_ptr<const void> keepalive,
+                             std::string name) {
+  if (device.is_cuda() && device.index < 0) return error(invalid_argument("borrow_device: CUDA device {}", device.index));
+  Tensor t = borrow(data, std::move(shape), dtype, std::move(keepalive), std::move(name));
+  if (!t.ok()) return t;
+  // The storage was just made and is not shared yet.
+  const_cast<Storage&>(*t.impl_->storage).device = device;
+  return t;
+}
+
 namespace {
 Tensor make_recording(StorageKind kind, std::string name, Shape shape, DType dtype) {
   const char* what = kind == StorageKind::kSource ? "source" : "param";
@@ -310,6 +322,7 @@ int64_t Tensor::size(int64_t d) const {
 }
 int64_t Tensor::numel() const { return shape_numel(shape()); }
 bool Tensor::is_read_only() const { return ok() && impl_->storage->read_only; }
+Device Tensor::device() const { return ok() ? impl_->storage->device : Device::host(); }
 bool Tensor::is_recorded_copy() const { return ok() && impl_->parent != nullptr; }
 bool Tensor::is_contiguous() const { return ok() && impl_->layout.is_contiguous(); }
 int64_t Tensor::nbytes() const { return numel() * static_cast<int64_t>(dtype_size(dtype())); }
@@ -323,6 +336,9 @@ std::string Tensor::describe() const {
     case StorageKind::kSource: kind = fmt::format("source '{}'", s.name); break;
     case StorageKind::kParam: kind = fmt::format("param '{}'", s.name); break;
     case StorageKind::kReal: kind = s.name.empty() ? "real tensor" : fmt::format("buffer '{}'", s.name); break;
+  }
+  if (!s.device.is_host()) {
+    return fmt::format("{} {} {} on {}", kind, shape_str(impl_->layout.shape), dtype_name(s.dtype), device_str(s.device));
   }
   return fmt::format("{} {} {}", kind, shape_str(impl_->layout.shape), dtype_name(s.dtype));
 }
@@ -603,6 +619,9 @@ Tensor Tensor::clone() const {
   if (is_recording()) {
     return Tensor::error(failed_precondition("clone: needs values but {} is recording (no bytes)", describe()));
   }
+  if (!device().is_host()) {
+    return Tensor::error(failed_precondition("clone: makes a host copy, but {} is in device memory", describe()));
+  }
   Tensor out = Tensor::empty(shape(), dtype());
   strided_copy(impl_->storage->data, layout(), dtype(), out.impl_->storage->data, out.layout(), dtype());
   return out;
@@ -653,6 +672,20 @@ Status Tensor::copy_(const Tensor& src) const {
     return sink->record_copy(*this, src);
   }
   if (is_read_only()) return failed_precondition("copy_: destination {} is read-only; clone() it first", describe());
+  if (!device().is_host() || !src.device().is_host()) {
+    if (device() != src.device()) {
+      return invalid_argument("copy_: {} is on {} and {} on {}; copy_ runs within one device", src.describe(),
+                              device_str(src.device()), describe(), device_str(device()));
+    }
+    if (dtype() != src.dtype()) {
+      return invalid_argument("copy_: {} into {}: on {} copy_ copies bytes and cannot convert dtypes", src.describe(),
+                              describe(), device_str(device()));
+    }
+    Tensor v = src.layout().shape == shape() ? src : src.reshape(shape());
+    if (!v.ok()) return v.status();
+    const StridedCopy c{v.impl_->storage->data, v.layout(), impl_->storage->data, layout(), dtype()};
+    return copy_batch(device(), std::span<const StridedCopy>(&c, 1));
+  }
   if (dtype() != src.dtype() && !(is_floating(dtype()) && is_floating(src.dtype()))) {
     return invalid_argument("copy_: dtype {} of {} cannot convert to {} of {}", dtype_name(src.dtype()), src.describe(),
                             dtype_name(dtype()), describe());
@@ -680,6 +713,10 @@ Status Tensor::zero_() const {
     return sink->record_zero(*this);
   }
   if (is_read_only()) return failed_precondition("zero_: {} is read-only; clone() it first", describe());
+  if (!device().is_host()) {
+    const StridedCopy c{nullptr, {}, impl_->storage->data, layout(), dtype()};
+    return copy_batch(device(), std::span<const StridedCopy>(&c, 1));
+  }
   strided_zero(impl_->storage->data, layout(), dtype());
   return Status::Ok();
 }
@@ -694,12 +731,21 @@ Status needs_values(const Tensor& t, std::string_view op) {
     return failed_precondition("{}: needs values but {} is recording (no bytes); a recorded loader cannot read values",
                                op, t.describe());
   }
+  if (!t.device().is_host()) {
+    return failed_precondition("{}: needs values in host memory but {} is in device memory", op, t.describe());
+  }
   return Status::Ok();
 }
 }  // namespace
 
 Result<std::byte*> Tensor::data_ptr() const {
   FERRY_RETURN_IF_ERROR(needs_values(*this, "data_ptr"));
+  return impl_->storage->data + offset() * static_cast<int64_t>(dtype_size(dtype()));
+}
+
+Result<std::byte*> Tensor::device_ptr() const {
+  if (!ok()) return status();
+  if (is_recording()) return failed_precondition("device_ptr: {} is recording (no bytes)", describe());
   return impl_->storage->data + offset() * static_cast<int64_t>(dtype_size(dtype()));
 }
 

@@ -79,3 +79,19 @@ TEST(InputCli, DemoCutIsRefusedWithoutHostsOrOutOfRange) {
 }
 
 }  // namespace
+
+// `ferry devices` says where the CUDA plugin is (built here when nvcc was found) and,
+// when no device can be used, why; a plugin path that does not exist is named.
+TEST(DevicesCli, SaysWhatCudaCanDoAndWhy) {
+  auto r = ferry_cli_test::run_command(std::string(FERRY_BIN) + " devices --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("\"host\":true"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"cuda_usable\":"), std::string::npos) << r.out;
+#ifdef FERRY_TEST_HAVE_CUDA
+  EXPECT_NE(r.out.find("libferry_cuda.so"), std::string::npos) << r.out;
+#endif
+  r = ferry_cli_test::run_command("FERRY_CUDA_PLUGIN=/nonexistent/libferry_cuda.so " + std::string(FERRY_BIN) + " devices");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("cuda plugin: none"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("/nonexistent/libferry_cuda.so (absent)"), std::string::npos) << r.out;
+}

@@ -1,0 +1,80 @@
+// ferry/device.h — where a tensor's bytes live (host memory or a CUDA device), and the
+// batched strided copies that plan replay (and later pack and unpack) run there.
+//
+// Plans are element maps and do not change with the memory kind: the same copies run on
+// the host (strided_copy, ferry/tensor.h) or on a GPU (many copies per kernel launch).
+//
+// CUDA is a plugin. The core never links the CUDA runtime: the first time CUDA memory
+// is touched it loads libferry_cuda.so (built when nvcc is found at configure time,
+// FERRY_CUDA=AUTO; it carries the CUDA runtime statically, so only the NVIDIA driver is
+// needed where it runs). It is looked for in $FERRY_CUDA_PLUGIN (a file), then in the
+// install's library folder (lib/ferry/), then in the build tree it was built in.
+// cuda_status() says what was found and, when nothing can run, why.
+//
+// Threading: every function here may be called from any thread. copy_batch on a CUDA
+// device runs on the stream it is given and returns once the copies have finished
+// there; copies in one batch must not overlap in their destinations.
+// Errors: Status, never exceptions; a CUDA error names the CUDA call and its message.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "ferry/status.h"
+#include "ferry/tensor.h"  // Device, Layout, DType
+
+namespace ferry {
+
+// torch's names: "cpu", "cuda:0".
+std::string device_str(Device device);
+// Parses "cpu", "cuda" (device 0) or "cuda:N".
+Result<Device> parse_device(std::string_view text);
+
+// What this build and this machine can do with CUDA memory.
+struct CudaStatus {
+  bool plugin_loaded = false;  // libferry_cuda.so was found and loaded
+  int device_count = 0;        // CUDA devices the driver reports (0 when none or no driver)
+  std::string plugin_path;     // the plugin that was loaded, when one was
+  std::string detail;          // why no device can be used, or the devices' names
+  bool usable() const { return plugin_loaded && device_count > 0; }
+};
+// Probes once (loads the plugin, asks the driver) and caches the answer.
+const CudaStatus& cuda_status();
+
+// A CUDA stream (cudaStream_t) as an opaque handle; nullptr is the calling thread's
+// default stream. ferry never creates or destroys the caller's streams.
+using DeviceStream = void*;
+
+// `bytes` of memory on `device` (host: new[]; CUDA: cudaMalloc), freed when the last
+// owner lets go. For staging and tests; a caller's own tensors stay the caller's.
+Result<std::shared_ptr<std::byte>> device_alloc(Device device, size_t bytes);
+// Copies `bytes` between any host and CUDA memory (unified addressing), and returns
+// when they have arrived.
+Status device_memcpy(void* dst, const void* src, size_t bytes);
+
+// One strided copy of a batch: the `src_layout`-shaped elements at `src` (flat element
+// space of `dtype` starting at `src`) go to the `dst_layout`-shaped elements at `dst`,
+// index by index (equal shapes). `src == nullptr` zero-fills the destination instead.
+// Both pointers are in the batch's device's memory. No dtype conversion: on a GPU ferry
+// copies bytes (a plan whose source and param dtypes differ fails on a GPU, naming it).
+struct StridedCopy {
+  const std::byte* src = nullptr;
+  Layout src_layout;
+  std::byte* dst = nullptr;
+  Layout dst_layout;
+  DType dtype = DType::kBF16;
+};
+
+// Runs every copy of `copies` on `device`: on the host with strided_copy/strided_zero,
+// on a CUDA device with as few kernel launches as the batch needs, on `stream`, and
+// returns when they have finished. Layouts must lie within the caller's buffers (not
+// checked here: callers validate against their tensors, as execute() does). Errors:
+// unequal shapes, a layout of more dims than a kernel takes after coalescing, no CUDA
+// plugin or device, or a CUDA error.
+Status copy_batch(Device device, std::span<const StridedCopy> copies, DeviceStream stream = nullptr);
+
+}  // namespace ferry

@@ -1,0 +1,38 @@
+// The C ABI between the core (src/tensor/device.cpp) and the CUDA plugin
+// (src/tensor/cuda/, libferry_cuda.so). C types only, so a plugin built by another
+// compiler (nvcc's host compiler) loads safely; the ABI number changes with any change
+// here or in batch::CopyDesc / batch::BlockTask.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "tensor/batch_layout.h"
+
+extern "C" {
+
+#define FERRY_CUDA_PLUGIN_ABI 1
+#define FERRY_CUDA_PLUGIN_SYMBOL "ferry_cuda_plugin_v1"
+
+struct FerryCudaPlugin {
+  uint32_t abi;  // FERRY_CUDA_PLUGIN_ABI
+  uint32_t desc_size;  // sizeof(batch::CopyDesc) the plugin was built with
+  // CUDA devices the driver reports (>= 0); negative on error, with a message in err.
+  int (*device_count)(char* err, size_t err_len);
+  // "NVIDIA H200 (sm_90, 139 GiB)" for device `device`; 0 on success.
+  int (*device_name)(int device, char* out, size_t out_len);
+  // Runs the batch on `device` and `stream` (a cudaStream_t, null: default stream) and
+  // waits for it there. 0 on success; otherwise a message in err naming the CUDA call.
+  // Device memory: cudaMalloc on `device` (0 on success, *out set) and cudaFree.
+  int (*alloc)(int device, size_t bytes, void** out, char* err, size_t err_len);
+  int (*release)(void* ptr);
+  // cudaMemcpy(dst, src, bytes, cudaMemcpyDefault): any direction under unified addressing.
+  int (*copy_bytes)(void* dst, const void* src, size_t bytes, char* err, size_t err_len);
+  int (*run_batch)(int device, const ferry::batch::CopyDesc* descs, uint64_t num_descs,
+                   const ferry::batch::BlockTask* tasks, uint64_t num_tasks, void* stream, char* err,
+                   size_t err_len);
+};
+
+typedef const FerryCudaPlugin* (*FerryCudaPluginEntry)(void);
+
+}  // extern "C"
