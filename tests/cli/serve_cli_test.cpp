@@ -10,7 +10,11 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include <fcntl.h>
+#include <sys/stat.h>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -19,6 +23,7 @@
 #include "ferry/safetensors.h"
 #include "ferry/store.h"
 #include "tools/job_model.h"
+#include "tools/rank_entry.h"
 #include "tools/subprocess.h"
 
 namespace ferry::tools {
@@ -112,6 +117,76 @@ TEST_P(ServeCliTest, ServesTheMappingInPlaceAndFetchVerifies) {
         EXPECT_GT(j.value("into_params_bytes", uint64_t{0}), 0u) << name << ": " << j.dump();
       }
     }
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
+// The checkpoint file changes between syncs (here: its mtime moves, as a rewrite in place
+// would leave it): serve's check before the next sync stops serving and says which file
+// and why, instead of serving bytes that may no longer be the checkpoint (or faulting on
+// a shorter file). Ranks are threads of this process (serve_rank / fetch_rank); the
+// change is made from serve rank 0's report of sync 1, so it lands before rank 0's check
+// for sync 2. The fetch ranks then fail sync 2 within their timeout, naming no version
+// they do not hold.
+TEST(ServeChangedFile, ServeStopsNamingTheFileThatChanged) {
+  const std::string dir = make_checkpoint();
+  StoreServerOptions so;
+  std::random_device rd;
+  so.token = fmt::format("{:08x}{:08x}{:08x}", rd(), rd(), rd());
+  auto server = StoreServer::start(so);
+  ASSERT_TRUE(server.ok()) << server.status().to_string();
+  RankSpec base;
+  base.store = (*server)->url();
+  base.token = so.token;
+  base.job = "serve-changed";
+  base.trainer = kTrainer;
+  base.inference = kInference;
+  base.syncs = 2;
+  base.timeout_ms = 4000;
+  base.rendezvous_ms = 30000;
+  const std::string file = dir + "/model.safetensors";
+  std::vector<Result<std::vector<RankReport>>> served(2, Status::Ok()), fetched(2, Status::Ok());
+  std::vector<std::thread> th;
+  for (int r = 0; r < 2; ++r) {
+    th.emplace_back([&, r] {
+      RankSpec s = base;
+      s.rank = r;
+      s.checkpoint = dir;
+      served[static_cast<size_t>(r)] = serve_rank(s, [&, r](const RankReport& rep) {
+        if (r != 0 || rep.version != 1) return;
+        // A new mtime, a second later than the mapped one: what a rewrite leaves.
+        struct stat st {};
+        ASSERT_EQ(::stat(file.c_str(), &st), 0);
+        timespec times[2] = {st.st_atim, st.st_mtim};
+        times[1].tv_sec += 1;
+        ASSERT_EQ(::utimensat(AT_FDCWD, file.c_str(), times, 0), 0);
+      });
+    });
+    th.emplace_back([&, r] {
+      RankSpec s = base;
+      s.rank = r;
+      s.model = dir + "/config.json";
+      s.checkpoint = dir;  // verify
+      fetched[static_cast<size_t>(r)] = fetch_rank(s);
+    });
+  }
+  for (auto& t : th) t.join();
+  ASSERT_TRUE(served[0].ok()) << served[0].status().to_string();
+  ASSERT_EQ(served[0]->size(), 2u);
+  EXPECT_TRUE((*served[0])[0].ok) << (*served[0])[0].error.to_string();
+  const RankReport& stopped = (*served[0])[1];
+  EXPECT_FALSE(stopped.ok);
+  EXPECT_EQ(stopped.error.code(), StatusCode::kFailedPrecondition) << stopped.error.to_string();
+  EXPECT_NE(stopped.error.message().find(file), std::string::npos) << stopped.error.to_string();
+  EXPECT_NE(stopped.error.message().find("changed since serve mapped it"), std::string::npos) << stopped.error.to_string();
+  EXPECT_NE(rank_report_json(stopped).dump().find("changed since serve mapped it"), std::string::npos);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(fetched[static_cast<size_t>(r)].ok()) << fetched[static_cast<size_t>(r)].status().to_string();
+    const auto& reps = *fetched[static_cast<size_t>(r)];
+    ASSERT_EQ(reps.size(), 2u);
+    EXPECT_TRUE(reps[0].ok && reps[0].verified.value_or(false)) << "fetch " << r << ": " << reps[0].error.to_string();
+    EXPECT_FALSE(reps[1].ok) << "fetch " << r << " committed a version served from a changed file";
   }
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
