@@ -151,11 +151,15 @@ using TensorMap = std::unordered_map<std::string, Tensor>;
 struct ExecuteOptions {
   int threads = 0;                         // 0: hardware concurrency
   uint64_t parallel_min_bytes = 8u << 20;  // below this, one thread
+  void* stream = nullptr;                  // CUDA plans: the cudaStream_t the copies run on (null: default)
 };
 
 // Replays `plan` from real `sources` into real `params` (both by name; contiguous; dtype
 // and shape must match the declarations, errors name the tensor). Zeros are written.
-// Tensors in the maps that the plan does not name are ignored.
+// Tensors in the maps that the plan does not name are ignored. Every tensor in host
+// memory, or every one on the same CUDA device: then the copies and zeros run there as
+// one batch (ferry/device.h's copy_batch, on options.stream; it returns when they are
+// done) and source and param dtypes must agree (a GPU copy moves bytes).
 Status execute(const Plan& plan, const TensorMap& sources, const TensorMap& params,
                const ExecuteOptions& options = {});
 

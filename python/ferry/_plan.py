@@ -60,13 +60,20 @@ class Plan:
         unless allow_unwritten)."""
         self._handle().check_coverage(bool(allow_unwritten))
 
-    def replay(self, sources, params, threads=0):
+    def replay(self, sources, params, threads=0, stream=None):
         """Executes the plan: reads ``sources`` and writes ``params`` in place. Both are
-        mappings from name to numpy array (buffer protocol) or CPU torch tensor (any dtype
+        mappings from name to numpy array (buffer protocol) or torch tensor (any dtype
         the plan names, bfloat16 included), C-contiguous, with the declared shape and
         dtype; no copies are made. Entries the plan does not name are ignored. The GIL is
-        released while the copies run (``threads``: 0 = one per core for big plans)."""
-        self._handle().replay(sources, params, int(threads))
+        released while the copies run (``threads``: 0 = one per core for big plans).
+
+        CUDA tensors (all on one device, source and param dtypes equal) replay on the
+        GPU in one kernel launch, on ``stream`` (a ``torch.cuda.Stream`` or its
+        ``cuda_stream`` int; default: torch's current stream of that device); it returns
+        when the copies are done. Needs ferry's CUDA plugin (``ferry devices``)."""
+        if stream is not None and hasattr(stream, "cuda_stream"):
+            stream = stream.cuda_stream
+        self._handle().replay(sources, params, int(threads), stream)
 
     def __eq__(self, other):
         if not isinstance(other, Plan):

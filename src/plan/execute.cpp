@@ -55,7 +55,8 @@ Layout restrict_outer(const Layout& l, int64_t begin, int64_t end) {
 }
 
 // A plan over tensors in one CUDA device's memory: every copy and zero in one batch.
-Status execute_on_device(const Plan& plan, const std::vector<Bound>& src, const std::vector<Bound>& dst, Device device) {
+Status execute_on_device(const Plan& plan, const std::vector<Bound>& src, const std::vector<Bound>& dst, Device device,
+                         DeviceStream stream) {
   std::vector<StridedCopy> batch;
   batch.reserve(plan.copies().size() + plan.zeros().size());
   for (const Copy& c : plan.copies()) {
@@ -68,7 +69,7 @@ Status execute_on_device(const Plan& plan, const std::vector<Bound>& src, const 
     batch.push_back({src[c.source].base, c.src, dst[c.param].base, c.dst, dst[c.param].dtype});
   }
   for (const Zero& z : plan.zeros()) batch.push_back({nullptr, {}, dst[z.param].base, z.dst, dst[z.param].dtype});
-  return copy_batch(device, batch);
+  return copy_batch(device, batch, stream);
 }
 
 }  // namespace
@@ -104,7 +105,7 @@ Status execute(const Plan& plan, const TensorMap& sources, const TensorMap& para
       }
     }
   }
-  if (device && !device->is_host()) return execute_on_device(plan, src, dst, *device);
+  if (device && !device->is_host()) return execute_on_device(plan, src, dst, *device, options.stream);
 
   const auto stats = plan.stats();
   int threads = options.threads > 0 ? options.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));

@@ -49,9 +49,12 @@ struct Holders {
 // A real Tensor over the memory of a numpy array / torch tensor / DLPack array (zero-copy),
 // checked against `decl` (errors name the tensor: "<what> '<name>'", e.g. what = "replay:
 // param" or "Consumer: param").
-Tensor bind_object(py::handle obj, const TensorDecl& decl, const char* what, bool writable, Holders& holders);
+// `allow_cuda`: a torch CUDA tensor binds as device memory (Tensor::borrow_device);
+// otherwise it is refused naming its device (the engine takes host memory only so far).
+Tensor bind_object(py::handle obj, const TensorDecl& decl, const char* what, bool writable, Holders& holders,
+                   bool allow_cuda = false);
 // Binds every tensor the plan reads (sources) or writes (params) from a name mapping.
-TensorMap bind_all(const Plan& plan, py::handle mapping, bool params, Holders& holders);
+TensorMap bind_all(const Plan& plan, py::handle mapping, bool params, Holders& holders, bool allow_cuda = false);
 
 // ferry._ferry._ModelLoader (models.cpp): shared so that a Consumer can keep it alive.
 struct PyModelLoader {

@@ -15,10 +15,12 @@
 
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "ferry/device.h"
 #include "ferry/plan.h"
 #include "ferry/status.h"
 #include "ferry/tensor.h"
@@ -249,7 +251,8 @@ Result<DType> dtype_from_format(std::string fmt, py::ssize_t itemsize) {
 }
 
 // A real ferry::Tensor over the memory of `obj` (zero-copy), checked against `decl`.
-Tensor bind_object(py::handle obj, const TensorDecl& decl, const char* kind, bool writable, Holders& holders) {
+Tensor bind_object(py::handle obj, const TensorDecl& decl, const char* kind, bool writable, Holders& holders,
+                   bool allow_cuda) {
   // `kind` says who binds it ("replay: param", "Consumer: param", "materialized tensor"),
   // so an engine error is not presented as a replay one.
   auto where = [&] { return fmt::format("{} '{}'", kind, decl.name); };
@@ -257,10 +260,19 @@ Tensor bind_object(py::handle obj, const TensorDecl& decl, const char* kind, boo
   Shape shape;
   DType dtype = decl.dtype;
   std::string dtype_str;
+  Device where_bytes = Device::host();
   if (is_torch_tensor(obj)) {
     const std::string device = py::str(obj.attr("device").attr("type"));
-    if (device != "cpu") {
-      throw_status(invalid_argument("{} is a torch tensor on device '{}'; replay needs CPU memory", where(), device));
+    if (device == "cuda" && allow_cuda) {
+      py::object index = obj.attr("device").attr("index");
+      where_bytes = Device::cuda(index.is_none() ? 0 : index.cast<int>());
+    } else if (device != "cpu") {
+      if (allow_cuda) {
+        throw_status(invalid_argument("{} is a torch tensor on device '{}'; replay takes cpu or cuda memory", where(),
+                                      device));
+      }
+      throw_status(invalid_argument("{} is a torch tensor on device '{}'; it needs CPU memory (GPU memory in the engine "
+                                    "is not built yet: docs/gpu.md)", where(), device));
     }
     std::string tname = py::str(obj.attr("dtype"));
     if (tname.rfind("torch.", 0) == 0) tname.erase(0, 6);
@@ -354,11 +366,12 @@ Tensor bind_object(py::handle obj, const TensorDecl& decl, const char* kind, boo
   }
   static std::byte empty_storage[16];
   if (data == nullptr && shape_numel(shape) == 0) data = empty_storage;
+  if (!where_bytes.is_host()) return checked(Tensor::borrow_device(data, shape, dtype, where_bytes, nullptr, decl.name));
   return checked(Tensor::borrow(data, shape, dtype, nullptr, decl.name));
 }
 
 // Binds every tensor the plan reads (sources) or writes (params).
-TensorMap bind_all(const Plan& plan, py::handle mapping, bool params, Holders& holders) {
+TensorMap bind_all(const Plan& plan, py::handle mapping, bool params, Holders& holders, bool allow_cuda) {
   const auto& decls = params ? plan.params() : plan.sources();
   std::vector<bool> used(decls.size(), false);
   for (const Copy& c : plan.copies()) used[params ? c.param : c.source] = true;
@@ -380,7 +393,7 @@ TensorMap bind_all(const Plan& plan, py::handle mapping, bool params, Holders& h
       throw_status(not_found("replay: {} '{}' {} {} is missing", kind, d.name, shape_str(d.shape), dtype_name(d.dtype)));
     }
     py::object obj = map.attr("__getitem__")(key);
-    out.emplace(d.name, bind_object(obj, d, bind_kind, params, holders));
+    out.emplace(d.name, bind_object(obj, d, bind_kind, params, holders, allow_cuda));
   }
   return out;
 }
@@ -486,12 +499,26 @@ PYBIND11_MODULE(_ferry, m) {
         return d;
       })
       .def("check_coverage", [](const PyPlan& p, bool allow_unwritten) { check(p.plan.check_coverage(allow_unwritten)); })
-      .def("replay", [](const PyPlan& p, py::handle sources, py::handle params, int threads) {
+      .def("replay", [](const PyPlan& p, py::handle sources, py::handle params, int threads, py::object stream) {
         Holders holders;
-        TensorMap smap = bind_all(p.plan, sources, false, holders);
-        TensorMap pmap = bind_all(p.plan, params, true, holders);
+        TensorMap smap = bind_all(p.plan, sources, false, holders, true);
+        TensorMap pmap = bind_all(p.plan, params, true, holders, true);
         ExecuteOptions opts;
         opts.threads = threads;
+        // CUDA tensors: the copies run on `stream` (a cudaStream_t as an int), by default
+        // torch's current stream of their device, so they are ordered with the caller's work.
+        std::optional<Device> cuda;
+        for (const auto* m : {&smap, &pmap}) {
+          for (const auto& [name, t] : *m) {
+            if (t.device().is_cuda()) cuda = t.device();
+          }
+        }
+        if (cuda) {
+          if (stream.is_none()) {
+            stream = py::module_::import("torch").attr("cuda").attr("current_stream")(cuda->index).attr("cuda_stream");
+          }
+          opts.stream = reinterpret_cast<void*>(stream.cast<uintptr_t>());
+        }
         Status st;
         {
           py::gil_scoped_release release;
