@@ -11,7 +11,7 @@ PACKAGES=(
   nlohmann-json3-dev libcli11-dev libfmt-dev libspdlog-dev libxxhash-dev
   libssl-dev libasio-dev
   libopenmpi-dev openmpi-bin
-  libsimgrid-dev  # ferry simulate (src/simulate)
+  libsimgrid-dev python3-matplotlib  # ferry simulate (src/simulate), its --plot
   iproute2 iptables util-linux  # emulated hosts (scripts/hosts.sh: ip, tc, nsenter; loss)
   python3 python3-dev pybind11-dev python3-numpy python3-torch
   python3-venv python3-pip python3-setuptools python3-wheel dpkg-dev
