@@ -14,6 +14,13 @@ export FERRY_CUDA_PLUGIN="${FERRY_CUDA_PLUGIN:-$PWD/$B/lib/ferry/libferry_cuda.s
 echo "== nvidia-smi"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
 echo "== GPU tests (the CPU ones beside them)"
-timeout 300 "$B/tests/tensor/device_test" --gtest_color=no
+timeout 120 "$B/tests/tensor/device_test" --gtest_color=no
+timeout 120 "$B/tests/route/route_test" --gtest_color=no --gtest_filter='*Gpu*:*Pack*'
+timeout 180 "$B/tests/engine/engine_test" --gtest_color=no --gtest_filter='EngineDevice.*'
+if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+  (cd tests/python && PYTHONPATH="$PWD/../../$B/python" timeout 120 python3 test_device.py -v)
+else
+  echo "python: torch with CUDA not importable here; test_device.py's GPU case not run"
+fi
 echo "== bench_device_copy (plan replay on the device vs cudaMemcpy D2D, medians of 5)"
 timeout 300 "$B/bench/bench_device_copy" --benchmark_min_time=0.2

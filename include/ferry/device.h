@@ -56,6 +56,14 @@ Result<std::shared_ptr<std::byte>> device_alloc(Device device, size_t bytes);
 // when they have arrived.
 Status device_memcpy(void* dst, const void* src, size_t bytes);
 
+// Makes host memory [ptr, ptr + bytes) readable and writable by kernels on `device`
+// (pinned and mapped: cudaHostRegister), at the same address: what a kernel packs into
+// or unpacks from when staging is in host memory (the path across hosts: UCX moves
+// host memory). Refused when the GPU cannot use host pointers for registered memory
+// (all current data-center GPUs can). Lasts until unregister_host_for_cuda(ptr).
+Status register_host_for_cuda(Device device, void* ptr, size_t bytes);
+void unregister_host_for_cuda(void* ptr);
+
 // One strided copy of a batch: the `src_layout`-shaped elements at `src` (flat element
 // space of `dtype` starting at `src`) go to the `dst_layout`-shaped elements at `dst`,
 // index by index (equal shapes). `src == nullptr` zero-fills the destination instead.

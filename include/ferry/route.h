@@ -183,6 +183,9 @@ Result<Routes> build_routes(const RouterInput& input, const RouterOptions& optio
 
 // Packs group `group` of `producer`: `boxes` from WeightSource::materialize(group).
 // `staging` must hold ProducerGroup::staging_bytes. Checks every op against its box.
+// Boxes in CUDA memory (contiguous, one device) are packed there by one kernel launch
+// that writes into `staging`, which must then be visible to that device
+// (register_host_for_cuda, ferry/device.h).
 Status pack_group(const Routes& routes, uint32_t producer, int group, const Holdings& holdings,
                   const std::vector<LocalBox>& boxes, std::span<std::byte> staging);
 // The same for one group's route `group_route` (of `producer`, layer group `group`), e.g.
@@ -190,7 +193,9 @@ Status pack_group(const Routes& routes, uint32_t producer, int group, const Hold
 Status pack_group(const ProducerGroup& group_route, uint32_t producer, int group, const Holdings& holdings,
                   const std::vector<LocalBox>& boxes, std::span<std::byte> staging);
 // Unpacks a received group buffer (PlanGroup::recv_bytes) into real params (by name,
-// contiguous, declared dtype and shape).
+// contiguous, declared dtype and shape). Params in CUDA memory (one device) are written
+// by one kernel launch reading `recv`, which must be visible to that device; a dtype
+// conversion into them is refused, naming the param.
 Status unpack_group(const PlanRoute& plan, int group, std::span<const std::byte> recv, const TensorMap& params);
 
 }  // namespace ferry

@@ -5,6 +5,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 #include <unordered_map>
@@ -1113,6 +1114,7 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
     }
   }
   uint64_t at = 0;
+  std::optional<Device> cuda;  // where the caller's params are, when in GPU memory
   for (const TensorDecl& d : m.param_decls) {
     const uint64_t bytes = shape_numel(d.shape) * dtype_size(d.dtype);
     auto it = params.find(d.name);
@@ -1125,6 +1127,16 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
     }
     const Tensor& t = it->second;
     m.loaded.emplace(d.name, t);
+    if (t.device().is_cuda()) {
+      // In GPU memory: unpacked there by a kernel from the receive ring (made visible to
+      // the device below), never read into directly (the transport moves host memory).
+      if (cuda && *cuda != t.device()) {
+        return invalid_argument("consumer {}: params on {} and {} ('{}'); ferry stages for one GPU per rank", rank,
+                                device_str(*cuda), device_str(t.device()), d.name);
+      }
+      cuda = t.device();
+      continue;
+    }
     if (bytes < options.direct_min_bytes || bytes == 0) continue;
     FERRY_ASSIGN_OR_RETURN(void* data, t.data_ptr());
     auto r = transport.register_memory(data, bytes);
@@ -1136,13 +1148,26 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
   FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));
   // Padding: the plan's zeros are written once (routes carry only source bytes).
   if (!m.plan.zeros().empty()) {
-    Plan zeros_only;
-    for (const auto& d : m.plan.params()) FERRY_RETURN_IF_ERROR(zeros_only.declare_param(d).status());
-    for (const auto& z : m.plan.zeros()) FERRY_RETURN_IF_ERROR(zeros_only.add_zero(z));
-    FERRY_RETURN_IF_ERROR(execute(zeros_only, {}, m.loaded));
+    // Per place (host, the GPU): a plan runs on one device.
+    Plan zeros_only[2];
+    for (Plan& z : zeros_only) {
+      for (const auto& d : m.plan.params()) FERRY_RETURN_IF_ERROR(z.declare_param(d).status());
+    }
+    for (const auto& z : m.plan.zeros()) {
+      auto it = m.loaded.find(m.plan.params()[z.param].name);
+      const bool on_gpu = it != m.loaded.end() && it->second.device().is_cuda();
+      FERRY_RETURN_IF_ERROR(zeros_only[on_gpu ? 1 : 0].add_zero(z));
+    }
+    for (const Plan& z : zeros_only) {
+      if (!z.zeros().empty()) FERRY_RETURN_IF_ERROR(execute(z, {}, m.loaded));
+    }
   }
   m.final_ = m.loaded;
   FERRY_RETURN_IF_ERROR(m.ring.allocate(transport, m.slot_bytes * Impl::kSlots));
+  if (cuda) {
+    FERRY_RETURN_IF_ERROR(m.ring.make_cuda_visible(*cuda).with_context(
+        fmt::format("consumer {}: the receive ring, for params on {}", rank, device_str(*cuda))));
+  }
   FERRY_ASSIGN_OR_RETURN(auto key, transport.export_key(m.ring.region));
   m.peers.resize(static_cast<size_t>(options.num_producers));
   Impl* self = this;

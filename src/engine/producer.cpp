@@ -843,6 +843,13 @@ struct Producer::Impl {
       auto tp = Clock::now();
       std::span<std::byte> staging(ring.data + s * slot_bytes, grp.staging_bytes);
       FERRY_RETURN_IF_ERROR(check_in_place(g, *boxes));
+      // Boxes in GPU memory are packed by a kernel into the (host) staging ring: the
+      // first such box makes the ring visible to its device, for the producer's life.
+      for (const LocalBox& lb : *boxes) {
+        if (!lb.data.device().is_cuda()) continue;
+        Status vis = ring.make_cuda_visible(lb.data.device());
+        if (!vis.ok()) return vis.with_context(fmt::format("producer {} group {}: staging for {}", rank, g, lb.data.describe()));
+      }
       Status st = pack_group(gs.pack, static_cast<uint32_t>(rank), g, holdings, *boxes, staging);
       if (!st.ok()) return st.with_context(fmt::format("producer {} pack group {}", rank, g));
       std::map<uint32_t, uint64_t> sums;

@@ -21,7 +21,21 @@ Status RegisteredBuffer::allocate(Transport& t, uint64_t n) {
   return Status::Ok();
 }
 
+Status RegisteredBuffer::make_cuda_visible(Device device) {
+  if (cuda_visible) {
+    if (*cuda_visible == device) return Status::Ok();
+    return invalid_argument("a rank's tensors on {} and {}: ferry stages for one GPU per rank",
+                            device_str(*cuda_visible), device_str(device));
+  }
+  if (data == nullptr) return failed_precondition("make_cuda_visible: the buffer is not allocated");
+  FERRY_RETURN_IF_ERROR(register_host_for_cuda(device, data, bytes));
+  cuda_visible = device;
+  return Status::Ok();
+}
+
 void RegisteredBuffer::reset() {
+  if (data && cuda_visible) unregister_host_for_cuda(data);
+  cuda_visible.reset();
   if (data && transport) transport->deregister_memory(region).ignore();
   data = nullptr;
   bytes = 0;

@@ -6,6 +6,9 @@
 #include <cstddef>
 #include <cstdint>
 
+#include <optional>
+
+#include "ferry/device.h"
 #include "ferry/transport.h"
 
 namespace ferry::engine {
@@ -15,12 +18,16 @@ struct RegisteredBuffer {
   std::byte* data = nullptr;
   uint64_t bytes = 0;
   MemoryRegion region;
+  std::optional<Device> cuda_visible;  // also registered with this CUDA device (make_cuda_visible)
   RegisteredBuffer() = default;
   RegisteredBuffer(const RegisteredBuffer&) = delete;
   RegisteredBuffer& operator=(const RegisteredBuffer&) = delete;
   ~RegisteredBuffer() { reset(); }
   // At least `n` bytes (rounded up to a page), zeroed.
   Status allocate(Transport& t, uint64_t n);
+  // Lets kernels on `device` pack into / unpack from this buffer (ferry/device.h's
+  // register_host_for_cuda), once; a second device is refused (one GPU per rank).
+  Status make_cuda_visible(Device device);
   void reset();
 };
 

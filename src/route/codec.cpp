@@ -1,10 +1,13 @@
 // Routes: encoding, bounds-checked decoding, validation, hashing; pack/unpack executors.
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <unordered_map>
+#include <vector>
 
 #include <xxhash.h>
 
+#include "ferry/device.h"
 #include "ferry/route.h"
 
 namespace ferry {
@@ -467,6 +470,8 @@ Status pack_group(const ProducerGroup& pg, uint32_t producer, int group, const H
   }
   std::unordered_map<uint32_t, const Tensor*> by_box;
   for (const LocalBox& lb : boxes) by_box[lb.box] = &lb.data;
+  std::optional<Device> on_device;  // boxes in GPU memory: packed in one batch there
+  std::vector<StridedCopy> device_packs;
   for (const PackOp& op : pg.packs) {
     if (op.box >= holdings.boxes.size()) return out_of_range("pack: box {} of {} held", op.box, holdings.boxes.size());
     const HeldBox& hb = holdings.boxes[op.box];
@@ -488,12 +493,31 @@ Status pack_group(const ProducerGroup& pg, uint32_t producer, int group, const H
     if (!bytes_within(op.offset, n, dtype_size(op.dtype), staging.size())) {
       return out_of_range("pack: tensor '{}' at {} overflows staging", d.name, op.offset);
     }
+    if (!t.device().is_host()) {
+      // In GPU memory: packed by a kernel with the others of this group, below.
+      if (!t.is_contiguous()) {
+        return invalid_argument("pack: tensor '{}' box {} is a strided view in {} memory; materialize it contiguous",
+                                d.name, hb.box.to_string(), device_str(t.device()));
+      }
+      if (on_device && t.device() != *on_device) {
+        return invalid_argument("pack: producer {} group {}: boxes on {} and {}; one GPU per rank", producer, group,
+                                device_str(*on_device), device_str(t.device()));
+      }
+      on_device = t.device();
+      FERRY_ASSIGN_OR_RETURN(std::byte * dev, t.device_ptr());
+      device_packs.push_back({dev, op.src, staging.data() + op.offset, Layout::contiguous(op.src.shape), d.dtype});
+      continue;
+    }
     FERRY_ASSIGN_OR_RETURN(std::byte * src, t.data_ptr());
     if (t.is_contiguous()) {
       strided_copy(src, op.src, d.dtype, staging.data() + op.offset, Layout::contiguous(op.src.shape), d.dtype);
     } else {
       gather_from_view(src, t.strides(), hb.box.size, op.src, d.dtype, staging.data() + op.offset);
     }
+  }
+  if (!device_packs.empty()) {
+    Status st = copy_batch(*on_device, device_packs);
+    if (!st.ok()) return st.with_context(fmt::format("pack: producer {} group {} on {}", producer, group, device_str(*on_device)));
   }
   return Status::Ok();
 }
@@ -507,6 +531,9 @@ Status unpack_group(const PlanRoute& plan, int group, std::span<const std::byte>
     return out_of_range("unpack: group {} needs {} received bytes, got {}", group, cg.recv_bytes, recv.size());
   }
   std::vector<std::byte*> base(plan.params.size(), nullptr);
+  std::vector<Device> where(plan.params.size());
+  std::optional<Device> on_device;  // params in GPU memory: unpacked in one batch there
+  std::vector<StridedCopy> device_unpacks;
   for (const UnpackOp& op : cg.unpacks) {
     if (op.param >= plan.params.size()) return out_of_range("unpack: param {} of {}", op.param, plan.params.size());
     const TensorDecl& d = plan.params[op.param];
@@ -518,7 +545,15 @@ Status unpack_group(const PlanRoute& plan, int group, std::span<const std::byte>
         return invalid_argument("unpack: param '{}' is {}, the plan declares a contiguous {} {}", d.name, t.describe(),
                                 dtype_name(d.dtype), shape_str(d.shape));
       }
-      FERRY_ASSIGN_OR_RETURN(base[op.param], t.data_ptr());
+      if (!t.device().is_host()) {
+        if (on_device && t.device() != *on_device) {
+          return invalid_argument("unpack: group {}: params on {} and {}; one GPU per rank", group,
+                                  device_str(*on_device), device_str(t.device()));
+        }
+        on_device = t.device();
+      }
+      where[op.param] = t.device();
+      FERRY_ASSIGN_OR_RETURN(base[op.param], t.device_ptr());
     }
     int64_t n, lo, hi;
     if (!layout_range(op.dst, n, lo, hi) || (n > 0 && (lo < 0 || hi >= shape_numel(d.shape)))) {
@@ -527,7 +562,20 @@ Status unpack_group(const PlanRoute& plan, int group, std::span<const std::byte>
     if (!bytes_within(op.offset, n, dtype_size(op.src_dtype), recv.size())) {
       return out_of_range("unpack: param '{}' reads past the receive buffer", d.name);
     }
+    if (!where[op.param].is_host()) {
+      if (op.src_dtype != d.dtype) {
+        return invalid_argument("unpack: param '{}' on {} receives {} as {}: dtype conversion runs on the host only",
+                                d.name, device_str(where[op.param]), dtype_name(op.src_dtype), dtype_name(d.dtype));
+      }
+      device_unpacks.push_back(
+          {recv.data() + op.offset, Layout::contiguous(op.dst.shape), base[op.param], op.dst, d.dtype});
+      continue;
+    }
     strided_copy(recv.data() + op.offset, Layout::contiguous(op.dst.shape), op.src_dtype, base[op.param], op.dst, d.dtype);
+  }
+  if (!device_unpacks.empty()) {
+    Status st = copy_batch(*on_device, device_unpacks);
+    if (!st.ok()) return st.with_context(fmt::format("unpack: group {} on {}", group, device_str(*on_device)));
   }
   return Status::Ok();
 }

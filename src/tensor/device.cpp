@@ -178,6 +178,20 @@ Status device_memcpy(void* dst, const void* src, size_t bytes) {
   return Status::Ok();
 }
 
+Status register_host_for_cuda(Device device, void* ptr, size_t bytes) {
+  if (!device.is_cuda()) return invalid_argument("register_host_for_cuda: {} is not a CUDA device", device_str(device));
+  FERRY_RETURN_IF_ERROR(usable_cuda(device, "register_host_for_cuda"));
+  char err[512] = {};
+  if (plugin().api->host_register(device.index, ptr, bytes, err, sizeof(err)) != 0) {
+    return unavailable("making {} bytes of host memory visible to {}: {}", bytes, device_str(device), err);
+  }
+  return Status::Ok();
+}
+
+void unregister_host_for_cuda(void* ptr) {
+  if (plugin().api != nullptr) plugin().api->host_release(ptr);
+}
+
 Status copy_batch(Device device, std::span<const StridedCopy> copies, DeviceStream stream) {
   if (device.is_host()) {
     for (size_t i = 0; i < copies.size(); ++i) {

@@ -11,7 +11,7 @@
 
 extern "C" {
 
-#define FERRY_CUDA_PLUGIN_ABI 1
+#define FERRY_CUDA_PLUGIN_ABI 2
 #define FERRY_CUDA_PLUGIN_SYMBOL "ferry_cuda_plugin_v1"
 
 struct FerryCudaPlugin {
@@ -28,6 +28,11 @@ struct FerryCudaPlugin {
   int (*release)(void* ptr);
   // cudaMemcpy(dst, src, bytes, cudaMemcpyDefault): any direction under unified addressing.
   int (*copy_bytes)(void* dst, const void* src, size_t bytes, char* err, size_t err_len);
+  // cudaHostRegister(ptr, bytes, mapped | portable) on `device`, refused (nonzero, a
+  // message in err) when the device cannot use the host pointer itself; host_release
+  // undoes it (cudaHostUnregister).
+  int (*host_register)(int device, void* ptr, size_t bytes, char* err, size_t err_len);
+  int (*host_release)(void* ptr);
   int (*run_batch)(int device, const ferry::batch::CopyDesc* descs, uint64_t num_descs,
                    const ferry::batch::BlockTask* tasks, uint64_t num_tasks, void* stream, char* err,
                    size_t err_len);

@@ -20,6 +20,7 @@
 #include "engine/in_place.h"
 #include "engine/protocol.h"
 #include "engine/testing.h"
+#include "ferry/device.h"
 #include "ferry/engine.h"
 #include "tools/job_model.h"
 
@@ -132,6 +133,48 @@ class InPlaceSource final : public WeightSource {
   uint64_t filled_ = 0;
 };
 
+// The boxes of another source copied into GPU memory at every materialize (a trainer
+// whose weights live in HBM). GPU tests only: without a device, materialize fails.
+class GpuSource final : public WeightSource {
+ public:
+  explicit GpuSource(WeightSource& inner) : inner_(inner) {}
+  const std::vector<TensorDecl>& metadata() const override { return inner_.metadata(); }
+  int rank() const override { return inner_.rank(); }
+  int world_size() const override { return inner_.world_size(); }
+  Result<Holdings> holdings(int rank) const override { return inner_.holdings(rank); }
+  Result<std::vector<LocalBox>> materialize(int group) override {
+    FERRY_ASSIGN_OR_RETURN(auto boxes, inner_.materialize(group));
+    for (LocalBox& b : boxes) {
+      const size_t bytes = static_cast<size_t>(b.data.nbytes());
+      FERRY_ASSIGN_OR_RETURN(auto mem, device_alloc(Device::cuda(0), bytes));
+      FERRY_ASSIGN_OR_RETURN(const std::byte* host, b.data.contiguous().data_ptr());
+      FERRY_RETURN_IF_ERROR(device_memcpy(mem.get(), host, bytes));
+      b.data = Tensor::borrow_device(mem.get(), b.data.shape(), b.data.dtype(), Device::cuda(0), mem);
+    }
+    return boxes;
+  }
+
+ private:
+  WeightSource& inner_;
+};
+
+// Host copies of (possibly GPU-resident) params, to verify them.
+Result<TensorMap> host_copies(const TensorMap& params) {
+  TensorMap out;
+  for (const auto& [name, t] : params) {
+    if (t.device().is_host()) {
+      out.emplace(name, t);
+      continue;
+    }
+    Tensor h = Tensor::empty(t.shape(), t.dtype(), name);
+    FERRY_ASSIGN_OR_RETURN(std::byte* dst, h.data_ptr());
+    FERRY_ASSIGN_OR_RETURN(const std::byte* src, t.device_ptr());
+    FERRY_RETURN_IF_ERROR(device_memcpy(dst, src, static_cast<size_t>(t.nbytes())));
+    out.emplace(name, h);
+  }
+  return out;
+}
+
 struct Cluster {
   std::unique_ptr<StoreServer> server;
   JobModel model;
@@ -146,6 +189,10 @@ struct Cluster {
   std::function<void(ProducerOptions&, int)> tweak_producer;
   std::function<void(ConsumerOptions&, int)> tweak_consumer;
   bool caller_params = false;  // consumers get param buffers allocated by the test
+  // With caller_params: how the test makes each param buffer (default: Tensor::empty).
+  std::function<Result<Tensor>(const TensorDecl&)> param_factory;
+  bool gpu_sources = false;  // producers materialize into GPU memory (GpuSource)
+  std::vector<std::unique_ptr<GpuSource>> gpu_src;
   // Consumers from any recorded plan (Consumer::create(ConsumerModel)) instead of the
   // built-in loader: the model of consumer c.
   std::function<Result<ConsumerModel>(int c)> user_model;
@@ -199,6 +246,7 @@ struct Cluster {
     pst.resize(static_cast<size_t>(P()));
     src.resize(static_cast<size_t>(P()));
     in_place_src.resize(static_cast<size_t>(P()));
+    gpu_src.resize(static_cast<size_t>(P()));
     prod.resize(static_cast<size_t>(P()));
     ctr.resize(static_cast<size_t>(C()));
     cst.resize(static_cast<size_t>(C()));
@@ -229,6 +277,10 @@ struct Cluster {
       po.source_regions = {in_place_src[i]->region()};
       source = in_place_src[i].get();
     }
+    if (gpu_sources) {
+      gpu_src[i] = std::make_unique<GpuSource>(*source);
+      source = gpu_src[i].get();
+    }
     if (tweak_producer) tweak_producer(po, p);
     FERRY_ASSIGN_OR_RETURN(prod[i], Producer::create(*source, *ptr[i], *pst[i], po));
     return Status::Ok();
@@ -250,14 +302,20 @@ struct Cluster {
     TensorMap params;
     if (caller_params) {
       FERRY_ASSIGN_OR_RETURN(auto rl, model.loader->rank(c));
-      for (const ParamInfo& p : rl->params())
-        params.emplace(p.decl.name, Tensor::empty(p.decl.shape, p.decl.dtype, p.decl.name));
+      for (const ParamInfo& p : rl->params()) {
+        if (param_factory) {
+          FERRY_ASSIGN_OR_RETURN(Tensor t, param_factory(p.decl));
+          params.emplace(p.decl.name, t);
+        } else {
+          params.emplace(p.decl.name, Tensor::empty(p.decl.shape, p.decl.dtype, p.decl.name));
+        }
+      }
     }
     FERRY_ASSIGN_OR_RETURN(cons[i], Consumer::create(*model.loader, c, *ctr[i], *cst[i], co, params));
     if (caller_params) {  // the consumer works in the caller's buffers, not copies
       for (const auto& [name, t] : params) {
         auto it = cons[i]->params().find(name);
-        if (it == cons[i]->params().end() || *it->second.data_ptr() != *t.data_ptr())
+        if (it == cons[i]->params().end() || *it->second.device_ptr() != *t.device_ptr())
           return internal_error("consumer {} does not use the caller's buffer of {}", c, name);
       }
     }
@@ -286,7 +344,9 @@ struct Cluster {
   }
 
   void expect_verified(int c, uint64_t v) {
-    auto r = tools::verify_params(model, c, cons[static_cast<size_t>(c)]->params(), seed, v);
+    auto host = host_copies(cons[static_cast<size_t>(c)]->params());
+    ASSERT_TRUE(host.ok()) << host.status().to_string();
+    auto r = tools::verify_params(model, c, *host, seed, v);
     ASSERT_TRUE(r.ok()) << r.status().to_string();
     EXPECT_FALSE(r->has_value()) << "consumer " << c << " version " << v << ": " << **r;
     EXPECT_EQ(cons[static_cast<size_t>(c)]->state().version, v);
@@ -980,7 +1040,7 @@ TEST_P(EngineInprocTest, SyncRightAfterCreation) {
     k.eo.job = fmt::format("race{}", trial);
     k.eo.num_producers = k.P();
     k.eo.num_consumers = k.C();
-    k.ptr.resize(2), k.pst.resize(2), k.src.resize(2), k.in_place_src.resize(2), k.prod.resize(2);
+    k.ptr.resize(2), k.pst.resize(2), k.src.resize(2), k.in_place_src.resize(2), k.gpu_src.resize(2), k.prod.resize(2);
     k.ctr.resize(2), k.cst.resize(2), k.cons.resize(2);
     std::vector<std::optional<Result<SyncReport>>> pr(2), cr(2);
     std::vector<std::thread> th;
@@ -1344,6 +1404,54 @@ TEST(ParamTable, RoundTripAndMalformedBytes) {
   t.params.erase("c");
   t.params["d"] = {0, UINT64_MAX, 2};  // offset + bytes overflows
   EXPECT_EQ(engine::ParamTable::decode(t.encode()).status().code(), StatusCode::kCorrupt);
+}
+
+// --- weights in GPU memory (issue #19) ---------------------------------------------------
+
+// Params that say they live on cuda:0, on a machine with no usable CUDA device: the
+// consumer is refused at create, naming the device and why (the receive ring must be
+// made visible to it), before any sync; nothing touches the (fake) device pointer.
+TEST(EngineDevice, GpuParamsWithoutAUsableDeviceAreRefusedAtCreate) {
+  if (cuda_status().usable()) GTEST_SKIP() << "a CUDA device is here: EngineDevice.SyncsFromGpuMemoryIntoGpuMemory covers it";
+  Cluster k;
+  k.eo.rendezvous_timeout = 3000ms;
+  k.caller_params = true;
+  k.param_factory = [](const TensorDecl& d) -> Result<Tensor> {
+    return Tensor::borrow_device(reinterpret_cast<void*>(uintptr_t{0x10000}), d.shape, d.dtype, Device::cuda(0), nullptr,
+                                 d.name);
+  };
+  Status st = k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=1", R"({"num_hidden_layers": 1})");
+  ASSERT_FALSE(st.ok());
+  bool named = false;
+  for (const Status& s : k.started) {
+    if (s.ok()) continue;
+    named |= s.code() == StatusCode::kUnavailable && s.message().find("cuda:0") != std::string::npos &&
+             s.message().find("receive ring") != std::string::npos;
+  }
+  EXPECT_TRUE(named) << st.to_string();
+}
+
+// Trainer weights and inference params both in GPU memory (one device, threads as
+// ranks): packed by a kernel into host staging, moved by the transport, unpacked by a
+// kernel into the params; verified bit for bit after each of two syncs, pull and push.
+TEST(EngineDevice, SyncsFromGpuMemoryIntoGpuMemory) {
+  if (!cuda_status().usable()) GTEST_SKIP() << "needs a CUDA device; " << cuda_status().detail;
+  std::vector<std::shared_ptr<std::byte>> keep;
+  for (Mode mode : {Mode::kPull, Mode::kPush}) {
+    SCOPED_TRACE(mode == Mode::kPull ? "pull" : "push");
+    Cluster k(EngineCase{Backend::kInproc, mode});
+    k.gpu_sources = true;
+    k.caller_params = true;
+    k.param_factory = [&keep](const TensorDecl& d) -> Result<Tensor> {
+      const size_t bytes = static_cast<size_t>(shape_numel(d.shape)) * dtype_size(d.dtype);
+      FERRY_ASSIGN_OR_RETURN(auto mem, device_alloc(Device::cuda(0), bytes));
+      keep.push_back(mem);
+      return Tensor::borrow_device(mem.get(), d.shape, d.dtype, Device::cuda(0), mem, d.name);
+    };
+    ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2,replicas=2").ok());
+    k.expect_all_ok(k.sync(1), 1);
+    k.expect_all_ok(k.sync(2), 2);
+  }
 }
 
 }  // namespace

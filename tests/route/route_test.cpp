@@ -2,6 +2,7 @@
 // encoding (round trip, truncation, corruption).
 #include <gtest/gtest.h>
 
+#include "ferry/device.h"
 #include "route/synthetic_model.h"
 
 namespace ferry {
@@ -246,6 +247,53 @@ TEST(Router, PackReadsStridedViewsOfTheTrainersTensor) {
   EXPECT_TRUE(Tensor::borrow_strided(f, 46, Layout{{6, 4}, {8, 1}, 2}, DType::kF32).ok());  // last element: 45
   EXPECT_FALSE(Tensor::borrow_strided(f, 45, Layout{{6, 4}, {8, 1}, 2}, DType::kF32).ok());
   EXPECT_FALSE(Tensor::borrow_strided(f, 48, Layout{{6, 4}, {-8, 1}, 42}, DType::kF32).ok());
+}
+
+// Boxes and params that say they live on cuda:0, with no usable CUDA device here: pack
+// and unpack fail naming the device and why, without touching the (fake) pointers; a
+// strided view in GPU memory and a dtype conversion into a GPU param are refused naming
+// the tensor. (Where a device is present, SyncsFromGpuMemoryIntoGpuMemory in the engine
+// tests runs the kernels.)
+TEST(Router, PackAndUnpackOfGpuTensorsWithoutADeviceFailNamingIt) {
+  if (cuda_status().usable()) GTEST_SKIP() << "a CUDA device is here";
+  const auto w = decl("model.layers.0.mlp.down_proj.weight", {6, 8}, DType::kF32);
+  const Holdings h = hold(w, {full_box({6, 8})});
+  auto r = route({w}, {h}, {whole_plan(w)});
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  const int g = 1;
+  void* fake = reinterpret_cast<void*>(uintptr_t{0x10000});
+  const size_t n = r->producers[0].groups[g].staging_bytes;
+  std::vector<std::byte> staging(n);
+  Status st = pack_group(*r, 0, g, h, {LocalBox{0, Tensor::borrow_device(fake, {6, 8}, DType::kF32, Device::cuda(0))}},
+                         staging);
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
+  EXPECT_NE(st.message().find("cuda:0"), std::string::npos) << st.to_string();
+  const Tensor view = Tensor::borrow_device(fake, {8, 6}, DType::kF32, Device::cuda(0)).t();
+  st = pack_group(*r, 0, g, h, {LocalBox{0, view}}, staging);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("materialize it contiguous"), std::string::npos) << st.to_string();
+  EXPECT_NE(st.message().find(w.name), std::string::npos) << st.to_string();
+
+  TensorMap params;
+  params.emplace("p", Tensor::borrow_device(fake, {6, 8}, DType::kF32, Device::cuda(0), nullptr, "p"));
+  st = unpack_group(r->plans[0], g, staging, params);
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
+  EXPECT_NE(st.message().find("unpack: group 1 on cuda:0"), std::string::npos) << st.to_string();
+  // The plan's param is bf16 from an f32 source: a conversion, host only.
+  Recorder rec;
+  ASSERT_TRUE(Tensor::param("q", {6, 8}, DType::kBF16).copy_(Tensor::source(w.name, w.shape, w.dtype)).ok());
+  const Plan converting = rec.finish().value();
+  auto rc = route({w}, {h}, {converting});
+  ASSERT_TRUE(rc.ok()) << rc.status().to_string();
+  TensorMap qp;
+  qp.emplace("q", Tensor::borrow_device(fake, {6, 8}, DType::kBF16, Device::cuda(0), nullptr, "q"));
+  std::vector<std::byte> recv(rc->plans[0].groups[g].recv_bytes);
+  st = unpack_group(rc->plans[0], g, recv, qp);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("param 'q'"), std::string::npos) << st.to_string();
+  EXPECT_NE(st.message().find("host only"), std::string::npos) << st.to_string();
 }
 
 }  // namespace

@@ -114,8 +114,26 @@ int copy_bytes(void* dst, const void* src, size_t bytes, char* err, size_t err_l
   return 0;
 }
 
+int host_register(int device, void* ptr, size_t bytes, char* err, size_t err_len) {
+  DeviceGuard guard;
+  FERRY_CUDA_TRY(cudaGetDevice(&guard.previous));
+  FERRY_CUDA_TRY(cudaSetDevice(device));
+  int same = 0;
+  FERRY_CUDA_TRY(cudaDeviceGetAttribute(&same, cudaDevAttrCanUseHostPointerForRegisteredMem, device));
+  if (!same) {
+    std::snprintf(err, err_len, "device %d cannot use host pointers for registered memory "
+                  "(cudaDevAttrCanUseHostPointerForRegisteredMem is 0)", device);
+    return 1;
+  }
+  FERRY_CUDA_TRY(cudaHostRegister(ptr, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable));
+  return 0;
+}
+
+int host_release(void* ptr) { return cudaHostUnregister(ptr) == cudaSuccess ? 0 : 1; }
+
 const FerryCudaPlugin kPlugin = {FERRY_CUDA_PLUGIN_ABI, sizeof(CopyDesc), device_count, device_name,
-                                 alloc,                 release,          copy_bytes,   run_batch};
+                                 alloc,                 release,          copy_bytes,   host_register,
+                                 host_release,          run_batch};
 
 }  // namespace
 
