@@ -31,7 +31,7 @@ def _path(p):
     return None if p is None else os.fspath(p)
 
 
-def _run(run, role, check, store, token, rank, timeout, rendezvous_timeout, **spec):
+def _run(run, role, check, store, token, rank, timeout, rendezvous_timeout, on_report=None, **spec):
     url, token = _store_args(store, token)
     if rank is not None:
         given = rank
@@ -43,7 +43,9 @@ def _run(run, role, check, store, token, rank, timeout, rendezvous_timeout, **sp
             raise InvalidArgumentError(f"{role}: rank must be a non-negative int or None (the launcher's), got {given!r}")
     spec.update(store=url, token=token, rank=-1 if rank is None else rank, timeout_ms=_ms(timeout, f"{role}: timeout"),
                 rendezvous_ms=_ms(rendezvous_timeout, f"{role}: rendezvous_timeout"))
-    reports = run(spec)
+    if on_report is not None and not callable(on_report):
+        raise InvalidArgumentError(f"{role}: on_report must be callable or None, got {on_report!r}")
+    reports = run(spec) if on_report is None else run(spec, on_report)
     if check:
         for r in reports:
             if not r["ok"]:
@@ -60,7 +62,7 @@ def _run(run, role, check, store, token, rank, timeout, rendezvous_timeout, **sp
 
 def serve(*, store, trainer, inference, checkpoint, model=None, job="ferry", rank=None, mode="pull", checksums=False,
           first_version=1, syncs=1, timeout=30.0, rendezvous_timeout=120.0, token=None, check=False,
-          read_checkpoint=False):
+          read_checkpoint=False, on_report=None):
     """Be trainer rank ``rank`` (None: the launcher's) of the ``trainer`` layout, serving
     its holdings of the safetensors checkpoint directory ``checkpoint`` (memory-mapped
     and served in place; the files must not change while served, checked before each
@@ -71,15 +73,19 @@ def serve(*, store, trainer, inference, checkpoint, model=None, job="ferry", ran
     ``transport``. A setup error (layout, rank, checkpoint, store, rendezvous) raises
     the ferry exception of its code with the C++ message; a failed sync does not, unless
     ``check=True`` (then the first failed sync raises after every sync ran, with
-    ``.reports``)."""
-    return _run(_ferry._serve, "serve", check, store, token, rank, timeout, rendezvous_timeout, trainer=str(trainer),
+    ``.reports``). ``on_report``: called with each sync's dict as soon as that sync
+    ends (e.g. to log or to tell the trainer loop); an exception it raises is raised
+    once every sync ran (the other ranks are in them too)."""
+    return _run(_ferry._serve, "serve", check, store, token, rank, timeout, rendezvous_timeout, on_report,
+                trainer=str(trainer),
                 inference=str(inference), checkpoint=_path(checkpoint), model=_path(model), job=str(job), mode=str(mode),
                 checksums=bool(checksums), first_version=int(first_version), syncs=int(syncs),
                 read_checkpoint=bool(read_checkpoint))
 
 
 def fetch(*, store, trainer, inference, model, checkpoint=None, output=None, job="ferry", rank=None, mode="pull",
-          checksums=False, first_version=1, syncs=1, timeout=30.0, rendezvous_timeout=120.0, token=None, check=False):
+          checksums=False, first_version=1, syncs=1, timeout=30.0, rendezvous_timeout=120.0, token=None, check=False,
+          on_report=None):
     """Be inference rank ``rank`` (None: the launcher's; in a launch of both roles the
     trainer's ranks come first) of the ``inference`` layout of ``model`` (an HF
     config.json), receiving its shard from the ``trainer`` layout's ranks. ``checkpoint``:
@@ -89,8 +95,9 @@ def fetch(*, store, trainer, inference, model, checkpoint=None, output=None, job
     version, ok, bytes, into_params_bytes, seconds, failures, torn`` (``error`` and ``code`` when not ok,
     ``verified`` with a checkpoint), ``transport``. Errors as :func:`serve`; with
     ``check=True`` a sync that failed or did not verify raises (``CorruptError`` for a
-    mismatch)."""
-    return _run(_ferry._fetch, "fetch", check, store, token, rank, timeout, rendezvous_timeout, trainer=str(trainer),
+    mismatch). ``on_report`` as for :func:`serve`."""
+    return _run(_ferry._fetch, "fetch", check, store, token, rank, timeout, rendezvous_timeout, on_report,
+                trainer=str(trainer),
                 inference=str(inference), model=_path(model), checkpoint=_path(checkpoint), output=_path(output),
                 job=str(job), mode=str(mode), checksums=bool(checksums), first_version=int(first_version),
                 syncs=int(syncs))

@@ -66,13 +66,30 @@ tools::RankSpec spec_from(const py::dict& d) {
   return s;
 }
 
-py::list run(bool producer, const py::dict& d) {
+// `on_report` (callable or None) gets each sync's dict as soon as the sync ends, with the
+// GIL taken for the call. An exception it raises cannot stop the rank (the job's other
+// ranks are in the syncs too): the first one is raised once every sync ran.
+py::list run(bool producer, const py::dict& d, const py::object& on_report) {
   const tools::RankSpec s = spec_from(d);
   std::optional<Result<std::vector<tools::RankReport>>> reports;
+  std::optional<py::error_already_set> raised;
+  tools::RankReportSink sink;
+  if (!on_report.is_none()) {
+    sink = [&](const tools::RankReport& r) {
+      py::gil_scoped_acquire gil;
+      if (raised) return;
+      try {
+        on_report(to_python(tools::rank_report_json(r)));
+      } catch (py::error_already_set& e) {
+        raised.emplace(std::move(e));
+      }
+    };
+  }
   {
     py::gil_scoped_release nogil;
-    reports.emplace(producer ? tools::serve_rank(s) : tools::fetch_rank(s));
+    reports.emplace(producer ? tools::serve_rank(s, sink) : tools::fetch_rank(s, sink));
   }
+  if (raised) throw std::move(*raised);
   if (!reports->ok()) throw_status(reports->status());
   py::list out;
   for (const auto& r : **reports) out.append(to_python(tools::rank_report_json(r)));
@@ -82,9 +99,11 @@ py::list run(bool producer, const py::dict& d) {
 }  // namespace
 
 void register_rank(py::module_& m) {
-  m.def("_serve", [](const py::dict& spec) { return run(true, spec); }, py::arg("spec"),
+  m.def("_serve", [](const py::dict& spec, const py::object& on_report) { return run(true, spec, on_report); },
+        py::arg("spec"), py::arg("on_report") = py::none(),
         "Be one trainer rank (tools::serve_rank); returns one report dict per sync");
-  m.def("_fetch", [](const py::dict& spec) { return run(false, spec); }, py::arg("spec"),
+  m.def("_fetch", [](const py::dict& spec, const py::object& on_report) { return run(false, spec, on_report); },
+        py::arg("spec"), py::arg("on_report") = py::none(),
         "Be one inference rank (tools::fetch_rank); returns one report dict per sync");
 }
 

@@ -207,6 +207,11 @@ class CheckRaisesTheFailedSync(unittest.TestCase):
     def run_with(self, reports, check):
         return _rank._run(lambda spec: reports, "fetch", check, "tcp://127.0.0.1:9", None, 0, 1, 1)
 
+    def test_on_report_must_be_callable(self):
+        with self.assertRaises(ferry.InvalidArgumentError) as e:
+            _rank._run(lambda spec: [], "fetch", False, "tcp://127.0.0.1:9", None, 0, 1, 1, on_report=3)
+        self.assertIn("on_report must be callable", str(e.exception))
+
     def test_classes_and_reports(self):
         ok = {"role": "inference", "rank": 0, "version": 1, "ok": True, "verified": True}
         failed = {"role": "inference", "rank": 0, "version": 2, "ok": False, "code": "PeerFailed",
@@ -228,7 +233,12 @@ class CheckRaisesTheFailedSync(unittest.TestCase):
 
 def rank_process(role, kwargs):
     run = ferry.serve if role == "serve" else ferry.fetch
-    print(json.dumps(run(**json.loads(kwargs))), flush=True)
+    seen = []  # on_report: each sync's dict as it ends, the same as the returned list
+    reports = run(**json.loads(kwargs), on_report=seen.append)
+    print(json.dumps(reports), flush=True)
+    if seen != reports:
+        print(f"on_report saw {seen}\nbut {role} returned {reports}", file=sys.stderr, flush=True)
+        return 3
     return 0
 
 
