@@ -383,6 +383,12 @@ std::function<int()> setup_demo(CLI::App& app) {
                     ->delimiter(',')
                     ->check(number_in(1, 1 << 20));
                 app.add_option("--lease-ttl-ms", d->lease_ttl_ms, "the ranks' lease ttl")->check(number_in(10, 1 << 30));
+                app.add_option("--rank-timeout-ms", d->rank_timeout_ms,
+                               "bound on each wait of a rank's sync (EngineOptions::timeout; default 20000)")
+                    ->check(number_in(100, 1 << 30));
+                app.add_option("--stall-ms", d->stall_ms,
+                               "how long a producer waits for a silent reader before dropping it (default 20000)")
+                    ->check(number_in(100, 1 << 30));
                 app.add_flag("-v,--verbose", d->verbose, "per-rank phase times");
                 auto hosts = std::make_shared<int>(0);
                 auto link = std::make_shared<std::string>();

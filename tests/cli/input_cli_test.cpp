@@ -60,6 +60,15 @@ TEST(InputCli, DemoReportsAWorkerThatExitedAtOnce) {
 
 // --cut needs emulated hosts, and a host and a sync that the run has; each refusal comes
 // before any host is made (no root needed) and names the cut, the range and the option.
+TEST(InputCli, DemoTimeoutsAreBounded) {
+  for (const char* bad : {"--rank-timeout-ms 0", "--stall-ms 5", "--stall-ms nan", "--rank-timeout-ms -1"}) {
+    const CliRun r = ferry(std::string("demo ") + bad);
+    EXPECT_NE(r.exit_code, 0) << bad;
+    EXPECT_NE(r.exit_code, -1) << bad;
+    EXPECT_NE(r.err.find(bad[2] == 'r' ? "--rank-timeout-ms: '" : "--stall-ms: '"), std::string::npos) << r.err;
+  }
+}
+
 TEST(InputCli, DemoCutIsRefusedWithoutHostsOrOutOfRange) {
   const std::string demo = "demo --model " + kModel + " --trainer tp=2 --inference tp=2,replicas=2 --syncs 3 ";
   CliRun r = ferry(demo + "--cut 1:2");
