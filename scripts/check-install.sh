@@ -51,6 +51,14 @@ for h in "$P"/include/ferry/*.h; do  # each installed header on its own
     $(pkg-config --cflags ferry) -x c++ - || { echo "check-install: $h does not compile alone" >&2; exit 1; }
 done
 "$P/bin/ferry" --version
+# With nvcc at configure time the CUDA plugin is installed, and the installed ferry finds
+# it relative to itself (bin/../lib/ferry/), before the build tree it was built in.
+if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
+  [ -e "$P/lib/ferry/libferry_cuda.so" ] || { echo "check-install: $P/lib/ferry/libferry_cuda.so is missing" >&2; exit 1; }
+  (unset FERRY_CUDA_PLUGIN; "$P/bin/ferry" devices) | tee "$WORK/devices.txt"
+  grep -q "cuda plugin: $P/lib/ferry/libferry_cuda.so" "$WORK/devices.txt" ||
+    { echo "check-install: the installed ferry does not load its own CUDA plugin" >&2; exit 1; }
+fi
 # A relative config that exists only in the prefix's share directory, from another directory.
 cp "$P/share/ferry/configs/llama-3.1-8b.json" "$P/share/ferry/configs/check-install-only.json"
 (cd "$WORK" && "$P/bin/ferry" plan --model configs/check-install-only.json --trainer tp=2 --inference tp=2 | grep "bytes ferry moves")
