@@ -140,7 +140,12 @@ Result<TensorMap> final_params(const RankLoader& rl, TensorMap params) {
 
 }  // namespace
 
-Result<TensorMap> load_rank_direct(const ModelLoader& loader, int global, const FetchTensor& fetch) {
+namespace {
+
+// Direct load through `fetch`, one checkpoint tensor at a time, each group processed
+// once its last tensor is in (groups fed by none first). `every_tensor`: fetch and
+// check every checkpoint tensor, also those that land nowhere on this rank.
+Result<TensorMap> load_direct(const ModelLoader& loader, int global, const FetchTensor& fetch, bool every_tensor) {
   FERRY_ASSIGN_OR_RETURN(auto rl, loader.rank(global));
   TensorMap params = allocate_params(*rl);
   const auto& decls = loader.checkpoint();
@@ -153,7 +158,7 @@ Result<TensorMap> load_rank_direct(const ModelLoader& loader, int global, const 
   }
   for (const auto& d : decls) {
     const std::vector<int> groups = rl->groups_written_by(d.name);
-    if (groups.empty()) continue;  // nothing of it lands on this rank
+    if (groups.empty() && !every_tensor) continue;  // nothing of it lands on this rank
     FERRY_ASSIGN_OR_RETURN(Tensor t, fetch(d));
     FERRY_RETURN_IF_ERROR(rl->load(d.name, t, params));
     for (int g : groups) {
@@ -163,27 +168,21 @@ Result<TensorMap> load_rank_direct(const ModelLoader& loader, int global, const 
   return final_params(*rl, std::move(params));
 }
 
+}  // namespace
+
+Result<TensorMap> load_rank_direct(const ModelLoader& loader, int global, const FetchTensor& fetch) {
+  return load_direct(loader, global, fetch, false);
+}
+
 Result<TensorMap> load_rank_direct(const ModelLoader& loader, int global, const TensorMap& checkpoint) {
-  FERRY_ASSIGN_OR_RETURN(auto rl, loader.rank(global));
-  TensorMap params = allocate_params(*rl);
-  const auto& decls = loader.checkpoint();
-  std::vector<int> pending(rl->groups().size(), 0);
-  for (const auto& d : decls) {
-    for (int g : rl->groups_written_by(d.name)) ++pending[static_cast<size_t>(g)];
-  }
-  // Groups fed by no checkpoint tensor are processed first.
-  for (size_t g = 0; g < pending.size(); ++g) {
-    if (pending[g] == 0) FERRY_RETURN_IF_ERROR(rl->process_weights_after_loading(static_cast<int>(g), params));
-  }
-  for (const auto& d : decls) {
-    auto it = checkpoint.find(d.name);
-    if (it == checkpoint.end()) return not_found("checkpoint tensor '{}' is missing", d.name);
-    FERRY_RETURN_IF_ERROR(rl->load(d.name, it->second, params));
-    for (int g : rl->groups_written_by(d.name)) {
-      if (--pending[static_cast<size_t>(g)] == 0) FERRY_RETURN_IF_ERROR(rl->process_weights_after_loading(g, params));
-    }
-  }
-  return final_params(*rl, std::move(params));
+  return load_direct(
+      loader, global,
+      [&checkpoint](const TensorDecl& d) -> Result<Tensor> {
+        auto it = checkpoint.find(d.name);
+        if (it == checkpoint.end()) return not_found("checkpoint tensor '{}' is missing", d.name);
+        return it->second;
+      },
+      true);
 }
 
 Result<TensorMap> load_rank_from_plan(const ModelLoader& loader, int global, const Plan& plan,
