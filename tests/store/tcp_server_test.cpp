@@ -639,21 +639,27 @@ TEST_F(TcpServerTest, IdleConnectionsAreClosedAndClientsReconnectTransparently) 
   }
 }
 
+// A listening socket on 127.0.0.1 at a port the kernel picks (stored in `port`).
+int listen_on_loopback(uint16_t& port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  ::listen(fd, 8);
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  port = ntohs(a.sin_port);
+  return fd;
+}
+
 // A listener that speaks the protocol without knowing the token: it sends a challenge,
 // reads the client's answer and replies with `verdict(challenge nonce, auth)`.
 class FakeServer {
  public:
   using Verdict = std::function<Bytes(const Challenge&, const Auth&)>;
   explicit FakeServer(Verdict verdict) : verdict_(std::move(verdict)) {
-    listen_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ::bind(listen_, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-    ::listen(listen_, 8);
-    socklen_t len = sizeof(a);
-    ::getsockname(listen_, reinterpret_cast<sockaddr*>(&a), &len);
-    port_ = ntohs(a.sin_port);
+    listen_ = listen_on_loopback(port_);
     thread_ = std::thread([this] { serve(); });
   }
   ~FakeServer() {
@@ -796,15 +802,7 @@ TEST_F(TcpServerTest, TamperedReplayedReorderedOrUnsealedFramesAreRefused) {
 class FlippingProxy {
  public:
   FlippingProxy(uint16_t server_port, int flip_frame) : server_port_(server_port), flip_frame_(flip_frame) {
-    listen_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ::bind(listen_, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-    ::listen(listen_, 8);
-    socklen_t len = sizeof(a);
-    ::getsockname(listen_, reinterpret_cast<sockaddr*>(&a), &len);
-    port_ = ntohs(a.sin_port);
+    listen_ = listen_on_loopback(port_);
     thread_ = std::thread([this] { relay(); });
   }
   ~FlippingProxy() {
