@@ -61,6 +61,11 @@ std::vector<nlohmann::json> json_lines(const std::string& log) {
   return out;
 }
 
+std::string random_token() {
+  std::random_device rd;
+  return fmt::format("{:08x}{:08x}{:08x}", rd(), rd(), rd());
+}
+
 class ServeCliTest : public ::testing::TestWithParam<const char*> {};
 
 // Each trainer rank reports bytes served from the mapping (in_place_bytes > 0: the
@@ -70,8 +75,7 @@ TEST_P(ServeCliTest, ServesTheMappingInPlaceAndFetchVerifies) {
   const std::string mode = GetParam();
   const std::string dir = make_checkpoint();
   StoreServerOptions so;
-  std::random_device rd;
-  so.token = fmt::format("{:08x}{:08x}{:08x}", rd(), rd(), rd());
+  so.token = random_token();
   auto server = StoreServer::start(so);
   ASSERT_TRUE(server.ok()) << server.status().to_string();
   const std::vector<std::string> env = environment_with("FERRY_TOKEN", so.token);
@@ -133,8 +137,7 @@ TEST_P(ServeCliTest, ServesTheMappingInPlaceAndFetchVerifies) {
 TEST(ServeChangedFile, ServeStopsNamingTheFileThatChanged) {
   const std::string dir = make_checkpoint();
   StoreServerOptions so;
-  std::random_device rd;
-  so.token = fmt::format("{:08x}{:08x}{:08x}", rd(), rd(), rd());
+  so.token = random_token();
   auto server = StoreServer::start(so);
   ASSERT_TRUE(server.ok()) << server.status().to_string();
   RankSpec base;
