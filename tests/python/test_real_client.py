@@ -33,6 +33,7 @@ import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from test_engine import run_threads  # noqa: E402 - each callable on its own thread, first error raised
 
 STEPS = 3
 TP_TRAIN = 2
@@ -155,25 +156,6 @@ def inference_main(workdir, tp, ranks):
                           "logits_max_diff": diff}), flush=True)
     for c in made:
         c.close()
-
-
-def run_threads(fns):
-    results, errors = [None] * len(fns), []
-
-    def run(i, f):
-        try:
-            results[i] = f()
-        except Exception as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i, f)) for i, f in enumerate(fns)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
 
 
 # --- the test ----------------------------------------------------------------------------
