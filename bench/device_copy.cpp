@@ -26,47 +26,48 @@ using namespace ferry_bench;
 
 const Device kGpu = Device::cuda(0);
 
+// The bench cannot go on without its setup: say what failed and exit 1.
+void or_die(const Status& st, const char* what) {
+  if (st.ok()) return;
+  std::fprintf(stderr, "bench_device_copy: %s: %s\n", what, st.to_string().c_str());
+  std::exit(1);
+}
+template <typename T>
+T or_die(Result<T> r, const char* what) {
+  or_die(r.status(), what);
+  return std::move(*r);
+}
+
 std::shared_ptr<std::byte> alloc_or_die(size_t bytes) {
-  auto p = device_alloc(kGpu, bytes);
-  if (!p.ok()) {
-    std::fprintf(stderr, "device_alloc %zu: %s\n", bytes, p.status().to_string().c_str());
-    std::exit(1);
-  }
+  auto p = or_die(device_alloc(kGpu, bytes), "device_alloc");
   // Touch every page (and make the bytes non-zero) before timing.
   std::vector<std::byte> pattern(std::min<size_t>(bytes, 64 << 20), std::byte{0x5a});
   for (size_t at = 0; at < bytes; at += pattern.size()) {
-    if (!device_memcpy(p->get() + at, pattern.data(), std::min(pattern.size(), bytes - at)).ok()) std::exit(1);
+    or_die(device_memcpy(p.get() + at, pattern.data(), std::min(pattern.size(), bytes - at)), "device_memcpy");
   }
-  return *p;
+  return p;
 }
 
 // The copies of layer 0's sources in rank 0's plan (tp=4), as a plan of its own.
 Plan qwen_layer_plan() {
-  auto config = ModelConfig::load(FERRY_SOURCE_DIR "/configs/qwen3-30b-a3b.json");
-  auto layout = InferenceLayout::parse("tp=4");
-  if (!config.ok() || !layout.ok()) std::abort();
-  auto loader = make_model_loader(*config, *layout);
-  if (!loader.ok()) std::abort();
-  auto full = record_plan(**loader, 0);
-  if (!full.ok()) {
-    std::fprintf(stderr, "record_plan: %s\n", full.status().to_string().c_str());
-    std::exit(1);
-  }
+  auto config = or_die(ModelConfig::load(FERRY_SOURCE_DIR "/configs/qwen3-30b-a3b.json"), "qwen3-30b-a3b config");
+  auto loader = or_die(make_model_loader(config, or_die(InferenceLayout::parse("tp=4"), "layout")), "loader");
+  const Plan full = or_die(record_plan(*loader, 0), "record_plan");
   Plan sub;
-  for (const Copy& c : full->copies()) {
-    const TensorDecl& s = full->sources()[c.source];
+  for (const Copy& c : full.copies()) {
+    const TensorDecl& s = full.sources()[c.source];
     if (s.name.find("layers.0.") == std::string::npos) continue;
     Copy k = c;
-    k.source = *sub.declare_source(s);
-    k.param = *sub.declare_param(full->params()[c.param]);
-    if (!sub.add_copy(k).ok()) std::abort();
+    k.source = or_die(sub.declare_source(s), "declare_source");
+    k.param = or_die(sub.declare_param(full.params()[c.param]), "declare_param");
+    or_die(sub.add_copy(k), "add_copy");
   }
-  for (const Zero& z : full->zeros()) {
-    const TensorDecl& p = full->params()[z.param];
+  for (const Zero& z : full.zeros()) {
+    const TensorDecl& p = full.params()[z.param];
     if (p.name.find("layers.0.") == std::string::npos) continue;
     Zero k = z;
-    k.param = *sub.declare_param(p);
-    if (!sub.add_zero(k).ok()) std::abort();
+    k.param = or_die(sub.declare_param(p), "declare_param");
+    or_die(sub.add_zero(k), "add_zero");
   }
   sub.canonicalize();
   return sub;
