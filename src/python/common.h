@@ -53,8 +53,9 @@ struct Holders {
 // otherwise it is refused naming its device (the engine takes host memory only so far).
 Tensor bind_object(py::handle obj, const TensorDecl& decl, const char* what, bool writable, Holders& holders,
                    bool allow_cuda = false);
-// Binds every tensor the plan reads (sources) or writes (params) from a name mapping.
-TensorMap bind_all(const Plan& plan, py::handle mapping, bool params, Holders& holders, bool allow_cuda = false);
+// Binds every tensor the plan reads (sources) or writes (params) from a name mapping, for
+// Plan.replay (torch CUDA tensors bind as device memory).
+TensorMap bind_all(const Plan& plan, py::handle mapping, bool params, Holders& holders);
 
 // ferry._ferry._ModelLoader (models.cpp): shared so that a Consumer can keep it alive.
 struct PyModelLoader {

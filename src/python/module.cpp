@@ -371,7 +371,7 @@ Tensor bind_object(py::handle obj, const TensorDecl& decl, const char* kind, boo
 }
 
 // Binds every tensor the plan reads (sources) or writes (params).
-TensorMap bind_all(const Plan& plan, py::handle mapping, bool params, Holders& holders, bool allow_cuda) {
+TensorMap bind_all(const Plan& plan, py::handle mapping, bool params, Holders& holders) {
   const auto& decls = params ? plan.params() : plan.sources();
   std::vector<bool> used(decls.size(), false);
   for (const Copy& c : plan.copies()) used[params ? c.param : c.source] = true;
@@ -393,7 +393,7 @@ TensorMap bind_all(const Plan& plan, py::handle mapping, bool params, Holders& h
       throw_status(not_found("replay: {} '{}' {} {} is missing", kind, d.name, shape_str(d.shape), dtype_name(d.dtype)));
     }
     py::object obj = map.attr("__getitem__")(key);
-    out.emplace(d.name, bind_object(obj, d, bind_kind, params, holders, allow_cuda));
+    out.emplace(d.name, bind_object(obj, d, bind_kind, params, holders, /*allow_cuda=*/true));
   }
   return out;
 }
@@ -501,8 +501,8 @@ PYBIND11_MODULE(_ferry, m) {
       .def("check_coverage", [](const PyPlan& p, bool allow_unwritten) { check(p.plan.check_coverage(allow_unwritten)); })
       .def("replay", [](const PyPlan& p, py::handle sources, py::handle params, int threads, py::object stream) {
         Holders holders;
-        TensorMap smap = bind_all(p.plan, sources, false, holders, true);
-        TensorMap pmap = bind_all(p.plan, params, true, holders, true);
+        TensorMap smap = bind_all(p.plan, sources, false, holders);
+        TensorMap pmap = bind_all(p.plan, params, true, holders);
         ExecuteOptions opts;
         opts.threads = threads;
         // CUDA tensors: the copies run on `stream` (a cudaStream_t as an int), by default
