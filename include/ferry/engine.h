@@ -132,7 +132,9 @@ struct EngineOptions {
   // bound, not by stall_timeout) and catches up at the next sync. The bound is relative
   // so that a big group that takes everyone long is not a straggler, with a floor of
   // seconds so that ordinary jitter (scheduling, a short GC) is not either. A lone
-  // consumer of a slot is never a straggler: only stall_timeout applies. 0: off.
+  // consumer of a slot is never a straggler: only stall_timeout applies; nor is one still
+  // moving to the routes of a failed-over sync, until it declares them (its lag counts
+  // from then). 0: off.
   std::chrono::milliseconds straggler_floor{2000};
   double straggler_factor = 8;
   std::chrono::milliseconds lease_ttl{3000};

@@ -38,6 +38,11 @@ struct Producer::Impl {
   bool restart = false;                 // a consumer asked to restart the sync (failover); mu
   uint64_t restart_hash = 0;            // ... with these routes; mu
   std::map<int, uint64_t> consumer_hash;  // consumer -> routes it moved to this sync (FAILOVER); mu
+  std::map<int, Clock::time_point> consumer_joined;  // ... and when that FAILOVER came; mu
+  // The routes a consumer that declared none this sync reads with: those the sync began
+  // with, when they had no dead producer (otherwise every consumer declares its routes,
+  // Consumer::declare_routes, and one that has not is still moving); mu.
+  std::optional<uint64_t> undeclared_hash;
   // FAILOVERs that arrived before this producer's sync of that version began:
   // consumer -> (version, routes); applied when the sync starts.
   std::map<int, std::pair<uint64_t, uint64_t>> early_failover;
@@ -458,6 +463,8 @@ struct Producer::Impl {
         } else {
           // c abandoned its attempt: it reads none of the slots it had pending.
           consumer_hash[c] = m->routes;
+          consumer_joined[c] = Clock::now();
+          cv.notify_all();  // its straggler clock (wait_slot) starts now
           for (auto& sl : slots) {
             if (sl.hash != m->routes && sl.pending.erase(c)) cv.notify_all();
           }
@@ -762,27 +769,47 @@ struct Producer::Impl {
       const auto deadline = slots[s].since + opts.stall_timeout;
       // A straggler: others released this slot and it lags them by more than the bound
       // (EngineOptions::straggler_floor / straggler_factor), so it no longer holds them
-      // back for the whole stall timeout. It catches up at the next sync.
+      // back for the whole stall timeout. It catches up at the next sync. Only a consumer
+      // known to read this slot's routes can lag: one still moving to them after a
+      // failover (it finds a producer lost by its lease at its own pace, seconds apart
+      // from the others on a loaded host) is bounded by stall_timeout alone until it
+      // declares them (FAILOVER), and its lag counts from then.
       std::optional<Clock::time_point> straggler_at;
+      std::map<int, Clock::time_point> lag_from;  // pending consumer -> when its lag began
+      Clock::duration bound{};
       if (slots[s].last_release && opts.straggler_floor.count() > 0) {
         const auto others = *slots[s].last_release - slots[s].since;
-        const auto bound = std::max<Clock::duration>(
-            opts.straggler_floor, std::chrono::duration_cast<Clock::duration>(others * opts.straggler_factor));
-        if (*slots[s].last_release + bound < deadline) straggler_at = *slots[s].last_release + bound;
+        bound = std::max<Clock::duration>(opts.straggler_floor,
+                                          std::chrono::duration_cast<Clock::duration>(others * opts.straggler_factor));
+        for (int c : slots[s].pending) {
+          auto h = consumer_hash.find(c);
+          if (h == consumer_hash.end() ? undeclared_hash != slots[s].hash : h->second != slots[s].hash) continue;
+          Clock::time_point from = *slots[s].last_release;
+          if (auto j = consumer_joined.find(c); h != consumer_hash.end() && j != consumer_joined.end())
+            from = std::max(from, j->second);
+          lag_from[c] = from;
+          if (from + bound < deadline && (!straggler_at || from + bound < *straggler_at)) straggler_at = from + bound;
+        }
       }
       if (straggler_at) {
         if (cv.wait_until(lk, *straggler_at) == std::cv_status::timeout && Clock::now() >= *straggler_at &&
             slots[s].last_release && !slots[s].pending.empty()) {
-          const auto lag = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - *slots[s].last_release);
           const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(*slots[s].last_release - slots[s].since);
-          const std::set<int> late = slots[s].pending;
-          for (int c : late) {
+          const auto now = Clock::now();
+          for (const auto& [c, from] : lag_from) {
+            if (!slots[s].pending.count(c) || now < from + bound) continue;
+            const auto lag = std::chrono::duration_cast<std::chrono::milliseconds>(now - *slots[s].last_release);
+            const std::string moved =
+                from == *slots[s].last_release
+                    ? std::string()
+                    : fmt::format(", {} ms after it moved to these routes",
+                                  std::chrono::duration_cast<std::chrono::milliseconds>(now - from).count());
             drop_locked(c,
-                        fmt::format("straggler: group {} not {} {} ms after the other consumers ({} ms after it "
+                        fmt::format("straggler: group {} not {} {} ms after the other consumers{} ({} ms after it "
                                     "was announced; bound: max(straggler_floor {} ms, {} x {} ms))",
                                     slots[s].group, opts.mode == SyncMode::kPull ? "released" : "requested",
-                                    lag.count(), took.count(), opts.straggler_floor.count(), opts.straggler_factor,
-                                    took.count()),
+                                    lag.count(), moved, took.count(), opts.straggler_floor.count(),
+                                    opts.straggler_factor, took.count()),
                         &n);
           }
         }
@@ -913,6 +940,7 @@ struct Producer::Impl {
       restart = false;
       local_failure = Status::Ok();
       consumer_hash.clear();
+      consumer_joined.clear();
       for (auto it = ready.begin(); it != ready.end();) it = std::get<0>(it->first) < v ? ready.erase(it) : std::next(it);
       for (auto& s : slots) s = Slot{};
     }
@@ -936,9 +964,12 @@ struct Producer::Impl {
       std::lock_guard<std::mutex> lk(mu);
       version = v;
       in_sync = true;
+      undeclared_hash.reset();
+      if (route_state.dead().empty()) undeclared_hash = routes_hash;
       for (const auto& [c, vh] : early_failover) {
         if (vh.first != v) continue;
         consumer_hash[c] = vh.second;
+        consumer_joined[c] = Clock::now();
         if (vh.second != routes_hash) {
           restart = true;
           restart_hash = vh.second;

@@ -4,6 +4,7 @@
 // sm,tcp,self, every rank its own Transport in this process) and per mode (pull, push,
 // pull with the trainer's weights served in place); tests of what only one transport
 // has (inproc's failure injection) are instantiated for that transport only.
+#include <array>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -695,6 +696,78 @@ TEST_P(EngineInprocTest, ProducerDiesFailoverToDpReplica) {
   k.expect_all_ok(k.sync(4), 4);
   EXPECT_EQ(k.prod[0]->routes().hash(), full);
   for (auto& c : k.cons) EXPECT_EQ(c->routes().hash(), full);
+}
+
+// A consumer slow to move to the routes of a failed-over sync is no straggler. Of two DP
+// replicas, the survivor serves nothing of the last group L (the routes put all of it on
+// the victim). The victim dies before it serves L in sync 2. Consumers 0 and 1 fail over
+// at once; the survivor restarts the sync with the new routes and serves them from group
+// 0. Consumer 2 had released everything of the survivor's under the old routes and is
+// held at L, as if it found the lost producer later, by its lease, on a loaded host,
+// until well past the straggler bound (300 ms) after the others released group 0 of the
+// new routes (meanwhile the survivor's ring is full: the others wait for it). Then it
+// moves to the new routes and the survivor serves it: every consumer verifies, nobody is
+// dropped. Before, the survivor counted consumer 2's lag from the others' release, before
+// it had reached these routes, and dropped it as a straggler (CI:
+// MultiHostFaults.TrainerHostLinkDownFailsOverToTheDpReplica under ASan).
+TEST_P(EngineInprocTest, ConsumerLateToFailedOverRoutesIsNoStraggler) {
+  Cluster k(GetParam());
+  k.eo.straggler_floor = 300ms;
+  std::atomic<int> victim{-1};
+  std::atomic<int> last{-1};
+  std::atomic<bool> armed{false};
+  std::atomic<bool> held{false};      // consumer 2 is held at group L of sync 2 (on the old routes)
+  std::atomic<unsigned> restarted{0};  // bit c: consumer c began group 0 of sync 2 a second time
+  std::atomic<unsigned> released{0};   // bit c: ... and released it
+  std::array<std::atomic<int>, 3> starts{};  // times consumer c began group 0 of sync 2
+  auto wait_for = [](auto done) {      // bounded: a failure elsewhere must not hang the test
+    const auto until = std::chrono::steady_clock::now() + 15s;
+    while (!done() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(2ms);
+  };
+  k.tweak_producer = [&](ProducerOptions& o, int p) {
+    engine::TestHooks hooks;
+    hooks.before_materialize = [&, p](uint64_t v, int g) {
+      if (v != 2 || p != victim || g != last) return;
+      wait_for([&] { return held.load(); });  // consumer 2 is on the old routes, past the survivor's groups
+      k.ptr[static_cast<size_t>(p)]->simulate_crash().ignore();
+    };
+    o.test_hooks = engine::make_test_hooks(std::move(hooks));
+  };
+  k.tweak_consumer = [&](ConsumerOptions& co, int c) {
+    auto hooks = std::make_shared<engine::TestHooks>();
+    hooks->consumer_point = [&, c](int g, int phase) {
+      if (!armed) return;
+      if (c != 2 && g == 0 && phase == 0 && ++starts[static_cast<size_t>(c)] == 2) restarted |= 1u << c;
+      if (c != 2 && g == 0 && phase == 2 && (restarted & (1u << c))) released |= 1u << c;
+      if (c == 2 && g == last && phase == 0 && !held.exchange(true)) {
+        wait_for([&] { return (released & 3u) == 3u; });
+        std::this_thread::sleep_for(1500ms);  // 5 x the straggler floor after the others
+      }
+    };
+    co.test_hooks = hooks;
+  };
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1,dp=2", "tp=1,replicas=3").ok());
+  const Routes& full = k.prod[0]->routes();
+  last = full.num_groups() - 1;
+  for (int p : {0, 1}) {
+    if (full.producers[static_cast<size_t>(p)].groups[static_cast<size_t>(last.load())].segments.empty()) victim = 1 - p;
+  }
+  ASSERT_GE(victim.load(), 0) << "both replicas serve the last group: the scenario needs one that does not";
+  const int survivor = 1 - victim;
+  k.expect_all_ok(k.sync(1), 1);
+  armed = true;
+  auto o = k.sync(2);
+  armed = false;
+  EXPECT_TRUE(held) << "consumer 2 never reached the last group of sync 2";
+  EXPECT_EQ(released.load() & 3u, 3u) << "consumers 0 and 1 did not restart sync 2 while consumer 2 was held";
+  auto& rep = o.p[static_cast<size_t>(survivor)];
+  ASSERT_TRUE(rep->ok()) << rep->status().to_string();
+  EXPECT_TRUE((*rep)->dropped.empty()) << (*rep)->to_string();
+  EXPECT_NE((*rep)->to_string().find("failover"), std::string::npos) << (*rep)->to_string();
+  for (size_t c = 0; c < o.c.size(); ++c) {
+    ASSERT_TRUE(o.c[c]->ok()) << "consumer " << c << ": " << o.c[c]->status().to_string();
+    k.expect_verified(static_cast<int>(c), 2);
+  }
 }
 
 // Push writing into params while a producer with a DP replica dies mid-sync: the
