@@ -987,6 +987,31 @@ void engine::TestAccess::simulate_crash(Consumer& c) {
   if (impl_->lease) impl_->lease->release().ignore();
 }
 
+namespace {
+// Local checks of the caller's params before any rendezvous (a consumer refused for its
+// own params fails at once, not after the trainer came up): GPU params all on one
+// device, and that device usable here (the plugin loaded, the driver reports it).
+Status check_param_devices(int rank, const TensorMap& params) {
+  std::optional<std::pair<Device, std::string>> first;
+  for (const auto& [name, t] : params) {
+    if (!t.device().is_cuda()) continue;
+    if (first && first->first != t.device()) {
+      return invalid_argument("consumer {}: params on {} ('{}') and {} ('{}'); ferry stages for one GPU per rank", rank,
+                              device_str(first->first), first->second, device_str(t.device()), name);
+    }
+    if (!first) first.emplace(t.device(), name);
+  }
+  if (!first) return Status::Ok();
+  const CudaStatus& cs = cuda_status();
+  if (!cs.usable() || first->first.index >= cs.device_count) {
+    return unavailable("consumer {}: param '{}' is on {}, which cannot be used here: {}", rank, first->second,
+                       device_str(first->first),
+                       cs.usable() ? fmt::format("the driver reports {} device(s)", cs.device_count) : cs.detail);
+  }
+  return Status::Ok();
+}
+}  // namespace
+
 Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, int rank, Transport& transport, Store& store,
                                                    const ConsumerOptions& options, TensorMap params) {
   auto impl = std::make_unique<Impl>(rank, transport, store, options);
@@ -994,6 +1019,7 @@ Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, in
   if (rank < 0 || rank >= options.num_consumers)
     return invalid_argument("consumer rank {} outside num_consumers {}", rank, options.num_consumers);
   FERRY_ASSIGN_OR_RETURN(std::shared_ptr<const RankLoader> rank_loader, loader.rank(rank));
+  FERRY_RETURN_IF_ERROR(check_param_devices(rank, params));
   FERRY_ASSIGN_OR_RETURN(auto metadata, m.await_metadata());
   auto plan = record_plan(loader, rank, metadata);
   if (!plan.ok()) return plan.status().with_context(fmt::format("consumer {} recording its plan", rank));
@@ -1016,6 +1042,7 @@ Result<std::unique_ptr<Consumer>> Consumer::create(ConsumerModel model, int rank
   Impl& m = *impl;
   if (rank < 0 || rank >= options.num_consumers)
     return invalid_argument("consumer rank {} outside num_consumers {}", rank, options.num_consumers);
+  FERRY_RETURN_IF_ERROR(check_param_devices(rank, model.params));
   FERRY_ASSIGN_OR_RETURN(auto metadata, m.await_metadata());
   // The plan was recorded against the loader's idea of the checkpoint: it must be the
   // trainer's (a mismatch would otherwise surface as a routing error far from its cause).

@@ -5,6 +5,7 @@
 
 #include <exception>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -50,12 +51,18 @@ struct Holders {
 // checked against `decl` (errors name the tensor: "<what> '<name>'", e.g. what = "replay:
 // param" or "Consumer: param").
 // `allow_cuda`: a torch CUDA tensor binds as device memory (Tensor::borrow_device);
-// otherwise it is refused naming its device (the engine takes host memory only so far).
+// otherwise it is refused naming its device.
 Tensor bind_object(py::handle obj, const TensorDecl& decl, const char* what, bool writable, Holders& holders,
                    bool allow_cuda = false);
 // Binds every tensor the plan reads (sources) or writes (params) from a name mapping, for
 // Plan.replay (torch CUDA tensors bind as device memory).
 TensorMap bind_all(const Plan& plan, py::handle mapping, bool params, Holders& holders);
+
+// Waits for the work queued so far on torch's current stream of each CUDA device in
+// `devices` (the caller's writes to a tensor it hands ferry, or its reads of a param
+// ferry is about to overwrite): ferry's copies run on their own stream. Nothing when
+// torch cannot use CUDA (then the CUDA plugin refuses the memory, saying why). GIL held.
+void sync_torch_streams(const std::set<int>& devices);
 
 // ferry._ferry._ModelLoader (models.cpp): shared so that a Consumer can keep it alive.
 struct PyModelLoader {

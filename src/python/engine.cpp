@@ -88,7 +88,14 @@ Tensor bind_view(py::handle obj, const TensorDecl& decl, Holders& holders, Exten
   const int64_t es = static_cast<int64_t>(dtype_size(decl.dtype));
   if (is_torch(obj)) {
     const std::string device = py::str(obj.attr("device").attr("type"));
-    if (device != "cpu") throw_status(invalid_argument("{} is on device '{}'; ferry reads CPU memory", where(), device));
+    if (device == "cuda") {
+      // GPU memory: the engine packs it with a kernel (contiguous boxes only), never in place.
+      extent = Extent{};
+      return bind_object(obj, decl, "materialized tensor", false, holders, /*allow_cuda=*/true);
+    }
+    if (device != "cpu") {
+      throw_status(invalid_argument("{} is on device '{}'; ferry takes cpu or cuda memory", where(), device));
+    }
     std::string tname = py::str(obj.attr("dtype"));
     if (tname.rfind("torch.", 0) == 0) tname.erase(0, 6);
     auto d = parse_dtype(tname);
@@ -133,7 +140,7 @@ Tensor bind_view(py::handle obj, const TensorDecl& decl, Holders& holders, Exten
     return checked(Tensor::borrow_strided(base, numel, std::move(l), dtype, nullptr, decl.name));
   }
   extent = Extent{};
-  return bind_object(obj, decl, "materialized tensor", false, holders);
+  return bind_object(obj, decl, "materialized tensor", false, holders, /*allow_cuda=*/true);
 }
 
 // A WeightSource whose methods are those of a Python object (ferry.WeightSource).
@@ -227,6 +234,12 @@ class PySource final : public WeightSource {
           out.push_back(LocalBox{of_tensor[k], std::move(t)});
         }
       }
+      // The trainer's writes to its CUDA tensors may still be queued on its stream.
+      std::set<int> gpus;
+      for (const LocalBox& lb : out) {
+        if (lb.data.device().is_cuda()) gpus.insert(lb.data.device().index);
+      }
+      sync_torch_streams(gpus);
     } catch (py::error_already_set& e) {
       return status_from_python(e, where);
     } catch (const StatusError& e) {
@@ -600,7 +613,8 @@ void register_engine(py::module_& m) {
               throw_status(not_found("Consumer: param '{}' {} {} is missing from params", d.name, shape_str(d.shape),
                                      dtype_name(d.dtype)));
             }
-            pm.emplace(d.name, bind_object(params.attr("__getitem__")(key), d, "Consumer: param", true, c->holders));
+            pm.emplace(d.name, bind_object(params.attr("__getitem__")(key), d, "Consumer: param", true, c->holders,
+                                           /*allow_cuda=*/true));
           }
         }
         c->transport = make_transport(kw);
@@ -629,7 +643,7 @@ void register_engine(py::module_& m) {
             py::str key(d.name);
             if (!params.attr("__contains__")(key).cast<bool>()) continue;
             model.params.emplace(d.name, bind_object(params.attr("__getitem__")(key), d, "Consumer: param", true,
-                                                     c->holders));
+                                                     c->holders, /*allow_cuda=*/true));
           }
         }
         if (!post_process.is_none()) {
@@ -670,6 +684,13 @@ void register_engine(py::module_& m) {
       })
       .def("sync", [](PyConsumer& c, uint64_t version) {
         if (!c.consumer) throw_status(failed_precondition("Consumer.sync: the consumer is closed"));
+        // The caller's work that reads its CUDA params (inference) finishes before ferry
+        // overwrites them; ferry's unpack is done when sync returns.
+        std::set<int> gpus;
+        for (const auto& [name, t] : c.consumer->params()) {
+          if (t.device().is_cuda()) gpus.insert(t.device().index);
+        }
+        sync_torch_streams(gpus);
         Result<SyncReport> r = Status(StatusCode::kInternal, "not run");
         {
           py::gil_scoped_release release;

@@ -268,11 +268,10 @@ Tensor bind_object(py::handle obj, const TensorDecl& decl, const char* kind, boo
       where_bytes = Device::cuda(index.is_none() ? 0 : index.cast<int>());
     } else if (device != "cpu") {
       if (allow_cuda) {
-        throw_status(invalid_argument("{} is a torch tensor on device '{}'; replay takes cpu or cuda memory", where(),
+        throw_status(invalid_argument("{} is a torch tensor on device '{}'; ferry takes cpu or cuda memory", where(),
                                       device));
       }
-      throw_status(invalid_argument("{} is a torch tensor on device '{}'; it needs CPU memory (GPU memory in the engine "
-                                    "is not built yet: docs/gpu.md)", where(), device));
+      throw_status(invalid_argument("{} is a torch tensor on device '{}'; it needs CPU memory here", where(), device));
     }
     std::string tname = py::str(obj.attr("dtype"));
     if (tname.rfind("torch.", 0) == 0) tname.erase(0, 6);
@@ -368,6 +367,13 @@ Tensor bind_object(py::handle obj, const TensorDecl& decl, const char* kind, boo
   if (data == nullptr && shape_numel(shape) == 0) data = empty_storage;
   if (!where_bytes.is_host()) return checked(Tensor::borrow_device(data, shape, dtype, where_bytes, nullptr, decl.name));
   return checked(Tensor::borrow(data, shape, dtype, nullptr, decl.name));
+}
+
+void sync_torch_streams(const std::set<int>& devices) {
+  if (devices.empty()) return;
+  py::object torch = py::module_::import("sys").attr("modules").attr("get")("torch");
+  if (torch.is_none() || !torch.attr("cuda").attr("is_available")().cast<bool>()) return;
+  for (int d : devices) torch.attr("cuda").attr("current_stream")(d).attr("synchronize")();
 }
 
 // Binds every tensor the plan reads (sources) or writes (params).

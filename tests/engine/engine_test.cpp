@@ -1482,8 +1482,8 @@ TEST(ParamTable, RoundTripAndMalformedBytes) {
 // --- weights in GPU memory (issue #19) ---------------------------------------------------
 
 // Params that say they live on cuda:0, on a machine with no usable CUDA device: the
-// consumer is refused at create, naming the device and why (the receive ring must be
-// made visible to it), before any sync; nothing touches the (fake) device pointer.
+// consumer is refused at create, before its rendezvous, naming the param, the device and
+// why (cuda_status); nothing touches the (fake) device pointer.
 TEST(EngineDevice, GpuParamsWithoutAUsableDeviceAreRefusedAtCreate) {
   if (cuda_status().usable()) GTEST_SKIP() << "a CUDA device is here: EngineDevice.SyncsFromGpuMemoryIntoGpuMemory covers it";
   Cluster k;
@@ -1499,7 +1499,7 @@ TEST(EngineDevice, GpuParamsWithoutAUsableDeviceAreRefusedAtCreate) {
   for (const Status& s : k.started) {
     if (s.ok()) continue;
     named |= s.code() == StatusCode::kUnavailable && s.message().find("cuda:0") != std::string::npos &&
-             s.message().find("receive ring") != std::string::npos;
+             s.message().find(cuda_status().detail) != std::string::npos;
   }
   EXPECT_TRUE(named) << st.to_string();
 }
