@@ -299,8 +299,20 @@ class Transport final {
   // releases every key imported from that peer. No failure handler runs.
   Status disconnect(PeerId peer);
 
+  // Whether this transport can register memory of `kind` and move it (read into it,
+  // write from it), as its backend found when it started; detected, never assumed.
+  // Host: always. CUDA: ucx where its context lists the CUDA memory type (a UCX built
+  // with cuda_copy / cuda_ipc / GPUDirect transports that UCX_TLS enables; Debian's UCX
+  // 1.13 is built without them, so ferry stages GPU memory through host memory there);
+  // inproc never. Even then, an access to CUDA memory of a peer reached without native
+  // get/put (tcp, where ferry emulates RMA by messages copied on the host) is refused.
+  bool supports_memory(MemoryKind kind) const;
+  // One line on what supports_memory found and why ("host, cuda (cuda_copy, cuda_ipc)";
+  // "host only: ... lists no CUDA memory type ...").
+  std::string memory_support() const;
+
   // Registers [base, base + length). kInvalidArgument for a null base or zero length,
-  // kUnimplemented for a memory kind the backend lacks.
+  // kUnimplemented for a memory kind the backend lacks (supports_memory).
   Result<MemoryRegion> register_memory(void* base, uint64_t length, MemoryKind kind = MemoryKind::kHost);
   // Allocates `length` bytes already registered with this transport, owned by it and
   // freed by deregister_memory (or the transport's destruction). ucx: allocated by UCX

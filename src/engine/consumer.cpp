@@ -1156,12 +1156,23 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
     m.loaded.emplace(d.name, t);
     if (t.device().is_cuda()) {
       // In GPU memory: unpacked there by a kernel from the receive ring (made visible to
-      // the device below), never read into directly (the transport moves host memory).
+      // the device below). Read into directly only where the transport itself moves CUDA
+      // memory (Transport::supports_memory: a UCX built with CUDA), and not with
+      // checksums (verified on the host).
       if (cuda && *cuda != t.device()) {
         return invalid_argument("consumer {}: params on {} and {} ('{}'); ferry stages for one GPU per rank", rank,
                                 device_str(*cuda), device_str(t.device()), d.name);
       }
       cuda = t.device();
+      if (!transport.supports_memory(MemoryKind::kCuda) || options.checksums) continue;
+      if (bytes < options.direct_min_bytes || bytes == 0) continue;
+      FERRY_ASSIGN_OR_RETURN(std::byte * dev, t.device_ptr());
+      auto r = transport.register_memory(dev, bytes, MemoryKind::kCuda);
+      if (!r.ok()) return r.status().with_context(fmt::format("consumer {}: registering param '{}' on {}", rank, d.name,
+                                                              device_str(t.device())));
+      m.registrations.push_back(*r);
+      m.param_regions[d.name] =
+          RegisteredParam{*r, 0, dev, bytes, static_cast<uint32_t>(m.registrations.size() - 1)};
       continue;
     }
     if (bytes < options.direct_min_bytes || bytes == 0) continue;

@@ -96,11 +96,17 @@ TEST(DevicesCli, SaysWhatCudaCanDoAndWhy) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("\"host\":true"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("\"cuda_usable\":"), std::string::npos) << r.out;
+  // Which memory each transport moves itself (TransportMemory.CudaSupportIsWhatUcxInfoLists
+  // checks the answer against ucx_info).
+  EXPECT_NE(r.out.find("\"transports\":{"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"inproc\":{\"cuda_memory\":false"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"ucx\":{\"cuda_memory\":"), std::string::npos) << r.out;
 #ifdef FERRY_TEST_HAVE_CUDA
   EXPECT_NE(r.out.find("libferry_cuda.so"), std::string::npos) << r.out;
 #endif
   r = ferry_cli_test::run_command("FERRY_CUDA_PLUGIN=/nonexistent/libferry_cuda.so " + std::string(FERRY_BIN) + " devices");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("cuda plugin: none"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("transport ucx moves: host"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("/nonexistent/libferry_cuda.so (absent)"), std::string::npos) << r.out;
 }

@@ -3,6 +3,7 @@
 // UCX defaults, and the precedence of the FERRY_UCX_* environment variables.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -219,6 +220,47 @@ TEST(TransportBackendOptions, UcxRouteToPicksTheInterface) {
   EXPECT_NE(bad.status().message().find("no-such-host.invalid"), std::string::npos) << bad.status().to_string();
   auto empty = Transport::resolve_params("ucx", {{"route_to", ""}});
   EXPECT_FALSE(empty.ok());
+}
+
+// What memory a transport can move is detected, never assumed: the ucx backend says it
+// moves CUDA memory exactly when UCX here has transports for it (the oracle: `ucx_info
+// -d`, run beside it, lists a cuda_copy / cuda_ipc / gdr_copy transport), and otherwise
+// refuses to register CUDA memory saying why; inproc moves host memory only.
+TEST(TransportMemory, CudaSupportIsWhatUcxInfoLists) {
+  FILE* f = ::popen("ucx_info -d 2>/dev/null", "r");
+  ASSERT_NE(f, nullptr);
+  std::string listed;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof(buf), f)) > 0;) listed.append(buf, n);
+  const int rc = ::pclose(f);
+  if (rc != 0 || listed.find("Transport:") == std::string::npos) GTEST_SKIP() << "ucx_info -d did not run here";
+  bool cuda_listed = false;
+  for (const char* tl : {"Transport: cuda_copy", "Transport: cuda_ipc", "Transport: gdr_copy"}) {
+    cuda_listed |= listed.find(tl) != std::string::npos;
+  }
+  TransportOptions o;
+  o.backend = "ucx";
+  o.params = {{"tls", "all"}};
+  auto t = Transport::create(o);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  EXPECT_TRUE((*t)->supports_memory(MemoryKind::kHost));
+  EXPECT_EQ((*t)->supports_memory(MemoryKind::kCuda), cuda_listed) << (*t)->memory_support();
+  if (!cuda_listed) {
+    EXPECT_NE((*t)->memory_support().find("host only"), std::string::npos) << (*t)->memory_support();
+    static std::byte some[4096];
+    auto r = (*t)->register_memory(some, sizeof(some), MemoryKind::kCuda);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kUnimplemented);
+    EXPECT_NE(r.status().message().find("lists no CUDA memory type"), std::string::npos) << r.status().to_string();
+  } else {
+    EXPECT_NE((*t)->memory_support().find("cuda"), std::string::npos) << (*t)->memory_support();
+  }
+  TransportOptions in;
+  in.backend = "inproc";
+  auto ti = Transport::create(in);
+  ASSERT_TRUE(ti.ok()) << ti.status().to_string();
+  EXPECT_TRUE((*ti)->supports_memory(MemoryKind::kHost));
+  EXPECT_FALSE((*ti)->supports_memory(MemoryKind::kCuda));
 }
 
 }  // namespace

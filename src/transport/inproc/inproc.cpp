@@ -471,6 +471,8 @@ class InprocBackend final : public TransportBackend {
   }
 
   TransportStats stats() const override { return core_->stats().snapshot(); }
+  bool supports_memory(MemoryKind kind) const override { return kind == MemoryKind::kHost; }
+  std::string memory_support() const override { return "host only (the inproc backend copies with memcpy)"; }
 
  private:
   static Status cancelled_error() { return cancelled("operation cancelled: the transport shut down or crashed"); }

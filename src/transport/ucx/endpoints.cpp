@@ -17,6 +17,20 @@ bool UcxBackend::context_has_shared_memory() {
   return false;
 }
 
+std::string UcxBackend::context_cuda_transports() {
+  const std::string info = printed([this](FILE* f) { ucp_context_print_info(ctx_, f); });
+  std::string out;
+  for (size_t at = info.find("-- "); at != std::string::npos; at = info.find("-- ", at + 1)) {
+    size_t slash = info.find('/', at);
+    if (slash == std::string::npos) break;
+    const std::string_view tl = std::string_view(info).substr(at + 3, slash - at - 3);
+    if (tl.rfind("cuda", 0) == 0 || tl.rfind("gdr", 0) == 0) {
+      if (out.find(tl) == std::string::npos) out += (out.empty() ? "" : ", ") + std::string(tl);
+    }
+  }
+  return out;
+}
+
 Result<PeerId> UcxBackend::connect(std::span<const std::byte> bytes) {
   FERRY_ASSIGN_OR_RETURN(wire::Address a, wire::decode_address(bytes, wire::Backend::kUcx));
   if (a.payload.empty()) return corrupt("ucx address: empty worker address");

@@ -47,6 +47,12 @@ Status UcxBackend::init() {
   if (st != UCS_OK) return unavailable("ucx: ucp_init failed: {}", ucs_status_string(st));
 
   shm_transports_ = context_has_shared_memory();
+  {
+    ucp_context_attr_t ca{};
+    ca.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+    if (ucp_context_query(ctx_, &ca) == UCS_OK) memory_types_ = ca.memory_types;
+    cuda_transports_ = context_cuda_transports();
+  }
 
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
@@ -101,6 +107,23 @@ UcxBackend::~UcxBackend() {
   if (ctx_ != nullptr) ucp_cleanup(ctx_);
 }
 
+bool UcxBackend::supports_memory(MemoryKind kind) const {
+  switch (kind) {
+    case MemoryKind::kHost: return true;
+    case MemoryKind::kCuda: return (memory_types_ & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+  }
+  return false;
+}
+
+std::string UcxBackend::memory_support() const {
+  if (supports_memory(MemoryKind::kCuda)) {
+    return fmt::format("host, cuda ({})", cuda_transports_.empty() ? "UCX lists the CUDA memory type" : cuda_transports_);
+  }
+  return fmt::format("host only: UCX {} lists no CUDA memory type (built without cuda_copy/cuda_ipc, or UCX_TLS "
+                     "leaves them out); GPU memory is staged through host memory",
+                     ucp_get_version_string());
+}
+
 Result<MemoryRegion> UcxBackend::register_memory(void* base, uint64_t length, MemoryKind kind) {
   return map_memory(base, length, kind, false);
 }
@@ -111,14 +134,16 @@ Result<MemoryRegion> UcxBackend::allocate_memory(uint64_t length, MemoryKind kin
 
 Result<MemoryRegion> UcxBackend::map_memory(void* base, uint64_t length, MemoryKind kind, bool allocate) {
   const char* op = allocate ? "allocate_memory" : "register_memory";
-  if (kind != MemoryKind::kHost) {
-    return unimplemented("{}: {} memory is not supported yet by the ucx backend", op, memory_kind_name(kind));
-  }
+  if (!supports_memory(kind)) return unimplemented("{}: {} memory: {}", op, memory_kind_name(kind), memory_support());
   return run_sync<MemoryRegion>([this, base, length, kind, allocate, op]() -> Result<MemoryRegion> {
     ucp_mem_map_params_t mp{};
     mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
     mp.address = base;
     mp.length = length;
+    if (kind == MemoryKind::kCuda) {
+      mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+      mp.memory_type = UCS_MEMORY_TYPE_CUDA;
+    }
     if (allocate) {
       mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_FLAGS;
       mp.flags = UCP_MEM_MAP_ALLOCATE;
@@ -276,6 +301,12 @@ Result<Completion> UcxBackend::rma(bool is_write, const MemoryRegion& local, uin
       return not_found("{}: remote region {} is not an imported key", op, remote.id);
     }
     const Key& key = k->second;
+    if (key.by_message && (l->second.kind != MemoryKind::kHost || key.kind != MemoryKind::kHost)) {
+      // The emulation copies on the host (memcpy at the target): never into GPU memory.
+      return unimplemented("{}: {} memory with peer {:#x}, reached without native get/put (tcp): ferry's message "
+                           "emulation copies on the host; stage it through host memory", op,
+                           memory_kind_name(l->second.kind != MemoryKind::kHost ? l->second.kind : key.kind), key.peer);
+    }
     if (key.owner->failed) return peer_failed("{}: peer {:#x} failed: {}", op, key.peer, key.owner->why.message());
     r = RmaOp{std::make_shared<OpState>(std::move(on_done), &progress_tid_), is_write,
               static_cast<std::byte*>(l->second.base) + local_offset, key.base + remote_offset, length,

@@ -290,6 +290,8 @@ class UcxBackend final : public TransportBackend {
   PeerId id() const override { return id_; }
   std::vector<std::byte> address() const override { return address_; }
   TransportStats stats() const override { return stats_.snapshot(); }
+  bool supports_memory(MemoryKind kind) const override;
+  std::string memory_support() const override;
   // The TransportBackend interface (and init, for create()).
   Status init();
   ~UcxBackend() override;
@@ -366,6 +368,9 @@ class UcxBackend final : public TransportBackend {
   // ---- endpoints.cpp ---------------------------------------------------------
   Result<PeerId> create_ep(wire::Address a);
   bool context_has_shared_memory();
+  // The context's transports that move CUDA memory (cuda_copy, cuda_ipc, gdr_copy), as
+  // ucp_context_print_info lists them; "" for a UCX built without CUDA.
+  std::string context_cuda_transports();
   static std::string ep_info(ucp_ep_h ep);
   static std::vector<std::string> lane_transports(const std::string& info);
   static bool is_shared_memory_transport(std::string_view tl);
@@ -454,6 +459,8 @@ class UcxBackend final : public TransportBackend {
   std::atomic<int> watched_{0};  // peers with `watched` set (never decremented: only a hint)
   std::atomic<bool> warned_unsafe_shm_{false};  // the mode-NONE control warning was printed
   bool shm_transports_ = false;  // the context has a transport that maps peers' memory (init)
+  uint64_t memory_types_ = 0;    // UCP_ATTR_FIELD_MEMORY_TYPES of the context (init)
+  std::string cuda_transports_;  // the context's transports on CUDA memory, ", "-joined (init)
   Clock::time_point next_watch_{};
   std::mutex mu_;  // tables and handlers
   std::map<uint64_t, Region> regions_;
