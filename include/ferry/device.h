@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -74,7 +75,10 @@ struct StridedCopy {
   Layout src_layout;
   std::byte* dst = nullptr;
   Layout dst_layout;
-  DType dtype = DType::kBF16;
+  DType dtype = DType::kBF16;  // of dst (and of src, unless src_dtype says otherwise)
+  // The source's dtype when it differs from `dtype`: the copy converts, between float
+  // dtypes only (bf16, f16, f32, float8 e4m3fn / e5m2), with the bits strided_copy gives.
+  std::optional<DType> src_dtype;
 };
 
 // Runs every copy of `copies` on `device`: on the host with strided_copy/strided_zero,

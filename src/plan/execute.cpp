@@ -60,13 +60,10 @@ Status execute_on_device(const Plan& plan, const std::vector<Bound>& src, const 
   std::vector<StridedCopy> batch;
   batch.reserve(plan.copies().size() + plan.zeros().size());
   for (const Copy& c : plan.copies()) {
-    if (src[c.source].dtype != dst[c.param].dtype) {
-      return invalid_argument("execute on {}: source '{}' ({}) into param '{}' ({}) needs a dtype conversion, which runs "
-                              "on the host only",
-                              device_str(device), *src[c.source].name, dtype_name(src[c.source].dtype), *dst[c.param].name,
-                              dtype_name(dst[c.param].dtype));
-    }
-    batch.push_back({src[c.source].base, c.src, dst[c.param].base, c.dst, dst[c.param].dtype});
+    // A dtype conversion (between float dtypes, as on the host) runs in the same kernel.
+    std::optional<DType> from;
+    if (src[c.source].dtype != dst[c.param].dtype) from = src[c.source].dtype;
+    batch.push_back({src[c.source].base, c.src, dst[c.param].base, c.dst, dst[c.param].dtype, from});
   }
   for (const Zero& z : plan.zeros()) batch.push_back({nullptr, {}, dst[z.param].base, z.dst, dst[z.param].dtype});
   return copy_batch(device, batch, stream);

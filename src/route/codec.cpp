@@ -563,12 +563,11 @@ Status unpack_group(const PlanRoute& plan, int group, std::span<const std::byte>
       return out_of_range("unpack: param '{}' reads past the receive buffer", d.name);
     }
     if (!where[op.param].is_host()) {
-      if (op.src_dtype != d.dtype) {
-        return invalid_argument("unpack: param '{}' on {} receives {} as {}: dtype conversion runs on the host only",
-                                d.name, device_str(where[op.param]), dtype_name(op.src_dtype), dtype_name(d.dtype));
-      }
+      // A dtype conversion (float dtypes) runs in the unpack kernel, as strided_copy would.
+      std::optional<DType> from;
+      if (op.src_dtype != d.dtype) from = op.src_dtype;
       device_unpacks.push_back(
-          {recv.data() + op.offset, Layout::contiguous(op.dst.shape), base[op.param], op.dst, d.dtype});
+          {recv.data() + op.offset, Layout::contiguous(op.dst.shape), base[op.param], op.dst, d.dtype, from});
       continue;
     }
     strided_copy(recv.data() + op.offset, Layout::contiguous(op.dst.shape), op.src_dtype, base[op.param], op.dst, d.dtype);

@@ -16,6 +16,18 @@ uint32_t width_for(uint64_t bits) {
   return static_cast<uint32_t>(std::min<uint64_t>(low, 16));
 }
 
+// The kernel's ElementType of a float dtype; kNoConversion for the others.
+uint8_t element_type(DType d) {
+  switch (d) {
+    case DType::kBF16: return kElemBF16;
+    case DType::kF16: return kElemF16;
+    case DType::kF32: return kElemF32;
+    case DType::kF8E4M3: return kElemE4M3;
+    case DType::kF8E5M2: return kElemE5M2;
+    default: return kNoConversion;
+  }
+}
+
 }  // namespace
 
 Result<BatchPlan> plan_batch(std::span<const StridedCopy> copies, uint32_t words_per_task) {
@@ -49,6 +61,42 @@ Result<BatchPlan> plan_batch(std::span<const StridedCopy> copies, uint32_t words
     if (d.ndim() == 0) {  // one element
       d = Layout{{1}, {1}, d.offset};
       s = Layout{{1}, {1}, s.offset};
+    }
+    if (!zero && c.src_dtype && *c.src_dtype != c.dtype) {
+      // Converting: one word per element, every dim kept (the inner one strided by the
+      // element sizes of each side).
+      const uint8_t from = element_type(*c.src_dtype), to = element_type(c.dtype);
+      if (from == kNoConversion || to == kNoConversion) {
+        return invalid_argument("copy_batch: copy {} converts {} to {}: a GPU copy converts between float dtypes only", i,
+                                dtype_name(*c.src_dtype), dtype_name(c.dtype));
+      }
+      if (d.ndim() > kMaxDims) {
+        return invalid_argument("copy_batch: copy {} has {} dims after coalescing ({}); a GPU copy takes at most {}", i,
+                                d.ndim(), d.to_string(), kMaxDims);
+      }
+      const int64_t ses = static_cast<int64_t>(dtype_size(*c.src_dtype));
+      const int64_t des = static_cast<int64_t>(dtype_size(c.dtype));
+      CopyDesc desc;
+      desc.dst = reinterpret_cast<uint64_t>(c.dst + d.offset * des);
+      desc.src = reinterpret_cast<uint64_t>(c.src + s.offset * ses);
+      desc.width = static_cast<uint32_t>(des);
+      desc.ndim = static_cast<uint32_t>(d.ndim());
+      desc.src_type = from;
+      desc.dst_type = to;
+      for (int64_t k = 0; k < d.ndim(); ++k) {
+        desc.shape[k] = d.shape[k];
+        desc.dst_stride[k] = d.strides[k] * des;
+        desc.src_stride[k] = s.strides[k] * ses;
+      }
+      desc.words = static_cast<uint64_t>(numel);
+      if (plan.descs.size() >= UINT32_MAX) return invalid_argument("copy_batch: more than 2^32 copies in one batch");
+      const uint32_t index = static_cast<uint32_t>(plan.descs.size());
+      plan.descs.push_back(desc);
+      plan.bytes += static_cast<uint64_t>(numel * des);
+      for (uint64_t first = 0; first < desc.words; first += words_per_task) {
+        plan.tasks.push_back(BlockTask{first, index, static_cast<uint32_t>(std::min<uint64_t>(words_per_task, desc.words - first))});
+      }
+      continue;
     }
     const int64_t es = static_cast<int64_t>(dtype_size(c.dtype));
     const int64_t nd = d.ndim();

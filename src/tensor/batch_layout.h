@@ -10,10 +10,14 @@
 // moves 16 bytes per load where alignment allows. The innermost dim of a descriptor
 // is always a run of words with stride `width` on both sides: either a whole
 // contiguous row (inner elements contiguous on both sides), or the bytes of one element
-// when the inner dim is strided.
+// when the inner dim is strided. A copy that converts between float dtypes is cut into
+// elements instead: one word is one element, read as its source dtype and written as
+// its destination dtype (element_convert.h).
 #pragma once
 
 #include <cstdint>
+
+#include "tensor/element_convert.h"
 
 #if defined(__CUDACC__)
 #define FERRY_HD __host__ __device__
@@ -41,8 +45,11 @@ inline constexpr uint32_t kWordsPerTask = 256 * 16;
 struct CopyDesc {
   uint64_t src = 0;  // address of the first word (0: zero-fill)
   uint64_t dst = 0;
-  uint32_t width = 1;  // bytes per word
+  uint32_t width = 1;  // bytes per word (a converting copy: the destination element's)
   uint32_t ndim = 1;   // dims used in shape/strides; [ndim-1] is the word dim
+  // A converting copy: the source and destination ElementType; kNoConversion: bytes.
+  uint8_t src_type = kNoConversion;
+  uint8_t dst_type = kNoConversion;
   uint64_t words = 0;  // product of shape
   int64_t shape[kMaxDims] = {};
   int64_t src_stride[kMaxDims] = {};  // bytes
@@ -107,6 +114,10 @@ FERRY_HD inline void copy_word(const CopyDesc& d, int64_t src_off, int64_t dst_o
     return;
   }
   const unsigned char* src = reinterpret_cast<const unsigned char*>(d.src) + src_off;
+  if (d.dst_type != kNoConversion) {
+    store_float(dst, d.dst_type, load_float(src, d.src_type));
+    return;
+  }
 #if defined(__CUDA_ARCH__)
   // Aligned by construction (plan_batch picks width from the addresses and strides).
   switch (d.width) {
@@ -129,7 +140,8 @@ struct BatchPlan {
 };
 
 // Descriptors and tasks for `copies` (host code; the addresses are only stored, never
-// read). Errors: unequal shapes, a negative numel, too many dims after coalescing.
+// read). Errors: unequal shapes, a negative numel, too many dims after coalescing, a
+// conversion other than between float dtypes.
 Result<BatchPlan> plan_batch(std::span<const StridedCopy> copies, uint32_t words_per_task = kWordsPerTask);
 
 // Runs `plan` on the CPU exactly as the kernel does: for every task, every thread of

@@ -204,7 +204,7 @@ Status copy_batch(Device device, std::span<const StridedCopy> copies, DeviceStre
         return invalid_argument("copy_batch: copy {} moves {} into {}: shapes differ", i, shape_str(c.src_layout.shape),
                                 shape_str(c.dst_layout.shape));
       }
-      strided_copy(c.src, c.src_layout, c.dtype, c.dst, c.dst_layout, c.dtype);
+      strided_copy(c.src, c.src_layout, c.src_dtype.value_or(c.dtype), c.dst, c.dst_layout, c.dtype);
     }
     return Status::Ok();
   }

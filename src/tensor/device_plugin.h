@@ -11,7 +11,7 @@
 
 extern "C" {
 
-#define FERRY_CUDA_PLUGIN_ABI 2
+#define FERRY_CUDA_PLUGIN_ABI 3
 #define FERRY_CUDA_PLUGIN_SYMBOL "ferry_cuda_plugin_v1"
 
 struct FerryCudaPlugin {

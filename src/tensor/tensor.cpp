@@ -677,13 +677,15 @@ Status Tensor::copy_(const Tensor& src) const {
       return invalid_argument("copy_: {} is on {} and {} on {}; copy_ runs within one device", src.describe(),
                               device_str(src.device()), describe(), device_str(device()));
     }
-    if (dtype() != src.dtype()) {
-      return invalid_argument("copy_: {} into {}: on {} copy_ copies bytes and cannot convert dtypes", src.describe(),
-                              describe(), device_str(device()));
+    if (dtype() != src.dtype() && !(is_floating(dtype()) && is_floating(src.dtype()))) {
+      return invalid_argument("copy_: dtype {} of {} cannot convert to {} of {}", dtype_name(src.dtype()), src.describe(),
+                              dtype_name(dtype()), describe());
     }
     Tensor v = src.layout().shape == shape() ? src : src.reshape(shape());
     if (!v.ok()) return v.status();
-    const StridedCopy c{v.impl_->storage->data, v.layout(), impl_->storage->data, layout(), dtype()};
+    std::optional<DType> from;
+    if (src.dtype() != dtype()) from = src.dtype();
+    const StridedCopy c{v.impl_->storage->data, v.layout(), impl_->storage->data, layout(), dtype(), from};
     return copy_batch(device(), std::span<const StridedCopy>(&c, 1));
   }
   if (dtype() != src.dtype() && !(is_floating(dtype()) && is_floating(src.dtype()))) {

@@ -127,6 +127,112 @@ TEST(BatchLayout, KernelArithmeticMatchesStridedCopyOnRandomLayouts) {
   for (int w : {1, 2, 4, 8, 16}) EXPECT_GT(widths_seen[w], 0) << "width " << w;
 }
 
+constexpr DType kFloatDTypes[] = {DType::kBF16, DType::kF16, DType::kF32, DType::kF8E4M3, DType::kF8E5M2};
+
+uint8_t elem_of(DType d) {
+  switch (d) {
+    case DType::kBF16: return batch::kElemBF16;
+    case DType::kF16: return batch::kElemF16;
+    case DType::kF32: return batch::kElemF32;
+    case DType::kF8E4M3: return batch::kElemE4M3;
+    default: return batch::kElemE5M2;
+  }
+}
+
+// The kernel's element conversion (element_convert.h, in float) gives the host's bits
+// (strided_copy, in double) for every code of every small float dtype into every other
+// float dtype, and for f32 at its edges (zeros, subnormals, around each format's largest
+// finite value and its rounding ties, infinities, NaNs of both signs) and 2^20 random
+// bit patterns.
+TEST(ElementConvert, EveryCodeConvertsAsTheHostDoes) {
+  std::mt19937 rng(7);
+  for (DType from : kFloatDTypes) {
+    const size_t fs = dtype_size(from);
+    std::vector<uint32_t> codes;
+    if (from == DType::kF32) {
+      for (uint32_t sign : {0u, 0x80000000u}) {
+        for (uint32_t u : {0u, 1u, 2u, 0x7fffffu, 0x800000u, 0x7f7fffffu, 0x7f800000u, 0x7f800001u, 0x7fc00000u, 0x7fffffffu})
+          codes.push_back(sign | u);
+        // Near 448 / 57344 / 65504 and their halfway points, and across the subnormal edges.
+        for (float f : {448.0f, 464.0f, 480.0f, 57344.0f, 61440.0f, 65504.0f, 65520.0f, 0x1p-6f, 0x1p-9f, 0x1p-10f,
+                        0x1p-14f, 0x1p-16f, 0x1p-17f, 0x1p-24f, 0x1p-25f, 0x1p-126f, 0x1p-133f, 0x1p-134f}) {
+          uint32_t u;
+          std::memcpy(&u, &f, 4);
+          for (int d = -3; d <= 3; ++d) codes.push_back(sign | static_cast<uint32_t>(static_cast<int64_t>(u) + d));
+        }
+      }
+      for (int i = 0; i < (1 << 20); ++i) codes.push_back(static_cast<uint32_t>(rng()));
+    } else {
+      for (uint32_t c = 0; c < (1u << (8 * fs)); ++c) codes.push_back(c);
+    }
+    std::vector<std::byte> src(codes.size() * fs);
+    for (size_t i = 0; i < codes.size(); ++i) std::memcpy(src.data() + i * fs, &codes[i], fs);  // little-endian
+    for (DType to : kFloatDTypes) {
+      if (to == from) continue;
+      const size_t ts = dtype_size(to);
+      const int64_t n = static_cast<int64_t>(codes.size());
+      std::vector<std::byte> want(codes.size() * ts), got(codes.size() * ts);
+      strided_copy(src.data(), Layout::contiguous({n}), from, want.data(), Layout::contiguous({n}), to);
+      for (size_t i = 0; i < codes.size(); ++i) {
+        const auto* sp = reinterpret_cast<const unsigned char*>(src.data() + i * fs);
+        auto* gp = reinterpret_cast<unsigned char*>(got.data() + i * ts);
+        batch::store_float(gp, elem_of(to), batch::load_float(sp, elem_of(from)));
+      }
+      for (size_t i = 0; i < codes.size(); ++i) {
+        if (std::memcmp(want.data() + i * ts, got.data() + i * ts, ts) != 0) {
+          uint32_t w = 0, g = 0;
+          std::memcpy(&w, want.data() + i * ts, ts);
+          std::memcpy(&g, got.data() + i * ts, ts);
+          FAIL() << dtype_name(from) << " code " << std::hex << codes[i] << " -> " << dtype_name(to) << ": host " << w
+                 << ", kernel " << g;
+        }
+      }
+    }
+  }
+}
+
+// Copies that convert between float dtypes, planned for the kernel and run by
+// emulate_batch, give strided_copy's bytes: random dtype pairs, layouts (permuted,
+// narrowed, negative strides), misaligned buffers, random bytes as values (NaNs,
+// infinities and subnormals among them), tasks cut at random sizes.
+TEST(BatchLayout, ConvertingCopiesMatchStridedCopyOnRandomLayouts) {
+  std::mt19937 rng(20261202);
+  for (int iter = 0; iter < 1500; ++iter) {
+    const DType from = kFloatDTypes[rng() % 5];
+    DType to = kFloatDTypes[rng() % 5];
+    if (to == from) to = kFloatDTypes[(static_cast<int>(rng() % 4) + 1 + static_cast<int>(std::find(std::begin(kFloatDTypes), std::end(kFloatDTypes), from) - std::begin(kFloatDTypes))) % 5];
+    const int64_t fs = static_cast<int64_t>(dtype_size(from)), ts = static_cast<int64_t>(dtype_size(to));
+    const size_t nd = 1 + rng() % 4;
+    Shape shape(nd);
+    for (auto& n : shape) n = 1 + static_cast<int64_t>(rng() % (nd == 1 ? 300 : 9));
+    const RandomView sv = random_view(rng, shape, true);
+    const RandomView dv = random_view(rng, shape, false);
+    std::vector<std::byte> src(static_cast<size_t>(sv.parent_numel * fs) + 16);
+    for (auto& b : src) b = static_cast<std::byte>(rng());
+    const size_t src_skew = rng() % 3 == 0 ? rng() % 8 : 0;
+    const size_t dst_skew = rng() % 3 == 0 ? rng() % 8 : 0;
+    std::vector<std::byte> src_store(src.size() + 16), want(static_cast<size_t>(dv.parent_numel * ts) + 16 + dst_skew);
+    std::memcpy(src_store.data() + src_skew, src.data(), src.size());
+    for (auto& b : want) b = std::byte{0x5a};
+    std::vector<std::byte> got = want;
+    strided_copy(src_store.data() + src_skew, sv.layout, from, want.data() + dst_skew, dv.layout, to);
+    const StridedCopy c{src_store.data() + src_skew, sv.layout, got.data() + dst_skew, dv.layout, to, from};
+    const uint32_t per_task = rng() % 2 ? batch::kWordsPerTask : 1 + rng() % 700;
+    auto plan = batch::plan_batch(std::span<const StridedCopy>(&c, 1), per_task);
+    ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+    batch::emulate_batch(*plan);
+    ASSERT_EQ(0, std::memcmp(want.data(), got.data(), want.size()))
+        << "iteration " << iter << ": " << sv.layout.to_string() << " " << dtype_name(from) << " -> "
+        << dv.layout.to_string() << " " << dtype_name(to) << " words/task " << per_task;
+  }
+  // A conversion outside the float dtypes is refused naming both.
+  alignas(16) static std::byte a[64], b[64];
+  const StridedCopy bad{a, Layout::contiguous({4}), b, Layout::contiguous({4}), DType::kF32, DType::kI32};
+  auto p = batch::plan_batch(std::span<const StridedCopy>(&bad, 1));
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find("I32 to F32"), std::string::npos) << p.status().to_string();
+}
+
 TEST(BatchLayout, WidthFollowsAlignmentAndRuns) {
   alignas(16) static std::byte a[1 << 16], b[1 << 16];
   // A row shard: contiguous on both sides, aligned: 16-byte words, one run.
@@ -249,8 +355,14 @@ TEST(Device, CudaTensorsRefuseHostOps) {
   ASSERT_FALSE(st.ok());
   EXPECT_NE(st.message().find("cuda:0"), std::string::npos) << st.to_string();
   EXPECT_NE(st.message().find("cpu"), std::string::npos) << st.to_string();
+  // Float dtypes convert on the device (here: no usable device, named); others do not.
   Tensor f32 = Tensor::borrow_device(fake, {4, 8}, DType::kF32, Device::cuda(0));
   st = f32.copy_(t);
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
+  EXPECT_NE(st.message().find("cuda:0"), std::string::npos) << st.to_string();
+  Tensor i32 = Tensor::borrow_device(fake, {4, 8}, DType::kI32, Device::cuda(0));
+  st = i32.copy_(t);
   ASSERT_FALSE(st.ok());
   EXPECT_NE(st.message().find("cannot convert"), std::string::npos) << st.to_string();
   Tensor other = Tensor::borrow_device(fake, {4, 8}, DType::kBF16, Device::cuda(1));
@@ -343,6 +455,61 @@ TEST(CudaDevice, RandomBatchesMatchTheHost) {
     ASSERT_TRUE(st.ok()) << st.to_string();
     ASSERT_TRUE(device_memcpy(got.data(), ddst->get(), kBytes).ok());
     ASSERT_EQ(0, std::memcmp(want.data(), got.data(), kBytes)) << "iteration " << iter;
+  }
+}
+
+// A plan that converts (f32 and bf16 sources into bf16, f16 and float8 e4m3 params)
+// runs on the device in one batch and gives the host executor's bits.
+TEST(CudaDevice, ConvertingPlanRunsOnTheDeviceAsOnTheHost) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Recorder rec;
+  Tensor a = Tensor::source("a", {64, 48}, DType::kF32);
+  Tensor b = Tensor::source("b", {64, 48}, DType::kBF16);
+  Tensor p = Tensor::param("p", {64, 24}, DType::kBF16);
+  Tensor q = Tensor::param("q", {48, 64}, DType::kF16);
+  Tensor r = Tensor::param("r", {64, 48}, DType::kF8E4M3);
+  ASSERT_TRUE(p.copy_(a.narrow(1, 24, 24)).ok());
+  ASSERT_TRUE(q.copy_(b.t()).ok());
+  ASSERT_TRUE(r.copy_(a).ok());
+  auto plan = rec.finish();
+  ASSERT_TRUE(plan.ok());
+  std::mt19937 rng(5);
+  std::vector<std::byte> ha(64 * 48 * 4), hb(64 * 48 * 2);
+  for (size_t i = 0; i < ha.size() / 4; ++i) {
+    const float v = std::ldexp(static_cast<float>(static_cast<int>(rng() % 2001) - 1000), static_cast<int>(rng() % 30) - 20);
+    std::memcpy(ha.data() + i * 4, &v, 4);
+  }
+  for (auto& x : hb) x = static_cast<std::byte>(rng());
+  const Device gpu = Device::cuda(0);
+  const std::pair<const char*, std::pair<Shape, DType>> params[] = {
+      {"p", {{64, 24}, DType::kBF16}}, {"q", {{48, 64}, DType::kF16}}, {"r", {{64, 48}, DType::kF8E4M3}}};
+  TensorMap host_params, dev_params;
+  std::vector<std::shared_ptr<std::byte>> keep;
+  for (const auto& [name, sd] : params) {
+    host_params.emplace(name, Tensor::empty(sd.first, sd.second, name));
+    const size_t bytes = shape_numel(sd.first) * dtype_size(sd.second);
+    auto d = device_alloc(gpu, bytes);
+    ASSERT_TRUE(d.ok()) << d.status().to_string();
+    keep.push_back(*d);
+    dev_params.emplace(name, Tensor::borrow_device(d->get(), sd.first, sd.second, gpu, nullptr, name));
+  }
+  ASSERT_TRUE(execute(*plan, {{"a", Tensor::borrow(ha.data(), {64, 48}, DType::kF32, nullptr, "a")},
+                              {"b", Tensor::borrow(hb.data(), {64, 48}, DType::kBF16, nullptr, "b")}},
+                      host_params)
+                  .ok());
+  auto da = device_alloc(gpu, ha.size()), db = device_alloc(gpu, hb.size());
+  ASSERT_TRUE(da.ok() && db.ok());
+  ASSERT_TRUE(device_memcpy(da->get(), ha.data(), ha.size()).ok());
+  ASSERT_TRUE(device_memcpy(db->get(), hb.data(), hb.size()).ok());
+  Status st = execute(*plan, {{"a", Tensor::borrow_device(da->get(), {64, 48}, DType::kF32, gpu, nullptr, "a")},
+                              {"b", Tensor::borrow_device(db->get(), {64, 48}, DType::kBF16, gpu, nullptr, "b")}},
+                      dev_params);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  for (const auto& [name, sd] : params) {
+    const size_t bytes = shape_numel(sd.first) * dtype_size(sd.second);
+    std::vector<std::byte> got(bytes);
+    ASSERT_TRUE(device_memcpy(got.data(), *dev_params.at(name).device_ptr(), bytes).ok());
+    EXPECT_EQ(0, std::memcmp(got.data(), *host_params.at(name).data_ptr(), bytes)) << name;
   }
 }
 
