@@ -16,6 +16,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
 echo "== GPU tests (the CPU ones beside them)"
 timeout 120 "$B/tests/tensor/device_test" --gtest_color=no
 timeout 120 "$B/tests/route/route_test" --gtest_color=no --gtest_filter='*Gpu*:*Pack*'
+timeout 120 "$B/tests/models/models_fp8_test" --gtest_color=no --gtest_filter='Fp8.*'
 timeout 180 "$B/tests/engine/engine_test" --gtest_color=no --gtest_filter='EngineDevice.*'
 if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
   (cd tests/python && PYTHONPATH="$PWD/../../$B/python" timeout 120 python3 test_device.py -v)

@@ -68,8 +68,7 @@ void unregister_host_for_cuda(void* ptr);
 // One strided copy of a batch: the `src_layout`-shaped elements at `src` (flat element
 // space of `dtype` starting at `src`) go to the `dst_layout`-shaped elements at `dst`,
 // index by index (equal shapes). `src == nullptr` zero-fills the destination instead.
-// Both pointers are in the batch's device's memory. No dtype conversion: on a GPU ferry
-// copies bytes (a plan whose source and param dtypes differ fails on a GPU, naming it).
+// Both pointers are in the batch's device's memory.
 struct StridedCopy {
   const std::byte* src = nullptr;
   Layout src_layout;
@@ -88,5 +87,15 @@ struct StridedCopy {
 // unequal shapes, a layout of more dims than a kernel takes after coalescing, no CUDA
 // plugin or device, or a CUDA error.
 Status copy_batch(Device device, std::span<const StridedCopy> copies, DeviceStream stream = nullptr);
+
+// FP8 e4m3 block quantisation on `device` (the host, or a CUDA device: one kernel, on
+// `stream`, returning when done): `src` holds `batch` contiguous rows x cols matrices of
+// float dtype `src_dtype`; each block x block tile gets scale = amax / 448 (1 when its
+// amax is 0) in `scales` (f32, batch x ceil(rows / block) x ceil(cols / block),
+// row-major) and its values e4m3(v / scale) in `q` (batch x rows x cols bytes). The
+// same bits on every device (src/tensor/fp8_blocks.h). All three buffers in `device`'s
+// memory. Errors: a non-float dtype, a non-positive block, no usable device.
+Status fp8_block_quantize(Device device, const std::byte* src, DType src_dtype, int64_t batch, int64_t rows,
+                          int64_t cols, int64_t block, std::byte* q, std::byte* scales, DeviceStream stream = nullptr);
 
 }  // namespace ferry

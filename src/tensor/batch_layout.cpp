@@ -16,7 +16,8 @@ uint32_t width_for(uint64_t bits) {
   return static_cast<uint32_t>(std::min<uint64_t>(low, 16));
 }
 
-// The kernel's ElementType of a float dtype; kNoConversion for the others.
+}  // namespace
+
 uint8_t element_type(DType d) {
   switch (d) {
     case DType::kBF16: return kElemBF16;
@@ -28,7 +29,6 @@ uint8_t element_type(DType d) {
   }
 }
 
-}  // namespace
 
 Result<BatchPlan> plan_batch(std::span<const StridedCopy> copies, uint32_t words_per_task) {
   if (words_per_task == 0) return invalid_argument("copy_batch: words per task must be positive");

@@ -133,6 +133,9 @@ FERRY_HD inline void copy_word(const CopyDesc& d, int64_t src_off, int64_t dst_o
 }
 
 #if !defined(__CUDACC__)
+// The kernel's ElementType of a float dtype; kNoConversion for the others.
+uint8_t element_type(DType d);
+
 struct BatchPlan {
   std::vector<CopyDesc> descs;
   std::vector<BlockTask> tasks;

@@ -12,6 +12,7 @@
 #include "ferry/device.h"
 #include "tensor/batch_layout.h"
 #include "tensor/device_plugin.h"
+#include "tensor/fp8_blocks.h"
 
 namespace ferry {
 
@@ -216,6 +217,49 @@ Status copy_batch(Device device, std::span<const StridedCopy> copies, DeviceStre
                               stream, err, sizeof(err)) != 0) {
     return unavailable("copy_batch on {} ({} copies, {} bytes): {}", device_str(device), copies.size(), plan.bytes,
                           err);
+  }
+  return Status::Ok();
+}
+
+Status fp8_block_quantize(Device device, const std::byte* src, DType src_dtype, int64_t batch, int64_t rows,
+                          int64_t cols, int64_t block, std::byte* q, std::byte* scales, DeviceStream stream) {
+  const uint8_t type = batch::element_type(src_dtype);
+  if (type == batch::kNoConversion) {
+    return invalid_argument("fp8_block_quantize: {} is not a float dtype", dtype_name(src_dtype));
+  }
+  if (block <= 0) return invalid_argument("fp8_block_quantize: block {} must be positive", block);
+  if (batch < 0 || rows < 0 || cols < 0) {
+    return invalid_argument("fp8_block_quantize: negative size ({} x {} x {})", batch, rows, cols);
+  }
+  if (batch == 0 || rows == 0 || cols == 0) return Status::Ok();
+  const int64_t tiles = batch * ((rows + block - 1) / block) * ((cols + block - 1) / block);
+  if (device.is_host()) {
+    const auto* in = reinterpret_cast<const unsigned char*>(src);
+    auto* out = reinterpret_cast<unsigned char*>(q);
+    const uint32_t es = batch::element_size(type);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const batch::Fp8Tile tl = batch::fp8_tile(t, rows, cols, block);
+      const int64_t base = tl.b * rows * cols;
+      float amax = 0.0f;
+      for (int64_t r = tl.r0; r < tl.r1; ++r) {
+        for (int64_t c = tl.c0; c < tl.c1; ++c) amax = batch::fp8_amax(amax, batch::load_float(in + (base + r * cols + c) * es, type));
+      }
+      const float scale = batch::fp8_tile_scale(amax);
+      std::memcpy(scales + 4 * t, &scale, 4);
+      for (int64_t r = tl.r0; r < tl.r1; ++r) {
+        for (int64_t c = tl.c0; c < tl.c1; ++c) {
+          const int64_t i = base + r * cols + c;
+          out[i] = batch::fp8_quantize(batch::load_float(in + i * es, type), scale);
+        }
+      }
+    }
+    return Status::Ok();
+  }
+  FERRY_RETURN_IF_ERROR(usable_cuda(device, "fp8_block_quantize"));
+  char err[512] = {};
+  if (plugin().api->fp8_blocks(device.index, src, type, batch, rows, cols, block, q, scales, stream, err, sizeof(err)) != 0) {
+    return unavailable("fp8_block_quantize on {} ({} x {} x {}, block {}): {}", device_str(device), batch, rows, cols,
+                       block, err);
   }
   return Status::Ok();
 }

@@ -36,6 +36,11 @@ struct FerryCudaPlugin {
   int (*run_batch)(int device, const ferry::batch::CopyDesc* descs, uint64_t num_descs,
                    const ferry::batch::BlockTask* tasks, uint64_t num_tasks, void* stream, char* err,
                    size_t err_len);
+  // FP8 block quantisation (fp8_blocks.h) of `batch` contiguous rows x cols matrices of
+  // ElementType `src_type` at `src` into e4m3 `q` and f32 `scales`, on `device` and
+  // `stream`, waiting for it there. 0 on success; otherwise a message in err.
+  int (*fp8_blocks)(int device, const void* src, uint8_t src_type, int64_t batch, int64_t rows, int64_t cols,
+                    int64_t block, void* q, void* scales, void* stream, char* err, size_t err_len);
 };
 
 typedef const FerryCudaPlugin* (*FerryCudaPluginEntry)(void);

@@ -141,6 +141,10 @@ FERRY_CONVERT_HD inline uint32_t encode_mini(float x, MiniFormat f) {
   return sign | code;
 }
 
+FERRY_CONVERT_HD inline uint32_t element_size(uint8_t type) {
+  return type == kElemF32 ? 4 : (type == kElemBF16 || type == kElemF16) ? 2 : 1;
+}
+
 FERRY_CONVERT_HD inline float load_float(const unsigned char* p, uint8_t type) {
   switch (type) {
     case kElemF32: {

@@ -2,7 +2,10 @@
 // scales, checked against an independent scalar reference.
 #include <cmath>
 #include <cstring>
+#include <tuple>
+#include <vector>
 
+#include "ferry/device.h"
 #include "models/builder.h"
 #include "models/test_util.h"
 
@@ -209,6 +212,73 @@ TEST(Blocks, ExpertsAndScales) {
   Tensor local = Tensor::empty({1, 2}, DType::kF32, "ls");
   ASSERT_TRUE(load_scale_split(local, sc->at("s"), 0, Range{64, 64}).ok());
   EXPECT_EQ(testing::values(local), testing::values(sc->at("s").select(0, 0)));
+}
+
+// NaN and infinity are quantised by rule, the same on every device (not by the
+// platform's NaN of 0/0 or inf/inf): a NaN is left out of its tile's amax and stays NaN
+// with its sign; an infinity makes the tile's scale infinite, so its finite values
+// become zeros (with their signs) and the infinities NaN with theirs.
+TEST(Fp8, NanAndInfinityAreQuantisedByRule) {
+  const float nan = std::nanf(""), inf = INFINITY;
+  std::vector<float> a = {1.0f, -nan, 2.0f, 4.0f};  // one 2x2 tile
+  std::vector<float> b = {inf, -1.0f, 3.0f, -inf};
+  for (const auto& [vals, codes, scale] :
+       {std::tuple{a, std::vector<uint8_t>{0x6e, 0xff, 0x76, 0x7e}, 4.0f / 448.0f},
+        std::tuple{b, std::vector<uint8_t>{0x7f, 0x80, 0x00, 0xff}, inf}}) {
+    Tensor w = Tensor::empty({2, 2}, DType::kF32);
+    std::memcpy(*w.data_ptr(), vals.data(), 16);
+    auto q = models::quantize_fp8_blocks(w);
+    ASSERT_TRUE(q.ok()) << q.status().to_string();
+    std::vector<uint8_t> got(4);
+    std::memcpy(got.data(), *q->first.data_ptr(), 4);
+    EXPECT_EQ(got, codes);
+    float sc;
+    std::memcpy(&sc, *q->second.data_ptr(), 4);
+    EXPECT_EQ(sc, scale);
+  }
+}
+
+// The hook's device variant: a weight in GPU memory is quantised there (one kernel),
+// into a weight and scales on the same device. Without a usable device it fails naming
+// the device and why; a strided view in device memory is refused naming it.
+TEST(Fp8, QuantizeInGpuMemoryWithoutADeviceFailsNamingIt) {
+  if (cuda_status().usable()) GTEST_SKIP() << "a CUDA device is here: Fp8.GpuQuantizeMatchesTheHost covers it";
+  void* fake = reinterpret_cast<void*>(uintptr_t{0x10000});
+  auto q = models::quantize_fp8_blocks(Tensor::borrow_device(fake, {256, 256}, DType::kBF16, Device::cuda(0)));
+  ASSERT_FALSE(q.ok());
+  EXPECT_EQ(q.status().code(), StatusCode::kUnavailable) << q.status().to_string();
+  EXPECT_NE(q.status().message().find("cuda:0"), std::string::npos) << q.status().to_string();
+  EXPECT_NE(q.status().message().find(cuda_status().detail), std::string::npos) << q.status().to_string();
+  q = models::quantize_fp8_blocks(Tensor::borrow_device(fake, {256, 256}, DType::kBF16, Device::cuda(0)).t());
+  ASSERT_FALSE(q.ok());
+  EXPECT_NE(q.status().message().find("strided view in cuda:0 memory"), std::string::npos) << q.status().to_string();
+}
+
+// On a GPU: bf16, f16 and f32 weights with batch dims and partial tiles, quantised in
+// device memory, give the host's bits, weights and scales.
+TEST(Fp8, GpuQuantizeMatchesTheHost) {
+  if (!cuda_status().usable()) GTEST_SKIP() << "needs a CUDA device; " << cuda_status().detail;
+  uint64_t seed = 30;
+  for (DType dt : {DType::kBF16, DType::kF16, DType::kF32}) {
+    auto ckpt = random_checkpoint({{"w", dt, {3, 200, 300}}}, seed++);
+    ASSERT_TRUE(ckpt.ok());
+    const Tensor host = ckpt->at("w");
+    auto want = models::quantize_fp8_blocks(host);
+    ASSERT_TRUE(want.ok()) << want.status().to_string();
+    const size_t bytes = static_cast<size_t>(host.numel()) * dtype_size(dt);
+    auto mem = device_alloc(Device::cuda(0), bytes);
+    ASSERT_TRUE(mem.ok()) << mem.status().to_string();
+    ASSERT_TRUE(device_memcpy(mem->get(), *host.data_ptr(), bytes).ok());
+    auto got = models::quantize_fp8_blocks(Tensor::borrow_device(mem->get(), host.shape(), dt, Device::cuda(0), *mem));
+    ASSERT_TRUE(got.ok()) << got.status().to_string();
+    EXPECT_EQ(got->first.device(), Device::cuda(0));
+    for (const auto& [w, g] : {std::pair{want->first, got->first}, std::pair{want->second, got->second}}) {
+      const size_t n = static_cast<size_t>(w.numel()) * dtype_size(w.dtype());
+      std::vector<std::byte> back(n);
+      ASSERT_TRUE(device_memcpy(back.data(), *g.device_ptr(), n).ok());
+      EXPECT_EQ(0, std::memcmp(back.data(), *w.data_ptr(), n)) << dtype_name(dt) << " " << w.describe();
+    }
+  }
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "tensor/device_plugin.h"
+#include "tensor/fp8_blocks.h"
 
 namespace {
 
@@ -24,6 +25,35 @@ __global__ void __launch_bounds__(kThreadsPerBlock) run_tasks(const CopyDesc* de
   for (uint32_t w = threadIdx.x; w < task.count; w += blockDim.x) {
     ferry::batch::copy_word(d, cur.src_offset(), cur.dst_offset());
     cur.advance(blockDim.x);
+  }
+}
+
+// One block per tile (fp8_blocks.h): amax over the tile (a shared-memory reduction),
+// then every value divided by the tile's scale and encoded as e4m3.
+__global__ void __launch_bounds__(kThreadsPerBlock) fp8_tiles(const unsigned char* src, uint8_t type, int64_t rows,
+                                                              int64_t cols, int64_t block, int64_t first,
+                                                              unsigned char* q, float* scales) {
+  using namespace ferry::batch;
+  const int64_t tile = first + blockIdx.x;
+  const Fp8Tile tl = fp8_tile(tile, rows, cols, block);
+  const int64_t base = tl.b * rows * cols, w = tl.c1 - tl.c0, n = (tl.r1 - tl.r0) * w;
+  const uint32_t es = element_size(type);
+  float amax = 0.0f;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    amax = fp8_amax(amax, load_float(src + (base + (tl.r0 + i / w) * cols + tl.c0 + i % w) * es, type));
+  }
+  __shared__ float red[kThreadsPerBlock];
+  red[threadIdx.x] = amax;
+  __syncthreads();
+  for (unsigned s = kThreadsPerBlock / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s && red[threadIdx.x + s] > red[threadIdx.x]) red[threadIdx.x] = red[threadIdx.x + s];
+    __syncthreads();
+  }
+  const float scale = fp8_tile_scale(red[0]);
+  if (threadIdx.x == 0) scales[tile] = scale;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int64_t at = base + (tl.r0 + i / w) * cols + tl.c0 + i % w;
+    q[at] = fp8_quantize(load_float(src + at * es, type), scale);
   }
 }
 
@@ -99,6 +129,28 @@ int run_batch(int device, const CopyDesc* descs, uint64_t num_descs, const Block
   return 0;
 }
 
+int fp8_blocks(int device, const void* src, uint8_t src_type, int64_t batch, int64_t rows, int64_t cols,
+               int64_t block, void* q, void* scales, void* stream_handle, char* err, size_t err_len) {
+  DeviceGuard guard;
+  FERRY_CUDA_TRY(cudaGetDevice(&guard.previous));
+  FERRY_CUDA_TRY(cudaSetDevice(device));
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
+  const int64_t tiles = batch * ((rows + block - 1) / block) * ((cols + block - 1) / block);
+  constexpr int64_t kMaxGrid = 0x7fffffff;
+  cudaError_t e = cudaSuccess;
+  for (int64_t first = 0; e == cudaSuccess && first < tiles; first += kMaxGrid) {
+    const int64_t n = tiles - first < kMaxGrid ? tiles - first : kMaxGrid;
+    fp8_tiles<<<static_cast<unsigned>(n), kThreadsPerBlock, 0, stream>>>(
+        static_cast<const unsigned char*>(src), src_type, rows, cols, block, first, static_cast<unsigned char*>(q),
+        static_cast<float*>(scales));
+    e = cudaGetLastError();
+  }
+  const cudaError_t synced = cudaStreamSynchronize(stream);
+  if (e != cudaSuccess) return fail(err, err_len, "fp8 block kernel", e);
+  if (synced != cudaSuccess) return fail(err, err_len, "cudaStreamSynchronize", synced);
+  return 0;
+}
+
 int alloc(int device, size_t bytes, void** out, char* err, size_t err_len) {
   DeviceGuard guard;
   FERRY_CUDA_TRY(cudaGetDevice(&guard.previous));
@@ -133,7 +185,7 @@ int host_release(void* ptr) { return cudaHostUnregister(ptr) == cudaSuccess ? 0 
 
 const FerryCudaPlugin kPlugin = {FERRY_CUDA_PLUGIN_ABI, sizeof(CopyDesc), device_count, device_name,
                                  alloc,                 release,          copy_bytes,   host_register,
-                                 host_release,          run_batch};
+                                 host_release,          run_batch,        fp8_blocks};
 
 }  // namespace
 
