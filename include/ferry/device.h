@@ -88,6 +88,16 @@ struct StridedCopy {
 // plugin or device, or a CUDA error.
 Status copy_batch(Device device, std::span<const StridedCopy> copies, DeviceStream stream = nullptr);
 
+// CUDA IPC, for processes on one host. cuda_ipc_export: the handle (kCudaIpcHandleBytes
+// bytes) of device memory `ptr` on `device`, which must be the start of a device_alloc
+// allocation. cuda_ipc_open: maps a handle another process exported, for kernels and
+// copies on `device`; unmapped when the last owner lets go (the exporter must keep the
+// memory until then). Errors: no usable device, a CUDA error (a handle of this very
+// process cannot be opened: use the pointer itself).
+inline constexpr size_t kCudaIpcHandleBytes = 64;
+Result<std::string> cuda_ipc_export(Device device, void* ptr);
+Result<std::shared_ptr<std::byte>> cuda_ipc_open(Device device, std::string_view handle);
+
 // FP8 e4m3 block quantisation on `device` (the host, or a CUDA device: one kernel, on
 // `stream`, returning when done): `src` holds `batch` contiguous rows x cols matrices of
 // float dtype `src_dtype`; each block x block tile gets scale = amax / 448 (1 when its

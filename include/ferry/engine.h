@@ -169,9 +169,25 @@ struct ProducerOptions : EngineOptions {
   // naming the bytes needed); one smaller than the failover worst case gets slots as
   // large as two fit in it, and a failover needing more fails that sync naming the bytes.
   uint64_t staging_budget = 0;
+  // Staging in GPU memory (CUDA IPC between processes of one host): the producer packs
+  // its boxes, all of which must then be in this device's memory, with a kernel into a
+  // staging ring there, exported with CUDA IPC in its lease. Consumers on this host
+  // whose params are on a GPU copy from it device to device (ConsumerOptions::cuda_ipc);
+  // for the others (another host, host params) each packed slot is also copied to the
+  // host staging ring the transport serves. Host (the default): host staging only. A
+  // device that cannot be used fails create() naming it.
+  Device staging_device = Device::host();
 };
 
 struct ConsumerOptions : EngineOptions {
+  // Read by CUDA IPC, device to device, from producers that stage in GPU memory
+  // (ProducerOptions::staging_device) into a receive ring on the params' device, with no
+  // host hop. Taken per sync when every param is in GPU memory on one device, the mode
+  // is pull, checksums are off, and every producer this consumer reads from is on this
+  // host, stages on a GPU and serves it nothing in place; otherwise the transport path
+  // (SyncReport::received_via_cuda_ipc says which bytes came which way, and a failure
+  // to map a producer's staging is named in the report).
+  bool cuda_ipc = true;
   // Zero copy: a piece of at least this many bytes that unpacks as a plain byte copy into
   // a contiguous run of a param is read (pull) or written by its producer (push)
   // straight into the param (registered with the transport at create) instead of through
@@ -258,8 +274,10 @@ struct SyncReport {
   // Producer: bytes sent (each consumer's share counted), and of those served in place
   // (read straight from the source's own memory, no staging copy). Zero on a consumer.
   uint64_t bytes_sent = 0, sent_in_place = 0;
-  // Consumer: bytes received, and of those read straight into params. Zero on a producer.
-  uint64_t bytes_received = 0, received_into_params = 0;
+  // Consumer: bytes received, of those read straight into params, and of those copied
+  // device to device from producers' GPU staging (ConsumerOptions::cuda_ipc). Zero on a
+  // producer.
+  uint64_t bytes_received = 0, received_into_params = 0, received_via_cuda_ipc = 0;
   double seconds = 0;           // wall time of sync()
   // Phases (seconds, summed over groups). Producer: materialize, pack, wait (slots).
   // Consumer: wait (announces), read, unpack, post (process_weights_after_loading).

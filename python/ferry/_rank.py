@@ -62,7 +62,7 @@ def _run(run, role, check, store, token, rank, timeout, rendezvous_timeout, on_r
 
 def serve(*, store, trainer, inference, checkpoint, model=None, job="ferry", rank=None, mode="pull", checksums=False,
           first_version=1, syncs=1, timeout=30.0, rendezvous_timeout=120.0, token=None, check=False,
-          read_checkpoint=False, on_report=None):
+          read_checkpoint=False, device="cpu", gpu_staging=False, on_report=None):
     """Be trainer rank ``rank`` (None: the launcher's) of the ``trainer`` layout, serving
     its holdings of the safetensors checkpoint directory ``checkpoint`` (memory-mapped
     and served in place; the files must not change while served, checked before each
@@ -75,17 +75,20 @@ def serve(*, store, trainer, inference, checkpoint, model=None, job="ferry", ran
     ``check=True`` (then the first failed sync raises after every sync ran, with
     ``.reports``). ``on_report``: called with each sync's dict as soon as that sync
     ends (e.g. to log or to tell the trainer loop); an exception it raises is raised
-    once every sync ran (the other ranks are in them too)."""
+    once every sync ran (the other ranks are in them too). ``device="cuda:N"``: this
+    rank's boxes are copied onto that GPU once and packed there each sync;
+    ``gpu_staging=True`` then stages in GPU memory too, shared by CUDA IPC with fetch
+    ranks of this host whose params are on a GPU."""
     return _run(_ferry._serve, "serve", check, store, token, rank, timeout, rendezvous_timeout, on_report,
                 trainer=str(trainer),
                 inference=str(inference), checkpoint=_path(checkpoint), model=_path(model), job=str(job), mode=str(mode),
                 checksums=bool(checksums), first_version=int(first_version), syncs=int(syncs),
-                read_checkpoint=bool(read_checkpoint))
+                read_checkpoint=bool(read_checkpoint), device=str(device), gpu_staging=bool(gpu_staging))
 
 
 def fetch(*, store, trainer, inference, model, checkpoint=None, output=None, job="ferry", rank=None, mode="pull",
           checksums=False, first_version=1, syncs=1, timeout=30.0, rendezvous_timeout=120.0, token=None, check=False,
-          on_report=None):
+          device="cpu", cuda_ipc=True, on_report=None):
     """Be inference rank ``rank`` (None: the launcher's; in a launch of both roles the
     trainer's ranks come first) of the ``inference`` layout of ``model`` (an HF
     config.json), receiving its shard from the ``trainer`` layout's ranks. ``checkpoint``:
@@ -95,9 +98,11 @@ def fetch(*, store, trainer, inference, model, checkpoint=None, output=None, job
     version, ok, bytes, into_params_bytes, seconds, failures, torn`` (``error`` and ``code`` when not ok,
     ``verified`` with a checkpoint), ``transport``. Errors as :func:`serve`; with
     ``check=True`` a sync that failed or did not verify raises (``CorruptError`` for a
-    mismatch). ``on_report`` as for :func:`serve`."""
+    mismatch). ``on_report`` as for :func:`serve`. ``device="cuda:N"``: the params live on
+    that GPU (``via_cuda_ipc_bytes``: how many bytes came device to device from serve
+    ranks with ``gpu_staging``; ``cuda_ipc=False`` reads through the transport)."""
     return _run(_ferry._fetch, "fetch", check, store, token, rank, timeout, rendezvous_timeout, on_report,
                 trainer=str(trainer),
                 inference=str(inference), model=_path(model), checkpoint=_path(checkpoint), output=_path(output),
                 job=str(job), mode=str(mode), checksums=bool(checksums), first_version=int(first_version),
-                syncs=int(syncs))
+                syncs=int(syncs), device=str(device), cuda_ipc=bool(cuda_ipc))

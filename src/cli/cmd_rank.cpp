@@ -46,6 +46,13 @@ std::function<int()> setup_serve(CLI::App& app) {
                "Read the checkpoint into memory this rank owns instead of mapping it (costs its size in memory; "
                "immune to the files changing while served)");
   app.add_option("--model", s->model, "HF config.json (default: CHECKPOINT/config.json)");
+  app.add_option("--device", s->device,
+                 "Where this rank's weights live: cpu, or cuda:N (its boxes copied onto that GPU once at start, packed "
+                 "there by a kernel each sync)")
+      ->default_val("cpu");
+  app.add_flag("--gpu-staging", s->gpu_staging,
+               "With --device cuda:N: stage in GPU memory, shared by CUDA IPC with fetch ranks of this host whose "
+               "params are on a GPU (device to device, no host hop); the others read a host copy");
   return [s] { return tools::run_serve(*s); };
 }
 
@@ -56,6 +63,11 @@ std::function<int()> setup_fetch(CLI::App& app) {
   app.add_option("--verify", s->checkpoint,
                  "Checkpoint directory to compare the received params with, bit for bit (a direct load)");
   app.add_option("--output", s->output, "Write the received params to DIR/rank-R.safetensors after the last sync");
+  app.add_option("--device", s->device, "Where this rank's params live: cpu, or cuda:N (unpacked there by a kernel)")
+      ->default_val("cpu");
+  app.add_flag("!--no-cuda-ipc", s->cuda_ipc,
+               "With --device cuda:N: read through the transport even from serve ranks of this host that stage in "
+               "GPU memory (default: copy device to device by CUDA IPC; via_cuda_ipc_bytes says how much)");
   return [s] { return tools::run_fetch(*s); };
 }
 

@@ -1,5 +1,6 @@
 // Consumer: one per inference rank. See ferry/engine.h for the protocol.
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -13,6 +14,8 @@
 #include <unistd.h>
 
 #include "engine/clock.h"
+#include "engine/cuda_ipc.h"
+#include "ferry/device.h"
 #include "engine/in_place.h"
 #include "engine/protocol.h"
 #include "engine/registered_buffer.h"
@@ -50,6 +53,13 @@ struct Consumer::Impl {
   static constexpr int kSlots = static_cast<int>(kReceiveSlots);
   uint64_t slot_bytes = 0;
   RegisteredBuffer ring;
+  // CUDA IPC (ConsumerOptions::cuda_ipc): a receive ring on the params' device, taken
+  // in an attempt where every producer read from is mapped (ipc_active; set by the sync
+  // thread while the background thread is idle, read by it when unpacking).
+  std::shared_ptr<std::byte> device_ring;
+  std::optional<Device> ipc_device;
+  std::atomic<bool> ipc_active{false};
+  uint64_t ipc_bytes = 0;  // copied device to device in this attempt
   // Zero copy: a piece of a read that unpacks as a plain byte copy (same dtype,
   // contiguous destination, not shared with another unpack) of at least
   // opts.direct_min_bytes is read (pull) or written by the producer (push) straight into
@@ -74,6 +84,9 @@ struct Consumer::Impl {
     bool connected = false;
     InPlaceTable in_place;              // boxes it serves from the trainer's memory
     std::vector<RemoteRegion> regions;  // their source regions (in_place.keys imported)
+    std::shared_ptr<std::byte> ipc;     // its GPU staging ring mapped here (CUDA IPC), or null
+    uint64_t ipc_bytes = 0;             // ... of this many bytes
+    std::string ipc_why;                // why it exported one that is not mapped ("" otherwise)
   };
 
   std::mutex mu;
@@ -193,8 +206,9 @@ struct Consumer::Impl {
   Status unpack_job(const UnpackWorker::Job& job) {
     point(job.group, 3);
     const uint64_t n = plan_route->groups[static_cast<size_t>(job.group)].recv_bytes;
+    const std::byte* recv = ipc_active ? device_ring.get() : ring.data;
     Status s = unpack_group(schedule.unpack, job.group,
-                            std::span<const std::byte>(ring.data + static_cast<uint64_t>(job.slot) * slot_bytes, n), loaded);
+                            std::span<const std::byte>(recv + static_cast<uint64_t>(job.slot) * slot_bytes, n), loaded);
     {
       std::lock_guard<std::mutex> lk(mu);
       unpacked_any = true;  // (even a failed unpack may have written some params)
@@ -266,6 +280,20 @@ struct Consumer::Impl {
         failed_p = p;
         return key.status().with_context(fmt::format("staging key of producer {}", p));
       }
+      // Its GPU staging, mapped for device-to-device copies when we can take them.
+      std::shared_ptr<std::byte> ipc;
+      uint64_t ipc_bytes = 0;
+      std::string ipc_why;
+      if (device_ring && !lease->cuda_ipc.empty()) {
+        auto e = decode_cuda_ipc(lease->cuda_ipc);
+        auto mapped = e.ok() ? map_cuda_ipc(*e, *ipc_device) : Result<std::shared_ptr<std::byte>>(e.status());
+        if (mapped.ok()) {
+          ipc = *mapped;
+          ipc_bytes = e->bytes;
+        } else {
+          ipc_why = mapped.status().message();
+        }
+      }
       std::vector<RemoteRegion> regions;
       if (opts.mode == SyncMode::kPull) {
         for (size_t k = 0; k < table->keys.size(); ++k) {
@@ -285,6 +313,9 @@ struct Consumer::Impl {
       pe.connected = true;
       pe.in_place = opts.mode == SyncMode::kPull ? std::move(*table) : InPlaceTable{};
       pe.regions = std::move(regions);
+      pe.ipc = std::move(ipc);
+      pe.ipc_bytes = ipc_bytes;
+      pe.ipc_why = std::move(ipc_why);
       schedule_stale = true;
       peer_rank[*id] = p;
       failed.erase(p);
@@ -490,6 +521,29 @@ struct Consumer::Impl {
       }
       if (sr.param) unpacked_any = true;  // params change from here on: a failure now leaves us torn
     }
+    if (ipc_active && sr.region < 0 && !sr.param) {
+      // From the producer's GPU staging, device to device (the slot was packed and
+      // synchronised before it was announced); done when the copy returns.
+      std::byte* from;
+      uint64_t limit;
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        from = peers[static_cast<size_t>(p)].ipc.get();
+        limit = peers[static_cast<size_t>(p)].ipc_bytes;
+      }
+      if (remote > limit || n > limit - remote) {
+        failed_p = p;
+        return out_of_range("consumer {} group {}: bytes [{}, +{}) outside producer {}'s GPU staging of {} bytes", rank,
+                            g, remote, n, p, limit);
+      }
+      Status st = device_memcpy(device_ring.get() + base + sr.recv_offset + at, from + remote, n);
+      if (!st.ok()) {
+        failed_p = p;
+        return st.with_context(fmt::format("consumer {} copying group {} from producer {}'s GPU staging", rank, g, p));
+      }
+      ipc_bytes += n;
+      return Status::Ok();
+    }
     auto c = sr.param ? transport.read(sr.param->region, sr.param->offset + sr.param_offset + at, from_region, remote, n)
                       : transport.read(ring.region, base + sr.recv_offset + at, from_region, remote, n);
     if (!c.ok()) {
@@ -546,6 +600,24 @@ struct Consumer::Impl {
     {
       std::lock_guard<std::mutex> lk(mu);  // the background thread is idle between attempts
       if (schedule_stale) rebuild_schedule();
+      // CUDA IPC this attempt: only when every producer we read from is mapped and
+      // serves us nothing in place (all of a group lands in one receive ring).
+      bool all = device_ring != nullptr, any = false;
+      std::set<int> unmapped;
+      for (const ConsumerGroupSchedule& gs : schedule.groups) {
+        for (const SubRead& sr : gs.reads) {
+          any = true;
+          const Peer& pe = peers[static_cast<size_t>(sr.producer)];
+          if (!pe.ipc || sr.region >= 0 || sr.param) all = false;
+          if (!pe.ipc_why.empty()) unmapped.insert(static_cast<int>(sr.producer));
+        }
+      }
+      ipc_active = all && any;
+      ipc_bytes = 0;
+      for (int p : unmapped) {
+        rep.failures.push_back(fmt::format("consumer {}: producer {}'s GPU staging is not mapped here ({}); read "
+                                           "through the transport", rank, p, peers[static_cast<size_t>(p)].ipc_why));
+      }
     }
     if (declare) {
       declare = false;
@@ -669,6 +741,7 @@ struct Consumer::Impl {
       }
       rep.bytes_received += gs.received;
       rep.received_into_params += gs.direct;
+      rep.received_via_cuda_ipc = ipc_bytes;
       for (const auto& [p, b] : gs.received_from) rep.bytes_per_peer[p] += b;
       for (int p : from) FERRY_RETURN_IF_ERROR(verify(p, g, got[p], s));
       point(g, 2);
@@ -906,7 +979,7 @@ struct Consumer::Impl {
           s = w;
           break;
         }
-        rep.bytes_received = rep.received_into_params = 0;
+        rep.bytes_received = rep.received_into_params = rep.received_via_cuda_ipc = 0;
         rep.bytes_per_peer.clear();
         continue;
       }
@@ -918,7 +991,7 @@ struct Consumer::Impl {
         s = f;
         break;
       }
-      rep.bytes_received = rep.received_into_params = 0;
+      rep.bytes_received = rep.received_into_params = rep.received_via_cuda_ipc = 0;
       rep.bytes_per_peer.clear();
     }
     // On failure, let the background thread finish what it holds, then tell producers we gave up.
@@ -1202,6 +1275,19 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
   }
   m.final_ = m.loaded;
   FERRY_RETURN_IF_ERROR(m.ring.allocate(transport, m.slot_bytes * Impl::kSlots));
+  // CUDA IPC: a receive ring on the params' device, when every param is there (the
+  // caller's), in pull mode, without checksums (verified on the host).
+  bool all_on_gpu = cuda.has_value();
+  for (const TensorDecl& d : m.param_decls) {
+    auto it = params.find(d.name);
+    all_on_gpu &= it != params.end() && it->second.device().is_cuda();
+  }
+  if (options.cuda_ipc && all_on_gpu && options.mode == SyncMode::kPull && !options.checksums) {
+    auto dev = device_alloc(*cuda, m.slot_bytes * Impl::kSlots);
+    if (!dev.ok()) return dev.status().with_context(fmt::format("consumer {}: the GPU receive ring", rank));
+    m.device_ring = *dev;
+    m.ipc_device = *cuda;
+  }
   if (cuda) {
     FERRY_RETURN_IF_ERROR(m.ring.make_cuda_visible(*cuda).with_context(
         fmt::format("consumer {}: the receive ring, for params on {}", rank, device_str(*cuda))));

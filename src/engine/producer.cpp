@@ -1,4 +1,6 @@
 // Producer: one per trainer rank. See ferry/engine.h for the protocol.
+#include <unistd.h>
+
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
@@ -11,6 +13,7 @@
 #include <unordered_map>
 
 #include "engine/clock.h"
+#include "engine/cuda_ipc.h"
 #include "engine/in_place.h"
 #include "engine/protocol.h"
 #include "engine/registered_buffer.h"
@@ -18,6 +21,7 @@
 #include "engine/memory.h"
 #include "engine/schedule.h"
 #include "engine/testing.h"
+#include "ferry/device.h"
 
 namespace ferry {
 
@@ -49,6 +53,9 @@ struct Producer::Impl {
   std::map<int, uint64_t> early_abort;  // consumer -> version it aborted before this producer's sync began; mu
   std::map<int, uint64_t> done;         // consumer -> the version it committed last; mu
   RegisteredBuffer ring;
+  // Staging in GPU memory (ProducerOptions::staging_device): the same layout as `ring`,
+  // exported with CUDA IPC; each packed slot is copied to `ring` for the transport.
+  std::shared_ptr<std::byte> device_ring;
   uint64_t slot_bytes = 0;
   int nslots = 0;
   std::unique_ptr<Lease> lease;
@@ -870,15 +877,32 @@ struct Producer::Impl {
       auto tp = Clock::now();
       std::span<std::byte> staging(ring.data + s * slot_bytes, grp.staging_bytes);
       FERRY_RETURN_IF_ERROR(check_in_place(g, *boxes));
-      // Boxes in GPU memory are packed by a kernel into the (host) staging ring: the
-      // first such box makes the ring visible to its device, for the producer's life.
-      for (const LocalBox& lb : *boxes) {
-        if (!lb.data.device().is_cuda()) continue;
-        Status vis = ring.make_cuda_visible(lb.data.device());
-        if (!vis.ok()) return vis.with_context(fmt::format("producer {} group {}: staging for {}", rank, g, lb.data.describe()));
+      if (device_ring) {
+        // GPU staging: every box on the staging device, packed there by a kernel, then
+        // the slot copied to host staging for the transport's readers.
+        for (const LocalBox& lb : *boxes) {
+          if (lb.data.device() != opts.staging_device) {
+            return invalid_argument("producer {} group {}: {} is not on the staging device {} "
+                                    "(ProducerOptions::staging_device takes boxes on that device only)",
+                                    rank, g, lb.data.describe(), device_str(opts.staging_device));
+          }
+        }
+        std::span<std::byte> on_device(device_ring.get() + s * slot_bytes, grp.staging_bytes);
+        Status st = pack_group(gs.pack, static_cast<uint32_t>(rank), g, holdings, *boxes, on_device);
+        if (!st.ok()) return st.with_context(fmt::format("producer {} pack group {}", rank, g));
+        st = device_memcpy(staging.data(), on_device.data(), staging.size());
+        if (!st.ok()) return st.with_context(fmt::format("producer {} group {}: GPU staging to host staging", rank, g));
+      } else {
+        // Boxes in GPU memory are packed by a kernel into the (host) staging ring: the
+        // first such box makes the ring visible to its device, for the producer's life.
+        for (const LocalBox& lb : *boxes) {
+          if (!lb.data.device().is_cuda()) continue;
+          Status vis = ring.make_cuda_visible(lb.data.device());
+          if (!vis.ok()) return vis.with_context(fmt::format("producer {} group {}: staging for {}", rank, g, lb.data.describe()));
+        }
+        Status st = pack_group(gs.pack, static_cast<uint32_t>(rank), g, holdings, *boxes, staging);
+        if (!st.ok()) return st.with_context(fmt::format("producer {} pack group {}", rank, g));
       }
-      Status st = pack_group(gs.pack, static_cast<uint32_t>(rank), g, holdings, *boxes, staging);
-      if (!st.ok()) return st.with_context(fmt::format("producer {} pack group {}", rank, g));
       std::map<uint32_t, uint64_t> sums;
       if (opts.checksums) sums = checksums(g, staging);
       if (opts.test_hooks && opts.test_hooks->corrupt_group == g && opts.test_hooks->corrupt_version == v &&
@@ -1082,6 +1106,14 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
   m.rank = source.rank();
   if (m.rank < 0 || m.rank >= options.num_producers)
     return invalid_argument("producer rank {} outside num_producers {}", m.rank, options.num_producers);
+  if (options.staging_device.is_cuda()) {  // a local check, before any rendezvous
+    const CudaStatus& cs = cuda_status();
+    if (!cs.usable() || options.staging_device.index >= cs.device_count) {
+      return unavailable("producer {}: staging_device {} cannot be used here: {}", m.rank,
+                         device_str(options.staging_device),
+                         cs.usable() ? fmt::format("the driver reports {} device(s)", cs.device_count) : cs.detail);
+    }
+  }
   const Participant me{"producer", m.rank};
   FERRY_RETURN_IF_ERROR(publish_world(store, m.keys, options, me));
   FERRY_ASSIGN_OR_RETURN(m.holdings, source.holdings(m.rank));
@@ -1115,8 +1147,18 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
     if (tag == kEngineTag) self->on_message(from, payload);
   });
   transport.set_peer_failure_handler([self](PeerId peer, const Status& why) { self->on_peer_failure(peer, why); });
-  const std::string blob =
-      encode_lease(ProducerLease{bytes_to_string(transport.address()), bytes_to_string(key), m.slot_bytes, m.in_place.encode()});
+  std::string ipc;
+  if (options.staging_device.is_cuda()) {
+    auto dev = device_alloc(options.staging_device, m.ring.bytes);
+    if (!dev.ok()) return dev.status().with_context(fmt::format("producer {}: GPU staging ring", m.rank));
+    m.device_ring = *dev;
+    auto handle = cuda_ipc_export(options.staging_device, m.device_ring.get());
+    if (!handle.ok()) return handle.status().with_context(fmt::format("producer {}: GPU staging ring", m.rank));
+    ipc = encode_cuda_ipc(CudaIpcExport{host_identity(), static_cast<uint64_t>(getpid()), options.staging_device.index,
+                                        reinterpret_cast<uint64_t>(m.device_ring.get()), m.ring.bytes, *handle});
+  }
+  const std::string blob = encode_lease(ProducerLease{bytes_to_string(transport.address()), bytes_to_string(key),
+                                                      m.slot_bytes, m.in_place.encode(), ipc});
   FERRY_ASSIGN_OR_RETURN(m.lease, store.hold_lease(m.keys.producer(m.rank), blob, options.lease_ttl));
   // Return only once every consumer can receive (its lease is published last, after its
   // ring and handlers are up): a sync() called right away then reaches all of them

@@ -197,7 +197,8 @@ Result<uint64_t> parse_u64_field(std::string_view s) {
 }
 
 std::string encode_lease(const ProducerLease& l) {
-  return encode_fields({std::string(kProducerLeaseMagic), l.address, l.staging_key, u64_field(l.slot_bytes), l.in_place});
+  return encode_fields(
+      {std::string(kProducerLeaseMagic), l.address, l.staging_key, u64_field(l.slot_bytes), l.in_place, l.cuda_ipc});
 }
 
 std::string encode_lease(const ConsumerLease& l) {
@@ -206,7 +207,7 @@ std::string encode_lease(const ConsumerLease& l) {
 }
 
 Result<ProducerLease> decode_producer_lease(std::string_view blob) {
-  auto f = decode_fields(blob, 5);
+  auto f = decode_fields(blob, 6);
   if (!f.ok()) return f.status().with_context("producer lease");
   if ((*f)[0] != kProducerLeaseMagic) return corrupt("producer lease: not a producer lease");
   ProducerLease l;
@@ -216,6 +217,7 @@ Result<ProducerLease> decode_producer_lease(std::string_view blob) {
   if (!slot.ok()) return slot.status().with_context("producer lease slot_bytes");
   l.slot_bytes = *slot;
   l.in_place = std::move((*f)[4]);
+  l.cuda_ipc = std::move((*f)[5]);
   return l;
 }
 

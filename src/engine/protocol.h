@@ -132,6 +132,7 @@ struct ProducerLease {
   std::string staging_key;  // exported key of the staging ring
   uint64_t slot_bytes = 0;  // bytes per staging slot
   std::string in_place;     // InPlaceTable::encode() ("" when nothing is served in place)
+  std::string cuda_ipc;     // encode_cuda_ipc() of its GPU staging ring ("" when staging is host memory)
   friend bool operator==(const ProducerLease&, const ProducerLease&) = default;
 };
 struct ConsumerLease {

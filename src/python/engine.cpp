@@ -333,6 +333,7 @@ py::dict report_dict(const SyncReport& r) {
   d["sent_in_place"] = r.sent_in_place;
   d["bytes_received"] = r.bytes_received;  // consumer
   d["received_into_params"] = r.received_into_params;
+  d["received_via_cuda_ipc"] = r.received_via_cuda_ipc;
   d["bytes"] = r.bytes_sent + r.bytes_received;  // this side's bytes (one of the two is zero)
   d["seconds"] = r.seconds;
   d["materialize_seconds"] = r.materialize_seconds;

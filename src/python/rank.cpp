@@ -59,6 +59,9 @@ tools::RankSpec spec_from(const py::dict& d) {
   take(d, "mode", s.mode);
   take(d, "checksums", s.checksums);
   take(d, "read_checkpoint", s.read_checkpoint);
+  take(d, "device", s.device);
+  take(d, "gpu_staging", s.gpu_staging);
+  take(d, "cuda_ipc", s.cuda_ipc);
   take(d, "first_version", s.first_version);
   take(d, "syncs", s.syncs);
   take(d, "timeout_ms", s.timeout_ms);

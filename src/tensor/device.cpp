@@ -264,4 +264,28 @@ Status fp8_block_quantize(Device device, const std::byte* src, DType src_dtype, 
   return Status::Ok();
 }
 
+Result<std::string> cuda_ipc_export(Device device, void* ptr) {
+  FERRY_RETURN_IF_ERROR(usable_cuda(device, "cuda_ipc_export"));
+  std::string handle(kCudaIpcHandleBytes, '\0');
+  char err[512] = {};
+  if (plugin().api->ipc_export(ptr, handle.data(), err, sizeof(err)) != 0) {
+    return unavailable("cuda_ipc_export of {} memory at {}: {}", device_str(device), ptr, err);
+  }
+  return handle;
+}
+
+Result<std::shared_ptr<std::byte>> cuda_ipc_open(Device device, std::string_view handle) {
+  FERRY_RETURN_IF_ERROR(usable_cuda(device, "cuda_ipc_open"));
+  if (handle.size() != kCudaIpcHandleBytes) {
+    return invalid_argument("cuda_ipc_open: a handle has {} bytes, not {}", kCudaIpcHandleBytes, handle.size());
+  }
+  void* p = nullptr;
+  char err[512] = {};
+  if (plugin().api->ipc_open(device.index, handle.data(), &p, err, sizeof(err)) != 0) {
+    return unavailable("cuda_ipc_open on {}: {}", device_str(device), err);
+  }
+  const FerryCudaPlugin* api = plugin().api;
+  return std::shared_ptr<std::byte>(static_cast<std::byte*>(p), [api](std::byte* q) { api->ipc_close(q); });
+}
+
 }  // namespace ferry

@@ -41,6 +41,12 @@ struct FerryCudaPlugin {
   // `stream`, waiting for it there. 0 on success; otherwise a message in err.
   int (*fp8_blocks)(int device, const void* src, uint8_t src_type, int64_t batch, int64_t rows, int64_t cols,
                     int64_t block, void* q, void* scales, void* stream, char* err, size_t err_len);
+  // CUDA IPC: the 64-byte handle of the allocation at `ptr` (cudaIpcGetMemHandle); another
+  // process opens it on `device` (cudaIpcOpenMemHandle, peer access enabled lazily) and
+  // closes it (cudaIpcCloseMemHandle). 0 on success; otherwise a message in err.
+  int (*ipc_export)(void* ptr, void* handle, char* err, size_t err_len);
+  int (*ipc_open)(int device, const void* handle, void** out, char* err, size_t err_len);
+  int (*ipc_close)(void* ptr);
 };
 
 typedef const FerryCudaPlugin* (*FerryCudaPluginEntry)(void);

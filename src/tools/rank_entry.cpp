@@ -15,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "ferry/device.h"
 #include "ferry/engine.h"
 #include "ferry/safetensors.h"
 #include "tools/job_model.h"
@@ -73,6 +74,44 @@ class CheckpointSource final : public WeightSource {
   SafetensorsDir dir_;
   Groups groups_;
   int rank_;
+};
+
+// A trainer rank whose weights are in GPU memory (serve --device cuda:N): every box of
+// its holdings copied once, contiguous, onto the device at start; materialize returns
+// those device tensors (packed there by a kernel, never served in place).
+class DeviceCopySource final : public WeightSource {
+ public:
+  static Result<std::unique_ptr<DeviceCopySource>> make(WeightSource& host, Device device, int groups) {
+    auto out = std::unique_ptr<DeviceCopySource>(new DeviceCopySource(host));
+    out->by_group_.resize(static_cast<size_t>(groups));
+    for (int g = 0; g < groups; ++g) {
+      FERRY_ASSIGN_OR_RETURN(std::vector<LocalBox> boxes, host.materialize(g));
+      for (const LocalBox& lb : boxes) {
+        const Tensor c = lb.data.contiguous();
+        const size_t bytes = static_cast<size_t>(c.numel()) * dtype_size(c.dtype());
+        FERRY_ASSIGN_OR_RETURN(auto mem, device_alloc(device, bytes));
+        FERRY_ASSIGN_OR_RETURN(const std::byte* src, c.data_ptr());
+        FERRY_RETURN_IF_ERROR(device_memcpy(mem.get(), src, bytes).with_context(
+            fmt::format("serve: copying {} onto {}", lb.data.describe(), device_str(device))));
+        out->by_group_[static_cast<size_t>(g)].push_back(
+            LocalBox{lb.box, Tensor::borrow_device(mem.get(), c.shape(), c.dtype(), device, mem)});
+      }
+    }
+    return out;
+  }
+  const std::vector<TensorDecl>& metadata() const override { return host_.metadata(); }
+  int rank() const override { return host_.rank(); }
+  int world_size() const override { return host_.world_size(); }
+  Result<Holdings> holdings(int rank) const override { return host_.holdings(rank); }
+  Result<std::vector<LocalBox>> materialize(int group) override {
+    if (group < 0 || static_cast<size_t>(group) >= by_group_.size()) return out_of_range("materialize: group {}", group);
+    return by_group_[static_cast<size_t>(group)];
+  }
+
+ private:
+  explicit DeviceCopySource(WeightSource& host) : host_(host) {}
+  WeightSource& host_;
+  std::vector<std::vector<LocalBox>> by_group_;
 };
 
 // What a served checkpoint file was when serve mapped it. A file truncated under a
@@ -156,6 +195,16 @@ Result<Setup> local_setup(const RankSpec& s, bool producer) {
   std::string model = s.model;
   if (model.empty() && !s.checkpoint.empty()) model = s.checkpoint + "/config.json";
   if (model.empty()) return invalid_argument("{}: --model (the HF config.json) is required", role);
+  FERRY_ASSIGN_OR_RETURN(Device device, parse_device(s.device));
+  if (device.is_cuda()) {
+    const CudaStatus& cs = cuda_status();
+    if (!cs.usable() || device.index >= cs.device_count) {
+      return unavailable("{}: --device {} cannot be used here: {}", role, s.device,
+                         cs.usable() ? fmt::format("the driver reports {} device(s)", cs.device_count) : cs.detail);
+    }
+  } else if (s.gpu_staging) {
+    return invalid_argument("serve: --gpu-staging needs the weights on a GPU (--device cuda:N)");
+  }
   FERRY_ASSIGN_OR_RETURN(u.model, make_job_model(model, s.trainer, s.inference, false));
   FERRY_ASSIGN_OR_RETURN(LauncherRank env, launcher_rank_from_env());
   FERRY_ASSIGN_OR_RETURN(u.rank, resolve_role_rank(producer, s.rank, u.model.trainer.world_size(),
@@ -254,6 +303,7 @@ nlohmann::json rank_report_json(const RankReport& r) {
   if (r.ok || !r.failures.empty() || !r.missed.empty()) {
     out["bytes"] = r.bytes;
     out[r.producer ? "in_place_bytes" : "into_params_bytes"] = r.producer ? r.in_place_bytes : r.into_params_bytes;
+    if (!r.producer) out["via_cuda_ipc_bytes"] = r.via_cuda_ipc_bytes;
     out["seconds"] = r.seconds;
     if (r.producer) {
       out["dropped"] = r.dropped;
@@ -289,13 +339,16 @@ Result<std::vector<RankReport>> serve_rank(const RankSpec& s, const RankReportSi
     }
   }
   FERRY_RETURN_IF_ERROR(check_checkpoint(s, u.model, dir));
+  FERRY_ASSIGN_OR_RETURN(const Device device, parse_device(s.device));
   FERRY_RETURN_IF_ERROR(connect(s, u));
   // Served in place: each file's bytes are a source region (registered where they lie:
   // no copy), so consumers read (pull) or this rank writes (push) the contiguous boxes
   // straight from the mapping; strided pieces (a TP shard of a row-parallel weight) are
   // packed from it into staging. The registrations live as long as the transport.
   auto po = engine_options<ProducerOptions>(s, u.model, u.mode);
+  if (s.gpu_staging) po.staging_device = device;
   for (const SafetensorsFile& f : dir.files()) {
+    if (device.is_cuda()) break;  // weights on the GPU: nothing served from the mapping
     const std::span<const std::byte> b = f.bytes();
     if (b.empty()) continue;
     // (Peers only read it; this rank's writes take it as their source.)
@@ -304,10 +357,16 @@ Result<std::vector<RankReport>> serve_rank(const RankSpec& s, const RankReportSi
       return r.status().with_context(fmt::format("serve: registering {} ({} bytes) to serve it in place", f.path(), b.size()));
     po.source_regions.push_back(*r);
   }
-  CheckpointSource source(u.model, std::move(dir), u.rank);
+  CheckpointSource from_files(u.model, std::move(dir), u.rank);
+  std::unique_ptr<DeviceCopySource> on_device;
+  if (device.is_cuda()) {
+    FERRY_ASSIGN_OR_RETURN(on_device, DeviceCopySource::make(from_files, device, Groups(u.model.metadata).size()));
+  }
+  WeightSource& source = on_device ? static_cast<WeightSource&>(*on_device) : from_files;
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Producer> p, Producer::create(source, *u.transport, *u.store, po));
-  std::fprintf(stderr, "ferry serve: trainer rank %d of %d, checkpoint %s, store %s\n", u.rank,
-               u.model.trainer.world_size(), s.checkpoint.c_str(), u.store->url().c_str());
+  std::fprintf(stderr, "ferry serve: trainer rank %d of %d, checkpoint %s, weights on %s%s, store %s\n", u.rank,
+               u.model.trainer.world_size(), s.checkpoint.c_str(), device_str(device).c_str(),
+               s.gpu_staging ? " (GPU staging, CUDA IPC)" : "", u.store->url().c_str());
   std::vector<RankReport> reports;
   for (int v = s.first_version; v < s.first_version + s.syncs; ++v) {
     RankReport r{.producer = true, .rank = u.rank, .version = v};
@@ -353,12 +412,44 @@ Result<std::vector<RankReport>> fetch_rank(const RankSpec& s, const RankReportSi
   FERRY_ASSIGN_OR_RETURN(Setup u, local_setup(s, false));
   std::optional<TensorMap> expected;
   if (!s.checkpoint.empty()) FERRY_RETURN_IF_ERROR(direct_load(u.model, u.rank, s.checkpoint, expected));
+  FERRY_ASSIGN_OR_RETURN(const Device device, parse_device(s.device));
   FERRY_RETURN_IF_ERROR(connect(s, u));
-  const auto co = engine_options<ConsumerOptions>(s, u.model, u.mode);
+  auto co = engine_options<ConsumerOptions>(s, u.model, u.mode);
+  co.cuda_ipc = s.cuda_ipc;
+  // Params on a GPU: allocated there (zeroed), the engine's kernels write them.
+  TensorMap params;
+  std::vector<std::shared_ptr<std::byte>> keep;
+  if (device.is_cuda()) {
+    FERRY_ASSIGN_OR_RETURN(auto rl, u.model.loader->rank(u.rank));
+    for (const TensorDecl& d : rl->param_decls()) {
+      const size_t bytes = static_cast<size_t>(shape_numel(d.shape)) * dtype_size(d.dtype);
+      FERRY_ASSIGN_OR_RETURN(auto mem, device_alloc(device, bytes));
+      const std::vector<std::byte> zeros(bytes);
+      FERRY_RETURN_IF_ERROR(device_memcpy(mem.get(), zeros.data(), bytes));
+      params.emplace(d.name, Tensor::borrow_device(mem.get(), d.shape, d.dtype, device, mem, d.name));
+    }
+  }
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Consumer> c,
-                         Consumer::create(*u.model.loader, u.rank, *u.transport, *u.store, co));
-  std::fprintf(stderr, "ferry fetch: inference rank %d of %d, store %s\n", u.rank, u.model.inference.world_size(),
-               u.store->url().c_str());
+                         Consumer::create(*u.model.loader, u.rank, *u.transport, *u.store, co, std::move(params)));
+  std::fprintf(stderr, "ferry fetch: inference rank %d of %d, params on %s, store %s\n", u.rank,
+               u.model.inference.world_size(), device_str(device).c_str(), u.store->url().c_str());
+  // The params as host tensors (a copy of those in GPU memory), to verify or write.
+  auto host_params = [&]() -> Result<TensorMap> {
+    if (!device.is_cuda()) return c->params();
+    TensorMap out;
+    for (const auto& [name, t] : c->params()) {
+      if (t.device().is_host()) {
+        out.emplace(name, t);
+        continue;
+      }
+      Tensor h = Tensor::empty(t.shape(), t.dtype(), name);
+      FERRY_ASSIGN_OR_RETURN(std::byte* dst, h.data_ptr());
+      FERRY_ASSIGN_OR_RETURN(std::byte* src, t.device_ptr());
+      FERRY_RETURN_IF_ERROR(device_memcpy(dst, src, static_cast<size_t>(t.numel()) * dtype_size(t.dtype())));
+      out.emplace(name, std::move(h));
+    }
+    return out;
+  };
   std::vector<RankReport> reports;
   bool all_passed = true;
   for (int v = s.first_version; v < s.first_version + s.syncs; ++v) {
@@ -368,6 +459,7 @@ Result<std::vector<RankReport>> fetch_rank(const RankSpec& s, const RankReportSi
       r.ok = true;
       r.bytes = rep->bytes_received;
       r.into_params_bytes = rep->received_into_params;
+      r.via_cuda_ipc_bytes = rep->received_via_cuda_ipc;
       r.seconds = rep->seconds;
       r.failures = rep->failures;
     } else {
@@ -376,8 +468,10 @@ Result<std::vector<RankReport>> fetch_rank(const RankSpec& s, const RankReportSi
     r.torn = c->state().torn;
     if (r.ok && expected) {
       auto rl = u.model.loader->rank(u.rank);
-      auto mm = rl.ok() ? compare_params((*rl)->final_params(), *expected, c->params())
-                        : Result<std::optional<Mismatch>>(rl.status());
+      auto got = host_params();
+      auto mm = !rl.ok()    ? Result<std::optional<Mismatch>>(rl.status())
+                : !got.ok() ? Result<std::optional<Mismatch>>(got.status())
+                            : compare_params((*rl)->final_params(), *expected, *got);
       if (!mm.ok()) {
         r.verified = false;
         r.mismatch = mm.status().to_string();
@@ -393,7 +487,8 @@ Result<std::vector<RankReport>> fetch_rank(const RankSpec& s, const RankReportSi
   }
   if (!s.output.empty() && all_passed) {
     std::vector<SafetensorsEntry> entries;
-    for (const auto& [name, t] : c->params()) entries.push_back(SafetensorsEntry{name, t});
+    FERRY_ASSIGN_OR_RETURN(TensorMap got, host_params());
+    for (const auto& [name, t] : got) entries.push_back(SafetensorsEntry{name, t});
     std::error_code ec;
     std::filesystem::create_directories(s.output, ec);
     const std::string path = fmt::format("{}/rank-{}.safetensors", s.output, u.rank);

@@ -61,6 +61,11 @@ struct RankSpec {
   std::string mode = "pull";
   bool checksums = false;
   bool read_checkpoint = false;  // serve: read the files into owned memory instead of mapping them
+  // Where the weights (serve: this rank's boxes, copied there once at start) or the
+  // params (fetch) live: "cpu" or "cuda:N" (ferry/device.h's parse_device).
+  std::string device = "cpu";
+  bool gpu_staging = false;  // serve on a GPU: stage there, exported by CUDA IPC (ProducerOptions::staging_device)
+  bool cuda_ipc = true;      // fetch on a GPU: copy device to device from such staging (ConsumerOptions::cuda_ipc)
   int first_version = 1;
   int syncs = 1;
   int timeout_ms = 30000;      // bound on each wait of a sync (EngineOptions::timeout, stall)
@@ -80,6 +85,7 @@ struct RankReport {
   uint64_t bytes = 0;         // serve: bytes sent; fetch: bytes received (ok syncs)
   uint64_t in_place_bytes = 0;     // serve: of `bytes`, sent from the mapping in place ("in_place_bytes")
   uint64_t into_params_bytes = 0;  // fetch: of `bytes`, landed straight in params ("into_params_bytes")
+  uint64_t via_cuda_ipc_bytes = 0;  // fetch: of `bytes`, copied device to device by CUDA IPC ("via_cuda_ipc_bytes")
   double seconds = 0;
   std::vector<int> dropped, missed;   // serve: consumers dropped / that did not commit it
   std::vector<std::string> failures;  // one line per failure the engine reported

@@ -20,6 +20,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "ferry/device.h"
 #include "ferry/models.h"
 #include "ferry/safetensors.h"
 #include "ferry/store.h"
@@ -121,6 +122,67 @@ TEST_P(ServeCliTest, ServesTheMappingInPlaceAndFetchVerifies) {
         EXPECT_TRUE(j.value("verified", false)) << name << ": " << j.dump();
         EXPECT_GT(j.value("into_params_bytes", uint64_t{0}), 0u) << name << ": " << j.dump();
       }
+    }
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
+// Weights and params in GPU memory, every rank a process (on a machine without a GPU:
+// under the emulated CUDA plugin, label emulated-cuda). Trainer ranks copy their boxes
+// onto cuda:0 and stage there (--gpu-staging, exported by CUDA IPC); inference rank 0
+// copies device to device from that staging (via_cuda_ipc_bytes is every byte it
+// received), rank 1 reads the host copy through the transport (--no-cuda-ipc); both
+// verify bit for bit, two syncs.
+TEST(GpuServeCli, ServesGpuMemoryByCudaIpcAndThroughTheTransport) {
+  if (!cuda_status().usable()) GTEST_SKIP() << "needs a CUDA device (or FERRY_CUDA_PLUGIN=emulated); " << cuda_status().detail;
+  const std::string dir = make_checkpoint();
+  StoreServerOptions so;
+  so.token = random_token();
+  auto server = StoreServer::start(so);
+  ASSERT_TRUE(server.ok()) << server.status().to_string();
+  const std::vector<std::string> env = environment_with("FERRY_TOKEN", so.token);
+  const std::vector<std::string> common = {"--store", (*server)->url(), "--trainer", kTrainer, "--inference", kInference,
+                                           "--job", "serve-gpu", "--syncs", "2", "--timeout", "20000",
+                                           "--rendezvous-timeout", "30000", "--device", "cuda:0"};
+  std::vector<Child> ranks;
+  for (int r = 0; r < 2; ++r) {
+    for (const char* role : {"serve", "fetch"}) {
+      ProcessSpec ps;
+      ps.argv = {FERRY_BIN, role, "--rank", std::to_string(r)};
+      ps.argv.insert(ps.argv.end(), common.begin(), common.end());
+      if (std::string(role) == "serve") {
+        ps.argv.insert(ps.argv.end(), {"--checkpoint", dir, "--gpu-staging"});
+      } else {
+        ps.argv.insert(ps.argv.end(), {"--model", dir + "/config.json", "--verify", dir});
+        if (r == 1) ps.argv.push_back("--no-cuda-ipc");
+      }
+      ps.env = env;
+      ps.log = fmt::format("{}/{}-{}-gpu.log", dir, role, r);
+      ps.name = fmt::format("{} {}", role, r);
+      auto c = spawn(ps);
+      ASSERT_TRUE(c.ok()) << c.status().to_string();
+      ranks.push_back(*c);
+    }
+  }
+  const auto deadline = std::chrono::steady_clock::now() + 90s;
+  for (Child& c : ranks) {
+    const std::string name = c.name;
+    auto st = wait_exit(c, deadline);
+    const std::string log = read_log(c);
+    if (!st) kill_now(c);
+    ASSERT_TRUE(st.has_value()) << name << " did not exit:\n" << log;
+    EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == 0) << name << " exit status " << *st << ":\n" << log;
+    const auto lines = json_lines(log);
+    ASSERT_EQ(lines.size(), 2u) << name << ":\n" << log;
+    for (const auto& j : lines) {
+      ASSERT_TRUE(j.is_object()) << log;
+      EXPECT_TRUE(j.value("ok", false)) << name << ": " << j.dump();
+      if (j.value("role", "") != "inference") continue;
+      EXPECT_TRUE(j.value("verified", false)) << name << ": " << j.dump();
+      const uint64_t bytes = j.value("bytes", uint64_t{0});
+      EXPECT_GT(bytes, 0u) << j.dump();
+      EXPECT_EQ(j.value("via_cuda_ipc_bytes", uint64_t{1}), name == "fetch 0" ? bytes : 0u) << name << ": " << j.dump();
     }
   }
   std::error_code ec;

@@ -1527,5 +1527,54 @@ TEST(EngineDevice, SyncsFromGpuMemoryIntoGpuMemory) {
   }
 }
 
+// GPU staging without a usable device: every producer is refused at create, before its
+// rendezvous, naming the option, the device and why.
+TEST(EngineDevice, GpuStagingWithoutAUsableDeviceIsRefusedAtCreate) {
+  if (cuda_status().usable()) GTEST_SKIP() << "a CUDA device is here: EngineDevice.SyncsThroughGpuStagingDeviceToDevice covers it";
+  Cluster k;
+  k.eo.rendezvous_timeout = 3000ms;
+  k.tweak_producer = [](ProducerOptions& o, int) { o.staging_device = Device::cuda(0); };
+  Status st = k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=1", R"({"num_hidden_layers": 1})");
+  ASSERT_FALSE(st.ok());
+  bool named = false;
+  for (const Status& s : k.started) {
+    named |= s.code() == StatusCode::kUnavailable && s.message().find("staging_device cuda:0") != std::string::npos &&
+             s.message().find(cuda_status().detail) != std::string::npos;
+  }
+  EXPECT_TRUE(named) << st.to_string();
+}
+
+// Staging in GPU memory, read device to device (ConsumerOptions::cuda_ipc; ranks as
+// threads, so the consumer maps the producer's staging pointer itself): two syncs, pull,
+// verified bit for bit; every byte such a consumer receives was copied device to
+// device. A consumer with cuda_ipc off reads the same producers' host staging through
+// the transport and verifies too.
+TEST(EngineDevice, SyncsThroughGpuStagingDeviceToDevice) {
+  if (!cuda_status().usable()) GTEST_SKIP() << "needs a CUDA device; " << cuda_status().detail;
+  std::vector<std::shared_ptr<std::byte>> keep;
+  Cluster k(EngineCase{Backend::kInproc, Mode::kPull});
+  k.gpu_sources = true;
+  k.caller_params = true;
+  k.param_factory = [&keep](const TensorDecl& d) -> Result<Tensor> {
+    const size_t bytes = static_cast<size_t>(shape_numel(d.shape)) * dtype_size(d.dtype);
+    FERRY_ASSIGN_OR_RETURN(auto mem, device_alloc(Device::cuda(0), bytes));
+    keep.push_back(mem);
+    return Tensor::borrow_device(mem.get(), d.shape, d.dtype, Device::cuda(0), mem, d.name);
+  };
+  k.tweak_producer = [](ProducerOptions& o, int) { o.staging_device = Device::cuda(0); };
+  k.tweak_consumer = [](ConsumerOptions& o, int c) { o.cuda_ipc = c != 3; };
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2,replicas=2").ok());
+  for (uint64_t v : {1u, 2u}) {
+    auto o = k.sync(v);
+    k.expect_all_ok(o, v);
+    for (size_t c = 0; c < o.c.size(); ++c) {
+      ASSERT_TRUE(o.c[c]->ok());
+      const SyncReport& r = **o.c[c];
+      EXPECT_GT(r.bytes_received, 0u);
+      EXPECT_EQ(r.received_via_cuda_ipc, c == 3 ? 0u : r.bytes_received) << "consumer " << c << ": " << r.to_string();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ferry

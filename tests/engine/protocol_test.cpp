@@ -1,8 +1,12 @@
 // The engine's wire and store formats (engine/protocol.h): every message and lease
 // round-trips, and every malformed input is refused as kCorrupt, never misread.
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
+#include "engine/cuda_ipc.h"
 #include "engine/protocol.h"
+#include "ferry/device.h"
 
 namespace ferry::engine {
 namespace {
@@ -82,7 +86,7 @@ TEST(EngineProtocol, BadMagicTypeAndFlagAreCorrupt) {
 }
 
 TEST(EngineProtocol, LeasesRoundTripAndAreNotConfused) {
-  const ProducerLease p{"addr\0x", "key", 4096, "table"};
+  const ProducerLease p{"addr\0x", "key", 4096, "table", "ipc"};
   const ConsumerLease c{"caddr", "ckey", 128, "params"};
   auto pb = decode_producer_lease(encode_lease(p));
   ASSERT_TRUE(pb.ok()) << pb.status().to_string();
@@ -118,6 +122,46 @@ TEST(EngineProtocol, JobKeysStayUnderTheJobPrefix) {
   EXPECT_EQ(k.dead(5).rfind(k.dead_prefix(), 0), 0u);
   EXPECT_NE(k.producer(1), k.consumer(1));
   EXPECT_NE(k.holdings(1), k.plan(1));
+}
+
+// A producer's GPU staging as its lease carries it: round trip; truncated, foreign or
+// malformed blobs refused; mapped only on the host that exported it, and in its own
+// process only on its own device (there the pointer itself is used).
+TEST(EngineCudaIpc, ExportRoundTripsAndIsMappedOnlyWhereItCanBe) {
+  const CudaIpcExport e{host_identity(), static_cast<uint64_t>(getpid()), 0, 0x7000, 1 << 20,
+                        std::string(kCudaIpcHandleBytes, 'h')};
+  const std::string blob = encode_cuda_ipc(e);
+  auto back = decode_cuda_ipc(blob);
+  ASSERT_TRUE(back.ok()) << back.status().to_string();
+  EXPECT_EQ(*back, e);
+  for (size_t n = 0; n < blob.size(); ++n) EXPECT_FALSE(decode_cuda_ipc(std::string_view(blob).substr(0, n)).ok()) << n;
+  CudaIpcExport short_handle = e;
+  short_handle.handle = "xyz";
+  EXPECT_EQ(decode_cuda_ipc(encode_cuda_ipc(short_handle)).status().code(), StatusCode::kCorrupt);
+  EXPECT_EQ(decode_cuda_ipc(encode_lease(ProducerLease{"a", "k", 1, "", ""})).status().code(), StatusCode::kCorrupt);
+  // The identity names this host's network namespace (so emulated hosts differ).
+  EXPECT_NE(host_identity().find("net:["), std::string::npos) << host_identity();
+  CudaIpcExport elsewhere = e;
+  elsewhere.host = "another-host|boot|net:[1]";
+  auto m = map_cuda_ipc(elsewhere, Device::cuda(0));
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(m.status().message().find("another host"), std::string::npos) << m.status().to_string();
+  m = map_cuda_ipc(e, Device::cuda(0));  // this process: the pointer itself
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(m->get()), 0x7000u);
+  m = map_cuda_ipc(e, Device::cuda(1));
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("cuda:1"), std::string::npos) << m.status().to_string();
+  // Another process of this host: opened with CUDA IPC, which needs a device here.
+  CudaIpcExport other = e;
+  other.pid = e.pid + 1;
+  m = map_cuda_ipc(other, Device::cuda(0));
+  if (!cuda_status().usable()) {
+    ASSERT_FALSE(m.ok());
+    EXPECT_EQ(m.status().code(), StatusCode::kUnavailable) << m.status().to_string();
+    EXPECT_NE(m.status().message().find("cuda_ipc_open"), std::string::npos) << m.status().to_string();
+  }
 }
 
 }  // namespace

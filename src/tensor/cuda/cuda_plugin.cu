@@ -151,6 +151,26 @@ int fp8_blocks(int device, const void* src, uint8_t src_type, int64_t batch, int
   return 0;
 }
 
+int ipc_export(void* ptr, void* handle, char* err, size_t err_len) {
+  static_assert(sizeof(cudaIpcMemHandle_t) == 64, "the core carries 64-byte handles");
+  cudaIpcMemHandle_t h;
+  FERRY_CUDA_TRY(cudaIpcGetMemHandle(&h, ptr));
+  std::memcpy(handle, &h, sizeof(h));
+  return 0;
+}
+
+int ipc_open(int device, const void* handle, void** out, char* err, size_t err_len) {
+  DeviceGuard guard;
+  FERRY_CUDA_TRY(cudaGetDevice(&guard.previous));
+  FERRY_CUDA_TRY(cudaSetDevice(device));
+  cudaIpcMemHandle_t h;
+  std::memcpy(&h, handle, sizeof(h));
+  FERRY_CUDA_TRY(cudaIpcOpenMemHandle(out, h, cudaIpcMemLazyEnablePeerAccess));
+  return 0;
+}
+
+int ipc_close(void* ptr) { return cudaIpcCloseMemHandle(ptr) == cudaSuccess ? 0 : 1; }
+
 int alloc(int device, size_t bytes, void** out, char* err, size_t err_len) {
   DeviceGuard guard;
   FERRY_CUDA_TRY(cudaGetDevice(&guard.previous));
@@ -185,7 +205,8 @@ int host_release(void* ptr) { return cudaHostUnregister(ptr) == cudaSuccess ? 0 
 
 const FerryCudaPlugin kPlugin = {FERRY_CUDA_PLUGIN_ABI, sizeof(CopyDesc), device_count, device_name,
                                  alloc,                 release,          copy_bytes,   host_register,
-                                 host_release,          run_batch,        fp8_blocks};
+                                 host_release,          run_batch,        fp8_blocks,   ipc_export,
+                                 ipc_open,              ipc_close};
 
 }  // namespace
 

@@ -1,0 +1,64 @@
+#include "engine/cuda_ipc.h"
+
+#include <unistd.h>
+
+#include <fstream>
+#include <limits.h>
+
+#include "engine/protocol.h"
+#include "ferry/device.h"
+
+namespace ferry::engine {
+
+std::string host_identity() {
+  char name[HOST_NAME_MAX + 1] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0) name[0] = '\0';
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  char ns[128] = {};
+  const ssize_t n = readlink("/proc/self/ns/net", ns, sizeof(ns) - 1);
+  return fmt::format("{}|{}|{}", name, boot, n > 0 ? std::string(ns, static_cast<size_t>(n)) : std::string());
+}
+
+std::string encode_cuda_ipc(const CudaIpcExport& e) {
+  return encode_fields({"ferry-cuda-ipc-1", e.host, u64_field(e.pid), u64_field(static_cast<uint64_t>(e.device)),
+                        u64_field(e.ptr), u64_field(e.bytes), e.handle});
+}
+
+Result<CudaIpcExport> decode_cuda_ipc(std::string_view blob) {
+  auto f = decode_fields(blob, 7);
+  if (!f.ok()) return f.status().with_context("cuda ipc export");
+  if ((*f)[0] != "ferry-cuda-ipc-1") return corrupt("cuda ipc export: not one");
+  CudaIpcExport e;
+  e.host = (*f)[1];
+  uint64_t* fields[] = {&e.pid, nullptr, &e.ptr, &e.bytes};
+  for (int k = 0; k < 4; ++k) {
+    auto v = parse_u64_field((*f)[static_cast<size_t>(2 + k)]);
+    if (!v.ok()) return v.status().with_context("cuda ipc export");
+    if (k == 1) {
+      if (*v > 1024) return corrupt("cuda ipc export: device {}", *v);
+      e.device = static_cast<int>(*v);
+    } else {
+      *fields[k] = *v;
+    }
+  }
+  e.handle = (*f)[6];
+  if (e.handle.size() != kCudaIpcHandleBytes) {
+    return corrupt("cuda ipc export: a handle of {} bytes, not {}", e.handle.size(), kCudaIpcHandleBytes);
+  }
+  return e;
+}
+
+Result<std::shared_ptr<std::byte>> map_cuda_ipc(const CudaIpcExport& e, Device device) {
+  if (e.host != host_identity()) return unavailable("the producer's staging is on another host ({})", e.host);
+  if (e.pid == static_cast<uint64_t>(getpid())) {
+    if (device.index != e.device) {
+      return unavailable("the producer's staging is on cuda:{} of this process, the params on {}", e.device,
+                         device_str(device));
+    }
+    return std::shared_ptr<std::byte>(reinterpret_cast<std::byte*>(e.ptr), [](std::byte*) {});
+  }
+  return cuda_ipc_open(device, e.handle);
+}
+
+}  // namespace ferry::engine
