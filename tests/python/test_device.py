@@ -11,6 +11,11 @@ import torch
 
 import ferry
 
+# Under the emulated CUDA plugin (label emulated-cuda) "device memory" is host memory:
+# the GPU paths run for real on CPU tensors that say they are on cuda:0.
+EMULATED = os.environ.get("FERRY_CUDA_PLUGIN", "").endswith("libferry_cuda_emulated.so")
+NO_DEVICE = not torch.cuda.is_available() and not EMULATED
+
 
 class FakeCudaTensor:
     """Quacks like a torch CUDA tensor (device, dtype, shape, data_ptr): what bind
@@ -35,6 +40,21 @@ class FakeCudaTensor:
         return True
 
 
+class HostBackedCuda(FakeCudaTensor):
+    """A CPU tensor's memory presented as cuda:0 (only meaningful under the emulated
+    plugin, whose devices are host memory)."""
+
+    def __init__(self, t):
+        super().__init__(t.shape, t.dtype)
+        self.t = t
+
+    def data_ptr(self):
+        return self.t.data_ptr()
+
+    def element_size(self):
+        return self.t.element_size()
+
+
 def plan_of_a_shard():
     w = ferry.source("w", (8, 4), "bfloat16")
     p = ferry.param("p", (4, 4), "bfloat16")
@@ -47,8 +67,8 @@ class DeviceReplayTest(unittest.TestCase):
     def test_cuda_tensors_take_the_gpu_path(self):
         plan = plan_of_a_shard()
         src, dst = FakeCudaTensor((8, 4)), FakeCudaTensor((4, 4))
-        if torch.cuda.is_available():
-            self.skipTest("a real GPU is here: test_real_cuda_replay covers it")
+        if not NO_DEVICE:
+            self.skipTest("a (real or emulated) GPU is here: test_real_cuda_replay / EmulatedCudaTest cover it")
         with self.assertRaises(ferry.UnavailableError) as cm:
             plan.replay({"w": src}, {"p": dst}, stream=0)
         msg = str(cm.exception)
@@ -116,8 +136,8 @@ class EngineDeviceTest(unittest.TestCase):
     """The engine's Python bindings take torch CUDA tensors as sources and params."""
 
     def setUp(self):
-        if torch.cuda.is_available():
-            self.skipTest("a real GPU is here: test_real_cuda_sync covers it")
+        if not NO_DEVICE:
+            self.skipTest("a (real or emulated) GPU is here: test_real_cuda_sync / EmulatedCudaTest cover it")
 
     def test_cuda_params_take_the_gpu_path(self):
         loader = ferry.ModelLoader(BF16, "tp=1")
@@ -151,6 +171,48 @@ class EngineDeviceTest(unittest.TestCase):
             self.assertTrue(any("cuda:0" in t and ("no usable CUDA device" in t or "CUDA plugin" in t or "without CUDA" in t)
                                 for t in texts), texts)
             self.assertNotEqual(consumer.state(), {"version": 1, "torn": False})
+            producer.close()
+            consumer.close()
+
+
+class TorchTrainerOnFakeCuda(TorchTrainer):
+    """Materializes its CPU weights as tensors that say they are on cuda:0."""
+
+    def materialize(self, group):
+        return {n: HostBackedCuda(self.weights[n]) for n, _, _ in self.boxes(group)}
+
+
+@unittest.skipUnless(EMULATED, "runs under the emulated CUDA plugin (ctest -L emulated-cuda)")
+class EmulatedCudaTest(unittest.TestCase):
+    """The bindings' GPU paths end to end, on the emulated plugin: what materialize
+    returns and the Consumer's params are bound as device memory and moved by the
+    (emulated) kernels."""
+
+    def test_replay_of_cuda_tensors(self):
+        plan = plan_of_a_shard()
+        w = torch.arange(32, dtype=torch.float32).reshape(8, 4).to(torch.bfloat16)
+        want = torch.zeros((4, 4), dtype=torch.bfloat16)
+        plan.replay({"w": w}, {"p": want})
+        got = torch.zeros((4, 4), dtype=torch.bfloat16)
+        plan.replay({"w": HostBackedCuda(w)}, {"p": HostBackedCuda(got)}, stream=0)
+        self.assertTrue(torch.equal(got, want))
+
+    def test_sync_of_cuda_sources_into_cuda_params(self):
+        loader = ferry.ModelLoader(BF16, "tp=1")
+        trainer = TorchTrainerOnFakeCuda()
+        host_params = {n: torch.zeros(d.shape, dtype=torch.bfloat16) for n, d in loader.params(0).items()}
+        params = {n: HostBackedCuda(t) for n, t in host_params.items()}
+        with ferry.StoreServer() as server:
+            common = dict(store=server, backend="inproc", job="emulated-gpu", timeout=20.0)
+            producer, consumer = run_threads([lambda: ferry.Producer(trainer, **common),
+                                              lambda: ferry.Consumer(loader=loader, rank=0, params=params, **common)])
+            want = expected_params(loader, trainer)
+            for v in (1, 2):
+                reports = run_threads([lambda: producer.sync(v), lambda: consumer.sync(v)])
+                self.assertTrue(all(r["ok"] for r in reports), [r["text"] for r in reports])
+                self.assertGreater(reports[1]["bytes"], 0)
+                for n, t in want.items():
+                    self.assertTrue(torch.equal(host_params[n].view(torch.int16), t.view(torch.int16)), n)
             producer.close()
             consumer.close()
 
