@@ -1,6 +1,8 @@
 // Hostile input on the command line: each of these crashed, hung or was accepted
 // (issue 15, finding 5); each must now end at once with an error naming the constraint.
 #include <string>
+#include <unistd.h>
+#include <cstdlib>
 
 #include <gtest/gtest.h>
 
@@ -85,6 +87,67 @@ TEST(InputCli, DemoCutIsRefusedWithoutHostsOrOutOfRange) {
     EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.err;
     EXPECT_NE(r.err.find("expected HOST:SYNC[:POINT[:MS]]"), std::string::npos) << bad << ": " << r.err;
   }
+}
+
+// `ferry checkpoint` writes config.json and model.safetensors that serve takes as they
+// are (every tensor of the model, at its dtype and shape); a bad model or an unwritable
+// directory is an error naming it (exit 2).
+TEST(CheckpointCli, WritesACheckpointOfTheModel) {
+  char tmpl[] = "/tmp/ferry-ckpt-cli-XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl);
+  auto r = ferry_cli_test::run_command(std::string(FERRY_BIN) + " checkpoint --model " + kModel +
+                                       " --shrink --config-overrides '{\"num_hidden_layers\": 1}' --seed 3 --out " + dir +
+                                       "/c");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("model.safetensors"), std::string::npos) << r.out;
+  // serve's own checks (every tensor present, dtype and shape) pass: it gets as far as
+  // the store, which is not there.
+  r = ferry_cli_test::run_command("FERRY_TOKEN=ferry-cli-test-token-0123 timeout -s KILL 60 " + std::string(FERRY_BIN) +
+                                  " serve --store tcp://127.0.0.1:1 " +
+                                  "--trainer tp=1 --inference tp=1 --rank 0 --rendezvous-timeout 1000 --checkpoint " +
+                                  dir + "/c");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_EQ(r.err.find("has no tensor"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("127.0.0.1:1"), std::string::npos) << r.err;
+  r = ferry("checkpoint --model /nonexistent/config.json --out " + dir + "/d");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("/nonexistent/config.json"), std::string::npos) << r.err;
+  r = ferry("checkpoint --model " + kModel + " --shrink --out /proc/ferry-cannot-write-here");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("/proc/ferry-cannot-write-here"), std::string::npos) << r.err;
+  std::system(("rm -rf " + dir).c_str());
+}
+
+// serve / fetch --device: a device that cannot be used, a malformed one, and GPU staging
+// without GPU weights end at once, naming them (exit 2), before any store is reached.
+TEST(InputCli, RankDeviceOptionsAreCheckedFirst) {
+  const std::string common = " --store tcp://127.0.0.1:1 --trainer tp=1 --inference tp=1 --rank 0 --model " + kModel;
+  CliRun r = ferry("fetch" + common + " --device gpu0");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("gpu0"), std::string::npos) << r.err;
+  r = ferry("serve" + common + " --checkpoint /tmp --gpu-staging");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("--gpu-staging needs the weights on a GPU"), std::string::npos) << r.err;
+  r = ferry("fetch" + common + " --device cuda:7");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("--device cuda:7 cannot be used here"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("127.0.0.1:1"), std::string::npos) << "the store was reached first: " << r.err;
+}
+
+// `ferry devices --bandwidth`: without a device it says nothing was measured; on the
+// emulated plugin (a device over host memory) it prints the three copy rates.
+TEST(DevicesCli, BandwidthIsMeasuredWhereThereIsADevice) {
+  auto r = ferry_cli_test::run_command("FERRY_CUDA_PLUGIN=/nonexistent/libferry_cuda.so " + std::string(FERRY_BIN) +
+                                       " devices --bandwidth 1000000");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("copy rates: no usable CUDA device, nothing measured"), std::string::npos) << r.out;
+#ifdef FERRY_EMULATED_CUDA_PLUGIN
+  r = ferry_cli_test::run_command(std::string("FERRY_CUDA_PLUGIN=") + FERRY_EMULATED_CUDA_PLUGIN + " " + FERRY_BIN +
+                                  " devices --json --bandwidth 1000000");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (const char* key : {"\"d2d_gbps\":", "\"h2d_gbps\":", "\"d2h_gbps\":"})
+    EXPECT_NE(r.out.find(key), std::string::npos) << key << " in " << r.out;
+#endif
 }
 
 }  // namespace
