@@ -567,10 +567,16 @@ struct Producer::Impl {
       if (!boxes.ok()) return boxes.status().with_context(fmt::format("producer {} materialize group {}", rank, g));
       for (const LocalBox& lb : *boxes) {
         if (lb.box >= t.boxes.size() || !lb.data.is_real() || !lb.data.is_contiguous()) continue;
-        auto ptr = lb.data.data_ptr();
+        // A box in GPU memory is served where it lies only from a CUDA region (a transport
+        // that moves CUDA memory registered it: Transport::supports_memory), and not with
+        // checksums (they hash in-place runs on the host).
+        const bool gpu = lb.data.device().is_cuda();
+        if (gpu && opts.checksums) continue;
+        auto ptr = gpu ? lb.data.device_ptr() : lb.data.data_ptr();
         if (!ptr.ok()) continue;
         const uint64_t bytes = static_cast<uint64_t>(lb.data.numel()) * dtype_size(lb.data.dtype());
         for (size_t r = 0; r < opts.source_regions.size(); ++r) {
+          if ((opts.source_regions[r].kind == MemoryKind::kCuda) != gpu) continue;
           const auto* base = static_cast<const std::byte*>(opts.source_regions[r].base);
           if (*ptr >= base && *ptr + bytes <= base + opts.source_regions[r].length) {
             t.boxes[lb.box] = InPlaceTable::At{static_cast<int32_t>(r), static_cast<uint64_t>(*ptr - base)};
@@ -636,7 +642,7 @@ struct Producer::Impl {
     for (const LocalBox& lb : boxes) {
       if (lb.box >= in_place.boxes.size() || in_place.boxes[lb.box].region < 0) continue;
       const InPlaceTable::At& at = in_place.boxes[lb.box];
-      auto ptr = lb.data.data_ptr();
+      auto ptr = lb.data.device().is_host() ? lb.data.data_ptr() : lb.data.device_ptr();
       const auto* expected = static_cast<const std::byte*>(opts.source_regions[static_cast<size_t>(at.region)].base) + at.offset;
       if (!ptr.ok() || *ptr != expected || !lb.data.is_contiguous())
         return failed_precondition(
