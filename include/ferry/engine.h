@@ -160,9 +160,7 @@ struct ProducerOptions : EngineOptions {
   // each box lies; a sync fails (naming the tensor) if a box has moved. Empty (the
   // default): every byte is packed into staging. Over UCX 1.13 shared memory, peers read
   // allocate_memory regions by plain copy, memory registered in place only by message
-  // over tcp (docs/transport.md). GPU boxes are served in place from regions of
-  // MemoryKind::kCuda, which only a transport that moves CUDA memory registers
-  // (Transport::supports_memory; not Debian's UCX); otherwise they are packed on the GPU.
+  // over tcp (docs/transport.md). Host memory only: GPU boxes are packed on the GPU.
   std::vector<MemoryRegion> source_regions;
   uint64_t direct_min_bytes = 64 * 1024;
   // Bytes of registered staging memory; 0: two slots of the largest group (with failover

@@ -429,7 +429,8 @@ class Consumer:
     def params(self):
         """The rank's final params: the ``params`` passed in where given (and, with a built-in
         loader, not quantized), else views of ferry's buffers (torch tensors when torch is
-        imported, else numpy arrays; bf16/fp8 as raw uint16/uint8 bits without torch)."""
+        imported, else numpy arrays; bf16/fp8 as raw uint16/uint8 bits without torch); a
+        param in GPU memory is the caller's tensor (None for one ferry made there)."""
         given = self._current_params()
         if given is not None and self.loader is not None and \
                 self.loader.final_params(self.rank) == self.loader.params(self.rank):
@@ -437,8 +438,11 @@ class Consumer:
         torch = sys.modules.get("torch")
         out = {}
         for name, (dt, arr) in self._c.params().items():
-            if self.plan is not None and given is not None and name in given:
+            if (self.plan is not None or arr is None) and given is not None and name in given:
                 out[name] = given[name]
+                continue
+            if arr is None:  # in GPU memory and not the caller's (a post-processing output)
+                out[name] = None
                 continue
             if torch is not None:
                 if arr.dtype.kind == "u" and arr.dtype.itemsize == 2:  # bf16 bits; torch lacks uint16

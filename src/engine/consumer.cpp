@@ -199,6 +199,7 @@ struct Consumer::Impl {
     if (p.id != peer) return;
     p.connected = false;
     failed[it->second] = why;
+    p.ipc.reset();  // its GPU staging is unmapped once no copy holds it (post_one keeps a reference)
     cv.notify_all();
   }
 
@@ -524,19 +525,23 @@ struct Consumer::Impl {
     if (ipc_active && sr.region < 0 && !sr.param) {
       // From the producer's GPU staging, device to device (the slot was packed and
       // synchronised before it was announced); done when the copy returns.
-      std::byte* from;
+      std::shared_ptr<std::byte> from;  // held for the copy: a failure may unmap it meanwhile
       uint64_t limit;
       {
         std::lock_guard<std::mutex> lk(mu);
-        from = peers[static_cast<size_t>(p)].ipc.get();
+        from = peers[static_cast<size_t>(p)].ipc;
         limit = peers[static_cast<size_t>(p)].ipc_bytes;
+      }
+      if (!from) {
+        failed_p = p;
+        return peer_failed("consumer {} group {}: producer {} failed (its GPU staging is unmapped)", rank, g, p);
       }
       if (remote > limit || n > limit - remote) {
         failed_p = p;
         return out_of_range("consumer {} group {}: bytes [{}, +{}) outside producer {}'s GPU staging of {} bytes", rank,
                             g, remote, n, p, limit);
       }
-      Status st = device_memcpy(device_ring.get() + base + sr.recv_offset + at, from + remote, n);
+      Status st = device_memcpy(device_ring.get() + base + sr.recv_offset + at, from.get() + remote, n);
       if (!st.ok()) {
         failed_p = p;
         return st.with_context(fmt::format("consumer {} copying group {} from producer {}'s GPU staging", rank, g, p));
@@ -743,6 +748,16 @@ struct Consumer::Impl {
       rep.received_into_params += gs.direct;
       rep.received_via_cuda_ipc = ipc_bytes;
       for (const auto& [p, b] : gs.received_from) rep.bytes_per_peer[p] += b;
+      if (ipc_active) {
+        // Checksums (the producers' option) are verified on the host: the slot first.
+        bool any = false;
+        for (int p : from) any |= got[p].checksum.has_value();
+        if (any) {
+          const uint64_t at = static_cast<uint64_t>(s) * slot_bytes;
+          FERRY_RETURN_IF_ERROR(device_memcpy(ring.data + at, device_ring.get() + at, plan_route->groups[static_cast<size_t>(g)].recv_bytes)
+                                    .with_context(fmt::format("consumer {} group {}: GPU ring to host, to verify", rank, g)));
+        }
+      }
       for (int p : from) FERRY_RETURN_IF_ERROR(verify(p, g, got[p], s));
       point(g, 2);
       worker->enqueue({v, g, s});
@@ -1229,23 +1244,16 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
     m.loaded.emplace(d.name, t);
     if (t.device().is_cuda()) {
       // In GPU memory: unpacked there by a kernel from the receive ring (made visible to
-      // the device below). Read into directly only where the transport itself moves CUDA
-      // memory (Transport::supports_memory: a UCX built with CUDA), and not with
-      // checksums (verified on the host).
+      // the device below, or on the device for CUDA IPC), never read into directly. Even
+      // a transport that moves CUDA memory (Transport::supports_memory) reaches some
+      // peers only by ferry's host-side message emulation (tcp, shared-memory regions
+      // registered in place), which refuses CUDA memory: reading straight into GPU params
+      // needs that choice made per peer, not built yet.
       if (cuda && *cuda != t.device()) {
         return invalid_argument("consumer {}: params on {} and {} ('{}'); ferry stages for one GPU per rank", rank,
                                 device_str(*cuda), device_str(t.device()), d.name);
       }
       cuda = t.device();
-      if (!transport.supports_memory(MemoryKind::kCuda) || options.checksums) continue;
-      if (bytes < options.direct_min_bytes || bytes == 0) continue;
-      FERRY_ASSIGN_OR_RETURN(std::byte * dev, t.device_ptr());
-      auto r = transport.register_memory(dev, bytes, MemoryKind::kCuda);
-      if (!r.ok()) return r.status().with_context(fmt::format("consumer {}: registering param '{}' on {}", rank, d.name,
-                                                              device_str(t.device())));
-      m.registrations.push_back(*r);
-      m.param_regions[d.name] =
-          RegisteredParam{*r, 0, dev, bytes, static_cast<uint32_t>(m.registrations.size() - 1)};
       continue;
     }
     if (bytes < options.direct_min_bytes || bytes == 0) continue;

@@ -4,6 +4,7 @@
 
 #include <fstream>
 #include <limits.h>
+#include <random>
 
 #include "engine/protocol.h"
 #include "ferry/device.h"
@@ -20,15 +21,23 @@ std::string host_identity() {
   return fmt::format("{}|{}|{}", name, boot, n > 0 ? std::string(ns, static_cast<size_t>(n)) : std::string());
 }
 
+uint64_t process_token() {
+  static const uint64_t token = [] {
+    std::random_device rd;
+    return (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(getpid());
+  }();
+  return token;
+}
+
 std::string encode_cuda_ipc(const CudaIpcExport& e) {
-  return encode_fields({"ferry-cuda-ipc-1", e.host, u64_field(e.pid), u64_field(static_cast<uint64_t>(e.device)),
-                        u64_field(e.ptr), u64_field(e.bytes), e.handle});
+  return encode_fields({"ferry-cuda-ipc-2", e.host, u64_field(e.pid), u64_field(static_cast<uint64_t>(e.device)),
+                        u64_field(e.ptr), u64_field(e.bytes), e.handle, u64_field(e.process)});
 }
 
 Result<CudaIpcExport> decode_cuda_ipc(std::string_view blob) {
-  auto f = decode_fields(blob, 7);
+  auto f = decode_fields(blob, 8);
   if (!f.ok()) return f.status().with_context("cuda ipc export");
-  if ((*f)[0] != "ferry-cuda-ipc-1") return corrupt("cuda ipc export: not one");
+  if ((*f)[0] != "ferry-cuda-ipc-2") return corrupt("cuda ipc export: not one");
   CudaIpcExport e;
   e.host = (*f)[1];
   uint64_t* fields[] = {&e.pid, nullptr, &e.ptr, &e.bytes};
@@ -43,6 +52,9 @@ Result<CudaIpcExport> decode_cuda_ipc(std::string_view blob) {
     }
   }
   e.handle = (*f)[6];
+  auto token = parse_u64_field((*f)[7]);
+  if (!token.ok()) return token.status().with_context("cuda ipc export");
+  e.process = *token;
   if (e.handle.size() != kCudaIpcHandleBytes) {
     return corrupt("cuda ipc export: a handle of {} bytes, not {}", e.handle.size(), kCudaIpcHandleBytes);
   }
@@ -51,7 +63,7 @@ Result<CudaIpcExport> decode_cuda_ipc(std::string_view blob) {
 
 Result<std::shared_ptr<std::byte>> map_cuda_ipc(const CudaIpcExport& e, Device device) {
   if (e.host != host_identity()) return unavailable("the producer's staging is on another host ({})", e.host);
-  if (e.pid == static_cast<uint64_t>(getpid())) {
+  if (e.process == process_token()) {
     if (device.index != e.device) {
       return unavailable("the producer's staging is on cuda:{} of this process, the params on {}", e.device,
                          device_str(device));

@@ -18,11 +18,15 @@ namespace ferry::engine {
 // host name, its boot id and this process's network namespace (so the emulated hosts
 // of the multi-host tests, network namespaces of one machine, count as different).
 std::string host_identity();
+// A random number drawn once per process: tells this very process from another with the
+// same pid (containers of one host with their own PID namespaces).
+uint64_t process_token();
 
 // A producer's GPU staging ring, as its lease carries it.
 struct CudaIpcExport {
   std::string host;     // host_identity() of the producer's process
-  uint64_t pid = 0;     // its process
+  uint64_t pid = 0;     // its process (informational: pids repeat across PID namespaces)
+  uint64_t process = 0; // process_token() of the producer's process: same process iff equal
   int device = 0;       // the CUDA device the ring is on
   uint64_t ptr = 0;     // the ring's address in the producer's process
   uint64_t bytes = 0;   // the ring's size

@@ -466,7 +466,9 @@ struct Producer::Impl {
           }
         }
         if (!current) {
-          if (!in_sync && m->version > version) early_failover[c] = {m->version, m->routes};
+          // A later version's (this producer is not in it yet, or still in the one
+          // before): applied when that sync starts.
+          if (m->version > version) early_failover[c] = {m->version, m->routes};
         } else {
           // c abandoned its attempt: it reads none of the slots it had pending.
           consumer_hash[c] = m->routes;
@@ -567,16 +569,14 @@ struct Producer::Impl {
       if (!boxes.ok()) return boxes.status().with_context(fmt::format("producer {} materialize group {}", rank, g));
       for (const LocalBox& lb : *boxes) {
         if (lb.box >= t.boxes.size() || !lb.data.is_real() || !lb.data.is_contiguous()) continue;
-        // A box in GPU memory is served where it lies only from a CUDA region (a transport
-        // that moves CUDA memory registered it: Transport::supports_memory), and not with
-        // checksums (they hash in-place runs on the host).
-        const bool gpu = lb.data.device().is_cuda();
-        if (gpu && opts.checksums) continue;
-        auto ptr = gpu ? lb.data.device_ptr() : lb.data.data_ptr();
+        // A box in GPU memory is packed on the device, never served in place (as GPU
+        // params are never read into: consumer.cpp); host regions only.
+        if (!lb.data.device().is_host()) continue;
+        auto ptr = lb.data.data_ptr();
         if (!ptr.ok()) continue;
         const uint64_t bytes = static_cast<uint64_t>(lb.data.numel()) * dtype_size(lb.data.dtype());
         for (size_t r = 0; r < opts.source_regions.size(); ++r) {
-          if ((opts.source_regions[r].kind == MemoryKind::kCuda) != gpu) continue;
+          if (opts.source_regions[r].kind != MemoryKind::kHost) continue;
           const auto* base = static_cast<const std::byte*>(opts.source_regions[r].base);
           if (*ptr >= base && *ptr + bytes <= base + opts.source_regions[r].length) {
             t.boxes[lb.box] = InPlaceTable::At{static_cast<int32_t>(r), static_cast<uint64_t>(*ptr - base)};
@@ -642,7 +642,7 @@ struct Producer::Impl {
     for (const LocalBox& lb : boxes) {
       if (lb.box >= in_place.boxes.size() || in_place.boxes[lb.box].region < 0) continue;
       const InPlaceTable::At& at = in_place.boxes[lb.box];
-      auto ptr = lb.data.device().is_host() ? lb.data.data_ptr() : lb.data.device_ptr();
+      auto ptr = lb.data.data_ptr();
       const auto* expected = static_cast<const std::byte*>(opts.source_regions[static_cast<size_t>(at.region)].base) + at.offset;
       if (!ptr.ok() || *ptr != expected || !lb.data.is_contiguous())
         return failed_precondition(
@@ -787,21 +787,26 @@ struct Producer::Impl {
       // failover (it finds a producer lost by its lease at its own pace, seconds apart
       // from the others on a loaded host) is bounded by stall_timeout alone until it
       // declares them (FAILOVER), and its lag counts from then.
+      // When pending consumer c's lag began: nullopt while it is not known to read this
+      // slot's routes (mu held; read again after the wait, which may have let a
+      // FAILOVER in).
+      auto lag_start = [&](int c) -> std::optional<Clock::time_point> {
+        auto h = consumer_hash.find(c);
+        if (h == consumer_hash.end() ? undeclared_hash != slots[s].hash : h->second != slots[s].hash) return std::nullopt;
+        Clock::time_point from = *slots[s].last_release;
+        if (auto j = consumer_joined.find(c); h != consumer_hash.end() && j != consumer_joined.end())
+          from = std::max(from, j->second);
+        return from;
+      };
       std::optional<Clock::time_point> straggler_at;
-      std::map<int, Clock::time_point> lag_from;  // pending consumer -> when its lag began
       Clock::duration bound{};
       if (slots[s].last_release && opts.straggler_floor.count() > 0) {
         const auto others = *slots[s].last_release - slots[s].since;
         bound = std::max<Clock::duration>(opts.straggler_floor,
                                           std::chrono::duration_cast<Clock::duration>(others * opts.straggler_factor));
         for (int c : slots[s].pending) {
-          auto h = consumer_hash.find(c);
-          if (h == consumer_hash.end() ? undeclared_hash != slots[s].hash : h->second != slots[s].hash) continue;
-          Clock::time_point from = *slots[s].last_release;
-          if (auto j = consumer_joined.find(c); h != consumer_hash.end() && j != consumer_joined.end())
-            from = std::max(from, j->second);
-          lag_from[c] = from;
-          if (from + bound < deadline && (!straggler_at || from + bound < *straggler_at)) straggler_at = from + bound;
+          const auto from = lag_start(c);
+          if (from && *from + bound < deadline && (!straggler_at || *from + bound < *straggler_at)) straggler_at = *from + bound;
         }
       }
       if (straggler_at) {
@@ -809,8 +814,11 @@ struct Producer::Impl {
             slots[s].last_release && !slots[s].pending.empty()) {
           const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(*slots[s].last_release - slots[s].since);
           const auto now = Clock::now();
-          for (const auto& [c, from] : lag_from) {
-            if (!slots[s].pending.count(c) || now < from + bound) continue;
+          const std::set<int> pending = slots[s].pending;
+          for (int c : pending) {
+            const auto start = lag_start(c);
+            if (!start || now < *start + bound) continue;
+            const Clock::time_point from = *start;
             const auto lag = std::chrono::duration_cast<std::chrono::milliseconds>(now - *slots[s].last_release);
             const std::string moved =
                 from == *slots[s].last_release
@@ -1160,8 +1168,9 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
     m.device_ring = *dev;
     auto handle = cuda_ipc_export(options.staging_device, m.device_ring.get());
     if (!handle.ok()) return handle.status().with_context(fmt::format("producer {}: GPU staging ring", m.rank));
-    ipc = encode_cuda_ipc(CudaIpcExport{host_identity(), static_cast<uint64_t>(getpid()), options.staging_device.index,
-                                        reinterpret_cast<uint64_t>(m.device_ring.get()), m.ring.bytes, *handle});
+    ipc = encode_cuda_ipc(CudaIpcExport{host_identity(), static_cast<uint64_t>(getpid()), process_token(),
+                                        options.staging_device.index, reinterpret_cast<uint64_t>(m.device_ring.get()),
+                                        m.ring.bytes, *handle});
   }
   const std::string blob = encode_lease(ProducerLease{bytes_to_string(transport.address()), bytes_to_string(key),
                                                       m.slot_bytes, m.in_place.encode(), ipc});

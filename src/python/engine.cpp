@@ -710,12 +710,15 @@ void register_engine(py::module_& m) {
         d["torn"] = s.torn;
         return d;
       })
-      // {name: (ferry dtype name, numpy array over the consumer's memory; bf16/fp8 as raw bits)}
+      // {name: (ferry dtype name, numpy array over the consumer's memory; bf16/fp8 as raw
+      // bits; None for a param in GPU memory)}
       .def("params", [](py::object self) {
         const PyConsumer& c = self.cast<const PyConsumer&>();
         py::dict out;
         for (const auto& [name, t] : c.consumer->params()) {
-          out[py::str(name)] = py::make_tuple(std::string(dtype_name(t.dtype())), numpy_view(t, self));
+          // GPU memory has no numpy view: None (the Python side returns the caller's tensor).
+          out[py::str(name)] = py::make_tuple(std::string(dtype_name(t.dtype())),
+                                              t.device().is_host() ? numpy_view(t, self) : py::object(py::none()));
         }
         return out;
       })

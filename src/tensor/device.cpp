@@ -277,7 +277,7 @@ Result<std::string> cuda_ipc_export(Device device, void* ptr) {
 Result<std::shared_ptr<std::byte>> cuda_ipc_open(Device device, std::string_view handle) {
   FERRY_RETURN_IF_ERROR(usable_cuda(device, "cuda_ipc_open"));
   if (handle.size() != kCudaIpcHandleBytes) {
-    return invalid_argument("cuda_ipc_open: a handle has {} bytes, not {}", kCudaIpcHandleBytes, handle.size());
+    return invalid_argument("cuda_ipc_open: a handle has {} bytes, not {}", handle.size(), kCudaIpcHandleBytes);
   }
   void* p = nullptr;
   char err[512] = {};

@@ -26,7 +26,8 @@ struct FerryCudaPlugin {
   // Device memory: cudaMalloc on `device` (0 on success, *out set) and cudaFree.
   int (*alloc)(int device, size_t bytes, void** out, char* err, size_t err_len);
   int (*release)(void* ptr);
-  // cudaMemcpy(dst, src, bytes, cudaMemcpyDefault): any direction under unified addressing.
+  // cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault) on the default stream, then waits
+  // for it: any direction under unified addressing, done on return (device to device too).
   int (*copy_bytes)(void* dst, const void* src, size_t bytes, char* err, size_t err_len);
   // cudaHostRegister(ptr, bytes, mapped | portable) on `device`, refused (nonzero, a
   // message in err) when the device cannot use the host pointer itself; host_release

@@ -128,7 +128,7 @@ TEST(EngineProtocol, JobKeysStayUnderTheJobPrefix) {
 // malformed blobs refused; mapped only on the host that exported it, and in its own
 // process only on its own device (there the pointer itself is used).
 TEST(EngineCudaIpc, ExportRoundTripsAndIsMappedOnlyWhereItCanBe) {
-  const CudaIpcExport e{host_identity(), static_cast<uint64_t>(getpid()), 0, 0x7000, 1 << 20,
+  const CudaIpcExport e{host_identity(), static_cast<uint64_t>(getpid()), process_token(), 0, 0x7000, 1 << 20,
                         std::string(kCudaIpcHandleBytes, 'h')};
   const std::string blob = encode_cuda_ipc(e);
   auto back = decode_cuda_ipc(blob);
@@ -153,9 +153,10 @@ TEST(EngineCudaIpc, ExportRoundTripsAndIsMappedOnlyWhereItCanBe) {
   m = map_cuda_ipc(e, Device::cuda(1));
   ASSERT_FALSE(m.ok());
   EXPECT_NE(m.status().message().find("cuda:1"), std::string::npos) << m.status().to_string();
-  // Another process of this host: opened with CUDA IPC, which needs a device here.
+  // Another process of this host (the same pid in another PID namespace, too): opened
+  // with CUDA IPC, which needs a device here.
   CudaIpcExport other = e;
-  other.pid = e.pid + 1;
+  other.process = e.process + 1;
   m = map_cuda_ipc(other, Device::cuda(0));
   if (!cuda_status().usable()) {
     ASSERT_FALSE(m.ok());

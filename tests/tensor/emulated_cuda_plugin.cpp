@@ -14,6 +14,7 @@
 // /proc/<pid>/fd/<fd> (the same user, as CUDA IPC needs).
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -67,6 +68,17 @@ int device_name(int device, char* out, size_t out_len) {
 
 int alloc(int device, size_t bytes, void** out, char* err, size_t err_len) {
   if (device < 0 || device >= devices()) return say(err, err_len, "no such device");
+  // One descriptor per allocation (CUDA IPC maps it from other processes): raise the soft
+  // limit to the hard one once, so that a model of many tensors does not run out.
+  static const bool raised = [] {
+    rlimit r{};
+    if (getrlimit(RLIMIT_NOFILE, &r) == 0 && r.rlim_cur < r.rlim_max) {
+      r.rlim_cur = r.rlim_max;
+      setrlimit(RLIMIT_NOFILE, &r);
+    }
+    return true;
+  }();
+  (void)raised;
   const size_t n = bytes == 0 ? 1 : bytes;
   const int fd = memfd_create("ferry-emulated-cuda", MFD_CLOEXEC);
   if (fd < 0) return say(err, err_len, "memfd_create failed");

@@ -182,7 +182,10 @@ int alloc(int device, size_t bytes, void** out, char* err, size_t err_len) {
 int release(void* ptr) { return cudaFree(ptr) == cudaSuccess ? 0 : 1; }
 
 int copy_bytes(void* dst, const void* src, size_t bytes, char* err, size_t err_len) {
-  FERRY_CUDA_TRY(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
+  // cudaMemcpy does not wait for a device-to-device copy: on the default stream, then
+  // wait, so that the bytes are there (and the source free to reuse) on return.
+  FERRY_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, 0));
+  FERRY_CUDA_TRY(cudaStreamSynchronize(0));
   return 0;
 }
 
