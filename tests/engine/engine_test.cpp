@@ -1509,16 +1509,15 @@ TEST(EngineDevice, GpuParamsWithoutAUsableDeviceAreRefusedAtCreate) {
 // kernel into the params; verified bit for bit after each of two syncs, pull and push.
 TEST(EngineDevice, SyncsFromGpuMemoryIntoGpuMemory) {
   if (!cuda_status().usable()) GTEST_SKIP() << "needs a CUDA device; " << cuda_status().detail;
-  std::vector<std::shared_ptr<std::byte>> keep;
   for (Mode mode : {Mode::kPull, Mode::kPush}) {
     SCOPED_TRACE(mode == Mode::kPull ? "pull" : "push");
     Cluster k(EngineCase{Backend::kInproc, mode});
     k.gpu_sources = true;
     k.caller_params = true;
-    k.param_factory = [&keep](const TensorDecl& d) -> Result<Tensor> {
+    // (Called from the consumers' threads at once: the tensor itself keeps its memory.)
+    k.param_factory = [](const TensorDecl& d) -> Result<Tensor> {
       const size_t bytes = static_cast<size_t>(shape_numel(d.shape)) * dtype_size(d.dtype);
       FERRY_ASSIGN_OR_RETURN(auto mem, device_alloc(Device::cuda(0), bytes));
-      keep.push_back(mem);
       return Tensor::borrow_device(mem.get(), d.shape, d.dtype, Device::cuda(0), mem, d.name);
     };
     ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2,replicas=2").ok());
@@ -1551,14 +1550,13 @@ TEST(EngineDevice, GpuStagingWithoutAUsableDeviceIsRefusedAtCreate) {
 // the transport and verifies too.
 TEST(EngineDevice, SyncsThroughGpuStagingDeviceToDevice) {
   if (!cuda_status().usable()) GTEST_SKIP() << "needs a CUDA device; " << cuda_status().detail;
-  std::vector<std::shared_ptr<std::byte>> keep;
   Cluster k(EngineCase{Backend::kInproc, Mode::kPull});
   k.gpu_sources = true;
   k.caller_params = true;
-  k.param_factory = [&keep](const TensorDecl& d) -> Result<Tensor> {
+  // (Called from the consumers' threads at once: the tensor itself keeps its memory.)
+  k.param_factory = [](const TensorDecl& d) -> Result<Tensor> {
     const size_t bytes = static_cast<size_t>(shape_numel(d.shape)) * dtype_size(d.dtype);
     FERRY_ASSIGN_OR_RETURN(auto mem, device_alloc(Device::cuda(0), bytes));
-    keep.push_back(mem);
     return Tensor::borrow_device(mem.get(), d.shape, d.dtype, Device::cuda(0), mem, d.name);
   };
   k.tweak_producer = [](ProducerOptions& o, int) { o.staging_device = Device::cuda(0); };
