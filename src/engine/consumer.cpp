@@ -347,13 +347,17 @@ struct Consumer::Impl {
     return Status::Ok();
   }
 
-  void send_to(int p, const Message& m) {
+  // Sends m to producer p; the completion, when the send was posted (it completes once
+  // the message has left: delivered to the peer, for inproc).
+  std::optional<Completion> send_to(int p, const Message& m) {
     PeerId id;
     {
       std::lock_guard<std::mutex> lk(mu);
       id = peers[static_cast<size_t>(p)].id;
     }
-    transport.send(id, kEngineTag, encode_message(m)).status().ignore();
+    auto c = transport.send(id, kEngineTag, encode_message(m));
+    if (!c.ok()) return std::nullopt;
+    return *c;
   }
   uint32_t me() const { return static_cast<uint32_t>(rank); }
 
@@ -1035,17 +1039,25 @@ struct Consumer::Impl {
     held.has_version = true;
     held.torn = false;
     lk.unlock();
+    std::vector<Completion> dones;
     for (int p = 0; p < opts.num_producers; ++p) {
       bool ok;
       {
         std::lock_guard<std::mutex> g(mu);
         ok = peers[static_cast<size_t>(p)].connected && !failed.count(p);
       }
-      if (ok) send_to(p, Done{me(), v, routes_hash});
+      if (ok) {
+        if (auto c = send_to(p, Done{me(), v, routes_hash})) dones.push_back(*c);
+      }
     }
     // For committed_versions(): what a framework asks before it serves with these weights.
     if (Status c = store.set(keys.committed(rank), std::to_string(v)); !c.ok())
       rep.failures.push_back(fmt::format("consumer {}: recording committed version {}: {}", rank, v, c.to_string()));
+    // The DONEs have left before sync returns: a caller that closes the consumer right
+    // after (its last sync) must not cancel them in its transport's queue, or producers
+    // would count this consumer as having missed a version it holds. Bounded; a producer
+    // that died meanwhile does not matter here.
+    wait_all(dones, std::min<std::chrono::milliseconds>(opts.timeout, std::chrono::milliseconds(2000))).ignore();
     rep.seconds = seconds_since(t0);
     rep.memory = memory_use();
     if (opts.after_sync) opts.after_sync(v);
