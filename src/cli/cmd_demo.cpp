@@ -433,6 +433,7 @@ std::function<int()> setup_worker(CLI::App& app) {
   app.add_option("--crash-point", w->crash_point)->check(number_in(-1, 1 << 30));
   app.add_option("--staging-budget", w->staging_budget)->check(number_in(0, 1.8e19));
   app.add_option("--stall-ms", w->stall_ms)->check(number_in(0, 1 << 30));
+  app.add_option("--straggler-ms", w->straggler_ms)->check(number_in(0, 1 << 30));
   app.add_option("--timeout-ms", w->timeout_ms)->check(number_in(1, 1 << 30));
   app.add_option("--lease-ttl-ms", w->lease_ttl_ms)->check(number_in(10, 1 << 30));
   app.add_option("--go-timeout-ms", w->go_timeout_ms)->check(number_in(1, 1 << 30));

@@ -783,14 +783,19 @@ struct Producer::Impl {
       // A straggler: others released this slot and it lags them by more than the bound
       // (EngineOptions::straggler_floor / straggler_factor), so it no longer holds them
       // back for the whole stall timeout. It catches up at the next sync. Only a consumer
-      // known to read this slot's routes can lag: one still moving to them after a
-      // failover (it finds a producer lost by its lease at its own pace, seconds apart
-      // from the others on a loaded host) is bounded by stall_timeout alone until it
-      // declares them (FAILOVER), and its lag counts from then.
+      // known to read this slot's routes, the producer's current ones, can lag: one still
+      // moving to them after a failover (it finds a producer lost by its lease at its own
+      // pace, seconds apart from the others on a loaded host) is bounded by stall_timeout
+      // alone until it declares them (FAILOVER), and its lag counts from then; so is one
+      // pending in a slot of routes the producer abandoned.
       // When pending consumer c's lag began: nullopt while it is not known to read this
       // slot's routes (mu held; read again after the wait, which may have let a
       // FAILOVER in).
       auto lag_start = [&](int c) -> std::optional<Clock::time_point> {
+        // A slot of routes this producer has abandoned (it restarted the sync): whoever
+        // is still pending there has not moved yet, by definition still finding the lost
+        // producer (it may be blocked reading from it): never a straggler there.
+        if (slots[s].hash != routes_hash) return std::nullopt;
         auto h = consumer_hash.find(c);
         if (h == consumer_hash.end() ? undeclared_hash != slots[s].hash : h->second != slots[s].hash) return std::nullopt;
         Clock::time_point from = *slots[s].last_release;

@@ -78,6 +78,7 @@ struct DemoSpec {
   std::function<Status(int host, bool up)> set_link;
   int lease_ttl_ms = 2000;    // the workers' EngineOptions::lease_ttl
   int stall_ms = 20000;       // the workers' stall_timeout
+  int straggler_ms = 2000;    // the workers' straggler_floor (EngineOptions; 0: off)
   int rank_timeout_ms = 20000;  // the workers' EngineOptions::timeout
   std::string backend = "ucx";
   // UCX_TLS of the workers (passed as FERRY_UCX_TLS). Empty: default_worker_tls()

@@ -46,6 +46,7 @@ struct WorkerSpec {
   std::vector<std::pair<int, int>> pauses;
   uint64_t staging_budget = 0;  // ProducerOptions::staging_budget (0: two slots)
   int stall_ms = 20000;
+  int straggler_ms = 2000;  // EngineOptions::straggler_floor
   int timeout_ms = 20000;
   int lease_ttl_ms = 2000;
   // Bound on the wait for the driver's go key (and the retries of its own store
