@@ -44,6 +44,7 @@ void check(const redisReply& r) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   redisReader* rd = redisReaderCreate();
   if (rd == nullptr) return 0;
+  replies::bound_reader(rd);  // as the backend's reader
   // Fed in two pieces (split at the first byte's value), as replies arrive over a socket.
   const size_t cut = size == 0 ? 0 : std::min<size_t>(data[0], size);
   bool ok = redisReaderFeed(rd, reinterpret_cast<const char*>(data), cut) == REDIS_OK &&

@@ -356,6 +356,7 @@ class RedisStore final : public Store {
     Context c(redisConnectWithTimeout(url_.host.c_str(), url_.port, to_timeval(left)));
     if (!c) return unavailable("store: cannot allocate a redis context");
     if (c->err) return unavailable("store: connect to redis: {}", c->errstr);
+    replies::bound_reader(c->reader);  // no array header allocates gigabytes
     if (redisSetTimeout(c.get(), to_timeval(options_.io_timeout)) != REDIS_OK) {
       return unavailable("store: redis: cannot set the socket timeout");
     }

@@ -1,5 +1,7 @@
 #include "store/redis/replies.h"
 
+#include <mutex>
+
 #include <algorithm>
 
 #include "store/common.h"
@@ -89,6 +91,27 @@ Result<ScanPage> scan_page(const redisReply& r, std::string_view key_prefix) {
     page.keys.emplace_back(k.substr(key_prefix.size()));
   }
   return page;
+}
+
+namespace {
+redisReplyObjectFunctions bounded_functions;
+void* (*default_create_array)(const redisReadTask*, int) = nullptr;
+void* create_bounded_array(const redisReadTask* task, int elements) {
+  if (elements < 0 || elements > kMaxReplyElements) return nullptr;  // the reader fails: "Out of memory"
+  return default_create_array(task, elements);
+}
+}  // namespace
+
+void bound_reader(redisReader* rd) {
+  if (rd == nullptr || rd->fn == nullptr) return;
+  static std::once_flag once;
+  // Every reader hiredis makes shares its default table: copy it once, wrapping createArray.
+  std::call_once(once, [rd] {
+    bounded_functions = *rd->fn;
+    default_create_array = rd->fn->createArray;
+    bounded_functions.createArray = &create_bounded_array;
+  });
+  if (rd->fn->createArray == default_create_array) rd->fn = &bounded_functions;
 }
 
 }  // namespace ferry::store_detail::redis_replies

@@ -46,4 +46,12 @@ struct ScanPage {
 };
 Result<ScanPage> scan_page(const redisReply& r, std::string_view key_prefix);
 
+// The most elements an array reply may declare (a SCAN page is two; its key list at most
+// the COUNT asked for). hiredis 0.14 allocates an array's element table as soon as it
+// reads the header, so a hostile or broken server's "*544444444" made it calloc 4 GB:
+// bound_reader makes `rd` refuse such a header (the read fails with hiredis' OOM
+// error, which the backend reports) instead. Call once per reader, before reading.
+inline constexpr int kMaxReplyElements = 1 << 20;
+void bound_reader(redisReader* rd);
+
 }  // namespace ferry::store_detail::redis_replies
