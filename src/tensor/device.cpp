@@ -232,27 +232,9 @@ Status fp8_block_quantize(Device device, const std::byte* src, DType src_dtype, 
     return invalid_argument("fp8_block_quantize: negative size ({} x {} x {})", batch, rows, cols);
   }
   if (batch == 0 || rows == 0 || cols == 0) return Status::Ok();
-  const int64_t tiles = batch * ((rows + block - 1) / block) * ((cols + block - 1) / block);
   if (device.is_host()) {
-    const auto* in = reinterpret_cast<const unsigned char*>(src);
-    auto* out = reinterpret_cast<unsigned char*>(q);
-    const uint32_t es = batch::element_size(type);
-    for (int64_t t = 0; t < tiles; ++t) {
-      const batch::Fp8Tile tl = batch::fp8_tile(t, rows, cols, block);
-      const int64_t base = tl.b * rows * cols;
-      float amax = 0.0f;
-      for (int64_t r = tl.r0; r < tl.r1; ++r) {
-        for (int64_t c = tl.c0; c < tl.c1; ++c) amax = batch::fp8_amax(amax, batch::load_float(in + (base + r * cols + c) * es, type));
-      }
-      const float scale = batch::fp8_tile_scale(amax);
-      std::memcpy(scales + 4 * t, &scale, 4);
-      for (int64_t r = tl.r0; r < tl.r1; ++r) {
-        for (int64_t c = tl.c0; c < tl.c1; ++c) {
-          const int64_t i = base + r * cols + c;
-          out[i] = batch::fp8_quantize(batch::load_float(in + i * es, type), scale);
-        }
-      }
-    }
+    batch::fp8_quantize_tiles(reinterpret_cast<const unsigned char*>(src), type, batch, rows, cols, block,
+                              reinterpret_cast<unsigned char*>(q), reinterpret_cast<unsigned char*>(scales));
     return Status::Ok();
   }
   FERRY_RETURN_IF_ERROR(usable_cuda(device, "fp8_block_quantize"));

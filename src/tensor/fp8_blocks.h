@@ -39,4 +39,26 @@ FERRY_CONVERT_HD inline Fp8Tile fp8_tile(int64_t tile, int64_t rows, int64_t col
   return {b, r0, r0 + block < rows ? r0 + block : rows, c0, c0 + block < cols ? c0 + block : cols};
 }
 
+// Every tile, one after another: the host's fp8_block_quantize and the emulated
+// plugin's kernel (the real kernel runs the same per-tile steps, a tile per block).
+inline void fp8_quantize_tiles(const unsigned char* in, uint8_t type, int64_t batch, int64_t rows, int64_t cols,
+                               int64_t block, unsigned char* q, unsigned char* scales) {
+  const int64_t tiles = batch * ((rows + block - 1) / block) * ((cols + block - 1) / block);
+  const uint32_t es = element_size(type);
+  for (int64_t t = 0; t < tiles; ++t) {
+    const Fp8Tile tl = fp8_tile(t, rows, cols, block);
+    const int64_t base = tl.b * rows * cols;
+    float amax = 0.0f;
+    for (int64_t r = tl.r0; r < tl.r1; ++r)
+      for (int64_t c = tl.c0; c < tl.c1; ++c) amax = fp8_amax(amax, load_float(in + (base + r * cols + c) * es, type));
+    const float scale = fp8_tile_scale(amax);
+    std::memcpy(scales + 4 * t, &scale, 4);  // (any alignment)
+    for (int64_t r = tl.r0; r < tl.r1; ++r)
+      for (int64_t c = tl.c0; c < tl.c1; ++c) {
+        const int64_t i = base + r * cols + c;
+        q[i] = fp8_quantize(load_float(in + i * es, type), scale);
+      }
+  }
+}
+
 }  // namespace ferry::batch

@@ -1504,6 +1504,14 @@ TEST(EngineDevice, GpuParamsWithoutAUsableDeviceAreRefusedAtCreate) {
   EXPECT_TRUE(named) << st.to_string();
 }
 
+// A consumer param in cuda:0 memory (Cluster::param_factory; called from the consumers'
+// threads at once: the tensor itself keeps its memory).
+Result<Tensor> gpu_param(const TensorDecl& d) {
+  const size_t bytes = static_cast<size_t>(shape_numel(d.shape)) * dtype_size(d.dtype);
+  FERRY_ASSIGN_OR_RETURN(auto mem, device_alloc(Device::cuda(0), bytes));
+  return Tensor::borrow_device(mem.get(), d.shape, d.dtype, Device::cuda(0), mem, d.name);
+}
+
 // Trainer weights and inference params both in GPU memory (one device, threads as
 // ranks): packed by a kernel into host staging, moved by the transport, unpacked by a
 // kernel into the params; verified bit for bit after each of two syncs, pull and push.
@@ -1514,12 +1522,7 @@ TEST(EngineDevice, SyncsFromGpuMemoryIntoGpuMemory) {
     Cluster k(EngineCase{Backend::kInproc, mode});
     k.gpu_sources = true;
     k.caller_params = true;
-    // (Called from the consumers' threads at once: the tensor itself keeps its memory.)
-    k.param_factory = [](const TensorDecl& d) -> Result<Tensor> {
-      const size_t bytes = static_cast<size_t>(shape_numel(d.shape)) * dtype_size(d.dtype);
-      FERRY_ASSIGN_OR_RETURN(auto mem, device_alloc(Device::cuda(0), bytes));
-      return Tensor::borrow_device(mem.get(), d.shape, d.dtype, Device::cuda(0), mem, d.name);
-    };
+    k.param_factory = gpu_param;
     ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2,replicas=2").ok());
     k.expect_all_ok(k.sync(1), 1);
     k.expect_all_ok(k.sync(2), 2);
@@ -1553,12 +1556,7 @@ TEST(EngineDevice, SyncsThroughGpuStagingDeviceToDevice) {
   Cluster k(EngineCase{Backend::kInproc, Mode::kPull});
   k.gpu_sources = true;
   k.caller_params = true;
-  // (Called from the consumers' threads at once: the tensor itself keeps its memory.)
-  k.param_factory = [](const TensorDecl& d) -> Result<Tensor> {
-    const size_t bytes = static_cast<size_t>(shape_numel(d.shape)) * dtype_size(d.dtype);
-    FERRY_ASSIGN_OR_RETURN(auto mem, device_alloc(Device::cuda(0), bytes));
-    return Tensor::borrow_device(mem.get(), d.shape, d.dtype, Device::cuda(0), mem, d.name);
-  };
+  k.param_factory = gpu_param;
   k.tweak_producer = [](ProducerOptions& o, int) { o.staging_device = Device::cuda(0); };
   k.tweak_consumer = [](ConsumerOptions& o, int c) { o.cuda_ipc = c != 3; };
   ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2,replicas=2").ok());

@@ -144,25 +144,8 @@ int fp8_blocks(int device, const void* src, uint8_t type, int64_t batch, int64_t
                void* q, void* scales, void*, char* err, size_t err_len) {
   using namespace ferry::batch;
   if (device < 0 || device >= devices()) return say(err, err_len, "no such device");
-  const auto* in = static_cast<const unsigned char*>(src);
-  auto* out = static_cast<unsigned char*>(q);
-  auto* sc = static_cast<float*>(scales);
-  const int64_t tiles = batch * ((rows + block - 1) / block) * ((cols + block - 1) / block);
-  const uint32_t es = element_size(type);
-  for (int64_t t = 0; t < tiles; ++t) {
-    const Fp8Tile tl = fp8_tile(t, rows, cols, block);
-    const int64_t base = tl.b * rows * cols;
-    float amax = 0.0f;
-    for (int64_t r = tl.r0; r < tl.r1; ++r)
-      for (int64_t c = tl.c0; c < tl.c1; ++c) amax = fp8_amax(amax, load_float(in + (base + r * cols + c) * es, type));
-    const float scale = fp8_tile_scale(amax);
-    sc[t] = scale;
-    for (int64_t r = tl.r0; r < tl.r1; ++r)
-      for (int64_t c = tl.c0; c < tl.c1; ++c) {
-        const int64_t i = base + r * cols + c;
-        out[i] = fp8_quantize(load_float(in + i * es, type), scale);
-      }
-  }
+  fp8_quantize_tiles(static_cast<const unsigned char*>(src), type, batch, rows, cols, block,
+                     static_cast<unsigned char*>(q), static_cast<unsigned char*>(scales));
   return 0;
 }
 
