@@ -45,6 +45,9 @@ struct CudaStatus {
 };
 // Probes once (loads the plugin, asks the driver) and caches the answer.
 const CudaStatus& cuda_status();
+// Why CUDA device `device` cannot be used here (cuda_status().detail, or how many devices
+// the driver reports); nullopt when it can. For callers' own errors naming what needs it.
+std::optional<std::string> cuda_unusable(Device device);
 
 // A CUDA stream (cudaStream_t) as an opaque handle; nullptr is the calling thread's
 // default stream. ferry never creates or destroys the caller's streams.

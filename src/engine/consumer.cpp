@@ -1102,11 +1102,9 @@ Status check_param_devices(int rank, const TensorMap& params) {
     if (!first) first.emplace(t.device(), name);
   }
   if (!first) return Status::Ok();
-  const CudaStatus& cs = cuda_status();
-  if (!cs.usable() || first->first.index >= cs.device_count) {
+  if (auto why = cuda_unusable(first->first)) {
     return unavailable("consumer {}: param '{}' is on {}, which cannot be used here: {}", rank, first->second,
-                       device_str(first->first),
-                       cs.usable() ? fmt::format("the driver reports {} device(s)", cs.device_count) : cs.detail);
+                       device_str(first->first), *why);
   }
   return Status::Ok();
 }

@@ -1126,11 +1126,9 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
   if (m.rank < 0 || m.rank >= options.num_producers)
     return invalid_argument("producer rank {} outside num_producers {}", m.rank, options.num_producers);
   if (options.staging_device.is_cuda()) {  // a local check, before any rendezvous
-    const CudaStatus& cs = cuda_status();
-    if (!cs.usable() || options.staging_device.index >= cs.device_count) {
+    if (auto why = cuda_unusable(options.staging_device)) {
       return unavailable("producer {}: staging_device {} cannot be used here: {}", m.rank,
-                         device_str(options.staging_device),
-                         cs.usable() ? fmt::format("the driver reports {} device(s)", cs.device_count) : cs.detail);
+                         device_str(options.staging_device), *why);
     }
   }
   const Participant me{"producer", m.rank};

@@ -155,6 +155,13 @@ Status usable_cuda(Device device, std::string_view op) {
 }
 }  // namespace
 
+std::optional<std::string> cuda_unusable(Device device) {
+  const CudaStatus& cs = cuda_status();
+  if (!cs.usable()) return cs.detail;
+  if (device.index < 0 || device.index >= cs.device_count) return fmt::format("the driver reports {} device(s)", cs.device_count);
+  return std::nullopt;
+}
+
 Result<std::shared_ptr<std::byte>> device_alloc(Device device, size_t bytes) {
   if (device.is_host()) return std::shared_ptr<std::byte>(new std::byte[std::max<size_t>(bytes, 1)](), std::default_delete<std::byte[]>());
   FERRY_RETURN_IF_ERROR(usable_cuda(device, "device_alloc"));

@@ -197,11 +197,7 @@ Result<Setup> local_setup(const RankSpec& s, bool producer) {
   if (model.empty()) return invalid_argument("{}: --model (the HF config.json) is required", role);
   FERRY_ASSIGN_OR_RETURN(Device device, parse_device(s.device));
   if (device.is_cuda()) {
-    const CudaStatus& cs = cuda_status();
-    if (!cs.usable() || device.index >= cs.device_count) {
-      return unavailable("{}: --device {} cannot be used here: {}", role, s.device,
-                         cs.usable() ? fmt::format("the driver reports {} device(s)", cs.device_count) : cs.detail);
-    }
+    if (auto why = cuda_unusable(device)) return unavailable("{}: --device {} cannot be used here: {}", role, s.device, *why);
   } else if (s.gpu_staging) {
     return invalid_argument("serve: --gpu-staging needs the weights on a GPU (--device cuda:N)");
   }
