@@ -3,9 +3,11 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
@@ -130,8 +132,66 @@ TEST(Subprocess, ProcessFiguresOfThisProcess) {
   auto [rss, fds] = tools::proc_usage(::getpid());
   EXPECT_GT(rss, 0);
   EXPECT_GT(fds, 0);
-  EXPECT_GE(tools::proc_cpu(::getpid()), 0.0);
-  EXPECT_GE(tools::tree_cpu(::getpid()), tools::proc_cpu(::getpid()) - 0.5);
+}
+
+// This process's own CPU clock (user + system, every thread): what proc_cpu reads
+// from /proc by another way.
+double own_cpu_seconds() {
+  timespec t{};
+  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+}
+
+// Spins until this process has used `seconds` more CPU: bounded by CPU consumed, not
+// by wall time, so a loaded machine only makes it take longer.
+void burn_cpu(double seconds) {
+  const double until = own_cpu_seconds() + seconds;
+  volatile uint64_t x = 1;
+  while (own_cpu_seconds() < until)
+    for (int i = 0; i < 100000; ++i) x = x * 6364136223846793005ull + 1442695040888963407ull;
+}
+
+constexpr double kBurnSeconds = 0.5;
+// /proc counts in clock ticks (1/100 s here); the figures must show most of the burn.
+constexpr double kSeenSeconds = 0.4;
+
+TEST(Subprocess, ProcCpuCountsTheCpuThisProcessBurns) {
+  const double before = tools::proc_cpu(::getpid());
+  burn_cpu(kBurnSeconds);
+  const double after = tools::proc_cpu(::getpid());
+  EXPECT_GE(after - before, kSeenSeconds) << "before " << before << " s, after " << after << " s";
+  EXPECT_LE(after, own_cpu_seconds() + 0.05);  // never more than the process used
+}
+
+TEST(Subprocess, TreeCpuAddsTheCpuOfALiveChild) {
+  int ready[2], release[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  ASSERT_EQ(::pipe(release), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {  // burns, says so, then stays alive until released
+    burn_cpu(kBurnSeconds);
+    char c = 1;
+    if (::write(ready[1], &c, 1) != 1) ::_exit(2);
+    if (::read(release[0], &c, 1) < 0) ::_exit(3);
+    ::_exit(0);
+  }
+  ::close(ready[1]);
+  ::close(release[0]);
+  char c = 0;
+  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  const double own = tools::proc_cpu(::getpid());
+  const double child_cpu = tools::proc_cpu(child);
+  const double tree = tools::tree_cpu(::getpid());
+  EXPECT_GE(child_cpu, kSeenSeconds);
+  EXPECT_GE(tree - own, kSeenSeconds) << "tree " << tree << " s, this process " << own << " s";
+  EXPECT_GE(tools::tree_cpu(child), child_cpu);  // the child has no children of its own
+  ::close(release[1]);  // the child's read returns: it exits
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  ::close(ready[0]);
+  EXPECT_EQ(tools::proc_cpu(child), 0.0);  // reaped: gone from /proc
 }
 
 }  // namespace
