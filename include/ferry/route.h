@@ -195,7 +195,7 @@ Status pack_group(const ProducerGroup& group_route, uint32_t producer, int group
 // Unpacks a received group buffer (PlanGroup::recv_bytes) into real params (by name,
 // contiguous, declared dtype and shape). Params in CUDA memory (one device) are written
 // by one kernel launch reading `recv`, which must be visible to that device; a dtype
-// conversion into them is refused, naming the param.
+// conversion (float dtypes, StridedCopy::src_dtype in ferry/device.h) runs in that kernel.
 Status unpack_group(const PlanRoute& plan, int group, std::span<const std::byte> recv, const TensorMap& params);
 
 }  // namespace ferry

@@ -126,8 +126,9 @@
 
 namespace ferry {
 
-// Where the bytes of a region live. Only kHost is implemented now; the others are in
-// the API (and in key bytes) so that device memory can be added without a format change.
+// Where the bytes of a region live. kHost: every backend. kCuda: only a backend whose
+// supports_memory(kCuda) says so (ucx over a UCX with CUDA memory support; see there);
+// the kind travels in key bytes, so both ends know what a region holds.
 enum class MemoryKind : uint8_t {
   kHost = 0,
   kCuda = 1,

@@ -1,6 +1,6 @@
 // engine/memory.h — what the engine's own memory costs (internal): ring sizes as the
 // engine allocates them, and the heap bytes of its metadata (routes, plans, holdings,
-// schedules) estimated from element counts. Producer, Consumer, predict_*_memory and
+// schedules) estimated from element counts. Producer, Consumer, predict_memory and
 // `ferry bench` take their MemoryUse figures from here, so prediction and report agree.
 #pragma once
 

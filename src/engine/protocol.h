@@ -2,7 +2,7 @@
 // messages producers and consumers exchange over the Transport, the typed leases each
 // publishes in the store, and the store's key names. Every format has one encode and
 // one decode, side by side here; decoding takes untrusted bytes (exact lengths, known
-// types, flags 0/1) and never reads past them (fuzz/protocol_fuzz.cpp).
+// types, flags 0/1) and never reads past them (fuzz/engine_protocol_fuzz.cpp).
 //
 // The messages of one sync (see ferry/engine.h for the protocol they make):
 //   pull:  p -> c  Announce   group g of version v is packed at slot_offset of p's staging

@@ -6,7 +6,8 @@
 // All integers are little-endian. Layouts (offsets in bytes):
 //   address: magic "FRAD"(4) version(1) backend(1) reserved(2)=0 instance_id(8)
 //            pid(4) host_tag(8) payload_len(4) payload(payload_len)    — total 32 + n
-//            (pid + host_tag let a peer on the same host watch the process: see ucx.cpp)
+//            (pid + host_tag let a peer on the same host watch the process: see
+//            transport/ucx/peer_watch.cpp and endpoints.cpp)
 //   key:     magic "FRRK"(4) version(1) backend(1) kind(1) reserved(1)=0 owner_id(8)
 //            region_id(8) base(8) length(8) payload_len(4) payload(n)  — total 44 + n
 //   message header (UCX active-message header; inproc passes it in memory):
