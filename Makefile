@@ -29,7 +29,11 @@ test: build
 
 # The main job: trainer and inference ranks as local processes, several verified syncs
 # of a shrunk Qwen3-30B-A3B, one inference rank killed and caught up (ferry demo --help).
-demo: build
+# Builds only the ferry binary (and ferry-mpi-bcast, which it depends on): every process
+# the demo starts is that binary (`ferry worker`, `ferry store`), so no test or benchmark
+# is built first.
+demo: deps $(BUILD)/build.ninja
+	@cmake --build $(BUILD) -j $(JOBS) --target ferry
 	$(FERRY) demo
 
 # 200 consecutive multi-process syncs: every one verified, RSS and descriptors flat; then
