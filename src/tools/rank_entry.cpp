@@ -18,6 +18,7 @@
 #include "ferry/device.h"
 #include "ferry/engine.h"
 #include "ferry/safetensors.h"
+#include "source/checkpoint_sources.h"
 #include "tools/job_model.h"
 #include "tools/transport_options.h"
 
@@ -38,81 +39,6 @@ Result<std::optional<std::pair<int, std::string>>> first_env(std::initializer_li
   }
   return std::optional<std::pair<int, std::string>>{};
 }
-
-// A trainer rank's holdings of a checkpoint it holds whole (memory-mapped, or read into
-// owned memory): each box is a view of the file's bytes; contiguous ones are served in
-// place from there (the files are the producer's source regions), the rest packed.
-class CheckpointSource final : public WeightSource {
- public:
-  CheckpointSource(const JobModel& m, SafetensorsDir dir, int rank)
-      : m_(m), dir_(std::move(dir)), groups_(m.metadata), rank_(rank) {}
-  const std::vector<TensorDecl>& metadata() const override { return m_.metadata; }
-  int rank() const override { return rank_; }
-  int world_size() const override { return static_cast<int>(m_.holdings->size()); }
-  Result<Holdings> holdings(int rank) const override {
-    if (rank < 0 || rank >= world_size()) return out_of_range("checkpoint source: rank {} is outside 0..{}", rank, world_size() - 1);
-    return (*m_.holdings)[static_cast<size_t>(rank)];
-  }
-  Result<std::vector<LocalBox>> materialize(int group) override {
-    const Holdings& h = (*m_.holdings)[static_cast<size_t>(rank_)];
-    std::vector<LocalBox> out;
-    for (size_t i = 0; i < h.boxes.size(); ++i) {
-      const TensorDecl& d = h.tensors[h.boxes[i].tensor];
-      if (groups_.of_name(d.name) != group) continue;
-      FERRY_ASSIGN_OR_RETURN(Tensor t, dir_.get(d.name));
-      const Box& b = h.boxes[i].box;
-      for (size_t dim = 0; dim < b.start.size(); ++dim) {
-        if (b.start[dim] != 0 || b.size[dim] != d.shape[dim]) t = t.narrow(static_cast<int64_t>(dim), b.start[dim], b.size[dim]);
-      }
-      out.push_back(LocalBox{static_cast<uint32_t>(i), std::move(t)});
-    }
-    return out;
-  }
-
- private:
-  const JobModel& m_;
-  SafetensorsDir dir_;
-  Groups groups_;
-  int rank_;
-};
-
-// A trainer rank whose weights are in GPU memory (serve --device cuda:N): every box of
-// its holdings copied once, contiguous, onto the device at start; materialize returns
-// those device tensors (packed there by a kernel, never served in place).
-class DeviceCopySource final : public WeightSource {
- public:
-  static Result<std::unique_ptr<DeviceCopySource>> make(WeightSource& host, Device device, int groups) {
-    auto out = std::unique_ptr<DeviceCopySource>(new DeviceCopySource(host));
-    out->by_group_.resize(static_cast<size_t>(groups));
-    for (int g = 0; g < groups; ++g) {
-      FERRY_ASSIGN_OR_RETURN(std::vector<LocalBox> boxes, host.materialize(g));
-      for (const LocalBox& lb : boxes) {
-        const Tensor c = lb.data.contiguous();
-        const size_t bytes = static_cast<size_t>(c.numel()) * dtype_size(c.dtype());
-        FERRY_ASSIGN_OR_RETURN(auto mem, device_alloc(device, bytes));
-        FERRY_ASSIGN_OR_RETURN(const std::byte* src, c.data_ptr());
-        FERRY_RETURN_IF_ERROR(device_memcpy(mem.get(), src, bytes).with_context(
-            fmt::format("serve: copying {} onto {}", lb.data.describe(), device_str(device))));
-        out->by_group_[static_cast<size_t>(g)].push_back(
-            LocalBox{lb.box, Tensor::borrow_device(mem.get(), c.shape(), c.dtype(), device, mem)});
-      }
-    }
-    return out;
-  }
-  const std::vector<TensorDecl>& metadata() const override { return host_.metadata(); }
-  int rank() const override { return host_.rank(); }
-  int world_size() const override { return host_.world_size(); }
-  Result<Holdings> holdings(int rank) const override { return host_.holdings(rank); }
-  Result<std::vector<LocalBox>> materialize(int group) override {
-    if (group < 0 || static_cast<size_t>(group) >= by_group_.size()) return out_of_range("materialize: group {}", group);
-    return by_group_[static_cast<size_t>(group)];
-  }
-
- private:
-  explicit DeviceCopySource(WeightSource& host) : host_(host) {}
-  WeightSource& host_;
-  std::vector<std::vector<LocalBox>> by_group_;
-};
 
 // What a served checkpoint file was when serve mapped it. A file truncated under a
 // mapping turns the next touch of a page past its new end into SIGBUS, anywhere in the
@@ -353,7 +279,7 @@ Result<std::vector<RankReport>> serve_rank(const RankSpec& s, const RankReportSi
       return r.status().with_context(fmt::format("serve: registering {} ({} bytes) to serve it in place", f.path(), b.size()));
     po.source_regions.push_back(*r);
   }
-  CheckpointSource from_files(u.model, std::move(dir), u.rank);
+  CheckpointSource from_files(u.model.metadata, *u.model.holdings, std::move(dir), u.rank);
   std::unique_ptr<DeviceCopySource> on_device;
   if (device.is_cuda()) {
     FERRY_ASSIGN_OR_RETURN(on_device, DeviceCopySource::make(from_files, device, Groups(u.model.metadata).size()));
