@@ -278,6 +278,13 @@ class Transport final {
   // backend's defaults, overridden by `params`, and by its environment variables where
   // the backend documents them (ucx: FERRY_UCX_*). Errors as create(). Starts nothing.
   static Result<TransportParams> resolve_params(std::string_view backend, const TransportParams& params);
+  // Whether a transport of `backend` created with `params` would move bytes between
+  // processes of one host over shared memory, as its configuration says (not whether
+  // this host has such a transport). ucx: the UCX_TLS in force (the tls param or its
+  // default, else UCX_TLS, else UCX's own: all) lists a shared-memory transport (sm,
+  // shm, mm, posix, sysv, cma, xpmem, knem, or all), or is an exclusion list naming none
+  // of them; inproc: always (one process). Errors as resolve_params. Starts nothing.
+  static Result<bool> moves_bytes_over_shared_memory(std::string_view backend, const TransportParams& params);
 
   ~Transport();
   Transport(const Transport&) = delete;

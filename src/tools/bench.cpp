@@ -55,21 +55,6 @@ int64_t mono_ns() {
 // after the last sync proves that sync moved every byte (the previous one left the other).
 uint64_t data_version(uint64_t v) { return 1 + v % 2; }
 
-// Whether UCX_TLS lets ferry read over shared memory (then MPI's baseline uses it too).
-// "^a,b" lists what is excluded.
-bool tls_has_shared_memory(const std::string& tls) {
-  const bool excluding = tls.starts_with('^');
-  bool listed = false;
-  std::string rest = excluding ? tls.substr(1) : tls;
-  for (size_t at = 0; at <= rest.size();) {
-    const size_t comma = std::min(rest.find(',', at), rest.size());
-    const std::string tl = rest.substr(at, comma - at);
-    for (const char* shm : {"sm", "shm", "posix", "sysv", "cma", "xpmem", "knem", "all"}) listed |= tl == shm;
-    at = comma + 1;
-  }
-  return excluding != listed;
-}
-
 // A trainer rank whose weights already sit in memory: one version, at fixed addresses,
 // written before each timed sync (set_data_version, in the driver's "prepare" step: the
 // optimizer step, outside the timed window), so materialize() costs what a real
@@ -742,9 +727,11 @@ BenchResult run_bench(const BenchSpec& b) {
   // The broadcast design under OpenMPI, on the same class of fabric as ferry's UCX. Its
   // ranks join the same steps through the store (blocked on it, not polling, while the
   // others run), so its trials interleave with ferry's.
-  // MPI's fabric follows where ferry's bytes go: shared memory when UCX_TLS has it
-  // (ferry carries only its messages over tcp then), else tcp on loopback.
-  const bool tcp = !tls_has_shared_memory(b.tls);
+  // MPI's fabric follows where ferry's bytes go: shared memory when the workers' UCX_TLS
+  // has it (ferry carries only its messages over tcp then), else tcp on loopback.
+  auto shared_memory = Transport::moves_bytes_over_shared_memory("ucx", worker_transport_options("ucx", b.tls).params);
+  if (!shared_memory.ok()) return kill_all(), fail(shared_memory.status().to_string());
+  const bool tcp = !*shared_memory;
   std::vector<std::string> mca = words(b.mpi_mca.empty()
                                            ? (tcp ? "--mca pml ob1 --mca btl self,tcp --mca btl_tcp_if_include lo"
                                                   : "--mca pml ob1 --mca btl self,vader")

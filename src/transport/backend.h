@@ -145,11 +145,13 @@ struct AtomicStats {
 };
 
 // One entry of the backend registry (transport.cpp), provided by each backend's own
-// directory: what it accepts, the values it would use, and how to start it. Both
-// resolve and create validate options.params (check_params, then the values).
+// directory: what it accepts, the values it would use, whether those move bytes over
+// shared memory, and how to start it. resolve, shared_memory and create validate
+// options.params (check_params, then the values).
 struct BackendEntry {
   const BackendInfo& (*info)();
   Result<TransportParams> (*resolve)(const TransportParams& params);
+  Result<bool> (*shared_memory)(const TransportParams& params);
   Result<std::unique_ptr<TransportBackend>> (*create)(const TransportOptions& options);
 };
 const BackendEntry& inproc_backend_entry();

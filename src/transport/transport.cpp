@@ -157,6 +157,11 @@ Result<TransportParams> Transport::resolve_params(std::string_view backend, cons
   return entry->resolve(params);
 }
 
+Result<bool> Transport::moves_bytes_over_shared_memory(std::string_view backend, const TransportParams& params) {
+  FERRY_ASSIGN_OR_RETURN(const detail::BackendEntry* entry, detail::find_backend(backend));
+  return entry->shared_memory(params);
+}
+
 Transport::Transport(std::unique_ptr<detail::TransportBackend> impl) : impl_(std::move(impl)) {}
 Transport::~Transport() = default;
 

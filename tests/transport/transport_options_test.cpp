@@ -38,7 +38,7 @@ class CleanEnv {
  private:
   static constexpr const char* kNames[] = {"FERRY_UCX_TLS",   "FERRY_UCX_TCP_CONTROL", "FERRY_UCX_SPIN_US",
                                            "FERRY_UCX_BUSY_SPIN_US", "FERRY_UCX_READS", "FERRY_UCX_EP_INFO",
-                                           "UCX_NET_DEVICES"};
+                                           "UCX_NET_DEVICES", "UCX_TLS"};
   std::vector<std::pair<const char*, std::optional<std::string>>> saved_;
 };
 
@@ -199,6 +199,33 @@ TEST(TransportBackendOptions, UcxOneHost) {
   // (it did, and a rank in a network namespace could then reach no other host).
   env.set("UCX_NET_DEVICES", "eth0");
   EXPECT_EQ(resolved({{"one_host", "1"}})["net_devices"], "");
+}
+
+// Whether a configuration moves bytes over shared memory (what ferry bench picks MPI's
+// fabric by): the tls in force, as create() would use it, with UCX's own names.
+TEST(TransportBackendOptions, SharedMemoryIsWhatTheTlsInForceLists) {
+  CleanEnv env;
+  auto shm = [](const TransportParams& params) {
+    auto r = Transport::moves_bytes_over_shared_memory("ucx", params);
+    EXPECT_TRUE(r.ok()) << r.status().to_string();
+    return r.ok() && *r;
+  };
+  EXPECT_TRUE(shm({{"one_host", "1"}}));  // sm,tcp,self
+  for (const char* tls : {"sm,tcp,self", "shm", "mm,self", "posix", "sysv,tcp", "cma", "xpmem", "knem", "all", "^tcp"})
+    EXPECT_TRUE(shm({{"tls", tls}})) << tls;
+  for (const char* tls : {"tcp,self", "tcp", "self", "rc,ud", "^sm", "^posix,sysv", "smx"})
+    EXPECT_FALSE(shm({{"tls", tls}})) << tls;
+  EXPECT_TRUE(shm({}));  // UCX's own default: every transport
+  env.set("UCX_TLS", "tcp,self");  // what UCX reads when ferry sets no tls
+  EXPECT_FALSE(shm({}));
+  EXPECT_TRUE(shm({{"tls", "sm,self"}}));  // the param wins
+  env.set("FERRY_UCX_TLS", "tcp,self");  // the workers' default (one_host)
+  EXPECT_FALSE(shm({{"one_host", "1"}}));
+  auto inproc = Transport::moves_bytes_over_shared_memory("inproc", {});
+  ASSERT_TRUE(inproc.ok());
+  EXPECT_TRUE(*inproc);
+  EXPECT_FALSE(Transport::moves_bytes_over_shared_memory("ucx", {{"no_such_param", "1"}}).ok());
+  EXPECT_FALSE(Transport::moves_bytes_over_shared_memory("nope", {}).ok());
 }
 
 // The device follows the route to route_to (the tools pass the store's host), unless the

@@ -565,6 +565,12 @@ Result<TransportParams> inproc_resolve(const TransportParams& params) {
   return TransportParams{};
 }
 
+// Every peer is in this process: bytes are copied within its memory.
+Result<bool> inproc_shared_memory(const TransportParams& params) {
+  FERRY_RETURN_IF_ERROR(check_params(inproc_info(), params));
+  return true;
+}
+
 Result<std::unique_ptr<TransportBackend>> make_inproc_backend(const TransportOptions& options) {
   FERRY_RETURN_IF_ERROR(check_params(inproc_info(), options.params));
   auto core = std::make_shared<Core>(options);
@@ -580,7 +586,7 @@ Result<std::unique_ptr<TransportBackend>> make_inproc_backend(const TransportOpt
 }  // namespace
 
 const BackendEntry& inproc_backend_entry() {
-  static const BackendEntry entry{&inproc_info, &inproc_resolve, &make_inproc_backend};
+  static const BackendEntry entry{&inproc_info, &inproc_resolve, &inproc_shared_memory, &make_inproc_backend};
   return entry;
 }
 

@@ -221,6 +221,35 @@ Result<std::string> route_device(const std::string& host) {
   return *device;
 }
 
+namespace {
+
+// UCX_TLS names of the shared-memory transports, with UCX's aliases for them (sm and shm:
+// all of them; mm: posix, sysv and xpmem).
+constexpr const char* kSharedMemoryTls[] = {"sm", "shm", "mm", "posix", "sysv", "cma", "xpmem", "knem"};
+
+bool is_shared_memory_tl(std::string_view tl) {
+  for (const char* shm : kSharedMemoryTls) {
+    if (tl == shm) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+bool tls_has_shared_memory(const std::string& tls) {
+  if (tls.empty()) return true;
+  const bool excluding = tls.starts_with('^');
+  const std::string_view rest = std::string_view(tls).substr(excluding ? 1 : 0);
+  bool listed = false;
+  for (size_t at = 0; at <= rest.size();) {
+    const size_t comma = std::min(rest.find(',', at), rest.size());
+    const std::string_view tl = rest.substr(at, comma - at);
+    at = comma + 1;
+    listed |= is_shared_memory_tl(tl) || (!excluding && tl == "all");
+  }
+  return excluding != listed;
+}
+
 bool needs_tcp_control(const std::string& tls) {
   if (tls.empty() || tls.starts_with('^')) return false;
   bool shm = false;
@@ -232,7 +261,7 @@ bool needs_tcp_control(const std::string& tls) {
                             "ud_mlx5", "dc_mlx5", "rc_verbs", "ud_verbs"}) {
       if (tl == net) return false;
     }
-    for (const char* mem : {"sm", "shm", "mm", "posix", "sysv", "cma", "xpmem", "knem"}) shm |= tl == mem;
+    shm |= is_shared_memory_tl(tl);
   }
   return shm;
 }

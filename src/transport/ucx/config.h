@@ -110,6 +110,12 @@ TransportParams describe(const UcxConfig& cfg);
 // holds the source address; both name the host.
 Result<std::string> route_device(const std::string& host);
 
+// Whether UCX_TLS `tls` lets UCX move bytes between processes of one host over shared
+// memory: empty (UCX's default, every transport) or "all"; a list naming one of
+// sm, shm, mm, posix, sysv, cma, xpmem, knem; an exclusion list ("^a,b") naming none of
+// them (one naming any counts as none: conservative).
+bool tls_has_shared_memory(const std::string& tls);
+
 // Whether UCX_TLS `tls` lists shared-memory transports and none with peer-failure
 // support: then tcp_control adds tcp. A "^..." list (everything but) or "all" already
 // has tcp unless the user excluded it.

@@ -559,6 +559,12 @@ Result<TransportParams> resolve(const TransportParams& params) {
   return describe(cfg);
 }
 
+// The tls in force: the param (or its defaults), else UCX_TLS, else UCX's own (all).
+Result<bool> shared_memory(const TransportParams& params) {
+  FERRY_ASSIGN_OR_RETURN(UcxConfig cfg, parse_config(params, read_env()));
+  return tls_has_shared_memory(cfg.tls ? *cfg.tls : cfg.env_tls.value_or(""));
+}
+
 Result<std::unique_ptr<TransportBackend>> create(const TransportOptions& options) {
   FERRY_ASSIGN_OR_RETURN(UcxConfig cfg, parse_config(options.params, read_env()));
   auto b = std::make_unique<UcxBackend>(options, std::move(cfg));
@@ -572,7 +578,7 @@ Result<std::unique_ptr<TransportBackend>> create(const TransportOptions& options
 namespace ferry::detail {
 
 const BackendEntry& ucx_backend_entry() {
-  static const BackendEntry entry{&ucx::backend_info, &ucx::resolve, &ucx::create};
+  static const BackendEntry entry{&ucx::backend_info, &ucx::resolve, &ucx::shared_memory, &ucx::create};
   return entry;
 }
 
