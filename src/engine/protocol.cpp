@@ -161,41 +161,6 @@ Result<Message> decode_message(std::span<const std::byte> bytes) {
 
 // ---------------------------------------------------------------------------------------
 
-std::string encode_fields(const std::vector<std::string>& fields) {
-  std::string out;
-  for (const auto& f : fields) {
-    const uint64_t n = f.size();
-    out.append(reinterpret_cast<const char*>(&n), sizeof(n));
-    out += f;
-  }
-  return out;
-}
-
-Result<std::vector<std::string>> decode_fields(std::string_view blob, size_t expected) {
-  std::vector<std::string> out;
-  size_t pos = 0;
-  while (pos < blob.size()) {
-    uint64_t n = 0;
-    if (blob.size() - pos < sizeof(n)) return corrupt("store blob truncated at byte {}", pos);
-    if (out.size() == expected) return corrupt("store blob has more than {} fields", expected);
-    std::memcpy(&n, blob.data() + pos, sizeof(n));
-    pos += sizeof(n);
-    if (n > blob.size() - pos) return corrupt("store blob field of {} bytes overruns the blob", n);
-    out.emplace_back(blob.substr(pos, n));
-    pos += n;
-  }
-  if (out.size() != expected) return corrupt("store blob has {} fields, expected {}", out.size(), expected);
-  return out;
-}
-
-std::string u64_field(uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), sizeof(v)); }
-Result<uint64_t> parse_u64_field(std::string_view s) {
-  if (s.size() != 8) return corrupt("u64 field of {} bytes", s.size());
-  uint64_t v;
-  std::memcpy(&v, s.data(), 8);
-  return v;
-}
-
 std::string encode_lease(const ProducerLease& l) {
   return encode_fields(
       {std::string(kProducerLeaseMagic), l.address, l.staging_key, u64_field(l.slot_bytes), l.in_place, l.cuda_ipc});

@@ -31,6 +31,7 @@
 #include <variant>
 #include <vector>
 
+#include "common/fields.h"
 #include "ferry/status.h"
 
 namespace ferry::engine {
@@ -147,19 +148,14 @@ std::string encode_lease(const ConsumerLease& l);
 Result<ProducerLease> decode_producer_lease(std::string_view blob);
 Result<ConsumerLease> decode_consumer_lease(std::string_view blob);
 
-// A store blob of length-prefixed fields (the leases' framing; also used by the tools'
-// own blobs). decode_fields checks every length against the bytes left and the count.
-std::string encode_fields(const std::vector<std::string>& fields);
-Result<std::vector<std::string>> decode_fields(std::string_view blob, size_t expected);
-std::string u64_field(uint64_t v);
-Result<uint64_t> parse_u64_field(std::string_view s);
-
-inline std::string bytes_to_string(std::span<const std::byte> b) {
-  return std::string(reinterpret_cast<const char*>(b.data()), b.size());
-}
-inline std::span<const std::byte> string_bytes(const std::string& s) {
-  return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
-}
+// The leases' framing: a store blob of length-prefixed fields (common/fields.h, which
+// the tools' own blobs use too).
+using fields::bytes_to_string;
+using fields::decode_fields;
+using fields::encode_fields;
+using fields::parse_u64_field;
+using fields::string_bytes;
+using fields::u64_field;
 
 // ---------------------------------------------------------------------------------------
 // Store keys of one job (every key under the prefix `job`).

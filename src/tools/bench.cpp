@@ -13,9 +13,9 @@
 #include <sstream>
 #include <thread>
 
+#include "common/fields.h"
 #include "engine/clock.h"
 #include "engine/memory.h"
-#include "engine/protocol.h"
 #include "engine/registered_buffer.h"
 #include "engine/schedule.h"
 #include "ferry/engine.h"
@@ -28,15 +28,15 @@ namespace ferry::tools {
 namespace {
 
 using engine::align_up;
-using engine::bytes_to_string;
 using engine::Clock;
-using engine::decode_fields;
-using engine::encode_fields;
-using engine::parse_u64_field;
 using engine::RegisteredBuffer;
 using engine::seconds_since;
-using engine::string_bytes;
-using engine::u64_field;
+using fields::bytes_to_string;
+using fields::decode_fields;
+using fields::encode_fields;
+using fields::parse_u64_field;
+using fields::string_bytes;
+using fields::u64_field;
 
 // CPU seconds of this process so far (every thread): tells a CPU-bound step (ranks'
 // CPU adds up to cores x wall) from one that waits.
