@@ -2,9 +2,6 @@
 // one run: raw UCX reads of the same sizes (the transport's speed of light), memcpy of the
 // same bytes, and the broadcast design on OpenMPI's MPI_Bcast (what ferry replaces).
 // `ferry bench-worker` (hidden): one rank process of the bench.
-#include <unistd.h>
-
-#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -12,18 +9,11 @@
 
 #include "cli/command.h"
 #include "tools/bench.h"
+#include "tools/subprocess.h"
 #include "tools/transport_options.h"
 
 namespace ferry::cli {
 namespace {
-
-std::string exe_path() {
-  char buf[PATH_MAX];
-  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  if (n <= 0) return "ferry";
-  buf[n] = 0;
-  return buf;
-}
 
 // A dense Llama-3.1-8B shrunk to ~300 MB of bf16: big enough that per-message costs do
 // not dominate, small enough for 6 processes on 2 cores in well under a minute.
@@ -33,7 +23,7 @@ constexpr const char* kOverrides =
     R"( "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64})";
 
 int run_bench_cmd(tools::BenchSpec b, bool json, bool model_given, bool overrides_given) {
-  const std::string self = exe_path();
+  const std::string self = tools::exe_path();
   b.worker_binary = self;
   b.mpi_binary = self.substr(0, self.rfind('/') + 1) + "ferry-mpi-bcast";
   if (!model_given && !overrides_given) b.overrides = kOverrides;

@@ -2,11 +2,8 @@
 // the embedded store and no set-up; several syncs of a shrunk real model, every consumer
 // verified bit for bit, one inference rank SIGKILLed mid-sync and restarted.
 // `ferry worker` (hidden): one rank process of the demo and the multi-process tests.
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
-#include <climits>
 #include <cstdio>
 #include <memory>
 #include <optional>
@@ -20,18 +17,11 @@
 #include "tools/demo.h"
 #include "tools/emulated_hosts.h"
 #include "tools/job_model.h"
+#include "tools/subprocess.h"
 #include "tools/worker.h"
 
 namespace ferry::cli {
 namespace {
-
-std::string self_exe() {
-  char buf[PATH_MAX];
-  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  if (n <= 0) return "ferry";
-  buf[n] = 0;
-  return buf;
-}
 
 constexpr const char* kMoeModel = "configs/qwen3-30b-a3b.json";
 constexpr const char* kDenseModel = "configs/llama-3.1-8b.json";
@@ -225,7 +215,7 @@ int run_demo_cmd(tools::DemoSpec d, int kill_sync, int kill_point, bool model_gi
     if (pause.role == "store" && d.store.empty()) d.store_process = true;
     kill_sync = 0;  // one kind of fault at a time
   }
-  d.worker_binary = self_exe();
+  d.worker_binary = tools::exe_path();
   if (!model_given) {
     auto archs = supported_architectures();
     if (std::find(archs.begin(), archs.end(), "Qwen3MoeForCausalLM") != archs.end()) {

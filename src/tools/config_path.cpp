@@ -6,17 +6,18 @@
 #include <filesystem>
 #include <system_error>
 
+#include "tools/subprocess.h"
+
 namespace ferry::tools {
 namespace fs = std::filesystem;
 
 namespace {
 
 // <prefix> of the running executable installed as <prefix>/FERRY_BINDIR/ferry; empty
-// when /proc/self/exe cannot be read.
+// when /proc/self/exe cannot be read (exe_path).
 fs::path install_prefix() {
-  std::error_code ec;
-  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  if (ec) return {};
+  const fs::path exe = exe_path();
+  if (!exe.is_absolute()) return {};
   fs::path prefix = exe.parent_path();
   for (const auto& part : fs::path(FERRY_BINDIR)) {
     if (!part.empty()) prefix = prefix.parent_path();

@@ -190,6 +190,13 @@ std::pair<int64_t, int64_t> proc_usage(pid_t pid) {
   return {rss, fds};
 }
 
+std::string exe_path() {
+  std::error_code ec;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec || exe.empty()) return "ferry";
+  return exe.string();
+}
+
 double proc_cpu(pid_t pid) {
   std::ifstream f(fmt::format("/proc/{}/stat", pid));
   std::string text;

@@ -78,6 +78,11 @@ void terminate(Child& c, std::chrono::milliseconds grace);
 // The text of the child's log so far (empty when it has none or it cannot be read).
 std::string read_log(const Child& c);
 
+// The running executable's path (/proc/self/exe): what the drivers start their rank
+// workers as, and where the installed data directory is found from. "ferry" when it
+// cannot be read (spawn then looks that up on $PATH).
+std::string exe_path();
+
 // Figures of a running process read from /proc (any pid, not only children).
 // Resident set (KiB) and open descriptors; -1 for what cannot be read.
 std::pair<int64_t, int64_t> proc_usage(pid_t pid);
