@@ -1,7 +1,7 @@
 // `ferry bench`: the engine's sync time on this machine beside its baselines, measured in
 // one run: raw UCX reads of the same sizes (the transport's speed of light), memcpy of the
 // same bytes, and the broadcast design on OpenMPI's MPI_Bcast (what ferry replaces).
-// `ferry bench-worker` (hidden): one rank process of the bench.
+// Its rank processes are `ferry worker --bench` (cmd_demo.cpp).
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -96,29 +96,10 @@ std::function<int()> setup_bench(CLI::App& app) {
   return [b, json, model, ov] { return run_bench_cmd(*b, *json, model->count() > 0, ov->count() > 0); };
 }
 
-std::function<int()> setup_bench_worker(CLI::App& app) {
-  app.group("");  // hidden
-  auto w = std::make_shared<tools::BenchWorkerSpec>();
-  app.add_option("--role", w->role)->required();
-  app.add_option("--rank", w->rank)->required()->check(number_in(0, 1 << 20));
-  app.add_option("--model", w->model)->required();
-  app.add_option("--trainer", w->trainer)->required();
-  app.add_option("--inference", w->inference)->required();
-  app.add_option("--store", w->store)->required();
-  app.add_option("--job", w->job)->required();
-  app.add_option("--tls", w->tls);
-  app.add_option("--mode", w->mode);
-  app.add_option("--seed", w->seed)->check(number_in(0, 1.8e19));
-  app.add_option("--timeout-ms", w->timeout_ms)->check(number_in(1, 1 << 30));
-  app.add_option("--in-place", w->in_place);
-  return [w] { return tools::run_bench_worker(*w); };
-}
-
 }  // namespace
 
 FERRY_COMMAND(bench_command, "bench",
               "Time a sync of a shrunk model beside raw UCX reads, memcpy and an MPI_Bcast broadcast design",
               setup_bench);
-FERRY_COMMAND(bench_worker_command, "bench-worker", "", setup_bench_worker);
 
 }  // namespace ferry::cli

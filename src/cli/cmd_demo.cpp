@@ -1,10 +1,12 @@
 // `ferry demo`: trainer and inference ranks as separate processes on this machine, with
 // the embedded store and no set-up; several syncs of a shrunk real model, every consumer
 // verified bit for bit, one inference rank SIGKILLed mid-sync and restarted.
-// `ferry worker` (hidden): one rank process of the demo and the multi-process tests.
+// `ferry worker` (hidden): one rank process of the demo and the multi-process tests, or
+// with --bench of `ferry bench` (tools/bench.h).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <string>
@@ -14,6 +16,7 @@
 
 #include "cli/command.h"
 #include "ferry/models.h"
+#include "tools/bench.h"
 #include "tools/demo.h"
 #include "tools/emulated_hosts.h"
 #include "tools/job_model.h"
@@ -403,6 +406,11 @@ std::function<int()> setup_demo(CLI::App& app) {
                 };
 }
 
+// The options of `ferry worker --bench` (the rest are the demo's).
+constexpr const char* kBenchWorkerOptions[] = {"--role",  "--rank", "--model", "--trainer", "--inference", "--store",
+                                               "--job",   "--mode", "--seed",  "--timeout-ms", "--tls",     "--in-place",
+                                               "--bench", "--help"};
+
 std::function<int()> setup_worker(CLI::App& app) {
   app.group("");  // hidden
   auto w = std::make_shared<tools::WorkerSpec>();
@@ -412,7 +420,7 @@ std::function<int()> setup_worker(CLI::App& app) {
   app.add_option("--trainer", w->trainer)->required();
   app.add_option("--inference", w->inference)->required();
   app.add_option("--store", w->store)->required();
-  app.add_option("--job", w->job);
+  auto job = app.add_option("--job", w->job);
   app.add_option("--backend", w->backend);
   app.add_option("--mode", w->mode);
   app.add_flag("--checksums", w->checksums);
@@ -424,12 +432,43 @@ std::function<int()> setup_worker(CLI::App& app) {
   app.add_option("--staging-budget", w->staging_budget)->check(number_in(0, 1.8e19));
   app.add_option("--stall-ms", w->stall_ms)->check(number_in(0, 1 << 30));
   app.add_option("--straggler-ms", w->straggler_ms)->check(number_in(0, 1 << 30));
-  app.add_option("--timeout-ms", w->timeout_ms)->check(number_in(1, 1 << 30));
+  auto timeout = app.add_option("--timeout-ms", w->timeout_ms)->check(number_in(1, 1 << 30));
   app.add_option("--lease-ttl-ms", w->lease_ttl_ms)->check(number_in(10, 1 << 30));
   app.add_option("--go-timeout-ms", w->go_timeout_ms)->check(number_in(1, 1 << 30));
   auto pauses = std::make_shared<std::string>();
   app.add_option("--pause-at", *pauses);  // VERSION:POINT,...: SIGSTOP itself there
-  return [w, pauses] {
+  // --bench: a rank of `ferry bench` (run_bench_worker) instead, which takes of the
+  // options above only those it shares (kBenchWorkerOptions), and needs --job.
+  auto bench = std::make_shared<tools::BenchWorkerSpec>();
+  auto as_bench = app.add_flag("--bench");
+  app.add_option("--tls", bench->tls)->needs(as_bench);
+  app.add_option("--in-place", bench->in_place)->needs(as_bench);
+  return [&app, w, pauses, bench, as_bench, job, timeout] {
+    if (as_bench->count() > 0) {
+      for (const CLI::Option* o : app.get_options()) {
+        const std::string name = o->get_name();
+        if (o->count() > 0 && std::find(std::begin(kBenchWorkerOptions), std::end(kBenchWorkerOptions), name) ==
+                                  std::end(kBenchWorkerOptions)) {
+          std::fprintf(stderr, "ferry worker --bench: %s is not a bench rank's option\n", name.c_str());
+          return 2;
+        }
+      }
+      if (job->count() == 0) {
+        std::fprintf(stderr, "ferry worker --bench: --job is required\n");
+        return 2;
+      }
+      bench->role = w->role;
+      bench->rank = w->rank;
+      bench->model = w->model;
+      bench->trainer = w->trainer;
+      bench->inference = w->inference;
+      bench->store = w->store;
+      bench->job = w->job;
+      bench->mode = w->mode;
+      bench->seed = w->seed;
+      if (timeout->count() > 0) bench->timeout_ms = w->timeout_ms;
+      return tools::run_bench_worker(*bench);
+    }
     auto p = tools::parse_pause_points(*pauses);
     if (!p.ok()) {
       std::fprintf(stderr, "ferry worker: --pause-at: %s\n", p.status().to_string().c_str());

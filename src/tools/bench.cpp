@@ -146,7 +146,7 @@ std::string key_ready(const std::string& job, const std::string& role, int rank)
 }
 
 int bench_worker_fail(const BenchWorkerSpec& s, const Status& st) {
-  std::fprintf(stderr, "ferry bench-worker %s %d: %s\n", s.role.c_str(), s.rank, st.to_string().c_str());
+  std::fprintf(stderr, "ferry worker --bench %s %d: %s\n", s.role.c_str(), s.rank, st.to_string().c_str());
   return 2;
 }
 
@@ -715,7 +715,7 @@ BenchResult run_bench(const BenchSpec& b) {
     const bool prod = k < P;
     const std::string role = prod ? "producer" : "consumer";
     const int rank = prod ? k : k - P;
-    std::vector<std::string> args = {b.worker_binary, "bench-worker", "--role", role, "--rank", std::to_string(rank),
+    std::vector<std::string> args = {b.worker_binary, "worker", "--bench", "--role", role, "--rank", std::to_string(rank),
                                      "--model", config_path, "--trainer", b.trainer, "--inference", b.inference,
                                      "--store", (*server)->url(), "--job", job, "--tls", b.tls, "--mode", b.mode, "--seed",
                                      std::to_string(b.seed), "--timeout-ms", std::to_string(b.timeout_ms),
