@@ -6,7 +6,7 @@
 //   broadcast  the NCCL-style design on a real collective library: OpenMPI MPI_Bcast of
 //            every full tensor from one root per trainer PP stage to every inference rank,
 //            which copies its shard out with its recorded plan (`ferry-mpi-bcast`).
-// Ranks are processes (`ferry bench-worker`, started and reaped through tools/subprocess.h),
+// Ranks are processes (`ferry worker --bench`, started and reaped through tools/subprocess.h),
 // coordinated through an embedded store; every timed step starts at an agreed
 // CLOCK_MONOTONIC instant and lasts from the earliest start to the latest end over its
 // participants (one host, so the clocks agree).
@@ -24,7 +24,7 @@
 namespace ferry::tools {
 
 struct BenchSpec {
-  std::string worker_binary;  // the ferry executable (runs `bench-worker`)
+  std::string worker_binary;  // the ferry executable (runs `worker --bench`)
   std::string mpi_binary;     // ferry-mpi-bcast
   std::string model;          // HF config.json
   std::string overrides;      // JSON merged into the (shrunk) config
@@ -54,8 +54,9 @@ struct BenchResult {
 
 BenchResult run_bench(const BenchSpec& spec);
 
-// One rank of the bench (a process): builds its Producer or Consumer, its raw-read ring,
-// then runs the steps the driver posts in the store until told to exit.
+// One rank of the bench (a process, `ferry worker --bench`): builds its Producer or
+// Consumer, its raw-read ring, then runs the steps the driver posts in the store until
+// told to exit.
 struct BenchWorkerSpec {
   std::string role;  // "producer" | "consumer"
   int rank = 0;
