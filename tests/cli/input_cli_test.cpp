@@ -62,6 +62,24 @@ TEST(InputCli, DemoReportsAWorkerThatExitedAtOnce) {
 
 // --cut needs emulated hosts, and a host and a sync that the run has; each refusal comes
 // before any host is made (no root needed) and names the cut, the range and the option.
+// One worker program: `ferry worker --bench` is a bench rank, which takes only the
+// options bench ranks have; the demo's options and the bench's do not mix.
+TEST(InputCli, BenchWorkerOptionsAreTheBenchRanks) {
+  const std::string rank = "worker --role producer --rank 0 --model " + kModel +
+                           " --trainer tp=1 --inference tp=1 --store tcp://127.0.0.1:1";
+  CliRun r = ferry(rank + " --bench --job j --checksums");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--checksums is not a bench rank's option"), std::string::npos) << r.err;
+  r = ferry(rank + " --bench");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--job is required"), std::string::npos) << r.err;
+  r = ferry(rank + " --tls tcp,self");  // a bench rank's option without --bench
+  EXPECT_NE(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("--tls requires --bench"), std::string::npos) << r.err;
+  r = ferry("bench-worker --role producer");  // the old name is gone
+  EXPECT_NE(r.exit_code, 0) << r.err;
+}
+
 TEST(InputCli, DemoTimeoutsAreBounded) {
   for (const char* bad : {"--rank-timeout-ms 0", "--stall-ms 5", "--stall-ms nan", "--rank-timeout-ms -1"}) {
     const CliRun r = ferry(std::string("demo ") + bad);
