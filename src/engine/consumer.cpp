@@ -18,11 +18,13 @@
 #include "ferry/device.h"
 #include "engine/in_place.h"
 #include "engine/protocol.h"
+#include "engine/rank_model.h"
 #include "engine/registered_buffer.h"
 #include "engine/rendezvous.h"
 #include "engine/schedule.h"
 #include "engine/testing.h"
 #include "engine/memory.h"
+#include "engine/param_set.h"
 #include "engine/unpack_worker.h"
 
 namespace ferry {
@@ -35,40 +37,34 @@ struct Consumer::Impl {
   Store& store;
   ConsumerOptions opts;
   JobKeys keys;
-  Plan plan;
-  // What this rank loads into and how it post-processes: from a built-in RankLoader or a
-  // ConsumerModel (set by the two create()s, then fixed).
-  std::vector<TensorDecl> param_decls;       // as loaded, in declaration order
-  std::map<std::string, int> post_group_of;  // param -> post-processing group
-  std::vector<std::string> post_group_names;
-  std::function<Status(int group, TensorMap& params)> post_process;  // empty: none
+  // What this rank loads into and how it post-processes (engine/rank_model.h; set by the
+  // two create()s, then fixed).
+  RankModel model;
   RouteState route_state;  // rendezvous inputs; producers excluded from `routes`
   Routes routes;
   uint64_t routes_hash = 0;
   const PlanRoute* plan_route = nullptr;  // this rank's plan class in `routes`
   int failed_p = -1;    // the producer whose failure ended the last attempt
-  TensorMap loaded;   // param buffers as loaded (what unpack writes)
-  TensorMap final_;   // after post-processing, of the last committed sync
-  TensorMap work;     // being post-processed (background thread)
+  // Where bytes land (engine/param_set.h): the param buffers, their registrations and
+  // placements, the committed view and what the params hold. Set by start().
+  std::unique_ptr<ParamSet> param_set;
   static constexpr int kSlots = static_cast<int>(kReceiveSlots);
   uint64_t slot_bytes = 0;
   RegisteredBuffer ring;
-  // CUDA IPC (ConsumerOptions::cuda_ipc): a receive ring on the params' device, taken
-  // in an attempt where every producer read from is mapped (ipc_active; set by the sync
-  // thread while the background thread is idle, read by it when unpacking).
-  std::shared_ptr<std::byte> device_ring;
-  std::optional<Device> ipc_device;
+  // CUDA IPC (ConsumerOptions::cuda_ipc): the lane to producers' GPU staging on this
+  // host (engine/cuda_ipc.h), taken in an attempt where every producer read from is
+  // mapped (ipc_active; set by the sync thread while the background thread is idle, read
+  // by it when unpacking). Null: params not all on one GPU, push, or checksums.
+  std::unique_ptr<CudaIpcLane> ipc_lane;
   std::atomic<bool> ipc_active{false};
   uint64_t ipc_bytes = 0;  // copied device to device in this attempt
   // Zero copy: a piece of a read that unpacks as a plain byte copy (same dtype,
   // contiguous destination, not shared with another unpack) of at least
   // opts.direct_min_bytes is read (pull) or written by the producer (push) straight into
-  // the param's memory, registered with the transport; the rest goes through the
-  // receive ring and is unpacked on the background thread. This saves one full copy of
-  // almost every byte (routes lay segments out in destination order, so most pieces are
+  // the param's memory (a placement of param_set); the rest goes through the receive
+  // ring and is unpacked on the background thread. This saves one full copy of almost
+  // every byte (routes lay segments out in destination order, so most pieces are
   // contiguous runs of a param).
-  std::map<std::string, RegisteredParam> param_regions;  // registered params by name
-  std::vector<MemoryRegion> registrations;               // ours to deregister
   // Per layer group of `routes`: what to read from whom into where, what to unpack,
   // which post-processing groups complete (engine/schedule.h). Rebuilt when routes
   // change or a producer's in-place table does (schedule_stale).
@@ -84,9 +80,6 @@ struct Consumer::Impl {
     bool connected = false;
     InPlaceTable in_place;              // boxes it serves from the trainer's memory
     std::vector<RemoteRegion> regions;  // their source regions (in_place.keys imported)
-    std::shared_ptr<std::byte> ipc;     // its GPU staging ring mapped here (CUDA IPC), or null
-    uint64_t ipc_bytes = 0;             // ... of this many bytes
-    std::string ipc_why;                // why it exported one that is not mapped ("" otherwise)
   };
 
   std::mutex mu;
@@ -116,11 +109,7 @@ struct Consumer::Impl {
   // those groups may be in flight (sync thread only).
   std::map<int, int> unanswered;
   std::map<uint64_t, std::string> dropped_versions;  // version -> which producer dropped us and why
-  // Params changed in this attempt (reads straight into them, or the worker unpacked):
-  // a failure now leaves the consumer torn.
-  bool unpacked_any = false;
   std::atomic<bool> crashed{false};  // simulate_crash (test hook)
-  ConsumerState held;  // what the consumer holds (state())
   std::optional<uint64_t> syncing;  // the version of the sync in progress; mu
   std::set<uint64_t> attempted;     // versions this instance began syncs of (the last 64); mu
   // Producers that announced, during this sync, an older version this instance never
@@ -138,7 +127,6 @@ struct Consumer::Impl {
     transport.set_message_handler({});
     transport.set_peer_failure_handler({});
     if (lease) lease->release().ignore();
-    for (const MemoryRegion& r : registrations) transport.deregister_memory(r).ignore();
   }
 
   void point(int g, int phase) {
@@ -199,7 +187,7 @@ struct Consumer::Impl {
     if (p.id != peer) return;
     p.connected = false;
     failed[it->second] = why;
-    p.ipc.reset();  // its GPU staging is unmapped once no copy holds it (post_one keeps a reference)
+    if (ipc_lane) ipc_lane->disconnect(it->second);
     cv.notify_all();
   }
 
@@ -207,21 +195,19 @@ struct Consumer::Impl {
   Status unpack_job(const UnpackWorker::Job& job) {
     point(job.group, 3);
     const uint64_t n = plan_route->groups[static_cast<size_t>(job.group)].recv_bytes;
-    const std::byte* recv = ipc_active ? device_ring.get() : ring.data;
+    const std::byte* recv = ipc_active ? ipc_lane->ring() : ring.data;
     Status s = unpack_group(schedule.unpack, job.group,
-                            std::span<const std::byte>(recv + static_cast<uint64_t>(job.slot) * slot_bytes, n), loaded);
-    {
-      std::lock_guard<std::mutex> lk(mu);
-      unpacked_any = true;  // (even a failed unpack may have written some params)
-    }
+                            std::span<const std::byte>(recv + static_cast<uint64_t>(job.slot) * slot_bytes, n),
+                            param_set->loaded());
+    param_set->touch();  // (even a failed unpack may have written some params)
     if (!s.ok()) return s.with_context(fmt::format("consumer {} unpack group {}", rank, job.group));
     return s;
   }
   Status post_job(const UnpackWorker::Job& job) {
     for (int k : schedule.groups[static_cast<size_t>(job.group)].post_groups) {
-      Status s = post_process(k, work);
+      Status s = model.post_process(k, param_set->work());
       if (!s.ok())
-        return s.with_context(fmt::format("consumer {} post-processing {}", rank, post_group_names[static_cast<size_t>(k)]));
+        return s.with_context(fmt::format("consumer {} post-processing {}", rank, model.post_group_names[static_cast<size_t>(k)]));
     }
     return Status::Ok();
   }
@@ -249,12 +235,9 @@ struct Consumer::Impl {
         // the store restarted or paused and every lease lapsed), which takes at most
         // ttl/3 once it runs. Give it one lease_ttl before it is a failover candidate,
         // so that a live producer is not marked dead for good.
-        const auto until = Clock::now() + opts.lease_ttl;
-        const auto poll = std::clamp(opts.lease_ttl / 10, std::chrono::milliseconds(1), std::chrono::milliseconds(50));
-        while (!blob.ok() && blob.status().code() == StatusCode::kNotFound && Clock::now() < until) {
-          std::this_thread::sleep_for(poll);
-          blob = store.get(keys.producer(p));
-        }
+        heal_leases(
+            opts.lease_ttl, [&] { return !blob.ok() && blob.status().code() == StatusCode::kNotFound; },
+            [&] { blob = store.get(keys.producer(p)); });
         if (!blob.ok()) {
           if (blob.status().code() != StatusCode::kNotFound) return blob.status();
           failed_p = p;
@@ -282,19 +265,7 @@ struct Consumer::Impl {
         return key.status().with_context(fmt::format("staging key of producer {}", p));
       }
       // Its GPU staging, mapped for device-to-device copies when we can take them.
-      std::shared_ptr<std::byte> ipc;
-      uint64_t ipc_bytes = 0;
-      std::string ipc_why;
-      if (device_ring && !lease->cuda_ipc.empty()) {
-        auto e = decode_cuda_ipc(lease->cuda_ipc);
-        auto mapped = e.ok() ? map_cuda_ipc(*e, *ipc_device) : Result<std::shared_ptr<std::byte>>(e.status());
-        if (mapped.ok()) {
-          ipc = *mapped;
-          ipc_bytes = e->bytes;
-        } else {
-          ipc_why = mapped.status().message();
-        }
-      }
+      if (ipc_lane) ipc_lane->connect(p, lease->cuda_ipc);
       std::vector<RemoteRegion> regions;
       if (opts.mode == SyncMode::kPull) {
         for (size_t k = 0; k < table->keys.size(); ++k) {
@@ -314,9 +285,6 @@ struct Consumer::Impl {
       pe.connected = true;
       pe.in_place = opts.mode == SyncMode::kPull ? std::move(*table) : InPlaceTable{};
       pe.regions = std::move(regions);
-      pe.ipc = std::move(ipc);
-      pe.ipc_bytes = ipc_bytes;
-      pe.ipc_why = std::move(ipc_why);
       schedule_stale = true;
       peer_rank[*id] = p;
       failed.erase(p);
@@ -478,7 +446,7 @@ struct Consumer::Impl {
 
   // Where the bytes of sub-read `sr` of the receive slot `slot` land.
   std::byte* landing(const SubRead& sr, int slot) const {
-    if (sr.param) return sr.param->data + sr.param_offset;
+    if (sr.param) return param_set->landing(sr).data;
     return ring.data + static_cast<uint64_t>(slot) * slot_bytes + sr.recv_offset;
   }
 
@@ -524,37 +492,25 @@ struct Consumer::Impl {
         from_region = pe.regions[static_cast<size_t>(sr.region)];
         remote = sr.remote + at;
       }
-      if (sr.param) unpacked_any = true;  // params change from here on: a failure now leaves us torn
     }
+    if (sr.param) param_set->touch();  // params change from here on: a failure now leaves us torn
     if (ipc_active && sr.region < 0 && !sr.param) {
-      // From the producer's GPU staging, device to device (the slot was packed and
-      // synchronised before it was announced); done when the copy returns.
-      std::shared_ptr<std::byte> from;  // held for the copy: a failure may unmap it meanwhile
-      uint64_t limit;
-      {
-        std::lock_guard<std::mutex> lk(mu);
-        from = peers[static_cast<size_t>(p)].ipc;
-        limit = peers[static_cast<size_t>(p)].ipc_bytes;
-      }
-      if (!from) {
-        failed_p = p;
-        return peer_failed("consumer {} group {}: producer {} failed (its GPU staging is unmapped)", rank, g, p);
-      }
-      if (remote > limit || n > limit - remote) {
-        failed_p = p;
-        return out_of_range("consumer {} group {}: bytes [{}, +{}) outside producer {}'s GPU staging of {} bytes", rank,
-                            g, remote, n, p, limit);
-      }
-      Status st = device_memcpy(device_ring.get() + base + sr.recv_offset + at, from.get() + remote, n);
+      // The CUDA IPC lane: done when the copy returns.
+      Status st = ipc_lane->copy(p, remote, base + sr.recv_offset + at, n, g);
       if (!st.ok()) {
         failed_p = p;
-        return st.with_context(fmt::format("consumer {} copying group {} from producer {}'s GPU staging", rank, g, p));
+        return st;
       }
       ipc_bytes += n;
       return Status::Ok();
     }
-    auto c = sr.param ? transport.read(sr.param->region, sr.param->offset + sr.param_offset + at, from_region, remote, n)
-                      : transport.read(ring.region, base + sr.recv_offset + at, from_region, remote, n);
+    Result<Completion> c = Completion();
+    if (sr.param) {
+      const ParamSet::Landing to = param_set->landing(sr);
+      c = transport.read(to.region, to.offset + at, from_region, remote, n);
+    } else {
+      c = transport.read(ring.region, base + sr.recv_offset + at, from_region, remote, n);
+    }
     if (!c.ok()) {
       failed_p = p;
       return c.status().with_context(fmt::format("consumer {} reading group {} from producer {}", rank, g, p));
@@ -611,21 +567,21 @@ struct Consumer::Impl {
       if (schedule_stale) rebuild_schedule();
       // CUDA IPC this attempt: only when every producer we read from is mapped and
       // serves us nothing in place (all of a group lands in one receive ring).
-      bool all = device_ring != nullptr, any = false;
+      bool all = ipc_lane != nullptr, any = false;
       std::set<int> unmapped;
       for (const ConsumerGroupSchedule& gs : schedule.groups) {
         for (const SubRead& sr : gs.reads) {
           any = true;
-          const Peer& pe = peers[static_cast<size_t>(sr.producer)];
-          if (!pe.ipc || sr.region >= 0 || sr.param) all = false;
-          if (!pe.ipc_why.empty()) unmapped.insert(static_cast<int>(sr.producer));
+          const int p = static_cast<int>(sr.producer);
+          if (!ipc_lane || !ipc_lane->viable(p) || sr.region >= 0 || sr.param) all = false;
+          if (ipc_lane && !ipc_lane->why_not(p).empty()) unmapped.insert(p);
         }
       }
       ipc_active = all && any;
       ipc_bytes = 0;
       for (int p : unmapped) {
         rep.failures.push_back(fmt::format("consumer {}: producer {}'s GPU staging is not mapped here ({}); read "
-                                           "through the transport", rank, p, peers[static_cast<size_t>(p)].ipc_why));
+                                           "through the transport", rank, p, ipc_lane->why_not(p)));
       }
     }
     if (declare) {
@@ -728,10 +684,7 @@ struct Consumer::Impl {
         ops.clear();
         rep.read_seconds += seconds_since(tr2);
       } else {
-        if (gs.direct) {
-          std::lock_guard<std::mutex> lk(mu);
-          unpacked_any = true;  // producers write into params from here on: a failure now leaves us torn
-        }
+        if (gs.direct) param_set->touch();  // producers write into params from here on: a failure now leaves us torn
         for (int p : from) {
           readied.insert(p);
           ++unanswered[p];
@@ -758,7 +711,7 @@ struct Consumer::Impl {
         for (int p : from) any |= got[p].checksum.has_value();
         if (any) {
           const uint64_t at = static_cast<uint64_t>(s) * slot_bytes;
-          FERRY_RETURN_IF_ERROR(device_memcpy(ring.data + at, device_ring.get() + at, plan_route->groups[static_cast<size_t>(g)].recv_bytes)
+          FERRY_RETURN_IF_ERROR(device_memcpy(ring.data + at, ipc_lane->ring() + at, plan_route->groups[static_cast<size_t>(g)].recv_bytes)
                                     .with_context(fmt::format("consumer {} group {}: GPU ring to host, to verify", rank, g)));
         }
       }
@@ -791,8 +744,8 @@ struct Consumer::Impl {
   MemoryUse memory_use() {
     MemoryUse m;
     m.receive_ring = ring.bytes;
-    m.own_params = own_params_bytes;
-    for (const MemoryRegion& r : registrations) m.registered_in_place += r.length;
+    m.own_params = param_set->own_bytes();
+    m.registered_in_place += param_set->registered_bytes();
     const RouteInputs& in = route_state.inputs();
     std::vector<const Plan*> plans;
     for (const Plan& p : in.plans) plans.push_back(&p);
@@ -802,7 +755,6 @@ struct Consumer::Impl {
     for (const Peer& pe : peers) m.metadata += pe.in_place.boxes.capacity() * sizeof(InPlaceTable::At);
     return m;
   }
-  uint64_t own_params_bytes = 0;  // the arena of params the caller did not pass
 
   // The schedule of the current routes with the producers' current in-place tables
   // (only those whose source regions are imported). mu held.
@@ -811,15 +763,15 @@ struct Consumer::Impl {
     in.routes = &routes;
     in.rank = rank;
     in.direct_min_bytes = opts.direct_min_bytes;
-    in.params = &param_regions;
+    in.params = &param_set->placements();
     in.holdings = &route_state.inputs().holdings;
     for (const Peer& pe : peers) {
       const bool usable = !pe.in_place.empty() && pe.regions.size() == pe.in_place.keys.size();
       in.in_place.push_back(usable ? &pe.in_place : nullptr);
     }
-    if (post_process) {
-      in.post_group_of = post_group_of;
-      in.num_post_groups = post_group_names.size();
+    if (model.post_process) {
+      in.post_group_of = model.post_group_of;
+      in.num_post_groups = model.post_group_names.size();
     }
     schedule = make_consumer_schedule(in);
     schedule_stale = false;
@@ -832,7 +784,7 @@ struct Consumer::Impl {
   // Waits for the background thread to go idle, then resets it for a new attempt.
   void reset_background() {
     worker->reset(opts.timeout);
-    work = loaded;
+    param_set->retry();
   }
 
   // After producer failed_p failed: mark it dead and rebuild routes without it, if the
@@ -851,13 +803,8 @@ struct Consumer::Impl {
     FERRY_RETURN_IF_ERROR(route_state.mark_dead(d));
     reset_background();
     FERRY_RETURN_IF_ERROR(route_state.adopt(d, std::move(*r), [this](Routes x) { return apply_routes(std::move(x)); }));
-    std::string ds;
-    for (int p : d) {  // piecewise: gcc 12 -O3 reports a false -Wrestrict on `"," + string`
-      if (!ds.empty()) ds += ',';
-      ds += std::to_string(p);
-    }
     rep.failures.push_back(fmt::format("consumer {}: {}; failover: routes rebuilt without producer(s) {}", rank,
-                                       why.to_string(), ds));
+                                       why.to_string(), rank_list(d)));
     declare_routes(v);
     return Status::Ok();
   }
@@ -951,10 +898,7 @@ struct Consumer::Impl {
       if (attempted.size() > 64) attempted.erase(attempted.begin());
     }
     reset_background();
-    {
-      std::lock_guard<std::mutex> lk(mu);
-      unpacked_any = false;
-    }
+    param_set->begin(v);
     old_hashes.clear();
     const uint64_t previous = routes_hash;
     Status s = Status::Ok();
@@ -1018,7 +962,7 @@ struct Consumer::Impl {
     std::unique_lock<std::mutex> lk(mu);
     syncing.reset();
     if (!s.ok()) {
-      if (unpacked_any) held.torn = true;
+      param_set->abort();
       for (const auto& [p, n] : unanswered) flushed_from.erase(p);  // an answer to an earlier FAILOVER is not one to this ABORT
       lk.unlock();
       for (int p = 0; p < opts.num_producers; ++p) {
@@ -1034,10 +978,7 @@ struct Consumer::Impl {
     }
     rep.unpack_seconds = worker->unpack_seconds();
     rep.post_seconds = worker->post_seconds();
-    final_ = work;
-    held.version = v;
-    held.has_version = true;
-    held.torn = false;
+    param_set->finish(v);
     lk.unlock();
     std::vector<Completion> dones;
     for (int p = 0; p < opts.num_producers; ++p) {
@@ -1068,11 +1009,8 @@ struct Consumer::Impl {
 Consumer::Consumer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Consumer::~Consumer() = default;
 Result<SyncReport> Consumer::sync(uint64_t version) { return impl_->sync(version); }
-ConsumerState Consumer::state() const {
-  std::lock_guard<std::mutex> lk(impl_->mu);
-  return impl_->held;
-}
-const TensorMap& Consumer::params() const { return impl_->final_; }
+ConsumerState Consumer::state() const { return impl_->param_set->state(); }
+const TensorMap& Consumer::params() const { return impl_->param_set->committed(); }
 const Routes& Consumer::routes() const { return impl_->routes; }
 int Consumer::rank() const { return impl_->rank; }
 void engine::TestAccess::simulate_crash(Consumer& c) {
@@ -1087,29 +1025,6 @@ void engine::TestAccess::simulate_crash(Consumer& c) {
   if (impl_->lease) impl_->lease->release().ignore();
 }
 
-namespace {
-// Local checks of the caller's params before any rendezvous (a consumer refused for its
-// own params fails at once, not after the trainer came up): GPU params all on one
-// device, and that device usable here (the plugin loaded, the driver reports it).
-Status check_param_devices(int rank, const TensorMap& params) {
-  std::optional<std::pair<Device, std::string>> first;
-  for (const auto& [name, t] : params) {
-    if (!t.device().is_cuda()) continue;
-    if (first && first->first != t.device()) {
-      return invalid_argument("consumer {}: params on {} ('{}') and {} ('{}'); ferry stages for one GPU per rank", rank,
-                              device_str(first->first), first->second, device_str(t.device()), name);
-    }
-    if (!first) first.emplace(t.device(), name);
-  }
-  if (!first) return Status::Ok();
-  if (auto why = cuda_unusable(first->first)) {
-    return unavailable("consumer {}: param '{}' is on {}, which cannot be used here: {}", rank, first->second,
-                       device_str(first->first), *why);
-  }
-  return Status::Ok();
-}
-}  // namespace
-
 Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, int rank, Transport& transport, Store& store,
                                                    const ConsumerOptions& options, TensorMap params) {
   auto impl = std::make_unique<Impl>(rank, transport, store, options);
@@ -1119,17 +1034,7 @@ Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, in
   FERRY_ASSIGN_OR_RETURN(std::shared_ptr<const RankLoader> rank_loader, loader.rank(rank));
   FERRY_RETURN_IF_ERROR(check_param_devices(rank, params));
   FERRY_ASSIGN_OR_RETURN(auto metadata, m.await_metadata());
-  auto plan = record_plan(loader, rank, metadata);
-  if (!plan.ok()) return plan.status().with_context(fmt::format("consumer {} recording its plan", rank));
-  m.plan = std::move(*plan);
-  for (const ParamInfo& p : rank_loader->params()) {
-    m.param_decls.push_back(p.decl);
-    m.post_group_of[p.decl.name] = p.group;
-  }
-  for (const RankLoader::Group& g : rank_loader->groups()) m.post_group_names.push_back(g.name);
-  m.post_process = [rank_loader](int group, TensorMap& work) {
-    return rank_loader->process_weights_after_loading(group, work);
-  };
+  FERRY_ASSIGN_OR_RETURN(m.model, record_rank_model(loader, std::move(rank_loader), rank, metadata));
   FERRY_RETURN_IF_ERROR(m.start(metadata, std::move(params)));
   return std::unique_ptr<Consumer>(new Consumer(std::move(impl)));
 }
@@ -1142,39 +1047,9 @@ Result<std::unique_ptr<Consumer>> Consumer::create(ConsumerModel model, int rank
     return invalid_argument("consumer rank {} outside num_consumers {}", rank, options.num_consumers);
   FERRY_RETURN_IF_ERROR(check_param_devices(rank, model.params));
   FERRY_ASSIGN_OR_RETURN(auto metadata, m.await_metadata());
-  // The plan was recorded against the loader's idea of the checkpoint: it must be the
-  // trainer's (a mismatch would otherwise surface as a routing error far from its cause).
-  std::unordered_map<std::string_view, const TensorDecl*> by_name;
-  for (const TensorDecl& d : metadata) by_name.emplace(d.name, &d);
-  for (const TensorDecl& s : model.plan.sources()) {
-    auto it = by_name.find(s.name);
-    if (it == by_name.end())
-      return invalid_argument("consumer {}: its plan reads '{}', which the trainer's metadata does not have", rank,
-                              s.name);
-    const TensorDecl& t = *it->second;
-    if (t.dtype != s.dtype || t.shape != s.shape)
-      return invalid_argument("consumer {}: its plan reads '{}' as {} {}, the trainer has {} {}", rank, s.name,
-                              dtype_name(s.dtype), shape_str(s.shape), dtype_name(t.dtype), shape_str(t.shape));
-  }
-  m.plan = std::move(model.plan);
-  m.param_decls = m.plan.params();
-  // Post-processing groups: the layer groups of the param names, as the trainer's are of
-  // the checkpoint names.
-  const Groups groups(m.param_decls);
-  std::vector<ConsumerModel::PostGroup> post(static_cast<size_t>(groups.size()));
-  for (int g = 0; g < groups.size(); ++g) post[static_cast<size_t>(g)] = {g, groups.name(g), {}};
-  for (size_t i = 0; i < m.param_decls.size(); ++i) {
-    const int g = groups.of_tensor(i);
-    m.post_group_of[m.param_decls[i].name] = g;
-    post[static_cast<size_t>(g)].params.push_back(m.param_decls[i].name);
-  }
-  for (const auto& g : post) m.post_group_names.push_back(g.name);
-  if (model.post_process) {
-    m.post_process = [post = std::move(post), fn = std::move(model.post_process)](int group, TensorMap& work) {
-      return fn(post[static_cast<size_t>(group)], work);
-    };
-  }
-  FERRY_RETURN_IF_ERROR(m.start(metadata, std::move(model.params)));
+  TensorMap params = std::move(model.params);
+  FERRY_ASSIGN_OR_RETURN(m.model, adopt_rank_model(std::move(model), rank, metadata));
+  FERRY_RETURN_IF_ERROR(m.start(metadata, std::move(params)));
   return std::unique_ptr<Consumer>(new Consumer(std::move(impl)));
 }
 
@@ -1192,119 +1067,24 @@ Result<std::vector<TensorDecl>> Consumer::Impl::await_metadata() {
 Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap params) {
   Impl& m = *this;
   const ConsumerOptions& options = opts;
-  m.published.emplace_back(m.keys.plan(rank), m.plan.encode());
+  m.published.emplace_back(m.keys.plan(rank), m.model.plan.encode());
   FERRY_RETURN_IF_ERROR(store.set(m.keys.plan(rank), m.published.back().second));
   FERRY_ASSIGN_OR_RETURN(auto inputs, rendezvous_inputs(store, m.keys, options, Participant{"consumer", rank}, metadata));
   FERRY_ASSIGN_OR_RETURN(auto routes, m.route_state.start(std::move(inputs)));
   m.slot_bytes = consumer_slot_bytes(routes.consumer(static_cast<size_t>(rank)));
-  // Param buffers: the caller's (each registered, if large enough to be read or written
-  // into directly), or ours: one arena (zeroed; one registration). In push, their keys
-  // go to producers in the lease (ParamTable), so that they write there.
-  uint64_t arena_bytes = 0;
-  for (const TensorDecl& d : m.param_decls) {
-    auto it = params.find(d.name);
-    if (it == params.end()) {
-      arena_bytes += align_up(shape_numel(d.shape) * dtype_size(d.dtype), 64);
-      continue;
-    }
-    const Tensor& t = it->second;
-    if (!t.is_real() || !t.is_contiguous() || t.dtype() != d.dtype || t.shape() != d.shape)
-      return invalid_argument("consumer {}: param buffer '{}' must be real, contiguous, {} {}", rank, d.name,
-                              dtype_name(d.dtype), shape_str(d.shape));
-  }
-  std::shared_ptr<std::byte> arena;
-  MemoryRegion arena_region;
-  if (arena_bytes) {
-    arena_bytes = align_up(arena_bytes, 4096);
-    m.own_params_bytes = arena_bytes;
-    if (options.mode == SyncMode::kPush) {
-      // Producers write into it: the transport's own memory, which peers on the host
-      // write by plain copy (UCX shared memory writes memory registered in place only by
-      // message, at tcp speed). Freed with its registration when the consumer goes.
-      auto r = transport.allocate_memory(arena_bytes);
-      if (!r.ok()) return r.status().with_context(fmt::format("consumer {}: allocating {} bytes of params", rank, arena_bytes));
-      arena_region = *r;
-      m.registrations.push_back(*r);
-      std::memset(r->base, 0, arena_bytes);
-      arena = std::shared_ptr<std::byte>(static_cast<std::byte*>(r->base), [](std::byte*) {});
-    } else {
-      void* mem = std::aligned_alloc(4096, arena_bytes);
-      if (!mem) return io_error("consumer {}: allocating {} bytes of params", rank, arena_bytes);
-      std::memset(mem, 0, arena_bytes);
-      arena = std::shared_ptr<std::byte>(static_cast<std::byte*>(mem), [](std::byte* b) { std::free(b); });
-      auto r = transport.register_memory(mem, arena_bytes);
-      if (!r.ok()) return r.status().with_context(fmt::format("consumer {}: registering its params", rank));
-      arena_region = *r;
-      m.registrations.push_back(*r);
-    }
-  }
-  uint64_t at = 0;
-  std::optional<Device> cuda;  // where the caller's params are, when in GPU memory
-  for (const TensorDecl& d : m.param_decls) {
-    const uint64_t bytes = shape_numel(d.shape) * dtype_size(d.dtype);
-    auto it = params.find(d.name);
-    if (it == params.end()) {
-      Tensor t = Tensor::borrow(arena.get() + at, d.shape, d.dtype, arena, d.name);
-      m.loaded.emplace(d.name, t);
-      m.param_regions[d.name] = RegisteredParam{arena_region, at, arena.get() + at, bytes, 0};
-      at += align_up(bytes, 64);
-      continue;
-    }
-    const Tensor& t = it->second;
-    m.loaded.emplace(d.name, t);
-    if (t.device().is_cuda()) {
-      // In GPU memory: unpacked there by a kernel from the receive ring (made visible to
-      // the device below, or on the device for CUDA IPC), never read into directly. Even
-      // a transport that moves CUDA memory (Transport::supports_memory) reaches some
-      // peers only by ferry's host-side message emulation (tcp, shared-memory regions
-      // registered in place), which refuses CUDA memory: reading straight into GPU params
-      // needs that choice made per peer, not built yet.
-      if (cuda && *cuda != t.device()) {
-        return invalid_argument("consumer {}: params on {} and {} ('{}'); ferry stages for one GPU per rank", rank,
-                                device_str(*cuda), device_str(t.device()), d.name);
-      }
-      cuda = t.device();
-      continue;
-    }
-    if (bytes < options.direct_min_bytes || bytes == 0) continue;
-    FERRY_ASSIGN_OR_RETURN(void* data, t.data_ptr());
-    auto r = transport.register_memory(data, bytes);
-    if (!r.ok()) return r.status().with_context(fmt::format("consumer {}: registering param '{}'", rank, d.name));
-    m.registrations.push_back(*r);
-    m.param_regions[d.name] =
-        RegisteredParam{*r, 0, static_cast<std::byte*>(data), bytes, static_cast<uint32_t>(m.registrations.size() - 1)};
-  }
+  auto set = ParamSet::create(ParamSetOptions{rank, options.mode == SyncMode::kPush, options.direct_min_bytes},
+                              m.model.param_decls, params, transport_param_memory(transport));
+  if (!set.ok()) return set.status();
+  m.param_set = std::move(*set);
+  const std::optional<Device> cuda = m.param_set->device();  // where the caller's params are, when in GPU memory
   FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));
   // Padding: the plan's zeros are written once (routes carry only source bytes).
-  if (!m.plan.zeros().empty()) {
-    // Per place (host, the GPU): a plan runs on one device.
-    Plan zeros_only[2];
-    for (Plan& z : zeros_only) {
-      for (const auto& d : m.plan.params()) FERRY_RETURN_IF_ERROR(z.declare_param(d).status());
-    }
-    for (const auto& z : m.plan.zeros()) {
-      auto it = m.loaded.find(m.plan.params()[z.param].name);
-      const bool on_gpu = it != m.loaded.end() && it->second.device().is_cuda();
-      FERRY_RETURN_IF_ERROR(zeros_only[on_gpu ? 1 : 0].add_zero(z));
-    }
-    for (const Plan& z : zeros_only) {
-      if (!z.zeros().empty()) FERRY_RETURN_IF_ERROR(execute(z, {}, m.loaded));
-    }
-  }
-  m.final_ = m.loaded;
+  FERRY_RETURN_IF_ERROR(m.param_set->write_padding(m.model.plan));
   FERRY_RETURN_IF_ERROR(m.ring.allocate(transport, m.slot_bytes * Impl::kSlots));
   // CUDA IPC: a receive ring on the params' device, when every param is there (the
   // caller's), in pull mode, without checksums (verified on the host).
-  bool all_on_gpu = cuda.has_value();
-  for (const TensorDecl& d : m.param_decls) {
-    auto it = params.find(d.name);
-    all_on_gpu &= it != params.end() && it->second.device().is_cuda();
-  }
-  if (options.cuda_ipc && all_on_gpu && options.mode == SyncMode::kPull && !options.checksums) {
-    auto dev = device_alloc(*cuda, m.slot_bytes * Impl::kSlots);
-    if (!dev.ok()) return dev.status().with_context(fmt::format("consumer {}: the GPU receive ring", rank));
-    m.device_ring = *dev;
-    m.ipc_device = *cuda;
+  if (options.cuda_ipc && m.param_set->all_on_device() && options.mode == SyncMode::kPull && !options.checksums) {
+    FERRY_ASSIGN_OR_RETURN(m.ipc_lane, CudaIpcLane::create(rank, *cuda, m.slot_bytes * Impl::kSlots));
   }
   if (cuda) {
     FERRY_RETURN_IF_ERROR(m.ring.make_cuda_visible(*cuda).with_context(
@@ -1334,13 +1114,13 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
   // it is fixed for the instance's life and producers derive every write from it and
   // the routes once, as they read the lease of a new instance anyway.
   ParamTable param_table;
-  if (options.mode == SyncMode::kPush && !m.param_regions.empty()) {
+  if (options.mode == SyncMode::kPush && !m.param_set->placements().empty()) {
     param_table.min_bytes = options.direct_min_bytes;
-    for (const MemoryRegion& r : m.registrations) {
+    for (const MemoryRegion& r : m.param_set->registrations()) {
       FERRY_ASSIGN_OR_RETURN(auto k, transport.export_key(r));
       param_table.keys.push_back(bytes_to_string(k));
     }
-    for (const auto& [name, rp] : m.param_regions) param_table.params[name] = ParamTable::Param{rp.key, rp.offset, rp.bytes};
+    param_table.params = m.param_set->placements();
   }
   const std::string blob = encode_lease(
       ConsumerLease{bytes_to_string(transport.address()), bytes_to_string(key), m.slot_bytes, param_table.encode()});

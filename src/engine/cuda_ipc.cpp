@@ -73,4 +73,69 @@ Result<std::shared_ptr<std::byte>> map_cuda_ipc(const CudaIpcExport& e, Device d
   return cuda_ipc_open(device, e.handle);
 }
 
+Result<std::unique_ptr<CudaIpcLane>> CudaIpcLane::create(int rank, Device device, uint64_t ring_bytes) {
+  auto dev = device_alloc(device, ring_bytes);
+  if (!dev.ok()) return dev.status().with_context(fmt::format("consumer {}: the GPU receive ring", rank));
+  return std::unique_ptr<CudaIpcLane>(new CudaIpcLane(rank, device, *dev, ring_bytes));
+}
+
+void CudaIpcLane::connect(int p, std::string_view exported) {
+  Mapped m;
+  if (!exported.empty()) {
+    auto e = decode_cuda_ipc(exported);
+    auto mapped = e.ok() ? map_cuda_ipc(*e, device_) : Result<std::shared_ptr<std::byte>>(e.status());
+    if (mapped.ok()) {
+      m.staging = *mapped;
+      m.bytes = e->bytes;
+    } else {
+      m.why = mapped.status().message();
+    }
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  peers_[p] = std::move(m);
+}
+
+void CudaIpcLane::disconnect(int p) {
+  std::lock_guard<std::mutex> lk(mu_);
+  // Unmapped once no copy holds it (copy keeps a reference).
+  if (auto it = peers_.find(p); it != peers_.end()) it->second.staging.reset();
+}
+
+bool CudaIpcLane::viable(int p) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = peers_.find(p);
+  return it != peers_.end() && it->second.staging != nullptr;
+}
+
+std::string CudaIpcLane::why_not(int p) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = peers_.find(p);
+  return it == peers_.end() ? std::string() : it->second.why;
+}
+
+Status CudaIpcLane::copy(int p, uint64_t remote, uint64_t ring_offset, uint64_t n, int group) {
+  // From the producer's GPU staging, device to device (the slot was packed and
+  // synchronised before it was announced).
+  std::shared_ptr<std::byte> from;  // held for the copy: a failure may unmap it meanwhile
+  uint64_t limit = 0;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (auto it = peers_.find(p); it != peers_.end()) {
+      from = it->second.staging;
+      limit = it->second.bytes;
+    }
+  }
+  if (!from) return peer_failed("consumer {} group {}: producer {} failed (its GPU staging is unmapped)", rank_, group, p);
+  if (remote > limit || n > limit - remote) {
+    return out_of_range("consumer {} group {}: bytes [{}, +{}) outside producer {}'s GPU staging of {} bytes", rank_,
+                        group, remote, n, p, limit);
+  }
+  if (ring_offset > ring_bytes_ || n > ring_bytes_ - ring_offset) {
+    return out_of_range("consumer {} group {}: bytes [{}, +{}) outside its GPU receive ring of {} bytes", rank_, group,
+                        ring_offset, n, ring_bytes_);
+  }
+  return device_memcpy(ring_.get() + ring_offset, from.get() + remote, n)
+      .with_context(fmt::format("consumer {} copying group {} from producer {}'s GPU staging", rank_, group, p));
+}
+
 }  // namespace ferry::engine

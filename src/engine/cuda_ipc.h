@@ -5,7 +5,9 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 
@@ -41,5 +43,45 @@ Result<CudaIpcExport> decode_cuda_ipc(std::string_view blob);
 // is another process on this host. kUnavailable naming why not otherwise (another host,
 // a CUDA error).
 Result<std::shared_ptr<std::byte>> map_cuda_ipc(const CudaIpcExport& e, Device device);
+
+// The consumer's CUDA IPC lane: a receive ring on its params' device and, per producer,
+// that producer's GPU staging mapped here (viable to a producer once its export is
+// mapped). A group's staged bytes reach the device ring by device-to-device copies;
+// unpack then runs there. The transport is the other lane (host receive ring, params).
+// Threading: connect and copy on the consumer's sync thread, disconnect from any thread
+// (a peer failure); a copy holds the mapping it reads, so a disconnect meanwhile is safe.
+// Errors name the consumer rank, the group and the producer.
+class CudaIpcLane {
+ public:
+  // A device ring of `ring_bytes` on `device`; the device's error naming the ring.
+  static Result<std::unique_ptr<CudaIpcLane>> create(int rank, Device device, uint64_t ring_bytes);
+  // Producer p's lease's cuda_ipc field ("": it exports none): mapped when it can be,
+  // else why_not(p) says why (another host, a CUDA error).
+  void connect(int p, std::string_view exported);
+  void disconnect(int p);
+  bool viable(int p) const;
+  std::string why_not(int p) const;  // "" when mapped or nothing exported
+  // Copies `n` bytes at `remote` of producer p's staging to `ring_offset` of the device
+  // ring, done when it returns: kPeerFailed when p is not mapped (failed meanwhile),
+  // kOutOfRange outside its staging, the device's error.
+  Status copy(int p, uint64_t remote, uint64_t ring_offset, uint64_t n, int group);
+  std::byte* ring() const { return ring_.get(); }
+  Device device() const { return device_; }
+
+ private:
+  CudaIpcLane(int rank, Device device, std::shared_ptr<std::byte> ring, uint64_t bytes)
+      : rank_(rank), device_(device), ring_(std::move(ring)), ring_bytes_(bytes) {}
+  struct Mapped {
+    std::shared_ptr<std::byte> staging;  // null: not mapped
+    uint64_t bytes = 0;
+    std::string why;  // why an export is not mapped
+  };
+  int rank_;
+  Device device_;
+  std::shared_ptr<std::byte> ring_;
+  uint64_t ring_bytes_;
+  mutable std::mutex mu_;
+  std::map<int, Mapped> peers_;
+};
 
 }  // namespace ferry::engine

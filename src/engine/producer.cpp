@@ -281,13 +281,11 @@ struct Producer::Impl {
   // accordingly), with this producer's in-place runs written from the source regions.
   // Caller thread.
   std::vector<std::vector<PushWrite>> push_writes(const Routes& r, int c, const ParamTable& table) const {
-    std::map<std::string, RegisteredParam> params;
-    for (const auto& [name, p] : table.params) params[name] = RegisteredParam{MemoryRegion{}, p.offset, nullptr, p.bytes, p.key};
     ConsumerScheduleInputs in;
     in.routes = &r;
     in.rank = c;
     in.direct_min_bytes = table.min_bytes;
-    in.params = &params;
+    in.params = &table.params;
     in.holdings = &route_state.inputs().holdings;
     in.in_place.assign(static_cast<size_t>(opts.num_producers), nullptr);
     if (!in_place.empty()) in.in_place[static_cast<size_t>(rank)] = &in_place;

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -155,6 +156,25 @@ Result<RouteInputs> rendezvous_inputs(Store& store, const JobKeys& keys, const E
     in.plans.push_back(std::move(*plan));
   }
   return in;
+}
+
+void heal_leases(std::chrono::milliseconds lease_ttl, const std::function<bool()>& missing,
+                 const std::function<void()>& again) {
+  const auto until = std::chrono::steady_clock::now() + lease_ttl;
+  const auto poll = std::clamp(lease_ttl / 10, std::chrono::milliseconds(1), std::chrono::milliseconds(50));
+  while (missing() && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(poll);
+    again();
+  }
+}
+
+std::string rank_list(const std::set<int>& ranks) {
+  std::string out;
+  for (int r : ranks) {  // piecewise: gcc 12 at -O3 reports a false -Wrestrict on `"," + string`
+    if (!out.empty()) out += ',';
+    out += std::to_string(r);
+  }
+  return out;
 }
 
 Result<int> republish(Store& store, const Published& published) {

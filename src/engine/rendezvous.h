@@ -55,6 +55,17 @@ Result<RouteInputs> rendezvous_inputs(Store& store, const JobKeys& keys, const E
 using Published = std::vector<std::pair<std::string, std::string>>;
 Result<int> republish(Store& store, const Published& published);
 
+// Gives leases that are gone the time to heal: a holder that resumed (from a pause, or
+// after the store restarted or paused and every lease lapsed) renews within ttl/3 once
+// it runs. While `missing()` is true and less than one lease_ttl has passed, sleeps a
+// poll (ttl/10, between 1 and 50 ms) and calls `again()` (which looks again). Both
+// sides use it: a consumer for a producer's lease, a producer for its consumers'.
+void heal_leases(std::chrono::milliseconds lease_ttl, const std::function<bool()>& missing,
+                 const std::function<void()>& again);
+
+// "0,2,5": a set of ranks as reports and errors print them.
+std::string rank_list(const std::set<int>& ranks);
+
 // The routes one participant runs by, and the producers excluded from them. Not
 // thread-safe: owned by the participant's sync thread.
 class RouteState {

@@ -128,7 +128,7 @@ namespace {
 // A byte copy into a registered param, alone on its receive bytes: read straight there.
 struct DirectRun {
   uint64_t offset, bytes;  // receive bytes
-  const RegisteredParam* param;
+  const ParamTable::Param* param;
   uint64_t param_offset;
 };
 struct DirectUnpacks {

@@ -92,26 +92,18 @@ Result<ProducerSchedule> make_producer_schedule(const Routes& routes, int rank, 
 // ---------------------------------------------------------------------------------------
 // Consumer.
 
-// A param registered with the consumer's transport: reads (pull) and writes (push) may
-// land in it directly. On a producer computing a consumer's schedule from its
-// ParamTable, `region` and `data` are empty and `key` names the consumer's registration.
-struct RegisteredParam {
-  MemoryRegion region;
-  uint64_t offset = 0;  // of the param inside `region`
-  std::byte* data = nullptr;
-  uint64_t bytes = 0;
-  uint32_t key = 0;  // index of `region` among the consumer's exported param keys (ParamTable::keys)
-};
-
 // One read (or part of one): receive bytes [recv_offset, +length) of the layer group,
 // from the producer's staging at Read::offset + (recv_offset - Read::recv_offset),
-// landing in the receive slot (param == nullptr) or at param_offset of a param.
+// landing in the receive slot (param == nullptr) or at param_offset of a param: `param`
+// is its placement (registration index, offset, bytes: no address), which the
+// consumer's ParamSet turns into memory (engine/param_set.h) and a push producer into a
+// remote key and offset (the consumer's lease's ParamTable).
 // region >= 0: the bytes come from the producer's source region `region` at `remote`
 // (served in place), not from its staging.
 struct SubRead {
   uint32_t read = 0;  // index into PlanGroup::reads
   uint64_t recv_offset = 0, length = 0;
-  const RegisteredParam* param = nullptr;
+  const ParamTable::Param* param = nullptr;
   uint64_t param_offset = 0;
   int32_t region = -1;
   uint64_t remote = 0;  // region offset (region >= 0) or group staging offset
@@ -136,8 +128,10 @@ struct ConsumerScheduleInputs {
   const Routes* routes = nullptr;
   int rank = 0;
   uint64_t direct_min_bytes = 0;
-  // Registered params by name; SubRead::param points into this map (keep it alive).
-  const std::map<std::string, RegisteredParam>* params = nullptr;
+  // Placements of the params that may be landed in directly, by name (ParamSet::placements
+  // on the consumer, the lease's ParamTable::params on a push producer); SubRead::param
+  // points into this map (keep it alive).
+  const std::map<std::string, ParamTable::Param>* params = nullptr;
   const std::vector<Holdings>* holdings = nullptr;  // per producer
   // Per producer: its in-place table when its source regions are imported; null: staged.
   std::vector<const InPlaceTable*> in_place;

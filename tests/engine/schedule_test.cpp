@@ -12,6 +12,7 @@
 
 #include "engine/in_place.h"
 #include "engine/memory.h"
+#include "engine/param_set.h"
 #include "engine/registered_buffer.h"
 #include "engine/schedule.h"
 #include "tools/job_model.h"
@@ -128,21 +129,18 @@ TEST_P(ScheduleTest, MovesEveryByteAndBothSidesAgree) {
   for (int c = 0; c < C; ++c) {
     auto rl = m.loader->rank(c);
     ASSERT_TRUE(rl.ok());
-    TensorMap params;
-    std::map<std::string, RegisteredParam> registered;
-    for (const ParamInfo& pi : (*rl)->params()) {
-      Tensor t = Tensor::empty(pi.decl.shape, pi.decl.dtype, pi.decl.name);
-      auto* data = static_cast<std::byte*>(*t.data_ptr());
-      const uint64_t bytes = shape_numel(pi.decl.shape) * dtype_size(pi.decl.dtype);
-      std::memset(data, 0, bytes);
-      params.emplace(pi.decl.name, t);
-      registered[pi.decl.name] = RegisteredParam{MemoryRegion{}, 0, data, bytes};
-    }
+    // Where the bytes land: the consumer's param set (every param its own, zeroed, in one
+    // arena of plain host memory), as the engine lands them.
+    std::vector<TensorDecl> decls;
+    for (const ParamInfo& pi : (*rl)->params()) decls.push_back(pi.decl);
+    auto set = ParamSet::create(ParamSetOptions{c, false, k.direct_min_bytes}, decls, {}, host_param_memory());
+    ASSERT_TRUE(set.ok()) << set.status().to_string();
+    TensorMap params = (*set)->loaded();  // handles: unpack writes the set's buffers
     ConsumerScheduleInputs in;
     in.routes = &routes;
     in.rank = c;
     in.direct_min_bytes = k.direct_min_bytes;
-    in.params = &registered;
+    in.params = &(*set)->placements();
     in.holdings = m.holdings.get();
     for (const ProducerSide& ps : prod) in.in_place.push_back(k.in_place ? &ps.table : nullptr);
     const ConsumerSchedule cs = make_consumer_schedule(in);
@@ -159,7 +157,7 @@ TEST_P(ScheduleTest, MovesEveryByteAndBothSidesAgree) {
         const ProducerSide& ps = prod[sr.producer];
         const std::byte* from = sr.region >= 0 ? ps.region.data() + sr.remote
                                                : ps.staging[static_cast<size_t>(g)].data() + sr.remote;
-        std::byte* to = sr.param ? sr.param->data + sr.param_offset : ring.data() + sr.recv_offset;
+        std::byte* to = sr.param ? (*set)->landing(sr).data : ring.data() + sr.recv_offset;
         if (sr.region < 0) {
           ASSERT_LE(sr.remote + sr.length, ps.staging[static_cast<size_t>(g)].size());
         }
@@ -183,7 +181,7 @@ TEST_P(ScheduleTest, MovesEveryByteAndBothSidesAgree) {
         SegmentHash mine;
         for (uint32_t i : gs.checksum_order.at(p)) {
           const SubRead& sr = gs.reads[i];
-          mine.update(sr.param ? sr.param->data + sr.param_offset : ring.data() + sr.recv_offset, sr.length);
+          mine.update(sr.param ? (*set)->landing(sr).data : ring.data() + sr.recv_offset, sr.length);
         }
         SegmentHash theirs;
         for (const SegmentSpan& x : ps.checksum_spans.at(cls)) {
@@ -281,7 +279,7 @@ TEST(ScheduleSlots, PostProcessingGroupsRunOnceAfterTheirLastParam) {
   const Routes routes = build(*model, plans);
   auto rl = model->loader->rank(0);
   ASSERT_TRUE(rl.ok());
-  std::map<std::string, RegisteredParam> none;
+  std::map<std::string, ParamTable::Param> none;
   ConsumerScheduleInputs in;
   in.routes = &routes;
   in.params = &none;

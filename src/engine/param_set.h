@@ -1,0 +1,140 @@
+// engine/param_set.h — where a consumer's bytes land (internal): its param buffers (the
+// caller's, or one arena of its own), their registrations with the transport, the
+// placement of every param that reads and writes may land in directly, the plan's zero
+// padding, and which version the params hold (begin / finish / abort / torn).
+//
+// Landing addresses live here and nowhere else: the schedule (engine/schedule.h) names a
+// direct landing by its placement (registration index, offset, bytes: ParamTable::Param,
+// what a push consumer's lease carries), never by address, and `landing()` turns that
+// into memory. So a second buffer set (a shadow the sync lands in while the live params
+// serve) is a change here, not in the schedule, the lease or the producers.
+//
+// Threading: create/destroy, write_padding, begin/retry/finish/abort on the consumer's
+// sync thread; `touch()` and `state()` from any thread; `work()` belongs to whichever
+// thread runs the attempt's unpack and post-processing (one at a time, as the consumer
+// hands them over). Errors: Status naming the consumer rank and the param.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/in_place.h"
+#include "ferry/device.h"
+#include "ferry/engine.h"
+#include "ferry/plan.h"
+#include "ferry/transport.h"
+
+namespace ferry::engine {
+
+struct SubRead;
+
+// Where a ParamSet's memory comes from and how peers reach it: the consumer's transport,
+// or plain host memory (tests, tools that move no bytes).
+class ParamMemory {
+ public:
+  virtual ~ParamMemory() = default;
+  // `bytes` of memory that peers on the host write by plain copy (push): registered.
+  virtual Result<MemoryRegion> allocate(uint64_t bytes) = 0;
+  // Registers the caller's `bytes` at `base` (kept alive by the caller).
+  virtual Result<MemoryRegion> register_memory(void* base, uint64_t bytes) = 0;
+  // Undoes either; memory from allocate() is freed.
+  virtual void release(const MemoryRegion& region) = 0;
+};
+
+// The transport's memory (Transport::allocate_memory / register_memory /
+// deregister_memory). `t` outlives the returned object.
+std::unique_ptr<ParamMemory> transport_param_memory(Transport& t);
+// Plain host memory, registered with nobody (regions have id 0): for the schedule's and
+// the param set's tests, and tools that land bytes without a transport.
+std::unique_ptr<ParamMemory> host_param_memory();
+
+struct ParamSetOptions {
+  int rank = 0;             // for messages
+  bool push = false;        // producers write into the arena: allocated by ParamMemory
+  uint64_t direct_min_bytes = 0;  // the caller's params at least this large are registered
+};
+
+class ParamSet {
+ public:
+  // `decls`: the params as loaded, in declaration order. `caller`: the caller's buffers
+  // by name (real, contiguous, of the declared dtype and shape; host or one CUDA
+  // device); every other param gets room in one zeroed, registered arena. kInvalidArgument
+  // for a buffer that does not match (naming it), the memory's error otherwise.
+  static Result<std::unique_ptr<ParamSet>> create(const ParamSetOptions& opts, const std::vector<TensorDecl>& decls,
+                                                  const TensorMap& caller, std::unique_ptr<ParamMemory> memory);
+  ~ParamSet();
+  ParamSet(const ParamSet&) = delete;
+  ParamSet& operator=(const ParamSet&) = delete;
+
+  // Writes the plan's zeros (padding, never read from a source) into the buffers, per
+  // place (host, GPU); then the committed view is the buffers as they are. Once, before
+  // the first sync.
+  Status write_padding(const Plan& plan);
+
+  // The params that may be landed in directly (registered host memory), by name: what
+  // the schedule's direct sub-reads point to, and a push consumer's ParamTable::params.
+  const std::map<std::string, ParamTable::Param>& placements() const { return placements_; }
+  // Registered regions; ParamTable::Param::key indexes them (exported for push).
+  const std::vector<MemoryRegion>& registrations() const { return registrations_; }
+
+  // Where `bytes` at `at` of placement `p` land: the region, the offset inside it, the
+  // memory. `p` is one of placements() (a sub-read of a schedule built from them).
+  struct Landing {
+    MemoryRegion region;
+    uint64_t offset = 0;
+    std::byte* data = nullptr;
+  };
+  Landing landing(const ParamTable::Param& p, uint64_t at) const;
+  // The same for a direct sub-read (sr.param set).
+  Landing landing(const SubRead& sr) const;
+
+  // Buffers as loaded (what unpack writes), the attempt's view (what post-processing
+  // writes and may replace), and the view of the last committed version.
+  const TensorMap& loaded() const { return loaded_; }
+  TensorMap& work() { return work_; }
+  const TensorMap& committed() const { return committed_; }
+
+  // The CUDA device of the caller's GPU params (one per rank), if any, and whether every
+  // param is there (then the receive ring may be on the device too).
+  const std::optional<Device>& device() const { return device_; }
+  bool all_on_device() const { return all_on_device_; }
+
+  uint64_t own_bytes() const { return own_bytes_; }  // the arena, 0 when the caller gave every buffer
+  uint64_t registered_bytes() const;                 // every registration (arena included)
+
+  // Versions. begin(v): a sync of v starts, nothing of it written yet; retry(): a new
+  // attempt of the same sync (the attempt's view back to the buffers); touch(): the
+  // buffers change from now on (a failure now leaves them torn); finish(v): v is
+  // committed (the attempt's view becomes the committed one); abort(): the sync failed,
+  // torn if anything was touched. state(): what the params hold.
+  void begin(uint64_t version);
+  void retry();
+  void touch();
+  void finish(uint64_t version);
+  void abort();
+  bool torn() const;
+  ConsumerState state() const;
+
+ private:
+  ParamSet(const ParamSetOptions& opts, std::unique_ptr<ParamMemory> memory);
+
+  ParamSetOptions opts_;
+  std::unique_ptr<ParamMemory> memory_;
+  std::vector<MemoryRegion> registrations_;  // ours to release
+  std::map<std::string, ParamTable::Param> placements_;
+  std::shared_ptr<std::byte> arena_;
+  uint64_t own_bytes_ = 0;
+  std::optional<Device> device_;
+  bool all_on_device_ = false;
+  TensorMap loaded_, work_, committed_;
+  mutable std::mutex mu_;  // touched_, held_
+  bool touched_ = false;
+  ConsumerState held_;
+};
+
+}  // namespace ferry::engine

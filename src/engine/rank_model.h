@@ -1,0 +1,45 @@
+// engine/rank_model.h — what one consumer rank loads into and how it post-processes,
+// worked out before any byte moves (internal): from one of ferry's loaders (its plan
+// recorded against the trainer's metadata) or from a caller's ConsumerModel (its plan
+// checked against that metadata), plus the local checks of the caller's params that
+// come before any rendezvous. Pure: no transport, no store.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ferry/engine.h"
+#include "ferry/models.h"
+#include "ferry/plan.h"
+
+namespace ferry::engine {
+
+struct RankModel {
+  Plan plan;                                 // the rank's element map (canonical)
+  std::vector<TensorDecl> param_decls;       // as loaded, in declaration order
+  std::map<std::string, int> post_group_of;  // param -> post-processing group
+  std::vector<std::string> post_group_names;
+  std::function<Status(int group, TensorMap& params)> post_process;  // empty: none
+};
+
+// Records `rank_loader`'s plan (loader.rank(rank)) against the trainer's metadata;
+// post-processing is the loader's process_weights_after_loading per group. The
+// recorder's error, with the rank, otherwise.
+Result<RankModel> record_rank_model(const ModelLoader& loader, std::shared_ptr<const RankLoader> rank_loader, int rank,
+                                    const std::vector<TensorDecl>& metadata);
+
+// Takes `model`'s plan after checking that every source it reads is in the trainer's
+// metadata with the same dtype and shape (kInvalidArgument naming the tensor); its
+// post-processing groups are the layer groups of the param names. model.params is not
+// used (the caller keeps the buffers).
+Result<RankModel> adopt_rank_model(ConsumerModel model, int rank, const std::vector<TensorDecl>& metadata);
+
+// The caller's params before any rendezvous (a consumer refused for its own params
+// fails at once, not after the trainer came up): GPU params all on one device, and that
+// device usable here (the plugin loaded, the driver reports it).
+Status check_param_devices(int rank, const TensorMap& params);
+
+}  // namespace ferry::engine

@@ -1,0 +1,224 @@
+// The consumer's param set (engine/param_set.h) on its own, with no transport: which
+// params get room in the arena and which are the caller's, which are placed for direct
+// landing and where a landing lies, the plan's padding, the version state (begin /
+// touch / finish / abort), and that every registration is released.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <set>
+
+#include "engine/param_set.h"
+#include "engine/registered_buffer.h"
+#include "engine/schedule.h"
+
+namespace ferry::engine {
+namespace {
+
+// Host memory that counts what it handed out and what came back.
+class CountingMemory final : public ParamMemory {
+ public:
+  struct Counts {
+    int allocated = 0, registered = 0, released = 0;
+    std::set<void*> live;
+  };
+  explicit CountingMemory(Counts& c) : c_(c), host_(host_param_memory()) {}
+  Result<MemoryRegion> allocate(uint64_t bytes) override {
+    auto r = host_->allocate(bytes);
+    if (r.ok()) {
+      ++c_.allocated;
+      r->id = next_++;
+      c_.live.insert(r->base);
+    }
+    return r;
+  }
+  Result<MemoryRegion> register_memory(void* base, uint64_t bytes) override {
+    if (fail_register_) return io_error("refused (test)");
+    ++c_.registered;
+    c_.live.insert(base);
+    return MemoryRegion{next_++, base, bytes, MemoryKind::kHost};
+  }
+  void release(const MemoryRegion& r) override {
+    ++c_.released;
+    c_.live.erase(r.base);
+    host_->release(r);
+  }
+  bool fail_register_ = false;
+
+ private:
+  Counts& c_;
+  std::unique_ptr<ParamMemory> host_;
+  uint64_t next_ = 1;
+};
+
+std::vector<TensorDecl> decls() {
+  return {TensorDecl{"a", DType::kF32, {4, 8}}, TensorDecl{"b", DType::kBF16, {3}}, TensorDecl{"c", DType::kF32, {64}}};
+}
+
+TEST(ParamSet, ParamsTheCallerDidNotPassGetZeroedRoomInOneRegisteredArena) {
+  CountingMemory::Counts n;
+  {
+    auto set = ParamSet::create(ParamSetOptions{3, false, 0}, decls(), {}, std::make_unique<CountingMemory>(n));
+    ASSERT_TRUE(set.ok()) << set.status().to_string();
+    const ParamSet& s = **set;
+    EXPECT_EQ(n.registered, 1);  // pull: our aligned memory, registered once
+    EXPECT_EQ(n.allocated, 0);
+    ASSERT_EQ(s.registrations().size(), 1u);
+    EXPECT_EQ(s.own_bytes(), 4096u);  // 128 + 64 (b, aligned) + 256 bytes, rounded to a page
+    EXPECT_EQ(s.registered_bytes(), 4096u);
+    ASSERT_EQ(s.placements().size(), 3u);
+    EXPECT_EQ(s.placements().at("a").offset, 0u);
+    EXPECT_EQ(s.placements().at("b").offset, 128u);
+    EXPECT_EQ(s.placements().at("c").offset, 192u);
+    EXPECT_EQ(s.placements().at("c").bytes, 256u);
+    for (const auto& [name, p] : s.placements()) {
+      EXPECT_EQ(p.key, 0u) << name;
+      const ParamSet::Landing l = s.landing(p, 4);
+      auto data = s.loaded().at(name).data_ptr();
+      ASSERT_TRUE(data.ok());
+      EXPECT_EQ(l.data, static_cast<std::byte*>(*data) + 4) << name;
+      EXPECT_EQ(l.offset, p.offset + 4) << name;
+      EXPECT_EQ(l.region.id, s.registrations()[0].id);
+      for (uint64_t k = 0; k < p.bytes; ++k) ASSERT_EQ(static_cast<const std::byte*>(*data)[k], std::byte{0}) << name;
+    }
+    EXPECT_EQ(s.loaded().at("b").shape(), (Shape{3}));
+    EXPECT_EQ(s.loaded().at("b").dtype(), DType::kBF16);
+    EXPECT_FALSE(s.device().has_value());
+    EXPECT_FALSE(s.all_on_device());
+  }
+  EXPECT_EQ(n.released, 1);
+  EXPECT_TRUE(n.live.empty());
+}
+
+TEST(ParamSet, PushArenaIsTheMemorysOwnAllocation) {
+  CountingMemory::Counts n;
+  {
+    auto set = ParamSet::create(ParamSetOptions{0, true, 0}, decls(), {}, std::make_unique<CountingMemory>(n));
+    ASSERT_TRUE(set.ok()) << set.status().to_string();
+    EXPECT_EQ(n.allocated, 1);  // producers write into it: the transport's own memory
+    EXPECT_EQ(n.registered, 0);
+    auto data = (*set)->loaded().at("a").data_ptr();
+    ASSERT_TRUE(data.ok());
+    EXPECT_EQ(*data, (*set)->registrations()[0].base);
+  }
+  EXPECT_EQ(n.released, 1);
+  EXPECT_TRUE(n.live.empty());
+}
+
+TEST(ParamSet, CallerBuffersAreRegisteredOnlyFromDirectMinBytes) {
+  CountingMemory::Counts n;
+  TensorMap caller;
+  caller.emplace("a", Tensor::empty({4, 8}, DType::kF32, "a"));  // 128 bytes
+  caller.emplace("c", Tensor::empty({64}, DType::kF32, "c"));    // 256 bytes
+  {
+    auto set = ParamSet::create(ParamSetOptions{0, false, 200}, decls(), caller, std::make_unique<CountingMemory>(n));
+    ASSERT_TRUE(set.ok()) << set.status().to_string();
+    const ParamSet& s = **set;
+    // "b" in the arena (registration 0, always placed), "c" registered alone, "a" too small.
+    EXPECT_EQ(n.registered, 2);
+    ASSERT_EQ(s.placements().size(), 2u);
+    EXPECT_FALSE(s.placements().count("a"));
+    EXPECT_EQ(s.placements().at("b").key, 0u);
+    const ParamTable::Param& c = s.placements().at("c");
+    EXPECT_EQ(c.key, 1u);
+    EXPECT_EQ(c.offset, 0u);
+    EXPECT_EQ(s.landing(c, 8).data, static_cast<std::byte*>(*caller.at("c").data_ptr()) + 8);
+    // The caller's buffers are the ones loaded into.
+    EXPECT_EQ(*s.loaded().at("a").data_ptr(), *caller.at("a").data_ptr());
+    EXPECT_EQ(s.own_bytes(), 4096u);
+    // A sub-read naming the placement lands where landing(placement) says.
+    SubRead sr;
+    sr.param = &c;
+    sr.param_offset = 16;
+    EXPECT_EQ(s.landing(sr).data, s.landing(c, 16).data);
+  }
+  EXPECT_EQ(n.released, 2);
+  EXPECT_TRUE(n.live.empty());
+}
+
+TEST(ParamSet, CallerBufferThatDoesNotMatchIsRefusedNamingIt) {
+  for (const Tensor& bad : {Tensor::empty({4, 8}, DType::kBF16, "a"), Tensor::empty({8, 4}, DType::kF32, "a"),
+                            Tensor::empty({8, 4}, DType::kF32, "a").t()}) {
+    CountingMemory::Counts n;
+    TensorMap caller{{"a", bad}};
+    auto set = ParamSet::create(ParamSetOptions{5, false, 0}, decls(), caller, std::make_unique<CountingMemory>(n));
+    ASSERT_FALSE(set.ok());
+    EXPECT_EQ(set.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(set.status().message().find("consumer 5"), std::string::npos) << set.status().message();
+    EXPECT_NE(set.status().message().find("'a'"), std::string::npos) << set.status().message();
+    EXPECT_EQ(n.registered + n.allocated, 0) << "refused before any memory was taken";
+  }
+}
+
+TEST(ParamSet, ARegistrationFailureNamesTheParamAndReleasesWhatWasTaken) {
+  CountingMemory::Counts n;
+  auto memory = std::make_unique<CountingMemory>(n);
+  memory->fail_register_ = true;
+  TensorMap caller{{"c", Tensor::empty({64}, DType::kF32, "c")}};
+  auto set = ParamSet::create(ParamSetOptions{2, true, 0}, decls(), caller, std::move(memory));
+  ASSERT_FALSE(set.ok());
+  EXPECT_NE(set.status().message().find("registering param 'c'"), std::string::npos) << set.status().message();
+  EXPECT_EQ(n.allocated, 1);  // the push arena came first
+  EXPECT_EQ(n.released, 1);   // and went back with the failed set
+  EXPECT_TRUE(n.live.empty());
+}
+
+TEST(ParamSet, PaddingIsWrittenOnceAndIsTheCommittedView) {
+  Plan plan;
+  ASSERT_TRUE(plan.declare_param(TensorDecl{"c", DType::kF32, {64}}).ok());
+  Layout tail;
+  tail.shape = {16};
+  tail.strides = {1};
+  tail.offset = 48;
+  ASSERT_TRUE(plan.add_zero(Zero{0, tail}).ok());
+  TensorMap caller{{"c", Tensor::empty({64}, DType::kF32, "c")}};
+  auto* c = reinterpret_cast<float*>(*caller.at("c").data_ptr());
+  for (int i = 0; i < 64; ++i) c[i] = 1.0f;
+  auto set = ParamSet::create(ParamSetOptions{0, false, 0}, decls(), caller, host_param_memory());
+  ASSERT_TRUE(set.ok()) << set.status().to_string();
+  ASSERT_TRUE((*set)->write_padding(plan).ok());
+  for (int i = 0; i < 64; ++i) EXPECT_EQ(c[i], i < 48 ? 1.0f : 0.0f) << i;
+  EXPECT_EQ(*(*set)->committed().at("c").data_ptr(), static_cast<void*>(c));
+}
+
+TEST(ParamSet, VersionsTornOnlyWhenTouchedAndCommittedViewMovesAtFinish) {
+  auto set = ParamSet::create(ParamSetOptions{0, false, 0}, decls(), {}, host_param_memory());
+  ASSERT_TRUE(set.ok()) << set.status().to_string();
+  ParamSet& s = **set;
+  EXPECT_FALSE(s.state().has_version);
+  // A failed sync that wrote nothing: still nothing held, not torn.
+  s.begin(1);
+  s.abort();
+  EXPECT_FALSE(s.state().torn);
+  EXPECT_FALSE(s.state().has_version);
+  // A sync that commits: post-processing may replace a param in the attempt's view; the
+  // committed view follows only at finish.
+  s.begin(1);
+  const Tensor replaced = Tensor::empty({3}, DType::kBF16, "b");
+  s.work()["b"] = replaced;
+  EXPECT_NE(*s.committed().at("b").data_ptr(), *replaced.data_ptr());
+  s.touch();
+  s.finish(1);
+  EXPECT_EQ(*s.committed().at("b").data_ptr(), *replaced.data_ptr());
+  EXPECT_EQ(s.state().version, 1u);
+  EXPECT_TRUE(s.state().has_version);
+  EXPECT_FALSE(s.state().torn);
+  // A new sync starts from the buffers again, not from the last post-processed view.
+  s.begin(2);
+  EXPECT_EQ(*s.work().at("b").data_ptr(), *s.loaded().at("b").data_ptr());
+  // Touched, then failed: torn, still version 1.
+  s.touch();
+  s.abort();
+  EXPECT_TRUE(s.torn());
+  EXPECT_EQ(s.state().version, 1u);
+  // A retry resets the attempt's view; a later commit clears torn.
+  s.begin(3);
+  s.work()["b"] = replaced;
+  s.retry();
+  EXPECT_EQ(*s.work().at("b").data_ptr(), *s.loaded().at("b").data_ptr());
+  s.finish(3);
+  EXPECT_FALSE(s.torn());
+  EXPECT_EQ(s.state().version, 3u);
+}
+
+}  // namespace
+}  // namespace ferry::engine
