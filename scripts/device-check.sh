@@ -25,6 +25,7 @@ timeout 120 "$B/tests/tensor/device_test" --gtest_color=no
 timeout 120 "$B/tests/route/route_test" --gtest_color=no --gtest_filter='*Gpu*:*Pack*'
 timeout 120 "$B/tests/models/models_fp8_test" --gtest_color=no --gtest_filter='Fp8.*'
 timeout 180 "$B/tests/engine/engine_test" --gtest_color=no --gtest_filter='EngineDevice.*'
+timeout 120 "$B/tests/engine/engine_parts_test" --gtest_color=no --gtest_filter='StagingRingDevice.*'
 timeout 120 "$B/tests/cli/serve_cli_test" --gtest_color=no --gtest_filter='GpuServeCli.*'
 if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
   (cd tests/python && PYTHONPATH="$PWD/../../$B/python" timeout 120 python3 test_device.py -v)

@@ -85,18 +85,18 @@ uint64_t bytes_of(const Plan& p) {
 
 uint64_t registered_bytes(uint64_t n) { return align_up(std::max<uint64_t>(n, 64), 4096); }
 
-Result<StagingRing> staging_ring(int rank, uint64_t needed, uint64_t worst, uint64_t staging_budget) {
+Result<StagingSlots> staging_ring(int rank, uint64_t needed, uint64_t worst, uint64_t staging_budget) {
   worst = std::max(worst, needed);
-  if (staging_budget == 0) return StagingRing{worst, 2};
+  if (staging_budget == 0) return StagingSlots{worst, 2};
   if (staging_budget < needed)
     return invalid_argument(
         "producer {}: staging budget {} bytes is smaller than its largest group ({} bytes): give at least {} bytes "
         "(two slots, {} bytes, let packing overlap reads; {} bytes cover any failover)",
         rank, staging_budget, needed, needed, 2 * needed, 2 * worst);
   if (staging_budget >= worst)
-    return StagingRing{worst, static_cast<int>(std::min<uint64_t>(staging_budget / worst, 64))};
+    return StagingSlots{worst, static_cast<int>(std::min<uint64_t>(staging_budget / worst, 64))};
   const uint64_t slot = std::max(needed, staging_budget / 2 / 64 * 64);
-  return StagingRing{slot, static_cast<int>(std::min<uint64_t>(staging_budget / slot, 64))};
+  return StagingSlots{slot, static_cast<int>(std::min<uint64_t>(staging_budget / slot, 64))};
 }
 
 uint64_t metadata_heap_bytes(const Routes& routes, const std::vector<TensorDecl>& metadata,
@@ -144,7 +144,7 @@ Result<MemoryPrediction> predict_memory(const Routes& routes, const std::vector<
     const uint64_t needed = producer_slot_bytes(routes, rank, std::vector<uint64_t>{}, false);
     const uint64_t worst =
         options.failover ? producer_slot_bytes(routes, rank, shared[p], true) : needed;
-    FERRY_ASSIGN_OR_RETURN(StagingRing ring, staging_ring(rank, needed, worst, options.staging_budget));
+    FERRY_ASSIGN_OR_RETURN(StagingSlots ring, staging_ring(rank, needed, worst, options.staging_budget));
     MemoryUse m;
     m.staging_ring = registered_bytes(ring.slot_bytes * static_cast<uint64_t>(ring.slots));
     m.metadata = common + predicted_schedule_bytes(routes.producers[p]);

@@ -15,18 +15,18 @@ namespace ferry::engine {
 // Bytes RegisteredBuffer::allocate(n) really takes (at least 64, whole pages).
 uint64_t registered_bytes(uint64_t n);
 
-// A producer's staging ring: `needed` is the slot its largest group needs under the
+// A producer's staging slots (StagingRing's size, engine/staging_ring.h): `needed` is the slot its largest group needs under the
 // routes now, `worst` the slot a failover may need (producer_slot_bytes). No budget: two
 // worst-case slots. A budget that holds a worst-case slot: as many of those as fit (at
 // most 64). A budget between one needed slot and one worst-case slot: slots as large as
 // two fit in it (at least `needed`): within the budget, and a failover that needs more
 // fails that sync naming the bytes. Smaller than `needed`: kInvalidArgument naming the
 // bytes needed.
-struct StagingRing {
+struct StagingSlots {
   uint64_t slot_bytes = 0;
   int slots = 0;
 };
-Result<StagingRing> staging_ring(int rank, uint64_t needed, uint64_t worst, uint64_t staging_budget);
+Result<StagingSlots> staging_ring(int rank, uint64_t needed, uint64_t worst, uint64_t staging_budget);
 
 // Heap bytes (malloc blocks included) of the metadata a rank keeps after rendezvous:
 // the trainer's metadata, every producer's holdings, every consumer's plan, the routes.

@@ -1,27 +1,24 @@
 // Producer: one per trainer rank. See ferry/engine.h for the protocol.
-#include <unistd.h>
-
 #include <algorithm>
 #include <condition_variable>
-#include <cstring>
 #include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <set>
 #include <thread>
-#include <unordered_map>
 
 #include "engine/clock.h"
-#include "engine/cuda_ipc.h"
 #include "engine/in_place.h"
 #include "engine/protocol.h"
+#include "engine/push_writes.h"
 #include "engine/registered_buffer.h"
 #include "engine/rendezvous.h"
 #include "engine/memory.h"
 #include "engine/schedule.h"
+#include "engine/staging_ring.h"
+#include "engine/straggler.h"
 #include "engine/testing.h"
-#include "ferry/device.h"
 
 namespace ferry {
 
@@ -52,27 +49,12 @@ struct Producer::Impl {
   std::map<int, std::pair<uint64_t, uint64_t>> early_failover;
   std::map<int, uint64_t> early_abort;  // consumer -> version it aborted before this producer's sync began; mu
   std::map<int, uint64_t> done;         // consumer -> the version it committed last; mu
-  RegisteredBuffer ring;
-  // Staging in GPU memory (ProducerOptions::staging_device): the same layout as `ring`,
-  // exported with CUDA IPC; each packed slot is copied to `ring` for the transport.
-  std::shared_ptr<std::byte> device_ring;
-  uint64_t slot_bytes = 0;
-  int nslots = 0;
+  // Where groups are packed and read from: the host ring, the GPU ring, the in-place
+  // table (engine/staging_ring.h); its memory registered with `transport`.
+  TransportRingMemory ring_memory{transport};
+  std::unique_ptr<StagingRing> staging;
   std::unique_ptr<Lease> lease;
   Published published;  // metadata (rank 0) and holdings, put back if the store lost them
-  // Zero-copy serving (ProducerOptions::source_regions): where each held box lies.
-  InPlaceTable in_place;
-
-  // Push: one write of a group to a consumer, from staging (region < 0: `local` is the
-  // group's staging offset) or in place from source region `region` at `local`, into its
-  // receive slot (param_key < 0: `remote` is the offset in the slot) or straight into a
-  // param (its registration `param_key` of the consumer's ParamTable at `remote`).
-  struct PushWrite {
-    int32_t region = -1;
-    uint64_t local = 0;
-    int32_t param_key = -1;
-    uint64_t remote = 0, length = 0;
-  };
 
   struct Peer {
     std::string blob;
@@ -275,34 +257,10 @@ struct Producer::Impl {
     transport.send(to, kEngineTag, encode_message(Flushed{static_cast<uint32_t>(rank), v, hash})).status().ignore();
   }
 
-  // Push: this producer's writes to consumer `c` per layer group under routes `r`: the
-  // consumer's own schedule (make_consumer_schedule) rebuilt from its ParamTable, so both
-  // sides agree on which bytes land in params (and the consumer hashes and unpacks
-  // accordingly), with this producer's in-place runs written from the source regions.
+  // Push: this producer's writes to consumer c under routes r (engine/push_writes.h).
   // Caller thread.
-  std::vector<std::vector<PushWrite>> push_writes(const Routes& r, int c, const ParamTable& table) const {
-    ConsumerScheduleInputs in;
-    in.routes = &r;
-    in.rank = c;
-    in.direct_min_bytes = table.min_bytes;
-    in.params = &table.params;
-    in.holdings = &route_state.inputs().holdings;
-    in.in_place.assign(static_cast<size_t>(opts.num_producers), nullptr);
-    if (!in_place.empty()) in.in_place[static_cast<size_t>(rank)] = &in_place;
-    const ConsumerSchedule cs = make_consumer_schedule(in);
-    std::vector<std::vector<PushWrite>> out(cs.groups.size());
-    for (size_t g = 0; g < cs.groups.size(); ++g) {
-      for (const SubRead& sr : cs.groups[g].reads) {
-        if (sr.producer != static_cast<uint32_t>(rank) || !sr.length) continue;
-        PushWrite w{sr.region, sr.remote, -1, sr.recv_offset, sr.length};
-        if (sr.param) {
-          w.param_key = static_cast<int32_t>(sr.param->key);
-          w.remote = sr.param->offset + sr.param_offset;
-        }
-        out[g].push_back(w);
-      }
-    }
-    return out;
+  std::vector<std::vector<PushWrite>> writes_to(const Routes& r, int c, const ParamTable& table) const {
+    return push_writes(r, rank, c, table, route_state.inputs().holdings, staging->in_place());
   }
 
   // Push: posts the writes of slot s for consumer c into its receive slot `rslot` and
@@ -396,14 +354,14 @@ struct Producer::Impl {
       }
     };
     if (opts.test_hooks && opts.test_hooks->before_push) opts.test_hooks->before_push(v, g, c);
-    const uint64_t base = static_cast<uint64_t>(s) * slot_bytes;
+    const uint64_t base = staging->slot_offset(static_cast<size_t>(s));
     bool refused = false;
     for (const PushWrite& w : mine) {
       if (refused) {  // not posted after an error: nothing of it can land
         one_done(Status::Ok());
         continue;
       }
-      const MemoryRegion& from = w.region < 0 ? ring.region : opts.source_regions[static_cast<size_t>(w.region)];
+      const MemoryRegion& from = staging->region(w.region);
       const uint64_t from_at = w.region < 0 ? base + w.local : w.local;
       const bool to_param = w.param_key >= 0 && static_cast<size_t>(w.param_key) < into.size();
       const RemoteRegion& to = to_param ? into[static_cast<size_t>(w.param_key)] : recv;
@@ -551,51 +509,15 @@ struct Producer::Impl {
     }
   }
 
-  // Zero-copy serving: materialises every group once and records which source region
-  // holds each box (contiguous boxes only); exports the regions' keys.
-  Status locate_in_place() {
-    InPlaceTable t;
-    t.min_bytes = opts.direct_min_bytes;
-    t.boxes.resize(holdings.boxes.size());
-    for (const MemoryRegion& r : opts.source_regions) {
-      FERRY_ASSIGN_OR_RETURN(auto key, transport.export_key(r));
-      t.keys.push_back(bytes_to_string(key));
-    }
-    const Groups groups(source.metadata());
-    for (int g = 0; g < groups.size(); ++g) {
-      auto boxes = source.materialize(g);
-      if (!boxes.ok()) return boxes.status().with_context(fmt::format("producer {} materialize group {}", rank, g));
-      for (const LocalBox& lb : *boxes) {
-        if (lb.box >= t.boxes.size() || !lb.data.is_real() || !lb.data.is_contiguous()) continue;
-        // A box in GPU memory is packed on the device, never served in place (as GPU
-        // params are never read into: consumer.cpp); host regions only.
-        if (!lb.data.device().is_host()) continue;
-        auto ptr = lb.data.data_ptr();
-        if (!ptr.ok()) continue;
-        const uint64_t bytes = static_cast<uint64_t>(lb.data.numel()) * dtype_size(lb.data.dtype());
-        for (size_t r = 0; r < opts.source_regions.size(); ++r) {
-          if (opts.source_regions[r].kind != MemoryKind::kHost) continue;
-          const auto* base = static_cast<const std::byte*>(opts.source_regions[r].base);
-          if (*ptr >= base && *ptr + bytes <= base + opts.source_regions[r].length) {
-            t.boxes[lb.box] = InPlaceTable::At{static_cast<int32_t>(r), static_cast<uint64_t>(*ptr - base)};
-            break;
-          }
-        }
-      }
-    }
-    in_place = std::move(t);
-    return Status::Ok();
-  }
-
   // Installs routes and their schedule (caller thread; handlers read both under mu).
   Status apply_routes(Routes r) {
-    FERRY_ASSIGN_OR_RETURN(auto sched, make_producer_schedule(r, rank, holdings, in_place, slot_bytes));
+    FERRY_ASSIGN_OR_RETURN(auto sched, make_producer_schedule(r, rank, holdings, staging->in_place(), staging->slot_bytes()));
     // Push: every admitted consumer's writes under the new routes (its table is fixed for
     // its instance; peers and their tables change only on this thread).
     std::vector<std::vector<std::vector<PushWrite>>> writes(peers.size());
     if (opts.mode == SyncMode::kPush) {
       for (size_t c = 0; c < peers.size(); ++c)
-        if (!peers[c].blob.empty()) writes[c] = push_writes(r, static_cast<int>(c), peers[c].params);
+        if (!peers[c].blob.empty()) writes[c] = writes_to(r, static_cast<int>(c), peers[c].params);
     }
     std::lock_guard<std::mutex> lk(mu);
     routes = std::move(r);
@@ -613,13 +535,13 @@ struct Producer::Impl {
   MemoryUse memory_use() {
     if (memory_hash != routes_hash || !memory_known) {
       MemoryUse m;
-      m.staging_ring = ring.bytes;
+      m.staging_ring = staging->host_bytes();
       for (const MemoryRegion& r : opts.source_regions) m.registered_in_place += r.length;
       const RouteInputs& in = route_state.inputs();
       std::vector<const Plan*> plans;
       for (const Plan& p : in.plans) plans.push_back(&p);
       m.metadata = metadata_heap_bytes(routes, in.metadata, in.holdings, plans) + schedule_heap_bytes(schedule) +
-                   in_place.boxes.capacity() * sizeof(InPlaceTable::At);
+                   staging->in_place().boxes.capacity() * sizeof(InPlaceTable::At);
       for (const Peer& p : peers) {  // (mu held by the caller)
         for (const auto& g : p.writes) m.metadata += g.capacity() * sizeof(PushWrite);
         m.metadata += p.writes.capacity() * sizeof(p.writes[0]);
@@ -633,38 +555,6 @@ struct Producer::Impl {
   MemoryUse memory;
   uint64_t memory_hash = 0;
   bool memory_known = false;
-
-  // In place: the boxes of group g must be where create() found them.
-  Status check_in_place(int g, const std::vector<LocalBox>& boxes) const {
-    if (in_place.empty()) return Status::Ok();
-    for (const LocalBox& lb : boxes) {
-      if (lb.box >= in_place.boxes.size() || in_place.boxes[lb.box].region < 0) continue;
-      const InPlaceTable::At& at = in_place.boxes[lb.box];
-      auto ptr = lb.data.data_ptr();
-      const auto* expected = static_cast<const std::byte*>(opts.source_regions[static_cast<size_t>(at.region)].base) + at.offset;
-      if (!ptr.ok() || *ptr != expected || !lb.data.is_contiguous())
-        return failed_precondition(
-            "producer {}: tensor '{}' box {} of group {} moved since create() (source_regions promise weights in place)",
-            rank, holdings.tensors[holdings.boxes[lb.box].tensor].name, holdings.boxes[lb.box].box.to_string(), g);
-    }
-    return Status::Ok();
-  }
-
-  // xxHash64 of every segment of group g as consumers receive it: staged bytes, and the
-  // in-place runs from the source memory.
-  std::map<uint32_t, uint64_t> checksums(int g, std::span<const std::byte> staging) const {
-    std::map<uint32_t, uint64_t> sums;
-    for (const auto& [cls, spans] : schedule.groups[static_cast<size_t>(g)].checksum_spans) {
-      SegmentHash h;
-      for (const SegmentSpan& x : spans) {
-        const std::byte* base = x.region < 0 ? staging.data()
-                                             : static_cast<const std::byte*>(opts.source_regions[static_cast<size_t>(x.region)].base);
-        h.update(base + x.offset, x.bytes);
-      }
-      sums[cls] = h.digest();
-    }
-    return sums;
-  }
 
   // Rebuilds routes when the set of dead producers in the store changed.
   Status refresh_routes() {
@@ -704,7 +594,7 @@ struct Producer::Impl {
         param_regions.push_back(*r);
       }
       params = std::move(*table);
-      writes = push_writes(routes, c, params);
+      writes = writes_to(routes, c, params);
     }
     std::lock_guard<std::mutex> lk(mu);
     if (failed_ids.count(*id) != 0) return false;  // died while we connected
@@ -746,12 +636,12 @@ struct Producer::Impl {
       }
       return out;
     };
-    const auto heal_deadline = Clock::now() + opts.lease_ttl;
-    const auto poll = std::clamp(opts.lease_ttl / 10, std::chrono::milliseconds(1), std::chrono::milliseconds(50));
-    for (auto missing = absent(); !missing.empty() && Clock::now() < heal_deadline; missing = absent()) {
-      std::this_thread::sleep_for(poll);
-      for (int c : missing) now[static_cast<size_t>(c)] = admit(c);
-    }
+    std::vector<int> missing;
+    heal_leases(
+        opts.lease_ttl, [&] { return !(missing = absent()).empty(); },
+        [&] {
+          for (int c : missing) now[static_cast<size_t>(c)] = admit(c);
+        });
     std::vector<int> left_out = absent();
     if (store_lost_keys) {  // told only if connected: one never reached may be dead
       std::lock_guard<std::mutex> lk(mu);
@@ -785,57 +675,17 @@ struct Producer::Impl {
       // moving to them after a failover (it finds a producer lost by its lease at its own
       // pace, seconds apart from the others on a loaded host) is bounded by stall_timeout
       // alone until it declares them (FAILOVER), and its lag counts from then; so is one
-      // pending in a slot of routes the producer abandoned.
-      // When pending consumer c's lag began: nullopt while it is not known to read this
-      // slot's routes (mu held; read again after the wait, which may have let a
-      // FAILOVER in).
-      auto lag_start = [&](int c) -> std::optional<Clock::time_point> {
-        // A slot of routes this producer has abandoned (it restarted the sync): whoever
-        // is still pending there has not moved yet, by definition still finding the lost
-        // producer (it may be blocked reading from it): never a straggler there.
-        if (slots[s].hash != routes_hash) return std::nullopt;
-        auto h = consumer_hash.find(c);
-        if (h == consumer_hash.end() ? undeclared_hash != slots[s].hash : h->second != slots[s].hash) return std::nullopt;
-        Clock::time_point from = *slots[s].last_release;
-        if (auto j = consumer_joined.find(c); h != consumer_hash.end() && j != consumer_joined.end())
-          from = std::max(from, j->second);
-        return from;
-      };
-      std::optional<Clock::time_point> straggler_at;
-      Clock::duration bound{};
-      if (slots[s].last_release && opts.straggler_floor.count() > 0) {
-        const auto others = *slots[s].last_release - slots[s].since;
-        bound = std::max<Clock::duration>(opts.straggler_floor,
-                                          std::chrono::duration_cast<Clock::duration>(others * opts.straggler_factor));
-        for (int c : slots[s].pending) {
-          const auto from = lag_start(c);
-          if (from && *from + bound < deadline && (!straggler_at || *from + bound < *straggler_at)) straggler_at = *from + bound;
-        }
-      }
-      if (straggler_at) {
-        if (cv.wait_until(lk, *straggler_at) == std::cv_status::timeout && Clock::now() >= *straggler_at &&
-            slots[s].last_release && !slots[s].pending.empty()) {
-          const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(*slots[s].last_release - slots[s].since);
-          const auto now = Clock::now();
-          const std::set<int> pending = slots[s].pending;
-          for (int c : pending) {
-            const auto start = lag_start(c);
-            if (!start || now < *start + bound) continue;
-            const Clock::time_point from = *start;
-            const auto lag = std::chrono::duration_cast<std::chrono::milliseconds>(now - *slots[s].last_release);
-            const std::string moved =
-                from == *slots[s].last_release
-                    ? std::string()
-                    : fmt::format(", {} ms after it moved to these routes",
-                                  std::chrono::duration_cast<std::chrono::milliseconds>(now - from).count());
-            drop_locked(c,
-                        fmt::format("straggler: group {} not {} {} ms after the other consumers{} ({} ms after it "
-                                    "was announced; bound: max(straggler_floor {} ms, {} x {} ms))",
-                                    slots[s].group, opts.mode == SyncMode::kPull ? "released" : "requested",
-                                    lag.count(), moved, took.count(), opts.straggler_floor.count(),
-                                    opts.straggler_factor, took.count()),
-                        &n);
-          }
+      // pending in a slot of routes the producer abandoned (engine/straggler.h). What it
+      // knows is read again after the wait, which may have let a FAILOVER in.
+      const StragglerPolicy policy{opts.straggler_floor, opts.straggler_factor, opts.mode == SyncMode::kPull};
+      const RoutesKnown known{routes_hash, &consumer_hash, &consumer_joined, undeclared_hash};
+      auto pace = [&] { return SlotPace{slots[s].group, slots[s].hash, slots[s].since, slots[s].last_release}; };
+      const Clock::duration bound = slots[s].last_release ? straggler_bound(policy, pace()) : Clock::duration{};
+      if (auto at = next_straggler(policy, bound, pace(), known, slots[s].pending, deadline)) {
+        if (cv.wait_until(lk, *at) == std::cv_status::timeout && Clock::now() >= *at && slots[s].last_release &&
+            !slots[s].pending.empty()) {
+          for (const auto& [c, why] : stragglers(policy, bound, pace(), known, slots[s].pending, Clock::now()))
+            drop_locked(c, why, &n);
         }
         continue;
       }
@@ -878,7 +728,7 @@ struct Producer::Impl {
         }
       }
       if (targets.empty()) continue;
-      const size_t s = static_cast<size_t>(g % nslots);
+      const size_t s = static_cast<size_t>(g % staging->slots());
       auto tw = Clock::now();
       FERRY_RETURN_IF_ERROR(wait_slot(s, true));
       report.wait_seconds += seconds_since(tw);
@@ -892,39 +742,12 @@ struct Producer::Impl {
       report.materialize_seconds += seconds_since(tm);
       if (!boxes.ok()) return boxes.status().with_context(fmt::format("producer {} materialize group {}", rank, g));
       auto tp = Clock::now();
-      std::span<std::byte> staging(ring.data + s * slot_bytes, grp.staging_bytes);
-      FERRY_RETURN_IF_ERROR(check_in_place(g, *boxes));
-      if (device_ring) {
-        // GPU staging: every box on the staging device, packed there by a kernel, then
-        // the slot copied to host staging for the transport's readers.
-        for (const LocalBox& lb : *boxes) {
-          if (lb.data.device() != opts.staging_device) {
-            return invalid_argument("producer {} group {}: {} is not on the staging device {} "
-                                    "(ProducerOptions::staging_device takes boxes on that device only)",
-                                    rank, g, lb.data.describe(), device_str(opts.staging_device));
-          }
-        }
-        std::span<std::byte> on_device(device_ring.get() + s * slot_bytes, grp.staging_bytes);
-        Status st = pack_group(gs.pack, static_cast<uint32_t>(rank), g, holdings, *boxes, on_device);
-        if (!st.ok()) return st.with_context(fmt::format("producer {} pack group {}", rank, g));
-        st = device_memcpy(staging.data(), on_device.data(), staging.size());
-        if (!st.ok()) return st.with_context(fmt::format("producer {} group {}: GPU staging to host staging", rank, g));
-      } else {
-        // Boxes in GPU memory are packed by a kernel into the (host) staging ring: the
-        // first such box makes the ring visible to its device, for the producer's life.
-        for (const LocalBox& lb : *boxes) {
-          if (!lb.data.device().is_cuda()) continue;
-          Status vis = ring.make_cuda_visible(lb.data.device());
-          if (!vis.ok()) return vis.with_context(fmt::format("producer {} group {}: staging for {}", rank, g, lb.data.describe()));
-        }
-        Status st = pack_group(gs.pack, static_cast<uint32_t>(rank), g, holdings, *boxes, staging);
-        if (!st.ok()) return st.with_context(fmt::format("producer {} pack group {}", rank, g));
-      }
-      std::map<uint32_t, uint64_t> sums;
-      if (opts.checksums) sums = checksums(g, staging);
+      auto packed = staging->pack(schedule, g, s, *boxes);
+      if (!packed.ok()) return packed.status();
+      std::map<uint32_t, uint64_t> sums = std::move(*packed);
       if (opts.test_hooks && opts.test_hooks->corrupt_group == g && opts.test_hooks->corrupt_version == v &&
           !grp.segments.empty() && grp.segments[0].bytes) {
-        staging[grp.segments[0].offset] ^= std::byte{0x40};
+        staging->slot(s)[grp.segments[0].offset] ^= std::byte{0x40};
       }
       report.pack_seconds += seconds_since(tp);
       std::vector<std::pair<int, uint32_t>> to_push;
@@ -952,7 +775,7 @@ struct Producer::Impl {
         }
       }
       for (auto [c, id] : to_announce) {
-        Announce m{static_cast<uint32_t>(rank), v, g, hash, s * slot_bytes, std::nullopt};
+        Announce m{static_cast<uint32_t>(rank), v, g, hash, staging->slot_offset(s), std::nullopt};
         if (opts.checksums) m.checksum = sums[cls(c)];
         if (Status sent = send(id, m); !sent.ok()) {
           std::lock_guard<std::mutex> lk(mu);
@@ -1069,15 +892,9 @@ struct Producer::Impl {
         std::lock_guard<std::mutex> lk(mu);
         if (restart_hash == routes_hash) restart = false;
       }
-      std::string ds;
-      // Appended piecewise: gcc 12 at -O3 reports a false -Wrestrict inside
-      // `const char* + std::string` here.
-      for (int d : route_state.dead()) {
-        if (!ds.empty()) ds += ',';
-        ds += std::to_string(d);
-      }
       std::lock_guard<std::mutex> lk(mu);
-      report.failures.push_back(fmt::format("producer {}: failover, routes rebuilt without producer(s) {}", rank, ds));
+      report.failures.push_back(fmt::format("producer {}: failover, routes rebuilt without producer(s) {}", rank,
+                                            rank_list(route_state.dead())));
     }
     // Leave no slot pending (a failed attempt may have left some).
     for (size_t s = 0; s < slots.size(); ++s) wait_slot(s, false).ignore();
@@ -1123,12 +940,7 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
   m.rank = source.rank();
   if (m.rank < 0 || m.rank >= options.num_producers)
     return invalid_argument("producer rank {} outside num_producers {}", m.rank, options.num_producers);
-  if (options.staging_device.is_cuda()) {  // a local check, before any rendezvous
-    if (auto why = cuda_unusable(options.staging_device)) {
-      return unavailable("producer {}: staging_device {} cannot be used here: {}", m.rank,
-                         device_str(options.staging_device), *why);
-    }
-  }
+  FERRY_RETURN_IF_ERROR(StagingRing::check_device(m.rank, options.staging_device));  // before any rendezvous
   const Participant me{"producer", m.rank};
   FERRY_RETURN_IF_ERROR(publish_world(store, m.keys, options, me));
   FERRY_ASSIGN_OR_RETURN(m.holdings, source.holdings(m.rank));
@@ -1140,21 +952,19 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
   if (options.failover) store.remove(m.keys.dead(m.rank)).status().ignore();
   FERRY_ASSIGN_OR_RETURN(auto inputs, rendezvous_inputs(store, m.keys, options, me, source.metadata()));
   FERRY_ASSIGN_OR_RETURN(auto routes, m.route_state.start(std::move(inputs)));
-  m.slot_bytes = producer_slot_bytes(routes, m.rank, m.route_state.inputs().metadata, m.route_state.inputs().holdings,
-                                     options.failover);
   {
     // Within staging_budget: worst-case slots when it holds them, else as large as it
     // allows (memory.h, staging_ring).
+    const uint64_t worst = producer_slot_bytes(routes, m.rank, m.route_state.inputs().metadata,
+                                               m.route_state.inputs().holdings, options.failover);
     const uint64_t needed = producer_slot_bytes(routes, m.rank, {}, false);
-    FERRY_ASSIGN_OR_RETURN(StagingRing sr, staging_ring(m.rank, needed, m.slot_bytes, options.staging_budget));
-    m.slot_bytes = sr.slot_bytes;
-    m.nslots = sr.slots;
+    FERRY_ASSIGN_OR_RETURN(StagingSlots sr, staging_ring(m.rank, needed, worst, options.staging_budget));
+    StagingRingOptions so{m.rank, sr.slot_bytes, sr.slots, options.staging_device, options.source_regions,
+                          options.direct_min_bytes, options.checksums};
+    FERRY_ASSIGN_OR_RETURN(m.staging, StagingRing::create(m.ring_memory, source, m.holdings, so));
   }
-  if (!options.source_regions.empty()) FERRY_RETURN_IF_ERROR(m.locate_in_place());
   FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));
-  m.slots.resize(static_cast<size_t>(m.nslots));
-  FERRY_RETURN_IF_ERROR(m.ring.allocate(transport, m.slot_bytes * static_cast<uint64_t>(m.nslots)));
-  FERRY_ASSIGN_OR_RETURN(auto key, transport.export_key(m.ring.region));
+  m.slots.resize(static_cast<size_t>(m.staging->slots()));
   m.peers.resize(static_cast<size_t>(options.num_consumers));
   m.live.assign(static_cast<size_t>(options.num_consumers), false);
   Impl* self = impl.get();
@@ -1162,19 +972,9 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
     if (tag == kEngineTag) self->on_message(from, payload);
   });
   transport.set_peer_failure_handler([self](PeerId peer, const Status& why) { self->on_peer_failure(peer, why); });
-  std::string ipc;
-  if (options.staging_device.is_cuda()) {
-    auto dev = device_alloc(options.staging_device, m.ring.bytes);
-    if (!dev.ok()) return dev.status().with_context(fmt::format("producer {}: GPU staging ring", m.rank));
-    m.device_ring = *dev;
-    auto handle = cuda_ipc_export(options.staging_device, m.device_ring.get());
-    if (!handle.ok()) return handle.status().with_context(fmt::format("producer {}: GPU staging ring", m.rank));
-    ipc = encode_cuda_ipc(CudaIpcExport{host_identity(), static_cast<uint64_t>(getpid()), process_token(),
-                                        options.staging_device.index, reinterpret_cast<uint64_t>(m.device_ring.get()),
-                                        m.ring.bytes, *handle});
-  }
-  const std::string blob = encode_lease(ProducerLease{bytes_to_string(transport.address()), bytes_to_string(key),
-                                                      m.slot_bytes, m.in_place.encode(), ipc});
+  const std::string blob =
+      encode_lease(ProducerLease{bytes_to_string(transport.address()), m.staging->host_key(), m.staging->slot_bytes(),
+                                 m.staging->in_place().encode(), m.staging->cuda_ipc()});
   FERRY_ASSIGN_OR_RETURN(m.lease, store.hold_lease(m.keys.producer(m.rank), blob, options.lease_ttl));
   // Return only once every consumer can receive (its lease is published last, after its
   // ring and handlers are up): a sync() called right away then reaches all of them
