@@ -170,6 +170,8 @@ TEST(Subprocess, TreeCpuAddsTheCpuOfALiveChild) {
   const pid_t child = ::fork();
   ASSERT_GE(child, 0);
   if (child == 0) {  // burns, says so, then stays alive until released
+    ::close(ready[0]);
+    ::close(release[1]);  // else its own copy keeps the read below from ever ending
     burn_cpu(kBurnSeconds);
     char c = 1;
     if (::write(ready[1], &c, 1) != 1) ::_exit(2);
