@@ -97,6 +97,8 @@ std::function<int()> setup_bench(CLI::App& app) {
   app.add_option("--mpirun", b->mpirun, "mpirun executable");
   app.add_option("--mpi-mca", b->mpi_mca, "MCA options replacing the default (\"--mca pml ob1 --mca btl self,vader\")");
   app.add_option("--timeout-ms", b->timeout_ms, "bound on each wait")->check(number_in(1, 1 << 30));
+  app.add_option("--trace", b->trace,
+                 "write every rank's trace of every sync step to FILE (Chrome trace-event JSON; docs/trace.md)");
   app.add_flag("!--no-in-place", b->in_place,
                "trainer weights in ordinary memory, every byte packed into staging (default: in a transport region, "
                "served in place)");
@@ -121,6 +123,7 @@ std::function<int()> setup_bench_worker(CLI::App& app) {
   app.add_option("--seed", w->seed)->check(number_in(0, 1.8e19));
   app.add_option("--timeout-ms", w->timeout_ms)->check(number_in(1, 1 << 30));
   app.add_option("--in-place", w->in_place);
+  app.add_option("--trace", w->trace);
   return [w] { return tools::run_bench_worker(*w); };
 }
 
