@@ -93,7 +93,7 @@ TEST_F(DemoTrace, EveryTransferOfTheReportsOnceWithTheirBytes) {
     ASSERT_TRUE(rank_of.count(pid)) << "a process without reports: " << e.dump();
     const uint64_t v = a["version"];
     const Key k{a["group"], a["peer"], a["lane"], a["into_params"], a["attempt"]};
-    EXPECT_TRUE(transfers[{pid, v}].emplace(k, a["bytes"].get<uint64_t>()).second) << "twice: " << e.dump();
+    EXPECT_TRUE((transfers[{pid, v}].emplace(k, a["bytes"].get<uint64_t>()).second)) << "twice: " << e.dump();
     per_peer[{pid, v}][a["peer"].get<int>()] += a["bytes"].get<uint64_t>();
     const bool producer = rank_of[pid].first == "trainer";
     const int me = rank_of[pid].second, peer = a["peer"], g = a["group"];
@@ -113,7 +113,7 @@ TEST_F(DemoTrace, EveryTransferOfTheReportsOnceWithTheirBytes) {
     EXPECT_GT(sum, 0u) << r.dump();
     std::map<int, uint64_t> want;
     for (const auto& [peer, b] : r["bytes_per_peer"].items()) want[std::stoi(peer)] = b;
-    EXPECT_EQ(per_peer[{pid, v}], want) << r.dump();
+    EXPECT_EQ((per_peer[{pid, v}]), want) << r.dump();
     if (!producer) received_per_version[v] += sum;
     // The one serialiser's keys, with the trace file's role and rank.
     auto k = keys_of(r);
