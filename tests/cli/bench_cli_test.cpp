@@ -20,6 +20,14 @@
 
 namespace {
 
+// The keys of every report (the one serialiser's, engine/report_json.h).
+std::set<std::string> report_keys() {
+  const nlohmann::json j = ferry::engine::sync_report_json(ferry::SyncReport{});
+  std::set<std::string> keys;
+  for (const auto& [k, v] : j.items()) keys.insert(k);
+  return keys;
+}
+
 bool mpirun_on_path() {
   const char* path = std::getenv("PATH");
   std::stringstream ss(path ? path : "");
@@ -111,7 +119,7 @@ TEST(BenchCli, NoInPlaceStagesEveryByte) {
   // --trace: every rank's sync steps (warm-up + 2 trials), the reports with the one
   // serialiser's keys, their transfers in the merged file once, with their bytes.
   std::set<std::string> want;
-  for (const auto& [k, v] : ferry::engine::sync_report_json(ferry::SyncReport{}).items()) want.insert(k);
+  want = report_keys();
   ASSERT_EQ(j["last_sync_reports"].size(), 4u) << r.out;
   for (const auto& rep : j["last_sync_reports"]) {
     for (const auto& k : want) EXPECT_TRUE(rep.contains(k)) << k << " missing: " << rep.dump();

@@ -69,6 +69,14 @@ std::string random_token() {
   return fmt::format("{:08x}{:08x}{:08x}", rd(), rd(), rd());
 }
 
+// The keys of every report (the one serialiser's, engine/report_json.h).
+std::set<std::string> report_keys() {
+  const nlohmann::json j = ferry::engine::sync_report_json(ferry::SyncReport{});
+  std::set<std::string> keys;
+  for (const auto& [k, v] : j.items()) keys.insert(k);
+  return keys;
+}
+
 class ServeCliTest : public ::testing::TestWithParam<const char*> {};
 
 // Each trainer rank reports bytes served from the mapping (sent_in_place > 0: the
@@ -120,7 +128,7 @@ TEST_P(ServeCliTest, ServesTheMappingInPlaceAndFetchVerifies) {
       // The one serialiser's keys (engine/report_json.h) and the rank's own.
       std::set<std::string> keys, want;
       for (const auto& [k, v] : j.items()) keys.insert(k);
-      for (const auto& [k, v] : engine::sync_report_json(SyncReport{}).items()) want.insert(k);
+      want = report_keys();
       want.insert({"role", "rank", "transport"});
       if (j.value("role", "") == "inference") want.insert({"torn", "verified"});
       EXPECT_EQ(keys, want) << name << ": " << j.dump();
@@ -190,7 +198,7 @@ TEST(GpuServeCli, ServesGpuMemoryByCudaIpcAndThroughTheTransport) {
       // The one serialiser's keys (engine/report_json.h) and the rank's own.
       std::set<std::string> keys, want;
       for (const auto& [k, v] : j.items()) keys.insert(k);
-      for (const auto& [k, v] : engine::sync_report_json(SyncReport{}).items()) want.insert(k);
+      want = report_keys();
       want.insert({"role", "rank", "transport"});
       if (j.value("role", "") == "inference") want.insert({"torn", "verified"});
       EXPECT_EQ(keys, want) << name << ": " << j.dump();
