@@ -499,7 +499,8 @@ void register_engine(py::module_& m) {
   // reports of the CLI, ferry.serve/fetch and Producer/Consumer.sync agree.
   m.def("_report_keys", [] {
     py::list keys;
-    for (const auto& [k, v] : engine::sync_report_json(SyncReport{}).items()) keys.append(py::str(k));
+    const nlohmann::json report = engine::sync_report_json(SyncReport{});
+    for (const auto& [k, v] : report.items()) keys.append(py::str(k));
     return keys;
   });
   m.def("_committed_versions", [](const std::string& url, const py::dict& kw, const std::string& job, int n) {
