@@ -69,7 +69,7 @@ for path in sorted(glob.glob(f"{ck}/{name}-fetch-*.log")):
         gbps = j.get("bytes", 0) / j["seconds"] / 1e9 if j.get("seconds") else 0
         print(f"{name} inference rank {j['rank']} version {j['version']}: ok {j['ok']} verified {j.get('verified')} "
               f"{j.get('bytes', 0)} bytes in {j.get('seconds', 0):.4f} s = {gbps:.2f} GB/s, "
-              f"via CUDA IPC {j.get('via_cuda_ipc_bytes', 0)} bytes")
+              f"via CUDA IPC {j.get('received_via_cuda_ipc', 0)} bytes")
 PY
   if [ "$failed" != 0 ]; then echo "$name: a rank failed; logs:"; tail -n 5 "$CK/$name"-*.log; return 1; fi
 }

@@ -100,6 +100,7 @@
 #include "ferry/source.h"
 #include "ferry/status.h"
 #include "ferry/store.h"
+#include "ferry/trace.h"
 #include "ferry/transport.h"
 
 namespace ferry {
@@ -279,11 +280,16 @@ struct SyncReport {
   // producer.
   uint64_t bytes_received = 0, received_into_params = 0, received_via_cuda_ipc = 0;
   double seconds = 0;           // wall time of sync()
-  // Phases (seconds, summed over groups). Producer: materialize, pack, wait (slots).
-  // Consumer: wait (announces), read, unpack, post (process_weights_after_loading).
+  // Phases (seconds, summed over groups and attempts). Producer: materialize, pack, wait
+  // (slots). Consumer: wait (announces), read, unpack, post (process_weights_after_loading).
   double materialize_seconds = 0, pack_seconds = 0, wait_seconds = 0, read_seconds = 0, unpack_seconds = 0,
          post_seconds = 0;
   std::map<int, uint64_t> bytes_per_peer;  // peer rank -> bytes
+  // Every phase and transfer of the sync (ferry/trace.h), in the order recorded. The byte
+  // counts and phase seconds above are sums over it (the transfers counted, the phases'
+  // durations), also for a failed sync (Producer/Consumer::last_report).
+  std::vector<TraceEvent> trace;
+  int64_t start_unix_ns = 0;  // when sync() began (system clock): the trace's time origin
   std::vector<int> dropped;                // producer: consumers dropped this sync
   // Producer: the consumers it serves (that read anything from it) that did not commit
   // this version: dropped, failed, absent (no live lease: not a member of this sync) or
@@ -294,6 +300,10 @@ struct SyncReport {
   // the version: a report never says ok while a member missed it.
   bool ok() const { return status.ok() && missed.empty(); }
   std::string to_string() const;
+  // The report as one JSON object (every CLI output and the Python report dicts use the
+  // same keys, docs/trace.md "Reports"): the fields above by their names, "ok", "bytes"
+  // (this side's: sent or received), "error"/"code" when status is not OK. Without the trace.
+  std::string to_json() const;
 };
 
 // What a consumer holds after its syncs.
@@ -324,6 +334,9 @@ class Producer {
   // consumer. OK unless this producer itself failed (its source, its transport, a
   // timeout with no consumer left to blame); dropped consumers are in the report.
   Result<SyncReport> sync(uint64_t version);
+  // The report of the last sync(), whether it succeeded or not (status says why; the
+  // seconds, bytes and trace are those of the attempt as far as it went). Between syncs.
+  const SyncReport& last_report() const;
 
   const Routes& routes() const;
   int rank() const;
@@ -353,6 +366,8 @@ class Consumer {
   // Receives version `version`. On error the report (in the Status message) names the
   // failing producer or group, and state().torn tells whether params changed.
   Result<SyncReport> sync(uint64_t version);
+  // The report of the last sync(), whether it succeeded or not (as Producer::last_report).
+  const SyncReport& last_report() const;
 
   ConsumerState state() const;
   // Final params (after post-processing) of the last sync; valid between syncs. Params

@@ -267,11 +267,13 @@ class Producer:
         rank = source.rank if rank is None else int(rank)
         self._p = _ferry._Producer(source, source._metadata(), rank, source.world_size, url, kw)
 
-    def sync(self, version):
+    def sync(self, version, trace=None):
         """Serves version ``version``; the report: ok, bytes_sent, sent_in_place (bytes is
         the same as bytes_sent), seconds, per-phase seconds,
-        bytes_per_peer, dropped consumers, failures, text."""
-        return self._p.sync(int(version))
+        bytes_per_peer, dropped consumers, failures, text (the same keys as every
+        report: docs/trace.md). ``trace``: a path: write this sync's trace there (Chrome
+        trace-event JSON; also when the sync fails)."""
+        return self._p.sync(int(version), None if trace is None else os.fspath(trace))
 
     @property
     def rank(self):
@@ -408,16 +410,18 @@ class Consumer:
                     f"registered at creation. Copy into the old memory instead (p.data.copy_(new)), or create a new "
                     f"Consumer for the new memory")
 
-    def sync(self, version):
+    def sync(self, version, trace=None):
         """Receives version ``version`` into the params; the report as a dict (bytes_received,
-        received_into_params; bytes is the same as bytes_received). Raises
+        received_into_params; bytes is the same as bytes_received; the same keys as every
+        report: docs/trace.md). ``trace``: a path: write this sync's trace there (Chrome
+        trace-event JSON; also when the sync fails). Raises
         (e.g. ferry.PeerFailedError naming the producer) when the sync fails; then
         ``state()["torn"]`` tells whether some groups are already new."""
         self._check_params_in_place()
         version = int(version)
         if self._before_sync is not None:
             self._before_sync(version)
-        report = self._c.sync(version)
+        report = self._c.sync(version, None if trace is None else os.fspath(trace))
         if self._after_sync is not None:
             self._after_sync(version)
         return report

@@ -62,15 +62,15 @@ def _run(run, role, check, store, token, rank, timeout, rendezvous_timeout, on_r
 
 def serve(*, store, trainer, inference, checkpoint, model=None, job="ferry", rank=None, mode="pull", checksums=False,
           first_version=1, syncs=1, timeout=30.0, rendezvous_timeout=120.0, token=None, check=False,
-          read_checkpoint=False, device="cpu", gpu_staging=False, on_report=None):
+          read_checkpoint=False, device="cpu", gpu_staging=False, on_report=None, trace=None):
     """Be trainer rank ``rank`` (None: the launcher's) of the ``trainer`` layout, serving
     its holdings of the safetensors checkpoint directory ``checkpoint`` (memory-mapped
     and served in place; the files must not change while served, checked before each
     sync; ``read_checkpoint=True`` reads them into owned memory instead; ``model``
     defaults to ``checkpoint/config.json``) to the ``inference`` layout's ranks.
-    Returns ``[report, ...]``, one dict per sync: ``role, rank, version, ok, bytes,
-    in_place_bytes, seconds, dropped, missed, failures`` (``error`` and ``code`` when not ok),
-    ``transport``. A setup error (layout, rank, checkpoint, store, rendezvous) raises
+    Returns ``[report, ...]``, one dict per sync: the keys of every report (docs/trace.md:
+    ``ok, bytes, bytes_sent, sent_in_place, seconds``, the phases' ``*_seconds``, ``dropped,
+    missed, failures, error, code``, ...) and ``role, rank, version, transport``. A setup error (layout, rank, checkpoint, store, rendezvous) raises
     the ferry exception of its code with the C++ message; a failed sync does not, unless
     ``check=True`` (then the first failed sync raises after every sync ran, with
     ``.reports``). ``on_report``: called with each sync's dict as soon as that sync
@@ -78,31 +78,34 @@ def serve(*, store, trainer, inference, checkpoint, model=None, job="ferry", ran
     once every sync ran (the other ranks are in them too). ``device="cuda:N"``: this
     rank's boxes are copied onto that GPU once and packed there each sync;
     ``gpu_staging=True`` then stages in GPU memory too, shared by CUDA IPC with fetch
-    ranks of this host whose params are on a GPU."""
+    ranks of this host whose params are on a GPU. ``trace``: a path: write this rank's trace
+    of every sync there (Chrome trace-event JSON; ``{rank}`` is replaced by the rank)."""
     return _run(_ferry._serve, "serve", check, store, token, rank, timeout, rendezvous_timeout, on_report,
                 trainer=str(trainer),
                 inference=str(inference), checkpoint=_path(checkpoint), model=_path(model), job=str(job), mode=str(mode),
                 checksums=bool(checksums), first_version=int(first_version), syncs=int(syncs),
-                read_checkpoint=bool(read_checkpoint), device=str(device), gpu_staging=bool(gpu_staging))
+                read_checkpoint=bool(read_checkpoint), device=str(device), gpu_staging=bool(gpu_staging),
+                trace=_path(trace))
 
 
 def fetch(*, store, trainer, inference, model, checkpoint=None, output=None, job="ferry", rank=None, mode="pull",
           checksums=False, first_version=1, syncs=1, timeout=30.0, rendezvous_timeout=120.0, token=None, check=False,
-          device="cpu", cuda_ipc=True, on_report=None):
+          device="cpu", cuda_ipc=True, on_report=None, trace=None):
     """Be inference rank ``rank`` (None: the launcher's; in a launch of both roles the
     trainer's ranks come first) of the ``inference`` layout of ``model`` (an HF
     config.json), receiving its shard from the ``trainer`` layout's ranks. ``checkpoint``:
     compare the params with a direct load of that directory after every ok sync
     (``verified``, ``mismatch``); ``output``: write them as ``output/rank-R.safetensors``
-    after the last sync when every sync passed. Returns one dict per sync: ``role, rank,
-    version, ok, bytes, into_params_bytes, seconds, failures, torn`` (``error`` and ``code`` when not ok,
-    ``verified`` with a checkpoint), ``transport``. Errors as :func:`serve`; with
+    after the last sync when every sync passed. Returns one dict per sync: the keys of every
+    report (``bytes, bytes_received, received_into_params, received_via_cuda_ipc, seconds``,
+    ...) and ``role, rank, version, torn, transport`` (``verified`` with a checkpoint). Errors as :func:`serve`; with
     ``check=True`` a sync that failed or did not verify raises (``CorruptError`` for a
     mismatch). ``on_report`` as for :func:`serve`. ``device="cuda:N"``: the params live on
-    that GPU (``via_cuda_ipc_bytes``: how many bytes came device to device from serve
-    ranks with ``gpu_staging``; ``cuda_ipc=False`` reads through the transport)."""
+    that GPU (``received_via_cuda_ipc``: how many bytes came device to device from serve
+    ranks with ``gpu_staging``; ``cuda_ipc=False`` reads through the transport).
+    ``trace`` as for :func:`serve`."""
     return _run(_ferry._fetch, "fetch", check, store, token, rank, timeout, rendezvous_timeout, on_report,
                 trainer=str(trainer),
                 inference=str(inference), model=_path(model), checkpoint=_path(checkpoint), output=_path(output),
                 job=str(job), mode=str(mode), checksums=bool(checksums), first_version=int(first_version),
-                syncs=int(syncs), device=str(device), cuda_ipc=bool(cuda_ipc))
+                syncs=int(syncs), device=str(device), cuda_ipc=bool(cuda_ipc), trace=_path(trace))

@@ -87,6 +87,8 @@ std::function<int()> setup_bench(CLI::App& app) {
   app.add_option("--mpirun", b->mpirun, "mpirun executable");
   app.add_option("--mpi-mca", b->mpi_mca, "MCA options replacing the default (\"--mca pml ob1 --mca btl self,vader\")");
   app.add_option("--timeout-ms", b->timeout_ms, "bound on each wait")->check(number_in(1, 1 << 30));
+  app.add_option("--trace", b->trace,
+                 "write every rank's trace of every sync step to FILE (Chrome trace-event JSON; docs/trace.md)");
   app.add_flag("!--no-in-place", b->in_place,
                "trainer weights in ordinary memory, every byte packed into staging (default: in a transport region, "
                "served in place)");

@@ -328,6 +328,8 @@ int run_demo_cmd(tools::DemoSpec d, int kill_sync, int kill_point, bool model_gi
     return recovered ? 0 : 1;
   }
   if (!r.error.empty()) std::fprintf(stderr, "ferry demo: %s\n", r.error.c_str());
+  if (!d.trace.empty()) std::printf("demo: trace of every rank's syncs in %s (ferry trace %s --plot OUT.png)\n",
+                                    d.trace.c_str(), d.trace.c_str());
   std::printf("%s in %.1f s\n", r.all_verified ? "demo: every consumer verified bit for bit at every sync it took part in"
                                                : "demo: FAILED",
               secs);
@@ -383,6 +385,9 @@ std::function<int()> setup_demo(CLI::App& app) {
                                "how long a producer waits for a silent reader before dropping it (default 20000)")
                     ->check(number_in(100, 1 << 30));
                 app.add_flag("-v,--verbose", d->verbose, "per-rank phase times");
+                app.add_option("--trace", d->trace,
+                               "write every rank's trace of every sync to FILE (Chrome trace-event JSON: open in "
+                               "Perfetto; `ferry trace FILE --plot OUT.png`; docs/trace.md)");
                 auto hosts = std::make_shared<int>(0);
                 auto link = std::make_shared<std::string>();
                 app.add_option("--hosts", *hosts,
@@ -409,7 +414,7 @@ std::function<int()> setup_demo(CLI::App& app) {
 // The options of `ferry worker --bench` (the rest are the demo's).
 constexpr const char* kBenchWorkerOptions[] = {"--role",  "--rank", "--model", "--trainer", "--inference", "--store",
                                                "--job",   "--mode", "--seed",  "--timeout-ms", "--tls",     "--in-place",
-                                               "--bench", "--help"};
+                                               "--trace", "--bench", "--help"};
 
 std::function<int()> setup_worker(CLI::App& app) {
   app.group("");  // hidden
@@ -435,6 +440,7 @@ std::function<int()> setup_worker(CLI::App& app) {
   auto timeout = app.add_option("--timeout-ms", w->timeout_ms)->check(number_in(1, 1 << 30));
   app.add_option("--lease-ttl-ms", w->lease_ttl_ms)->check(number_in(10, 1 << 30));
   app.add_option("--go-timeout-ms", w->go_timeout_ms)->check(number_in(1, 1 << 30));
+  app.add_option("--trace", w->trace);  // this process's trace file (DemoSpec::trace)
   auto pauses = std::make_shared<std::string>();
   app.add_option("--pause-at", *pauses);  // VERSION:POINT,...: SIGSTOP itself there
   // --bench: a rank of `ferry bench` (run_bench_worker) instead, which takes of the
@@ -466,6 +472,7 @@ std::function<int()> setup_worker(CLI::App& app) {
       bench->job = w->job;
       bench->mode = w->mode;
       bench->seed = w->seed;
+      bench->trace = w->trace;
       if (timeout->count() > 0) bench->timeout_ms = w->timeout_ms;
       return tools::run_bench_worker(*bench);
     }

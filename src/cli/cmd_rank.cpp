@@ -33,6 +33,9 @@ void add_common(CLI::App& app, tools::RankSpec& s) {
   app.add_option("--rendezvous-timeout", s.rendezvous_ms, "Bound on waiting for every rank to start, in ms")
       ->default_val(120000)
       ->check(number_in(1, 1 << 30));
+  app.add_option("--trace", s.trace,
+                 "Write this rank's trace of every sync to FILE (Chrome trace-event JSON for Perfetto; \"{rank}\" "
+                 "is replaced by the rank; `ferry trace` merges, summarises and plots; docs/trace.md)");
 }
 
 std::function<int()> setup_serve(CLI::App& app) {
@@ -67,7 +70,7 @@ std::function<int()> setup_fetch(CLI::App& app) {
       ->default_val("cpu");
   app.add_flag("!--no-cuda-ipc", s->cuda_ipc,
                "With --device cuda:N: read through the transport even from serve ranks of this host that stage in "
-               "GPU memory (default: copy device to device by CUDA IPC; via_cuda_ipc_bytes says how much)");
+               "GPU memory (default: copy device to device by CUDA IPC; received_via_cuda_ipc says how much)");
   return [s] { return tools::run_fetch(*s); };
 }
 

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/command.h"
+#include "cli/plot.h"
 #include "simulate/cluster.h"
 #include "simulate/simulate.h"
 #include "simulate/workload.h"
@@ -54,15 +55,6 @@ uint64_t peak_rss_bytes() {
 // The --plot picture: NIC receive utilisation over time, drawn by Debian's matplotlib
 // (python3-matplotlib) from the JSON result; ferry itself carries no plotting code.
 constexpr const char* kPlotScript = R"PY(
-import json, sys
-try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-except ImportError:
-    sys.exit(3)  # ferry names the package
-if len(sys.argv) < 3:
-    sys.exit(0)
 r = json.load(open(sys.argv[1]))
 fig, ax = plt.subplots(figsize=(9, 4.5))
 dt = r["timeline"]["bin_seconds"]
@@ -79,17 +71,7 @@ fig.tight_layout()
 fig.savefig(sys.argv[2], dpi=120)
 )PY";
 
-Status run_python(const std::vector<std::string>& args) {
-  tools::ProcessSpec spec;
-  spec.argv = {"/usr/bin/python3", "-c", kPlotScript};
-  spec.argv.insert(spec.argv.end(), args.begin(), args.end());
-  spec.name = "python3 (--plot)";
-  FERRY_ASSIGN_OR_RETURN(auto child, tools::spawn(spec));
-  const int code = tools::reap(child, std::chrono::seconds(60));
-  if (code == 3) return failed_precondition("--plot needs matplotlib: apt-get install python3-matplotlib");
-  if (code != 0) return io_error("--plot: /usr/bin/python3 with matplotlib exited with {} drawing the picture", code);
-  return Status::Ok();
-}
+Status run_python(const std::vector<std::string>& args) { return run_plot_script(kPlotScript, args, "--plot"); }
 
 std::string gb(double b) { return fmt::format("{:.2f} GB", b / 1e9); }
 

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "engine/clock.h"
+#include "engine/sync_trace.h"
 #include "engine/cuda_ipc.h"
 #include "ferry/device.h"
 #include "engine/in_place.h"
@@ -116,6 +117,8 @@ struct Consumer::Impl {
   // synced (so not a late message): producer -> that version. mu.
   std::map<int, uint64_t> behind;
   std::set<uint64_t> mismatched;  // versions producers served when ours differed (the last 64); mu
+  SyncTrace trace;        // this sync's events (the unpack worker records too); rep's sums come from it
+  SyncReport last;        // last_report(): the last sync's report, failed or not
   // The unpack + post-processing thread (unpack_worker.h). Last: destroyed first.
   std::unique_ptr<UnpackWorker> worker;
 
@@ -621,6 +624,7 @@ struct Consumer::Impl {
       }
       FERRY_ASSIGN_OR_RETURN(int s, acquire_slot(g));
       point(g, 0);
+      const auto tg = Clock::now();
       const uint64_t base = static_cast<uint64_t>(s) * slot_bytes;
       std::map<int, Arrival> got;
       if (opts.mode == SyncMode::kPull) {
@@ -632,13 +636,13 @@ struct Consumer::Impl {
         for (int p : from) {
           if (in_v.count(p)) FERRY_RETURN_IF_ERROR(post(g, p, base, kInPlaceToRing, nullptr, ops[p]));
         }
-        rep.read_seconds += seconds_since(tr0);
+        trace.record(TracePhase::kRead, g, -1, tr0, Clock::now());
         std::set<int> remaining = from;
         bool posted = false;
         while (!remaining.empty()) {
           auto tw = Clock::now();
           FERRY_ASSIGN_OR_RETURN(auto pm, await_working(v, g, remaining, backlog, ahead));
-          rep.wait_seconds += seconds_since(tw);
+          trace.record(TracePhase::kWait, g, pm.first, tw, Clock::now());
           const int p = pm.first;
           got[p] = pm.second;
           remaining.erase(p);
@@ -664,7 +668,7 @@ struct Consumer::Impl {
                   backlog.by_group[g2].push_back(Backlog::Item{p, &sr, 0});
             }
           }
-          rep.read_seconds += seconds_since(tr1);
+          trace.record(TracePhase::kRead, g, p, tr1, Clock::now());
         }
         // This group's in-place bytes: post what is left of them, wait for all.
         auto tr2 = Clock::now();
@@ -682,7 +686,7 @@ struct Consumer::Impl {
           }
         }
         ops.clear();
-        rep.read_seconds += seconds_since(tr2);
+        trace.record(TracePhase::kRead, g, -1, tr2, Clock::now());
       } else {
         if (gs.direct) param_set->touch();  // producers write into params from here on: a failure now leaves us torn
         for (int p : from) {
@@ -699,12 +703,9 @@ struct Consumer::Impl {
           remaining.erase(pm.first);
           --unanswered[pm.first];  // PUSHED: its writes of (v, g) ended (flushed before it was sent)
         }
-        rep.wait_seconds += seconds_since(tw);
+        trace.record(TracePhase::kWait, g, -1, tw, Clock::now());
       }
-      rep.bytes_received += gs.received;
-      rep.received_into_params += gs.direct;
-      rep.received_via_cuda_ipc = ipc_bytes;
-      for (const auto& [p, b] : gs.received_from) rep.bytes_per_peer[p] += b;
+      record_receives(trace, g, gs, ipc_active, tg, Clock::now());
       if (ipc_active) {
         // Checksums (the producers' option) are verified on the host: the slot first.
         bool any = false;
@@ -882,6 +883,16 @@ struct Consumer::Impl {
     unanswered.clear();
     SyncReport rep;
     rep.version = v;
+    trace.begin(t0);
+    // The report's sums from the trace; kept for last_report() whatever the outcome.
+    auto finish_report = [&](const Status& st) {
+      if (rep.seconds == 0) rep.seconds = seconds_since(t0);
+      rep.status = st;
+      rep.trace = trace.take();
+      rep.start_unix_ns = trace.start_unix_ns();
+      derive_report_sums(rep);
+      last = rep;
+    };
     if (opts.before_sync) opts.before_sync(v);
     {
       std::lock_guard<std::mutex> lk(mu);
@@ -942,8 +953,7 @@ struct Consumer::Impl {
           s = w;
           break;
         }
-        rep.bytes_received = rep.received_into_params = rep.received_via_cuda_ipc = 0;
-        rep.bytes_per_peer.clear();
+        trace.new_attempt(false);
         continue;
       }
       if (failed_p < 0) break;
@@ -954,8 +964,7 @@ struct Consumer::Impl {
         s = f;
         break;
       }
-      rep.bytes_received = rep.received_into_params = rep.received_via_cuda_ipc = 0;
-      rep.bytes_per_peer.clear();
+      trace.new_attempt(false);
     }
     // On failure, let the background thread finish what it holds, then tell producers we gave up.
     if (!s.ok()) worker->clear(opts.timeout);
@@ -973,13 +982,13 @@ struct Consumer::Impl {
         }
         if (ok) send_to(p, Abort{me(), v, routes_hash});
       }
-      if (Status w = wait_aborted_writes(v); !w.ok()) return Status(s.code(), fmt::format("{}; {}", s.message(), w.message()));
+      if (Status w = wait_aborted_writes(v); !w.ok()) s = Status(s.code(), fmt::format("{}; {}", s.message(), w.message()));
+      finish_report(s);
       return s;
     }
-    rep.unpack_seconds = worker->unpack_seconds();
-    rep.post_seconds = worker->post_seconds();
     param_set->finish(v);
     lk.unlock();
+    const auto tc = Clock::now();
     std::vector<Completion> dones;
     for (int p = 0; p < opts.num_producers; ++p) {
       bool ok;
@@ -999,8 +1008,10 @@ struct Consumer::Impl {
     // would count this consumer as having missed a version it holds. Bounded; a producer
     // that died meanwhile does not matter here.
     wait_all(dones, std::min<std::chrono::milliseconds>(opts.timeout, std::chrono::milliseconds(2000))).ignore();
+    trace.record(TracePhase::kCommit, -1, -1, tc, Clock::now());
     rep.seconds = seconds_since(t0);
     rep.memory = memory_use();
+    finish_report(Status::Ok());
     if (opts.after_sync) opts.after_sync(v);
     return rep;
   }
@@ -1009,6 +1020,7 @@ struct Consumer::Impl {
 Consumer::Consumer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Consumer::~Consumer() = default;
 Result<SyncReport> Consumer::sync(uint64_t version) { return impl_->sync(version); }
+const SyncReport& Consumer::last_report() const { return impl_->last; }
 ConsumerState Consumer::state() const { return impl_->param_set->state(); }
 const TensorMap& Consumer::params() const { return impl_->param_set->committed(); }
 const Routes& Consumer::routes() const { return impl_->routes; }
@@ -1108,7 +1120,7 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
       [self](const UnpackWorker::Job& j) {
         if (self->opts.after_group) self->opts.after_group(j.version, j.group);
       },
-      [self] { self->wake(); });
+      [self] { self->wake(); }, &m.trace);
   m.worker->start();
   // Push: where producers may write into params. In the lease (not in each READY) because
   // it is fixed for the instance's life and producers derive every write from it and

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "engine/clock.h"
+#include "engine/sync_trace.h"
 #include "engine/in_place.h"
 #include "engine/protocol.h"
 #include "engine/push_writes.h"
@@ -105,6 +106,7 @@ struct Producer::Impl {
   std::map<int, int> pushes_inflight;
   std::map<int, std::pair<uint64_t, uint64_t>> flushed_owed;
   SyncReport report;
+  SyncTrace trace;  // this sync's events; report's sums are derived from it at the end
   std::map<int, std::string> drop_reason;  // consumer -> why it was dropped (told with DROPPED); mu
   Status local_failure;  // see note_local_failure; mu
 
@@ -228,10 +230,9 @@ struct Producer::Impl {
     if (sl.pending.erase(c)) {
       sl.last_release = Clock::now();
       const ProducerGroupSchedule& gs = schedule.groups[static_cast<size_t>(sl.group)];
-      const uint64_t b = served(gs.served, cls(c));
-      report.bytes_sent += b;
-      report.sent_in_place += served(gs.served_in_place, cls(c));
-      report.bytes_per_peer[c] += b;
+      const uint64_t b = served(gs.served, cls(c)), ip = served(gs.served_in_place, cls(c));
+      if (b > ip || ip == 0) trace.record(TracePhase::kSend, sl.group, c, sl.since, *sl.last_release, TraceLane::kTransport, b - ip);
+      if (ip > 0) trace.record(TracePhase::kSend, sl.group, c, sl.since, *sl.last_release, TraceLane::kInPlace, ip);
       cv.notify_all();
     }
   }
@@ -266,6 +267,7 @@ struct Producer::Impl {
   // Push: posts the writes of slot s for consumer c into its receive slot `rslot` and
   // params. Called without mu.
   void start_push(int s, int c, uint32_t rslot, int g, uint64_t v) {
+    const auto t_push = Clock::now();
     std::vector<PushWrite> mine;
     std::vector<RemoteRegion> into;
     PeerId id;
@@ -305,9 +307,10 @@ struct Producer::Impl {
       failed(st);
       push_done(c);
     };
-    auto finish = [this, s, c, g, v, id, rslot, checksum, hash, fail]() {
-      auto fl = transport.flush(id, [this, s, c, g, v, id, rslot, checksum, hash, fail](const Status& st) {
+    auto finish = [this, s, c, g, v, id, rslot, checksum, hash, fail, t_push]() {
+      auto fl = transport.flush(id, [this, s, c, g, v, id, rslot, checksum, hash, fail, t_push](const Status& st) {
         if (!st.ok()) return fail(st);
+        trace.record(TracePhase::kPushWrite, g, c, t_push, Clock::now());
         // routes: the ones the bytes were laid out by, whatever this producer runs now.
         const Pushed m{static_cast<uint32_t>(rank), v, g, hash, rslot, checksum};
         auto sent = transport.send(id, kEngineTag, encode_message(m));
@@ -731,7 +734,7 @@ struct Producer::Impl {
       const size_t s = static_cast<size_t>(g % staging->slots());
       auto tw = Clock::now();
       FERRY_RETURN_IF_ERROR(wait_slot(s, true));
-      report.wait_seconds += seconds_since(tw);
+      trace.record(TracePhase::kWait, g, -1, tw, Clock::now());
       if (check_restart()) {
         *restarted = true;
         return Status::Ok();
@@ -739,7 +742,7 @@ struct Producer::Impl {
       if (opts.test_hooks && opts.test_hooks->before_materialize) opts.test_hooks->before_materialize(v, g);
       auto tm = Clock::now();
       auto boxes = source.materialize(g);
-      report.materialize_seconds += seconds_since(tm);
+      trace.record(TracePhase::kMaterialize, g, -1, tm, Clock::now());
       if (!boxes.ok()) return boxes.status().with_context(fmt::format("producer {} materialize group {}", rank, g));
       auto tp = Clock::now();
       auto packed = staging->pack(schedule, g, s, *boxes);
@@ -749,7 +752,7 @@ struct Producer::Impl {
           !grp.segments.empty() && grp.segments[0].bytes) {
         staging->slot(s)[grp.segments[0].offset] ^= std::byte{0x40};
       }
-      report.pack_seconds += seconds_since(tp);
+      trace.record(TracePhase::kPack, g, -1, tp, Clock::now());
       std::vector<std::pair<int, uint32_t>> to_push;
       std::vector<std::pair<int, PeerId>> to_announce;
       {
@@ -774,6 +777,7 @@ struct Producer::Impl {
           }
         }
       }
+      const auto ta = Clock::now();
       for (auto [c, id] : to_announce) {
         Announce m{static_cast<uint32_t>(rank), v, g, hash, staging->slot_offset(s), std::nullopt};
         if (opts.checksums) m.checksum = sums[cls(c)];
@@ -782,6 +786,7 @@ struct Producer::Impl {
           drop_locked(c, "announce failed: " + sent.to_string(), nullptr);
         }
       }
+      if (!to_announce.empty()) trace.record(TracePhase::kAnnounce, g, -1, ta, Clock::now());
       {
         std::lock_guard<std::mutex> lk(mu);
         if (!local_failure.ok()) return local_failure;
@@ -790,7 +795,7 @@ struct Producer::Impl {
     }
     auto tw = Clock::now();
     for (size_t s = 0; s < slots.size(); ++s) FERRY_RETURN_IF_ERROR(wait_slot(s, true));
-    report.wait_seconds += seconds_since(tw);
+    trace.record(TracePhase::kWait, -1, -1, tw, Clock::now());
     if (check_restart()) *restarted = true;
     return Status::Ok();
   }
@@ -801,6 +806,7 @@ struct Producer::Impl {
       std::lock_guard<std::mutex> lk(mu);
       report = SyncReport{};
       report.version = v;
+      trace.begin(t0);
       restart = false;
       local_failure = Status::Ok();
       consumer_hash.clear();
@@ -869,6 +875,7 @@ struct Producer::Impl {
         // consumer that fails over late still finds this producer; bounded by the stall
         // timeout (a slow consumer is not dropped for it).
         std::unique_lock<std::mutex> lk(mu);
+        const auto tc = Clock::now();
         const auto deadline = Clock::now() + opts.stall_timeout;
         auto all_done = [&] {
           for (int c = 0; c < opts.num_consumers; ++c) {
@@ -880,8 +887,10 @@ struct Producer::Impl {
           if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline) break;
         }
         restarted = restart && restart_hash != routes_hash;
+        trace.record(TracePhase::kCommit, -1, -1, tc, Clock::now());
       }
       if (!failure.ok() || !restarted) break;
+      trace.new_attempt(true);
       if (tries > opts.num_producers) {
         failure = internal_error("producer {}: sync {} restarted {} times", rank, v, tries);
         break;
@@ -922,6 +931,9 @@ struct Producer::Impl {
     report.seconds = seconds_since(t0);
     report.status = failure;
     report.memory = memory_use();
+    report.trace = trace.take();
+    report.start_unix_ns = trace.start_unix_ns();
+    derive_report_sums(report);
     if (!failure.ok()) return failure;
     return report;
   }
@@ -932,6 +944,7 @@ Producer::~Producer() = default;
 const Routes& Producer::routes() const { return impl_->routes; }
 int Producer::rank() const { return impl_->rank; }
 Result<SyncReport> Producer::sync(uint64_t version) { return impl_->sync(version); }
+const SyncReport& Producer::last_report() const { return impl_->report; }
 
 Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transport& transport, Store& store,
                                                    const ProducerOptions& options) {

@@ -7,9 +7,9 @@
 namespace ferry::engine {
 
 UnpackWorker::UnpackWorker(int slots, std::function<Status(const Job&)> unpack, std::function<Status(const Job&)> post,
-                           std::function<void(const Job&)> done, std::function<void()> changed)
+                           std::function<void(const Job&)> done, std::function<void()> changed, SyncTrace* trace)
     : unpack_(std::move(unpack)), post_(std::move(post)), done_(std::move(done)), changed_(std::move(changed)),
-      slot_busy_(static_cast<size_t>(slots), false) {}
+      slot_busy_(static_cast<size_t>(slots), false), trace_(trace) {}
 
 UnpackWorker::~UnpackWorker() {
   {
@@ -34,11 +34,10 @@ void UnpackWorker::loop() {
       busy_ = true;
     }
     Status s;
-    double tu = 0, tp = 0;
     if (job.slot >= 0) {
       auto t = Clock::now();
       s = unpack_(job);
-      tu = seconds_since(t);
+      if (trace_) trace_->record(TracePhase::kUnpack, job.group, -1, t, Clock::now());
       {
         std::lock_guard<std::mutex> lk(mu_);
         slot_busy_[static_cast<size_t>(job.slot)] = false;
@@ -49,13 +48,11 @@ void UnpackWorker::loop() {
     if (s.ok()) {
       auto t = Clock::now();
       s = post_(job);
-      tp = seconds_since(t);
+      if (trace_) trace_->record(TracePhase::kPost, job.group, -1, t, Clock::now());
     }
     if (s.ok() && done_) done_(job);
     {
       std::lock_guard<std::mutex> lk(mu_);
-      unpack_seconds_ += tu;
-      post_seconds_ += tp;
       if (!s.ok() && status_.ok()) status_ = s;
       busy_ = false;
       cv_.notify_all();
@@ -107,7 +104,6 @@ void UnpackWorker::reset(std::chrono::milliseconds timeout) {
   wait_idle_locked(lk, timeout);
   jobs_.clear();
   status_ = Status::Ok();
-  unpack_seconds_ = post_seconds_ = 0;
   std::fill(slot_busy_.begin(), slot_busy_.end(), false);
 }
 
@@ -119,14 +115,6 @@ void UnpackWorker::interrupt() {
 Status UnpackWorker::status() const {
   std::lock_guard<std::mutex> lk(mu_);
   return status_;
-}
-double UnpackWorker::unpack_seconds() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return unpack_seconds_;
-}
-double UnpackWorker::post_seconds() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return post_seconds_;
 }
 
 }  // namespace ferry::engine

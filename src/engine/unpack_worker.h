@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine/sync_trace.h"
 #include "ferry/status.h"
 
 namespace ferry::engine {
@@ -31,9 +32,10 @@ class UnpackWorker {
   };
   // `unpack(job)` runs for jobs with a slot, which is freed right after; then, unless it
   // failed, `post(job)`, then (untimed; the consumer's after_group hook) `done(job)`.
-  // All run on the worker thread. Times of unpack and post are summed per attempt.
+  // All run on the worker thread. Each unpack and post is recorded in `trace` (kUnpack,
+  // kPost; the caller's, alive longer than the worker) when given.
   UnpackWorker(int slots, std::function<Status(const Job&)> unpack, std::function<Status(const Job&)> post,
-               std::function<void(const Job&)> done, std::function<void()> changed);
+               std::function<void(const Job&)> done, std::function<void()> changed, SyncTrace* trace = nullptr);
   ~UnpackWorker();  // stops after the current job and joins
   UnpackWorker(const UnpackWorker&) = delete;
   UnpackWorker& operator=(const UnpackWorker&) = delete;
@@ -48,14 +50,12 @@ class UnpackWorker {
   // Waits until every queued job ran or one failed: the first failure, or kTimeout.
   Status drain(std::chrono::milliseconds timeout, const std::string& who);
   // clear(): waits (at most `timeout`) until idle, then drops queued jobs. reset(): the
-  // same, and frees every slot and forgets the failure and the phase times (a new attempt).
+  // same, and frees every slot and forgets the failure (a new attempt).
   void clear(std::chrono::milliseconds timeout);
   void reset(std::chrono::milliseconds timeout);
   void interrupt();  // wakes acquire()
 
   Status status() const;  // OK, or the first failure since reset()
-  double unpack_seconds() const;
-  double post_seconds() const;
 
  private:
   void loop();
@@ -71,7 +71,7 @@ class UnpackWorker {
   bool busy_ = false;
   bool stop_ = false;
   Status status_;
-  double unpack_seconds_ = 0, post_seconds_ = 0;
+  SyncTrace* const trace_;
   std::thread thread_;
 };
 

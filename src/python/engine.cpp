@@ -23,7 +23,9 @@
 #include "ferry/source.h"
 #include "ferry/store.h"
 #include "ferry/transport.h"
+#include "engine/report_json.h"
 #include "python/common.h"
+#include "python/json.h"
 
 namespace ferry::python {
 
@@ -323,43 +325,17 @@ std::unique_ptr<Store> open_store(const std::string& url, const py::dict& kw) {
   return value_or_raise(Store::open(url, so));
 }
 
-py::dict report_dict(const SyncReport& r) {
-  py::dict d;
-  d["version"] = r.version;
-  d["ok"] = r.ok();  // this side finished and (producer) every consumer it serves committed
-  d["missed"] = r.missed;
-  d["error"] = r.status.ok() ? py::object(py::none()) : py::object(py::str(r.status.to_string()));
-  d["bytes_sent"] = r.bytes_sent;          // producer
-  d["sent_in_place"] = r.sent_in_place;
-  d["bytes_received"] = r.bytes_received;  // consumer
-  d["received_into_params"] = r.received_into_params;
-  d["received_via_cuda_ipc"] = r.received_via_cuda_ipc;
-  d["bytes"] = r.bytes_sent + r.bytes_received;  // this side's bytes (one of the two is zero)
-  d["seconds"] = r.seconds;
-  d["materialize_seconds"] = r.materialize_seconds;
-  d["pack_seconds"] = r.pack_seconds;
-  d["wait_seconds"] = r.wait_seconds;
-  d["read_seconds"] = r.read_seconds;
-  d["unpack_seconds"] = r.unpack_seconds;
-  d["post_seconds"] = r.post_seconds;
-  py::dict peers;
-  for (const auto& [peer, bytes] : r.bytes_per_peer) peers[py::int_(peer)] = bytes;
-  d["bytes_per_peer"] = peers;
-  d["dropped"] = r.dropped;
-  d["failures"] = r.failures;
-  // This rank's extra memory by kind (bytes; MemoryUse): extra = rings + metadata +
-  // transport allowance; registered_in_place and own_params are not extra.
-  const MemoryUse& m = r.memory;
-  py::dict mem;
-  mem["staging_ring"] = m.staging_ring;
-  mem["receive_ring"] = m.receive_ring;
-  mem["metadata"] = m.metadata;
-  mem["transport_allowance"] = m.transport_allowance;
-  mem["extra"] = m.extra();
-  mem["registered_in_place"] = m.registered_in_place;
-  mem["own_params"] = m.own_params;
-  d["memory"] = mem;
+// The report as the CLI prints it (engine/report_json.h: one serialiser, the same keys),
+// with "text" (SyncReport::to_string). `trace`: a path (str; ferry._engine passes os.fspath) or None:
+// write the sync's trace there (Chrome trace-event JSON, tools/trace_file.h).
+py::dict report_dict(const SyncReport& r, bool producer, int rank, const py::object& trace) {
+  py::dict d = json_to_python(engine::sync_report_json(r)).cast<py::dict>();
   d["text"] = r.to_string();
+  if (!trace.is_none()) {
+    engine::TraceFile f(trace.cast<std::string>());
+    f.add(producer, rank, r);
+    check(f.write());
+  }
   return d;
 }
 
@@ -519,6 +495,14 @@ void register_engine(py::module_& m) {
         return boxes;
       });
   m.def("_transport_backends", [] { return Transport::backends(); });
+  // The keys of every report (engine/report_json.h), for the tests that check that the
+  // reports of the CLI, ferry.serve/fetch and Producer/Consumer.sync agree.
+  m.def("_report_keys", [] {
+    py::list keys;
+    const nlohmann::json report = engine::sync_report_json(SyncReport{});
+    for (const auto& [k, v] : report.items()) keys.append(py::str(k));
+    return keys;
+  });
   m.def("_committed_versions", [](const std::string& url, const py::dict& kw, const std::string& job, int n) {
     auto store = open_store(url, kw);
     auto r = [&] {
@@ -585,15 +569,16 @@ void register_engine(py::module_& m) {
         p->producer = value_or_raise(std::move(made));
         return p;
       }))
-      .def("sync", [](PyProducer& p, uint64_t version) {
+      .def("sync", [](PyProducer& p, uint64_t version, const py::object& trace) {
         if (!p.producer) throw_status(failed_precondition("Producer.sync: the producer is closed"));
         Result<SyncReport> r = Status(StatusCode::kInternal, "not run");
         {
           py::gil_scoped_release release;
           r = p.producer->sync(version);
         }
-        return report_dict(value_or_raise(std::move(r)));
-      })
+        if (!r.ok() && !trace.is_none()) report_dict(p.producer->last_report(), true, p.producer->rank(), trace);
+        return report_dict(value_or_raise(std::move(r)), true, p.producer->rank(), trace);
+      }, py::arg("version"), py::arg("trace") = py::none())
       .def_property_readonly("rank", [](const PyProducer& p) { return p.producer ? p.producer->rank() : -1; })
       .def("close", &PyProducer::close);
 
@@ -683,7 +668,7 @@ void register_engine(py::module_& m) {
         c->consumer = value_or_raise(std::move(made));
         return c;
       })
-      .def("sync", [](PyConsumer& c, uint64_t version) {
+      .def("sync", [](PyConsumer& c, uint64_t version, const py::object& trace) {
         if (!c.consumer) throw_status(failed_precondition("Consumer.sync: the consumer is closed"));
         // The caller's work that reads its CUDA params (inference) finishes before ferry
         // overwrites them; ferry's unpack is done when sync returns.
@@ -699,10 +684,11 @@ void register_engine(py::module_& m) {
         }
         // A hook that raised fails the sync with its own error (the engine's, if any, first).
         Status hook = c.hook_errors->take();
+        if (!r.ok() && !trace.is_none()) report_dict(c.consumer->last_report(), false, c.consumer->rank(), trace);
         SyncReport rep = value_or_raise(std::move(r));
         if (!hook.ok()) throw_status(std::move(hook));
-        return report_dict(rep);
-      })
+        return report_dict(rep, false, c.consumer->rank(), trace);
+      }, py::arg("version"), py::arg("trace") = py::none())
       .def("state", [](const PyConsumer& c) {
         ConsumerState s = c.consumer->state();
         py::dict d;

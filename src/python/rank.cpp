@@ -13,32 +13,12 @@
 #include <nlohmann/json.hpp>
 
 #include "python/common.h"
+#include "python/json.h"
 #include "tools/rank_entry.h"
 
 namespace ferry::python {
 
 namespace {
-
-py::object to_python(const nlohmann::json& j) {
-  switch (j.type()) {
-    case nlohmann::json::value_t::object: {
-      py::dict d;
-      for (const auto& [k, v] : j.items()) d[py::str(k)] = to_python(v);
-      return d;
-    }
-    case nlohmann::json::value_t::array: {
-      py::list l;
-      for (const auto& v : j) l.append(to_python(v));
-      return l;
-    }
-    case nlohmann::json::value_t::string: return py::str(j.get<std::string>());
-    case nlohmann::json::value_t::boolean: return py::bool_(j.get<bool>());
-    case nlohmann::json::value_t::number_integer: return py::int_(j.get<int64_t>());
-    case nlohmann::json::value_t::number_unsigned: return py::int_(j.get<uint64_t>());
-    case nlohmann::json::value_t::number_float: return py::float_(j.get<double>());
-    default: return py::none();
-  }
-}
 
 template <typename T>
 void take(const py::dict& spec, const char* key, T& field) {
@@ -66,6 +46,7 @@ tools::RankSpec spec_from(const py::dict& d) {
   take(d, "syncs", s.syncs);
   take(d, "timeout_ms", s.timeout_ms);
   take(d, "rendezvous_ms", s.rendezvous_ms);
+  take(d, "trace", s.trace);
   return s;
 }
 
@@ -82,7 +63,7 @@ py::list run(bool producer, const py::dict& d, const py::object& on_report) {
       py::gil_scoped_acquire gil;
       if (raised) return;
       try {
-        on_report(to_python(tools::rank_report_json(r)));
+        on_report(json_to_python(tools::rank_report_json(r)));
       } catch (py::error_already_set& e) {
         raised.emplace(std::move(e));
       }
@@ -95,7 +76,7 @@ py::list run(bool producer, const py::dict& d, const py::object& on_report) {
   if (raised) throw std::move(*raised);
   if (!reports->ok()) throw_status(reports->status());
   py::list out;
-  for (const auto& r : **reports) out.append(to_python(tools::rank_report_json(r)));
+  for (const auto& r : **reports) out.append(json_to_python(tools::rank_report_json(r)));
   return out;
 }
 

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -19,10 +20,12 @@
 #include "engine/registered_buffer.h"
 #include "engine/schedule.h"
 #include "ferry/engine.h"
+#include "engine/report_json.h"
 #include "tools/broadcast.h"
 #include "tools/job_model.h"
 #include "tools/proc_memory.h"
 #include "tools/subprocess.h"
+#include "tools/trace_file.h"
 
 namespace ferry::tools {
 namespace {
@@ -162,6 +165,8 @@ int run_bench_worker(const BenchWorkerSpec& s) {
   auto transport = Transport::create(worker_transport_options("ucx", s.tls));
   if (!transport.ok()) return bench_worker_fail(s, transport.status());
   Transport& tr = **transport;
+  std::optional<TraceFile> trace;
+  if (!s.trace.empty()) trace.emplace(s.trace);
   EngineOptions eo;
   eo.job = s.job;
   eo.num_producers = model->trainer.world_size();
@@ -339,21 +344,19 @@ int run_bench_worker(const BenchWorkerSpec& s) {
     const int64_t t0 = mono_ns();
     if (kind == "sync") {
       Result<SyncReport> rep = producer ? producer->sync(v) : consumer->sync(v);
-      out["end_ns"] = mono_ns();
-      out["ok"] = rep.ok();
-      if (rep.ok()) {
-        out["bytes"] = rep->bytes_sent + rep->bytes_received;  // this rank's side: sent or received
-        out["direct_bytes"] = rep->sent_in_place + rep->received_into_params;
-        out["phases"] = {{"materialize", rep->materialize_seconds}, {"pack", rep->pack_seconds},
-                         {"wait", rep->wait_seconds},               {"read", rep->read_seconds},
-                         {"unpack", rep->unpack_seconds},           {"post", rep->post_seconds}};
-        if (!rep->failures.empty()) out["failures"] = rep->failures;
-        // The engine's share (its MemoryUse) apart from the bench's own buffers and from
-        // the weights / params the rank holds.
-        out["memory"] = memory_use_json(rep->memory);
-      } else {
-        out["error"] = rep.status().to_string();
+      const int64_t t_end = mono_ns();
+      // The engine's report (engine/report_json.h; its "memory" is the engine's share
+      // apart from the bench's own buffers and the weights / params the rank holds),
+      // failed or not, with the bench's keys.
+      const SyncReport& last = producer ? producer->last_report() : consumer->last_report();
+      out.update(engine::sync_report_json(last));
+      if (trace) {
+        trace->add(producer != nullptr, s.rank, last);
+        if (Status w = trace->write(); !w.ok()) return bench_worker_fail(s, w);
       }
+      out["end_ns"] = t_end;
+      out["ok"] = rep.ok();
+      if (!rep.ok()) out["error"] = rep.status().to_string();
     } else if (kind == "raw" && consumer && eo.mode == SyncMode::kPull) {
       // The engine's read pattern without its protocol: per group, per producer, that
       // producer's reads posted together and waited for, into the same ring slot.
@@ -720,6 +723,7 @@ BenchResult run_bench(const BenchSpec& b) {
                                      "--store", (*server)->url(), "--job", job, "--tls", b.tls, "--mode", b.mode, "--seed",
                                      std::to_string(b.seed), "--timeout-ms", std::to_string(b.timeout_ms),
                                      "--in-place", b.in_place ? "1" : "0"};
+    if (!b.trace.empty()) args.insert(args.end(), {"--trace", fmt::format("{}/{}{}.trace.json", dir, role, rank)});
     auto p = spawn_proc(std::move(args), fmt::format("{} {}", role, rank), fmt::format("{}/{}{}.log", dir, role, rank));
     if (!p.ok()) return kill_all(), fail(p.status().to_string());
     procs.push_back(*p);
@@ -870,17 +874,19 @@ BenchResult run_bench(const BenchSpec& b) {
     nlohmann::json ph = nlohmann::json::object();
     for (size_t i = 0; i < ranks.size(); ++i) {
       const auto& j = sy->results[i];
-      if (!j.contains("phases")) continue;
-      for (auto& [k, val] : j["phases"].items()) {
-        const std::string key = (ranks[i].first == "producer" ? "producer_" : "consumer_") + k;
-        ph[key] = std::max(ph.value(key, 0.0), val.get<double>());
+      for (const char* k : {"materialize", "pack", "wait", "read", "unpack", "post"}) {
+        const std::string from = std::string(k) + "_seconds";
+        if (!j.contains(from)) continue;
+        const std::string key = (ranks[i].first == "producer" ? "producer_" : "consumer_") + std::string(k);
+        ph[key] = std::max(ph.value(key, 0.0), j[from].get<double>());
       }
     }
     // Zero-copy shares: bytes producers served in place, bytes consumers read into params.
     uint64_t in_place_bytes = 0, into_params_bytes = 0;
-    for (size_t i = 0; i < ranks.size(); ++i)
-      (ranks[i].first == "producer" ? in_place_bytes : into_params_bytes) +=
-          sy->results[i].value("direct_bytes", uint64_t{0});
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      in_place_bytes += sy->results[i].value("sent_in_place", uint64_t{0});
+      into_params_bytes += sy->results[i].value("received_into_params", uint64_t{0});
+    }
     last_in_place = in_place_bytes;
     last_into_params = into_params_bytes;
     nlohmann::json tj = {{"sync_seconds", sy->seconds},    {"raw_seconds", rw->seconds},
@@ -1020,6 +1026,20 @@ BenchResult run_bench(const BenchSpec& b) {
     mem["estimate"] = estimate->json;
     mem["estimate_bytes"] = estimate->total;
     j["memory"] = mem;
+  }
+  // Every rank's report of the last sync (the same keys as every report: engine/
+  // report_json.h), with "role" and "rank".
+  j["last_sync_reports"] = nlohmann::json::array();
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    nlohmann::json r = last_sync[i];
+    r["role"] = ranks[i].first == "producer" ? "trainer" : "inference";
+    r["rank"] = ranks[i].second;
+    j["last_sync_reports"].push_back(std::move(r));
+  }
+  if (!b.trace.empty()) {
+    std::vector<std::string> parts;
+    for (size_t i = 0; i < ranks.size(); ++i) parts.push_back(fmt::format("{}/{}{}.trace.json", dir, ranks[i].first, ranks[i].second));
+    if (Status t = merge_trace_files(parts, b.trace); !t.ok()) res.error = t.with_context("ferry bench --trace").to_string();
   }
   j["cpus"] = std::thread::hardware_concurrency();
   std::ifstream la("/proc/loadavg");

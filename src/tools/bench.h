@@ -44,6 +44,9 @@ struct BenchSpec {
   // Only estimate what every process would hold (json["memory_estimate"]) and compare it
   // with MemAvailable; start nothing.
   bool estimate_only = false;
+  // Write every rank's trace of every sync step (warm-up included) to this file (Chrome
+  // trace-event JSON, tools/trace_file.h; each rank writes a part, merged at the end).
+  std::string trace;
 };
 
 // Medians of the timed trials and what they were measured on.
@@ -70,6 +73,7 @@ struct BenchWorkerSpec {
   uint64_t seed = 1;
   int timeout_ms = 60000;
   bool in_place = true;
+  std::string trace;  // this rank's trace file (BenchSpec::trace); empty: none
 };
 int run_bench_worker(const BenchWorkerSpec& spec);
 

@@ -28,6 +28,7 @@
 #include "tools/broadcast.h"
 #include "tools/job_model.h"
 #include "tools/subprocess.h"
+#include "tools/trace_file.h"
 #include "tools/transport_options.h"
 #include "tools/worker.h"
 
@@ -36,6 +37,23 @@ namespace {
 
 using engine::Clock;
 using engine::seconds_since;
+
+// Where a worker process writes its part of DemoSpec::trace.
+std::string worker_trace_part(const std::string& dir, const std::string& role, int rank, int first_version) {
+  return fmt::format("{}/{}{}-from{}.trace.json", dir, role, rank, first_version);
+}
+
+// DemoSpec::trace: every worker's part (in name order) merged into one file.
+Status merge_worker_traces(const std::string& dir, const std::string& out) {
+  std::vector<std::string> parts;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.size() > 11 && n.compare(n.size() - 11, 11, ".trace.json") == 0) parts.push_back(e.path().string());
+  }
+  std::sort(parts.begin(), parts.end());
+  return merge_trace_files(parts, out).with_context("ferry demo --trace");
+}
 
 // Starts one rank's `ferry worker` process; its log is {dir}/{role}{rank}-from{first_version}.log.
 Result<Child> spawn_worker(const DemoSpec& d, const std::string& tls, const std::string& config_path,
@@ -71,6 +89,7 @@ Result<Child> spawn_worker(const DemoSpec& d, const std::string& tls, const std:
              "--timeout-ms", std::to_string(d.rank_timeout_ms)});
   if (!pause_at.empty()) ps.argv.insert(ps.argv.end(), {"--pause-at", pause_at});
   if (d.checksums) ps.argv.push_back("--checksums");
+  if (!d.trace.empty()) ps.argv.insert(ps.argv.end(), {"--trace", worker_trace_part(dir, role, rank, first_version)});
   if (d.staging_budget) ps.argv.insert(ps.argv.end(), {"--staging-budget", std::to_string(d.staging_budget)});
   // The worker's UCX_TLS (see DemoSpec::ucx_tls); none when `tls` is empty.
   ps.env = environment_with("FERRY_UCX_TLS", tls);
@@ -515,10 +534,11 @@ DemoResult run_demo(const DemoSpec& d) {
         ps.serves = j.value("serves", std::vector<int>{});
         for (int c : j.value("missed", std::vector<int>{})) ps.missed.insert(c);
       }
-      if (d.verbose && j.contains("phases")) {
+      if (d.verbose) {
         std::string ph;
-        for (auto& [name, val] : j["phases"].items()) {
-          if (val.get<double>() > 0) ph += fmt::format(" {} {:.3f}", name, val.get<double>());
+        for (const char* name : {"materialize", "pack", "wait", "read", "unpack", "post"}) {
+          const double val = j.value(fmt::format("{}_seconds", name), 0.0);
+          if (val > 0) ph += fmt::format(" {} {:.3f}", name, val);
         }
         notes.push_back(fmt::format("{}: {:.3f} s:{}", k.substr(k.rfind('/') + 1), j.value("seconds", 0.0), ph));
       }
@@ -620,6 +640,9 @@ DemoResult run_demo(const DemoSpec& d) {
     }
   }
   kill_all();
+  if (!d.trace.empty()) {
+    if (Status t = merge_worker_traces(dir, d.trace); !t.ok()) res.error += t.to_string();
+  }
   res.all_verified = all_ok && res.error.empty();
   if (res.all_verified) std::filesystem::remove_all(dir);
   return res;

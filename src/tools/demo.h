@@ -104,6 +104,10 @@ struct DemoSpec {
   int timeout_ms = 60000;     // bound on each wait of the driver
   bool quiet = false;
   bool verbose = false;       // per-rank phase times under each sync
+  // Write every rank's trace of every sync to this file (Chrome trace-event JSON,
+  // tools/trace_file.h): each worker process writes its own part in the run's directory,
+  // merged here when the run ends (also a failed one). Empty: none.
+  std::string trace;
 };
 struct DemoSyncRow {
   int version = 0;

@@ -1,5 +1,7 @@
 #include "tools/proc_memory.h"
 
+#include "engine/report_json.h"
+
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -39,14 +41,6 @@ Result<ProcMemory> proc_memory(pid_t pid) {
 
 Result<uint64_t> mem_available_bytes() { return kb_field("/proc/meminfo", "MemAvailable"); }
 
-nlohmann::json memory_use_json(const MemoryUse& m) {
-  return {{"staging_ring", m.staging_ring},
-          {"receive_ring", m.receive_ring},
-          {"metadata", m.metadata},
-          {"transport_allowance", m.transport_allowance},
-          {"extra", m.extra()},
-          {"registered_in_place", m.registered_in_place},
-          {"own_params", m.own_params}};
-}
+nlohmann::json memory_use_json(const MemoryUse& m) { return engine::memory_use_json(m); }
 
 }  // namespace ferry::tools

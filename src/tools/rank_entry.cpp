@@ -15,6 +15,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "engine/report_json.h"
+#include "tools/trace_file.h"
+
 #include "ferry/device.h"
 #include "ferry/engine.h"
 #include "ferry/safetensors.h"
@@ -220,19 +223,11 @@ Result<int> resolve_role_rank(bool producer, int flag, int producers, int consum
 bool rank_report_passed(const RankReport& r) { return r.ok && r.verified.value_or(true); }
 
 nlohmann::json rank_report_json(const RankReport& r) {
-  nlohmann::json out = {{"role", r.producer ? "trainer" : "inference"}, {"rank", r.rank}, {"version", r.version},
-                        {"ok", r.ok}};
-  if (r.ok || !r.failures.empty() || !r.missed.empty()) {
-    out["bytes"] = r.bytes;
-    out[r.producer ? "in_place_bytes" : "into_params_bytes"] = r.producer ? r.in_place_bytes : r.into_params_bytes;
-    if (!r.producer) out["via_cuda_ipc_bytes"] = r.via_cuda_ipc_bytes;
-    out["seconds"] = r.seconds;
-    if (r.producer) {
-      out["dropped"] = r.dropped;
-      out["missed"] = r.missed;
-    }
-    out["failures"] = r.failures;
-  }
+  nlohmann::json out = engine::sync_report_json(r.sync);
+  out["role"] = r.producer ? "trainer" : "inference";
+  out["rank"] = r.rank;
+  out["version"] = r.version;
+  out["ok"] = r.ok;
   if (!r.ok) {
     out["error"] = r.error.to_string();
     out["code"] = status_code_name(r.error.code());
@@ -290,6 +285,8 @@ Result<std::vector<RankReport>> serve_rank(const RankSpec& s, const RankReportSi
                u.model.trainer.world_size(), s.checkpoint.c_str(), device_str(device).c_str(),
                s.gpu_staging ? " (GPU staging, CUDA IPC)" : "", u.store->url().c_str());
   std::vector<RankReport> reports;
+  std::optional<TraceFile> trace;
+  if (!s.trace.empty()) trace.emplace(trace_path_for_rank(s.trace, u.rank));
   for (int v = s.first_version; v < s.first_version + s.syncs; ++v) {
     RankReport r{.producer = true, .rank = u.rank, .version = v};
     Status same;
@@ -306,14 +303,13 @@ Result<std::vector<RankReport>> serve_rank(const RankSpec& s, const RankReportSi
       break;
     }
     auto rep = p->sync(static_cast<uint64_t>(v));
+    r.sync = p->last_report();
+    if (trace) {
+      trace->add(true, u.rank, r.sync);
+      if (Status w = trace->write(); !w.ok()) r.sync.failures.push_back(w.to_string());
+    }
     if (rep.ok()) {
       r.ok = rep->ok();
-      r.bytes = rep->bytes_sent;
-      r.in_place_bytes = rep->sent_in_place;
-      r.seconds = rep->seconds;
-      r.dropped = rep->dropped;
-      r.missed = rep->missed;
-      r.failures = rep->failures;
       if (!r.ok) {
         // A true report: this rank finished, but consumers it serves do not hold the version.
         r.error = peer_failed("serve: version {}: consumers {} that this rank serves did not commit it{}{}", v,
@@ -373,17 +369,19 @@ Result<std::vector<RankReport>> fetch_rank(const RankSpec& s, const RankReportSi
     return out;
   };
   std::vector<RankReport> reports;
+  std::optional<TraceFile> trace;
+  if (!s.trace.empty()) trace.emplace(trace_path_for_rank(s.trace, u.rank));
   bool all_passed = true;
   for (int v = s.first_version; v < s.first_version + s.syncs; ++v) {
     RankReport r{.producer = false, .rank = u.rank, .version = v};
     auto rep = c->sync(static_cast<uint64_t>(v));
+    r.sync = c->last_report();
+    if (trace) {
+      trace->add(false, u.rank, r.sync);
+      if (Status w = trace->write(); !w.ok()) r.sync.failures.push_back(w.to_string());
+    }
     if (rep.ok()) {
       r.ok = true;
-      r.bytes = rep->bytes_received;
-      r.into_params_bytes = rep->received_into_params;
-      r.via_cuda_ipc_bytes = rep->received_via_cuda_ipc;
-      r.seconds = rep->seconds;
-      r.failures = rep->failures;
     } else {
       r.error = rep.status();
     }

@@ -24,6 +24,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "ferry/engine.h"
 #include "ferry/status.h"
 #include "ferry/transport.h"
 
@@ -57,6 +58,9 @@ struct RankSpec {
   std::string inference;   // InferenceLayout, e.g. "tp=2,replicas=2"
   std::string checkpoint;  // serve: the directory served; fetch: verify against it (optional)
   std::string output;      // fetch: write the params as {output}/rank-{R}.safetensors
+  // Write every sync's trace here (Chrome trace-event JSON, tools/trace_file.h), rewritten
+  // after each sync; "{rank}" is replaced by the rank. Empty: none.
+  std::string trace;
   int rank = -1;           // -1: the launcher's (resolve_role_rank)
   std::string mode = "pull";
   bool checksums = false;
@@ -82,14 +86,10 @@ struct RankReport {
   // committed the version (SyncReport::ok); fetch: the version is committed here.
   bool ok = false;
   Status error;               // !ok: why ("error", and its code name as "code")
-  uint64_t bytes = 0;         // serve: bytes sent; fetch: bytes received (ok syncs)
-  uint64_t in_place_bytes = 0;     // serve: of `bytes`, sent from the mapping in place ("in_place_bytes")
-  uint64_t into_params_bytes = 0;  // fetch: of `bytes`, landed straight in params ("into_params_bytes")
-  uint64_t via_cuda_ipc_bytes = 0;  // fetch: of `bytes`, copied device to device by CUDA IPC ("via_cuda_ipc_bytes")
-  double seconds = 0;
-  std::vector<int> dropped, missed;   // serve: consumers dropped / that did not commit it
-  std::vector<std::string> failures;  // one line per failure the engine reported
-  bool torn = false;                  // fetch: a failed sync left some groups new
+  // The engine's report of the sync, also of a failed one (Producer/Consumer::last_report:
+  // its seconds, bytes and trace as far as it went); empty when no sync was run.
+  SyncReport sync;
+  bool torn = false;          // fetch: a failed sync left some groups new
   // fetch with a checkpoint to verify against, after an ok sync: whether the params
   // equal a direct load bit for bit, and where they first differ.
   std::optional<bool> verified;
@@ -98,6 +98,9 @@ struct RankReport {
 };
 // ok, and verified where it was checked: what the exit status and check=True go by.
 bool rank_report_passed(const RankReport& r);
+// engine/report_json.h's sync_report_json of `sync` (the same keys as every report), with
+// "ok", "error" and "code" of the rank's verdict, and "role", "rank", "torn" (fetch),
+// "verified" and "mismatch" (when checked) and "transport" added.
 nlohmann::json rank_report_json(const RankReport& r);
 
 // Called with each sync's report as soon as it is made (the commands print it there).

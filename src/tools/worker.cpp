@@ -10,16 +10,19 @@
 #include <algorithm>
 #include <map>
 #include <memory>
+#include <optional>
 #include <thread>
 
 #include <fmt/format.h>
 
 #include <nlohmann/json.hpp>
 
+#include "engine/report_json.h"
 #include "engine/testing.h"
 #include "ferry/engine.h"
 #include "tools/job_model.h"
 #include "tools/proc_memory.h"
+#include "tools/trace_file.h"
 #include "tools/transport_options.h"
 
 namespace ferry::tools {
@@ -184,14 +187,22 @@ int run_worker(const WorkerSpec& s) {
   const uint64_t rss_created = proc_memory().value_or(ProcMemory{}).rss_bytes;
   if (auto r = put_result(worker_ready_key(s.job, s.role, s.rank), std::to_string(::getpid())); !r.ok())
     return worker_fail(s, r);
+  std::optional<TraceFile> trace;
+  if (!s.trace.empty()) trace.emplace(s.trace);
   for (version = s.first_version; version <= s.last_version; ++version) {
     const auto v = static_cast<uint64_t>(version);
     if (auto w = await_go(version); !w.ok()) return worker_fail(s, w);
     pause_at(version, kWorkerSyncStartPoint);
     std::fprintf(stderr, "[%s %d] sync %llu start\n", s.role.c_str(), s.rank, static_cast<unsigned long long>(v));
-    nlohmann::json out;
     const auto t_sync = std::chrono::steady_clock::now();
     Result<SyncReport> rep = producer ? (source->set_version(v), producer->sync(v)) : consumer->sync(v);
+    // The engine's report (engine/report_json.h), failed or not, and the worker's keys.
+    const SyncReport& last = producer ? producer->last_report() : consumer->last_report();
+    nlohmann::json out = engine::sync_report_json(last);
+    if (trace) {
+      trace->add(producer != nullptr, s.rank, last);
+      if (Status w = trace->write(); !w.ok()) return worker_fail(s, w);
+    }
     out["ok"] = rep.ok();
     out["elapsed"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_sync).count();
     if (producer) out["serves"] = served;
@@ -212,20 +223,8 @@ int run_worker(const WorkerSpec& s) {
                         {"writes", ts.writes},         {"writes_by_message", ts.writes_by_message},
                         {"bytes_read", ts.bytes_read}, {"bytes_written", ts.bytes_written}};
     if (producer) out["source_resident_bytes"] = source_resident;
-    if (rep.ok()) {
-      out["report_ok"] = rep->ok();
-      out["memory"] = memory_use_json(rep->memory);
-      out["bytes"] = rep->bytes_sent + rep->bytes_received;  // this rank's side: sent or received
-      out["seconds"] = rep->seconds;
-      out["dropped"] = rep->dropped;
-      out["missed"] = rep->missed;
-      out["failures"] = rep->failures;
-      out["phases"] = {{"materialize", rep->materialize_seconds}, {"pack", rep->pack_seconds},
-                       {"wait", rep->wait_seconds},               {"read", rep->read_seconds},
-                       {"unpack", rep->unpack_seconds},           {"post", rep->post_seconds}};
-    } else {
-      out["error"] = rep.status().to_string();
-    }
+    out["report_ok"] = rep.ok() && rep->ok();
+    if (!rep.ok()) out["error"] = rep.status().to_string();
     if (consumer) {
       out["torn"] = consumer->state().torn;
       if (consumer->state().has_version) out["holds"] = consumer->state().version;

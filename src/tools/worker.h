@@ -3,8 +3,11 @@
 //
 // Protocol, through the store: the worker writes {job}/ready/{role}{rank} (its pid) once
 // its Producer or Consumer is created; the driver writes {job}/go/{v}; the worker syncs v
-// and writes {job}/result/{v}/{role}{rank} (JSON: ok, error, bytes, seconds, verified,
-// elapsed (the wall seconds of sync(), whatever its outcome), mismatch, torn, holds (consumer: the version it holds, absent before any), dropped, missed, report_ok, failures, phases; a producer also
+// and writes {job}/result/{v}/{role}{rank} (JSON: the engine's report, engine/report_json.h's
+// sync_report_json of last_report(), failed or not: bytes, seconds, the phases' *_seconds,
+// dropped, missed, failures, ...; with "ok" saying whether sync() succeeded and report_ok
+// SyncReport::ok; and verified,
+// elapsed (the wall seconds of sync(), whatever its outcome), mismatch, torn, holds (consumer: the version it holds, absent before any); a producer also
 // `serves`: the consumers that read from it under the full routes; memory: the engine's
 // MemoryUse by kind; held_bytes: the rank's weights shard / params;
 // source_resident_bytes (producer): the most the synthetic source holds at once, one
@@ -52,6 +55,8 @@ struct WorkerSpec {
   // Bound on the wait for the driver's go key (and the retries of its own store
   // writes: a paused or restarting store is waited out, up to this long).
   int go_timeout_ms = 120000;
+  // Write this process's trace of its syncs here (tools/trace_file.h), after each sync.
+  std::string trace;
 };
 // The pause point at the start of a sync: the go received, before Producer/Consumer::sync
 // (so before any store call of that sync).

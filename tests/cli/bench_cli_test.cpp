@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <string>
 
@@ -14,8 +15,18 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/run_command.h"
+#include "engine/report_json.h"
+#include "tools/trace_file.h"
 
 namespace {
+
+// The keys of every report (the one serialiser's, engine/report_json.h).
+std::set<std::string> report_keys() {
+  const nlohmann::json j = ferry::engine::sync_report_json(ferry::SyncReport{});
+  std::set<std::string> keys;
+  for (const auto& [k, v] : j.items()) keys.insert(k);
+  return keys;
+}
 
 bool mpirun_on_path() {
   const char* path = std::getenv("PATH");
@@ -97,13 +108,32 @@ TEST(BenchCli, NoInPlaceStagesEveryByte) {
   const std::string bin = FERRY_BIN;
   if (!mpirun_on_path() || ::access((bin.substr(0, bin.rfind('/') + 1) + "ferry-mpi-bcast").c_str(), X_OK) != 0)
     GTEST_SKIP() << "no OpenMPI (see JsonHasEveryKeyWithSaneValues)";
-  BenchRun r = run_bench("--no-in-place");
+  const std::string trace = ::testing::TempDir() + "/ferry_bench_trace." + std::to_string(::getpid()) + ".json";
+  BenchRun r = run_bench("--no-in-place --trace " + trace);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   auto j = nlohmann::json::parse(r.out, nullptr, false);
   ASSERT_TRUE(j.is_object()) << r.out << "\n" << r.err;
   EXPECT_EQ(j["in_place"], false);
   EXPECT_EQ(j["in_place_fraction"].get<double>(), 0);
   EXPECT_EQ(j["verified_ranks"], 2);
+  // --trace: every rank's sync steps (warm-up + 2 trials), the reports with the one
+  // serialiser's keys, their transfers in the merged file once, with their bytes.
+  std::set<std::string> want;
+  want = report_keys();
+  ASSERT_EQ(j["last_sync_reports"].size(), 4u) << r.out;
+  for (const auto& rep : j["last_sync_reports"]) {
+    for (const auto& k : want) EXPECT_TRUE(rep.contains(k)) << k << " missing: " << rep.dump();
+  }
+  auto t = ferry::tools::read_trace_file(trace);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  EXPECT_EQ((*t)["ferryReports"].size(), 12u);
+  uint64_t reported = 0, traced = 0;
+  for (const auto& rep : (*t)["ferryReports"]) reported += rep["bytes"].get<uint64_t>();
+  for (const auto& e : (*t)["traceEvents"])
+    if (e["ph"] == "X" && e["cat"] == "transfer") traced += e["args"]["bytes"].get<uint64_t>();
+  EXPECT_EQ(traced, reported);
+  EXPECT_GT(traced, 0u);
+  std::remove(trace.c_str());
 }
 
 // A model this machine cannot hold is refused with the estimate before any rank starts

@@ -10,6 +10,7 @@
 #include <optional>
 #include <random>
 #include <sstream>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,6 +21,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "engine/report_json.h"
 #include "ferry/device.h"
 #include "ferry/models.h"
 #include "ferry/safetensors.h"
@@ -67,9 +69,17 @@ std::string random_token() {
   return fmt::format("{:08x}{:08x}{:08x}", rd(), rd(), rd());
 }
 
+// The keys of every report (the one serialiser's, engine/report_json.h).
+std::set<std::string> report_keys() {
+  const nlohmann::json j = ferry::engine::sync_report_json(ferry::SyncReport{});
+  std::set<std::string> keys;
+  for (const auto& [k, v] : j.items()) keys.insert(k);
+  return keys;
+}
+
 class ServeCliTest : public ::testing::TestWithParam<const char*> {};
 
-// Each trainer rank reports bytes served from the mapping (in_place_bytes > 0: the
+// Each trainer rank reports bytes served from the mapping (sent_in_place > 0: the
 // checkpoint's contiguous boxes, neither packed nor staged), and each inference rank
 // verifies bit for bit, every sync.
 TEST_P(ServeCliTest, ServesTheMappingInPlaceAndFetchVerifies) {
@@ -115,12 +125,19 @@ TEST_P(ServeCliTest, ServesTheMappingInPlaceAndFetchVerifies) {
     for (const auto& j : lines) {
       ASSERT_TRUE(j.is_object()) << log;
       EXPECT_TRUE(j.value("ok", false)) << name << ": " << j.dump();
+      // The one serialiser's keys (engine/report_json.h) and the rank's own.
+      std::set<std::string> keys, want;
+      for (const auto& [k, v] : j.items()) keys.insert(k);
+      want = report_keys();
+      want.insert({"role", "rank", "transport"});
+      if (j.value("role", "") == "inference") want.insert({"torn", "verified"});
+      EXPECT_EQ(keys, want) << name << ": " << j.dump();
       if (j.value("role", "") == "trainer") {
-        EXPECT_GT(j.value("in_place_bytes", uint64_t{0}), 0u) << name << " served nothing from the mapping: " << j.dump();
-        EXPECT_LE(j.value("in_place_bytes", uint64_t{0}), j.value("bytes", uint64_t{0})) << j.dump();
+        EXPECT_GT(j.value("sent_in_place", uint64_t{0}), 0u) << name << " served nothing from the mapping: " << j.dump();
+        EXPECT_LE(j.value("sent_in_place", uint64_t{0}), j.value("bytes", uint64_t{0})) << j.dump();
       } else {
         EXPECT_TRUE(j.value("verified", false)) << name << ": " << j.dump();
-        EXPECT_GT(j.value("into_params_bytes", uint64_t{0}), 0u) << name << ": " << j.dump();
+        EXPECT_GT(j.value("received_into_params", uint64_t{0}), 0u) << name << ": " << j.dump();
       }
     }
   }
@@ -131,7 +148,7 @@ TEST_P(ServeCliTest, ServesTheMappingInPlaceAndFetchVerifies) {
 // Weights and params in GPU memory, every rank a process (on a machine without a GPU:
 // under the emulated CUDA plugin, label emulated-cuda). Trainer ranks copy their boxes
 // onto cuda:0 and stage there (--gpu-staging, exported by CUDA IPC); inference rank 0
-// copies device to device from that staging (via_cuda_ipc_bytes is every byte it
+// copies device to device from that staging (received_via_cuda_ipc is every byte it
 // received), rank 1 reads the host copy through the transport (--no-cuda-ipc); both
 // verify bit for bit, two syncs.
 TEST(GpuServeCli, ServesGpuMemoryByCudaIpcAndThroughTheTransport) {
@@ -178,11 +195,18 @@ TEST(GpuServeCli, ServesGpuMemoryByCudaIpcAndThroughTheTransport) {
     for (const auto& j : lines) {
       ASSERT_TRUE(j.is_object()) << log;
       EXPECT_TRUE(j.value("ok", false)) << name << ": " << j.dump();
+      // The one serialiser's keys (engine/report_json.h) and the rank's own.
+      std::set<std::string> keys, want;
+      for (const auto& [k, v] : j.items()) keys.insert(k);
+      want = report_keys();
+      want.insert({"role", "rank", "transport"});
+      if (j.value("role", "") == "inference") want.insert({"torn", "verified"});
+      EXPECT_EQ(keys, want) << name << ": " << j.dump();
       if (j.value("role", "") != "inference") continue;
       EXPECT_TRUE(j.value("verified", false)) << name << ": " << j.dump();
       const uint64_t bytes = j.value("bytes", uint64_t{0});
       EXPECT_GT(bytes, 0u) << j.dump();
-      EXPECT_EQ(j.value("via_cuda_ipc_bytes", uint64_t{1}), name == "fetch 0" ? bytes : 0u) << name << ": " << j.dump();
+      EXPECT_EQ(j.value("received_via_cuda_ipc", uint64_t{1}), name == "fetch 0" ? bytes : 0u) << name << ": " << j.dump();
     }
   }
   std::error_code ec;

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import unittest
 
@@ -91,7 +92,7 @@ class EngineTest(unittest.TestCase):
 
     def test_threads_inproc_tp2_to_tp2(self):
         loader = ferry.ModelLoader(CONFIG, "tp=2")
-        with ferry.StoreServer() as server:
+        with ferry.StoreServer() as server, tempfile.TemporaryDirectory() as tmp:
             trainers = [NumpyTrainer(r, 2, "tp=2") for r in range(2)]
             params = [{n: np.zeros(d.shape, np.float32) for n, d in loader.params(r).items()} for r in range(2)]
             common = dict(token=server.token, backend="inproc", job="threads", timeout=20.0)
@@ -103,11 +104,20 @@ class EngineTest(unittest.TestCase):
             for v in (1, 2):
                 for t in trainers:
                     t.version = v
+                trace = os.path.join(tmp, f"consumer0-v{v}.json")
                 reports = run_threads([lambda p=p: p.sync(v) for p in producers] +
-                                      [lambda c=c: c.sync(v) for c in consumers])
+                                      [lambda c=c, i=i: c.sync(v, trace=trace if i == 0 else None)
+                                       for i, c in enumerate(consumers)])
                 for rep in reports:
                     self.assertTrue(rep["ok"], rep["text"])
                     self.assertEqual(rep["version"], v)
+                    # The keys of every report (the CLI's too), and "text".
+                    self.assertEqual(set(rep) - {"text"}, set(ferry._ferry._report_keys()), rep)
+                # trace=: the sync's Chrome trace, its transfers summing to the report's bytes.
+                with open(trace) as f:
+                    events = json.load(f)["traceEvents"]
+                got = sum(e["args"]["bytes"] for e in events if e.get("cat") == "transfer" and e["args"]["counted"])
+                self.assertEqual(got, reports[2]["bytes_received"])
                 for r, c in enumerate(consumers):
                     self.assertEqual(c.state(), {"version": v, "torn": False})
                     self.assert_params_equal(expected_params(loader, r, v), c.params())

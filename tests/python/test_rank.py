@@ -111,10 +111,14 @@ class RankEntryJob(unittest.TestCase):
                 self.assertEqual([(r["role"], r["rank"], r["version"]) for r in got],
                                  [(role, rank, 1), (role, rank, 2)], stdout)
                 reports += got
+            # The keys of every report (the CLI's, Producer/Consumer.sync's), and the rank's.
+            extras = {"role", "rank", "transport", "torn", "verified"}
+            for r in reports:
+                self.assertEqual(set(r) - extras, set(ferry._ferry._report_keys()), r)
             for r in reports:
                 self.assertTrue(r["ok"], r)
                 self.assertGreater(r["bytes"], 0, r)
-                self.assertNotIn("error", r)
+                self.assertIsNone(r["error"], r)
                 if r["role"] == "inference":
                     self.assertTrue(r["verified"], r)
                     self.assertFalse(r["torn"], r)

@@ -1,0 +1,57 @@
+// ferry/trace.h — what one sync did, step by step (SyncReport::trace).
+//
+// Every phase and every transfer of a sync is one TraceEvent, recorded by the engine as it
+// runs, always (docs/trace.md says what it costs: a few hundred events per sync of a large
+// model, tens of nanoseconds each). SyncReport's byte counts and phase seconds are sums
+// over these events, made by one function, so a report and a picture of the trace never
+// disagree. `ferry demo/bench/serve/fetch --trace FILE` write them as Chrome trace-event
+// JSON (Perfetto, chrome://tracing); `ferry trace FILE` summarises or plots such a file.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+namespace ferry {
+
+enum class TracePhase : uint8_t {
+  // Producer
+  kWait,         // for a free staging slot (producer) / for an announce or push (consumer)
+  kMaterialize,  // WeightSource::materialize of a group
+  kPack,         // packing the group into its staging slot (and checksums)
+  kAnnounce,     // pull: the group's ANNOUNCEs sent
+  kPushWrite,    // push: one consumer's writes of a group posted, until flushed
+  kSend,         // transfer: bytes of a group a consumer took (read, or written by push)
+  kCommit,       // producer: waiting for every consumer's DONE; consumer: DONEs and commit
+  // Consumer
+  kRead,         // reads posted and waited for (the sync thread's share of a group)
+  kReceive,      // transfer: bytes of a group from one producer, landed
+  kUnpack,       // background thread: receive slot -> params
+  kPost,         // background thread: process_weights_after_loading
+};
+std::string_view trace_phase_name(TracePhase phase);  // "wait", "push-write", "send", ...
+
+// How a transfer's bytes moved. kNone for phases that are not transfers.
+enum class TraceLane : uint8_t {
+  kNone,
+  kTransport,  // through the transport from staging (read or write)
+  kInPlace,    // through the transport straight from the trainer's own memory (no staging)
+  kCudaIpc,    // device to device from a producer's GPU staging on this host
+};
+std::string_view trace_lane_name(TraceLane lane);  // "", "transport", "in_place", "cuda_ipc"
+
+struct TraceEvent {
+  TracePhase phase = TracePhase::kWait;
+  TraceLane lane = TraceLane::kNone;
+  int32_t group = -1;  // layer group; -1: the sync as a whole
+  int32_t peer = -1;   // the other side's rank (a consumer for a producer and vice versa); -1: none
+  uint64_t bytes = 0;  // transfers (kSend, kReceive) only
+  bool into_params = false;  // kReceive: the bytes landed straight in params
+  // False: bytes of an attempt the consumer abandoned (it failed over and read the
+  // group again); shown, but not in the report's byte counts.
+  bool counted = true;
+  uint16_t attempt = 0;      // 0, then one more at each failover restart
+  int64_t t0_ns = 0, t1_ns = 0;  // since the sync began (SyncReport::start_unix_ns)
+  bool is_transfer() const { return phase == TracePhase::kSend || phase == TracePhase::kReceive; }
+};
+
+}  // namespace ferry

@@ -1,0 +1,126 @@
+#include "engine/sync_trace.h"
+
+#include <map>
+#include <tuple>
+
+#include "engine/schedule.h"
+
+namespace ferry {
+
+std::string_view trace_phase_name(TracePhase phase) {
+  switch (phase) {
+    case TracePhase::kWait: return "wait";
+    case TracePhase::kMaterialize: return "materialize";
+    case TracePhase::kPack: return "pack";
+    case TracePhase::kAnnounce: return "announce";
+    case TracePhase::kPushWrite: return "push-write";
+    case TracePhase::kSend: return "send";
+    case TracePhase::kCommit: return "commit";
+    case TracePhase::kRead: return "read";
+    case TracePhase::kReceive: return "receive";
+    case TracePhase::kUnpack: return "unpack";
+    case TracePhase::kPost: return "post";
+  }
+  return "?";
+}
+
+std::string_view trace_lane_name(TraceLane lane) {
+  switch (lane) {
+    case TraceLane::kNone: return "";
+    case TraceLane::kTransport: return "transport";
+    case TraceLane::kInPlace: return "in_place";
+    case TraceLane::kCudaIpc: return "cuda_ipc";
+  }
+  return "?";
+}
+
+}  // namespace ferry
+
+namespace ferry::engine {
+
+void SyncTrace::begin(Clock::time_point start) {
+  std::lock_guard<std::mutex> lk(mu_);
+  events_.clear();
+  events_.reserve(256);
+  start_ = start;
+  // The system clock at `start`: what places ranks of several processes (and hosts) on
+  // one timeline.
+  const auto now_sys = std::chrono::system_clock::now();
+  const auto since = Clock::now() - start;
+  start_unix_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(now_sys.time_since_epoch() - since).count();
+  attempt_ = 0;
+}
+
+void SyncTrace::record(TracePhase phase, int group, int peer, Clock::time_point t0, Clock::time_point t1,
+                       TraceLane lane, uint64_t bytes, bool into_params) {
+  TraceEvent e;
+  e.phase = phase;
+  e.lane = lane;
+  e.group = group;
+  e.peer = peer;
+  e.bytes = bytes;
+  e.into_params = into_params;
+  std::lock_guard<std::mutex> lk(mu_);
+  e.attempt = attempt_;
+  e.t0_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(t0 - start_).count();
+  e.t1_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - start_).count();
+  events_.push_back(e);
+}
+
+void SyncTrace::new_attempt(bool count_earlier_bytes) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!count_earlier_bytes) {
+    for (TraceEvent& e : events_) {
+      if (e.is_transfer()) e.counted = false;
+    }
+  }
+  ++attempt_;
+}
+
+std::vector<TraceEvent> SyncTrace::take() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return std::move(events_);
+}
+
+void record_receives(SyncTrace& trace, int g, const ConsumerGroupSchedule& gs, bool ipc, Clock::time_point t0,
+                     Clock::time_point t1) {
+  // (producer, lane, into params) -> bytes, in that order.
+  std::map<std::tuple<int, TraceLane, bool>, uint64_t> parts;
+  for (const SubRead& sr : gs.reads) {
+    const TraceLane lane = ipc ? TraceLane::kCudaIpc : sr.region >= 0 ? TraceLane::kInPlace : TraceLane::kTransport;
+    parts[{static_cast<int>(sr.producer), lane, sr.param != nullptr}] += sr.length;
+  }
+  for (const auto& [key, bytes] : parts) {
+    const auto& [p, lane, into_params] = key;
+    trace.record(TracePhase::kReceive, g, p, t0, t1, lane, bytes, into_params);
+  }
+}
+
+void derive_report_sums(SyncReport& r) {
+  r.bytes_sent = r.sent_in_place = r.bytes_received = r.received_into_params = r.received_via_cuda_ipc = 0;
+  r.bytes_per_peer.clear();
+  r.materialize_seconds = r.pack_seconds = r.wait_seconds = r.read_seconds = r.unpack_seconds = r.post_seconds = 0;
+  int64_t ns[static_cast<size_t>(TracePhase::kPost) + 1] = {};
+  for (const TraceEvent& e : r.trace) {
+    ns[static_cast<size_t>(e.phase)] += e.t1_ns - e.t0_ns;
+    if (!e.is_transfer() || !e.counted) continue;
+    r.bytes_per_peer[e.peer] += e.bytes;
+    if (e.phase == TracePhase::kSend) {
+      r.bytes_sent += e.bytes;
+      if (e.lane == TraceLane::kInPlace) r.sent_in_place += e.bytes;
+    } else {
+      r.bytes_received += e.bytes;
+      if (e.into_params) r.received_into_params += e.bytes;
+      if (e.lane == TraceLane::kCudaIpc) r.received_via_cuda_ipc += e.bytes;
+    }
+  }
+  auto secs = [&](TracePhase p) { return static_cast<double>(ns[static_cast<size_t>(p)]) * 1e-9; };
+  r.materialize_seconds = secs(TracePhase::kMaterialize);
+  r.pack_seconds = secs(TracePhase::kPack);
+  r.wait_seconds = secs(TracePhase::kWait);
+  r.read_seconds = secs(TracePhase::kRead);
+  r.unpack_seconds = secs(TracePhase::kUnpack);
+  r.post_seconds = secs(TracePhase::kPost);
+}
+
+}  // namespace ferry::engine

@@ -1,0 +1,56 @@
+// engine/sync_trace.h — the recorder of a sync's TraceEvents (ferry/trace.h), and the one
+// function that derives SyncReport's sums from them (internal).
+//
+// Cost (always on): record() takes one uncontended mutex and appends 48 bytes to a
+// vector reserved at begin(); docs/trace.md gives the measured ns per event and events
+// per sync. Threading: record() and new_attempt() may be called from any thread (the
+// sync thread, the consumer's unpack worker, transport completion callbacks); begin()
+// and take() from the sync thread while no other thread records. Lock order: the
+// caller's locks -> the trace's (it calls nothing while holding it).
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "engine/clock.h"
+#include "ferry/engine.h"
+#include "ferry/trace.h"
+
+namespace ferry::engine {
+
+struct ConsumerGroupSchedule;
+
+class SyncTrace {
+ public:
+  // A new sync starting at `start` (the events' time origin): forgets the previous one.
+  void begin(Clock::time_point start);
+  // One event from t0 to t1 (steady clock); bytes, lane and into_params for transfers.
+  void record(TracePhase phase, int group, int peer, Clock::time_point t0, Clock::time_point t1,
+              TraceLane lane = TraceLane::kNone, uint64_t bytes = 0, bool into_params = false);
+  // Later events belong to the next attempt. count_earlier_bytes false: the transfers
+  // recorded so far are not counted in the report (the consumer reads them again).
+  void new_attempt(bool count_earlier_bytes);
+  // The events recorded since begin(), and the system-clock time of that origin.
+  std::vector<TraceEvent> take();
+  int64_t start_unix_ns() const { return start_unix_ns_; }
+
+ private:
+  std::mutex mu_;
+  std::vector<TraceEvent> events_;
+  Clock::time_point start_{};
+  int64_t start_unix_ns_ = 0;
+  uint16_t attempt_ = 0;
+};
+
+// Consumer: the transfers of group g (one kReceive per producer, lane and destination:
+// the ring or params), split from its schedule's reads; all of it via CUDA IPC when `ipc`.
+void record_receives(SyncTrace& trace, int g, const ConsumerGroupSchedule& gs, bool ipc, Clock::time_point t0,
+                     Clock::time_point t1);
+
+// Sets r's byte counts (bytes_sent, sent_in_place, bytes_received, received_into_params,
+// received_via_cuda_ipc, bytes_per_peer) from its counted transfers and its phase seconds
+// (materialize, pack, wait, read, unpack, post) from the durations of those phases.
+void derive_report_sums(SyncReport& r);
+
+}  // namespace ferry::engine
