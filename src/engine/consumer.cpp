@@ -49,6 +49,7 @@ struct Consumer::Impl {
   int failed_p = -1;    // the producer whose failure ended the last attempt
   TensorMap loaded;   // param buffers as loaded (what unpack writes)
   TensorMap final_;   // after post-processing, of the last committed sync
+  TensorMap given;    // the caller's param buffers as passed to create (check_params)
   TensorMap work;     // being post-processed (background thread)
   static constexpr int kSlots = static_cast<int>(kReceiveSlots);
   uint64_t slot_bytes = 0;
@@ -1108,7 +1109,40 @@ Status check_param_devices(int rank, const TensorMap& params) {
   }
   return Status::Ok();
 }
+
+// Consumer::check_params: every param the caller passed to create (and the plan writes:
+// in `written`) is in `current` at the same device and address.
+Status check_params_in_place(int rank, const TensorMap& given, const TensorMap& written, const TensorMap& current) {
+  auto where = [](const Tensor& t) {
+    auto p = t.device_ptr();
+    return fmt::format("{} {}", device_str(t.device()), fmt::ptr(p.ok() ? *p : nullptr));
+  };
+  for (const auto& [name, was] : given) {
+    if (!written.contains(name)) continue;
+    auto now = current.find(name);
+    if (now == current.end()) {
+      return failed_precondition(
+          "consumer {}: param '{}' passed to create is no longer among the params; the consumer would write memory "
+          "nobody reads. Create a new Consumer for the new params",
+          rank, name);
+    }
+    auto was_at = was.device_ptr();
+    auto now_at = now->second.device_ptr();
+    if (now->second.device() != was.device() || !now_at.ok() || !was_at.ok() || *now_at != *was_at) {
+      return failed_precondition(
+          "consumer {}: param '{}' was re-bound after create (its memory moved from {} to {}, e.g. by torch's "
+          "`p.data = new_tensor`); the consumer writes the memory it was given at create. Copy into that memory "
+          "instead (p.data.copy_(new)), or create a new Consumer for the new memory",
+          rank, name, where(was), where(now->second));
+    }
+  }
+  return Status::Ok();
+}
 }  // namespace
+
+Status Consumer::check_params(const TensorMap& current) const {
+  return check_params_in_place(impl_->rank, impl_->given, impl_->loaded, current);
+}
 
 Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, int rank, Transport& transport, Store& store,
                                                    const ConsumerOptions& options, TensorMap params) {
@@ -1118,6 +1152,7 @@ Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, in
     return invalid_argument("consumer rank {} outside num_consumers {}", rank, options.num_consumers);
   FERRY_ASSIGN_OR_RETURN(std::shared_ptr<const RankLoader> rank_loader, loader.rank(rank));
   FERRY_RETURN_IF_ERROR(check_param_devices(rank, params));
+  m.given = params;
   FERRY_ASSIGN_OR_RETURN(auto metadata, m.await_metadata());
   auto plan = record_plan(loader, rank, metadata);
   if (!plan.ok()) return plan.status().with_context(fmt::format("consumer {} recording its plan", rank));
@@ -1141,6 +1176,7 @@ Result<std::unique_ptr<Consumer>> Consumer::create(ConsumerModel model, int rank
   if (rank < 0 || rank >= options.num_consumers)
     return invalid_argument("consumer rank {} outside num_consumers {}", rank, options.num_consumers);
   FERRY_RETURN_IF_ERROR(check_param_devices(rank, model.params));
+  m.given = model.params;
   FERRY_ASSIGN_OR_RETURN(auto metadata, m.await_metadata());
   // The plan was recorded against the loader's idea of the checkpoint: it must be the
   // trainer's (a mismatch would otherwise surface as a routing error far from its cause).
