@@ -58,10 +58,10 @@ constexpr OptionField kOptionFields[] = {
     {"ConsumerOptions", "after_sync", "after_sync", "hook", "Consumer"},
 };
 
-std::string repr(py::handle value) { return py::repr(value); }
+std::string shown(py::handle value) { return std::string(py::repr(value)); }
 
 [[noreturn]] void refuse(const char* name, const char* expected, py::handle value) {
-  throw_status(invalid_argument("{}: expected {}, got {} ({})", name, expected, repr(value),
+  throw_status(invalid_argument("{}: expected {}, got {} ({})", name, expected, shown(value),
                                 std::string(py::str(py::type::handle_of(value).attr("__name__")))));
 }
 

@@ -192,7 +192,7 @@ class OptionsTest(unittest.TestCase):
         # Integers and numpy scalars of the right kind are fine (checked before the store
         # is dialled: this fails only at the store).
         with self.assertRaises(ferry.Error) as cm:
-            ferry.Producer(source, NOWHERE, backend="inproc", checksums=np.bool_(True), failover=0,
+            ferry.Producer(source, NOWHERE, token="t" * 32, backend="inproc", checksums=np.bool_(True), failover=0,
                            num_consumers=np.int32(1), timeout=np.float32(0.5), rendezvous_timeout=0.5)
         self.assertNotIsInstance(cm.exception, ferry.InvalidArgumentError)
 
@@ -249,8 +249,11 @@ class OptionsTest(unittest.TestCase):
                     self.assertTrue(all(r["ok"] for r in reports), [r["text"] for r in reports])
                     self.assertEqual(source.calls, {g: created + v for g in range(groups)}, in_place)
                     self.assertEqual(reports[0]["sent_in_place"] > 0, in_place, reports[0]["text"])
+                loader = ferry.ModelLoader(CONFIG)
+                want = {n: np.zeros(d.shape, np.float32) for n, d in loader.params(0).items()}
+                loader.record_plan(0).replay(source.arrays, want)
                 for name, a in c.params().items():
-                    self.assertTrue(np.array_equal(np.asarray(a), source.arrays[name]), name)
+                    self.assertTrue(np.array_equal(np.asarray(a), want[name]), name)
                 p.close()
                 c.close()
 
