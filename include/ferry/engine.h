@@ -370,6 +370,14 @@ class Consumer {
   const SyncReport& last_report() const;
 
   ConsumerState state() const;
+  // Whether the caller still holds the params it passed to create where this consumer
+  // writes them. `current`: the caller's params now (e.g. its framework's parameters,
+  // re-read); every param passed to create that the plan writes must be in it, on the
+  // same device at the same address, or kFailedPrecondition naming the first that is
+  // missing or has moved (re-allocated, re-bound: the consumer would go on writing the
+  // old memory, which nobody reads). Names beyond those are not checked. Call it before
+  // sync when the caller's params can move (ferry.Consumer.sync does); thread-safe.
+  Status check_params(const TensorMap& current) const;
   // Final params (after post-processing) of the last sync; valid between syncs. Params
   // the consumer allocated (none passed to create) live as long as it: in push they are
   // its transport's memory (allocate_memory, so that producers on the host write them by

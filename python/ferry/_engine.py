@@ -5,7 +5,7 @@ import sys
 import warnings
 
 from . import _ferry
-from .errors import FailedPreconditionError, InvalidArgumentError, UnimplementedError
+from .errors import InvalidArgumentError, UnimplementedError
 from ._tensor import dtype_name
 from ._models import ModelLoader
 from ._plan import TensorDecl
@@ -191,11 +191,10 @@ def _transport_params(transport_params, ucx_config):
     return params
 
 
-def _options(token, backend, job, mode, timeout, rendezvous_timeout, stall_timeout, lease_ttl, checksums,
-             transport_params):
-    kw = {"backend": backend, "job": job, "mode": mode, "timeout": float(timeout),
-          "rendezvous_timeout": float(rendezvous_timeout), "stall_timeout": float(stall_timeout),
-          "lease_ttl": float(lease_ttl), "checksums": bool(checksums)}
+def _options(token, backend, transport_params, **engine):
+    """The binding's keywords: the engine's options as given (the binding checks each one
+    and raises InvalidArgumentError naming it), the transport's, the store's token."""
+    kw = {"backend": backend, **engine}
     if token is not None:
         kw["token"] = token
     if transport_params:
@@ -247,23 +246,26 @@ class Producer:
     ``sent_in_place`` counts the bytes so served.
 
     ``rank`` defaults to ``source.rank``; ``num_producers`` to ``source.world_size``.
-    Timeouts are seconds; ``float('inf')`` means unbounded."""
+    Timeouts are seconds; ``float('inf')`` means unbounded. Every keyword, its default and
+    meaning: docs/python.md, "Producer and Consumer keywords"; a value of the wrong type
+    or out of range raises InvalidArgumentError naming the keyword."""
 
     def __init__(self, source, store, *, rank=None, token=None, num_consumers=1, num_producers=None,
                  backend="ucx", job="ferry", mode="pull", timeout=30.0, rendezvous_timeout=60.0,
-                 stall_timeout=10.0, lease_ttl=3.0, checksums=False, staging_budget=0, in_place=False,
-                 direct_min_bytes=None, transport_params=None, ucx_config=None):
+                 stall_timeout=10.0, straggler_floor=2.0, straggler_factor=8.0, lease_ttl=3.0, checksums=False,
+                 failover=True, staging_budget=0, staging_device="cpu", in_place=False, direct_min_bytes=64 * 1024,
+                 transport_params=None, ucx_config=None):
         if not isinstance(source, WeightSource):
             raise InvalidArgumentError("Producer: source must be a ferry.WeightSource")
         url, token = _store_args(store, token)
-        kw = _options(token, backend, job, mode, timeout, rendezvous_timeout, stall_timeout, lease_ttl, checksums,
-                      _transport_params(transport_params, ucx_config))
-        kw["num_consumers"] = int(num_consumers)
-        kw["num_producers"] = int(num_producers if num_producers is not None else source.world_size)
-        kw["staging_budget"] = int(staging_budget)
-        kw["in_place"] = bool(in_place)
-        if direct_min_bytes is not None:
-            kw["direct_min_bytes"] = int(direct_min_bytes)
+        kw = _options(token, backend, _transport_params(transport_params, ucx_config), job=job, mode=mode,
+                      timeout=timeout, rendezvous_timeout=rendezvous_timeout, stall_timeout=stall_timeout,
+                      straggler_floor=straggler_floor, straggler_factor=straggler_factor, lease_ttl=lease_ttl,
+                      checksums=checksums, failover=failover, num_consumers=num_consumers,
+                      num_producers=num_producers if num_producers is not None else source.world_size,
+                      staging_budget=staging_budget, staging_device=staging_device, in_place=bool(in_place))
+        if direct_min_bytes is not None:  # None: the default (as before 64 KiB was spelled out)
+            kw["direct_min_bytes"] = direct_min_bytes
         rank = source.rank if rank is None else int(rank)
         self._p = _ferry._Producer(source, source._metadata(), rank, source.world_size, url, kw)
 
@@ -287,17 +289,6 @@ class Producer:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _param_address(obj):
-    """Where a param's memory is: data_ptr() of a torch tensor, the buffer address of a
-    numpy array, else the object itself (compared by identity)."""
-    if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):
-        return obj.data_ptr()
-    iface = getattr(obj, "__array_interface__", None)
-    if iface is not None:
-        return iface["data"][0]
-    return id(obj)
 
 
 class Consumer:
@@ -328,13 +319,19 @@ class Consumer:
     Each sync checks that every param registered at creation is still where it was: a
     param re-bound since (``p.data = new_tensor``, or a mapping entry replaced) would
     leave the engine writing the old memory, so sync raises FailedPreconditionError
-    naming it (create a new Consumer for the new memory, or copy into the old one)."""
+    naming it (create a new Consumer for the new memory, or copy into the old one); the
+    check is the engine's (Consumer::check_params).
+
+    Every keyword, its default and meaning: docs/python.md, "Producer and Consumer
+    keywords"; a value of the wrong type or out of range raises InvalidArgumentError
+    naming the keyword."""
 
     def __init__(self, model_config=None, layout="tp=1", rank=None, store=None, *, loader=None, plan=None,
                  params=None, post_process=None, before_sync=None, after_group=None, after_sync=None,
                  quantize="none", token=None, num_producers=1, num_consumers=None, backend="ucx", job="ferry",
                  mode="pull", timeout=30.0, rendezvous_timeout=60.0, stall_timeout=10.0, lease_ttl=3.0,
-                 checksums=False, transport_params=None, ucx_config=None):
+                 checksums=False, failover=True, cuda_ipc=True, direct_min_bytes=64 * 1024, transport_params=None,
+                 ucx_config=None):
         from ._plan import Plan
         from ._launcher import launcher_rank, launcher_world_size
 
@@ -362,10 +359,12 @@ class Consumer:
         if num_consumers is None:
             num_consumers = loader.world_size if loader is not None else launcher_world_size(None, default=1)
         url, token = _store_args(store, token)
-        kw = _options(token, backend, job, mode, timeout, rendezvous_timeout, stall_timeout, lease_ttl, checksums,
-                      _transport_params(transport_params, ucx_config))
-        kw["num_producers"] = int(num_producers)
-        kw["num_consumers"] = int(num_consumers)
+        kw = _options(token, backend, _transport_params(transport_params, ucx_config), job=job, mode=mode,
+                      timeout=timeout, rendezvous_timeout=rendezvous_timeout, stall_timeout=stall_timeout,
+                      lease_ttl=lease_ttl, checksums=checksums, failover=failover, cuda_ipc=cuda_ipc,
+                      num_producers=num_producers, num_consumers=num_consumers)
+        if direct_min_bytes is not None:  # None: the default, as on the Producer
+            kw["direct_min_bytes"] = direct_min_bytes
         if after_group is not None:
             kw["after_group"] = after_group
         self.loader = loader
@@ -374,13 +373,9 @@ class Consumer:
         self._params_owner = params  # a mapping, or a module (re-read at each sync)
         mapping = self._current_params()
         if plan is not None:
-            names = [n for n in plan.params if mapping is not None and n in mapping]
             self._c = _ferry._Consumer.from_plan(plan._handle(), int(rank), url, mapping, post_process, kw)
         else:
-            names = list(loader.params(int(rank))) if mapping is not None else []
             self._c = _ferry._Consumer(loader._l, int(rank), url, mapping, kw)
-        # What the engine registered: re-checked at every sync (re-binding detection).
-        self._bound = {n: _param_address(mapping[n]) for n in names}
 
     def _current_params(self):
         owner = self._params_owner
@@ -393,23 +388,6 @@ class Consumer:
                 f"Consumer: params must be a mapping name -> tensor or an nn.Module, got {type(owner).__name__}")
         return owner
 
-    def _check_params_in_place(self):
-        if not self._bound:
-            return
-        current = self._current_params()
-        for name, address in self._bound.items():
-            if name not in current:
-                raise FailedPreconditionError(
-                    f"Consumer.sync: param '{name}' registered at creation is no longer in params; the engine "
-                    f"would write memory nobody reads. Create a new Consumer for the new params")
-            now = _param_address(current[name])
-            if now != address:
-                raise FailedPreconditionError(
-                    f"Consumer.sync: param '{name}' was re-bound after the Consumer was created (its memory moved "
-                    f"from 0x{address:x} to 0x{now:x}, e.g. by `p.data = new_tensor`); the engine writes the memory "
-                    f"registered at creation. Copy into the old memory instead (p.data.copy_(new)), or create a new "
-                    f"Consumer for the new memory")
-
     def sync(self, version, trace=None):
         """Receives version ``version`` into the params; the report as a dict (bytes_received,
         received_into_params; bytes is the same as bytes_received; the same keys as every
@@ -417,7 +395,8 @@ class Consumer:
         trace-event JSON; also when the sync fails). Raises
         (e.g. ferry.PeerFailedError naming the producer) when the sync fails; then
         ``state()["torn"]`` tells whether some groups are already new."""
-        self._check_params_in_place()
+        # Each param registered at creation still where the engine writes it (re-binding).
+        self._c.check_params(self._current_params())
         version = int(version)
         if self._before_sync is not None:
             self._before_sync(version)

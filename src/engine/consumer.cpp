@@ -1037,6 +1037,8 @@ void engine::TestAccess::simulate_crash(Consumer& c) {
   if (impl_->lease) impl_->lease->release().ignore();
 }
 
+Status Consumer::check_params(const TensorMap& current) const { return impl_->param_set->check_rebound(current); }
+
 Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, int rank, Transport& transport, Store& store,
                                                    const ConsumerOptions& options, TensorMap params) {
   auto impl = std::make_unique<Impl>(rank, transport, store, options);

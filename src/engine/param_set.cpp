@@ -118,6 +118,7 @@ Result<std::unique_ptr<ParamSet>> ParamSet::create(const ParamSetOptions& opts, 
     }
     const Tensor& t = it->second;
     m.loaded_.emplace(d.name, t);
+    m.given_.emplace(d.name, t);
     if (t.device().is_cuda()) {
       // In GPU memory: unpacked there by a kernel from the receive ring (made visible to
       // the device, or on the device for CUDA IPC), never read into directly. Even a
@@ -177,6 +178,32 @@ ParamSet::Landing ParamSet::landing(const ParamTable::Param& p, uint64_t at) con
 }
 
 ParamSet::Landing ParamSet::landing(const SubRead& sr) const { return landing(*sr.param, sr.param_offset); }
+
+Status ParamSet::check_rebound(const TensorMap& current) const {
+  auto where = [](const Tensor& t) {
+    auto p = t.device_ptr();
+    return fmt::format("{} {}", device_str(t.device()), fmt::ptr(p.ok() ? *p : nullptr));
+  };
+  for (const auto& [name, was] : given_) {
+    auto now = current.find(name);
+    if (now == current.end()) {
+      return failed_precondition(
+          "consumer {}: param '{}' passed to create is no longer among the params; the consumer would write memory "
+          "nobody reads. Create a new Consumer for the new params",
+          opts_.rank, name);
+    }
+    auto was_at = was.device_ptr();
+    auto now_at = now->second.device_ptr();
+    if (now->second.device() != was.device() || !now_at.ok() || !was_at.ok() || *now_at != *was_at) {
+      return failed_precondition(
+          "consumer {}: param '{}' was re-bound after create (its memory moved from {} to {}, e.g. by torch's "
+          "`p.data = new_tensor`); the consumer writes the memory it was given at create. Copy into that memory "
+          "instead (p.data.copy_(new)), or create a new Consumer for the new memory",
+          opts_.rank, name, where(was), where(now->second));
+    }
+  }
+  return Status::Ok();
+}
 
 uint64_t ParamSet::registered_bytes() const {
   uint64_t n = 0;

@@ -104,6 +104,12 @@ class ParamSet {
   const std::optional<Device>& device() const { return device_; }
   bool all_on_device() const { return all_on_device_; }
 
+  // The caller's buffers passed to create still where the set writes them: each one is
+  // in `current` at the same device and address (torch's `p.data = new` re-binds a
+  // param). kFailedPrecondition naming the param otherwise; names not passed at create
+  // are ignored.
+  Status check_rebound(const TensorMap& current) const;
+
   uint64_t own_bytes() const { return own_bytes_; }  // the arena, 0 when the caller gave every buffer
   uint64_t registered_bytes() const;                 // every registration (arena included)
 
@@ -131,6 +137,7 @@ class ParamSet {
   uint64_t own_bytes_ = 0;
   std::optional<Device> device_;
   bool all_on_device_ = false;
+  TensorMap given_;  // the caller's buffers of declared params, as passed to create
   TensorMap loaded_, work_, committed_;
   mutable std::mutex mu_;  // touched_, held_
   bool touched_ = false;

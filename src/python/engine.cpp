@@ -11,7 +11,7 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -26,6 +26,7 @@
 #include "engine/report_json.h"
 #include "python/common.h"
 #include "python/json.h"
+#include "python/options.h"
 
 namespace ferry::python {
 
@@ -155,6 +156,7 @@ class PySource final : public WeightSource {
   ~PySource() override {
     py::gil_scoped_acquire gil;
     holders_.reset();
+    kept_.clear();
     obj_ = py::object();
   }
 
@@ -204,6 +206,13 @@ class PySource final : public WeightSource {
     }
     if (group < 0 || group >= groups_.size()) return out_of_range("materialize: group {} of {}", group, groups_.size());
     py::gil_scoped_acquire gil;
+    if (auto kept = kept_.find(group); kept != kept_.end()) {
+      // What the in-place pass got (keep_results): handed over once, not asked again.
+      Kept k = std::move(kept->second);
+      kept_.erase(kept);
+      holders_ = std::move(k.holders);  // the previous group's arrays are released here
+      return std::move(k.boxes);
+    }
     auto holders = std::make_unique<Holders>();
     std::vector<LocalBox> out;
     const std::string where = fmt::format("WeightSource.materialize({})", group);
@@ -247,9 +256,22 @@ class PySource final : public WeightSource {
     } catch (const StatusError& e) {
       return e.status.with_context(where);
     }
-    holders_ = std::move(holders);  // the previous group's arrays are released here
+    if (keep_results_) {
+      kept_[group] = Kept{out, std::move(holders)};
+    } else {
+      holders_ = std::move(holders);  // the previous group's arrays are released here
+    }
     return out;
   }
+
+  // In-place serving materialises every group in the binding (to register the memory of
+  // what it returns) before Producer::create materialises every group again (to find
+  // each box in those regions): with keep_results on, each group's result (and the
+  // arrays it borrows) is kept and handed to the next materialize of that group instead
+  // of asking Python twice. In place, those arrays are the trainer's own storage: keeping
+  // them costs no copy. drop_kept() (GIL held) releases what create did not take.
+  void keep_results(bool on) { keep_results_ = on; }
+  void drop_kept() { kept_.clear(); }
 
   // The memory of every array materialize returned since the last call, merged where
   // it overlaps (what in-place serving registers with the transport).
@@ -282,32 +304,13 @@ class PySource final : public WeightSource {
   std::unique_ptr<Holders> holders_;
   bool collect_extents_ = false;
   std::vector<Extent> extents_;
+  struct Kept {
+    std::vector<LocalBox> boxes;
+    std::unique_ptr<Holders> holders;
+  };
+  bool keep_results_ = false;
+  std::map<int, Kept> kept_;  // group -> the in-place pass's result (keep_results)
 };
-
-// A duration option in seconds. inf (or anything longer) means "no bound" and becomes
-// kNoBound, one day: the longest wait the store accepts (Store::wait), and far from where
-// a steady_clock deadline (now + duration, in ns) would overflow int64.
-std::chrono::milliseconds ms(double seconds, const char* option) {
-  constexpr double kNoBound = 86400;
-  if (std::isnan(seconds) || seconds < 0) {
-    throw_status(invalid_argument("{}: must be >= 0 seconds (float('inf'): no bound), got {}", option, seconds));
-  }
-  return std::chrono::milliseconds(static_cast<int64_t>(std::min(seconds, kNoBound) * 1000));
-}
-
-void fill_engine_options(EngineOptions& o, const py::dict& kw) {
-  if (kw.contains("job")) o.job = kw["job"].cast<std::string>();
-  if (kw.contains("num_producers")) o.num_producers = kw["num_producers"].cast<int>();
-  if (kw.contains("num_consumers")) o.num_consumers = kw["num_consumers"].cast<int>();
-  if (kw.contains("mode")) o.mode = value_or_raise(parse_sync_mode(kw["mode"].cast<std::string>()));
-  if (kw.contains("rendezvous_timeout")) {
-    o.rendezvous_timeout = ms(kw["rendezvous_timeout"].cast<double>(), "rendezvous_timeout");
-  }
-  if (kw.contains("timeout")) o.timeout = ms(kw["timeout"].cast<double>(), "timeout");
-  if (kw.contains("stall_timeout")) o.stall_timeout = ms(kw["stall_timeout"].cast<double>(), "stall_timeout");
-  if (kw.contains("lease_ttl")) o.lease_ttl = ms(kw["lease_ttl"].cast<double>(), "lease_ttl");
-  if (kw.contains("checksums")) o.checksums = kw["checksums"].cast<bool>();
-}
 
 std::unique_ptr<Transport> make_transport(const py::dict& kw) {
   TransportOptions t;
@@ -345,6 +348,7 @@ struct PyProducer {
   std::vector<MemoryRegion> source_regions;  // in place: the trainer's memory, registered
   std::unique_ptr<Store> store;
   std::unique_ptr<Producer> producer;
+  ProducerOptions options;  // as create got them (options())
 
   void close() {
     py::gil_scoped_release release;
@@ -395,6 +399,8 @@ struct PyConsumer {
   std::unique_ptr<Store> store;
   std::unique_ptr<Consumer> consumer;
   Holders holders;  // the caller's param arrays
+  std::vector<TensorDecl> bound;  // the params bound from the caller's arrays (check_params)
+  ConsumerOptions options;        // as create got them (options())
   std::shared_ptr<HookErrors> hook_errors = std::make_shared<HookErrors>();
 
   void close() {
@@ -412,8 +418,8 @@ struct PyConsumer {
 // group) or absent), called on the consumer's background thread with the GIL held; what
 // it raises is kept in c.hook_errors and fails that sync. before_sync/after_sync run in
 // ferry.Consumer.sync on the caller's thread (a raise there needs no C++ help).
-void fill_consumer_options(ConsumerOptions& co, const py::dict& kw, PyConsumer& c) {
-  fill_engine_options(co, kw);
+ConsumerOptions fill_consumer_options(const py::dict& kw, PyConsumer& c) {
+  ConsumerOptions co = consumer_options(kw);
   if (kw.contains("after_group") && !kw["after_group"].is_none()) {
     auto fn = std::make_shared<GilObject>(py::reinterpret_borrow<py::object>(kw["after_group"]));
     std::shared_ptr<HookErrors> errors = c.hook_errors;
@@ -428,6 +434,26 @@ void fill_consumer_options(ConsumerOptions& co, const py::dict& kw, PyConsumer& 
       }
     };
   }
+  return co;
+}
+
+// Where a param object's memory is now, as a tensor of the param's decl (torch: its
+// data_ptr() and device; a buffer: its address; anything else, e.g. DLPack: bound again),
+// for Consumer::check_params, which compares device and address only.
+Tensor param_memory(py::handle obj, const TensorDecl& decl, Holders& holders) {
+  if (py::hasattr(obj, "data_ptr") && py::hasattr(obj, "device") && py::hasattr(obj, "element_size")) {
+    auto* data = reinterpret_cast<void*>(obj.attr("data_ptr")().cast<uintptr_t>());
+    if (std::string(py::str(obj.attr("device").attr("type"))) == "cuda") {
+      py::object index = obj.attr("device").attr("index");
+      return Tensor::borrow_device(data, decl.shape, decl.dtype, Device::cuda(index.is_none() ? 0 : index.cast<int>()));
+    }
+    return Tensor::borrow(data, decl.shape, decl.dtype);
+  }
+  if (PyObject_CheckBuffer(obj.ptr())) {
+    py::buffer_info info = py::reinterpret_borrow<py::buffer>(obj).request();
+    return Tensor::borrow(info.ptr, decl.shape, decl.dtype);
+  }
+  return bind_object(obj, decl, "Consumer.sync: param", false, holders, /*allow_cuda=*/true);
 }
 
 struct PyStoreServer {
@@ -462,6 +488,7 @@ py::array numpy_view(const Tensor& t, py::handle owner) {
 }  // namespace
 
 void register_engine(py::module_& m) {
+  register_options(m);
   m.def("_groups", [](py::handle metadata) {
     std::vector<TensorDecl> meta = decls_from_python(metadata);
     Groups g(meta);
@@ -532,11 +559,8 @@ void register_engine(py::module_& m) {
                        py::dict kw) {
         auto p = std::make_unique<PyProducer>();
         p->source = std::make_unique<PySource>(source, decls_from_python(metadata), rank, world);
-        ProducerOptions po;
-        fill_engine_options(po, kw);
+        ProducerOptions po = producer_options(kw);
         if (!kw.contains("num_producers")) po.num_producers = world;
-        if (kw.contains("staging_budget")) po.staging_budget = kw["staging_budget"].cast<uint64_t>();
-        if (kw.contains("direct_min_bytes")) po.direct_min_bytes = kw["direct_min_bytes"].cast<uint64_t>();
         p->transport = make_transport(kw);
         p->store = open_store(store_url, kw);
         if (kw.contains("in_place") && kw["in_place"].cast<bool>()) {
@@ -545,7 +569,10 @@ void register_engine(py::module_& m) {
           // create() find each box in those regions (ProducerOptions::source_regions).
           // The Python objects that own that memory (the trainer's parameters) must keep
           // it at the same address; a box that moved fails its sync, naming the tensor.
+          // create() gets this pass's results (keep_results): materialize runs once per
+          // group here, not twice.
           p->source->collect_extents(true);
+          p->source->keep_results(true);
           const int groups = Groups(p->source->metadata()).size();
           for (int g = 0; g < groups; ++g) {
             Result<std::vector<LocalBox>> got = Status(StatusCode::kInternal, "not run");
@@ -556,6 +583,7 @@ void register_engine(py::module_& m) {
             if (!got.ok()) throw_status(got.status().with_context("Producer(in_place=True)"));
           }
           p->source->collect_extents(false);
+          p->source->keep_results(false);
           for (const Extent& e : p->source->take_extents()) {
             p->source_regions.push_back(value_or_raise(p->transport->register_memory(const_cast<std::byte*>(e.base), e.bytes)));
           }
@@ -566,7 +594,9 @@ void register_engine(py::module_& m) {
           py::gil_scoped_release release;
           made = Producer::create(*p->source, *p->transport, *p->store, po);
         }
+        p->source->drop_kept();
         p->producer = value_or_raise(std::move(made));
+        p->options = po;
         return p;
       }))
       .def("sync", [](PyProducer& p, uint64_t version, const py::object& trace) {
@@ -579,6 +609,8 @@ void register_engine(py::module_& m) {
         if (!r.ok() && !trace.is_none()) report_dict(p.producer->last_report(), true, p.producer->rank(), trace);
         return report_dict(value_or_raise(std::move(r)), true, p.producer->rank(), trace);
       }, py::arg("version"), py::arg("trace") = py::none())
+      // The options create() got, as options_dict shows them (what tests compare keywords with).
+      .def("options", [](const PyProducer& p) { return options_dict(p.options); })
       .def_property_readonly("rank", [](const PyProducer& p) { return p.producer ? p.producer->rank() : -1; })
       .def("close", &PyProducer::close);
 
@@ -587,8 +619,7 @@ void register_engine(py::module_& m) {
         auto c = std::make_unique<PyConsumer>();
         // model_loader: a ferry._ferry._ModelLoader (shares the C++ loader).
         c->loader = model_loader.cast<const PyModelLoader&>().loader;
-        ConsumerOptions co;
-        fill_consumer_options(co, kw, *c);
+        ConsumerOptions co = fill_consumer_options(kw, *c);
         TensorMap pm;
         if (!params.is_none()) {
           auto r = c->loader->rank(rank);
@@ -601,6 +632,7 @@ void register_engine(py::module_& m) {
             }
             pm.emplace(d.name, bind_object(params.attr("__getitem__")(key), d, "Consumer: param", true, c->holders,
                                            /*allow_cuda=*/true));
+            c->bound.push_back(d);
           }
         }
         c->transport = make_transport(kw);
@@ -611,6 +643,7 @@ void register_engine(py::module_& m) {
           made = Consumer::create(*c->loader, rank, *c->transport, *c->store, co, std::move(pm));
         }
         c->consumer = value_or_raise(std::move(made));
+        c->options = std::move(co);
         return c;
       }))
       // A consumer of a plan recorded anywhere (ferry.record_load, ferry.record): `params`
@@ -620,8 +653,7 @@ void register_engine(py::module_& m) {
       .def_static("from_plan", [](const PyPlan& plan, int rank, const std::string& store_url, py::object params,
                                   py::object post_process, py::dict kw) {
         auto c = std::make_unique<PyConsumer>();
-        ConsumerOptions co;
-        fill_consumer_options(co, kw, *c);
+        ConsumerOptions co = fill_consumer_options(kw, *c);
         ConsumerModel model;
         model.plan = plan.plan;
         if (!params.is_none()) {
@@ -630,6 +662,7 @@ void register_engine(py::module_& m) {
             if (!params.attr("__contains__")(key).cast<bool>()) continue;
             model.params.emplace(d.name, bind_object(params.attr("__getitem__")(key), d, "Consumer: param", true,
                                                      c->holders, /*allow_cuda=*/true));
+            c->bound.push_back(d);
           }
         }
         if (!post_process.is_none()) {
@@ -666,6 +699,7 @@ void register_engine(py::module_& m) {
           made = Consumer::create(std::move(model), rank, *c->transport, *c->store, co);
         }
         c->consumer = value_or_raise(std::move(made));
+        c->options = std::move(co);
         return c;
       })
       .def("sync", [](PyConsumer& c, uint64_t version, const py::object& trace) {
@@ -689,6 +723,20 @@ void register_engine(py::module_& m) {
         if (!hook.ok()) throw_status(std::move(hook));
         return report_dict(rep, false, c.consumer->rank(), trace);
       }, py::arg("version"), py::arg("trace") = py::none())
+      // Consumer::check_params over the caller's params now (`params`: the mapping, or
+      // None when it passed none): FailedPreconditionError naming a param re-bound since.
+      .def("check_params", [](const PyConsumer& c, py::object params) {
+        if (!c.consumer) throw_status(failed_precondition("Consumer.sync: the consumer is closed"));
+        Holders holders;
+        TensorMap current;
+        for (const TensorDecl& d : c.bound) {
+          py::str key(d.name);
+          if (params.is_none() || !params.attr("__contains__")(key).cast<bool>()) continue;
+          current.emplace(d.name, checked(param_memory(params.attr("__getitem__")(key), d, holders)));
+        }
+        check(c.consumer->check_params(current).with_context("Consumer.sync"));
+      })
+      .def("options", [](const PyConsumer& c) { return options_dict(c.options); })
       .def("state", [](const PyConsumer& c) {
         ConsumerState s = c.consumer->state();
         py::dict d;
