@@ -13,7 +13,6 @@
 #include "engine/in_place.h"
 #include "engine/protocol.h"
 #include "engine/push_writes.h"
-#include "engine/registered_buffer.h"
 #include "engine/rendezvous.h"
 #include "engine/memory.h"
 #include "engine/schedule.h"

@@ -222,3 +222,26 @@ TEST(ParamSet, VersionsTornOnlyWhenTouchedAndCommittedViewMovesAtFinish) {
 
 }  // namespace
 }  // namespace ferry::engine
+
+namespace ferry::engine {
+namespace {
+
+TEST(ParamSet, ARebindingOfACallerBufferIsRefusedNamingIt) {
+  TensorMap caller{{"c", Tensor::empty({64}, DType::kF32, "c")}};
+  auto set = ParamSet::create(ParamSetOptions{4, false, 0}, decls(), caller, host_param_memory());
+  ASSERT_TRUE(set.ok()) << set.status().to_string();
+  EXPECT_TRUE((*set)->check_rebound(caller).ok());
+  TensorMap extra = caller;
+  extra.emplace("not_a_param", Tensor::empty({2}, DType::kF32, "x"));
+  EXPECT_TRUE((*set)->check_rebound(extra).ok()) << "names not passed at create are ignored";
+  TensorMap moved{{"c", Tensor::empty({64}, DType::kF32, "c")}};
+  Status s = (*set)->check_rebound(moved);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("consumer 4: param 'c' was re-bound"), std::string::npos) << s.message();
+  s = (*set)->check_rebound({});
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("'c' passed to create is no longer among the params"), std::string::npos) << s.message();
+}
+
+}  // namespace
+}  // namespace ferry::engine

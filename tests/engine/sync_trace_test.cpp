@@ -115,7 +115,7 @@ TEST(SyncTrace, ConsumerSumsCountOnlyTheTransfersOfTheAttemptThatLanded) {
 }
 
 TEST(SyncTrace, ReceivesAreSplitByProducerLaneAndDestination) {
-  RegisteredParam param{};
+  ParamTable::Param param{};
   ConsumerGroupSchedule gs;
   auto read = [&](uint32_t p, uint64_t len, int32_t region, bool into) {
     SubRead sr;
