@@ -898,13 +898,20 @@ struct Consumer::Impl {
       std::lock_guard<std::mutex> lk(mu);
       // Drop announcements of older versions and of other syncs this instance ran or gave
       // up (a rollback after a failed sync must not take them for a producer ahead).
+      // An older version this instance never synced, from the instance we are connected
+      // to, is a producer behind (as on_message judges one arriving during the sync): it
+      // came before this sync began, and dropping it silently left the consumer waiting
+      // out its timeout for announcements that never come.
+      behind.clear();
       for (auto it = inbox.begin(); it != inbox.end();) {
-        const uint64_t mv = std::get<0>(it->first);
-        const bool stale = mv < v || (mv != v && (attempted.count(mv) || mismatched.count(mv)));
+        const auto& [mv, g, p] = it->first;
+        const bool ran = attempted.count(mv) || mismatched.count(mv);
+        if (mv < v && !ran && peers[static_cast<size_t>(p)].connected && it->second.from == peers[static_cast<size_t>(p)].id)
+          behind[p] = mv;
+        const bool stale = mv < v || (mv != v && ran);
         it = stale ? inbox.erase(it) : std::next(it);
       }
       syncing = v;
-      behind.clear();
       attempted.insert(v);
       if (attempted.size() > 64) attempted.erase(attempted.begin());
     }

@@ -1276,6 +1276,54 @@ TEST(EngineCoordination, PushVersionMismatchAskedBeforeTheProducersBegan) {
   k.expect_all_ok(k.sync(2), 2);
 }
 
+// Pull: the producers' announcements of 3 reach consumer 1 before its sync of 4 begins
+// (it starts once consumer 0 reads group 1, so every announcement of group 0 was
+// delivered); it fails at once naming both versions, not at its timeout.
+TEST(EngineCoordination, PullVersionMismatchAnnouncedBeforeTheConsumerBegan) {
+  Cluster k(EngineCase{Backend::kInproc, Mode::kPull});
+  std::promise<void> announced;
+  std::atomic<bool> armed{false};
+  k.tweak_consumer = [&](ConsumerOptions& o, int c) {
+    if (c != 0) return;
+    auto hooks = std::make_shared<engine::TestHooks>();
+    hooks->consumer_point = [&](int g, int phase) {
+      if (g == 1 && phase == 1 && armed.exchange(false)) announced.set_value();
+    };
+    o.test_hooks = hooks;
+  };
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=1,replicas=2").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  Cluster::Outcome o;
+  o.p.resize(2), o.c.resize(2);
+  {
+    armed = true;
+    std::vector<std::thread> th;
+    for (int p = 0; p < 2; ++p) {
+      th.emplace_back([&, p] {
+        k.src[static_cast<size_t>(p)]->set_version(3);
+        o.p[static_cast<size_t>(p)] = k.prod[static_cast<size_t>(p)]->sync(3);
+      });
+    }
+    th.emplace_back([&] { o.c[0] = k.cons[0]->sync(3); });
+    announced.get_future().wait();
+    o.c[1] = k.cons[1]->sync(4);
+    for (auto& t : th) t.join();
+  }
+  ASSERT_TRUE(o.c[0]->ok()) << o.c[0]->status().to_string();
+  ASSERT_FALSE(o.c[1]->ok());
+  const Status& why = o.c[1]->status();
+  EXPECT_EQ(why.code(), StatusCode::kFailedPrecondition) << why.to_string();
+  EXPECT_NE(why.message().find("syncs version 4 but"), std::string::npos) << why.to_string();
+  EXPECT_NE(why.message().find("serves version 3"), std::string::npos) << why.to_string();
+  for (auto& p : o.p) {
+    ASSERT_TRUE(p->ok()) << p->status().to_string();
+    EXPECT_EQ((*p)->missed, std::vector<int>{1}) << (*p)->to_string();
+  }
+  k.expect_verified(0, 3);
+  EXPECT_EQ(k.cons[1]->state().version, 1u);
+  k.expect_all_ok(k.sync(2), 2);
+}
+
 // Consumer `victim` sleeps `pause` before waiting for group 1 of every sync while `stall`
 // is set (a paused or slow rank, through the consumer's test hook).
 void stall_at_group_1(Cluster& k, int victim, std::chrono::milliseconds pause, const std::atomic<bool>& stall) {
