@@ -135,6 +135,13 @@ enum class MemoryKind : uint8_t {
 };
 const char* memory_kind_name(MemoryKind kind);
 
+// How the bytes of a read or write reach an imported region (Transport::rma_path).
+enum class RmaPath : uint8_t {
+  kNative = 0,     // the backend's own get/put
+  kByMessage = 1,  // messages the owner serves (ferry's RMA emulation)
+};
+const char* rma_path_name(RmaPath path);
+
 // A connected peer: the remote Transport's instance id (see the vocabulary above).
 using PeerId = uint64_t;
 
@@ -341,6 +348,13 @@ class Transport final {
   // owner is not connected, kPeerFailed when it has failed.
   Result<RemoteRegion> import_key(std::span<const std::byte> key);
   Status release_key(const RemoteRegion& remote);
+  // How reads and writes of an imported region travel: natively (the backend's own get
+  // and put: UCX's shared-memory, cma or RDMA lanes; inproc's memcpy), or carried by
+  // messages that the owner's progress thread serves (UCX over tcp, or a region a
+  // shared-memory data endpoint cannot map; see "Remote progress"). Fixed at import.
+  // A lane that needs the owner's memory mapped natively (device memory, say) asks
+  // this per peer region. kNotFound when `remote` is not imported (any more).
+  Result<RmaPath> rma_path(const RemoteRegion& remote) const;
 
   // Copies `length` bytes from remote [remote_offset, +length) into local
   // [local_offset, +length). Ranges are checked against both regions first

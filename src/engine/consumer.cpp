@@ -1,18 +1,17 @@
-// Consumer: one per inference rank. See ferry/engine.h for the protocol.
+// Consumer: one per inference rank; the control plane of its syncs (membership, announcements,
+// failover, versions). Bytes move by the data plane: the attempt's plan (sync_plan.h), its reads
+// through the lanes (attempt_reads.h, lane.h, cuda_ipc.h), param_set.h, the unpack worker.
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
-#include <cstring>
-#include <deque>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <set>
-#include <thread>
-#include <unordered_map>
 
 #include <unistd.h>
 
+#include "engine/attempt_reads.h"
 #include "engine/clock.h"
 #include "engine/sync_trace.h"
 #include "engine/cuda_ipc.h"
@@ -23,6 +22,7 @@
 #include "engine/registered_buffer.h"
 #include "engine/rendezvous.h"
 #include "engine/schedule.h"
+#include "engine/sync_plan.h"
 #include "engine/testing.h"
 #include "engine/memory.h"
 #include "engine/param_set.h"
@@ -52,35 +52,33 @@ struct Consumer::Impl {
   static constexpr int kSlots = static_cast<int>(kReceiveSlots);
   uint64_t slot_bytes = 0;
   RegisteredBuffer ring;
-  // CUDA IPC (ConsumerOptions::cuda_ipc): the lane to producers' GPU staging on this
-  // host (engine/cuda_ipc.h), taken in an attempt where every producer read from is
-  // mapped (ipc_active; set by the sync thread while the background thread is idle, read
-  // by it when unpacking). Null: params not all on one GPU, push, or checksums.
+  // The lanes (engine/lane.h): the transport's (reads into the receive ring and params),
+  // and CUDA IPC (ConsumerOptions::cuda_ipc) to producers' GPU staging on this host
+  // (engine/cuda_ipc.h; null: params not all on one GPU, push, or checksums). Each
+  // attempt's plan (engine/sync_plan.h) says which one moves each transfer; ipc_active
+  // mirrors plan.cuda_ipc for the background thread (set by the sync thread while that
+  // thread is idle, read by it when unpacking: from which ring).
+  std::unique_ptr<TransportLane> lane;
   std::unique_ptr<CudaIpcLane> ipc_lane;
+  ConsumerAttemptPlan plan;
   std::atomic<bool> ipc_active{false};
-  uint64_t ipc_bytes = 0;  // copied device to device in this attempt
-  // Zero copy: a piece of a read that unpacks as a plain byte copy (same dtype,
-  // contiguous destination, not shared with another unpack) of at least
-  // opts.direct_min_bytes is read (pull) or written by the producer (push) straight into
-  // the param's memory (a placement of param_set); the rest goes through the receive
-  // ring and is unpacked on the background thread. This saves one full copy of almost
-  // every byte (routes lay segments out in destination order, so most pieces are
-  // contiguous runs of a param).
-  // Per layer group of `routes`: what to read from whom into where, what to unpack,
-  // which post-processing groups complete (engine/schedule.h). Rebuilt when routes
-  // change or a producer's in-place table does (schedule_stale).
+  // Per layer group of `routes`: what to read from whom into where (the slot, or a
+  // param directly: zero copy, engine/schedule.h), what to unpack, which
+  // post-processing groups complete. Rebuilt when routes change or a producer's in-place
+  // table does (schedule_stale).
   ConsumerSchedule schedule;
   bool schedule_stale = true;
   std::unique_ptr<Lease> lease;
   Published published;  // its plan, put back if the store lost it (republish)
 
+  // A producer as its lease describes it (its staging and source regions are imported
+  // into `lane`, its GPU staging into `ipc_lane`).
   struct Peer {
     std::string blob;
     PeerId id = 0;
-    RemoteRegion staging;
     bool connected = false;
-    InPlaceTable in_place;              // boxes it serves from the trainer's memory
-    std::vector<RemoteRegion> regions;  // their source regions (in_place.keys imported)
+    InPlaceTable in_place;     // boxes it serves from the trainer's memory
+    size_t regions = 0;        // of its source regions (in_place.keys), how many are imported
   };
 
   std::mutex mu;
@@ -262,32 +260,22 @@ struct Consumer::Impl {
         failed_p = p;  // a candidate for failover
         return id.status().with_context(fmt::format("connecting to producer {}", p));
       }
-      auto key = transport.import_key(string_bytes(lease->staging_key));
-      if (!key.ok()) {
+      // Its staging (and, pulling, its source regions) for the transport lane; its GPU
+      // staging, mapped for device-to-device copies when we can take them.
+      static const std::vector<std::string> kNone;
+      auto imported = lane->import(p, lease->staging_key, opts.mode == SyncMode::kPull ? table->keys : kNone);
+      if (!imported.ok()) {
         failed_p = p;
-        return key.status().with_context(fmt::format("staging key of producer {}", p));
+        return imported.status();
       }
-      // Its GPU staging, mapped for device-to-device copies when we can take them.
       if (ipc_lane) ipc_lane->connect(p, lease->cuda_ipc);
-      std::vector<RemoteRegion> regions;
-      if (opts.mode == SyncMode::kPull) {
-        for (size_t k = 0; k < table->keys.size(); ++k) {
-          auto r = transport.import_key(string_bytes(table->keys[k]));
-          if (!r.ok()) {
-            failed_p = p;
-            return r.status().with_context(fmt::format("source region {} key of producer {}", k, p));
-          }
-          regions.push_back(*r);
-        }
-      }
       std::lock_guard<std::mutex> lk(mu);
       Peer& pe = peers[static_cast<size_t>(p)];
       pe.blob = *blob;
       pe.id = *id;
-      pe.staging = *key;
       pe.connected = true;
       pe.in_place = opts.mode == SyncMode::kPull ? std::move(*table) : InPlaceTable{};
-      pe.regions = std::move(regions);
+      pe.regions = *imported;
       schedule_stale = true;
       peer_rank[*id] = p;
       failed.erase(p);
@@ -447,120 +435,28 @@ struct Consumer::Impl {
     return s;
   }
 
-  // Where the bytes of sub-read `sr` of the receive slot `slot` land.
-  std::byte* landing(const SubRead& sr, int slot) const {
-    if (sr.param) return param_set->landing(sr).data;
-    return ring.data + static_cast<uint64_t>(slot) * slot_bytes + sr.recv_offset;
-  }
-
-  // The checksum covers producer p's bytes of group g in staging order, wherever they
-  // landed (receive slot or params).
-  Status verify(int p, int g, const Arrival& a, int s) {
-    if (!a.checksum) return Status::Ok();
-    const ConsumerGroupSchedule& gs = schedule.groups[static_cast<size_t>(g)];
-    SegmentHash h;
-    if (auto it = gs.checksum_order.find(p); it != gs.checksum_order.end()) {
-      for (uint32_t k : it->second) h.update(landing(gs.reads[k], s), gs.reads[k].length);
-    }
-    const uint64_t got = h.digest();
-    if (got != *a.checksum)
-      return corrupt("consumer {}: checksum mismatch on the segment of producer {} in group {} ({}): got {:016x}, sent {:016x}",
-                     rank, p, g, routes.group_names[static_cast<size_t>(g)], got, *a.checksum);
-    return Status::Ok();
-  }
-
-  // Which sub-reads post() posts: staged ones (from the slot an announcement named), or
-  // in-place ones landing in the receive ring or in params.
-  enum PostWhat { kStaged, kInPlaceToRing, kInPlaceToParams };
-  Status post(int g, int p, uint64_t base, PostWhat what, const Arrival* announce, std::vector<Completion>& ops) {
-    for (const SubRead& sr : schedule.groups[static_cast<size_t>(g)].reads) {
-      if (static_cast<int>(sr.producer) != p) continue;
-      const PostWhat kind = sr.region < 0 ? kStaged : sr.param ? kInPlaceToParams : kInPlaceToRing;
-      if (kind != what) continue;
-      FERRY_RETURN_IF_ERROR(post_one(g, p, sr, 0, sr.length, base, announce, ops));
-    }
-    return Status::Ok();
-  }
-
-  // Posts bytes [at, at + n) of sub-read `sr` of producer p in group g.
-  Status post_one(int g, int p, const SubRead& sr, uint64_t at, uint64_t n, uint64_t base, const Arrival* announce,
-                  std::vector<Completion>& ops) {
-    RemoteRegion from_region;
-    uint64_t remote = (announce ? announce->slot_offset : 0) + sr.remote + at;
-    {
-      std::lock_guard<std::mutex> lk(mu);
-      const Peer& pe = peers[static_cast<size_t>(p)];
-      from_region = pe.staging;
-      if (sr.region >= 0) {
-        from_region = pe.regions[static_cast<size_t>(sr.region)];
-        remote = sr.remote + at;
-      }
-    }
-    if (sr.param) param_set->touch();  // params change from here on: a failure now leaves us torn
-    if (ipc_active && sr.region < 0 && !sr.param) {
-      // The CUDA IPC lane: done when the copy returns.
-      Status st = ipc_lane->copy(p, remote, base + sr.recv_offset + at, n, g);
-      if (!st.ok()) {
-        failed_p = p;
-        return st;
-      }
-      ipc_bytes += n;
-      return Status::Ok();
-    }
-    Result<Completion> c = Completion();
-    if (sr.param) {
-      const ParamSet::Landing to = param_set->landing(sr);
-      c = transport.read(to.region, to.offset + at, from_region, remote, n);
-    } else {
-      c = transport.read(ring.region, base + sr.recv_offset + at, from_region, remote, n);
-    }
-    if (!c.ok()) {
-      failed_p = p;
-      return c.status().with_context(fmt::format("consumer {} reading group {} from producer {}", rank, g, p));
-    }
-    ops.push_back(*c);
-    return Status::Ok();
-  }
-
-  // In-place bytes into params not posted yet, per group: taken lowest group first, a
-  // chunk at a time, while the consumer has nothing else to do (see await_working).
-  struct Backlog {
-    struct Item {
-      int p;
-      const SubRead* sr;
-      uint64_t done;
-    };
-    std::map<int, std::deque<Item>> by_group;
-    bool empty() const { return by_group.empty(); }
-  };
-  // Over shared memory a read is a copy made by the posting thread: in chunks, so the
-  // consumer answers announcements between them.
-  static constexpr uint64_t kChunk = 1 << 20;
-
-  // Posts one chunk of the lowest group's backlog into ahead[(group, p)].
-  Status work_one(Backlog& b, std::map<std::pair<int, int>, std::vector<Completion>>& ahead) {
-    auto it = b.by_group.begin();
-    auto& item = it->second.front();
-    const uint64_t n = std::min(kChunk, item.sr->length - item.done);
-    FERRY_RETURN_IF_ERROR(post_one(it->first, item.p, *item.sr, item.done, n, 0, nullptr, ahead[{it->first, item.p}]));
-    item.done += n;
-    if (item.done == item.sr->length) {
-      it->second.pop_front();
-      if (it->second.empty()) b.by_group.erase(it);
-    }
-    return Status::Ok();
-  }
-
   // await_any for an announcement, working through the backlog while none is there.
-  Result<std::pair<int, Arrival>> await_working(uint64_t v, int g, const std::set<int>& from, Backlog& b,
-                                            std::map<std::pair<int, int>, std::vector<Completion>>& ahead) {
-    while (!b.empty()) {
+  Result<std::pair<int, Arrival>> await_working(uint64_t v, int g, const std::set<int>& from, AttemptReads& reads) {
+    while (!reads.backlog_empty()) {
       bool none = false;
       auto r = await_any(v, g, from, "announce", &none);
       if (!none) return r;
-      FERRY_RETURN_IF_ERROR(work_one(b, ahead));
+      FERRY_RETURN_IF_ERROR(posted(reads, reads.work_one()));
     }
     return await_any(v, g, from, "announce");
+  }
+
+  // A post's status; a failed one names its producer as the attempt's failure (failed_p).
+  Status posted(const AttemptReads& reads, Status st) {
+    if (!st.ok()) failed_p = reads.failed_producer();
+    return st;
+  }
+  // Waits for producer p's reads; a failure is p's, in the consumer's words.
+  Status waited(std::span<const Completion> ops, int p, uint64_t v, int g) {
+    Status st = wait_reads(ops, p, v, g);
+    if (st.ok()) return st;
+    failed_p = p;
+    return Status(st.code(), fmt::format("consumer {} reading group {} from producer {}: {}", rank, g, p, st.message()));
   }
 
   Status sync_groups(uint64_t v, SyncReport& rep) {
@@ -568,24 +464,9 @@ struct Consumer::Impl {
     {
       std::lock_guard<std::mutex> lk(mu);  // the background thread is idle between attempts
       if (schedule_stale) rebuild_schedule();
-      // CUDA IPC this attempt: only when every producer we read from is mapped and
-      // serves us nothing in place (all of a group lands in one receive ring).
-      bool all = ipc_lane != nullptr, any = false;
-      std::set<int> unmapped;
-      for (const ConsumerGroupSchedule& gs : schedule.groups) {
-        for (const SubRead& sr : gs.reads) {
-          any = true;
-          const int p = static_cast<int>(sr.producer);
-          if (!ipc_lane || !ipc_lane->viable(p) || sr.region >= 0 || sr.param) all = false;
-          if (ipc_lane && !ipc_lane->why_not(p).empty()) unmapped.insert(p);
-        }
-      }
-      ipc_active = all && any;
-      ipc_bytes = 0;
-      for (int p : unmapped) {
-        rep.failures.push_back(fmt::format("consumer {}: producer {}'s GPU staging is not mapped here ({}); read "
-                                           "through the transport", rank, p, ipc_lane->why_not(p)));
-      }
+      plan = make_consumer_attempt_plan(rank, schedule, ipc_lane.get());
+      ipc_active = plan.cuda_ipc;
+      for (std::string& note : plan.notes) rep.failures.push_back(std::move(note));
     }
     if (declare) {
       declare = false;
@@ -598,26 +479,14 @@ struct Consumer::Impl {
     // announcement (a chunk at a time, so staging slots are still released promptly:
     // producers pack group g+2 only once every consumer released group g); in-place
     // bytes that land in the receive ring are read as soon as the group's slot is ours;
-    // only staged bytes wait for the group's announcement.
+    // only staged bytes wait for the group's announcement. The reads themselves, and
+    // draining them on an error return, are AttemptReads' (engine/attempt_reads.h).
     std::set<int> in_v;
-    std::map<std::pair<int, int>, std::vector<Completion>> ahead;  // (group, producer) -> in-place reads posted
-    std::map<int, std::vector<Completion>> ops;                     // this group's, per producer
-    Backlog backlog;                                                // in-place reads not posted yet
-    // On an error return, reads still in flight must land before the next attempt
-    // reuses the receive slots (and before params are declared torn).
-    struct Drain {
-      std::map<std::pair<int, int>, std::vector<Completion>>& ahead;
-      std::map<int, std::vector<Completion>>& ops;
-      std::chrono::milliseconds limit;
-      ~Drain() {
-        for (auto& [k, v] : ahead) wait_all(v, limit).ignore();
-        for (auto& [k, v] : ops) wait_all(v, limit).ignore();
-      }
-    } drain{ahead, ops, opts.timeout};
+    AttemptReads reads(plan, *lane, ipc_lane.get(), opts.timeout);
     for (int g = 0; g < routes.num_groups(); ++g) {
       const ConsumerGroupSchedule& gs = schedule.groups[static_cast<size_t>(g)];
-      std::set<int> from;
-      for (const auto& [p, bytes] : gs.received_from) from.insert(p);
+      const ConsumerGroupPlan& gp = plan.groups[static_cast<size_t>(g)];
+      const std::set<int> from(gp.from.begin(), gp.from.end());
       if (from.empty()) {
         worker->enqueue({v, g, -1});
         continue;
@@ -632,60 +501,38 @@ struct Consumer::Impl {
         // at once (before any in-place bytes are waited for), so that one slow producer
         // never holds another's staging slot and producers pack on while we copy.
         auto tr0 = Clock::now();
-        ops.clear();
         for (int p : from) {
-          if (in_v.count(p)) FERRY_RETURN_IF_ERROR(post(g, p, base, kInPlaceToRing, nullptr, ops[p]));
+          if (in_v.count(p)) FERRY_RETURN_IF_ERROR(posted(reads, reads.post_to_slot(g, p, base)));
         }
         trace.record(TracePhase::kRead, g, -1, tr0, Clock::now());
         std::set<int> remaining = from;
-        bool posted = false;
+        bool first = true;
         while (!remaining.empty()) {
           auto tw = Clock::now();
-          FERRY_ASSIGN_OR_RETURN(auto pm, await_working(v, g, remaining, backlog, ahead));
+          FERRY_ASSIGN_OR_RETURN(auto pm, await_working(v, g, remaining, reads));
           trace.record(TracePhase::kWait, g, pm.first, tw, Clock::now());
           const int p = pm.first;
           got[p] = pm.second;
           remaining.erase(p);
           auto tr1 = Clock::now();
           std::vector<Completion> staged;
-          FERRY_RETURN_IF_ERROR(post(g, p, base, kStaged, &got[p], staged));
-          if (!posted) {
-            posted = true;
+          FERRY_RETURN_IF_ERROR(posted(reads, reads.post_staged(g, p, got[p].slot_offset, base, staged)));
+          if (first) {
+            first = false;
             point(g, 1);
           }
-          Status st = wait_reads(staged, p, v, g);
-          if (!st.ok()) {
-            failed_p = p;
-            return Status(st.code(),
-                          fmt::format("consumer {} reading group {} from producer {}: {}", rank, g, p, st.message()));
-          }
+          FERRY_RETURN_IF_ERROR(waited(staged, p, v, g));
           send_to(p, Release{me(), v, g, routes_hash});
           if (in_v.insert(p).second) {  // p is in sync v: its in-place bytes are the weights of v
-            FERRY_RETURN_IF_ERROR(post(g, p, base, kInPlaceToRing, nullptr, ops[p]));
-            for (int g2 = g; g2 < routes.num_groups(); ++g2) {
-              for (const SubRead& sr : schedule.groups[static_cast<size_t>(g2)].reads)
-                if (sr.region >= 0 && sr.param && static_cast<int>(sr.producer) == p)
-                  backlog.by_group[g2].push_back(Backlog::Item{p, &sr, 0});
-            }
+            FERRY_RETURN_IF_ERROR(posted(reads, reads.post_to_slot(g, p, base)));
+            reads.enter(p, g);
           }
           trace.record(TracePhase::kRead, g, p, tr1, Clock::now());
         }
         // This group's in-place bytes: post what is left of them, wait for all.
         auto tr2 = Clock::now();
-        while (!backlog.empty() && backlog.by_group.begin()->first <= g) FERRY_RETURN_IF_ERROR(work_one(backlog, ahead));
-        for (int p : from) {
-          Status st = wait_reads(ops[p], p, v, g);
-          if (auto it = ahead.find({g, p}); st.ok() && it != ahead.end()) {
-            st = wait_reads(it->second, p, v, g);
-            ahead.erase(it);
-          }
-          if (!st.ok()) {
-            failed_p = p;
-            return Status(st.code(),
-                          fmt::format("consumer {} reading group {} from producer {}: {}", rank, g, p, st.message()));
-          }
-        }
-        ops.clear();
+        while (reads.backlog_through(g)) FERRY_RETURN_IF_ERROR(posted(reads, reads.work_one()));
+        for (int p : from) FERRY_RETURN_IF_ERROR(waited(reads.take(g, p), p, v, g));
         trace.record(TracePhase::kRead, g, -1, tr2, Clock::now());
       } else {
         if (gs.direct) param_set->touch();  // producers write into params from here on: a failure now leaves us torn
@@ -706,17 +553,12 @@ struct Consumer::Impl {
         trace.record(TracePhase::kWait, g, -1, tw, Clock::now());
       }
       record_receives(trace, g, gs, ipc_active, tg, Clock::now());
-      if (ipc_active) {
-        // Checksums (the producers' option) are verified on the host: the slot first.
-        bool any = false;
-        for (int p : from) any |= got[p].checksum.has_value();
-        if (any) {
-          const uint64_t at = static_cast<uint64_t>(s) * slot_bytes;
-          FERRY_RETURN_IF_ERROR(device_memcpy(ring.data + at, ipc_lane->ring() + at, plan_route->groups[static_cast<size_t>(g)].recv_bytes)
-                                    .with_context(fmt::format("consumer {} group {}: GPU ring to host, to verify", rank, g)));
-        }
-      }
-      for (int p : from) FERRY_RETURN_IF_ERROR(verify(p, g, got[p], s));
+      std::map<int, uint64_t> sums;  // checksums (the producers' option), verified on the host
+      for (int p : from)
+        if (got[p].checksum) sums[p] = *got[p].checksum;
+      FERRY_RETURN_IF_ERROR(verify_group(rank, g, routes.group_names[static_cast<size_t>(g)], gs, sums, ring.data + base,
+                                         ipc_active ? ipc_lane->ring() + base : nullptr,
+                                         plan_route->groups[static_cast<size_t>(g)].recv_bytes, *param_set));
       point(g, 2);
       worker->enqueue({v, g, s});
     }
@@ -748,9 +590,7 @@ struct Consumer::Impl {
     m.own_params = param_set->own_bytes();
     m.registered_in_place += param_set->registered_bytes();
     const RouteInputs& in = route_state.inputs();
-    std::vector<const Plan*> plans;
-    for (const Plan& p : in.plans) plans.push_back(&p);
-    m.metadata = metadata_heap_bytes(routes, in.metadata, in.holdings, plans);
+    m.metadata = metadata_heap_bytes(routes, in.metadata, in.holdings, in.plans);
     std::lock_guard<std::mutex> lk(mu);
     m.metadata += schedule_heap_bytes(schedule);
     for (const Peer& pe : peers) m.metadata += pe.in_place.boxes.capacity() * sizeof(InPlaceTable::At);
@@ -767,7 +607,7 @@ struct Consumer::Impl {
     in.params = &param_set->placements();
     in.holdings = &route_state.inputs().holdings;
     for (const Peer& pe : peers) {
-      const bool usable = !pe.in_place.empty() && pe.regions.size() == pe.in_place.keys.size();
+      const bool usable = !pe.in_place.empty() && pe.regions == pe.in_place.keys.size();
       in.in_place.push_back(usable ? &pe.in_place : nullptr);
     }
     if (model.post_process) {
@@ -827,25 +667,41 @@ struct Consumer::Impl {
     }
   }
 
-  // Push, after moving to new routes mid-sync: a producer that we asked to write (READY)
-  // under the old routes may still have those writes in flight into our receive ring,
-  // where they would land on top of the new attempt's groups. Waits until each of them
-  // answered our FAILOVER with FLUSHED (sent once none is left), has failed, or is dead.
-  Status wait_flushed(uint64_t v) {
-    if (opts.mode != SyncMode::kPush) return Status::Ok();
+  // Push: waits until each producer of `from` answered with FLUSHED for (v, our routes)
+  // (sent once none of its writes to us is in flight), has failed, or is dead; bounded
+  // by `timeout`, after which `late(p)` says why. A crash (test hook) ends the wait:
+  // with kCancelled when `cancel_on_crash`.
+  template <typename Late>
+  Status await_flushed(uint64_t v, const std::vector<int>& from, bool cancel_on_crash, Late late) {
     std::unique_lock<std::mutex> lk(mu);
     const auto deadline = Clock::now() + opts.timeout;
-    for (int p : readied) {
+    for (int p : from) {
       while (!route_state.dead().count(p) && !failed.count(p) && peers[static_cast<size_t>(p)].connected) {
         auto it = flushed_from.find(p);
         if (it != flushed_from.end() && it->second == std::make_pair(v, routes_hash)) break;
-        if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
-        if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline)
-          return timeout_error("consumer {}: producer {} did not confirm within {} ms that its writes of abandoned "
-                               "routes into this consumer's receive ring ended (sync {})",
-                               rank, p, opts.timeout.count(), v);
+        if (crashed) return cancel_on_crash ? cancelled("consumer {} crashed (test hook)", rank) : Status::Ok();
+        if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline) return late(p);
       }
     }
+    return Status::Ok();
+  }
+
+  // Push, after moving to new routes mid-sync: a producer that we asked to write (READY)
+  // under the old routes may still have those writes in flight into our receive ring,
+  // where they would land on top of the new attempt's groups. Waits until each of them
+  // answered our FAILOVER with FLUSHED.
+  Status wait_flushed(uint64_t v) {
+    if (opts.mode != SyncMode::kPush) return Status::Ok();
+    std::vector<int> from;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      from.assign(readied.begin(), readied.end());
+    }
+    FERRY_RETURN_IF_ERROR(await_flushed(v, from, true, [&](int p) {
+      return timeout_error("consumer {}: producer {} did not confirm within {} ms that its writes of abandoned "
+                           "routes into this consumer's receive ring ended (sync {})", rank, p, opts.timeout.count(), v);
+    }));
+    std::lock_guard<std::mutex> lk(mu);
     readied.clear();
     unanswered.clear();
     return Status::Ok();
@@ -853,25 +709,29 @@ struct Consumer::Impl {
 
   // Push, after giving up sync v (ABORT sent): a producer whose READY we have not seen
   // answered may still be writing into our receive ring and params, which the caller
-  // owns again once sync() returns. Waits, up to `timeout`, until each such producer
-  // answered the ABORT with FLUSHED (sent once no write to us is in flight), failed, or
-  // is dead. Returns why when one did not.
+  // owns again once sync() returns. Waits until each such producer answered the ABORT
+  // with FLUSHED. Returns why when one did not.
   Status wait_aborted_writes(uint64_t v) {
     if (opts.mode != SyncMode::kPush) return Status::Ok();
-    std::unique_lock<std::mutex> lk(mu);
-    const auto deadline = Clock::now() + opts.timeout;
+    std::vector<int> from;
     for (const auto& [p, n] : unanswered) {
-      if (n <= 0) continue;
-      while (!crashed && !route_state.dead().count(p) && !failed.count(p) && peers[static_cast<size_t>(p)].connected) {
-        auto it = flushed_from.find(p);
-        if (it != flushed_from.end() && it->second == std::make_pair(v, routes_hash)) break;
-        if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline)
-          return timeout_error("consumer {}: producer {} did not confirm within {} ms, after this consumer gave up "
-                               "sync {}, that its writes into this consumer's receive ring and params ended",
-                               rank, p, opts.timeout.count(), v);
-      }
+      if (n > 0) from.push_back(p);
     }
-    return Status::Ok();
+    return await_flushed(v, from, false, [&](int p) {
+      return timeout_error("consumer {}: producer {} did not confirm within {} ms, after this consumer gave up "
+                           "sync {}, that its writes into this consumer's receive ring and params ended",
+                           rank, p, opts.timeout.count(), v);
+    });
+  }
+
+  // Producers connected and not failed: those told of the end of a sync (ABORT, DONE).
+  std::vector<int> reachable_producers() {
+    std::vector<int> out;
+    std::lock_guard<std::mutex> lk(mu);
+    for (int p = 0; p < opts.num_producers; ++p) {
+      if (peers[static_cast<size_t>(p)].connected && !failed.count(p)) out.push_back(p);
+    }
+    return out;
   }
 
   Result<std::vector<TensorDecl>> await_metadata();
@@ -981,14 +841,7 @@ struct Consumer::Impl {
       param_set->abort();
       for (const auto& [p, n] : unanswered) flushed_from.erase(p);  // an answer to an earlier FAILOVER is not one to this ABORT
       lk.unlock();
-      for (int p = 0; p < opts.num_producers; ++p) {
-        bool ok;
-        {
-          std::lock_guard<std::mutex> g(mu);
-          ok = peers[static_cast<size_t>(p)].connected && !failed.count(p);
-        }
-        if (ok) send_to(p, Abort{me(), v, routes_hash});
-      }
+      for (int p : reachable_producers()) send_to(p, Abort{me(), v, routes_hash});
       if (Status w = wait_aborted_writes(v); !w.ok()) s = Status(s.code(), fmt::format("{}; {}", s.message(), w.message()));
       finish_report(s);
       return s;
@@ -997,15 +850,8 @@ struct Consumer::Impl {
     lk.unlock();
     const auto tc = Clock::now();
     std::vector<Completion> dones;
-    for (int p = 0; p < opts.num_producers; ++p) {
-      bool ok;
-      {
-        std::lock_guard<std::mutex> g(mu);
-        ok = peers[static_cast<size_t>(p)].connected && !failed.count(p);
-      }
-      if (ok) {
-        if (auto c = send_to(p, Done{me(), v, routes_hash})) dones.push_back(*c);
-      }
+    for (int p : reachable_producers()) {
+      if (auto c = send_to(p, Done{me(), v, routes_hash})) dones.push_back(*c);
     }
     // For committed_versions(): what a framework asks before it serves with these weights.
     if (Status c = store.set(keys.committed(rank), std::to_string(v)); !c.ok())
@@ -1102,6 +948,7 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
   // Padding: the plan's zeros are written once (routes carry only source bytes).
   FERRY_RETURN_IF_ERROR(m.param_set->write_padding(m.model.plan));
   FERRY_RETURN_IF_ERROR(m.ring.allocate(transport, m.slot_bytes * Impl::kSlots));
+  m.lane = std::make_unique<TransportLane>(rank, transport, m.ring.region, *m.param_set);
   // CUDA IPC: a receive ring on the params' device, when every param is there (the
   // caller's), in pull mode, without checksums (verified on the host).
   if (options.cuda_ipc && m.param_set->all_on_device() && options.mode == SyncMode::kPull && !options.checksums) {

@@ -6,20 +6,14 @@
 #include <limits.h>
 #include <random>
 
+#include "common/host.h"
 #include "engine/protocol.h"
+#include "engine/schedule.h"
 #include "ferry/device.h"
 
 namespace ferry::engine {
 
-std::string host_identity() {
-  char name[HOST_NAME_MAX + 1] = {};
-  if (gethostname(name, sizeof(name) - 1) != 0) name[0] = '\0';
-  std::string boot;
-  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
-  char ns[128] = {};
-  const ssize_t n = readlink("/proc/self/ns/net", ns, sizeof(ns) - 1);
-  return fmt::format("{}|{}|{}", name, boot, n > 0 ? std::string(ns, static_cast<size_t>(n)) : std::string());
-}
+std::string host_identity() { return common::this_host().host; }
 
 uint64_t process_token() {
   static const uint64_t token = [] {
@@ -136,6 +130,15 @@ Status CudaIpcLane::copy(int p, uint64_t remote, uint64_t ring_offset, uint64_t 
   }
   return device_memcpy(ring_.get() + ring_offset, from.get() + remote, n)
       .with_context(fmt::format("consumer {} copying group {} from producer {}'s GPU staging", rank_, group, p));
+}
+
+Status CudaIpcLane::post(const Transfer& t, uint64_t at, uint64_t n, uint64_t staging_offset, uint64_t slot_offset,
+                         std::vector<Completion>& /*ops: done on return*/) {
+  const SubRead& sr = *t.read;
+  if (sr.region >= 0 || sr.param)
+    return invalid_argument("consumer {} group {}: the CUDA IPC lane moves staged bytes into the receive ring only", rank_,
+                            t.group);
+  return copy(t.producer, staging_offset + sr.remote + at, slot_offset + sr.recv_offset + at, n, t.group);
 }
 
 }  // namespace ferry::engine

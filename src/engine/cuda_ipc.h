@@ -11,14 +11,16 @@
 #include <string>
 #include <string_view>
 
+#include "engine/lane.h"
 #include "ferry/status.h"
 #include "ferry/tensor.h"
 
 namespace ferry::engine {
 
-// This process's host, for telling whether a peer's device memory can be mapped: the
-// host name, its boot id and this process's network namespace (so the emulated hosts
-// of the multi-host tests, network namespaces of one machine, count as different).
+// This process's host, for telling whether a peer's device memory can be mapped:
+// common::this_host().host (the host name, its boot id and this process's network
+// namespace, so the emulated hosts of the multi-host tests count as different;
+// common/host.h).
 std::string host_identity();
 // A random number drawn once per process: tells this very process from another with the
 // same pid (containers of one host with their own PID namespaces).
@@ -44,14 +46,16 @@ Result<CudaIpcExport> decode_cuda_ipc(std::string_view blob);
 // a CUDA error).
 Result<std::shared_ptr<std::byte>> map_cuda_ipc(const CudaIpcExport& e, Device device);
 
-// The consumer's CUDA IPC lane: a receive ring on its params' device and, per producer,
-// that producer's GPU staging mapped here (viable to a producer once its export is
-// mapped). A group's staged bytes reach the device ring by device-to-device copies;
-// unpack then runs there. The transport is the other lane (host receive ring, params).
+// The consumer's CUDA IPC lane (engine/lane.h): a receive ring on its params' device
+// and, per producer, that producer's GPU staging mapped here (viable to a producer once
+// its export is mapped). A group's staged bytes reach the device ring by device-to-device
+// copies; unpack then runs there. It moves staged bytes into the receive slot only (the
+// plan gives it nothing else); the transport lane is the other (host receive ring,
+// params, in place).
 // Threading: connect and copy on the consumer's sync thread, disconnect from any thread
 // (a peer failure); a copy holds the mapping it reads, so a disconnect meanwhile is safe.
 // Errors name the consumer rank, the group and the producer.
-class CudaIpcLane {
+class CudaIpcLane final : public Lane {
  public:
   // A device ring of `ring_bytes` on `device`; the device's error naming the ring.
   static Result<std::unique_ptr<CudaIpcLane>> create(int rank, Device device, uint64_t ring_bytes);
@@ -59,8 +63,13 @@ class CudaIpcLane {
   // else why_not(p) says why (another host, a CUDA error).
   void connect(int p, std::string_view exported);
   void disconnect(int p);
-  bool viable(int p) const;
-  std::string why_not(int p) const;  // "" when mapped or nothing exported
+  LaneKind kind() const override { return LaneKind::kCudaIpc; }
+  bool viable(int p) const override;
+  std::string why_not(int p) const override;  // "" when mapped or nothing exported
+  // Lane::post: copy() of the transfer's staged bytes into the device ring (done when it
+  // returns); kInvalidArgument for a transfer in place or into a param.
+  Status post(const Transfer& t, uint64_t at, uint64_t n, uint64_t staging_offset, uint64_t slot_offset,
+              std::vector<Completion>& ops) override;
   // Copies `n` bytes at `remote` of producer p's staging to `ring_offset` of the device
   // ring, done when it returns: kPeerFailed when p is not mapped (failed meanwhile),
   // kOutOfRange outside its staging, the device's error.

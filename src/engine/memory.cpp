@@ -117,6 +117,13 @@ uint64_t predicted_schedule_bytes(const PlanRoute& route) {
   return bytes_of(route) + heap(reads * sizeof(SubRead));
 }
 
+uint64_t metadata_heap_bytes(const Routes& routes, const std::vector<TensorDecl>& metadata,
+                             const std::vector<Holdings>& holdings, const std::vector<Plan>& plans) {
+  std::vector<const Plan*> ptrs;
+  for (const Plan& p : plans) ptrs.push_back(&p);
+  return metadata_heap_bytes(routes, metadata, holdings, ptrs);
+}
+
 }  // namespace engine
 
 std::string MemoryUse::to_string() const {

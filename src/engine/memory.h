@@ -32,6 +32,8 @@ Result<StagingSlots> staging_ring(int rank, uint64_t needed, uint64_t worst, uin
 // the trainer's metadata, every producer's holdings, every consumer's plan, the routes.
 uint64_t metadata_heap_bytes(const Routes& routes, const std::vector<TensorDecl>& metadata,
                              const std::vector<Holdings>& holdings, const std::vector<const Plan*>& plans);
+uint64_t metadata_heap_bytes(const Routes& routes, const std::vector<TensorDecl>& metadata,
+                             const std::vector<Holdings>& holdings, const std::vector<Plan>& plans);
 // ... and of a rank's schedule (what make_*_schedule built).
 uint64_t schedule_heap_bytes(const ProducerSchedule& s);
 uint64_t schedule_heap_bytes(const ConsumerSchedule& s);

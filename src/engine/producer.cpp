@@ -13,6 +13,7 @@
 #include "engine/in_place.h"
 #include "engine/protocol.h"
 #include "engine/push_writes.h"
+#include "engine/sync_plan.h"
 #include "engine/rendezvous.h"
 #include "engine/memory.h"
 #include "engine/schedule.h"
@@ -63,10 +64,9 @@ struct Producer::Impl {
     RemoteRegion recv;       // push: the consumer's receive ring
     uint64_t recv_slot_bytes = 0;
     // Push: where its registered params lie (its lease's ParamTable) and their imported
-    // keys; per layer group of `routes`, this producer's writes to it (push_writes).
+    // keys (this producer's writes to it are the attempt plan's).
     ParamTable params;
     std::vector<RemoteRegion> param_regions;
-    std::vector<std::vector<PushWrite>> writes;
   };
   std::mutex mu;
   std::condition_variable cv;
@@ -90,6 +90,9 @@ struct Producer::Impl {
     std::map<uint32_t, uint64_t> checksum;  // per plan class
   };
   std::vector<Slot> slots;
+  // The current attempt's plan (engine/sync_plan.h): per group the consumers packed for,
+  // and push's writes to each; built at the start of each attempt; mu.
+  ProducerAttemptPlan plan;
   // push: (version, group, consumer) -> READY (sender instance, receive slot, routes); kept
   // even from instances not connected yet (a consumer may ask before this producer's sync
   // began). Only a READY of the routes a slot was packed with is served from it: a READY of
@@ -257,21 +260,12 @@ struct Producer::Impl {
     transport.send(to, kEngineTag, encode_message(Flushed{static_cast<uint32_t>(rank), v, hash})).status().ignore();
   }
 
-  // Push: this producer's writes to consumer c under routes r (engine/push_writes.h).
-  // Caller thread.
-  std::vector<std::vector<PushWrite>> writes_to(const Routes& r, int c, const ParamTable& table) const {
-    return push_writes(r, rank, c, table, route_state.inputs().holdings, staging->in_place());
-  }
-
   // Push: posts the writes of slot s for consumer c into its receive slot `rslot` and
-  // params. Called without mu.
+  // params (post_push_writes, engine/push_writes.h), then PUSHED. Called without mu.
   void start_push(int s, int c, uint32_t rslot, int g, uint64_t v) {
     const auto t_push = Clock::now();
     std::vector<PushWrite> mine;
-    std::vector<RemoteRegion> into;
-    PeerId id;
-    RemoteRegion recv;
-    uint64_t rbytes;
+    PushTarget to;
     std::optional<uint64_t> checksum;
     uint64_t hash;
     {
@@ -284,97 +278,39 @@ struct Producer::Impl {
       hash = sl.hash;
       ++pushes_inflight[c];
       const Peer& p = peers[static_cast<size_t>(c)];
-      id = p.id;
-      recv = p.recv;
-      rbytes = p.recv_slot_bytes;
+      to = PushTarget{p.id, p.recv, static_cast<uint64_t>(rslot) * p.recv_slot_bytes, p.param_regions};
       if (opts.checksums) {
         auto it = sl.checksum.find(cls(c));
         checksum = it != sl.checksum.end() ? it->second : 0;
       }
-      if (static_cast<size_t>(g) < p.writes.size()) mine = p.writes[static_cast<size_t>(g)];
-      into = p.param_regions;
+      mine = plan.writes_of(c, g);
     }
-    // Exactly one of fail() and the PUSHED path ends each push (push_done). `failed`
-    // takes c out of the sync (and fails it, if our own transport failed) at the first
-    // error, before the writes already posted have completed.
+    // Exactly one end (push_done) per push. The first error takes c out of the sync (and
+    // fails it, if our own transport failed), before the writes already posted complete.
     auto failed = [this, c, v](const Status& st) {
       note_local_failure(st);
       std::lock_guard<std::mutex> lk(mu);
       if (version == v) drop_locked(c, "push failed: " + st.to_string(), nullptr);
     };
-    auto fail = [this, c, failed](const Status& st) {
-      failed(st);
-      push_done(c);
-    };
-    auto finish = [this, s, c, g, v, id, rslot, checksum, hash, fail, t_push]() {
-      auto fl = transport.flush(id, [this, s, c, g, v, id, rslot, checksum, hash, fail, t_push](const Status& st) {
-        if (!st.ok()) return fail(st);
+    const PeerId id = to.peer;
+    auto end = [this, s, c, g, v, id, rslot, checksum, hash, failed, t_push](const Status& st) {
+      if (st.ok()) {
         trace.record(TracePhase::kPushWrite, g, c, t_push, Clock::now());
         // routes: the ones the bytes were laid out by, whatever this producer runs now.
         const Pushed m{static_cast<uint32_t>(rank), v, g, hash, rslot, checksum};
         auto sent = transport.send(id, kEngineTag, encode_message(m));
-        if (!sent.ok()) return fail(sent.status());
-        {
+        if (!sent.ok()) {
+          failed(sent.status());
+        } else {
           std::lock_guard<std::mutex> lk(mu);
           const Slot& sl = slots[static_cast<size_t>(s)];
           if (version == v && sl.group == g && sl.hash == hash) release_locked(s, c);
         }
-        push_done(c);
-      });
-      if (!fl.ok()) fail(fl.status());
-    };
-    // The sequence ends (finish or fail) once every write posted has completed, not at
-    // the first error: until then bytes may still land in the consumer's params, and
-    // FLUSHED (push_done) must not say otherwise. `left` counts the writes not yet
-    // completed plus this posting thread, so the end runs exactly once.
-    struct Sequence {
-      std::mutex mu;
-      size_t left = 0;
-      Status error;
-    };
-    auto seq = std::make_shared<Sequence>();
-    seq->left = mine.size() + 1;
-    auto one_done = [this, c, seq, finish, failed](const Status& st) {
-      Status error;
-      bool first_error = false;
-      bool last;
-      {
-        std::lock_guard<std::mutex> lk(seq->mu);
-        if (!st.ok() && seq->error.ok()) {
-          seq->error = st;
-          first_error = true;
-        }
-        last = --seq->left == 0;
-        error = seq->error;
       }
-      if (first_error) failed(st);
-      if (!last) return;
-      if (error.ok()) {
-        finish();
-      } else {
-        push_done(c);
-      }
+      push_done(c);
     };
     if (opts.test_hooks && opts.test_hooks->before_push) opts.test_hooks->before_push(v, g, c);
-    const uint64_t base = staging->slot_offset(static_cast<size_t>(s));
-    bool refused = false;
-    for (const PushWrite& w : mine) {
-      if (refused) {  // not posted after an error: nothing of it can land
-        one_done(Status::Ok());
-        continue;
-      }
-      const MemoryRegion& from = staging->region(w.region);
-      const uint64_t from_at = w.region < 0 ? base + w.local : w.local;
-      const bool to_param = w.param_key >= 0 && static_cast<size_t>(w.param_key) < into.size();
-      const RemoteRegion& to = to_param ? into[static_cast<size_t>(w.param_key)] : recv;
-      const uint64_t to_at = to_param ? w.remote : static_cast<uint64_t>(rslot) * rbytes + w.remote;
-      auto posted = transport.write(from, from_at, to, to_at, w.length, one_done);
-      if (!posted.ok()) {
-        refused = true;
-        one_done(posted.status());
-      }
-    }
-    one_done(Status::Ok());
+    post_push_writes(transport, *staging, staging->slot_offset(static_cast<size_t>(s)), mine, to, failed, end);
   }
 
   // Consumer c's sync of v is over (DONE or ABORT): its READYs of v are history, not
@@ -514,40 +450,29 @@ struct Producer::Impl {
   // Installs routes and their schedule (caller thread; handlers read both under mu).
   Status apply_routes(Routes r) {
     FERRY_ASSIGN_OR_RETURN(auto sched, make_producer_schedule(r, rank, holdings, staging->in_place(), staging->slot_bytes()));
-    // Push: every admitted consumer's writes under the new routes (its table is fixed for
-    // its instance; peers and their tables change only on this thread).
-    std::vector<std::vector<std::vector<PushWrite>>> writes(peers.size());
-    if (opts.mode == SyncMode::kPush) {
-      for (size_t c = 0; c < peers.size(); ++c)
-        if (!peers[c].blob.empty()) writes[c] = writes_to(r, static_cast<int>(c), peers[c].params);
-    }
     std::lock_guard<std::mutex> lk(mu);
     routes = std::move(r);
     routes_hash = routes.hash();
     schedule = std::move(sched);
-    for (size_t c = 0; c < peers.size(); ++c) {
-      if (!peers[c].blob.empty()) peers[c].writes = std::move(writes[c]);
-    }
     return Status::Ok();
   }
 
   // This producer's extra memory (MemoryUse) for the routes now installed; cached per
-  // routes and consumer instances (the walk over every plan's copies is linear in them).
-  // Caller thread, mu held.
+  // routes and consumer instances (the walk over every plan's copies is linear in them),
+  // plus the attempt plan's. Caller thread, mu held.
   MemoryUse memory_use() {
+    MemoryUse m = routes_memory_use();
+    m.metadata += plan.heap_bytes();
+    return m;
+  }
+  MemoryUse routes_memory_use() {
     if (memory_hash != routes_hash || !memory_known) {
       MemoryUse m;
       m.staging_ring = staging->host_bytes();
       for (const MemoryRegion& r : opts.source_regions) m.registered_in_place += r.length;
       const RouteInputs& in = route_state.inputs();
-      std::vector<const Plan*> plans;
-      for (const Plan& p : in.plans) plans.push_back(&p);
-      m.metadata = metadata_heap_bytes(routes, in.metadata, in.holdings, plans) + schedule_heap_bytes(schedule) +
+      m.metadata = metadata_heap_bytes(routes, in.metadata, in.holdings, in.plans) + schedule_heap_bytes(schedule) +
                    staging->in_place().boxes.capacity() * sizeof(InPlaceTable::At);
-      for (const Peer& p : peers) {  // (mu held by the caller)
-        for (const auto& g : p.writes) m.metadata += g.capacity() * sizeof(PushWrite);
-        m.metadata += p.writes.capacity() * sizeof(p.writes[0]);
-      }
       memory = m;
       memory_hash = routes_hash;
       memory_known = true;
@@ -582,7 +507,6 @@ struct Producer::Impl {
     uint64_t rbytes = 0;
     ParamTable params;
     std::vector<RemoteRegion> param_regions;
-    std::vector<std::vector<PushWrite>> writes;
     if (opts.mode == SyncMode::kPush) {
       auto k = transport.import_key(string_bytes(lease->recv_key));
       if (!k.ok()) return false;
@@ -596,7 +520,6 @@ struct Producer::Impl {
         param_regions.push_back(*r);
       }
       params = std::move(*table);
-      writes = writes_to(routes, c, params);
     }
     std::lock_guard<std::mutex> lk(mu);
     if (failed_ids.count(*id) != 0) return false;  // died while we connected
@@ -607,7 +530,6 @@ struct Producer::Impl {
     p.recv_slot_bytes = rbytes;
     p.params = std::move(params);
     p.param_regions = std::move(param_regions);
-    p.writes = std::move(writes);
     memory_known = false;
     peer_rank[*id] = c;
     return true;
@@ -708,6 +630,37 @@ struct Producer::Impl {
     return local_failure;
   }
 
+  // The plan of an attempt at sync v (engine/sync_plan.h): its members are the live
+  // consumers that have not committed v; push writes of consumer instances already
+  // planned under these routes are reused. Caller thread (peers' tables change only on
+  // it); installed under mu for the handlers (start_push).
+  void plan_attempt(uint64_t v) {
+    ProducerPlanInputs in;
+    in.routes = &routes;
+    in.routes_hash = routes_hash;
+    in.rank = rank;
+    in.schedule = &schedule;
+    in.push = opts.mode == SyncMode::kPush;
+    in.holdings = &route_state.inputs().holdings;
+    in.in_place = &staging->in_place();
+    ProducerAttemptPlan previous;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      for (int c = 0; c < opts.num_consumers; ++c) {
+        const Peer& p = peers[static_cast<size_t>(c)];
+        const bool member = live[static_cast<size_t>(c)] && !(done.count(c) && done[c] == v);
+        in.members.push_back(member);
+        in.tables.push_back(member ? &p.params : nullptr);
+        in.instances.push_back(member ? p.blob : std::string());
+      }
+      previous = plan;  // (copies shared writes; the handlers keep reading `plan` meanwhile)
+    }
+    in.previous = &previous;
+    ProducerAttemptPlan next = make_producer_attempt_plan(in);
+    std::lock_guard<std::mutex> lk(mu);
+    plan = std::move(next);
+  }
+
   // One attempt at sync v with the current routes. Sets *restarted when a consumer asked
   // for a failover restart.
   Status attempt(uint64_t v, bool* restarted) {
@@ -717,16 +670,14 @@ struct Producer::Impl {
       std::lock_guard<std::mutex> lk(mu);
       return restart && restart_hash != hash;
     };
+    plan_attempt(v);
     for (int g = 0; g < routes.num_groups(); ++g) {
       const ProducerGroup& grp = route.groups[static_cast<size_t>(g)];
-      const ProducerGroupSchedule& gs = schedule.groups[static_cast<size_t>(g)];
-      std::vector<int> targets;
+      std::vector<int> targets;  // the plan's, less those dropped or done since
       {
         std::lock_guard<std::mutex> lk(mu);
-        for (int c = 0; c < opts.num_consumers; ++c) {
-          if (live[static_cast<size_t>(c)] && gs.served.count(cls(c)) &&
-              !(done.count(c) && done[c] == v))
-            targets.push_back(c);
+        for (int c : plan.groups[static_cast<size_t>(g)].targets) {
+          if (live[static_cast<size_t>(c)] && !(done.count(c) && done[c] == v)) targets.push_back(c);
         }
       }
       if (targets.empty()) continue;

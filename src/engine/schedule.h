@@ -127,6 +127,12 @@ struct ConsumerSchedule {
 struct ConsumerScheduleInputs {
   const Routes* routes = nullptr;
   int rank = 0;
+  // Zero copy: a piece of a read that unpacks as a plain byte copy (same dtype,
+  // contiguous destination, not shared with another unpack) of at least this many bytes
+  // is read (pull) or written by the producer (push) straight into the param's memory;
+  // the rest goes through the receive ring and is unpacked on the consumer's background
+  // thread. This saves one full copy of almost every byte (routes lay segments out in
+  // destination order, so most pieces are contiguous runs of a param).
   uint64_t direct_min_bytes = 0;
   // Placements of the params that may be landed in directly, by name (ParamSet::placements
   // on the consumer, the lease's ParamTable::params on a push producer); SubRead::param

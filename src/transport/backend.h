@@ -88,6 +88,7 @@ class TransportBackend {
   virtual Result<std::vector<std::byte>> export_key(const MemoryRegion& region) = 0;
   virtual Result<RemoteRegion> import_key(std::span<const std::byte> key) = 0;
   virtual Status release_key(const RemoteRegion& remote) = 0;
+  virtual Result<RmaPath> rma_path(const RemoteRegion& remote) const = 0;
   // is_write: local -> remote; else remote -> local.
   virtual Result<Completion> rma(bool is_write, const MemoryRegion& local, uint64_t local_offset,
                                  const RemoteRegion& remote, uint64_t remote_offset, uint64_t length,

@@ -187,6 +187,15 @@ Status Transport::deregister_memory(const MemoryRegion& region) { return impl_->
 Result<std::vector<std::byte>> Transport::export_key(const MemoryRegion& region) { return impl_->export_key(region); }
 Result<RemoteRegion> Transport::import_key(std::span<const std::byte> key) { return impl_->import_key(key); }
 Status Transport::release_key(const RemoteRegion& remote) { return impl_->release_key(remote); }
+Result<RmaPath> Transport::rma_path(const RemoteRegion& remote) const { return impl_->rma_path(remote); }
+
+const char* rma_path_name(RmaPath path) {
+  switch (path) {
+    case RmaPath::kNative: return "native";
+    case RmaPath::kByMessage: return "by message";
+  }
+  return "unknown";
+}
 
 Result<Completion> Transport::read(const MemoryRegion& local, uint64_t local_offset, const RemoteRegion& remote,
                                    uint64_t remote_offset, uint64_t length, CompletionCallback on_done) {

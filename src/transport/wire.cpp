@@ -1,5 +1,7 @@
 #include "transport/wire.h"
 
+#include "common/host.h"
+
 #include <sys/stat.h>
 
 #include <cstring>
@@ -83,19 +85,7 @@ Status check_backend(uint8_t b, Backend expect, const char* what) {
 
 }  // namespace
 
-uint64_t local_host_tag() {
-  static const uint64_t tag = [] {
-    std::string boot;
-    std::ifstream f("/proc/sys/kernel/random/boot_id");
-    std::getline(f, boot);
-    struct stat st {};
-    uint64_t ns = stat("/proc/self/ns/pid", &st) == 0 ? uint64_t(st.st_ino) : 0;
-    if (boot.empty() || ns == 0) return uint64_t(0);
-    uint64_t h = std::hash<std::string>{}(boot) ^ (ns * 0x9e3779b97f4a7c15ULL);
-    return h == 0 ? uint64_t(1) : h;
-  }();
-  return tag;
-}
+uint64_t local_host_tag() { return common::process_space_tag(); }
 
 const char* backend_name(Backend b) {
   switch (b) {

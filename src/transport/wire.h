@@ -41,10 +41,11 @@ struct Address {
   Backend backend = Backend::kUcx;
   uint64_t instance_id = 0;
   uint32_t pid = 0;       // the owning process (0: unknown)
-  uint64_t host_tag = 0;  // same value <=> same host and PID namespace (0: unknown)
+  uint64_t host_tag = 0;  // same value <=> same kernel and PID namespace (0: unknown; common/host.h)
   std::vector<std::byte> payload;
 };
-// This process's host tag: a hash of the kernel boot id and the PID-namespace inode.
+// This process's host tag: common::process_space_tag() (the boot id and the PID namespace;
+// common/host.h, the one place that says what "same host" means).
 uint64_t local_host_tag();
 std::vector<std::byte> encode_address(const Address& a);
 // kCorrupt for malformed bytes; kInvalidArgument when the backend differs from `expect`.

@@ -20,6 +20,7 @@
 #include "engine/schedule.h"
 #include "engine/staging_ring.h"
 #include "ferry/device.h"
+#include "routes_fixture.h"
 #include "tools/job_model.h"
 
 namespace ferry::engine {
@@ -31,22 +32,11 @@ using tools::make_job_model;
 constexpr uint64_t kSeed = 7, kVersion = 3;
 constexpr std::byte kUntouched{0xEE};
 
-std::string cfg(const char* name) { return std::string(FERRY_SOURCE_DIR) + "/configs/" + name; }
+using testing::cfg;
 
 Routes build(const JobModel& m) {
   std::vector<Plan> plans;
-  for (int c = 0; c < m.inference.world_size(); ++c) {
-    auto p = record_plan(*m.loader, c, m.metadata);
-    EXPECT_TRUE(p.ok()) << p.status().to_string();
-    plans.push_back(std::move(*p));
-  }
-  RouterInput in;
-  in.metadata = m.metadata;
-  in.producers = *m.holdings;
-  for (const Plan& p : plans) in.consumers.push_back(&p);
-  auto r = build_routes(in);
-  EXPECT_TRUE(r.ok()) << r.status().to_string();
-  return std::move(*r);
+  return testing::build_job_routes(m, plans);
 }
 
 uint64_t box_bytes(const Tensor& t) { return static_cast<uint64_t>(t.numel()) * dtype_size(t.dtype()); }

@@ -169,6 +169,26 @@ TEST_P(TransportTest, ReadRegion) {
   ASSERT_OK(local_->deregister_memory(mr));
 }
 
+// rma_path says, per imported region, the path its reads take: by message exactly where
+// the reads were counted by message (UCX over tcp), native elsewhere; a released key
+// is not found.
+TEST_P(TransportTest, RmaPathIsThePathReadsTake) {
+  constexpr uint64_t kBytes = 1 << 16;
+  ASSERT_NO_FATAL_FAILURE(spawn(kBytes));
+  ASSERT_OK_AND_ASSIGN(RmaPath path, local_->rma_path(remote_->region));
+  Buffer buf(kBytes);
+  ASSERT_OK_AND_ASSIGN(MemoryRegion mr, local_->register_memory(buf.data(), kBytes));
+  ASSERT_OK_AND_ASSIGN(Completion c, local_->read(mr, 0, remote_->region, 0, kBytes));
+  ASSERT_OK(c.wait(kWait));
+  const TransportStats stats = local_->stats();
+  EXPECT_EQ(path == RmaPath::kByMessage, stats.reads_by_message == 1u) << rma_path_name(path);
+  EXPECT_EQ(path, GetParam().tls == "tcp,self" ? RmaPath::kByMessage : RmaPath::kNative) << rma_path_name(path);
+  RemoteRegion gone = remote_->region;
+  gone.id = ~uint64_t(0);
+  EXPECT_EQ(local_->rma_path(gone).status().code(), StatusCode::kNotFound);
+  ASSERT_OK(local_->deregister_memory(mr));
+}
+
 TEST_P(TransportTest, WriteFlushIsVisible) {
   constexpr uint64_t kBytes = 4 << 20;
   ASSERT_NO_FATAL_FAILURE(spawn(kBytes));

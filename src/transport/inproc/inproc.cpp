@@ -373,6 +373,13 @@ class InprocBackend final : public TransportBackend {
     return Status::Ok();
   }
 
+  // Every inproc read and write is the caller's own memcpy.
+  Result<RmaPath> rma_path(const RemoteRegion& remote) const override {
+    std::lock_guard<std::mutex> lock(core_->mu);
+    if (!core_->keys.count(remote.id)) return not_found("rma_path: key {} is not imported", remote.id);
+    return RmaPath::kNative;
+  }
+
   Result<Completion> rma(bool is_write, const MemoryRegion& local, uint64_t local_offset, const RemoteRegion& remote,
                          uint64_t remote_offset, uint64_t length, CompletionCallback on_done) override {
     const char* op = is_write ? "write" : "read";

@@ -257,6 +257,14 @@ Result<RemoteRegion> UcxBackend::import_key(std::span<const std::byte> bytes) {
   });
 }
 
+// Key::by_message, decided at import_key.
+Result<RmaPath> UcxBackend::rma_path(const RemoteRegion& remote) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = keys_.find(remote.id);
+  if (it == keys_.end()) return not_found("rma_path: key {} is not imported", remote.id);
+  return it->second.by_message ? RmaPath::kByMessage : RmaPath::kNative;
+}
+
 Status UcxBackend::release_key(const RemoteRegion& remote) {
   return run_status([this, remote]() -> Status {
     ucp_rkey_h rkey;

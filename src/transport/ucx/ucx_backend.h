@@ -301,6 +301,7 @@ class UcxBackend final : public TransportBackend {
   Result<std::vector<std::byte>> export_key(const MemoryRegion& region) override;
   Result<RemoteRegion> import_key(std::span<const std::byte> bytes) override;
   Status release_key(const RemoteRegion& remote) override;
+  Result<RmaPath> rma_path(const RemoteRegion& remote) const override;
   Result<Completion> rma(bool is_write, const MemoryRegion& local, uint64_t local_offset, const RemoteRegion& remote,
                          uint64_t remote_offset, uint64_t length, CompletionCallback on_done) override;
   Result<Completion> flush(PeerId id, CompletionCallback on_done) override;
@@ -462,7 +463,7 @@ class UcxBackend final : public TransportBackend {
   uint64_t memory_types_ = 0;    // UCP_ATTR_FIELD_MEMORY_TYPES of the context (init)
   std::string cuda_transports_;  // the context's transports on CUDA memory, ", "-joined (init)
   Clock::time_point next_watch_{};
-  std::mutex mu_;  // tables and handlers
+  mutable std::mutex mu_;  // tables and handlers
   std::map<uint64_t, Region> regions_;
   uint64_t next_region_ = 1;
   std::map<PeerId, std::shared_ptr<Peer>> peers_;

@@ -1,0 +1,96 @@
+#include "engine/lane.h"
+
+#include <fmt/format.h>
+
+#include "engine/param_set.h"
+#include "engine/schedule.h"
+
+namespace ferry::engine {
+
+const char* lane_name(LaneKind kind) {
+  switch (kind) {
+    case LaneKind::kTransport: return "transport";
+    case LaneKind::kCudaIpc: return "cuda_ipc";
+  }
+  return "unknown";
+}
+
+void TransportLane::connect(int p, const RemoteRegion& staging, std::vector<RemoteRegion> regions) {
+  std::lock_guard<std::mutex> lk(mu_);
+  remotes_[p] = Remote{staging, std::move(regions)};
+}
+
+Result<size_t> TransportLane::import(int p, const std::string& staging_key, const std::vector<std::string>& region_keys) {
+  auto bytes = [](const std::string& k) { return std::span<const std::byte>(reinterpret_cast<const std::byte*>(k.data()), k.size()); };
+  auto staging = transport_.import_key(bytes(staging_key));
+  if (!staging.ok()) return staging.status().with_context(fmt::format("staging key of producer {}", p));
+  std::vector<RemoteRegion> regions;
+  for (size_t k = 0; k < region_keys.size(); ++k) {
+    auto r = transport_.import_key(bytes(region_keys[k]));
+    if (!r.ok()) return r.status().with_context(fmt::format("source region {} key of producer {}", k, p));
+    regions.push_back(*r);
+  }
+  const size_t n = regions.size();
+  connect(p, *staging, std::move(regions));
+  return n;
+}
+
+void TransportLane::disconnect(int p) {
+  std::lock_guard<std::mutex> lk(mu_);
+  remotes_.erase(p);
+}
+
+Result<RmaPath> TransportLane::rma_path(int p) const {
+  RemoteRegion staging;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = remotes_.find(p);
+    if (it == remotes_.end()) return not_found("consumer {}: producer {} is not connected", rank_, p);
+    staging = it->second.staging;
+  }
+  return transport_.rma_path(staging);
+}
+
+bool TransportLane::viable(int p) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return remotes_.count(p) > 0;
+}
+
+std::string TransportLane::why_not(int p) const {
+  return viable(p) ? std::string() : fmt::format("producer {} is not connected", p);
+}
+
+Status TransportLane::post(const Transfer& t, uint64_t at, uint64_t n, uint64_t staging_offset, uint64_t slot_offset,
+                           std::vector<Completion>& ops) {
+  const SubRead& sr = *t.read;
+  RemoteRegion from;
+  uint64_t remote = staging_offset + sr.remote + at;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = remotes_.find(t.producer);
+    if (it == remotes_.end())
+      return peer_failed("consumer {} reading group {} from producer {}: not connected", rank_, t.group, t.producer);
+    from = it->second.staging;
+    if (sr.region >= 0) {
+      if (static_cast<size_t>(sr.region) >= it->second.regions.size())
+        return out_of_range("consumer {} reading group {} from producer {}: source region {} not imported", rank_,
+                            t.group, t.producer, sr.region);
+      from = it->second.regions[static_cast<size_t>(sr.region)];
+      remote = sr.remote + at;
+    }
+  }
+  Result<Completion> c = Completion();
+  if (sr.param) {
+    params_.touch();  // params change from here on: a failure now leaves them torn
+    const ParamSet::Landing to = params_.landing(sr);
+    c = transport_.read(to.region, to.offset + at, from, remote, n);
+  } else {
+    c = transport_.read(ring_, slot_offset + sr.recv_offset + at, from, remote, n);
+  }
+  if (!c.ok())
+    return c.status().with_context(fmt::format("consumer {} reading group {} from producer {}", rank_, t.group, t.producer));
+  ops.push_back(*c);
+  return Status::Ok();
+}
+
+}  // namespace ferry::engine
