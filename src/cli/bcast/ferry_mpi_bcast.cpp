@@ -11,7 +11,7 @@
 // to the last rank's end (one host: CLOCK_MONOTONIC agrees across processes).
 //
 // Steps come from `ferry bench` through its store, as for its own ranks (see
-// tools/bench.cpp): every rank blocks on {job}/bench/go/{step} (no MPI polling while
+// tools/bench.cpp, keys in tools/bench_steps.h): every rank blocks on {job}/bench/go/{step} (no MPI polling while
 // ferry's steps run); "bcast" runs one trial moving synthetic version 1 + v % 2 (two
 // versions alternate, so the last trial's verification proves it moved every byte),
 // "verify" checks every inference rank bit for bit against a direct load, "exit" ends.

@@ -1,0 +1,462 @@
+// Ranks-as-threads tests of the engine's coordination: creation, world sizes, versions,
+// reports that never lie, stragglers, leases and the store going away; and the tables
+// that travel in the leases (in-place and param tables), decoded against malformed
+// bytes. Fixtures in engine_test_util.h, instantiated in engine_test.cpp.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <future>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/engine_test_util.h"
+#include "engine/in_place.h"
+#include "engine/protocol.h"
+#include "engine/testing.h"
+
+namespace ferry::engine_tests {
+namespace {
+
+// --- coordination: creation, world sizes, versions, reports that never lie -------------
+
+// 20 times: every rank syncs the moment its own create() returns (no barrier between
+// creation and the first sync). Creation returns only once every participant can
+// receive, so no producer reports ok with nothing delivered and every consumer verifies.
+TEST_P(EngineInprocTest, SyncRightAfterCreation) {
+  for (int trial = 0; trial < 20; ++trial) {
+    SCOPED_TRACE(fmt::format("trial {}", trial));
+    Cluster k(GetParam());
+    StoreServerOptions sso;
+    sso.token = "engine-test-token-0123456789";
+    auto server = StoreServer::start(sso);
+    ASSERT_TRUE(server.ok());
+    k.server = std::move(*server);
+    auto model = tools::make_job_model(cfg("llama-3.1-8b.json"), "tp=2", "tp=2", true, "");
+    ASSERT_TRUE(model.ok());
+    k.model = std::move(*model);
+    k.eo.job = fmt::format("race{}", trial);
+    k.eo.num_producers = k.P();
+    k.eo.num_consumers = k.C();
+    k.ptr.resize(2), k.pst.resize(2), k.src.resize(2), k.in_place_src.resize(2), k.gpu_src.resize(2), k.prod.resize(2);
+    k.ctr.resize(2), k.cst.resize(2), k.cons.resize(2);
+    std::vector<std::optional<Result<SyncReport>>> pr(2), cr(2);
+    std::vector<std::thread> th;
+    for (int p = 0; p < 2; ++p) {
+      th.emplace_back([&, p] {
+        Status s = k.start_producer(p);
+        if (!s.ok()) return pr[static_cast<size_t>(p)].emplace(s), void();
+        k.src[static_cast<size_t>(p)]->set_version(1);
+        pr[static_cast<size_t>(p)].emplace(k.prod[static_cast<size_t>(p)]->sync(1));
+      });
+    }
+    for (int c = 0; c < 2; ++c) {
+      th.emplace_back([&, c] {
+        Status s = k.start_consumer(c);
+        if (!s.ok()) return cr[static_cast<size_t>(c)].emplace(s), void();
+        cr[static_cast<size_t>(c)].emplace(k.cons[static_cast<size_t>(c)]->sync(1));
+      });
+    }
+    for (auto& t : th) t.join();
+    for (auto& r : pr) {
+      ASSERT_TRUE(r->ok()) << r->status().to_string();
+      EXPECT_TRUE((*r)->ok()) << (*r)->to_string();
+      EXPECT_GT((*r)->bytes_sent, 0u) << (*r)->to_string();
+    }
+    for (int c = 0; c < 2; ++c) {
+      ASSERT_TRUE(cr[static_cast<size_t>(c)]->ok()) << cr[static_cast<size_t>(c)]->status().to_string();
+      k.expect_verified(c, 1);
+    }
+  }
+}
+
+// num_producers / num_consumers that disagree between ranks: an InvalidArgument naming
+// both numbers, from the world-size check (not the rendezvous timeout, kept long here).
+TEST(EngineCoordination, WrongWorldSizesNameBothNumbers) {
+  {
+    Cluster k;
+    k.eo.rendezvous_timeout = 60s;
+    k.tweak_producer = [](ProducerOptions& o, int) { o.num_consumers = 1; };  // 2 consumers run
+    ASSERT_FALSE(k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=2").ok());
+    bool named = false;
+    for (const Status& s : k.started) {
+      if (s.ok()) continue;
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+      named |= s.message().find("num_consumers=1") != std::string::npos &&
+               s.message().find("num_consumers=2") != std::string::npos;
+    }
+    EXPECT_TRUE(named);
+  }
+  {
+    Cluster k;
+    k.eo.rendezvous_timeout = 60s;
+    k.tweak_consumer = [](ConsumerOptions& o, int) { o.num_producers = 1; };  // 2 producers run
+    ASSERT_FALSE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=1").ok());
+    for (const Status& s : k.started) {
+      if (s.ok()) continue;
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+      EXPECT_NE(s.message().find("num_producers=1"), std::string::npos) << s.to_string();
+      EXPECT_NE(s.message().find("num_producers=2"), std::string::npos) << s.to_string();
+    }
+  }
+}
+
+// Versions: a consumer syncing another version than the producers fails at once naming
+// both (and the producers' reports are not ok, naming it); a rollback to an earlier
+// version on every rank syncs it; committed_versions() says what each rank holds.
+TEST_P(EngineInprocTest, VersionsMismatchRollbackAndCommitted) {
+  Cluster k(GetParam());
+  auto mode_of_case = [&] { return k.eo.mode; };
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=1,replicas=2").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  k.expect_all_ok(k.sync(2), 2);
+  // Consumer 1 asks for 4 while the trainer serves 3.
+  Cluster::Outcome o;
+  o.p.resize(2), o.c.resize(2);
+  {
+    std::vector<std::thread> th;
+    for (int p = 0; p < 2; ++p) {
+      th.emplace_back([&, p] {
+        k.src[static_cast<size_t>(p)]->set_version(3);
+        o.p[static_cast<size_t>(p)] = k.prod[static_cast<size_t>(p)]->sync(3);
+      });
+    }
+    th.emplace_back([&] { o.c[0] = k.cons[0]->sync(3); });
+    th.emplace_back([&] { o.c[1] = k.cons[1]->sync(4); });
+    for (auto& t : th) t.join();
+  }
+  ASSERT_TRUE(o.c[0]->ok()) << o.c[0]->status().to_string();
+  ASSERT_FALSE(o.c[1]->ok());
+  // Pull: the consumer sees the producers' announcements of 3. Push: the producers see
+  // its requests for 4 and drop it, saying why.
+  const Status& why = o.c[1]->status();
+  EXPECT_EQ(why.code(), mode_of_case() == SyncMode::kPush ? StatusCode::kCancelled : StatusCode::kFailedPrecondition)
+      << why.to_string();
+  EXPECT_NE(why.message().find("syncs version 4 but"), std::string::npos) << why.to_string();
+  EXPECT_NE(why.message().find("serves version 3"), std::string::npos) << why.to_string();
+  for (auto& p : o.p) {
+    ASSERT_TRUE(p->ok()) << p->status().to_string();
+    EXPECT_FALSE((*p)->ok()) << (*p)->to_string();
+    EXPECT_EQ((*p)->missed, std::vector<int>{1}) << (*p)->to_string();
+  }
+  k.expect_verified(0, 3);
+  EXPECT_EQ(k.cons[1]->state().version, 2u);
+  auto cv = committed_versions(*k.pst[0], k.eo.job, 2);
+  ASSERT_TRUE(cv.ok()) << cv.status().to_string();
+  EXPECT_EQ(*cv, (std::vector<std::optional<uint64_t>>{3, 2}));
+  // Every rank rolls back to version 1: synced and verified, not ignored as stale.
+  k.expect_all_ok(k.sync(1), 1);
+  for (int c = 0; c < 2; ++c) EXPECT_EQ(k.cons[static_cast<size_t>(c)]->state().version, 1u);
+  cv = committed_versions(*k.pst[0], k.eo.job, 2);
+  ASSERT_TRUE(cv.ok());
+  EXPECT_EQ(*cv, (std::vector<std::optional<uint64_t>>{1, 1}));
+}
+
+// Push: consumer 1's requests for 4 reach the producers before their sync of 3 begins
+// (held until it sent them); they drop it at once, under its version, naming both.
+TEST(EngineCoordination, PushVersionMismatchAskedBeforeTheProducersBegan) {
+  Cluster k(EngineCase{Backend::kInproc, Mode::kPush});
+  std::promise<void> asked;
+  std::atomic<bool> armed{false};
+  k.tweak_consumer = [&](ConsumerOptions& o, int c) {
+    if (c != 1) return;
+    auto hooks = std::make_shared<engine::TestHooks>();
+    hooks->consumer_point = [&](int g, int phase) {
+      if (g == 0 && phase == 1 && armed.exchange(false)) asked.set_value();
+    };
+    o.test_hooks = hooks;
+  };
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=1,replicas=2").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  Cluster::Outcome o;
+  o.p.resize(2), o.c.resize(2);
+  {
+    armed = true;
+    std::thread late([&] { o.c[1] = k.cons[1]->sync(4); });
+    asked.get_future().wait();
+    std::vector<std::thread> th;
+    for (int p = 0; p < 2; ++p) {
+      th.emplace_back([&, p] {
+        k.src[static_cast<size_t>(p)]->set_version(3);
+        o.p[static_cast<size_t>(p)] = k.prod[static_cast<size_t>(p)]->sync(3);
+      });
+    }
+    th.emplace_back([&] { o.c[0] = k.cons[0]->sync(3); });
+    for (auto& t : th) t.join();
+    late.join();
+  }
+  ASSERT_TRUE(o.c[0]->ok()) << o.c[0]->status().to_string();
+  ASSERT_FALSE(o.c[1]->ok());
+  const Status& why = o.c[1]->status();
+  EXPECT_EQ(why.code(), StatusCode::kCancelled) << why.to_string();
+  EXPECT_NE(why.message().find("syncs version 4 but this producer serves version 3"), std::string::npos)
+      << why.to_string();
+  for (auto& p : o.p) {
+    ASSERT_TRUE(p->ok()) << p->status().to_string();
+    EXPECT_EQ((*p)->missed, std::vector<int>{1}) << (*p)->to_string();
+    EXPECT_EQ((*p)->dropped, std::vector<int>{1}) << (*p)->to_string();
+  }
+  k.expect_verified(0, 3);
+  EXPECT_EQ(k.cons[1]->state().version, 1u);
+  k.expect_all_ok(k.sync(2), 2);
+}
+
+// Pull: the producers' announcements of 3 reach consumer 1 before its sync of 4 begins
+// (it starts once consumer 0 reads group 1, so every announcement of group 0 was
+// delivered); it fails at once naming both versions, not at its timeout.
+TEST(EngineCoordination, PullVersionMismatchAnnouncedBeforeTheConsumerBegan) {
+  Cluster k(EngineCase{Backend::kInproc, Mode::kPull});
+  std::promise<void> announced;
+  std::atomic<bool> armed{false};
+  k.tweak_consumer = [&](ConsumerOptions& o, int c) {
+    if (c != 0) return;
+    auto hooks = std::make_shared<engine::TestHooks>();
+    hooks->consumer_point = [&](int g, int phase) {
+      if (g == 1 && phase == 1 && armed.exchange(false)) announced.set_value();
+    };
+    o.test_hooks = hooks;
+  };
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=1,replicas=2").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  Cluster::Outcome o;
+  o.p.resize(2), o.c.resize(2);
+  {
+    armed = true;
+    std::vector<std::thread> th;
+    for (int p = 0; p < 2; ++p) {
+      th.emplace_back([&, p] {
+        k.src[static_cast<size_t>(p)]->set_version(3);
+        o.p[static_cast<size_t>(p)] = k.prod[static_cast<size_t>(p)]->sync(3);
+      });
+    }
+    th.emplace_back([&] { o.c[0] = k.cons[0]->sync(3); });
+    announced.get_future().wait();
+    o.c[1] = k.cons[1]->sync(4);
+    for (auto& t : th) t.join();
+  }
+  ASSERT_TRUE(o.c[0]->ok()) << o.c[0]->status().to_string();
+  ASSERT_FALSE(o.c[1]->ok());
+  const Status& why = o.c[1]->status();
+  EXPECT_EQ(why.code(), StatusCode::kFailedPrecondition) << why.to_string();
+  EXPECT_NE(why.message().find("syncs version 4 but"), std::string::npos) << why.to_string();
+  EXPECT_NE(why.message().find("serves version 3"), std::string::npos) << why.to_string();
+  for (auto& p : o.p) {
+    ASSERT_TRUE(p->ok()) << p->status().to_string();
+    EXPECT_EQ((*p)->missed, std::vector<int>{1}) << (*p)->to_string();
+  }
+  k.expect_verified(0, 3);
+  EXPECT_EQ(k.cons[1]->state().version, 1u);
+  k.expect_all_ok(k.sync(2), 2);
+}
+
+// Consumer `victim` sleeps `pause` before waiting for group 1 of every sync while `stall`
+// is set (a paused or slow rank, through the consumer's test hook).
+void stall_at_group_1(Cluster& k, int victim, std::chrono::milliseconds pause, const std::atomic<bool>& stall) {
+  k.tweak_consumer = [&stall, victim, pause](ConsumerOptions& o, int c) {
+    if (c != victim) return;
+    auto hooks = std::make_shared<engine::TestHooks>();
+    hooks->consumer_point = [&stall, pause](int g, int phase) {
+      if (stall && g == 1 && phase == 0) std::this_thread::sleep_for(pause);
+    };
+    o.test_hooks = hooks;
+  };
+}
+
+// A consumer that is a member of the job but absent from a sync (its lease gone) is
+// named in every report of the producers that serve it, which are then not ok; one that
+// stalls is dropped and told why.
+TEST(EngineCoordination, AbsentAndDroppedConsumersAreNamed) {
+  Cluster k;
+  k.eo.stall_timeout = 600ms;
+  std::atomic<bool> stall{false};
+  stall_at_group_1(k, 1, 1500ms, stall);
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=1,replicas=2").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  stall = true;
+  auto o = k.sync(2);
+  stall = false;
+  ASSERT_TRUE(o.p[0]->ok());
+  EXPECT_FALSE((*o.p[0])->ok());
+  EXPECT_EQ((*o.p[0])->missed, std::vector<int>{1});
+  EXPECT_EQ((*o.p[0])->dropped, std::vector<int>{1});
+  ASSERT_FALSE(o.c[1]->ok());
+  EXPECT_NE(o.c[1]->status().message().find("dropped from sync 2 by producer 0: stalled"), std::string::npos)
+      << o.c[1]->status().to_string();
+  k.expect_verified(0, 2);
+  // Consumer 1 leaves (its lease released): the next sync names it.
+  k.cons[1].reset();
+  std::vector<std::thread> th;
+  std::optional<Result<SyncReport>> pr, cr;
+  th.emplace_back([&] {
+    k.src[0]->set_version(3);
+    pr = k.prod[0]->sync(3);
+  });
+  th.emplace_back([&] { cr = k.cons[0]->sync(3); });
+  for (auto& t : th) t.join();
+  ASSERT_TRUE(cr->ok()) << cr->status().to_string();
+  ASSERT_TRUE(pr->ok());
+  EXPECT_FALSE((*pr)->ok());
+  EXPECT_EQ((*pr)->missed, std::vector<int>{1});
+  EXPECT_NE((*pr)->to_string().find("consumer 1 is not a member of sync 3"), std::string::npos) << (*pr)->to_string();
+  // It restarts: the next sync is whole again.
+  ASSERT_TRUE(k.start_consumer(1).ok());
+  auto o4 = k.sync(4);
+  k.expect_all_ok(o4, 4);
+  EXPECT_TRUE((*o4.p[0])->ok()) << (*o4.p[0])->to_string();
+}
+
+// A straggler (one consumer of three stops for 2.5 s at group 1) is dropped once it lags
+// the other two by the straggler bound, long before stall_timeout (20 s here): the drop
+// says "straggler", the others verify, and it catches up at the next sync.
+TEST_P(EngineInprocTest, StragglerIsDroppedEarlyAndCatchesUp) {
+  Cluster k(GetParam());
+  std::atomic<bool> stall{false};
+  k.eo.straggler_floor = 500ms;
+  stall_at_group_1(k, 2, 2500ms, stall);
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=1,replicas=3").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  stall = true;
+  auto o = k.sync(2);
+  stall = false;
+  ASSERT_TRUE(o.p[0]->ok()) << o.p[0]->status().to_string();
+  EXPECT_EQ((*o.p[0])->dropped, std::vector<int>{2}) << (*o.p[0])->to_string();
+  EXPECT_EQ((*o.p[0])->missed, std::vector<int>{2});
+  EXPECT_NE((*o.p[0])->to_string().find("dropped consumer 2: straggler"), std::string::npos) << (*o.p[0])->to_string();
+  ASSERT_FALSE(o.c[2]->ok());
+  EXPECT_NE(o.c[2]->status().message().find("straggler"), std::string::npos) << o.c[2]->status().to_string();
+  k.expect_verified(0, 2);
+  k.expect_verified(1, 2);
+  auto o3 = k.sync(3);
+  k.expect_all_ok(o3, 3);
+  EXPECT_TRUE((*o3.p[0])->ok()) << (*o3.p[0])->to_string();
+}
+
+// A lease lost while its holder was paused (the key expired: removed here) heals: the
+// consumer is named as missing in at most one sync and verifies again within two.
+TEST(EngineCoordination, LostLeaseHealsWithinTwoSyncs) {
+  Cluster k;
+  k.eo.lease_ttl = 300ms;
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=1,replicas=2").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  ASSERT_TRUE(k.pst[0]->remove(engine::JobKeys(k.eo.job).consumer(1)).ok());
+  ASSERT_TRUE(k.pst[0]->remove(engine::JobKeys(k.eo.job).producer(0)).ok());
+  auto o2 = k.sync(2);  // consumer 1 may be missed here, never silently
+  ASSERT_TRUE(o2.p[0]->ok());
+  if (!(*o2.p[0])->ok()) {
+    EXPECT_EQ((*o2.p[0])->missed, std::vector<int>{1}) << (*o2.p[0])->to_string();
+  }
+  ASSERT_TRUE(o2.c[0]->ok()) << "a producer whose lease lapsed keeps serving: " << o2.c[0]->status().to_string();
+  std::this_thread::sleep_for(300ms);  // a heartbeat (ttl/3) has run
+  auto o3 = k.sync(3);
+  k.expect_all_ok(o3, 3);
+  EXPECT_TRUE((*o3.p[0])->ok()) << (*o3.p[0])->to_string();
+}
+
+// The store goes away (its server stopped): every rank's next sync fails within the
+// store's connect_timeout with an error naming the store's URL. Restarted on the same
+// port without its data, the store is reconnected to: the next sync succeeds everywhere
+// (leases healed, and the rendezvous keys every rank published once re-published), and a
+// rank started afterwards finds what it needs to rendezvous.
+TEST(EngineCoordination, StoreAwayFailsNamingItThenRestartedStoreRecovers) {
+  Cluster k;
+  k.store_connect_timeout = 1000ms;
+  k.eo.lease_ttl = 300ms;
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2,dp=2", "tp=2", R"({"num_hidden_layers": 2})").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  const uint16_t port = k.server->port();
+  const std::string url = k.server->url();
+  k.server->stop();
+  k.server.reset();
+  auto away = k.sync(2);
+  for (size_t p = 0; p < away.p.size(); ++p) {
+    ASSERT_FALSE(away.p[p]->ok()) << "producer " << p << " synced without its store";
+    EXPECT_NE(away.p[p]->status().message().find(url), std::string::npos) << away.p[p]->status().to_string();
+  }
+  for (size_t c = 0; c < away.c.size(); ++c) {
+    ASSERT_FALSE(away.c[c]->ok()) << "consumer " << c << " synced without its store";
+    EXPECT_NE(away.c[c]->status().message().find(url), std::string::npos) << away.c[c]->status().to_string();
+    EXPECT_FALSE(k.cons[c]->state().torn);
+  }
+  std::printf("store away: %s\n", away.c[0]->status().to_string().c_str());
+
+  StoreServerOptions sso;
+  sso.token = "engine-test-token-0123456789";
+  sso.port = port;
+  auto restarted = StoreServer::start(sso);
+  ASSERT_TRUE(restarted.ok()) << restarted.status().to_string();
+  k.server = std::move(*restarted);
+  auto o3 = k.sync(3);
+  for (size_t p = 0; p < o3.p.size(); ++p) {
+    ASSERT_TRUE(o3.p[p]->ok()) << "producer " << p << ": " << o3.p[p]->status().to_string();
+    EXPECT_TRUE((*o3.p[p])->ok()) << (*o3.p[p])->to_string();
+  }
+  for (size_t c = 0; c < o3.c.size(); ++c) {
+    ASSERT_TRUE(o3.c[c]->ok()) << "consumer " << c << ": " << o3.c[c]->status().to_string();
+    k.expect_verified(static_cast<int>(c), 3);
+  }
+  const engine::JobKeys keys(k.eo.job);
+  auto check = k.store();
+  ASSERT_TRUE(check.ok());
+  EXPECT_TRUE((*check)->get(keys.meta()).ok()) << "metadata re-published";
+  for (int p = 0; p < k.P(); ++p) EXPECT_TRUE((*check)->get(keys.holdings(p)).ok()) << "holdings of " << p;
+  for (int c = 0; c < k.C(); ++c) EXPECT_TRUE((*check)->get(keys.plan(c)).ok()) << "plan of " << c;
+  // A new instance of consumer 1 rendezvouses with the re-published keys and syncs.
+  ASSERT_TRUE(k.start_consumer(1).ok());
+  k.expect_all_ok(k.sync(4), 4);
+}
+
+// --- what travels in the leases ------------------------------------------------------
+
+// The in-place table travels in the producer's lease: decoding it is bounds-checked.
+TEST(InPlaceTable, RoundTripAndMalformedBytes) {
+  engine::InPlaceTable t;
+  t.min_bytes = 4096;
+  t.keys = {"key-a", "key-b"};
+  t.boxes = {{0, 128}, {-1, 0}, {1, 1 << 20}};
+  const std::string bytes = t.encode();
+  auto d = engine::InPlaceTable::decode(bytes, 3);
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  EXPECT_EQ(d->min_bytes, 4096u);
+  EXPECT_EQ(d->keys, t.keys);
+  ASSERT_EQ(d->boxes.size(), 3u);
+  EXPECT_EQ(d->boxes[2].region, 1);
+  EXPECT_EQ(d->boxes[2].offset, uint64_t{1} << 20);
+  EXPECT_TRUE(engine::InPlaceTable::decode("", 3)->empty());  // no source regions
+  EXPECT_EQ(engine::InPlaceTable::decode(bytes, 4).status().code(), StatusCode::kCorrupt);  // box count
+  for (size_t n = 1; n < bytes.size(); n += 7)
+    EXPECT_FALSE(engine::InPlaceTable::decode(bytes.substr(0, n), 3).ok()) << "truncated at " << n;
+  t.boxes[1].region = 2;  // names a region the table lacks
+  EXPECT_EQ(engine::InPlaceTable::decode(t.encode(), 3).status().code(), StatusCode::kCorrupt);
+}
+
+// A push consumer's param table travels in its lease: decoding it is bounds-checked.
+TEST(ParamTable, RoundTripAndMalformedBytes) {
+  engine::ParamTable t;
+  t.min_bytes = 4096;
+  t.keys = {"k0", "k1"};
+  t.params["a"] = {0, 0, 128};
+  t.params["b"] = {1, 64, 4096};
+  const std::string bytes = t.encode();
+  auto d = engine::ParamTable::decode(bytes);
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  EXPECT_EQ(d->min_bytes, 4096u);
+  EXPECT_EQ(d->keys, t.keys);
+  ASSERT_EQ(d->params.size(), 2u);
+  EXPECT_EQ(d->params.at("b").key, 1u);
+  EXPECT_EQ(d->params.at("b").offset, 64u);
+  EXPECT_EQ(d->params.at("b").bytes, 4096u);
+  EXPECT_TRUE(engine::ParamTable::decode("")->empty());  // nothing registered
+  for (size_t n = 1; n < bytes.size(); ++n)
+    EXPECT_FALSE(engine::ParamTable::decode(bytes.substr(0, n)).ok()) << "truncated at " << n;
+  t.params["c"] = {2, 0, 8};  // names a registration the table lacks
+  EXPECT_EQ(engine::ParamTable::decode(t.encode()).status().code(), StatusCode::kCorrupt);
+  t.params.erase("c");
+  t.params["d"] = {0, UINT64_MAX, 2};  // offset + bytes overflows
+  EXPECT_EQ(engine::ParamTable::decode(t.encode()).status().code(), StatusCode::kCorrupt);
+}
+
+}  // namespace
+}  // namespace ferry::engine_tests

@@ -1,0 +1,108 @@
+// Ranks-as-threads tests of the engine with weights in GPU memory (issue #19): refused
+// without a usable device, synced device to device with one (under the emulated CUDA
+// plugin too: CTest entry EmulatedCuda.engine_test, filter EngineDevice.*).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+
+#include "engine/engine_test_util.h"
+#include "ferry/device.h"
+
+namespace ferry::engine_tests {
+namespace {
+
+// --- weights in GPU memory (issue #19) ---------------------------------------------------
+
+// Params that say they live on cuda:0, on a machine with no usable CUDA device: the
+// consumer is refused at create, before its rendezvous, naming the param, the device and
+// why (cuda_status); nothing touches the (fake) device pointer.
+TEST(EngineDevice, GpuParamsWithoutAUsableDeviceAreRefusedAtCreate) {
+  if (cuda_status().usable()) GTEST_SKIP() << "a CUDA device is here: EngineDevice.SyncsFromGpuMemoryIntoGpuMemory covers it";
+  Cluster k;
+  k.eo.rendezvous_timeout = 3000ms;
+  k.caller_params = true;
+  k.param_factory = [](const TensorDecl& d) -> Result<Tensor> {
+    return Tensor::borrow_device(reinterpret_cast<void*>(uintptr_t{0x10000}), d.shape, d.dtype, Device::cuda(0), nullptr,
+                                 d.name);
+  };
+  Status st = k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=1", R"({"num_hidden_layers": 1})");
+  ASSERT_FALSE(st.ok());
+  bool named = false;
+  for (const Status& s : k.started) {
+    if (s.ok()) continue;
+    named |= s.code() == StatusCode::kUnavailable && s.message().find("cuda:0") != std::string::npos &&
+             s.message().find(cuda_status().detail) != std::string::npos;
+  }
+  EXPECT_TRUE(named) << st.to_string();
+}
+
+// A consumer param in cuda:0 memory (Cluster::param_factory; called from the consumers'
+// threads at once: the tensor itself keeps its memory).
+Result<Tensor> gpu_param(const TensorDecl& d) {
+  const size_t bytes = static_cast<size_t>(shape_numel(d.shape)) * dtype_size(d.dtype);
+  FERRY_ASSIGN_OR_RETURN(auto mem, device_alloc(Device::cuda(0), bytes));
+  return Tensor::borrow_device(mem.get(), d.shape, d.dtype, Device::cuda(0), mem, d.name);
+}
+
+// Trainer weights and inference params both in GPU memory (one device, threads as
+// ranks): packed by a kernel into host staging, moved by the transport, unpacked by a
+// kernel into the params; verified bit for bit after each of two syncs, pull and push.
+TEST(EngineDevice, SyncsFromGpuMemoryIntoGpuMemory) {
+  if (!cuda_status().usable()) GTEST_SKIP() << "needs a CUDA device; " << cuda_status().detail;
+  for (Mode mode : {Mode::kPull, Mode::kPush}) {
+    SCOPED_TRACE(mode == Mode::kPull ? "pull" : "push");
+    Cluster k(EngineCase{Backend::kInproc, mode});
+    k.gpu_sources = true;
+    k.caller_params = true;
+    k.param_factory = gpu_param;
+    ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2,replicas=2").ok());
+    k.expect_all_ok(k.sync(1), 1);
+    k.expect_all_ok(k.sync(2), 2);
+  }
+}
+
+// GPU staging without a usable device: every producer is refused at create, before its
+// rendezvous, naming the option, the device and why.
+TEST(EngineDevice, GpuStagingWithoutAUsableDeviceIsRefusedAtCreate) {
+  if (cuda_status().usable()) GTEST_SKIP() << "a CUDA device is here: EngineDevice.SyncsThroughGpuStagingDeviceToDevice covers it";
+  Cluster k;
+  k.eo.rendezvous_timeout = 3000ms;
+  k.tweak_producer = [](ProducerOptions& o, int) { o.staging_device = Device::cuda(0); };
+  Status st = k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=1", R"({"num_hidden_layers": 1})");
+  ASSERT_FALSE(st.ok());
+  bool named = false;
+  for (const Status& s : k.started) {
+    named |= s.code() == StatusCode::kUnavailable && s.message().find("staging_device cuda:0") != std::string::npos &&
+             s.message().find(cuda_status().detail) != std::string::npos;
+  }
+  EXPECT_TRUE(named) << st.to_string();
+}
+
+// Staging in GPU memory, read device to device (ConsumerOptions::cuda_ipc; ranks as
+// threads, so the consumer maps the producer's staging pointer itself): two syncs, pull,
+// verified bit for bit; every byte such a consumer receives was copied device to
+// device. A consumer with cuda_ipc off reads the same producers' host staging through
+// the transport and verifies too.
+TEST(EngineDevice, SyncsThroughGpuStagingDeviceToDevice) {
+  if (!cuda_status().usable()) GTEST_SKIP() << "needs a CUDA device; " << cuda_status().detail;
+  Cluster k(EngineCase{Backend::kInproc, Mode::kPull});
+  k.gpu_sources = true;
+  k.caller_params = true;
+  k.param_factory = gpu_param;
+  k.tweak_producer = [](ProducerOptions& o, int) { o.staging_device = Device::cuda(0); };
+  k.tweak_consumer = [](ConsumerOptions& o, int c) { o.cuda_ipc = c != 3; };
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2,replicas=2").ok());
+  for (uint64_t v : {1u, 2u}) {
+    auto o = k.sync(v);
+    k.expect_all_ok(o, v);
+    for (size_t c = 0; c < o.c.size(); ++c) {
+      ASSERT_TRUE(o.c[c]->ok());
+      const SyncReport& r = **o.c[c];
+      EXPECT_GT(r.bytes_received, 0u);
+      EXPECT_EQ(r.received_via_cuda_ipc, c == 3 ? 0u : r.bytes_received) << "consumer " << c << ": " << r.to_string();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ferry::engine_tests

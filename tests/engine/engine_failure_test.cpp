@@ -1,0 +1,344 @@
+// Ranks-as-threads tests of the engine under inproc's failure injection
+// (Transport::simulate_crash, Consumer::simulate_crash, test hooks): consumers and
+// producers crashing mid-sync, failover to a DP replica, push writing into params while
+// a producer dies or a consumer gives up. Suites EngineInprocTest and
+// EnginePushZeroCopyTest (fixtures in engine_test_util.h, instantiated in
+// engine_test.cpp).
+#include <gtest/gtest.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/engine_test_util.h"
+#include "engine/protocol.h"
+#include "engine/testing.h"
+
+namespace ferry::engine_tests {
+namespace {
+
+// A consumer crashes at every point of a sync in turn (group x phase); the others
+// complete, nothing hangs, and the restarted consumer verifies at the next sync.
+TEST_P(EngineInprocTest, ConsumerCrashAtEveryPoint) {
+  Cluster k(GetParam());
+  k.eo.stall_timeout = 20s;  // crashes are detected at once (inproc); this only bounds a bug
+  std::atomic<int> crash_at{-1};
+  std::atomic<bool> crashed{false};
+  k.tweak_consumer = [&](ConsumerOptions& o, int c) {
+    if (c != 1) return;
+    engine::TestHooks hooks;
+    hooks.consumer_point = [&k, &crash_at, &crashed](int g, int phase) {
+      if (g * 4 + phase == crash_at.load() && !crashed.exchange(true)) engine::simulate_crash(*k.cons[1]);
+    };
+    o.test_hooks = engine::make_test_hooks(std::move(hooks));
+  };
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2,pp=2", "tp=2,replicas=2", R"({"num_hidden_layers": 4})").ok());
+  const int points = k.prod[0]->routes().num_groups() * 4;
+  ASSERT_GE(points, 20);
+  uint64_t v = 1;
+  for (int point = 0; point < points; ++point, v += 2) {
+    crash_at = point;
+    auto o = k.sync(v);
+    crash_at = -1;
+    for (size_t p = 0; p < o.p.size(); ++p) ASSERT_TRUE(o.p[p]->ok()) << o.p[p]->status().to_string();
+    for (size_t c = 0; c < o.c.size(); ++c) {
+      if (c == 1) continue;
+      ASSERT_TRUE(o.c[c]->ok()) << "point " << point << " consumer " << c << ": " << o.c[c]->status().to_string();
+      k.expect_verified(static_cast<int>(c), v);
+    }
+    // Restart the crashed consumer (a fresh transport and engine, same rank).
+    ASSERT_TRUE(crashed.load()) << "point " << point << " was not reached";
+    EXPECT_FALSE(o.c[1]->ok());
+    ASSERT_TRUE(k.start_consumer(1).ok());
+    crashed = false;
+    k.expect_all_ok(k.sync(v + 1), v + 1);
+  }
+}
+
+// Producer 1 crashes (simulate_crash) before materialising group 2 of sync 2. Its own
+// sync thread (which a dead process would not have) ends at its first refused send; in
+// push it may have none to send (no READY came before the crash), and then ends at its
+// stall timeout: short, so the test does not wait it out.
+void crash_producer_1_at_sync_2_group_2(Cluster& k) {
+  k.tweak_producer = [&k](ProducerOptions& o, int p) {
+    if (p != 1) return;
+    o.stall_timeout = 2s;
+    engine::TestHooks hooks;
+    hooks.before_materialize = [&k](uint64_t v, int g) {
+      if (v == 2 && g == 2) k.ptr[1]->simulate_crash().ignore();
+    };
+    o.test_hooks = engine::make_test_hooks(std::move(hooks));
+  };
+}
+
+// The only holder of some boxes dies mid-sync, once every consumer began unpacking group
+// 0 (so each has params of the new version: torn): consumers fail naming it and report
+// torn; once it is back, the next sync recovers. (Crashing it earlier may leave a consumer
+// that unpacked nothing: then it keeps the old version, not torn — a race this test
+// would otherwise lose now and then.)
+TEST_P(EngineInprocTest, OnlyHolderDiesThenRecovers) {
+  Cluster k(GetParam());
+  std::atomic<bool> armed{false};
+  std::atomic<unsigned> unpacking{0};  // bit c: consumer c began unpacking group 0 of sync 2
+  unsigned every = 0;                  // a bit per consumer
+  k.tweak_consumer = [&](ConsumerOptions& co, int c) {
+    auto hooks = std::make_shared<engine::TestHooks>();
+    hooks->consumer_point = [&, c](int g, int phase) {
+      if (armed && g == 0 && phase == 3) unpacking |= 1u << c;
+    };
+    co.test_hooks = hooks;
+  };
+  k.tweak_producer = [&](ProducerOptions& o, int p) {
+    if (p != 1) return;
+    engine::TestHooks hooks;
+    hooks.before_materialize = [&](uint64_t v, int g) {
+      if (v != 2 || g != 2) return;
+      // Bounded: the test then fails on `torn` rather than hang.
+      for (int i = 0; i < 2000 && unpacking.load() != every; ++i) std::this_thread::sleep_for(5ms);
+      k.ptr[1]->simulate_crash().ignore();
+    };
+    o.test_hooks = engine::make_test_hooks(std::move(hooks));
+  };
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2,replicas=2").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  every = (1u << k.cons.size()) - 1;
+  armed = true;
+  auto o = k.sync(2);
+  armed = false;
+  EXPECT_EQ(unpacking.load(), every);
+  for (size_t c = 0; c < o.c.size(); ++c) {
+    ASSERT_FALSE(o.c[c]->ok());
+    EXPECT_EQ(o.c[c]->status().code(), StatusCode::kPeerFailed) << o.c[c]->status().to_string();
+    EXPECT_NE(o.c[c]->status().message().find("producer 1"), std::string::npos) << o.c[c]->status().to_string();
+    EXPECT_NE(o.c[c]->status().message().find("no failover"), std::string::npos) << o.c[c]->status().to_string();
+    EXPECT_TRUE(k.cons[c]->state().torn);
+    EXPECT_EQ(k.cons[c]->state().version, 1u);
+  }
+  k.tweak_producer = nullptr;
+  ASSERT_TRUE(k.start_producer(1).ok());
+  k.expect_all_ok(k.sync(3), 3);
+}
+
+// A producer with a DP replica dies mid-sync: every participant rebuilds the same routes
+// without it, the sync completes verified (no consumer dropped: a consumer still on the
+// old routes is told of the new ones, see Producer send_routes_notice); after it
+// restarts, it rejoins. Push: producers write into receive slots, so a consumer that
+// moves to new routes must not reuse a slot while a write of the old ones may still land
+// there (FLUSHED). In place: the replica serves the dead producer's pieces from its own
+// trainer memory.
+TEST_P(EngineInprocTest, ProducerDiesFailoverToDpReplica) {
+  Cluster k(GetParam());
+  crash_producer_1_at_sync_2_group_2(k);
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2,dp=2", "tp=2,replicas=2").ok());
+  const uint64_t full = k.prod[0]->routes().hash();
+  k.expect_all_ok(k.sync(1), 1);
+  auto o = k.sync(2);
+  for (int p : {0, 2, 3}) {
+    ASSERT_TRUE(o.p[static_cast<size_t>(p)]->ok()) << o.p[static_cast<size_t>(p)]->status().to_string();
+    EXPECT_TRUE((*o.p[static_cast<size_t>(p)])->dropped.empty()) << (*o.p[static_cast<size_t>(p)])->to_string();
+  }
+  for (size_t c = 0; c < o.c.size(); ++c) {
+    ASSERT_TRUE(o.c[c]->ok()) << "consumer " << c << ": " << o.c[c]->status().to_string();
+    k.expect_verified(static_cast<int>(c), 2);
+  }
+  // The dead producer's mark stays until it restarts: its own sync failed (its
+  // transport is gone), so it must not take the mark off, which would bring it back
+  // into the others' routes while they fail it over.
+  EXPECT_TRUE(k.pst[0]->get(engine::JobKeys(k.eo.job).dead(1)).ok());
+  const uint64_t without = k.prod[0]->routes().hash();
+  EXPECT_NE(without, full);
+  for (int p : {2, 3}) EXPECT_EQ(k.prod[static_cast<size_t>(p)]->routes().hash(), without);
+  EXPECT_EQ(k.prod[3]->routes().producers[1].groups[2].staging_bytes, 0u);
+  // Producer 1 is still gone at sync 3: the rebuilt routes serve it.
+  {
+    std::vector<std::thread> th;
+    std::vector<std::optional<Result<SyncReport>>> res(7);
+    for (int p : {0, 2, 3}) {
+      th.emplace_back([&, p] {
+        k.src[static_cast<size_t>(p)]->set_version(3);
+        res[static_cast<size_t>(p)] = k.prod[static_cast<size_t>(p)]->sync(3);
+      });
+    }
+    for (int c = 0; c < k.C(); ++c) th.emplace_back([&, c] { res[static_cast<size_t>(3 + c)] = k.cons[static_cast<size_t>(c)]->sync(3); });
+    for (auto& t : th) t.join();
+    for (int i : {0, 2, 3, 4, 5, 6}) ASSERT_TRUE(res[static_cast<size_t>(i)]->ok()) << res[static_cast<size_t>(i)]->status().to_string();
+    for (int c = 0; c < k.C(); ++c) k.expect_verified(c, 3);
+    // (A consumer that had finished sync 2 before the failure switches at sync 3.)
+    for (auto& c : k.cons) EXPECT_EQ(c->routes().hash(), without);
+  }
+  // Back: the next sync uses the full routes again.
+  k.tweak_producer = nullptr;
+  ASSERT_TRUE(k.start_producer(1).ok());
+  k.expect_all_ok(k.sync(4), 4);
+  EXPECT_EQ(k.prod[0]->routes().hash(), full);
+  for (auto& c : k.cons) EXPECT_EQ(c->routes().hash(), full);
+}
+
+// A consumer slow to move to the routes of a failed-over sync is no straggler. Of two DP
+// replicas, the survivor serves nothing of the last group L (the routes put all of it on
+// the victim). The victim dies before it serves L in sync 2. Consumers 0 and 1 fail over
+// at once; the survivor restarts the sync with the new routes and serves them from group
+// 0. Consumer 2 had released everything of the survivor's under the old routes and is
+// held at L, as if it found the lost producer later, by its lease, on a loaded host,
+// until well past the straggler bound (300 ms) after the others released group 0 of the
+// new routes (meanwhile the survivor's ring is full: the others wait for it). Then it
+// moves to the new routes and the survivor serves it: every consumer verifies, nobody is
+// dropped. Before, the survivor counted consumer 2's lag from the others' release, before
+// it had reached these routes, and dropped it as a straggler (CI:
+// MultiHostFaults.TrainerHostLinkDownFailsOverToTheDpReplica under ASan).
+TEST_P(EngineInprocTest, ConsumerLateToFailedOverRoutesIsNoStraggler) {
+  Cluster k(GetParam());
+  k.eo.straggler_floor = 300ms;
+  std::atomic<int> victim{-1};
+  std::atomic<int> last{-1};
+  std::atomic<bool> armed{false};
+  std::atomic<bool> held{false};      // consumer 2 is held at group L of sync 2 (on the old routes)
+  std::atomic<unsigned> restarted{0};  // bit c: consumer c began group 0 of sync 2 a second time
+  std::atomic<unsigned> released{0};   // bit c: ... and released it
+  std::array<std::atomic<int>, 3> starts{};  // times consumer c began group 0 of sync 2
+  auto wait_for = [](auto done) {      // bounded: a failure elsewhere must not hang the test
+    const auto until = std::chrono::steady_clock::now() + 15s;
+    while (!done() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(2ms);
+  };
+  k.tweak_producer = [&](ProducerOptions& o, int p) {
+    engine::TestHooks hooks;
+    hooks.before_materialize = [&, p](uint64_t v, int g) {
+      if (v != 2 || p != victim || g != last) return;
+      wait_for([&] { return held.load(); });  // consumer 2 is on the old routes, past the survivor's groups
+      k.ptr[static_cast<size_t>(p)]->simulate_crash().ignore();
+    };
+    o.test_hooks = engine::make_test_hooks(std::move(hooks));
+  };
+  k.tweak_consumer = [&](ConsumerOptions& co, int c) {
+    auto hooks = std::make_shared<engine::TestHooks>();
+    hooks->consumer_point = [&, c](int g, int phase) {
+      if (!armed) return;
+      if (c != 2 && g == 0 && phase == 0 && ++starts[static_cast<size_t>(c)] == 2) restarted |= 1u << c;
+      if (c != 2 && g == 0 && phase == 2 && (restarted & (1u << c))) released |= 1u << c;
+      if (c == 2 && g == last && phase == 0 && !held.exchange(true)) {
+        wait_for([&] { return (released & 3u) == 3u; });
+        std::this_thread::sleep_for(1500ms);  // 5 x the straggler floor after the others
+      }
+    };
+    co.test_hooks = hooks;
+  };
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1,dp=2", "tp=1,replicas=3").ok());
+  const Routes& full = k.prod[0]->routes();
+  last = full.num_groups() - 1;
+  for (int p : {0, 1}) {
+    if (full.producers[static_cast<size_t>(p)].groups[static_cast<size_t>(last.load())].segments.empty()) victim = 1 - p;
+  }
+  ASSERT_GE(victim.load(), 0) << "both replicas serve the last group: the scenario needs one that does not";
+  const int survivor = 1 - victim;
+  k.expect_all_ok(k.sync(1), 1);
+  armed = true;
+  auto o = k.sync(2);
+  armed = false;
+  EXPECT_TRUE(held) << "consumer 2 never reached the last group of sync 2";
+  EXPECT_EQ(released.load() & 3u, 3u) << "consumers 0 and 1 did not restart sync 2 while consumer 2 was held";
+  auto& rep = o.p[static_cast<size_t>(survivor)];
+  ASSERT_TRUE(rep->ok()) << rep->status().to_string();
+  EXPECT_TRUE((*rep)->dropped.empty()) << (*rep)->to_string();
+  EXPECT_NE((*rep)->to_string().find("failover"), std::string::npos) << (*rep)->to_string();
+  for (size_t c = 0; c < o.c.size(); ++c) {
+    ASSERT_TRUE(o.c[c]->ok()) << "consumer " << c << ": " << o.c[c]->status().to_string();
+    k.expect_verified(static_cast<int>(c), 2);
+  }
+}
+
+// Push writing into params while a producer with a DP replica dies mid-sync: the
+// consumers fail over (waiting for FLUSHED of the abandoned routes' writes before the
+// new attempt writes the same params), and every consumer verifies, with bytes written
+// straight into params (and, push_in_place, from the trainer's memory) in that sync.
+TEST_P(EnginePushZeroCopyTest, FailoverWritesIntoParams) {
+  Cluster k(GetParam());
+  k.eo.checksums = true;
+  crash_producer_1_at_sync_2_group_2(k);
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2,dp=2", "tp=2,replicas=2").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  auto o = k.sync(2);
+  uint64_t in_place = 0;
+  for (int p : {0, 2, 3}) {
+    ASSERT_TRUE(o.p[static_cast<size_t>(p)]->ok()) << o.p[static_cast<size_t>(p)]->status().to_string();
+    in_place += (**o.p[static_cast<size_t>(p)]).sent_in_place;
+  }
+  EXPECT_EQ(in_place > 0, is_in_place(mode()));
+  for (size_t c = 0; c < o.c.size(); ++c) {
+    ASSERT_TRUE(o.c[c]->ok()) << "consumer " << c << ": " << o.c[c]->status().to_string();
+    EXPECT_GT((**o.c[c]).received_into_params, 0u);
+    k.expect_verified(static_cast<int>(c), 2);
+  }
+  k.tweak_producer = nullptr;
+  ASSERT_TRUE(k.start_producer(1).ok());
+  k.expect_all_ok(k.sync(3), 3);
+}
+
+// A consumer that gives up a push sync while a producer's writes into its params are in
+// flight returns only once they ended (ABORT, answered by FLUSHED): the caller owns the
+// params again when sync() returns, so nothing may land in them after. Producer 0 holds
+// its writes of group 1 to consumer 0 past the consumer's timeout; a snapshot of the
+// params taken the moment sync() failed must equal them once every producer is done.
+TEST_P(EnginePushZeroCopyTest, AbortWaitsForWritesIntoParams) {
+  Cluster k(GetParam());
+  // Consumer 0 gives up at its own timeout, not as a straggler dropped by producer 1.
+  k.eo.straggler_floor = 20s;
+  k.tweak_consumer = [](ConsumerOptions& co, int c) {
+    co.direct_min_bytes = 0;  // every byte of the group goes straight into params
+    if (c == 0) co.timeout = 2000ms;
+  };
+  k.tweak_producer = [](ProducerOptions& o, int p) {
+    if (p != 0) return;
+    engine::TestHooks hooks;
+    hooks.before_push = [](uint64_t v, int g, int c) {
+      // Past consumer 0's timeout (2 s), within the wait for FLUSHED that follows it.
+      if (v == 2 && g == 1 && c == 0) std::this_thread::sleep_for(2800ms);
+    };
+    o.test_hooks = engine::make_test_hooks(std::move(hooks));
+  };
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  std::vector<std::optional<Result<SyncReport>>> res(static_cast<size_t>(k.P() + k.C()));
+  std::map<std::string, Tensor> at_return;
+  {
+    std::vector<std::thread> th;
+    for (int p = 0; p < k.P(); ++p) {
+      th.emplace_back([&, p] {
+        k.src[static_cast<size_t>(p)]->set_version(2);
+        res[static_cast<size_t>(p)] = k.prod[static_cast<size_t>(p)]->sync(2);
+      });
+    }
+    for (int c = 0; c < k.C(); ++c) {
+      th.emplace_back([&, c] {
+        res[static_cast<size_t>(k.P() + c)] = k.cons[static_cast<size_t>(c)]->sync(2);
+        if (c == 0) {
+          for (const auto& [name, t] : k.cons[0]->params()) at_return.emplace(name, t.clone());
+        }
+      });
+    }
+    for (auto& t : th) t.join();
+  }
+  const auto& failed = res[static_cast<size_t>(k.P())];
+  ASSERT_FALSE(failed->ok());
+  EXPECT_EQ(failed->status().code(), StatusCode::kTimeout) << failed->status().to_string();
+  EXPECT_EQ(failed->status().message().find("did not confirm"), std::string::npos)
+      << "producer 0 answered the ABORT once its writes ended: " << failed->status().to_string();
+  EXPECT_TRUE(k.cons[0]->state().torn);
+  ASSERT_FALSE(at_return.empty());
+  for (const auto& [name, t] : k.cons[0]->params()) {
+    const Tensor& then = at_return.at(name);
+    const size_t bytes = static_cast<size_t>(t.numel()) * dtype_size(t.dtype());
+    EXPECT_EQ(std::memcmp(*then.data_ptr(), *t.data_ptr(), bytes), 0) << "param '" << name << "' changed after sync() returned";
+  }
+  ASSERT_TRUE(res[static_cast<size_t>(k.P() + 1)]->ok()) << res[static_cast<size_t>(k.P() + 1)]->status().to_string();
+  k.expect_verified(1, 2);
+  k.expect_all_ok(k.sync(3), 3);
+}
+
+}  // namespace
+}  // namespace ferry::engine_tests

@@ -1,0 +1,385 @@
+// Shared by the ranks-as-threads engine tests, the sources of one executable, engine_test
+// (engine_test.cpp, engine_failure_test.cpp, engine_user_plan_test.cpp,
+// engine_coordination_test.cpp, engine_device_test.cpp): the cases (transport x mode), the
+// trainer sources (in place, in GPU memory), the Cluster of ranks as threads and the
+// fixtures of the parameterised suites (instantiated once, in engine_test.cpp).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "ferry/device.h"
+#include "ferry/engine.h"
+#include "tools/job_model.h"
+
+namespace ferry::engine_tests {
+
+using tools::JobModel;
+using namespace std::chrono_literals;
+
+inline std::string cfg(const char* name) { return std::string(FERRY_SOURCE_DIR) + "/configs/" + name; }
+
+// --- cases -----------------------------------------------------------------------------
+
+enum class Backend { kInproc, kUcx };
+// kInPlace: pull, producers serving the trainer's weights from transport regions in place
+// (ProducerOptions::source_regions over InPlaceSource); kPushInPlace: the same in push.
+enum class Mode { kPull, kPush, kInPlace, kPushInPlace };
+inline bool is_push(Mode m) { return m == Mode::kPush || m == Mode::kPushInPlace; }
+inline bool is_in_place(Mode m) { return m == Mode::kInPlace || m == Mode::kPushInPlace; }
+
+struct EngineCase {
+  Backend backend;
+  Mode mode;
+};
+
+inline const char* backend_name(Backend b) { return b == Backend::kInproc ? "inproc" : "ucx"; }
+inline const char* mode_name(Mode m) {
+  switch (m) {
+    case Mode::kPull: return "pull";
+    case Mode::kPush: return "push";
+    case Mode::kInPlace: return "in_place";
+    case Mode::kPushInPlace: return "push_in_place";
+  }
+  return "?";
+}
+inline std::string case_name(const EngineCase& c) { return fmt::format("{}_{}", backend_name(c.backend), mode_name(c.mode)); }
+inline void PrintTo(const EngineCase& c, std::ostream* os) { *os << case_name(c); }
+inline std::string case_name_of(const ::testing::TestParamInfo<EngineCase>& info) { return case_name(info.param); }
+
+// Every (transport, mode) pair drawn from the two lists.
+inline auto cases(std::vector<Backend> backends, std::vector<Mode> modes) {
+  std::vector<EngineCase> out;
+  for (Backend b : backends) {
+    for (Mode m : modes) out.push_back({b, m});
+  }
+  return ::testing::ValuesIn(out);
+}
+inline const std::vector<Backend> kAllBackends = {Backend::kInproc, Backend::kUcx};
+inline const std::vector<Mode> kAllModes = {Mode::kPull, Mode::kPush, Mode::kInPlace};
+
+// A trainer rank whose weights live in place in one region of its transport (a trainer
+// that allocates its parameters through ferry): the boxes of a SyntheticSource, copied
+// at fixed addresses; a new version of the inner source is written over the same memory
+// by the first materialize() of the next sync (the optimizer step). `move_box`: from
+// then on, materialize() hands out a copy of box 0 instead (a broken promise).
+class InPlaceSource final : public WeightSource {
+ public:
+  InPlaceSource(SyntheticSource& inner, Transport& t) : inner_(inner), tr_(t) {}
+  ~InPlaceSource() override {
+    if (region_.base) tr_.deregister_memory(region_).ignore();
+  }
+  Status init() {
+    const int groups = Groups(inner_.metadata()).size();
+    uint64_t bytes = 0;
+    std::vector<std::vector<std::pair<uint32_t, Tensor>>> shapes(static_cast<size_t>(groups));
+    for (int g = 0; g < groups; ++g) {
+      FERRY_ASSIGN_OR_RETURN(auto boxes, inner_.materialize(g));
+      for (auto& b : boxes) bytes += (static_cast<uint64_t>(b.data.numel()) * dtype_size(b.data.dtype()) + 63) / 64 * 64;
+    }
+    FERRY_ASSIGN_OR_RETURN(region_, tr_.allocate_memory(std::max<uint64_t>(bytes, 64)));
+    auto* base = static_cast<std::byte*>(region_.base);
+    uint64_t at = 0;
+    boxes_.resize(static_cast<size_t>(groups));
+    for (int g = 0; g < groups; ++g) {
+      FERRY_ASSIGN_OR_RETURN(auto boxes, inner_.materialize(g));
+      for (auto& b : boxes) {
+        boxes_[static_cast<size_t>(g)].push_back(LocalBox{b.box, Tensor::borrow(base + at, b.data.shape(), b.data.dtype())});
+        at += (static_cast<uint64_t>(b.data.numel()) * dtype_size(b.data.dtype()) + 63) / 64 * 64;
+      }
+    }
+    return refill();
+  }
+  const MemoryRegion& region() const { return region_; }
+  const std::vector<TensorDecl>& metadata() const override { return inner_.metadata(); }
+  int rank() const override { return inner_.rank(); }
+  int world_size() const override { return inner_.world_size(); }
+  Result<Holdings> holdings(int rank) const override { return inner_.holdings(rank); }
+  Result<std::vector<LocalBox>> materialize(int group) override {
+    if (inner_.version() != filled_) FERRY_RETURN_IF_ERROR(refill());
+    if (group < 0 || static_cast<size_t>(group) >= boxes_.size()) return invalid_argument("group {}", group);
+    auto out = boxes_[static_cast<size_t>(group)];
+    if (move_box && !out.empty()) out[0].data = out[0].data.clone();
+    return out;
+  }
+  bool move_box = false;
+
+ private:
+  Status refill() {
+    for (size_t g = 0; g < boxes_.size(); ++g) {
+      FERRY_ASSIGN_OR_RETURN(auto boxes, inner_.materialize(static_cast<int>(g)));
+      for (size_t i = 0; i < boxes.size(); ++i) FERRY_RETURN_IF_ERROR(boxes_[g][i].data.copy_(boxes[i].data));
+    }
+    filled_ = inner_.version();
+    return Status::Ok();
+  }
+  SyntheticSource& inner_;
+  Transport& tr_;
+  MemoryRegion region_;
+  std::vector<std::vector<LocalBox>> boxes_;
+  uint64_t filled_ = 0;
+};
+
+// The boxes of another source copied into GPU memory at every materialize (a trainer
+// whose weights live in HBM). GPU tests only: without a device, materialize fails.
+class GpuSource final : public WeightSource {
+ public:
+  explicit GpuSource(WeightSource& inner) : inner_(inner) {}
+  const std::vector<TensorDecl>& metadata() const override { return inner_.metadata(); }
+  int rank() const override { return inner_.rank(); }
+  int world_size() const override { return inner_.world_size(); }
+  Result<Holdings> holdings(int rank) const override { return inner_.holdings(rank); }
+  Result<std::vector<LocalBox>> materialize(int group) override {
+    FERRY_ASSIGN_OR_RETURN(auto boxes, inner_.materialize(group));
+    for (LocalBox& b : boxes) {
+      const size_t bytes = static_cast<size_t>(b.data.nbytes());
+      FERRY_ASSIGN_OR_RETURN(auto mem, device_alloc(Device::cuda(0), bytes));
+      FERRY_ASSIGN_OR_RETURN(const std::byte* host, b.data.contiguous().data_ptr());
+      FERRY_RETURN_IF_ERROR(device_memcpy(mem.get(), host, bytes));
+      b.data = Tensor::borrow_device(mem.get(), b.data.shape(), b.data.dtype(), Device::cuda(0), mem);
+    }
+    return boxes;
+  }
+
+ private:
+  WeightSource& inner_;
+};
+
+// Host copies of (possibly GPU-resident) params, to verify them.
+inline Result<TensorMap> host_copies(const TensorMap& params) {
+  TensorMap out;
+  for (const auto& [name, t] : params) {
+    if (t.device().is_host()) {
+      out.emplace(name, t);
+      continue;
+    }
+    Tensor h = Tensor::empty(t.shape(), t.dtype(), name);
+    FERRY_ASSIGN_OR_RETURN(std::byte* dst, h.data_ptr());
+    FERRY_ASSIGN_OR_RETURN(const std::byte* src, t.device_ptr());
+    FERRY_RETURN_IF_ERROR(device_memcpy(dst, src, static_cast<size_t>(t.nbytes())));
+    out.emplace(name, h);
+  }
+  return out;
+}
+
+struct Cluster {
+  std::unique_ptr<StoreServer> server;
+  JobModel model;
+  uint64_t seed = 7;
+  EngineOptions eo;
+  std::vector<std::unique_ptr<Transport>> ptr, ctr;
+  std::vector<std::unique_ptr<Store>> pst, cst;
+  std::vector<std::unique_ptr<SyntheticSource>> src;
+  std::vector<std::unique_ptr<InPlaceSource>> in_place_src;  // when in_place
+  std::vector<std::unique_ptr<Producer>> prod;
+  std::vector<std::unique_ptr<Consumer>> cons;
+  std::function<void(ProducerOptions&, int)> tweak_producer;
+  std::function<void(ConsumerOptions&, int)> tweak_consumer;
+  bool caller_params = false;  // consumers get param buffers allocated by the test
+  // With caller_params: how the test makes each param buffer (default: Tensor::empty).
+  std::function<Result<Tensor>(const TensorDecl&)> param_factory;
+  bool gpu_sources = false;  // producers materialize into GPU memory (GpuSource)
+  std::vector<std::unique_ptr<GpuSource>> gpu_src;
+  // Consumers from any recorded plan (Consumer::create(ConsumerModel)) instead of the
+  // built-in loader: the model of consumer c.
+  std::function<Result<ConsumerModel>(int c)> user_model;
+  std::vector<Status> started;  // start(): every producer's, then every consumer's
+  bool in_place = false;       // producers serve from InPlaceSource regions
+  Backend backend = Backend::kInproc;
+  static inline std::atomic<int> job_counter{0};
+
+  explicit Cluster(EngineCase c = {Backend::kInproc, Mode::kPull}) : backend(c.backend) {
+    eo.timeout = 20s;
+    eo.stall_timeout = 20s;
+    eo.lease_ttl = 2000ms;
+    eo.rendezvous_timeout = 30s;
+    eo.mode = is_push(c.mode) ? SyncMode::kPush : SyncMode::kPull;
+    in_place = is_in_place(c.mode);
+  }
+
+  int P() const { return model.trainer.world_size(); }
+  int C() const { return model.inference.world_size(); }
+
+  // UCX as tests/transport runs it between processes: shared memory for reads and
+  // writes, tcp on loopback for messages and failure reports.
+  Result<std::unique_ptr<Transport>> transport() {
+    TransportOptions o;
+    if (backend == Backend::kInproc) {
+      o.backend = "inproc";
+    } else {
+      o.backend = "ucx";
+      o.params = {{"tls", "sm,tcp,self"}, {"net_devices", "lo"}};
+    }
+    return Transport::create(o);
+  }
+  Millis store_connect_timeout{10000};  // each rank's StoreOptions::connect_timeout
+  Result<std::unique_ptr<Store>> store() {
+    StoreOptions so;
+    so.token = "engine-test-token-0123456789";
+    so.connect_timeout = store_connect_timeout;
+    return Store::open(server->url(), so);
+  }
+
+  Status start(const std::string& config, const std::string& trainer, const std::string& inference,
+               const std::string& overrides = "") {
+    StoreServerOptions sso;
+    sso.token = "engine-test-token-0123456789";
+    FERRY_ASSIGN_OR_RETURN(server, StoreServer::start(sso));
+    FERRY_ASSIGN_OR_RETURN(model, tools::make_job_model(config, trainer, inference, true, overrides));
+    eo.job = fmt::format("job{}", job_counter++);
+    eo.num_producers = P();
+    eo.num_consumers = C();
+    ptr.resize(static_cast<size_t>(P()));
+    pst.resize(static_cast<size_t>(P()));
+    src.resize(static_cast<size_t>(P()));
+    in_place_src.resize(static_cast<size_t>(P()));
+    gpu_src.resize(static_cast<size_t>(P()));
+    prod.resize(static_cast<size_t>(P()));
+    ctr.resize(static_cast<size_t>(C()));
+    cst.resize(static_cast<size_t>(C()));
+    cons.resize(static_cast<size_t>(C()));
+    std::vector<Status> st(static_cast<size_t>(P() + C()));
+    std::vector<std::thread> th;
+    for (int p = 0; p < P(); ++p) th.emplace_back([&, p] { st[static_cast<size_t>(p)] = start_producer(p); });
+    for (int c = 0; c < C(); ++c) th.emplace_back([&, c] { st[static_cast<size_t>(P() + c)] = start_consumer(c); });
+    for (auto& t : th) t.join();
+    started = st;
+    for (auto& s : st) FERRY_RETURN_IF_ERROR(s);
+    return Status::Ok();
+  }
+
+  Status start_producer(int p) {
+    const size_t i = static_cast<size_t>(p);
+    prod[i].reset();
+    in_place_src[i].reset();  // (deregisters from the transport replaced next)
+    FERRY_ASSIGN_OR_RETURN(ptr[i], transport());
+    FERRY_ASSIGN_OR_RETURN(pst[i], store());
+    src[i] = std::make_unique<SyntheticSource>(model.metadata, model.holdings, p, seed);
+    ProducerOptions po;
+    static_cast<EngineOptions&>(po) = eo;
+    WeightSource* source = src[i].get();
+    if (in_place) {
+      in_place_src[i] = std::make_unique<InPlaceSource>(*src[i], *ptr[i]);
+      FERRY_RETURN_IF_ERROR(in_place_src[i]->init());
+      po.source_regions = {in_place_src[i]->region()};
+      source = in_place_src[i].get();
+    }
+    if (gpu_sources) {
+      gpu_src[i] = std::make_unique<GpuSource>(*source);
+      source = gpu_src[i].get();
+    }
+    if (tweak_producer) tweak_producer(po, p);
+    FERRY_ASSIGN_OR_RETURN(prod[i], Producer::create(*source, *ptr[i], *pst[i], po));
+    return Status::Ok();
+  }
+
+  Status start_consumer(int c) {
+    const size_t i = static_cast<size_t>(c);
+    cons[i].reset();
+    FERRY_ASSIGN_OR_RETURN(ctr[i], transport());
+    FERRY_ASSIGN_OR_RETURN(cst[i], store());
+    ConsumerOptions co;
+    static_cast<EngineOptions&>(co) = eo;
+    if (tweak_consumer) tweak_consumer(co, c);
+    if (user_model) {
+      FERRY_ASSIGN_OR_RETURN(auto um, user_model(c));
+      FERRY_ASSIGN_OR_RETURN(cons[i], Consumer::create(std::move(um), c, *ctr[i], *cst[i], co));
+      return Status::Ok();
+    }
+    TensorMap params;
+    if (caller_params) {
+      FERRY_ASSIGN_OR_RETURN(auto rl, model.loader->rank(c));
+      for (const ParamInfo& p : rl->params()) {
+        if (param_factory) {
+          FERRY_ASSIGN_OR_RETURN(Tensor t, param_factory(p.decl));
+          params.emplace(p.decl.name, t);
+        } else {
+          params.emplace(p.decl.name, Tensor::empty(p.decl.shape, p.decl.dtype, p.decl.name));
+        }
+      }
+    }
+    FERRY_ASSIGN_OR_RETURN(cons[i], Consumer::create(*model.loader, c, *ctr[i], *cst[i], co, params));
+    if (caller_params) {  // the consumer works in the caller's buffers, not copies
+      for (const auto& [name, t] : params) {
+        auto it = cons[i]->params().find(name);
+        if (it == cons[i]->params().end() || *it->second.device_ptr() != *t.device_ptr())
+          return internal_error("consumer {} does not use the caller's buffer of {}", c, name);
+      }
+    }
+    return Status::Ok();
+  }
+
+  struct Outcome {
+    std::vector<std::optional<Result<SyncReport>>> p, c;
+  };
+  Outcome sync(uint64_t v) {
+    Outcome out;
+    out.p.resize(static_cast<size_t>(P()));
+    out.c.resize(static_cast<size_t>(C()));
+    std::vector<std::thread> th;
+    for (int p = 0; p < P(); ++p) {
+      th.emplace_back([&, p] {
+        src[static_cast<size_t>(p)]->set_version(v);
+        out.p[static_cast<size_t>(p)] = prod[static_cast<size_t>(p)]->sync(v);
+      });
+    }
+    for (int c = 0; c < C(); ++c) {
+      th.emplace_back([&, c] { out.c[static_cast<size_t>(c)] = cons[static_cast<size_t>(c)]->sync(v); });
+    }
+    for (auto& t : th) t.join();
+    return out;
+  }
+
+  void expect_verified(int c, uint64_t v) {
+    auto host = host_copies(cons[static_cast<size_t>(c)]->params());
+    ASSERT_TRUE(host.ok()) << host.status().to_string();
+    auto r = tools::verify_params(model, c, *host, seed, v);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    EXPECT_FALSE(r->has_value()) << "consumer " << c << " version " << v << ": " << **r;
+    EXPECT_EQ(cons[static_cast<size_t>(c)]->state().version, v);
+    EXPECT_FALSE(cons[static_cast<size_t>(c)]->state().torn);
+  }
+
+  void expect_all_ok(const Outcome& o, uint64_t v) {
+    for (size_t p = 0; p < o.p.size(); ++p) {
+      ASSERT_TRUE(o.p[p]->ok()) << "producer " << p << ": " << o.p[p]->status().to_string();
+      EXPECT_TRUE((*o.p[p])->failures.empty()) << (*o.p[p])->to_string();
+    }
+    for (size_t c = 0; c < o.c.size(); ++c) {
+      ASSERT_TRUE(o.c[c]->ok()) << "consumer " << c << ": " << o.c[c]->status().to_string();
+      expect_verified(static_cast<int>(c), v);
+    }
+  }
+};
+
+// --- suites ----------------------------------------------------------------------------
+
+// Every transport x every mode.
+class EngineTest : public ::testing::TestWithParam<EngineCase> {
+ protected:
+  Mode mode() const { return GetParam().mode; }
+};
+// Inproc only (its failure injection: Transport::simulate_crash, Consumer::simulate_crash),
+// every mode.
+class EngineInprocTest : public EngineTest {};
+// Bytes landing straight in params (pull reads them there, push writes them there), with
+// and without producers serving in place: every mode, every transport.
+class EngineZeroCopyTest : public EngineTest {};
+// Push writing into params, what only inproc's failure injection reaches.
+class EnginePushZeroCopyTest : public EngineTest {};
+// Producers serving in place: every transport, in-place mode.
+class EngineInPlaceTest : public EngineTest {};
+
+}  // namespace ferry::engine_tests
