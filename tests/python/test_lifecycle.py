@@ -49,6 +49,8 @@ class Trainer(ferry.WeightSource):
         return {n: (a.shape, a.dtype) for n, a in self.full.items()}
 
     def materialize(self, group):
+        if getattr(self, "on_materialize", None) is not None:
+            self.on_materialize(group)
         if getattr(self, "_at", None) != self.version:
             self.full, self._at = checkpoint(self.version), self.version
         return {name: self.full[name] for name, _, _ in self.boxes(group)}
@@ -162,6 +164,30 @@ def closed_child():
         assert cerr is None and crep["ok"], (cerr, crep)
         expect_closed("Consumer.state()", consumer.state)
         producer.close()
+
+        # The same for a producer: close() from another thread while its sync runs (in
+        # materialize, which the engine calls inside sync).
+        print("step: Producer.close() during sync", flush=True)
+        trainer, producer, consumer = make_pair(server, "producer-close-during-sync", loader=loader)
+        closer = []
+
+        def on_materialize(group):
+            if closer:
+                return
+            closer.append(threading.Thread(target=producer.close))
+            closer[0].start()
+            for _ in range(2000):  # bounded: 20 s
+                if producer.closed:
+                    break
+                time.sleep(0.01)
+            assert producer.closed, "close() did not run"
+
+        trainer.on_materialize = on_materialize
+        crep, cerr = sync_both(trainer, producer, consumer, 1)
+        closer[0].join()
+        assert cerr is None and crep["ok"], (cerr, crep)
+        expect_closed("Producer.sync(2)", lambda: producer.sync(2))
+        consumer.close()
     print("closed child: ok", flush=True)
 
 
