@@ -1,11 +1,12 @@
 """The sync engine from Python: a trainer's WeightSource, Producer, Consumer, StoreServer."""
+import inspect
 import os
 import secrets
 import sys
 import warnings
 
 from . import _ferry
-from .errors import InvalidArgumentError, UnimplementedError
+from .errors import FailedPreconditionError, InvalidArgumentError, UnimplementedError
 from ._tensor import dtype_name
 from ._models import ModelLoader
 from ._plan import TensorDecl
@@ -170,6 +171,21 @@ class WeightSource:
         return held
 
 
+def _takes_error(hook):
+    """Whether an after_sync hook takes the sync's error: ``after_sync(version, error)``
+    (a second positional parameter, with or without a default, or ``*args``). A hook of
+    the one-argument form ``after_sync(version)`` is called that way, on failure too."""
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):  # no signature to read (some builtins): the old form
+        return False
+    try:
+        signature.bind(0, None)
+    except TypeError:
+        return False
+    return True
+
+
 def _store_args(store, token):
     if isinstance(store, StoreServer):
         return store.url, token if token is not None else store.token
@@ -281,7 +297,15 @@ class Producer:
     def rank(self):
         return self._p.rank
 
+    @property
+    def closed(self):
+        """Whether ``close()`` ran: every later ``sync`` raises FailedPreconditionError."""
+        return self._p.closed
+
     def close(self):
+        """Leaves the job: releases the rank's lease, transport and registered memory. A
+        ``sync`` running on another thread is waited for. Idempotent; every later use but
+        ``rank`` / ``closed`` raises FailedPreconditionError."""
         self._p.close()
 
     def __enter__(self):
@@ -310,11 +334,18 @@ class Consumer:
     ``rank`` / ``num_consumers`` default to the launcher's environment (RANK / WORLD_SIZE,
     ...: see ferry._launcher); with ``loader``, num_consumers defaults to the layout's
     world size. Hooks, with the GIL held: ``before_sync(version)`` and
-    ``after_sync(version)`` on the thread calling ``sync`` (before anything moves; after
-    the version is committed), ``after_group(version, group_id)`` on the background thread
-    after a group is unpacked and post-processed. An exception in any of them fails that
-    sync with the hook's error (after_group's and after_sync's once the version has
-    landed: ``state()`` tells). Durations are in seconds; ``float('inf')``: no bound.
+    ``after_sync(version, error=None)`` on the thread calling ``sync`` (before anything
+    moves; once the sync is over), ``after_group(version, group_id)`` on the background
+    thread after a group is unpacked and post-processed. before_sync and after_sync pair:
+    every sync whose before_sync returned runs after_sync exactly once, also when the sync
+    raises; ``error`` is then the exception ``sync`` raises (None when the version was
+    committed). An after_sync that takes one argument, ``after_sync(version)``, is called
+    that way, on failure too. A sync refused before before_sync (closed, a re-bound
+    param) or whose before_sync raised runs no after_sync. An exception in a hook fails
+    that sync with the hook's error (after_group's and after_sync's once the version has
+    landed: ``state()`` tells), except that after_sync raising on a failed sync does not
+    replace the sync's error: it is added to it as a note. Durations are in seconds;
+    ``float('inf')``: no bound.
 
     Each sync checks that every param registered at creation is still where it was: a
     param re-bound since (``p.data = new_tensor``, or a mapping entry replaced) would
@@ -370,6 +401,7 @@ class Consumer:
         self.loader = loader
         self.plan = plan
         self._before_sync, self._after_sync = before_sync, after_sync
+        self._after_sync_takes_error = after_sync is not None and _takes_error(after_sync)
         self._params_owner = params  # a mapping, or a module (re-read at each sync)
         mapping = self._current_params()
         if plan is not None:
@@ -394,16 +426,43 @@ class Consumer:
         report: docs/trace.md). ``trace``: a path: write this sync's trace there (Chrome
         trace-event JSON; also when the sync fails). Raises
         (e.g. ferry.PeerFailedError naming the producer) when the sync fails; then
-        ``state()["torn"]`` tells whether some groups are already new."""
+        ``state()["torn"]`` tells whether some groups are already new. ``after_sync`` runs
+        whenever ``before_sync`` did, given the error when the sync raised (see the class)."""
+        self._live("sync")
         # Each param registered at creation still where the engine writes it (re-binding).
         self._c.check_params(self._current_params())
         version = int(version)
+        trace = None if trace is None else os.fspath(trace)
         if self._before_sync is not None:
             self._before_sync(version)
-        report = self._c.sync(version, None if trace is None else os.fspath(trace))
+        # From here on after_sync runs, whatever happens (a generation lock taken in
+        # before_sync is released), and is told what went wrong.
+        try:
+            report = self._c.sync(version, trace)
+        except BaseException as error:
+            if self._after_sync is not None:
+                try:
+                    self._call_after_sync(version, error)
+                except BaseException as hook_error:  # noqa: BLE001 - the sync's error stays the one raised
+                    note = f"after_sync({version}) also raised: {type(hook_error).__name__}: {hook_error}"
+                    if hasattr(error, "add_note"):
+                        error.add_note(note)
+                    else:  # Python < 3.11
+                        warnings.warn(note, RuntimeWarning, stacklevel=2)
+            raise
         if self._after_sync is not None:
-            self._after_sync(version)
+            self._call_after_sync(version, None)
         return report
+
+    def _call_after_sync(self, version, error):
+        if self._after_sync_takes_error:
+            self._after_sync(version, error)
+        else:
+            self._after_sync(version)
+
+    def _live(self, method):
+        if self._c.closed:
+            raise FailedPreconditionError(f"Consumer.{method}: the consumer is closed")
 
     def state(self):
         """{"version": last complete version or None, "torn": bool}"""
@@ -413,7 +472,12 @@ class Consumer:
         """The rank's final params: the ``params`` passed in where given (and, with a built-in
         loader, not quantized), else views of ferry's buffers (torch tensors when torch is
         imported, else numpy arrays; bf16/fp8 as raw uint16/uint8 bits without torch); a
-        param in GPU memory is the caller's tensor (None for one ferry made there)."""
+        param in GPU memory is the caller's tensor (None for one ferry made there).
+
+        Views of ferry's own buffers stay readable after ``close()`` in mode pull (they keep
+        the memory); in push those buffers are the transport's and go with it: copy them
+        first. After ``close()`` this raises FailedPreconditionError."""
+        self._live("params")
         given = self._current_params()
         if given is not None and self.loader is not None and \
                 self.loader.final_params(self.rank) == self.loader.params(self.rank):
@@ -443,7 +507,16 @@ class Consumer:
     def rank(self):
         return self._c.rank
 
+    @property
+    def closed(self):
+        """Whether ``close()`` ran: every later ``sync``, ``state`` or ``params`` raises
+        FailedPreconditionError (``rank`` stays readable)."""
+        return self._c.closed
+
     def close(self):
+        """Leaves the job: releases the rank's lease, transport and ferry's own param
+        buffers (in push; in pull views from ``params()`` keep theirs). A ``sync`` running
+        on another thread is waited for. Idempotent."""
         self._c.close()
 
     def __enter__(self):

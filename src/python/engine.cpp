@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -342,6 +343,35 @@ py::dict report_dict(const SyncReport& r, bool producer, int rank, const py::obj
   return d;
 }
 
+// The sync() calls of a Producer/Consumer in flight (the GIL released): close() from
+// another thread takes the object out of use at once (under the GIL: every later call
+// raises "closed") and destroys it once they have returned, never under them.
+struct InFlight {
+  std::mutex mu;
+  std::condition_variable idle;
+  int running = 0;
+  struct Guard {
+    InFlight& f;
+    explicit Guard(InFlight& in) : f(in) {
+      std::lock_guard<std::mutex> lk(f.mu);
+      ++f.running;
+    }
+    ~Guard() {
+      {
+        std::lock_guard<std::mutex> lk(f.mu);
+        --f.running;
+      }
+      f.idle.notify_all();
+    }
+    Guard(const Guard&) = delete;
+    Guard& operator=(const Guard&) = delete;
+  };
+  void wait_idle() {  // GIL released
+    std::unique_lock<std::mutex> lk(mu);
+    idle.wait(lk, [&] { return running == 0; });
+  }
+};
+
 struct PyProducer {
   std::unique_ptr<PySource> source;
   std::unique_ptr<Transport> transport;
@@ -349,12 +379,26 @@ struct PyProducer {
   std::unique_ptr<Store> store;
   std::unique_ptr<Producer> producer;
   ProducerOptions options;  // as create got them (options())
+  int rank = -1;            // kept after close() (identity, not use)
+
+  // The producer, or FailedPreconditionError naming `method` once closed (every use of
+  // a closed producer raises; none reaches the engine's freed state).
+  Producer& live(const char* method) const {
+    if (!producer) throw_status(failed_precondition("Producer.{}: the producer is closed", method));
+    return *producer;
+  }
+
+  InFlight in_flight;
 
   void close() {
+    std::unique_ptr<Producer> p = std::move(producer);
+    std::unique_ptr<Transport> t = std::move(transport);
+    std::unique_ptr<Store> s = std::move(store);
     py::gil_scoped_release release;
-    producer.reset();
-    transport.reset();
-    store.reset();
+    in_flight.wait_idle();
+    p.reset();
+    t.reset();
+    s.reset();
   }
   ~PyProducer() {
     if (producer || transport || store) close();
@@ -402,12 +446,26 @@ struct PyConsumer {
   std::vector<TensorDecl> bound;  // the params bound from the caller's arrays (check_params)
   ConsumerOptions options;        // as create got them (options())
   std::shared_ptr<HookErrors> hook_errors = std::make_shared<HookErrors>();
+  int rank = -1;  // kept after close() (identity, not use)
+
+  // The consumer, or FailedPreconditionError naming `method` once closed: state(),
+  // params(), sync() of a closed consumer read the engine's freed state (SIGSEGV).
+  Consumer& live(const char* method) const {
+    if (!consumer) throw_status(failed_precondition("Consumer.{}: the consumer is closed", method));
+    return *consumer;
+  }
+
+  InFlight in_flight;
 
   void close() {
+    std::unique_ptr<Consumer> c = std::move(consumer);
+    std::unique_ptr<Transport> t = std::move(transport);
+    std::unique_ptr<Store> s = std::move(store);
     py::gil_scoped_release release;
-    consumer.reset();
-    transport.reset();
-    store.reset();
+    in_flight.wait_idle();
+    c.reset();
+    t.reset();
+    s.reset();
   }
   ~PyConsumer() {
     if (consumer || transport || store) close();
@@ -597,21 +655,24 @@ void register_engine(py::module_& m) {
         p->source->drop_kept();
         p->producer = value_or_raise(std::move(made));
         p->options = po;
+        p->rank = p->producer->rank();
         return p;
       }))
       .def("sync", [](PyProducer& p, uint64_t version, const py::object& trace) {
-        if (!p.producer) throw_status(failed_precondition("Producer.sync: the producer is closed"));
+        Producer& producer = p.live("sync");
+        InFlight::Guard busy(p.in_flight);  // a close() on another thread waits for it
         Result<SyncReport> r = Status(StatusCode::kInternal, "not run");
         {
           py::gil_scoped_release release;
-          r = p.producer->sync(version);
+          r = producer.sync(version);
         }
-        if (!r.ok() && !trace.is_none()) report_dict(p.producer->last_report(), true, p.producer->rank(), trace);
-        return report_dict(value_or_raise(std::move(r)), true, p.producer->rank(), trace);
+        if (!r.ok() && !trace.is_none()) report_dict(producer.last_report(), true, producer.rank(), trace);
+        return report_dict(value_or_raise(std::move(r)), true, producer.rank(), trace);
       }, py::arg("version"), py::arg("trace") = py::none())
       // The options create() got, as options_dict shows them (what tests compare keywords with).
       .def("options", [](const PyProducer& p) { return options_dict(p.options); })
-      .def_property_readonly("rank", [](const PyProducer& p) { return p.producer ? p.producer->rank() : -1; })
+      .def_property_readonly("rank", [](const PyProducer& p) { return p.rank; })
+      .def_property_readonly("closed", [](const PyProducer& p) { return !p.producer; })
       .def("close", &PyProducer::close);
 
   py::class_<PyConsumer>(m, "_Consumer")
@@ -644,6 +705,7 @@ void register_engine(py::module_& m) {
         }
         c->consumer = value_or_raise(std::move(made));
         c->options = std::move(co);
+        c->rank = c->consumer->rank();
         return c;
       }))
       // A consumer of a plan recorded anywhere (ferry.record_load, ferry.record): `params`
@@ -700,33 +762,35 @@ void register_engine(py::module_& m) {
         }
         c->consumer = value_or_raise(std::move(made));
         c->options = std::move(co);
+        c->rank = c->consumer->rank();
         return c;
       })
       .def("sync", [](PyConsumer& c, uint64_t version, const py::object& trace) {
-        if (!c.consumer) throw_status(failed_precondition("Consumer.sync: the consumer is closed"));
+        Consumer& consumer = c.live("sync");
+        InFlight::Guard busy(c.in_flight);  // a close() on another thread waits for it
         // The caller's work that reads its CUDA params (inference) finishes before ferry
         // overwrites them; ferry's unpack is done when sync returns.
         std::set<int> gpus;
-        for (const auto& [name, t] : c.consumer->params()) {
+        for (const auto& [name, t] : consumer.params()) {
           if (t.device().is_cuda()) gpus.insert(t.device().index);
         }
         sync_torch_streams(gpus);
         Result<SyncReport> r = Status(StatusCode::kInternal, "not run");
         {
           py::gil_scoped_release release;
-          r = c.consumer->sync(version);
+          r = consumer.sync(version);
         }
         // A hook that raised fails the sync with its own error (the engine's, if any, first).
         Status hook = c.hook_errors->take();
-        if (!r.ok() && !trace.is_none()) report_dict(c.consumer->last_report(), false, c.consumer->rank(), trace);
+        if (!r.ok() && !trace.is_none()) report_dict(consumer.last_report(), false, consumer.rank(), trace);
         SyncReport rep = value_or_raise(std::move(r));
         if (!hook.ok()) throw_status(std::move(hook));
-        return report_dict(rep, false, c.consumer->rank(), trace);
+        return report_dict(rep, false, consumer.rank(), trace);
       }, py::arg("version"), py::arg("trace") = py::none())
       // Consumer::check_params over the caller's params now (`params`: the mapping, or
       // None when it passed none): FailedPreconditionError naming a param re-bound since.
       .def("check_params", [](const PyConsumer& c, py::object params) {
-        if (!c.consumer) throw_status(failed_precondition("Consumer.sync: the consumer is closed"));
+        const Consumer& consumer = c.live("sync");
         Holders holders;
         TensorMap current;
         for (const TensorDecl& d : c.bound) {
@@ -734,29 +798,38 @@ void register_engine(py::module_& m) {
           if (params.is_none() || !params.attr("__contains__")(key).cast<bool>()) continue;
           current.emplace(d.name, checked(param_memory(params.attr("__getitem__")(key), d, holders)));
         }
-        check(c.consumer->check_params(current).with_context("Consumer.sync"));
+        check(consumer.check_params(current).with_context("Consumer.sync"));
       })
       .def("options", [](const PyConsumer& c) { return options_dict(c.options); })
       .def("state", [](const PyConsumer& c) {
-        ConsumerState s = c.consumer->state();
+        ConsumerState s = c.live("state").state();
         py::dict d;
         d["version"] = s.has_version ? py::object(py::int_(s.version)) : py::object(py::none());
         d["torn"] = s.torn;
         return d;
       })
       // {name: (ferry dtype name, numpy array over the consumer's memory; bf16/fp8 as raw
-      // bits; None for a param in GPU memory)}
+      // bits; None for a param in GPU memory)}. Each array keeps alive both this object
+      // (the caller's arrays, in holders) and a copy of the param's Tensor, which shares
+      // its storage: ferry's own buffers (the pull arena, post-processing outputs) then
+      // outlive close(). In push the arena is the transport's memory, freed by close()
+      // (Consumer::params(): copy them to keep them).
       .def("params", [](py::object self) {
         const PyConsumer& c = self.cast<const PyConsumer&>();
         py::dict out;
-        for (const auto& [name, t] : c.consumer->params()) {
+        for (const auto& [name, t] : c.live("params").params()) {
           // GPU memory has no numpy view: None (the Python side returns the caller's tensor).
-          out[py::str(name)] = py::make_tuple(std::string(dtype_name(t.dtype())),
-                                              t.device().is_host() ? numpy_view(t, self) : py::object(py::none()));
+          py::object view = py::none();
+          if (t.device().is_host()) {
+            py::capsule storage(new Tensor(t), [](void* p) { delete static_cast<Tensor*>(p); });
+            view = numpy_view(t, py::make_tuple(self, storage));
+          }
+          out[py::str(name)] = py::make_tuple(std::string(dtype_name(t.dtype())), view);
         }
         return out;
       })
-      .def_property_readonly("rank", [](const PyConsumer& c) { return c.consumer ? c.consumer->rank() : -1; })
+      .def_property_readonly("rank", [](const PyConsumer& c) { return c.rank; })
+      .def_property_readonly("closed", [](const PyConsumer& c) { return !c.consumer; })
       .def("close", &PyConsumer::close);
 }
 
