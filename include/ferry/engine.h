@@ -91,6 +91,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <string_view>
 #include <string>
 #include <vector>
 
@@ -180,7 +181,30 @@ struct ProducerOptions : EngineOptions {
   Device staging_device = Device::host();
 };
 
+// How a consumer's live params change version (ConsumerOptions::commit; docs/engine.md,
+// "Atomic versions").
+enum class CommitPolicy : uint8_t {
+  // Every byte lands in the live params as it arrives: no memory beyond the params. While
+  // a sync runs, a reader of the params sees a mix of versions, and a failed sync leaves
+  // them torn (ConsumerState::torn) until a later sync completes.
+  kInPlace = 0,
+  // A sync lands in a shadow set of buffers beside the live params (its direct reads,
+  // unpack and post-processing all work on the shadow); the live params stay exactly the
+  // committed version until commit() makes the whole received version live in one step:
+  // a flip of the two sets where the consumer owns both (no caller params, pull mode,
+  // host memory), else a copy per param (memcpy; device to device for GPU params). A
+  // failed, aborted or discarded sync leaves the live params bit for bit the committed
+  // version (never torn). Costs one more copy of the params (MemoryUse::shadow).
+  kShadow = 1,
+};
+const char* commit_policy_name(CommitPolicy p);
+// "in_place" or "shadow"; kInvalidArgument naming the value otherwise.
+Result<CommitPolicy> parse_commit_policy(std::string_view name);
+
 struct ConsumerOptions : EngineOptions {
+  // See CommitPolicy. Under kShadow, sync(v) commits at its end unless called with
+  // commit = false; the commit runs between before_commit and after_commit.
+  CommitPolicy commit = CommitPolicy::kInPlace;
   // Read by CUDA IPC, device to device, from producers that stage in GPU memory
   // (ProducerOptions::staging_device) into a receive ring on the params' device, with no
   // host hop. Taken per sync when every param is in GPU memory on one device, the mode
@@ -197,6 +221,10 @@ struct ConsumerOptions : EngineOptions {
   std::function<void(uint64_t version)> before_sync;             // e.g. pause generation
   std::function<void(uint64_t version, int group)> after_group;  // background thread
   std::function<void(uint64_t version)> after_sync;              // resume with version
+  // kShadow: around every commit (the only moment the live params change): where a
+  // serving engine takes and releases the lock its forward passes hold, so that no pass
+  // reads a mix of versions. Sync thread (the caller of sync() or commit()).
+  std::function<void(uint64_t version)> before_commit, after_commit;
 };
 
 // What an inference rank syncs into when its plan comes from anywhere (the inference
@@ -246,11 +274,14 @@ struct MemoryUse {
   // Consumer: params the engine allocated because the caller passed none (one arena).
   // They are the rank's params, not extra; reported so a caller can tell who owns them.
   uint64_t own_params = 0;
+  // Consumer under CommitPolicy::kShadow: the shadow buffers a sync lands in (one more
+  // copy of every param the sync writes). Extra.
+  uint64_t shadow = 0;
   // Routes, every rank's plan and holdings, the schedules and in-place tables: estimated
   // from their element counts (heap blocks included), linear in tensors and copies.
   uint64_t metadata = 0;
   uint64_t transport_allowance = kFixedAllowance;  // see kFixedAllowance
-  uint64_t extra() const { return staging_ring + receive_ring + metadata + transport_allowance; }
+  uint64_t extra() const { return staging_ring + receive_ring + shadow + metadata + transport_allowance; }
   std::string to_string() const;
 };
 
@@ -263,9 +294,12 @@ struct MemoryPrediction {
   std::vector<MemoryUse> producers;  // per trainer rank
   std::vector<MemoryUse> consumers;  // per inference rank
 };
+// `commit`: the consumers' ConsumerOptions::commit (kShadow: MemoryUse::shadow, one more
+// copy of each consumer's params, host memory as ParamSet lays it out).
 Result<MemoryPrediction> predict_memory(const Routes& routes, const std::vector<TensorDecl>& metadata,
                                         const std::vector<Holdings>& holdings, const std::vector<const Plan*>& plans,
-                                        const ProducerOptions& options);
+                                        const ProducerOptions& options,
+                                        CommitPolicy commit = CommitPolicy::kInPlace);
 
 struct SyncReport {
   uint64_t version = 0;
@@ -296,6 +330,13 @@ struct SyncReport {
   // silent (no DONE within stall_timeout). Each has a line in `failures` saying why.
   std::vector<int> missed;
   std::vector<std::string> failures;       // one line per failure
+  // Consumer: the version its live params hold when sync() returned (the committed one;
+  // unchanged by a failed sync under CommitPolicy::kShadow), absent when none; whether
+  // this sync's version was committed (false: received and waiting for commit(), or
+  // failed); and how long the commit took (the pause a serving engine sees).
+  std::optional<uint64_t> live_version;
+  bool committed = false;
+  double commit_seconds = 0;
   // True only if this side finished and (producer) every consumer it serves committed
   // the version: a report never says ok while a member missed it.
   bool ok() const { return status.ok() && missed.empty(); }
@@ -308,9 +349,12 @@ struct SyncReport {
 
 // What a consumer holds after its syncs.
 struct ConsumerState {
-  uint64_t version = 0;   // last committed version (valid if `has_version`)
+  uint64_t version = 0;   // last committed version: what the live params hold (valid if `has_version`)
   bool has_version = false;
-  bool torn = false;      // a failed sync left some groups newer than `version`
+  bool torn = false;      // a failed sync left some groups newer than `version` (kInPlace only)
+  // kShadow: a version fully received, verified and post-processed into the shadow,
+  // waiting for commit() or discard().
+  std::optional<uint64_t> received;
 };
 
 // The version each consumer 0..num_consumers-1 of job `job` committed last (written to
@@ -364,8 +408,20 @@ class Consumer {
   Consumer& operator=(const Consumer&) = delete;
 
   // Receives version `version`. On error the report (in the Status message) names the
-  // failing producer or group, and state().torn tells whether params changed.
+  // failing producer or group, and state().torn tells whether params changed (never under
+  // CommitPolicy::kShadow: the live params are then the committed version, bit for bit).
+  // Under kShadow with `commit` false it returns once the version is received, verified
+  // and post-processed in the shadow; commit() or discard() then decides (a later sync
+  // discards it). With kInPlace `commit` must be true (kInvalidArgument).
   Result<SyncReport> sync(uint64_t version);
+  Result<SyncReport> sync(uint64_t version, bool commit);
+  // kShadow: makes the received version live in one step (a flip or a copy per param,
+  // between before_commit and after_commit; never half way) and records it as committed;
+  // the commit's seconds. kFailedPrecondition when no version is received (or kInPlace).
+  Result<double> commit();
+  // kShadow: drops the received version; the live params stay as they are.
+  // kFailedPrecondition when none is received.
+  Status discard();
   // The report of the last sync(), whether it succeeded or not (as Producer::last_report).
   const SyncReport& last_report() const;
 

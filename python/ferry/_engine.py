@@ -359,7 +359,8 @@ class Consumer:
 
     def __init__(self, model_config=None, layout="tp=1", rank=None, store=None, *, loader=None, plan=None,
                  params=None, post_process=None, before_sync=None, after_group=None, after_sync=None,
-                 quantize="none", token=None, num_producers=1, num_consumers=None, backend="ucx", job="ferry",
+                 commit="in_place", before_commit=None, after_commit=None, quantize="none", token=None,
+                 num_producers=1, num_consumers=None, backend="ucx", job="ferry",
                  mode="pull", timeout=30.0, rendezvous_timeout=60.0, stall_timeout=10.0, lease_ttl=3.0,
                  checksums=False, failover=True, cuda_ipc=True, direct_min_bytes=64 * 1024, transport_params=None,
                  ucx_config=None):
@@ -381,7 +382,8 @@ class Consumer:
         if post_process is not None and plan is None:
             raise InvalidArgumentError("Consumer: post_process= goes with plan= (a built-in loader post-processes itself)")
         for hook_name, hook in (("post_process", post_process), ("before_sync", before_sync),
-                                ("after_group", after_group), ("after_sync", after_sync)):
+                                ("after_group", after_group), ("after_sync", after_sync),
+                                ("before_commit", before_commit), ("after_commit", after_commit)):
             if hook is not None and not callable(hook):
                 raise InvalidArgumentError(f"Consumer: {hook_name} must be callable, got {type(hook).__name__}")
         if store is None:
@@ -393,7 +395,7 @@ class Consumer:
         kw = _options(token, backend, _transport_params(transport_params, ucx_config), job=job, mode=mode,
                       timeout=timeout, rendezvous_timeout=rendezvous_timeout, stall_timeout=stall_timeout,
                       lease_ttl=lease_ttl, checksums=checksums, failover=failover, cuda_ipc=cuda_ipc,
-                      num_producers=num_producers, num_consumers=num_consumers)
+                      num_producers=num_producers, num_consumers=num_consumers, commit=commit)
         if direct_min_bytes is not None:  # None: the default, as on the Producer
             kw["direct_min_bytes"] = direct_min_bytes
         if after_group is not None:
@@ -401,6 +403,8 @@ class Consumer:
         self.loader = loader
         self.plan = plan
         self._before_sync, self._after_sync = before_sync, after_sync
+        self._before_commit, self._after_commit = before_commit, after_commit
+        self._shadow = commit == "shadow"
         self._after_sync_takes_error = after_sync is not None and _takes_error(after_sync)
         self._params_owner = params  # a mapping, or a module (re-read at each sync)
         mapping = self._current_params()
@@ -420,14 +424,19 @@ class Consumer:
                 f"Consumer: params must be a mapping name -> tensor or an nn.Module, got {type(owner).__name__}")
         return owner
 
-    def sync(self, version, trace=None):
+    def sync(self, version, trace=None, commit=True):
         """Receives version ``version`` into the params; the report as a dict (bytes_received,
         received_into_params; bytes is the same as bytes_received; the same keys as every
         report: docs/trace.md). ``trace``: a path: write this sync's trace there (Chrome
         trace-event JSON; also when the sync fails). Raises
         (e.g. ferry.PeerFailedError naming the producer) when the sync fails; then
         ``state()["torn"]`` tells whether some groups are already new. ``after_sync`` runs
-        whenever ``before_sync`` did, given the error when the sync raised (see the class)."""
+        whenever ``before_sync`` did, given the error when the sync raised (see the class).
+
+        ``commit`` (``commit="shadow"`` only): False returns once the version is received,
+        verified and post-processed into the shadow, the live params untouched; then
+        ``commit()`` or ``discard()``. True (the default) commits at the end, between
+        ``before_commit`` and ``after_commit`` (the report's ``commit_seconds``)."""
         self._live("sync")
         # Each param registered at creation still where the engine writes it (re-binding).
         self._c.check_params(self._current_params())
@@ -438,7 +447,11 @@ class Consumer:
         # From here on after_sync runs, whatever happens (a generation lock taken in
         # before_sync is released), and is told what went wrong.
         try:
-            report = self._c.sync(version, trace)
+            report = self._c.sync(version, trace, False if self._shadow else bool(commit))
+            if self._shadow and commit:
+                report["commit_seconds"] = self.commit()
+                report["committed"] = True
+                report["live_version"] = version
         except BaseException as error:
             if self._after_sync is not None:
                 try:
@@ -454,6 +467,39 @@ class Consumer:
             self._call_after_sync(version, None)
         return report
 
+    def commit(self):
+        """``commit="shadow"``: makes the received version live in one step (a flip of
+        ferry's two buffer sets, or a copy per param into yours), between
+        ``before_commit(version)`` and ``after_commit(version)`` (where a serving engine
+        takes and releases the lock its forward passes hold). The seconds it took.
+        FailedPreconditionError when no version is received."""
+        self._live("commit")
+        received = self._c.state()["received"]
+        if received is None:
+            return self._c.commit()  # raises, saying why
+        if self._before_commit is not None:
+            self._before_commit(received)
+        try:
+            return self._c.commit()
+        finally:
+            if self._after_commit is not None:
+                self._after_commit(received)
+
+    def discard(self):
+        """``commit="shadow"``: drops the received version; the live params stay."""
+        self._live("discard")
+        self._c.discard()
+
+    @property
+    def committed_version(self):
+        """The version the live params hold (None before the first commit)."""
+        return self.state()["version"]
+
+    @property
+    def received_version(self):
+        """``commit="shadow"``: a version received and not committed yet, else None."""
+        return self.state()["received"]
+
     def _call_after_sync(self, version, error):
         if self._after_sync_takes_error:
             self._after_sync(version, error)
@@ -465,7 +511,8 @@ class Consumer:
             raise FailedPreconditionError(f"Consumer.{method}: the consumer is closed")
 
     def state(self):
-        """{"version": last complete version or None, "torn": bool}"""
+        """{"version": the committed version (what the live params hold) or None, "torn":
+        bool, "received": a version received and not committed (shadow) or None}"""
         return self._c.state()
 
     def params(self):

@@ -59,6 +59,9 @@ int run_bench_cmd(tools::BenchSpec b, bool json, bool model_given, bool override
   std::printf("  zero-copy: %.0f%% of the bytes served in place from trainer memory%s, %.0f%% read straight into params\n",
               100 * j["in_place_fraction"].get<double>(), j["in_place"].get<bool>() ? "" : " (--no-in-place)",
               100 * j["into_params_fraction"].get<double>());
+  if (j.value("commit", std::string()) == "shadow")
+    std::printf("  commit (shadow): %.6f s, %.1f%% of the sync: the pause a serving engine sees\n",
+                j["commit_seconds"].get<double>(), 100 * j["commit_fraction_of_sync"].get<double>());
   std::printf("%-34s %10.4f %12.0f %9.2f\n", "staged pack+read+unpack (no 0-copy)", j["staged_seconds"].get<double>(),
               bytes, bytes / j["staged_seconds"].get<double>() / 1e9);
   std::printf("%-34s %10.4f %12.0f %9.2f %8.2f\n", "broadcast (OpenMPI MPI_Bcast)",
@@ -92,6 +95,10 @@ std::function<int()> setup_bench(CLI::App& app) {
   app.add_flag("!--no-in-place", b->in_place,
                "trainer weights in ordinary memory, every byte packed into staging (default: in a transport region, "
                "served in place)");
+  app.add_option("--commit", b->commit,
+                 "consumers' commit policy: in_place, or shadow (each sync lands beside the live params and commits "
+                 "at its end; phases_max.commit_seconds_max is the pause a serving engine sees)")
+      ->check(CLI::IsMember({"in_place", "shadow"}));
   app.add_flag("--memory-estimate", b->estimate_only,
                "print what every process would hold and MemAvailable, start nothing (exit 1 if it does not fit)");
   app.add_flag("--json", *json, "print one JSON object");

@@ -414,7 +414,7 @@ std::function<int()> setup_demo(CLI::App& app) {
 // The options of `ferry worker --bench` (the rest are the demo's).
 constexpr const char* kBenchWorkerOptions[] = {"--role",  "--rank", "--model", "--trainer", "--inference", "--store",
                                                "--job",   "--mode", "--seed",  "--timeout-ms", "--tls",     "--in-place",
-                                               "--trace", "--bench", "--help"};
+                                               "--trace", "--bench", "--commit", "--help"};
 
 std::function<int()> setup_worker(CLI::App& app) {
   app.group("");  // hidden
@@ -449,6 +449,7 @@ std::function<int()> setup_worker(CLI::App& app) {
   auto as_bench = app.add_flag("--bench");
   app.add_option("--tls", bench->tls)->needs(as_bench);
   app.add_option("--in-place", bench->in_place)->needs(as_bench);
+  app.add_option("--commit", bench->commit)->needs(as_bench);
   return [&app, w, pauses, bench, as_bench, job, timeout] {
     if (as_bench->count() > 0) {
       for (const CLI::Option* o : app.get_options()) {

@@ -35,6 +35,7 @@ struct PlanArgs {
   bool loader_record = false;
   uint64_t staging_budget = 0;  // ProducerOptions::staging_budget (0: two slots)
   bool no_failover = false;
+  std::string commit = "in_place";  // the consumers' ConsumerOptions::commit
 };
 
 int fail(const Status& st) {
@@ -131,7 +132,9 @@ int run_plan(const PlanArgs& a) {
   ProducerOptions po;
   po.staging_budget = a.staging_budget;
   po.failover = !a.no_failover;
-  auto mem = predict_memory(*routes, meta, in.producers, in.consumers, po);
+  auto policy = parse_commit_policy(a.commit);
+  if (!policy.ok()) return fail(policy.status().with_context("--commit"));
+  auto mem = predict_memory(*routes, meta, in.producers, in.consumers, po, *policy);
   if (!mem.ok()) return fail(mem.status().with_context("--staging-budget"));
   auto largest = [](const std::vector<MemoryUse>& v) {
     size_t at = 0;
@@ -180,7 +183,7 @@ int run_plan(const PlanArgs& a) {
     auto mem_json = [](const MemoryUse& m) {
       return nlohmann::json{{"staging_ring", m.staging_ring}, {"receive_ring", m.receive_ring},
                             {"metadata", m.metadata},         {"transport_allowance", m.transport_allowance},
-                            {"extra", m.extra()}};
+                            {"shadow", m.shadow},             {"extra", m.extra()}};
     };
     nlohmann::json pm = nlohmann::json::array(), cm = nlohmann::json::array();
     for (const auto& m : mem->producers) pm.push_back(mem_json(m));
@@ -239,10 +242,11 @@ int run_plan(const PlanArgs& a) {
       MemoryUse m = v[r[0]];
       for (size_t q : r)
         if (v[q].extra() > m.extra()) m = v[q];
-      std::printf("    %zu %s%s %s: %s = %s %s + metadata %s + transport allowance %s\n", r.size(), role,
+      std::printf("    %zu %s%s %s: %s = %s %s%s + metadata %s + transport allowance %s\n", r.size(), role,
                   r.size() == 1 ? "" : "s", who.c_str(), human(static_cast<double>(m.extra())).c_str(),
                   producer ? "staging ring" : "receive ring",
                   human(static_cast<double>(producer ? m.staging_ring : m.receive_ring)).c_str(),
+                  m.shadow ? (" + shadow params " + human(static_cast<double>(m.shadow))).c_str() : "",
                   human(static_cast<double>(m.metadata)).c_str(), human(static_cast<double>(m.transport_allowance)).c_str());
     }
   };
@@ -274,6 +278,11 @@ FERRY_COMMAND(plan_command, "plan",
                     ->transform(CLI::AsSizeValue(false));
                 app.add_flag("--no-failover", a->no_failover,
                              "Size staging as a producer without failover (no worst case for a replica's boxes)");
+                app.add_option("--commit", a->commit,
+                               "The consumers' commit policy: in_place, or shadow (each consumer holds one more copy "
+                               "of its params, reported as shadow params)")
+                    ->check(CLI::IsMember({"in_place", "shadow"}))
+                    ->default_val("in_place");
                 app.add_flag("--json", a->json, "Print one JSON object");
                 return [a] { return run_plan(*a); };
               });

@@ -71,6 +71,12 @@ std::function<int()> setup_fetch(CLI::App& app) {
   app.add_flag("!--no-cuda-ipc", s->cuda_ipc,
                "With --device cuda:N: read through the transport even from serve ranks of this host that stage in "
                "GPU memory (default: copy device to device by CUDA IPC; received_via_cuda_ipc says how much)");
+  app.add_option("--commit", s->commit,
+                 "in_place: bytes land in the params as they arrive; shadow: each sync lands beside the live params "
+                 "and commits in one step at its end (a failed sync leaves the live params the last committed "
+                 "version); each line says live_version, committed, commit_seconds, received_version")
+      ->check(CLI::IsMember({"in_place", "shadow"}))
+      ->default_val("in_place");
   return [s] { return tools::run_fetch(*s); };
 }
 

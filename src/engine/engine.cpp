@@ -17,6 +17,13 @@ Result<SyncMode> parse_sync_mode(std::string_view text) {
 }
 std::string_view sync_mode_name(SyncMode mode) { return mode == SyncMode::kPull ? "pull" : "push"; }
 
+const char* commit_policy_name(CommitPolicy p) { return p == CommitPolicy::kShadow ? "shadow" : "in_place"; }
+Result<CommitPolicy> parse_commit_policy(std::string_view name) {
+  if (name == "in_place") return CommitPolicy::kInPlace;
+  if (name == "shadow") return CommitPolicy::kShadow;
+  return invalid_argument("commit policy '{}': expected in_place or shadow", name);
+}
+
 std::string SyncReport::to_string() const {
   std::string s = fmt::format("version {}: {}, {} bytes {} in {:.3f} s", version,
                               !status.ok()     ? status.to_string()

@@ -129,15 +129,15 @@ uint64_t metadata_heap_bytes(const Routes& routes, const std::vector<TensorDecl>
 std::string MemoryUse::to_string() const {
   auto mib = [](uint64_t b) { return static_cast<double>(b) / (1 << 20); };
   return fmt::format(
-      "extra {:.1f} MiB (staging ring {:.1f}, receive ring {:.1f}, metadata {:.2f}, transport allowance {:.0f}); "
-      "registered in place {:.1f} MiB, own params {:.1f} MiB",
-      mib(extra()), mib(staging_ring), mib(receive_ring), mib(metadata), mib(transport_allowance),
+      "extra {:.1f} MiB (staging ring {:.1f}, receive ring {:.1f}, shadow {:.1f}, metadata {:.2f}, transport "
+      "allowance {:.0f}); registered in place {:.1f} MiB, own params {:.1f} MiB",
+      mib(extra()), mib(staging_ring), mib(receive_ring), mib(shadow), mib(metadata), mib(transport_allowance),
       mib(registered_in_place), mib(own_params));
 }
 
 Result<MemoryPrediction> predict_memory(const Routes& routes, const std::vector<TensorDecl>& metadata,
                                         const std::vector<Holdings>& holdings, const std::vector<const Plan*>& plans,
-                                        const ProducerOptions& options) {
+                                        const ProducerOptions& options, CommitPolicy commit) {
   using namespace engine;
   if (holdings.size() != routes.producers.size() || plans.size() != routes.consumer_plan.size())
     return invalid_argument("predict_memory: {} holdings and {} plans for routes of {} producers and {} consumers",
@@ -164,6 +164,12 @@ Result<MemoryPrediction> predict_memory(const Routes& routes, const std::vector<
     MemoryUse m;
     m.receive_ring = registered_bytes(consumer_slot_bytes(pr) * kReceiveSlots);
     m.metadata = common + per_class[routes.consumer_plan[c]];
+    if (commit == CommitPolicy::kShadow && plans[c]) {
+      // ParamSet's shadow arena: every param, 64-byte aligned, rounded to a page.
+      uint64_t shadow = 0;
+      for (const auto& d : plans[c]->params()) shadow += align_up(shape_numel(d.shape) * dtype_size(d.dtype), 64);
+      m.shadow = align_up(shadow, 4096);
+    }
     out.consumers.push_back(m);
   }
   return out;

@@ -66,9 +66,15 @@ Result<std::unique_ptr<ParamSet>> ParamSet::create(const ParamSetOptions& opts, 
   std::unique_ptr<ParamSet> set(new ParamSet(opts, std::move(memory)));
   ParamSet& m = *set;
   const int rank = opts.rank;
+  // Shadow: the two sets swap roles at commit when both are ours, on the host, and no
+  // producer writes into them by the keys of one set (push).
+  m.flips_ = opts.shadow && !opts.push && caller.empty();
   // The caller's buffers (each registered, if large enough to be read or written into
   // directly), or ours: one arena (zeroed; one registration). In push, their keys go to
-  // producers in the lease (ParamTable), so that they write there.
+  // producers in the lease (ParamTable), so that they write there. Under shadow the
+  // live buffers are landed in by nobody (the shadow is; unless they flip): not
+  // registered.
+  const bool land_live = !opts.shadow;
   uint64_t arena_bytes = 0;
   for (const TensorDecl& d : decls) {
     auto it = caller.find(d.name);
@@ -81,45 +87,53 @@ Result<std::unique_ptr<ParamSet>> ParamSet::create(const ParamSetOptions& opts, 
       return invalid_argument("consumer {}: param buffer '{}' must be real, contiguous, {} {}", rank, d.name,
                               dtype_name(d.dtype), shape_str(d.shape));
   }
-  MemoryRegion arena_region;
-  if (arena_bytes) {
-    arena_bytes = align_up(arena_bytes, 4096);
-    m.own_bytes_ = arena_bytes;
-    if (opts.push) {
+  auto own_arena = [&](uint64_t bytes, bool registered, bool by_transport,
+                       std::shared_ptr<std::byte>& out) -> Result<std::optional<MemoryRegion>> {
+    if (by_transport) {
       // Producers write into it: the transport's own memory, which peers on the host
       // write by plain copy (UCX shared memory writes memory registered in place only by
       // message, at tcp speed). Freed with its registration when the consumer goes.
-      auto r = m.memory_->allocate(arena_bytes);
-      if (!r.ok()) return r.status().with_context(fmt::format("consumer {}: allocating {} bytes of params", rank, arena_bytes));
-      arena_region = *r;
+      auto r = m.memory_->allocate(bytes);
+      if (!r.ok()) return r.status().with_context(fmt::format("consumer {}: allocating {} bytes of params", rank, bytes));
       m.registrations_.push_back(*r);
-      std::memset(r->base, 0, arena_bytes);
-      m.arena_ = std::shared_ptr<std::byte>(static_cast<std::byte*>(r->base), [](std::byte*) {});
-    } else {
-      void* mem = std::aligned_alloc(4096, arena_bytes);
-      if (!mem) return io_error("consumer {}: allocating {} bytes of params", rank, arena_bytes);
-      std::memset(mem, 0, arena_bytes);
-      m.arena_ = std::shared_ptr<std::byte>(static_cast<std::byte*>(mem), [](std::byte* b) { std::free(b); });
-      auto r = m.memory_->register_memory(mem, arena_bytes);
-      if (!r.ok()) return r.status().with_context(fmt::format("consumer {}: registering its params", rank));
-      arena_region = *r;
-      m.registrations_.push_back(*r);
+      std::memset(r->base, 0, bytes);
+      out = std::shared_ptr<std::byte>(static_cast<std::byte*>(r->base), [](std::byte*) {});
+      return std::optional<MemoryRegion>(*r);
     }
+    void* mem = std::aligned_alloc(4096, bytes);
+    if (!mem) return io_error("consumer {}: allocating {} bytes of params", rank, bytes);
+    std::memset(mem, 0, bytes);
+    out = std::shared_ptr<std::byte>(static_cast<std::byte*>(mem), [](std::byte* b) { std::free(b); });
+    if (!registered) return std::optional<MemoryRegion>();
+    auto r = m.memory_->register_memory(mem, bytes);
+    if (!r.ok()) return r.status().with_context(fmt::format("consumer {}: registering its params", rank));
+    m.registrations_.push_back(*r);
+    return std::optional<MemoryRegion>(*r);
+  };
+  std::optional<MemoryRegion> arena_region;
+  if (arena_bytes) {
+    arena_bytes = align_up(arena_bytes, 4096);
+    m.own_bytes_ = arena_bytes;
+    FERRY_ASSIGN_OR_RETURN(arena_region, own_arena(arena_bytes, land_live || m.flips_, land_live && opts.push, m.arena_));
   }
-  uint64_t at = 0;
+  if (arena_region && land_live) m.landing_.push_back(*arena_region);  // the arena is registration 0
+  if (arena_region && m.flips_) m.other_.push_back(*arena_region);
+  uint64_t at = 0, host_bytes = 0, device_bytes = 0;
   for (const TensorDecl& d : decls) {
     const uint64_t bytes = shape_numel(d.shape) * dtype_size(d.dtype);
     auto it = caller.find(d.name);
+    const bool on_gpu = it != caller.end() && it->second.device().is_cuda();
+    (on_gpu ? device_bytes : host_bytes) += align_up(bytes, 64);
     if (it == caller.end()) {
-      m.loaded_.emplace(d.name, Tensor::borrow(m.arena_.get() + at, d.shape, d.dtype, m.arena_, d.name));
-      m.placements_[d.name] = ParamTable::Param{0, at, bytes};  // the arena is registration 0
+      m.live_.emplace(d.name, Tensor::borrow(m.arena_.get() + at, d.shape, d.dtype, m.arena_, d.name));
+      if (land_live) m.placements_[d.name] = ParamTable::Param{0, at, bytes};
       at += align_up(bytes, 64);
       continue;
     }
     const Tensor& t = it->second;
-    m.loaded_.emplace(d.name, t);
+    m.live_.emplace(d.name, t);
     m.given_.emplace(d.name, t);
-    if (t.device().is_cuda()) {
+    if (on_gpu) {
       // In GPU memory: unpacked there by a kernel from the receive ring (made visible to
       // the device, or on the device for CUDA IPC), never read into directly. Even a
       // transport that moves CUDA memory (Transport::supports_memory) reaches some peers
@@ -133,25 +147,60 @@ Result<std::unique_ptr<ParamSet>> ParamSet::create(const ParamSetOptions& opts, 
       m.device_ = t.device();
       continue;
     }
-    if (bytes < opts.direct_min_bytes || bytes == 0) continue;
+    if (!land_live || bytes < opts.direct_min_bytes || bytes == 0) continue;
     FERRY_ASSIGN_OR_RETURN(void* data, t.data_ptr());
     auto r = m.memory_->register_memory(data, bytes);
     if (!r.ok()) return r.status().with_context(fmt::format("consumer {}: registering param '{}'", rank, d.name));
     m.registrations_.push_back(*r);
-    m.placements_[d.name] = ParamTable::Param{static_cast<uint32_t>(m.registrations_.size() - 1), 0, bytes};
+    m.landing_.push_back(*r);
+    m.placements_[d.name] = ParamTable::Param{static_cast<uint32_t>(m.landing_.size() - 1), 0, bytes};
   }
   m.all_on_device_ = m.device_.has_value();
   for (const TensorDecl& d : decls) {
     auto it = caller.find(d.name);
     m.all_on_device_ &= it != caller.end() && it->second.device().is_cuda();
   }
-  m.work_ = m.committed_ = m.loaded_;
+  if (!opts.shadow) {
+    m.loaded_ = m.live_;
+  } else {
+    // The shadow: every param again, laid out as the own arena is (so that a flip keeps
+    // every placement), host params in one registered arena (the transport's memory in
+    // push: producers write there), GPU params in one device allocation.
+    if (host_bytes) {
+      host_bytes = align_up(host_bytes, 4096);
+      FERRY_ASSIGN_OR_RETURN(auto r, own_arena(host_bytes, true, opts.push, m.shadow_arena_));
+      m.landing_.push_back(*r);
+    }
+    if (device_bytes) {
+      auto dev = device_alloc(*m.device_, device_bytes);
+      if (!dev.ok()) return dev.status().with_context(fmt::format("consumer {}: the shadow of its GPU params", rank));
+      m.shadow_device_ = *dev;  // (every byte is written: by write_padding, or by every sync)
+    }
+    m.shadow_bytes_ = host_bytes + device_bytes;
+    uint64_t host_at = 0, device_at = 0;
+    for (const TensorDecl& d : decls) {
+      const uint64_t bytes = shape_numel(d.shape) * dtype_size(d.dtype);
+      const Tensor& live = m.live_.at(d.name);
+      if (live.device().is_cuda()) {
+        m.loaded_.emplace(d.name, Tensor::borrow_device(m.shadow_device_.get() + device_at, d.shape, d.dtype,
+                                                        live.device(), m.shadow_device_, d.name));
+        device_at += align_up(bytes, 64);
+        continue;
+      }
+      m.loaded_.emplace(d.name, Tensor::borrow(m.shadow_arena_.get() + host_at, d.shape, d.dtype, m.shadow_arena_, d.name));
+      if (bytes) m.placements_[d.name] = ParamTable::Param{0, host_at, bytes};
+      host_at += align_up(bytes, 64);
+    }
+  }
+  m.work_ = m.loaded_;
+  m.committed_ = m.live_;
   return set;
 }
 
 Status ParamSet::write_padding(const Plan& plan) {
   if (!plan.zeros().empty()) {
-    // Per place (host, the GPU): a plan runs on one device.
+    // Per place (host, the GPU): a plan runs on one device. Into both sets under shadow
+    // (padding is never sent: each set keeps its zeros).
     Plan zeros_only[2];
     for (Plan& z : zeros_only) {
       for (const auto& d : plan.params()) FERRY_RETURN_IF_ERROR(z.declare_param(d).status());
@@ -162,18 +211,21 @@ Status ParamSet::write_padding(const Plan& plan) {
       FERRY_RETURN_IF_ERROR(zeros_only[on_gpu ? 1 : 0].add_zero(z));
     }
     for (const Plan& z : zeros_only) {
-      if (!z.zeros().empty()) {
+      if (z.zeros().empty()) continue;
+      for (const TensorMap* into : {&loaded_, &live_}) {
+        if (into == &live_ && !opts_.shadow) continue;
         FERRY_RETURN_IF_ERROR(
-            execute(z, {}, loaded_).with_context(fmt::format("consumer {}: writing its params' padding", opts_.rank)));
+            execute(z, {}, *into).with_context(fmt::format("consumer {}: writing its params' padding", opts_.rank)));
       }
     }
   }
-  work_ = committed_ = loaded_;
+  work_ = loaded_;
+  committed_ = live_;
   return Status::Ok();
 }
 
 ParamSet::Landing ParamSet::landing(const ParamTable::Param& p, uint64_t at) const {
-  const MemoryRegion& r = registrations_[p.key];
+  const MemoryRegion& r = landing_[p.key];
   return Landing{r, p.offset + at, static_cast<std::byte*>(r.base) + p.offset + at};
 }
 
@@ -207,7 +259,9 @@ Status ParamSet::check_rebound(const TensorMap& current) const {
 
 uint64_t ParamSet::registered_bytes() const {
   uint64_t n = 0;
-  for (const MemoryRegion& r : registrations_) n += r.length;
+  for (const MemoryRegion& r : registrations_) {
+    if (!shadow_arena_ || r.base != shadow_arena_.get()) n += r.length;  // (the shadow is extra, not in place)
+  }
   return n;
 }
 
@@ -215,6 +269,7 @@ void ParamSet::begin(uint64_t) {
   work_ = loaded_;
   std::lock_guard<std::mutex> lk(mu_);
   touched_ = false;
+  held_.received.reset();  // a new sync overwrites the shadow
 }
 
 void ParamSet::retry() { work_ = loaded_; }
@@ -225,6 +280,11 @@ void ParamSet::touch() {
 }
 
 void ParamSet::finish(uint64_t version) {
+  if (opts_.shadow) {
+    std::lock_guard<std::mutex> lk(mu_);
+    held_.received = version;
+    return;
+  }
   committed_ = work_;
   std::lock_guard<std::mutex> lk(mu_);
   held_.version = version;
@@ -234,7 +294,76 @@ void ParamSet::finish(uint64_t version) {
 
 void ParamSet::abort() {
   std::lock_guard<std::mutex> lk(mu_);
-  if (touched_) held_.torn = true;
+  held_.received.reset();
+  if (touched_ && !opts_.shadow) held_.torn = true;
+}
+
+namespace {
+
+// Whether two tensors view the same bytes (post-processing may replace a param with a
+// tensor of its own).
+bool same_bytes(const Tensor& a, const Tensor& b) {
+  auto pa = a.device_ptr(), pb = b.device_ptr();
+  return pa.ok() && pb.ok() && *pa == *pb && a.device() == b.device() && a.dtype() == b.dtype() &&
+         a.shape() == b.shape();
+}
+
+}  // namespace
+
+Result<uint64_t> ParamSet::commit() {
+  uint64_t v;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!opts_.shadow) return failed_precondition("consumer {}: commit() needs the shadow commit policy", opts_.rank);
+    if (!held_.received)
+      return failed_precondition("consumer {}: no received version to commit (sync with commit=false first)", opts_.rank);
+    v = *held_.received;
+  }
+  if (flips_) {
+    // Both sets are ours, laid out alike: the shadow becomes the live set and the old
+    // live set the landing of the next sync. Nothing is copied.
+    std::swap(loaded_, live_);
+    std::swap(landing_, other_);
+    committed_ = work_;
+  } else {
+    TensorMap next = live_;
+    for (const auto& [name, w] : work_) {
+      auto shadow = loaded_.find(name);
+      auto live = live_.find(name);
+      if (shadow == loaded_.end() || live == live_.end() || !same_bytes(w, shadow->second)) {
+        next[name] = w;  // replaced by post-processing: taken as it is
+        continue;
+      }
+      const uint64_t bytes = static_cast<uint64_t>(w.numel()) * dtype_size(w.dtype());
+      auto to = live->second.device_ptr();
+      auto from = w.device_ptr();
+      if (!to.ok() || !from.ok()) return !to.ok() ? to.status() : from.status();
+      if (w.device().is_cuda()) {
+        Status st = device_memcpy(*to, *from, bytes);
+        if (!st.ok()) {
+          std::lock_guard<std::mutex> lk(mu_);
+          held_.torn = true;
+          return st.with_context(fmt::format("consumer {}: committing param '{}'", opts_.rank, name));
+        }
+      } else {
+        std::memcpy(*to, *from, bytes);
+      }
+    }
+    committed_ = std::move(next);
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  held_.version = v;
+  held_.has_version = true;
+  held_.torn = false;
+  held_.received.reset();
+  return v;
+}
+
+Status ParamSet::discard() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!held_.received) return failed_precondition("consumer {}: no received version to discard", opts_.rank);
+  held_.received.reset();
+  return Status::Ok();
 }
 
 bool ParamSet::torn() const {

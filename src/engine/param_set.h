@@ -1,13 +1,15 @@
 // engine/param_set.h — where a consumer's bytes land (internal): its param buffers (the
 // caller's, or one arena of its own), their registrations with the transport, the
 // placement of every param that reads and writes may land in directly, the plan's zero
-// padding, and which version the params hold (begin / finish / abort / torn).
+// padding, which version the params hold (begin / finish / abort / torn), and under the
+// shadow commit policy the second buffer set syncs land in (commit / discard).
 //
 // Landing addresses live here and nowhere else: the schedule (engine/schedule.h) names a
 // direct landing by its placement (registration index, offset, bytes: ParamTable::Param,
 // what a push consumer's lease carries), never by address, and `landing()` turns that
-// into memory. So a second buffer set (a shadow the sync lands in while the live params
-// serve) is a change here, not in the schedule, the lease or the producers.
+// into memory. So the second buffer set (ParamSetOptions::shadow: a shadow the sync lands
+// in while the live params serve) is a change here, not in the schedule, the lease or the
+// producers: placements name the *landing* set, which is the shadow under that policy.
 //
 // Threading: create/destroy, write_padding, begin/retry/finish/abort on the consumer's
 // sync thread; `touch()` and `state()` from any thread; `work()` belongs to whichever
@@ -57,6 +59,11 @@ struct ParamSetOptions {
   int rank = 0;             // for messages
   bool push = false;        // producers write into the arena: allocated by ParamMemory
   uint64_t direct_min_bytes = 0;  // the caller's params at least this large are registered
+  // CommitPolicy::kShadow: syncs land in a second set of buffers (one arena on the host,
+  // one on the params' GPU), registered and placed; the live params (the caller's, or an
+  // arena of the set's own) change only at commit(). With no caller params, in pull mode,
+  // on the host, the two sets swap roles at commit (a flip); otherwise commit copies.
+  bool shadow = false;
 };
 
 class ParamSet {
@@ -79,8 +86,9 @@ class ParamSet {
   // The params that may be landed in directly (registered host memory), by name: what
   // the schedule's direct sub-reads point to, and a push consumer's ParamTable::params.
   const std::map<std::string, ParamTable::Param>& placements() const { return placements_; }
-  // Registered regions; ParamTable::Param::key indexes them (exported for push).
-  const std::vector<MemoryRegion>& registrations() const { return registrations_; }
+  // The registered regions syncs land in; ParamTable::Param::key indexes them (exported
+  // for push). Under shadow: the shadow's.
+  const std::vector<MemoryRegion>& registrations() const { return landing_; }
 
   // Where `bytes` at `at` of placement `p` land: the region, the offset inside it, the
   // memory. `p` is one of placements() (a sub-read of a schedule built from them).
@@ -93,8 +101,9 @@ class ParamSet {
   // The same for a direct sub-read (sr.param set).
   Landing landing(const SubRead& sr) const;
 
-  // Buffers as loaded (what unpack writes), the attempt's view (what post-processing
-  // writes and may replace), and the view of the last committed version.
+  // Buffers as loaded (what unpack writes: the shadow under that policy), the attempt's
+  // view (what post-processing writes and may replace), and the view of the last
+  // committed version (the live params).
   const TensorMap& loaded() const { return loaded_; }
   TensorMap& work() { return work_; }
   const TensorMap& committed() const { return committed_; }
@@ -112,12 +121,17 @@ class ParamSet {
 
   uint64_t own_bytes() const { return own_bytes_; }  // the arena, 0 when the caller gave every buffer
   uint64_t registered_bytes() const;                 // every registration (arena included)
+  uint64_t shadow_bytes() const { return shadow_bytes_; }  // the shadow set (host and device), 0 without
+  bool shadow() const { return opts_.shadow; }
+  bool flips() const { return flips_; }  // commit() is a flip of the two sets, not a copy
 
-  // Versions. begin(v): a sync of v starts, nothing of it written yet; retry(): a new
-  // attempt of the same sync (the attempt's view back to the buffers); touch(): the
-  // buffers change from now on (a failure now leaves them torn); finish(v): v is
-  // committed (the attempt's view becomes the committed one); abort(): the sync failed,
-  // torn if anything was touched. state(): what the params hold.
+  // Versions. begin(v): a sync of v starts, nothing of it written yet (a received,
+  // uncommitted version is dropped); retry(): a new attempt of the same sync (the
+  // attempt's view back to the buffers); touch(): the buffers change from now on (a
+  // failure now leaves them torn, in place); finish(v): v is complete: committed (the
+  // attempt's view becomes the committed one), or under shadow received, waiting for
+  // commit(); abort(): the sync failed, torn if anything was touched in place (never
+  // under shadow). state(): what the params hold.
   void begin(uint64_t version);
   void retry();
   void touch();
@@ -125,6 +139,14 @@ class ParamSet {
   void abort();
   bool torn() const;
   ConsumerState state() const;
+  // Shadow: makes the received version the live one in one step (a flip, or a copy of
+  // each shadow buffer into its live buffer: host memcpy, device to device on a GPU; a
+  // param post-processing replaced is taken as it is). The version it committed.
+  // kFailedPrecondition naming the consumer when nothing is received; a device copy's
+  // error (the live params are then torn, the only way a commit can fail half way).
+  Result<uint64_t> commit();
+  // Shadow: drops the received version. kFailedPrecondition when there is none.
+  Status discard();
 
  private:
   ParamSet(const ParamSetOptions& opts, std::unique_ptr<ParamMemory> memory);
@@ -132,6 +154,13 @@ class ParamSet {
   ParamSetOptions opts_;
   std::unique_ptr<ParamMemory> memory_;
   std::vector<MemoryRegion> registrations_;  // ours to release
+  // What placements index: the set syncs land in (registrations_ without shadow), and
+  // under a flip the other set's, laid out alike (swapped at commit).
+  std::vector<MemoryRegion> landing_, other_;
+  TensorMap live_;  // shadow: the live buffers (committed_ views them until post-processing replaces one)
+  std::shared_ptr<std::byte> shadow_arena_, shadow_device_;
+  uint64_t shadow_bytes_ = 0;
+  bool flips_ = false;
   std::map<std::string, ParamTable::Param> placements_;
   std::shared_ptr<std::byte> arena_;
   uint64_t own_bytes_ = 0;
@@ -141,7 +170,7 @@ class ParamSet {
   TensorMap loaded_, work_, committed_;
   mutable std::mutex mu_;  // touched_, held_
   bool touched_ = false;
-  ConsumerState held_;
+  ConsumerState held_;  // (held_.received: shadow, a version received and not committed)
 };
 
 }  // namespace ferry::engine

@@ -24,7 +24,8 @@ nlohmann::json memory_use_json(const MemoryUse& m) {
           {"transport_allowance", m.transport_allowance},
           {"extra", m.extra()},
           {"registered_in_place", m.registered_in_place},
-          {"own_params", m.own_params}};
+          {"own_params", m.own_params},
+          {"shadow", m.shadow}};
 }
 
 nlohmann::json sync_report_json(const SyncReport& r) {
@@ -51,7 +52,11 @@ nlohmann::json sync_report_json(const SyncReport& r) {
                       {"dropped", r.dropped},
                       {"missed", r.missed},
                       {"failures", r.failures},
+                      {"live_version", nullptr},
+                      {"committed", r.committed},
+                      {"commit_seconds", r.commit_seconds},
                       {"memory", memory_use_json(r.memory)}};
+  if (r.live_version) j["live_version"] = *r.live_version;
   if (!r.status.ok()) {
     j["error"] = r.status.to_string();
     j["code"] = std::string(status_code_name(r.status.code()));

@@ -765,7 +765,7 @@ void register_engine(py::module_& m) {
         c->rank = c->consumer->rank();
         return c;
       })
-      .def("sync", [](PyConsumer& c, uint64_t version, const py::object& trace) {
+      .def("sync", [](PyConsumer& c, uint64_t version, const py::object& trace, bool commit) {
         Consumer& consumer = c.live("sync");
         InFlight::Guard busy(c.in_flight);  // a close() on another thread waits for it
         // The caller's work that reads its CUDA params (inference) finishes before ferry
@@ -778,7 +778,7 @@ void register_engine(py::module_& m) {
         Result<SyncReport> r = Status(StatusCode::kInternal, "not run");
         {
           py::gil_scoped_release release;
-          r = consumer.sync(version);
+          r = consumer.sync(version, commit);
         }
         // A hook that raised fails the sync with its own error (the engine's, if any, first).
         Status hook = c.hook_errors->take();
@@ -786,7 +786,20 @@ void register_engine(py::module_& m) {
         SyncReport rep = value_or_raise(std::move(r));
         if (!hook.ok()) throw_status(std::move(hook));
         return report_dict(rep, false, consumer.rank(), trace);
-      }, py::arg("version"), py::arg("trace") = py::none())
+      }, py::arg("version"), py::arg("trace") = py::none(), py::arg("commit") = true)
+      // Shadow: Consumer::commit (the seconds it took) and Consumer::discard; the hooks
+      // around a commit are ferry.Consumer's (Python, on the caller's thread).
+      .def("commit", [](PyConsumer& c) {
+        Consumer& consumer = c.live("commit");
+        InFlight::Guard busy(c.in_flight);
+        Result<double> r = Status(StatusCode::kInternal, "not run");
+        {
+          py::gil_scoped_release release;
+          r = consumer.commit();
+        }
+        return value_or_raise(std::move(r));
+      })
+      .def("discard", [](PyConsumer& c) { check(c.live("discard").discard()); })
       // Consumer::check_params over the caller's params now (`params`: the mapping, or
       // None when it passed none): FailedPreconditionError naming a param re-bound since.
       .def("check_params", [](const PyConsumer& c, py::object params) {
@@ -806,6 +819,7 @@ void register_engine(py::module_& m) {
         py::dict d;
         d["version"] = s.has_version ? py::object(py::int_(s.version)) : py::object(py::none());
         d["torn"] = s.torn;
+        d["received"] = s.received ? py::object(py::int_(*s.received)) : py::object(py::none());
         return d;
       })
       // {name: (ferry dtype name, numpy array over the consumer's memory; bf16/fp8 as raw

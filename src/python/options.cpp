@@ -51,11 +51,15 @@ constexpr OptionField kOptionFields[] = {
     {"ProducerOptions", "direct_min_bytes", "direct_min_bytes", "keyword", "Producer"},
     {"ProducerOptions", "staging_budget", "staging_budget", "keyword", "Producer"},
     {"ProducerOptions", "staging_device", "staging_device", "keyword", "Producer"},
+    {"ConsumerOptions", "commit", "commit", "keyword", "Consumer"},
     {"ConsumerOptions", "cuda_ipc", "cuda_ipc", "keyword", "Consumer"},
     {"ConsumerOptions", "direct_min_bytes", "direct_min_bytes", "keyword", "Consumer"},
     {"ConsumerOptions", "before_sync", "before_sync", "hook", "Consumer"},
     {"ConsumerOptions", "after_group", "after_group", "hook", "Consumer"},
     {"ConsumerOptions", "after_sync", "after_sync", "hook", "Consumer"},
+    // Run by ferry.Consumer.sync / commit around the engine's commit (shadow).
+    {"ConsumerOptions", "before_commit", "before_commit", "hook", "Consumer"},
+    {"ConsumerOptions", "after_commit", "after_commit", "hook", "Consumer"},
 };
 
 std::string shown(py::handle value) { return std::string(py::repr(value)); }
@@ -210,6 +214,11 @@ ConsumerOptions consumer_options(const py::dict& kw) {
   fill_engine(o, kw);
   if (kw.contains("cuda_ipc")) o.cuda_ipc = flag(kw, "cuda_ipc");
   if (kw.contains("direct_min_bytes")) o.direct_min_bytes = byte_count(kw, "direct_min_bytes");
+  if (kw.contains("commit")) {
+    auto policy = parse_commit_policy(text(kw, "commit"));
+    if (!policy.ok()) throw_status(policy.status().with_context("commit"));
+    o.commit = *policy;
+  }
   return o;
 }
 
@@ -230,8 +239,11 @@ py::dict options_dict(const ProducerOptions& o) {
 py::dict options_dict(const ConsumerOptions& o) {
   py::dict d;
   engine_dict(d, o);
+  d["commit"] = std::string(commit_policy_name(o.commit));
   d["cuda_ipc"] = o.cuda_ipc;
   d["direct_min_bytes"] = o.direct_min_bytes;
+  d["before_commit"] = static_cast<bool>(o.before_commit);
+  d["after_commit"] = static_cast<bool>(o.after_commit);
   d["before_sync"] = static_cast<bool>(o.before_sync);
   d["after_group"] = static_cast<bool>(o.after_group);
   d["after_sync"] = static_cast<bool>(o.after_sync);

@@ -261,7 +261,7 @@ BenchResult run_bench(const BenchSpec& b) {
                                      "--model", config_path, "--trainer", b.trainer, "--inference", b.inference,
                                      "--store", (*server)->url(), "--job", job, "--tls", b.tls, "--mode", b.mode, "--seed",
                                      std::to_string(b.seed), "--timeout-ms", std::to_string(b.timeout_ms),
-                                     "--in-place", b.in_place ? "1" : "0"};
+                                     "--in-place", b.in_place ? "1" : "0", "--commit", b.commit};
     if (!b.trace.empty()) args.insert(args.end(), {"--trace", fmt::format("{}/{}{}.trace.json", dir, role, rank)});
     auto p = spawn_proc(std::move(args), fmt::format("{} {}", role, rank), fmt::format("{}/{}{}.log", dir, role, rank));
     if (!p.ok()) return kill_all(), fail(p.status().to_string());
@@ -428,6 +428,10 @@ BenchResult run_bench(const BenchSpec& b) {
     }
     last_in_place = in_place_bytes;
     last_into_params = into_params_bytes;
+    // The pause a serving engine sees under --commit shadow: the slowest consumer's commit.
+    double commit_max = 0;
+    for (size_t i = 0; i < ranks.size(); ++i) commit_max = std::max(commit_max, sy->results[i].value("commit_seconds", 0.0));
+    ph["commit_seconds_max"] = commit_max;
     nlohmann::json tj = {{"sync_seconds", sy->seconds},    {"raw_seconds", rw->seconds},
                          {"memcpy_seconds", mc->seconds},  {"broadcast_seconds", bc->seconds},
                          {"sync_cpu_seconds", sy->cpu},    {"raw_cpu_seconds", rw->cpu},
@@ -496,6 +500,14 @@ BenchResult run_bench(const BenchSpec& b) {
   j["speedup_vs_broadcast"] = sync > 0 ? bcast / sync : 0.0;
   j["efficiency_vs_raw"] = gb(rawm) > 0 ? gb(sync) / gb(rawm) : 0.0;
   j["in_place"] = b.in_place;
+  j["commit"] = b.commit;
+  {  // the commit's pause (shadow), median over the timed trials, against the sync
+    std::vector<double> cs;
+    for (const auto& t : trials)
+      if (!t["warmup"].get<bool>()) cs.push_back(t["phases_max"].value("commit_seconds_max", 0.0));
+    j["commit_seconds"] = median(cs);
+    j["commit_fraction_of_sync"] = sync > 0 ? median(cs) / sync : 0.0;
+  }
   j["in_place_fraction"] = bytes_moved ? static_cast<double>(last_in_place) / static_cast<double>(bytes_moved) : 0.0;
   j["into_params_fraction"] =
       bytes_moved ? static_cast<double>(last_into_params) / static_cast<double>(bytes_moved) : 0.0;

@@ -41,6 +41,9 @@ struct BenchSpec {
   // Trainer weights in a transport region, served in place (ProducerOptions::
   // source_regions); false: in ordinary memory, every byte packed into staging.
   bool in_place = true;
+  // The consumers' ConsumerOptions::commit ("in_place" or "shadow"): with shadow, every
+  // sync lands beside the live params and commits at its end (commit_seconds_max).
+  std::string commit = "in_place";
   // Only estimate what every process would hold (json["memory_estimate"]) and compare it
   // with MemAvailable; start nothing.
   bool estimate_only = false;
@@ -73,6 +76,7 @@ struct BenchWorkerSpec {
   uint64_t seed = 1;
   int timeout_ms = 60000;
   bool in_place = true;
+  std::string commit = "in_place";  // BenchSpec::commit
   std::string trace;  // this rank's trace file (BenchSpec::trace); empty: none
 };
 int run_bench_worker(const BenchWorkerSpec& spec);

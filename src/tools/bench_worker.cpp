@@ -195,6 +195,9 @@ int run_bench_worker(const BenchWorkerSpec& s) {
   } else if (s.role == "consumer") {
     ConsumerOptions co;
     static_cast<EngineOptions&>(co) = eo;
+    auto policy = parse_commit_policy(s.commit);
+    if (!policy.ok()) return bench_worker_fail(s, policy.status());
+    co.commit = *policy;
     auto c = Consumer::create(*model->loader, s.rank, tr, st, co);
     if (!c.ok()) return bench_worker_fail(s, c.status());
     consumer = std::move(*c);

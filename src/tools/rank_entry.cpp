@@ -232,7 +232,10 @@ nlohmann::json rank_report_json(const RankReport& r) {
     out["error"] = r.error.to_string();
     out["code"] = status_code_name(r.error.code());
   }
-  if (!r.producer) out["torn"] = r.torn;
+  if (!r.producer) {
+    out["torn"] = r.torn;
+    out["received_version"] = r.received ? nlohmann::json(*r.received) : nlohmann::json(nullptr);
+  }
   if (r.verified) {
     out["verified"] = *r.verified;
     if (!*r.verified) out["mismatch"] = r.mismatch;
@@ -334,6 +337,7 @@ Result<std::vector<RankReport>> fetch_rank(const RankSpec& s, const RankReportSi
   FERRY_RETURN_IF_ERROR(connect(s, u));
   auto co = engine_options<ConsumerOptions>(s, u.model, u.mode);
   co.cuda_ipc = s.cuda_ipc;
+  FERRY_ASSIGN_OR_RETURN(co.commit, parse_commit_policy(s.commit));
   // Params on a GPU: allocated there (zeroed), the engine's kernels write them.
   TensorMap params;
   std::vector<std::shared_ptr<std::byte>> keep;
@@ -386,6 +390,7 @@ Result<std::vector<RankReport>> fetch_rank(const RankSpec& s, const RankReportSi
       r.error = rep.status();
     }
     r.torn = c->state().torn;
+    r.received = c->state().received;
     if (r.ok && expected) {
       auto rl = u.model.loader->rank(u.rank);
       auto got = host_params();

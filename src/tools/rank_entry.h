@@ -70,6 +70,7 @@ struct RankSpec {
   std::string device = "cpu";
   bool gpu_staging = false;  // serve on a GPU: stage there, exported by CUDA IPC (ProducerOptions::staging_device)
   bool cuda_ipc = true;      // fetch on a GPU: copy device to device from such staging (ConsumerOptions::cuda_ipc)
+  std::string commit = "in_place";  // fetch: ConsumerOptions::commit ("in_place" or "shadow")
   int first_version = 1;
   int syncs = 1;
   int timeout_ms = 30000;      // bound on each wait of a sync (EngineOptions::timeout, stall)
@@ -90,6 +91,7 @@ struct RankReport {
   // its seconds, bytes and trace as far as it went); empty when no sync was run.
   SyncReport sync;
   bool torn = false;          // fetch: a failed sync left some groups new
+  std::optional<uint64_t> received;  // fetch (shadow): a version received and not committed
   // fetch with a checkpoint to verify against, after an ok sync: whether the params
   // equal a direct load bit for bit, and where they first differ.
   std::optional<bool> verified;

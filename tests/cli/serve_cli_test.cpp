@@ -103,6 +103,9 @@ TEST_P(ServeCliTest, ServesTheMappingInPlaceAndFetchVerifies) {
         ps.argv.insert(ps.argv.end(), {"--checkpoint", dir});
       } else {
         ps.argv.insert(ps.argv.end(), {"--model", dir + "/config.json", "--verify", dir});
+        // Push fetches under the shadow commit policy: each sync lands beside the live
+        // params and commits at its end (issue 27), verified the same.
+        if (mode == "push") ps.argv.insert(ps.argv.end(), {"--commit", "shadow"});
       }
       ps.env = env;
       ps.log = fmt::format("{}/{}-{}-{}.log", dir, role, r, mode);
@@ -130,8 +133,14 @@ TEST_P(ServeCliTest, ServesTheMappingInPlaceAndFetchVerifies) {
       for (const auto& [k, v] : j.items()) keys.insert(k);
       want = report_keys();
       want.insert({"role", "rank", "transport"});
-      if (j.value("role", "") == "inference") want.insert({"torn", "verified"});
+      if (j.value("role", "") == "inference") want.insert({"torn", "verified", "received_version"});
       EXPECT_EQ(keys, want) << name << ": " << j.dump();
+      if (j.value("role", "") == "inference") {
+        EXPECT_TRUE(j.value("committed", false)) << name << ": " << j.dump();
+        EXPECT_EQ(j.value("live_version", 0), j.value("version", -1)) << name << ": " << j.dump();
+        EXPECT_TRUE(j["received_version"].is_null()) << name << ": " << j.dump();
+        EXPECT_EQ(j["memory"].value("shadow", uint64_t{0}) > 0, mode == "push") << name << ": " << j.dump();
+      }
       if (j.value("role", "") == "trainer") {
         EXPECT_GT(j.value("sent_in_place", uint64_t{0}), 0u) << name << " served nothing from the mapping: " << j.dump();
         EXPECT_LE(j.value("sent_in_place", uint64_t{0}), j.value("bytes", uint64_t{0})) << j.dump();
@@ -200,7 +209,7 @@ TEST(GpuServeCli, ServesGpuMemoryByCudaIpcAndThroughTheTransport) {
       for (const auto& [k, v] : j.items()) keys.insert(k);
       want = report_keys();
       want.insert({"role", "rank", "transport"});
-      if (j.value("role", "") == "inference") want.insert({"torn", "verified"});
+      if (j.value("role", "") == "inference") want.insert({"torn", "verified", "received_version"});
       EXPECT_EQ(keys, want) << name << ": " << j.dump();
       if (j.value("role", "") != "inference") continue;
       EXPECT_TRUE(j.value("verified", false)) << name << ": " << j.dump();

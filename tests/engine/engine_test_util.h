@@ -43,6 +43,7 @@ inline bool is_in_place(Mode m) { return m == Mode::kInPlace || m == Mode::kPush
 struct EngineCase {
   Backend backend;
   Mode mode;
+  bool shadow = false;  // consumers under CommitPolicy::kShadow
 };
 
 inline const char* backend_name(Backend b) { return b == Backend::kInproc ? "inproc" : "ucx"; }
@@ -55,15 +56,17 @@ inline const char* mode_name(Mode m) {
   }
   return "?";
 }
-inline std::string case_name(const EngineCase& c) { return fmt::format("{}_{}", backend_name(c.backend), mode_name(c.mode)); }
+inline std::string case_name(const EngineCase& c) {
+  return fmt::format("{}_{}{}", backend_name(c.backend), mode_name(c.mode), c.shadow ? "_shadow" : "");
+}
 inline void PrintTo(const EngineCase& c, std::ostream* os) { *os << case_name(c); }
 inline std::string case_name_of(const ::testing::TestParamInfo<EngineCase>& info) { return case_name(info.param); }
 
 // Every (transport, mode) pair drawn from the two lists.
-inline auto cases(std::vector<Backend> backends, std::vector<Mode> modes) {
+inline auto cases(std::vector<Backend> backends, std::vector<Mode> modes, bool shadow = false) {
   std::vector<EngineCase> out;
   for (Backend b : backends) {
-    for (Mode m : modes) out.push_back({b, m});
+    for (Mode m : modes) out.push_back({b, m, shadow});
   }
   return ::testing::ValuesIn(out);
 }
@@ -198,9 +201,10 @@ struct Cluster {
   std::vector<Status> started;  // start(): every producer's, then every consumer's
   bool in_place = false;       // producers serve from InPlaceSource regions
   Backend backend = Backend::kInproc;
+  bool shadow = false;  // consumers commit by CommitPolicy::kShadow (a failed sync never tears them)
   static inline std::atomic<int> job_counter{0};
 
-  explicit Cluster(EngineCase c = {Backend::kInproc, Mode::kPull}) : backend(c.backend) {
+  explicit Cluster(EngineCase c = {Backend::kInproc, Mode::kPull}) : backend(c.backend), shadow(c.shadow) {
     eo.timeout = 20s;
     eo.stall_timeout = 20s;
     eo.lease_ttl = 2000ms;
@@ -292,6 +296,7 @@ struct Cluster {
     FERRY_ASSIGN_OR_RETURN(cst[i], store());
     ConsumerOptions co;
     static_cast<EngineOptions&>(co) = eo;
+    if (shadow) co.commit = CommitPolicy::kShadow;
     if (tweak_consumer) tweak_consumer(co, c);
     if (user_model) {
       FERRY_ASSIGN_OR_RETURN(auto um, user_model(c));
@@ -324,7 +329,8 @@ struct Cluster {
   struct Outcome {
     std::vector<std::optional<Result<SyncReport>>> p, c;
   };
-  Outcome sync(uint64_t v) {
+  // Every rank syncs v; consumers with `commit` (false: received only, CommitPolicy::kShadow).
+  Outcome sync(uint64_t v, bool commit = true) {
     Outcome out;
     out.p.resize(static_cast<size_t>(P()));
     out.c.resize(static_cast<size_t>(C()));
@@ -336,7 +342,7 @@ struct Cluster {
       });
     }
     for (int c = 0; c < C(); ++c) {
-      th.emplace_back([&, c] { out.c[static_cast<size_t>(c)] = cons[static_cast<size_t>(c)]->sync(v); });
+      th.emplace_back([&, c] { out.c[static_cast<size_t>(c)] = cons[static_cast<size_t>(c)]->sync(v, commit); });
     }
     for (auto& t : th) t.join();
     return out;

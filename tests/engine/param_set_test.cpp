@@ -245,3 +245,144 @@ TEST(ParamSet, ARebindingOfACallerBufferIsRefusedNamingIt) {
 
 }  // namespace
 }  // namespace ferry::engine
+
+namespace ferry::engine {
+namespace {
+
+// Writes `byte` into every byte a sync of the set would land: each loaded (landing)
+// buffer, through its placement where it has one (as the transport lane does).
+void land(ParamSet& s, std::byte byte) {
+  for (const auto& [name, t] : s.loaded()) {
+    auto data = t.data_ptr();
+    ASSERT_TRUE(data.ok());
+    std::memset(*data, static_cast<int>(byte), static_cast<size_t>(t.numel()) * dtype_size(t.dtype()));
+    if (auto p = s.placements().find(name); p != s.placements().end()) {
+      EXPECT_EQ(s.landing(p->second, 0).data, static_cast<std::byte*>(*data)) << name;
+    }
+  }
+}
+
+// Every byte of the committed view equals `byte`.
+bool committed_is(const ParamSet& s, std::byte byte) {
+  for (const auto& [name, t] : s.committed()) {
+    auto data = t.data_ptr();
+    if (!data.ok()) return false;
+    for (int64_t k = 0; k < t.numel() * static_cast<int64_t>(dtype_size(t.dtype())); ++k)
+      if (static_cast<const std::byte*>(*data)[k] != byte) return false;
+  }
+  return true;
+}
+
+// Shadow: a sync lands beside the live params; finish() only receives; commit() makes it
+// live (a flip when the set owns both, pull); abort and discard leave the live params.
+TEST(ParamSetShadow, LandsBesideTheLiveParamsAndCommitsByAFlipWhenItOwnsBoth) {
+  CountingMemory::Counts n;
+  {
+    auto set = ParamSet::create(ParamSetOptions{2, false, 0, true}, decls(), {}, std::make_unique<CountingMemory>(n));
+    ASSERT_TRUE(set.ok()) << set.status().to_string();
+    ParamSet& s = **set;
+    EXPECT_TRUE(s.flips());
+    EXPECT_EQ(s.shadow_bytes(), 4096u);
+    EXPECT_EQ(n.registered, 2);  // both sets (they swap roles)
+    EXPECT_EQ(s.registrations().size(), 1u);
+    EXPECT_EQ(s.registered_bytes(), 4096u);  // the live arena; the shadow is extra
+    ASSERT_TRUE(s.write_padding(Plan()).ok());
+    EXPECT_TRUE(committed_is(s, std::byte{0}));
+    // Version 1 lands in the shadow; the live params stay zero until commit.
+    s.begin(1);
+    land(s, std::byte{1});
+    s.touch();
+    s.finish(1);
+    EXPECT_TRUE(committed_is(s, std::byte{0}));
+    EXPECT_EQ(s.state().received, std::optional<uint64_t>(1));
+    EXPECT_FALSE(s.state().has_version);
+    const void* landing_before = s.registrations()[0].base;
+    auto v = s.commit();
+    ASSERT_TRUE(v.ok()) << v.status().to_string();
+    EXPECT_EQ(*v, 1u);
+    EXPECT_TRUE(committed_is(s, std::byte{1}));
+    EXPECT_NE(s.registrations()[0].base, landing_before);  // flipped: the next sync lands in the old live set
+    EXPECT_EQ(s.state().version, 1u);
+    EXPECT_FALSE(s.state().received.has_value());
+    EXPECT_EQ(s.commit().status().code(), StatusCode::kFailedPrecondition);  // nothing received
+    // Version 2 fails half way: the live params stay version 1, not torn.
+    s.begin(2);
+    land(s, std::byte{2});
+    s.touch();
+    s.abort();
+    EXPECT_FALSE(s.torn());
+    EXPECT_TRUE(committed_is(s, std::byte{1}));
+    // Version 3 received and discarded: live stays 1; version 4 received and committed.
+    s.begin(3);
+    land(s, std::byte{3});
+    s.finish(3);
+    ASSERT_TRUE(s.discard().ok());
+    EXPECT_EQ(s.discard().code(), StatusCode::kFailedPrecondition);
+    EXPECT_TRUE(committed_is(s, std::byte{1}));
+    s.begin(4);
+    land(s, std::byte{4});
+    s.finish(4);
+    ASSERT_TRUE(s.commit().ok());
+    EXPECT_TRUE(committed_is(s, std::byte{4}));
+    EXPECT_EQ(s.state().version, 4u);
+  }
+  EXPECT_EQ(n.released, 2);
+  EXPECT_TRUE(n.live.empty());
+}
+
+// Shadow with the caller's buffers: the caller's memory is never landed in (nor
+// registered); commit copies into it; a param post-processing replaced is taken as it is.
+TEST(ParamSetShadow, CommitsIntoTheCallersBuffersByACopy) {
+  CountingMemory::Counts n;
+  TensorMap caller;
+  caller.emplace("a", Tensor::empty({4, 8}, DType::kF32, "a"));
+  caller.emplace("c", Tensor::empty({64}, DType::kF32, "c"));
+  for (auto& [name, t] : caller) ASSERT_TRUE(t.zero_().ok());
+  auto set = ParamSet::create(ParamSetOptions{0, false, 0, true}, decls(), caller, std::make_unique<CountingMemory>(n));
+  ASSERT_TRUE(set.ok()) << set.status().to_string();
+  ParamSet& s = **set;
+  EXPECT_FALSE(s.flips());
+  EXPECT_EQ(n.registered, 1);  // the shadow only: "b"'s live arena and the caller's buffers are landed in by nobody
+  ASSERT_EQ(s.placements().size(), 3u);
+  for (const auto& [name, p] : s.placements()) {
+    auto given = caller.find(name);
+    if (given == caller.end()) continue;
+    EXPECT_NE(s.landing(p, 0).data, *given->second.data_ptr()) << name;
+  }
+  s.begin(7);
+  land(s, std::byte{7});
+  s.finish(7);
+  EXPECT_EQ(static_cast<const std::byte*>(*caller.at("a").data_ptr())[0], std::byte{0});
+  // Post-processing replaced "c" with a tensor of its own.
+  Tensor replaced = Tensor::empty({64}, DType::kF32, "c");
+  ASSERT_TRUE(replaced.zero_().ok());
+  s.work()["c"] = replaced;
+  ASSERT_TRUE(s.commit().ok());
+  EXPECT_TRUE(committed_is(s, std::byte{0}) == false);
+  EXPECT_EQ(*s.committed().at("a").data_ptr(), *caller.at("a").data_ptr());  // the caller's buffer, now version 7
+  for (int k = 0; k < 128; ++k) ASSERT_EQ(static_cast<const std::byte*>(*caller.at("a").data_ptr())[k], std::byte{7});
+  EXPECT_EQ(*s.committed().at("c").data_ptr(), *replaced.data_ptr());
+  EXPECT_EQ(static_cast<const std::byte*>(*caller.at("c").data_ptr())[0], std::byte{0});  // not copied over
+}
+
+// Push under shadow: producers write into the shadow (the transport's own memory), the
+// set never flips (the lease carries one set's keys).
+TEST(ParamSetShadow, PushLandsInTheShadowAndCommitsByACopy) {
+  CountingMemory::Counts n;
+  auto set = ParamSet::create(ParamSetOptions{0, true, 0, true}, decls(), {}, std::make_unique<CountingMemory>(n));
+  ASSERT_TRUE(set.ok()) << set.status().to_string();
+  ParamSet& s = **set;
+  EXPECT_FALSE(s.flips());
+  EXPECT_EQ(n.allocated, 1);  // the shadow, written by producers
+  ASSERT_EQ(s.registrations().size(), 1u);
+  EXPECT_EQ(*s.loaded().at("a").data_ptr(), s.registrations()[0].base);
+  s.begin(1);
+  land(s, std::byte{9});
+  s.finish(1);
+  ASSERT_TRUE(s.commit().ok());
+  EXPECT_TRUE(committed_is(s, std::byte{9}));
+  EXPECT_NE(*s.committed().at("a").data_ptr(), s.registrations()[0].base);
+}
+
+}  // namespace
+}  // namespace ferry::engine

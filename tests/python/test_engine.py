@@ -119,7 +119,7 @@ class EngineTest(unittest.TestCase):
                 got = sum(e["args"]["bytes"] for e in events if e.get("cat") == "transfer" and e["args"]["counted"])
                 self.assertEqual(got, reports[2]["bytes_received"])
                 for r, c in enumerate(consumers):
-                    self.assertEqual(c.state(), {"version": v, "torn": False})
+                    self.assertEqual(c.state(), {"version": v, "torn": False, "received": None})
                     self.assert_params_equal(expected_params(loader, r, v), c.params())
                     self.assertIs(c.params(), params[r])  # written in place
                 self.assertGreater(sum(rep["bytes"] for rep in reports[2:]), 0)

@@ -76,7 +76,7 @@ PRODUCER_SAMPLES = {
 CONSUMER_SAMPLES = dict(
     {k: v for k, v in PRODUCER_SAMPLES.items()
      if k not in ("straggler_floor", "straggler_factor", "staging_budget", "staging_device")},
-    cuda_ipc=(False, False), direct_min_bytes=(2 ** 64 - 1, 2 ** 64 - 1))
+    cuda_ipc=(False, False), direct_min_bytes=(2 ** 64 - 1, 2 ** 64 - 1), commit=("shadow", "shadow"))
 
 
 def keywords(cls_name):
@@ -185,7 +185,8 @@ class OptionsTest(unittest.TestCase):
             with self.assertRaises(ferry.InvalidArgumentError, msg=(kw, value)) as cm:
                 ferry.Producer(source, NOWHERE, backend="inproc", **{kw: value})
             self.assertIn(kw, str(cm.exception))
-        for kw, value in (("cuda_ipc", "no"), ("direct_min_bytes", -1), ("failover", None), ("timeout", [])):
+        for kw, value in (("cuda_ipc", "no"), ("direct_min_bytes", -1), ("failover", None), ("timeout", []),
+                          ("commit", "atomic"), ("commit", 1)):
             with self.assertRaises(ferry.InvalidArgumentError, msg=(kw, value)) as cm:
                 ferry.Consumer(CONFIG, store=NOWHERE, backend="inproc", **{kw: value})
             self.assertIn(kw, str(cm.exception))

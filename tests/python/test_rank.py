@@ -112,7 +112,7 @@ class RankEntryJob(unittest.TestCase):
                                  [(role, rank, 1), (role, rank, 2)], stdout)
                 reports += got
             # The keys of every report (the CLI's, Producer/Consumer.sync's), and the rank's.
-            extras = {"role", "rank", "transport", "torn", "verified"}
+            extras = {"role", "rank", "transport", "torn", "verified", "received_version"}
             for r in reports:
                 self.assertEqual(set(r) - extras, set(ferry._ferry._report_keys()), r)
             for r in reports:

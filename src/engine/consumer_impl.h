@@ -1,0 +1,262 @@
+// engine/consumer_impl.h — Consumer::Impl, the consumer's control plane (internal; only
+// consumer.cpp and consumer_peers.cpp include it). consumer.cpp: the sync protocol (a
+// sync's attempts, announcements, failover, commit); consumer_peers.cpp: joining the job
+// and keeping track of the producers (create/start, their leases and connections,
+// messages and failures, routes and schedule). Bytes move by the data plane: the
+// attempt's plan (sync_plan.h), its reads through the lanes (attempt_reads.h, lane.h,
+// cuda_ipc.h), param_set.h and the unpack worker.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+
+#include <unistd.h>
+
+#include "engine/attempt_reads.h"
+#include "engine/clock.h"
+#include "engine/sync_trace.h"
+#include "engine/cuda_ipc.h"
+#include "ferry/device.h"
+#include "engine/in_place.h"
+#include "engine/protocol.h"
+#include "engine/rank_model.h"
+#include "engine/registered_buffer.h"
+#include "engine/rendezvous.h"
+#include "engine/schedule.h"
+#include "engine/sync_plan.h"
+#include "engine/testing.h"
+#include "engine/memory.h"
+#include "engine/param_set.h"
+#include "engine/unpack_worker.h"
+
+#include "ferry/engine.h"
+
+namespace ferry {
+
+using namespace engine;  // (internal header: the consumer's two files only)
+
+struct Consumer::Impl {
+  int rank = 0;
+  Transport& transport;
+  Store& store;
+  ConsumerOptions opts;
+  JobKeys keys;
+  // What this rank loads into and how it post-processes (engine/rank_model.h; set by the
+  // two create()s, then fixed).
+  RankModel model;
+  RouteState route_state;  // rendezvous inputs; producers excluded from `routes`
+  Routes routes;
+  uint64_t routes_hash = 0;
+  const PlanRoute* plan_route = nullptr;  // this rank's plan class in `routes`
+  int failed_p = -1;    // the producer whose failure ended the last attempt
+  // Where bytes land (engine/param_set.h): the param buffers, their registrations and
+  // placements, the committed view and what the params hold. Set by start().
+  std::unique_ptr<ParamSet> param_set;
+  static constexpr int kSlots = static_cast<int>(kReceiveSlots);
+  uint64_t slot_bytes = 0;
+  RegisteredBuffer ring;
+  // The lanes (engine/lane.h): the transport's (reads into the receive ring and params),
+  // and CUDA IPC (ConsumerOptions::cuda_ipc) to producers' GPU staging on this host
+  // (engine/cuda_ipc.h; null: params not all on one GPU, push, or checksums). Each
+  // attempt's plan (engine/sync_plan.h) says which one moves each transfer; ipc_active
+  // mirrors plan.cuda_ipc for the background thread (set by the sync thread while that
+  // thread is idle, read by it when unpacking: from which ring).
+  std::unique_ptr<TransportLane> lane;
+  std::unique_ptr<CudaIpcLane> ipc_lane;
+  ConsumerAttemptPlan plan;
+  std::atomic<bool> ipc_active{false};
+  // Per layer group of `routes`: what to read from whom into where (the slot, or a
+  // param directly: zero copy, engine/schedule.h), what to unpack, which
+  // post-processing groups complete. Rebuilt when routes change or a producer's in-place
+  // table does (schedule_stale).
+  ConsumerSchedule schedule;
+  bool schedule_stale = true;
+  std::unique_ptr<Lease> lease;
+  Published published;  // its plan, put back if the store lost it (republish)
+
+  // A producer as its lease describes it (its staging and source regions are imported
+  // into `lane`, its GPU staging into `ipc_lane`).
+  struct Peer {
+    std::string blob;
+    PeerId id = 0;
+    bool connected = false;
+    InPlaceTable in_place;     // boxes it serves from the trainer's memory
+    size_t regions = 0;        // of its source regions (in_place.keys), how many are imported
+  };
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<Peer> peers;
+  std::map<PeerId, int> peer_rank;
+  std::map<int, Status> failed;                             // producer -> why
+  // An Announce (pull), Pushed (push) or RoutesNotice (group -1) as the sync loop takes it.
+  struct Arrival {
+    PeerId from = 0;          // sender instance
+    uint64_t routes = 0;      // the routes the sender runs (laid the bytes out by)
+    uint64_t slot_offset = 0; // Announce: the group's offset in the producer's staging ring
+    std::optional<uint64_t> checksum;
+  };
+  // (version, group, producer) -> arrival. Kept even from instances not connected yet (a
+  // restarted producer may announce before we re-read its lease); checked against the
+  // connected instance when taken.
+  std::map<std::tuple<uint64_t, int, int>, Arrival> inbox;
+  std::set<uint64_t> old_hashes;  // routes abandoned during the current sync
+  bool switch_routes = false;     // a producer announced other routes for this sync
+  bool declare = false;           // tell producers our routes once connected (sync began on failed-over routes)
+  // Push: producers sent READY this sync (they may have writes into our receive ring in
+  // flight), and the FLUSHED answers to our FAILOVERs: producer -> (version, routes). mu.
+  std::set<int> readied;
+  std::map<int, std::pair<uint64_t, uint64_t>> flushed_from;
+  // Push: per producer, READYs of this sync not answered by PUSHED yet: its writes of
+  // those groups may be in flight (sync thread only).
+  std::map<int, int> unanswered;
+  std::map<uint64_t, std::string> dropped_versions;  // version -> which producer dropped us and why
+  std::atomic<bool> crashed{false};  // simulate_crash (test hook)
+  std::optional<uint64_t> syncing;  // the version of the sync in progress; mu
+  std::set<uint64_t> attempted;     // versions this instance began syncs of (the last 64); mu
+  // Producers that announced, during this sync, an older version this instance never
+  // synced (so not a late message): producer -> that version. mu.
+  std::map<int, uint64_t> behind;
+  std::set<uint64_t> mismatched;  // versions producers served when ours differed (the last 64); mu
+  SyncTrace trace;        // this sync's events (the unpack worker records too); rep's sums come from it
+  SyncReport last;        // last_report(): the last sync's report, failed or not
+  // The unpack + post-processing thread (unpack_worker.h). Last: destroyed first.
+  std::unique_ptr<UnpackWorker> worker;
+
+  Impl(int r, Transport& t, Store& s, const ConsumerOptions& opt)
+      : rank(r), transport(t), store(s), opts(opt), keys(opt.job), route_state(s, JobKeys(opt.job), opt.failover) {}
+
+  ~Impl() {
+    worker.reset();  // stops after its current job
+    transport.set_message_handler({});
+    transport.set_peer_failure_handler({});
+    if (lease) lease->release().ignore();
+  }
+
+  void point(int g, int phase) {
+    if (opts.test_hooks && opts.test_hooks->consumer_point) opts.test_hooks->consumer_point(g, phase);
+  }
+
+  void on_message(PeerId from, std::span<const std::byte> payload);
+
+  void on_peer_failure(PeerId peer, const Status& why);
+
+  // The worker's job steps (on its thread).
+  Status unpack_job(const UnpackWorker::Job& job);
+  Status post_job(const UnpackWorker::Job& job);
+  void wake() {
+    std::lock_guard<std::mutex> lk(mu);
+    cv.notify_all();
+  }
+  std::string who() const { return fmt::format("consumer {}", rank); }
+
+  Status refresh_producers();
+
+  // A producer we wait for serves another version than this sync's: the trainer and this
+  // inference rank disagree (a caller bug or a rollback on one side only). Fails at once
+  // rather than at the timeout. Older versions are those this instance never synced
+  // (an announcement of a version it did sync may just be late). mu held.
+  Status version_mismatch_locked(uint64_t v, const std::set<int>& from);
+
+  // Sends m to producer p; the completion, when the send was posted (it completes once
+  // the message has left: delivered to the peer, for inproc).
+  std::optional<Completion> send_to(int p, const Message& m);
+  uint32_t me() const { return static_cast<uint32_t>(rank); }
+
+  // Waits for the message (v, g, p) from any producer p in `from`; fails when one of
+  // them failed, when we were dropped, or after `timeout`.
+  // `none` (polling): return at once with *none = true when nothing is there yet.
+  Result<std::pair<int, Arrival>> await_any(uint64_t v, int g, const std::set<int>& from, const char* what,
+                                            bool* none = nullptr);
+
+  // A producer of `from` that went silent and lost its lease (its heartbeat renews it
+  // every ttl/3) at two checks a lease_ttl apart — so not a lease that a store restart
+  // dropped and that is healing — and whose boxes the others hold: cut off or paused,
+  // it cannot be told from dead by the transport, and waiting for it would get this
+  // consumer dropped as a stalled reader by every other producer. It is failed over
+  // (it rejoins at the next sync: Producer::sync clears its mark once alive). -1: none.
+  // A store that cannot be reached tells nothing: no lease is judged then.
+  int lost_producer(const std::set<int>& from, std::set<int>& lapsed);
+
+  // wait_all for reads from producer p, bounded by timeout; kPeerFailed as soon as p is
+  // lost (lost_producer): a host cut off mid-read stalls tcp, it does not fail it.
+  Status wait_reads(std::span<const Completion> ops, int p, uint64_t v, int g);
+
+  Result<int> acquire_slot(int g);
+
+  // await_any for an announcement, working through the backlog while none is there.
+  Result<std::pair<int, Arrival>> await_working(uint64_t v, int g, const std::set<int>& from, AttemptReads& reads);
+
+  // A post's status; a failed one names its producer as the attempt's failure (failed_p).
+  Status posted(const AttemptReads& reads, Status st);
+  // Waits for producer p's reads; a failure is p's, in the consumer's words.
+  Status waited(std::span<const Completion> ops, int p, uint64_t v, int g);
+
+  Status sync_groups(uint64_t v, SyncReport& rep);
+
+  // Installs routes (only between attempts: the background thread is idle).
+  Status apply_routes(Routes r);
+
+  // This consumer's extra memory (MemoryUse) for the routes and schedule now installed.
+  // Caller thread, between attempts (mu taken for the schedule and the peers' tables).
+  MemoryUse memory_use();
+
+  // The schedule of the current routes with the producers' current in-place tables
+  // (only those whose source regions are imported). mu held.
+  void rebuild_schedule();
+
+  Status refresh_routes();
+
+  // Waits for the background thread to go idle, then resets it for a new attempt.
+  void reset_background();
+
+  // After producer failed_p failed: mark it dead and rebuild routes without it, if the
+  // remaining producers hold everything. Then ask live producers to restart.
+  Status failover(uint64_t v, const Status& why, SyncReport& rep);
+
+  // Tells every live producer which routes this consumer reads sync v with (FAILOVER): a
+  // producer on other routes restarts the sync with these, and no producer keeps a slot
+  // of routes this consumer does not read waiting for it. Needed also when this sync
+  // began on failed-over routes (the dead set was already in the store): otherwise
+  // producers still on the old routes wait for releases that never come while this
+  // consumer waits for announcements of the new ones.
+  void declare_routes(uint64_t v);
+
+  // Push: waits until each producer of `from` answered with FLUSHED for (v, our routes)
+  // (sent once none of its writes to us is in flight), has failed, or is dead; bounded
+  // by `timeout`, after which `late(p)` says why. A crash (test hook) ends the wait:
+  // with kCancelled when `cancel_on_crash`.
+  template <typename Late>
+  Status await_flushed(uint64_t v, const std::vector<int>& from, bool cancel_on_crash, Late late);
+
+  // Push, after moving to new routes mid-sync: a producer that we asked to write (READY)
+  // under the old routes may still have those writes in flight into our receive ring,
+  // where they would land on top of the new attempt's groups. Waits until each of them
+  // answered our FAILOVER with FLUSHED.
+  Status wait_flushed(uint64_t v);
+
+  // Push, after giving up sync v (ABORT sent): a producer whose READY we have not seen
+  // answered may still be writing into our receive ring and params, which the caller
+  // owns again once sync() returns. Waits until each such producer answered the ABORT
+  // with FLUSHED. Returns why when one did not.
+  Status wait_aborted_writes(uint64_t v);
+
+  // Producers connected and not failed: those told of the end of a sync (ABORT, DONE).
+  std::vector<int> reachable_producers();
+
+  Result<std::vector<TensorDecl>> await_metadata();
+  Status start(const std::vector<TensorDecl>& metadata, TensorMap params);
+
+  // Shadow: the received version made live (ParamSet::commit) between the caller's
+  // hooks, and recorded for committed_versions(); the seconds it took.
+  Result<double> commit();
+
+  Result<SyncReport> sync(uint64_t v, bool commit_it);
+};
+
+}  // namespace ferry

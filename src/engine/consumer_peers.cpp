@@ -1,0 +1,322 @@
+// Consumer: joining the job and keeping track of the producers (create/start, their
+// leases and connections, messages and failures, routes and schedule). Impl:
+// engine/consumer_impl.h.
+#include "engine/consumer_impl.h"
+
+namespace ferry {
+
+void Consumer::Impl::on_message(PeerId from, std::span<const std::byte> payload) {
+  auto decoded = decode_message(payload);
+  if (!decoded.ok()) return;
+  const Message& msg = *decoded;
+  std::lock_guard<std::mutex> lk(mu);
+  const int p = static_cast<int>(sender_of(msg));
+  if (p < 0 || p >= opts.num_producers) return;
+  auto it = peer_rank.find(from);
+  const bool known = it != peer_rank.end() && it->second == p;
+  const uint64_t mv = version_of(msg);
+  auto keep = [&](int group, const Arrival& a) {
+    if (syncing && mv != *syncing && (attempted.count(mv) || mismatched.count(mv)))
+      return false;  // of a sync this instance already ran or gave up: stale
+    if (syncing && mv < *syncing) {  // the producer is behind
+      if (known) {
+        behind[p] = mv;
+        cv.notify_all();
+      }
+      return false;
+    }
+    // Bounded by what producers can legitimately have outstanding (two versions of
+    // every group each), whoever sends: the sender is verified only when taken.
+    const size_t bound = 4 * (static_cast<size_t>(routes.num_groups()) + 1) * static_cast<size_t>(opts.num_producers);
+    if (inbox.size() >= bound && !inbox.count({mv, group, p})) return false;
+    inbox[{mv, group, p}] = a;
+    return true;
+  };
+  if (const auto* m = std::get_if<Announce>(&msg)) {
+    if (!keep(m->group, Arrival{from, m->routes, m->slot_offset, m->checksum})) return;
+  } else if (const auto* m = std::get_if<Pushed>(&msg)) {
+    if (!keep(m->group, Arrival{from, m->routes, 0, m->checksum})) return;
+  } else if (const auto* m = std::get_if<RoutesNotice>(&msg)) {
+    // Kept under group -1 (never awaited): await_any sees its routes and switches.
+    if (!keep(-1, Arrival{from, m->routes, 0, std::nullopt})) return;
+  } else if (const auto* m = std::get_if<Flushed>(&msg)) {
+    if (!known) return;
+    flushed_from[p] = {m->version, m->routes};
+  } else if (const auto* m = std::get_if<Dropped>(&msg)) {
+    if (!known) return;
+    dropped_versions.emplace(m->version, fmt::format("producer {}: {}", p, m->reason));
+  } else {
+    return;
+  }
+  cv.notify_all();
+}
+
+void Consumer::Impl::on_peer_failure(PeerId peer, const Status& why) {
+  std::lock_guard<std::mutex> lk(mu);
+  auto it = peer_rank.find(peer);
+  if (it == peer_rank.end()) return;
+  Peer& p = peers[static_cast<size_t>(it->second)];
+  if (p.id != peer) return;
+  p.connected = false;
+  failed[it->second] = why;
+  if (ipc_lane) ipc_lane->disconnect(it->second);
+  cv.notify_all();
+}
+
+Status Consumer::Impl::unpack_job(const UnpackWorker::Job& job) {
+  point(job.group, 3);
+  const uint64_t n = plan_route->groups[static_cast<size_t>(job.group)].recv_bytes;
+  const std::byte* recv = ipc_active ? ipc_lane->ring() : ring.data;
+  Status s = unpack_group(schedule.unpack, job.group,
+                          std::span<const std::byte>(recv + static_cast<uint64_t>(job.slot) * slot_bytes, n),
+                          param_set->loaded());
+  param_set->touch();  // (even a failed unpack may have written some params)
+  if (!s.ok()) return s.with_context(fmt::format("consumer {} unpack group {}", rank, job.group));
+  return s;
+}
+
+Status Consumer::Impl::post_job(const UnpackWorker::Job& job) {
+  for (int k : schedule.groups[static_cast<size_t>(job.group)].post_groups) {
+    Status s = model.post_process(k, param_set->work());
+    if (!s.ok())
+      return s.with_context(fmt::format("consumer {} post-processing {}", rank, model.post_group_names[static_cast<size_t>(k)]));
+  }
+  return Status::Ok();
+}
+
+Status Consumer::Impl::refresh_producers() {
+  for (int p = 0; p < opts.num_producers; ++p) {
+    if (route_state.dead().count(p)) continue;  // failed over: not read from
+    auto blob = store.get(keys.producer(p));
+    if (!blob.ok()) {
+      if (blob.status().code() != StatusCode::kNotFound) return blob.status();
+      // Its lease lapsed: it may only be paused (its lease heals when it resumes), so
+      // keep reading from the instance we are connected to — a dead one is reported by
+      // the transport and failed over.
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        const Peer& pe = peers[static_cast<size_t>(p)];
+        if (pe.connected && !failed.count(p)) continue;
+      }
+      // One we never reached: its lease may be healing (it resumed from a pause, or
+      // the store restarted or paused and every lease lapsed), which takes at most
+      // ttl/3 once it runs. Give it one lease_ttl before it is a failover candidate,
+      // so that a live producer is not marked dead for good.
+      heal_leases(
+          opts.lease_ttl, [&] { return !blob.ok() && blob.status().code() == StatusCode::kNotFound; },
+          [&] { blob = store.get(keys.producer(p)); });
+      if (!blob.ok()) {
+        if (blob.status().code() != StatusCode::kNotFound) return blob.status();
+        failed_p = p;
+        return unavailable("producer {} is not registered (no live lease {} within lease_ttl {} ms)", p,
+                           keys.producer(p), opts.lease_ttl.count());
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      const Peer& pe = peers[static_cast<size_t>(p)];
+      if (pe.connected && pe.blob == *blob) continue;
+    }
+    auto lease = decode_producer_lease(*blob);
+    if (!lease.ok()) return lease.status().with_context(fmt::format("lease of producer {}", p));
+    auto table = InPlaceTable::decode(lease->in_place, route_state.inputs().holdings[static_cast<size_t>(p)].boxes.size());
+    if (!table.ok()) return table.status().with_context(fmt::format("in-place table of producer {}", p));
+    auto id = transport.connect(string_bytes(lease->address));
+    if (!id.ok()) {
+      failed_p = p;  // a candidate for failover
+      return id.status().with_context(fmt::format("connecting to producer {}", p));
+    }
+    // Its staging (and, pulling, its source regions) for the transport lane; its GPU
+    // staging, mapped for device-to-device copies when we can take them.
+    static const std::vector<std::string> kNone;
+    auto imported = lane->import(p, lease->staging_key, opts.mode == SyncMode::kPull ? table->keys : kNone);
+    if (!imported.ok()) {
+      failed_p = p;
+      return imported.status();
+    }
+    if (ipc_lane) ipc_lane->connect(p, lease->cuda_ipc);
+    std::lock_guard<std::mutex> lk(mu);
+    Peer& pe = peers[static_cast<size_t>(p)];
+    pe.blob = *blob;
+    pe.id = *id;
+    pe.connected = true;
+    pe.in_place = opts.mode == SyncMode::kPull ? std::move(*table) : InPlaceTable{};
+    pe.regions = *imported;
+    schedule_stale = true;
+    peer_rank[*id] = p;
+    failed.erase(p);
+  }
+  return Status::Ok();
+}
+
+std::optional<Completion> Consumer::Impl::send_to(int p, const Message& m) {
+  PeerId id;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    id = peers[static_cast<size_t>(p)].id;
+  }
+  auto c = transport.send(id, kEngineTag, encode_message(m));
+  if (!c.ok()) return std::nullopt;
+  return *c;
+}
+
+Status Consumer::Impl::apply_routes(Routes r) {
+  const uint64_t needed = consumer_slot_bytes(r.consumer(static_cast<size_t>(rank)));
+  if (needed > slot_bytes)
+    return failed_precondition("consumer {}: a group needs {} receive bytes, the ring has {}", rank, needed, slot_bytes);
+  std::lock_guard<std::mutex> lk(mu);
+  routes = std::move(r);
+  routes_hash = routes.hash();
+  plan_route = &routes.consumer(static_cast<size_t>(rank));
+  rebuild_schedule();
+  return Status::Ok();
+}
+
+MemoryUse Consumer::Impl::memory_use() {
+  MemoryUse m;
+  m.receive_ring = ring.bytes;
+  m.own_params = param_set->own_bytes();
+  m.shadow = param_set->shadow_bytes();
+  m.registered_in_place += param_set->registered_bytes();
+  const RouteInputs& in = route_state.inputs();
+  m.metadata = metadata_heap_bytes(routes, in.metadata, in.holdings, in.plans);
+  std::lock_guard<std::mutex> lk(mu);
+  m.metadata += schedule_heap_bytes(schedule);
+  for (const Peer& pe : peers) m.metadata += pe.in_place.boxes.capacity() * sizeof(InPlaceTable::At);
+  return m;
+}
+
+void Consumer::Impl::rebuild_schedule() {
+  ConsumerScheduleInputs in;
+  in.routes = &routes;
+  in.rank = rank;
+  in.direct_min_bytes = opts.direct_min_bytes;
+  in.params = &param_set->placements();
+  in.holdings = &route_state.inputs().holdings;
+  for (const Peer& pe : peers) {
+    const bool usable = !pe.in_place.empty() && pe.regions == pe.in_place.keys.size();
+    in.in_place.push_back(usable ? &pe.in_place : nullptr);
+  }
+  if (model.post_process) {
+    in.post_group_of = model.post_group_of;
+    in.num_post_groups = model.post_group_names.size();
+  }
+  schedule = make_consumer_schedule(in);
+  schedule_stale = false;
+}
+
+Status Consumer::Impl::refresh_routes() {
+  return route_state.refresh([this](Routes r) { return apply_routes(std::move(r)); });
+}
+
+void Consumer::Impl::reset_background() {
+  worker->reset(opts.timeout);
+  param_set->retry();
+}
+
+Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, int rank, Transport& transport, Store& store,
+                                                   const ConsumerOptions& options, TensorMap params) {
+  auto impl = std::make_unique<Impl>(rank, transport, store, options);
+  Impl& m = *impl;
+  if (rank < 0 || rank >= options.num_consumers)
+    return invalid_argument("consumer rank {} outside num_consumers {}", rank, options.num_consumers);
+  FERRY_ASSIGN_OR_RETURN(std::shared_ptr<const RankLoader> rank_loader, loader.rank(rank));
+  FERRY_RETURN_IF_ERROR(check_param_devices(rank, params));
+  FERRY_ASSIGN_OR_RETURN(auto metadata, m.await_metadata());
+  FERRY_ASSIGN_OR_RETURN(m.model, record_rank_model(loader, std::move(rank_loader), rank, metadata));
+  FERRY_RETURN_IF_ERROR(m.start(metadata, std::move(params)));
+  return std::unique_ptr<Consumer>(new Consumer(std::move(impl)));
+}
+
+Result<std::unique_ptr<Consumer>> Consumer::create(ConsumerModel model, int rank, Transport& transport, Store& store,
+                                                   const ConsumerOptions& options) {
+  auto impl = std::make_unique<Impl>(rank, transport, store, options);
+  Impl& m = *impl;
+  if (rank < 0 || rank >= options.num_consumers)
+    return invalid_argument("consumer rank {} outside num_consumers {}", rank, options.num_consumers);
+  FERRY_RETURN_IF_ERROR(check_param_devices(rank, model.params));
+  FERRY_ASSIGN_OR_RETURN(auto metadata, m.await_metadata());
+  TensorMap params = std::move(model.params);
+  FERRY_ASSIGN_OR_RETURN(m.model, adopt_rank_model(std::move(model), rank, metadata));
+  FERRY_RETURN_IF_ERROR(m.start(metadata, std::move(params)));
+  return std::unique_ptr<Consumer>(new Consumer(std::move(impl)));
+}
+
+Result<std::vector<TensorDecl>> Consumer::Impl::await_metadata() {
+  const Participant me{"consumer", rank};
+  FERRY_RETURN_IF_ERROR(publish_world(store, keys, opts, me));
+  FERRY_RETURN_IF_ERROR(
+      await_keys(store, keys, opts, me, {keys.meta()}, "the trainer's metadata").with_context("engine rendezvous"));
+  FERRY_ASSIGN_OR_RETURN(auto meta_text, store.get(keys.meta()));
+  return decode_decls(meta_text);
+}
+
+// The rest of creation, the same for both kinds of model: publish the plan, build
+// routes, set up param buffers and the receive ring, wait for producers, publish the lease.
+Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap params) {
+  Impl& m = *this;
+  const ConsumerOptions& options = opts;
+  m.published.emplace_back(m.keys.plan(rank), m.model.plan.encode());
+  FERRY_RETURN_IF_ERROR(store.set(m.keys.plan(rank), m.published.back().second));
+  FERRY_ASSIGN_OR_RETURN(auto inputs, rendezvous_inputs(store, m.keys, options, Participant{"consumer", rank}, metadata));
+  FERRY_ASSIGN_OR_RETURN(auto routes, m.route_state.start(std::move(inputs)));
+  m.slot_bytes = consumer_slot_bytes(routes.consumer(static_cast<size_t>(rank)));
+  auto set = ParamSet::create(ParamSetOptions{rank, options.mode == SyncMode::kPush, options.direct_min_bytes,
+                                                  options.commit == CommitPolicy::kShadow},
+                              m.model.param_decls, params, transport_param_memory(transport));
+  if (!set.ok()) return set.status();
+  m.param_set = std::move(*set);
+  const std::optional<Device> cuda = m.param_set->device();  // where the caller's params are, when in GPU memory
+  FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));
+  // Padding: the plan's zeros are written once (routes carry only source bytes).
+  FERRY_RETURN_IF_ERROR(m.param_set->write_padding(m.model.plan));
+  FERRY_RETURN_IF_ERROR(m.ring.allocate(transport, m.slot_bytes * Impl::kSlots));
+  m.lane = std::make_unique<TransportLane>(rank, transport, m.ring.region, *m.param_set);
+  // CUDA IPC: a receive ring on the params' device, when every param is there (the
+  // caller's), in pull mode, without checksums (verified on the host).
+  if (options.cuda_ipc && m.param_set->all_on_device() && options.mode == SyncMode::kPull && !options.checksums) {
+    FERRY_ASSIGN_OR_RETURN(m.ipc_lane, CudaIpcLane::create(rank, *cuda, m.slot_bytes * Impl::kSlots));
+  }
+  if (cuda) {
+    FERRY_RETURN_IF_ERROR(m.ring.make_cuda_visible(*cuda).with_context(
+        fmt::format("consumer {}: the receive ring, for params on {}", rank, device_str(*cuda))));
+  }
+  FERRY_ASSIGN_OR_RETURN(auto key, transport.export_key(m.ring.region));
+  m.peers.resize(static_cast<size_t>(options.num_producers));
+  Impl* self = this;
+  transport.set_message_handler([self](PeerId from, uint32_t tag, std::span<const std::byte> payload) {
+    if (tag == kEngineTag) self->on_message(from, payload);
+  });
+  transport.set_peer_failure_handler([self](PeerId peer, const Status& why) { self->on_peer_failure(peer, why); });
+  std::vector<std::string> producer_keys;
+  for (int p = 0; p < options.num_producers; ++p) producer_keys.push_back(m.keys.producer(p));
+  FERRY_RETURN_IF_ERROR(await_keys(store, m.keys, options, Participant{"consumer", rank}, producer_keys,
+                                   "every producer's lease"));
+  FERRY_RETURN_IF_ERROR(m.refresh_producers());
+  m.worker = std::make_unique<UnpackWorker>(
+      Impl::kSlots, [self](const UnpackWorker::Job& j) { return self->unpack_job(j); },
+      [self](const UnpackWorker::Job& j) { return self->post_job(j); },
+      [self](const UnpackWorker::Job& j) {
+        if (self->opts.after_group) self->opts.after_group(j.version, j.group);
+      },
+      [self] { self->wake(); }, &m.trace);
+  m.worker->start();
+  // Push: where producers may write into params. In the lease (not in each READY) because
+  // it is fixed for the instance's life and producers derive every write from it and
+  // the routes once, as they read the lease of a new instance anyway.
+  ParamTable param_table;
+  if (options.mode == SyncMode::kPush && !m.param_set->placements().empty()) {
+    param_table.min_bytes = options.direct_min_bytes;
+    for (const MemoryRegion& r : m.param_set->registrations()) {
+      FERRY_ASSIGN_OR_RETURN(auto k, transport.export_key(r));
+      param_table.keys.push_back(bytes_to_string(k));
+    }
+    param_table.params = m.param_set->placements();
+  }
+  const std::string blob = encode_lease(
+      ConsumerLease{bytes_to_string(transport.address()), bytes_to_string(key), m.slot_bytes, param_table.encode()});
+  FERRY_ASSIGN_OR_RETURN(m.lease, store.hold_lease(m.keys.consumer(rank), blob, options.lease_ttl));
+  return Status::Ok();
+}
+
+}  // namespace ferry

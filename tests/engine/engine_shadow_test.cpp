@@ -1,0 +1,147 @@
+// Atomic versions (ConsumerOptions::commit = kShadow), ranks as threads: a reader thread
+// per inference rank hashes its live params continuously while syncs stream in; it reads
+// under a shared lock that the consumer's before_commit/after_commit hooks take
+// exclusively (what a serving engine does), so every hash it sees must be the hash of a
+// committed version, never a mix, and after each commit the next hash is the new
+// version's. Also: sync(commit=false) then discard() leaves the live version; commit()
+// with nothing received is refused; in place, sync(commit=false) is refused. Both ways a
+// commit can go: a flip (the consumer owns the params) and a copy (the caller's).
+#include <gtest/gtest.h>
+
+#include <xxhash.h>
+
+#include <atomic>
+#include <set>
+#include <shared_mutex>
+#include <thread>
+
+#include "engine/engine_test_util.h"
+
+namespace ferry::engine_tests {
+namespace {
+
+uint64_t hash_params(const TensorMap& params) {
+  XXH64_state_t* st = XXH64_createState();
+  XXH64_reset(st, 0);
+  for (const auto& [name, t] : params) {  // (ordered by name)
+    auto data = t.data_ptr();
+    if (!data.ok()) continue;
+    XXH64_update(st, name.data(), name.size());
+    XXH64_update(st, *data, static_cast<size_t>(t.numel()) * dtype_size(t.dtype()));
+  }
+  const uint64_t h = XXH64_digest(st);
+  XXH64_freeState(st);
+  return h;
+}
+
+class EngineShadowTest : public ::testing::TestWithParam<bool> {};  // caller_params
+
+TEST_P(EngineShadowTest, ReadersNeverSeeAMixOfVersions) {
+  Cluster k(EngineCase{Backend::kInproc, Mode::kPull, true});
+  k.caller_params = GetParam();
+  // One lock per inference rank: readers share it, commits take it.
+  std::vector<std::unique_ptr<std::shared_mutex>> locks;
+  for (int c = 0; c < 2; ++c) locks.push_back(std::make_unique<std::shared_mutex>());
+  std::vector<std::atomic<int>> commits(2);
+  k.tweak_consumer = [&](ConsumerOptions& o, int c) {
+    o.before_commit = [&, c](uint64_t) { locks[static_cast<size_t>(c)]->lock(); };
+    o.after_commit = [&, c](uint64_t) {
+      commits[static_cast<size_t>(c)]++;
+      locks[static_cast<size_t>(c)]->unlock();
+    };
+  };
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=1,replicas=2").ok());
+  // The hash of each committed version per rank, taken under the lock right after commit
+  // (the reader's only legitimate values), and what the readers saw.
+  std::vector<std::set<uint64_t>> committed(2);
+  std::vector<std::vector<uint64_t>> seen(2);
+  std::atomic<bool> stop{false};
+  for (int c = 0; c < 2; ++c) {
+    std::shared_lock<std::shared_mutex> lk(*locks[static_cast<size_t>(c)]);
+    committed[static_cast<size_t>(c)].insert(hash_params(k.cons[static_cast<size_t>(c)]->params()));  // the zeros
+  }
+  std::vector<std::thread> readers;
+  for (int c = 0; c < 2; ++c) {
+    readers.emplace_back([&, c] {
+      for (int n = 0; !stop && n < 1'000'000; ++n) {  // bounded
+        std::shared_lock<std::shared_mutex> lk(*locks[static_cast<size_t>(c)]);
+        seen[static_cast<size_t>(c)].push_back(hash_params(k.cons[static_cast<size_t>(c)]->params()));
+      }
+    });
+  }
+  for (uint64_t v = 1; v <= 4; ++v) {
+    auto o = k.sync(v);
+    k.expect_all_ok(o, v);
+    for (int c = 0; c < 2; ++c) {
+      const SyncReport& r = **o.c[static_cast<size_t>(c)];
+      EXPECT_TRUE(r.committed);
+      EXPECT_EQ(r.live_version, std::optional<uint64_t>(v));
+      EXPECT_GT(r.memory.shadow, 0u);
+      std::shared_lock<std::shared_mutex> lk(*locks[static_cast<size_t>(c)]);
+      committed[static_cast<size_t>(c)].insert(hash_params(k.cons[static_cast<size_t>(c)]->params()));
+    }
+  }
+  stop = true;
+  for (auto& t : readers) t.join();
+  for (int c = 0; c < 2; ++c) {
+    EXPECT_EQ(commits[static_cast<size_t>(c)].load(), 4);
+    EXPECT_EQ(committed[static_cast<size_t>(c)].size(), 5u);  // zeros + 4 distinct versions
+    ASSERT_FALSE(seen[static_cast<size_t>(c)].empty());
+    size_t mixed = 0;
+    for (uint64_t h : seen[static_cast<size_t>(c)]) mixed += !committed[static_cast<size_t>(c)].count(h);
+    EXPECT_EQ(mixed, 0u) << "consumer " << c << ": " << mixed << " of " << seen[static_cast<size_t>(c)].size()
+                         << " reads saw a mix of versions";
+  }
+}
+
+TEST_P(EngineShadowTest, ReceivedThenDiscardedLeavesTheLiveVersion) {
+  Cluster k(EngineCase{Backend::kInproc, Mode::kPull, true});
+  k.caller_params = GetParam();
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  for (auto& c : k.cons) EXPECT_EQ(c->commit().status().code(), StatusCode::kFailedPrecondition);
+  // Version 2 received, not committed: live params stay 1; discarded.
+  auto o = k.sync(2, false);
+  auto& pr = o.p;
+  auto& cr = o.c;
+  for (size_t c = 0; c < k.cons.size(); ++c) {
+    ASSERT_TRUE(cr[c]->ok()) << cr[c]->status().to_string();
+    EXPECT_FALSE((**cr[c]).committed);
+    EXPECT_EQ((**cr[c]).live_version, std::optional<uint64_t>(1));
+    EXPECT_EQ(k.cons[c]->state().received, std::optional<uint64_t>(2));
+    k.expect_verified(static_cast<int>(c), 1);
+    ASSERT_TRUE(k.cons[c]->discard().ok());
+    EXPECT_FALSE(k.cons[c]->state().received.has_value());
+    k.expect_verified(static_cast<int>(c), 1);
+  }
+  for (auto& p : pr) EXPECT_TRUE(p->ok()) << p->status().to_string();
+  // Version 3 received, then committed by hand.
+  o = k.sync(3, false);
+  for (size_t c = 0; c < k.cons.size(); ++c) {
+    ASSERT_TRUE(cr[c]->ok()) << cr[c]->status().to_string();
+    k.expect_verified(static_cast<int>(c), 1);
+    auto secs = k.cons[c]->commit();
+    ASSERT_TRUE(secs.ok()) << secs.status().to_string();
+    EXPECT_GE(*secs, 0.0);
+    k.expect_verified(static_cast<int>(c), 3);
+  }
+  auto committed = committed_versions(*k.cst[0], k.eo.job, static_cast<int>(k.cons.size()));
+  ASSERT_TRUE(committed.ok());
+  for (const auto& v : *committed) EXPECT_EQ(v, std::optional<uint64_t>(3));
+  k.expect_all_ok(k.sync(4), 4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Commit, EngineShadowTest, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "copy" : "flip"; });
+
+TEST(EngineInPlaceCommit, SyncWithoutCommitNeedsTheShadowPolicy) {
+  Cluster k;
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=1").ok());
+  auto r = k.cons[0]->sync(1, false);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().to_string();
+  EXPECT_EQ(k.cons[0]->commit().status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(k.cons[0]->discard().code(), StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace ferry::engine_tests
