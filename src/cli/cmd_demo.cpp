@@ -347,6 +347,11 @@ std::function<int()> setup_demo(CLI::App& app) {
                 app.add_option("--trainer", d->trainer, "trainer layout (tp=,pp=,ep=,etp=,dp= | fsdp=)");
                 app.add_option("--inference", d->inference, "inference layout (tp=,dp=,ep=,replicas=)");
                 app.add_option("--mode", d->mode, "pull | push");
+                app.add_option("--commit", d->commit,
+                               "inference ranks' commit policy: in_place, or shadow (each sync lands beside the live "
+                               "params and commits in one step; a reader thread in every inference rank checks that "
+                               "each read of its live params during the syncs is exactly one version)")
+                    ->check(CLI::IsMember({"in_place", "shadow"}));
                 app.add_option("--store", d->store, "store URL (tcp://... or redis://...); default: embedded");
                 app.add_option("--backend", d->backend, "transport backend (ucx)");
                 app.add_flag("--checksums", d->checksums, "xxHash64 per segment, checked on arrival");
@@ -437,6 +442,7 @@ std::function<int()> setup_worker(CLI::App& app) {
   app.add_option("--staging-budget", w->staging_budget)->check(number_in(0, 1.8e19));
   app.add_option("--stall-ms", w->stall_ms)->check(number_in(0, 1 << 30));
   app.add_option("--straggler-ms", w->straggler_ms)->check(number_in(0, 1 << 30));
+  app.add_option("--commit", w->commit)->check(CLI::IsMember({"in_place", "shadow"}));
   auto timeout = app.add_option("--timeout-ms", w->timeout_ms)->check(number_in(1, 1 << 30));
   app.add_option("--lease-ttl-ms", w->lease_ttl_ms)->check(number_in(10, 1 << 30));
   app.add_option("--go-timeout-ms", w->go_timeout_ms)->check(number_in(1, 1 << 30));
@@ -449,7 +455,6 @@ std::function<int()> setup_worker(CLI::App& app) {
   auto as_bench = app.add_flag("--bench");
   app.add_option("--tls", bench->tls)->needs(as_bench);
   app.add_option("--in-place", bench->in_place)->needs(as_bench);
-  app.add_option("--commit", bench->commit)->needs(as_bench);
   return [&app, w, pauses, bench, as_bench, job, timeout] {
     if (as_bench->count() > 0) {
       for (const CLI::Option* o : app.get_options()) {
@@ -474,6 +479,7 @@ std::function<int()> setup_worker(CLI::App& app) {
       bench->mode = w->mode;
       bench->seed = w->seed;
       bench->trace = w->trace;
+      bench->commit = w->commit;
       if (timeout->count() > 0) bench->timeout_ms = w->timeout_ms;
       return tools::run_bench_worker(*bench);
     }

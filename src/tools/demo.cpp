@@ -85,7 +85,7 @@ Result<Child> spawn_worker(const DemoSpec& d, const std::string& tls, const std:
              "--last-version", std::to_string(d.syncs), "--crash-version",
              std::to_string(crash_version), "--crash-point", std::to_string(crash_point),
              "--lease-ttl-ms", std::to_string(d.lease_ttl_ms), "--stall-ms", std::to_string(d.stall_ms),
-             "--straggler-ms", std::to_string(d.straggler_ms),
+             "--straggler-ms", std::to_string(d.straggler_ms), "--commit", d.commit,
              "--timeout-ms", std::to_string(d.rank_timeout_ms)});
   if (!pause_at.empty()) ps.argv.insert(ps.argv.end(), {"--pause-at", pause_at});
   if (d.checksums) ps.argv.push_back("--checksums");
@@ -514,6 +514,8 @@ DemoResult run_demo(const DemoSpec& d) {
       auto j = nlohmann::json::parse(*text, nullptr, false);
       const bool is_consumer = k.find("consumer") != std::string::npos;
       if (is_consumer && j.value("torn", false)) ++row.torn;
+      if (is_consumer && j.value("live_verified", false)) ++row.live_verified;
+      if (is_consumer) row.mixed_reads += j.value("mixed_reads", uint64_t{0});
       if (!j.value("ok", false)) {
         const std::string e = fmt::format("{}: {}", k.substr(k.rfind('/') + 1), j.value("error", std::string("?")));
         notes.push_back(e);
@@ -545,6 +547,16 @@ DemoResult run_demo(const DemoSpec& d) {
       for (const auto& f : j.value("failures", std::vector<std::string>{})) {
         notes.push_back(f);
         row.failures.push_back(f);
+      }
+      if (is_consumer && j.value("mixed_reads", uint64_t{0}) > 0) {
+        all_ok = false;
+        notes.push_back(fmt::format("{}: {} of {} reads of the live params during the sync saw a mix of versions",
+                                    k.substr(k.rfind('/') + 1), j.value("mixed_reads", uint64_t{0}),
+                                    j.value("reads", uint64_t{0})));
+      } else if (is_consumer && j.contains("reads")) {
+        notes.push_back(fmt::format("{}: {} reads of the live params during the sync, each one version; commit {:.6f} s",
+                                    k.substr(k.rfind('/') + 1), j.value("reads", uint64_t{0}),
+                                    j.value("commit_seconds", 0.0)));
       }
       if (is_consumer) {
         row.bytes += j.value("bytes", uint64_t{0});

@@ -79,6 +79,10 @@ struct DemoSpec {
   int lease_ttl_ms = 2000;    // the workers' EngineOptions::lease_ttl
   int stall_ms = 20000;       // the workers' stall_timeout
   int straggler_ms = 2000;    // the workers' straggler_floor (EngineOptions; 0: off)
+  // The consumers' commit policy (WorkerSpec::commit): "shadow" also runs a reader in
+  // each inference rank that checks every read of its live params during syncs is one
+  // version (a read of a mix fails the demo).
+  std::string commit = "in_place";
   int rank_timeout_ms = 20000;  // the workers' EngineOptions::timeout
   std::string backend = "ucx";
   // UCX_TLS of the workers (passed as FERRY_UCX_TLS). Empty: default_worker_tls()
@@ -118,6 +122,11 @@ struct DemoSyncRow {
   int expected = 0;   // consumers that reported (the killed one excluded)
   int failed = 0;     // consumers whose sync failed
   int torn = 0;       // consumers reporting torn state after the sync
+  // Commit shadow: failed consumers whose live params were still, bit for bit, the
+  // version they held before (the worker's "live_verified"), and reads of the live params
+  // during the sync that saw a mix of versions (should be 0).
+  int live_verified = 0;
+  uint64_t mixed_reads = 0;
   std::vector<std::string> errors;  // "consumerN: error" of each failed consumer
   std::vector<std::string> failures;  // failure lines of every rank (failovers, drops)
   std::vector<uint64_t> producer_bytes;  // bytes each trainer rank served (0: none or no result)

@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <shared_mutex>
 #include <thread>
 
 #include <fmt/format.h>
@@ -126,6 +127,16 @@ int run_worker(const WorkerSpec& s) {
   const ProcMemory base = proc_memory().value_or(ProcMemory{});
   uint64_t held = 0, source_resident = 0;
   std::unique_ptr<SyntheticSource> source;
+  // Shadow consumers: a reader of the live params during each sync, under the lock the
+  // commit hooks take exclusively (what a serving engine does); every read must be
+  // exactly the committed version (verify_params), else it counts as mixed.
+  struct Reader {
+    std::shared_mutex lock;
+    std::atomic<bool> run{false};
+    std::atomic<uint64_t> reads{0}, mixed{0};
+    std::string first_mix;  // (the reader thread's until joined)
+    std::thread thread;
+  } reader;
   std::unique_ptr<Producer> producer;
   std::unique_ptr<Consumer> consumer;
   int version = 0;
@@ -154,7 +165,7 @@ int run_worker(const WorkerSpec& s) {
     if (!p.ok()) return worker_fail(s, p.status());
     producer = std::move(*p);
   } else if (s.role == "consumer") {
-    ConsumerOptions co;
+    ConsumerOptions co;  // (`reader`, declared below the producer's state, serves the commit hooks)
     static_cast<EngineOptions&>(co) = eo;
     engine::TestHooks hooks;
     hooks.consumer_point = [&s, &version, pause_at](int g, int phase) {
@@ -162,6 +173,13 @@ int run_worker(const WorkerSpec& s) {
       pause_at(version, g * 4 + phase);
     };
     co.test_hooks = engine::make_test_hooks(std::move(hooks));
+    auto policy = parse_commit_policy(s.commit);
+    if (!policy.ok()) return worker_fail(s, policy.status());
+    co.commit = *policy;
+    if (co.commit == CommitPolicy::kShadow) {
+      co.before_commit = [&reader](uint64_t) { reader.lock.lock(); };
+      co.after_commit = [&reader](uint64_t) { reader.lock.unlock(); };
+    }
     auto c = Consumer::create(*model->loader, s.rank, **transport, st, co);
     if (!c.ok()) return worker_fail(s, c.status());
     consumer = std::move(*c);
@@ -195,7 +213,27 @@ int run_worker(const WorkerSpec& s) {
     pause_at(version, kWorkerSyncStartPoint);
     std::fprintf(stderr, "[%s %d] sync %llu start\n", s.role.c_str(), s.rank, static_cast<unsigned long long>(v));
     const auto t_sync = std::chrono::steady_clock::now();
+    if (consumer && s.commit == "shadow") {
+      reader.reads = reader.mixed = 0;
+      reader.run = true;
+      reader.thread = std::thread([&] {
+        for (int n = 0; reader.run && n < 1'000'000; ++n) {  // bounded
+          std::shared_lock<std::shared_mutex> lk(reader.lock);
+          const ConsumerState held = consumer->state();
+          if (!held.has_version) continue;  // nothing committed yet: zeros
+          auto ver = verify_params(*model, s.rank, consumer->params(), s.seed, held.version);
+          ++reader.reads;
+          if (!ver.ok() || ver->has_value()) {
+            if (reader.mixed++ == 0) reader.first_mix = ver.ok() ? **ver : ver.status().to_string();
+          }
+        }
+      });
+    }
     Result<SyncReport> rep = producer ? (source->set_version(v), producer->sync(v)) : consumer->sync(v);
+    if (reader.thread.joinable()) {
+      reader.run = false;
+      reader.thread.join();
+    }
     // The engine's report (engine/report_json.h), failed or not, and the worker's keys.
     const SyncReport& last = producer ? producer->last_report() : consumer->last_report();
     nlohmann::json out = engine::sync_report_json(last);
@@ -225,9 +263,20 @@ int run_worker(const WorkerSpec& s) {
     if (producer) out["source_resident_bytes"] = source_resident;
     out["report_ok"] = rep.ok() && rep->ok();
     if (!rep.ok()) out["error"] = rep.status().to_string();
+    if (consumer && s.commit == "shadow") {
+      out["reads"] = reader.reads.load();
+      out["mixed_reads"] = reader.mixed.load();
+      if (reader.mixed) out["first_mixed_read"] = reader.first_mix;
+    }
     if (consumer) {
       out["torn"] = consumer->state().torn;
       if (consumer->state().has_version) out["holds"] = consumer->state().version;
+      if (!rep.ok() && s.commit == "shadow" && consumer->state().has_version) {
+        // A failed sync under shadow: the live params must still be the held version.
+        auto live = verify_params(*model, s.rank, consumer->params(), s.seed, consumer->state().version);
+        out["live_verified"] = live.ok() && !live->has_value();
+        if (live.ok() && live->has_value()) out["live_mismatch"] = **live;
+      }
       if (rep.ok()) {
         auto ver = verify_params(*model, s.rank, consumer->params(), s.seed, v);
         if (!ver.ok()) {

@@ -57,6 +57,11 @@ struct WorkerSpec {
   int go_timeout_ms = 120000;
   // Write this process's trace of its syncs here (tools/trace_file.h), after each sync.
   std::string trace;
+  // Consumer: ConsumerOptions::commit. Under "shadow" a reader thread reads the live
+  // params in a loop during every sync (under the lock the commit hooks take) and checks
+  // each read is exactly the committed version, bit for bit: the result's "reads" and
+  // "mixed_reads" (reads that were not one version).
+  std::string commit = "in_place";
 };
 // The pause point at the start of a sync: the go received, before Producer/Consumer::sync
 // (so before any store call of that sync).

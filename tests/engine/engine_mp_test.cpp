@@ -244,6 +244,33 @@ TEST_P(EngineMpFaultTest, ProducerSigkillOnlyHolderThenRecovers) {
   if (!bad.errors.empty()) std::printf("sync 2: %s\n", bad.errors[0].c_str());
 }
 
+// Atomic versions across processes (issue 27): inference ranks under the shadow commit
+// policy, each with a reader thread that verifies every read of its live params during
+// the syncs is exactly the committed version; producer 1, the only holder of its boxes,
+// SIGKILLed mid-sync 2: every consumer fails sync 2 with its live params bit for bit
+// version 1 (not torn), and sync 3 (producer restarted) commits everywhere. Pull and push.
+TEST(EngineMpShadow, ProducerSigkillLeavesTheLiveVersionAndReadersSeeOneVersion) {
+  for (const char* mode : {"pull", "push"}) {
+    SCOPED_TRACE(mode);
+    auto d = spec("llama-3.1-8b.json", "tp=2", "tp=2,replicas=2");
+    d.mode = mode;
+    d.commit = "shadow";
+    d.kill_role = "producer";
+    d.kill_rank = 1;
+    d.kills = {{2, 3}};
+    d.timeout_ms = 30000;
+    auto r = tools::run_demo(d);
+    ASSERT_EQ(r.rows.size(), 3u) << r.error;
+    EXPECT_EQ(r.rows[0].verified, 4);
+    const auto& bad = r.rows[1];
+    EXPECT_GT(bad.failed, 0);
+    EXPECT_EQ(bad.torn, 0) << "a failed sync under shadow never tears";
+    EXPECT_EQ(bad.live_verified, bad.failed) << "every failed consumer still holds version 1, bit for bit";
+    EXPECT_EQ(r.rows[2].verified, 4) << r.error;
+    for (const auto& row : r.rows) EXPECT_EQ(row.mixed_reads, 0u) << "sync " << row.version;
+  }
+}
+
 // Many consecutive syncs: every one verified, worker RSS flat, no leaked descriptors
 // (registrations are per engine, so a leak would show as growth too). FERRY_SOAK_SYNCS
 // sets the count (`make soak`: 200).
