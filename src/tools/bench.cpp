@@ -69,7 +69,7 @@ struct BenchMemoryEstimate {
 // ring and staged params, and verification (a direct load: params plus one tensor); each
 // MPI rank's share (root: its stage's tensors; inference: params, one tensor received,
 // verification); kProcessBase per process.
-Result<BenchMemoryEstimate> estimate_bench_memory(const JobModel& m) {
+Result<BenchMemoryEstimate> estimate_bench_memory(const JobModel& m, CommitPolicy commit) {
   const int P = m.trainer.world_size(), C = m.inference.world_size(), S = m.trainer.pp;
   std::vector<Plan> plans;
   for (int c = 0; c < C; ++c) {
@@ -82,7 +82,7 @@ Result<BenchMemoryEstimate> estimate_bench_memory(const JobModel& m) {
   for (const Plan& p : plans) in.consumers.push_back(&p);
   FERRY_ASSIGN_OR_RETURN(auto routes, build_routes(in));
   ProducerOptions po;
-  FERRY_ASSIGN_OR_RETURN(auto engine_mem, predict_memory(routes, m.metadata, in.producers, in.consumers, po));
+  FERRY_ASSIGN_OR_RETURN(auto engine_mem, predict_memory(routes, m.metadata, in.producers, in.consumers, po, commit));
   const Groups groups(m.metadata);
   uint64_t largest_tensor = 0;
   std::vector<uint64_t> stage_bytes(static_cast<size_t>(S), 0);
@@ -124,6 +124,7 @@ Result<BenchMemoryEstimate> estimate_bench_memory(const JobModel& m) {
     for (const auto& g : pr.groups) staged_slot = std::max(staged_slot, align_up(g.recv_bytes, 64));
     max_params = std::max(max_params, params);
     const uint64_t ring2 = engine::registered_bytes(2 * engine::consumer_slot_bytes(pr));
+    // ("engine" includes the shadow params under --commit shadow: predict_memory's.)
     const nlohmann::json r = {{"held", params},          {"engine", engine_mem.consumers[static_cast<size_t>(c)].extra()},
                               {"raw_ring", ring2},       {"memcpy_source", ring2},
                               {"staged_ring", engine::registered_bytes(2 * staged_slot)},
@@ -181,7 +182,9 @@ BenchResult run_bench(const BenchSpec& b) {
   const int P = m.trainer.world_size(), C = m.inference.world_size(), S = m.trainer.pp;
   // What every process will hold, before any starts: refuse a model this machine cannot
   // fit rather than let the kernel's OOM killer end the bench half way.
-  auto estimate = estimate_bench_memory(m);
+  auto policy = parse_commit_policy(b.commit);
+  if (!policy.ok()) return fail(policy.status().to_string());
+  auto estimate = estimate_bench_memory(m, *policy);
   if (!estimate.ok()) return fail(estimate.status().to_string());
   {
     auto avail = mem_available_bytes();
