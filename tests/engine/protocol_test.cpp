@@ -124,6 +124,45 @@ TEST(EngineProtocol, JobKeysStayUnderTheJobPrefix) {
   EXPECT_NE(k.holdings(1), k.plan(1));
 }
 
+// Issue 30: a job named 'j/dead/1' wrote j/dead/1/meta, which job 'j' listed under its
+// dead prefix and read as "producer 1 is dead" (stoi("1/meta") = 1). Names containing
+// the separator are refused, so no job's keys lie under another's.
+TEST(EngineProtocol, JobNamesThatCouldCollideAreRefused) {
+  for (const char* ok : {"ferry", "rl-run-7", "job.1_x", "j"}) EXPECT_TRUE(JobKeys::check(ok).ok()) << ok;
+  auto sep = JobKeys::check("j/dead/1");
+  ASSERT_EQ(sep.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(sep.message().find("contains '/'"), std::string::npos) << sep.to_string();
+  EXPECT_EQ(JobKeys::check("").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(JobKeys::check(std::string(JobKeys::kMaxJobBytes + 1, 'a')).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(JobKeys::check(std::string(JobKeys::kMaxJobBytes, 'a')).ok());
+  EXPECT_EQ(JobKeys::check("a\nb").code(), StatusCode::kInvalidArgument);
+  // Two valid names never share a key or a listed prefix: the first '/' ends the name.
+  const JobKeys j("j"), jd("j-dead");
+  EXPECT_NE(jd.meta().rfind(j.dead_prefix(), 0), 0u);
+}
+
+// Every key listed back is parsed whole: a canonical decimal in int range, nothing after.
+TEST(EngineProtocol, ListedKeysAreParsedExactly) {
+  const JobKeys k("j");
+  EXPECT_EQ(k.dead_rank(k.dead(1)), 1);
+  EXPECT_EQ(k.dead_rank(k.dead(0)), 0);
+  EXPECT_EQ(k.dead_rank("j/dead/2147483647"), 2147483647);
+  for (const char* bad : {"j/dead/1/meta", "j/dead/01", "j/dead/+1", "j/dead/-1", "j/dead/ 1", "j/dead/1 ",
+                          "j/dead/", "j/dead/2147483648", "j/dead/99999999999", "j/dead/1x", "j/deadx/1", "k/dead/1",
+                          "j/dead/0x1"})
+    EXPECT_FALSE(k.dead_rank(bad).has_value()) << bad;
+  auto w = k.world_of(k.world("consumer", 3, 2, 4));
+  ASSERT_TRUE(w.has_value());
+  EXPECT_EQ(w->role, "consumer");
+  EXPECT_EQ(w->rank, 3);
+  EXPECT_EQ(w->num_producers, 2);
+  EXPECT_EQ(w->num_consumers, 4);
+  for (const char* bad : {"j/world/producer/0/2/3/x", "j/world/producer/0/2", "j/world/producer/0/+2/3",
+                          "j/world/producer/0/2/03", "j/world/trainer/0/2/3", "j/world/producer/-1/2/3",
+                          "j/world/producer/0/2/3/", "j/world/producer//2/3", "j/world/producer/0/2/4294967299"})
+    EXPECT_FALSE(k.world_of(bad).has_value()) << bad;
+}
+
 // A producer's GPU staging as its lease carries it: round trip; truncated, foreign or
 // malformed blobs refused; mapped only on the host that exported it, and in its own
 // process only on its own device (there the pointer itself is used).
