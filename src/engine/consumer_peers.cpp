@@ -216,9 +216,10 @@ Status Consumer::Impl::refresh_routes() {
   return route_state.refresh([this](Routes r) { return apply_routes(std::move(r)); });
 }
 
-void Consumer::Impl::reset_background() {
-  worker->reset(opts.timeout);
+Status Consumer::Impl::reset_background() {
+  FERRY_RETURN_IF_ERROR(worker->reset(opts.timeout).with_context(who()));
   param_set->retry();
+  return Status::Ok();
 }
 
 Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, int rank, Transport& transport, Store& store,
