@@ -176,7 +176,41 @@ struct RouterOptions {
 // dtype or shape; a box outside its tensor; overlapping boxes within one producer; a
 // plan that reads a tensor the metadata lacks (or with another dtype or shape); source
 // elements a plan reads that no producer holds.
+// Also refuses, before any piece is cut, inputs whose routing cost (RoutingCost below,
+// from the holdings' boxes) exceeds kMaxRouteGroups or kMaxRoutePieces.
 Result<Routes> build_routes(const RouterInput& input, const RouterOptions& options = {});
+
+// ---------------------------------------------------------------------------------------
+// What routing costs, known before anything is built (count_held_boxes in source.h
+// gives the boxes of a trainer layout without making its holdings). The router's work
+// and memory grow with three counts: the held boxes (every trainer rank's), the route
+// groups (every producer and every plan class has one per layer group, even an empty
+// one, and every rank of a job holds the whole routes), and the cut pieces, at most
+// about one per box and plan class reading it (estimated as boxes x plan classes: an
+// upper estimate, ~1.7x the pieces of Llama-3.1-8B under fsdp=4096 -> tp=8).
+struct RoutingCost {
+  uint64_t producers = 0;
+  uint64_t plan_classes = 0;  // at most the inference engine size (replicas share one)
+  uint64_t groups = 0;        // layer groups (Groups::size)
+  uint64_t held_boxes = 0;
+
+  uint64_t route_groups() const;
+  uint64_t pieces() const;  // the estimate: held_boxes x plan_classes
+  // Predicted peak memory of building the routes (holdings, pieces, routes), bytes.
+  uint64_t bytes() const;
+  // "1000000 producers x 35 groups, 1997568 held boxes, ~15980544 pieces: ~8.1 GiB"
+  std::string to_string() const;
+};
+// Route groups: (10^6 producers + classes) x 35 groups would be ~2 GiB of empty groups
+// held by every rank of the job before a single piece; 2^24 still allows fsdp=131072
+// over a 126-layer model. Pieces: 2^27 is ~55 GiB of routes.
+inline constexpr uint64_t kMaxRouteGroups = uint64_t{1} << 24;
+inline constexpr uint64_t kMaxRoutePieces = uint64_t{1} << 27;
+// InvalidArgument saying what the routing would need (the counts and bytes()) and
+// which bound it exceeds: route_groups() over kMaxRouteGroups, pieces() over
+// kMaxRoutePieces, or bytes() over `memory_budget` (0: no memory bound; `ferry plan`
+// passes the machine's MemAvailable).
+Status check_routing_cost(const RoutingCost& cost, uint64_t memory_budget = 0);
 
 // ---------------------------------------------------------------------------------------
 // Executing routes (in process: tests, the engine's pack/unpack steps).

@@ -181,6 +181,11 @@ struct TrainerHoldings {
 // any rank's holdings are allocated.
 Result<TrainerHoldings> make_holdings(const std::vector<TensorDecl>& metadata, const TrainerLayout& layout,
                                       const ModelInfo& info = {});
+// How many boxes make_holdings would make over every rank, with the same checks and
+// errors, without making any (no rank allocated; O(tensors x tp), not O(ranks)): what
+// routing the layout costs grows with (route.h, RoutingCost).
+Result<uint64_t> count_held_boxes(const std::vector<TensorDecl>& metadata, const TrainerLayout& layout,
+                                  const ModelInfo& info = {});
 
 // ---------------------------------------------------------------------------------------
 // WeightSource

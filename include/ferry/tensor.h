@@ -168,6 +168,11 @@ struct MapPiece {
 // each inside one piece (`part` is that piece's index), in no particular order.
 // Elements that fall in no piece are left out (callers count them to detect gaps).
 std::vector<MapPiece> compose_layout(const Layout& layout, const Shape& radix, const std::vector<MapPiece>& pieces);
+// The same pieces in the same order, each handed to `each` (valid during the call only)
+// instead of collected, over pieces[(*subset)[i]] when `subset` is given (`part` is then
+// i). What the router uses: no vector of pieces per copy, no copy of the candidates.
+void compose_layout_each(const Layout& layout, const Shape& radix, const std::vector<MapPiece>& pieces,
+                         const std::vector<uint32_t>* subset, const std::function<void(const MapPiece&)>& each);
 
 enum class StorageKind : uint8_t { kReal, kSource, kParam };
 

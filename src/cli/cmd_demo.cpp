@@ -4,12 +4,14 @@
 // `ferry worker` (hidden): one rank process of the demo and the multi-process tests, or
 // with --bench of `ferry bench` (tools/bench.h).
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <iterator>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -88,8 +90,13 @@ void print_host_table(const tools::DemoResult& r, const Placement& pl, double ra
   for (const auto& row : r.rows) {
     std::vector<uint64_t> in(static_cast<size_t>(pl.hosts)), out(static_cast<size_t>(pl.hosts));
     for (const auto& [who, text] : row.results) {
+      // "producer{r}" or "consumer{r}", exactly.
       const bool producer = who.rfind("producer", 0) == 0;
-      const int rank = std::atoi(who.c_str() + 8);  // after "producer" or "consumer"
+      if (!producer && who.rfind("consumer", 0) != 0) continue;
+      int rank = -1;
+      const std::string_view digits = std::string_view(who).substr(8);
+      auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), rank);
+      if (digits.empty() || ec != std::errc() || end != digits.data() + digits.size() || rank < 0) continue;
       auto j = nlohmann::json::parse(text, nullptr, false);
       if (j.is_discarded() || !j.value("ok", false)) continue;
       const auto h = static_cast<size_t>(pl.host_of(producer, rank));

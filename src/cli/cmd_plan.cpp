@@ -20,6 +20,7 @@
 #include "tools/broadcast.h"
 #include "tools/config_path.h"
 #include "tools/job_model.h"
+#include "tools/proc_memory.h"
 
 namespace ferry::cli {
 namespace {
@@ -90,6 +91,23 @@ int run_plan(const PlanArgs& a) {
   auto loader = make_model_loader(config, *inference, lopts);
   if (!loader.ok()) return fail(loader.status());
   const std::vector<TensorDecl>& meta = (*loader)->checkpoint();
+
+  // What routing this layout costs, before any holding is made: one that would not fit
+  // (fsdp=1000000: 35 million route groups every rank would hold) is refused here, in
+  // microseconds, saying what it would need, rather than after minutes and gigabytes.
+  {
+    auto boxes = count_held_boxes(meta, *trainer, model_info_from_config(config.json()));
+    if (!boxes.ok()) return fail(boxes.status().with_context("--trainer " + trainer->to_string()));
+    RoutingCost cost;
+    cost.producers = static_cast<uint64_t>(trainer->world_size());
+    cost.plan_classes = static_cast<uint64_t>(a.every_rank ? inference->world_size() : inference->engine_size());
+    cost.groups = static_cast<uint64_t>(Groups(meta).size());
+    cost.held_boxes = *boxes;
+    auto avail = tools::mem_available_bytes();
+    if (Status s = check_routing_cost(cost, avail.ok() ? *avail : 0); !s.ok())
+      return fail(
+          s.with_context(fmt::format("--trainer {} --inference {}", trainer->to_string(), inference->to_string())));
+  }
 
   // Trainer holdings.
   const auto t_hold = clock::now();

@@ -271,7 +271,7 @@ Status Consumer::Impl::failover(uint64_t v, const Status& why, SyncReport& rep) 
   if (!r.ok())
     return Status(why.code(), fmt::format("{}; no failover: {}", why.message(), r.status().message()));
   FERRY_RETURN_IF_ERROR(route_state.mark_dead(d));
-  reset_background();
+  FERRY_RETURN_IF_ERROR(reset_background());
   FERRY_RETURN_IF_ERROR(route_state.adopt(d, std::move(*r), [this](Routes x) { return apply_routes(std::move(x)); }));
   rep.failures.push_back(fmt::format("consumer {}: {}; failover: routes rebuilt without producer(s) {}", rank,
                                      why.to_string(), rank_list(d)));
@@ -400,12 +400,12 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
     attempted.insert(v);
     if (attempted.size() > 64) attempted.erase(attempted.begin());
   }
-  reset_background();
+  Status s = reset_background();  // not ok: a job of the last attempt still runs, this sync fails
   param_set->begin(v);
   old_hashes.clear();
   const uint64_t previous = routes_hash;
-  Status s = Status::Ok();
-  if (auto again = republish(store, published); !again.ok()) {
+  if (!s.ok()) {
+  } else if (auto again = republish(store, published); !again.ok()) {
     s = again.status();
   } else if (*again > 0) {
     rep.failures.push_back(fmt::format("consumer {}: the store {} had lost its rendezvous keys (restarted?); "
@@ -432,8 +432,8 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
     }
     if (follow) {
       const uint64_t before = routes_hash;
-      reset_background();
-      Status f = refresh_routes();
+      Status f = reset_background();
+      if (f.ok()) f = refresh_routes();
       if (!f.ok() || routes_hash == before) {
         if (!f.ok()) s = f;
         break;

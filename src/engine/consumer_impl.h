@@ -212,8 +212,9 @@ struct Consumer::Impl {
 
   Status refresh_routes();
 
-  // Waits for the background thread to go idle, then resets it for a new attempt.
-  void reset_background();
+  // Waits for the background thread to go idle, then resets it for a new attempt; its
+  // timeout (a job still running) when it did not: no new attempt then.
+  Status reset_background();
 
   // After producer failed_p failed: mark it dead and rebuild routes without it, if the
   // remaining producers hold everything. Then ask live producers to restart.

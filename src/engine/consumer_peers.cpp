@@ -119,7 +119,8 @@ Status Consumer::Impl::refresh_producers() {
     }
     auto lease = decode_producer_lease(*blob);
     if (!lease.ok()) return lease.status().with_context(fmt::format("lease of producer {}", p));
-    auto table = InPlaceTable::decode(lease->in_place, route_state.inputs().holdings[static_cast<size_t>(p)].boxes.size());
+    const Holdings& held = route_state.inputs().holdings[static_cast<size_t>(p)];
+    auto table = InPlaceTable::decode(lease->in_place, held);
     if (!table.ok()) return table.status().with_context(fmt::format("in-place table of producer {}", p));
     auto id = transport.connect(string_bytes(lease->address));
     if (!id.ok()) {
@@ -133,6 +134,12 @@ Status Consumer::Impl::refresh_producers() {
     if (!imported.ok()) {
       failed_p = p;
       return imported.status();
+    }
+    if (opts.mode == SyncMode::kPull) {  // its in-place boxes inside its regions, before any read
+      if (Status w = lane->check_in_place(p, *table, held); !w.ok()) {
+        lane->disconnect(p);
+        return w.with_context(fmt::format("in-place table of producer {}", p));
+      }
     }
     if (ipc_lane) ipc_lane->connect(p, lease->cuda_ipc);
     std::lock_guard<std::mutex> lk(mu);
@@ -209,9 +216,10 @@ Status Consumer::Impl::refresh_routes() {
   return route_state.refresh([this](Routes r) { return apply_routes(std::move(r)); });
 }
 
-void Consumer::Impl::reset_background() {
-  worker->reset(opts.timeout);
+Status Consumer::Impl::reset_background() {
+  FERRY_RETURN_IF_ERROR(worker->reset(opts.timeout).with_context(who()));
   param_set->retry();
+  return Status::Ok();
 }
 
 Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, int rank, Transport& transport, Store& store,

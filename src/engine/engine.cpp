@@ -38,6 +38,7 @@ std::string SyncReport::to_string() const {
 Result<std::vector<std::optional<uint64_t>>> committed_versions(Store& store, std::string_view job,
                                                                 int num_consumers) {
   if (num_consumers < 0) return invalid_argument("committed_versions: num_consumers {} is negative", num_consumers);
+  if (Status s = engine::JobKeys::check(job); !s.ok()) return s.with_context("committed_versions");
   const engine::JobKeys keys{std::string(job)};
   std::vector<std::optional<uint64_t>> out;
   for (int c = 0; c < num_consumers; ++c) {

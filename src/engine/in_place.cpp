@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
+
+#include <fmt/format.h>
 
 #include "engine/protocol.h"
 
@@ -18,12 +21,26 @@ std::string InPlaceTable::encode() const {
   return encode_fields({u64_field(min_bytes), u64_field(keys.size()), at, encode_fields(keys)});
 }
 
-Result<InPlaceTable> InPlaceTable::decode(std::string_view bytes, size_t num_boxes) {
+namespace {
+// The bytes of held box `i`: numel x dtype size, nullopt when that overflows.
+std::optional<uint64_t> box_bytes(const Holdings& h, size_t i) {
+  const HeldBox& b = h.boxes[i];
+  if (b.tensor >= h.tensors.size()) return std::nullopt;
+  uint64_t n = dtype_size(h.tensors[b.tensor].dtype);
+  for (int64_t s : b.box.size) {
+    if (s < 0 || __builtin_mul_overflow(n, static_cast<uint64_t>(s), &n)) return std::nullopt;
+  }
+  return n;
+}
+}  // namespace
+
+Result<InPlaceTable> InPlaceTable::decode(std::string_view bytes, const Holdings& holdings) {
   InPlaceTable t;
   if (bytes.empty()) return t;
+  const size_t num_boxes = holdings.boxes.size();
   FERRY_ASSIGN_OR_RETURN(auto f, decode_fields(bytes, 4));
   FERRY_ASSIGN_OR_RETURN(t.min_bytes, parse_u64_field(f[0]));
-  if (f[2].size() != num_boxes * 16)
+  if (f[2].size() / 16 != num_boxes || f[2].size() % 16 != 0)
     return corrupt("in-place table describes {} bytes of boxes, the producer holds {} boxes", f[2].size(), num_boxes);
   FERRY_ASSIGN_OR_RETURN(const uint64_t nkeys, parse_u64_field(f[1]));
   if (nkeys == 0 || nkeys > kMaxRegions) return corrupt("in-place table names {} regions", nkeys);
@@ -36,8 +53,31 @@ Result<InPlaceTable> InPlaceTable::decode(std::string_view bytes, size_t num_box
     if (r < -1 || r >= static_cast<int64_t>(t.keys.size()))
       return corrupt("in-place table: box {} names region {} of {}", i, r, t.keys.size());
     t.boxes[i].region = static_cast<int32_t>(r);
+    if (r < 0) continue;
+    const auto n = box_bytes(holdings, i);
+    uint64_t end = 0;
+    if (!n || __builtin_add_overflow(t.boxes[i].offset, *n, &end))
+      return corrupt("in-place table: box {} at offset {} of region {} overflows ({} bytes)", i, t.boxes[i].offset, r,
+                     n ? fmt::format("{}", *n) : std::string("too many"));
   }
   return t;
+}
+
+Status InPlaceTable::check_regions(const std::vector<RemoteRegion>& regions, const Holdings& holdings) const {
+  if (empty()) return Status::Ok();
+  if (regions.size() != keys.size() || boxes.size() != holdings.boxes.size())
+    return corrupt("in-place table: {} regions and {} boxes for {} keys and {} held boxes", regions.size(),
+                   boxes.size(), keys.size(), holdings.boxes.size());
+  for (size_t i = 0; i < boxes.size(); ++i) {
+    const At& at = boxes[i];
+    if (at.region < 0) continue;
+    const uint64_t length = regions[static_cast<size_t>(at.region)].length;
+    const auto n = box_bytes(holdings, i);
+    if (!n || at.offset > length || *n > length - at.offset)
+      return corrupt("in-place table: box {} ({} bytes at offset {}) lies outside source region {} ({} bytes)", i,
+                     n ? *n : 0, at.offset, at.region, length);
+  }
+  return Status::Ok();
 }
 
 std::string ParamTable::encode() const {

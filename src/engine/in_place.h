@@ -21,6 +21,7 @@
 #include "ferry/route.h"
 #include "ferry/source.h"
 #include "ferry/status.h"
+#include "ferry/transport.h"
 
 namespace ferry::engine {
 
@@ -36,8 +37,17 @@ struct InPlaceTable {
 
   bool empty() const { return keys.empty(); }
   std::string encode() const;  // "" for an empty table
-  // Bounds-checked: `num_boxes` is the producer's held box count.
-  static Result<InPlaceTable> decode(std::string_view bytes, size_t num_boxes);
+  // Bounds-checked against what the consumer knows of the producer, its `holdings`: one
+  // entry per held box, each naming a region of the table or none, and each box in place
+  // lying at an offset from which its bytes (numel x dtype size) do not overflow. Every
+  // failure is kCorrupt naming the box.
+  static Result<InPlaceTable> decode(std::string_view bytes, const Holdings& holdings);
+  // Once the regions are imported (their lengths known): every box in place lies inside
+  // its region, [offset, offset + its bytes) within [0, length). kCorrupt naming the box
+  // and the region otherwise. A consumer reads pieces of boxes at offsets derived from
+  // this table (in_place_pieces): without it, a box past its region failed the sync only
+  // at its read (the transport's range check), mid-sync, after earlier groups landed.
+  Status check_regions(const std::vector<RemoteRegion>& regions, const Holdings& holdings) const;
 };
 
 // Where a consumer's registered params lie (ConsumerLease::params): per param name, the

@@ -35,6 +35,13 @@ Result<size_t> TransportLane::import(int p, const std::string& staging_key, cons
   return n;
 }
 
+Status TransportLane::check_in_place(int p, const InPlaceTable& table, const Holdings& holdings) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = remotes_.find(p);
+  if (it == remotes_.end()) return not_found("consumer {}: producer {} is not connected", rank_, p);
+  return table.check_regions(it->second.regions, holdings);
+}
+
 void TransportLane::disconnect(int p) {
   std::lock_guard<std::mutex> lk(mu_);
   remotes_.erase(p);

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/in_place.h"
 #include "ferry/status.h"
 #include "ferry/transport.h"
 
@@ -79,6 +80,10 @@ class TransportLane final : public Lane {
   // connects them; how many source regions. The transport's error naming the key and
   // the producer (p is then a candidate for failover).
   Result<size_t> import(int p, const std::string& staging_key, const std::vector<std::string>& region_keys);
+  // Producer p's in-place table against its source regions as imported (their lengths):
+  // InPlaceTable::check_regions. kCorrupt naming the box when one lies outside its
+  // region, kNotFound when p is not connected.
+  Status check_in_place(int p, const InPlaceTable& table, const Holdings& holdings) const;
   void disconnect(int p);
   // How reads of p's staging travel (Transport::rma_path); kNotFound when not connected.
   Result<RmaPath> rma_path(int p) const;

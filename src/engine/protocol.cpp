@@ -1,6 +1,8 @@
 #include "engine/protocol.h"
 
 #include <algorithm>
+#include <charconv>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 
@@ -201,6 +203,58 @@ Result<ConsumerLease> decode_consumer_lease(std::string_view blob) {
 }
 
 // ---------------------------------------------------------------------------------------
+
+namespace {
+// A rank or size as the keys write it: a canonical decimal (no sign, no leading zero,
+// no space) within int. nullopt for anything else, "1/meta" included.
+std::optional<int> parse_decimal(std::string_view s) {
+  if (s.empty() || s.size() > 10 || (s.size() > 1 && s[0] == '0')) return std::nullopt;
+  if (!std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; })) return std::nullopt;
+  int64_t v = 0;
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc() || end != s.data() + s.size() || v > INT32_MAX) return std::nullopt;
+  return static_cast<int>(v);
+}
+}  // namespace
+
+Status JobKeys::check(std::string_view job) {
+  if (job.empty()) return invalid_argument("job name is empty (it is the prefix of the job's store keys)");
+  if (job.size() > kMaxJobBytes)
+    return invalid_argument("job name of {} bytes is longer than {} bytes", job.size(), kMaxJobBytes);
+  for (char c : job) {
+    const auto u = static_cast<unsigned char>(c);
+    if (c == '/')
+      return invalid_argument(
+          "job name '{}' contains '/', the store key separator: its keys would lie under another job's (job "
+          "'j/dead/1' writes j/dead/1/meta, which job 'j' reads as a dead mark); use e.g. '-' or '.'",
+          job);
+    if (u < 0x20 || u == 0x7f) return invalid_argument("job name contains the control character 0x{:02x}", u);
+  }
+  return Status::Ok();
+}
+
+std::optional<int> JobKeys::dead_rank(std::string_view key) const {
+  const std::string prefix = dead_prefix();
+  if (!key.starts_with(prefix)) return std::nullopt;
+  return parse_decimal(key.substr(prefix.size()));
+}
+
+std::optional<JobKeys::World> JobKeys::world_of(std::string_view key) const {
+  const std::string prefix = world_prefix();
+  if (!key.starts_with(prefix)) return std::nullopt;
+  std::string_view rest = key.substr(prefix.size());
+  std::string_view parts[4];
+  for (int i = 0; i < 4; ++i) {
+    const size_t slash = rest.find('/');
+    if ((slash == std::string_view::npos) != (i == 3)) return std::nullopt;
+    parts[i] = rest.substr(0, slash);
+    rest = slash == std::string_view::npos ? std::string_view() : rest.substr(slash + 1);
+  }
+  if (parts[0] != "producer" && parts[0] != "consumer") return std::nullopt;
+  const auto rank = parse_decimal(parts[1]), np = parse_decimal(parts[2]), nc = parse_decimal(parts[3]);
+  if (!rank || !np || !nc) return std::nullopt;
+  return World{std::string(parts[0]), *rank, *np, *nc};
+}
 
 std::string JobKeys::meta() const { return job_ + "/meta"; }
 std::string JobKeys::holdings(int p) const { return fmt::format("{}/holdings/{}", job_, p); }

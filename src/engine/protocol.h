@@ -158,10 +158,19 @@ using fields::string_bytes;
 using fields::u64_field;
 
 // ---------------------------------------------------------------------------------------
-// Store keys of one job (every key under the prefix `job`).
+// Store keys of one job (every key under the prefix `job/`).
+//
+// Job names cannot collide: a name is 1..kMaxJobBytes bytes with no '/' (the key
+// separator) and no control character (check()), so the first '/' of every key ends the
+// job's name and no job's keys lie under another's (a job named 'j/dead/1' would write
+// j/dead/1/meta, under job j's dead marks). Every key listed back is parsed exactly:
+// the whole rest of the key, canonical decimals in range, or it is not one of ours.
 class JobKeys {
  public:
+  static constexpr size_t kMaxJobBytes = 256;
   explicit JobKeys(std::string job) : job_(std::move(job)) {}
+  // InvalidArgument naming the job and the rule it breaks.
+  static Status check(std::string_view job);
   const std::string& job() const { return job_; }
   std::string meta() const;               // trainer metadata (JSON; producer 0)
   std::string holdings(int p) const;      // producer p's holdings (JSON)
@@ -174,6 +183,15 @@ class JobKeys {
   std::string world(std::string_view role, int rank, int num_producers, int num_consumers) const;
   std::string world_prefix() const;
   std::string committed(int c) const;     // the last version consumer c committed
+
+  // Parses of keys listed back (nullopt for any key that is not exactly of that form):
+  // the producer a dead mark names ({job}/dead/{p}), and a world key's fields.
+  std::optional<int> dead_rank(std::string_view key) const;
+  struct World {
+    std::string role;  // "producer" | "consumer"
+    int rank = 0, num_producers = 0, num_consumers = 0;
+  };
+  std::optional<World> world_of(std::string_view key) const;
 
  private:
   std::string job_;

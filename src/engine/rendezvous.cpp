@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <cstdio>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -96,6 +95,9 @@ Result<Holdings> decode_holdings(std::string_view text) {
 }
 
 Status publish_world(Store& store, const JobKeys& keys, const EngineOptions& o, Participant me) {
+  // The first key a participant writes: a job name that could collide with another
+  // job's keys is refused before any.
+  if (Status s = JobKeys::check(keys.job()); !s.ok()) return s.with_context(fmt::format("{} {}", me.role, me.rank));
   const Millis ttl = std::clamp(o.rendezvous_timeout, Millis(1000), kMaxTtl);
   return store.set(keys.world(me.role, me.rank, o.num_producers, o.num_consumers), "", ttl);
 }
@@ -104,10 +106,12 @@ Status check_world(Store& store, const JobKeys& keys, const EngineOptions& o, Pa
   const std::string prefix = keys.world_prefix();
   FERRY_ASSIGN_OR_RETURN(auto listed, store.list(prefix));
   for (const std::string& k : listed) {
-    // {role}/{rank}/{num_producers}/{num_consumers}
-    char role[16] = {};
-    int rank = 0, np = 0, nc = 0;
-    if (std::sscanf(k.c_str() + prefix.size(), "%15[a-z]/%d/%d/%d", role, &rank, &np, &nc) != 4) continue;
+    // {role}/{rank}/{num_producers}/{num_consumers}, exactly; any other key is not a
+    // participant's and says nothing about world sizes.
+    const auto w = keys.world_of(k);
+    if (!w) continue;
+    const std::string& role = w->role;
+    const int rank = w->rank, np = w->num_producers, nc = w->num_consumers;
     if (np == o.num_producers && nc == o.num_consumers) continue;
     const bool producers = np != o.num_producers;
     return invalid_argument(
@@ -197,13 +201,15 @@ Result<Routes> RouteState::start(RouteInputs inputs) {
 Result<std::set<int>> RouteState::read_dead() const {
   std::set<int> out;
   if (!failover_) return out;
-  const std::string prefix = keys_.dead_prefix();
-  FERRY_ASSIGN_OR_RETURN(auto listed, store_.list(prefix));
+  FERRY_ASSIGN_OR_RETURN(auto listed, store_.list(keys_.dead_prefix()));
   for (const auto& k : listed) {
-    try {
-      out.insert(std::stoi(k.substr(prefix.size())));
-    } catch (const std::exception&) {
-    }
+    // Exactly {job}/dead/{p} with p a producer of the job (once start() has the inputs):
+    // "1/meta" (a key of another job whose name began with this one's dead prefix, as
+    // 'j/dead/1' did before names with '/' were refused) or "01" marks nobody.
+    const auto p = keys_.dead_rank(k);
+    if (!p) continue;
+    if (!inputs_.holdings.empty() && static_cast<size_t>(*p) >= inputs_.holdings.size()) continue;
+    out.insert(*p);
   }
   return out;
 }

@@ -33,6 +33,8 @@ struct Participant {
 // ttl of rendezvous_timeout: they matter only while ranks meet, and a later job under
 // the same prefix with other sizes is not refused because of them). A participant
 // whose sizes differ from another's fails at once, naming both.
+// publish_world refuses first a job name that could collide with another job's keys
+// (JobKeys::check).
 Status publish_world(Store& store, const JobKeys& keys, const EngineOptions& options, Participant me);
 Status check_world(Store& store, const JobKeys& keys, const EngineOptions& options, Participant me);
 
@@ -77,7 +79,9 @@ class RouteState {
   const RouteInputs& inputs() const { return inputs_; }
   const std::set<int>& dead() const { return dead_; }
 
-  // Producers marked dead in the store ({job}/dead/{p}); empty with failover off.
+  // Producers marked dead in the store ({job}/dead/{p}); empty with failover off. Only
+  // keys of exactly that form count (JobKeys::dead_rank), with p below the number of
+  // producers once start() has the inputs.
   Result<std::set<int>> read_dead() const;
   // build_routes over the inputs with the holdings of `dead` emptied (indices kept).
   Result<Routes> routes_without(const std::set<int>& dead) const;

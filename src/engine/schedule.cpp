@@ -23,16 +23,63 @@ std::vector<std::vector<uint64_t>> shared_held_bytes(const std::vector<TensorDec
   const Groups groups(metadata);
   // One index of every producer's boxes by tensor name, so each box is checked against
   // the other holders of its tensor only (Kimi-K2: 256 producers, ~350k boxes).
-  std::unordered_map<std::string, std::vector<std::pair<size_t, const Box*>>> by_name;
+  struct Held {
+    size_t producer;
+    const HeldBox* box;
+    const TensorDecl* decl;
+  };
+  std::unordered_map<std::string_view, std::vector<Held>> by_name;
   for (size_t q = 0; q < holdings.size(); ++q)
-    for (const HeldBox& b : holdings[q].boxes) by_name[holdings[q].tensors[b.tensor].name].emplace_back(q, &b.box);
+    for (const HeldBox& b : holdings[q].boxes) {
+      const TensorDecl& d = holdings[q].tensors[b.tensor];
+      by_name[d.name].push_back(Held{q, &b, &d});
+    }
   std::vector<std::vector<uint64_t>> out(holdings.size(), std::vector<uint64_t>(static_cast<size_t>(groups.size()), 0));
-  for (size_t p = 0; p < holdings.size(); ++p) {
-    for (const HeldBox& b : holdings[p].boxes) {
-      const TensorDecl& d = holdings[p].tensors[b.tensor];
-      for (const auto& [q, ob] : by_name[d.name]) {
-        if (q != p && ob->intersects(b.box)) {
-          out[p][static_cast<size_t>(groups.of_name(d.name))] += static_cast<uint64_t>(b.box.numel()) * dtype_size(d.dtype);
+  for (auto& [name, held] : by_name) {
+    // Within one tensor, boxes are sorted by their start on one dim (the one on which
+    // they are narrowest relative to the tensor: dim 0 for FSDP slabs, dim 1 for
+    // row-parallel slices) and each box is checked only against those whose start on
+    // that dim lies within the widest box's extent before it: what made this quadratic
+    // in the ranks (fsdp=N: N boxes of every tensor, each checked against every other).
+    const size_t nd = held.front().box->box.start.size();
+    size_t key = 0;
+    int64_t widest = 0;
+    bool keyed = false;
+    double best = 2;
+    const bool uniform = std::all_of(held.begin(), held.end(), [&](const Held& h) {
+      return h.box->box.start.size() == nd && h.box->box.size.size() == nd && h.decl->shape.size() == nd;
+    });
+    for (size_t k = 0; uniform && k < nd; ++k) {
+      int64_t w = 0, extent = 1;
+      for (const Held& h : held) {
+        w = std::max(w, h.box->box.size[k]);
+        extent = std::max(extent, h.decl->shape[k]);
+      }
+      const double narrowness = static_cast<double>(w) / static_cast<double>(extent);
+      if (narrowness < best) {
+        best = narrowness;
+        key = k;
+        widest = w;
+        keyed = true;
+      }
+    }
+    auto start_of = [&](const Held& h) { return h.box->box.start[key]; };
+    if (keyed) {
+      std::stable_sort(held.begin(), held.end(),
+                       [&](const Held& a, const Held& b) { return start_of(a) < start_of(b); });
+    }
+    for (const Held& h : held) {
+      auto first = held.begin(), last = held.end();
+      if (keyed) {
+        const int64_t lo = start_of(h) - widest + 1, hi = start_of(h) + h.box->box.size[key];
+        first = std::lower_bound(held.begin(), held.end(), lo,
+                                 [&](const Held& x, int64_t v) { return start_of(x) < v; });
+        last = std::lower_bound(first, held.end(), hi, [&](const Held& x, int64_t v) { return start_of(x) < v; });
+      }
+      for (auto it = first; it != last; ++it) {
+        if (it->producer != h.producer && it->box->box.intersects(h.box->box)) {
+          out[h.producer][static_cast<size_t>(groups.of_name(h.decl->name))] +=
+              static_cast<uint64_t>(h.box->box.numel()) * dtype_size(h.decl->dtype);
           break;
         }
       }

@@ -32,6 +32,7 @@ void UnpackWorker::loop() {
       job = jobs_.front();
       jobs_.pop_front();
       busy_ = true;
+      running_ = job;
     }
     Status s;
     if (job.slot >= 0) {
@@ -89,8 +90,8 @@ Status UnpackWorker::drain(std::chrono::milliseconds timeout, const std::string&
   return status_;
 }
 
-void UnpackWorker::wait_idle_locked(std::unique_lock<std::mutex>& lk, std::chrono::milliseconds timeout) {
-  cv_.wait_for(lk, timeout, [&] { return jobs_.empty() && !busy_; });
+bool UnpackWorker::wait_idle_locked(std::unique_lock<std::mutex>& lk, std::chrono::milliseconds timeout) {
+  return cv_.wait_for(lk, timeout, [&] { return jobs_.empty() && !busy_; });
 }
 
 void UnpackWorker::clear(std::chrono::milliseconds timeout) {
@@ -99,12 +100,30 @@ void UnpackWorker::clear(std::chrono::milliseconds timeout) {
   jobs_.clear();
 }
 
-void UnpackWorker::reset(std::chrono::milliseconds timeout) {
+Status UnpackWorker::reset(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lk(mu_);
-  wait_idle_locked(lk, timeout);
+  if (!wait_idle_locked(lk, timeout)) {
+    // Queued jobs never started: drop them and free their slots. The running one keeps
+    // its slot (freed by the worker when its unpack ends): handing it back now let the
+    // next attempt receive into a slot still being unpacked from.
+    for (const Job& j : jobs_)
+      if (j.slot >= 0) slot_busy_[static_cast<size_t>(j.slot)] = false;
+    jobs_.clear();
+    cv_.notify_all();
+    if (busy_) {
+      return timeout_error(
+          "unpack worker: the job of sync {} group {} still runs after {} ms (a hook or an unpack that does not "
+          "return); a new attempt cannot start while it may write{}",
+          running_.version, running_.group, timeout.count(),
+          running_.slot >= 0 && slot_busy_[static_cast<size_t>(running_.slot)]
+              ? fmt::format(" (it holds receive slot {})", running_.slot)
+              : std::string());
+    }
+  }
   jobs_.clear();
   status_ = Status::Ok();
   std::fill(slot_busy_.begin(), slot_busy_.end(), false);
+  return Status::Ok();
 }
 
 void UnpackWorker::interrupt() {

@@ -50,16 +50,20 @@ class UnpackWorker {
   // Waits until every queued job ran or one failed: the first failure, or kTimeout.
   Status drain(std::chrono::milliseconds timeout, const std::string& who);
   // clear(): waits (at most `timeout`) until idle, then drops queued jobs. reset(): the
-  // same, and frees every slot and forgets the failure (a new attempt).
+  // same, and frees every slot and forgets the failure (a new attempt) -- only when it
+  // went idle. When a job still runs after `timeout` (a hook blocked, an unpack stuck),
+  // reset() drops the queued jobs and frees their slots but leaves the running job's slot
+  // held (the worker frees it when the job ends) and the failure kept, and returns
+  // kTimeout: no new attempt may start while that job may still write.
   void clear(std::chrono::milliseconds timeout);
-  void reset(std::chrono::milliseconds timeout);
+  Status reset(std::chrono::milliseconds timeout);
   void interrupt();  // wakes acquire()
 
   Status status() const;  // OK, or the first failure since reset()
 
  private:
   void loop();
-  void wait_idle_locked(std::unique_lock<std::mutex>& lk, std::chrono::milliseconds timeout);
+  bool wait_idle_locked(std::unique_lock<std::mutex>& lk, std::chrono::milliseconds timeout);
 
   const std::function<Status(const Job&)> unpack_, post_;
   const std::function<void(const Job&)> done_;
@@ -69,6 +73,7 @@ class UnpackWorker {
   std::deque<Job> jobs_;
   std::vector<bool> slot_busy_;
   bool busy_ = false;
+  Job running_;  // the job the worker runs while busy_
   bool stop_ = false;
   Status status_;
   SyncTrace* const trace_;

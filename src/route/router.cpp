@@ -31,9 +31,16 @@ struct TensorInfo {
   std::vector<MapPiece> map;  // compose_layout pieces (local contiguous roots)
   bool pieces_built = false;
   int first_holder = -1;       // producer whose view of the tensor was seen first
+  const TensorDecl* first_decl = nullptr;  // and that view
+  // Pieces by flat_lo (ties by index) and the widest flat extent of one: the pieces a
+  // copy's flat range [lo, hi] can touch start within [lo - widest, hi].
+  std::vector<uint32_t> by_flat;
+  int64_t widest_flat = 0;
 };
 
-// A cut piece of one copy of one plan class.
+// A cut piece of one copy of one plan class. Its layouts are a row of the LayoutPool:
+// millions of cuts at fsdp=N holding two Layouts (four heap vectors) each were what
+// routing spent its time and memory on.
 struct Cut {
   uint32_t plan = 0;
   uint32_t param = 0;
@@ -44,9 +51,112 @@ struct Cut {
   uint32_t box = 0;  // producer's box index
   uint64_t bytes = 0;
   uint64_t cost = 0;  // bytes x consumers of the plan class
-  uint64_t staging = 0;
-  Layout src;  // piece-local, then holder-local
-  Layout dst;
+  int64_t dst_offset = 0;
+  uint64_t layouts = 0;  // its row in the LayoutPool
+};
+
+// A vector kept in fixed blocks: growing it never moves, nor touches again, what it
+// holds (a doubling vector of millions of cuts copied and page-faulted all of them at
+// every doubling).
+template <typename T>
+class Blocks {
+ public:
+  static constexpr size_t kBits = 14;
+  void push_back(const T& x) {
+    if (blocks_.empty() || blocks_.back().size() == (size_t{1} << kBits)) {
+      blocks_.emplace_back();
+      blocks_.back().reserve(size_t{1} << kBits);
+    }
+    blocks_.back().push_back(x);
+    ++size_;
+  }
+  size_t size() const { return size_; }
+  T& operator[](size_t i) { return blocks_[i >> kBits][i & ((size_t{1} << kBits) - 1)]; }
+  const T& operator[](size_t i) const { return blocks_[i >> kBits][i & ((size_t{1} << kBits) - 1)]; }
+
+ private:
+  std::vector<std::vector<T>> blocks_;
+  size_t size_ = 0;
+};
+
+// The src (piece-local, then holder-local) and dst layouts of every cut, one row each in
+// one flat vector: [ndim, src offset, dst offset, shape x ndim, src strides x ndim, dst
+// strides x ndim], in blocks that never move. add() coalesces the pair as
+// coalesce_layouts() does, without allocating (scratch reused).
+class LayoutPool {
+ public:
+  uint64_t add(const Shape& shape, const Shape& src_strides, int64_t src_offset, const Shape& dst_strides,
+               int64_t dst_offset) {
+    sh_.clear();
+    a_.clear();
+    b_.clear();
+    bool empty = false;
+    for (int64_t n : shape) empty |= n == 0;
+    if (empty) {
+      sh_.push_back(0);
+      a_.push_back(1);
+      b_.push_back(1);
+    } else {
+      for (size_t d = 0; d < shape.size(); ++d) {
+        const int64_t n = shape[d];
+        if (n == 1) continue;
+        if (!sh_.empty() && a_.back() == src_strides[d] * n && b_.back() == dst_strides[d] * n) {
+          sh_.back() *= n;
+          a_.back() = src_strides[d];
+          b_.back() = dst_strides[d];
+        } else {
+          sh_.push_back(n);
+          a_.push_back(src_strides[d]);
+          b_.push_back(dst_strides[d]);
+        }
+      }
+    }
+    const size_t row = 3 + 3 * sh_.size();
+    if (blocks_.empty() || blocks_.back().size() + row > std::max(kBlock, row)) {
+      blocks_.emplace_back();
+      blocks_.back().reserve(std::max(kBlock, row));
+    }
+    std::vector<int64_t>& v = blocks_.back();
+    const uint64_t at = (blocks_.size() - 1) << 32 | v.size();
+    v.push_back(static_cast<int64_t>(sh_.size()));
+    v.push_back(src_offset);
+    v.push_back(dst_offset);
+    v.insert(v.end(), sh_.begin(), sh_.end());
+    v.insert(v.end(), a_.begin(), a_.end());
+    v.insert(v.end(), b_.begin(), b_.end());
+    return at;
+  }
+  int64_t numel(uint64_t at) const {
+    const int64_t* r = row(at);
+    int64_t n = 1;
+    for (int64_t k = 0; k < r[0]; ++k) n *= r[3 + k];
+    return n;
+  }
+  Layout src(uint64_t at) const { return layout(at, 1, 1); }
+  Layout dst(uint64_t at) const { return layout(at, 2, 2); }
+  // A rebased src of the same shape.
+  void set_src(uint64_t at, const Layout& l) {
+    int64_t* r = row(at);
+    r[1] = l.offset;
+    std::copy(l.strides.begin(), l.strides.end(), r + 3 + r[0]);
+  }
+
+ private:
+  static constexpr size_t kBlock = size_t{1} << 16;  // int64s per block
+  const int64_t* row(uint64_t at) const { return blocks_[at >> 32].data() + (at & 0xffffffffu); }
+  int64_t* row(uint64_t at) { return blocks_[at >> 32].data() + (at & 0xffffffffu); }
+  Layout layout(uint64_t at, size_t offset_field, size_t strides_block) const {
+    const int64_t* r = row(at);
+    const auto nd = static_cast<size_t>(r[0]);
+    const int64_t* base = r + 3;
+    Layout l;
+    l.shape.assign(base, base + nd);
+    l.strides.assign(base + strides_block * nd, base + (strides_block + 1) * nd);
+    l.offset = r[offset_field];
+    return l;
+  }
+  std::vector<std::vector<int64_t>> blocks_;
+  Shape sh_, a_, b_;
 };
 
 int64_t flat_of(const Shape& idx, const Shape& strides) {
@@ -259,11 +369,52 @@ Status build_pieces(const TensorDecl& decl, TensorInfo& ti) {
     p.flat_lo = flat_of(p.box.start, strides);
     p.flat_hi = flat_of(last, strides);
     ti.map.push_back(MapPiece{p.box.start, Layout::contiguous(p.box.size), 0});
+    ti.widest_flat = std::max(ti.widest_flat, p.flat_hi - p.flat_lo);
   }
+  ti.by_flat.resize(ti.pieces.size());
+  std::iota(ti.by_flat.begin(), ti.by_flat.end(), 0);
+  std::stable_sort(ti.by_flat.begin(), ti.by_flat.end(),
+                   [&](uint32_t a, uint32_t b) { return ti.pieces[a].flat_lo < ti.pieces[b].flat_lo; });
   return Status::Ok();
 }
 
 }  // namespace
+
+uint64_t RoutingCost::route_groups() const { return (producers + plan_classes) * groups; }
+uint64_t RoutingCost::pieces() const { return held_boxes * plan_classes; }
+uint64_t RoutingCost::bytes() const {
+  // Per held box: its HeldBox and a share of its rank's TensorDecl copies, and the
+  // router's Holder and piece; per route group, an empty group's vectors; per piece,
+  // the router's cut and layouts and a pack op and an unpack op with their heap blocks
+  // (measured: fsdp=4096 -> tp=8 over Llama-3.1-8B peaks at 2.3 GB, this says 3.4).
+  constexpr uint64_t kPerBox = 240, kPerGroup = 64, kPerPiece = 410;
+  return held_boxes * kPerBox + route_groups() * kPerGroup + pieces() * kPerPiece;
+}
+std::string RoutingCost::to_string() const {
+  return fmt::format("{} held boxes, {} route groups, ~{} pieces: ~{:.1f} GiB to route", held_boxes, route_groups(),
+                     pieces(), static_cast<double>(bytes()) / static_cast<double>(uint64_t{1} << 30));
+}
+
+Status check_routing_cost(const RoutingCost& c, uint64_t memory_budget) {
+  auto gib = [](uint64_t b) { return static_cast<double>(b) / static_cast<double>(uint64_t{1} << 30); };
+  if (c.route_groups() > kMaxRouteGroups) {
+    return invalid_argument(
+        "routing {} producers and {} plan classes over {} layer groups needs {} route groups, which every rank of the "
+        "job would hold (~{:.1f} GiB of them before any piece); the limit is {} route groups. In all: {}",
+        c.producers, c.plan_classes, c.groups, c.route_groups(), gib(c.route_groups() * 64), kMaxRouteGroups,
+        c.to_string());
+  }
+  if (c.pieces() > kMaxRoutePieces) {
+    return invalid_argument(
+        "routing {} held boxes to {} plan classes cuts up to ~{} pieces; the limit is {} pieces. In all: {}",
+        c.held_boxes, c.plan_classes, c.pieces(), kMaxRoutePieces, c.to_string());
+  }
+  if (memory_budget && c.bytes() > memory_budget) {
+    return invalid_argument("routing needs ~{:.1f} GiB of memory and {:.1f} GiB is available. In all: {}",
+                            gib(c.bytes()), gib(memory_budget), c.to_string());
+  }
+  return Status::Ok();
+}
 
 Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options) {
   const auto& meta = in.metadata;
@@ -291,20 +442,20 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
         return not_found("producer {} holds tensor '{}', which the metadata lacks", p, d.name);
       }
       TensorInfo& ti = tensors[it->second];
-      if (ti.first_holder >= 0 && ti.first_holder != static_cast<int>(p)) {
-        const Holdings& f = in.producers[static_cast<size_t>(ti.first_holder)];
-        for (const auto& fd : f.tensors) {
-          if (fd.name == d.name && !same_decl(fd, d)) {
-            return invalid_argument("holders disagree on tensor '{}': producer {} has {}, producer {} has {}", d.name,
-                                    ti.first_holder, decl_str(fd), p, decl_str(d));
-          }
-        }
+      // Against the first holder's view (it matched the metadata): one comparison, not
+      // a search of that holder's tensor list (which made fsdp=N quadratic in N).
+      if (ti.first_decl && ti.first_holder != static_cast<int>(p) && !same_decl(*ti.first_decl, d)) {
+        return invalid_argument("holders disagree on tensor '{}': producer {} has {}, producer {} has {}", d.name,
+                                ti.first_holder, decl_str(*ti.first_decl), p, decl_str(d));
       }
       if (!same_decl(d, meta[it->second])) {
         return invalid_argument("holders disagree on tensor '{}': the metadata says {}, producer {} has {}", d.name,
                                 decl_str(meta[it->second]), p, decl_str(d));
       }
-      if (ti.first_holder < 0) ti.first_holder = static_cast<int>(p);
+      if (ti.first_holder < 0) {
+        ti.first_holder = static_cast<int>(p);
+        ti.first_decl = &d;
+      }
       local[i] = it->second;
     }
     // Boxes; overlap within this producer.
@@ -390,9 +541,18 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
     consumer_min[c] = plan->stats().bytes;
   }
 
+  {  // What the rest would cost, before any piece: refused at once when out of bounds.
+    RoutingCost cost;
+    cost.producers = num_producers;
+    cost.plan_classes = classes.size();
+    cost.groups = static_cast<uint64_t>(G);
+    for (const Holdings& h : in.producers) cost.held_boxes += h.boxes.size();
+    FERRY_RETURN_IF_ERROR(check_routing_cost(cost));
+  }
+
   // --- cut every copy by the pieces it touches ------------------------------------------
-  std::vector<Cut> cuts;
-  std::vector<MapPiece> filtered;
+  Blocks<Cut> cuts;
+  LayoutPool pool;
   std::vector<uint32_t> filtered_idx;
   for (uint32_t k = 0; k < classes.size(); ++k) {
     const Plan& plan = *classes[k];
@@ -411,41 +571,38 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
       Layout src = copy.src, dst = copy.dst;
       unflatten(src, dst, d.shape);
       // Only the pieces the copy's flat range can touch.
-      const std::vector<MapPiece>* pieces = &ti.map;
       const std::vector<uint32_t>* idx = nullptr;
       if (ti.map.size() > 4) {
         const int64_t lo = src.min_offset(), hi = src.max_offset();
-        filtered.clear();
         filtered_idx.clear();
-        for (uint32_t i = 0; i < ti.pieces.size(); ++i) {
-          if (ti.pieces[i].flat_hi < lo || ti.pieces[i].flat_lo > hi) continue;
-          filtered.push_back(ti.map[i]);
-          filtered_idx.push_back(i);
+        // By binary search in the pieces sorted by flat start, not a scan of every
+        // piece per copy; taken in index order, as the scan did, so the cut is the same.
+        auto first = std::lower_bound(ti.by_flat.begin(), ti.by_flat.end(), lo - ti.widest_flat,
+                                      [&](uint32_t i, int64_t v) { return ti.pieces[i].flat_lo < v; });
+        for (auto it = first; it != ti.by_flat.end() && ti.pieces[*it].flat_lo <= hi; ++it) {
+          if (ti.pieces[*it].flat_hi >= lo) filtered_idx.push_back(*it);
         }
-        pieces = &filtered;
+        std::sort(filtered_idx.begin(), filtered_idx.end());
         idx = &filtered_idx;
       }
-      std::vector<MapPiece> out = compose_layout(src, d.shape, *pieces);
       int64_t covered = 0;
       const uint64_t es = dtype_size(d.dtype);
-      for (MapPiece& m : out) {
+      const int32_t group = groups.of_tensor(t);
+      compose_layout_each(src, d.shape, ti.map, idx, [&](const MapPiece& m) {
         Cut cut;
         cut.plan = k;
         cut.param = copy.param;
         cut.tensor = t;
         cut.piece = idx ? (*idx)[m.part] : m.part;
-        cut.group = groups.of_tensor(t);
-        cut.src = std::move(m.root);
-        cut.dst.shape = cut.src.shape;
-        cut.dst.strides = dst.strides;
-        cut.dst.offset = dst.offset_of(m.start);
-        coalesce_layouts(cut.src, cut.dst);
-        const int64_t numel = cut.src.numel();
+        cut.group = group;
+        cut.dst_offset = dst.offset_of(m.start);
+        cut.layouts = pool.add(m.root.shape, m.root.strides, m.root.offset, dst.strides, cut.dst_offset);
+        const int64_t numel = pool.numel(cut.layouts);
         covered += numel;
         cut.bytes = static_cast<uint64_t>(numel) * es;
         cut.cost = cut.bytes * weight[k];
-        cuts.push_back(std::move(cut));
-      }
+        cuts.push_back(cut);
+      });
       if (covered != n) {
         return not_found("tensor '{}': {} of the {} elements a consumer plan reads ({} -> param '{}') are held by no producer",
                          d.name, n - covered, n, copy.src.to_string(), plan.params()[copy.param].name);
@@ -453,7 +610,7 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
     }
   }
   // Costs were counted with the final weights only after every consumer was seen.
-  for (Cut& c : cuts) c.cost = c.bytes * weight[c.plan];
+  for (size_t i = 0; i < cuts.size(); ++i) cuts[i].cost = cuts[i].bytes * weight[cuts[i].plan];
 
   // --- choose holders -------------------------------------------------------------------
   std::vector<uint32_t> order(cuts.size());
@@ -464,7 +621,7 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
     if (x.cost != y.cost) return x.cost > y.cost;
     if (x.plan != y.plan) return x.plan < y.plan;
     if (x.param != y.param) return x.param < y.param;
-    return x.dst.offset < y.dst.offset;
+    return x.dst_offset < y.dst_offset;
   });
   std::vector<uint64_t> load(num_producers, 0), sole(num_producers, 0);
   for (uint32_t i : order) {
@@ -480,7 +637,7 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
     c.box = h.box_index;
     load[h.producer] += c.cost;
     if (piece.holders.size() == 1) sole[h.producer] += c.cost;
-    if (piece.refined && h.box != piece.box) c.src = rebase(c.src, piece.box, h.box);
+    if (piece.refined && h.box != piece.box) pool.set_src(c.layouts, rebase(pool.src(c.layouts), piece.box, h.box));
   }
 
   // --- segments -------------------------------------------------------------------------
@@ -491,10 +648,23 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
     if (x.group != y.group) return x.group < y.group;
     if (x.plan != y.plan) return x.plan < y.plan;
     if (x.param != y.param) return x.param < y.param;
-    return x.dst.offset < y.dst.offset;
+    return x.dst_offset < y.dst_offset;
   });
   const uint64_t align = std::max<uint64_t>(1, options.segment_alignment);
   routes.producers.assign(num_producers, ProducerRoute{std::vector<ProducerGroup>(static_cast<size_t>(G))});
+  {  // Room for every op up front (merges only make fewer): no regrowth of millions of ops.
+    const auto ng = static_cast<size_t>(G);
+    std::vector<size_t> packs(num_producers * ng, 0), unpacks(routes.plans.size() * ng, 0);
+    for (size_t i = 0; i < cuts.size(); ++i) {
+      const Cut& c = cuts[i];
+      ++packs[c.producer * ng + static_cast<size_t>(c.group)];
+      ++unpacks[c.plan * ng + static_cast<size_t>(c.group)];
+    }
+    for (size_t p = 0; p < num_producers; ++p)
+      for (size_t g = 0; g < ng; ++g) routes.producers[p].groups[g].packs.reserve(packs[p * ng + g]);
+    for (size_t k = 0; k < routes.plans.size(); ++k)
+      for (size_t g = 0; g < ng; ++g) routes.plans[k].groups[g].unpacks.reserve(unpacks[k * ng + g]);
+  }
   for (size_t a = 0; a < order.size();) {
     const Cut& first = cuts[order[a]];
     ProducerGroup& pg = routes.producers[first.producer].groups[static_cast<size_t>(first.group)];
@@ -509,8 +679,9 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
       if (c.producer != first.producer || c.group != first.group || c.plan != first.plan) break;
       const DType dt = meta[c.tensor].dtype;
       const uint64_t es = dtype_size(dt);
-      push_pack(pg.packs, first_pack, PackOp{c.box, dt, cur, c.src}, es);
-      push_unpack(cg.unpacks, first_unpack, UnpackOp{c.param, dt, rd.recv_offset + (cur - seg.offset), c.dst}, es);
+      push_pack(pg.packs, first_pack, PackOp{c.box, dt, cur, pool.src(c.layouts)}, es);
+      push_unpack(cg.unpacks, first_unpack,
+                  UnpackOp{c.param, dt, rd.recv_offset + (cur - seg.offset), pool.dst(c.layouts)}, es);
       cur += c.bytes;
     }
     seg.bytes = cur - seg.offset;
@@ -521,6 +692,11 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
     cg.reads.push_back(rd);
     a = b;
   }
+  // Merged ops left room unused (a no-op where none merged).
+  for (ProducerRoute& pr : routes.producers)
+    for (ProducerGroup& pg : pr.groups) pg.packs.shrink_to_fit();
+  for (PlanRoute& pr : routes.plans)
+    for (PlanGroup& cg : pr.groups) cg.unpacks.shrink_to_fit();
 
   // --- stats ----------------------------------------------------------------------------
   RouteStats& st = routes.stats;

@@ -140,7 +140,9 @@ struct StoreHost {
       const size_t at = text.find("serving tcp://");
       if (at != std::string::npos && text.find(' ', at + 8) != std::string::npos) {
         url = text.substr(at + 8, text.find(' ', at + 8) - at - 8);
-        port = static_cast<uint16_t>(std::atoi(url.c_str() + url.rfind(':') + 1));
+        auto parsed = parse_store_url(url);  // the whole URL, its port in range
+        if (!parsed.ok()) return parsed.status().with_context("`ferry store` printed");
+        port = parsed->port;
         return Status::Ok();
       }
       if (auto status = wait_exit(child, Clock::now()))
@@ -474,14 +476,22 @@ DemoResult run_demo(const DemoSpec& d) {
         row.paused += fmt::format("host {} link down {:.0f} ms {}; ", c.host, seconds_since(t0) * 1e3, at);
       });
     }
+    // Each result's key and whose it is: kept, never parsed back out of the key.
     std::vector<std::string> keys;
+    struct Whose {
+      bool consumer;
+      int rank;
+    };
+    std::vector<Whose> whose;
     for (int p = 0; p < P; ++p) {
       if (killing && kill_producer && p == d.kill_rank) continue;
       keys.push_back(worker_result_key(job, v, "producer", p));
+      whose.push_back({false, p});
     }
     for (int r = 0; r < C; ++r) {
       if (killing && !kill_producer && r == d.kill_rank) continue;
       keys.push_back(worker_result_key(job, v, "consumer", r));
+      whose.push_back({true, r});
     }
     if (Status s = wait_keys(keys, killing ? victim : -1); !s.ok()) {
       if (std::getenv("FERRY_DEMO_GDB")) {
@@ -507,17 +517,20 @@ DemoResult run_demo(const DemoSpec& d) {
       std::vector<int> serves;
     };
     std::map<int, ProducerSaid> said;
-    for (const auto& k : keys) {
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const std::string& k = keys[i];
+      const bool is_consumer = whose[i].consumer;
+      const int rank = whose[i].rank;
+      const std::string name = fmt::format("{}{}", is_consumer ? "consumer" : "producer", rank);
       auto text = st.get(k);
       if (!text.ok()) return kill_all(), fail(text.status().to_string());
-      row.results[k.substr(k.rfind('/') + 1)] = *text;
+      row.results[name] = *text;
       auto j = nlohmann::json::parse(*text, nullptr, false);
-      const bool is_consumer = k.find("consumer") != std::string::npos;
       if (is_consumer && j.value("torn", false)) ++row.torn;
       if (is_consumer && j.value("live_verified", false)) ++row.live_verified;
       if (is_consumer) row.mixed_reads += j.value("mixed_reads", uint64_t{0});
       if (!j.value("ok", false)) {
-        const std::string e = fmt::format("{}: {}", k.substr(k.rfind('/') + 1), j.value("error", std::string("?")));
+        const std::string e = fmt::format("{}: {}", name, j.value("error", std::string("?")));
         notes.push_back(e);
         if (is_consumer) {
           all_ok = false;
@@ -529,8 +542,8 @@ DemoResult run_demo(const DemoSpec& d) {
       }
       secs = std::max(secs, j.value("seconds", 0.0));
       if (!is_consumer) {
-        const int pr = std::atoi(k.c_str() + k.rfind("producer") + 8);
-        if (pr >= 0 && pr < P) row.producer_bytes[static_cast<size_t>(pr)] = j.value("bytes", uint64_t{0});
+        const int pr = rank;
+        row.producer_bytes[static_cast<size_t>(pr)] = j.value("bytes", uint64_t{0});
         ProducerSaid& ps = said[pr];
         ps.ok = j.value("report_ok", false);
         ps.serves = j.value("serves", std::vector<int>{});
@@ -542,7 +555,7 @@ DemoResult run_demo(const DemoSpec& d) {
           const double val = j.value(fmt::format("{}_seconds", name), 0.0);
           if (val > 0) ph += fmt::format(" {} {:.3f}", name, val);
         }
-        notes.push_back(fmt::format("{}: {:.3f} s:{}", k.substr(k.rfind('/') + 1), j.value("seconds", 0.0), ph));
+        notes.push_back(fmt::format("{}: {:.3f} s:{}", name, j.value("seconds", 0.0), ph));
       }
       for (const auto& f : j.value("failures", std::vector<std::string>{})) {
         notes.push_back(f);
@@ -563,10 +576,10 @@ DemoResult run_demo(const DemoSpec& d) {
         ++row.expected;
         if (j.value("verified", false)) {
           ++row.verified;
-          verified_consumers.insert(std::atoi(k.c_str() + k.rfind("consumer") + 8));
+          verified_consumers.insert(rank);
         } else {
           all_ok = false;
-          notes.push_back(fmt::format("{}: NOT verified: {}", k.substr(k.rfind('/') + 1), j.value("mismatch", "")));
+          notes.push_back(fmt::format("{}: NOT verified: {}", name, j.value("mismatch", "")));
         }
       }
     }

@@ -16,6 +16,13 @@ Result<JobModel> make_job_model_from(const ModelConfig& config, const std::strin
   FERRY_ASSIGN_OR_RETURN(m.trainer, TrainerLayout::parse(trainer));
   FERRY_ASSIGN_OR_RETURN(m.loader, make_model_loader(m.config, m.inference));
   m.metadata = m.loader->checkpoint();
+  {  // A layout whose routing is out of bounds is refused before its holdings are made.
+    auto boxes = count_held_boxes(m.metadata, m.trainer, model_info_from_config(m.config.json()));
+    if (!boxes.ok()) return boxes.status().with_context(fmt::format("trainer layout {}", trainer));
+    RoutingCost cost{static_cast<uint64_t>(m.trainer.world_size()), static_cast<uint64_t>(m.inference.engine_size()),
+                     static_cast<uint64_t>(Groups(m.metadata).size()), *boxes};
+    FERRY_RETURN_IF_ERROR(check_routing_cost(cost).with_context(fmt::format("trainer layout {}", trainer)));
+  }
   auto th = make_holdings(m.metadata, m.trainer, model_info_from_config(m.config.json()));
   if (!th.ok()) return th.status().with_context(fmt::format("trainer layout {}", trainer));
   m.holdings = std::make_shared<const std::vector<Holdings>>(std::move(th->ranks));

@@ -411,26 +411,7 @@ TEST(EngineCoordination, StoreAwayFailsNamingItThenRestartedStoreRecovers) {
 // --- what travels in the leases ------------------------------------------------------
 
 // The in-place table travels in the producer's lease: decoding it is bounds-checked.
-TEST(InPlaceTable, RoundTripAndMalformedBytes) {
-  engine::InPlaceTable t;
-  t.min_bytes = 4096;
-  t.keys = {"key-a", "key-b"};
-  t.boxes = {{0, 128}, {-1, 0}, {1, 1 << 20}};
-  const std::string bytes = t.encode();
-  auto d = engine::InPlaceTable::decode(bytes, 3);
-  ASSERT_TRUE(d.ok()) << d.status().to_string();
-  EXPECT_EQ(d->min_bytes, 4096u);
-  EXPECT_EQ(d->keys, t.keys);
-  ASSERT_EQ(d->boxes.size(), 3u);
-  EXPECT_EQ(d->boxes[2].region, 1);
-  EXPECT_EQ(d->boxes[2].offset, uint64_t{1} << 20);
-  EXPECT_TRUE(engine::InPlaceTable::decode("", 3)->empty());  // no source regions
-  EXPECT_EQ(engine::InPlaceTable::decode(bytes, 4).status().code(), StatusCode::kCorrupt);  // box count
-  for (size_t n = 1; n < bytes.size(); n += 7)
-    EXPECT_FALSE(engine::InPlaceTable::decode(bytes.substr(0, n), 3).ok()) << "truncated at " << n;
-  t.boxes[1].region = 2;  // names a region the table lacks
-  EXPECT_EQ(engine::InPlaceTable::decode(t.encode(), 3).status().code(), StatusCode::kCorrupt);
-}
+// InPlaceTable: protocol_test.cpp (engine_parts_test), with its bounds.
 
 // A push consumer's param table travels in its lease: decoding it is bounds-checked.
 TEST(ParamTable, RoundTripAndMalformedBytes) {

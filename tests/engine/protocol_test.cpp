@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "engine/cuda_ipc.h"
+#include "engine/in_place.h"
 #include "engine/protocol.h"
 #include "ferry/device.h"
 
@@ -122,6 +123,118 @@ TEST(EngineProtocol, JobKeysStayUnderTheJobPrefix) {
   EXPECT_EQ(k.dead(5).rfind(k.dead_prefix(), 0), 0u);
   EXPECT_NE(k.producer(1), k.consumer(1));
   EXPECT_NE(k.holdings(1), k.plan(1));
+}
+
+// Issue 30: a job named 'j/dead/1' wrote j/dead/1/meta, which job 'j' listed under its
+// dead prefix and read as "producer 1 is dead" (stoi("1/meta") = 1). Names containing
+// the separator are refused, so no job's keys lie under another's.
+TEST(EngineProtocol, JobNamesThatCouldCollideAreRefused) {
+  for (const char* ok : {"ferry", "rl-run-7", "job.1_x", "j"}) EXPECT_TRUE(JobKeys::check(ok).ok()) << ok;
+  auto sep = JobKeys::check("j/dead/1");
+  ASSERT_EQ(sep.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(sep.message().find("contains '/'"), std::string::npos) << sep.to_string();
+  EXPECT_EQ(JobKeys::check("").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(JobKeys::check(std::string(JobKeys::kMaxJobBytes + 1, 'a')).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(JobKeys::check(std::string(JobKeys::kMaxJobBytes, 'a')).ok());
+  EXPECT_EQ(JobKeys::check("a\nb").code(), StatusCode::kInvalidArgument);
+  // Two valid names never share a key or a listed prefix: the first '/' ends the name.
+  const JobKeys j("j"), jd("j-dead");
+  EXPECT_NE(jd.meta().rfind(j.dead_prefix(), 0), 0u);
+}
+
+// Every key listed back is parsed whole: a canonical decimal in int range, nothing after.
+TEST(EngineProtocol, ListedKeysAreParsedExactly) {
+  const JobKeys k("j");
+  EXPECT_EQ(k.dead_rank(k.dead(1)), 1);
+  EXPECT_EQ(k.dead_rank(k.dead(0)), 0);
+  EXPECT_EQ(k.dead_rank("j/dead/2147483647"), 2147483647);
+  for (const char* bad : {"j/dead/1/meta", "j/dead/01", "j/dead/+1", "j/dead/-1", "j/dead/ 1", "j/dead/1 ",
+                          "j/dead/", "j/dead/2147483648", "j/dead/99999999999", "j/dead/1x", "j/deadx/1", "k/dead/1",
+                          "j/dead/0x1"})
+    EXPECT_FALSE(k.dead_rank(bad).has_value()) << bad;
+  auto w = k.world_of(k.world("consumer", 3, 2, 4));
+  ASSERT_TRUE(w.has_value());
+  EXPECT_EQ(w->role, "consumer");
+  EXPECT_EQ(w->rank, 3);
+  EXPECT_EQ(w->num_producers, 2);
+  EXPECT_EQ(w->num_consumers, 4);
+  for (const char* bad : {"j/world/producer/0/2/3/x", "j/world/producer/0/2", "j/world/producer/0/+2/3",
+                          "j/world/producer/0/2/03", "j/world/trainer/0/2/3", "j/world/producer/-1/2/3",
+                          "j/world/producer/0/2/3/", "j/world/producer//2/3", "j/world/producer/0/2/4294967299"})
+    EXPECT_FALSE(k.world_of(bad).has_value()) << bad;
+}
+
+Holdings bf16_boxes(std::vector<int64_t> sizes) {
+  Holdings h;
+  h.tensors.push_back({"t", DType::kBF16, {int64_t{1} << 40}});
+  for (int64_t n : sizes) h.boxes.push_back(HeldBox{0, Box{{0}, {n}}});
+  return h;
+}
+
+TEST(InPlaceTable, RoundTripAndMalformedBytes) {
+  InPlaceTable t;
+  t.min_bytes = 4096;
+  t.keys = {"key-a", "key-b"};
+  t.boxes = {{0, 128}, {-1, 0}, {1, 1 << 20}};
+  const Holdings three = bf16_boxes({64, 64, 64});
+  const std::string bytes = t.encode();
+  auto d = InPlaceTable::decode(bytes, three);
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  EXPECT_EQ(d->min_bytes, 4096u);
+  EXPECT_EQ(d->keys, t.keys);
+  ASSERT_EQ(d->boxes.size(), 3u);
+  EXPECT_EQ(d->boxes[2].region, 1);
+  EXPECT_EQ(d->boxes[2].offset, uint64_t{1} << 20);
+  EXPECT_TRUE(InPlaceTable::decode("", three)->empty());  // no source regions
+  EXPECT_EQ(InPlaceTable::decode(bytes, bf16_boxes({1, 1, 1, 1})).status().code(), StatusCode::kCorrupt);  // box count
+  for (size_t n = 1; n < bytes.size(); n += 7)
+    EXPECT_FALSE(InPlaceTable::decode(bytes.substr(0, n), three).ok()) << "truncated at " << n;
+  t.boxes[1].region = 2;  // names a region the table lacks
+  EXPECT_EQ(InPlaceTable::decode(t.encode(), three).status().code(), StatusCode::kCorrupt);
+}
+
+// Issue 30: decode did not bound region offsets. A box in place whose offset plus its
+// bytes wraps past 2^64 is refused by decode (it knows the holdings); one that lies past
+// its region's end is refused once the region's length is known (check_regions).
+TEST(InPlaceTable, OffsetsAreBoundedByTheBoxesAndTheRegions) {
+  InPlaceTable t;
+  t.keys = {"key-a"};
+  const Holdings h = bf16_boxes({64, 1024});  // 128 and 2048 bytes
+  t.boxes = {{0, 0}, {0, UINT64_MAX - 1000}};  // box 1's 2048 bytes wrap
+  auto wrapped = InPlaceTable::decode(t.encode(), h);
+  ASSERT_EQ(wrapped.status().code(), StatusCode::kCorrupt) << wrapped.status().to_string();
+  EXPECT_NE(wrapped.status().message().find("box 1"), std::string::npos) << wrapped.status().to_string();
+  t.boxes[1].offset = UINT64_MAX - 2048;  // ends exactly at 2^64 - 1: representable
+  EXPECT_TRUE(InPlaceTable::decode(t.encode(), h).ok());
+  // A box whose bytes themselves overflow (2^40 x 2^40 elements) is refused too.
+  Holdings huge = h;
+  huge.tensors[0].shape = {int64_t{1} << 40, int64_t{1} << 40};
+  huge.boxes[0].box = Box{{0, 0}, {1, 64}};
+  huge.boxes[1].box = Box{{0, 0}, {int64_t{1} << 40, int64_t{1} << 40}};
+  t.boxes[1].offset = 0;
+  EXPECT_EQ(InPlaceTable::decode(t.encode(), huge).status().code(), StatusCode::kCorrupt);
+
+  // Inside a region of 4096 bytes: box 1 at 2048 fits exactly; at 2049 it does not.
+  t.boxes = {{0, 0}, {0, 2048}};
+  auto ok = InPlaceTable::decode(t.encode(), h);
+  ASSERT_TRUE(ok.ok()) << ok.status().to_string();
+  RemoteRegion region;
+  region.length = 4096;
+  EXPECT_TRUE(ok->check_regions({region}, h).ok());
+  t.boxes[1].offset = 2049;
+  auto past = InPlaceTable::decode(t.encode(), h);
+  ASSERT_TRUE(past.ok());  // decode cannot know the region's length
+  Status s = past->check_regions({region}, h);
+  ASSERT_EQ(s.code(), StatusCode::kCorrupt) << s.to_string();
+  EXPECT_NE(s.message().find("box 1 (2048 bytes at offset 2049) lies outside source region 0 (4096 bytes)"),
+            std::string::npos)
+      << s.to_string();
+  t.boxes[1].offset = UINT64_MAX;  // past any region, and no wrap on the way
+  Holdings empty_box = bf16_boxes({64, 0});
+  auto far = InPlaceTable::decode(t.encode(), empty_box);
+  ASSERT_TRUE(far.ok());
+  EXPECT_EQ(far->check_regions({region}, empty_box).code(), StatusCode::kCorrupt);
+  EXPECT_EQ(ok->check_regions({}, h).code(), StatusCode::kCorrupt);  // regions missing
 }
 
 // A producer's GPU staging as its lease carries it: round trip; truncated, foreign or

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include "engine/rendezvous.h"
+#include "ferry/engine.h"
+#include "tools/job_model.h"
 
 namespace ferry::engine {
 namespace {
@@ -45,6 +47,97 @@ TEST(Rendezvous, WrongTypesAreCorrupt) {
   ASSERT_FALSE(named.ok());
   EXPECT_NE(named.status().message().find("holdings box names tensor 4294967296 of 1"), std::string::npos)
       << named.status().to_string();
+}
+
+// A store of its own (the embedded TCP server) for tests of what ranks read back.
+struct TestStore {
+  static constexpr const char* kToken = "rendezvous-test-token-0123";
+  std::unique_ptr<StoreServer> server;
+  std::unique_ptr<Store> store;
+  TestStore() {
+    StoreServerOptions sso;
+    sso.token = kToken;
+    server = StoreServer::start(sso).value();
+    StoreOptions so;
+    so.token = kToken;
+    store = Store::open(server->url(), so).value();
+  }
+};
+
+// Two DP replicas of a shrunk Llama and one consumer: what RouteState needs to start.
+RouteInputs replicated_inputs() {
+  auto m = tools::make_job_model(std::string(FERRY_SOURCE_DIR) + "/configs/llama-3.1-8b.json", "tp=1,dp=2", "tp=1",
+                                 true, "");
+  EXPECT_TRUE(m.ok()) << m.status().to_string();
+  RouteInputs in;
+  in.metadata = m->metadata;
+  in.holdings = *m->holdings;
+  auto plan = record_plan(*m->loader, 0, m->metadata);
+  EXPECT_TRUE(plan.ok()) << plan.status().to_string();
+  in.plans.push_back(std::move(*plan));
+  return in;
+}
+
+// Issue 30: job 'j/dead/1' wrote j/dead/1/meta, and job 'j' read it as producer 1 dead
+// (stoi("1/meta") = 1): it routed without a healthy replica, silently. Only keys that
+// are exactly {job}/dead/{p}, p a producer of the job, mark one dead.
+TEST(RouteState, OnlyExactDeadMarksOfTheJobsProducersCount) {
+  TestStore ts;
+  Store& st = *ts.store;
+  for (const char* k : {"j/dead/1/meta", "j/dead/01", "j/dead/+1", "j/dead/-1", "j/dead/1 ", "j/dead/2",
+                        "j/dead/4294967297"})
+    ASSERT_TRUE(st.set(k, "1").ok()) << k;
+  RouteState rs(st, JobKeys("j"), /*failover=*/true);
+  auto routes = rs.start(replicated_inputs());
+  ASSERT_TRUE(routes.ok()) << routes.status().to_string();
+  EXPECT_TRUE(rs.dead().empty()) << "dead: " << rank_list(rs.dead());
+  auto listed = rs.read_dead();
+  ASSERT_TRUE(listed.ok());
+  EXPECT_TRUE(listed->empty()) << rank_list(*listed);
+  // The real mark counts.
+  ASSERT_TRUE(st.set(JobKeys("j").dead(1), "1").ok());
+  Status applied = rs.refresh([](Routes) { return Status::Ok(); });
+  ASSERT_TRUE(applied.ok()) << applied.to_string();
+  EXPECT_EQ(rs.dead(), std::set<int>{1});
+}
+
+// check_world read world keys with sscanf("%15[a-z]/%d/%d/%d"): a key with more after
+// them, or a sign, was taken for a rank started with other world sizes and failed the
+// job. Only exact world keys count; a real mismatch still fails at once, naming both.
+TEST(Rendezvous, OnlyExactWorldKeysAreCheckedAgainstTheWorldSizes) {
+  TestStore ts;
+  Store& st = *ts.store;
+  const JobKeys keys("w");
+  EngineOptions o;
+  o.job = "w";
+  o.num_producers = 2;
+  o.num_consumers = 1;
+  for (const char* k : {"w/world/producer/0/3/1/extra", "w/world/producer/1/+3/1", "w/world/consumer/0/2/01",
+                        "w/world/producer/0/3"})
+    ASSERT_TRUE(st.set(k, "").ok()) << k;
+  Status ok = check_world(st, keys, o, Participant{"consumer", 0});
+  EXPECT_TRUE(ok.ok()) << ok.to_string();
+  ASSERT_TRUE(st.set(keys.world("producer", 1, 3, 1), "").ok());
+  Status bad = check_world(st, keys, o, Participant{"consumer", 0});
+  ASSERT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad.to_string();
+  EXPECT_NE(bad.message().find("producer 1 with num_producers=3"), std::string::npos) << bad.to_string();
+}
+
+// A rank of a job whose name contains the key separator is refused before it writes a
+// key (publish_world is every rank's first write), and so is committed_versions.
+TEST(Rendezvous, AJobNameWithTheKeySeparatorIsRefusedBeforeAnyKey) {
+  TestStore ts;
+  Store& st = *ts.store;
+  EngineOptions o;
+  o.job = "j/dead/1";
+  Status s = publish_world(st, JobKeys(o.job), o, Participant{"producer", 0});
+  ASSERT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("contains '/'"), std::string::npos) << s.to_string();
+  auto listed = st.list("j/");
+  ASSERT_TRUE(listed.ok());
+  EXPECT_TRUE(listed->empty());
+  EXPECT_EQ(committed_versions(st, "j/dead/1", 1).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(publish_world(st, JobKeys("j"), EngineOptions{}, Participant{"producer", 0}).ok());
 }
 
 }  // namespace

@@ -36,6 +36,41 @@ void expect_error(const Result<Routes>& r, const std::string& needle) {
   EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status().to_string();
 }
 
+// Issue 30: fsdp=1000000 ran for minutes. What routing costs is predicted from counts
+// known before anything is built, and refused when out of bounds, saying what it needs.
+TEST(Router, RoutingCostOutOfBoundsIsRefusedSayingWhatItNeeds) {
+  RoutingCost fsdp_million{1000000, 8, 34, 1899008};
+  Status s = check_routing_cost(fsdp_million);
+  ASSERT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("needs 34000272 route groups"), std::string::npos) << s.to_string();
+  EXPECT_NE(s.message().find("the limit is 16777216 route groups"), std::string::npos) << s.to_string();
+  EXPECT_NE(s.message().find("1899008 held boxes"), std::string::npos) << s.to_string();
+  EXPECT_NE(s.message().find("GiB to route"), std::string::npos) << s.to_string();
+  RoutingCost fsdp_4096{4096, 8, 34, 962560};  // Llama-3.1-8B -> tp=8: routed in seconds
+  EXPECT_TRUE(check_routing_cost(fsdp_4096).ok());
+  RoutingCost pieces{64, 2048, 2, 1 << 17};  // 2^28 pieces
+  Status p = check_routing_cost(pieces);
+  ASSERT_EQ(p.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(p.message().find("the limit is 134217728 pieces"), std::string::npos) << p.to_string();
+  Status m = check_routing_cost(fsdp_4096, uint64_t{1} << 30);  // 1 GiB available
+  ASSERT_EQ(m.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(m.message().find("GiB of memory and 1.0 GiB is available"), std::string::npos) << m.to_string();
+  EXPECT_TRUE(check_routing_cost(fsdp_4096, uint64_t{64} << 30).ok());
+}
+
+// build_routes itself refuses such inputs before cutting (the engine routes what ranks
+// publish): 2^20 producers over 17 layer groups are 17.8M route groups.
+TEST(Router, BuildRoutesRefusesTooManyRouteGroupsBeforeCutting) {
+  std::vector<TensorDecl> meta;
+  for (int l = 0; l < 17; ++l) meta.push_back(decl(fmt::format("model.layers.{}.w", l), {4}));
+  std::vector<Holdings> prod(size_t{1} << 20);
+  for (const auto& d : meta) ASSERT_TRUE(prod[0].add(d, full_box(d.shape)).ok());
+  auto r = route(meta, std::move(prod), {});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("route groups"), std::string::npos) << r.status().to_string();
+}
+
 TEST(Router, ErrorTensorNobodyHolds) {
   const auto w = decl("model.layers.0.mlp.down_proj.weight", {4, 6});
   expect_error(route({w}, {Holdings{}}, {whole_plan(w)}), "'model.layers.0.mlp.down_proj.weight'");

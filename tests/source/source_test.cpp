@@ -307,6 +307,50 @@ TEST(Holdings, FsdpWithMoreRanksThanRows) {
   EXPECT_TRUE(th->ranks[7].boxes.empty());
 }
 
+// count_held_boxes walks make_holdings without making anything: the same count of boxes
+// over every rank (replicas counted at once), the same errors, for every kind of layout.
+TEST(Holdings, CountedBoxesAreTheBoxesMade) {
+  testing::ModelSpec dense;
+  dense.layers = 3;
+  dense.qkv_bias = true;
+  dense.scalar = true;
+  testing::ModelSpec moe = dense;
+  moe.experts = 8;
+  testing::ModelSpec fused = moe;
+  fused.fused_experts = true;
+  testing::ModelSpec phi3;
+  phi3.phi3 = true;
+  const std::pair<const testing::ModelSpec*, const char*> cases[] = {
+      {&dense, "fsdp=1"},         {&dense, "fsdp=7"},          {&dense, "fsdp=1000"},          {&dense, "tp=2,pp=3,dp=2"},
+      {&moe, "tp=2,ep=2,etp=2"},  {&moe, "tp=2,dp=4,ep=4,etp=2"}, {&fused, "tp=2,dp=2,ep=2,etp=2"}, {&phi3, "tp=2,dp=3"},
+      {&moe, "fsdp=5"}};
+  for (const auto& [spec, layout] : cases) {
+    SCOPED_TRACE(layout);
+    const auto meta = testing::make_metadata(*spec);
+    const ModelInfo info{spec->q_rows(), spec->kv_rows()};
+    auto l = TrainerLayout::parse(layout).value();
+    auto th = make_holdings(meta, l, info);
+    ASSERT_TRUE(th.ok()) << th.status().to_string();
+    uint64_t made = 0;
+    for (const auto& h : th->ranks) made += h.boxes.size();
+    auto counted = count_held_boxes(meta, l, info);
+    ASSERT_TRUE(counted.ok()) << counted.status().to_string();
+    EXPECT_EQ(*counted, made);
+  }
+  // The same errors, and a million ranks counted without a rank made.
+  const auto meta = testing::make_metadata(moe);
+  auto bad = count_held_boxes(meta, TrainerLayout::parse("tp=2,dp=3,ep=3").value(), {moe.q_rows(), moe.kv_rows()});
+  EXPECT_EQ(bad.status().to_string(),
+            make_holdings(meta, TrainerLayout::parse("tp=2,dp=3,ep=3").value(), {moe.q_rows(), moe.kv_rows()})
+                .status()
+                .to_string());
+  EXPECT_FALSE(bad.ok());
+  auto million = count_held_boxes(meta, TrainerLayout::parse("tp=1,dp=1048576").value(), {moe.q_rows(), moe.kv_rows()});
+  ASSERT_TRUE(million.ok()) << million.status().to_string();
+  auto one = count_held_boxes(meta, TrainerLayout::parse("tp=1").value(), {moe.q_rows(), moe.kv_rows()});
+  EXPECT_EQ(*million, *one * 1048576u);
+}
+
 TEST(Holdings, FsdpUnevenScalarsAndEmptyRanks) {
   std::vector<TensorDecl> meta = {{"model.layers.0.w", DType::kBF16, {5, 3}},
                                   {"model.layers.0.b", DType::kF32, {2}},
