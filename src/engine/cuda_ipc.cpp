@@ -2,8 +2,6 @@
 
 #include <unistd.h>
 
-#include <fstream>
-#include <limits.h>
 #include <random>
 
 #include "common/host.h"

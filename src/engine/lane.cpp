@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "common/fields.h"
 #include "engine/param_set.h"
 #include "engine/schedule.h"
 
@@ -21,12 +22,11 @@ void TransportLane::connect(int p, const RemoteRegion& staging, std::vector<Remo
 }
 
 Result<size_t> TransportLane::import(int p, const std::string& staging_key, const std::vector<std::string>& region_keys) {
-  auto bytes = [](const std::string& k) { return std::span<const std::byte>(reinterpret_cast<const std::byte*>(k.data()), k.size()); };
-  auto staging = transport_.import_key(bytes(staging_key));
+  auto staging = transport_.import_key(fields::string_bytes(staging_key));
   if (!staging.ok()) return staging.status().with_context(fmt::format("staging key of producer {}", p));
   std::vector<RemoteRegion> regions;
   for (size_t k = 0; k < region_keys.size(); ++k) {
-    auto r = transport_.import_key(bytes(region_keys[k]));
+    auto r = transport_.import_key(fields::string_bytes(region_keys[k]));
     if (!r.ok()) return r.status().with_context(fmt::format("source region {} key of producer {}", k, p));
     regions.push_back(*r);
   }

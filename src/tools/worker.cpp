@@ -220,7 +220,11 @@ int run_worker(const WorkerSpec& s) {
         for (int n = 0; reader.run && n < 1'000'000; ++n) {  // bounded
           std::shared_lock<std::shared_mutex> lk(reader.lock);
           const ConsumerState held = consumer->state();
-          if (!held.has_version) continue;  // nothing committed yet: zeros
+          if (!held.has_version) {  // nothing committed yet (zeros): nothing to check, don't spin
+            lk.unlock();
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            continue;
+          }
           auto ver = verify_params(*model, s.rank, consumer->params(), s.seed, held.version);
           ++reader.reads;
           if (!ver.ok() || ver->has_value()) {

@@ -2,11 +2,8 @@
 
 #include "common/host.h"
 
-#include <sys/stat.h>
 
 #include <cstring>
-#include <fstream>
-#include <functional>
 #include <limits>
 #include <string>
 
