@@ -25,11 +25,6 @@ struct CheckOptions {
   bool verbose = false;
 };
 
-int fail(const Status& st) {
-  std::fprintf(stderr, "ferry check: %s\n", st.to_string().c_str());
-  return 2;
-}
-
 std::string human_bytes(uint64_t b) {
   if (b >= (1ull << 30)) return fmt::format("{:.2f} GiB", static_cast<double>(b) / (1ull << 30));
   if (b >= (1ull << 20)) return fmt::format("{:.2f} MiB", static_cast<double>(b) / (1ull << 20));
@@ -39,20 +34,20 @@ std::string human_bytes(uint64_t b) {
 
 int run_check(const CheckOptions& o) {
   auto found = tools::find_model_config(o.model);
-  if (!found.ok()) return fail(found.status());
+  if (!found.ok()) return fail_with("check", found.status());
   auto cfg = ModelConfig::load(*found);
-  if (!cfg.ok()) return fail(cfg.status());
+  if (!cfg.ok()) return fail_with("check", cfg.status());
   auto layout = InferenceLayout::parse(o.inference);
-  if (!layout.ok()) return fail(layout.status());
+  if (!layout.ok()) return fail_with("check", layout.status());
   auto quant = parse_quantize(o.quantize);
-  if (!quant.ok()) return fail(quant.status());
+  if (!quant.ok()) return fail_with("check", quant.status());
   LoaderOptions lopts;
   lopts.quantize = *quant;
 
   ModelConfig config = *cfg;
   if (o.shrink) {
     auto s = shrink_config(config, *layout, lopts);
-    if (!s.ok()) return fail(s.status());
+    if (!s.ok()) return fail_with("check", s.status());
     std::printf("shrink: %s, %zu fields changed\n", config.path().c_str(), s->changes.size());
     for (const auto& c : s->changes) {
       std::printf("  %s: %s -> %s\n", c.field.c_str(), c.before.c_str(), c.after.c_str());
@@ -60,7 +55,7 @@ int run_check(const CheckOptions& o) {
     config = s->config;
   }
   auto loader = make_model_loader(config, *layout, lopts);
-  if (!loader.ok()) return fail(loader.status());
+  if (!loader.ok()) return fail_with("check", loader.status());
   const ModelLoader& l = **loader;
 
   uint64_t ckpt_bytes = 0;
@@ -70,21 +65,21 @@ int run_check(const CheckOptions& o) {
   std::string origin;
   if (!o.checkpoint.empty()) {
     auto c = read_checkpoint_dir(o.checkpoint);
-    if (!c.ok()) return fail(c.status());
+    if (!c.ok()) return fail_with("check", c.status());
     checkpoint = std::move(*c);
     origin = fmt::format("safetensors in {}", o.checkpoint);
   } else {
     const double gib = static_cast<double>(ckpt_bytes) / (1ull << 30);
     if (gib > o.max_gib) {
-      return fail(invalid_argument("a random checkpoint of {} would need {}; use --shrink, or raise --max-gib", config.path(),
+      return fail_with("check", invalid_argument("a random checkpoint of {} would need {}; use --shrink, or raise --max-gib", config.path(),
                                    human_bytes(ckpt_bytes)));
     }
     auto c = random_checkpoint(l.checkpoint(), o.seed);
-    if (!c.ok()) return fail(c.status());
+    if (!c.ok()) return fail_with("check", c.status());
     checkpoint = std::move(*c);
     origin = fmt::format("random, seed {}", o.seed);
   }
-  if (auto st = check_checkpoint(l.checkpoint(), checkpoint); !st.ok()) return fail(st);
+  if (auto st = check_checkpoint(l.checkpoint(), checkpoint); !st.ok()) return fail_with("check", st);
 
   std::printf("check: %s (%s), layout %s, quantize %s, %d ranks\n", config.architecture().c_str(), config.path().c_str(),
               layout->to_string().c_str(), std::string(quantize_name(lopts.quantize)).c_str(), layout->world_size());
@@ -99,7 +94,7 @@ int run_check(const CheckOptions& o) {
   for (int r = 0; r < layout->world_size(); ++r) {
     auto info = layout->rank(r);
     auto plan = record_plan(l, r);
-    if (!plan.ok()) return fail(plan.status());
+    if (!plan.ok()) return fail_with("check", plan.status());
     const PlanStats st = plan->stats();
     const uint64_t h = plan->hash();
     distinct.insert(h);
@@ -109,13 +104,13 @@ int run_check(const CheckOptions& o) {
     if (o.verbose) std::printf("%s", plan->to_string().c_str());
 
     auto direct = load_rank_direct(l, r, checkpoint);
-    if (!direct.ok()) return fail(direct.status());
+    if (!direct.ok()) return fail_with("check", direct.status());
     auto replay = load_rank_from_plan(l, r, *plan, checkpoint);
-    if (!replay.ok()) return fail(replay.status());
+    if (!replay.ok()) return fail_with("check", replay.status());
     auto rl = l.rank(r);
-    if (!rl.ok()) return fail(rl.status());
+    if (!rl.ok()) return fail_with("check", rl.status());
     auto mm = compare_params((*rl)->final_params(), *direct, *replay);
-    if (!mm.ok()) return fail(mm.status());
+    if (!mm.ok()) return fail_with("check", mm.status());
     uint64_t param_bytes = 0;
     for (const auto& d : (*rl)->final_params()) param_bytes += static_cast<uint64_t>(shape_numel(d.shape)) * dtype_size(d.dtype);
     std::string verdict;

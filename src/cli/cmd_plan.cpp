@@ -39,11 +39,6 @@ struct PlanArgs {
   std::string commit = "in_place";  // the consumers' ConsumerOptions::commit
 };
 
-int fail(const Status& st) {
-  std::fprintf(stderr, "ferry plan: %s\n", st.to_string().c_str());
-  return 2;
-}
-
 std::string human(double b) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   int u = 0;
@@ -54,42 +49,31 @@ std::string human(double b) {
   return u == 0 ? fmt::format("{:.0f} B", b) : fmt::format("{:.2f} {}", b, units[u]);
 }
 
-uint64_t peak_rss_bytes() {
-  struct rusage ru {};
-  getrusage(RUSAGE_SELF, &ru);
-  return static_cast<uint64_t>(ru.ru_maxrss) * 1024;  // kilobytes on Linux
-}
 
-double cpu_seconds() {
-  struct rusage ru {};
-  getrusage(RUSAGE_SELF, &ru);
-  return static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
-         static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
-}
 
 int run_plan(const PlanArgs& a) {
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
   auto found = tools::find_model_config(a.model);
-  if (!found.ok()) return fail(found.status());
+  if (!found.ok()) return fail_with("plan", found.status());
   auto cfg = ModelConfig::load(*found);
-  if (!cfg.ok()) return fail(cfg.status());
+  if (!cfg.ok()) return fail_with("plan", cfg.status());
   auto inference = InferenceLayout::parse(a.inference);
-  if (!inference.ok()) return fail(inference.status().with_context("--inference"));
+  if (!inference.ok()) return fail_with("plan", inference.status().with_context("--inference"));
   auto trainer = TrainerLayout::parse(a.trainer);
-  if (!trainer.ok()) return fail(trainer.status().with_context("--trainer"));
+  if (!trainer.ok()) return fail_with("plan", trainer.status().with_context("--trainer"));
   auto quant = parse_quantize(a.quantize);
-  if (!quant.ok()) return fail(quant.status());
+  if (!quant.ok()) return fail_with("plan", quant.status());
   LoaderOptions lopts;
   lopts.quantize = *quant;
   ModelConfig config = *cfg;
   if (a.shrink) {
     auto s = shrink_config(config, *inference, lopts);
-    if (!s.ok()) return fail(s.status());
+    if (!s.ok()) return fail_with("plan", s.status());
     config = s->config;
   }
   auto loader = make_model_loader(config, *inference, lopts);
-  if (!loader.ok()) return fail(loader.status());
+  if (!loader.ok()) return fail_with("plan", loader.status());
   const std::vector<TensorDecl>& meta = (*loader)->checkpoint();
 
   // What routing this layout costs, before any holding is made: one that would not fit
@@ -97,7 +81,7 @@ int run_plan(const PlanArgs& a) {
   // microseconds, saying what it would need, rather than after minutes and gigabytes.
   {
     auto boxes = count_held_boxes(meta, *trainer, model_info_from_config(config.json()));
-    if (!boxes.ok()) return fail(boxes.status().with_context("--trainer " + trainer->to_string()));
+    if (!boxes.ok()) return fail_with("plan", boxes.status().with_context("--trainer " + trainer->to_string()));
     RoutingCost cost;
     cost.producers = static_cast<uint64_t>(trainer->world_size());
     cost.plan_classes = static_cast<uint64_t>(a.every_rank ? inference->world_size() : inference->engine_size());
@@ -105,14 +89,14 @@ int run_plan(const PlanArgs& a) {
     cost.held_boxes = *boxes;
     auto avail = tools::mem_available_bytes();
     if (Status s = check_routing_cost(cost, avail.ok() ? *avail : 0); !s.ok())
-      return fail(
+      return fail_with("plan", 
           s.with_context(fmt::format("--trainer {} --inference {}", trainer->to_string(), inference->to_string())));
   }
 
   // Trainer holdings.
   const auto t_hold = clock::now();
   auto th = make_holdings(meta, *trainer, model_info_from_config(config.json()));
-  if (!th.ok()) return fail(th.status().with_context("--trainer " + trainer->to_string()));
+  if (!th.ok()) return fail_with("plan", th.status().with_context("--trainer " + trainer->to_string()));
 
   // Consumer plans: one per engine rank (the same rank of every replica loads the same
   // way); --every-rank records each rank and lets the router dedupe by hash.
@@ -124,7 +108,7 @@ int run_plan(const PlanArgs& a) {
   plans.reserve(static_cast<size_t>(recorded));
   for (int r = 0; r < recorded; ++r) {
     auto plan = a.loader_record ? record_plan(**loader, r) : tools::record_rank_plan(**loader, r);
-    if (!plan.ok()) return fail(plan.status());
+    if (!plan.ok()) return fail_with("plan", plan.status());
     plans.push_back(std::move(*plan));
   }
   RouterInput in;
@@ -134,7 +118,7 @@ int run_plan(const PlanArgs& a) {
 
   const auto t_route = clock::now();
   auto routes = build_routes(in);
-  if (!routes.ok()) return fail(routes.status());
+  if (!routes.ok()) return fail_with("plan", routes.status());
   const auto t_end = clock::now();
   const tools::BroadcastStats bc = tools::broadcast_baseline(meta, th->tensor_stage, world);
 
@@ -151,9 +135,9 @@ int run_plan(const PlanArgs& a) {
   po.staging_budget = a.staging_budget;
   po.failover = !a.no_failover;
   auto policy = parse_commit_policy(a.commit);
-  if (!policy.ok()) return fail(policy.status().with_context("--commit"));
+  if (!policy.ok()) return fail_with("plan", policy.status().with_context("--commit"));
   auto mem = predict_memory(*routes, meta, in.producers, in.consumers, po, *policy);
-  if (!mem.ok()) return fail(mem.status().with_context("--staging-budget"));
+  if (!mem.ok()) return fail_with("plan", mem.status().with_context("--staging-budget"));
   auto largest = [](const std::vector<MemoryUse>& v) {
     size_t at = 0;
     for (size_t i = 0; i < v.size(); ++i)
@@ -162,8 +146,8 @@ int run_plan(const PlanArgs& a) {
   };
   const size_t max_p = largest(mem->producers), max_c = largest(mem->consumers);
   const double plan_seconds = secs(t_end - t0);
-  const double plan_cpu_seconds = cpu_seconds();
-  const uint64_t rss = peak_rss_bytes();
+  const double plan_cpu_seconds = self_cpu_seconds();
+  const uint64_t rss = self_peak_rss_bytes();
 
   if (a.json) {
     nlohmann::json j;

@@ -34,23 +34,7 @@ struct SimulateArgs {
   std::string plot;
 };
 
-int fail(const Status& st) {
-  std::fprintf(stderr, "ferry simulate: %s\n", st.to_string().c_str());
-  return 2;
-}
 
-double cpu_seconds() {
-  struct rusage ru {};
-  getrusage(RUSAGE_SELF, &ru);
-  return static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
-         static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
-}
-
-uint64_t peak_rss_bytes() {
-  struct rusage ru {};
-  getrusage(RUSAGE_SELF, &ru);
-  return static_cast<uint64_t>(ru.ru_maxrss) * 1024;
-}
 
 // The --plot picture: NIC receive utilisation over time, drawn by Debian's matplotlib
 // (python3-matplotlib) from the JSON result; ferry itself carries no plotting code.
@@ -77,32 +61,32 @@ std::string gb(double b) { return fmt::format("{:.2f} GB", b / 1e9); }
 
 int run_simulate(const SimulateArgs& a) {
   auto design = parse_design(a.design);
-  if (!design.ok()) return fail(design.status());
+  if (!design.ok()) return fail_with("simulate", design.status());
   auto mode = parse_mode(a.mode);
-  if (!mode.ok()) return fail(mode.status());
+  if (!mode.ok()) return fail_with("simulate", mode.status());
   if (*design != Design::kFerry && *mode == Mode::kPush) {
-    return fail(invalid_argument("--mode push: only ferry's design has a push mode (got --design {})", a.design));
+    return fail_with("simulate", invalid_argument("--mode push: only ferry's design has a push mode (got --design {})", a.design));
   }
   // A relative cluster file is found as a model config is (working directory, the
   // installed share/ferry/, the source tree), so configs/clusters/*.json work anywhere.
   auto cluster_path = tools::find_model_config(a.cluster);
-  if (!cluster_path.ok()) return fail(cluster_path.status().with_context("--cluster"));
+  if (!cluster_path.ok()) return fail_with("simulate", cluster_path.status().with_context("--cluster"));
   auto cluster = ClusterSpec::load(*cluster_path);
-  if (!cluster.ok()) return fail(cluster.status().with_context("--cluster"));
+  if (!cluster.ok()) return fail_with("simulate", cluster.status().with_context("--cluster"));
   if (!a.plot.empty()) {
     // Before minutes of simulation: is matplotlib there at all?
     auto st = run_python({});
-    if (!st.ok()) return fail(st);
+    if (!st.ok()) return fail_with("simulate", st);
   }
   const auto t0 = std::chrono::steady_clock::now();
   auto work = build_workload(a.job, *design);
-  if (!work.ok()) return fail(work.status());
+  if (!work.ok()) return fail_with("simulate", work.status());
   const auto t1 = std::chrono::steady_clock::now();
   SimOptions opts;
   opts.design = *design;
   opts.mode = *mode;
   auto r = run_simulation(*cluster, work->work, opts);
-  if (!r.ok()) return fail(r.status());
+  if (!r.ok()) return fail_with("simulate", r.status());
   const auto t2 = std::chrono::steady_clock::now();
   auto secs = [](auto d) { return std::chrono::duration<double>(d).count(); };
 
@@ -145,8 +129,8 @@ int run_simulate(const SimulateArgs& a) {
   j["flows"] = r->flows;
   j["route_seconds"] = secs(t1 - t0);
   j["simulate_seconds"] = secs(t2 - t1);
-  j["cpu_seconds"] = cpu_seconds();
-  j["peak_rss_bytes"] = peak_rss_bytes();
+  j["cpu_seconds"] = self_cpu_seconds();
+  j["peak_rss_bytes"] = self_peak_rss_bytes();
   nlohmann::json tl = nlohmann::json::array();
   for (const auto& [name, v] : r->rx_timeline) tl.push_back({{"nic", name}, {"utilisation", v}});
   j["timeline"] = {{"bin_seconds", r->bin_seconds}, {"rx_utilisation", tl}};
@@ -156,11 +140,11 @@ int run_simulate(const SimulateArgs& a) {
     {
       std::ofstream f(tmp);
       f << j.dump();
-      if (!f) return fail(io_error("--plot: cannot write '{}'", tmp));
+      if (!f) return fail_with("simulate", io_error("--plot: cannot write '{}'", tmp));
     }
     auto st = run_python({tmp, a.plot});
     std::filesystem::remove(tmp);
-    if (!st.ok()) return fail(st);
+    if (!st.ok()) return fail_with("simulate", st);
   }
   if (a.json) {
     std::printf("%s\n", j.dump(2).c_str());
@@ -195,7 +179,7 @@ int run_simulate(const SimulateArgs& a) {
               gb(static_cast<double>(work->model_bytes)).c_str(), gb(static_cast<double>(work->max_consumer_bytes)).c_str(),
               static_cast<unsigned long long>(r->flows));
   std::printf("  took %.2f s routing + %.2f s simulating (%.2f s cpu), peak RSS %.0f MiB (--json lists bytes per NIC)\n",
-              secs(t1 - t0), secs(t2 - t1), cpu_seconds(), static_cast<double>(peak_rss_bytes()) / (1 << 20));
+              secs(t1 - t0), secs(t2 - t1), self_cpu_seconds(), static_cast<double>(self_peak_rss_bytes()) / (1 << 20));
   return 0;
 }
 

@@ -72,11 +72,6 @@ fig.tight_layout()
 fig.savefig(sys.argv[2], dpi=110)
 )PY";
 
-int fail(const Status& s) {
-  std::fprintf(stderr, "ferry trace: %s\n", s.to_string().c_str());
-  return 2;
-}
-
 // Per rank and phase: slices, seconds; per rank and lane: transfers, bytes. Then every
 // report in the file against its transfers: each transfer once, bytes summing to the
 // report's. Returns the number of disagreements.
@@ -149,7 +144,7 @@ int run_trace(const TraceArgs& a) {
   nlohmann::json merged = {{"traceEvents", nlohmann::json::array()}, {"ferryReports", nlohmann::json::array()}};
   for (const std::string& f : a.files) {
     auto j = tools::read_trace_file(f);
-    if (!j.ok()) return fail(j.status());
+    if (!j.ok()) return fail_with("trace", j.status());
     for (auto& e : (*j)["traceEvents"]) merged["traceEvents"].push_back(std::move(e));
     if (j->contains("ferryReports")) {
       for (auto& r : (*j)["ferryReports"]) merged["ferryReports"].push_back(std::move(r));
@@ -157,7 +152,7 @@ int run_trace(const TraceArgs& a) {
   }
   std::printf("%zu file(s): %zu events\n", a.files.size(), merged["traceEvents"].size());
   if (!a.merge.empty()) {
-    if (Status s = tools::merge_trace_files(a.files, a.merge); !s.ok()) return fail(s);
+    if (Status s = tools::merge_trace_files(a.files, a.merge); !s.ok()) return fail_with("trace", s);
     std::printf("merged into %s\n", a.merge.c_str());
   }
   const int problems = summarise(merged, a.summary || (a.plot.empty() && a.merge.empty()));
@@ -172,7 +167,7 @@ int run_trace(const TraceArgs& a) {
     std::string title = a.files.size() == 1 ? a.files.front() : fmt::format("{} files", a.files.size());
     Status st = run_plot_script(kTracePlotScript, {input, a.plot, title}, "--plot");
     if (!tmp.empty()) std::remove(tmp.c_str());
-    if (!st.ok()) return fail(st);
+    if (!st.ok()) return fail_with("trace", st);
     std::printf("timeline written to %s\n", a.plot.c_str());
   }
   return problems ? 1 : 0;

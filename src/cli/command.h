@@ -3,8 +3,12 @@
 // from the registry, so adding a command touches only its own file.
 #pragma once
 
+#include <sys/resource.h>
+
 #include <cerrno>
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <string>
@@ -12,6 +16,8 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+
+#include "ferry/status.h"
 
 namespace ferry::cli {
 
@@ -26,6 +32,27 @@ struct CommandInfo {
 };
 
 std::vector<CommandInfo>& command_registry();
+
+// Prints "ferry <command>: <status>" to stderr and returns 2, the exit code of a command
+// that failed on its input or its work.
+inline int fail_with(const char* command, const Status& st) {
+  std::fprintf(stderr, "ferry %s: %s\n", command, st.to_string().c_str());
+  return 2;
+}
+
+// This process's CPU time (user + system) and peak RSS so far, for the commands that
+// report what their own work cost (plan, simulate).
+inline double self_cpu_seconds() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+         static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
+}
+inline uint64_t self_peak_rss_bytes() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<uint64_t>(ru.ru_maxrss) * 1024;  // kilobytes on Linux
+}
 
 // A validator for every numeric option: the value must be a finite number in [lo, hi].
 // CLI11's own NonNegativeNumber/Range compare with < and >, which NaN passes ("--max-gib

@@ -27,13 +27,13 @@ struct Registry {
   std::mutex mu;
   std::unordered_map<uint64_t, std::weak_ptr<Core>> cores;
 };
-Registry& registry() {
+Registry& inproc_registry() {
   static Registry* r = new Registry();  // never destroyed: cores may outlive static destruction order
   return *r;
 }
 
 std::shared_ptr<Core> find_core(uint64_t id) {
-  Registry& r = registry();
+  Registry& r = inproc_registry();
   std::lock_guard<std::mutex> lock(r.mu);
   auto it = r.cores.find(id);
   if (it == r.cores.end()) return nullptr;
@@ -225,7 +225,7 @@ class Core : public std::enable_shared_from_this<Core> {
 void broadcast_failure(uint64_t dead, const Status& why) {
   std::vector<std::shared_ptr<Core>> live;
   {
-    Registry& r = registry();
+    Registry& r = inproc_registry();
     std::lock_guard<std::mutex> lock(r.mu);
     for (auto& [id, weak] : r.cores) {
       if (auto c = weak.lock()) live.push_back(std::move(c));
@@ -244,7 +244,7 @@ class InprocBackend final : public TransportBackend {
     bool was_crashed = core_->crashed_.load();
     core_->closed_ = true;
     {
-      Registry& r = registry();
+      Registry& r = inproc_registry();
       std::lock_guard<std::mutex> lock(r.mu);
       r.cores.erase(core_->id());
     }
@@ -582,7 +582,7 @@ Result<std::unique_ptr<TransportBackend>> make_inproc_backend(const TransportOpt
   FERRY_RETURN_IF_ERROR(check_params(inproc_info(), options.params));
   auto core = std::make_shared<Core>(options);
   {
-    Registry& r = registry();
+    Registry& r = inproc_registry();
     std::lock_guard<std::mutex> lock(r.mu);
     r.cores.emplace(core->id(), core);
   }
