@@ -1,8 +1,11 @@
 // Hostile input on the command line: each of these crashed, hung or was accepted
 // (issue 15, finding 5); each must now end at once with an error naming the constraint.
-#include <string>
-#include <unistd.h>
+#include <chrono>
 #include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include <unistd.h>
 
 #include <gtest/gtest.h>
 
@@ -134,6 +137,40 @@ TEST(CheckpointCli, WritesACheckpointOfTheModel) {
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("/proc/ferry-cannot-write-here"), std::string::npos) << r.err;
   std::system(("rm -rf " + dir).c_str());
+}
+
+// Inputs that ran away (issue 30): each is now refused before the work starts, saying
+// what it would need, with exit 2 and never a signal. Run under `ulimit -v` (4 GiB, or
+// the 6 GiB of the report), so a regression ends in an allocation failure instead of
+// taking the machine's memory: num_experts 1e9 used 5.5-8 GB for 40 s; intermediate_size
+// 2^40 and a 70B checkpoint under ulimit -v 6G died of bad_alloc (SIGABRT).
+TEST(CheckpointCli, RunawaySizesAreRefusedBeforeTheWork) {
+  char tmpl[] = "/tmp/ferry-ckpt-runaway-XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl);
+  auto checkpoint = [&](const std::string& ulimit_kb, const std::string& args) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = ferry_cli_test::run_command("ulimit -v " + ulimit_kb + "; timeout -s KILL 120 " + std::string(FERRY_BIN) +
+                                         " checkpoint --out " + dir + "/c " + args + " >/dev/null");
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_LT(s, 10.0) << args << ": refused only after " << s << " s";  // generous: well under 1 s here
+    return r;
+  };
+  const std::string configs = std::string(FERRY_SOURCE_DIR) + "/configs/";
+  auto r = checkpoint("4194304", "--model " + configs + "qwen3-30b-a3b.json --config-overrides '{\"num_experts\": 1e9}'");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("field 'num_experts' = 1000000000 is implausible"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("would declare 144000000000 checkpoint tensors"), std::string::npos) << r.err;
+  r = checkpoint("4194304", "--model " + kModel + " --config-overrides '{\"intermediate_size\": 1099511627776}'");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("over ferry's limit of 1125899906842624 bytes (1 PiB)"), std::string::npos) << r.err;
+  r = checkpoint("6291456", "--model " + configs + "llama-3.1-70b.json");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("the checkpoint is 141.1 GB (141107412992 bytes), built in memory before it is written: it "
+                       "needs 141.1 GB of memory, and this process's address-space limit (ulimit -v) of 6.4 GB leaves"),
+            std::string::npos)
+      << r.err;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/c/model.safetensors"));
+  std::filesystem::remove_all(dir);
 }
 
 // serve / fetch --device: a device that cannot be used, a malformed one, and GPU staging
