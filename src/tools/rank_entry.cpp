@@ -16,6 +16,8 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/report_json.h"
+#include "engine/testing.h"
+#include "io/mapping_guard.h"
 #include "tools/trace_file.h"
 
 #include "ferry/device.h"
@@ -276,6 +278,30 @@ Result<std::vector<RankReport>> serve_rank(const RankSpec& s, const RankReportSi
     if (!r.ok())
       return r.status().with_context(fmt::format("serve: registering {} ({} bytes) to serve it in place", f.path(), b.size()));
     po.source_regions.push_back(*r);
+  }
+  // A file truncated *during* a sync (after the check above) faults the next touch of a
+  // page past its new end, in whichever thread touches it (packing, UCX serving a read
+  // by message, checksums): each mapping is watched, and such a fault ends this process
+  // with exit 1 and a message naming the file, never SIGBUS (io/mapping_guard.h says why
+  // ending beats serving zeros). Watched while the producer lives.
+  std::vector<io::TruncationGuard> guards;
+  for (const SafetensorsFile& f : dir.files()) {
+    if (access != SafetensorsAccess::kMap) break;
+    FERRY_ASSIGN_OR_RETURN(
+        io::TruncationGuard g,
+        io::TruncationGuard::watch(f.bytes().data(), f.bytes().size(),
+                                   fmt::format("ferry serve: trainer rank {}: checkpoint file {} was truncated while "
+                                               "it was served (a read of it faulted past its new end): this rank "
+                                               "stops (exit 1); the checkpoint must not change while it is served, or "
+                                               "pass --read-checkpoint",
+                                               u.rank, f.path()),
+                                   1));
+    guards.push_back(std::move(g));
+  }
+  if (s.before_materialize) {
+    engine::TestHooks hooks;
+    hooks.before_materialize = s.before_materialize;
+    po.test_hooks = engine::make_test_hooks(std::move(hooks));
   }
   CheckpointSource from_files(u.model.metadata, *u.model.holdings, std::move(dir), u.rank);
   std::unique_ptr<DeviceCopySource> on_device;
