@@ -9,7 +9,9 @@
 #include <memory>
 #include <vector>
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <fmt/format.h>
 
@@ -355,8 +357,33 @@ Result<std::vector<RankReport>> serve_rank(const RankSpec& s, const RankReportSi
   return reports;
 }
 
+namespace {
+
+// fetch --output DIR, checked before any sync (the params are written there only after
+// the last one): DIR is made if missing, and must be a directory this process can create
+// a file in (a probe file, made and removed: permission bits, a read-only filesystem,
+// /proc — what access(2) alone misses, as root).
+Status check_output_dir(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return invalid_argument("fetch: --output {}: cannot create it: {}", dir, ec.message());
+  if (!std::filesystem::is_directory(dir, ec)) return invalid_argument("fetch: --output {}: not a directory", dir);
+  const std::string probe = fmt::format("{}/.ferry-fetch-probe.{}", dir, static_cast<long>(::getpid()));
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    return invalid_argument("fetch: --output {}: cannot write there ({}); the params are written to it after the last "
+                            "sync, so it is checked first", dir, std::strerror(errno));
+  }
+  ::close(fd);
+  ::unlink(probe.c_str());
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<std::vector<RankReport>> fetch_rank(const RankSpec& s, const RankReportSink& on_report) {
   FERRY_ASSIGN_OR_RETURN(Setup u, local_setup(s, false));
+  if (!s.output.empty()) FERRY_RETURN_IF_ERROR(check_output_dir(s.output));
   std::optional<TensorMap> expected;
   if (!s.checkpoint.empty()) FERRY_RETURN_IF_ERROR(direct_load(u.model, u.rank, s.checkpoint, expected));
   FERRY_ASSIGN_OR_RETURN(const Device device, parse_device(s.device));

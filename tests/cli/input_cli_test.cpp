@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <sstream>
 #include <string>
 
 #include <unistd.h>
@@ -81,6 +82,82 @@ TEST(InputCli, BenchWorkerOptionsAreTheBenchRanks) {
   EXPECT_NE(r.err.find("--tls requires --bench"), std::string::npos) << r.err;
   r = ferry("bench-worker --role producer");  // the old name is gone
   EXPECT_NE(r.exit_code, 0) << r.err;
+}
+
+// A small dense model: 2 layers, so 4 layer groups (embedding, 2 layers, final).
+const std::string kSmallDemo = "demo --model " + kModel +
+                               " --config-overrides '{\"num_hidden_layers\": 2, \"hidden_size\": 256, "
+                               "\"intermediate_size\": 512, \"vocab_size\": 1024, \"num_attention_heads\": 4, "
+                               "\"num_key_value_heads\": 2, \"head_dim\": 64}' --trainer tp=2 --inference tp=2 ";
+
+// --kill-point past the last point of a sync failed only after the driver's whole wait
+// (67 s, issue 30): refused before any process starts, naming the number of groups.
+TEST(InputCli, DemoKillPointPastTheLastGroupIsRefusedAtOnce) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const CliRun r = ferry(kSmallDemo + "--syncs 2 --kill-sync 2 --kill-point 100000");
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--kill-point 100000 is past the last point of a sync: the model has 4 layer groups, so an "
+                       "inference rank's points are 0..15"),
+            std::string::npos)
+      << r.err;
+  EXPECT_LT(s, 10.0) << "refused only after " << s << " s";
+  // The default demo (the MoE model shrunk) ran 79 s before failing.
+  const auto t1 = std::chrono::steady_clock::now();
+  const CliRun d = ferry("demo --kill-point 100000");
+  const double s1 = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  EXPECT_EQ(d.exit_code, 2) << d.err;
+  EXPECT_NE(d.err.find("--kill-point 100000 is past the last point of a sync: the model has "), std::string::npos)
+      << d.err;
+  EXPECT_LT(s1, 10.0) << "refused only after " << s1 << " s";
+}
+
+// --kill-sync beside another fault was silently dropped (with --store-restart-sync the
+// demo ran without the kill, issue 30): the combination is refused, naming both.
+TEST(InputCli, DemoKillWithAnotherFaultIsRefused) {
+  CliRun r = ferry(kSmallDemo + "--syncs 3 --kill-sync 2 --store-restart-sync 2");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--kill-sync 2 and --store-restart-sync are two faults"), std::string::npos) << r.err;
+  r = ferry(kSmallDemo + "--syncs 3 --kill-sync 3 --pause-role consumer --pause-ms 100");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--kill-sync 3 and --pause-role are two faults"), std::string::npos) << r.err;
+}
+
+// The demo's table has a torn column (inference ranks whose failed sync left their
+// params of two versions; the rows hid it, issue 30).
+TEST(InputCli, DemoTableShowsTorn) {
+  const auto r = ferry_cli_test::run_command("timeout -s KILL 120 " + std::string(FERRY_BIN) + " " + kSmallDemo +
+                                             "--syncs 1 --kill-sync 0");
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("verified  torn"), std::string::npos) << r.out;
+  unsigned long long version = 0, bytes = 0, broadcast = 0;
+  double seconds = 0, gbps = 0;
+  int verified = 0, expected = 0, torn = -1;
+  bool row = false;
+  std::istringstream in(r.out);
+  for (std::string line; std::getline(in, line);) {
+    row = row || std::sscanf(line.c_str(), " %llu %llu %lf %lf %llu %d/%d %d", &version, &bytes, &seconds, &gbps,
+                             &broadcast, &verified, &expected, &torn) == 8;
+  }
+  ASSERT_TRUE(row) << r.out;
+  EXPECT_EQ(version, 1u);
+  EXPECT_EQ(verified, 2);
+  EXPECT_EQ(torn, 0);
+}
+
+// fetch --output was checked only when the params were written, after the last sync
+// (issue 30): an unusable directory is refused first, before the store is reached.
+TEST(InputCli, FetchOutputIsCheckedBeforeAnySync) {
+  const std::string fetch = "fetch --store tcp://127.0.0.1:1 --trainer tp=1 --inference tp=1 --rank 0 --model " +
+                            kModel + " --output ";
+  CliRun r = ferry(fetch + "/proc/ferry-cannot-write-here");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("fetch: --output /proc/ferry-cannot-write-here: cannot create it"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("127.0.0.1:1"), std::string::npos) << "the store was reached first: " << r.err;
+  r = ferry(fetch + kModel);  // a file, not a directory
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("fetch: --output " + kModel + ": "), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("127.0.0.1:1"), std::string::npos) << "the store was reached first: " << r.err;
 }
 
 TEST(InputCli, DemoTimeoutsAreBounded) {

@@ -288,6 +288,11 @@ TEST(ServeChangedFile, ServeStopsNamingTheFileThatChanged) {
     ASSERT_EQ(reps.size(), 2u);
     EXPECT_TRUE(reps[0].ok && reps[0].verified.value_or(false)) << "fetch " << r << ": " << reps[0].error.to_string();
     EXPECT_FALSE(reps[1].ok) << "fetch " << r << " committed a version served from a changed file";
+    // A failed sync's JSON line says how long it took and what it moved, like any other.
+    const nlohmann::json j = rank_report_json(reps[1]);
+    EXPECT_GT(j.value("seconds", 0.0), 0.0) << j.dump();
+    EXPECT_TRUE(j.contains("bytes") && j["bytes"].is_number()) << j.dump();
+    EXPECT_FALSE(j.value("ok", true)) << j.dump();
   }
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
