@@ -303,13 +303,12 @@ TEST(ServeChangedFile, ServeStopsNamingTheFileThatChanged) {
 // next touch of a page past the new end (packing a strided box, or serving a read of an
 // in-place one) faulted, and serve died of SIGBUS (exit 135, issue 30). Now the fault in
 // the watched mapping ends the process with exit 1 and a message naming the file. The
-// whole job runs in a death-test child (threads of one process, as above), which the
-// fault ends.
+// whole job runs in a death-test child (threads of one process, as above, forked from
+// this one before any thread starts), which the fault ends.
 TEST(ServeTruncatedFile, TruncatedDuringASyncIsAnErrorExitNotSigbus) {
-  GTEST_FLAG_SET(death_test_style, "threadsafe");
-  const auto job = [] {
-    const std::string dir = make_checkpoint();
-    const std::string file = dir + "/model.safetensors";
+  const std::string dir = make_checkpoint();
+  const std::string file = dir + "/model.safetensors";
+  const auto job = [&] {
     StoreServerOptions so;
     so.token = random_token();
     auto server = StoreServer::start(so);
@@ -347,6 +346,8 @@ TEST(ServeTruncatedFile, TruncatedDuringASyncIsAnErrorExitNotSigbus) {
   EXPECT_EXIT(job(), ::testing::ExitedWithCode(1),
               "checkpoint file /tmp/ferry-serve-.*/model.safetensors was truncated while it was served .*\\(byte [0-9]+ "
               "of the [0-9]+ mapped\\)");
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, ServeCliTest, ::testing::Values("pull", "push"),
