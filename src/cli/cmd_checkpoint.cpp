@@ -1,6 +1,10 @@
 // `ferry checkpoint`: writes a synthetic safetensors checkpoint of a model (config.json
 // and model.safetensors, random weights from a seed), to try `ferry serve` / `ferry
 // fetch` without a real checkpoint, and for the device checks (scripts/device-check.sh).
+#include <sys/resource.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -10,6 +14,7 @@
 #include "ferry/models.h"
 #include "ferry/safetensors.h"
 #include "tools/job_model.h"
+#include "tools/proc_memory.h"
 
 namespace ferry::cli {
 namespace {
@@ -19,6 +24,46 @@ struct CheckpointArgs {
   bool shrink = false;
   uint64_t seed = 1;
 };
+
+std::string gb(uint64_t bytes) { return fmt::format("{:.1f} GB", static_cast<double>(bytes) / 1e9); }
+
+// What writing the checkpoint costs, checked before a byte of it is made: every tensor is
+// built in memory, then the file written (memory and disk: `bytes` each). A checkpoint
+// that does not fit is refused saying what it needs and what there is, instead of dying
+// of bad_alloc (SIGABRT) after minutes, or filling the disk.
+Status check_fits(const std::string& out, uint64_t bytes) {
+  const std::string what = fmt::format("the checkpoint is {} ({} bytes), built in memory before it is written", gb(bytes), bytes);
+  const char* hint = "(--shrink or --config-overrides make a smaller variant)";
+  size_t pages = 0;
+  std::ifstream("/proc/self/statm") >> pages;
+  const uint64_t mapped = static_cast<uint64_t>(pages) * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  struct Limit {
+    int resource;
+    const char* name;
+  };
+  for (const Limit l : {Limit{RLIMIT_AS, "address-space limit (ulimit -v)"}, Limit{RLIMIT_DATA, "data limit (ulimit -d)"}}) {
+    rlimit r{};
+    if (::getrlimit(l.resource, &r) != 0 || r.rlim_cur == RLIM_INFINITY) continue;
+    const uint64_t left = r.rlim_cur > mapped ? r.rlim_cur - mapped : 0;
+    if (bytes > left) {
+      return invalid_argument("{}: it needs {} of memory, and this process's {} of {} leaves {} {}", what, gb(bytes),
+                              l.name, gb(r.rlim_cur), gb(left), hint);
+    }
+  }
+  if (auto avail = tools::mem_available_bytes(); avail.ok() && bytes > *avail) {
+    return invalid_argument("{}: it needs {} of memory, and the machine has {} available (MemAvailable) {}", what,
+                            gb(bytes), gb(*avail), hint);
+  }
+  struct statvfs fs {};
+  if (::statvfs(out.c_str(), &fs) == 0) {
+    const uint64_t free_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+    if (bytes > free_bytes) {
+      return invalid_argument("the checkpoint is {} ({} bytes): it needs that much disk, and {} has {} free {}", gb(bytes),
+                              bytes, out, gb(free_bytes), hint);
+    }
+  }
+  return Status::Ok();
+}
 
 int run_checkpoint(const CheckpointArgs& a) {
   // Layouts only matter to the loader; the checkpoint is the model's, whole.
@@ -31,6 +76,10 @@ int run_checkpoint(const CheckpointArgs& a) {
   std::filesystem::create_directories(a.out, ec);
   if (ec) {
     std::fprintf(stderr, "ferry checkpoint: creating %s: %s\n", a.out.c_str(), ec.message().c_str());
+    return 2;
+  }
+  if (Status st = check_fits(a.out, m->checkpoint_bytes); !st.ok()) {
+    std::fprintf(stderr, "ferry checkpoint: %s\n", st.to_string().c_str());
     return 2;
   }
   auto ckpt = random_checkpoint(m->metadata, a.seed);
@@ -59,6 +108,9 @@ std::function<int()> setup_checkpoint(CLI::App& app) {
   app.add_flag("--shrink", a->shrink, "A structurally equal small variant of the model (as ferry demo and plan --shrink)");
   app.add_option("--config-overrides", a->overrides, "JSON merged into the config, e.g. '{\"num_hidden_layers\": 2}'");
   app.add_option("--seed", a->seed, "Seed of the random weights")->default_val(1);
+  app.footer(
+      "The checkpoint is built in memory, then written: one that needs more memory (ulimit -v, MemAvailable) or disk "
+      "than there is is refused at once, saying what it needs.");
   return [a] { return run_checkpoint(*a); };
 }
 

@@ -18,6 +18,7 @@
 
 #include "cli/command.h"
 #include "ferry/models.h"
+#include "ferry/source.h"
 #include "tools/bench.h"
 #include "tools/demo.h"
 #include "tools/emulated_hosts.h"
@@ -193,8 +194,24 @@ Result<std::vector<tools::DemoLinkCut>> cuts_for(const std::vector<CutArg>& args
   return out;
 }
 
-int run_demo_cmd(tools::DemoSpec d, int kill_sync, int kill_point, bool model_given, bool overrides_given, int hosts,
-                 const std::string& link_text, const PauseArgs& pause, const std::vector<std::string>& cut_texts) {
+int run_demo_cmd(tools::DemoSpec d, int kill_sync, bool kill_sync_given, int kill_point, bool model_given,
+                 bool overrides_given, int hosts, const std::string& link_text, const PauseArgs& pause,
+                 const std::vector<std::string>& cut_texts) {
+  // One kind of fault at a time (the check that every report is true assumes it): a kill
+  // asked for beside another fault is refused, not silently dropped. Without --kill-sync,
+  // the default kill (sync 2) gives way to the other fault.
+  const char* other_fault = !d.store_restarts.empty() ? "--store-restart-sync"
+                            : !pause.role.empty()     ? "--pause-role"
+                            : !cut_texts.empty()      ? "--cut"
+                                                      : nullptr;
+  if (other_fault != nullptr && kill_sync_given && kill_sync > 0) {
+    std::fprintf(stderr,
+                 "ferry demo: --kill-sync %d and %s are two faults; the demo injects one kind of fault per run "
+                 "(its check that every report is true assumes it): drop one\n",
+                 kill_sync, other_fault);
+    return 2;
+  }
+  if (other_fault != nullptr) kill_sync = 0;
   std::vector<CutArg> cut_args;
   for (const std::string& t : cut_texts) {
     auto c = parse_cut(t);
@@ -209,7 +226,6 @@ int run_demo_cmd(tools::DemoSpec d, int kill_sync, int kill_point, bool model_gi
       std::fprintf(stderr, "ferry demo: --cut takes an emulated host's link down: give --hosts too\n");
       return 2;
     }
-    kill_sync = 0;  // one kind of fault at a time
   }
   if (!pause.role.empty()) {
     if (pause.ms.empty()) {
@@ -223,7 +239,6 @@ int run_demo_cmd(tools::DemoSpec d, int kill_sync, int kill_point, bool model_gi
     const int last = d.pauses.back().version + 1;
     if (d.syncs < last) d.syncs = last;
     if (pause.role == "store" && d.store.empty()) d.store_process = true;
-    kill_sync = 0;  // one kind of fault at a time
   }
   d.worker_binary = tools::exe_path();
   if (!model_given) {
@@ -238,6 +253,23 @@ int run_demo_cmd(tools::DemoSpec d, int kill_sync, int kill_point, bool model_gi
     }
   }
   if (!overrides_given) d.overrides = d.model.find("llama") != std::string::npos ? kDenseOverrides : kMoeOverrides;
+  if (kill_sync > 0 && kill_point >= 0) {
+    // A point the sync never reaches would leave the victim running and the driver
+    // waiting out its timeout (67 s) before failing: refused here, before any process.
+    auto m = tools::make_job_model(d.model, d.trainer, d.inference, d.shrink, d.overrides);
+    if (!m.ok()) {
+      std::fprintf(stderr, "ferry demo: %s\n", m.status().to_string().c_str());
+      return 2;
+    }
+    const int groups = Groups(m->metadata).size();
+    if (kill_point >= groups * 4) {
+      std::fprintf(stderr,
+                   "ferry demo: --kill-point %d is past the last point of a sync: the model has %d layer groups, so "
+                   "an inference rank's points are 0..%d (group*4 + phase, phase 0..3)\n",
+                   kill_point, groups, groups * 4 - 1);
+      return 2;
+    }
+  }
   if (kill_sync > 0) d.kills = {{kill_sync, kill_point}};
   const auto t0 = std::chrono::steady_clock::now();
   tools::LinkShape link;
@@ -305,17 +337,20 @@ int run_demo_cmd(tools::DemoSpec d, int kill_sync, int kill_point, bool model_gi
   if (emulated && !r.rows.empty()) print_host_table(r, pl, rate_bytes);
   emulated.reset();
   if (!r.rows.empty()) {
-    std::printf("\n%8s %12s %9s %9s %16s %9s  %s\n", "version", "bytes", "seconds", "GB/s", "broadcast bytes", "verified",
-                "");
+    std::printf("\n%8s %12s %9s %9s %16s %9s %5s  %s\n", "version", "bytes", "seconds", "GB/s", "broadcast bytes",
+                "verified", "torn", "");
     for (const auto& row : r.rows) {
       // The row names what was done to its sync: a kill, a pause, a store restart, a link cut.
       std::string note = row.note;
       std::string fault = row.paused;
       while (!fault.empty() && (fault.back() == ' ' || fault.back() == ';')) fault.pop_back();
       if (!fault.empty()) note += (note.empty() ? "" : "; ") + fault;
-      std::printf("%8d %12llu %9.3f %9.2f %16llu %6d/%-2d  %s\n", row.version, static_cast<unsigned long long>(row.bytes),
-                  row.seconds, row.seconds > 0 ? static_cast<double>(row.bytes) / row.seconds / 1e9 : 0.0,
-                  static_cast<unsigned long long>(row.broadcast_bytes), row.verified, row.expected, note.c_str());
+      // torn: inference ranks whose failed sync left params of two versions (in place).
+      std::printf("%8d %12llu %9.3f %9.2f %16llu %6d/%-2d %5d  %s\n", row.version,
+                  static_cast<unsigned long long>(row.bytes), row.seconds,
+                  row.seconds > 0 ? static_cast<double>(row.bytes) / row.seconds / 1e9 : 0.0,
+                  static_cast<unsigned long long>(row.broadcast_bytes), row.verified, row.expected, row.torn,
+                  note.c_str());
     }
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -364,10 +399,16 @@ std::function<int()> setup_demo(CLI::App& app) {
                 app.add_flag("--checksums", d->checksums, "xxHash64 per segment, checked on arrival");
                 app.add_option("--syncs", d->syncs, "number of syncs")->check(number_in(1, 1 << 20));
                 app.add_option("--seed", d->seed, "seed of the synthetic weights")->check(number_in(0, 1.8e19));
-                app.add_option("--kill-sync", *kill_sync, "SIGKILL an inference rank during this sync (0: never)")
-                    ->check(number_in(0, 1 << 20));
+                auto kill_sync_opt =
+                    app.add_option("--kill-sync", *kill_sync,
+                                   "SIGKILL an inference rank during this sync (0: never; default 2 unless another "
+                                   "fault is asked for: one kind of fault per run, so --kill-sync with "
+                                   "--store-restart-sync, --pause-role or --cut is refused)")
+                        ->check(number_in(0, 1 << 20));
                 app.add_option("--kill-rank", d->kill_rank, "the inference rank to kill")->check(number_in(0, 1 << 20));
-                app.add_option("--kill-point", *kill_point, "point of the sync (group*4+phase; -1: random)")
+                app.add_option("--kill-point", *kill_point,
+                               "point of the sync (group*4+phase; -1: random); past the model's last point is "
+                               "refused, naming its number of layer groups")
                     ->check(number_in(-1, 1 << 30));
                 auto pause = std::make_shared<PauseArgs>();
                 app.add_option("--pause-role", pause->role,
@@ -416,10 +457,9 @@ std::function<int()> setup_demo(CLI::App& app) {
                                "default) or when the host's first rank reaches POINT (consumer: group*4+phase, "
                                "producer: group); repeatable; needs --hosts")
                     ->take_all();
-                return [d, kill_sync, kill_point, model_opt, ov_opt, hosts, link, pause, cuts] {
-                  if (!d->store_restarts.empty()) *kill_sync = 0;
-                  return run_demo_cmd(*d, *kill_sync, *kill_point, model_opt->count() > 0, ov_opt->count() > 0,
-                                      *hosts, *link, *pause, *cuts);
+                return [d, kill_sync, kill_sync_opt, kill_point, model_opt, ov_opt, hosts, link, pause, cuts] {
+                  return run_demo_cmd(*d, *kill_sync, kill_sync_opt->count() > 0, *kill_point,
+                                      model_opt->count() > 0, ov_opt->count() > 0, *hosts, *link, *pause, *cuts);
                 };
 }
 

@@ -65,7 +65,9 @@ std::function<int()> setup_fetch(CLI::App& app) {
   app.add_option("--model", s->model, "HF config.json of the model")->required();
   app.add_option("--verify", s->checkpoint,
                  "Checkpoint directory to compare the received params with, bit for bit (a direct load)");
-  app.add_option("--output", s->output, "Write the received params to DIR/rank-R.safetensors after the last sync");
+  app.add_option("--output", s->output,
+                 "Write the received params to DIR/rank-R.safetensors after the last sync (DIR is made if missing and "
+                 "checked writable before any sync)");
   app.add_option("--device", s->device, "Where this rank's params live: cpu, or cuda:N (unpacked there by a kernel)")
       ->default_val("cpu");
   app.add_flag("!--no-cuda-ipc", s->cuda_ipc,

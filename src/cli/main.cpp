@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <map>
+#include <new>
 #include <string>
 
 #include "cli/command.h"
@@ -33,7 +34,16 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   for (auto& [sub, run] : runners) {
-    if (sub->parsed()) return run();
+    if (!sub->parsed()) continue;
+    // The last boundary for an allocation the code below did not turn into a Status
+    // (a container growing): an error naming the command, never SIGABRT.
+    try {
+      return run();
+    } catch (const std::bad_alloc&) {
+      std::fprintf(stderr, "ferry %s: out of memory: an allocation failed (ulimit -v, or the machine's memory)\n",
+                   sub->get_name().c_str());
+      return 2;
+    }
   }
   return 2;
 }

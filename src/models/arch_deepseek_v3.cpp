@@ -102,7 +102,8 @@ class DeepseekV3Loader : public ModelLoaderBase {
     }
     if (any_moe) {
       FERRY_RETURN_IF_ERROR(
-          validate_experts(cfg, l, "n_routed_experts", ex_.experts, "moe_intermediate_size", ex_.intermediate));
+          validate_experts(cfg, l, "n_routed_experts", ex_.experts, "moe_intermediate_size", ex_.intermediate,
+                           std::count(moe_.begin(), moe_.end(), true), fp8_.enabled ? 2 : 1));
       if (shared_ > 0) {
         FERRY_RETURN_IF_ERROR(require_divisible(cfg, "moe_intermediate_size * n_shared_experts", shared_, "tp", l.tp));
       }

@@ -128,7 +128,8 @@ Result<std::unique_ptr<ModelLoader>> make_llama4(const ModelConfig& cfg, const I
   }
   if (any_moe) {
     FERRY_RETURN_IF_ERROR(validate_experts(cfg, layout, "text_config.num_local_experts", ex.experts,
-                                           "text_config.intermediate_size", ex.intermediate));
+                                           "text_config.intermediate_size", ex.intermediate,
+                                           std::count(moe.begin(), moe.end(), true)));
     // The shared expert is TP-split.
     FERRY_RETURN_IF_ERROR(require_divisible(cfg, "text_config.intermediate_size", ex.intermediate, "tp", layout.tp));
   }

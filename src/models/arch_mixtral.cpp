@@ -24,7 +24,8 @@ Result<std::unique_ptr<ModelLoader>> make_mixtral(const ModelConfig& cfg, const 
   s.moe_layer.assign(static_cast<size_t>(s.dims.layers), true);
   FERRY_RETURN_IF_ERROR(validate_dense(cfg, s.dims, layout, /*check_intermediate=*/false));
   FERRY_RETURN_IF_ERROR(
-      validate_experts(cfg, layout, "num_local_experts", s.experts.experts, "intermediate_size", s.experts.intermediate));
+      validate_experts(cfg, layout, "num_local_experts", s.experts.experts, "intermediate_size", s.experts.intermediate,
+                       s.dims.layers, s.fp8.enabled ? 2 : 1));
   return make_loader<MoeDecoderLoader>(cfg, layout, opts, std::move(s));
 }
 

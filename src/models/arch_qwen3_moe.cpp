@@ -39,7 +39,9 @@ Result<std::unique_ptr<ModelLoader>> make_qwen3_moe(const ModelConfig& cfg, cons
   FERRY_RETURN_IF_ERROR(validate_dense(cfg, s.dims, layout, /*check_intermediate=*/any_dense));
   if (any_moe) {
     FERRY_RETURN_IF_ERROR(validate_experts(cfg, layout, "num_experts", s.experts.experts, "moe_intermediate_size",
-                                           s.experts.intermediate));
+                                           s.experts.intermediate,
+                                           std::count(s.moe_layer.begin(), s.moe_layer.end(), true),
+                                           s.fp8.enabled ? 2 : 1));
   }
   return make_loader<MoeDecoderLoader>(cfg, layout, opts, std::move(s));
 }

@@ -119,13 +119,29 @@ Status load_scale_split(const Tensor& param, const Tensor& src, int64_t dim, Ran
 Status CheckpointBuilder::add(std::string name, Shape shape) { return add(std::move(name), std::move(shape), dtype_); }
 
 Status CheckpointBuilder::add(std::string name, Shape shape, DType dtype) {
+  int64_t bytes = static_cast<int64_t>(dtype_size(dtype));
+  bool overflow = false;
   for (int64_t d : shape) {
     if (d < 0) return internal_error("checkpoint tensor '{}' has a negative dim {}", name, shape_str(shape));
+    overflow = overflow || __builtin_mul_overflow(bytes, d, &bytes);
+  }
+  int64_t total = 0;
+  if (overflow || __builtin_add_overflow(bytes_, bytes, &total) || total > kMaxCheckpointBytes) {
+    return invalid_argument("checkpoint tensor '{}' {} {} takes the checkpoint to {} bytes, over ferry's limit of {} "
+                            "bytes (1 PiB): the config's sizes are implausible",
+                            name, dtype_name(dtype), shape_str(shape),
+                            overflow ? std::string("more than 2^63") : std::to_string(total), kMaxCheckpointBytes);
+  }
+  if (static_cast<int64_t>(decls_.size()) >= kMaxCheckpointTensors) {
+    return invalid_argument("checkpoint tensor '{}' would be tensor {} of the checkpoint, over ferry's limit of {} "
+                            "tensors: the config's counts are implausible",
+                            name, decls_.size() + 1, kMaxCheckpointTensors);
   }
   if (!index_.emplace(name, decls_.size()).second) {
     return internal_error("checkpoint tensor '{}' declared twice", name);
   }
   decls_.push_back(TensorDecl{std::move(name), dtype, std::move(shape)});
+  bytes_ = total;
   return Status::Ok();
 }
 

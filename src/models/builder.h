@@ -166,18 +166,35 @@ inline std::string scale_name(const std::string& weight) { return weight + "_sca
 
 class ModelLoaderBase;
 
+// What a config may make ferry declare: a config.json is input from outside, and a
+// number in it (num_experts: 1e9, intermediate_size: 2^40) must be refused for what it
+// would cost before any of that work starts, not when memory runs out. The largest
+// real checkpoints declare ~140k tensors (Kimi-K2: 60 MoE layers x 384 experts x 3
+// linears x weight and scale) and ~2 TB; the limits leave ample room over both. A
+// tensor's declaration costs ~0.5 KB of metadata before any plan is made (name, shape,
+// the indexes over them), so the tensor limit bounds that to ~0.5 GB.
+inline constexpr int64_t kMaxCheckpointTensors = int64_t{1} << 20;
+inline constexpr int64_t kMaxCheckpointBytes = int64_t{1} << 50;  // 1 PiB
+
 // The checkpoint's tensors, in order.
 class CheckpointBuilder {
  public:
   explicit CheckpointBuilder(DType dtype) : dtype_(dtype) {}
-  // Adds a tensor of the config's dtype (or `dtype`). Duplicate names are a bug (kInternal).
+  // Adds a tensor of the config's dtype (or `dtype`). Duplicate names are a bug
+  // (kInternal). A tensor past kMaxCheckpointTensors, or one whose bytes take the
+  // checkpoint past kMaxCheckpointBytes, is kInvalidArgument naming the tensor and the
+  // size it would need (architectures check their counts before declaring, see
+  // validate_experts; this is the bound for everything else).
   Status add(std::string name, Shape shape);
   Status add(std::string name, Shape shape, DType dtype);
   DType dtype() const { return dtype_; }
   std::vector<TensorDecl>& decls() { return decls_; }
+  // Bytes of every tensor added so far.
+  int64_t bytes() const { return bytes_; }
 
  private:
   DType dtype_;
+  int64_t bytes_ = 0;
   std::vector<TensorDecl> decls_;
   std::unordered_map<std::string, size_t> index_;
 };

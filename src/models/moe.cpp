@@ -219,10 +219,22 @@ Status build_mlp(RankBuilder& b, const std::string& mp, int64_t intermediate, in
 // Routed experts
 
 Status validate_experts(const ModelConfig& cfg, const InferenceLayout& layout, std::string_view experts_field,
-                        int64_t experts, std::string_view intermediate_field, int64_t intermediate) {
+                        int64_t experts, std::string_view intermediate_field, int64_t intermediate,
+                        int64_t moe_layers, int64_t tensors_per_linear) {
   if (experts <= 0) return invalid_argument("{}: field '{}' must be positive, got {}", cfg.path(), experts_field, experts);
   if (intermediate <= 0) {
     return invalid_argument("{}: field '{}' must be positive, got {}", cfg.path(), intermediate_field, intermediate);
+  }
+  // The declarations' cost, from the counts alone (in double: no int64 product to
+  // overflow, and exact far past the limit).
+  const double tensors = static_cast<double>(moe_layers) * static_cast<double>(experts) * 3.0 *
+                         static_cast<double>(tensors_per_linear);
+  if (tensors > static_cast<double>(kMaxCheckpointTensors)) {
+    return invalid_argument("{}: field '{}' = {} is implausible: {} MoE layers x {} experts x {} tensors each would "
+                            "declare {:.0f} checkpoint tensors (~{:.1f} GB of metadata before any other work), over "
+                            "ferry's limit of {} (the largest real MoE checkpoints declare ~140k)",
+                            cfg.path(), experts_field, experts, moe_layers, experts, 3 * tensors_per_linear, tensors,
+                            tensors * 512 / 1e9, kMaxCheckpointTensors);
   }
   FERRY_RETURN_IF_ERROR(require_divisible(cfg, experts_field, experts, "ep", layout.ep));
   if (layout.ep > 1) return Status::Ok();

@@ -97,9 +97,12 @@ struct ExpertNames {
 };
 
 // E divisible by ep; I divisible by the expert TP size (T*D without EP). Errors name the
-// config fields.
+// config fields. Before anything is declared: `moe_layers` x E experts x 3 linears (x 2
+// with FP8 scales, `tensors_per_linear`) checkpoint tensors within kMaxCheckpointTensors,
+// so `num_experts: 1e9` is refused at once, saying how many tensors it would declare.
 Status validate_experts(const ModelConfig& cfg, const InferenceLayout& layout, std::string_view experts_field,
-                        int64_t experts, std::string_view intermediate_field, int64_t intermediate);
+                        int64_t experts, std::string_view intermediate_field, int64_t intermediate,
+                        int64_t moe_layers, int64_t tensors_per_linear = 1);
 
 // Per-expert 2-D checkpoint tensors (Qwen3-MoE, Mixtral, DeepSeek-V3).
 Status declare_experts(CheckpointBuilder& c, const std::string& src_prefix, const ExpertNames& names,

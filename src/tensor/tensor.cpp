@@ -1,6 +1,7 @@
 // Tensor: view ops over real or recording storage.
 #include <algorithm>
 #include <cstring>
+#include <new>
 #include <numeric>
 
 #include "ferry/device.h"
@@ -210,7 +211,13 @@ Tensor Tensor::empty(Shape shape, DType dtype, std::string name) {
   storage->dtype = dtype;
   storage->numel = shape_numel(shape);
   const size_t bytes = static_cast<size_t>(storage->numel) * dtype_size(dtype);
-  auto buf = std::shared_ptr<std::byte[]>(new std::byte[std::max<size_t>(bytes, 1)]());
+  // No exception leaves the core: memory the allocator refuses is an error tensor.
+  std::byte* raw = new (std::nothrow) std::byte[std::max<size_t>(bytes, 1)]();
+  if (raw == nullptr) {
+    return error(io_error("empty: out of memory: cannot allocate {} bytes for {} {} '{}'", bytes, dtype_name(dtype),
+                          shape_str(shape), storage->name));
+  }
+  auto buf = std::shared_ptr<std::byte[]>(raw);
   storage->data = buf.get();
   storage->keepalive = buf;
   storage->root_shape = shape;

@@ -272,6 +272,10 @@ DemoResult run_demo(const DemoSpec& d) {
   const int points = kill_producer ? groups : groups * 4;
   for (auto& k : kills) {
     if (k.second < 0) k.second = static_cast<int>(rng() % static_cast<uint64_t>(points));
+    if (k.second >= points) {
+      return fail(fmt::format("kill point {} is past the last point of a sync: the model has {} layer groups, so a {}'s "
+                              "points are 0..{}", k.second, groups, d.kill_role, points - 1));
+    }
   }
   size_t next_kill = 0;
   auto victim_crash = [&](int from_version) -> std::pair<int, int> {
@@ -529,6 +533,9 @@ DemoResult run_demo(const DemoSpec& d) {
       if (is_consumer && j.value("torn", false)) ++row.torn;
       if (is_consumer && j.value("live_verified", false)) ++row.live_verified;
       if (is_consumer) row.mixed_reads += j.value("mixed_reads", uint64_t{0});
+      // A failed sync took time and moved bytes too: its row counts them.
+      secs = std::max(secs, j.value("seconds", 0.0));
+      if (is_consumer) row.bytes += j.value("bytes", uint64_t{0});
       if (!j.value("ok", false)) {
         const std::string e = fmt::format("{}: {}", name, j.value("error", std::string("?")));
         notes.push_back(e);
@@ -540,7 +547,6 @@ DemoResult run_demo(const DemoSpec& d) {
         }
         continue;
       }
-      secs = std::max(secs, j.value("seconds", 0.0));
       if (!is_consumer) {
         const int pr = rank;
         row.producer_bytes[static_cast<size_t>(pr)] = j.value("bytes", uint64_t{0});
@@ -572,7 +578,6 @@ DemoResult run_demo(const DemoSpec& d) {
                                     j.value("commit_seconds", 0.0)));
       }
       if (is_consumer) {
-        row.bytes += j.value("bytes", uint64_t{0});
         ++row.expected;
         if (j.value("verified", false)) {
           ++row.verified;

@@ -9,13 +9,17 @@
 #include <memory>
 #include <vector>
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <fmt/format.h>
 
 #include <nlohmann/json.hpp>
 
 #include "engine/report_json.h"
+#include "engine/testing.h"
+#include "io/mapping_guard.h"
 #include "tools/trace_file.h"
 
 #include "ferry/device.h"
@@ -277,6 +281,30 @@ Result<std::vector<RankReport>> serve_rank(const RankSpec& s, const RankReportSi
       return r.status().with_context(fmt::format("serve: registering {} ({} bytes) to serve it in place", f.path(), b.size()));
     po.source_regions.push_back(*r);
   }
+  // A file truncated *during* a sync (after the check above) faults the next touch of a
+  // page past its new end, in whichever thread touches it (packing, UCX serving a read
+  // by message, checksums): each mapping is watched, and such a fault ends this process
+  // with exit 1 and a message naming the file, never SIGBUS (io/mapping_guard.h says why
+  // ending beats serving zeros). Watched while the producer lives.
+  std::vector<io::TruncationGuard> guards;
+  for (const SafetensorsFile& f : dir.files()) {
+    if (access != SafetensorsAccess::kMap) break;
+    FERRY_ASSIGN_OR_RETURN(
+        io::TruncationGuard g,
+        io::TruncationGuard::watch(f.bytes().data(), f.bytes().size(),
+                                   fmt::format("ferry serve: trainer rank {}: checkpoint file {} was truncated while "
+                                               "it was served (a read of it faulted past its new end): this rank "
+                                               "stops (exit 1); the checkpoint must not change while it is served, or "
+                                               "pass --read-checkpoint",
+                                               u.rank, f.path()),
+                                   1));
+    guards.push_back(std::move(g));
+  }
+  if (s.before_materialize) {
+    engine::TestHooks hooks;
+    hooks.before_materialize = s.before_materialize;
+    po.test_hooks = engine::make_test_hooks(std::move(hooks));
+  }
   CheckpointSource from_files(u.model.metadata, *u.model.holdings, std::move(dir), u.rank);
   std::unique_ptr<DeviceCopySource> on_device;
   if (device.is_cuda()) {
@@ -329,8 +357,33 @@ Result<std::vector<RankReport>> serve_rank(const RankSpec& s, const RankReportSi
   return reports;
 }
 
+namespace {
+
+// fetch --output DIR, checked before any sync (the params are written there only after
+// the last one): DIR is made if missing, and must be a directory this process can create
+// a file in (a probe file, made and removed: permission bits, a read-only filesystem,
+// /proc — what access(2) alone misses, as root).
+Status check_output_dir(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return invalid_argument("fetch: --output {}: cannot create it: {}", dir, ec.message());
+  if (!std::filesystem::is_directory(dir, ec)) return invalid_argument("fetch: --output {}: not a directory", dir);
+  const std::string probe = fmt::format("{}/.ferry-fetch-probe.{}", dir, static_cast<long>(::getpid()));
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    return invalid_argument("fetch: --output {}: cannot write there ({}); the params are written to it after the last "
+                            "sync, so it is checked first", dir, std::strerror(errno));
+  }
+  ::close(fd);
+  ::unlink(probe.c_str());
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<std::vector<RankReport>> fetch_rank(const RankSpec& s, const RankReportSink& on_report) {
   FERRY_ASSIGN_OR_RETURN(Setup u, local_setup(s, false));
+  if (!s.output.empty()) FERRY_RETURN_IF_ERROR(check_output_dir(s.output));
   std::optional<TensorMap> expected;
   if (!s.checkpoint.empty()) FERRY_RETURN_IF_ERROR(direct_load(u.model, u.rank, s.checkpoint, expected));
   FERRY_ASSIGN_OR_RETURN(const Device device, parse_device(s.device));

@@ -9,7 +9,9 @@
 // checkpoint directory it holds, memory-mapped and served in place from the mapping
 // (each file a source region: no copy of the checkpoint in memory, contiguous boxes not
 // even staged); the checkpoint must not change while served (checked before each sync;
-// read_checkpoint: owned memory instead, immune to that). fetch: an inference rank receiving its shard, optionally
+// a file truncated during a sync ends the process with exit 1 and a message naming it,
+// io/mapping_guard.h, instead of SIGBUS; read_checkpoint: owned memory instead, immune
+// to that). fetch: an inference rank receiving its shard, optionally
 // checked bit for bit against a direct load of a checkpoint directory and written as
 // safetensors. serve_rank / fetch_rank return one RankReport per sync; the commands
 // print each as a JSON line (rank_report_json) and exit 0 when every sync passed, 1 when
@@ -75,6 +77,8 @@ struct RankSpec {
   int syncs = 1;
   int timeout_ms = 30000;      // bound on each wait of a sync (EngineOptions::timeout, stall)
   int rendezvous_ms = 120000;  // bound on waiting for every rank at start
+  // Tests only: serve runs this before materialising each group (engine::TestHooks).
+  std::function<void(uint64_t version, int group)> before_materialize;
 };
 
 // One sync of one rank: what `ferry serve/fetch` print as a JSON line and ferry.serve /

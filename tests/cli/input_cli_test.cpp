@@ -1,8 +1,12 @@
 // Hostile input on the command line: each of these crashed, hung or was accepted
 // (issue 15, finding 5); each must now end at once with an error naming the constraint.
-#include <string>
-#include <unistd.h>
+#include <chrono>
 #include <cstdlib>
+#include <filesystem>
+#include <sstream>
+#include <string>
+
+#include <unistd.h>
 
 #include <gtest/gtest.h>
 
@@ -80,6 +84,82 @@ TEST(InputCli, BenchWorkerOptionsAreTheBenchRanks) {
   EXPECT_NE(r.exit_code, 0) << r.err;
 }
 
+// A small dense model: 2 layers, so 4 layer groups (embedding, 2 layers, final).
+const std::string kSmallDemo = "demo --model " + kModel +
+                               " --config-overrides '{\"num_hidden_layers\": 2, \"hidden_size\": 256, "
+                               "\"intermediate_size\": 512, \"vocab_size\": 1024, \"num_attention_heads\": 4, "
+                               "\"num_key_value_heads\": 2, \"head_dim\": 64}' --trainer tp=2 --inference tp=2 ";
+
+// --kill-point past the last point of a sync failed only after the driver's whole wait
+// (67 s, issue 30): refused before any process starts, naming the number of groups.
+TEST(InputCli, DemoKillPointPastTheLastGroupIsRefusedAtOnce) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const CliRun r = ferry(kSmallDemo + "--syncs 2 --kill-sync 2 --kill-point 100000");
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--kill-point 100000 is past the last point of a sync: the model has 4 layer groups, so an "
+                       "inference rank's points are 0..15"),
+            std::string::npos)
+      << r.err;
+  EXPECT_LT(s, 10.0) << "refused only after " << s << " s";
+  // The default demo (the MoE model shrunk) ran 79 s before failing.
+  const auto t1 = std::chrono::steady_clock::now();
+  const CliRun d = ferry("demo --kill-point 100000");
+  const double s1 = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  EXPECT_EQ(d.exit_code, 2) << d.err;
+  EXPECT_NE(d.err.find("--kill-point 100000 is past the last point of a sync: the model has "), std::string::npos)
+      << d.err;
+  EXPECT_LT(s1, 10.0) << "refused only after " << s1 << " s";
+}
+
+// --kill-sync beside another fault was silently dropped (with --store-restart-sync the
+// demo ran without the kill, issue 30): the combination is refused, naming both.
+TEST(InputCli, DemoKillWithAnotherFaultIsRefused) {
+  CliRun r = ferry(kSmallDemo + "--syncs 3 --kill-sync 2 --store-restart-sync 2");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--kill-sync 2 and --store-restart-sync are two faults"), std::string::npos) << r.err;
+  r = ferry(kSmallDemo + "--syncs 3 --kill-sync 3 --pause-role consumer --pause-ms 100");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--kill-sync 3 and --pause-role are two faults"), std::string::npos) << r.err;
+}
+
+// The demo's table has a torn column (inference ranks whose failed sync left their
+// params of two versions; the rows hid it, issue 30).
+TEST(InputCli, DemoTableShowsTorn) {
+  const auto r = ferry_cli_test::run_command("timeout -s KILL 120 " + std::string(FERRY_BIN) + " " + kSmallDemo +
+                                             "--syncs 1 --kill-sync 0");
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("verified  torn"), std::string::npos) << r.out;
+  unsigned long long version = 0, bytes = 0, broadcast = 0;
+  double seconds = 0, gbps = 0;
+  int verified = 0, expected = 0, torn = -1;
+  bool row = false;
+  std::istringstream in(r.out);
+  for (std::string line; std::getline(in, line);) {
+    row = row || std::sscanf(line.c_str(), " %llu %llu %lf %lf %llu %d/%d %d", &version, &bytes, &seconds, &gbps,
+                             &broadcast, &verified, &expected, &torn) == 8;
+  }
+  ASSERT_TRUE(row) << r.out;
+  EXPECT_EQ(version, 1u);
+  EXPECT_EQ(verified, 2);
+  EXPECT_EQ(torn, 0);
+}
+
+// fetch --output was checked only when the params were written, after the last sync
+// (issue 30): an unusable directory is refused first, before the store is reached.
+TEST(InputCli, FetchOutputIsCheckedBeforeAnySync) {
+  const std::string fetch = "fetch --store tcp://127.0.0.1:1 --trainer tp=1 --inference tp=1 --rank 0 --model " +
+                            kModel + " --output ";
+  CliRun r = ferry(fetch + "/proc/ferry-cannot-write-here");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("fetch: --output /proc/ferry-cannot-write-here: cannot create it"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("127.0.0.1:1"), std::string::npos) << "the store was reached first: " << r.err;
+  r = ferry(fetch + kModel);  // a file, not a directory
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("fetch: --output " + kModel + ": "), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("127.0.0.1:1"), std::string::npos) << "the store was reached first: " << r.err;
+}
+
 TEST(InputCli, DemoTimeoutsAreBounded) {
   for (const char* bad : {"--rank-timeout-ms 0", "--stall-ms 5", "--stall-ms nan", "--rank-timeout-ms -1"}) {
     const CliRun r = ferry(std::string("demo ") + bad);
@@ -134,6 +214,40 @@ TEST(CheckpointCli, WritesACheckpointOfTheModel) {
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("/proc/ferry-cannot-write-here"), std::string::npos) << r.err;
   std::system(("rm -rf " + dir).c_str());
+}
+
+// Inputs that ran away (issue 30): each is now refused before the work starts, saying
+// what it would need, with exit 2 and never a signal. Run under `ulimit -v` (4 GiB, or
+// the 6 GiB of the report), so a regression ends in an allocation failure instead of
+// taking the machine's memory: num_experts 1e9 used 5.5-8 GB for 40 s; intermediate_size
+// 2^40 and a 70B checkpoint under ulimit -v 6G died of bad_alloc (SIGABRT).
+TEST(CheckpointCli, RunawaySizesAreRefusedBeforeTheWork) {
+  char tmpl[] = "/tmp/ferry-ckpt-runaway-XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl);
+  auto checkpoint = [&](const std::string& ulimit_kb, const std::string& args) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = ferry_cli_test::run_command("ulimit -v " + ulimit_kb + "; timeout -s KILL 120 " + std::string(FERRY_BIN) +
+                                         " checkpoint --out " + dir + "/c " + args + " >/dev/null");
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_LT(s, 10.0) << args << ": refused only after " << s << " s";  // generous: well under 1 s here
+    return r;
+  };
+  const std::string configs = std::string(FERRY_SOURCE_DIR) + "/configs/";
+  auto r = checkpoint("4194304", "--model " + configs + "qwen3-30b-a3b.json --config-overrides '{\"num_experts\": 1e9}'");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("field 'num_experts' = 1000000000 is implausible"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("would declare 144000000000 checkpoint tensors"), std::string::npos) << r.err;
+  r = checkpoint("4194304", "--model " + kModel + " --config-overrides '{\"intermediate_size\": 1099511627776}'");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("over ferry's limit of 1125899906842624 bytes (1 PiB)"), std::string::npos) << r.err;
+  r = checkpoint("6291456", "--model " + configs + "llama-3.1-70b.json");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("the checkpoint is 141.1 GB (141107412992 bytes), built in memory before it is written: it "
+                       "needs 141.1 GB of memory, and this process's address-space limit (ulimit -v) of 6.4 GB leaves"),
+            std::string::npos)
+      << r.err;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/c/model.safetensors"));
+  std::filesystem::remove_all(dir);
 }
 
 // serve / fetch --device: a device that cannot be used, a malformed one, and GPU staging

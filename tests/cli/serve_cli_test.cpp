@@ -288,7 +288,64 @@ TEST(ServeChangedFile, ServeStopsNamingTheFileThatChanged) {
     ASSERT_EQ(reps.size(), 2u);
     EXPECT_TRUE(reps[0].ok && reps[0].verified.value_or(false)) << "fetch " << r << ": " << reps[0].error.to_string();
     EXPECT_FALSE(reps[1].ok) << "fetch " << r << " committed a version served from a changed file";
+    // A failed sync's JSON line says how long it took and what it moved, like any other.
+    const nlohmann::json j = rank_report_json(reps[1]);
+    EXPECT_GT(j.value("seconds", 0.0), 0.0) << j.dump();
+    EXPECT_TRUE(j.contains("bytes") && j["bytes"].is_number()) << j.dump();
+    EXPECT_FALSE(j.value("ok", true)) << j.dump();
   }
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
+// The checkpoint file is truncated *during* a sync (from the producer's hook before it
+// materialises group 1 of version 1, after serve's check before the sync passed): the
+// next touch of a page past the new end (packing a strided box, or serving a read of an
+// in-place one) faulted, and serve died of SIGBUS (exit 135, issue 30). Now the fault in
+// the watched mapping ends the process with exit 1 and a message naming the file. The
+// whole job runs in a death-test child (threads of one process, as above, forked from
+// this one before any thread starts), which the fault ends.
+TEST(ServeTruncatedFile, TruncatedDuringASyncIsAnErrorExitNotSigbus) {
+  const std::string dir = make_checkpoint();
+  const std::string file = dir + "/model.safetensors";
+  const auto job = [&] {
+    StoreServerOptions so;
+    so.token = random_token();
+    auto server = StoreServer::start(so);
+    if (!server.ok()) std::_Exit(90);
+    RankSpec base;
+    base.store = (*server)->url();
+    base.token = so.token;
+    base.job = "serve-truncated";
+    base.trainer = kTrainer;
+    base.inference = kInference;
+    base.syncs = 1;
+    base.timeout_ms = 10000;
+    base.rendezvous_ms = 30000;
+    std::vector<std::thread> th;
+    for (int r = 0; r < 2; ++r) {
+      th.emplace_back([&, r] {
+        RankSpec s = base;
+        s.rank = r;
+        s.checkpoint = dir;
+        s.before_materialize = [&, r](uint64_t, int group) {
+          if (r == 0 && group == 1) std::filesystem::resize_file(file, 16);
+        };
+        (void)serve_rank(s);
+      });
+      th.emplace_back([&, r] {
+        RankSpec s = base;
+        s.rank = r;
+        s.model = dir + "/config.json";
+        (void)fetch_rank(s);
+      });
+    }
+    for (auto& t : th) t.join();
+    std::_Exit(91);  // the sync ended without touching the truncated pages: not what this tests
+  };
+  EXPECT_EXIT(job(), ::testing::ExitedWithCode(1),
+              "checkpoint file /tmp/ferry-serve-.*/model.safetensors was truncated while it was served .*\\(byte [0-9]+ "
+              "of the [0-9]+ mapped\\)");
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
 }

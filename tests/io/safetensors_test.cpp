@@ -1,6 +1,7 @@
 // Tests for io/safetensors: round trips, borrowing, shards, and every validation error.
 #include <gtest/gtest.h>
 
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -8,6 +9,7 @@
 #include <random>
 
 #include "ferry/safetensors.h"
+#include "io/mapping_guard.h"
 
 namespace ferry {
 namespace {
@@ -165,6 +167,35 @@ TEST_F(SafetensorsTest, TruncatedAfterOpenKeepsItsBytes) {
   auto again = SafetensorsFile::open(p);
   ASSERT_FALSE(again.ok());
   EXPECT_NE(again.status().message().find(p), std::string::npos) << again.status().to_string();
+}
+
+// The same under kMap, watched by a TruncationGuard (what `ferry serve` does): the touch
+// of a page past the new end is an exit with the guard's status and a message naming the
+// file and the byte, not SIGBUS; a SIGBUS anywhere else still takes the default action.
+TEST_F(SafetensorsTest, MappedAndTruncatedUnderAGuardIsAnErrorExit) {
+  const Tensor big = filled({256, 1024}, DType::kF32, 7);  // 1 MiB
+  const std::string p = path("guarded.safetensors");
+  ASSERT_TRUE(write_safetensors(p, {{"big", big}}).ok());
+  const auto touch_after_truncation = [&] {
+    auto f = SafetensorsFile::open(p, SafetensorsAccess::kMap);
+    if (!f.ok()) std::_Exit(90);
+    auto guard = io::TruncationGuard::watch(f->bytes().data(), f->bytes().size(), "mapped " + p + " was truncated", 3);
+    if (!guard.ok()) std::_Exit(91);
+    fs::resize_file(p, 16);
+    const volatile std::byte* last = f->bytes().data() + f->bytes().size() - 1;
+    (void)*last;
+    std::_Exit(92);
+  };
+  EXPECT_EXIT(touch_after_truncation(), ::testing::ExitedWithCode(3),
+              "mapped .*guarded.safetensors was truncated \\(byte [0-9]+ of the [0-9]+ mapped\\)");
+  const auto elsewhere = [] {
+    static const std::byte watched[4096] = {};
+    auto guard = io::TruncationGuard::watch(watched, sizeof(watched), "not this", 3);
+    if (!guard.ok()) std::_Exit(91);
+    ::raise(SIGBUS);
+    std::_Exit(92);
+  };
+  EXPECT_EXIT(elsewhere(), ::testing::KilledBySignal(SIGBUS), "");
 }
 
 // kMap serves the same bytes without a copy (for callers that rule truncation out).

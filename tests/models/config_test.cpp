@@ -2,6 +2,8 @@
 #include <chrono>
 #include <map>
 
+#include <nlohmann/json.hpp>
+
 #include "models/test_util.h"
 
 #ifndef FERRY_CONFIGS_DIR
@@ -77,6 +79,32 @@ TEST(ModelConfig, MalformedFiles) {
   EXPECT_FALSE(ModelConfig::parse(R"({"architectures": []})").ok());
   EXPECT_FALSE(ModelConfig::parse(R"({"architectures": ["X"], "torch_dtype": "complex"})").ok());
   EXPECT_EQ(ModelConfig::load("/nonexistent/config.json").status().code(), StatusCode::kNotFound);
+}
+
+// Sizes that would make the checkpoint implausibly large (intermediate_size 2^40: 8 PiB
+// in one tensor; `ferry checkpoint` died of bad_alloc on it, issue 30) are refused while
+// the loader declares the checkpoint, naming the tensor and the bytes it would take; the
+// declaration of the counts and bytes of real models is unchanged.
+TEST(ModelConfig, ImplausibleSizesAreRefusedNamingWhatTheyWouldNeed) {
+  const testing::AddressSpaceCap cap(size_t{2} << 30);
+  auto c = ModelConfig::load(kConfigs + "/llama-3.1-8b.json");
+  ASSERT_TRUE(c.ok());
+  for (const char* bad : {R"({"intermediate_size": 1099511627776})", R"({"vocab_size": 4611686018427387904})",
+                          R"({"hidden_size": 4294967296, "num_attention_heads": 1, "num_key_value_heads": 1,
+                              "head_dim": 1})"}) {
+    auto j = nlohmann::json::parse(c->dump());
+    j.merge_patch(nlohmann::json::parse(bad));
+    auto l = make_model_loader(config_from(j.dump()), InferenceLayout{});
+    ASSERT_FALSE(l.ok()) << bad;
+    EXPECT_EQ(l.status().code(), StatusCode::kInvalidArgument) << l.status().to_string();
+    EXPECT_NE(l.status().message().find("over ferry's limit of 1125899906842624 bytes (1 PiB)"), std::string::npos)
+        << l.status().to_string();
+    EXPECT_NE(l.status().message().find("checkpoint tensor 'model."), std::string::npos) << l.status().to_string();
+  }
+  // The real sizes load (70B: 141 GB).
+  auto seventy = ModelConfig::load(kConfigs + "/llama-3.1-70b.json");
+  ASSERT_TRUE(seventy.ok());
+  EXPECT_TRUE(make_model_loader(*seventy, InferenceLayout{}).ok());
 }
 
 TEST(Registry, UnknownArchitectureListsSupported) {

@@ -432,6 +432,39 @@ TEST(MoeErrors, LayoutsTheModelCannotTake) {
   EXPECT_NE(u.status().to_string().find("quant_method 'awq'"), std::string::npos);
 }
 
+// A count in config.json that would make the loader declare billions of tensors
+// (num_experts: 1e9 used 5.5-8 GB for 40 s before the OOM killer ended it, issue 30) is
+// refused before anything is declared, naming the field and what it would cost. The
+// address space is capped while the loaders run (testing::AddressSpaceCap), so a
+// regression ends in an allocation failure, not in the machine swapping.
+TEST(MoeErrors, ImplausibleExpertCountsAreRefusedAtOnce) {
+  const testing::AddressSpaceCap cap(size_t{2} << 30);
+  struct Bad {
+    std::string config, field;
+  };
+  const std::vector<Bad> bad = {
+      {qwen3_moe(R"(, "num_experts": 1e9)"), "num_experts"},
+      {qwen3_moe(std::string(kFp8Quant) + R"(, "num_experts": 200000)"), "num_experts"},  // 2 x 3 x 2e5 x 2 > 2^20
+      {mixtral(R"(, "num_local_experts": 1000000000)"), "num_local_experts"},
+      {deepseek("192", R"(, "n_routed_experts": 1e9)"), "n_routed_experts"},
+      {llama4(R"(, "num_local_experts": 1e9)"), "text_config.num_local_experts"}};
+  for (const Bad& b : bad) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto l = make_model_loader(config_from(b.config), testing::layout_from("tp=1"));
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ASSERT_FALSE(l.ok()) << b.field;
+    EXPECT_EQ(l.status().code(), StatusCode::kInvalidArgument) << l.status().to_string();
+    EXPECT_NE(l.status().message().find("field '" + b.field + "'"), std::string::npos) << l.status().to_string();
+    EXPECT_NE(l.status().message().find("is implausible"), std::string::npos) << l.status().to_string();
+    EXPECT_NE(l.status().message().find("checkpoint tensors"), std::string::npos) << l.status().to_string();
+    EXPECT_LT(s, 10.0) << b.field << ": refused after " << s << " s";  // generous: ~1 ms here
+  }
+  // Real counts still load: Kimi-K2's 384 experts x 60 MoE layers with FP8 scales.
+  auto k = make_model_loader(*ModelConfig::load(std::string(FERRY_CONFIGS_DIR) + "/kimi-k2-instruct.json"),
+                             testing::layout_from("tp=8"));
+  EXPECT_TRUE(k.ok()) << k.status().to_string();
+}
+
 // --- scale: Kimi-K2 at full size -------------------------------------------------------
 
 // Recording one rank of Kimi-K2 (1.03T parameters, 384 experts x 60 MoE layers, FP8 with

@@ -1,6 +1,10 @@
 // Helpers shared by the models tests.
 #pragma once
 
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -15,6 +19,36 @@ inline ModelConfig config_from(const std::string& text, const std::string& path 
   EXPECT_TRUE(c.ok()) << c.status().to_string();
   return c.ok() ? *c : ModelConfig();
 }
+
+// Caps this process's address space at what it maps now plus `extra` bytes for its
+// lifetime (the soft RLIMIT_AS; restored after), so a test of an input that once ran
+// away ends in an allocation failure instead of the machine swapping. A no-op under
+// sanitizers, which reserve terabytes of shadow memory up front.
+class AddressSpaceCap {
+ public:
+  explicit AddressSpaceCap(size_t extra) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+    (void)extra;
+#else
+    size_t pages = 0;
+    std::ifstream("/proc/self/statm") >> pages;
+    if (pages == 0 || ::getrlimit(RLIMIT_AS, &old_) != 0) return;
+    rlimit cap = old_;
+    cap.rlim_cur = static_cast<rlim_t>(pages * static_cast<size_t>(::sysconf(_SC_PAGESIZE)) + extra);
+    if (old_.rlim_cur != RLIM_INFINITY && old_.rlim_cur < cap.rlim_cur) return;
+    set_ = ::setrlimit(RLIMIT_AS, &cap) == 0;
+#endif
+  }
+  ~AddressSpaceCap() {
+    if (set_) ::setrlimit(RLIMIT_AS, &old_);
+  }
+  AddressSpaceCap(const AddressSpaceCap&) = delete;
+  AddressSpaceCap& operator=(const AddressSpaceCap&) = delete;
+
+ private:
+  rlimit old_{};
+  bool set_ = false;
+};
 
 inline InferenceLayout layout_from(const std::string& text) {
   auto l = InferenceLayout::parse(text);
