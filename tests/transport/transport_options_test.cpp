@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ferry/transport.h"
+#include "transport/ucx/config.h"
 
 namespace ferry {
 namespace {
@@ -65,7 +66,7 @@ TEST(TransportBackendOptions, RegistryListsBackendsAndTheirOptions) {
   std::vector<std::string> names;
   for (const BackendOption& o : ucx->options) names.push_back(o.name);
   EXPECT_EQ(names, (std::vector<std::string>{"tls", "net_devices", "ucx.", "route_to", "one_host", "tcp_control", "keepalive_ms",
-                                             "spin_us", "busy_spin_us", "reads", "ep_info"}));
+                                             "spin_us", "busy_spin_us", "reads", "ep_info", "unsafe_shm"}));
   EXPECT_TRUE(ucx->accepts("tls"));
   EXPECT_TRUE(ucx->accepts("ucx.RNDV_THRESH"));
   EXPECT_FALSE(ucx->accepts("ucx."));  // a prefix needs a KEY
@@ -100,6 +101,7 @@ TEST(TransportBackendOptions, MalformedUcxParamIsRefused) {
   const std::vector<std::pair<std::string, std::string>> bad = {
       {"spin_us", "abc"},   {"spin_us", "-1"},       {"busy_spin_us", "1.5"}, {"keepalive_ms", ""},
       {"tcp_control", "2"}, {"one_host", "maybe"},   {"ep_info", "Yes!"},     {"reads", "fast"},
+      {"unsafe_shm", "sure"},
   };
   for (const auto& [name, value] : bad) {
     auto r = Transport::resolve_params("ucx", {{name, value}});
@@ -126,7 +128,7 @@ TEST(TransportBackendOptions, UcxDefaultsAndParams) {
   CleanEnv env;
   EXPECT_EQ(resolved({}), (TransportParams{{"tls", ""}, {"net_devices", ""}, {"route_to", ""}, {"one_host", "0"}, {"tcp_control", "1"},
                                            {"keepalive_ms", "500"}, {"spin_us", "0"}, {"busy_spin_us", "0"},
-                                           {"reads", "auto"}, {"ep_info", "0"}}));
+                                           {"reads", "auto"}, {"ep_info", "0"}, {"unsafe_shm", "0"}}));
   auto info = Transport::backend_info("ucx");
   ASSERT_TRUE(info.ok());
   const TransportParams defaults = resolved({});
@@ -226,6 +228,61 @@ TEST(TransportBackendOptions, SharedMemoryIsWhatTheTlsInForceLists) {
   EXPECT_TRUE(*inproc);
   EXPECT_FALSE(Transport::moves_bytes_over_shared_memory("ucx", {{"no_such_param", "1"}}).ok());
   EXPECT_FALSE(Transport::moves_bytes_over_shared_memory("nope", {}).ok());
+}
+
+// Issue 30: the tls in force never has a shared-memory transport whose memory other
+// users' processes reach (sysv: segments mode 0660, the user's group attaches them;
+// knem: a cookie), unless the param unsafe_shm says so. TransportTest.SharedMemoryIsOwnerOnly
+// checks the segments themselves.
+TEST(TransportBackendOptions, UcxSharedMemoryIsOwnerOnly) {
+  using detail::ucx::owner_only_tls;
+  const std::vector<std::string> debian = {"self", "tcp", "sysv", "posix", "cma"};  // Debian 12's UCX 1.13
+  auto safe = [&](const std::string& tls, const std::vector<std::string>& available) {
+    auto r = owner_only_tls(tls, available);
+    EXPECT_TRUE(r.ok()) << tls << ": " << r.status().to_string();
+    return r.ok() ? *r : std::string("?");
+  };
+  EXPECT_EQ(safe("sm,tcp,self", debian), "posix,cma,tcp,self");
+  EXPECT_EQ(safe("sm,self,tcp", debian), "posix,cma,self,tcp");
+  EXPECT_EQ(safe("shm,self", debian), "posix,cma,self");
+  EXPECT_EQ(safe("mm,cma", debian), "posix,cma");
+  EXPECT_EQ(safe("sm,posix,cma", debian), "posix,cma");  // no duplicates
+  EXPECT_EQ(safe("sm,self", {"self", "sysv", "posix", "cma", "xpmem", "knem"}), "posix,cma,xpmem,self");
+  EXPECT_EQ(safe("sm,self", {}), "posix,cma,xpmem,self");  // unknown availability: all of them
+  EXPECT_EQ(safe("tcp,self", debian), "tcp,self");
+  EXPECT_EQ(safe("posix,cma,tcp,self", debian), "posix,cma,tcp,self");
+  EXPECT_EQ(safe("rc,ud:aux,sm", debian), "rc,ud:aux,posix,cma");
+  EXPECT_EQ(safe("", debian), "^sysv,knem");     // UCX's default: every transport
+  EXPECT_EQ(safe("all", debian), "^sysv,knem");
+  EXPECT_EQ(safe("tcp,all", debian), "^sysv,knem");
+  EXPECT_EQ(safe("^tcp", debian), "^tcp,sysv,knem");
+  EXPECT_EQ(safe("^sysv", debian), "^sysv,knem");
+  EXPECT_EQ(safe("^knem,sysv", debian), "^knem,sysv");
+  for (const char* named : {"sysv", "sysv,tcp,self", "posix,knem"}) {
+    auto r = owner_only_tls(named, debian);
+    ASSERT_EQ(r.status().code(), StatusCode::kInvalidArgument) << named;
+    EXPECT_NE(r.status().message().find("unsafe_shm=1"), std::string::npos) << r.status().message();
+    EXPECT_NE(r.status().message().find(std::string(named).find("knem") != std::string::npos ? "knem" : "sysv"),
+              std::string::npos)
+        << r.status().message();
+  }
+  // Through create: a tls naming sysv is refused, naming it and the param; with
+  // unsafe_shm=1 it is the user's choice.
+  CleanEnv env;
+  TransportOptions o;
+  o.backend = "ucx";
+  o.params = {{"tls", "sysv,tcp,self"}, {"net_devices", "lo"}};
+  Status st = Transport::create(o).status();
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("sysv"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("unsafe_shm"), std::string::npos) << st.message();
+  env.set("UCX_TLS", "sysv,tcp,self");  // UCX's own variable, when ferry sets no tls
+  o.params = {{"net_devices", "lo"}};
+  EXPECT_EQ(Transport::create(o).status().code(), StatusCode::kInvalidArgument);
+  o.params = {{"tls", "sysv,tcp,self"}, {"net_devices", "lo"}, {"unsafe_shm", "1"}};
+  auto t = Transport::create(o);
+  EXPECT_TRUE(t.ok()) << t.status().to_string();
+  EXPECT_EQ(resolved({{"unsafe_shm", "yes"}})["unsafe_shm"], "1");
 }
 
 // The device follows the route to route_to (the tools pass the store's host), unless the

@@ -1,15 +1,25 @@
 // One suite, instantiated per backend: inproc (ranks are threads) and UCX over shm and
 // over tcp (the remote rank is a separate transport_peer process).
 #include <gtest/gtest.h>
+#include <sys/ipc.h>
+#include <sys/shm.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <future>
 #include <limits>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "ferry/transport.h"
@@ -568,6 +578,145 @@ TEST_P(TransportTest, PeerReadsAndWritesOurRegions) {
       fill_pattern(mem + off, off, length, 9);
     }
   }
+  ASSERT_OK(local_->deregister_memory(in_place));
+  ASSERT_OK(local_->deregister_memory(allocated));
+}
+
+// Shared memory this process holds, that another process of the host could attach or
+// open: SysV segments it created (/proc/sysvipc/shm, creator pid) or maps (/proc/self/maps
+// "/SYSV<key>", the inode is the shmid: a peer's segment we attached), and files of
+// /dev/shm or memfds it holds open (UCX's posix segments are shared as /proc/<pid>/fd/<fd>
+// of their creator).
+struct SharedSegment {
+  std::string what;  // "sysv <shmid>" or "fd <n> -> <target>"
+  int shmid = -1;    // sysv
+  int fd = -1;       // an open file
+  unsigned mode = 0;
+};
+
+std::vector<SharedSegment> shared_segments() {
+  std::vector<SharedSegment> out;
+  std::vector<int> shmids;
+  {
+    std::ifstream created("/proc/sysvipc/shm");
+    std::string line;
+    std::getline(created, line);  // header
+    while (std::getline(created, line)) {
+      std::istringstream f(line);
+      long key = 0, size = 0;
+      int shmid = -1, cpid = -1;
+      std::string perms;
+      if (f >> key >> shmid >> perms >> size >> cpid && cpid == ::getpid()) shmids.push_back(shmid);
+    }
+    std::ifstream maps("/proc/self/maps");
+    while (std::getline(maps, line)) {
+      std::istringstream f(line);
+      std::string range, flags, offset, dev, path;
+      unsigned long inode = 0;
+      if (f >> range >> flags >> offset >> dev >> inode >> path && path.starts_with("/SYSV")) {
+        shmids.push_back(static_cast<int>(inode));
+      }
+    }
+  }
+  std::sort(shmids.begin(), shmids.end());
+  shmids.erase(std::unique(shmids.begin(), shmids.end()), shmids.end());
+  for (int shmid : shmids) {
+    shmid_ds ds{};
+    if (::shmctl(shmid, IPC_STAT, &ds) != 0) continue;  // removed meanwhile
+    out.push_back({fmt::format("sysv {} (creator pid {})", shmid, ds.shm_cpid), shmid, -1, ds.shm_perm.mode & 0777u});
+  }
+  if (DIR* d = ::opendir("/proc/self/fd")) {
+    while (dirent* e = ::readdir(d)) {
+      if (e->d_name[0] == '.') continue;
+      const int fd = std::atoi(e->d_name);
+      char target[512] = {};
+      const std::string link = fmt::format("/proc/self/fd/{}", fd);
+      const ssize_t n = ::readlink(link.c_str(), target, sizeof(target) - 1);
+      if (n <= 0) continue;
+      const std::string_view t(target, static_cast<size_t>(n));
+      struct stat st{};
+      if ((t.starts_with("/dev/shm/") || t.starts_with("/memfd:")) && ::fstat(fd, &st) == 0) {
+        out.push_back({fmt::format("fd {} -> {}", fd, t), -1, fd, st.st_mode & 0777u});
+      }
+    }
+    ::closedir(d);
+  }
+  return out;
+}
+
+// Whether a process of this user's group with another uid (nobody) can attach or open
+// any of `segments`: forks, drops to uid 65534 keeping our gid, tries each. Needs root
+// (setuid); returns nullopt without it.
+std::optional<std::string> reachable_by_another_user_of_the_group(const std::vector<SharedSegment>& segments) {
+  if (::geteuid() != 0) return std::nullopt;
+  const pid_t owner = ::getpid();
+  int pipefd[2];
+  if (::pipe(pipefd) != 0) return std::string("pipe failed");
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::close(pipefd[0]);
+    // One thread after fork: raw syscalls, nothing that allocates or locks.
+    if (::syscall(SYS_setgroups, 0, nullptr) != 0 || ::syscall(SYS_setuid, 65534) != 0) ::_exit(2);
+    char reached = 0;
+    for (const SharedSegment& s : segments) {
+      if (s.shmid >= 0) {
+        void* p = ::shmat(s.shmid, nullptr, SHM_RDONLY);
+        reached = p != reinterpret_cast<void*>(-1);
+      } else {
+        char path[64];
+        std::snprintf(path, sizeof(path), "/proc/%d/fd/%d", static_cast<int>(owner), s.fd);
+        reached = ::open(path, O_RDONLY) >= 0;
+      }
+      if (reached) {
+        const auto index = static_cast<uint32_t>(&s - segments.data());
+        [[maybe_unused]] ssize_t w = ::write(pipefd[1], &index, sizeof(index));
+        ::_exit(1);
+      }
+    }
+    ::_exit(0);
+  }
+  ::close(pipefd[1]);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  uint32_t index = 0;
+  const bool told = ::read(pipefd[0], &index, sizeof(index)) == sizeof(index);
+  ::close(pipefd[0]);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) == 2) return std::string("the child could not drop to uid 65534");
+  if (WEXITSTATUS(status) == 0) return std::string();
+  return told && index < segments.size() ? segments[index].what : std::string("a segment");
+}
+
+// Issue 30: memory the transport shares (its receive FIFOs, allocate_memory's regions,
+// a peer's regions we attached) is reachable by this user's own processes only: no group
+// or other bits on any segment (UCX's sysv transport creates its segments 0660, so a
+// process of the ranks' group read and wrote staging and receive rings without the
+// token). As root, a forked process of our group with another uid tries to attach them.
+TEST_P(TransportTest, SharedMemoryIsOwnerOnly) {
+  const BackendCase& c = GetParam();
+  ASSERT_NO_FATAL_FAILURE(spawn(1 << 20));
+  ASSERT_OK_AND_ASSIGN(MemoryRegion allocated, local_->allocate_memory(4 << 20));
+  Buffer registered(1 << 20);
+  ASSERT_OK_AND_ASSIGN(MemoryRegion in_place, local_->register_memory(registered.data(), registered.size()));
+  ASSERT_TRUE(local_->export_key(allocated).ok());
+  ASSERT_TRUE(local_->export_key(in_place).ok());
+  // A read of the peer's (allocated) region: its segment is attached here.
+  ASSERT_OK_AND_ASSIGN(Completion r, local_->read(allocated, 0, remote_->region, 0, 1 << 20));
+  ASSERT_OK(r.wait(kWait));
+  const std::vector<SharedSegment> segments = shared_segments();
+  for (const SharedSegment& s : segments) {
+    std::printf("  %s: mode 0%o\n", s.what.c_str(), s.mode);
+    EXPECT_EQ(s.mode & 077u, 0u) << s.what << " has mode 0" << std::oct << s.mode
+                                 << ": processes of other users (the group's) can reach it";
+  }
+  if (c.backend == "ucx" && c.tls.find("sm") != std::string::npos) {
+    EXPECT_FALSE(segments.empty()) << "no shared-memory segment found over " << c.tls << ": the check saw nothing";
+  }
+  if (auto reached = reachable_by_another_user_of_the_group(segments)) {
+    EXPECT_EQ(*reached, "") << "a process of our group with another uid attached " << *reached;
+  } else {
+    std::printf("not root: the attach by another uid of our group was not tried\n");
+  }
+  std::printf("%zu shared segments checked\n", segments.size());
   ASSERT_OK(local_->deregister_memory(in_place));
   ASSERT_OK(local_->deregister_memory(allocated));
 }

@@ -15,6 +15,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <uct/api/uct.h>
+
 #include "transport/backend.h"
 
 namespace ferry::detail::ucx {
@@ -87,6 +89,9 @@ const BackendInfo& backend_info() {
           {"busy_spin_us", "0", "the same with operations in flight (FERRY_UCX_BUSY_SPIN_US wins)"},
           {"reads", "auto", "auto | message | rma: force reads/writes by message or UCX get/put (FERRY_UCX_READS wins)"},
           {"ep_info", "0", "print each peer's UCX lanes after its first read/write (FERRY_UCX_EP_INFO wins)"},
+          {"unsafe_shm", "0",
+           "1: also use UCX's sysv and knem transports, whose memory other users' processes reach (sysv: mode 0660, "
+           "the user's group); 0: left out of tls"},
       }};
   return info;
 }
@@ -116,6 +121,8 @@ Result<UcxConfig> parse_config(const TransportParams& params, const UcxEnv& e) {
       FERRY_ASSIGN_OR_RETURN(c.tcp_control, parse_bool(name, value));
     } else if (name == "ep_info") {
       FERRY_ASSIGN_OR_RETURN(c.ep_info, parse_bool(name, value));
+    } else if (name == "unsafe_shm") {
+      FERRY_ASSIGN_OR_RETURN(c.unsafe_shm, parse_bool(name, value));
     } else if (name == "keepalive_ms") {
       FERRY_ASSIGN_OR_RETURN(uint64_t n, parse_count(name, value));
       c.keepalive = std::chrono::milliseconds(n);
@@ -176,6 +183,7 @@ TransportParams describe(const UcxConfig& c) {
   p["busy_spin_us"] = std::to_string(c.busy_spin.count());
   p["reads"] = !c.forced_reads ? "auto" : *c.forced_reads ? "message" : "rma";
   p["ep_info"] = c.ep_info ? "1" : "0";
+  p["unsafe_shm"] = c.unsafe_shm ? "1" : "0";
   return p;
 }
 
@@ -266,6 +274,80 @@ bool needs_tcp_control(const std::string& tls) {
   return shm;
 }
 
+namespace {
+
+std::vector<std::string_view> split_tls(std::string_view list) {
+  std::vector<std::string_view> out;
+  for (size_t at = 0; at <= list.size();) {
+    const size_t comma = std::min(list.find(',', at), list.size());
+    if (comma > at) out.push_back(list.substr(at, comma - at));
+    at = comma + 1;
+  }
+  return out;
+}
+
+bool is_unsafe_shm_tl(std::string_view tl) {
+  return std::find(std::begin(kUnsafeShmTls), std::end(kUnsafeShmTls), tl) != std::end(kUnsafeShmTls);
+}
+
+}  // namespace
+
+Result<std::string> owner_only_tls(const std::string& tls, const std::vector<std::string>& available) {
+  auto has = [&](std::string_view tl) {
+    return available.empty() || std::find(available.begin(), available.end(), tl) != available.end();
+  };
+  auto join = [](const std::vector<std::string_view>& tls) {
+    std::string s;
+    for (std::string_view tl : tls) s.append(s.empty() ? "" : ",").append(tl);
+    return s;
+  };
+  std::vector<std::string_view> list = split_tls(tls.starts_with('^') ? std::string_view(tls).substr(1) : tls);
+  const bool excluding = tls.starts_with('^');
+  if (list.empty() || (!excluding && std::find(list.begin(), list.end(), "all") != list.end())) {
+    list.clear();  // every transport
+  } else if (!excluding) {
+    std::vector<std::string_view> out;
+    auto add = [&](std::string_view tl) {
+      if (has(tl) && std::find(out.begin(), out.end(), tl) == out.end()) out.push_back(tl);
+    };
+    for (std::string_view tl : list) {
+      if (is_unsafe_shm_tl(tl)) {
+        return invalid_argument(
+            "ucx: UCX_TLS={} names {}, whose shared memory other users' processes can reach (sysv segments are "
+            "mode 0660: any process of the user's group attaches them; knem regions are reached by a cookie): "
+            "leave it out (sm or posix,cma share owner-only memory), or set the ucx param unsafe_shm=1",
+            tls, tl);
+      }
+      if (tl == "sm" || tl == "shm") {
+        for (const char* safe : {"posix", "cma", "xpmem"}) add(safe);
+      } else if (tl == "mm") {
+        for (const char* safe : {"posix", "xpmem"}) add(safe);
+      } else if (std::find(out.begin(), out.end(), tl) == out.end()) {
+        out.push_back(tl);  // as given (UCX warns about one it does not have)
+      }
+    }
+    return join(out);
+  }
+  for (const char* unsafe : kUnsafeShmTls) {
+    if (std::find(list.begin(), list.end(), unsafe) == list.end()) list.push_back(unsafe);
+  }
+  return "^" + join(list);
+}
+
+std::vector<std::string> available_components() {
+  std::vector<std::string> names;
+  uct_component_h* components = nullptr;
+  unsigned count = 0;
+  if (uct_query_components(&components, &count) != UCS_OK) return names;
+  for (unsigned i = 0; i < count; ++i) {
+    uct_component_attr_t attr{};
+    attr.field_mask = UCT_COMPONENT_ATTR_FIELD_NAME;
+    if (uct_component_query(components[i], &attr) == UCS_OK) names.emplace_back(attr.name);
+  }
+  uct_release_component_list(components);
+  return names;
+}
+
 Status apply(const UcxConfig& c, ucp_config_t* config) {
   std::vector<std::pair<std::string, std::string>> settings;
   if (c.tls) settings.emplace_back("TLS", *c.tls);
@@ -292,6 +374,22 @@ Status apply(const UcxConfig& c, ucp_config_t* config) {
     if (st == UCS_OK && !net_devices) st = ucp_config_modify(config, "NET_DEVICES", "lo");
     if (st != UCS_OK) {
       return invalid_argument("ucx: adding tcp to UCX_TLS={} for control messages: {}", *tls, ucs_status_string(st));
+    }
+    tls = with_tcp;
+  }
+  if (!c.unsafe_shm) {
+    // Shared memory only this user's processes reach (issue 30; config.h).
+    const std::string in_force = tls.value_or("");
+    FERRY_ASSIGN_OR_RETURN(std::string owner_only, owner_only_tls(in_force, available_components()));
+    if (owner_only.empty()) {
+      return invalid_argument("ucx: UCX_TLS={} leaves no transport once sysv and knem are left out", in_force);
+    }
+    if (owner_only != in_force) {
+      ucs_status_t st = ucp_config_modify(config, "TLS", owner_only.c_str());
+      if (st != UCS_OK) {
+        return invalid_argument("ucx: setting UCX_TLS={} (owner-only shared memory): {}", owner_only,
+                                ucs_status_string(st));
+      }
     }
   }
   return Status::Ok();

@@ -32,6 +32,11 @@
 //   reads         [auto]   auto | message | rma: force reads/writes by message or by
 //                          UCX get/put (tests, diagnostics).
 //   ep_info       [0]      print each peer's UCX lanes after its first read/write.
+//   unsafe_shm    [0]      1: let UCX use its shared-memory transports whose memory other
+//                          users' processes can reach (sysv: segments mode 0660, any
+//                          process of the user's group attaches them by id; knem:
+//                          regions reached by a cookie). 0: they are left out of the tls
+//                          in force (owner_only_tls), and a tls naming one is refused.
 // Booleans: 0/1, false/true, off/on, no/yes. Numbers: decimal, >= 0.
 //
 // Precedence, exactly as before the params existed: default <- param <- FERRY_UCX_*
@@ -93,6 +98,7 @@ struct UcxConfig {
   std::chrono::microseconds busy_spin = kBusySpin;
   std::optional<bool> forced_reads;  // true: by message; false: by UCX get/put; nullopt: auto
   bool ep_info = false;
+  bool unsafe_shm = false;
   // What UCX reads from its environment (for the tcp_control decision).
   std::optional<std::string> env_tls, env_net_devices;
 };
@@ -121,9 +127,35 @@ bool tls_has_shared_memory(const std::string& tls);
 // has tcp unless the user excluded it.
 bool needs_tcp_control(const std::string& tls);
 
+// Shared memory that only this user's processes reach (issue 30). UCX 1.13 creates the
+// segments of its transports as follows (src/uct/sm/...):
+//   posix  a /dev/shm file of mode 0600, unlinked at once and shared as
+//          /proc/<pid>/fd/<fd> (UCX_POSIX_USE_PROC_LINK=y): only a process of the same
+//          uid that may ptrace-read the owner opens it;
+//   cma    process_vm_readv/writev: the kernel's ptrace-attach check (same uid);
+//   xpmem  xpmem_make(..., XPMEM_PERMIT_MODE, 0600);
+//   sysv   shmget(IPC_PRIVATE, S_IRUSR|S_IWUSR|S_IRGRP|S_IWGRP): mode 0660, hard-coded,
+//          no UCX option changes it; `ipcs` lists the ids, so any process of the user's
+//          group attaches and writes every segment (the receive FIFOs, allocate_memory's
+//          regions) without a key or the token;
+//   knem   a region is reached by its cookie alone.
+// So sysv and knem are left out: `tls` (UCX_TLS syntax; empty or "all": every transport)
+// without them. An allow list has the aliases sm/shm (posix, sysv, xpmem, knem, cma) and
+// mm (posix, sysv, xpmem) spelled out without sysv and knem, keeping only transports in
+// `available` (UCX warns about a named transport it does not have; empty: all of them);
+// an exclusion list ("^...") and "all" get ",sysv,knem" / "^sysv,knem". A list naming sysv
+// or knem itself is refused (kInvalidArgument, naming it and the unsafe_shm param).
+inline constexpr const char* kUnsafeShmTls[] = {"sysv", "knem"};
+Result<std::string> owner_only_tls(const std::string& tls, const std::vector<std::string>& available);
+
+// The UCX components (transports) this host's UCX has: uct_query_components. Empty when
+// the query fails.
+std::vector<std::string> available_components();
+
 // Applies `cfg` to a configuration from ucp_config_read: tls, net_devices, ucx.<KEY>,
-// keepalive, then tcp for control messages (tcp_control). kInvalidArgument when UCX
-// refuses a setting.
+// keepalive, then tcp for control messages (tcp_control), then the tls in force made
+// owner-only (owner_only_tls, unless unsafe_shm). kInvalidArgument when UCX refuses a
+// setting or the tls names a transport that is not owner-only.
 Status apply(const UcxConfig& cfg, ucp_config_t* config);
 
 }  // namespace ferry::detail::ucx
