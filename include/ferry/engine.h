@@ -127,18 +127,27 @@ struct EngineOptions {
   // this long after it was announced. A consumer takes groups in order, so a slow
   // producer of an earlier group delays it: keep this above the slowest materialise.
   std::chrono::milliseconds stall_timeout{30000};
-  // Producer: a straggler — a consumer that has not released (pull) / asked for (push) a
-  // slot the other consumers of that slot are done with, for longer than
-  // max(straggler_floor, straggler_factor x the time the others took) since the last of
-  // them — is dropped from this sync early (so it holds the others back by at most that
-  // bound, not by stall_timeout) and catches up at the next sync. The bound is relative
-  // so that a big group that takes everyone long is not a straggler, with a floor of
-  // seconds so that ordinary jitter (scheduling, a short GC) is not either. A lone
-  // consumer of a slot is never a straggler: only stall_timeout applies; nor is one still
-  // moving to the routes of a failed-over sync, until it declares them (its lag counts
-  // from then). 0: off.
+  // Producer: a straggler — a consumer that entered the sync and has not released (pull)
+  // / asked for (push) a slot the other consumers of that slot are done with, for longer
+  // than max(straggler_floor, straggler_factor x the time the others took, 2 x lease_ttl
+  // with more than one producer) since the later of the last of them and its own last
+  // progress in this sync — is dropped from this sync early (so it holds the others back
+  // by at most that bound, not by stall_timeout) and catches up at the next sync. The
+  // bound is relative so that a big group that takes everyone long is not a straggler,
+  // with a floor of seconds so that ordinary jitter (scheduling, a short GC) is not
+  // either, and never shorter than a consumer takes to find another producer lost (by
+  // its lease) so that one held up by that loss is not blamed. A consumer that keeps
+  // moving (e.g. post-processing each group for a second) is never one. A lone consumer
+  // of a slot is never a straggler: only stall_timeout applies; nor is one still moving
+  // to the routes of a failed-over sync, until it declares them (its lag counts from
+  // then). 0: off (join_window too; only stall_timeout applies).
   std::chrono::milliseconds straggler_floor{2000};
   double straggler_factor = 8;
+  // Producer: how long a consumer that has not entered the sync yet (inference ranks
+  // enter seconds apart after their rollouts) may lag the others before it is dropped
+  // from this sync as absent; it catches up at the next one. Never shorter than the
+  // straggler bound; stall_timeout (from each group's announcement) still applies.
+  std::chrono::milliseconds join_window{20000};
   std::chrono::milliseconds lease_ttl{3000};
   bool checksums = false;
   // Producer failover: when a producer dies mid-sync, consumers mark it in

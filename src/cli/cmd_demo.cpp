@@ -437,6 +437,14 @@ std::function<int()> setup_demo(CLI::App& app) {
                 app.add_option("--stall-ms", d->stall_ms,
                                "how long a producer waits for a silent reader before dropping it (default 20000)")
                     ->check(number_in(100, 1 << 30));
+                app.add_option("--straggler-ms", d->straggler_ms,
+                               "the trainer ranks' straggler floor (EngineOptions::straggler_floor; default 2000; 0: "
+                               "off)")
+                    ->check(number_in(0, 1 << 30));
+                app.add_option("--join-window-ms", d->join_window_ms,
+                               "how long trainer ranks wait for an inference rank to enter a sync before dropping "
+                               "it from that sync (EngineOptions::join_window; default 20000)")
+                    ->check(number_in(0, 1 << 30));
                 app.add_flag("-v,--verbose", d->verbose, "per-rank phase times");
                 app.add_option("--trace", d->trace,
                                "write every rank's trace of every sync to FILE (Chrome trace-event JSON: open in "
@@ -489,6 +497,7 @@ std::function<int()> setup_worker(CLI::App& app) {
   app.add_option("--staging-budget", w->staging_budget)->check(number_in(0, 1.8e19));
   app.add_option("--stall-ms", w->stall_ms)->check(number_in(0, 1 << 30));
   app.add_option("--straggler-ms", w->straggler_ms)->check(number_in(0, 1 << 30));
+  app.add_option("--join-window-ms", w->join_window_ms)->check(number_in(0, 1 << 30));
   app.add_option("--commit", w->commit)->check(CLI::IsMember({"in_place", "shadow"}));
   auto timeout = app.add_option("--timeout-ms", w->timeout_ms)->check(number_in(1, 1 << 30));
   app.add_option("--lease-ttl-ms", w->lease_ttl_ms)->check(number_in(10, 1 << 30));

@@ -33,6 +33,24 @@ void add_common(CLI::App& app, tools::RankSpec& s) {
   app.add_option("--rendezvous-timeout", s.rendezvous_ms, "Bound on waiting for every rank to start, in ms")
       ->default_val(120000)
       ->check(number_in(1, 1 << 30));
+  app.add_option("--lease-ttl", s.lease_ttl_ms,
+                 "A rank is lost once its store lease is this old, in ms (the same on every rank)")
+      ->default_val(3000)
+      ->check(number_in(10, 1 << 30));
+  app.add_option("--straggler-floor", s.straggler_floor_ms,
+                 "serve: drop a fetch rank that entered the sync and made no progress for max(this, "
+                 "--straggler-factor x the others' time, 2 x --lease-ttl with several trainer ranks) ms after "
+                 "the others were done with a group; it catches up at the next sync (0: only --timeout)")
+      ->default_val(2000)
+      ->check(number_in(0, 1 << 30));
+  app.add_option("--straggler-factor", s.straggler_factor, "serve: the relative part of that bound")
+      ->default_val(8)
+      ->check(number_in(0, 1e6));
+  app.add_option("--join-window", s.join_window_ms,
+                 "serve: how long a fetch rank that has not entered the sync yet may lag the others before it "
+                 "is dropped from it as absent, in ms (rollouts end seconds apart)")
+      ->default_val(20000)
+      ->check(number_in(0, 1 << 30));
   app.add_option("--trace", s.trace,
                  "Write this rank's trace of every sync to FILE (Chrome trace-event JSON for Perfetto; \"{rank}\" "
                  "is replaced by the rank; `ferry trace` merges, summarises and plots; docs/trace.md)");

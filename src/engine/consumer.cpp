@@ -417,6 +417,11 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
   // sync): announcements made with the old ones are stale, not a reason to switch.
   if (routes_hash != previous) old_hashes.insert(previous);
   declare = !route_state.dead().empty();
+  // Tell the producers this consumer is in the sync: from now on it can straggle; until
+  // now only their join window applied (rollouts end seconds apart, engine/straggler.h).
+  if (s.ok()) {
+    for (int p : reachable_producers()) send_to(p, Join{me(), v, routes_hash});
+  }
   for (int tries = 0; s.ok() || tries > 0; ++tries) {
     failed_p = -1;
     {

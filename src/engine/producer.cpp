@@ -41,6 +41,10 @@ struct Producer::Impl {
   uint64_t restart_hash = 0;            // ... with these routes; mu
   std::map<int, uint64_t> consumer_hash;  // consumer -> routes it moved to this sync (FAILOVER); mu
   std::map<int, Clock::time_point> consumer_joined;  // ... and when that FAILOVER came; mu
+  // consumer -> when it last moved in this sync: entered it (JOIN), released or asked for
+  // a slot. A consumer absent here has not entered (engine/straggler.h); mu.
+  std::map<int, Clock::time_point> consumer_progress;
+  std::map<int, uint64_t> early_join;  // consumer -> a later version it entered before this producer; mu
   // The routes a consumer that declared none this sync reads with: those the sync began
   // with, when they had no dead producer (otherwise every consumer declares its routes,
   // Consumer::declare_routes, and one that has not is still moving); mu.
@@ -344,6 +348,15 @@ struct Producer::Impl {
       }
       if (!known && !std::holds_alternative<Ready>(msg)) return;  // stale instance or unknown peer
       const bool current = in_sync && mv == version;
+      if (current && known && (std::holds_alternative<Release>(msg) || std::holds_alternative<Ready>(msg) ||
+                      std::holds_alternative<Join>(msg))) {
+        consumer_progress[c] = Clock::now();  // its straggler clock restarts (wait_slot)
+        cv.notify_all();
+      }
+      if (std::holds_alternative<Join>(msg)) {
+        if (!current && mv > version) early_join[c] = mv;
+        return;
+      }
       if (const auto* m = std::get_if<Release>(&msg)) {
         if (!current) return;
         const int s = slot_of_locked(m->group, m->routes);
@@ -440,8 +453,13 @@ struct Producer::Impl {
     const int c = it->second;
     if (peers[static_cast<size_t>(c)].id != peer) return;
     peers[static_cast<size_t>(c)].connected = false;
-    if (in_sync) {
+    if (in_sync && !(done.count(c) && done[c] == version)) {
       drop_locked(c, "transport: " + why.to_string(), nullptr);
+    } else if (in_sync) {
+      // It committed this sync (DONE) and then closed: not dropped, nothing missed; the
+      // report says ok and names no one (issue 30: it named a consumer that closed right
+      // after syncing while reporting ok).
+      live[static_cast<size_t>(c)] = false;
     } else if (static_cast<size_t>(c) < live.size()) {
       live[static_cast<size_t>(c)] = false;  // died between refresh and the sync: not waited for
     }
@@ -601,8 +619,11 @@ struct Producer::Impl {
       // alone until it declares them (FAILOVER), and its lag counts from then; so is one
       // pending in a slot of routes the producer abandoned (engine/straggler.h). What it
       // knows is read again after the wait, which may have let a FAILOVER in.
-      const StragglerPolicy policy{opts.straggler_floor, opts.straggler_factor, opts.mode == SyncMode::kPull};
-      const RoutesKnown known{routes_hash, &consumer_hash, &consumer_joined, undeclared_hash};
+      StragglerPolicy policy{opts.straggler_floor, opts.straggler_factor, opts.mode == SyncMode::kPull};
+      policy.join_window = opts.join_window;
+      if (opts.num_producers > 1) policy.loss_detection = 2 * opts.lease_ttl;
+      RoutesKnown known{routes_hash, &consumer_hash, &consumer_joined, undeclared_hash};
+      known.progress = &consumer_progress;
       auto pace = [&] { return SlotPace{slots[s].group, slots[s].hash, slots[s].since, slots[s].last_release}; };
       const Clock::duration bound = slots[s].last_release ? straggler_bound(policy, pace()) : Clock::duration{};
       if (auto at = next_straggler(policy, bound, pace(), known, slots[s].pending, deadline)) {
@@ -761,6 +782,7 @@ struct Producer::Impl {
       local_failure = Status::Ok();
       consumer_hash.clear();
       consumer_joined.clear();
+      consumer_progress.clear();
       for (auto it = ready.begin(); it != ready.end();) it = std::get<0>(it->first) < v ? ready.erase(it) : std::next(it);
       for (auto& s : slots) s = Slot{};
     }
@@ -796,6 +818,15 @@ struct Producer::Impl {
         }
       }
       early_failover.clear();
+      // Consumers that entered v (JOIN, or asked for a group of it) before this producer
+      // did: their clocks start with this producer's sync.
+      for (const auto& [c, ev] : early_join) {
+        if (ev == v) consumer_progress[c] = Clock::now();
+      }
+      early_join.clear();
+      for (const auto& [key, r] : ready) {
+        if (std::get<0>(key) == v) consumer_progress[std::get<2>(key)] = Clock::now();
+      }
       for (const auto& [c, ev] : early_abort) {
         if (ev == v) drop_locked(c, "it aborted the sync", nullptr);
       }

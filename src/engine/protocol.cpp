@@ -33,7 +33,8 @@ void fields(M& m, F&& f) {
   } else if constexpr (std::is_same_v<T, RoutesNotice> || std::is_same_v<T, Flushed>) {
     f(m.producer), f(m.version), f(m.routes);
   } else {
-    static_assert(std::is_same_v<T, Abort> || std::is_same_v<T, Done> || std::is_same_v<T, Failover>);
+    static_assert(std::is_same_v<T, Abort> || std::is_same_v<T, Done> || std::is_same_v<T, Failover> ||
+                  std::is_same_v<T, Join>);
     f(m.consumer), f(m.version), f(m.routes);
   }
 }
@@ -135,7 +136,8 @@ uint64_t version_of(const Message& m) {
 
 const char* message_name(const Message& m) {
   static constexpr const char* kNames[] = {"Announce", "Release", "Ready",    "Pushed",       "Dropped",
-                                           "Abort",    "Done",    "Failover", "RoutesNotice", "Flushed"};
+                                           "Abort",    "Done",    "Failover", "RoutesNotice", "Flushed",
+                                           "Join"};
   static_assert(std::size(kNames) == std::variant_size_v<Message>);
   return kNames[m.index()];
 }

@@ -105,6 +105,15 @@ struct RoutesNotice {
   uint64_t routes = 0;
   friend bool operator==(const RoutesNotice&, const RoutesNotice&) = default;
 };
+// A consumer entered sync `version` (sent to each producer it reaches as the sync
+// begins): from then on it can lag the others as a straggler; before it, only the join
+// window applies (EngineOptions::join_window).
+struct Join {
+  uint32_t consumer = 0;
+  uint64_t version = 0;
+  uint64_t routes = 0;
+  friend bool operator==(const Join&, const Join&) = default;
+};
 struct Flushed {
   uint32_t producer = 0;
   uint64_t version = 0;
@@ -114,7 +123,8 @@ struct Flushed {
 
 inline constexpr size_t kMaxReasonBytes = 1024;
 
-using Message = std::variant<Announce, Release, Ready, Pushed, Dropped, Abort, Done, Failover, RoutesNotice, Flushed>;
+using Message =
+    std::variant<Announce, Release, Ready, Pushed, Dropped, Abort, Done, Failover, RoutesNotice, Flushed, Join>;
 
 // The sender's rank (producer or consumer, by message type), version and routes.
 uint32_t sender_of(const Message& m);

@@ -8,20 +8,30 @@ namespace ferry::engine {
 
 Clock::duration straggler_bound(const StragglerPolicy& policy, const SlotPace& slot) {
   const auto others = *slot.last_release - slot.since;
-  return std::max<Clock::duration>(policy.floor, std::chrono::duration_cast<Clock::duration>(others * policy.factor));
+  return std::max<Clock::duration>({policy.floor, std::chrono::duration_cast<Clock::duration>(others * policy.factor),
+                                    policy.loss_detection});
 }
 
-std::optional<Clock::time_point> lag_start(const SlotPace& slot, const RoutesKnown& known, int c) {
+std::optional<Lag> lag_start(const SlotPace& slot, const RoutesKnown& known, int c) {
   // A slot of routes this producer has abandoned (it restarted the sync): whoever is
   // still pending there has not moved yet, by definition still finding the lost producer
   // (it may be blocked reading from it): never a straggler there.
   if (slot.routes != known.current) return std::nullopt;
   auto h = known.declared->find(c);
   if (h == known.declared->end() ? known.undeclared != slot.routes : h->second != slot.routes) return std::nullopt;
-  Clock::time_point from = *slot.last_release;
+  Lag lag{*slot.last_release, true};
   if (auto j = known.joined->find(c); h != known.declared->end() && j != known.joined->end())
-    from = std::max(from, j->second);
-  return from;
+    lag.from = std::max(lag.from, j->second);
+  if (known.progress) {
+    auto p = known.progress->find(c);
+    lag.entered = p != known.progress->end();
+    if (lag.entered) lag.from = std::max(lag.from, p->second);
+  }
+  return lag;
+}
+
+Clock::duration lag_bound(const StragglerPolicy& policy, Clock::duration bound, const Lag& lag) {
+  return lag.entered ? bound : std::max<Clock::duration>(bound, policy.join_window);
 }
 
 std::optional<Clock::time_point> next_straggler(const StragglerPolicy& policy, Clock::duration bound,
@@ -30,8 +40,10 @@ std::optional<Clock::time_point> next_straggler(const StragglerPolicy& policy, C
   std::optional<Clock::time_point> at;
   if (!slot.last_release || policy.floor.count() <= 0) return at;
   for (int c : pending) {
-    const auto from = lag_start(slot, known, c);
-    if (from && *from + bound < deadline && (!at || *from + bound < *at)) at = *from + bound;
+    const auto lag = lag_start(slot, known, c);
+    if (!lag) continue;
+    const auto when = lag->from + lag_bound(policy, bound, *lag);
+    if (when < deadline && (!at || when < *at)) at = when;
   }
   return at;
 }
@@ -43,18 +55,32 @@ std::vector<std::pair<int, std::string>> stragglers(const StragglerPolicy& polic
   using std::chrono::milliseconds;
   std::vector<std::pair<int, std::string>> out;
   const auto took = duration_cast<milliseconds>(*slot.last_release - slot.since);
+  const auto ms = [](Clock::duration d) { return duration_cast<milliseconds>(d).count(); };
+  const std::string loss = policy.loss_detection.count() > 0
+                               ? fmt::format(", loss_detection {} ms", policy.loss_detection.count())
+                               : std::string();
   for (int c : pending) {
-    const auto from = lag_start(slot, known, c);
-    if (!from || now < *from + bound) continue;
-    const auto lag = duration_cast<milliseconds>(now - *slot.last_release);
-    const std::string moved =
-        *from == *slot.last_release
-            ? std::string()
-            : fmt::format(", {} ms after it moved to these routes", duration_cast<milliseconds>(now - *from).count());
+    const auto lag = lag_start(slot, known, c);
+    if (!lag || now < lag->from + lag_bound(policy, bound, *lag)) continue;
+    const auto behind = ms(now - *slot.last_release);
+    if (!lag->entered) {
+      out.emplace_back(c, fmt::format("absent: did not enter the sync {} ms after the other consumers {} group {} "
+                                      "(join_window {} ms)",
+                                      behind, policy.pull ? "released" : "requested", slot.group,
+                                      ms(lag_bound(policy, bound, *lag))));
+      continue;
+    }
+    std::string since;
+    if (lag->from != *slot.last_release) {
+      auto j = known.joined->find(c);
+      const bool moved = j != known.joined->end() && j->second == lag->from;
+      since = fmt::format(", {} ms after {}", ms(now - lag->from),
+                          moved ? "it moved to these routes" : "its last progress in this sync");
+    }
     out.emplace_back(c, fmt::format("straggler: group {} not {} {} ms after the other consumers{} ({} ms after it "
-                                    "was announced; bound: max(straggler_floor {} ms, {} x {} ms))",
-                                    slot.group, policy.pull ? "released" : "requested", lag.count(), moved,
-                                    took.count(), policy.floor.count(), policy.factor, took.count()));
+                                    "was announced; bound: max(straggler_floor {} ms, {} x {} ms{}))",
+                                    slot.group, policy.pull ? "released" : "requested", behind, since, took.count(),
+                                    policy.floor.count(), policy.factor, took.count(), loss));
   }
   return out;
 }

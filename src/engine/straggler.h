@@ -1,7 +1,14 @@
 // engine/straggler.h — the producer's straggler policy (EngineOptions::straggler_floor,
-// straggler_factor) apart from its slots, lock and clock: when a consumer still pending
-// on a slot that others have released counts as a straggler, and the reason it is
-// dropped with. Pure functions of what the producer knows; the producer's wait_slot
+// straggler_factor, join_window) apart from its slots, lock and clock: when a consumer
+// still pending on a slot that others have released counts as a straggler (or, one that
+// has not entered the sync yet, as absent), and the reason it is dropped with.
+//
+// RL timing is not a fault: inference ranks enter a sync seconds apart after their
+// rollouts, and one may post-process each group for a second. So a consumer lags only
+// from the later of the others' last release of the slot, its own entry into the sync
+// (JOIN) and its own last progress (a release or request of any slot of this sync): one
+// that keeps moving, however slowly, is never a straggler; one that has not entered is
+// bounded by the join window; one that stopped moving by the straggler bound. Pure functions of what the producer knows; the producer's wait_slot
 // waits and drops.
 #pragma once
 
@@ -22,6 +29,13 @@ struct StragglerPolicy {
   std::chrono::milliseconds floor{0};  // EngineOptions::straggler_floor; 0: no stragglers
   double factor = 0;                   // EngineOptions::straggler_factor
   bool pull = true;                    // consumers release slots (pull) or request them (push)
+  // EngineOptions::join_window: how long a consumer that has not entered the sync may lag
+  // the others before it is dropped as absent (never sooner than the straggler bound).
+  std::chrono::milliseconds join_window{0};
+  // The least straggler bound while another producer's loss may be what holds a consumer
+  // up: the time a consumer takes to find a lost producer by its lease (2 x lease_ttl).
+  // 0 with one producer (no other producer can hold it up).
+  std::chrono::milliseconds loss_detection{0};
 };
 
 // One staging slot as the policy sees it.
@@ -38,26 +52,42 @@ struct RoutesKnown {
   const std::map<int, uint64_t>* declared = nullptr;       // consumer -> routes it moved to (FAILOVER)
   const std::map<int, Clock::time_point>* joined = nullptr;  // ... and when that FAILOVER came
   std::optional<uint64_t> undeclared;  // the routes of a consumer that declared none, if known
+  // consumer -> when it last moved in this sync: entered (JOIN), released or requested a
+  // slot. A consumer absent here has not entered the sync. Null: every consumer counts as
+  // entered, with no progress known.
+  const std::map<int, Clock::time_point>* progress = nullptr;
 };
 
-// The bound a pending consumer may lag the others by: max(floor, factor x the time the
-// others took). Needs `slot.last_release`.
+// Where consumer c's lag on a slot starts, and whether it has entered the sync.
+struct Lag {
+  Clock::time_point from;
+  bool entered = true;
+  friend bool operator==(const Lag&, const Lag&) = default;
+};
+
+// The bound a pending consumer that entered the sync may lag the others by: max(floor,
+// factor x the time the others took, loss_detection). Needs `slot.last_release`.
 Clock::duration straggler_bound(const StragglerPolicy& policy, const SlotPace& slot);
 
 // When consumer c's lag began: nullopt while it is not known to read the slot's routes
-// (a slot of routes the producer abandoned, or routes c has not declared), else the last
-// release, or when c moved to these routes if that was later. Needs `slot.last_release`.
-std::optional<Clock::time_point> lag_start(const SlotPace& slot, const RoutesKnown& known, int c);
+// (a slot of routes the producer abandoned, or routes c has not declared), else the
+// latest of the last release, when c moved to these routes (FAILOVER) and c's own last
+// progress; with whether c entered the sync. Needs `slot.last_release`.
+std::optional<Lag> lag_start(const SlotPace& slot, const RoutesKnown& known, int c);
+
+// The bound for one consumer's lag: `bound` (straggler_bound) once it entered the sync,
+// else max(bound, join_window).
+Clock::duration lag_bound(const StragglerPolicy& policy, Clock::duration bound, const Lag& lag);
 
 // The earliest time before `deadline` at which a consumer of `pending` lags by more than
-// `bound`; nullopt with the policy off, before any release, or when there is none.
+// its lag_bound; nullopt with the policy off, before any release, or when there is none.
 std::optional<Clock::time_point> next_straggler(const StragglerPolicy& policy, Clock::duration bound,
                                                 const SlotPace& slot, const RoutesKnown& known,
                                                 const std::set<int>& pending, Clock::time_point deadline);
 
-// The consumers of `pending` lagging by `bound` or more at `now`, each with the reason
-// it is dropped for (the group, its lag, the others' time and the bound). Needs
-// `slot.last_release`.
+// The consumers of `pending` lagging by their lag_bound or more at `now`, each with the
+// reason it is dropped for (the group, its lag, the others' time and the bound; "absent"
+// for one that never entered). Needs `slot.last_release`.
 std::vector<std::pair<int, std::string>> stragglers(const StragglerPolicy& policy, Clock::duration bound,
                                                     const SlotPace& slot, const RoutesKnown& known,
                                                     const std::set<int>& pending, Clock::time_point now);

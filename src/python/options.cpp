@@ -40,9 +40,10 @@ constexpr OptionField kOptionFields[] = {
     {"EngineOptions", "rendezvous_timeout", "rendezvous_timeout", "keyword", "Producer Consumer"},
     {"EngineOptions", "timeout", "timeout", "keyword", "Producer Consumer"},
     {"EngineOptions", "stall_timeout", "stall_timeout", "keyword", "Producer Consumer"},
-    // Stragglers are the producer's policy: a consumer never reads these two.
+    // Stragglers are the producer's policy: a consumer never reads these three.
     {"EngineOptions", "straggler_floor", "straggler_floor", "keyword", "Producer"},
     {"EngineOptions", "straggler_factor", "straggler_factor", "keyword", "Producer"},
+    {"EngineOptions", "join_window", "join_window", "keyword", "Producer"},
     {"EngineOptions", "lease_ttl", "lease_ttl", "keyword", "Producer Consumer"},
     {"EngineOptions", "checksums", "checksums", "keyword", "Producer Consumer"},
     {"EngineOptions", "failover", "failover", "keyword", "Producer Consumer"},
@@ -167,6 +168,7 @@ void fill_engine(EngineOptions& o, const py::dict& kw) {
     if (!std::isfinite(f) || f < 0) refuse("straggler_factor", "a finite number >= 0", kw["straggler_factor"]);
     o.straggler_factor = f;
   }
+  if (kw.contains("join_window")) o.join_window = seconds(kw, "join_window");
   if (kw.contains("lease_ttl")) o.lease_ttl = seconds(kw, "lease_ttl");
   if (kw.contains("checksums")) o.checksums = flag(kw, "checksums");
   if (kw.contains("failover")) o.failover = flag(kw, "failover");
@@ -184,6 +186,7 @@ void engine_dict(py::dict& d, const EngineOptions& o) {
   d["stall_timeout"] = secs(o.stall_timeout);
   d["straggler_floor"] = secs(o.straggler_floor);
   d["straggler_factor"] = o.straggler_factor;
+  d["join_window"] = secs(o.join_window);
   d["lease_ttl"] = secs(o.lease_ttl);
   d["checksums"] = o.checksums;
   d["failover"] = o.failover;

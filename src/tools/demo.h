@@ -79,6 +79,7 @@ struct DemoSpec {
   int lease_ttl_ms = 2000;    // the workers' EngineOptions::lease_ttl
   int stall_ms = 20000;       // the workers' stall_timeout
   int straggler_ms = 2000;    // the workers' straggler_floor (EngineOptions; 0: off)
+  int join_window_ms = 20000;  // the workers' join_window (EngineOptions)
   // The consumers' commit policy (WorkerSpec::commit): "shadow" also runs a reader in
   // each inference rank that checks every read of its live params during syncs is one
   // version (a read of a mix fails the demo).

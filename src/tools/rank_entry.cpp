@@ -97,6 +97,10 @@ Options engine_options(const RankSpec& s, const JobModel& m, SyncMode mode) {
   eo.timeout = std::chrono::milliseconds(s.timeout_ms);
   eo.stall_timeout = std::chrono::milliseconds(s.timeout_ms);
   eo.rendezvous_timeout = std::chrono::milliseconds(s.rendezvous_ms);
+  eo.straggler_floor = std::chrono::milliseconds(s.straggler_floor_ms);
+  eo.straggler_factor = s.straggler_factor;
+  eo.join_window = std::chrono::milliseconds(s.join_window_ms);
+  eo.lease_ttl = std::chrono::milliseconds(s.lease_ttl_ms);
   return eo;
 }
 

@@ -77,6 +77,11 @@ struct RankSpec {
   int syncs = 1;
   int timeout_ms = 30000;      // bound on each wait of a sync (EngineOptions::timeout, stall)
   int rendezvous_ms = 120000;  // bound on waiting for every rank at start
+  // The producer's straggler policy and join window (EngineOptions; serve only).
+  int straggler_floor_ms = 2000;
+  double straggler_factor = 8;
+  int join_window_ms = 20000;
+  int lease_ttl_ms = 3000;  // EngineOptions::lease_ttl
   // Tests only: serve runs this before materialising each group (engine::TestHooks).
   std::function<void(uint64_t version, int group)> before_materialize;
 };

@@ -87,6 +87,7 @@ int run_worker(const WorkerSpec& s) {
   eo.checksums = s.checksums;
   eo.stall_timeout = std::chrono::milliseconds(s.stall_ms);
   eo.straggler_floor = std::chrono::milliseconds(s.straggler_ms);
+  eo.join_window = std::chrono::milliseconds(s.join_window_ms);
   eo.timeout = std::chrono::milliseconds(s.timeout_ms);
   eo.lease_ttl = std::chrono::milliseconds(s.lease_ttl_ms);
   eo.rendezvous_timeout = std::chrono::milliseconds(60000);

@@ -50,6 +50,7 @@ struct WorkerSpec {
   uint64_t staging_budget = 0;  // ProducerOptions::staging_budget (0: two slots)
   int stall_ms = 20000;
   int straggler_ms = 2000;  // EngineOptions::straggler_floor
+  int join_window_ms = 20000;  // EngineOptions::join_window
   int timeout_ms = 20000;
   int lease_ttl_ms = 2000;
   // Bound on the wait for the driver's go key (and the retries of its own store

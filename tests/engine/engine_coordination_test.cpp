@@ -308,6 +308,113 @@ TEST(EngineCoordination, AbsentAndDroppedConsumersAreNamed) {
   EXPECT_TRUE((*o4.p[0])->ok()) << (*o4.p[0])->to_string();
 }
 
+// RL timing is not a fault (issue 30). Inference ranks enter a sync seconds apart after
+// their rollouts: consumer 2 enters sync 2 three straggler floors after the others (it
+// was dropped as a straggler 2 s after the others released group 0). And one may
+// post-process every group for a while: in sync 3 consumer 2's after_group takes 0.65 x
+// the floor on groups 1-3. Neither is dropped: a consumer lags only from its own entry
+// (JOIN) and its own last progress. Every sync verifies everywhere.
+class EngineRlTiming : public ::testing::TestWithParam<Mode> {};
+INSTANTIATE_TEST_SUITE_P(Modes, EngineRlTiming, ::testing::Values(Mode::kPull, Mode::kPush),
+                         [](const auto& info) { return info.param == Mode::kPull ? "pull" : "push"; });
+
+TEST_P(EngineRlTiming, LateEntryAndSlowPostProcessingAreNoStragglers) {
+  Cluster k({Backend::kInproc, GetParam()});
+  k.eo.straggler_floor = 2000ms;
+  std::atomic<int> mode{0};  // 1: enter late, 2: slow after_group
+  k.tweak_consumer = [&mode](ConsumerOptions& o, int c) {
+    if (c != 2) return;
+    o.before_sync = [&mode](uint64_t) {
+      if (mode == 1) std::this_thread::sleep_for(6000ms);
+    };
+    o.after_group = [&mode](uint64_t, int g) {
+      if (mode == 2 && g >= 1 && g <= 3) std::this_thread::sleep_for(1300ms);
+    };
+  };
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=1,replicas=3").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  for (int m : {1, 2}) {
+    mode = m;
+    const uint64_t v = 1 + static_cast<uint64_t>(m);
+    auto o = k.sync(v);
+    mode = 0;
+    k.expect_all_ok(o, v);
+    ASSERT_TRUE(o.p[0]->ok());
+    EXPECT_TRUE((*o.p[0])->ok()) << "sync " << v << ": " << (*o.p[0])->to_string();
+    EXPECT_TRUE((*o.p[0])->dropped.empty()) << "sync " << v << ": " << (*o.p[0])->to_string();
+    for (int c = 0; c < 3; ++c) k.expect_verified(c, v);
+  }
+}
+
+// A consumer that closes right after its sync returned ok (it committed: DONE) while the
+// producer is still in that sync (another consumer is slow on the last group) is not
+// "dropped" by the producer: the producer's report is ok, drops no one and names no one
+// (issue 30: it said ok while its text said it dropped consumer 1).
+TEST_P(EngineRlTiming, ConsumerClosingRightAfterItsSyncIsNotCalledDropped) {
+  Cluster k({Backend::kInproc, GetParam()});
+  std::atomic<int> last{-1};
+  k.tweak_consumer = [&last](ConsumerOptions& o, int c) {
+    if (c != 0) return;
+    o.after_group = [&last](uint64_t v, int g) {
+      if (v == 2 && g == last) std::this_thread::sleep_for(1000ms);
+    };
+  };
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=1,replicas=2").ok());
+  last = k.prod[0]->routes().num_groups() - 1;
+  k.expect_all_ok(k.sync(1), 1);
+  std::optional<Result<SyncReport>> pr, c0, c1;
+  std::thread producer([&] {
+    k.src[0]->set_version(2);
+    pr = k.prod[0]->sync(2);
+  });
+  std::thread slow([&] { c0 = k.cons[0]->sync(2); });
+  std::thread closing([&] {
+    c1 = k.cons[1]->sync(2);
+    k.cons[1].reset();  // closes while consumer 0 still holds the producer in sync 2
+  });
+  producer.join();
+  slow.join();
+  closing.join();
+  ASSERT_TRUE(c0->ok()) << c0->status().to_string();
+  ASSERT_TRUE(c1->ok()) << c1->status().to_string();
+  ASSERT_TRUE(pr->ok()) << pr->status().to_string();
+  EXPECT_TRUE((*pr)->ok()) << (*pr)->to_string();
+  EXPECT_TRUE((*pr)->dropped.empty()) << (*pr)->to_string();
+  EXPECT_TRUE((*pr)->missed.empty()) << (*pr)->to_string();
+  EXPECT_EQ((*pr)->to_string().find("dropped consumer 1"), std::string::npos) << (*pr)->to_string();
+}
+
+// A consumer that has not entered the sync is dropped once it lags the others by the
+// join window (here 1.5 s; it enters 6 s late), told it was absent, named in the
+// producer's report, and catches up at the next sync.
+TEST_P(EngineRlTiming, ConsumerLaterThanTheJoinWindowIsDroppedAsAbsent) {
+  Cluster k({Backend::kInproc, GetParam()});
+  k.eo.straggler_floor = 500ms;
+  k.eo.join_window = 1500ms;
+  std::atomic<bool> late{false};
+  k.tweak_consumer = [&late](ConsumerOptions& o, int c) {
+    if (c != 2) return;
+    o.before_sync = [&late](uint64_t) {
+      if (late) std::this_thread::sleep_for(6000ms);
+    };
+  };
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=1,replicas=3").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  late = true;
+  auto o = k.sync(2);
+  late = false;
+  ASSERT_TRUE(o.p[0]->ok()) << o.p[0]->status().to_string();
+  EXPECT_EQ((*o.p[0])->dropped, std::vector<int>{2}) << (*o.p[0])->to_string();
+  EXPECT_NE((*o.p[0])->to_string().find("dropped consumer 2: absent: did not enter the sync"), std::string::npos)
+      << (*o.p[0])->to_string();
+  ASSERT_FALSE(o.c[2]->ok());
+  EXPECT_NE(o.c[2]->status().message().find("absent"), std::string::npos) << o.c[2]->status().to_string();
+  k.expect_verified(0, 2);
+  k.expect_verified(1, 2);
+  k.expect_all_ok(k.sync(3), 3);
+  k.expect_verified(2, 3);
+}
+
 // A straggler (one consumer of three stops for 2.5 s at group 1) is dropped once it lags
 // the other two by the straggler bound, long before stall_timeout (20 s here): the drop
 // says "straggler", the others verify, and it catches up at the next sync.

@@ -25,7 +25,8 @@ std::vector<Message> one_of_each() {
           Done{3, 7, 5},
           Failover{3, 7, 5},
           RoutesNotice{1, 7, 5},
-          Flushed{1, 8, 5}};
+          Flushed{1, 8, 5},
+          Join{3, 7, 5}};
 }
 
 TEST(EngineProtocol, EveryMessageRoundTrips) {
@@ -65,7 +66,7 @@ TEST(EngineProtocol, BadMagicTypeAndFlagAreCorrupt) {
   auto bad = bytes;
   bad[0] ^= std::byte{1};
   EXPECT_EQ(decode_message(bad).status().code(), StatusCode::kCorrupt);
-  for (uint8_t type : {uint8_t{0}, uint8_t{11}, uint8_t{255}}) {
+  for (uint8_t type : {uint8_t{0}, static_cast<uint8_t>(std::variant_size_v<Message> + 1), uint8_t{255}}) {
     bad = bytes;
     bad[4] = std::byte{type};
     auto r = decode_message(bad);

@@ -30,13 +30,54 @@ TEST(Straggler, OnlyAConsumerKnownToReadTheSlotsRoutesLags) {
   k.declared = {{1, 0xAB}, {2, 0xCD}};
   k.joined = {{1, t0 + milliseconds(300)}, {2, t0}};
   // Undeclared consumers read the sync's first routes when those are known.
-  EXPECT_EQ(lag_start(kSlot, k.at(0xAB, 0xAB), 0), t0 + milliseconds(100));
+  EXPECT_EQ(lag_start(kSlot, k.at(0xAB, 0xAB), 0), (Lag{t0 + milliseconds(100), true}));
   EXPECT_EQ(lag_start(kSlot, k.at(0xAB, std::nullopt), 0), std::nullopt);
   // One that moved to these routes lags from when it moved, if after the last release.
-  EXPECT_EQ(lag_start(kSlot, k.at(0xAB, std::nullopt), 1), t0 + milliseconds(300));
+  EXPECT_EQ(lag_start(kSlot, k.at(0xAB, std::nullopt), 1), (Lag{t0 + milliseconds(300), true}));
   // One that declared other routes, or any in a slot of routes the producer abandoned: never.
   EXPECT_EQ(lag_start(kSlot, k.at(0xAB, 0xAB), 2), std::nullopt);
   EXPECT_EQ(lag_start(kSlot, k.at(0xEF, 0xAB), 0), std::nullopt);
+}
+
+TEST(Straggler, BoundIsAtLeastTheTimeToFindALostProducer) {
+  StragglerPolicy p{milliseconds(50), 2, true};
+  p.loss_detection = milliseconds(6000);
+  EXPECT_EQ(straggler_bound(p, kSlot), milliseconds(6000));
+}
+
+// RL timing: a consumer that keeps moving lags only from its own last progress; one that
+// has not entered the sync yet only meets the join window, and is named "absent".
+TEST(Straggler, LagCountsFromOwnProgressAndAbsentOnesMeetTheJoinWindow) {
+  Known k;
+  std::map<int, Clock::time_point> progress{{0, t0 + milliseconds(900)}, {1, t0 + milliseconds(50)}};
+  RoutesKnown known = k.at(0xAB, 0xAB);
+  known.progress = &progress;
+  // Consumer 0 released its previous slot at 900 ms, after the others' last release here.
+  EXPECT_EQ(lag_start(kSlot, known, 0), (Lag{t0 + milliseconds(900), true}));
+  // Consumer 1's progress is older than the others' release: lag from the release.
+  EXPECT_EQ(lag_start(kSlot, known, 1), (Lag{t0 + milliseconds(100), true}));
+  // Consumer 2 never entered.
+  EXPECT_EQ(lag_start(kSlot, known, 2), (Lag{t0 + milliseconds(100), false}));
+
+  StragglerPolicy p{milliseconds(50), 2, true};
+  p.join_window = milliseconds(5000);
+  const auto bound = straggler_bound(p, kSlot);  // 200 ms
+  EXPECT_EQ(lag_bound(p, bound, Lag{t0, true}), milliseconds(200));
+  EXPECT_EQ(lag_bound(p, bound, Lag{t0, false}), milliseconds(5000));
+  const auto deadline = t0 + milliseconds(30000);
+  EXPECT_EQ(next_straggler(p, bound, kSlot, known, {0}, deadline), t0 + milliseconds(1100));
+  EXPECT_EQ(next_straggler(p, bound, kSlot, known, {2}, deadline), t0 + milliseconds(5100));
+  // At 1200 ms: 0 and 1 are stragglers, 2 (absent) is not yet.
+  auto out = stragglers(p, bound, kSlot, known, {0, 1, 2}, t0 + milliseconds(1200));
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[0].second,
+            "straggler: group 3 not released 1100 ms after the other consumers, 300 ms after its last progress in "
+            "this sync (100 ms after it was announced; bound: max(straggler_floor 50 ms, 2 x 100 ms))");
+  EXPECT_EQ(out[1].first, 1);
+  out = stragglers(p, bound, kSlot, known, {2}, t0 + milliseconds(5100));
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].second,
+            "absent: did not enter the sync 5000 ms after the other consumers released group 3 (join_window 5000 ms)");
 }
 
 TEST(Straggler, NextIsTheEarliestBeforeTheDeadline) {

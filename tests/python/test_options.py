@@ -69,13 +69,13 @@ def rows():
 PRODUCER_SAMPLES = {
     "job": ("opts", "opts"), "num_producers": (3, 3), "num_consumers": (np.int64(4), 4), "mode": ("push", "push"),
     "rendezvous_timeout": (1.5, 1.5), "timeout": (2, 2.0), "stall_timeout": (float("inf"), 86400.0),
-    "straggler_floor": (0.25, 0.25), "straggler_factor": (3.5, 3.5), "lease_ttl": (0.5, 0.5),
+    "straggler_floor": (0.25, 0.25), "straggler_factor": (3.5, 3.5), "join_window": (7, 7.0), "lease_ttl": (0.5, 0.5),
     "checksums": (True, True), "failover": (False, False), "direct_min_bytes": (0, 0),
     "staging_budget": (1 << 30, 1 << 30), "staging_device": ("cuda:1", "cuda:1"),
 }
 CONSUMER_SAMPLES = dict(
     {k: v for k, v in PRODUCER_SAMPLES.items()
-     if k not in ("straggler_floor", "straggler_factor", "staging_budget", "staging_device")},
+     if k not in ("straggler_floor", "straggler_factor", "join_window", "staging_budget", "staging_device")},
     cuda_ipc=(False, False), direct_min_bytes=(2 ** 64 - 1, 2 ** 64 - 1), commit=("shadow", "shadow"))
 
 
@@ -178,6 +178,7 @@ class OptionsTest(unittest.TestCase):
         source = Counting()
         bad = [("timeout", -1), ("timeout", "3"), ("rendezvous_timeout", float("nan")), ("lease_ttl", None),
                ("straggler_floor", -0.5), ("straggler_factor", float("inf")), ("straggler_factor", -1),
+               ("join_window", -2), ("join_window", float("nan")),
                ("num_consumers", 0), ("num_consumers", 1.5), ("num_producers", 2 ** 40), ("checksums", "yes"),
                ("failover", 2), ("staging_budget", -1), ("direct_min_bytes", 2 ** 64), ("direct_min_bytes", 1.0),
                ("staging_device", "tpu:0"), ("staging_device", 0), ("mode", "pushy"), ("job", 3)]
@@ -200,7 +201,8 @@ class OptionsTest(unittest.TestCase):
     def test_created_engines_hold_the_keywords(self):
         # Through ferry.Producer / ferry.Consumer, so the wrappers pass every keyword on.
         producer_kw = dict(job="held", mode="push", timeout=20.0, rendezvous_timeout=25.0, stall_timeout=15.0,
-                           straggler_floor=1.5, straggler_factor=4.0, lease_ttl=2.5, checksums=True, failover=False,
+                           straggler_floor=1.5, straggler_factor=4.0, join_window=12.0, lease_ttl=2.5, checksums=True,
+                           failover=False,
                            direct_min_bytes=4096, staging_budget=1 << 24)
         consumer_kw = dict(job="held", mode="push", timeout=20.0, rendezvous_timeout=25.0, stall_timeout=15.0,
                            lease_ttl=2.5, checksums=True, failover=False, direct_min_bytes=8192, cuda_ipc=False)
