@@ -270,6 +270,12 @@ TEST_P(StoreTest, WaitTimesOutNamingMissingKeys) {
   EXPECT_NE(st.message().find("gone1"), std::string::npos) << st.message();
   EXPECT_NE(st.message().find("2 of 3"), std::string::npos) << st.message();
   EXPECT_GE(took, 190ms);  // not before its timeout (the status says it timed out)
+  // It says how long it really waited: at least its timeout, at most what the caller saw.
+  const size_t at = st.message().find("after ");
+  ASSERT_NE(at, std::string::npos) << st.message();
+  const long waited = std::stol(st.message().substr(at + 6));
+  EXPECT_GE(waited, 200) << st.message();
+  EXPECT_LE(waited, took.count()) << st.message();
   // Zero timeout: one check.
   EXPECT_EQ(store_->wait({"gone1"}, 0ms).code(), StatusCode::kTimeout);
   // The connection is still usable after a timed-out wait.
