@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <ostream>
@@ -199,6 +200,8 @@ struct Cluster {
   // built-in loader: the model of consumer c.
   std::function<Result<ConsumerModel>(int c)> user_model;
   std::vector<Status> started;  // start(): every producer's, then every consumer's
+  // start_consumer(c) creates consumer c under this rank instead (a rank out of range).
+  std::map<int, int> consumer_rank_as;
   bool in_place = false;       // producers serve from InPlaceSource regions
   Backend backend = Backend::kInproc;
   bool shadow = false;  // consumers commit by CommitPolicy::kShadow (a failed sync never tears them)
@@ -303,6 +306,7 @@ struct Cluster {
       FERRY_ASSIGN_OR_RETURN(cons[i], Consumer::create(std::move(um), c, *ctr[i], *cst[i], co));
       return Status::Ok();
     }
+    const int rank = consumer_rank_as.count(c) ? consumer_rank_as.at(c) : c;
     TensorMap params;
     if (caller_params) {
       FERRY_ASSIGN_OR_RETURN(auto rl, model.loader->rank(c));
@@ -315,7 +319,7 @@ struct Cluster {
         }
       }
     }
-    FERRY_ASSIGN_OR_RETURN(cons[i], Consumer::create(*model.loader, c, *ctr[i], *cst[i], co, params));
+    FERRY_ASSIGN_OR_RETURN(cons[i], Consumer::create(*model.loader, rank, *ctr[i], *cst[i], co, params));
     if (caller_params) {  // the consumer works in the caller's buffers, not copies
       for (const auto& [name, t] : params) {
         auto it = cons[i]->params().find(name);
