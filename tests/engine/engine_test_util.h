@@ -221,8 +221,10 @@ struct Cluster {
 
   // UCX as tests/transport runs it between processes: shared memory for reads and
   // writes, tcp on loopback for messages and failure reports.
+  std::string transport_token;  // every rank's TransportOptions::token (empty: none)
   Result<std::unique_ptr<Transport>> transport() {
     TransportOptions o;
+    o.token = transport_token;
     if (backend == Backend::kInproc) {
       o.backend = "inproc";
     } else {
