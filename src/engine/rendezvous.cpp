@@ -1,9 +1,12 @@
 #include "engine/rendezvous.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -14,6 +17,8 @@
 #include <fmt/ranges.h>
 
 #include <nlohmann/json.hpp>
+
+#include "common/host.h"
 
 namespace ferry::engine {
 
@@ -212,8 +217,35 @@ std::string instance_name() {
   const uint64_t id = (uint64_t{rd()} << 32 | rd()) ^ counter.fetch_add(1);
   char host[256] = {};
   if (::gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "?");
-  return fmt::format("instance {:016x} (pid {} on {})", id, ::getpid(), host);
+  return fmt::format("instance {:016x} (pid {} on {}, pid space {:x})", id, ::getpid(), host,
+                     common::process_space_tag());
 }
+
+namespace {
+
+// True when `holder` (an instance_name()) names a process of this pid space (one kernel,
+// one PID namespace: common/host.h) that no longer exists: a rank killed and restarted
+// on one host need not wait for its claim to lapse. False when unsure (another host or
+// namespace, a pid that exists — perhaps reused, or a zombie not reaped yet).
+bool holder_is_gone(std::string_view holder) {
+  const uint64_t space = common::process_space_tag();
+  const size_t at = holder.find("(pid "), sp = holder.rfind(", pid space ");
+  if (space == 0 || at == std::string_view::npos || sp == std::string_view::npos || !holder.ends_with(")")) return false;
+  std::string_view digits = holder.substr(at + 5);
+  digits = digits.substr(0, digits.find(' '));
+  std::string_view tag = holder.substr(sp + 12);
+  tag.remove_suffix(1);
+  int64_t pid = 0;
+  uint64_t theirs = 0;
+  auto p = std::from_chars(digits.data(), digits.data() + digits.size(), pid);
+  auto t = std::from_chars(tag.data(), tag.data() + tag.size(), theirs, 16);
+  if (p.ec != std::errc() || p.ptr != digits.data() + digits.size() || t.ec != std::errc() ||
+      t.ptr != tag.data() + tag.size() || theirs != space || pid <= 0 || pid > INT32_MAX)
+    return false;
+  return ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+}
+
+}  // namespace
 
 Result<std::unique_ptr<Lease>> claim_rank(Store& store, const JobKeys& keys, const EngineOptions& o, Participant me,
                                           const std::string& instance) {
@@ -235,6 +267,13 @@ Result<std::unique_ptr<Lease>> claim_rank(Store& store, const JobKeys& keys, con
     }
     if (claimed.status().code() != StatusCode::kAlreadyExists)
       return claimed.status().with_context(fmt::format("{} {} claiming its rank", me.role, me.rank));
+    if (holder_is_gone(holder)) {
+      // Its process is gone (killed on this host): take the claim over from it, if it is
+      // still that one's; the next claim_lease finds it ours.
+      auto taken = store.compare_set(key, holder, instance, o.lease_ttl);
+      if (!taken.ok()) return taken.status().with_context(fmt::format("{} {} claiming its rank", me.role, me.rank));
+      if (taken->swapped) continue;
+    }
     if (Clock::now() - t0 >= patience)
       return already_exists(
           "{} {} of job '{}' is held by {}, which is alive (its claim '{}' stayed renewed for {} ms, 1.5 lease_ttl): "

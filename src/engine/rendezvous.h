@@ -61,7 +61,9 @@ Status await_keys(Store& store, const JobKeys& keys, const EngineOptions& option
 // holder's is touched (a second process started with a running rank's number, or a
 // second set of trainer ranks, takes nothing over). A holder that died stops renewing and
 // its claim lapses within lease_ttl, so a restarted rank retries for up to 1.5 lease_ttl
-// and takes the rank (an instance destroyed in-process releases it at once). Once held,
+// and takes the rank (an instance destroyed in-process releases it at once; a holder
+// whose process is gone from this host's pid space — a rank killed and restarted on its
+// host — is taken over at once, by compare-set from its value). Once held,
 // the failure an earlier instance of this rank published is taken back (publish_failure).
 // Refuses a job name that could collide with another job's keys first (JobKeys::check).
 Result<std::unique_ptr<Lease>> claim_rank(Store& store, const JobKeys& keys, const EngineOptions& options,
@@ -74,7 +76,8 @@ Result<std::unique_ptr<Lease>> claim_rank(Store& store, const JobKeys& keys, con
 Status check_claim(const Lease& claim, Store& store, Participant me, const std::string& instance);
 
 // What an instance of this process is called in claims and failures: "instance 1f..e4
-// (pid 4242 on host-a)", unique per call.
+// (pid 4242 on host-a, pid space 5c..9a)", unique per call (the pid space:
+// common::process_space_tag, which claim_rank compares before it looks the pid up).
 std::string instance_name();
 
 // A participant whose create() failed publishes why under {job}/failed/{role}/{rank}

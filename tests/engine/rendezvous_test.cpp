@@ -3,6 +3,9 @@
 // out of range.
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <string>
 
@@ -204,6 +207,57 @@ TEST(Rendezvous, APublishedFailureFailsTheOthersWaitsUntilTakenBack) {
   ASSERT_TRUE(st.set(keys.plan(1), "p").ok());
   o.rendezvous_timeout = std::chrono::seconds(60);
   EXPECT_TRUE(await_keys(st, keys, o, p0, {keys.plan(1)}, "every plan").ok());
+}
+
+// claim_rank: a rank held by a live instance (here: this process) is refused after 1.5
+// lease_ttl naming the holder; one whose holder's process is gone from this host (a
+// child that exited) is taken at once, long before its claim would lapse; a holder on
+// another host (another pid space) is waited for, not looked up.
+TEST(Rendezvous, AClaimIsRefusedWhileItsHolderLivesAndTakenWhenItsProcessIsGone) {
+  TestStore ts;
+  Store& st = *ts.store;
+  const JobKeys keys("c");
+  EngineOptions o;
+  o.job = "c";
+  o.lease_ttl = std::chrono::milliseconds(400);
+  const Participant c0{"consumer", 0};
+  auto first = claim_rank(st, keys, o, c0, instance_name());
+  ASSERT_TRUE(first.ok()) << first.status().to_string();
+  auto second = claim_rank(st, keys, o, c0, instance_name());
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), StatusCode::kAlreadyExists) << second.status().to_string();
+  EXPECT_NE(second.status().message().find(fmt::format("consumer 0 of job 'c' is held by instance")),
+            std::string::npos)
+      << second.status().to_string();
+  EXPECT_NE(second.status().message().find(fmt::format("(pid {} on ", ::getpid())), std::string::npos)
+      << second.status().to_string();
+  first->reset();
+
+  // A holder whose process exited (reaped): its claim, with an hour to live, is taken.
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) ::_exit(0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  std::string dead = instance_name();
+  const size_t pid_at = dead.find("(pid ") + 5;
+  dead.replace(pid_at, dead.find(' ', pid_at) - pid_at, std::to_string(child));
+  ASSERT_TRUE(st.set(keys.instance("consumer", 0), dead, std::chrono::hours(1)).ok());
+  o.lease_ttl = std::chrono::seconds(60);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto taken = claim_rank(st, keys, o, c0, instance_name());
+  ASSERT_TRUE(taken.ok()) << taken.status().to_string();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+  taken->reset();
+
+  // The same pid in another pid space: not looked up here, so waited for (1.5 ttl).
+  std::string elsewhere = dead;
+  elsewhere.replace(elsewhere.rfind("pid space ") + 10, std::string::npos, "1)");
+  ASSERT_TRUE(st.set(keys.instance("consumer", 0), elsewhere, std::chrono::hours(1)).ok());
+  o.lease_ttl = std::chrono::milliseconds(400);
+  auto waited = claim_rank(st, keys, o, c0, instance_name());
+  ASSERT_FALSE(waited.ok());
+  EXPECT_EQ(waited.status().code(), StatusCode::kAlreadyExists) << waited.status().to_string();
 }
 
 }  // namespace
