@@ -10,6 +10,16 @@
 //   {job}/consumer/{c}       lease: consumer c's transport address + receive-ring key
 //   {job}/world/{role}/{r}/{P}/{C}  the world sizes rank r was given (in the key name)
 //   {job}/committed/{c}     the version consumer c committed last (committed_versions)
+//   {job}/instance/{role}/{r}  the instance holding rank r: its claim, written first
+//   {job}/failed/{role}/{r}    why rank r failed to join (ttl rendezvous_timeout)
+// A rank is held by one instance: create() first claims it (set only if absent, renewed
+// every lease_ttl/3), waiting up to 1.5 lease_ttl for a dead holder's claim to lapse; a
+// rank another live instance holds is refused with kAlreadyExists naming the rank and
+// the holder, having written nothing (the holder keeps syncing). An instance whose rank
+// a restart claimed while it was paused past lease_ttl fails every later sync with
+// kFailedPrecondition naming the new holder.
+// A rank whose create() fails its own checks publishes why; every other rank still
+// joining fails within about 2 s with kPeerFailed naming it and the reason.
 // Every participant waits (bounded by rendezvous_timeout; world sizes that differ
 // between ranks fail within a second, kInvalidArgument naming both) until every expected
 // producer and consumer has published, then builds the same Routes with build_routes (a pure

@@ -181,6 +181,16 @@ class Store {
   Result<std::unique_ptr<Lease>> hold_lease(std::string_view key, std::string_view value,
                                             Millis ttl) const;
 
+  // hold_lease, but only when `key` is absent (one compare_set): a lease another holder
+  // keeps alive is never taken over, so at most one holder at a time, across processes
+  // and hosts. `value` names the claimant and should be unique to it (a key that already
+  // holds exactly `value` is taken as this claimant's own). AlreadyExists naming the key
+  // and quoting the holder's value when it is held (the value in *holder, when given);
+  // other errors as compare_set. A holder that dies lets the key lapse within `ttl`: a
+  // successor retries until then.
+  Result<std::unique_ptr<Lease>> claim_lease(std::string_view key, std::string_view value, Millis ttl,
+                                             std::string* holder = nullptr);
+
  protected:
   Store() = default;
 };

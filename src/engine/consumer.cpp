@@ -361,6 +361,7 @@ Result<double> Consumer::Impl::commit() {
 Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
   if (!commit_it && opts.commit != CommitPolicy::kShadow)
     return invalid_argument("consumer {}: sync(commit=false) needs the shadow commit policy", rank);
+  FERRY_RETURN_IF_ERROR(check_claim(*claim, store, Participant{"consumer", rank}, instance));
   const auto t0 = Clock::now();
   readied.clear();
   unanswered.clear();

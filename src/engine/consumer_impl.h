@@ -78,6 +78,9 @@ struct Consumer::Impl {
   bool schedule_stale = true;
   std::unique_ptr<Lease> lease;
   Published published;  // its plan, put back if the store lost it (republish)
+  // This instance's claim on the rank (rendezvous.h, claim_rank) and its name there.
+  const std::string instance = instance_name();
+  std::unique_ptr<Lease> claim;
 
   // A producer as its lease describes it (its staging and source regions are imported
   // into `lane`, its GPU staging into `ipc_lane`).
@@ -250,6 +253,9 @@ struct Consumer::Impl {
   // Producers connected and not failed: those told of the end of a sync (ABORT, DONE).
   std::vector<int> reachable_producers();
 
+  // create()'s steps after the rank check and its claim (claim_rank), which join() runs
+  // first; create()'s failure is published for the other ranks (publish_failure).
+  Status join(const std::function<Status()>& steps);
   Result<std::vector<TensorDecl>> await_metadata();
   Status start(const std::vector<TensorDecl>& metadata, TensorMap params);
 

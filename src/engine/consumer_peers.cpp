@@ -222,17 +222,29 @@ Status Consumer::Impl::reset_background() {
   return Status::Ok();
 }
 
+Status Consumer::Impl::join(const std::function<Status()>& steps) {
+  const Participant me{"consumer", rank};
+  Status s = [&]() -> Status {
+    if (rank < 0 || rank >= opts.num_consumers)
+      return invalid_argument("consumer rank {} outside num_consumers {}", rank, opts.num_consumers);
+    FERRY_ASSIGN_OR_RETURN(claim, claim_rank(store, keys, opts, me, instance));
+    return steps();
+  }();
+  publish_failure(store, keys, opts, me, instance, s);  // (not when it is not this rank's own)
+  return s;
+}
+
 Result<std::unique_ptr<Consumer>> Consumer::create(const ModelLoader& loader, int rank, Transport& transport, Store& store,
                                                    const ConsumerOptions& options, TensorMap params) {
   auto impl = std::make_unique<Impl>(rank, transport, store, options);
   Impl& m = *impl;
-  if (rank < 0 || rank >= options.num_consumers)
-    return invalid_argument("consumer rank {} outside num_consumers {}", rank, options.num_consumers);
-  FERRY_ASSIGN_OR_RETURN(std::shared_ptr<const RankLoader> rank_loader, loader.rank(rank));
-  FERRY_RETURN_IF_ERROR(check_param_devices(rank, params));
-  FERRY_ASSIGN_OR_RETURN(auto metadata, m.await_metadata());
-  FERRY_ASSIGN_OR_RETURN(m.model, record_rank_model(loader, std::move(rank_loader), rank, metadata));
-  FERRY_RETURN_IF_ERROR(m.start(metadata, std::move(params)));
+  FERRY_RETURN_IF_ERROR(m.join([&]() -> Status {
+    FERRY_ASSIGN_OR_RETURN(std::shared_ptr<const RankLoader> rank_loader, loader.rank(rank));
+    FERRY_RETURN_IF_ERROR(check_param_devices(rank, params));
+    FERRY_ASSIGN_OR_RETURN(auto metadata, m.await_metadata());
+    FERRY_ASSIGN_OR_RETURN(m.model, record_rank_model(loader, std::move(rank_loader), rank, metadata));
+    return m.start(metadata, std::move(params));
+  }));
   return std::unique_ptr<Consumer>(new Consumer(std::move(impl)));
 }
 
@@ -240,13 +252,13 @@ Result<std::unique_ptr<Consumer>> Consumer::create(ConsumerModel model, int rank
                                                    const ConsumerOptions& options) {
   auto impl = std::make_unique<Impl>(rank, transport, store, options);
   Impl& m = *impl;
-  if (rank < 0 || rank >= options.num_consumers)
-    return invalid_argument("consumer rank {} outside num_consumers {}", rank, options.num_consumers);
-  FERRY_RETURN_IF_ERROR(check_param_devices(rank, model.params));
-  FERRY_ASSIGN_OR_RETURN(auto metadata, m.await_metadata());
-  TensorMap params = std::move(model.params);
-  FERRY_ASSIGN_OR_RETURN(m.model, adopt_rank_model(std::move(model), rank, metadata));
-  FERRY_RETURN_IF_ERROR(m.start(metadata, std::move(params)));
+  FERRY_RETURN_IF_ERROR(m.join([&]() -> Status {
+    FERRY_RETURN_IF_ERROR(check_param_devices(rank, model.params));
+    FERRY_ASSIGN_OR_RETURN(auto metadata, m.await_metadata());
+    TensorMap params = std::move(model.params);
+    FERRY_ASSIGN_OR_RETURN(m.model, adopt_rank_model(std::move(model), rank, metadata));
+    return m.start(metadata, std::move(params));
+  }));
   return std::unique_ptr<Consumer>(new Consumer(std::move(impl)));
 }
 

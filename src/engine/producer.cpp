@@ -60,6 +60,9 @@ struct Producer::Impl {
   std::unique_ptr<StagingRing> staging;
   std::unique_ptr<Lease> lease;
   Published published;  // metadata (rank 0) and holdings, put back if the store lost them
+  // This instance's claim on the rank (rendezvous.h, claim_rank) and its name there.
+  const std::string instance = instance_name();
+  std::unique_ptr<Lease> claim;
 
   struct Peer {
     std::string blob;
@@ -786,6 +789,7 @@ struct Producer::Impl {
       for (auto it = ready.begin(); it != ready.end();) it = std::get<0>(it->first) < v ? ready.erase(it) : std::next(it);
       for (auto& s : slots) s = Slot{};
     }
+    FERRY_RETURN_IF_ERROR(check_claim(*claim, store, Participant{"producer", rank}, instance));
     bool store_lost_keys = false;
     {
       auto again = republish(store, published);
@@ -932,50 +936,57 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
   auto impl = std::make_unique<Impl>(source, transport, store, options);
   Impl& m = *impl;
   m.rank = source.rank();
-  if (m.rank < 0 || m.rank >= options.num_producers)
-    return invalid_argument("producer rank {} outside num_producers {}", m.rank, options.num_producers);
-  FERRY_RETURN_IF_ERROR(StagingRing::check_device(m.rank, options.staging_device));  // before any rendezvous
   const Participant me{"producer", m.rank};
-  FERRY_RETURN_IF_ERROR(publish_world(store, m.keys, options, me));
-  FERRY_ASSIGN_OR_RETURN(m.holdings, source.holdings(m.rank));
-  const std::string meta = encode_decls(source.metadata());
-  if (m.rank == 0) m.published.emplace_back(m.keys.meta(), meta);
-  m.published.emplace_back(m.keys.holdings(m.rank), encode_holdings(m.holdings));
-  for (const auto& [key, value] : m.published) FERRY_RETURN_IF_ERROR(store.set(key, value));
-  // A restarted producer is alive again: take it out of the dead set.
-  if (options.failover) store.remove(m.keys.dead(m.rank)).status().ignore();
-  FERRY_ASSIGN_OR_RETURN(auto inputs, rendezvous_inputs(store, m.keys, options, me, source.metadata()));
-  FERRY_ASSIGN_OR_RETURN(auto routes, m.route_state.start(std::move(inputs)));
-  {
-    // Within staging_budget: worst-case slots when it holds them, else as large as it
-    // allows (memory.h, staging_ring).
-    const uint64_t worst = producer_slot_bytes(routes, m.rank, m.route_state.inputs().metadata,
-                                               m.route_state.inputs().holdings, options.failover);
-    const uint64_t needed = producer_slot_bytes(routes, m.rank, {}, false);
-    FERRY_ASSIGN_OR_RETURN(StagingSlots sr, staging_ring(m.rank, needed, worst, options.staging_budget));
-    StagingRingOptions so{m.rank, sr.slot_bytes, sr.slots, options.staging_device, options.source_regions,
-                          options.direct_min_bytes, options.checksums};
-    FERRY_ASSIGN_OR_RETURN(m.staging, StagingRing::create(m.ring_memory, source, m.holdings, so));
-  }
-  FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));
-  m.slots.resize(static_cast<size_t>(m.staging->slots()));
-  m.peers.resize(static_cast<size_t>(options.num_consumers));
-  m.live.assign(static_cast<size_t>(options.num_consumers), false);
-  Impl* self = impl.get();
-  transport.set_message_handler([self](PeerId from, uint32_t tag, std::span<const std::byte> payload) {
-    if (tag == kEngineTag) self->on_message(from, payload);
-  });
-  transport.set_peer_failure_handler([self](PeerId peer, const Status& why) { self->on_peer_failure(peer, why); });
-  const std::string blob =
-      encode_lease(ProducerLease{bytes_to_string(transport.address()), m.staging->host_key(), m.staging->slot_bytes(),
-                                 m.staging->in_place().encode(), m.staging->cuda_ipc()});
-  FERRY_ASSIGN_OR_RETURN(m.lease, store.hold_lease(m.keys.producer(m.rank), blob, options.lease_ttl));
-  // Return only once every consumer can receive (its lease is published last, after its
-  // ring and handlers are up): a sync() called right away then reaches all of them
-  // instead of finding none and reporting nothing moved.
-  std::vector<std::string> consumer_keys;
-  for (int c = 0; c < options.num_consumers; ++c) consumer_keys.push_back(m.keys.consumer(c));
-  FERRY_RETURN_IF_ERROR(await_keys(store, m.keys, options, me, consumer_keys, "every consumer's lease"));
+  Status joined = [&]() -> Status {
+    if (m.rank < 0 || m.rank >= options.num_producers)
+      return invalid_argument("producer rank {} outside num_producers {}", m.rank, options.num_producers);
+    FERRY_ASSIGN_OR_RETURN(m.claim, claim_rank(store, m.keys, options, me, m.instance));
+    FERRY_RETURN_IF_ERROR(StagingRing::check_device(m.rank, options.staging_device));  // before any rendezvous
+    FERRY_RETURN_IF_ERROR(publish_world(store, m.keys, options, me));
+    FERRY_ASSIGN_OR_RETURN(m.holdings, source.holdings(m.rank));
+    const std::string meta = encode_decls(source.metadata());
+    if (m.rank == 0) m.published.emplace_back(m.keys.meta(), meta);
+    m.published.emplace_back(m.keys.holdings(m.rank), encode_holdings(m.holdings));
+    for (const auto& [key, value] : m.published) FERRY_RETURN_IF_ERROR(store.set(key, value));
+    // A restarted producer is alive again: take it out of the dead set.
+    if (options.failover) store.remove(m.keys.dead(m.rank)).status().ignore();
+    FERRY_ASSIGN_OR_RETURN(auto inputs, rendezvous_inputs(store, m.keys, options, me, source.metadata()));
+    FERRY_ASSIGN_OR_RETURN(auto routes, m.route_state.start(std::move(inputs)));
+    {
+      // Within staging_budget: worst-case slots when it holds them, else as large as it
+      // allows (memory.h, staging_ring).
+      const uint64_t worst = producer_slot_bytes(routes, m.rank, m.route_state.inputs().metadata,
+                                                 m.route_state.inputs().holdings, options.failover);
+      const uint64_t needed = producer_slot_bytes(routes, m.rank, {}, false);
+      FERRY_ASSIGN_OR_RETURN(StagingSlots sr, staging_ring(m.rank, needed, worst, options.staging_budget));
+      StagingRingOptions so{m.rank, sr.slot_bytes, sr.slots, options.staging_device, options.source_regions,
+                            options.direct_min_bytes, options.checksums};
+      FERRY_ASSIGN_OR_RETURN(m.staging, StagingRing::create(m.ring_memory, source, m.holdings, so));
+    }
+    FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));
+    m.slots.resize(static_cast<size_t>(m.staging->slots()));
+    m.peers.resize(static_cast<size_t>(options.num_consumers));
+    m.live.assign(static_cast<size_t>(options.num_consumers), false);
+    Impl* self = impl.get();
+    transport.set_message_handler([self](PeerId from, uint32_t tag, std::span<const std::byte> payload) {
+      if (tag == kEngineTag) self->on_message(from, payload);
+    });
+    transport.set_peer_failure_handler([self](PeerId peer, const Status& why) { self->on_peer_failure(peer, why); });
+    const std::string blob =
+        encode_lease(ProducerLease{bytes_to_string(transport.address()), m.staging->host_key(), m.staging->slot_bytes(),
+                                   m.staging->in_place().encode(), m.staging->cuda_ipc()});
+    FERRY_ASSIGN_OR_RETURN(m.lease, store.hold_lease(m.keys.producer(m.rank), blob, options.lease_ttl));
+    // Return only once every consumer can receive (its lease is published last, after its
+    // ring and handlers are up): a sync() called right away then reaches all of them
+    // instead of finding none and reporting nothing moved.
+    std::vector<std::string> consumer_keys;
+    for (int c = 0; c < options.num_consumers; ++c) consumer_keys.push_back(m.keys.consumer(c));
+    FERRY_RETURN_IF_ERROR(await_keys(store, m.keys, options, me, consumer_keys, "every consumer's lease"));
+    return Status::Ok();
+  }();
+  // Failed: why, for the other ranks (not when it is not this rank's own).
+  publish_failure(store, m.keys, options, me, m.instance, joined);
+  FERRY_RETURN_IF_ERROR(joined);
   return std::unique_ptr<Producer>(new Producer(std::move(impl)));
 }
 

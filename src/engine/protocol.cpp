@@ -258,6 +258,23 @@ std::optional<JobKeys::World> JobKeys::world_of(std::string_view key) const {
   return World{std::string(parts[0]), *rank, *np, *nc};
 }
 
+std::optional<JobKeys::Failed> JobKeys::failed_of(std::string_view key) const {
+  const std::string prefix = failed_prefix();
+  if (!key.starts_with(prefix)) return std::nullopt;
+  std::string_view rest = key.substr(prefix.size());
+  const size_t slash = rest.find('/');
+  if (slash == std::string_view::npos) return std::nullopt;
+  const std::string_view role = rest.substr(0, slash);
+  std::string_view digits = rest.substr(slash + 1);
+  if (role != "producer" && role != "consumer") return std::nullopt;
+  // A rank outside the world fails and is named too: "-1" (canonical: not "-0").
+  const bool negative = digits.starts_with('-');
+  if (negative) digits.remove_prefix(1);
+  const auto rank = parse_decimal(digits);
+  if (!rank || (negative && *rank == 0)) return std::nullopt;
+  return Failed{std::string(role), negative ? -*rank : *rank};
+}
+
 std::string JobKeys::meta() const { return job_ + "/meta"; }
 std::string JobKeys::holdings(int p) const { return fmt::format("{}/holdings/{}", job_, p); }
 std::string JobKeys::plan(int c) const { return fmt::format("{}/plan/{}", job_, c); }
@@ -270,5 +287,12 @@ std::string JobKeys::world(std::string_view role, int rank, int num_producers, i
 }
 std::string JobKeys::world_prefix() const { return job_ + "/world/"; }
 std::string JobKeys::committed(int c) const { return fmt::format("{}/committed/{}", job_, c); }
+std::string JobKeys::instance(std::string_view role, int rank) const {
+  return fmt::format("{}/instance/{}/{}", job_, role, rank);
+}
+std::string JobKeys::failed(std::string_view role, int rank) const {
+  return fmt::format("{}/failed/{}/{}", job_, role, rank);
+}
+std::string JobKeys::failed_prefix() const { return job_ + "/failed/"; }
 
 }  // namespace ferry::engine

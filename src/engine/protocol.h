@@ -193,15 +193,27 @@ class JobKeys {
   std::string world(std::string_view role, int rank, int num_producers, int num_consumers) const;
   std::string world_prefix() const;
   std::string committed(int c) const;     // the last version consumer c committed
+  // The instance that holds a rank ({job}/instance/{role}/{rank}; rendezvous.h, claim_rank).
+  std::string instance(std::string_view role, int rank) const;
+  // Why a participant failed to join ({job}/failed/{role}/{rank}; rendezvous.h,
+  // publish_failure). Its rank may lie outside the world (that may be why it failed).
+  std::string failed(std::string_view role, int rank) const;
+  std::string failed_prefix() const;
 
   // Parses of keys listed back (nullopt for any key that is not exactly of that form):
-  // the producer a dead mark names ({job}/dead/{p}), and a world key's fields.
+  // the producer a dead mark names ({job}/dead/{p}), a world key's fields, and the
+  // participant a failure names (a canonical decimal rank, "-1" included).
   std::optional<int> dead_rank(std::string_view key) const;
   struct World {
     std::string role;  // "producer" | "consumer"
     int rank = 0, num_producers = 0, num_consumers = 0;
   };
   std::optional<World> world_of(std::string_view key) const;
+  struct Failed {
+    std::string role;  // "producer" | "consumer"
+    int rank = 0;
+  };
+  std::optional<Failed> failed_of(std::string_view key) const;
 
  private:
   std::string job_;

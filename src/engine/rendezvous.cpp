@@ -1,11 +1,24 @@
 #include "engine/rendezvous.h"
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <map>
+#include <random>
 #include <thread>
 
+#include <fmt/ranges.h>
+
 #include <nlohmann/json.hpp>
+
+#include "common/host.h"
 
 namespace ferry::engine {
 
@@ -123,19 +136,172 @@ Status check_world(Store& store, const JobKeys& keys, const EngineOptions& o, Pa
   return Status::Ok();
 }
 
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::chrono::milliseconds millis_since(Clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0);
+}
+
+// The failures other participants published, each first seen at `seen[key]`: PeerFailed
+// naming the first that has stayed published for `grace` (in key order: producers after
+// consumers, each by rank).
+Status check_failures(Store& store, const JobKeys& keys, Participant me, std::chrono::milliseconds grace,
+                      std::map<std::string, Clock::time_point>& seen) {
+  FERRY_ASSIGN_OR_RETURN(auto listed, store.list(keys.failed_prefix()));
+  std::map<std::string, Clock::time_point> now_seen;
+  for (const std::string& k : listed) {
+    const auto f = keys.failed_of(k);
+    if (!f || (f->role == me.role && f->rank == me.rank)) continue;  // not a failure key; our own earlier instance's
+    auto it = seen.find(k);
+    now_seen[k] = it == seen.end() ? Clock::now() : it->second;
+  }
+  seen = std::move(now_seen);
+  for (const auto& [k, since] : seen) {
+    if (Clock::now() - since < grace) continue;
+    auto why = store.get(k);
+    if (!why.ok()) {
+      if (why.status().code() == StatusCode::kNotFound) continue;  // taken back (its rank restarted) or expired
+      return why.status();
+    }
+    const auto f = keys.failed_of(k);
+    return peer_failed(
+        "{} {} failed to join job '{}': {} (published as '{}'; every rank of the job stops rather than wait for it)",
+        f->role, f->rank, keys.job(), *why, k);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status await_keys(Store& store, const JobKeys& keys, const EngineOptions& o, Participant me,
                   const std::vector<std::string>& wanted, std::string_view what) {
-  const auto deadline = std::chrono::steady_clock::now() + o.rendezvous_timeout;
+  const auto t0 = Clock::now();
+  const auto deadline = t0 + o.rendezvous_timeout;
+  const auto grace = std::min(kFailureGrace, o.rendezvous_timeout / 4);
+  std::map<std::string, Clock::time_point> failures;
+  const auto context = [&] {
+    return fmt::format("{} {} waiting for {} (rendezvous_timeout {} ms)", me.role, me.rank, what,
+                       o.rendezvous_timeout.count());
+  };
   for (;;) {
     FERRY_RETURN_IF_ERROR(check_world(store, keys, o, me));
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    FERRY_RETURN_IF_ERROR(check_failures(store, keys, me, grace, failures).with_context(context()));
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());  // (not before it)
     const auto slice = std::clamp(left, std::chrono::milliseconds(1), std::chrono::milliseconds(250));
     Status s = store.wait(wanted, slice);
     if (s.ok()) return check_world(store, keys, o, me);
-    if (s.code() != StatusCode::kTimeout || left <= slice)
-      return s.with_context(fmt::format("{} {} waiting for {} (rendezvous_timeout {} ms)", me.role, me.rank, what,
-                                        o.rendezvous_timeout.count()));
+    if (s.code() != StatusCode::kTimeout) return s.with_context(context());
+    if (left > slice) continue;
+    // Out of time: the store's message speaks of the last slice only; say the whole wait
+    // (and which keys are still missing, read again).
+    const auto waited = millis_since(t0);
+    auto listed = store.list(keys.job() + "/");
+    if (!listed.ok()) return s.with_context(fmt::format("{} (after {} ms in all)", context(), waited.count()));
+    const std::set<std::string> present(listed->begin(), listed->end()), want(wanted.begin(), wanted.end());
+    std::vector<std::string> missing;
+    for (const auto& k : want)
+      if (!present.count(k)) missing.push_back("'" + k + "'");
+    if (missing.empty()) return check_world(store, keys, o, me);  // they came just now
+    const size_t n = missing.size();
+    missing.resize(std::min<size_t>(n, 8));
+    return timeout_error("{}: {} of {} keys still missing after {} ms: {}{}", context(), n, want.size(),
+                         waited.count(), fmt::join(missing, ", "), missing.size() < n ? ", ..." : "");
   }
+}
+
+std::string instance_name() {
+  static std::atomic<uint64_t> counter{0};
+  std::random_device rd;
+  const uint64_t id = (uint64_t{rd()} << 32 | rd()) ^ counter.fetch_add(1);
+  char host[256] = {};
+  if (::gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "?");
+  return fmt::format("instance {:016x} (pid {} on {}, pid space {:x})", id, ::getpid(), host,
+                     common::process_space_tag());
+}
+
+namespace {
+
+// True when `holder` (an instance_name()) names a process of this pid space (one kernel,
+// one PID namespace: common/host.h) that no longer exists: a rank killed and restarted
+// on one host need not wait for its claim to lapse. False when unsure (another host or
+// namespace, a pid that exists — perhaps reused, or a zombie not reaped yet).
+bool holder_is_gone(std::string_view holder) {
+  const uint64_t space = common::process_space_tag();
+  const size_t at = holder.find("(pid "), sp = holder.rfind(", pid space ");
+  if (space == 0 || at == std::string_view::npos || sp == std::string_view::npos || !holder.ends_with(")")) return false;
+  std::string_view digits = holder.substr(at + 5);
+  digits = digits.substr(0, digits.find(' '));
+  std::string_view tag = holder.substr(sp + 12);
+  tag.remove_suffix(1);
+  int64_t pid = 0;
+  uint64_t theirs = 0;
+  auto p = std::from_chars(digits.data(), digits.data() + digits.size(), pid);
+  auto t = std::from_chars(tag.data(), tag.data() + tag.size(), theirs, 16);
+  if (p.ec != std::errc() || p.ptr != digits.data() + digits.size() || t.ec != std::errc() ||
+      t.ptr != tag.data() + tag.size() || theirs != space || pid <= 0 || pid > INT32_MAX)
+    return false;
+  return ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Lease>> claim_rank(Store& store, const JobKeys& keys, const EngineOptions& o, Participant me,
+                                          const std::string& instance) {
+  if (Status s = JobKeys::check(keys.job()); !s.ok()) return s.with_context(fmt::format("{} {}", me.role, me.rank));
+  const std::string key = keys.instance(me.role, me.rank);
+  // A live holder renews every lease_ttl/3; a dead one's claim lapses within lease_ttl
+  // of our first look. Past 1.5 lease_ttl still held, it is alive.
+  const auto t0 = Clock::now();
+  const auto patience = o.lease_ttl + o.lease_ttl / 2;
+  const auto poll = std::clamp(o.lease_ttl / 20, std::chrono::milliseconds(5), std::chrono::milliseconds(100));
+  std::string holder;
+  for (;;) {
+    auto claimed = store.claim_lease(key, instance, o.lease_ttl, &holder);
+    if (claimed.ok()) {
+      // An earlier instance's failure is this rank's no more.
+      Status cleared = store.remove(keys.failed(me.role, me.rank)).status();
+      if (!cleared.ok()) return cleared.with_context(fmt::format("{} {} taking back its earlier failure", me.role, me.rank));
+      return claimed;
+    }
+    if (claimed.status().code() != StatusCode::kAlreadyExists)
+      return claimed.status().with_context(fmt::format("{} {} claiming its rank", me.role, me.rank));
+    if (holder_is_gone(holder)) {
+      // Its process is gone (killed on this host): take the claim over from it, if it is
+      // still that one's; the next claim_lease finds it ours.
+      auto taken = store.compare_set(key, holder, instance, o.lease_ttl);
+      if (!taken.ok()) return taken.status().with_context(fmt::format("{} {} claiming its rank", me.role, me.rank));
+      if (taken->swapped) continue;
+    }
+    if (Clock::now() - t0 >= patience)
+      return already_exists(
+          "{} {} of job '{}' is held by {}, which is alive (its claim '{}' stayed renewed for {} ms, 1.5 lease_ttl): "
+          "{} is refused and the holder keeps the rank (two processes started with one rank? a restarted rank takes "
+          "over once the holder has died: its claim lapses within lease_ttl)",
+          me.role, me.rank, keys.job(), holder, key, millis_since(t0).count(), instance);
+    std::this_thread::sleep_for(poll);
+  }
+}
+
+Status check_claim(const Lease& claim, Store& store, Participant me, const std::string& instance) {
+  if (!claim.lost()) return Status::Ok();
+  auto holder = store.get(claim.key());
+  return failed_precondition(
+      "{} {}: {} no longer holds the rank: {} claimed it while this instance was away past lease_ttl (paused or cut "
+      "off); this instance syncs no more",
+      me.role, me.rank, instance, holder.ok() ? *holder : std::string("another instance"));
+}
+
+void publish_failure(Store& store, const JobKeys& keys, const EngineOptions& o, Participant me,
+                     const std::string& instance, const Status& why) {
+  if (why.ok() || why.code() == StatusCode::kAlreadyExists || why.code() == StatusCode::kPeerFailed) return;
+  if (!JobKeys::check(keys.job()).ok()) return;
+  constexpr size_t kMaxReason = 4096;
+  std::string text = fmt::format("{}: {}", instance, why.to_string());
+  if (text.size() > kMaxReason) text = text.substr(0, kMaxReason) + "...";
+  const auto ttl = std::clamp(o.rendezvous_timeout, std::chrono::milliseconds(1000), kMaxTtl);
+  store.set(keys.failed(me.role, me.rank), text, ttl).ignore();
 }
 
 Result<RouteInputs> rendezvous_inputs(Store& store, const JobKeys& keys, const EngineOptions& o, Participant me,

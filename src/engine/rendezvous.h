@@ -5,7 +5,9 @@
 // without any routes crossing the wire.
 #pragma once
 
+#include <chrono>
 #include <functional>
+#include <memory>
 #include <set>
 #include <string>
 #include <utility>
@@ -38,10 +40,54 @@ struct Participant {
 Status publish_world(Store& store, const JobKeys& keys, const EngineOptions& options, Participant me);
 Status check_world(Store& store, const JobKeys& keys, const EngineOptions& options, Participant me);
 
-// Store::wait for `wanted` within rendezvous_timeout, checking world sizes between
-// slices so that a mismatch fails in well under a second rather than at the timeout.
+// Store::wait for `wanted` within rendezvous_timeout, checking between slices (250 ms)
+// the world sizes (a mismatch fails in well under a second rather than at the timeout)
+// and the failures other participants published (publish_failure): one that stays
+// published for kFailureGrace fails this wait with PeerFailed naming that participant
+// and its reason, within a few seconds rather than at the timeout. (The grace lets a
+// rank of a job relaunched under the same name at once take back its earlier instance's
+// failure when it starts, before it fails the others.) A timeout says the time really
+// waited and the keys still missing.
+inline constexpr std::chrono::milliseconds kFailureGrace{2000};
 Status await_keys(Store& store, const JobKeys& keys, const EngineOptions& options, Participant me,
                   const std::vector<std::string>& wanted, std::string_view what);
+
+// --- Membership: a rank is held by one instance ------------------------------------------
+//
+// claim_rank: the first thing a participant writes. It claims {job}/instance/{role}/{rank}
+// for this instance (Store::claim_lease of `instance`, a unique id naming the process,
+// its pid and host: instance_name(); renewed every lease_ttl/3 for the instance's life). A rank another instance keeps
+// alive is refused: AlreadyExists naming the rank and the holder, and nothing of the
+// holder's is touched (a second process started with a running rank's number, or a
+// second set of trainer ranks, takes nothing over). A holder that died stops renewing and
+// its claim lapses within lease_ttl, so a restarted rank retries for up to 1.5 lease_ttl
+// and takes the rank (an instance destroyed in-process releases it at once; a holder
+// whose process is gone from this host's pid space — a rank killed and restarted on its
+// host — is taken over at once, by compare-set from its value). Once held,
+// the failure an earlier instance of this rank published is taken back (publish_failure).
+// Refuses a job name that could collide with another job's keys first (JobKeys::check).
+Result<std::unique_ptr<Lease>> claim_rank(Store& store, const JobKeys& keys, const EngineOptions& options,
+                                          Participant me, const std::string& instance);
+
+// OK while `claim` is held. Once another instance took the rank (this one was away past
+// lease_ttl — paused, cut off — and a restart of the rank claimed it meanwhile: the Lease
+// is lost), FailedPrecondition naming the rank and the new holder: this instance syncs no
+// more (it would serve or take a rank that is no longer its own).
+Status check_claim(const Lease& claim, Store& store, Participant me, const std::string& instance);
+
+// What an instance of this process is called in claims and failures: "instance 1f..e4
+// (pid 4242 on host-a, pid space 5c..9a)", unique per call (the pid space:
+// common::process_space_tag, which claim_rank compares before it looks the pid up).
+std::string instance_name();
+
+// A participant whose create() failed publishes why under {job}/failed/{role}/{rank}
+// (value: `instance` and the status; ttl rendezvous_timeout, like the world keys: it
+// matters while ranks meet), for the others' await_keys — except failures that are not
+// its own: a refused claim (AlreadyExists), another participant's published failure
+// (PeerFailed), and a job name that could collide. Best effort: a store error is ignored
+// (the caller returns `why` either way).
+void publish_failure(Store& store, const JobKeys& keys, const EngineOptions& options, Participant me,
+                     const std::string& instance, const Status& why);
 
 // Waits (rendezvous_timeout) for every producer's holdings and every consumer's plan.
 Result<RouteInputs> rendezvous_inputs(Store& store, const JobKeys& keys, const EngineOptions& options,

@@ -102,6 +102,7 @@ void UnpackWorker::clear(std::chrono::milliseconds timeout) {
 
 Status UnpackWorker::reset(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lk(mu_);
+  const auto start = std::chrono::steady_clock::now();
   if (!wait_idle_locked(lk, timeout)) {
     // Queued jobs never started: drop them and free their slots. The running one keeps
     // its slot (freed by the worker when its unpack ends): handing it back now let the
@@ -114,7 +115,8 @@ Status UnpackWorker::reset(std::chrono::milliseconds timeout) {
       return timeout_error(
           "unpack worker: the job of sync {} group {} still runs after {} ms (a hook or an unpack that does not "
           "return); a new attempt cannot start while it may write{}",
-          running_.version, running_.group, timeout.count(),
+          running_.version, running_.group,
+          std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count(),
           running_.slot >= 0 && slot_busy_[static_cast<size_t>(running_.slot)]
               ? fmt::format(" (it holds receive slot {})", running_.slot)
               : std::string());

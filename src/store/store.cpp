@@ -250,6 +250,21 @@ Result<std::unique_ptr<Lease>> Store::hold_lease(std::string_view key, std::stri
   return std::unique_ptr<Lease>(new Lease(std::move(own), std::string(key), std::string(value), ttl));
 }
 
+Result<std::unique_ptr<Lease>> Store::claim_lease(std::string_view key, std::string_view value, Millis ttl,
+                                                  std::string* holder) {
+  FERRY_RETURN_IF_ERROR(store_detail::check_key("claim_lease", key));
+  FERRY_RETURN_IF_ERROR(store_detail::check_ttl("claim_lease", key, ttl.count(), true));
+  FERRY_ASSIGN_OR_RETURN(CompareSetResult cs, compare_set(key, std::nullopt, value, ttl));
+  if (!cs.swapped && cs.value != value) {
+    const std::string held = cs.value.value_or("");
+    if (holder) *holder = held;
+    return already_exists("store claim_lease {}: held by {}", store_detail::quote_key(key),
+                          store_detail::quote_key(held));
+  }
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Store> own, clone());
+  return std::unique_ptr<Lease>(new Lease(std::move(own), std::string(key), std::string(value), ttl));
+}
+
 Lease::Lease(std::unique_ptr<Store> store, std::string key, std::string value, Millis ttl)
     : store_(std::move(store)), key_(std::move(key)), value_(std::move(value)), ttl_(ttl) {
   thread_ = std::thread([this] { heartbeat(); });

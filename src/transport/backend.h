@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <limits>
@@ -52,8 +53,11 @@ class OpState {
     if (progress_thread_ != nullptr && progress_thread_->load() == std::this_thread::get_id()) {
       return failed_precondition("Completion::wait called on the transport's progress thread (would deadlock)");
     }
+    const auto start = std::chrono::steady_clock::now();
     if (!cv_.wait_for(lock, timeout, [&] { return done_; })) {
-      return timeout_error("operation still pending after {} ms", timeout.count());
+      return timeout_error("operation still pending after {} ms",
+                           std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start)
+                               .count());
     }
     return status_;
   }

@@ -46,7 +46,8 @@ Status Completion::status() const {
 }
 
 Status wait_all(std::span<const Completion> ops, std::chrono::milliseconds timeout) {
-  auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto start = std::chrono::steady_clock::now();
+  auto deadline = start + timeout;
   Status first;
   size_t pending = 0;
   for (const Completion& op : ops) {
@@ -61,7 +62,9 @@ Status wait_all(std::span<const Completion> ops, std::chrono::milliseconds timeo
   }
   if (!first.ok()) return first;
   if (pending > 0) {
-    return timeout_error("{} of {} operations still pending after {} ms", pending, ops.size(), timeout.count());
+    return timeout_error(
+        "{} of {} operations still pending after {} ms", pending, ops.size(),
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count());
   }
   return Status::Ok();
 }

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <ostream>
@@ -199,6 +200,8 @@ struct Cluster {
   // built-in loader: the model of consumer c.
   std::function<Result<ConsumerModel>(int c)> user_model;
   std::vector<Status> started;  // start(): every producer's, then every consumer's
+  // start_consumer(c) creates consumer c under this rank instead (a rank out of range).
+  std::map<int, int> consumer_rank_as;
   bool in_place = false;       // producers serve from InPlaceSource regions
   Backend backend = Backend::kInproc;
   bool shadow = false;  // consumers commit by CommitPolicy::kShadow (a failed sync never tears them)
@@ -218,8 +221,10 @@ struct Cluster {
 
   // UCX as tests/transport runs it between processes: shared memory for reads and
   // writes, tcp on loopback for messages and failure reports.
+  std::string transport_token;  // every rank's TransportOptions::token (empty: none)
   Result<std::unique_ptr<Transport>> transport() {
     TransportOptions o;
+    o.token = transport_token;
     if (backend == Backend::kInproc) {
       o.backend = "inproc";
     } else {
@@ -303,6 +308,7 @@ struct Cluster {
       FERRY_ASSIGN_OR_RETURN(cons[i], Consumer::create(std::move(um), c, *ctr[i], *cst[i], co));
       return Status::Ok();
     }
+    const int rank = consumer_rank_as.count(c) ? consumer_rank_as.at(c) : c;
     TensorMap params;
     if (caller_params) {
       FERRY_ASSIGN_OR_RETURN(auto rl, model.loader->rank(c));
@@ -315,7 +321,7 @@ struct Cluster {
         }
       }
     }
-    FERRY_ASSIGN_OR_RETURN(cons[i], Consumer::create(*model.loader, c, *ctr[i], *cst[i], co, params));
+    FERRY_ASSIGN_OR_RETURN(cons[i], Consumer::create(*model.loader, rank, *ctr[i], *cst[i], co, params));
     if (caller_params) {  // the consumer works in the caller's buffers, not copies
       for (const auto& [name, t] : params) {
         auto it = cons[i]->params().find(name);

@@ -163,6 +163,17 @@ TEST(EngineProtocol, ListedKeysAreParsedExactly) {
                           "j/world/producer/0/2/03", "j/world/trainer/0/2/3", "j/world/producer/-1/2/3",
                           "j/world/producer/0/2/3/", "j/world/producer//2/3", "j/world/producer/0/2/4294967299"})
     EXPECT_FALSE(k.world_of(bad).has_value()) << bad;
+  for (int rank : {0, 5, -1, -7, 2147483647}) {
+    auto f = k.failed_of(k.failed("producer", rank));
+    ASSERT_TRUE(f.has_value()) << rank;
+    EXPECT_EQ(f->role, "producer");
+    EXPECT_EQ(f->rank, rank);
+  }
+  for (const char* bad : {"j/failed/consumer/1/x", "j/failed/consumer/01", "j/failed/consumer/-0",
+                          "j/failed/consumer/--1", "j/failed/consumer/+1", "j/failed/consumer/", "j/failed/consumer",
+                          "j/failed/trainer/1", "j/failed//1", "j/failed/consumer/2147483648", "k/failed/consumer/1",
+                          "j/failedx/consumer/1"})
+    EXPECT_FALSE(k.failed_of(bad).has_value()) << bad;
 }
 
 Holdings bf16_boxes(std::vector<int64_t> sizes) {

@@ -3,6 +3,12 @@
 // out of range.
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <string>
+
 #include "engine/rendezvous.h"
 #include "ferry/engine.h"
 #include "tools/job_model.h"
@@ -133,11 +139,125 @@ TEST(Rendezvous, AJobNameWithTheKeySeparatorIsRefusedBeforeAnyKey) {
   Status s = publish_world(st, JobKeys(o.job), o, Participant{"producer", 0});
   ASSERT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
   EXPECT_NE(s.message().find("contains '/'"), std::string::npos) << s.to_string();
+  // claim_rank (what create() writes first) refuses it too, and no failure is published.
+  const Status claimed = claim_rank(st, JobKeys(o.job), o, Participant{"producer", 0}, instance_name()).status();
+  EXPECT_EQ(claimed.code(), StatusCode::kInvalidArgument) << claimed.to_string();
+  publish_failure(st, JobKeys(o.job), o, Participant{"producer", 0}, instance_name(), claimed);
   auto listed = st.list("j/");
   ASSERT_TRUE(listed.ok());
   EXPECT_TRUE(listed->empty());
   EXPECT_EQ(committed_versions(st, "j/dead/1", 1).status().code(), StatusCode::kInvalidArgument);
   EXPECT_TRUE(publish_world(st, JobKeys("j"), EngineOptions{}, Participant{"producer", 0}).ok());
+}
+
+// A rendezvous that times out says how long it waited in all (rendezvous_timeout, not
+// the last 250 ms slice of it, as "store wait: 1 of 2 keys still missing after 92 ms"
+// did) and which keys are still missing.
+TEST(Rendezvous, ATimeoutSaysTheTimeReallyWaited) {
+  TestStore ts;
+  Store& st = *ts.store;
+  const JobKeys keys("t");
+  EngineOptions o;
+  o.job = "t";
+  o.rendezvous_timeout = std::chrono::milliseconds(1200);
+  ASSERT_TRUE(st.set(keys.plan(0), "p").ok());
+  Status s = await_keys(st, keys, o, Participant{"producer", 0}, {keys.plan(0), keys.plan(1)}, "every plan");
+  ASSERT_EQ(s.code(), StatusCode::kTimeout) << s.to_string();
+  EXPECT_NE(s.message().find("1 of 2 keys still missing"), std::string::npos) << s.to_string();
+  EXPECT_NE(s.message().find("'t/plan/1'"), std::string::npos) << s.to_string();
+  EXPECT_EQ(s.message().find("'t/plan/0'"), std::string::npos) << s.to_string();
+  const size_t at = s.message().find("after ");
+  ASSERT_NE(at, std::string::npos) << s.to_string();
+  EXPECT_GE(std::stol(s.message().substr(at + 6)), 1200) << s.to_string();
+}
+
+// A participant's failure is published for the others (not one that is not its own: a
+// refused claim, another's failure); another participant's wait fails naming it, well
+// before rendezvous_timeout; a new instance of the failed rank takes it back when it
+// claims the rank.
+TEST(Rendezvous, APublishedFailureFailsTheOthersWaitsUntilTakenBack) {
+  TestStore ts;
+  Store& st = *ts.store;
+  const JobKeys keys("f");
+  EngineOptions o;
+  o.job = "f";
+  o.num_consumers = 3;
+  o.rendezvous_timeout = std::chrono::seconds(60);
+  const Participant c1{"consumer", 1}, c2{"consumer", 2}, p0{"producer", 0};
+  publish_failure(st, keys, o, c2, "instance x", already_exists("held"));
+  publish_failure(st, keys, o, c2, "instance x", peer_failed("another failed"));
+  publish_failure(st, keys, o, c2, "instance x", Status::Ok());
+  EXPECT_EQ(st.get(keys.failed("consumer", 2)).status().code(), StatusCode::kNotFound);
+  publish_failure(st, keys, o, c1, "instance y", invalid_argument("a plan over the wrong dtype"));
+  EXPECT_EQ(st.get(keys.failed("consumer", 1)).value_or("?"), "instance y: InvalidArgument: a plan over the wrong dtype");
+  const auto t0 = std::chrono::steady_clock::now();
+  Status s = await_keys(st, keys, o, p0, {keys.plan(1)}, "every plan");
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, o.rendezvous_timeout / 2);
+  ASSERT_EQ(s.code(), StatusCode::kPeerFailed) << s.to_string();
+  EXPECT_NE(s.message().find("consumer 1 failed to join job 'f': instance y: InvalidArgument: a plan over the wrong dtype"),
+            std::string::npos)
+      << s.to_string();
+  // Its own earlier failure does not stop the failed rank's new instance, which takes it
+  // back when it claims the rank.
+  o.rendezvous_timeout = std::chrono::milliseconds(300);
+  EXPECT_EQ(await_keys(st, keys, o, c1, {keys.plan(1)}, "its plan").code(), StatusCode::kTimeout);
+  auto claim = claim_rank(st, keys, o, c1, instance_name());
+  ASSERT_TRUE(claim.ok()) << claim.status().to_string();
+  EXPECT_EQ(st.get(keys.failed("consumer", 1)).status().code(), StatusCode::kNotFound);
+  ASSERT_TRUE(st.set(keys.plan(1), "p").ok());
+  o.rendezvous_timeout = std::chrono::seconds(60);
+  EXPECT_TRUE(await_keys(st, keys, o, p0, {keys.plan(1)}, "every plan").ok());
+}
+
+// claim_rank: a rank held by a live instance (here: this process) is refused after 1.5
+// lease_ttl naming the holder; one whose holder's process is gone from this host (a
+// child that exited) is taken at once, long before its claim would lapse; a holder on
+// another host (another pid space) is waited for, not looked up.
+TEST(Rendezvous, AClaimIsRefusedWhileItsHolderLivesAndTakenWhenItsProcessIsGone) {
+  TestStore ts;
+  Store& st = *ts.store;
+  const JobKeys keys("c");
+  EngineOptions o;
+  o.job = "c";
+  o.lease_ttl = std::chrono::milliseconds(400);
+  const Participant c0{"consumer", 0};
+  auto first = claim_rank(st, keys, o, c0, instance_name());
+  ASSERT_TRUE(first.ok()) << first.status().to_string();
+  auto second = claim_rank(st, keys, o, c0, instance_name());
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), StatusCode::kAlreadyExists) << second.status().to_string();
+  EXPECT_NE(second.status().message().find(fmt::format("consumer 0 of job 'c' is held by instance")),
+            std::string::npos)
+      << second.status().to_string();
+  EXPECT_NE(second.status().message().find(fmt::format("(pid {} on ", ::getpid())), std::string::npos)
+      << second.status().to_string();
+  first->reset();
+
+  // A holder whose process exited (reaped): its claim, with an hour to live, is taken.
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) ::_exit(0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  std::string dead = instance_name();
+  const size_t pid_at = dead.find("(pid ") + 5;
+  dead.replace(pid_at, dead.find(' ', pid_at) - pid_at, std::to_string(child));
+  ASSERT_TRUE(st.set(keys.instance("consumer", 0), dead, std::chrono::hours(1)).ok());
+  o.lease_ttl = std::chrono::seconds(60);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto taken = claim_rank(st, keys, o, c0, instance_name());
+  ASSERT_TRUE(taken.ok()) << taken.status().to_string();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+  taken->reset();
+
+  // The same pid in another pid space: not looked up here, so waited for (1.5 ttl).
+  std::string elsewhere = dead;
+  elsewhere.replace(elsewhere.rfind("pid space ") + 10, std::string::npos, "1)");
+  ASSERT_TRUE(st.set(keys.instance("consumer", 0), elsewhere, std::chrono::hours(1)).ok());
+  o.lease_ttl = std::chrono::milliseconds(400);
+  auto waited = claim_rank(st, keys, o, c0, instance_name());
+  ASSERT_FALSE(waited.ok());
+  EXPECT_EQ(waited.status().code(), StatusCode::kAlreadyExists) << waited.status().to_string();
 }
 
 }  // namespace

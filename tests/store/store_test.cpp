@@ -270,6 +270,12 @@ TEST_P(StoreTest, WaitTimesOutNamingMissingKeys) {
   EXPECT_NE(st.message().find("gone1"), std::string::npos) << st.message();
   EXPECT_NE(st.message().find("2 of 3"), std::string::npos) << st.message();
   EXPECT_GE(took, 190ms);  // not before its timeout (the status says it timed out)
+  // It says how long it really waited: at least its timeout, at most what the caller saw.
+  const size_t at = st.message().find("after ");
+  ASSERT_NE(at, std::string::npos) << st.message();
+  const long waited = std::stol(st.message().substr(at + 6));
+  EXPECT_GE(waited, 200) << st.message();
+  EXPECT_LE(waited, took.count()) << st.message();
   // Zero timeout: one check.
   EXPECT_EQ(store_->wait({"gone1"}, 0ms).code(), StatusCode::kTimeout);
   // The connection is still usable after a timed-out wait.
@@ -393,6 +399,46 @@ TEST_P(StoreTest, LeaseHealsAfterExpiryUnlessTakenAndDestructorDeletes) {
     EXPECT_EQ(store_->get("member/2").value_or("?"), "addr2");
   }  // destructor releases
   EXPECT_EQ(store_->get("member/2").status().code(), StatusCode::kNotFound);
+}
+
+// claim_lease takes a key only when it is absent: a second claimant is refused naming
+// the holder, whose key is left as it was; once the holder releases (or dies: its key
+// lapses within the ttl), the next claim succeeds.
+TEST_P(StoreTest, ClaimLeaseIsRefusedWhileHeldAndTakenOnceFree) {
+  auto other = store_->clone();
+  ASSERT_TRUE(other.ok()) << other.status().to_string();
+  auto first = store_->claim_lease("rank/0", "instance-a", 5000ms);
+  ASSERT_TRUE(first.ok()) << first.status().to_string();
+  EXPECT_EQ(store_->get("rank/0").value_or("?"), "instance-a");
+  std::string holder;
+  auto second = (*other)->claim_lease("rank/0", "instance-b", 5000ms, &holder);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), StatusCode::kAlreadyExists) << second.status().to_string();
+  EXPECT_NE(second.status().message().find("'rank/0'"), std::string::npos) << second.status().to_string();
+  EXPECT_NE(second.status().message().find("instance-a"), std::string::npos) << second.status().to_string();
+  EXPECT_EQ(holder, "instance-a");
+  EXPECT_EQ(store_->get("rank/0").value_or("?"), "instance-a");
+  EXPECT_FALSE((*first)->lost());
+  ASSERT_OK((*first)->release());
+  auto third = (*other)->claim_lease("rank/0", "instance-b", 5000ms);
+  ASSERT_TRUE(third.ok()) << third.status().to_string();
+  EXPECT_EQ(store_->get("rank/0").value_or("?"), "instance-b");
+
+  // A holder that died: its key is not renewed and lapses; claims are refused until then.
+  ASSERT_OK(store_->set("rank/1", "dead-instance", 300ms));
+  auto early = (*other)->claim_lease("rank/1", "successor", 5000ms);
+  ASSERT_FALSE(early.ok());
+  EXPECT_EQ(early.status().code(), StatusCode::kAlreadyExists) << early.status().to_string();
+  Result<std::unique_ptr<Lease>> later = early.status();
+  const auto t0 = Clock::now();
+  while (!later.ok() && since(t0) < kGenerous) {
+    std::this_thread::sleep_for(20ms);
+    later = (*other)->claim_lease("rank/1", "successor", 5000ms);
+  }
+  ASSERT_TRUE(later.ok()) << later.status().to_string();
+  EXPECT_EQ(store_->get("rank/1").value_or("?"), "successor");
+  EXPECT_EQ(store_->claim_lease("", "x", 1000ms).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->claim_lease("k", "x", 0ms).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST_P(StoreTest, SixtyFourConcurrentClients) {

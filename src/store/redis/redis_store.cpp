@@ -168,7 +168,8 @@ class RedisStore final : public Store {
     for (const auto& k : keys) FERRY_RETURN_IF_ERROR(check_key("wait", k));
     std::set<std::string> missing(keys.begin(), keys.end());
     const size_t total = missing.size();
-    const auto deadline = Clock::now() + timeout;
+    const auto start = Clock::now();
+    const auto deadline = start + timeout;
     auto backoff = Millis{1};
     while (!missing.empty()) {
       FERRY_RETURN_IF_ERROR(poll_exists(missing));
@@ -182,7 +183,7 @@ class RedisStore final : public Store {
         }
         if (missing.size() > 8) shown += ", ...";
         return timeout_error("store wait: {} of {} keys still missing after {} ms: {}", missing.size(), total,
-                             timeout.count(), shown);
+                             std::chrono::duration_cast<Millis>(now - start).count(), shown);
       }
       std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
       backoff = std::min(backoff * 2, Millis{50});

@@ -51,6 +51,7 @@ struct Waiter {
   std::unordered_set<std::string> missing;
   size_t total = 0;
   int64_t timeout_ms = 0;
+  Clock::time_point start;  // when the wait began: its error says how long it really waited
   asio::steady_timer timer;
   bool done = false;
 };
@@ -406,6 +407,7 @@ std::optional<Response> StoreServer::Impl::start_wait(const std::shared_ptr<Sess
   w->session = s;
   w->total = std::unordered_set<std::string>(q.keys.begin(), q.keys.end()).size();
   w->timeout_ms = q.timeout_ms;
+  w->start = Clock::now();
   for (const auto& k : w->missing) waiters[k].push_back(w);
   w->timer.expires_after(std::chrono::milliseconds(q.timeout_ms));
   w->timer.async_wait([this, w](const asio::error_code& ec) {
@@ -417,9 +419,10 @@ std::optional<Response> StoreServer::Impl::start_wait(const std::shared_ptr<Sess
       shown += (i ? ", " : "") + store_detail::quote_key(names[i]);
     }
     if (names.size() > 8) shown += ", ...";
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - w->start).count();
     finish_wait(w, error_response(Op::kWait,
                                   timeout_error("store wait: {} of {} keys still missing after {} ms: {}",
-                                                names.size(), w->total, w->timeout_ms, shown)));
+                                                names.size(), w->total, waited, shown)));
   });
   s->park(w);
   return std::nullopt;
