@@ -268,16 +268,16 @@ class Producer:
 
     def __init__(self, source, store, *, rank=None, token=None, num_consumers=1, num_producers=None,
                  backend="ucx", job="ferry", mode="pull", timeout=30.0, rendezvous_timeout=60.0,
-                 stall_timeout=10.0, straggler_floor=2.0, straggler_factor=8.0, lease_ttl=3.0, checksums=False,
-                 failover=True, staging_budget=0, staging_device="cpu", in_place=False, direct_min_bytes=64 * 1024,
+                 stall_timeout=10.0, straggler_floor=2.0, straggler_factor=8.0, join_window=20.0, lease_ttl=3.0,
+                 checksums=False, failover=True, staging_budget=0, staging_device="cpu", in_place=False, direct_min_bytes=64 * 1024,
                  transport_params=None, ucx_config=None):
         if not isinstance(source, WeightSource):
             raise InvalidArgumentError("Producer: source must be a ferry.WeightSource")
         url, token = _store_args(store, token)
         kw = _options(token, backend, _transport_params(transport_params, ucx_config), job=job, mode=mode,
                       timeout=timeout, rendezvous_timeout=rendezvous_timeout, stall_timeout=stall_timeout,
-                      straggler_floor=straggler_floor, straggler_factor=straggler_factor, lease_ttl=lease_ttl,
-                      checksums=checksums, failover=failover, num_consumers=num_consumers,
+                      straggler_floor=straggler_floor, straggler_factor=straggler_factor, join_window=join_window,
+                      lease_ttl=lease_ttl, checksums=checksums, failover=failover, num_consumers=num_consumers,
                       num_producers=num_producers if num_producers is not None else source.world_size,
                       staging_budget=staging_budget, staging_device=staging_device, in_place=bool(in_place))
         if direct_min_bytes is not None:  # None: the default (as before 64 KiB was spelled out)
