@@ -937,6 +937,7 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
   Impl& m = *impl;
   m.rank = source.rank();
   const Participant me{"producer", m.rank};
+  bool was_dead = false;  // it took its own dead mark off
   Status joined = [&]() -> Status {
     if (m.rank < 0 || m.rank >= options.num_producers)
       return invalid_argument("producer rank {} outside num_producers {}", m.rank, options.num_producers);
@@ -948,8 +949,12 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
     if (m.rank == 0) m.published.emplace_back(m.keys.meta(), meta);
     m.published.emplace_back(m.keys.holdings(m.rank), encode_holdings(m.holdings));
     for (const auto& [key, value] : m.published) FERRY_RETURN_IF_ERROR(store.set(key, value));
-    // A restarted producer is alive again: take it out of the dead set.
-    if (options.failover) store.remove(m.keys.dead(m.rank)).status().ignore();
+    // A restarted producer is alive again: take it out of the dead set (put back below
+    // if this create fails: the store must never say alive a producer with no lease).
+    if (options.failover) {
+      was_dead = store.get(m.keys.dead(m.rank)).ok();
+      store.remove(m.keys.dead(m.rank)).status().ignore();
+    }
     FERRY_ASSIGN_OR_RETURN(auto inputs, rendezvous_inputs(store, m.keys, options, me, source.metadata()));
     FERRY_ASSIGN_OR_RETURN(auto routes, m.route_state.start(std::move(inputs)));
     {
@@ -984,6 +989,10 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
     FERRY_RETURN_IF_ERROR(await_keys(store, m.keys, options, me, consumer_keys, "every consumer's lease"));
     return Status::Ok();
   }();
+  // Failed after taking its dead mark off (a staging ring out of GPU memory, a budget too
+  // small): it is not alive, so the mark goes back, and consumers keep routing around it
+  // instead of waiting for a lease that never comes.
+  if (!joined.ok() && was_dead) store.set(m.keys.dead(m.rank), "1").ignore();
   // Failed: why, for the other ranks (not when it is not this rank's own).
   publish_failure(store, m.keys, options, me, m.instance, joined);
   FERRY_RETURN_IF_ERROR(joined);

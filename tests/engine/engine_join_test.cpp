@@ -116,6 +116,27 @@ TEST(EngineJoin, AProducerFailingAfterTheRendezvousFailsEveryRankWithinSeconds) 
   std::printf("the other ranks failed in %.2f s\n", took);
 }
 
+// A restarted producer whose create fails after it took its dead mark off (here a staging
+// budget too small; on a GPU an out-of-memory ring) puts the mark back: the store never
+// says alive a producer that holds no lease (issue 30: the mark stayed off).
+TEST(EngineJoin, ARestartThatFailsLeavesTheProducerMarkedDead) {
+  Cluster k;
+  k.eo.rendezvous_timeout = kRendezvous;
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1,dp=2", "tp=1").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  auto st = k.store();
+  ASSERT_TRUE(st.ok());
+  const engine::JobKeys keys(k.eo.job);
+  ASSERT_TRUE((*st)->set(keys.dead(1), "1").ok());  // as consumers mark a lost producer
+  k.tweak_producer = [](ProducerOptions& o, int p) {
+    if (p == 1) o.staging_budget = 1;
+  };
+  const Status restarted = k.start_producer(1);
+  ASSERT_FALSE(restarted.ok()) << "a staging budget of 1 byte was accepted";
+  EXPECT_EQ(restarted.code(), StatusCode::kInvalidArgument) << restarted.to_string();
+  EXPECT_TRUE((*st)->get(keys.dead(1)).ok()) << "the failed restart left producer 1 marked alive";
+}
+
 // A second consumer created with a running consumer's rank is refused, naming the rank
 // and the holder (this process), and publishes no failure; the original keeps its lease
 // and the job keeps syncing, verified (on main the second one took the rank over).
