@@ -832,7 +832,14 @@ struct Producer::Impl {
         if (std::get<0>(key) == v) consumer_progress[std::get<2>(key)] = Clock::now();
       }
       for (const auto& [c, ev] : early_abort) {
-        if (ev == v) drop_locked(c, "it aborted the sync", nullptr);
+        if (ev == v) {
+          drop_locked(c, "it aborted the sync", nullptr);
+        } else if (ev > v && !(done.count(c) && done[c] == v)) {
+          // It gave up a later version before this sync began: it is not in this sync (a
+          // version mismatch), as on_message judges an ABORT that comes during it. Kept as
+          // a member, it never enters, and the others waited for it the whole join window.
+          drop_locked(c, fmt::format("it synced version {}, not this sync's {}", ev, v), nullptr);
+        }
       }
       early_abort.clear();
       // A READY for a later version that came before this sync began is the same caller's
