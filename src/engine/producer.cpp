@@ -456,15 +456,14 @@ struct Producer::Impl {
     const int c = it->second;
     if (peers[static_cast<size_t>(c)].id != peer) return;
     peers[static_cast<size_t>(c)].connected = false;
+    // One that committed this sync (DONE) and then closed is not dropped: nothing is
+    // missed and the report names no one (issue 30: it said ok while naming a consumer
+    // that closed right after syncing). Nor is one that died between refresh and the
+    // sync: neither is waited for.
     if (in_sync && !(done.count(c) && done[c] == version)) {
       drop_locked(c, "transport: " + why.to_string(), nullptr);
-    } else if (in_sync) {
-      // It committed this sync (DONE) and then closed: not dropped, nothing missed; the
-      // report says ok and names no one (issue 30: it named a consumer that closed right
-      // after syncing while reporting ok).
-      live[static_cast<size_t>(c)] = false;
     } else if (static_cast<size_t>(c) < live.size()) {
-      live[static_cast<size_t>(c)] = false;  // died between refresh and the sync: not waited for
+      live[static_cast<size_t>(c)] = false;
     }
   }
 
