@@ -85,7 +85,8 @@ Result<Child> spawn_worker(const DemoSpec& d, const std::string& tls, const std:
              "--last-version", std::to_string(d.syncs), "--crash-version",
              std::to_string(crash_version), "--crash-point", std::to_string(crash_point),
              "--lease-ttl-ms", std::to_string(d.lease_ttl_ms), "--stall-ms", std::to_string(d.stall_ms),
-             "--straggler-ms", std::to_string(d.straggler_ms), "--join-window-ms", std::to_string(d.join_window_ms), "--commit", d.commit,
+             "--straggler-ms", std::to_string(d.straggler_ms), "--join-window-ms", std::to_string(d.join_window_ms),
+             "--commit", d.commit,
              "--timeout-ms", std::to_string(d.rank_timeout_ms)});
   if (!pause_at.empty()) ps.argv.insert(ps.argv.end(), {"--pause-at", pause_at});
   if (d.checksums) ps.argv.push_back("--checksums");
