@@ -721,6 +721,66 @@ TEST_P(TransportTest, SharedMemoryIsOwnerOnly) {
   ASSERT_OK(local_->deregister_memory(allocated));
 }
 
+// A key whose memory its owner has freed: importing it, or reading through it, is an
+// error, never a crash. Over UCX's posix shared memory the import attaches the owner's
+// segment through /proc/<owner>/fd/<fd>, which is gone once the owner freed the segment
+// (or exited: the consumer SIGKILLed as a push producer imported its landing key, CI
+// stop 33), and UCX 1.13 crashed in ucp_rkey_destroy when that attach failed. The
+// transport now opens the segment itself first (transport/ucx/shared_segment.h); a live
+// key still imports and reads, through the descriptor it opened.
+TEST_P(TransportTest, KeyOfFreedMemoryIsAnErrorNotACrash) {
+  const BackendCase& c = GetParam();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Transport> other, Transport::create(options_for(c)));
+  ASSERT_OK_AND_ASSIGN(PeerId owner, other->connect(local_->address()));
+  ASSERT_OK_AND_ASSIGN(PeerId reader, local_->connect(other->address()));
+  (void)reader;
+  constexpr uint64_t kBytes = 1 << 20;
+  Buffer got(kBytes);
+  ASSERT_OK_AND_ASSIGN(MemoryRegion dst, other->register_memory(got.data(), got.size()));
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE(fmt::format("round {}", round));
+    // Live: imports and reads.
+    ASSERT_OK_AND_ASSIGN(MemoryRegion live, local_->allocate_memory(kBytes));
+    fill_pattern(static_cast<std::byte*>(live.base), 0, kBytes, 3 + round);
+    ASSERT_OK_AND_ASSIGN(std::vector<std::byte> live_key, local_->export_key(live));
+    ASSERT_OK_AND_ASSIGN(RemoteRegion rl, other->import_key(live_key));
+    EXPECT_EQ(rl.peer, owner);
+    ASSERT_OK_AND_ASSIGN(Completion r, other->read(dst, 0, rl, 0, kBytes));
+    ASSERT_OK(r.wait(kWait));
+    EXPECT_EQ(check_pattern(got.data(), 0, kBytes, 3 + round), std::numeric_limits<uint64_t>::max());
+    ASSERT_OK(other->release_key(rl));
+    // Freed before the import.
+    ASSERT_OK_AND_ASSIGN(MemoryRegion freed, local_->allocate_memory(kBytes));
+    ASSERT_OK_AND_ASSIGN(std::vector<std::byte> stale_key, local_->export_key(freed));
+    ASSERT_OK(local_->deregister_memory(freed));
+    auto stale = other->import_key(stale_key);
+    if (c.backend == "ucx" && c.tls.find("sm") != std::string::npos) {
+      ASSERT_FALSE(stale.ok()) << "a key of a freed shared-memory segment imported";
+      EXPECT_EQ(stale.status().code(), StatusCode::kUnavailable) << stale.status().to_string();
+      EXPECT_NE(stale.status().message().find("/fd/"), std::string::npos) << stale.status().to_string();
+    } else if (stale.ok()) {
+      // No segment to attach: the import is lazy, and the read is what is refused.
+      auto rd = other->read(dst, 0, *stale, 0, 4096);
+      if (rd.ok()) {
+        EXPECT_FALSE(rd->wait(kWait).ok()) << "a read of freed memory succeeded";
+      }
+      ASSERT_OK(other->release_key(*stale));
+    }
+    ASSERT_OK(local_->deregister_memory(live));
+  }
+  // Both still serve each other.
+  ASSERT_OK_AND_ASSIGN(MemoryRegion again, local_->allocate_memory(kBytes));
+  fill_pattern(static_cast<std::byte*>(again.base), 0, kBytes, 9);
+  ASSERT_OK_AND_ASSIGN(std::vector<std::byte> key, local_->export_key(again));
+  ASSERT_OK_AND_ASSIGN(RemoteRegion ra, other->import_key(key));
+  ASSERT_OK_AND_ASSIGN(Completion r, other->read(dst, 0, ra, 0, kBytes));
+  ASSERT_OK(r.wait(kWait));
+  EXPECT_EQ(check_pattern(got.data(), 0, kBytes, 9), std::numeric_limits<uint64_t>::max());
+  ASSERT_OK(other->release_key(ra));
+  ASSERT_OK(other->deregister_memory(dst));
+  ASSERT_OK(local_->deregister_memory(again));
+}
+
 TEST_P(TransportTest, ConnectIsIdempotentAndSelfWorks) {
   ASSERT_NO_FATAL_FAILURE(spawn(4096));
   // Connecting again returns the same peer; its id is the remote's instance id.

@@ -1,6 +1,7 @@
 // The UCX backend: init, memory registration, keys, read/write, send, flush,
 // handlers and shutdown (see ucx_backend.h for the design), and its registry entry.
 #include "transport/ucx/ucx_backend.h"
+#include "transport/ucx/shared_segment.h"
 
 namespace ferry::detail::ucx {
 
@@ -228,20 +229,23 @@ Result<RemoteRegion> UcxBackend::import_key(std::span<const std::byte> bytes) {
       if (p->failed) return p->why;
     }
     if (p->ep == nullptr) return peer_failed("import_key: peer {:#x} has no endpoint", k.owner_id);
-    if (process_exited(*p)) {
-      // Unpacking a shared-memory rkey attaches the owner's segment; UCX 1.13 crashes
-      // (SIGSEGV in ucp_rkey_destroy) when that fails because the owner is gone.
+    auto exited = [&] {
       on_peer_failure(p.get(), fmt::format("process {} exited", p->pid));
       return peer_failed("import_key: peer {:#x} (process {}) has exited", k.owner_id, p->pid);
+    };
+    if (process_exited(*p)) return exited();
+    // Unpacking attaches the owner's shared-memory segments, and UCX 1.13 crashes when
+    // an attach fails: ferry opens them first (shared_segment.h).
+    auto pinned = pin_shared_segments(k.payload, p->pid);
+    if (!pinned.ok()) {
+      if (process_exited(*p)) return exited();
+      return pinned.status().with_context(fmt::format("import_key: peer {:#x}", k.owner_id));
     }
     ucp_rkey_h rkey = nullptr;
-    ucs_status_t st = ucp_ep_rkey_unpack(p->rma_ep(), k.payload.data(), &rkey);
+    ucs_status_t st = ucp_ep_rkey_unpack(p->rma_ep(), pinned->packed().data(), &rkey);
     if (st != UCS_OK) return corrupt("import_key: UCX refused the packed rkey: {}", ucs_status_string(st));
     bool by_message = p->rma_by_message();
     if (!by_message && p->data_ep != nullptr) {
-      // (Unpacking on the data endpoint attaches the owner's segment: the
-      // process_exited() check above narrows, but cannot close, the window in which
-      // UCX 1.13 crashes if the owner dies just then.)
       // The data endpoint reads memory the owner allocated through UCX (its shared-
       // memory segments) natively. For memory the owner registered in place, UCX 1.13
       // has no get lane on it and would emulate get/put with messages over the shared-
