@@ -44,7 +44,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, EngineInPlaceTest, cases(kAllBackends, {Mode::kI
 
 TEST_P(EngineTest, DenseGqaTwoReplicas) {
   Cluster k(GetParam());
-  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2,pp=2", "tp=2,replicas=2").ok());
+  { auto st_ = k.start(cfg("llama-3.1-8b.json"), "tp=2,pp=2", "tp=2,replicas=2"); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
   const Routes& routes = k.prod[0]->routes();
   for (uint64_t v = 1; v <= 3; ++v) {
     auto o = k.sync(v);
@@ -100,7 +100,7 @@ TEST_P(EngineZeroCopyTest, ReadsIntoParams) {
       co.checksums = true;
     };
     k.tweak_producer = [&](ProducerOptions& po, int) { po.checksums = true; };
-    ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2,pp=2", "tp=2,replicas=2").ok());
+    { auto st_ = k.start(cfg("llama-3.1-8b.json"), "tp=2,pp=2", "tp=2,replicas=2"); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
     for (uint64_t v = 1; v <= 2; ++v) {
       auto o = k.sync(v);
       k.expect_all_ok(o, v);

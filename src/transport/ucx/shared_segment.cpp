@@ -87,13 +87,12 @@ Result<PinnedRkey> pin_shared_segments(std::span<const std::byte> packed_rkey, p
                          path, std::strerror(errno));
     }
     out.fds_.push_back(fd);
-    // A file as long as the segment, or UCX's mmap fails as its open would have: the
-    // owner freed the segment and reused the fd number since it packed the key.
+    // A regular file, or UCX's mmap of it fails as its open would have: the owner freed
+    // the segment and reused the fd number since it packed the key. (Not its size: the
+    // key's length is the mapping's, rounded up to pages, the file's the request's.)
     struct stat st {};
-    const uint64_t length = load_u64(p + e.seg_id_at + 2 * sizeof(uint64_t));
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || uint64_t(st.st_size) < length || uint64_t(fd) > kFdMask ||
-        uint64_t(getpid()) > kPidMask) {
-      return unavailable("the peer's shared-memory segment {} is no longer the key's segment (the peer freed "
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || uint64_t(fd) > kFdMask || uint64_t(getpid()) > kPidMask) {
+      return unavailable("the peer's shared-memory segment {} is no longer a shared-memory file (the peer freed "
                          "the region the key names)",
                          path);
     }
