@@ -210,8 +210,8 @@ enum class CommitPolicy : uint8_t {
   // A sync lands in a shadow set of buffers beside the live params (its direct reads,
   // unpack and post-processing all work on the shadow); the live params stay exactly the
   // committed version until commit() makes the whole received version live in one step:
-  // a flip of the two sets where the consumer owns both (no caller params, pull mode,
-  // host memory), else a copy per param (memcpy; device to device for GPU params). A
+  // a flip of the two sets where the consumer owns both (no caller params: host memory,
+  // pull or push), else a copy per param (memcpy; device to device for GPU params). A
   // failed, aborted or discarded sync leaves the live params bit for bit the committed
   // version (never torn). Costs one more copy of the params (MemoryUse::shadow).
   kShadow = 1,

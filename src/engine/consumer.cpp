@@ -229,7 +229,8 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
       for (int p : from) {
         readied.insert(p);
         ++unanswered[p];
-        send_to(p, Ready{me(), v, g, routes_hash, static_cast<uint32_t>(s)});
+        send_to(p, Ready{me(), v, g, routes_hash, static_cast<uint32_t>(s),
+                         static_cast<uint8_t>(param_set->landing_index())});
       }
       point(g, 1);
       auto tw = Clock::now();

@@ -323,13 +323,20 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
   m.worker->start();
   // Push: where producers may write into params. In the lease (not in each READY) because
   // it is fixed for the instance's life and producers derive every write from it and
-  // the routes once, as they read the lease of a new instance anyway.
+  // the routes once, as they read the lease of a new instance anyway. A consumer that
+  // commits by a flip publishes both its sets; each READY names the one a sync lands in.
   ParamTable param_table;
   if (options.mode == SyncMode::kPush && !m.param_set->placements().empty()) {
     param_table.min_bytes = options.direct_min_bytes;
-    for (const MemoryRegion& r : m.param_set->registrations()) {
+    for (const MemoryRegion& r : m.param_set->published_set(0)) {
       FERRY_ASSIGN_OR_RETURN(auto k, transport.export_key(r));
       param_table.keys.push_back(bytes_to_string(k));
+    }
+    if (m.param_set->flips()) {
+      for (const MemoryRegion& r : m.param_set->published_set(1)) {
+        FERRY_ASSIGN_OR_RETURN(auto k, transport.export_key(r));
+        param_table.other_keys.push_back(bytes_to_string(k));
+      }
     }
     param_table.params = m.param_set->placements();
   }

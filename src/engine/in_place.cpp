@@ -87,13 +87,13 @@ std::string ParamTable::encode() const {
   for (const auto& [name, p] : params)
     entries.push_back(encode_fields({name, u64_field(p.key), u64_field(p.offset), u64_field(p.bytes)}));
   return encode_fields({u64_field(min_bytes), u64_field(keys.size()), encode_fields(keys), u64_field(entries.size()),
-                        encode_fields(entries)});
+                        encode_fields(entries), u64_field(other_keys.size()), encode_fields(other_keys)});
 }
 
 Result<ParamTable> ParamTable::decode(std::string_view bytes) {
   ParamTable t;
   if (bytes.empty()) return t;
-  FERRY_ASSIGN_OR_RETURN(auto f, decode_fields(bytes, 5));
+  FERRY_ASSIGN_OR_RETURN(auto f, decode_fields(bytes, 7));
   FERRY_ASSIGN_OR_RETURN(t.min_bytes, parse_u64_field(f[0]));
   FERRY_ASSIGN_OR_RETURN(const uint64_t nkeys, parse_u64_field(f[1]));
   if (nkeys == 0 || nkeys > kMaxRegions) return corrupt("param table names {} regions", nkeys);
@@ -113,6 +113,12 @@ Result<ParamTable> ParamTable::decode(std::string_view bytes) {
     p.key = static_cast<uint32_t>(key);
     if (!t.params.emplace(x[0], p).second) return corrupt("param table: param '{}' appears twice", x[0]);
   }
+  FERRY_ASSIGN_OR_RETURN(const uint64_t nother, parse_u64_field(f[5]));
+  if (nother != 0 && nother != nkeys) return corrupt("param table: a second set of {} regions, not {}", nother, nkeys);
+  if (nother != 0) {
+    FERRY_ASSIGN_OR_RETURN(t.other_keys, decode_fields(f[6], nother));
+  }
+  if (nother == 0 && !f[6].empty()) return corrupt("param table: bytes after an empty second set");
   return t;
 }
 

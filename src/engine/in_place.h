@@ -63,6 +63,10 @@ struct ParamTable {
   uint64_t min_bytes = 0;
   std::vector<std::string> keys;
   std::map<std::string, Param> params;
+  // A consumer that commits by a flip in push (CommitPolicy::kShadow, its own params):
+  // the keys of its second set, laid out as `keys` (a Param's key and offset name the
+  // same place in either set); READY says which set a sync lands in. Empty otherwise.
+  std::vector<std::string> other_keys;
 
   bool empty() const { return keys.empty(); }
   std::string encode() const;  // "" for an empty table

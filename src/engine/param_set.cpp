@@ -66,9 +66,9 @@ Result<std::unique_ptr<ParamSet>> ParamSet::create(const ParamSetOptions& opts, 
   std::unique_ptr<ParamSet> set(new ParamSet(opts, std::move(memory)));
   ParamSet& m = *set;
   const int rank = opts.rank;
-  // Shadow: the two sets swap roles at commit when both are ours, on the host, and no
-  // producer writes into them by the keys of one set (push).
-  m.flips_ = opts.shadow && !opts.push && caller.empty();
+  // Shadow: the two sets swap roles at commit when both are ours (so on the host). In
+  // push, producers write into whichever of the two sets each READY names.
+  m.flips_ = opts.shadow && caller.empty();
   // The caller's buffers (each registered, if large enough to be read or written into
   // directly), or ours: one arena (zeroed; one registration). In push, their keys go to
   // producers in the lease (ParamTable), so that they write there. Under shadow the
@@ -114,7 +114,8 @@ Result<std::unique_ptr<ParamSet>> ParamSet::create(const ParamSetOptions& opts, 
   if (arena_bytes) {
     arena_bytes = align_up(arena_bytes, 4096);
     m.own_bytes_ = arena_bytes;
-    FERRY_ASSIGN_OR_RETURN(arena_region, own_arena(arena_bytes, land_live || m.flips_, land_live && opts.push, m.arena_));
+    FERRY_ASSIGN_OR_RETURN(arena_region, own_arena(arena_bytes, land_live || m.flips_,
+                                                   (land_live || m.flips_) && opts.push, m.arena_));
   }
   if (arena_region && land_live) m.landing_.push_back(*arena_region);  // the arena is registration 0
   if (arena_region && m.flips_) m.other_.push_back(*arena_region);
@@ -194,6 +195,8 @@ Result<std::unique_ptr<ParamSet>> ParamSet::create(const ParamSetOptions& opts, 
   }
   m.work_ = m.loaded_;
   m.committed_ = m.live_;
+  m.published_[0] = m.landing_;
+  m.published_[1] = m.other_;
   return set;
 }
 
@@ -324,6 +327,7 @@ Result<uint64_t> ParamSet::commit() {
     // live set the landing of the next sync. Nothing is copied.
     std::swap(loaded_, live_);
     std::swap(landing_, other_);
+    landing_index_ ^= 1;
     committed_ = work_;
   } else {
     TensorMap next = live_;

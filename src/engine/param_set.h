@@ -63,6 +63,8 @@ struct ParamSetOptions {
   // one on the params' GPU), registered and placed; the live params (the caller's, or an
   // arena of the set's own) change only at commit(). With no caller params, in pull mode,
   // on the host, the two sets swap roles at commit (a flip); otherwise commit copies.
+  // In push both sets are then the transport's memory, and producers learn per sync
+  // which one to write (published_sets(), landing_index()).
   bool shadow = false;
 };
 
@@ -89,6 +91,12 @@ class ParamSet {
   // The registered regions syncs land in; ParamTable::Param::key indexes them (exported
   // for push). Under shadow: the shadow's.
   const std::vector<MemoryRegion>& registrations() const { return landing_; }
+  // Under a flip, the two sets as a push consumer publishes them once (its lease's
+  // ParamTable::keys and other_keys, laid out alike), and which of them syncs land in
+  // now (0 or 1; it alternates at each commit: READY carries it). Without a flip: the
+  // one set, and 0.
+  const std::vector<MemoryRegion>& published_set(int i) const { return published_[i & 1]; }
+  int landing_index() const { return landing_index_; }
 
   // Where `bytes` at `at` of placement `p` land: the region, the offset inside it, the
   // memory. `p` is one of placements() (a sub-read of a schedule built from them).
@@ -157,6 +165,8 @@ class ParamSet {
   // What placements index: the set syncs land in (registrations_ without shadow), and
   // under a flip the other set's, laid out alike (swapped at commit).
   std::vector<MemoryRegion> landing_, other_;
+  std::vector<MemoryRegion> published_[2];  // landing_ and other_ as created (fixed)
+  int landing_index_ = 0;                   // which of published_ landing_ is
   TensorMap live_;  // shadow: the live buffers (committed_ views them until post-processing replaces one)
   std::shared_ptr<std::byte> shadow_arena_, shadow_device_;
   uint64_t shadow_bytes_ = 0;

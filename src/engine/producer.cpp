@@ -71,9 +71,10 @@ struct Producer::Impl {
     RemoteRegion recv;       // push: the consumer's receive ring
     uint64_t recv_slot_bytes = 0;
     // Push: where its registered params lie (its lease's ParamTable) and their imported
-    // keys (this producer's writes to it are the attempt plan's).
+    // keys (this producer's writes to it are the attempt plan's); a consumer that commits
+    // by a flip has a second set, laid out alike, and names per READY which one to write.
     ParamTable params;
-    std::vector<RemoteRegion> param_regions;
+    std::vector<RemoteRegion> param_regions, other_param_regions;
   };
   std::mutex mu;
   std::condition_variable cv;
@@ -108,6 +109,7 @@ struct Producer::Impl {
     PeerId from = 0;
     uint32_t slot = 0;
     uint64_t hash = 0;
+    uint8_t landing = 0;  // the consumer's param set to write (Ready::landing)
   };
   std::map<std::tuple<uint64_t, int, int>, ReadyFrom> ready;
   // push: writes to a consumer posted and not yet finished (flushed or failed), and the
@@ -269,7 +271,7 @@ struct Producer::Impl {
 
   // Push: posts the writes of slot s for consumer c into its receive slot `rslot` and
   // params (post_push_writes, engine/push_writes.h), then PUSHED. Called without mu.
-  void start_push(int s, int c, uint32_t rslot, int g, uint64_t v) {
+  void start_push(int s, int c, uint32_t rslot, uint8_t landing, int g, uint64_t v) {
     const auto t_push = Clock::now();
     std::vector<PushWrite> mine;
     PushTarget to;
@@ -285,7 +287,8 @@ struct Producer::Impl {
       hash = sl.hash;
       ++pushes_inflight[c];
       const Peer& p = peers[static_cast<size_t>(c)];
-      to = PushTarget{p.id, p.recv, static_cast<uint64_t>(rslot) * p.recv_slot_bytes, p.param_regions};
+      to = PushTarget{p.id, p.recv, static_cast<uint64_t>(rslot) * p.recv_slot_bytes,
+                      landing == 0 ? p.param_regions : p.other_param_regions};
       if (opts.checksums) {
         auto it = sl.checksum.find(cls(c));
         checksum = it != sl.checksum.end() ? it->second : 0;
@@ -339,6 +342,7 @@ struct Producer::Impl {
     int push_slot = -1;
     std::optional<Ready> push;
     std::optional<Dropped> mismatch_drop;  // sent once mu is released
+    bool return_after_send = false;        // a READY refused: nothing to record or push
     std::optional<std::pair<uint64_t, uint64_t>> flushed;  // (version, routes) answered at once
     {
       std::lock_guard<std::mutex> lk(mu);
@@ -434,15 +438,28 @@ struct Producer::Impl {
         }
         if (m->recv_slot >= kReceiveSlots) return;  // not a slot of the consumer's ring
         if (ready.size() > 100000) return;
-        ready[{m->version, m->group, c}] = ReadyFrom{from, m->recv_slot, m->routes};
-        if (current && known) {
+        if (known) {
+          // A set its lease does not publish: the writes meant for its params would miss them.
+          const Peer& p = peers[static_cast<size_t>(c)];
+          if (m->landing > 1 || (m->landing == 1 && p.other_param_regions.size() != p.param_regions.size())) {
+            const std::string why = fmt::format("its READY names param set {}, which its lease does not publish",
+                                                int(m->landing));
+            if (current) drop_locked(c, why, nullptr);
+            mismatch_drop = Dropped{static_cast<uint32_t>(rank), m->version, routes_hash, why};
+            return_after_send = true;
+          }
+        }
+        if (!return_after_send) {
+          ready[{m->version, m->group, c}] = ReadyFrom{from, m->recv_slot, m->routes, m->landing};
+        }
+        if (!return_after_send && current && known) {
           push_slot = slot_of_locked(m->group, m->routes);
           push = *m;
         }
       }
     }
     if (mismatch_drop) send(from, *mismatch_drop).ignore();
-    if (push_slot >= 0) start_push(push_slot, c, push->recv_slot, push->group, push->version);
+    if (push_slot >= 0) start_push(push_slot, c, push->recv_slot, push->landing, push->group, push->version);
     if (flushed) send_flushed(from, flushed->first, flushed->second);
   }
 
@@ -526,7 +543,7 @@ struct Producer::Impl {
     RemoteRegion recv;
     uint64_t rbytes = 0;
     ParamTable params;
-    std::vector<RemoteRegion> param_regions;
+    std::vector<RemoteRegion> param_regions, other_param_regions;
     if (opts.mode == SyncMode::kPush) {
       auto k = transport.import_key(string_bytes(lease->recv_key));
       if (!k.ok()) return false;
@@ -539,6 +556,11 @@ struct Producer::Impl {
         if (!r.ok()) return false;
         param_regions.push_back(*r);
       }
+      for (const std::string& key : table->other_keys) {
+        auto r = transport.import_key(string_bytes(key));
+        if (!r.ok()) return false;
+        other_param_regions.push_back(*r);
+      }
       params = std::move(*table);
     }
     std::lock_guard<std::mutex> lk(mu);
@@ -550,6 +572,7 @@ struct Producer::Impl {
     p.recv_slot_bytes = rbytes;
     p.params = std::move(params);
     p.param_regions = std::move(param_regions);
+    p.other_param_regions = std::move(other_param_regions);
     memory_known = false;
     peer_rank[*id] = c;
     return true;
@@ -726,7 +749,12 @@ struct Producer::Impl {
         staging->slot(s)[grp.segments[0].offset] ^= std::byte{0x40};
       }
       trace.record(TracePhase::kPack, g, -1, tp, Clock::now());
-      std::vector<std::pair<int, uint32_t>> to_push;
+      struct PushTo {
+        int consumer;
+        uint32_t recv_slot;
+        uint8_t landing;
+      };
+      std::vector<PushTo> to_push;
       std::vector<std::pair<int, PeerId>> to_announce;
       {
         std::lock_guard<std::mutex> lk(mu);
@@ -746,7 +774,7 @@ struct Producer::Impl {
           } else if (auto it = ready.find({v, g, c}); it != ready.end() &&
                                                       it->second.from == peers[static_cast<size_t>(c)].id &&
                                                       it->second.hash == hash) {
-            to_push.emplace_back(c, it->second.slot);
+            to_push.push_back(PushTo{c, it->second.slot, it->second.landing});
           }
         }
       }
@@ -764,7 +792,7 @@ struct Producer::Impl {
         std::lock_guard<std::mutex> lk(mu);
         if (!local_failure.ok()) return local_failure;
       }
-      for (auto [c, rs] : to_push) start_push(static_cast<int>(s), c, rs, g, v);
+      for (const PushTo& t : to_push) start_push(static_cast<int>(s), t.consumer, t.recv_slot, t.landing, g, v);
     }
     auto tw = Clock::now();
     for (size_t s = 0; s < slots.size(); ++s) FERRY_RETURN_IF_ERROR(wait_slot(s, true));

@@ -12,7 +12,7 @@ namespace ferry::engine {
 
 namespace {
 
-constexpr uint32_t kMessageMagic = 0x46455233u;  // "FER3" (FER2 had no Dropped reason)
+constexpr uint32_t kMessageMagic = 0x46455234u;  // "FER4" (FER3's READY had no landing set)
 constexpr std::string_view kProducerLeaseMagic = "FPL1";
 constexpr std::string_view kConsumerLeaseMagic = "FCL1";
 
@@ -25,7 +25,7 @@ void fields(M& m, F&& f) {
   } else if constexpr (std::is_same_v<T, Release>) {
     f(m.consumer), f(m.version), f(m.routes), f(m.group);
   } else if constexpr (std::is_same_v<T, Ready>) {
-    f(m.consumer), f(m.version), f(m.routes), f(m.group), f(m.recv_slot);
+    f(m.consumer), f(m.version), f(m.routes), f(m.group), f(m.recv_slot), f(m.landing);
   } else if constexpr (std::is_same_v<T, Pushed>) {
     f(m.producer), f(m.version), f(m.routes), f(m.group), f(m.recv_slot), f(m.checksum);
   } else if constexpr (std::is_same_v<T, Dropped>) {

@@ -63,6 +63,10 @@ struct Ready {
   int32_t group = 0;
   uint64_t routes = 0;
   uint32_t recv_slot = 0;
+  // Which of the consumer's two published param sets the producer writes params into
+  // (ParamTable::keys: 0, ParamTable::other_keys: 1): the shadow of a consumer that
+  // commits by a flip alternates between them. 0 for every other consumer.
+  uint8_t landing = 0;
   friend bool operator==(const Ready&, const Ready&) = default;
 };
 struct Pushed {

@@ -539,6 +539,15 @@ TEST(ParamTable, RoundTripAndMalformedBytes) {
   EXPECT_TRUE(engine::ParamTable::decode("")->empty());  // nothing registered
   for (size_t n = 1; n < bytes.size(); ++n)
     EXPECT_FALSE(engine::ParamTable::decode(bytes.substr(0, n)).ok()) << "truncated at " << n;
+  // A flip consumer's second set (push): as many keys, or none.
+  t.other_keys = {"o0", "o1"};
+  auto two = engine::ParamTable::decode(t.encode());
+  ASSERT_TRUE(two.ok()) << two.status().to_string();
+  EXPECT_EQ(two->other_keys, t.other_keys);
+  EXPECT_EQ(two->keys, t.keys);
+  t.other_keys = {"o0"};
+  EXPECT_EQ(engine::ParamTable::decode(t.encode()).status().code(), StatusCode::kCorrupt);
+  t.other_keys.clear();
   t.params["c"] = {2, 0, 8};  // names a registration the table lacks
   EXPECT_EQ(engine::ParamTable::decode(t.encode()).status().code(), StatusCode::kCorrupt);
   t.params.erase("c");

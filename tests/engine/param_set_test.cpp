@@ -365,23 +365,68 @@ TEST(ParamSetShadow, CommitsIntoTheCallersBuffersByACopy) {
   EXPECT_EQ(static_cast<const std::byte*>(*caller.at("c").data_ptr())[0], std::byte{0});  // not copied over
 }
 
-// Push under shadow: producers write into the shadow (the transport's own memory), the
-// set never flips (the lease carries one set's keys).
-TEST(ParamSetShadow, PushLandsInTheShadowAndCommitsByACopy) {
-  CountingMemory::Counts n;
-  auto set = ParamSet::create(ParamSetOptions{0, true, 0, true}, decls(), {}, std::make_unique<CountingMemory>(n));
-  ASSERT_TRUE(set.ok()) << set.status().to_string();
-  ParamSet& s = **set;
-  EXPECT_FALSE(s.flips());
-  EXPECT_EQ(n.allocated, 1);  // the shadow, written by producers
-  ASSERT_EQ(s.registrations().size(), 1u);
-  EXPECT_EQ(*s.loaded().at("a").data_ptr(), s.registrations()[0].base);
-  s.begin(1);
-  land(s, std::byte{9});
-  s.finish(1);
-  ASSERT_TRUE(s.commit().ok());
-  EXPECT_TRUE(committed_is(s, std::byte{9}));
-  EXPECT_NE(*s.committed().at("a").data_ptr(), s.registrations()[0].base);
+// Push under shadow with its own params: both sets are the transport's memory (producers
+// write into whichever READY names), published once as two sets laid out alike; commit
+// flips them and the landing index alternates. With the caller's params, push commits by
+// a copy (one published set: the shadow).
+TEST(ParamSetShadow, PushFlipsTwoPublishedSetsAndCopiesIntoTheCallers) {
+  {
+    CountingMemory::Counts n;
+    auto set = ParamSet::create(ParamSetOptions{0, true, 0, true}, decls(), {}, std::make_unique<CountingMemory>(n));
+    ASSERT_TRUE(set.ok()) << set.status().to_string();
+    ParamSet& s = **set;
+    EXPECT_TRUE(s.flips());
+    EXPECT_EQ(n.allocated, 2);  // both sets, written by producers on the host by plain copy
+    ASSERT_EQ(s.published_set(0).size(), 1u);
+    ASSERT_EQ(s.published_set(1).size(), 1u);
+    EXPECT_NE(s.published_set(0)[0].base, s.published_set(1)[0].base);
+    EXPECT_EQ(s.published_set(0)[0].length, s.published_set(1)[0].length);  // laid out alike
+    ASSERT_TRUE(s.write_padding(Plan()).ok());
+    for (int v = 1; v <= 4; ++v) {
+      SCOPED_TRACE(v);
+      const int landing = s.landing_index();
+      EXPECT_EQ(landing, (v - 1) % 2);
+      EXPECT_EQ(s.registrations()[0].base, s.published_set(landing)[0].base);  // syncs land in the named set
+      EXPECT_EQ(*s.loaded().at("a").data_ptr(), s.published_set(landing)[0].base);
+      s.begin(static_cast<uint64_t>(v));
+      land(s, std::byte(static_cast<uint8_t>(v)));
+      s.touch();
+      s.finish(static_cast<uint64_t>(v));
+      EXPECT_TRUE(committed_is(s, std::byte(static_cast<uint8_t>(v - 1))));  // the live set untouched
+      ASSERT_TRUE(s.commit().ok());
+      EXPECT_TRUE(committed_is(s, std::byte(static_cast<uint8_t>(v))));
+      EXPECT_EQ(*s.committed().at("a").data_ptr(), s.published_set(landing)[0].base);  // flipped, not copied
+      EXPECT_EQ(s.landing_index(), 1 - landing);
+    }
+    // A discard does not flip: the next sync lands in the same set again.
+    const int before = s.landing_index();
+    s.begin(5);
+    land(s, std::byte{5});
+    s.finish(5);
+    ASSERT_TRUE(s.discard().ok());
+    EXPECT_EQ(s.landing_index(), before);
+    EXPECT_TRUE(committed_is(s, std::byte{4}));
+  }
+  {
+    CountingMemory::Counts n;
+    TensorMap caller;
+    caller.emplace("a", Tensor::empty({4, 8}, DType::kF32, "a"));
+    ASSERT_TRUE(caller.at("a").zero_().ok());
+    auto set = ParamSet::create(ParamSetOptions{0, true, 0, true}, decls(), caller, std::make_unique<CountingMemory>(n));
+    ASSERT_TRUE(set.ok()) << set.status().to_string();
+    ParamSet& s = **set;
+    EXPECT_FALSE(s.flips());
+    EXPECT_EQ(n.allocated, 1);  // the shadow only
+    EXPECT_TRUE(s.published_set(1).empty());
+    EXPECT_EQ(s.landing_index(), 0);
+    s.begin(1);
+    land(s, std::byte{9});
+    s.finish(1);
+    ASSERT_TRUE(s.commit().ok());
+    EXPECT_TRUE(committed_is(s, std::byte{9}));
+    EXPECT_EQ(*s.committed().at("a").data_ptr(), *caller.at("a").data_ptr());  // copied into the caller's
+    EXPECT_EQ(s.landing_index(), 0);
+  }
 }
 
 }  // namespace

@@ -16,7 +16,7 @@ std::vector<Message> one_of_each() {
   return {Announce{1, 7, 2, 0xabcdef, 4096, 0x1234},
           Announce{1, 7, 2, 0xabcdef, 4096, std::nullopt},
           Release{3, 7, 2, 0xabcdef},
-          Ready{3, 7, 2, 0xabcdef, 1},
+          Ready{3, 7, 2, 0xabcdef, 1, 1},
           Pushed{1, 7, 2, 0xabcdef, 1, 99},
           Pushed{1, 7, 2, 0xabcdef, 1, std::nullopt},
           Dropped{1, 7, 5, "stalled: group 3 not released within 3000 ms"},
