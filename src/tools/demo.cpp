@@ -90,6 +90,10 @@ Result<Child> spawn_worker(const DemoSpec& d, const std::string& tls, const std:
              "--timeout-ms", std::to_string(d.rank_timeout_ms)});
   if (!pause_at.empty()) ps.argv.insert(ps.argv.end(), {"--pause-at", pause_at});
   if (d.checksums) ps.argv.push_back("--checksums");
+  if (role == "producer" && rank == d.corrupt_rank && d.corrupt_sync >= std::max(first_version, 1)) {
+    ps.argv.insert(ps.argv.end(), {"--corrupt-version", std::to_string(d.corrupt_sync), "--corrupt-group",
+                                   std::to_string(d.corrupt_group)});
+  }
   if (!d.trace.empty()) ps.argv.insert(ps.argv.end(), {"--trace", worker_trace_part(dir, role, rank, first_version)});
   if (d.staging_budget) ps.argv.insert(ps.argv.end(), {"--staging-budget", std::to_string(d.staging_budget)});
   // The worker's UCX_TLS (see DemoSpec::ucx_tls); none when `tls` is empty.
@@ -277,6 +281,12 @@ DemoResult run_demo(const DemoSpec& d) {
       return fail(fmt::format("kill point {} is past the last point of a sync: the model has {} layer groups, so a {}'s "
                               "points are 0..{}", k.second, groups, d.kill_role, points - 1));
     }
+  }
+  if (d.corrupt_sync != 0 && (d.corrupt_sync < 0 || d.corrupt_sync > d.syncs || d.corrupt_group < 0 ||
+                              d.corrupt_group >= groups || d.corrupt_rank < 0 || d.corrupt_rank >= P)) {
+    return host.stop(), fail(fmt::format("corruption of group {} by trainer rank {} in sync {}: the sync must be "
+                                         "within 1..{}, the group within the model's 0..{}, the rank within 0..{}",
+                                         d.corrupt_group, d.corrupt_rank, d.corrupt_sync, d.syncs, groups - 1, P - 1));
   }
   size_t next_kill = 0;
   auto victim_crash = [&](int from_version) -> std::pair<int, int> {

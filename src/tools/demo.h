@@ -102,6 +102,13 @@ struct DemoSpec {
   int kill_rank = 1;
   // (version, point); point -1: random. Consumer: group * 4 + phase; producer: group.
   std::vector<std::pair<int, int>> kills;
+  // A checksum mismatch injected (needs `checksums` to be caught): trainer rank
+  // `corrupt_rank` flips one byte of group `corrupt_group`'s staging in sync
+  // `corrupt_sync`, after checksumming (engine::TestHooks::corrupt_group; 0: never). The
+  // consumers that read that segment fail the sync (kCorrupt naming the producer).
+  int corrupt_sync = 0;
+  int corrupt_group = 0;
+  int corrupt_rank = 0;
   // The argv prefix each rank's `ferry worker` runs under (e.g. scripts/hosts.sh exec P H:
   // on emulated host H); it must exec the worker, so that the pid is the worker's. Empty
   // (or no function): the worker runs directly.

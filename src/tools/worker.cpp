@@ -150,6 +150,10 @@ int run_worker(const WorkerSpec& s) {
       if (static_cast<int>(v) == s.crash_version && g == s.crash_point) ::kill(::getpid(), SIGKILL);
       pause_at(static_cast<int>(v), g);
     };
+    if (s.corrupt_version >= 0) {
+      hooks.corrupt_group = s.corrupt_group;
+      hooks.corrupt_version = static_cast<uint64_t>(s.corrupt_version);
+    }
     po.test_hooks = engine::make_test_hooks(std::move(hooks));
     po.staging_budget = s.staging_budget;
     const Holdings& h = (*model->holdings)[static_cast<size_t>(s.rank)];
