@@ -181,6 +181,9 @@ int run_worker(const WorkerSpec& s) {
     auto policy = parse_commit_policy(s.commit);
     if (!policy.ok()) return worker_fail(s, policy.status());
     co.commit = *policy;
+    if (s.discard_version >= 0 && co.commit != CommitPolicy::kShadow)
+      return worker_fail(s, invalid_argument("--discard-version {} needs --commit shadow (a sync without commit)",
+                                             s.discard_version));
     if (co.commit == CommitPolicy::kShadow) {
       co.before_commit = [&reader](uint64_t) { reader.lock.lock(); };
       co.after_commit = [&reader](uint64_t) { reader.lock.unlock(); };
@@ -238,7 +241,17 @@ int run_worker(const WorkerSpec& s) {
         }
       });
     }
-    Result<SyncReport> rep = producer ? (source->set_version(v), producer->sync(v)) : consumer->sync(v);
+    // The discarded version: received into the shadow (commit=false), then dropped, while
+    // the reader goes on reading the live params (they must stay the held version).
+    const bool discarding = consumer && version == s.discard_version;
+    Result<SyncReport> rep = producer ? (source->set_version(v), producer->sync(v)) : consumer->sync(v, !discarding);
+    std::optional<uint64_t> received, received_after;
+    Status discarded = failed_precondition("sync {} failed: nothing to discard", v);
+    if (discarding && rep.ok()) {
+      received = consumer->state().received;
+      discarded = consumer->discard();
+      received_after = consumer->state().received;
+    }
     if (reader.thread.joinable()) {
       reader.run = false;
       reader.thread.join();
@@ -280,13 +293,20 @@ int run_worker(const WorkerSpec& s) {
     if (consumer) {
       out["torn"] = consumer->state().torn;
       if (consumer->state().has_version) out["holds"] = consumer->state().version;
-      if (!rep.ok() && s.commit == "shadow" && consumer->state().has_version) {
-        // A failed sync under shadow: the live params must still be the held version.
+      if (discarding) {
+        out["received"] = received ? nlohmann::json(*received) : nlohmann::json(nullptr);
+        out["discarded"] = rep.ok() && received == v && discarded.ok() && !received_after;
+        if (!discarded.ok()) out["discard_error"] = discarded.to_string();
+        if (received_after) out["received_after_discard"] = *received_after;
+      }
+      if ((!rep.ok() || discarding) && s.commit == "shadow" && consumer->state().has_version) {
+        // A failed or discarded sync under shadow: the live params must still be the held
+        // version.
         auto live = verify_params(*model, s.rank, consumer->params(), s.seed, consumer->state().version);
         out["live_verified"] = live.ok() && !live->has_value();
         if (live.ok() && live->has_value()) out["live_mismatch"] = **live;
       }
-      if (rep.ok()) {
+      if (rep.ok() && !discarding) {
         auto ver = verify_params(*model, s.rank, consumer->params(), s.seed, v);
         if (!ver.ok()) {
           out["verified"] = false;
