@@ -225,7 +225,9 @@ int run_worker(const WorkerSpec& s) {
       reader.reads = reader.mixed = 0;
       reader.run = true;
       reader.thread = std::thread([&] {
-        for (int n = 0; reader.run && n < 1'000'000; ++n) {  // bounded
+        // At least one pass (a read, where a version is held), however soon the sync
+        // returns: a sync the reader never read during would check nothing. Bounded.
+        for (int n = 0; (n == 0 || reader.run) && n < 1'000'000; ++n) {
           std::shared_lock<std::shared_mutex> lk(reader.lock);
           const ConsumerState held = consumer->state();
           if (!held.has_version) {  // nothing committed yet (zeros): nothing to check, don't spin
