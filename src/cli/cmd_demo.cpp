@@ -499,6 +499,9 @@ std::function<int()> setup_worker(CLI::App& app) {
   app.add_option("--straggler-ms", w->straggler_ms)->check(number_in(0, 1 << 30));
   app.add_option("--join-window-ms", w->join_window_ms)->check(number_in(0, 1 << 30));
   app.add_option("--commit", w->commit)->check(CLI::IsMember({"in_place", "shadow"}));
+  app.add_option("--corrupt-version", w->corrupt_version)->check(number_in(-1, 1 << 30));
+  app.add_option("--corrupt-group", w->corrupt_group)->check(number_in(0, 1 << 20));
+  app.add_option("--discard-version", w->discard_version)->check(number_in(-1, 1 << 30));
   auto timeout = app.add_option("--timeout-ms", w->timeout_ms)->check(number_in(1, 1 << 30));
   app.add_option("--lease-ttl-ms", w->lease_ttl_ms)->check(number_in(10, 1 << 30));
   app.add_option("--go-timeout-ms", w->go_timeout_ms)->check(number_in(1, 1 << 30));

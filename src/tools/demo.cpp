@@ -90,6 +90,12 @@ Result<Child> spawn_worker(const DemoSpec& d, const std::string& tls, const std:
              "--timeout-ms", std::to_string(d.rank_timeout_ms)});
   if (!pause_at.empty()) ps.argv.insert(ps.argv.end(), {"--pause-at", pause_at});
   if (d.checksums) ps.argv.push_back("--checksums");
+  if (role == "producer" && rank == d.corrupt_rank && d.corrupt_sync >= std::max(first_version, 1)) {
+    ps.argv.insert(ps.argv.end(), {"--corrupt-version", std::to_string(d.corrupt_sync), "--corrupt-group",
+                                   std::to_string(d.corrupt_group)});
+  }
+  if (role == "consumer" && d.discard_sync >= std::max(first_version, 1))
+    ps.argv.insert(ps.argv.end(), {"--discard-version", std::to_string(d.discard_sync)});
   if (!d.trace.empty()) ps.argv.insert(ps.argv.end(), {"--trace", worker_trace_part(dir, role, rank, first_version)});
   if (d.staging_budget) ps.argv.insert(ps.argv.end(), {"--staging-budget", std::to_string(d.staging_budget)});
   // The worker's UCX_TLS (see DemoSpec::ucx_tls); none when `tls` is empty.
@@ -277,6 +283,16 @@ DemoResult run_demo(const DemoSpec& d) {
       return fail(fmt::format("kill point {} is past the last point of a sync: the model has {} layer groups, so a {}'s "
                               "points are 0..{}", k.second, groups, d.kill_role, points - 1));
     }
+  }
+  if (d.corrupt_sync != 0 && (d.corrupt_sync < 0 || d.corrupt_sync > d.syncs || d.corrupt_group < 0 ||
+                              d.corrupt_group >= groups || d.corrupt_rank < 0 || d.corrupt_rank >= P)) {
+    return host.stop(), fail(fmt::format("corruption of group {} by trainer rank {} in sync {}: the sync must be "
+                                         "within 1..{}, the group within the model's 0..{}, the rank within 0..{}",
+                                         d.corrupt_group, d.corrupt_rank, d.corrupt_sync, d.syncs, groups - 1, P - 1));
+  }
+  if (d.discard_sync != 0 && (d.discard_sync < 0 || d.discard_sync > d.syncs || d.commit != "shadow")) {
+    return host.stop(), fail(fmt::format("discarding sync {}: needs commit shadow (not {}) and a sync within 1..{}",
+                                         d.discard_sync, d.commit, d.syncs));
   }
   size_t next_kill = 0;
   auto victim_crash = [&](int from_version) -> std::pair<int, int> {
@@ -578,7 +594,28 @@ DemoResult run_demo(const DemoSpec& d) {
                                     k.substr(k.rfind('/') + 1), j.value("reads", uint64_t{0}),
                                     j.value("commit_seconds", 0.0)));
       }
-      if (is_consumer) {
+      if (is_consumer && j.contains("discarded")) {
+        // DemoSpec::discard_sync: v received, then discarded (the producers delivered it:
+        // for the truth of their reports it counts as verified); the live params must
+        // still be the version before, where there was one.
+        ++row.expected;
+        const bool discarded = j.value("discarded", false);
+        if (discarded) {
+          ++row.discarded;
+          verified_consumers.insert(rank);
+        }
+        if (discarded && (!j.contains("holds") || j.value("live_verified", false))) {
+          notes.push_back(fmt::format("{}: received {}, discarded; live params still {}", name, v,
+                                      j.contains("holds") ? j["holds"].dump() : std::string("none")));
+        } else {
+          all_ok = false;
+          notes.push_back(fmt::format("{}: NOT discarded cleanly: received {}, {}{}", name, j["received"].dump(),
+                                      j.value("discard_error", std::string("discard ok")),
+                                      j.value("live_verified", true) ? ""
+                                          : "; live params not the version before: " +
+                                                j.value("live_mismatch", std::string("?"))));
+        }
+      } else if (is_consumer) {
         ++row.expected;
         if (j.value("verified", false)) {
           ++row.verified;

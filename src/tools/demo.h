@@ -102,6 +102,17 @@ struct DemoSpec {
   int kill_rank = 1;
   // (version, point); point -1: random. Consumer: group * 4 + phase; producer: group.
   std::vector<std::pair<int, int>> kills;
+  // A checksum mismatch injected (needs `checksums` to be caught): trainer rank
+  // `corrupt_rank` flips one byte of group `corrupt_group`'s staging in sync
+  // `corrupt_sync`, after checksumming (engine::TestHooks::corrupt_group; 0: never). The
+  // consumers that read that segment fail the sync (kCorrupt naming the producer).
+  int corrupt_sync = 0;
+  int corrupt_group = 0;
+  int corrupt_rank = 0;
+  // Commit "shadow" only: every inference rank syncs this version with commit=false, then
+  // discards it (Consumer::discard), its reader still running (0: never). The row counts
+  // them in `discarded` and `live_verified` (the live params still the version before).
+  int discard_sync = 0;
   // The argv prefix each rank's `ferry worker` runs under (e.g. scripts/hosts.sh exec P H:
   // on emulated host H); it must exec the worker, so that the pid is the worker's. Empty
   // (or no function): the worker runs directly.
@@ -123,11 +134,16 @@ struct DemoSyncRow {
   int expected = 0;   // consumers that reported (the killed one excluded)
   int failed = 0;     // consumers whose sync failed
   int torn = 0;       // consumers reporting torn state after the sync
-  // Commit shadow: failed consumers whose live params were still, bit for bit, the
-  // version they held before (the worker's "live_verified"), and reads of the live params
-  // during the sync that saw a mix of versions (should be 0).
+  // Commit shadow: failed (or discarded) consumers whose live params were still, bit for
+  // bit, the version they held before (the worker's "live_verified"), and reads of the
+  // live params during the sync that saw a mix of versions (should be 0).
   int live_verified = 0;
   uint64_t mixed_reads = 0;
+  // DemoSpec::discard_sync: consumers that received the version (state().received was
+  // it), discarded it and then held none received (the worker's "discarded"). Each one
+  // counts in `expected` and in `live_verified` when its live params were still the version
+  // before, not in `verified` (its live params are not this version).
+  int discarded = 0;
   std::vector<std::string> errors;  // "consumerN: error" of each failed consumer
   std::vector<std::string> failures;  // failure lines of every rank (failovers, drops)
   std::vector<uint64_t> producer_bytes;  // bytes each trainer rank served (0: none or no result)

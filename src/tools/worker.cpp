@@ -150,6 +150,10 @@ int run_worker(const WorkerSpec& s) {
       if (static_cast<int>(v) == s.crash_version && g == s.crash_point) ::kill(::getpid(), SIGKILL);
       pause_at(static_cast<int>(v), g);
     };
+    if (s.corrupt_version >= 0) {
+      hooks.corrupt_group = s.corrupt_group;
+      hooks.corrupt_version = static_cast<uint64_t>(s.corrupt_version);
+    }
     po.test_hooks = engine::make_test_hooks(std::move(hooks));
     po.staging_budget = s.staging_budget;
     const Holdings& h = (*model->holdings)[static_cast<size_t>(s.rank)];
@@ -177,6 +181,9 @@ int run_worker(const WorkerSpec& s) {
     auto policy = parse_commit_policy(s.commit);
     if (!policy.ok()) return worker_fail(s, policy.status());
     co.commit = *policy;
+    if (s.discard_version >= 0 && co.commit != CommitPolicy::kShadow)
+      return worker_fail(s, invalid_argument("--discard-version {} needs --commit shadow (a sync without commit)",
+                                             s.discard_version));
     if (co.commit == CommitPolicy::kShadow) {
       co.before_commit = [&reader](uint64_t) { reader.lock.lock(); };
       co.after_commit = [&reader](uint64_t) { reader.lock.unlock(); };
@@ -218,7 +225,9 @@ int run_worker(const WorkerSpec& s) {
       reader.reads = reader.mixed = 0;
       reader.run = true;
       reader.thread = std::thread([&] {
-        for (int n = 0; reader.run && n < 1'000'000; ++n) {  // bounded
+        // At least one pass (a read, where a version is held), however soon the sync
+        // returns: a sync the reader never read during would check nothing. Bounded.
+        for (int n = 0; (n == 0 || reader.run) && n < 1'000'000; ++n) {
           std::shared_lock<std::shared_mutex> lk(reader.lock);
           const ConsumerState held = consumer->state();
           if (!held.has_version) {  // nothing committed yet (zeros): nothing to check, don't spin
@@ -234,7 +243,17 @@ int run_worker(const WorkerSpec& s) {
         }
       });
     }
-    Result<SyncReport> rep = producer ? (source->set_version(v), producer->sync(v)) : consumer->sync(v);
+    // The discarded version: received into the shadow (commit=false), then dropped, while
+    // the reader goes on reading the live params (they must stay the held version).
+    const bool discarding = consumer && version == s.discard_version;
+    Result<SyncReport> rep = producer ? (source->set_version(v), producer->sync(v)) : consumer->sync(v, !discarding);
+    std::optional<uint64_t> received, received_after;
+    Status discarded = failed_precondition("sync {} failed: nothing to discard", v);
+    if (discarding && rep.ok()) {
+      received = consumer->state().received;
+      discarded = consumer->discard();
+      received_after = consumer->state().received;
+    }
     if (reader.thread.joinable()) {
       reader.run = false;
       reader.thread.join();
@@ -276,13 +295,20 @@ int run_worker(const WorkerSpec& s) {
     if (consumer) {
       out["torn"] = consumer->state().torn;
       if (consumer->state().has_version) out["holds"] = consumer->state().version;
-      if (!rep.ok() && s.commit == "shadow" && consumer->state().has_version) {
-        // A failed sync under shadow: the live params must still be the held version.
+      if (discarding) {
+        out["received"] = received ? nlohmann::json(*received) : nlohmann::json(nullptr);
+        out["discarded"] = rep.ok() && received == v && discarded.ok() && !received_after;
+        if (!discarded.ok()) out["discard_error"] = discarded.to_string();
+        if (received_after) out["received_after_discard"] = *received_after;
+      }
+      if ((!rep.ok() || discarding) && s.commit == "shadow" && consumer->state().has_version) {
+        // A failed or discarded sync under shadow: the live params must still be the held
+        // version.
         auto live = verify_params(*model, s.rank, consumer->params(), s.seed, consumer->state().version);
         out["live_verified"] = live.ok() && !live->has_value();
         if (live.ok() && live->has_value()) out["live_mismatch"] = **live;
       }
-      if (rep.ok()) {
+      if (rep.ok() && !discarding) {
         auto ver = verify_params(*model, s.rank, consumer->params(), s.seed, v);
         if (!ver.ok()) {
           out["verified"] = false;

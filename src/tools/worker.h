@@ -63,6 +63,16 @@ struct WorkerSpec {
   // each read is exactly the committed version, bit for bit: the result's "reads" and
   // "mixed_reads" (reads that were not one version).
   std::string commit = "in_place";
+  // Producer: flip one byte of group `corrupt_group`'s staging in sync `corrupt_version`,
+  // after checksumming (engine::TestHooks::corrupt_group/corrupt_version; -1: never).
+  int corrupt_version = -1;
+  int corrupt_group = 0;
+  // Consumer (commit "shadow"): sync this version with commit=false, then discard() it;
+  // the result says "received" (state().received before the discard), "discarded"
+  // (received was this version, discard() succeeded and state().received is empty after
+  // it) and "live_verified" (the live params are still, bit for bit, the version held
+  // before). -1: never.
+  int discard_version = -1;
 };
 // The pause point at the start of a sync: the go received, before Producer/Consumer::sync
 // (so before any store call of that sync).

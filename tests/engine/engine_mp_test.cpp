@@ -12,6 +12,8 @@
 #include <ostream>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "ferry/models.h"
 #include "tools/demo.h"
 #include "store/redis_server.h"
@@ -268,6 +270,93 @@ TEST(EngineMpShadow, ProducerSigkillLeavesTheLiveVersionAndReadersSeeOneVersion)
     EXPECT_EQ(bad.live_verified, bad.failed) << "every failed consumer still holds version 1, bit for bit";
     EXPECT_EQ(r.rows[2].verified, 4) << r.error;
     for (const auto& row : r.rows) EXPECT_EQ(row.mixed_reads, 0u) << "sync " << row.version;
+  }
+}
+
+// What each shadow consumer's reader did during sync `row`: every one read the live params
+// at least once (a reader that never read checks nothing) and no read saw a mix.
+void expect_readers_read(const tools::DemoSyncRow& row, int consumers) {
+  EXPECT_EQ(row.mixed_reads, 0u) << "sync " << row.version;
+  for (int c = 0; c < consumers; ++c) {
+    const auto it = row.results.find(fmt::format("consumer{}", c));
+    ASSERT_NE(it, row.results.end()) << "sync " << row.version << ": no result of consumer " << c;
+    const auto j = nlohmann::json::parse(it->second, nullptr, false);
+    EXPECT_GT(j.value("reads", uint64_t{0}), 0u) << "sync " << row.version << " consumer " << c << ": " << it->second;
+  }
+}
+
+// Issue 27 across processes, a checksum mismatch: trainer rank 0 flips a byte of group 1's
+// staging in sync 2, after checksumming (checksums on). The consumers that read that
+// segment fail sync 2 with kCorrupt naming producer 0 and group 1, their live params bit
+// for bit version 1 (not torn); the others commit 2; every reader saw one version; sync 3
+// commits everywhere. Pull and push.
+TEST(EngineMpShadow, ChecksumMismatchLeavesTheLiveVersion) {
+  for (const char* mode : {"pull", "push"}) {
+    SCOPED_TRACE(mode);
+    auto d = spec("llama-3.1-8b.json", "tp=2", "tp=2,replicas=2");
+    d.mode = mode;
+    d.commit = "shadow";
+    d.checksums = true;
+    d.corrupt_sync = 2;
+    d.corrupt_group = 1;
+    d.corrupt_rank = 0;
+    d.timeout_ms = 30000;
+    auto r = tools::run_demo(d);
+    ASSERT_EQ(r.rows.size(), 3u) << r.error;
+    EXPECT_EQ(r.rows[0].verified, 4);
+    const auto& bad = r.rows[1];
+    EXPECT_EQ(bad.expected, 4);
+    EXPECT_GT(bad.failed, 0) << "no consumer caught the corrupt segment";
+    EXPECT_LT(bad.failed, 4) << "the segment is one plan class's: the others' sync 2 commits";
+    EXPECT_EQ(bad.verified + bad.failed, 4);
+    EXPECT_EQ(bad.torn, 0) << "a failed sync under shadow never tears";
+    EXPECT_EQ(bad.live_verified, bad.failed) << "every failed consumer still holds version 1, bit for bit";
+    ASSERT_EQ(bad.errors.size(), static_cast<size_t>(bad.failed)) << "one error per failed consumer";
+    for (const auto& e : bad.errors) {
+      EXPECT_NE(e.find(": Corrupt: "), std::string::npos) << e;
+      EXPECT_NE(e.find("producer 0"), std::string::npos) << e;
+      EXPECT_NE(e.find("group 1"), std::string::npos) << e;
+    }
+    EXPECT_TRUE(bad.untrue.empty()) << bad.untrue.front();
+    EXPECT_EQ(r.rows[2].verified, 4) << r.error;
+    EXPECT_EQ(r.rows[2].failed, 0);
+    for (const auto& row : r.rows) {
+      EXPECT_EQ(row.torn, 0) << "sync " << row.version;
+      if (row.version > 1) expect_readers_read(row, 4);  // (sync 1: nothing committed to read)
+    }
+  }
+}
+
+// Issue 27 across processes, the caller discarding: every consumer syncs version 2 with
+// commit=false, then discard()s it while its reader goes on reading: the live params
+// stay bit for bit version 1 (no read ever saw 2), state().received is empty after the
+// discard, the producers' reports are ok; sync 3 commits everywhere. Pull and push.
+TEST(EngineMpShadow, DiscardLeavesTheLiveVersion) {
+  for (const char* mode : {"pull", "push"}) {
+    SCOPED_TRACE(mode);
+    auto d = spec("llama-3.1-8b.json", "tp=2", "tp=2,replicas=2");
+    d.mode = mode;
+    d.commit = "shadow";
+    d.discard_sync = 2;
+    d.timeout_ms = 30000;
+    auto r = tools::run_demo(d);
+    EXPECT_TRUE(r.all_verified) << r.error;
+    ASSERT_EQ(r.rows.size(), 3u) << r.error;
+    EXPECT_EQ(r.rows[0].verified, 4);
+    const auto& disc = r.rows[1];
+    EXPECT_EQ(disc.expected, 4);
+    EXPECT_EQ(disc.failed, 0);
+    EXPECT_EQ(disc.discarded, 4) << "every consumer received 2 (state().received) and discarded it (then none)";
+    EXPECT_EQ(disc.live_verified, 4) << "every consumer's live params are still version 1, bit for bit";
+    EXPECT_EQ(disc.verified, 0) << "no consumer's live params are version 2";
+    EXPECT_EQ(disc.producers_ok, 2);
+    EXPECT_TRUE(disc.untrue.empty()) << disc.untrue.front();
+    EXPECT_EQ(r.rows[2].verified, 4) << r.error;
+    EXPECT_EQ(r.rows[2].discarded, 0);
+    for (const auto& row : r.rows) {
+      EXPECT_EQ(row.torn, 0) << "sync " << row.version;
+      if (row.version > 1) expect_readers_read(row, 4);
+    }
   }
 }
 
