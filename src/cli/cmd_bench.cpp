@@ -99,6 +99,10 @@ std::function<int()> setup_bench(CLI::App& app) {
                  "consumers' commit policy: in_place, or shadow (each sync lands beside the live params and commits "
                  "at its end; phases_max.commit_seconds_max is the pause a serving engine sees)")
       ->check(CLI::IsMember({"in_place", "shadow"}));
+  app.add_flag("--caller-params", b->caller_params,
+               "consumers pass param buffers of their own (as an inference engine's parameters are) instead of "
+               "letting the engine allocate them; under --commit shadow the commit is then a copy into them, "
+               "not a flip");
   app.add_flag("--memory-estimate", b->estimate_only,
                "print what every process would hold and MemAvailable, start nothing (exit 1 if it does not fit)");
   app.add_flag("--json", *json, "print one JSON object");

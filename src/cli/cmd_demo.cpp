@@ -394,6 +394,10 @@ std::function<int()> setup_demo(CLI::App& app) {
                                "params and commits in one step; a reader thread in every inference rank checks that "
                                "each read of its live params during the syncs is exactly one version)")
                     ->check(CLI::IsMember({"in_place", "shadow"}));
+                app.add_flag("--caller-params", d->caller_params,
+                             "inference ranks pass param buffers of their own (as an inference engine's parameters "
+                             "are) instead of letting ferry allocate them: under --commit shadow every commit is "
+                             "then a copy into them, not a flip");
                 app.add_option("--store", d->store, "store URL (tcp://... or redis://...); default: embedded");
                 app.add_option("--backend", d->backend, "transport backend (ucx)");
                 app.add_flag("--checksums", d->checksums, "xxHash64 per segment, checked on arrival");
@@ -474,7 +478,7 @@ std::function<int()> setup_demo(CLI::App& app) {
 // The options of `ferry worker --bench` (the rest are the demo's).
 constexpr const char* kBenchWorkerOptions[] = {"--role",  "--rank", "--model", "--trainer", "--inference", "--store",
                                                "--job",   "--mode", "--seed",  "--timeout-ms", "--tls",     "--in-place",
-                                               "--trace", "--bench", "--commit", "--help"};
+                                               "--trace", "--bench", "--commit", "--caller-params", "--help"};
 
 std::function<int()> setup_worker(CLI::App& app) {
   app.group("");  // hidden
@@ -499,6 +503,7 @@ std::function<int()> setup_worker(CLI::App& app) {
   app.add_option("--straggler-ms", w->straggler_ms)->check(number_in(0, 1 << 30));
   app.add_option("--join-window-ms", w->join_window_ms)->check(number_in(0, 1 << 30));
   app.add_option("--commit", w->commit)->check(CLI::IsMember({"in_place", "shadow"}));
+  app.add_flag("--caller-params", w->caller_params);
   app.add_option("--corrupt-version", w->corrupt_version)->check(number_in(-1, 1 << 30));
   app.add_option("--corrupt-group", w->corrupt_group)->check(number_in(0, 1 << 20));
   app.add_option("--discard-version", w->discard_version)->check(number_in(-1, 1 << 30));
@@ -538,6 +543,7 @@ std::function<int()> setup_worker(CLI::App& app) {
       bench->mode = w->mode;
       bench->seed = w->seed;
       bench->trace = w->trace;
+      bench->caller_params = w->caller_params;
       bench->commit = w->commit;
       if (timeout->count() > 0) bench->timeout_ms = w->timeout_ms;
       return tools::run_bench_worker(*bench);

@@ -265,6 +265,7 @@ BenchResult run_bench(const BenchSpec& b) {
                                      "--store", (*server)->url(), "--job", job, "--tls", b.tls, "--mode", b.mode, "--seed",
                                      std::to_string(b.seed), "--timeout-ms", std::to_string(b.timeout_ms),
                                      "--in-place", b.in_place ? "1" : "0", "--commit", b.commit};
+    if (b.caller_params && !prod) args.push_back("--caller-params");
     if (!b.trace.empty()) args.insert(args.end(), {"--trace", fmt::format("{}/{}{}.trace.json", dir, role, rank)});
     auto p = spawn_proc(std::move(args), fmt::format("{} {}", role, rank), fmt::format("{}/{}{}.log", dir, role, rank));
     if (!p.ok()) return kill_all(), fail(p.status().to_string());
@@ -504,6 +505,7 @@ BenchResult run_bench(const BenchSpec& b) {
   j["efficiency_vs_raw"] = gb(rawm) > 0 ? gb(sync) / gb(rawm) : 0.0;
   j["in_place"] = b.in_place;
   j["commit"] = b.commit;
+  j["caller_params"] = b.caller_params;
   {  // the commit's pause (shadow), median over the timed trials, against the sync
     std::vector<double> cs;
     for (const auto& t : trials)

@@ -44,6 +44,10 @@ struct BenchSpec {
   // The consumers' ConsumerOptions::commit ("in_place" or "shadow"): with shadow, every
   // sync lands beside the live params and commits at its end (commit_seconds_max).
   std::string commit = "in_place";
+  // Consumers pass param buffers of their own to Consumer::create (as an inference
+  // engine's parameters would be), instead of letting the engine allocate them: under
+  // shadow, commit then copies into them (a memcpy per param) instead of a flip.
+  bool caller_params = false;
   // Only estimate what every process would hold (json["memory_estimate"]) and compare it
   // with MemAvailable; start nothing.
   bool estimate_only = false;
@@ -77,6 +81,7 @@ struct BenchWorkerSpec {
   int timeout_ms = 60000;
   bool in_place = true;
   std::string commit = "in_place";  // BenchSpec::commit
+  bool caller_params = false;       // BenchSpec::caller_params
   std::string trace;  // this rank's trace file (BenchSpec::trace); empty: none
 };
 int run_bench_worker(const BenchWorkerSpec& spec);

@@ -198,7 +198,17 @@ int run_bench_worker(const BenchWorkerSpec& s) {
     auto policy = parse_commit_policy(s.commit);
     if (!policy.ok()) return bench_worker_fail(s, policy.status());
     co.commit = *policy;
-    auto c = Consumer::create(*model->loader, s.rank, tr, st, co);
+    TensorMap params;  // --caller-params: host buffers of this process, as an engine's params
+    if (s.caller_params) {
+      auto rl = model->loader->rank(s.rank);
+      if (!rl.ok()) return bench_worker_fail(s, rl.status());
+      for (const TensorDecl& d : (*rl)->param_decls()) {
+        Tensor t = Tensor::empty(d.shape, d.dtype, d.name);
+        if (Status z = t.zero_(); !z.ok()) return bench_worker_fail(s, z);
+        params.emplace(d.name, std::move(t));
+      }
+    }
+    auto c = Consumer::create(*model->loader, s.rank, tr, st, co, std::move(params));
     if (!c.ok()) return bench_worker_fail(s, c.status());
     consumer = std::move(*c);
     raw_slot = engine::consumer_slot_bytes(consumer->routes().consumer(static_cast<size_t>(s.rank)));

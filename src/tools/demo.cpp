@@ -90,6 +90,7 @@ Result<Child> spawn_worker(const DemoSpec& d, const std::string& tls, const std:
              "--timeout-ms", std::to_string(d.rank_timeout_ms)});
   if (!pause_at.empty()) ps.argv.insert(ps.argv.end(), {"--pause-at", pause_at});
   if (d.checksums) ps.argv.push_back("--checksums");
+  if (d.caller_params && role == "consumer") ps.argv.push_back("--caller-params");
   if (role == "producer" && rank == d.corrupt_rank && d.corrupt_sync >= std::max(first_version, 1)) {
     ps.argv.insert(ps.argv.end(), {"--corrupt-version", std::to_string(d.corrupt_sync), "--corrupt-group",
                                    std::to_string(d.corrupt_group)});

@@ -84,6 +84,9 @@ struct DemoSpec {
   // each inference rank that checks every read of its live params during syncs is one
   // version (a read of a mix fails the demo).
   std::string commit = "in_place";
+  // Inference ranks pass param buffers of their own (WorkerSpec::caller_params): under
+  // shadow the commit copies into them instead of flipping.
+  bool caller_params = false;
   int rank_timeout_ms = 20000;  // the workers' EngineOptions::timeout
   std::string backend = "ucx";
   // UCX_TLS of the workers (passed as FERRY_UCX_TLS). Empty: default_worker_tls()

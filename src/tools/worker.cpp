@@ -188,7 +188,17 @@ int run_worker(const WorkerSpec& s) {
       co.before_commit = [&reader](uint64_t) { reader.lock.lock(); };
       co.after_commit = [&reader](uint64_t) { reader.lock.unlock(); };
     }
-    auto c = Consumer::create(*model->loader, s.rank, **transport, st, co);
+    TensorMap params;  // --caller-params: host buffers of this process, as an engine's params
+    if (s.caller_params) {
+      auto rl = model->loader->rank(s.rank);
+      if (!rl.ok()) return worker_fail(s, rl.status());
+      for (const TensorDecl& d : (*rl)->param_decls()) {
+        Tensor t = Tensor::empty(d.shape, d.dtype, d.name);
+        if (Status z = t.zero_(); !z.ok()) return worker_fail(s, z);
+        params.emplace(d.name, std::move(t));
+      }
+    }
+    auto c = Consumer::create(*model->loader, s.rank, **transport, st, co, std::move(params));
     if (!c.ok()) return worker_fail(s, c.status());
     consumer = std::move(*c);
     for (const auto& [name, t] : consumer->params()) held += static_cast<uint64_t>(t.numel()) * dtype_size(t.dtype());

@@ -63,6 +63,10 @@ struct WorkerSpec {
   // each read is exactly the committed version, bit for bit: the result's "reads" and
   // "mixed_reads" (reads that were not one version).
   std::string commit = "in_place";
+  // Consumer: pass param buffers of this process to Consumer::create (host memory, as an
+  // inference engine's parameters), instead of letting the engine allocate them: under
+  // shadow the commit is a copy into them, not a flip.
+  bool caller_params = false;
   // Producer: flip one byte of group `corrupt_group`'s staging in sync `corrupt_version`,
   // after checksumming (engine::TestHooks::corrupt_group/corrupt_version; -1: never).
   int corrupt_version = -1;
