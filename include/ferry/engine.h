@@ -356,6 +356,10 @@ struct SyncReport {
   std::optional<uint64_t> live_version;
   bool committed = false;
   double commit_seconds = 0;
+  // Producer: the version each consumer of the job held live (committed) as this sync
+  // began, as its lease says (the consumer keeps it current: ConsumerState::version);
+  // a consumer that has committed none, or has no live lease, is absent.
+  std::map<int, uint64_t> consumers_live;
   // True only if this side finished and (producer) every consumer it serves committed
   // the version: a report never says ok while a member missed it.
   bool ok() const { return status.ok() && missed.empty(); }

@@ -216,6 +216,13 @@ class Lease {
   // The last error a renewal hit (OK if none); renewals keep retrying transient errors.
   Status last_error() const;
 
+  // Replaces the key's value (a holder publishing what changed, e.g. the version it
+  // serves) while it is still ours; renewals keep the new value from then on. An
+  // expired key is re-created with it, as a renewal would. kFailedPrecondition when the
+  // lease is released or lost (another holder's value is left alone), the store's error
+  // otherwise (the old value then stays).
+  Status update(std::string value);
+
   // Stops the heartbeat and deletes the key (unless lost). Idempotent. May wait for a
   // renewal in flight, which the store's timeouts bound (connect_timeout + io_timeout
   // when the store is unreachable).
@@ -228,7 +235,9 @@ class Lease {
 
   std::unique_ptr<Store> store_;
   std::string key_;
-  std::string value_;
+  std::string value_;                   // mu_
+  std::optional<std::string> pending_;  // mu_: update() between its write and value_
+  std::mutex update_mu_;                // one update() at a time
   Millis ttl_;
   std::atomic<bool> lost_{false};
   std::atomic<uint64_t> reacquired_{0};

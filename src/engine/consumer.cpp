@@ -345,6 +345,19 @@ std::vector<int> Consumer::Impl::reachable_producers() {
   return out;
 }
 
+Status Consumer::Impl::publish_versions() {
+  if (!lease) return Status::Ok();
+  const ConsumerState st = param_set->state();
+  ConsumerLease l = lease_value;
+  l.committed = st.has_version ? std::optional<uint64_t>(st.version) : std::nullopt;
+  l.received = st.received;
+  if (l == lease_value) return Status::Ok();
+  FERRY_RETURN_IF_ERROR(lease->update(encode_lease(l)).with_context(
+      fmt::format("consumer {}: publishing the versions it holds in its lease", rank)));
+  lease_value = std::move(l);
+  return Status::Ok();
+}
+
 Result<double> Consumer::Impl::commit() {
   const std::optional<uint64_t> v = param_set->state().received;
   if (!v) return param_set->commit().status();  // (its error: nothing received)
@@ -356,6 +369,7 @@ Result<double> Consumer::Impl::commit() {
   FERRY_RETURN_IF_ERROR(done.status());
   if (Status c = store.set(keys.committed(rank), std::to_string(*v)); !c.ok())
     return c.with_context(fmt::format("consumer {}: recording committed version {}", rank, *v));
+  FERRY_RETURN_IF_ERROR(publish_versions());
   return seconds;
 }
 
@@ -403,7 +417,11 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
     if (attempted.size() > 64) attempted.erase(attempted.begin());
   }
   Status s = reset_background();  // not ok: a job of the last attempt still runs, this sync fails
+  const bool dropping_received = param_set->state().received.has_value();
   param_set->begin(v);
+  if (dropping_received) {  // a version received and not committed is gone now: say so
+    if (Status c = publish_versions(); !c.ok()) rep.failures.push_back(c.to_string());
+  }
   old_hashes.clear();
   const uint64_t previous = routes_hash;
   if (!s.ok()) {
@@ -491,6 +509,9 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
     if (Status c = store.set(keys.committed(rank), std::to_string(v)); !c.ok())
       rep.failures.push_back(fmt::format("consumer {}: recording committed version {}: {}", rank, v, c.to_string()));
   }
+  if (opts.commit == CommitPolicy::kInPlace || !commit_it) {  // (a commit below publishes its own)
+    if (Status c = publish_versions(); !c.ok()) rep.failures.push_back(c.to_string());
+  }
   // The DONEs have left before sync returns: a caller that closes the consumer right
   // after (its last sync) must not cancel them in its transport's queue, or producers
   // would count this consumer as having missed a version it holds. Bounded; a producer
@@ -519,7 +540,10 @@ Consumer::~Consumer() = default;
 Result<SyncReport> Consumer::sync(uint64_t version) { return impl_->sync(version, true); }
 Result<SyncReport> Consumer::sync(uint64_t version, bool commit) { return impl_->sync(version, commit); }
 Result<double> Consumer::commit() { return impl_->commit(); }
-Status Consumer::discard() { return impl_->param_set->discard(); }
+Status Consumer::discard() {
+  FERRY_RETURN_IF_ERROR(impl_->param_set->discard());
+  return impl_->publish_versions();
+}
 const SyncReport& Consumer::last_report() const { return impl_->last; }
 ConsumerState Consumer::state() const { return impl_->param_set->state(); }
 const TensorMap& Consumer::params() const { return impl_->param_set->committed(); }

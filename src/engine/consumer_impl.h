@@ -77,6 +77,10 @@ struct Consumer::Impl {
   ConsumerSchedule schedule;
   bool schedule_stale = true;
   std::unique_ptr<Lease> lease;
+  ConsumerLease lease_value;  // what `lease` holds: its versions change as the params' do
+  // Puts the versions the params hold (ParamSet::state) into the lease if they changed
+  // (ConsumerLease::committed/received). The store's error, if any.
+  Status publish_versions();
   Published published;  // its plan, put back if the store lost it (republish)
   // This instance's claim on the rank (rendezvous.h, claim_rank) and its name there.
   const std::string instance = instance_name();

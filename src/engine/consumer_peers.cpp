@@ -340,9 +340,9 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
     }
     param_table.params = m.param_set->placements();
   }
-  const std::string blob = encode_lease(
-      ConsumerLease{bytes_to_string(transport.address()), bytes_to_string(key), m.slot_bytes, param_table.encode()});
-  FERRY_ASSIGN_OR_RETURN(m.lease, store.hold_lease(m.keys.consumer(rank), blob, options.lease_ttl));
+  m.lease_value = ConsumerLease{bytes_to_string(transport.address()), bytes_to_string(key), m.slot_bytes,
+                                param_table.encode()};
+  FERRY_ASSIGN_OR_RETURN(m.lease, store.hold_lease(m.keys.consumer(rank), encode_lease(m.lease_value), options.lease_ttl));
   return Status::Ok();
 }
 

@@ -75,6 +75,7 @@ struct Producer::Impl {
     // by a flip has a second set, laid out alike, and names per READY which one to write.
     ParamTable params;
     std::vector<RemoteRegion> param_regions, other_param_regions;
+    std::optional<uint64_t> committed;  // the version it serves, as its lease said last (mu)
   };
   std::mutex mu;
   std::condition_variable cv;
@@ -527,17 +528,21 @@ struct Producer::Impl {
 
   // Reads consumer c's lease and connects a new instance; true if c is a member now.
   bool admit(int c) {
-    auto blob = store.get(keys.consumer(c));
-    if (!blob.ok()) return false;
+    auto raw = store.get(keys.consumer(c));
+    if (!raw.ok()) return false;
+    auto lease = decode_consumer_lease(*raw);
+    if (!lease.ok()) return false;
+    // The instance and its memory; the versions it holds change at every commit and are
+    // no reason to reconnect.
+    const auto blob = std::optional<std::string>(encode_lease(lease->instance()));
     Peer& p = peers[static_cast<size_t>(c)];
     bool fresh;
     {
       std::lock_guard<std::mutex> lk(mu);
       fresh = !p.connected || p.blob != *blob;
+      p.committed = lease->committed;
     }
     if (!fresh) return true;
-    auto lease = decode_consumer_lease(*blob);
-    if (!lease.ok()) return false;
     auto id = transport.connect(string_bytes(lease->address));
     if (!id.ok()) return false;
     RemoteRegion recv;
@@ -828,6 +833,14 @@ struct Producer::Impl {
     }
     FERRY_RETURN_IF_ERROR(refresh_routes().with_context(fmt::format("producer {} sync {}", rank, v)));
     refresh_membership(v, store_lost_keys);
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      for (int c = 0; c < opts.num_consumers; ++c) {
+        const Peer& p = peers[static_cast<size_t>(c)];
+        if (static_cast<size_t>(c) < live.size() && live[static_cast<size_t>(c)] && p.committed)
+          report.consumers_live[c] = *p.committed;
+      }
+    }
     std::vector<std::pair<PeerId, Dropped>> early_mismatch;  // sent once mu is released
     {
       // FAILOVERs / ABORTs of v that came before this point were kept aside (not yet in

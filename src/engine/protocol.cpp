@@ -14,7 +14,7 @@ namespace {
 
 constexpr uint32_t kMessageMagic = 0x46455234u;  // "FER4" (FER3's READY had no landing set)
 constexpr std::string_view kProducerLeaseMagic = "FPL1";
-constexpr std::string_view kConsumerLeaseMagic = "FCL1";
+constexpr std::string_view kConsumerLeaseMagic = "FCL2";  // FCL1 had no versions
 
 // The fields of each message, in wire order: one list serves encode and decode.
 template <class M, class F>
@@ -171,8 +171,9 @@ std::string encode_lease(const ProducerLease& l) {
 }
 
 std::string encode_lease(const ConsumerLease& l) {
-  return encode_fields(
-      {std::string(kConsumerLeaseMagic), l.address, l.recv_key, u64_field(l.recv_slot_bytes), l.params});
+  auto version = [](const std::optional<uint64_t>& v) { return v ? u64_field(*v) : std::string(); };
+  return encode_fields({std::string(kConsumerLeaseMagic), l.address, l.recv_key, u64_field(l.recv_slot_bytes), l.params,
+                        version(l.committed), version(l.received)});
 }
 
 Result<ProducerLease> decode_producer_lease(std::string_view blob) {
@@ -191,7 +192,7 @@ Result<ProducerLease> decode_producer_lease(std::string_view blob) {
 }
 
 Result<ConsumerLease> decode_consumer_lease(std::string_view blob) {
-  auto f = decode_fields(blob, 5);
+  auto f = decode_fields(blob, 7);
   if (!f.ok()) return f.status().with_context("consumer lease");
   if ((*f)[0] != kConsumerLeaseMagic) return corrupt("consumer lease: not a consumer lease");
   ConsumerLease l;
@@ -201,6 +202,12 @@ Result<ConsumerLease> decode_consumer_lease(std::string_view blob) {
   if (!slot.ok()) return slot.status().with_context("consumer lease recv_slot_bytes");
   l.recv_slot_bytes = *slot;
   l.params = std::move((*f)[4]);
+  for (auto [field, out] : {std::pair{5, &l.committed}, std::pair{6, &l.received}}) {
+    if ((*f)[field].empty()) continue;
+    auto v = parse_u64_field((*f)[field]);
+    if (!v.ok()) return v.status().with_context(field == 5 ? "consumer lease committed" : "consumer lease received");
+    *out = *v;
+  }
   return l;
 }
 

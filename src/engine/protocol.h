@@ -155,6 +155,19 @@ struct ConsumerLease {
   std::string recv_key;          // exported key of the receive ring (push writes there)
   uint64_t recv_slot_bytes = 0;  // bytes per receive slot
   std::string params;            // ParamTable::encode() (push: where producers may write into params)
+  // The version its live params hold (committed) and one received into the shadow and
+  // waiting for commit() or discard() (CommitPolicy::kShadow), absent when none: the
+  // consumer updates its lease as they change (Lease::update), so that producers, and
+  // anyone reading the store, know which version each consumer serves.
+  std::optional<uint64_t> committed, received;
+  // The lease without the versions: what names the instance and its memory (a producer
+  // reconnects when this changes, not when a version does).
+  ConsumerLease instance() const {
+    ConsumerLease l = *this;
+    l.committed.reset();
+    l.received.reset();
+    return l;
+  }
   friend bool operator==(const ConsumerLease&, const ConsumerLease&) = default;
 };
 std::string encode_lease(const ProducerLease& l);

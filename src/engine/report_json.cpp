@@ -57,6 +57,9 @@ nlohmann::json sync_report_json(const SyncReport& r) {
                       {"commit_seconds", r.commit_seconds},
                       {"memory", memory_use_json(r.memory)}};
   if (r.live_version) j["live_version"] = *r.live_version;
+  nlohmann::json live = nlohmann::json::object();
+  for (const auto& [c, v] : r.consumers_live) live[std::to_string(c)] = v;
+  j["consumers_live"] = live;
   if (!r.status.ok()) {
     j["error"] = r.status.to_string();
     j["code"] = std::string(status_code_name(r.status.code()));

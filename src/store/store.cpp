@@ -282,14 +282,15 @@ void Lease::heartbeat() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     if (cv_.wait_for(lock, interval, [this] { return stop_; })) return;
+    const std::string value = value_;
     lock.unlock();
     // Renew only while the key is still ours (a plain renew would keep alive the key of
     // a restarted instance that took the rank over); re-create it if it expired while
     // we or the store were paused (see lost()).
-    Result<CompareSetResult> cs = store_->compare_set(key_, value_, value_, ttl_);
+    Result<CompareSetResult> cs = store_->compare_set(key_, value, value, ttl_);
     bool healed = false;
     if (cs.ok() && !cs->swapped && !cs->value) {
-      cs = store_->compare_set(key_, std::nullopt, value_, ttl_);
+      cs = store_->compare_set(key_, std::nullopt, value, ttl_);
       healed = true;
     }
     lock.lock();
@@ -301,14 +302,40 @@ void Lease::heartbeat() {
       if (healed) reacquired_.fetch_add(1);
       continue;
     }
-    if (cs->value == value_) continue;  // ours after all (re-created by a racing renewal)
+    // Ours after all: re-created by a racing renewal, or an update() wrote it meanwhile.
+    if (cs->value == value_ || (pending_ && cs->value == *pending_)) continue;
     last_error_ = failed_precondition("lease '{}' was taken over by another holder", key_);
     lost_.store(true);
     return;
   }
 }
 
+Status Lease::update(std::string value) {
+  std::lock_guard<std::mutex> one(update_mu_);
+  std::string old;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (released_ || lost_.load()) return failed_precondition("lease '{}' is {}", key_, released_ ? "released" : "lost");
+    if (value == value_) return Status::Ok();
+    old = value_;
+    pending_ = value;
+  }
+  Result<CompareSetResult> cs = store_->compare_set(key_, old, value, ttl_);
+  if (cs.ok() && !cs->swapped && !cs->value) cs = store_->compare_set(key_, std::nullopt, value, ttl_);
+  std::lock_guard<std::mutex> lock(mu_);
+  pending_.reset();
+  if (!cs.ok()) return cs.status().with_context(fmt::format("updating lease '{}'", key_));
+  if (!cs->swapped && cs->value != value) {
+    last_error_ = failed_precondition("lease '{}' was taken over by another holder", key_);
+    lost_.store(true);
+    return last_error_;
+  }
+  value_ = std::move(value);
+  return Status::Ok();
+}
+
 Status Lease::release() {
+  std::lock_guard<std::mutex> one(update_mu_);  // (an update in flight finishes first)
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (released_) return Status::Ok();

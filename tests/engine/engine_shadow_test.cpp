@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "engine/engine_test_util.h"
+#include "engine/protocol.h"
 
 namespace ferry::engine_tests {
 namespace {
@@ -33,6 +34,20 @@ uint64_t hash_params(const TensorMap& params) {
   XXH64_freeState(st);
   return h;
 }
+
+// What consumer c's lease in the store says its params hold: (committed, received).
+std::pair<std::optional<uint64_t>, std::optional<uint64_t>> lease_versions(Cluster& k, int c) {
+  auto blob = k.cst[0]->get(engine::JobKeys(k.eo.job).consumer(c));
+  EXPECT_TRUE(blob.ok()) << blob.status().to_string();
+  if (!blob.ok()) return {};
+  auto lease = engine::decode_consumer_lease(*blob);
+  EXPECT_TRUE(lease.ok()) << lease.status().to_string();
+  if (!lease.ok()) return {};
+  return {lease->committed, lease->received};
+}
+
+using Versions = std::pair<std::optional<uint64_t>, std::optional<uint64_t>>;
+constexpr std::optional<uint64_t> kNone = std::nullopt;
 
 class EngineShadowTest : public ::testing::TestWithParam<bool> {};  // caller_params
 
@@ -110,25 +125,42 @@ TEST_P(EngineShadowTest, ReceivedThenDiscardedLeavesTheLiveVersion) {
     EXPECT_EQ((**cr[c]).live_version, std::optional<uint64_t>(1));
     EXPECT_EQ(k.cons[c]->state().received, std::optional<uint64_t>(2));
     k.expect_verified(static_cast<int>(c), 1);
+    // The lease says so: producers and the store see which version it serves.
+    EXPECT_EQ(lease_versions(k, static_cast<int>(c)), Versions(1, 2));
     ASSERT_TRUE(k.cons[c]->discard().ok());
     EXPECT_FALSE(k.cons[c]->state().received.has_value());
+    EXPECT_EQ(lease_versions(k, static_cast<int>(c)), Versions(1, kNone));
     k.expect_verified(static_cast<int>(c), 1);
   }
-  for (auto& p : pr) EXPECT_TRUE(p->ok()) << p->status().to_string();
+  for (auto& p : pr) {
+    EXPECT_TRUE(p->ok()) << p->status().to_string();
+    // As sync 2 began every consumer served version 1.
+    std::map<int, uint64_t> all_one;
+    for (size_t c = 0; c < k.cons.size(); ++c) all_one[static_cast<int>(c)] = 1;
+    EXPECT_EQ((**p).consumers_live, all_one);
+  }
   // Version 3 received, then committed by hand.
   o = k.sync(3, false);
   for (size_t c = 0; c < k.cons.size(); ++c) {
     ASSERT_TRUE(cr[c]->ok()) << cr[c]->status().to_string();
     k.expect_verified(static_cast<int>(c), 1);
+    EXPECT_EQ(lease_versions(k, static_cast<int>(c)), Versions(1, 3));
     auto secs = k.cons[c]->commit();
     ASSERT_TRUE(secs.ok()) << secs.status().to_string();
     EXPECT_GE(*secs, 0.0);
     k.expect_verified(static_cast<int>(c), 3);
+    EXPECT_EQ(lease_versions(k, static_cast<int>(c)), Versions(3, kNone));
   }
   auto committed = committed_versions(*k.cst[0], k.eo.job, static_cast<int>(k.cons.size()));
   ASSERT_TRUE(committed.ok());
   for (const auto& v : *committed) EXPECT_EQ(v, std::optional<uint64_t>(3));
-  k.expect_all_ok(k.sync(4), 4);
+  // Received and not committed, then a new sync: the dropped version leaves the lease.
+  o = k.sync(5, false);
+  for (size_t c = 0; c < k.cons.size(); ++c) EXPECT_EQ(lease_versions(k, static_cast<int>(c)), Versions(3, 5));
+  auto six = k.sync(6);  // the received 5 is dropped as it starts
+  k.expect_all_ok(six, 6);
+  for (size_t c = 0; c < k.cons.size(); ++c) EXPECT_EQ(lease_versions(k, static_cast<int>(c)), Versions(6, kNone));
+  for (auto& p : six.p) EXPECT_EQ((**p).consumers_live.size(), k.cons.size());
 }
 
 INSTANTIATE_TEST_SUITE_P(Commit, EngineShadowTest, ::testing::Values(false, true),

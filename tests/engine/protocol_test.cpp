@@ -101,9 +101,23 @@ TEST(EngineProtocol, LeasesRoundTripAndAreNotConfused) {
   const std::string blob = encode_lease(p);
   for (size_t n = 0; n < blob.size(); ++n)
     EXPECT_FALSE(decode_producer_lease(std::string_view(blob).substr(0, n)).ok()) << "truncated to " << n;
-  // A wrong-width number is refused, not read short.
-  const std::string odd = encode_fields({"FCL1", "a", "k", "1234567", ""});
+  // The versions a consumer holds travel in its lease; its instance() leaves them out.
+  ConsumerLease v = c;
+  v.committed = 7;
+  v.received = 9;
+  auto vb = decode_consumer_lease(encode_lease(v));
+  ASSERT_TRUE(vb.ok()) << vb.status().to_string();
+  EXPECT_EQ(*vb, v);
+  EXPECT_EQ(v.instance(), c);
+  v.received.reset();
+  EXPECT_EQ(*decode_consumer_lease(encode_lease(v)), v);
+  // A wrong-width number is refused, not read short; so is the old (FCL1) lease.
+  const std::string odd = encode_fields({"FCL2", "a", "k", "1234567", "", "", ""});
   EXPECT_EQ(decode_consumer_lease(odd).status().code(), StatusCode::kCorrupt);
+  const std::string odd_version = encode_fields({"FCL2", "a", "k", u64_field(1), "", "123", ""});
+  EXPECT_EQ(decode_consumer_lease(odd_version).status().code(), StatusCode::kCorrupt);
+  const std::string old = encode_fields({"FCL1", "a", "k", u64_field(1), ""});
+  EXPECT_EQ(decode_consumer_lease(old).status().code(), StatusCode::kCorrupt);
 }
 
 TEST(EngineProtocol, FieldsAreCountedBeforeTheyAreKept) {

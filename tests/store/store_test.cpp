@@ -11,6 +11,8 @@
 
 #include <unistd.h>
 
+#include <fmt/format.h>
+
 #include "ferry/store.h"
 #include "store/redis_server.h"
 
@@ -399,6 +401,41 @@ TEST_P(StoreTest, LeaseHealsAfterExpiryUnlessTakenAndDestructorDeletes) {
     EXPECT_EQ(store_->get("member/2").value_or("?"), "addr2");
   }  // destructor releases
   EXPECT_EQ(store_->get("member/2").status().code(), StatusCode::kNotFound);
+}
+
+// Lease::update: the key takes the new value while the lease is ours, renewals keep it
+// (not the old one), an expired key is re-created with it, and an update after another
+// holder took the key or after release is refused, leaving the key alone. Updates racing
+// the heartbeat (ttl 60 ms: a renewal every 20 ms) never lose the lease.
+TEST_P(StoreTest, LeaseUpdateChangesTheValueWhileOurs) {
+  auto lease = store_->hold_lease("member/3", "v0", 60ms);
+  ASSERT_TRUE(lease.ok()) << lease.status().to_string();
+  for (int i = 1; i <= 50; ++i) {
+    ASSERT_OK((*lease)->update(fmt::format("v{}", i)));
+    EXPECT_EQ(store_->get("member/3").value_or("?"), fmt::format("v{}", i));
+    std::this_thread::sleep_for(std::chrono::milliseconds(i % 7));
+  }
+  std::this_thread::sleep_for(150ms);  // renewals since: the new value, still ours
+  EXPECT_EQ(store_->get("member/3").value_or("?"), "v50");
+  EXPECT_FALSE((*lease)->lost()) << (*lease)->last_error().to_string();
+  ASSERT_OK((*lease)->update("v50"));  // unchanged: nothing to do
+  // Expired (a pause): the update re-creates it.
+  ASSERT_TRUE(store_->remove("member/3").ok());
+  ASSERT_OK((*lease)->update("v51"));
+  EXPECT_EQ(store_->get("member/3").value_or("?"), "v51");
+  // Another holder's key: refused, lost, theirs left alone.
+  ASSERT_OK(store_->set("member/3", "theirs"));
+  EXPECT_EQ((*lease)->update("v52").code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE((*lease)->lost());
+  EXPECT_EQ(store_->get("member/3").value_or("?"), "theirs");
+  ASSERT_OK((*lease)->release());
+  EXPECT_EQ(store_->get("member/3").value_or("?"), "theirs");
+  // After release: refused.
+  auto other = store_->hold_lease("member/4", "a", 5000ms);
+  ASSERT_TRUE(other.ok());
+  ASSERT_OK((*other)->release());
+  EXPECT_EQ((*other)->update("b").code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store_->get("member/4").status().code(), StatusCode::kNotFound);
 }
 
 // claim_lease takes a key only when it is absent: a second claimant is refused naming
