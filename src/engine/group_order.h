@@ -11,12 +11,12 @@
 //
 // kRotated: the producers are split into *lanes*, the connected components of "serves a
 // layer group with": under Megatron PP a lane is one pipeline stage, under pure DP or
-// FSDP there is one lane (and the order is the layer order). Each lane's groups, in
-// layer order, are spread over *rounds* 0, 1, ... (one group of a lane per round); each
-// consumer belongs to a *cohort*, one per lane, and reads round 0's groups starting with
-// its cohort's lane and going round, then round 1's the same way, and so on. At every
-// step each lane serves one cohort, so
-// every stage's producers send at once; cohorts are chosen from the routes so that
+// FSDP there is one lane (and the order is the layer order). Round r holds the r-th
+// group (in layer order) of every lane that has one; each consumer belongs to a
+// *cohort*, one per lane, and reads round 0's groups starting with its cohort's lane and
+// going round, then round 1's the same way, and so on. At every step of a round with
+// every lane, each lane serves one cohort, so every stage's producers send at once
+// (uneven lanes leave the last rounds with fewer); cohorts are chosen from the routes so that
 // within a cohort no producer serves more than its share (replicas of one rank, which
 // read the same holder, go to different cohorts; so do EP ranks whose experts one
 // trainer rank holds).
@@ -79,9 +79,7 @@ struct GroupOrder {
   std::vector<int> lane_of_group;
   // Per lane: its groups in layer order.
   std::vector<std::vector<int>> lanes;
-  // Per round: its groups, at most one per lane, in lane order. Each lane's groups are in
-  // rounds in layer order; a lane shorter than the longest skips rounds, spread so that
-  // every round has about as many lanes.
+  // Per round: its groups, one per lane that has an r-th group, in lane order.
   std::vector<std::vector<int>> rounds;
   // Per consumer: its cohort, the lane its every round starts with (0 under kLayer).
   std::vector<int> cohort;
