@@ -14,6 +14,7 @@
 
 #include "cli/command.h"
 #include "cli/plot.h"
+#include "engine/group_order.h"
 #include "simulate/cluster.h"
 #include "simulate/simulate.h"
 #include "simulate/workload.h"
@@ -30,6 +31,7 @@ struct SimulateArgs {
   std::string cluster;
   std::string design = "ferry";
   std::string mode = "pull";
+  std::string order = "layer";
   bool json = false;
   std::string plot;
 };
@@ -67,6 +69,15 @@ int run_simulate(const SimulateArgs& a) {
   if (*design != Design::kFerry && *mode == Mode::kPush) {
     return fail_with("simulate", invalid_argument("--mode push: only ferry's design has a push mode (got --design {})", a.design));
   }
+  auto order = engine::parse_group_order(a.order);
+  if (!order.ok()) return fail_with("simulate", order.status());
+  if (*design != Design::kFerry && order->kind != engine::GroupOrderKind::kLayer) {
+    return fail_with("simulate", invalid_argument("--order {}: only ferry's design has a group order (got --design {})",
+                                                  a.order, a.design));
+  }
+  const bool rotated = order->kind != engine::GroupOrderKind::kLayer;
+  JobSpec job = a.job;
+  job.order = *order;
   // A relative cluster file is found as a model config is (working directory, the
   // installed share/ferry/, the source tree), so configs/clusters/*.json work anywhere.
   auto cluster_path = tools::find_model_config(a.cluster);
@@ -79,7 +90,7 @@ int run_simulate(const SimulateArgs& a) {
     if (!st.ok()) return fail_with("simulate", st);
   }
   const auto t0 = std::chrono::steady_clock::now();
-  auto work = build_workload(a.job, *design);
+  auto work = build_workload(job, *design);
   if (!work.ok()) return fail_with("simulate", work.status());
   const auto t1 = std::chrono::steady_clock::now();
   SimOptions opts;
@@ -103,6 +114,14 @@ int run_simulate(const SimulateArgs& a) {
   j["floor_seconds"] = r->floor_seconds;
   j["rx_floor_seconds"] = r->rx_floor_seconds;
   j["lockstep_seconds"] = r->lockstep_seconds;
+  if (rotated) {
+    j["order"] = a.order;
+    j["order_lockstep_seconds"] = r->order_lockstep_seconds;
+    j["lanes"] = work->lanes;
+    j["cohort_sizes"] = work->cohort_sizes;
+    j["lane_groups"] = work->lane_groups;
+    j["round_lanes"] = work->round_lanes;
+  }
   nlohmann::json cp = nlohmann::json::array();
   for (const auto& [k, v] : r->critical_path) cp.push_back({{"phase", k}, {"seconds", v}});
   j["critical_path"] = cp;
@@ -150,13 +169,26 @@ int run_simulate(const SimulateArgs& a) {
     std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
-  std::printf("ferry simulate: %s (%s), %s -> %s on %s\n", a.design.c_str(), a.mode.c_str(), a.job.trainer.c_str(),
-              a.job.inference.c_str(), j["cluster"].get<std::string>().c_str());
+  const std::string order_note = rotated ? ", " + a.order + " order" : "";
+  std::printf("ferry simulate: %s (%s%s), %s -> %s on %s\n", a.design.c_str(), a.mode.c_str(), order_note.c_str(),
+              a.job.trainer.c_str(), a.job.inference.c_str(), j["cluster"].get<std::string>().c_str());
   std::printf("  predicted sync            %.3f s   (floor %.3f s: busiest NIC bytes / rate; receive side %.3f s)\n",
               r->seconds, r->floor_seconds, r->rx_floor_seconds);
   if (r->lockstep_seconds > 0) {
     std::printf("  groups in lockstep        %.3f s   (sum over groups of the group's busiest NIC bytes / rate)\n",
                 r->lockstep_seconds);
+  }
+  if (rotated) {
+    auto list = [](const std::vector<int>& v) {
+      std::string out;
+      for (int n : v) out += (out.empty() ? "" : "/") + std::to_string(n);
+      return out;
+    };
+    std::printf("  steps in lockstep         %.3f s   (sum over steps of the busiest NIC bytes / rate, %s order)\n",
+                r->order_lockstep_seconds, a.order.c_str());
+    std::printf("  %d lanes of %s groups, %zu rounds of %s lanes, cohorts of %s consumers\n", work->lanes,
+                list(work->lane_groups).c_str(), work->round_lanes.size(), list(work->round_lanes).c_str(),
+                list(work->cohort_sizes).c_str());
   }
   std::printf("  critical path:\n");
   for (const auto& [k, v] : r->critical_path) {
@@ -197,6 +229,10 @@ FERRY_COMMAND(simulate_command, "simulate",
                 app.add_option("--cluster,-c", a->cluster, "Cluster description (JSON; docs/simulation.md)")->required();
                 app.add_option("--design", a->design, "ferry | broadcast | sharded-gather")->default_val("ferry");
                 app.add_option("--mode", a->mode, "ferry's mode: pull | push")->default_val("pull");
+                app.add_option("--order", a->order,
+                               "ferry's group order: layer (the engine today) | rotated | rotated-unpaced "
+                               "(docs/group-order.md)")
+                    ->default_val("layer");
                 app.add_option("--staging-budget", a->job.staging_budget,
                                "Each producer's staging budget (bytes, suffixes KiB, MiB, GiB; 0: two slots)")
                     ->transform(CLI::AsSizeValue(false));

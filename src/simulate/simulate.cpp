@@ -224,6 +224,21 @@ struct Sim {
   std::vector<std::vector<size_t>> producer_left;
   std::vector<std::vector<double>> packed;
   std::vector<sg::ConditionVariablePtr> packed_cv;
+  // A paced order (Workload::waves): per producer, per group, per consumer the wave of
+  // the read (-1: none); how many of each wave's transfers are still to finish, the wave
+  // it serves now and when that wave's turn came (the RELEASE, or the end of the write,
+  // that finished the wave before). Empty without pacing.
+  struct Gate {
+    std::vector<std::vector<int>> wave;  // [group][consumer]
+    std::vector<size_t> left;
+    size_t at = 0;
+    double opened = 0;
+  };
+  std::vector<Gate> gates;
+  sg::ConditionVariablePtr gate_cv;
+  size_t wave(int prod, size_t g, int c) const {
+    return static_cast<size_t>(gates[static_cast<size_t>(prod)].wave[g][static_cast<size_t>(c)]);
+  }
 
   sg::CommPtr flow(int from, int to, uint64_t bytes) {
     sg::CommPtr comm = sg::Comm::sendto_async(p.host(from), p.host(to), bytes);
@@ -249,11 +264,19 @@ struct Sim {
     std::unique_lock<sg::Mutex> lk(*mutex);
     if (--consumer_left[static_cast<size_t>(c)] == 0) consumer_cv[static_cast<size_t>(c)]->notify_all();
   }
-  // ... and as its producer sees it: the staging slot is free once every reader is done.
-  void producer_done(int prod, size_t g) {
+  // ... and as its producer sees it: the staging slot is free once every reader is done;
+  // paced, the next step's readers are served once every reader of this step (of any
+  // group) is done.
+  void producer_done(int prod, size_t g, int c) {
     std::unique_lock<sg::Mutex> lk(*mutex);
     if (--producer_left[static_cast<size_t>(prod)][g] == 0) staging[static_cast<size_t>(prod)]->release();
     if (--stage_left[static_cast<size_t>(w.groups[g].stage)] == 0) stage_cv->notify_all();
+    if (gates.empty()) return;
+    Gate& gt = gates[static_cast<size_t>(prod)];
+    if (--gt.left[wave(prod, g, c)] > 0) return;
+    while (gt.at < gt.left.size() && gt.left[gt.at] == 0) ++gt.at;
+    gt.opened = sg::Engine::get_clock();
+    gate_cv->notify_all();
   }
 };
 
@@ -273,8 +296,17 @@ void transfer_actor(Sim& s, size_t g, uint32_t k) {
     std::unique_lock<sg::Mutex> lk(*s.mutex);
     s.packed_cv[pi]->wait(lk, [&] { return s.packed[pi][g] >= 0; });
   }
-  const double start = pull ? s.packed[pi][g] + s.message(prod, me)                          // ANNOUNCE arrives
-                            : std::max(s.packed[pi][g], slot_at + s.message(me, prod));       // READY arrives
+  // Paced: the producer serves this reader once its readers of every earlier step are done.
+  double turn = s.packed[pi][g];
+  if (!s.gates.empty()) {
+    std::unique_lock<sg::Mutex> lk(*s.mutex);
+    const size_t mine = s.wave(prod, g, c);
+    Sim::Gate& gt = s.gates[pi];
+    s.gate_cv->wait(lk, [&] { return gt.at >= mine; });
+    if (mine > 0) turn = std::max(turn, gt.opened);
+  }
+  const double start = pull ? turn + s.message(prod, me)                          // ANNOUNCE arrives
+                            : std::max(turn, slot_at + s.message(me, prod));       // READY arrives
   if (start > sg::Engine::get_clock()) sg::this_actor::sleep_until(start);
   sg::this_actor::sleep_for(s.c.overhead.read * f.ops);
   double& first = s.first_start[static_cast<size_t>(c)];
@@ -283,20 +315,33 @@ void transfer_actor(Sim& s, size_t g, uint32_t k) {
   if (pull) {
     s.consumer_done(c);
     sg::this_actor::sleep_for(s.message(me, prod));  // the RELEASE
-    s.producer_done(prod, g);
+    s.producer_done(prod, g, c);
   } else {
-    s.producer_done(prod, g);
+    s.producer_done(prod, g, c);
     sg::this_actor::sleep_for(s.message(prod, me));  // the PUSHED
     s.consumer_done(c);
   }
 }
 
-// Producer p: per group in order, a free staging slot, the gather (sharded-gather), pack;
-// the group's transfers (started by their consumers) hand the slot back.
+// The groups of one rank in the order it takes them: the workload's group order, or
+// layer order when it has none.
+std::vector<size_t> groups_in_order(const std::vector<std::vector<int>>& order, size_t rank, size_t groups) {
+  std::vector<size_t> out;
+  if (order.empty()) {
+    for (size_t g = 0; g < groups; ++g) out.push_back(g);
+  } else {
+    for (int g : order[rank]) out.push_back(static_cast<size_t>(g));
+  }
+  return out;
+}
+
+// Producer p: per group in its pack order, a free staging slot, the gather
+// (sharded-gather), pack; the group's transfers (started by their consumers) hand the
+// slot back.
 void producer_actor(Sim& s, int p) {
   const size_t pi = static_cast<size_t>(p);
   int stage_seen = -1;
-  for (size_t g = 0; g < s.w.groups.size(); ++g) {
+  for (size_t g : groups_in_order(s.w.producer_order, pi, s.w.groups.size())) {
     const GroupWork& gw = s.w.groups[g];
     const auto& mine = s.by_producer[g][pi];
     const uint64_t pack = gw.pack_bytes.empty() ? 0 : gw.pack_bytes[pi];
@@ -360,7 +405,7 @@ void consumer_actor(Sim& s, int c) {
     phase[what] += until - t;
     t = until;
   };
-  for (size_t g = 0; g < s.w.groups.size(); ++g) {
+  for (size_t g : groups_in_order(s.w.consumer_order, ci, s.w.groups.size())) {
     const GroupWork& gw = s.w.groups[g];
     const auto& mine = s.by_consumer[g][ci];
     if (mine.empty()) continue;
@@ -548,6 +593,17 @@ Result<SimResult> run_simulation(const ClusterSpec& cluster, const Workload& w, 
       }
     }
   }
+  if (!w.waves.empty() && w.waves.size() != static_cast<size_t>(w.producers))
+    return invalid_argument("simulate: waves for {} producers, not {}", w.waves.size(), w.producers);
+  for (const auto* ord : {&w.consumer_order, &w.producer_order}) {
+    const size_t ranks = static_cast<size_t>(ord == &w.consumer_order ? w.consumers : w.producers);
+    if (!ord->empty() && ord->size() != ranks)
+      return invalid_argument("simulate: a group order for {} ranks, not {}", ord->size(), ranks);
+    for (const auto& groups : *ord)
+      for (int g : groups)
+        if (g < 0 || static_cast<size_t>(g) >= G)
+          return invalid_argument("simulate: group order names group {} of {}", g, G);
+  }
   plat.seal();
   s.stage_left.assign(static_cast<size_t>(stages), 0);
   for (const GroupWork& gw : w.groups) s.stage_left[static_cast<size_t>(gw.stage)] += static_cast<int64_t>(gw.transfers.size());
@@ -563,6 +619,32 @@ Result<SimResult> run_simulation(const ClusterSpec& cluster, const Workload& w, 
   s.producer_left.assign(P, std::vector<size_t>(G, 0));
   s.packed.assign(P, std::vector<double>(G, -1));
   for (size_t p = 0; p < P; ++p) s.packed_cv.push_back(sg::ConditionVariable::create());
+  s.gate_cv = sg::ConditionVariable::create();
+  if (!w.waves.empty()) {
+    s.gates.assign(P, Sim::Gate{});
+    for (size_t p = 0; p < P; ++p) {
+      Sim::Gate& gt = s.gates[p];
+      gt.wave.assign(G, std::vector<int>(C, -1));
+      gt.left.assign(w.waves[p].size(), 0);
+      for (size_t k = 0; k < w.waves[p].size(); ++k) {
+        for (const auto& [c, g] : w.waves[p][k]) {
+          if (c < 0 || static_cast<size_t>(c) >= C || g < 0 || static_cast<size_t>(g) >= G)
+            return invalid_argument("simulate: producer {}'s wave {} names consumer {} group {}", p, k, c, g);
+          gt.wave[static_cast<size_t>(g)][static_cast<size_t>(c)] = static_cast<int>(k);
+        }
+      }
+    }
+    for (size_t g = 0; g < G; ++g) {
+      for (size_t p = 0; p < P; ++p) {
+        for (uint32_t k : s.by_producer[g][p]) {
+          const int c = static_cast<int>(w.groups[g].transfers[k].to);
+          const int wv = s.gates[p].wave[g][static_cast<size_t>(c)];
+          if (wv < 0) return invalid_argument("simulate: producer {} serves consumer {} group {} in no wave", p, c, g);
+          ++s.gates[p].left[static_cast<size_t>(wv)];
+        }
+      }
+    }
+  }
 
   SimResult r;
   std::vector<std::pair<std::string, double>> bcast_phases;
@@ -593,19 +675,39 @@ Result<SimResult> run_simulation(const ClusterSpec& cluster, const Workload& w, 
   r.flows = s.log.recs.size();
   if (o.design != Design::kBroadcast) {
     std::unordered_map<int, uint64_t> in, out;
-    for (const GroupWork& gw : w.groups) {
+    auto add = [&](const Flow& f) {
+      const int a = static_cast<int>(f.from), b = w.producers + static_cast<int>(f.to);
+      if (plat.same_node(a, b)) return;
+      out[plat.nic(a)] += f.bytes;
+      in[plat.nic(b)] += f.bytes;
+    };
+    auto worst = [&] {
+      double x = 0;
+      for (auto* m : {&in, &out})
+        for (const auto& [n, b] : *m)
+          x = std::max(x, static_cast<double>(b) / plat.nics()[static_cast<size_t>(n)].rate);
       in.clear();
       out.clear();
-      for (const Flow& f : gw.transfers) {
-        const int a = static_cast<int>(f.from), b = w.producers + static_cast<int>(f.to);
-        if (plat.same_node(a, b)) continue;
-        out[plat.nic(a)] += f.bytes;
-        in[plat.nic(b)] += f.bytes;
+      return x;
+    };
+    for (const GroupWork& gw : w.groups) {
+      for (const Flow& f : gw.transfers) add(f);
+      r.lockstep_seconds += worst();
+    }
+    r.order_lockstep_seconds = r.lockstep_seconds;
+    if (!w.consumer_order.empty()) {
+      // Step k: every consumer's k-th group at once.
+      r.order_lockstep_seconds = 0;
+      size_t steps = 0;
+      for (const auto& ord : w.consumer_order) steps = std::max(steps, ord.size());
+      for (size_t k = 0; k < steps; ++k) {
+        for (size_t c = 0; c < C && c < w.consumer_order.size(); ++c) {
+          if (k >= w.consumer_order[c].size()) continue;
+          const size_t g = static_cast<size_t>(w.consumer_order[c][k]);
+          for (uint32_t t : s.by_consumer[g][c]) add(w.groups[g].transfers[t]);
+        }
+        r.order_lockstep_seconds += worst();
       }
-      double worst = 0;
-      for (auto* m : {&in, &out})
-        for (const auto& [n, b] : *m) worst = std::max(worst, static_cast<double>(b) / plat.nics()[static_cast<size_t>(n)].rate);
-      r.lockstep_seconds += worst;
     }
   }
   fill_nic_figures(plat, r.seconds, r);

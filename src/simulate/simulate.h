@@ -53,6 +53,15 @@ struct Workload {
   int staging_slots = 2;      // producer staging ring (the engine's default: two slots)
   int receive_slots = 2;      // consumer receive ring (the engine's: two slots)
   bool serial_stages = false; // sharded-gather: PP stages served one after another
+  // The engine's group order (engine/group_order.h), ferry's design only: per consumer the
+  // groups in the order it reads them, per producer in the order it packs them. Empty:
+  // every rank in layer order (the engine today).
+  std::vector<std::vector<int>> consumer_order;
+  std::vector<std::vector<int>> producer_order;
+  // Paced (GroupOrder::paced, engine::serve_waves): per producer, its reads (consumer,
+  // group) in the waves it serves them in; a wave once every read of the waves before it
+  // finished. Empty: each read as soon as its group is packed.
+  std::vector<std::vector<std::vector<std::pair<int, int>>>> waves;
 };
 
 // A NIC (one direction each way) and what crossed it.
@@ -75,6 +84,10 @@ struct SimResult {
   // every consumer took the same group at the same time. Not a bound (consumers may be
   // in different groups at once); it tells when the group order, not the bytes, decides.
   double lockstep_seconds = 0;
+  // The same for the workload's group order: the sum over steps k of the busiest NIC's
+  // bytes / rate when every consumer reads its k-th group at once (= lockstep_seconds in
+  // layer order).
+  double order_lockstep_seconds = 0;
   uint64_t flows = 0;
   // NIC receive utilisation over time (for --plot): bins of `bin_seconds`, per NIC of
   // the inference side (the busiest 8), assuming each flow's bytes spread evenly over its life.

@@ -76,6 +76,10 @@ void fill_from_routes(const Routes& routes, std::vector<GroupWork>& groups, JobW
 }  // namespace
 
 Result<JobWorkload> build_workload(const JobSpec& job, Design design) {
+  if (design != Design::kFerry && job.order.kind != engine::GroupOrderKind::kLayer) {
+    return invalid_argument("--order {}: only ferry's design has a group order (got --design {})",
+                            engine::group_order_name(job.order), design_name(design));
+  }
   const auto t0 = std::chrono::steady_clock::now();
   FERRY_ASSIGN_OR_RETURN(auto m, tools::make_job_model(job.model, job.trainer, job.inference, job.shrink, job.config_overrides));
   if (design != Design::kFerry && m.trainer.kind != TrainerLayout::Kind::kMegatron) {
@@ -129,6 +133,27 @@ Result<JobWorkload> build_workload(const JobSpec& job, Design design) {
   } else {
     FERRY_ASSIGN_OR_RETURN(auto routes, route(m, *m.holdings, plans));
     fill_from_routes(routes, w.groups, out);
+    // The engine's own order computation, so the prediction follows the engine.
+    const engine::GroupOrder order = engine::make_group_order(routes, job.order);
+    FERRY_RETURN_IF_ERROR(engine::check_group_order(routes, order));
+    out.lanes = order.num_lanes();
+    out.cohort_sizes.assign(static_cast<size_t>(std::max(1, out.lanes)), 0);
+    for (int k : order.cohort) ++out.cohort_sizes[static_cast<size_t>(k)];
+    for (const auto& lane : order.lanes) out.lane_groups.push_back(static_cast<int>(lane.size()));
+    for (const auto& round : order.rounds) out.round_lanes.push_back(static_cast<int>(round.size()));
+    if (job.order.kind != engine::GroupOrderKind::kLayer) {
+      w.consumer_order = order.consumer;
+      w.producer_order = order.producer;
+      if (order.paced) {
+        w.waves.resize(routes.producers.size());
+        for (size_t p = 0; p < routes.producers.size(); ++p) {
+          for (const auto& wave : engine::serve_waves(routes, order, static_cast<int>(p))) {
+            auto& to = w.waves[p].emplace_back();
+            for (const engine::ServedRead& r : wave) to.emplace_back(r.consumer, r.group);
+          }
+        }
+      }
+    }
   }
   if (job.staging_budget > 0) {
     uint64_t largest = 0;

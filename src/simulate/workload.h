@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 
+#include "engine/group_order.h"
 #include "ferry/status.h"
 #include "simulate/simulate.h"
 
@@ -21,6 +22,8 @@ struct JobSpec {
   std::string inference;         // InferenceLayout text
   uint64_t staging_budget = 0;   // ProducerOptions::staging_budget (0: two slots)
   bool shrink = false;           // route shrink_config's small variant (as ferry demo does)
+  // The order groups move in (ferry's design): the engine's own make_group_order.
+  engine::GroupOrderOptions order;
 };
 
 struct JobWorkload {
@@ -30,10 +33,15 @@ struct JobWorkload {
   uint64_t max_consumer_bytes = 0; // what the busiest inference rank receives
   int producers = 0, consumers = 0;
   double route_seconds = 0;        // wall time to record plans and route
+  int lanes = 0;                   // the group order's lanes (engine/group_order.h)
+  std::vector<int> cohort_sizes;   // consumers per cohort
+  std::vector<int> lane_groups;    // layer groups per lane
+  std::vector<int> round_lanes;    // lanes per round
 };
 
 // Errors: the config, the layouts, routing (each names what failed); a design that
-// needs a Megatron trainer (sharded-gather, broadcast) given an FSDP one.
+// needs a Megatron trainer (sharded-gather, broadcast) given an FSDP one; a group order
+// other than the layer order for a design other than ferry's.
 Result<JobWorkload> build_workload(const JobSpec& job, Design design);
 
 }  // namespace ferry::simulate

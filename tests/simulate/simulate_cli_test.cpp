@@ -82,6 +82,45 @@ TEST(SimulateCli, BytesPerNicAreWhatTheDesignMoves) {
   EXPECT_NEAR(f["rx_floor_seconds"].get<double>(), moved / (0.956 * 1e9 / 8), 1e-9);
 }
 
+// The rotated group order (docs/group-order.md), from the engine's own make_group_order:
+// trainer pp=2 on two hosts, two inference replicas on two more. In layer order one
+// stage's link sends at a time; rotated, both do, and the same bytes cross every link.
+TEST(SimulateCli, RotatedOrderMovesTheSameBytesWithEveryStageSending) {
+  const std::string job = "--model " FERRY_SOURCE_DIR
+                          "/configs/llama-3.1-8b.json --config-overrides '{\"num_hidden_layers\": 4, "
+                          "\"hidden_size\": 256, \"intermediate_size\": 512, \"vocab_size\": 1024, "
+                          "\"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"head_dim\": 64}' "
+                          "--trainer tp=1,pp=2 --inference tp=2,replicas=2 --cluster " FERRY_SOURCE_DIR
+                          "/configs/clusters/emulated-4host-1gbit.json --json ";
+  for (const char* mode : {"pull", "push"}) {
+    SCOPED_TRACE(mode);
+    CliRun lr = run(job + "--mode " + mode);
+    CliRun rr = run(job + "--mode " + mode + " --order rotated");
+    ASSERT_EQ(lr.exit_code, 0) << lr.err;
+    ASSERT_EQ(rr.exit_code, 0) << rr.err;
+    auto layer = nlohmann::json::parse(lr.out, nullptr, false), rotated = nlohmann::json::parse(rr.out, nullptr, false);
+    ASSERT_TRUE(layer.is_object() && rotated.is_object());
+    EXPECT_FALSE(layer.contains("order")) << "the default output is unchanged";
+    EXPECT_EQ(rotated["order"], "rotated");
+    EXPECT_EQ(rotated["lanes"], 2);
+    EXPECT_EQ(rotated["cohort_sizes"], nlohmann::json::array({2, 2}));
+    EXPECT_EQ(rotated["bytes_moved"], layer["bytes_moved"]);
+    ASSERT_EQ(rotated["nics"].size(), layer["nics"].size());
+    for (size_t i = 0; i < layer["nics"].size(); ++i) {
+      EXPECT_EQ(rotated["nics"][i]["bytes_in"], layer["nics"][i]["bytes_in"]) << i;
+      EXPECT_EQ(rotated["nics"][i]["bytes_out"], layer["nics"][i]["bytes_out"]) << i;
+    }
+    const double floor = rotated["floor_seconds"].get<double>();
+    EXPECT_EQ(floor, layer["floor_seconds"].get<double>());
+    EXPECT_GE(rotated["seconds"].get<double>(), floor);
+    EXPECT_LT(rotated["seconds"].get<double>(), 0.75 * layer["seconds"].get<double>());
+    EXPECT_LT(rotated["order_lockstep_seconds"].get<double>(), layer["lockstep_seconds"].get<double>());
+    double sum = 0;
+    for (const auto& p : rotated["critical_path"]) sum += p["seconds"].get<double>();
+    EXPECT_NEAR(sum, rotated["seconds"].get<double>(), 1e-6 * rotated["seconds"].get<double>());
+  }
+}
+
 TEST(SimulateCli, PlotWritesAPngOrNamesMatplotlib) {
   const std::string png = ::testing::TempDir() + "/simulate_cli_test." + std::to_string(::getpid()) + ".png";
   std::remove(png.c_str());
@@ -114,6 +153,9 @@ TEST(SimulateCli, BadInputExitsTwoWithAMessage) {
       {kJob + kCluster + "--inference tp=2 --design nccl", "unknown design 'nccl'"},
       {kJob + kCluster + "--inference tp=2 --mode pushpull", "unknown mode 'pushpull'"},
       {kJob + kCluster + "--inference tp=2 --design broadcast --mode push", "only ferry's design has a push mode"},
+      {kJob + kCluster + "--inference tp=2 --order random", "unknown group order 'random'"},
+      {kJob + kCluster + "--inference tp=2 --design sharded-gather --order rotated",
+       "only ferry's design has a group order"},
       {kJob + "--cluster /nonexistent/c.json --inference tp=2", "/nonexistent/c.json"},
       {kJob + "--cluster " + bad_cluster + " --inference tp=2", "inference.nic_gbit_s"},
       {kJob + kCluster + "--inference tp=2,pp=3", "unknown key 'pp'"},
