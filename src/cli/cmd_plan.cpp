@@ -31,6 +31,7 @@ struct PlanArgs {
   std::string inference = "tp=1";
   std::string quantize = "none";
   bool shrink = false;
+  std::string config_overrides;  // JSON merged into the (shrunk) config, as demo/bench/simulate take
   bool json = false;
   bool every_rank = false;
   bool loader_record = false;
@@ -71,6 +72,17 @@ int run_plan(const PlanArgs& a) {
     auto s = shrink_config(config, *inference, lopts);
     if (!s.ok()) return fail_with("plan", s.status());
     config = s->config;
+  }
+  if (!a.config_overrides.empty()) {
+    nlohmann::json j = config.json();
+    try {
+      j.merge_patch(nlohmann::json::parse(a.config_overrides));
+    } catch (const std::exception& e) {
+      return fail_with("plan", invalid_argument("--config-overrides: {}", e.what()));
+    }
+    auto merged = ModelConfig::from_json(j, config.path());
+    if (!merged.ok()) return fail_with("plan", merged.status().with_context("--config-overrides"));
+    config = *merged;
   }
   auto loader = make_model_loader(config, *inference, lopts);
   if (!loader.ok()) return fail_with("plan", loader.status());
@@ -269,6 +281,9 @@ FERRY_COMMAND(plan_command, "plan",
                     ->default_val("tp=1");
                 app.add_option("--quantize", a->quantize, "Inference post-processing: none | fp8")->default_val("none");
                 app.add_flag("--shrink", a->shrink, "Route a structurally equal small variant of the model");
+                app.add_option("--config-overrides", a->config_overrides,
+                               "JSON merged into the config (after --shrink), as demo, bench and simulate take it "
+                               "(e.g. '{\"quantization_config\": null}': the model as a BF16 trainer holds it)");
                 app.add_flag("--every-rank", a->every_rank,
                              "Record every inference rank's plan (default: one per engine rank, shared by replicas)");
                 app.add_flag("--loader-record", a->loader_record,
