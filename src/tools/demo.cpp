@@ -337,7 +337,8 @@ DemoResult run_demo(const DemoSpec& d) {
   // with its log right away instead of after the whole timeout. `expected_exit` is the
   // child that is meant to die now (the victim of this sync), or -1.
   auto wait_keys = [&](const std::vector<std::string>& keys, int expected_exit = -1) -> Status {
-    const auto deadline = Clock::now() + std::chrono::milliseconds(d.timeout_ms);
+    const auto start = Clock::now();
+    const auto deadline = start + std::chrono::milliseconds(d.timeout_ms);
     for (;;) {
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       Status s = st.wait(keys, std::clamp(left, std::chrono::milliseconds(0), std::chrono::milliseconds(200)));
@@ -360,7 +361,12 @@ DemoResult run_demo(const DemoSpec& d) {
                                 keys.size(), keys.empty() ? std::string() : keys.front(), read_log(c));
         }
       }
-      if (Clock::now() >= deadline) return s;
+      if (Clock::now() >= deadline) {
+        // The store's message names its last slice (200 ms): say the whole wait.
+        const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
+        return Status(s.code(), fmt::format("the driver waited {} ms in all (timeout {} ms): {}", waited, d.timeout_ms,
+                                            s.message()));
+      }
     }
   };
   auto wait_ready = [&](std::vector<std::string> keys) -> Status { return wait_keys(keys); };

@@ -100,12 +100,17 @@ int run_worker(const WorkerSpec& s) {
            e.code() == StatusCode::kPeerFailed;
   };
   auto await_go = [&](int v) -> Status {
-    const auto deadline = std::chrono::steady_clock::now() + go_timeout;
+    const auto start = std::chrono::steady_clock::now();
+    const auto deadline = start + go_timeout;
     for (;;) {
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
       Status w = st.wait({worker_go_key(s.job, v)}, std::clamp(left, std::chrono::milliseconds(1), std::chrono::milliseconds(1000)));
-      if (w.ok() || (!transient(w) && w.code() != StatusCode::kTimeout) || left.count() <= 0)
-        return w.with_context(fmt::format("waiting for the driver's go of sync {}", v));
+      if (w.ok() || (!transient(w) && w.code() != StatusCode::kTimeout) || left.count() <= 0) {
+        // (The store's message names its last slice, at most 1 s: say the whole wait.)
+        const auto waited =
+            std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count();
+        return w.with_context(fmt::format("waiting for the driver's go of sync {} ({} ms in all)", v, waited));
+      }
       if (w.code() != StatusCode::kTimeout) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
   };
