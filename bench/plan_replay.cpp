@@ -70,12 +70,54 @@ void replay(benchmark::State& state, const std::vector<Plan>& plans, const std::
 void BM_ReplayRows(benchmark::State& state) { replay(state, fixture().row_plans, fixture().row_shards); }
 void BM_ReplayCols(benchmark::State& state) { replay(state, fixture().col_plans, fixture().col_shards); }
 
+// fp32 masters -> the bf16 an engine keeps (issue 29): strided_copy's conversion of 64 Mi
+// elements (256 MiB in, 128 MiB out), single thread, against memcpy of the 256 MiB read.
+// torch's `.to(torch.bfloat16)` on the same size: bench/convert_vs_torch.py.
+constexpr int64_t kConvElems = int64_t(64) << 20;
+struct ConvertFixture {
+  std::unique_ptr<float[]> src{new float[kConvElems]};
+  std::unique_ptr<uint16_t[]> dst{new uint16_t[kConvElems]};
+  std::unique_ptr<float[]> copy{new float[kConvElems]};
+  ConvertFixture() {
+    for (int64_t i = 0; i < kConvElems; ++i) src[i] = static_cast<float>(i % 9973) * 0.37f - 1000.0f;
+    std::memset(dst.get(), 1, kConvElems * 2);
+    std::memset(copy.get(), 1, kConvElems * 4);
+  }
+};
+ConvertFixture& convert_fixture() {
+  static ConvertFixture f;
+  return f;
+}
+
+void BM_ConvertF32ToBf16(benchmark::State& state) {
+  ConvertFixture& f = convert_fixture();
+  for (auto _ : state) {
+    strided_copy(reinterpret_cast<const std::byte*>(f.src.get()), Layout::contiguous({kConvElems}), DType::kF32,
+                 reinterpret_cast<std::byte*>(f.dst.get()), Layout::contiguous({kConvElems}), DType::kBF16);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * kConvElems * 4);  // bytes read
+}
+
+void BM_MemcpyF32(benchmark::State& state) {
+  ConvertFixture& f = convert_fixture();
+  for (auto _ : state) {
+    std::memcpy(f.copy.get(), f.src.get(), kConvElems * 4);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * kConvElems * 4);
+}
+
 BENCHMARK(BM_Memcpy)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_ConvertF32ToBf16)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_MemcpyF32)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_ReplayRows)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_ReplayCols)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  return ferry_bench::run_with_ratios(argc, argv, {{"BM_ReplayRows", "BM_Memcpy"}, {"BM_ReplayCols", "BM_Memcpy"}});
+  return ferry_bench::run_with_ratios(argc, argv, {{"BM_ReplayRows", "BM_Memcpy"},
+                                                        {"BM_ReplayCols", "BM_Memcpy"},
+                                                        {"BM_ConvertF32ToBf16", "BM_MemcpyF32"}});
 }

@@ -344,6 +344,56 @@ TEST(TensorWrites, CopyRealWithConversionAndStrides) {
   EXPECT_NE(st.message().find("cannot convert"), std::string::npos) << st.message();
 }
 
+// f32 <-> bf16, the conversions a trainer's fp32 masters meet every sync, take a path of
+// their own in strided_copy (integer bit operations, no double): the same bits as the
+// element path (load_element / store_element) for every bf16 value, and for f32 values
+// of every sign/exponent/top-mantissa (all 2^16 high halves) with low halves at each
+// rounding boundary (below, at and above a tie, even and odd) and random ones: NaNs of
+// both signs and payloads, infinities, zeros, subnormals, overflow to infinity.
+// Contiguous and strided.
+TEST(TensorWrites, Bf16F32ConversionsHaveTheElementPathsBits) {
+  std::vector<uint32_t> lows = {0x0000, 0x0001, 0x7fff, 0x8000, 0x8001, 0xffff, 0x4000, 0xc000};
+  std::mt19937 rng(7);
+  for (int k = 0; k < 4; ++k) lows.push_back(rng() & 0xffff);
+  std::vector<uint32_t> f32;
+  for (uint32_t hi = 0; hi < 0x10000; ++hi)
+    for (uint32_t lo : lows) f32.push_back(hi << 16 | lo);
+  const int64_t n = static_cast<int64_t>(f32.size());
+  auto bytes = [](const auto& v) { return reinterpret_cast<const std::byte*>(v.data()); };
+  // f32 -> bf16, contiguous.
+  std::vector<uint16_t> fast(f32.size()), slow(f32.size());
+  strided_copy(bytes(f32), Layout::contiguous({n}), DType::kF32, reinterpret_cast<std::byte*>(fast.data()),
+               Layout::contiguous({n}), DType::kBF16);
+  for (int64_t i = 0; i < n; ++i)
+    store_element(reinterpret_cast<std::byte*>(&slow[i]), DType::kBF16, load_element(bytes(f32) + 4 * i, DType::kF32));
+  int64_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (fast[i] != slow[i] && bad++ < 5) {
+      ADD_FAILURE() << std::hex << "f32 0x" << f32[i] << " -> bf16 0x" << fast[i] << ", element path 0x" << slow[i];
+    }
+  }
+  EXPECT_EQ(bad, 0);
+  // f32 -> bf16, strided: every third source element into every second destination one.
+  const int64_t m = n / 3;
+  std::vector<uint16_t> strided(static_cast<size_t>(2 * m), 0xabcd);
+  strided_copy(bytes(f32), Layout{{m}, {3}, 0}, DType::kF32, reinterpret_cast<std::byte*>(strided.data()),
+               Layout{{m}, {2}, 0}, DType::kBF16);
+  for (int64_t i = 0; i < m; ++i) {
+    ASSERT_EQ(strided[2 * i], slow[3 * i]) << i;
+    ASSERT_EQ(strided[2 * i + 1], 0xabcd) << i;
+  }
+  // bf16 -> f32: every value.
+  std::vector<uint16_t> bf(0x10000);
+  std::iota(bf.begin(), bf.end(), uint16_t{0});
+  std::vector<uint32_t> wide(bf.size()), wide_slow(bf.size());
+  strided_copy(bytes(bf), Layout::contiguous({0x10000}), DType::kBF16, reinterpret_cast<std::byte*>(wide.data()),
+               Layout::contiguous({0x10000}), DType::kF32);
+  for (size_t i = 0; i < bf.size(); ++i) {
+    store_element(reinterpret_cast<std::byte*>(&wide_slow[i]), DType::kF32, load_element(bytes(bf) + 2 * i, DType::kBF16));
+    ASSERT_EQ(wide[i], wide_slow[i]) << std::hex << "bf16 0x" << bf[i];
+  }
+}
+
 TEST(TensorWrites, CopyFollowsTorchBroadcastingRules) {
   // Equal numels are not enough: torch refuses p(8,4).copy_(w.t()) for w (8,4), and (6,) <- (2,3).
   Tensor w = iota({8, 4}, DType::kF32);
