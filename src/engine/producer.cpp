@@ -635,6 +635,12 @@ struct Producer::Impl {
   MemoryUse memory_use() {
     MemoryUse m = routes_memory_use();
     m.metadata += plan.heap_bytes();
+    if (paced) {  // the rotated order's waves (docs/group-order.md, "Memory")
+      for (const auto& w : waves) m.metadata += w.capacity() * sizeof(ServedRead);
+      m.metadata += waves.capacity() * sizeof(waves[0]) + pack_at.capacity() * sizeof(int) +
+                    wave_of.size() * (sizeof(std::pair<const std::pair<int, int>, int>) + 4 * sizeof(void*)) +
+                    released.size() * (sizeof(std::pair<int, int>) + 4 * sizeof(void*));
+    }
     return m;
   }
   MemoryUse routes_memory_use() {

@@ -314,13 +314,14 @@ TEST_P(EngineInprocTest, RotatedOrderStagesSendTogether) {
     }
   }
   // Timing on a shared box with syncs of ~15 ms is noisy (measured: layer order's share
-  // 0.02-0.68, median ~0.07; rotated 0.08-0.90, median ~0.55): the median of five.
+  // 0.02-0.68, median ~0.07; rotated 0.08-0.90, median ~0.55; medians of five: layer
+  // 0-13%, rotated 30-79%): the median of five, against 20%.
   std::sort(shares.begin(), shares.end());
   const double median = shares[shares.size() / 2];
   std::printf("both stages send during %.0f%% of the sync (median of %zu syncs, %s order)\n", 100 * median,
               shares.size(), k.rotated ? "rotated" : "layer");
   if (k.rotated) {
-    EXPECT_GT(median, 0.25) << "both stages send together for much of the sync";
+    EXPECT_GT(median, 0.2) << "both stages send together for much of the sync";
   }
 }
 
