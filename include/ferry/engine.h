@@ -125,6 +125,16 @@ enum class SyncMode : uint8_t { kPull, kPush };
 Result<SyncMode> parse_sync_mode(std::string_view text);  // "pull" | "push"
 std::string_view sync_mode_name(SyncMode mode);
 
+// The order layer groups move in within a sync (EngineOptions::group_order;
+// docs/group-order.md). kLayer: every consumer reads the groups in layer order (under
+// pipeline parallelism about one stage's trainer NICs send at a time). kRotated: the
+// producers are split into lanes (a PP stage each), consumers into cohorts that start at
+// different lanes and go round, and each producer serves its reads step by step, so
+// every stage sends for the whole sync; with one lane (no PP) it is the layer order.
+enum class GroupOrderKind : uint8_t { kLayer, kRotated };
+Result<GroupOrderKind> parse_group_order_kind(std::string_view text);  // "layer" | "rotated"
+std::string_view group_order_kind_name(GroupOrderKind kind);
+
 struct EngineOptions {
   std::string job = "ferry";   // store key prefix
   int num_producers = 1;       // trainer world size
@@ -166,6 +176,10 @@ struct EngineOptions {
   // producer holds what it held does the sync fail. Producers size staging slots for
   // the worst case when they share boxes with a replica (within staging_budget, if given).
   bool failover = true;
+  // The order layer groups move in (GroupOrderKind). Every rank of a job must run the
+  // same (not checked at rendezvous: a consumer under another order than its producers
+  // waits for announcements they never make, and times out).
+  GroupOrderKind group_order = GroupOrderKind::kLayer;
   // Fault injection for ferry's own tests (src/engine/testing.h); null in production.
   std::shared_ptr<const engine::TestHooks> test_hooks;
 };

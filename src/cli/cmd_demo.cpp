@@ -389,6 +389,10 @@ std::function<int()> setup_demo(CLI::App& app) {
                 app.add_option("--trainer", d->trainer, "trainer layout (tp=,pp=,ep=,etp=,dp= | fsdp=)");
                 app.add_option("--inference", d->inference, "inference layout (tp=,dp=,ep=,replicas=)");
                 app.add_option("--mode", d->mode, "pull | push");
+                app.add_option("--group-order", d->group_order,
+                               "layer | rotated: the order layer groups move in (EngineOptions::group_order; "
+                               "docs/group-order.md)")
+                    ->check(CLI::IsMember({"layer", "rotated"}));
                 app.add_option("--commit", d->commit,
                                "inference ranks' commit policy: in_place, or shadow (each sync lands beside the live "
                                "params and commits in one step; a reader thread in every inference rank checks that "
@@ -477,7 +481,7 @@ std::function<int()> setup_demo(CLI::App& app) {
 
 // The options of `ferry worker --bench` (the rest are the demo's).
 constexpr const char* kBenchWorkerOptions[] = {"--role",  "--rank", "--model", "--trainer", "--inference", "--store",
-                                               "--job",   "--mode", "--seed",  "--timeout-ms", "--tls",     "--in-place",
+                                               "--job",   "--mode", "--group-order", "--seed",  "--timeout-ms", "--tls",     "--in-place",
                                                "--trace", "--bench", "--commit", "--caller-params", "--help"};
 
 std::function<int()> setup_worker(CLI::App& app) {
@@ -492,6 +496,7 @@ std::function<int()> setup_worker(CLI::App& app) {
   auto job = app.add_option("--job", w->job);
   app.add_option("--backend", w->backend);
   app.add_option("--mode", w->mode);
+  app.add_option("--group-order", w->group_order)->check(CLI::IsMember({"layer", "rotated"}));
   app.add_flag("--checksums", w->checksums);
   app.add_option("--seed", w->seed)->check(number_in(0, 1.8e19));
   app.add_option("--first-version", w->first_version)->check(number_in(0, 1 << 30));
@@ -541,6 +546,7 @@ std::function<int()> setup_worker(CLI::App& app) {
       bench->store = w->store;
       bench->job = w->job;
       bench->mode = w->mode;
+      bench->group_order = w->group_order;
       bench->seed = w->seed;
       bench->trace = w->trace;
       bench->caller_params = w->caller_params;

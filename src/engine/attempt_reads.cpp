@@ -43,6 +43,13 @@ void AttemptReads::enter(int p, int g) {
   for (const Transfer* t : read_ahead(plan_, p, g)) backlog_[t->group].push_back(Item{t, 0});
 }
 
+void AttemptReads::enter_group(int p, int g) {
+  const ConsumerGroupPlan& gp = plan_.groups[static_cast<size_t>(g)];
+  auto it = gp.to_params.find(p);
+  if (it == gp.to_params.end()) return;
+  for (const Transfer& t : it->second) backlog_[g].push_back(Item{&t, 0});
+}
+
 Status AttemptReads::work_one() {
   auto it = backlog_.begin();
   Item& item = it->second.front();

@@ -45,6 +45,10 @@ class AttemptReads {
   // Producer p is known to be in the sync from group g on (it announced g): its bytes in
   // place into params of groups g and later join the backlog (sync_plan's read_ahead).
   void enter(int p, int g);
+  // Producer p announced group g (the rotated order, EngineOptions::group_order): its
+  // bytes in place into params of group g alone join the backlog, so that reads keep the
+  // producer's pace (docs/group-order.md).
+  void enter_group(int p, int g);
   // Whether the backlog holds anything (of a group <= g).
   bool backlog_empty() const { return backlog_.empty(); }
   bool backlog_through(int g) const { return !backlog_.empty() && backlog_.begin()->first <= g; }

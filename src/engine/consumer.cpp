@@ -120,8 +120,8 @@ Status Consumer::Impl::wait_reads(std::span<const Completion> ops, int p, uint64
   }
 }
 
-Result<int> Consumer::Impl::acquire_slot(int g) {
-  auto s = worker->acquire(g % kSlots, opts.timeout, [this] { return crashed.load(); }, who());
+Result<int> Consumer::Impl::acquire_slot(int at) {
+  auto s = worker->acquire(at % kSlots, opts.timeout, [this] { return crashed.load(); }, who());
   if (!s.ok() && s.status().code() == StatusCode::kCancelled && crashed)
     return cancelled("consumer {} crashed (test hook)", rank);
   return s;
@@ -171,9 +171,15 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
   // bytes that land in the receive ring are read as soon as the group's slot is ours;
   // only staged bytes wait for the group's announcement. The reads themselves, and
   // draining them on an error return, are AttemptReads' (engine/attempt_reads.h).
+  //
+  // In the rotated order (EngineOptions::group_order) producers pace their announcements
+  // (docs/group-order.md), and in-place reads keep that pace: a group's in-place bytes
+  // from a producer are read once it announced that group, none ahead.
+  const bool rotated = opts.group_order == GroupOrderKind::kRotated;
   std::set<int> in_v;
   AttemptReads reads(plan, *lane, ipc_lane.get(), opts.timeout);
-  for (int g = 0; g < routes.num_groups(); ++g) {
+  for (size_t at = 0; at < order.size(); ++at) {
+    const int g = order[at];
     const ConsumerGroupSchedule& gs = schedule.groups[static_cast<size_t>(g)];
     const ConsumerGroupPlan& gp = plan.groups[static_cast<size_t>(g)];
     const std::set<int> from(gp.from.begin(), gp.from.end());
@@ -181,7 +187,7 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
       worker->enqueue({v, g, -1});
       continue;
     }
-    FERRY_ASSIGN_OR_RETURN(int s, acquire_slot(g));
+    FERRY_ASSIGN_OR_RETURN(int s, acquire_slot(static_cast<int>(at)));
     point(g, 0);
     const auto tg = Clock::now();
     const uint64_t base = static_cast<uint64_t>(s) * slot_bytes;
@@ -192,7 +198,7 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
       // never holds another's staging slot and producers pack on while we copy.
       auto tr0 = Clock::now();
       for (int p : from) {
-        if (in_v.count(p)) FERRY_RETURN_IF_ERROR(posted(reads, reads.post_to_slot(g, p, base)));
+        if (in_v.count(p) && !rotated) FERRY_RETURN_IF_ERROR(posted(reads, reads.post_to_slot(g, p, base)));
       }
       trace.record(TracePhase::kRead, g, -1, tr0, Clock::now());
       std::set<int> remaining = from;
@@ -213,7 +219,10 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
         }
         FERRY_RETURN_IF_ERROR(waited(staged, p, v, g));
         send_to(p, Release{me(), v, g, routes_hash});
-        if (in_v.insert(p).second) {  // p is in sync v: its in-place bytes are the weights of v
+        if (rotated) {  // this group's in-place bytes from p, now that p announced it
+          FERRY_RETURN_IF_ERROR(posted(reads, reads.post_to_slot(g, p, base)));
+          reads.enter_group(p, g);
+        } else if (in_v.insert(p).second) {  // p is in sync v: its in-place bytes are the weights of v
           FERRY_RETURN_IF_ERROR(posted(reads, reads.post_to_slot(g, p, base)));
           reads.enter(p, g);
         }

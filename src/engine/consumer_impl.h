@@ -21,6 +21,7 @@
 #include "engine/clock.h"
 #include "engine/sync_trace.h"
 #include "engine/cuda_ipc.h"
+#include "engine/group_order.h"
 #include "ferry/device.h"
 #include "engine/in_place.h"
 #include "engine/protocol.h"
@@ -76,6 +77,10 @@ struct Consumer::Impl {
   // table does (schedule_stale).
   ConsumerSchedule schedule;
   bool schedule_stale = true;
+  // The order this consumer reads the layer groups of `routes` in (engine/group_order.h,
+  // EngineOptions::group_order): layer order, or its order in the rotated one. Set with
+  // the routes (apply_routes).
+  std::vector<int> order;
   std::unique_ptr<Lease> lease;
   ConsumerLease lease_value;  // what `lease` holds: its versions change as the params' do
   // Puts the versions the params hold (ParamSet::state) into the lease if they changed
@@ -194,7 +199,8 @@ struct Consumer::Impl {
   // lost (lost_producer): a host cut off mid-read stalls tcp, it does not fail it.
   Status wait_reads(std::span<const Completion> ops, int p, uint64_t v, int g);
 
-  Result<int> acquire_slot(int g);
+  // The receive slot of the group at position `at` of this consumer's order.
+  Result<int> acquire_slot(int at);
 
   // await_any for an announcement, working through the backlog while none is there.
   Result<std::pair<int, Arrival>> await_working(uint64_t v, int g, const std::set<int>& from, AttemptReads& reads);

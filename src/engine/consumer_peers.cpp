@@ -171,10 +171,18 @@ Status Consumer::Impl::apply_routes(Routes r) {
   const uint64_t needed = consumer_slot_bytes(r.consumer(static_cast<size_t>(rank)));
   if (needed > slot_bytes)
     return failed_precondition("consumer {}: a group needs {} receive bytes, the ring has {}", rank, needed, slot_bytes);
+  std::vector<int> mine(static_cast<size_t>(r.num_groups()));
+  for (size_t g = 0; g < mine.size(); ++g) mine[g] = static_cast<int>(g);
+  if (opts.group_order == GroupOrderKind::kRotated) {
+    const GroupOrder o = make_group_order(r, {GroupOrderKind::kRotated, true});
+    FERRY_RETURN_IF_ERROR(check_group_order(r, o).with_context(fmt::format("consumer {}", rank)));
+    mine = o.consumer[static_cast<size_t>(rank)];
+  }
   std::lock_guard<std::mutex> lk(mu);
   routes = std::move(r);
   routes_hash = routes.hash();
   plan_route = &routes.consumer(static_cast<size_t>(rank));
+  order = std::move(mine);
   rebuild_schedule();
   return Status::Ok();
 }
@@ -188,7 +196,7 @@ MemoryUse Consumer::Impl::memory_use() {
   const RouteInputs& in = route_state.inputs();
   m.metadata = metadata_heap_bytes(routes, in.metadata, in.holdings, in.plans);
   std::lock_guard<std::mutex> lk(mu);
-  m.metadata += schedule_heap_bytes(schedule);
+  m.metadata += schedule_heap_bytes(schedule) + order.capacity() * sizeof(int);
   for (const Peer& pe : peers) m.metadata += pe.in_place.boxes.capacity() * sizeof(InPlaceTable::At);
   return m;
 }
@@ -208,6 +216,7 @@ void Consumer::Impl::rebuild_schedule() {
     in.post_group_of = model.post_group_of;
     in.num_post_groups = model.post_group_names.size();
   }
+  in.order = &order;
   schedule = make_consumer_schedule(in);
   schedule_stale = false;
 }

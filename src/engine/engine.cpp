@@ -17,6 +17,15 @@ Result<SyncMode> parse_sync_mode(std::string_view text) {
 }
 std::string_view sync_mode_name(SyncMode mode) { return mode == SyncMode::kPull ? "pull" : "push"; }
 
+Result<GroupOrderKind> parse_group_order_kind(std::string_view text) {
+  if (text == "layer") return GroupOrderKind::kLayer;
+  if (text == "rotated") return GroupOrderKind::kRotated;
+  return invalid_argument("group order '{}': expected layer or rotated", text);
+}
+std::string_view group_order_kind_name(GroupOrderKind kind) {
+  return kind == GroupOrderKind::kLayer ? "layer" : "rotated";
+}
+
 const char* commit_policy_name(CommitPolicy p) { return p == CommitPolicy::kShadow ? "shadow" : "in_place"; }
 Result<CommitPolicy> parse_commit_policy(std::string_view name) {
   if (name == "in_place") return CommitPolicy::kInPlace;

@@ -4,10 +4,12 @@
 // participant computes the same order, as it computes the same routes, so nothing of it
 // crosses the wire. docs/group-order.md is the design.
 //
-// Today's engine reads and packs in layer order (kLayer): consumer.cpp's sync_groups
-// walks g = 0..G-1 and producer.cpp's attempt packs its groups in the same order. Under
-// pipeline parallelism a group's bytes leave only through its stage's trainer NICs, so
-// in layer order about one stage sends at a time (issue 26).
+// The engine reads and packs in layer order by default (EngineOptions::group_order =
+// kLayer): consumer.cpp's sync_groups walks g = 0..G-1 and producer.cpp's attempt packs
+// its groups in the same order. Under pipeline parallelism a group's bytes leave only
+// through its stage's trainer NICs, so in layer order about one stage sends at a time
+// (issue 26). Under kRotated the consumer walks GroupOrder::consumer[rank] and each
+// producer serves its reads in serve_waves' paced waves (producer.cpp).
 //
 // kRotated: the producers are split into *lanes*, the connected components of "serves a
 // layer group with": under Megatron PP a lane is one pipeline stage, under pure DP or
@@ -51,15 +53,15 @@
 #include <string_view>
 #include <vector>
 
+#include "ferry/engine.h"
 #include "ferry/route.h"
 #include "ferry/status.h"
 
 namespace ferry::engine {
 
-enum class GroupOrderKind : uint8_t {
-  kLayer,    // every consumer in layer order (the engine today)
-  kRotated,  // cohorts start at different lanes and go round (above)
-};
+// kLayer: every consumer in layer order; kRotated: cohorts start at different lanes and
+// go round (above). The public enum (EngineOptions::group_order).
+using ::ferry::GroupOrderKind;
 
 struct GroupOrderOptions {
   GroupOrderKind kind = GroupOrderKind::kLayer;

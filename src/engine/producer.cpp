@@ -10,6 +10,7 @@
 
 #include "engine/clock.h"
 #include "engine/sync_trace.h"
+#include "engine/group_order.h"
 #include "engine/in_place.h"
 #include "engine/protocol.h"
 #include "engine/push_writes.h"
@@ -97,8 +98,24 @@ struct Producer::Impl {
     // pace, against which a straggler is measured (wait_slot).
     std::optional<Clock::time_point> last_release;
     std::map<uint32_t, uint64_t> checksum;  // per plan class
+    // Paced (the rotated order): consumer -> when its turn at this slot came (its wave
+    // open and the group packed): announced (pull) or servable on its READY (push) from
+    // then. A pending consumer absent here waits for its wave.
+    std::map<int, Clock::time_point> opened;
   };
   std::vector<Slot> slots;
+  // The rotated order (EngineOptions::group_order; docs/group-order.md): this producer
+  // serves its reads (a consumer reading one of its groups) in waves (serve_waves), one
+  // per step of the consumers' orders, a wave once every read of the waves before it
+  // finished: released (pull) or written (push), or its consumer dropped, done, aborted
+  // or moved to other routes. Set with the routes (apply_routes); mu.
+  bool paced = false;
+  std::vector<std::vector<ServedRead>> waves;
+  std::map<std::pair<int, int>, int> wave_of;  // (consumer, group) -> its wave
+  std::vector<int> pack_at;                    // per group: its place in this producer's pack order (-1: none)
+  // This attempt's (mu): the last wave open, and the reads finished by a release.
+  size_t wave_open = 0;
+  std::set<std::pair<int, int>> released;
   // The current attempt's plan (engine/sync_plan.h): per group the consumers packed for,
   // and push's writes to each; built at the start of each attempt; mu.
   ProducerAttemptPlan plan;
@@ -243,8 +260,13 @@ struct Producer::Impl {
       sl.last_release = Clock::now();
       const ProducerGroupSchedule& gs = schedule.groups[static_cast<size_t>(sl.group)];
       const uint64_t b = served(gs.served, cls(c)), ip = served(gs.served_in_place, cls(c));
-      if (b > ip || ip == 0) trace.record(TracePhase::kSend, sl.group, c, sl.since, *sl.last_release, TraceLane::kTransport, b - ip);
-      if (ip > 0) trace.record(TracePhase::kSend, sl.group, c, sl.since, *sl.last_release, TraceLane::kInPlace, ip);
+      Clock::time_point from = sl.since;  // paced: from its turn
+      if (paced) {
+        released.emplace(c, sl.group);
+        if (auto o = sl.opened.find(c); o != sl.opened.end()) from = o->second;
+      }
+      if (b > ip || ip == 0) trace.record(TracePhase::kSend, sl.group, c, from, *sl.last_release, TraceLane::kTransport, b - ip);
+      if (ip > 0) trace.record(TracePhase::kSend, sl.group, c, from, *sl.last_release, TraceLane::kInPlace, ip);
       cv.notify_all();
     }
   }
@@ -268,6 +290,92 @@ struct Producer::Impl {
 
   void send_flushed(PeerId to, uint64_t v, uint64_t hash) {
     transport.send(to, kEngineTag, encode_message(Flushed{static_cast<uint32_t>(rank), v, hash})).status().ignore();
+  }
+
+  // Paced: whether consumer c's read of group g may be served (its wave is open). mu held.
+  bool turn_locked(int c, int g) const {
+    if (!paced) return true;
+    auto it = wave_of.find({c, g});
+    return it == wave_of.end() || static_cast<size_t>(it->second) <= wave_open;
+  }
+
+  // Paced: a read this attempt no longer waits for. mu held.
+  bool read_finished_locked(const ServedRead& r) const {
+    const auto c = static_cast<size_t>(r.consumer);
+    if (c >= live.size() || !live[c]) return true;
+    if (auto d = done.find(r.consumer); d != done.end() && d->second == version) return true;
+    if (auto h = consumer_hash.find(r.consumer); h != consumer_hash.end() && h->second != routes_hash) return true;
+    if (released.count({r.consumer, r.group})) return true;
+    if (static_cast<size_t>(r.group) >= plan.groups.size()) return true;
+    const std::vector<int>& t = plan.groups[static_cast<size_t>(r.group)].targets;
+    return !std::binary_search(t.begin(), t.end(), r.consumer);
+  }
+
+  // What to serve a consumer whose turn came (announce, or push on its READY).
+  struct Serve {
+    int slot = 0, consumer = 0, group = 0;
+    uint64_t version = 0, hash = 0;
+    PeerId id = 0;
+    std::optional<uint64_t> checksum;
+    bool push = false;
+    uint32_t recv_slot = 0;
+    uint8_t landing = 0;
+  };
+
+  // Paced: consumer c's turn at slot s came (once); what to send it now, if anything.
+  // mu held.
+  std::optional<Serve> turn_came_locked(int s, int c) {
+    Slot& sl = slots[static_cast<size_t>(s)];
+    if (!sl.pending.count(c) || sl.opened.count(c)) return std::nullopt;
+    sl.opened[c] = Clock::now();
+    Serve out{s, c, sl.group, version, sl.hash, peers[static_cast<size_t>(c)].id};
+    if (opts.mode == SyncMode::kPull) {
+      if (opts.checksums) out.checksum = served(sl.checksum, cls(c));
+      return out;
+    }
+    auto it = ready.find({version, sl.group, c});
+    if (it == ready.end() || it->second.from != out.id || it->second.hash != sl.hash) return std::nullopt;
+    out.push = true;
+    out.recv_slot = it->second.slot;
+    out.landing = it->second.landing;
+    return out;
+  }
+
+  // Paced: opens every wave whose reads before it all finished, and returns what to
+  // serve for their groups already packed (the others are served as they are packed).
+  // mu held; serve() the result once mu is released.
+  std::vector<Serve> open_waves_locked() {
+    std::vector<Serve> out;
+    if (!paced || !in_sync || plan.routes_hash != routes_hash) return out;
+    while (wave_open + 1 < waves.size()) {
+      for (const ServedRead& r : waves[wave_open])
+        if (!read_finished_locked(r)) return out;
+      ++wave_open;
+      for (const ServedRead& r : waves[wave_open]) {
+        const int s = slot_of_locked(r.group, routes_hash);
+        if (s < 0) continue;
+        if (auto sv = turn_came_locked(s, r.consumer)) out.push_back(*sv);
+      }
+    }
+    return out;
+  }
+
+  // Sends what open_waves_locked returned. Called without mu.
+  void serve(const std::vector<Serve>& todo) {
+    for (const Serve& t : todo) {
+      if (t.push) {
+        start_push(t.slot, t.consumer, t.recv_slot, t.landing, t.group, t.version);
+        continue;
+      }
+      const auto ta = Clock::now();
+      Announce m{static_cast<uint32_t>(rank), t.version, t.group, t.hash, staging->slot_offset(static_cast<size_t>(t.slot)),
+                 t.checksum};
+      if (Status sent = send(t.id, m); !sent.ok()) {
+        std::lock_guard<std::mutex> lk(mu);
+        drop_locked(t.consumer, "announce failed: " + sent.to_string(), nullptr);
+      }
+      trace.record(TracePhase::kAnnounce, t.group, t.consumer, ta, Clock::now());
+    }
   }
 
   // Push: posts the writes of slot s for consumer c into its receive slot `rslot` and
@@ -313,9 +421,14 @@ struct Producer::Impl {
         if (!sent.ok()) {
           failed(sent.status());
         } else {
-          std::lock_guard<std::mutex> lk(mu);
-          const Slot& sl = slots[static_cast<size_t>(s)];
-          if (version == v && sl.group == g && sl.hash == hash) release_locked(s, c);
+          std::vector<Serve> todo;
+          {
+            std::lock_guard<std::mutex> lk(mu);
+            const Slot& sl = slots[static_cast<size_t>(s)];
+            if (version == v && sl.group == g && sl.hash == hash) release_locked(s, c);
+            todo = open_waves_locked();
+          }
+          serve(todo);
         }
       }
       push_done(c);
@@ -345,6 +458,7 @@ struct Producer::Impl {
     std::optional<Dropped> mismatch_drop;  // sent once mu is released
     bool return_after_send = false;        // a READY refused: nothing to record or push
     std::optional<std::pair<uint64_t, uint64_t>> flushed;  // (version, routes) answered at once
+    std::vector<Serve> todo;                                // paced: turns that came
     {
       std::lock_guard<std::mutex> lk(mu);
       if (c < 0 || c >= static_cast<int>(peers.size())) return;
@@ -455,10 +569,14 @@ struct Producer::Impl {
         }
         if (!return_after_send && current && known) {
           push_slot = slot_of_locked(m->group, m->routes);
+          // Paced: served when its wave opens (open_waves_locked), not before.
+          if (push_slot >= 0 && !turn_locked(c, m->group)) push_slot = -1;
           push = *m;
         }
       }
+      todo = open_waves_locked();
     }
+    serve(todo);
     if (mismatch_drop) send(from, *mismatch_drop).ignore();
     if (push_slot >= 0) start_push(push_slot, c, push->recv_slot, push->landing, push->group, push->version);
     if (flushed) send_flushed(from, flushed->first, flushed->second);
@@ -488,7 +606,23 @@ struct Producer::Impl {
   // Installs routes and their schedule (caller thread; handlers read both under mu).
   Status apply_routes(Routes r) {
     FERRY_ASSIGN_OR_RETURN(auto sched, make_producer_schedule(r, rank, holdings, staging->in_place(), staging->slot_bytes()));
+    std::vector<std::vector<ServedRead>> w;
+    std::map<std::pair<int, int>, int> w_of;
+    std::vector<int> at(static_cast<size_t>(r.num_groups()), -1);
+    if (opts.group_order == GroupOrderKind::kRotated) {
+      const GroupOrder o = make_group_order(r, {GroupOrderKind::kRotated, true});
+      FERRY_RETURN_IF_ERROR(check_group_order(r, o).with_context(fmt::format("producer {}", rank)));
+      w = serve_waves(r, o, rank);
+      for (size_t i = 0; i < w.size(); ++i)
+        for (const ServedRead& x : w[i]) w_of[{x.consumer, x.group}] = static_cast<int>(i);
+      const std::vector<int>& mine = o.producer[static_cast<size_t>(rank)];
+      for (size_t i = 0; i < mine.size(); ++i) at[static_cast<size_t>(mine[i])] = static_cast<int>(i);
+    }
     std::lock_guard<std::mutex> lk(mu);
+    paced = opts.group_order == GroupOrderKind::kRotated;
+    waves = std::move(w);
+    wave_of = std::move(w_of);
+    pack_at = std::move(at);
     routes = std::move(r);
     routes_hash = routes.hash();
     schedule = std::move(sched);
@@ -501,6 +635,12 @@ struct Producer::Impl {
   MemoryUse memory_use() {
     MemoryUse m = routes_memory_use();
     m.metadata += plan.heap_bytes();
+    if (paced) {  // the rotated order's waves (docs/group-order.md, "Memory")
+      for (const auto& w : waves) m.metadata += w.capacity() * sizeof(ServedRead);
+      m.metadata += waves.capacity() * sizeof(waves[0]) + pack_at.capacity() * sizeof(int) +
+                    wave_of.size() * (sizeof(std::pair<const std::pair<int, int>, int>) + 4 * sizeof(void*)) +
+                    released.size() * (sizeof(std::pair<int, int>) + 4 * sizeof(void*));
+    }
     return m;
   }
   MemoryUse routes_memory_use() {
@@ -639,7 +779,29 @@ struct Producer::Impl {
     if (!local_failure.ok()) return local_failure;
     while (!slots[s].pending.empty() && !(stop_on_restart && restart && restart_hash != routes_hash) &&
            local_failure.ok()) {
-      const auto deadline = slots[s].since + opts.stall_timeout;
+      if (paced) {  // turns that came (drops end reads too) are served from here as well
+        std::vector<Serve> todo = open_waves_locked();
+        if (!todo.empty()) {
+          lk.unlock();
+          serve(todo);
+          lk.lock();
+          continue;
+        }
+      }
+      auto deadline = slots[s].since + opts.stall_timeout;
+      // Paced, on the current routes: a consumer's stall and lag count from its turn
+      // (Slot::opened); one whose turn has not come waits for those before it.
+      const bool pace_slot = paced && slots[s].hash == routes_hash;
+      bool any_open = false;
+      if (pace_slot) {
+        for (int c : slots[s].pending) {
+          auto o = slots[s].opened.find(c);
+          if (o == slots[s].opened.end()) continue;
+          const auto at = o->second + opts.stall_timeout;
+          deadline = any_open ? std::min(deadline, at) : at;
+          any_open = true;
+        }
+      }
       // A straggler: others released this slot and it lags them by more than the bound
       // (EngineOptions::straggler_floor / straggler_factor), so it no longer holds them
       // back for the whole stall timeout. It catches up at the next sync. Only a consumer
@@ -654,6 +816,7 @@ struct Producer::Impl {
       if (opts.num_producers > 1) policy.loss_detection = 2 * opts.lease_ttl;
       RoutesKnown known{routes_hash, &consumer_hash, &consumer_joined, undeclared_hash};
       known.progress = &consumer_progress;
+      if (pace_slot) known.opened = &slots[s].opened;
       auto pace = [&] { return SlotPace{slots[s].group, slots[s].hash, slots[s].since, slots[s].last_release}; };
       const Clock::duration bound = slots[s].last_release ? straggler_bound(policy, pace()) : Clock::duration{};
       if (auto at = next_straggler(policy, bound, pace(), known, slots[s].pending, deadline)) {
@@ -665,7 +828,14 @@ struct Producer::Impl {
         continue;
       }
       if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline) {
-        const std::set<int> late = slots[s].pending;
+        std::set<int> late = slots[s].pending;
+        if (any_open) {
+          const auto now = Clock::now();
+          std::erase_if(late, [&](int c) {
+            auto o = slots[s].opened.find(c);
+            return o == slots[s].opened.end() || o->second + opts.stall_timeout > now;
+          });
+        }
         for (int c : late) {
           drop_locked(c,
                       fmt::format("stalled: group {} not {} within {} ms", slots[s].group,
@@ -710,6 +880,8 @@ struct Producer::Impl {
     ProducerAttemptPlan next = make_producer_attempt_plan(in);
     std::lock_guard<std::mutex> lk(mu);
     plan = std::move(next);
+    wave_open = 0;  // paced: this attempt's waves (with the plan, under one lock)
+    released.clear();
   }
 
   // One attempt at sync v with the current routes. Sets *restarted when a consumer asked
@@ -732,7 +904,9 @@ struct Producer::Impl {
         }
       }
       if (targets.empty()) continue;
-      const size_t s = static_cast<size_t>(g % staging->slots());
+      // Paced: by place in this producer's pack order (its groups need not be consecutive).
+      const int at = paced && pack_at[static_cast<size_t>(g)] >= 0 ? pack_at[static_cast<size_t>(g)] : g;
+      const size_t s = static_cast<size_t>(at % staging->slots());
       auto tw = Clock::now();
       FERRY_RETURN_IF_ERROR(wait_slot(s, true));
       trace.record(TracePhase::kWait, g, -1, tw, Clock::now());
@@ -761,6 +935,7 @@ struct Producer::Impl {
       };
       std::vector<PushTo> to_push;
       std::vector<std::pair<int, PeerId>> to_announce;
+      std::vector<Serve> todo;  // paced: turns at earlier slots that came meanwhile
       {
         std::lock_guard<std::mutex> lk(mu);
         Slot& sl = slots[s];
@@ -774,6 +949,10 @@ struct Producer::Impl {
           if (!live[static_cast<size_t>(c)] || (done.count(c) && done[c] == v)) continue;
           if (auto it = consumer_hash.find(c); it != consumer_hash.end() && it->second != hash) continue;
           sl.pending.insert(c);
+          if (paced) {
+            if (!turn_locked(c, g)) continue;  // served when its wave opens
+            sl.opened[c] = sl.since;
+          }
           if (opts.mode == SyncMode::kPull) {
             to_announce.emplace_back(c, peers[static_cast<size_t>(c)].id);
           } else if (auto it = ready.find({v, g, c}); it != ready.end() &&
@@ -782,6 +961,7 @@ struct Producer::Impl {
             to_push.push_back(PushTo{c, it->second.slot, it->second.landing});
           }
         }
+        todo = open_waves_locked();
       }
       const auto ta = Clock::now();
       for (auto [c, id] : to_announce) {
@@ -793,6 +973,7 @@ struct Producer::Impl {
         }
       }
       if (!to_announce.empty()) trace.record(TracePhase::kAnnounce, g, -1, ta, Clock::now());
+      serve(todo);
       {
         std::lock_guard<std::mutex> lk(mu);
         if (!local_failure.ok()) return local_failure;
@@ -800,7 +981,13 @@ struct Producer::Impl {
       for (const PushTo& t : to_push) start_push(static_cast<int>(s), t.consumer, t.recv_slot, t.landing, g, v);
     }
     auto tw = Clock::now();
-    for (size_t s = 0; s < slots.size(); ++s) FERRY_RETURN_IF_ERROR(wait_slot(s, true));
+    std::vector<size_t> by_group(slots.size());  // oldest group first (paced: its reads open the later ones)
+    for (size_t s = 0; s < slots.size(); ++s) by_group[s] = s;
+    if (paced) {
+      std::lock_guard<std::mutex> lk(mu);
+      std::stable_sort(by_group.begin(), by_group.end(), [&](size_t a, size_t b) { return slots[a].group < slots[b].group; });
+    }
+    for (size_t s : by_group) FERRY_RETURN_IF_ERROR(wait_slot(s, true));
     trace.record(TracePhase::kWait, -1, -1, tw, Clock::now());
     if (check_restart()) *restarted = true;
     return Status::Ok();

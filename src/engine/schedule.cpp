@@ -339,9 +339,25 @@ void summarize(const PlanGroup& pg, ConsumerGroupSchedule& cg) {
 // Post-processing: a group runs after the last layer group that writes one of its params.
 void place_post_groups(const PlanRoute& plan_route, const ConsumerScheduleInputs& in, ConsumerSchedule& out) {
   if (!in.num_post_groups) return;
-  std::map<std::string, int> last_group;
-  for (size_t g = 0; g < plan_route.groups.size(); ++g) {
-    for (const UnpackOp& u : plan_route.groups[g].unpacks) last_group[plan_route.params[u.param].name] = static_cast<int>(g);
+  // Positions in the consumer's order (layer order without one).
+  const size_t G = plan_route.groups.size();
+  std::vector<int> at(G), group_at(G);
+  for (size_t g = 0; g < G; ++g) at[g] = group_at[g] = static_cast<int>(g);
+  if (in.order && in.order->size() == G) {
+    for (size_t i = 0; i < G; ++i) {
+      const int g = (*in.order)[i];
+      if (g >= 0 && static_cast<size_t>(g) < G) {
+        at[static_cast<size_t>(g)] = static_cast<int>(i);
+        group_at[i] = g;
+      }
+    }
+  }
+  std::map<std::string, int> last_group;  // param -> the last position writing it
+  for (size_t g = 0; g < G; ++g) {
+    for (const UnpackOp& u : plan_route.groups[g].unpacks) {
+      int& last = last_group.try_emplace(plan_route.params[u.param].name, 0).first->second;
+      last = std::max(last, at[g]);
+    }
   }
   std::vector<int> ready_at(in.num_post_groups, 0);
   for (const auto& [name, k] : in.post_group_of) {
@@ -350,8 +366,8 @@ void place_post_groups(const PlanRoute& plan_route, const ConsumerScheduleInputs
       ready_at[static_cast<size_t>(k)] = std::max(ready_at[static_cast<size_t>(k)], it->second);
   }
   for (size_t k = 0; k < ready_at.size(); ++k) {
-    const auto g = static_cast<size_t>(ready_at[k]);
-    if (g < out.groups.size()) out.groups[g].post_groups.push_back(static_cast<int>(k));
+    const auto i = static_cast<size_t>(ready_at[k]);
+    if (i < G) out.groups[static_cast<size_t>(group_at[i])].post_groups.push_back(static_cast<int>(k));
   }
 }
 

@@ -145,6 +145,10 @@ struct ConsumerScheduleInputs {
   // groups there are. Empty: no post-processing.
   std::map<std::string, int> post_group_of;
   size_t num_post_groups = 0;
+  // The consumer's order of the layer groups (engine/group_order.h); null: layer order. A
+  // post-processing group completes after the last group in this order that writes one
+  // of its params.
+  const std::vector<int>* order = nullptr;
 };
 
 ConsumerSchedule make_consumer_schedule(const ConsumerScheduleInputs& in);

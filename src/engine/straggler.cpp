@@ -20,6 +20,11 @@ std::optional<Lag> lag_start(const SlotPace& slot, const RoutesKnown& known, int
   auto h = known.declared->find(c);
   if (h == known.declared->end() ? known.undeclared != slot.routes : h->second != slot.routes) return std::nullopt;
   Lag lag{*slot.last_release, true};
+  if (known.opened) {
+    auto o = known.opened->find(c);
+    if (o == known.opened->end()) return std::nullopt;
+    lag.from = std::max(lag.from, o->second);
+  }
   if (auto j = known.joined->find(c); h != known.declared->end() && j != known.joined->end())
     lag.from = std::max(lag.from, j->second);
   if (known.progress) {
@@ -74,8 +79,11 @@ std::vector<std::pair<int, std::string>> stragglers(const StragglerPolicy& polic
     if (lag->from != *slot.last_release) {
       auto j = known.joined->find(c);
       const bool moved = j != known.joined->end() && j->second == lag->from;
+      const bool turn = known.opened && known.opened->count(c) && known.opened->at(c) == lag->from;
       since = fmt::format(", {} ms after {}", ms(now - lag->from),
-                          moved ? "it moved to these routes" : "its last progress in this sync");
+                          moved ? "it moved to these routes"
+                          : turn ? "its turn came (its wave opened)"
+                                 : "its last progress in this sync");
     }
     out.emplace_back(c, fmt::format("straggler: group {} not {} {} ms after the other consumers{} ({} ms after it "
                                     "was announced; bound: max(straggler_floor {} ms, {} x {} ms{}))",

@@ -56,6 +56,11 @@ struct RoutesKnown {
   // slot. A consumer absent here has not entered the sync. Null: every consumer counts as
   // entered, with no progress known.
   const std::map<int, Clock::time_point>* progress = nullptr;
+  // The rotated order's paced service (EngineOptions::group_order, docs/group-order.md):
+  // consumer -> when its turn at the slot came (its wave opened with the group packed).
+  // A consumer absent here is not late: its turn has not come. Null: every consumer's
+  // turn came when the slot was announced (layer order).
+  const std::map<int, Clock::time_point>* opened = nullptr;
 };
 
 // Where consumer c's lag on a slot starts, and whether it has entered the sync.

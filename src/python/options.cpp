@@ -47,6 +47,7 @@ constexpr OptionField kOptionFields[] = {
     {"EngineOptions", "lease_ttl", "lease_ttl", "keyword", "Producer Consumer"},
     {"EngineOptions", "checksums", "checksums", "keyword", "Producer Consumer"},
     {"EngineOptions", "failover", "failover", "keyword", "Producer Consumer"},
+    {"EngineOptions", "group_order", "group_order", "keyword", "Producer Consumer"},
     {"EngineOptions", "test_hooks", "", "internal", ""},
     {"ProducerOptions", "source_regions", "in_place", "in_place", "Producer"},
     {"ProducerOptions", "direct_min_bytes", "direct_min_bytes", "keyword", "Producer"},
@@ -172,6 +173,11 @@ void fill_engine(EngineOptions& o, const py::dict& kw) {
   if (kw.contains("lease_ttl")) o.lease_ttl = seconds(kw, "lease_ttl");
   if (kw.contains("checksums")) o.checksums = flag(kw, "checksums");
   if (kw.contains("failover")) o.failover = flag(kw, "failover");
+  if (kw.contains("group_order")) {
+    auto order = parse_group_order_kind(text(kw, "group_order"));
+    if (!order.ok()) throw_status(order.status().with_context("group_order"));
+    o.group_order = *order;
+  }
 }
 
 double secs(std::chrono::milliseconds d) { return static_cast<double>(d.count()) / 1000; }
@@ -190,6 +196,7 @@ void engine_dict(py::dict& d, const EngineOptions& o) {
   d["lease_ttl"] = secs(o.lease_ttl);
   d["checksums"] = o.checksums;
   d["failover"] = o.failover;
+  d["group_order"] = std::string(group_order_kind_name(o.group_order));
   d["test_hooks"] = o.test_hooks != nullptr;
 }
 

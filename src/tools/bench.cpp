@@ -262,7 +262,7 @@ BenchResult run_bench(const BenchSpec& b) {
     const int rank = prod ? k : k - P;
     std::vector<std::string> args = {b.worker_binary, "worker", "--bench", "--role", role, "--rank", std::to_string(rank),
                                      "--model", config_path, "--trainer", b.trainer, "--inference", b.inference,
-                                     "--store", (*server)->url(), "--job", job, "--tls", b.tls, "--mode", b.mode, "--seed",
+                                     "--store", (*server)->url(), "--job", job, "--tls", b.tls, "--mode", b.mode, "--group-order", b.group_order, "--seed",
                                      std::to_string(b.seed), "--timeout-ms", std::to_string(b.timeout_ms),
                                      "--in-place", b.in_place ? "1" : "0", "--commit", b.commit};
     if (b.caller_params && !prod) args.push_back("--caller-params");

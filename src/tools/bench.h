@@ -33,6 +33,7 @@ struct BenchSpec {
   std::string inference = "tp=4";
   std::string tls = default_worker_tls();  // UCX_TLS of every rank (and picks MPI's fabric)
   std::string mode = "pull";    // engine mode; push: the raw baseline writes instead of reads
+  std::string group_order = "layer";  // EngineOptions::group_order of every rank
   int syncs = 5;                // timed trials (after one warm-up)
   uint64_t seed = 1;
   std::string mpirun = "mpirun";
@@ -77,6 +78,7 @@ struct BenchWorkerSpec {
   std::string job;
   std::string tls = default_worker_tls();
   std::string mode = "pull";
+  std::string group_order = "layer";
   uint64_t seed = 1;
   int timeout_ms = 60000;
   bool in_place = true;

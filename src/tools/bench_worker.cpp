@@ -161,6 +161,9 @@ int run_bench_worker(const BenchWorkerSpec& s) {
   auto mode = parse_sync_mode(s.mode);
   if (!mode.ok()) return bench_worker_fail(s, mode.status());
   eo.mode = *mode;
+  auto order = parse_group_order_kind(s.group_order);
+  if (!order.ok()) return bench_worker_fail(s, order.status());
+  eo.group_order = *order;
   eo.timeout = eo.stall_timeout = std::chrono::milliseconds(s.timeout_ms);
   eo.rendezvous_timeout = std::chrono::milliseconds(s.timeout_ms);
   const int P = eo.num_producers;

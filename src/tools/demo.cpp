@@ -80,7 +80,7 @@ Result<Child> spawn_worker(const DemoSpec& d, const std::string& tls, const std:
   if (d.launch_prefix) ps.argv = d.launch_prefix(role, rank);
   ps.argv.insert(ps.argv.end(), {d.worker_binary, "worker", "--role", role, "--rank", std::to_string(rank),
              "--model", config_path, "--trainer", d.trainer, "--inference", d.inference,
-             "--store", store_url, "--job", job, "--backend", d.backend, "--mode", d.mode,
+             "--store", store_url, "--job", job, "--backend", d.backend, "--mode", d.mode, "--group-order", d.group_order,
              "--seed", std::to_string(d.seed), "--first-version", std::to_string(first_version),
              "--last-version", std::to_string(d.syncs), "--crash-version",
              std::to_string(crash_version), "--crash-point", std::to_string(crash_point),

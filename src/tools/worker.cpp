@@ -84,6 +84,9 @@ int run_worker(const WorkerSpec& s) {
   eo.num_producers = model->trainer.world_size();
   eo.num_consumers = model->inference.world_size();
   eo.mode = *mode;
+  auto order = parse_group_order_kind(s.group_order);
+  if (!order.ok()) return worker_fail(s, order.status());
+  eo.group_order = *order;
   eo.checksums = s.checksums;
   eo.stall_timeout = std::chrono::milliseconds(s.stall_ms);
   eo.straggler_floor = std::chrono::milliseconds(s.straggler_ms);

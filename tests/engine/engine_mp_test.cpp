@@ -60,6 +60,7 @@ struct MpCase {
   const char* mode;                    // "pull" | "push"
   StoreKind store = StoreKind::kTcp;   // the rendezvous store
   const char* tls = "sm,tcp,self";     // the workers' UCX_TLS
+  const char* group_order = "layer";   // every rank's EngineOptions::group_order
 };
 
 const char* store_name(StoreKind s) { return s == StoreKind::kTcp ? "tcpstore" : "redis"; }
@@ -86,6 +87,7 @@ class EngineMpTest : public ::testing::TestWithParam<MpCase> {
     auto d = spec(model, trainer, inference);
     d.mode = GetParam().mode;
     d.ucx_tls = GetParam().tls;
+    d.group_order = GetParam().group_order;
     if (GetParam().store == StoreKind::kRedis) {
       auto r = testing::RedisServer::start("engine-mp-token-0123");
       EXPECT_TRUE(r.ok()) << r.status().to_string();
@@ -111,6 +113,15 @@ INSTANTIATE_TEST_SUITE_P(Ucx, EngineMpFaultTest,
                                            MpCase{"push", StoreKind::kTcp, "sm,tcp,self"},
                                            MpCase{"pull", StoreKind::kTcp, "tcp,self"},
                                            MpCase{"push", StoreKind::kTcp, "tcp,self"}),
+                         mode_tls_name);
+// The same with every rank under the rotated group order (issue 26, docs/group-order.md).
+INSTANTIATE_TEST_SUITE_P(Rotated, EngineMpTest,
+                         ::testing::Values(MpCase{"pull", StoreKind::kTcp, "sm,tcp,self", "rotated"},
+                                           MpCase{"push", StoreKind::kTcp, "sm,tcp,self", "rotated"}),
+                         mode_store_name);
+INSTANTIATE_TEST_SUITE_P(Rotated, EngineMpFaultTest,
+                         ::testing::Values(MpCase{"pull", StoreKind::kTcp, "sm,tcp,self", "rotated"},
+                                           MpCase{"push", StoreKind::kTcp, "sm,tcp,self", "rotated"}),
                          mode_tls_name);
 
 TEST_P(EngineMpTest, DenseGqa) {

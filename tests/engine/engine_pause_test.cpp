@@ -97,6 +97,7 @@ void expect_all_verified(const tools::DemoResult& r, int v, int consumers, int p
 enum class Target { kConsumer, kProducer, kTcpStore, kRedis };
 struct PauseCase {
   Target target;
+  bool rotated = false;  // every rank under the rotated group order (docs/group-order.md)
 };
 const char* target_name(Target t) {
   switch (t) {
@@ -108,12 +109,19 @@ const char* target_name(Target t) {
   return "?";
 }
 void PrintTo(const PauseCase& c, std::ostream* os) { *os << target_name(c.target); }
-std::string pause_case_name(const ::testing::TestParamInfo<PauseCase>& i) { return target_name(i.param.target); }
+std::string pause_case_name(const ::testing::TestParamInfo<PauseCase>& i) {
+  return std::string(target_name(i.param.target)) + (i.param.rotated ? "_rotated" : "");
+}
 
 class EnginePauseTest : public ::testing::TestWithParam<PauseCase> {};
 INSTANTIATE_TEST_SUITE_P(Ucx, EnginePauseTest,
                          ::testing::Values(PauseCase{Target::kConsumer}, PauseCase{Target::kProducer},
                                            PauseCase{Target::kTcpStore}, PauseCase{Target::kRedis}),
+                         pause_case_name);
+// Paused ranks under the rotated order's paced service (issue 26): a paused consumer is
+// waited for or dropped from its turn, a paused producer failed over to its DP replica.
+INSTANTIATE_TEST_SUITE_P(Rotated, EnginePauseTest,
+                         ::testing::Values(PauseCase{Target::kConsumer, true}, PauseCase{Target::kProducer, true}),
                          pause_case_name);
 
 // Pauses at syncs 2, 4, ..., 12 (2x mid, 2x between, 5x mid, 5x between, 20x mid, 20x
@@ -124,6 +132,7 @@ INSTANTIATE_TEST_SUITE_P(Ucx, EnginePauseTest,
 TEST_P(EnginePauseTest, StopContAt2x5x20xLeaseTtlMidSyncAndBetween) {
   const Target t = GetParam().target;
   auto d = base_spec();
+  if (GetParam().rotated) d.group_order = "rotated";
   StoreFixture store;
   ASSERT_TRUE(store.use(t == Target::kTcpStore ? StoreKind::kProcess : t == Target::kRedis ? StoreKind::kRedis
                                                                                            : StoreKind::kInProcess,

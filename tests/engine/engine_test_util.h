@@ -45,6 +45,7 @@ struct EngineCase {
   Backend backend;
   Mode mode;
   bool shadow = false;  // consumers under CommitPolicy::kShadow
+  bool rotated = false;  // every rank under GroupOrderKind::kRotated (docs/group-order.md)
 };
 
 inline const char* backend_name(Backend b) { return b == Backend::kInproc ? "inproc" : "ucx"; }
@@ -58,16 +59,17 @@ inline const char* mode_name(Mode m) {
   return "?";
 }
 inline std::string case_name(const EngineCase& c) {
-  return fmt::format("{}_{}{}", backend_name(c.backend), mode_name(c.mode), c.shadow ? "_shadow" : "");
+  return fmt::format("{}_{}{}{}", backend_name(c.backend), mode_name(c.mode), c.shadow ? "_shadow" : "",
+                     c.rotated ? "_rotated" : "");
 }
 inline void PrintTo(const EngineCase& c, std::ostream* os) { *os << case_name(c); }
 inline std::string case_name_of(const ::testing::TestParamInfo<EngineCase>& info) { return case_name(info.param); }
 
 // Every (transport, mode) pair drawn from the two lists.
-inline auto cases(std::vector<Backend> backends, std::vector<Mode> modes, bool shadow = false) {
+inline auto cases(std::vector<Backend> backends, std::vector<Mode> modes, bool shadow = false, bool rotated = false) {
   std::vector<EngineCase> out;
   for (Backend b : backends) {
-    for (Mode m : modes) out.push_back({b, m, shadow});
+    for (Mode m : modes) out.push_back({b, m, shadow, rotated});
   }
   return ::testing::ValuesIn(out);
 }
@@ -205,9 +207,12 @@ struct Cluster {
   bool in_place = false;       // producers serve from InPlaceSource regions
   Backend backend = Backend::kInproc;
   bool shadow = false;  // consumers commit by CommitPolicy::kShadow (a failed sync never tears them)
+  bool rotated = false;  // every rank under GroupOrderKind::kRotated (eo.group_order)
   static inline std::atomic<int> job_counter{0};
 
-  explicit Cluster(EngineCase c = {Backend::kInproc, Mode::kPull}) : backend(c.backend), shadow(c.shadow) {
+  explicit Cluster(EngineCase c = {Backend::kInproc, Mode::kPull})
+      : backend(c.backend), shadow(c.shadow), rotated(c.rotated) {
+    if (c.rotated) eo.group_order = GroupOrderKind::kRotated;
     eo.timeout = 20s;
     eo.stall_timeout = 20s;
     eo.lease_ttl = 2000ms;

@@ -238,6 +238,44 @@ TEST(ScheduleSlots, PostProcessingGroupsRunOnceAfterTheirLastParam) {
   }
 }
 
+// In a consumer's own order (the rotated order, engine/group_order.h), a post-processing
+// group runs after the last group *in that order* that writes one of its params: here
+// the layer order reversed, so each runs after the lowest such group.
+TEST(ScheduleSlots, PostProcessingGroupsFollowTheConsumersOrder) {
+  auto model = make_job_model(cfg("qwen3-235b-a22b-fp8.json"), "tp=1", "tp=2", true, R"({"num_hidden_layers": 2})");
+  ASSERT_TRUE(model.ok()) << model.status().to_string();
+  std::vector<Plan> plans;
+  const Routes routes = build(*model, plans);
+  auto rl = model->loader->rank(0);
+  ASSERT_TRUE(rl.ok());
+  std::map<std::string, ParamTable::Param> none;
+  ConsumerScheduleInputs in;
+  in.routes = &routes;
+  in.params = &none;
+  in.holdings = model->holdings.get();
+  for (const ParamInfo& p : (*rl)->params()) in.post_group_of[p.decl.name] = p.group;
+  in.num_post_groups = (*rl)->groups().size();
+  std::vector<int> order(static_cast<size_t>(routes.num_groups()));
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(order.size() - 1 - i);
+  in.order = &order;
+  const ConsumerSchedule cs = make_consumer_schedule(in);
+  std::map<std::string, int> first;  // param -> the lowest group writing it (the last in `order`)
+  const PlanRoute& pr = routes.consumer(0);
+  for (size_t g = pr.groups.size(); g-- > 0;)
+    for (const UnpackOp& u : pr.groups[g].unpacks) first[pr.params[u.param].name] = static_cast<int>(g);
+  std::vector<int> runs(in.num_post_groups, 0);
+  for (size_t g = 0; g < cs.groups.size(); ++g) {
+    for (int k : cs.groups[g].post_groups) {
+      ++runs[static_cast<size_t>(k)];
+      for (const ParamInfo& p : (*rl)->params()) {
+        if (p.group == k && first.count(p.decl.name)) {
+          EXPECT_GE(first[p.decl.name], static_cast<int>(g)) << p.decl.name;
+        }
+      }
+    }
+  }
+  for (size_t k = 0; k < runs.size(); ++k) EXPECT_EQ(runs[k], 1) << "post-processing group " << k;
+}
 
 // The staging ring a budget gives (memory.h): the budget bounds the ring whenever it
 // holds the largest group under the routes now; below that it is refused naming bytes.

@@ -119,5 +119,26 @@ TEST(Straggler, ReasonNamesTheGroupTheLagAndTheBound) {
             "routes (100 ms after it was announced; bound: max(straggler_floor 50 ms, 2 x 100 ms))");
 }
 
+// The rotated order's paced service (issue 26): a consumer whose turn at the slot has not
+// come (its wave not open) is not late; one whose turn came lags from then, if later than
+// the others' last release, and is named with it.
+TEST(Straggler, PacedLagCountsFromTheConsumersTurn) {
+  Known k;
+  std::map<int, Clock::time_point> opened{{0, t0 + milliseconds(50)}, {1, t0 + milliseconds(400)}};
+  RoutesKnown known = k.at(0xAB, 0xAB);
+  known.opened = &opened;
+  EXPECT_EQ(lag_start(kSlot, known, 0), (Lag{t0 + milliseconds(100), true}));
+  EXPECT_EQ(lag_start(kSlot, known, 1), (Lag{t0 + milliseconds(400), true}));
+  EXPECT_EQ(lag_start(kSlot, known, 2), std::nullopt) << "its wave has not opened";
+  const StragglerPolicy p{milliseconds(200), 0, true};
+  const auto bound = straggler_bound(p, kSlot);
+  EXPECT_EQ(next_straggler(p, bound, kSlot, known, {1, 2}, t0 + milliseconds(5000)), t0 + milliseconds(600));
+  auto out = stragglers(p, bound, kSlot, known, {0, 1, 2}, t0 + milliseconds(650));
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[0].first, 0);
+  EXPECT_EQ(out[1].first, 1);
+  EXPECT_NE(out[1].second.find("its turn came"), std::string::npos) << out[1].second;
+}
+
 }  // namespace
 }  // namespace ferry::engine
