@@ -313,16 +313,14 @@ TEST_P(EngineInprocTest, RotatedOrderStagesSendTogether) {
       EXPECT_EQ(first_from[1], 0) << "layer order starts at stage 0 everywhere";
     }
   }
-  // Timing on a shared box with syncs of ~15 ms is noisy (measured: layer order's share
-  // 0.02-0.68, median ~0.07; rotated 0.08-0.90, median ~0.55; medians of five: layer
-  // 0-13%, rotated 30-79%): the median of five, against 20%.
+  // How long both stages send at once is timing, which no pass/fail may depend on (a
+  // shared box, syncs of ~15 ms; measured medians of five: layer 0-13%, rotated 30-79%):
+  // printed here, measured where it means something (docs/RESULTS.md, emulated hosts at
+  // 1 Gbit/s). The order itself is checked above.
   std::sort(shares.begin(), shares.end());
   const double median = shares[shares.size() / 2];
   std::printf("both stages send during %.0f%% of the sync (median of %zu syncs, %s order)\n", 100 * median,
               shares.size(), k.rotated ? "rotated" : "layer");
-  if (k.rotated) {
-    EXPECT_GT(median, 0.2) << "both stages send together for much of the sync";
-  }
 }
 
 // A source that breaks its in-place promise (a box at another address) fails the sync
