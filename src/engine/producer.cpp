@@ -456,7 +456,6 @@ struct Producer::Impl {
     int push_slot = -1;
     std::optional<Ready> push;
     std::optional<Dropped> mismatch_drop;  // sent once mu is released
-    bool return_after_send = false;        // a READY refused: nothing to record or push
     std::optional<std::pair<uint64_t, uint64_t>> flushed;  // (version, routes) answered at once
     std::vector<Serve> todo;                                // paced: turns that came
     {
@@ -553,25 +552,22 @@ struct Producer::Impl {
         }
         if (m->recv_slot >= kReceiveSlots) return;  // not a slot of the consumer's ring
         if (ready.size() > 100000) return;
-        if (known) {
+        const Peer& p = peers[static_cast<size_t>(c)];
+        if (known &&
+            (m->landing > 1 || (m->landing == 1 && p.other_param_regions.size() != p.param_regions.size()))) {
           // A set its lease does not publish: the writes meant for its params would miss them.
-          const Peer& p = peers[static_cast<size_t>(c)];
-          if (m->landing > 1 || (m->landing == 1 && p.other_param_regions.size() != p.param_regions.size())) {
-            const std::string why = fmt::format("its READY names param set {}, which its lease does not publish",
-                                                int(m->landing));
-            if (current) drop_locked(c, why, nullptr);
-            mismatch_drop = Dropped{static_cast<uint32_t>(rank), m->version, routes_hash, why};
-            return_after_send = true;
-          }
-        }
-        if (!return_after_send) {
+          const std::string why = fmt::format("its READY names param set {}, which its lease does not publish",
+                                              int(m->landing));
+          if (current) drop_locked(c, why, nullptr);
+          mismatch_drop = Dropped{static_cast<uint32_t>(rank), m->version, routes_hash, why};
+        } else {
           ready[{m->version, m->group, c}] = ReadyFrom{from, m->recv_slot, m->routes, m->landing};
-        }
-        if (!return_after_send && current && known) {
-          push_slot = slot_of_locked(m->group, m->routes);
-          // Paced: served when its wave opens (open_waves_locked), not before.
-          if (push_slot >= 0 && !turn_locked(c, m->group)) push_slot = -1;
-          push = *m;
+          if (current && known) {
+            push_slot = slot_of_locked(m->group, m->routes);
+            // Paced: served when its wave opens (open_waves_locked), not before.
+            if (push_slot >= 0 && !turn_locked(c, m->group)) push_slot = -1;
+            push = *m;
+          }
         }
       }
       todo = open_waves_locked();
@@ -674,12 +670,12 @@ struct Producer::Impl {
     if (!lease.ok()) return false;
     // The instance and its memory; the versions it holds change at every commit and are
     // no reason to reconnect.
-    const auto blob = std::optional<std::string>(encode_lease(lease->instance()));
+    const std::string blob = encode_lease(lease->instance());
     Peer& p = peers[static_cast<size_t>(c)];
     bool fresh;
     {
       std::lock_guard<std::mutex> lk(mu);
-      fresh = !p.connected || p.blob != *blob;
+      fresh = !p.connected || p.blob != blob;
       p.committed = lease->committed;
     }
     if (!fresh) return true;
@@ -710,7 +706,7 @@ struct Producer::Impl {
     }
     std::lock_guard<std::mutex> lk(mu);
     if (failed_ids.count(*id) != 0) return false;  // died while we connected
-    p.blob = *blob;
+    p.blob = blob;
     p.id = *id;
     p.connected = true;
     p.recv = recv;
