@@ -61,6 +61,17 @@ Result<Plan> record_rank_plan(const ModelLoader& loader, int global) {
   return record_plan(loader, global, loaded);
 }
 
+Result<TensorMap> zeroed_host_params(const ModelLoader& loader, int global) {
+  FERRY_ASSIGN_OR_RETURN(auto rl, loader.rank(global));
+  TensorMap params;
+  for (const TensorDecl& d : rl->param_decls()) {
+    Tensor t = Tensor::empty(d.shape, d.dtype, d.name);
+    FERRY_RETURN_IF_ERROR(t.zero_());
+    params.emplace(d.name, std::move(t));
+  }
+  return params;
+}
+
 Result<std::optional<std::string>> verify_params(const JobModel& m, int rank, const TensorMap& params, uint64_t seed,
                                                  uint64_t version) {
   // One checkpoint tensor at a time: every rank of a bench verifies at once, and a whole

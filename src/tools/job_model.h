@@ -36,6 +36,10 @@ Result<JobModel> make_job_model_from(const ModelConfig& config, const std::strin
 // `ferry simulate` route with. Errors: the loader's, a param no copy writes, coverage.
 Result<Plan> record_rank_plan(const ModelLoader& loader, int global);
 
+// Zeroed host buffers for every param inference rank `global` loads, by name: what an
+// engine's own parameters are to a Consumer (`--caller-params` of bench and demo).
+Result<TensorMap> zeroed_host_params(const ModelLoader& loader, int global);
+
 // Compares consumer `rank`'s final params with a direct load of synthetic version
 // `version` (synthetic_tensor(seed, version, ...) of every checkpoint tensor); the first
 // mismatch as text, nullopt when every param matches bit for bit.

@@ -198,13 +198,9 @@ int run_worker(const WorkerSpec& s) {
     }
     TensorMap params;  // --caller-params: host buffers of this process, as an engine's params
     if (s.caller_params) {
-      auto rl = model->loader->rank(s.rank);
-      if (!rl.ok()) return worker_fail(s, rl.status());
-      for (const TensorDecl& d : (*rl)->param_decls()) {
-        Tensor t = Tensor::empty(d.shape, d.dtype, d.name);
-        if (Status z = t.zero_(); !z.ok()) return worker_fail(s, z);
-        params.emplace(d.name, std::move(t));
-      }
+      auto own = zeroed_host_params(*model->loader, s.rank);
+      if (!own.ok()) return worker_fail(s, own.status().with_context("--caller-params"));
+      params = std::move(*own);
     }
     auto c = Consumer::create(*model->loader, s.rank, **transport, st, co, std::move(params));
     if (!c.ok()) return worker_fail(s, c.status());
