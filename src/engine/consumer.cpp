@@ -57,8 +57,10 @@ Result<std::pair<int, Consumer::Impl::Arrival>> Consumer::Impl::await_any(uint64
       }
     }
     if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
-    if (auto d = dropped_versions.find(v); d != dropped_versions.end())
-      return cancelled("consumer {} was dropped from sync {} by {}", rank, v, d->second);
+    for (auto d = dropped_versions.lower_bound({v, 0}); d != dropped_versions.end() && d->first.first == v; ++d) {
+      if (!route_state.dead().count(d->first.second))
+        return cancelled("consumer {} was dropped from sync {} by {}", rank, v, d->second);
+    }
     if (Status m = version_mismatch_locked(v, from); !m.ok()) return m;
     if (Status w = worker->status(); !w.ok()) return w;
     if (none) {
@@ -421,6 +423,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
       const bool stale = mv < v || (mv != v && ran);
       it = stale ? inbox.erase(it) : std::next(it);
     }
+    dropped_versions.erase(dropped_versions.begin(), dropped_versions.lower_bound({v, 0}));
     syncing = v;
     attempted.insert(v);
     if (attempted.size() > 64) attempted.erase(attempted.begin());

@@ -127,7 +127,10 @@ struct Consumer::Impl {
   // Push: per producer, READYs of this sync not answered by PUSHED yet: its writes of
   // those groups may be in flight (sync thread only).
   std::map<int, int> unanswered;
-  std::map<uint64_t, std::string> dropped_versions;  // version -> which producer dropped us and why
+  // (version, producer) -> why that producer dropped us from that sync. A drop counts
+  // only while its producer is in our routes: one failed over (by us or by the others,
+  // whose routes we followed) may still drop us from the attempt it was left out of.
+  std::map<std::pair<uint64_t, int>, std::string> dropped_versions;
   std::atomic<bool> crashed{false};  // simulate_crash (test hook)
   std::optional<uint64_t> syncing;  // the version of the sync in progress; mu
   std::set<uint64_t> attempted;     // versions this instance began syncs of (the last 64); mu

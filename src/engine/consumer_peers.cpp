@@ -44,7 +44,7 @@ void Consumer::Impl::on_message(PeerId from, std::span<const std::byte> payload)
     flushed_from[p] = {m->version, m->routes};
   } else if (const auto* m = std::get_if<Dropped>(&msg)) {
     if (!known) return;
-    dropped_versions.emplace(m->version, fmt::format("producer {}: {}", p, m->reason));
+    dropped_versions.emplace(std::make_pair(m->version, p), fmt::format("producer {}: {}", p, m->reason));
   } else {
     return;
   }

@@ -560,6 +560,12 @@ DemoResult run_demo(const DemoSpec& d) {
       // A failed sync took time and moved bytes too: its row counts them.
       secs = std::max(secs, j.value("seconds", 0.0));
       if (is_consumer) row.bytes += j.value("bytes", uint64_t{0});
+      // What the rank noted on the way (failovers, routes followed), whether or not its
+      // sync succeeded: a failed rank's notes are what says how it got there.
+      for (const auto& f : j.value("failures", std::vector<std::string>{})) {
+        notes.push_back(f);
+        row.failures.push_back(f);
+      }
       if (!j.value("ok", false)) {
         const std::string e = fmt::format("{}: {}", name, j.value("error", std::string("?")));
         notes.push_back(e);
@@ -586,10 +592,6 @@ DemoResult run_demo(const DemoSpec& d) {
           if (val > 0) ph += fmt::format(" {} {:.3f}", name, val);
         }
         notes.push_back(fmt::format("{}: {:.3f} s:{}", name, j.value("seconds", 0.0), ph));
-      }
-      for (const auto& f : j.value("failures", std::vector<std::string>{})) {
-        notes.push_back(f);
-        row.failures.push_back(f);
       }
       if (is_consumer && j.value("mixed_reads", uint64_t{0}) > 0) {
         all_ok = false;

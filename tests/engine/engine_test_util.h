@@ -193,6 +193,8 @@ struct Cluster {
   std::vector<std::unique_ptr<Consumer>> cons;
   std::function<void(ProducerOptions&, int)> tweak_producer;
   std::function<void(ConsumerOptions&, int)> tweak_consumer;
+  // Wraps producer p's store connection (and so its lease's: Store::hold_lease clones it).
+  std::function<std::unique_ptr<Store>(int p, std::unique_ptr<Store>)> wrap_producer_store;
   bool caller_params = false;  // consumers get param buffers allocated by the test
   // With caller_params: how the test makes each param buffer (default: Tensor::empty).
   std::function<Result<Tensor>(const TensorDecl&)> param_factory;
@@ -280,6 +282,7 @@ struct Cluster {
     in_place_src[i].reset();  // (deregisters from the transport replaced next)
     FERRY_ASSIGN_OR_RETURN(ptr[i], transport());
     FERRY_ASSIGN_OR_RETURN(pst[i], store());
+    if (wrap_producer_store) pst[i] = wrap_producer_store(p, std::move(pst[i]));
     src[i] = std::make_unique<SyntheticSource>(model.metadata, model.holdings, p, seed);
     ProducerOptions po;
     static_cast<EngineOptions&>(po) = eo;
