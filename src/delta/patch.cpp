@@ -11,6 +11,10 @@
 
 #include <xxhash.h>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace ferry::delta {
 
 static_assert(std::endian::native == std::endian::little, "the patch format is little-endian; add byte swaps");
@@ -93,12 +97,30 @@ uint64_t changed_mask(const std::byte* a, const std::byte* b, size_t cnt) {
     uint64_t acc = 0;
     for (size_t w = 0; w < 8 * sizeof(T); ++w) acc |= load_u64(a + 8 * w) ^ load_u64(b + 8 * w);
     if (acc == 0) return 0;
+#if defined(__SSE2__)
+    // 16 bytes at a time: compare lanes, narrow to one bit per element (movemask).
+    uint64_t eq = 0;
+    for (size_t v = 0; v < 4 * sizeof(T); ++v) {
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a) + v);
+      const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b) + v);
+      if constexpr (sizeof(T) == 1) {
+        eq |= static_cast<uint64_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(x, y))) << (16 * v);
+      } else if constexpr (sizeof(T) == 2) {
+        eq |= static_cast<uint64_t>(_mm_movemask_epi8(_mm_packs_epi16(_mm_cmpeq_epi16(x, y), _mm_setzero_si128())))
+              << (8 * v);
+      } else {
+        eq |= static_cast<uint64_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(x, y)))) << (4 * v);
+      }
+    }
+    return ~eq;
+#else
     T va[64], vb[64];
     std::memcpy(va, a, sizeof va);
     std::memcpy(vb, b, sizeof vb);
     uint64_t m = 0;
     for (size_t i = 0; i < 64; ++i) m |= static_cast<uint64_t>(va[i] != vb[i]) << i;
     return m;
+#endif
   }
   uint64_t m = 0;
   for (size_t i = 0; i < cnt; ++i) {
