@@ -31,7 +31,7 @@ struct Pair {
 };
 
 // Same generator as tests/delta/patch_test.cpp: scattered = each element changed with
-// probability f; clustered = runs of 1..3 blocks' worth of elements at random places.
+// probability f; clustered = runs of 1..12288 elements at random places.
 Pair make_pair(double f, bool clustered, uint64_t seed) {
   std::mt19937_64 rng(seed);
   Pair p;
@@ -53,7 +53,7 @@ Pair make_pair(double f, bool clustered, uint64_t seed) {
     std::vector<bool> done(kElems);
     size_t count = 0;
     while (count < target) {
-      const size_t len = 1 + rng() % (3 * kBitmapBlockElems), start = rng() % kElems;
+      const size_t len = 1 + rng() % 12288, start = rng() % kElems;
       for (size_t i = start; i < std::min(kElems, start + len) && count < target; ++i) {
         if (done[i]) continue;
         done[i] = true;

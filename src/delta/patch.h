@@ -50,7 +50,7 @@ enum class PatchChoice : uint8_t { kSmallest, kDense, kBitmap, kPositions };
 
 inline constexpr size_t kPatchHeaderBytes = 32;
 // Elements per kBitmap block (measured: docs/delta.md).
-inline constexpr size_t kBitmapBlockElems = 4096;
+inline constexpr size_t kBitmapBlockElems = 1024;
 
 // The most bytes a kSmallest patch of `dense_bytes` of content can take.
 inline constexpr size_t max_patch_bytes(size_t dense_bytes) { return dense_bytes + kPatchHeaderBytes; }

@@ -205,7 +205,7 @@ TEST(Patch, EmptyInput) {
 }
 
 TEST(Patch, SmallSizesAroundBlockAndChunkEdges) {
-  for (size_t n : {1, 7, 8, 9, 63, 64, 65, 4095, 4096, 4097, 8191, 8193}) {
+  for (size_t n : {1, 7, 8, 9, 63, 64, 65, 1023, 1024, 1025, 2047, 2049, 4095, 4096, 4097, 8193}) {
     for (size_t es : {1, 2, 4}) {
       for (double f : {0.0, 0.3, 1.0}) {
         const Pair p = make_pair(n, es, f, Pattern::kScattered, n * 31 + es);
