@@ -1,7 +1,7 @@
-// Patch codec (delta/patch.h). Encoding is two passes over the changed data: a scan that
-// counts changed elements per block and the exact LEB128 bytes their gaps take (so the
-// size of every encoding is known before a byte is written), then an emit of the
-// chosen one that revisits only blocks with changes. Applying is two passes too: a
+// Patch codec (delta/patch.h). Encoding is a scan that compares every element once,
+// keeping one changed-bit per element (n/8 bytes), the count per block and the exact
+// LEB128 bytes the gaps take (so the size of every encoding is known before a byte is
+// written), then an emit of the chosen one from those bits. Applying is two passes too: a
 // validation of the whole structure, then the writes, then the content hash.
 #include "delta/patch.h"
 
@@ -93,10 +93,6 @@ size_t ceil_div(size_t a, size_t b) { return a / b + (a % b != 0); }
 template <typename T>
 uint64_t changed_mask(const std::byte* a, const std::byte* b, size_t cnt) {
   if (cnt == 64) {
-    // Most chunks are unchanged at low change rates: one OR of XORs over the chunk.
-    uint64_t acc = 0;
-    for (size_t w = 0; w < 8 * sizeof(T); ++w) acc |= load_u64(a + 8 * w) ^ load_u64(b + 8 * w);
-    if (acc == 0) return 0;
 #if defined(__SSE2__)
     // 16 bytes at a time: compare lanes, narrow to one bit per element (movemask).
     uint64_t eq = 0;
@@ -114,6 +110,10 @@ uint64_t changed_mask(const std::byte* a, const std::byte* b, size_t cnt) {
     }
     return ~eq;
 #else
+    // Most chunks are unchanged at low change rates: one OR of XORs over the chunk.
+    uint64_t acc = 0;
+    for (size_t w = 0; w < 8 * sizeof(T); ++w) acc |= load_u64(a + 8 * w) ^ load_u64(b + 8 * w);
+    if (acc == 0) return 0;
     T va[64], vb[64];
     std::memcpy(va, a, sizeof va);
     std::memcpy(vb, b, sizeof vb);
@@ -147,6 +147,7 @@ struct Scan {
   size_t es = 0;
   uint64_t n = 0;                      // elements
   std::vector<uint32_t> block_changed;  // per kB block
+  std::vector<uint64_t> masks;          // per 64-element chunk: bit i = element i changed
   uint64_t changed = 0;
   uint64_t gap_bytes = 0;  // LEB128 bytes of all position gaps
 
@@ -179,13 +180,18 @@ Scan scan(std::span<const std::byte> base, std::span<const std::byte> next, size
   s.n = next.size() / es;
   const size_t nblocks = ceil_div(s.n, kB);
   s.block_changed.assign(nblocks, 0);
+  s.masks.resize(ceil_div(s.n, 64));
   uint64_t expect = 0;  // the position after the last changed element
   for (size_t b = 0; b < nblocks; ++b) {
     const size_t len = s.block_len(b);
+    // Unchanged blocks (most of them when changes cluster) cost one memcmp; in a
+    // changed block memcmp stops at the first difference.
+    if (std::memcmp(s.base + b * kB * es, s.next + b * kB * es, len * es) == 0) continue;
     uint32_t count = 0;
     for (size_t c = 0; c < len; c += 64) {
       const size_t i0 = b * kB + c, cnt = std::min<size_t>(64, len - c);
       const uint64_t m = changed_mask(es, s.base + i0 * es, s.next + i0 * es, cnt);
+      s.masks[i0 / 64] = m;
       if (m == 0) continue;
       const unsigned pc = static_cast<unsigned>(std::popcount(m));
       count += pc;
@@ -229,7 +235,7 @@ void emit_positions(const Scan& s, std::byte* p, std::byte* end) {
     const size_t len = s.block_len(b);
     for (size_t c = 0; c < len; c += 64) {
       const size_t i0 = b * kB + c;
-      const uint64_t m = changed_mask(ES, s.base + i0 * ES, s.next + i0 * ES, std::min<size_t>(64, len - c));
+      const uint64_t m = s.masks[i0 / 64];
       for_each_bit(m, i0, [&](uint64_t i) {
         p = put_varint(p, i - expect);
         expect = i + 1;
@@ -260,7 +266,7 @@ void emit_bitmap(const Scan& s, std::byte* p, std::byte* end) {
     states[b / 4] |= std::byte(kStateSome << (2 * (b % 4)));
     for (size_t k = 0; k < len; k += 64) {
       const size_t cnt = std::min<size_t>(64, len - k);
-      const uint64_t m = changed_mask(ES, s.base + (i0 + k) * ES, s.next + (i0 + k) * ES, cnt);
+      const uint64_t m = s.masks[(i0 + k) / 64];
       const size_t mb = ceil_div(cnt, 8);
       std::memcpy(p, &m, mb);
       p += mb;
