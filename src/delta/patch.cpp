@@ -72,7 +72,7 @@ std::byte* put_varint(std::byte* p, uint64_t v) {
 }
 
 // Reads one LEB128 value from [*p, end); false when truncated or over 64 bits.
-bool get_varint(const std::byte*& p, const std::byte* end, uint64_t* out) {
+[[gnu::noinline]] bool get_varint_slow(const std::byte*& p, const std::byte* end, uint64_t* out) {
   uint64_t v = 0;
   for (unsigned shift = 0; shift < 64; shift += 7) {
     if (p == end) return false;
@@ -85,6 +85,15 @@ bool get_varint(const std::byte*& p, const std::byte* end, uint64_t* out) {
     }
   }
   return false;
+}
+
+// The common case (a gap under 128) inline.
+inline bool get_varint(const std::byte*& p, const std::byte* end, uint64_t* out) {
+  if (p != end && static_cast<uint8_t>(*p) < 0x80) {
+    *out = static_cast<uint8_t>(*p++);
+    return true;
+  }
+  return get_varint_slow(p, end, out);
 }
 
 size_t ceil_div(size_t a, size_t b) { return a / b + (a % b != 0); }
