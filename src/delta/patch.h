@@ -3,8 +3,9 @@
 //
 // Contract:
 //  * Pure functions over caller-owned memory: no state, no allocation kept, no
-//    threads started. Any number of threads may call them at once on different (or
-//    the same read-only) buffers.
+//    threads started (encoding allocates n/8 bytes of scratch for its scan; applying
+//    allocates nothing). Any number of threads may call them at once on different
+//    (or the same read-only) buffers. Inputs and outputs must not overlap.
 //  * Lossless: an element "changed" when its bit pattern differs (bytes are compared,
 //    never floats, so NaNs and -0.0 are exact). Element sizes 1, 2 and 4 bytes (fp8,
 //    bf16/fp16, f32); any other size is kInvalidArgument.
