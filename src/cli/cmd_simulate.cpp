@@ -32,6 +32,8 @@ struct SimulateArgs {
   std::string design = "ferry";
   std::string mode = "pull";
   std::string order = "layer";
+  double changed_fraction = -1;  // < 0: a dense sync
+  std::string changes = "scattered";
   bool json = false;
   std::string plot;
 };
@@ -92,6 +94,12 @@ int run_simulate(const SimulateArgs& a) {
   const auto t0 = std::chrono::steady_clock::now();
   auto work = build_workload(job, *design);
   if (!work.ok()) return fail_with("simulate", work.status());
+  const bool delta = a.changed_fraction >= 0;
+  if (delta) {
+    auto layout = delta::parse_change_layout(a.changes);
+    if (!layout.ok()) return fail_with("simulate", layout.status().with_context("--changes"));
+    if (Status st = apply_delta(*work, *design, a.changed_fraction, *layout); !st.ok()) return fail_with("simulate", st);
+  }
   const auto t1 = std::chrono::steady_clock::now();
   SimOptions opts;
   opts.design = *design;
@@ -142,6 +150,12 @@ int run_simulate(const SimulateArgs& a) {
     j["busiest_tx_nic"] = nic(r->busiest_tx);
   }
   j["nics"] = nics;
+  if (delta) {
+    j["changed_fraction"] = a.changed_fraction;
+    j["changes"] = a.changes;
+    j["element_bytes"] = work->element_bytes;
+    j["patch_ratio"] = work->patch_ratio;
+  }
   j["model_bytes"] = work->model_bytes;
   j["max_consumer_bytes"] = work->max_consumer_bytes;
   j["bytes_moved"] = *design == Design::kBroadcast ? 0 : work->bytes_moved;
@@ -174,6 +188,10 @@ int run_simulate(const SimulateArgs& a) {
               a.job.trainer.c_str(), a.job.inference.c_str(), j["cluster"].get<std::string>().c_str());
   std::printf("  predicted sync            %.3f s   (floor %.3f s: busiest NIC bytes / rate; receive side %.3f s)\n",
               r->seconds, r->floor_seconds, r->rx_floor_seconds);
+  if (delta) {
+    std::printf("  delta sync: %g%% of elements changed (%s), %.2f bytes per element: patches %.3f%% of the dense bytes\n",
+                100 * a.changed_fraction, a.changes.c_str(), work->element_bytes, 100 * work->patch_ratio);
+  }
   if (r->lockstep_seconds > 0) {
     std::printf("  groups in lockstep        %.3f s   (sum over groups of the group's busiest NIC bytes / rate)\n",
                 r->lockstep_seconds);
@@ -233,6 +251,13 @@ FERRY_COMMAND(simulate_command, "simulate",
                                "ferry's group order: layer (the engine today) | rotated | rotated-unpaced "
                                "(docs/group-order.md)")
                     ->default_val("layer");
+                app.add_option("--changed-fraction", a->changed_fraction,
+                               "Predict a delta sync (docs/delta.md): this fraction (0..1) of the elements changed "
+                               "since the version every consumer holds");
+                app.add_option("--changes", a->changes,
+                               "How the changed elements lie, with --changed-fraction: scattered (one by one) | "
+                               "clustered (whole tensors or experts)")
+                    ->default_val("scattered");
                 app.add_option("--staging-budget", a->job.staging_budget,
                                "Each producer's staging budget (bytes, suffixes KiB, MiB, GiB; 0: two slots)")
                     ->transform(CLI::AsSizeValue(false));

@@ -6,6 +6,7 @@
 #include "delta/patch.h"
 
 #include <algorithm>
+#include <cmath>
 #include <bit>
 #include <cstring>
 
@@ -603,6 +604,40 @@ Result<PatchInfo> encode_changed_blocks(std::span<const uint64_t> prev_hashes, s
   info.content_hash = XXH3_64bits(next.data(), n);
   write_header(out.data(), PatchEncoding::kBlocks, 1, n, info.content_hash, info.bytes - kPatchHeaderBytes);
   return info;
+}
+
+}  // namespace ferry::delta
+
+namespace ferry::delta {
+
+Result<ChangeLayout> parse_change_layout(std::string_view text) {
+  if (text == "scattered") return ChangeLayout::kScattered;
+  if (text == "clustered") return ChangeLayout::kClustered;
+  return invalid_argument("change layout '{}': expected scattered or clustered", text);
+}
+
+const char* change_layout_name(ChangeLayout l) { return l == ChangeLayout::kScattered ? "scattered" : "clustered"; }
+
+double predicted_patch_ratio(double fraction, double elem_bytes, ChangeLayout layout) {
+  const double f = std::clamp(fraction, 0.0, 1.0), es = std::max(elem_bytes, 1e-9);
+  const double B = static_cast<double>(kBitmapBlockElems);
+  double positions = 0, bitmap = 0;  // bytes per element of content
+  if (layout == ChangeLayout::kScattered) {
+    // Gaps are geometric with mean 1/f: one LEB128 byte, one more from 128 up, from
+    // 2^14, from 2^21 (a gap g >= 128 with probability (1-f)^128).
+    const double q = 1 - f;
+    const double leb = 1 + std::pow(q, 128.0) + std::pow(q, 16384.0) + std::pow(q, 2097152.0);
+    positions = f * (es + leb);
+    // Per block: 2 state bits; a partly changed block (some, not all changed) its bitmap.
+    const double some = 1 - std::pow(q, B) - std::pow(f, B);
+    bitmap = 1 / (4 * B) + some / 8 + f * es;
+  } else {
+    // Whole runs: every changed element a zero gap (one byte); whole blocks all changed
+    // (state 2, no bitmap), runs long against a block.
+    positions = f * (es + 1);
+    bitmap = 1 / (4 * B) + f * es;
+  }
+  return std::min(1.0, std::min(positions, bitmap) / es);
 }
 
 }  // namespace ferry::delta

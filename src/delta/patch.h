@@ -29,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "ferry/status.h"
@@ -112,5 +113,22 @@ size_t max_block_patch_bytes(size_t dense_bytes, size_t block_bytes);
 Result<PatchInfo> encode_changed_blocks(std::span<const uint64_t> prev_hashes, std::span<const std::byte> next,
                                         size_t block_bytes, std::span<std::byte> out,
                                         std::vector<uint64_t>* next_hashes = nullptr);
+
+// ---- Predicted patch sizes (ferry simulate, ferry plan) ----
+//
+// How the changed elements are laid out: scattered (each element changes independently
+// with probability `fraction`: the field's bf16 RL updates) or clustered (the changes
+// are whole contiguous runs: whole tensors or experts updated, the rest untouched).
+enum class ChangeLayout : uint8_t { kScattered, kClustered };
+Result<ChangeLayout> parse_change_layout(std::string_view text);  // scattered | clustered
+const char* change_layout_name(ChangeLayout l);
+
+// The expected size of a kSmallest patch over a large buffer, as a fraction of its dense
+// bytes (0 < result <= 1; the 32-byte header is left out: buffers are megabytes), for
+// `fraction` of its elements changed (0..1) and elements of `elem_bytes` (may be
+// fractional: a model's bytes per element, fp8 experts beside bf16 attention). Computed
+// from the format (docs/delta.md) with the expected LEB128 gap lengths and partly
+// changed blocks of the layout; tests compare it with encode_patch on sampled buffers.
+double predicted_patch_ratio(double fraction, double elem_bytes, ChangeLayout layout);
 
 }  // namespace ferry::delta

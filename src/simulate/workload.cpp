@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <map>
 #include <unordered_map>
 
@@ -90,6 +91,14 @@ Result<JobWorkload> build_workload(const JobSpec& job, Design design) {
   out.producers = m.trainer.world_size();
   out.consumers = m.inference.world_size();
   out.model_bytes = m.checkpoint_bytes;
+  {
+    double elements = 0, bytes = 0;
+    for (const TensorDecl& d : m.metadata) {
+      elements += static_cast<double>(shape_numel(d.shape));
+      bytes += static_cast<double>(shape_numel(d.shape)) * static_cast<double>(dtype_size(d.dtype));
+    }
+    if (elements > 0) out.element_bytes = bytes / elements;
+  }
   Workload& w = out.work;
   w.producers = out.producers;
   w.consumers = out.consumers;
@@ -204,6 +213,28 @@ Result<JobWorkload> build_workload(const JobSpec& job, Design design) {
   }
   out.route_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return out;
+}
+
+Status apply_delta(JobWorkload& job, Design design, double fraction, delta::ChangeLayout layout) {
+  if (!(fraction >= 0 && fraction <= 1))
+    return invalid_argument("--changed-fraction {}: must be between 0 and 1", fraction);
+  if (design != Design::kFerry)
+    return invalid_argument("--changed-fraction: only ferry's design sends deltas (got --design {})", design_name(design));
+  const double r = delta::predicted_patch_ratio(fraction, job.element_bytes, layout);
+  job.patch_ratio = r;
+  auto scale = [](uint64_t b, double k) { return static_cast<uint64_t>(std::ceil(static_cast<double>(b) * k)); };
+  job.bytes_moved = 0;
+  for (GroupWork& gw : job.work.groups) {
+    for (Flow& f : gw.transfers) {
+      if (f.bytes == 0) continue;
+      f.bytes = std::max<uint64_t>(delta::kPatchHeaderBytes, std::min(f.bytes + delta::kPatchHeaderBytes, scale(f.bytes, r)));
+      job.bytes_moved += f.bytes;
+    }
+    for (uint64_t& b : gw.pack_bytes) b = scale(b, (3 + r) / 2);
+    for (uint64_t& b : gw.unpack_bytes) b = scale(b, (1 + 2 * r) / 2);
+  }
+  job.max_consumer_bytes = scale(job.max_consumer_bytes, r);
+  return Status::Ok();
 }
 
 }  // namespace ferry::simulate

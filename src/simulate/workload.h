@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 
+#include "delta/patch.h"
 #include "engine/group_order.h"
 #include "ferry/status.h"
 #include "simulate/simulate.h"
@@ -37,11 +38,24 @@ struct JobWorkload {
   std::vector<int> cohort_sizes;   // consumers per cohort
   std::vector<int> lane_groups;    // layer groups per lane
   std::vector<int> round_lanes;    // lanes per round
+  double element_bytes = 2;        // the model's bytes per element (fp8 experts beside bf16: between 1 and 2)
+  // After apply_delta: each transfer's bytes as a fraction of its dense bytes.
+  double patch_ratio = 1;
 };
 
 // Errors: the config, the layouts, routing (each names what failed); a design that
 // needs a Megatron trainer (sharded-gather, broadcast) given an FSDP one; a group order
 // other than the layer order for a design other than ferry's.
 Result<JobWorkload> build_workload(const JobSpec& job, Design design);
+
+// A delta sync (issue 28, docs/delta.md) instead of a dense one, ferry's design only:
+// `fraction` of the elements changed since the version every consumer holds, laid out
+// as `layout`. Each transfer carries the patch (delta::predicted_patch_ratio of its
+// bytes, at least the 32-byte header); packing reads the kept copy and the new bytes,
+// writes the patch and updates the copy ((3 + ratio) / 2 a dense pack's memory traffic);
+// unpacking reads the patch, writes the changed elements and hashes every kept byte for
+// the end-to-end check ((1 + 2 ratio) / 2 a dense unpack's). Errors: a fraction outside
+// [0, 1]; a design other than ferry's.
+Status apply_delta(JobWorkload& job, Design design, double fraction, delta::ChangeLayout layout);
 
 }  // namespace ferry::simulate

@@ -525,5 +525,45 @@ TEST(ChangedBlocks, Errors) {
   EXPECT_EQ(apply_patch(other, std::span<const std::byte>(out.data(), info->bytes)).code(), StatusCode::kCorrupt);
 }
 
+
+// --- predicted_patch_ratio against the encoder -------------------------------------------
+
+// The size model (what `ferry simulate --changed-fraction` uses) against real patches:
+// scattered changes as make_pair makes them; clustered as whole "tensors" of 32 Ki
+// elements changed (what the model assumes: runs long against a bitmap block).
+TEST(PatchModel, PredictsTheEncodersSize) {
+  const size_t n = 1 << 20;
+  for (size_t es : {size_t{1}, size_t{2}, size_t{4}}) {
+    for (double f : {0.0005, 0.01, 0.02, 0.1, 0.5, 1.0}) {
+      for (ChangeLayout layout : {ChangeLayout::kScattered, ChangeLayout::kClustered}) {
+        Pair p;
+        double f_made = f;  // the fraction changed (clustered: whole runs, rounded up)
+        if (layout == ChangeLayout::kScattered) {
+          p = make_pair(n, es, f, Pattern::kScattered, 77 + es);
+        } else {
+          p = make_pair(n, es, 0, Pattern::kScattered, 78 + es);
+          const size_t run = 4 * kBitmapBlockElems, runs = n / run;
+          const size_t changed_runs = static_cast<size_t>(std::ceil(f * static_cast<double>(runs)));
+          f_made = static_cast<double>(changed_runs * run) / static_cast<double>(n);
+          for (size_t r = 0; r < changed_runs; ++r) {  // every (runs / changed_runs)-th run
+            const size_t at = (r * runs / std::max<size_t>(changed_runs, 1)) * run;
+            for (size_t i = at; i < at + run; ++i) p.next[i * es] ^= std::byte(0x5a);
+          }
+        }
+        auto patch = encode_patch(p.base, p.next, es);
+        ASSERT_TRUE(patch.ok()) << patch.status().to_string();
+        const double actual = static_cast<double>(patch->size() - kPatchHeaderBytes) / static_cast<double>(n * es);
+        const double predicted = predicted_patch_ratio(f_made, static_cast<double>(es), layout);
+        EXPECT_NEAR(predicted, actual, 0.03 * actual + 0.0003)
+            << "es " << es << " fraction " << f << " " << change_layout_name(layout);
+      }
+    }
+  }
+  EXPECT_EQ(predicted_patch_ratio(0, 2, ChangeLayout::kScattered), 0.0);  // (a count of 0: one byte)
+  EXPECT_LE(predicted_patch_ratio(1.5, 2, ChangeLayout::kScattered), 1.0);
+  EXPECT_TRUE(parse_change_layout("clustered").ok());
+  EXPECT_FALSE(parse_change_layout("random").ok());
+}
+
 }  // namespace
 }  // namespace ferry::delta
