@@ -55,6 +55,11 @@ struct Producer::Impl {
   std::map<int, std::pair<uint64_t, uint64_t>> early_failover;
   std::map<int, uint64_t> early_abort;  // consumer -> version it aborted before this producer's sync began; mu
   std::map<int, uint64_t> done;         // consumer -> the version it committed last; mu
+  std::map<int, Clock::time_point> done_at;  // consumer -> when that DONE came; mu
+  // This producer's previous sync() (its version, when it returned): a DONE of that
+  // version from before then belongs to it, not to a sync of the same version again
+  // (a rollback to it: "a sync like any other", docs/engine.md). mu.
+  std::optional<std::pair<uint64_t, Clock::time_point>> previous_sync;
   // Where groups are packed and read from: the host ring, the GPU ring, the in-place
   // table (engine/staging_ring.h); its memory registered with `transport`.
   TransportRingMemory ring_memory{transport};
@@ -513,6 +518,7 @@ struct Producer::Impl {
         }
       } else if (const auto* m = std::get_if<Done>(&msg)) {
         done[c] = m->version;  // (not max: a rollback commits an older version)
+        done_at[c] = Clock::now();
         forget_ready_locked(c, m->version);
         if (current) {
           for (auto& sl : slots) sl.pending.erase(c);
@@ -991,8 +997,26 @@ struct Producer::Impl {
 
   Result<SyncReport> sync(uint64_t v) {
     const auto t0 = Clock::now();
+    struct Returned {  // previous_sync, whatever the outcome
+      Impl& self;
+      uint64_t v;
+      ~Returned() {
+        std::lock_guard<std::mutex> lk(self.mu);
+        self.previous_sync = std::make_pair(v, Clock::now());
+      }
+    } returned{*this, v};
     {
       std::lock_guard<std::mutex> lk(mu);
+      // The same version again: the consumers' DONEs of the previous sync are not this
+      // one's (before, every consumer counted as done at once: the sync reported ok
+      // with 0 bytes sent, and the consumers timed out waiting for announcements).
+      if (previous_sync && previous_sync->first == v) {
+        for (auto it = done.begin(); it != done.end();) {
+          const auto at = done_at.find(it->first);
+          const bool old = it->second == v && (at == done_at.end() || at->second <= previous_sync->second);
+          it = old ? done.erase(it) : std::next(it);
+        }
+      }
       report = SyncReport{};
       report.version = v;
       trace.begin(t0);
