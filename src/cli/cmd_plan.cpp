@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/command.h"
+#include "engine/group_order.h"
 #include "ferry/engine.h"
 #include "ferry/models.h"
 #include "ferry/route.h"
@@ -38,7 +39,14 @@ struct PlanArgs {
   uint64_t staging_budget = 0;  // ProducerOptions::staging_budget (0: two slots)
   bool no_failover = false;
   std::string commit = "in_place";  // the consumers' ConsumerOptions::commit
+  std::string group_order = "layer";  // EngineOptions::group_order (docs/group-order.md)
 };
+
+std::string slash_list(const std::vector<int>& v) {
+  std::string out;
+  for (int n : v) out += (out.empty() ? "" : "/") + std::to_string(n);
+  return out;
+}
 
 std::string human(double b) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -146,6 +154,20 @@ int run_plan(const PlanArgs& a) {
   ProducerOptions po;
   po.staging_budget = a.staging_budget;
   po.failover = !a.no_failover;
+  auto order = engine::parse_group_order(a.group_order);
+  if (!order.ok()) {
+    return fail_with("plan", invalid_argument("--group-order: unknown group order '{}' (layer, rotated, rotated-unpaced)",
+                                              a.group_order));
+  }
+  po.group_order = order->kind;
+  // The engine's own order from these routes (what each rank follows; ferry simulate
+  // takes the same): lanes of groups, rounds of lanes, cohorts of consumers.
+  const engine::GroupOrder go = engine::make_group_order(*routes, *order);
+  if (Status c = engine::check_group_order(*routes, go); !c.ok()) return fail_with("plan", c);
+  std::vector<int> lane_groups, round_lanes, cohort_sizes(static_cast<size_t>(std::max(1, go.num_lanes())), 0);
+  for (const auto& lane : go.lanes) lane_groups.push_back(static_cast<int>(lane.size()));
+  for (const auto& round : go.rounds) round_lanes.push_back(static_cast<int>(round.size()));
+  for (int k : go.cohort) ++cohort_sizes[static_cast<size_t>(k)];
   auto policy = parse_commit_policy(a.commit);
   if (!policy.ok()) return fail_with("plan", policy.status().with_context("--commit"));
   auto mem = predict_memory(*routes, meta, in.producers, in.consumers, po, *policy);
@@ -202,6 +224,13 @@ int run_plan(const PlanArgs& a) {
     nlohmann::json pm = nlohmann::json::array(), cm = nlohmann::json::array();
     for (const auto& m : mem->producers) pm.push_back(mem_json(m));
     for (const auto& m : mem->consumers) cm.push_back(mem_json(m));
+    j["group_order"] = engine::group_order_name(*order);
+    if (order->kind != GroupOrderKind::kLayer) {
+      j["lanes"] = go.num_lanes();
+      j["lane_groups"] = lane_groups;
+      j["round_lanes"] = round_lanes;
+      j["cohort_sizes"] = cohort_sizes;
+    }
     j["staging_budget"] = a.staging_budget;
     j["memory"] = {{"producers", pm}, {"consumers", cm}, {"max_producer_extra", mem->producers[max_p].extra()},
                    {"max_consumer_extra", mem->consumers[max_c].extra()}};
@@ -234,6 +263,13 @@ int run_plan(const PlanArgs& a) {
                                plan_seconds, plan_cpu_seconds, secs(t_rec - t_hold), recorded, secs(t_route - t_rec),
                                secs(t_end - t_route)));
   row("peak memory (ru_maxrss)", human(static_cast<double>(rss)));
+  if (order->kind == GroupOrderKind::kLayer) {
+    row("group order", "layer (every consumer takes the groups in layer order; --group-order rotated: every stage at once)");
+  } else {
+    row("group order", fmt::format("{}: {} lanes of {} groups, {} rounds of {} lanes, cohorts of {} consumers",
+                                   engine::group_order_name(*order), go.num_lanes(), slash_list(lane_groups),
+                                   round_lanes.size(), slash_list(round_lanes), slash_list(cohort_sizes)));
+  }
   // Predicted extra memory per rank (docs/engine.md, "Memory"): ranks with the same
   // figures are listed together.
   std::printf("  predicted extra memory per rank (beyond weights / params; staging budget %s):\n",
@@ -300,6 +336,10 @@ FERRY_COMMAND(plan_command, "plan",
                                "of its params, reported as shadow params)")
                     ->check(CLI::IsMember({"in_place", "shadow"}))
                     ->default_val("in_place");
+                app.add_option("--group-order", a->group_order,
+                               "The order groups move in (EngineOptions::group_order): layer | rotated | "
+                               "rotated-unpaced (docs/group-order.md); prints its lanes, rounds and cohorts")
+                    ->default_val("layer");
                 app.add_flag("--json", a->json, "Print one JSON object");
                 return [a] { return run_plan(*a); };
               });
