@@ -40,6 +40,12 @@ struct Producer::Impl {
   ProducerSchedule schedule;            // per group of `routes`: what to pack, serve in place, checksum
   bool restart = false;                 // a consumer asked to restart the sync (failover); mu
   uint64_t restart_hash = 0;            // ... with these routes; mu
+  // Routes this producer left during the current sync (it failed over from them). Dead
+  // sets only grow within a sync, so a consumer that declares one of these is behind,
+  // not ahead: it will come to our routes (following, or finding the same loss at its own
+  // pace) and read every group of them, so it stays a reader of our slots and does not
+  // restart us. mu.
+  std::set<uint64_t> abandoned_hashes;
   std::map<int, uint64_t> consumer_hash;  // consumer -> routes it moved to this sync (FAILOVER); mu
   std::map<int, Clock::time_point> consumer_joined;  // ... and when that FAILOVER came; mu
   // consumer -> when it last moved in this sync: entered it (JOIN), released or asked for
@@ -107,6 +113,9 @@ struct Producer::Impl {
     // open and the group packed): announced (pull) or servable on its READY (push) from
     // then. A pending consumer absent here waits for its wave.
     std::map<int, Clock::time_point> opened;
+    // Targets left out when it was packed because they had declared other routes (a
+    // FAILOVER); one that declares this slot's routes later reads it then (on_message).
+    std::set<int> skipped;
   };
   std::vector<Slot> slots;
   // The rotated order (EngineOptions::group_order; docs/group-order.md): this producer
@@ -507,10 +516,26 @@ struct Producer::Impl {
           consumer_hash[c] = m->routes;
           consumer_joined[c] = Clock::now();
           cv.notify_all();  // its straggler clock (wait_slot) starts now
+          const bool behind = abandoned_hashes.count(m->routes) > 0;
           for (auto& sl : slots) {
-            if (sl.hash != m->routes && sl.pending.erase(c)) cv.notify_all();
+            if (sl.hash != m->routes && !(behind && sl.hash == routes_hash) && sl.pending.erase(c)) cv.notify_all();
           }
-          if (m->routes != routes_hash) {
+          // Groups packed on these routes while c was still on others (it followed a
+          // first failover, then found a second producer lost at its own pace) left it
+          // out: it reads them now. Before, nothing announced them to it, and it waited
+          // for them until this producer dropped it as stalled (CI:
+          // MultiHostFaults.TrainerHostLinkDownFailsOverToTheDpReplica, 1 run in 3).
+          if (m->routes == routes_hash) {
+            for (size_t s = 0; s < slots.size(); ++s) {
+              Slot& sl = slots[s];
+              if (!sl.packed || sl.hash != m->routes || !sl.skipped.erase(c)) continue;
+              sl.pending.insert(c);
+              cv.notify_all();
+              if (paced && !turn_locked(c, sl.group)) continue;  // served when its wave opens
+              if (auto sv = turn_came_locked(static_cast<int>(s), c)) todo.push_back(*sv);
+            }
+          }
+          if (m->routes != routes_hash && !behind) {
             restart = true;
             restart_hash = m->routes;
             cv.notify_all();
@@ -949,7 +974,11 @@ struct Producer::Impl {
         sl.checksum = sums;
         for (int c : targets) {
           if (!live[static_cast<size_t>(c)] || (done.count(c) && done[c] == v)) continue;
-          if (auto it = consumer_hash.find(c); it != consumer_hash.end() && it->second != hash) continue;
+          if (auto it = consumer_hash.find(c);
+              it != consumer_hash.end() && it->second != hash && !abandoned_hashes.count(it->second)) {
+            sl.skipped.insert(c);
+            continue;
+          }
           sl.pending.insert(c);
           if (paced) {
             if (!turn_locked(c, g)) continue;  // served when its wave opens
@@ -1024,6 +1053,7 @@ struct Producer::Impl {
       local_failure = Status::Ok();
       consumer_hash.clear();
       consumer_joined.clear();
+      abandoned_hashes.clear();
       consumer_progress.clear();
       for (auto it = ready.begin(); it != ready.end();) it = std::get<0>(it->first) < v ? ready.erase(it) : std::next(it);
       for (auto& s : slots) s = Slot{};
@@ -1134,10 +1164,15 @@ struct Producer::Impl {
         failure = internal_error("producer {}: sync {} restarted {} times", rank, v, tries);
         break;
       }
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        abandoned_hashes.insert(routes_hash);
+      }
       failure = refresh_routes().with_context(fmt::format("producer {} failover in sync {}", rank, v));
       if (!failure.ok()) break;
       {
         std::lock_guard<std::mutex> lk(mu);
+        abandoned_hashes.erase(routes_hash);  // (the store still had the same routes)
         if (restart_hash == routes_hash) restart = false;
       }
       std::lock_guard<std::mutex> lk(mu);
