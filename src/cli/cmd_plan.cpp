@@ -42,12 +42,6 @@ struct PlanArgs {
   std::string group_order = "layer";  // EngineOptions::group_order (docs/group-order.md)
 };
 
-std::string slash_list(const std::vector<int>& v) {
-  std::string out;
-  for (int n : v) out += (out.empty() ? "" : "/") + std::to_string(n);
-  return out;
-}
-
 std::string human(double b) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   int u = 0;
@@ -164,10 +158,6 @@ int run_plan(const PlanArgs& a) {
   // takes the same): lanes of groups, rounds of lanes, cohorts of consumers.
   const engine::GroupOrder go = engine::make_group_order(*routes, *order);
   if (Status c = engine::check_group_order(*routes, go); !c.ok()) return fail_with("plan", c);
-  std::vector<int> lane_groups, round_lanes, cohort_sizes(static_cast<size_t>(std::max(1, go.num_lanes())), 0);
-  for (const auto& lane : go.lanes) lane_groups.push_back(static_cast<int>(lane.size()));
-  for (const auto& round : go.rounds) round_lanes.push_back(static_cast<int>(round.size()));
-  for (int k : go.cohort) ++cohort_sizes[static_cast<size_t>(k)];
   auto policy = parse_commit_policy(a.commit);
   if (!policy.ok()) return fail_with("plan", policy.status().with_context("--commit"));
   auto mem = predict_memory(*routes, meta, in.producers, in.consumers, po, *policy);
@@ -227,9 +217,9 @@ int run_plan(const PlanArgs& a) {
     j["group_order"] = engine::group_order_name(*order);
     if (order->kind != GroupOrderKind::kLayer) {
       j["lanes"] = go.num_lanes();
-      j["lane_groups"] = lane_groups;
-      j["round_lanes"] = round_lanes;
-      j["cohort_sizes"] = cohort_sizes;
+      j["lane_groups"] = go.lane_sizes();
+      j["round_lanes"] = go.round_sizes();
+      j["cohort_sizes"] = go.cohort_sizes();
     }
     j["staging_budget"] = a.staging_budget;
     j["memory"] = {{"producers", pm}, {"consumers", cm}, {"max_producer_extra", mem->producers[max_p].extra()},
@@ -266,9 +256,7 @@ int run_plan(const PlanArgs& a) {
   if (order->kind == GroupOrderKind::kLayer) {
     row("group order", "layer (every consumer takes the groups in layer order; --group-order rotated: every stage at once)");
   } else {
-    row("group order", fmt::format("{}: {} lanes of {} groups, {} rounds of {} lanes, cohorts of {} consumers",
-                                   engine::group_order_name(*order), go.num_lanes(), slash_list(lane_groups),
-                                   round_lanes.size(), slash_list(round_lanes), slash_list(cohort_sizes)));
+    row("group order", fmt::format("{}: {}", engine::group_order_name(*order), go.summary()));
   }
   // Predicted extra memory per rank (docs/engine.md, "Memory"): ranks with the same
   // figures are listed together.

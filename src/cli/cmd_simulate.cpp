@@ -197,16 +197,9 @@ int run_simulate(const SimulateArgs& a) {
                 r->lockstep_seconds);
   }
   if (rotated) {
-    auto list = [](const std::vector<int>& v) {
-      std::string out;
-      for (int n : v) out += (out.empty() ? "" : "/") + std::to_string(n);
-      return out;
-    };
     std::printf("  steps in lockstep         %.3f s   (sum over steps of the busiest NIC bytes / rate, %s order)\n",
                 r->order_lockstep_seconds, a.order.c_str());
-    std::printf("  %d lanes of %s groups, %zu rounds of %s lanes, cohorts of %s consumers\n", work->lanes,
-                list(work->lane_groups).c_str(), work->round_lanes.size(), list(work->round_lanes).c_str(),
-                list(work->cohort_sizes).c_str());
+    std::printf("  %s\n", work->order_summary.c_str());
   }
   std::printf("  critical path:\n");
   for (const auto& [k, v] : r->critical_path) {

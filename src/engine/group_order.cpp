@@ -5,6 +5,7 @@
 #include <unordered_map>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 namespace ferry::engine {
 
@@ -109,6 +110,30 @@ std::vector<int> consumer_order(const GroupOrder& o, int G, int cohort) {
 }
 
 }  // namespace
+
+std::vector<int> GroupOrder::lane_sizes() const {
+  std::vector<int> out;
+  for (const auto& lane : lanes) out.push_back(static_cast<int>(lane.size()));
+  return out;
+}
+
+std::vector<int> GroupOrder::round_sizes() const {
+  std::vector<int> out;
+  for (const auto& round : rounds) out.push_back(static_cast<int>(round.size()));
+  return out;
+}
+
+std::vector<int> GroupOrder::cohort_sizes() const {
+  std::vector<int> out(static_cast<size_t>(std::max(1, num_lanes())), 0);
+  for (int k : cohort) ++out[static_cast<size_t>(k)];
+  return out;
+}
+
+std::string GroupOrder::summary() const {
+  return fmt::format("{} lanes of {} groups, {} rounds of {} lanes, cohorts of {} consumers", num_lanes(),
+                     fmt::join(lane_sizes(), "/"), rounds.size(), fmt::join(round_sizes(), "/"),
+                     fmt::join(cohort_sizes(), "/"));
+}
 
 GroupOrder make_group_order(const Routes& routes, const GroupOrderOptions& options) {
   GroupOrder o;

@@ -94,6 +94,13 @@ struct GroupOrder {
   std::vector<std::vector<int>> step;
 
   int num_lanes() const { return static_cast<int>(lanes.size()); }
+  // Its shape, as `ferry plan` and `ferry simulate` print it: groups per lane, lanes
+  // per round, consumers per cohort; and the one line "L lanes of a/b groups, R rounds
+  // of x/y lanes, cohorts of p/q consumers".
+  std::vector<int> lane_sizes() const;
+  std::vector<int> round_sizes() const;
+  std::vector<int> cohort_sizes() const;
+  std::string summary() const;
 };
 
 // One read a producer serves: consumer `consumer` reads group `group` from it.

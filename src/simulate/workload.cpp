@@ -146,10 +146,10 @@ Result<JobWorkload> build_workload(const JobSpec& job, Design design) {
     const engine::GroupOrder order = engine::make_group_order(routes, job.order);
     FERRY_RETURN_IF_ERROR(engine::check_group_order(routes, order));
     out.lanes = order.num_lanes();
-    out.cohort_sizes.assign(static_cast<size_t>(std::max(1, out.lanes)), 0);
-    for (int k : order.cohort) ++out.cohort_sizes[static_cast<size_t>(k)];
-    for (const auto& lane : order.lanes) out.lane_groups.push_back(static_cast<int>(lane.size()));
-    for (const auto& round : order.rounds) out.round_lanes.push_back(static_cast<int>(round.size()));
+    out.cohort_sizes = order.cohort_sizes();
+    out.lane_groups = order.lane_sizes();
+    out.round_lanes = order.round_sizes();
+    out.order_summary = order.summary();
     if (job.order.kind != engine::GroupOrderKind::kLayer) {
       w.consumer_order = order.consumer;
       w.producer_order = order.producer;

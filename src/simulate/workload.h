@@ -38,6 +38,7 @@ struct JobWorkload {
   std::vector<int> cohort_sizes;   // consumers per cohort
   std::vector<int> lane_groups;    // layer groups per lane
   std::vector<int> round_lanes;    // lanes per round
+  std::string order_summary;       // GroupOrder::summary()
   double element_bytes = 2;        // the model's bytes per element (fp8 experts beside bf16: between 1 and 2)
   // After apply_delta: each transfer's bytes as a fraction of its dense bytes.
   double patch_ratio = 1;
