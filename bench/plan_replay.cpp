@@ -13,6 +13,7 @@
 #include "shard_plans.h"
 
 #include "ferry/plan.h"
+#include "tensor/convert_kernels.h"
 
 namespace {
 
@@ -99,6 +100,25 @@ void BM_ConvertF32ToBf16(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * kConvElems * 4);  // bytes read
 }
 
+// Each f32 -> bf16 kernel this CPU runs (tensor/convert_kernels.h), side by side: what
+// strided_copy takes is the first (widest).
+void BM_ConvertKernel(benchmark::State& state, size_t which) {
+  ConvertFixture& f = convert_fixture();
+  const auto kernels = detail::f32_to_bf16_kernels();
+  if (which >= kernels.size()) {
+    state.SkipWithError("this CPU lacks the kernel");
+    return;
+  }
+  for (auto _ : state) {
+    const int64_t done = kernels[which].run(reinterpret_cast<const std::byte*>(f.src.get()),
+                                            reinterpret_cast<std::byte*>(f.dst.get()), kConvElems);
+    benchmark::DoNotOptimize(done);
+    benchmark::ClobberMemory();
+  }
+  state.SetLabel(kernels[which].isa);
+  state.SetBytesProcessed(state.iterations() * kConvElems * 4);
+}
+
 void BM_MemcpyF32(benchmark::State& state) {
   ConvertFixture& f = convert_fixture();
   for (auto _ : state) {
@@ -111,6 +131,8 @@ void BM_MemcpyF32(benchmark::State& state) {
 BENCHMARK(BM_Memcpy)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_ConvertF32ToBf16)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_MemcpyF32)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_ConvertKernel, widest, size_t{0})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_ConvertKernel, second, size_t{1})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_ReplayRows)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_ReplayCols)->Unit(benchmark::kMillisecond)->UseRealTime();
 

@@ -11,6 +11,7 @@
 
 #include "ferry/plan.h"
 #include "ferry/tensor.h"
+#include "tensor/convert_kernels.h"
 
 namespace ferry {
 namespace {
@@ -373,6 +374,25 @@ TEST(TensorWrites, Bf16F32ConversionsHaveTheElementPathsBits) {
     }
   }
   EXPECT_EQ(bad, 0);
+  // Each kernel this CPU runs (strided_copy takes the widest), on the same values, at an
+  // odd length and an odd start (the kernels convert a prefix; the caller the tail).
+  for (const detail::F32ToBf16Kernel& k : detail::f32_to_bf16_kernels()) {
+    std::vector<uint16_t> out(f32.size(), 0xabcd);
+    const int64_t len = n - 3;
+    const int64_t done = k.run(bytes(f32) + 4, reinterpret_cast<std::byte*>(out.data() + 1), len);
+    EXPECT_GT(done, len - 16) << k.isa;
+    EXPECT_LE(done, len) << k.isa;
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < done; ++i) {
+      if (out[i + 1] != slow[i + 1] && wrong++ < 5) {
+        ADD_FAILURE() << k.isa << std::hex << ": f32 0x" << f32[i + 1] << " -> bf16 0x" << out[i + 1]
+                      << ", element path 0x" << slow[i + 1];
+      }
+    }
+    EXPECT_EQ(wrong, 0) << k.isa;
+    EXPECT_EQ(out[0], 0xabcd) << k.isa;
+    for (int64_t i = done + 1; i < n; ++i) ASSERT_EQ(out[i], 0xabcd) << k.isa << " wrote past what it converted";
+  }
   // f32 -> bf16, strided: every third source element into every second destination one.
   const int64_t m = n / 3;
   std::vector<uint16_t> strided(static_cast<size_t>(2 * m), 0xabcd);
