@@ -177,9 +177,14 @@ struct EngineOptions {
   // the worst case when they share boxes with a replica (within staging_budget, if given).
   bool failover = true;
   // The order layer groups move in (GroupOrderKind). Every rank of a job must run the
-  // same (not checked at rendezvous: a consumer under another order than its producers
-  // waits for announcements they never make, and times out).
+  // same (checked at rendezvous, with convert_on).
   GroupOrderKind group_order = GroupOrderKind::kLayer;
+  // Where a float conversion that shrinks the bytes runs (fp32 masters into bf16 params:
+  // ConvertOn in ferry/route.h): on the producer as it packs (the wire carries what the
+  // consumer keeps), or on the consumer as it unpacks. Every rank of a job must run the
+  // same; this and group_order are checked at rendezvous (a rank that differs fails at
+  // once, naming the other).
+  ConvertOn convert_on = ConvertOn::kProducer;
   // Fault injection for ferry's own tests (src/engine/testing.h); null in production.
   std::shared_ptr<const engine::TestHooks> test_hooks;
 };

@@ -189,8 +189,9 @@ class RankLoader {
   const std::vector<TensorDecl>& final_params() const { return final_params_; }
   const std::vector<Group>& groups() const { return groups_; }
 
-  // Loads checkpoint tensor `source_name` (`source` must have the checkpoint's dtype and
-  // full shape) into `params`. A checkpoint tensor this rank holds nothing of is a no-op;
+  // Loads checkpoint tensor `source_name` (`source` must have the checkpoint's dtype, or
+  // for a bf16/fp16/fp32 tensor another of those three, which the copies convert: fp32
+  // master weights; and its full shape) into `params`. A checkpoint tensor this rank holds nothing of is a no-op;
   // a name that is not in the checkpoint is kNotFound.
   Status load(std::string_view source_name, const Tensor& source, const TensorMap& params) const;
   // The groups whose params `source_name` writes on this rank (empty for none).

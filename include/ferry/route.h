@@ -23,8 +23,10 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ferry/plan.h"
@@ -35,11 +37,12 @@
 namespace ferry {
 
 // Producer p copies `src` (a layout over its held box `box` — a contiguous tensor of
-// the box's shape, dtype `dtype`) to its group staging buffer at byte `offset`,
-// contiguously in src's row-major order.
+// the box's shape) to its group staging buffer at byte `offset`, contiguously in src's
+// row-major order, as `dtype`: the box's own dtype, or a narrower float dtype the
+// producer converts to (RouterOptions::convert_on).
 struct PackOp {
   uint32_t box = 0;  // index into the producer's Holdings::boxes
-  DType dtype = DType::kBF16;
+  DType dtype = DType::kBF16;  // in staging
   uint64_t offset = 0;
   Layout src;
   friend bool operator==(const PackOp&, const PackOp&) = default;
@@ -104,7 +107,8 @@ struct PlanRoute {
 
 // Figures of a routing (not serialised).
 struct RouteStats {
-  uint64_t bytes_min = 0;        // sum over consumers of the source bytes their plan reads
+  uint64_t bytes_min = 0;        // sum over consumers of the bytes their plan reads, in the
+                                 // wire's dtype (the param's where the producer converts)
   uint64_t bytes_moved = 0;      // sum over consumers of the bytes they read
   uint64_t num_reads = 0;        // over consumers and groups
   uint64_t num_pack_ops = 0;
@@ -167,8 +171,20 @@ struct RouterInput {
   std::vector<const Plan*> consumers;      // per inference rank (not owned; canonical plans)
 };
 
+// Where a float dtype conversion that shrinks the bytes runs (a source of fp32 master
+// weights read into bf16 params, bf16 into fp8): on the producer as it packs, so the wire
+// carries the param's dtype and the piece can land in the param directly (the default),
+// or on the consumer as it unpacks (the wire carries the source's dtype; for comparison).
+// Both run strided_copy's conversion: the params' bits are the same either way. A
+// producer converting cannot serve that piece from the trainer's memory in place.
+// Every rank of a job must use the same choice (it changes the routes).
+enum class ConvertOn : uint8_t { kProducer, kConsumer };
+std::string_view convert_on_name(ConvertOn c);
+std::optional<ConvertOn> parse_convert_on(std::string_view name);  // "producer" | "consumer"
+
 struct RouterOptions {
   uint64_t segment_alignment = 64;
+  ConvertOn convert_on = ConvertOn::kProducer;
 };
 
 // Errors (each names the tensor): a tensor the metadata lists twice; holdings of a
@@ -216,7 +232,8 @@ Status check_routing_cost(const RoutingCost& cost, uint64_t memory_budget = 0);
 // Executing routes (in process: tests, the engine's pack/unpack steps).
 
 // Packs group `group` of `producer`: `boxes` from WeightSource::materialize(group).
-// `staging` must hold ProducerGroup::staging_bytes. Checks every op against its box.
+// `staging` must hold ProducerGroup::staging_bytes. Checks every op against its box;
+// an op of another (float) dtype than its box converts as it packs.
 // Boxes in CUDA memory (contiguous, one device) are packed there by one kernel launch
 // that writes into `staging`, which must then be visible to that device
 // (register_host_for_cuda, ferry/device.h).

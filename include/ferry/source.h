@@ -125,20 +125,28 @@ struct TrainerLayout {
   // Layers of the first and last PP stage (0: even split). Megatron's
   // decoder_first/last_pipeline_num_layers: the other stages split the rest evenly.
   int first = 0, last = 0;
+  // `dtype=fp32|bf16|fp16`: the dtype the trainer holds the checkpoint's 16/32-bit float
+  // tensors in (fp32 master weights of a bf16 checkpoint); unset: the checkpoint's own.
+  // FP8 and integer tensors are held as the checkpoint has them.
+  std::optional<DType> dtype;
 
   // The most ranks a layout may have (each value and every product of them), the same
   // bound as InferenceLayout's: checked before anything is sized by a rank count.
   static constexpr int kMaxRanks = 1 << 20;
 
   // Parses the --trainer string. Errors: unknown or repeated key, a value that is not a
-  // positive integer, fsdp mixed with Megatron keys, T*D not a multiple of E*X, world
+  // positive integer (dtype: not fp32, bf16 or fp16), fsdp mixed with Megatron keys, T*D not a multiple of E*X, world
   // not a multiple of T*P, a value or a product (T*P*D, E*X) over kMaxRanks.
   static Result<TrainerLayout> parse(std::string_view text);
   int world_size() const;
   int stage_size() const { return kind == Kind::kFsdp ? fsdp : tp * dp; }
   int edp() const { return tp * dp / (ep * etp); }
-  std::string to_string() const;  // "tp=4,pp=2,ep=8,etp=1,dp=2" | "fsdp=8"
+  std::string to_string() const;  // "tp=4,pp=2,ep=8,etp=1,dp=2" | "fsdp=8" (",dtype=fp32")
 };
+
+// The metadata a trainer of `layout` publishes for `checkpoint`: the checkpoint's tensors,
+// the bf16/fp16/fp32 ones in layout.dtype when it is set.
+std::vector<TensorDecl> trainer_metadata(std::vector<TensorDecl> checkpoint, const TrainerLayout& layout);
 
 // What the layout helpers need beyond names and shapes (for fused Phi-3 qkv_proj rows).
 struct ModelInfo {

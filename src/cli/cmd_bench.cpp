@@ -86,6 +86,10 @@ std::function<int()> setup_bench(CLI::App& app) {
   app.add_option("--mode", b->mode, "pull | push (push: the raw baseline is UCX writes)");
   app.add_option("--group-order", b->group_order, "layer | rotated: the order layer groups move in (docs/group-order.md)")
       ->check(CLI::IsMember({"layer", "rotated"}));
+  app.add_option("--convert-on", b->convert_on,
+                 "producer | consumer: where a float conversion that shrinks the bytes runs (a trainer "
+                 "--trainer ...,dtype=fp32 into bf16 params; EngineOptions::convert_on)")
+      ->check(CLI::IsMember({"producer", "consumer"}));
   app.add_option("--syncs", b->syncs, "timed trials of each measurement, after one warm-up (medians)")
       ->check(number_in(1, 1 << 20));
   app.add_option("--seed", b->seed, "seed of the synthetic weights")->check(number_in(0, 1.8e19));

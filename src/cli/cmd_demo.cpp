@@ -393,6 +393,10 @@ std::function<int()> setup_demo(CLI::App& app) {
                                "layer | rotated: the order layer groups move in (EngineOptions::group_order; "
                                "docs/group-order.md)")
                     ->check(CLI::IsMember({"layer", "rotated"}));
+                app.add_option("--convert-on", d->convert_on,
+                               "producer | consumer: where a float conversion that shrinks the bytes runs (a trainer "
+                               "--trainer ...,dtype=fp32 into bf16 params; EngineOptions::convert_on)")
+                    ->check(CLI::IsMember({"producer", "consumer"}));
                 app.add_option("--commit", d->commit,
                                "inference ranks' commit policy: in_place, or shadow (each sync lands beside the live "
                                "params and commits in one step; a reader thread in every inference rank checks that "
@@ -481,7 +485,7 @@ std::function<int()> setup_demo(CLI::App& app) {
 
 // The options of `ferry worker --bench` (the rest are the demo's).
 constexpr const char* kBenchWorkerOptions[] = {"--role",  "--rank", "--model", "--trainer", "--inference", "--store",
-                                               "--job",   "--mode", "--group-order", "--seed",  "--timeout-ms", "--tls",     "--in-place",
+                                               "--job",   "--mode", "--group-order", "--convert-on", "--seed",  "--timeout-ms", "--tls",     "--in-place",
                                                "--trace", "--bench", "--commit", "--caller-params", "--help"};
 
 std::function<int()> setup_worker(CLI::App& app) {
@@ -497,6 +501,7 @@ std::function<int()> setup_worker(CLI::App& app) {
   app.add_option("--backend", w->backend);
   app.add_option("--mode", w->mode);
   app.add_option("--group-order", w->group_order)->check(CLI::IsMember({"layer", "rotated"}));
+  app.add_option("--convert-on", w->convert_on)->check(CLI::IsMember({"producer", "consumer"}));
   app.add_flag("--checksums", w->checksums);
   app.add_option("--seed", w->seed)->check(number_in(0, 1.8e19));
   app.add_option("--first-version", w->first_version)->check(number_in(0, 1 << 30));
@@ -547,6 +552,7 @@ std::function<int()> setup_worker(CLI::App& app) {
       bench->job = w->job;
       bench->mode = w->mode;
       bench->group_order = w->group_order;
+      bench->convert_on = w->convert_on;
       bench->seed = w->seed;
       bench->trace = w->trace;
       bench->caller_params = w->caller_params;

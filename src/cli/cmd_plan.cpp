@@ -88,7 +88,8 @@ int run_plan(const PlanArgs& a) {
   }
   auto loader = make_model_loader(config, *inference, lopts);
   if (!loader.ok()) return fail_with("plan", loader.status());
-  const std::vector<TensorDecl>& meta = (*loader)->checkpoint();
+  // What the trainer publishes: the checkpoint's tensors in the dtype it holds them in.
+  const std::vector<TensorDecl> meta = trainer_metadata((*loader)->checkpoint(), *trainer);
 
   // What routing this layout costs, before any holding is made: one that would not fit
   // (fsdp=1000000: 35 million route groups every rank would hold) is refused here, in
@@ -121,7 +122,7 @@ int run_plan(const PlanArgs& a) {
   std::vector<Plan> plans;
   plans.reserve(static_cast<size_t>(recorded));
   for (int r = 0; r < recorded; ++r) {
-    auto plan = a.loader_record ? record_plan(**loader, r) : tools::record_rank_plan(**loader, r);
+    auto plan = a.loader_record ? record_plan(**loader, r, meta) : tools::record_rank_plan(**loader, r, &meta);
     if (!plan.ok()) return fail_with("plan", plan.status());
     plans.push_back(std::move(*plan));
   }

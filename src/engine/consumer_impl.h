@@ -144,7 +144,7 @@ struct Consumer::Impl {
   std::unique_ptr<UnpackWorker> worker;
 
   Impl(int r, Transport& t, Store& s, const ConsumerOptions& opt)
-      : rank(r), transport(t), store(s), opts(opt), keys(opt.job), route_state(s, JobKeys(opt.job), opt.failover) {}
+      : rank(r), transport(t), store(s), opts(opt), keys(opt.job), route_state(s, JobKeys(opt.job), opt.failover, RouterOptions{.convert_on = opt.convert_on}) {}
 
   ~Impl() {
     worker.reset();  // stops after its current job

@@ -130,6 +130,9 @@ std::vector<InPlacePiece> in_place_pieces(const ProducerGroup& group, const Hold
     if (op.box >= table.boxes.size() || op.box >= holdings.boxes.size()) continue;
     const InPlaceTable::At& at = table.boxes[op.box];
     if (at.region < 0 || !op.src.is_contiguous() || op.src.offset < 0) continue;
+    // A pack that converts (RouterOptions::convert_on) is not the trainer's bytes.
+    const HeldBox& hb = holdings.boxes[op.box];
+    if (hb.tensor >= holdings.tensors.size() || holdings.tensors[hb.tensor].dtype != op.dtype) continue;
     const uint64_t es = dtype_size(op.dtype);
     const uint64_t bytes = static_cast<uint64_t>(op.src.numel()) * es;
     if (bytes == 0 || bytes < table.min_bytes) continue;

@@ -83,7 +83,8 @@ struct InPlacePiece {
 };
 
 // The pieces of `group` served in place, sorted by offset, disjoint: the pack ops whose
-// box is in place, whose source is contiguous within the box and at least min_bytes.
+// box is in place, whose source is contiguous within the box and at least min_bytes,
+// and that pack the box's own dtype (a converting pack is staged).
 std::vector<InPlacePiece> in_place_pieces(const ProducerGroup& group, const Holdings& holdings,
                                           const InPlaceTable& table);
 

@@ -154,7 +154,7 @@ struct Producer::Impl {
   Status local_failure;  // see note_local_failure; mu
 
   Impl(WeightSource& s, Transport& t, Store& st, const ProducerOptions& opt)
-      : source(s), transport(t), store(st), opts(opt), keys(opt.job), route_state(st, JobKeys(opt.job), opt.failover) {}
+      : source(s), transport(t), store(st), opts(opt), keys(opt.job), route_state(st, JobKeys(opt.job), opt.failover, RouterOptions{.convert_on = opt.convert_on}) {}
 
   // Sends m to `to`; an error from our own transport fails the sync (note_local_failure).
   Status send(PeerId to, const Message& m) {

@@ -252,17 +252,17 @@ std::optional<JobKeys::World> JobKeys::world_of(std::string_view key) const {
   const std::string prefix = world_prefix();
   if (!key.starts_with(prefix)) return std::nullopt;
   std::string_view rest = key.substr(prefix.size());
-  std::string_view parts[4];
-  for (int i = 0; i < 4; ++i) {
+  std::string_view parts[5];
+  for (int i = 0; i < 5; ++i) {
     const size_t slash = rest.find('/');
-    if ((slash == std::string_view::npos) != (i == 3)) return std::nullopt;
+    if ((slash == std::string_view::npos) != (i == 4)) return std::nullopt;
     parts[i] = rest.substr(0, slash);
     rest = slash == std::string_view::npos ? std::string_view() : rest.substr(slash + 1);
   }
   if (parts[0] != "producer" && parts[0] != "consumer") return std::nullopt;
   const auto rank = parse_decimal(parts[1]), np = parse_decimal(parts[2]), nc = parse_decimal(parts[3]);
-  if (!rank || !np || !nc) return std::nullopt;
-  return World{std::string(parts[0]), *rank, *np, *nc};
+  if (!rank || !np || !nc || parts[4].empty()) return std::nullopt;
+  return World{std::string(parts[0]), *rank, *np, *nc, std::string(parts[4])};
 }
 
 std::optional<JobKeys::Failed> JobKeys::failed_of(std::string_view key) const {
@@ -289,8 +289,9 @@ std::string JobKeys::producer(int p) const { return fmt::format("{}/producer/{}"
 std::string JobKeys::consumer(int c) const { return fmt::format("{}/consumer/{}", job_, c); }
 std::string JobKeys::dead(int p) const { return fmt::format("{}/dead/{}", job_, p); }
 std::string JobKeys::dead_prefix() const { return job_ + "/dead/"; }
-std::string JobKeys::world(std::string_view role, int rank, int num_producers, int num_consumers) const {
-  return fmt::format("{}/world/{}/{}/{}/{}", job_, role, rank, num_producers, num_consumers);
+std::string JobKeys::world(std::string_view role, int rank, int num_producers, int num_consumers,
+                           std::string_view routing) const {
+  return fmt::format("{}/world/{}/{}/{}/{}/{}", job_, role, rank, num_producers, num_consumers, routing);
 }
 std::string JobKeys::world_prefix() const { return job_ + "/world/"; }
 std::string JobKeys::committed(int c) const { return fmt::format("{}/committed/{}", job_, c); }

@@ -206,8 +206,10 @@ class JobKeys {
   std::string consumer(int c) const;      // consumer c's lease
   std::string dead(int p) const;          // producer p failed over (failover)
   std::string dead_prefix() const;
-  // The world sizes a participant was given, in the key's name (rendezvous.h).
-  std::string world(std::string_view role, int rank, int num_producers, int num_consumers) const;
+  // The world sizes a participant was given and the choices that shape the routes
+  // (`routing`: rendezvous.h, routing_choices), in the key's name (rendezvous.h).
+  std::string world(std::string_view role, int rank, int num_producers, int num_consumers,
+                    std::string_view routing) const;
   std::string world_prefix() const;
   std::string committed(int c) const;     // the last version consumer c committed
   // The instance that holds a rank ({job}/instance/{role}/{rank}; rendezvous.h, claim_rank).
@@ -224,6 +226,7 @@ class JobKeys {
   struct World {
     std::string role;  // "producer" | "consumer"
     int rank = 0, num_producers = 0, num_consumers = 0;
+    std::string routing;  // no '/'
   };
   std::optional<World> world_of(std::string_view key) const;
   struct Failed {

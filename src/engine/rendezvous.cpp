@@ -112,7 +112,11 @@ Status publish_world(Store& store, const JobKeys& keys, const EngineOptions& o, 
   // job's keys is refused before any.
   if (Status s = JobKeys::check(keys.job()); !s.ok()) return s.with_context(fmt::format("{} {}", me.role, me.rank));
   const Millis ttl = std::clamp(o.rendezvous_timeout, Millis(1000), kMaxTtl);
-  return store.set(keys.world(me.role, me.rank, o.num_producers, o.num_consumers), "", ttl);
+  return store.set(keys.world(me.role, me.rank, o.num_producers, o.num_consumers, routing_choices(o)), "", ttl);
+}
+
+std::string routing_choices(const EngineOptions& o) {
+  return fmt::format("{}.{}", group_order_kind_name(o.group_order), convert_on_name(o.convert_on));
 }
 
 Status check_world(Store& store, const JobKeys& keys, const EngineOptions& o, Participant me) {
@@ -125,7 +129,14 @@ Status check_world(Store& store, const JobKeys& keys, const EngineOptions& o, Pa
     if (!w) continue;
     const std::string& role = w->role;
     const int rank = w->rank, np = w->num_producers, nc = w->num_consumers;
-    if (np == o.num_producers && nc == o.num_consumers) continue;
+    if (np == o.num_producers && nc == o.num_consumers) {
+      const std::string mine = routing_choices(o);
+      if (w->routing == mine) continue;
+      return invalid_argument(
+          "{} {} runs with group order and conversion '{}' but {} {} with '{}' (EngineOptions::group_order and "
+          "convert_on must be the same on every rank of job '{}': they shape the routes)",
+          me.role, me.rank, mine, role, rank, w->routing, keys.job());
+    }
     const bool producers = np != o.num_producers;
     return invalid_argument(
         "{} {} was started with num_{}={} but {} {} with num_{}={} (num_producers/num_consumers must be the "
@@ -388,7 +399,7 @@ Result<Routes> RouteState::routes_without(const std::set<int>& dead) const {
     if (p >= 0 && static_cast<size_t>(p) < in.producers.size()) in.producers[static_cast<size_t>(p)] = Holdings{};
   }
   for (const auto& p : inputs_.plans) in.consumers.push_back(&p);
-  auto routes = build_routes(in);
+  auto routes = build_routes(in, router_);
   if (!routes.ok()) return routes.status().with_context("building routes");
   FERRY_RETURN_IF_ERROR(routes->validate());
   return routes;

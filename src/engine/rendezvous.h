@@ -37,6 +37,10 @@ struct Participant {
 // whose sizes differ from another's fails at once, naming both.
 // publish_world refuses first a job name that could collide with another job's keys
 // (JobKeys::check).
+// The same key names the choices every rank must share because they shape the routes
+// or the order they run in (routing_choices: "{group_order}.{convert_on}", e.g.
+// "rotated.producer"); a participant whose choices differ fails at once, naming both.
+std::string routing_choices(const EngineOptions& options);
 Status publish_world(Store& store, const JobKeys& keys, const EngineOptions& options, Participant me);
 Status check_world(Store& store, const JobKeys& keys, const EngineOptions& options, Participant me);
 
@@ -118,7 +122,8 @@ std::string rank_list(const std::set<int>& ranks);
 // thread-safe: owned by the participant's sync thread.
 class RouteState {
  public:
-  RouteState(Store& store, JobKeys keys, bool failover) : store_(store), keys_(std::move(keys)), failover_(failover) {}
+  RouteState(Store& store, JobKeys keys, bool failover, RouterOptions router = {})
+      : store_(store), keys_(std::move(keys)), failover_(failover), router_(router) {}
 
   // Takes the rendezvous inputs, reads the dead set (failover on) and builds the first routes.
   Result<Routes> start(RouteInputs inputs);
@@ -145,6 +150,7 @@ class RouteState {
   Store& store_;
   JobKeys keys_;
   bool failover_;
+  RouterOptions router_;
   RouteInputs inputs_;
   std::set<int> dead_;
 };

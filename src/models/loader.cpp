@@ -24,7 +24,11 @@ Status RankLoader::load(std::string_view source_name, const Tensor& source, cons
   }
   if (!source.ok()) return source.status().with_context(fmt::format("loading '{}'", name));
   const TensorDecl& d = known->second;
-  if (source.shape() != d.shape || source.dtype() != d.dtype) {
+  // A trainer may hold a 16/32-bit float tensor in another of those dtypes (fp32 master
+  // weights of a bf16 checkpoint): the loader's copies convert it.
+  auto wide_float = [](DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; };
+  const bool held_as_float = wide_float(source.dtype()) && wide_float(d.dtype);
+  if (source.shape() != d.shape || (source.dtype() != d.dtype && !held_as_float)) {
     return invalid_argument("checkpoint tensor '{}': got {} {}, the model expects {} {}", name, shape_str(source.shape()),
                             dtype_name(source.dtype()), shape_str(d.shape), dtype_name(d.dtype));
   }

@@ -48,6 +48,7 @@ constexpr OptionField kOptionFields[] = {
     {"EngineOptions", "checksums", "checksums", "keyword", "Producer Consumer"},
     {"EngineOptions", "failover", "failover", "keyword", "Producer Consumer"},
     {"EngineOptions", "group_order", "group_order", "keyword", "Producer Consumer"},
+    {"EngineOptions", "convert_on", "convert_on", "keyword", "Producer Consumer"},
     {"EngineOptions", "test_hooks", "", "internal", ""},
     {"ProducerOptions", "source_regions", "in_place", "in_place", "Producer"},
     {"ProducerOptions", "direct_min_bytes", "direct_min_bytes", "keyword", "Producer"},
@@ -178,6 +179,12 @@ void fill_engine(EngineOptions& o, const py::dict& kw) {
     if (!order.ok()) throw_status(order.status().with_context("group_order"));
     o.group_order = *order;
   }
+  if (kw.contains("convert_on")) {
+    const std::string where = text(kw, "convert_on");
+    auto c = parse_convert_on(where);
+    if (!c) throw_status(invalid_argument("convert_on: '{}' is not \"producer\" or \"consumer\"", where));
+    o.convert_on = *c;
+  }
 }
 
 double secs(std::chrono::milliseconds d) { return static_cast<double>(d.count()) / 1000; }
@@ -197,6 +204,7 @@ void engine_dict(py::dict& d, const EngineOptions& o) {
   d["checksums"] = o.checksums;
   d["failover"] = o.failover;
   d["group_order"] = std::string(group_order_kind_name(o.group_order));
+  d["convert_on"] = std::string(convert_on_name(o.convert_on));
   d["test_hooks"] = o.test_hooks != nullptr;
 }
 

@@ -405,14 +405,15 @@ namespace {
 // Copies the elements `sel` selects — a layout over the row-major index space of a box
 // of shape `box` — from a view of that box with strides `strides` whose element 0 is at
 // `src` (a trainer's own tensor: a row range of a fused weight, a column range, ...),
-// into `dst`, contiguous. Runs of `sel` are cut at the box's rows and each piece is
-// copied as one strided run of the view (a memcpy when its rows are contiguous).
+// into `dst`, contiguous, converted from `dt` to `out_dt`. Runs of `sel` are cut at the
+// box's rows and each piece is copied as one strided run of the view (a memcpy when its
+// rows are contiguous and nothing converts).
 void gather_from_view(const std::byte* src, const Shape& strides, const Shape& box, Layout sel, DType dt,
-                      std::byte* dst) {
-  const uint64_t es = dtype_size(dt);
+                      DType out_dt, std::byte* dst) {
+  const uint64_t es = dtype_size(dt), out_es = dtype_size(out_dt);
   if (sel.numel() == 0) return;
   if (box.empty()) {  // 0-d: one element
-    std::memcpy(dst, src, es);
+    strided_copy(src, Layout{{1}, {1}, 0}, dt, dst, Layout{{1}, {1}, 0}, out_dt);
     return;
   }
   const Shape box_strides = contiguous_strides(box);
@@ -438,13 +439,20 @@ void gather_from_view(const std::byte* src, const Shape& strides, const Shape& b
     if (inner_stride == 1) {
       for (int64_t n = inner; n > 0;) {
         const int64_t len = std::min(n, row - f % row);
-        strided_copy(src, Layout{{len}, {row_stride}, memory_of(f)}, dt, dst, Layout{{len}, {1}, 0}, dt);
-        dst += static_cast<uint64_t>(len) * es;
+        strided_copy(src, Layout{{len}, {row_stride}, memory_of(f)}, dt, dst, Layout{{len}, {1}, 0}, out_dt);
+        dst += static_cast<uint64_t>(len) * out_es;
         f += len;
         n -= len;
       }
     } else {
-      for (int64_t j = 0; j < inner; ++j, dst += es) std::memcpy(dst, src + memory_of(f + j * inner_stride) * static_cast<int64_t>(es), es);
+      for (int64_t j = 0; j < inner; ++j, dst += out_es) {
+        const std::byte* at = src + memory_of(f + j * inner_stride) * static_cast<int64_t>(es);
+        if (out_dt == dt) {
+          std::memcpy(dst, at, es);
+        } else {
+          strided_copy(at, Layout{{1}, {1}, 0}, dt, dst, Layout{{1}, {1}, 0}, out_dt);
+        }
+      }
     }
     size_t k = idx.size();
     while (k > 0 && ++idx[k - 1] == sel.shape[k - 1]) idx[--k] = 0;
@@ -482,9 +490,15 @@ Status pack_group(const ProducerGroup& pg, uint32_t producer, int group, const H
                        hb.box.to_string(), d.name);
     }
     const Tensor& t = *it->second;
-    if (!t.is_real() || t.shape() != hb.box.size || t.dtype() != d.dtype || op.dtype != d.dtype) {
+    if (!t.is_real() || t.shape() != hb.box.size || t.dtype() != d.dtype) {
       return invalid_argument("pack: tensor '{}' box {}: materialized {} but the routes need a real {} {}", d.name,
                               hb.box.to_string(), t.describe(), dtype_name(d.dtype), shape_str(hb.box.size));
+    }
+    // Staging holds the box's dtype, or a float dtype the pack converts to (the router's
+    // convert_on); anything else is routes built over other metadata.
+    if (op.dtype != d.dtype && !(is_floating(op.dtype) && is_floating(d.dtype))) {
+      return invalid_argument("pack: tensor '{}' is {}; can't pack it as {}", d.name, dtype_name(d.dtype),
+                              dtype_name(op.dtype));
     }
     int64_t n, lo, hi;
     if (!layout_range(op.src, n, lo, hi) || (n > 0 && (lo < 0 || hi >= t.numel()))) {
@@ -505,14 +519,16 @@ Status pack_group(const ProducerGroup& pg, uint32_t producer, int group, const H
       }
       on_device = t.device();
       FERRY_ASSIGN_OR_RETURN(std::byte * dev, t.device_ptr());
-      device_packs.push_back({dev, op.src, staging.data() + op.offset, Layout::contiguous(op.src.shape), d.dtype});
+      std::optional<DType> from;
+      if (op.dtype != d.dtype) from = d.dtype;
+      device_packs.push_back({dev, op.src, staging.data() + op.offset, Layout::contiguous(op.src.shape), op.dtype, from});
       continue;
     }
     FERRY_ASSIGN_OR_RETURN(std::byte * src, t.data_ptr());
     if (t.is_contiguous()) {
-      strided_copy(src, op.src, d.dtype, staging.data() + op.offset, Layout::contiguous(op.src.shape), d.dtype);
+      strided_copy(src, op.src, d.dtype, staging.data() + op.offset, Layout::contiguous(op.src.shape), op.dtype);
     } else {
-      gather_from_view(src, t.strides(), hb.box.size, op.src, d.dtype, staging.data() + op.offset);
+      gather_from_view(src, t.strides(), hb.box.size, op.src, d.dtype, op.dtype, staging.data() + op.offset);
     }
   }
   if (!device_packs.empty()) {

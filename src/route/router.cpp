@@ -49,6 +49,7 @@ struct Cut {
   int32_t group = 0;
   uint32_t producer = 0;
   uint32_t box = 0;  // producer's box index
+  DType wire = DType::kBF16;  // what staging holds: the source's dtype, or the param's
   uint64_t bytes = 0;
   uint64_t cost = 0;  // bytes x consumers of the plan class
   int64_t dst_offset = 0;
@@ -281,6 +282,17 @@ void push_unpack(std::vector<UnpackOp>& ops, size_t first, UnpackOp op, uint64_t
   ops.push_back(std::move(op));
 }
 
+// The dtype a piece crosses the wire in: the param's where the producer converts (both
+// floating, the param's elements narrower: fp32 masters kept as bf16 send half the
+// bytes), else the source's. Either side converts with the same strided_copy, so the
+// bits are the same wherever it runs.
+DType wire_dtype(DType source, DType param, const RouterOptions& options) {
+  if (options.convert_on == ConvertOn::kProducer && source != param && is_floating(source) && is_floating(param) &&
+      dtype_size(param) < dtype_size(source))
+    return param;
+  return source;
+}
+
 bool same_decl(const TensorDecl& a, const TensorDecl& b) { return a.dtype == b.dtype && a.shape == b.shape; }
 
 std::string decl_str(const TensorDecl& d) { return fmt::format("{} {}", dtype_name(d.dtype), shape_str(d.shape)); }
@@ -416,6 +428,14 @@ Status check_routing_cost(const RoutingCost& c, uint64_t memory_budget) {
   return Status::Ok();
 }
 
+std::string_view convert_on_name(ConvertOn c) { return c == ConvertOn::kProducer ? "producer" : "consumer"; }
+
+std::optional<ConvertOn> parse_convert_on(std::string_view name) {
+  if (name == "producer") return ConvertOn::kProducer;
+  if (name == "consumer") return ConvertOn::kConsumer;
+  return std::nullopt;
+}
+
 Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options) {
   const auto& meta = in.metadata;
   const uint32_t num_producers = static_cast<uint32_t>(in.producers.size());
@@ -506,7 +526,6 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
   std::vector<uint64_t> weight;
   std::unordered_map<uint64_t, std::vector<uint32_t>> by_hash;
   routes.consumer_plan.reserve(in.consumers.size());
-  std::vector<uint64_t> consumer_min(in.consumers.size(), 0);
   for (size_t c = 0; c < in.consumers.size(); ++c) {
     const Plan* plan = in.consumers[c];
     if (!plan) return invalid_argument("consumer {} has no plan", c);
@@ -538,7 +557,6 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
     }
     weight[static_cast<size_t>(found)]++;
     routes.consumer_plan.push_back(static_cast<uint32_t>(found));
-    consumer_min[c] = plan->stats().bytes;
   }
 
   {  // What the rest would cost, before any piece: refused at once when out of bounds.
@@ -553,6 +571,8 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
   // --- cut every copy by the pieces it touches ------------------------------------------
   Blocks<Cut> cuts;
   LayoutPool pool;
+  // Bytes each plan class reads, as the wire carries them (converted where options say).
+  std::vector<uint64_t> plan_min(classes.size(), 0);
   std::vector<uint32_t> filtered_idx;
   for (uint32_t k = 0; k < classes.size(); ++k) {
     const Plan& plan = *classes[k];
@@ -586,7 +606,8 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
         idx = &filtered_idx;
       }
       int64_t covered = 0;
-      const uint64_t es = dtype_size(d.dtype);
+      const DType wire = wire_dtype(d.dtype, plan.params()[copy.param].dtype, options);
+      const uint64_t es = dtype_size(wire);
       const int32_t group = groups.of_tensor(t);
       compose_layout_each(src, d.shape, ti.map, idx, [&](const MapPiece& m) {
         Cut cut;
@@ -595,12 +616,14 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
         cut.tensor = t;
         cut.piece = idx ? (*idx)[m.part] : m.part;
         cut.group = group;
+        cut.wire = wire;
         cut.dst_offset = dst.offset_of(m.start);
         cut.layouts = pool.add(m.root.shape, m.root.strides, m.root.offset, dst.strides, cut.dst_offset);
         const int64_t numel = pool.numel(cut.layouts);
         covered += numel;
         cut.bytes = static_cast<uint64_t>(numel) * es;
         cut.cost = cut.bytes * weight[k];
+        plan_min[k] += cut.bytes;
         cuts.push_back(cut);
       });
       if (covered != n) {
@@ -677,7 +700,7 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
     for (; b < order.size(); ++b) {
       const Cut& c = cuts[order[b]];
       if (c.producer != first.producer || c.group != first.group || c.plan != first.plan) break;
-      const DType dt = meta[c.tensor].dtype;
+      const DType dt = c.wire;
       const uint64_t es = dtype_size(dt);
       push_pack(pg.packs, first_pack, PackOp{c.box, dt, cur, pool.src(c.layouts)}, es);
       push_unpack(cg.unpacks, first_unpack,
@@ -720,7 +743,7 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
       for (const Read& r : g.reads) st.consumer_bytes[c] += r.length;
     }
     st.bytes_moved += st.consumer_bytes[c];
-    st.bytes_min += consumer_min[c];
+    st.bytes_min += plan_min[routes.consumer_plan[c]];
     st.max_consumer_bytes = std::max(st.max_consumer_bytes, st.consumer_bytes[c]);
   }
   uint64_t total = 0;

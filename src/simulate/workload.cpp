@@ -35,7 +35,7 @@ Result<Routes> route(const tools::JobModel& m, const std::vector<Holdings>& hold
   const int world = m.inference.world_size(), engine = m.inference.engine_size();
   if (plans.empty()) {
     for (int r = 0; r < engine; ++r) {
-      FERRY_ASSIGN_OR_RETURN(auto plan, tools::record_rank_plan(*m.loader, r));
+      FERRY_ASSIGN_OR_RETURN(auto plan, tools::record_rank_plan(*m.loader, r, &m.metadata));
       plans.push_back(std::move(plan));
     }
   }

@@ -135,8 +135,9 @@ std::string_view trim(std::string_view s) {
 }  // namespace
 
 Result<TrainerLayout> TrainerLayout::parse(std::string_view text) {
-  static const char* kKeys[] = {"tp", "pp", "ep", "etp", "dp", "world", "fsdp", "first", "last"};
+  static const char* kKeys[] = {"tp", "pp", "ep", "etp", "dp", "world", "fsdp", "first", "last", "dtype"};
   std::map<std::string, int> v;
+  std::optional<DType> dtype;
   std::string_view rest = text;
   if (trim(rest).empty()) {
     return invalid_argument("trainer layout: empty; expected \"tp=..,pp=..,ep=..,etp=..[,dp=..][,world=..]\" or \"fsdp=N\"");
@@ -151,10 +152,22 @@ Result<TrainerLayout> TrainerLayout::parse(std::string_view text) {
     const std::string key(trim(item.substr(0, eq)));
     const std::string_view val = trim(item.substr(eq + 1));
     if (std::find(std::begin(kKeys), std::end(kKeys), key) == std::end(kKeys)) {
-      return invalid_argument("trainer layout '{}': unknown key '{}' (expected tp, pp, ep, etp, dp, world, first, last or fsdp)", text,
-                              key);
+      return invalid_argument(
+          "trainer layout '{}': unknown key '{}' (expected tp, pp, ep, etp, dp, world, first, last, fsdp or dtype)", text, key);
     }
-    if (v.count(key)) return invalid_argument("trainer layout '{}': key '{}' given twice", text, key);
+    if (v.count(key) || (key == "dtype" && dtype)) {
+      return invalid_argument("trainer layout '{}': key '{}' given twice", text, key);
+    }
+    if (key == "dtype") {
+      auto dt = parse_dtype(val);
+      if (!dt.ok() || (*dt != DType::kF32 && *dt != DType::kBF16 && *dt != DType::kF16)) {
+        return invalid_argument("trainer layout '{}': dtype must be fp32, bf16 or fp16, got '{}'", text, val);
+      }
+      dtype = *dt;
+      if (comma == std::string_view::npos) break;
+      rest = rest.substr(comma + 1);
+      continue;
+    }
     int n = 0;
     auto [p, ec] = std::from_chars(val.data(), val.data() + val.size(), n);
     if (ec != std::errc() || p != val.data() + val.size() || n <= 0) {
@@ -168,8 +181,9 @@ Result<TrainerLayout> TrainerLayout::parse(std::string_view text) {
     rest = rest.substr(comma + 1);
   }
   TrainerLayout l;
+  l.dtype = dtype;
   if (v.count("fsdp")) {
-    if (v.size() != 1) {
+    if (v.size() != 1) {  // dtype is not in v: fsdp=8,dtype=fp32 is a layout
       return invalid_argument("trainer layout '{}': fsdp=N can't be combined with tp/pp/ep/etp/dp/world/first/last", text);
     }
     l.kind = Kind::kFsdp;
@@ -231,11 +245,23 @@ Result<TrainerLayout> TrainerLayout::parse(std::string_view text) {
 int TrainerLayout::world_size() const { return kind == Kind::kFsdp ? fsdp : tp * pp * dp; }
 
 std::string TrainerLayout::to_string() const {
-  if (kind == Kind::kFsdp) return fmt::format("fsdp={}", fsdp);
+  const std::string held = dtype ? fmt::format(",dtype={}", *dtype == DType::kF32   ? "fp32"
+                                                            : *dtype == DType::kF16 ? "fp16"
+                                                                                    : "bf16")
+                                 : std::string();
+  if (kind == Kind::kFsdp) return fmt::format("fsdp={}{}", fsdp, held);
   std::string s = fmt::format("tp={},pp={},ep={},etp={},dp={}", tp, pp, ep, etp, dp);
   if (first) s += fmt::format(",first={}", first);
   if (last) s += fmt::format(",last={}", last);
-  return s;
+  return s + held;
+}
+
+std::vector<TensorDecl> trainer_metadata(std::vector<TensorDecl> checkpoint, const TrainerLayout& layout) {
+  if (!layout.dtype) return checkpoint;
+  for (TensorDecl& d : checkpoint) {
+    if (d.dtype == DType::kF32 || d.dtype == DType::kBF16 || d.dtype == DType::kF16) d.dtype = *layout.dtype;
+  }
+  return checkpoint;
 }
 
 ModelInfo model_info_from_config(const nlohmann::json& config) {

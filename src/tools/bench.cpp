@@ -69,7 +69,7 @@ struct BenchMemoryEstimate {
 // ring and staged params, and verification (a direct load: params plus one tensor); each
 // MPI rank's share (root: its stage's tensors; inference: params, one tensor received,
 // verification); kProcessBase per process.
-Result<BenchMemoryEstimate> estimate_bench_memory(const JobModel& m, CommitPolicy commit) {
+Result<BenchMemoryEstimate> estimate_bench_memory(const JobModel& m, CommitPolicy commit, ConvertOn convert_on) {
   const int P = m.trainer.world_size(), C = m.inference.world_size(), S = m.trainer.pp;
   std::vector<Plan> plans;
   for (int c = 0; c < C; ++c) {
@@ -80,7 +80,7 @@ Result<BenchMemoryEstimate> estimate_bench_memory(const JobModel& m, CommitPolic
   in.metadata = m.metadata;
   in.producers = *m.holdings;
   for (const Plan& p : plans) in.consumers.push_back(&p);
-  FERRY_ASSIGN_OR_RETURN(auto routes, build_routes(in));
+  FERRY_ASSIGN_OR_RETURN(auto routes, build_routes(in, RouterOptions{.convert_on = convert_on}));
   ProducerOptions po;
   FERRY_ASSIGN_OR_RETURN(auto engine_mem, predict_memory(routes, m.metadata, in.producers, in.consumers, po, commit));
   const Groups groups(m.metadata);
@@ -184,7 +184,9 @@ BenchResult run_bench(const BenchSpec& b) {
   // fit rather than let the kernel's OOM killer end the bench half way.
   auto policy = parse_commit_policy(b.commit);
   if (!policy.ok()) return fail(policy.status().to_string());
-  auto estimate = estimate_bench_memory(m, *policy);
+  const auto convert_on = parse_convert_on(b.convert_on);
+  if (!convert_on) return fail(fmt::format("--convert-on: '{}' is not producer or consumer", b.convert_on));
+  auto estimate = estimate_bench_memory(m, *policy, *convert_on);
   if (!estimate.ok()) return fail(estimate.status().to_string());
   {
     auto avail = mem_available_bytes();
@@ -262,7 +264,7 @@ BenchResult run_bench(const BenchSpec& b) {
     const int rank = prod ? k : k - P;
     std::vector<std::string> args = {b.worker_binary, "worker", "--bench", "--role", role, "--rank", std::to_string(rank),
                                      "--model", config_path, "--trainer", b.trainer, "--inference", b.inference,
-                                     "--store", (*server)->url(), "--job", job, "--tls", b.tls, "--mode", b.mode, "--group-order", b.group_order, "--seed",
+                                     "--store", (*server)->url(), "--job", job, "--tls", b.tls, "--mode", b.mode, "--group-order", b.group_order, "--convert-on", b.convert_on, "--seed",
                                      std::to_string(b.seed), "--timeout-ms", std::to_string(b.timeout_ms),
                                      "--in-place", b.in_place ? "1" : "0", "--commit", b.commit};
     if (b.caller_params && !prod) args.push_back("--caller-params");

@@ -34,6 +34,7 @@ struct BenchSpec {
   std::string tls = default_worker_tls();  // UCX_TLS of every rank (and picks MPI's fabric)
   std::string mode = "pull";    // engine mode; push: the raw baseline writes instead of reads
   std::string group_order = "layer";  // EngineOptions::group_order of every rank
+  std::string convert_on = "producer";  // EngineOptions::convert_on of every rank
   int syncs = 5;                // timed trials (after one warm-up)
   uint64_t seed = 1;
   std::string mpirun = "mpirun";
@@ -79,6 +80,7 @@ struct BenchWorkerSpec {
   std::string tls = default_worker_tls();
   std::string mode = "pull";
   std::string group_order = "layer";
+  std::string convert_on = "producer";
   uint64_t seed = 1;
   int timeout_ms = 60000;
   bool in_place = true;

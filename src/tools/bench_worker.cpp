@@ -164,6 +164,9 @@ int run_bench_worker(const BenchWorkerSpec& s) {
   auto order = parse_group_order_kind(s.group_order);
   if (!order.ok()) return bench_worker_fail(s, order.status());
   eo.group_order = *order;
+  auto convert = parse_convert_on(s.convert_on);
+  if (!convert) return bench_worker_fail(s, invalid_argument("convert_on: '{}' is not producer or consumer", s.convert_on));
+  eo.convert_on = *convert;
   eo.timeout = eo.stall_timeout = std::chrono::milliseconds(s.timeout_ms);
   eo.rendezvous_timeout = std::chrono::milliseconds(s.timeout_ms);
   const int P = eo.num_producers;

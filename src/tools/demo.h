@@ -58,6 +58,7 @@ struct DemoSpec {
   std::string inference = "tp=2,ep=2,replicas=2";
   std::string mode = "pull";
   std::string group_order = "layer";  // EngineOptions::group_order of every rank
+  std::string convert_on = "producer";  // EngineOptions::convert_on of every rank
   std::string store;          // empty: an embedded TCP store in this process
   std::string store_host = "127.0.0.1";  // the address the embedded store listens on
   // With `store` empty: run the embedded store as its own process (`ferry store`), which

@@ -2,6 +2,9 @@
 
 #include "tools/config_path.h"
 
+#include <string_view>
+#include <unordered_map>
+
 #include <fmt/format.h>
 
 #include <nlohmann/json.hpp>
@@ -15,7 +18,7 @@ Result<JobModel> make_job_model_from(const ModelConfig& config, const std::strin
   FERRY_ASSIGN_OR_RETURN(m.inference, InferenceLayout::parse(inference));
   FERRY_ASSIGN_OR_RETURN(m.trainer, TrainerLayout::parse(trainer));
   FERRY_ASSIGN_OR_RETURN(m.loader, make_model_loader(m.config, m.inference));
-  m.metadata = m.loader->checkpoint();
+  m.metadata = trainer_metadata(m.loader->checkpoint(), m.trainer);
   {  // A layout whose routing is out of bounds is refused before its holdings are made.
     auto boxes = count_held_boxes(m.metadata, m.trainer, model_info_from_config(m.config.json()));
     if (!boxes.ok()) return boxes.status().with_context(fmt::format("trainer layout {}", trainer));
@@ -52,10 +55,10 @@ Result<JobModel> make_job_model(const std::string& config_path, const std::strin
   return make_job_model_from(config, trainer, inference);
 }
 
-Result<Plan> record_rank_plan(const ModelLoader& loader, int global) {
+Result<Plan> record_rank_plan(const ModelLoader& loader, int global, const std::vector<TensorDecl>* metadata) {
   FERRY_ASSIGN_OR_RETURN(auto rl, loader.rank(global));
   std::vector<TensorDecl> loaded;
-  for (const TensorDecl& d : loader.checkpoint()) {
+  for (const TensorDecl& d : metadata ? *metadata : loader.checkpoint()) {
     if (!rl->groups_written_by(d.name).empty()) loaded.push_back(d);
   }
   return record_plan(loader, global, loaded);
@@ -76,8 +79,12 @@ Result<std::optional<std::string>> verify_params(const JobModel& m, int rank, co
                                                  uint64_t version) {
   // One checkpoint tensor at a time: every rank of a bench verifies at once, and a whole
   // synthetic checkpoint per rank is what ran a 1.6 GB bench out of memory.
+  std::unordered_map<std::string_view, const TensorDecl*> held_by_name;
+  for (const TensorDecl& d : m.metadata) held_by_name.emplace(d.name, &d);
   FERRY_ASSIGN_OR_RETURN(auto direct, load_rank_direct(*m.loader, rank, [&](const TensorDecl& d) -> Result<Tensor> {
-                           return synthetic_tensor(seed, version, d);
+                           // As the trainer holds it (fp32 masters: converted as loaded).
+                           auto held = held_by_name.find(d.name);
+                           return synthetic_tensor(seed, version, held == held_by_name.end() ? d : *held->second);
                          }));
   FERRY_ASSIGN_OR_RETURN(auto rl, m.loader->rank(rank));
   FERRY_ASSIGN_OR_RETURN(auto mm, compare_params(rl->final_params(), direct, params));

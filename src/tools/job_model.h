@@ -33,8 +33,9 @@ Result<JobModel> make_job_model_from(const ModelConfig& config, const std::strin
 
 // record_plan() of inference rank `global`, skipping the checkpoint tensors it loads
 // nothing from (most of them for an EP rank of a large MoE); the plan `ferry plan` and
-// `ferry simulate` route with. Errors: the loader's, a param no copy writes, coverage.
-Result<Plan> record_rank_plan(const ModelLoader& loader, int global);
+// `ferry simulate` route with. `metadata`: the trainer's (trainer_metadata: its dtypes),
+// null for the checkpoint's. Errors: the loader's, a param no copy writes, coverage.
+Result<Plan> record_rank_plan(const ModelLoader& loader, int global, const std::vector<TensorDecl>* metadata = nullptr);
 
 // Zeroed host buffers for every param inference rank `global` loads, by name: what an
 // engine's own parameters are to a Consumer (`--caller-params` of bench and demo).

@@ -87,6 +87,9 @@ int run_worker(const WorkerSpec& s) {
   auto order = parse_group_order_kind(s.group_order);
   if (!order.ok()) return worker_fail(s, order.status());
   eo.group_order = *order;
+  auto convert = parse_convert_on(s.convert_on);
+  if (!convert) return worker_fail(s, invalid_argument("convert_on: '{}' is not producer or consumer", s.convert_on));
+  eo.convert_on = *convert;
   eo.checksums = s.checksums;
   eo.stall_timeout = std::chrono::milliseconds(s.stall_ms);
   eo.straggler_floor = std::chrono::milliseconds(s.straggler_ms);

@@ -38,6 +38,7 @@ struct WorkerSpec {
   std::string backend = "ucx";  // one-host settings; ucx: UCX_TLS from FERRY_UCX_TLS, else sm,tcp,self
   std::string mode = "pull";
   std::string group_order = "layer";  // EngineOptions::group_order
+  std::string convert_on = "producer";  // EngineOptions::convert_on
   bool checksums = false;
   uint64_t seed = 1;
   int first_version = 1;

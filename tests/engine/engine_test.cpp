@@ -136,6 +136,46 @@ TEST_P(EngineZeroCopyTest, ReadsIntoParams) {
   }
 }
 
+// Issue 29: a trainer holding fp32 master weights, inference ranks keeping bf16. The
+// producers convert as they pack, so each consumer receives exactly the bytes it keeps
+// (half of what converting on the consumer moves), all of it straight into its params,
+// nothing served from the trainer's memory in place (a converted piece is packed), and
+// every param bit for bit what a direct load of the fp32 checkpoint gives.
+TEST_P(EngineZeroCopyTest, Fp32TrainerIntoBf16ParamsSendsWhatTheyKeep) {
+  for (ConvertOn where : {ConvertOn::kProducer, ConvertOn::kConsumer}) {
+    SCOPED_TRACE(convert_on_name(where));
+    Cluster k(GetParam());
+    k.eo.convert_on = where;
+    k.tweak_consumer = [&](ConsumerOptions& co, int) {
+      co.direct_min_bytes = 0;
+      co.checksums = true;
+    };
+    k.tweak_producer = [&](ProducerOptions& po, int) { po.checksums = true; };
+    { auto st_ = k.start(cfg("llama-3.1-8b.json"), "tp=2,dtype=fp32", "tp=2"); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+    for (uint64_t v = 1; v <= 2; ++v) {
+      auto o = k.sync(v);
+      k.expect_all_ok(o, v);
+      for (int c = 0; c < k.C(); ++c) {
+        const SyncReport& r = **o.c[static_cast<size_t>(c)];
+        auto rl = k.model.loader->rank(c);
+        ASSERT_TRUE(rl.ok());
+        uint64_t kept = 0;
+        for (const ParamInfo& p : (*rl)->params()) kept += static_cast<uint64_t>(shape_numel(p.decl.shape)) * 2;
+        if (where == ConvertOn::kProducer) {
+          EXPECT_EQ(r.bytes_received, kept) << "consumer " << c;
+          EXPECT_EQ(r.received_into_params, r.bytes_received) << "consumer " << c;
+        } else {
+          EXPECT_EQ(r.bytes_received, 2 * kept) << "consumer " << c;
+          EXPECT_EQ(r.received_into_params, 0u) << "consumer " << c << ": fp32 bytes are converted as they unpack";
+        }
+      }
+      if (where == ConvertOn::kProducer) {
+        for (auto& p : o.p) EXPECT_EQ((**p).sent_in_place, 0u) << "converted pieces are packed";
+      }
+    }
+  }
+}
+
 TEST_P(EngineTest, MoeWithExpertParallelism) {
   Cluster k(GetParam());
   Status s = k.start(cfg("qwen3-30b-a3b.json"), "tp=2,pp=2,ep=2", "tp=2,ep=2,replicas=2");

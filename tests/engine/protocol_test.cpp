@@ -167,15 +167,16 @@ TEST(EngineProtocol, ListedKeysAreParsedExactly) {
                           "j/dead/", "j/dead/2147483648", "j/dead/99999999999", "j/dead/1x", "j/deadx/1", "k/dead/1",
                           "j/dead/0x1"})
     EXPECT_FALSE(k.dead_rank(bad).has_value()) << bad;
-  auto w = k.world_of(k.world("consumer", 3, 2, 4));
+  auto w = k.world_of(k.world("consumer", 3, 2, 4, "rotated.producer"));
   ASSERT_TRUE(w.has_value());
   EXPECT_EQ(w->role, "consumer");
   EXPECT_EQ(w->rank, 3);
   EXPECT_EQ(w->num_producers, 2);
   EXPECT_EQ(w->num_consumers, 4);
-  for (const char* bad : {"j/world/producer/0/2/3/x", "j/world/producer/0/2", "j/world/producer/0/+2/3",
-                          "j/world/producer/0/2/03", "j/world/trainer/0/2/3", "j/world/producer/-1/2/3",
-                          "j/world/producer/0/2/3/", "j/world/producer//2/3", "j/world/producer/0/2/4294967299"})
+  EXPECT_EQ(w->routing, "rotated.producer");
+  for (const char* bad : {"j/world/producer/0/2/3/x/y", "j/world/producer/0/2/3", "j/world/producer/0/+2/3/x",
+                          "j/world/producer/0/2/03/x", "j/world/trainer/0/2/3/x", "j/world/producer/-1/2/3/x",
+                          "j/world/producer/0/2/3/", "j/world/producer//2/3/x", "j/world/producer/0/2/4294967299/x"})
     EXPECT_FALSE(k.world_of(bad).has_value()) << bad;
   for (int rank : {0, 5, -1, -7, 2147483647}) {
     auto f = k.failed_of(k.failed("producer", rank));

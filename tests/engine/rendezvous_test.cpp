@@ -118,15 +118,40 @@ TEST(Rendezvous, OnlyExactWorldKeysAreCheckedAgainstTheWorldSizes) {
   o.job = "w";
   o.num_producers = 2;
   o.num_consumers = 1;
-  for (const char* k : {"w/world/producer/0/3/1/extra", "w/world/producer/1/+3/1", "w/world/consumer/0/2/01",
-                        "w/world/producer/0/3"})
+  for (const char* k : {"w/world/producer/0/3/1/layer.producer/extra", "w/world/producer/1/+3/1/layer.producer",
+                        "w/world/consumer/0/2/01/layer.producer", "w/world/producer/0/3/1"})
     ASSERT_TRUE(st.set(k, "").ok()) << k;
   Status ok = check_world(st, keys, o, Participant{"consumer", 0});
   EXPECT_TRUE(ok.ok()) << ok.to_string();
-  ASSERT_TRUE(st.set(keys.world("producer", 1, 3, 1), "").ok());
+  ASSERT_TRUE(st.set(keys.world("producer", 0, 2, 1, routing_choices(o)), "").ok());
+  ok = check_world(st, keys, o, Participant{"consumer", 0});
+  EXPECT_TRUE(ok.ok()) << ok.to_string();
+  ASSERT_TRUE(st.set(keys.world("producer", 1, 3, 1, routing_choices(o)), "").ok());
   Status bad = check_world(st, keys, o, Participant{"consumer", 0});
   ASSERT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad.to_string();
   EXPECT_NE(bad.message().find("producer 1 with num_producers=3"), std::string::npos) << bad.to_string();
+}
+
+// Ranks that would build other routes (another group order, or conversion on the other
+// side) are refused at once, naming both choices: before, a consumer under another
+// order waited for announcements its producers never made until the timeout.
+TEST(Rendezvous, RanksWithOtherRoutingChoicesAreRefused) {
+  TestStore ts;
+  Store& st = *ts.store;
+  const JobKeys keys("w");
+  EngineOptions o;
+  o.job = "w";
+  EXPECT_EQ(routing_choices(o), "layer.producer");
+  EngineOptions other = o;
+  other.convert_on = ConvertOn::kConsumer;
+  other.group_order = GroupOrderKind::kRotated;
+  EXPECT_EQ(routing_choices(other), "rotated.consumer");
+  ASSERT_TRUE(publish_world(st, keys, other, Participant{"producer", 0}).ok());
+  Status bad = check_world(st, keys, o, Participant{"consumer", 0});
+  ASSERT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad.to_string();
+  EXPECT_NE(bad.message().find("'layer.producer' but producer 0 with 'rotated.consumer'"), std::string::npos)
+      << bad.to_string();
+  EXPECT_TRUE(check_world(st, keys, other, Participant{"consumer", 0}).ok());
 }
 
 // A rank of a job whose name contains the key separator is refused before it writes a

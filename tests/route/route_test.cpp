@@ -2,6 +2,10 @@
 // encoding (round trip, truncation, corruption).
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <limits>
+#include <tuple>
+
 #include "ferry/device.h"
 #include "route/synthetic_model.h"
 
@@ -282,6 +286,107 @@ TEST(Router, PackReadsStridedViewsOfTheTrainersTensor) {
   EXPECT_TRUE(Tensor::borrow_strided(f, 46, Layout{{6, 4}, {8, 1}, 2}, DType::kF32).ok());  // last element: 45
   EXPECT_FALSE(Tensor::borrow_strided(f, 45, Layout{{6, 4}, {8, 1}, 2}, DType::kF32).ok());
   EXPECT_FALSE(Tensor::borrow_strided(f, 48, Layout{{6, 4}, {-8, 1}, 42}, DType::kF32).ok());
+}
+
+// Issue 29: fp32 master weights read into bf16 params. Converted on the producer (the
+// default), the wire carries bf16 (half the bytes) and the unpacks are plain byte copies;
+// converted on the consumer, fp32. The params' bits are the same either way and equal a
+// direct copy, for values that round (ties, NaN, infinities, subnormals), for boxes that
+// are strided views of the trainer's tensor, and for a transposed read.
+TEST(Router, Fp32SourcesIntoBf16ParamsConvertOnTheProducer) {
+  const auto w = decl("model.layers.0.mlp.down_proj.weight", {6, 8}, DType::kF32);
+  Recorder rec1;
+  const Tensor src = Tensor::source(w.name, w.shape, w.dtype);
+  ASSERT_TRUE(Tensor::param("p", {6, 8}, DType::kBF16).copy_(src).ok());
+  const Plan in_order = rec1.finish().value();
+  Recorder rec2;
+  ASSERT_TRUE(Tensor::param("q", {8, 6}, DType::kBF16).copy_(src.t()).ok());
+  const Plan transposed = rec2.finish().value();
+  // Two trainer ranks, each a column half (a strided view of a row-major tensor).
+  const Holdings h0 = hold(w, {Box{{0, 0}, {6, 4}}}), h1 = hold(w, {Box{{0, 4}, {6, 4}}});
+  Tensor full = Tensor::empty({6, 8}, DType::kF32);
+  auto* f = reinterpret_cast<float*>(full.data_ptr().value());
+  const float special[] = {1.0f + 0x1p-8f, 1.0f + 0x3p-8f, -0.0f, std::numeric_limits<float>::infinity(),
+                           -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(),
+                           0x1p-130f, 3.4e38f};
+  for (int i = 0; i < 48; ++i) f[i] = i < 8 ? special[i] : static_cast<float>(i) * 1.00390625f - 17.3f;
+  auto params_after = [&](ConvertOn where, uint64_t& moved) {
+    RouterInput in;
+    in.metadata = {w};
+    in.producers = {h0, h1};
+    in.consumers = {&in_order, &transposed};
+    RouterOptions o;
+    o.convert_on = where;
+    auto r = build_routes(in, o);
+    EXPECT_TRUE(r.ok()) << r.status().to_string();
+    moved = r->stats.bytes_moved;
+    EXPECT_EQ(r->stats.bytes_min, moved);
+    const int g = 1;  // layer 0
+    std::vector<std::vector<std::byte>> staging;
+    for (uint32_t p = 0; p < 2; ++p) {
+      const Tensor view = Tensor::borrow_strided(f, 48, Layout{{6, 4}, {8, 1}, 4 * p}, DType::kF32);
+      staging.emplace_back(r->producers[p].groups[g].staging_bytes);
+      for (const PackOp& op : r->producers[p].groups[g].packs)
+        EXPECT_EQ(op.dtype, where == ConvertOn::kProducer ? DType::kBF16 : DType::kF32);
+      Status st = pack_group(*r, p, g, p ? h1 : h0, {LocalBox{0, view}}, staging.back());
+      EXPECT_TRUE(st.ok()) << st.to_string();
+    }
+    std::vector<Tensor> out;
+    for (size_t c = 0; c < 2; ++c) {
+      const PlanGroup& cg = r->consumer(c).groups[g];
+      std::vector<std::byte> recv(cg.recv_bytes);
+      for (const Read& rd : cg.reads)
+        std::memcpy(recv.data() + rd.recv_offset, staging[rd.producer].data() + rd.offset, rd.length);
+      TensorMap params;
+      const char* name = c ? "q" : "p";
+      params.emplace(name, Tensor::empty(c ? Shape{8, 6} : Shape{6, 8}, DType::kBF16, name));
+      Status st = unpack_group(r->consumer(c), g, recv, params);
+      EXPECT_TRUE(st.ok()) << st.to_string();
+      out.push_back(params.at(name));
+    }
+    return out;
+  };
+  uint64_t on_producer = 0, on_consumer = 0;
+  const auto a = params_after(ConvertOn::kProducer, on_producer);
+  const auto b = params_after(ConvertOn::kConsumer, on_consumer);
+  EXPECT_EQ(on_producer, 2u * 48 * 2);  // two consumers, 48 bf16 elements each
+  EXPECT_EQ(on_consumer, 2u * 48 * 4);
+  Tensor want = Tensor::empty({6, 8}, DType::kBF16);
+  ASSERT_TRUE(want.copy_(full).ok());
+  Tensor want_t = Tensor::empty({8, 6}, DType::kBF16);
+  ASSERT_TRUE(want_t.copy_(full.t()).ok());
+  auto bytes = [](const Tensor& t) {
+    const auto* p = t.data_ptr().value();
+    return std::vector<std::byte>(p, p + t.numel() * 2);
+  };
+  EXPECT_EQ(bytes(a[0]), bytes(want));
+  EXPECT_EQ(bytes(a[1]), bytes(want_t));
+  EXPECT_EQ(bytes(b[0]), bytes(want));
+  EXPECT_EQ(bytes(b[1]), bytes(want_t));
+}
+
+// Conversion only where it shrinks the bytes between float dtypes: bf16 into an fp32
+// param widens on the consumer; an integer never converts on the producer.
+TEST(Router, ProducersConvertOnlyToNarrowerFloats) {
+  for (auto [from, to, wire] : {std::tuple{DType::kBF16, DType::kF32, DType::kBF16},
+                                std::tuple{DType::kF32, DType::kF16, DType::kF16},
+                                std::tuple{DType::kF32, DType::kF8E4M3, DType::kF8E4M3},
+                                std::tuple{DType::kBF16, DType::kBF16, DType::kBF16}}) {
+    const auto w = decl("model.norm.weight", {8}, from);
+    Recorder rec;
+    ASSERT_TRUE(Tensor::param("p", {8}, to).copy_(Tensor::source(w.name, w.shape, from)).ok());
+    const Plan plan = rec.finish().value();
+    auto r = route({w}, {hold(w, {full_box({8})})}, {plan});
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    const int g = r->num_groups() - 1;
+    ASSERT_EQ(r->producers[0].groups[g].packs.size(), 1u);
+    EXPECT_EQ(r->producers[0].groups[g].packs[0].dtype, wire) << dtype_name(from) << " -> " << dtype_name(to);
+    EXPECT_EQ(r->plans[0].groups[g].unpacks[0].src_dtype, wire);
+    EXPECT_EQ(r->stats.bytes_moved, 8 * dtype_size(wire));
+  }
+  EXPECT_EQ(parse_convert_on("producer"), ConvertOn::kProducer);
+  EXPECT_EQ(parse_convert_on("consumer"), ConvertOn::kConsumer);
+  EXPECT_FALSE(parse_convert_on("trainer").has_value());
 }
 
 // Boxes and params that say they live on cuda:0, with no usable CUDA device here: pack

@@ -44,6 +44,36 @@ TEST(TrainerLayout, Errors) {
   EXPECT_NE(msg("").find("empty"), std::string::npos);
 }
 
+// dtype=: the dtype a trainer holds the checkpoint's 16/32-bit float tensors in (fp32
+// master weights, issue 29); FP8 and integer tensors stay as the checkpoint has them.
+TEST(TrainerLayout, HeldDtype) {
+  auto l = TrainerLayout::parse("tp=2,dtype=fp32,pp=2");
+  ASSERT_TRUE(l.ok()) << l.status().to_string();
+  EXPECT_EQ(l->dtype, DType::kF32);
+  EXPECT_EQ(l->world_size(), 4);
+  EXPECT_EQ(l->to_string(), "tp=2,pp=2,ep=1,etp=1,dp=1,dtype=fp32");
+  EXPECT_EQ(TrainerLayout::parse(l->to_string())->to_string(), l->to_string());
+  l = TrainerLayout::parse("fsdp=4,dtype=bfloat16");
+  ASSERT_TRUE(l.ok()) << l.status().to_string();
+  EXPECT_EQ(l->to_string(), "fsdp=4,dtype=bf16");
+  EXPECT_FALSE(TrainerLayout::parse("tp=2")->dtype.has_value());
+  auto msg = [](std::string_view s) { return TrainerLayout::parse(s).status().message(); };
+  EXPECT_NE(msg("tp=2,dtype=fp8").find("dtype must be fp32, bf16 or fp16, got 'fp8'"), std::string::npos);
+  EXPECT_NE(msg("tp=2,dtype=int32").find("dtype must be"), std::string::npos);
+  EXPECT_NE(msg("dtype=fp32,tp=2,dtype=bf16").find("'dtype' given twice"), std::string::npos);
+
+  const std::vector<TensorDecl> ckpt = {{"a", DType::kBF16, {2}},
+                                        {"b", DType::kF8E4M3, {2}},
+                                        {"b_scale_inv", DType::kF32, {1}},
+                                        {"c", DType::kI64, {2}}};
+  const auto meta = trainer_metadata(ckpt, TrainerLayout::parse("tp=1,dtype=fp32").value());
+  EXPECT_EQ(meta[0].dtype, DType::kF32);
+  EXPECT_EQ(meta[1].dtype, DType::kF8E4M3);
+  EXPECT_EQ(meta[2].dtype, DType::kF32);
+  EXPECT_EQ(meta[3].dtype, DType::kI64);
+  EXPECT_EQ(trainer_metadata(ckpt, TrainerLayout::parse("tp=1").value()), ckpt);
+}
+
 TEST(Groups, ByName) {
   std::vector<TensorDecl> meta = {{"model.embed_tokens.weight", DType::kBF16, {4, 2}},
                                   {"model.layers.1.mlp.up_proj.weight", DType::kBF16, {2, 2}},
