@@ -42,13 +42,29 @@ Result<std::pair<int, Consumer::Impl::Arrival>> Consumer::Impl::await_any(uint64
       inbox.erase(it);
       return std::make_pair(p, a);
     }
-    // A producer restarted this sync with other routes (failover another consumer
-    // started): follow it.
+    // A producer on routes this consumer has not run this sync. Newer ones (a failover
+    // another consumer started: it marks the dead in the store before any producer hears
+    // of them) are followed. Routes the store's dead marks do not give are a producer
+    // behind (it has not yet heard of a failover this consumer knows): wait for it to
+    // catch up rather than give up the sync (following would rebuild the same routes,
+    // and a new attempt would wait for announcements this one already took).
+    std::optional<std::pair<uint64_t, int>> foreign;
     for (const auto& [key, e] : inbox) {
       if (std::get<0>(key) == v && e.routes != routes_hash && !old_hashes.count(e.routes)) {
-        switch_routes = true;
-        return unavailable("consumer {}: producer {} switched routes for sync {}", rank, std::get<2>(key), v);
+        foreign = std::make_pair(e.routes, std::get<2>(key));
+        break;
       }
+    }
+    if (foreign) {
+      lk.unlock();
+      auto stored = route_state.read_dead();
+      lk.lock();
+      if (stored.ok() && *stored == route_state.dead()) {
+        old_hashes.insert(foreign->first);
+        continue;
+      }
+      switch_routes = true;
+      return unavailable("consumer {}: producer {} switched routes for sync {}", rank, foreign->second, v);
     }
     for (int p : from) {
       if (auto it = failed.find(p); it != failed.end()) {

@@ -310,6 +310,35 @@ class CuttableStore final : public Store {
   std::shared_ptr<std::atomic<bool>> cut_;
 };
 
+// A message of this sync on routes the store's dead marks do not give (what a producer
+// behind sends: it has not yet heard of a failover this consumer knows; here made-up
+// routes from "producer 0") is waited past, not followed. Following it rebuilt the same
+// routes and the consumer gave up the sync ("producer 0 switched routes for sync 1", the
+// choreography of issue 30's ranks-as-threads attempt): now every consumer verifies.
+TEST_P(EngineInprocTest, MessageOfRoutesTheStoreDoesNotGiveIsNotFollowed) {
+  Cluster k(GetParam());
+  { auto st_ = k.start(cfg("llama-3.1-8b.json"), "tp=1,dp=2", "tp=1,replicas=2"); ASSERT_TRUE(st_.ok()) << st_.to_string(); }
+  auto impostor = k.transport();
+  ASSERT_TRUE(impostor.ok()) << impostor.status().to_string();
+  for (int c = 0; c < k.C(); ++c) {
+    auto peer = (*impostor)->connect(k.ctr[static_cast<size_t>(c)]->address());
+    ASSERT_TRUE(peer.ok()) << peer.status().to_string();
+    for (int g : {-1, 0}) {  // a RoutesNotice's group, and a first group's announcement
+      const engine::Message m = engine::Announce{0, 1, g, 0x5eedf00du, 0, std::nullopt};
+      auto sent = (*impostor)->send(*peer, engine::kEngineTag, engine::encode_message(m));
+      ASSERT_TRUE(sent.ok()) << sent.status().to_string();
+      ASSERT_TRUE(sent->wait(5s).ok());
+    }
+  }
+  auto o = k.sync(1);
+  k.expect_all_ok(o, 1);
+  for (auto& c : o.c) {
+    for (const std::string& f : (**c).failures) EXPECT_EQ(f.find("followed producers"), std::string::npos) << f;
+  }
+  o = k.sync(2);
+  k.expect_all_ok(o, 2);
+}
+
 // A producer failed over while alive may still drop a consumer from the attempt it was
 // left out of; the consumer, on routes without it, carries on. Producer 1 of two DP
 // replicas is cut off from the store (its lease lapses) while it holds the first group
