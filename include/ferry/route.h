@@ -229,6 +229,42 @@ inline constexpr uint64_t kMaxRoutePieces = uint64_t{1} << 27;
 Status check_routing_cost(const RoutingCost& cost, uint64_t memory_budget = 0);
 
 // ---------------------------------------------------------------------------------------
+// Which side can block-quantise a param (issue 29), decided from the routes alone.
+//
+// A consumer that keeps a param block-quantised (FP8 with a scale per block x block tile
+// of its last two dims, leading dims each on their own: LoaderOptions::quantize) gets
+// it bit for bit the same whichever side runs the quantiser, as long as that side sees
+// every element of each tile: a producer can, for a param whose every tile's elements
+// all reach the consumer from that one producer; a tile split between producers (a
+// block straddling two trainer ranks' boxes) leaves the param to the consumer. What
+// `ferry plan --quantize` reports (the bytes either way); the engine still quantises on
+// the consumer.
+
+struct BlockQuantizeFormat {
+  int64_t block = 128;       // square tiles of the last two dims
+  uint32_t value_bytes = 1;  // FP8
+  uint32_t scale_bytes = 4;  // fp32 inverse scales (vLLM/DeepSeek weight_scale_inv)
+};
+
+struct QuantizeSide {
+  uint32_t plan = 0, param = 0;  // plan class, index into PlanRoute::params
+  std::string name;
+  uint64_t consumers = 0;        // of the plan class
+  bool on_producer = false;      // every tile from one producer
+  uint64_t tiles = 0, tiles_split = 0;
+  // Per consumer: what the wire carries today (the routes' dtype) and with the producer
+  // quantising (values of the elements the routes carry + the scales of tiles they reach).
+  uint64_t bytes_dense = 0, bytes_quantized = 0;
+};
+
+// One entry per quantised param of each plan class (`quantized[k]`: indices into
+// routes.plans[k].params), in that order. Errors: a list per plan class missing, an
+// index out of range, a param that is not a float matrix, an unpack outside every read.
+Result<std::vector<QuantizeSide>> quantize_sides(const Routes& routes,
+                                                 const std::vector<std::vector<uint32_t>>& quantized,
+                                                 const BlockQuantizeFormat& format = {});
+
+// ---------------------------------------------------------------------------------------
 // Executing routes (in process: tests, the engine's pack/unpack steps).
 
 // Packs group `group` of `producer`: `boxes` from WeightSource::materialize(group).

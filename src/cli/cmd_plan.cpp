@@ -8,8 +8,10 @@
 #include <cstdio>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "cli/command.h"
@@ -170,6 +172,52 @@ int run_plan(const PlanArgs& a) {
     return at;
   };
   const size_t max_p = largest(mem->producers), max_c = largest(mem->consumers);
+
+  // With --quantize fp8: which side can quantise each param, from these routes (route.h,
+  // quantize_sides): a prediction of trainer-side quantisation; the engine still
+  // quantises on the consumer.
+  struct QuantizeTotals {
+    uint64_t params = 0, on_producer = 0, tiles_split = 0;
+    uint64_t bytes_dense = 0, bytes_quantized_params = 0;  // summed over consumers, quantised params only
+    uint64_t bytes_moved = 0;                              // every byte, with the producer quantising where it can
+    std::vector<std::string> fell_back;                    // names (first few)
+  };
+  std::optional<QuantizeTotals> qt;
+  if (lopts.quantize == Quantize::kFp8) {
+    std::vector<std::vector<uint32_t>> quantized(routes->plans.size());
+    std::vector<bool> seen(routes->plans.size(), false);
+    for (int c = 0; c < world; ++c) {
+      const uint32_t k = routes->consumer_plan[static_cast<size_t>(c)];
+      if (seen[k]) continue;
+      seen[k] = true;
+      auto rl = (**loader).rank(c);
+      if (!rl.ok()) return fail_with("plan", rl.status());
+      std::map<std::string, uint32_t> index;
+      for (uint32_t i = 0; i < routes->plans[k].params.size(); ++i) index[routes->plans[k].params[i].name] = i;
+      for (const ParamInfo& pi : (*rl)->params()) {
+        auto it = index.find(pi.decl.name);
+        if (pi.fp8_quantizable && it != index.end()) quantized[k].push_back(it->second);
+      }
+    }
+    auto sides = quantize_sides(*routes, quantized);
+    if (!sides.ok()) return fail_with("plan", sides.status());
+    QuantizeTotals t;
+    t.bytes_moved = st.bytes_moved;
+    for (const QuantizeSide& q : *sides) {
+      ++t.params;
+      t.tiles_split += q.tiles_split * q.consumers;
+      t.bytes_dense += q.bytes_dense * q.consumers;
+      if (q.on_producer) {
+        ++t.on_producer;
+        t.bytes_quantized_params += q.bytes_quantized * q.consumers;
+        t.bytes_moved -= (q.bytes_dense - q.bytes_quantized) * q.consumers;
+      } else {
+        t.bytes_quantized_params += q.bytes_dense * q.consumers;
+        if (t.fell_back.size() < 3) t.fell_back.push_back(q.name);
+      }
+    }
+    qt = t;
+  }
   const double plan_seconds = secs(t_end - t0);
   const double plan_cpu_seconds = self_cpu_seconds();
   const uint64_t rss = self_peak_rss_bytes();
@@ -222,6 +270,15 @@ int run_plan(const PlanArgs& a) {
       j["round_lanes"] = go.round_sizes();
       j["cohort_sizes"] = go.cohort_sizes();
     }
+    if (qt) {
+      j["quantize_on_producer"] = {{"params", qt->params},
+                                   {"params_on_producer", qt->on_producer},
+                                   {"tiles_split", qt->tiles_split},
+                                   {"bytes_quantized_params_consumer_side", qt->bytes_dense},
+                                   {"bytes_quantized_params_producer_side", qt->bytes_quantized_params},
+                                   {"bytes_moved_producer_side", qt->bytes_moved},
+                                   {"fell_back_examples", qt->fell_back}};
+    }
     j["staging_budget"] = a.staging_budget;
     j["memory"] = {{"producers", pm}, {"consumers", cm}, {"max_producer_extra", mem->producers[max_p].extra()},
                    {"max_consumer_extra", mem->consumers[max_c].extra()}};
@@ -254,6 +311,24 @@ int run_plan(const PlanArgs& a) {
                                plan_seconds, plan_cpu_seconds, secs(t_rec - t_hold), recorded, secs(t_route - t_rec),
                                secs(t_end - t_route)));
   row("peak memory (ru_maxrss)", human(static_cast<double>(rss)));
+  if (qt) {
+    // Counted over plan classes (a class's params once), bytes over every consumer.
+    row("fp8 on the producer (prediction)",
+        fmt::format("{} of {} quantised params have every 128x128 tile from one producer{}", qt->on_producer,
+                    qt->params,
+                    qt->fell_back.empty() ? std::string()
+                                          : fmt::format("; the rest stay on the consumer (e.g. {})",
+                                                        fmt::join(qt->fell_back, ", "))));
+    row("  their bytes (consumer/producer)",
+        fmt::format("{} / {} ({:.3f}x)", human(static_cast<double>(qt->bytes_dense)),
+                    human(static_cast<double>(qt->bytes_quantized_params)),
+                    qt->bytes_dense ? static_cast<double>(qt->bytes_quantized_params) / qt->bytes_dense : 1.0));
+    row("  bytes ferry would move",
+        fmt::format("{} ({:.3f}x today's {}; the engine still quantises on the consumer)",
+                    human(static_cast<double>(qt->bytes_moved)),
+                    st.bytes_moved ? static_cast<double>(qt->bytes_moved) / st.bytes_moved : 1.0,
+                    human(static_cast<double>(st.bytes_moved))));
+  }
   if (order->kind == GroupOrderKind::kLayer) {
     row("group order", "layer (every consumer takes the groups in layer order; --group-order rotated: every stage at once)");
   } else {

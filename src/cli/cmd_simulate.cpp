@@ -33,6 +33,8 @@ struct SimulateArgs {
   std::string mode = "pull";
   std::string order = "layer";
   double changed_fraction = -1;  // < 0: a dense sync
+  std::string quantize = "none";
+  std::string quantize_on = "consumer";
   std::string changes = "scattered";
   bool json = false;
   std::string plot;
@@ -80,6 +82,13 @@ int run_simulate(const SimulateArgs& a) {
   const bool rotated = order->kind != engine::GroupOrderKind::kLayer;
   JobSpec job = a.job;
   job.order = *order;
+  auto quant = parse_quantize(a.quantize);
+  if (!quant.ok()) return fail_with("simulate", quant.status().with_context("--quantize"));
+  job.quantize = *quant;
+  if (a.quantize_on != "consumer" && a.quantize_on != "producer") {
+    return fail_with("simulate", invalid_argument("--quantize-on: '{}' is not consumer or producer", a.quantize_on));
+  }
+  job.quantize_on_producer = a.quantize_on == "producer";
   // A relative cluster file is found as a model config is (working directory, the
   // installed share/ferry/, the source tree), so configs/clusters/*.json work anywhere.
   auto cluster_path = tools::find_model_config(a.cluster);
@@ -156,6 +165,14 @@ int run_simulate(const SimulateArgs& a) {
     j["element_bytes"] = work->element_bytes;
     j["patch_ratio"] = work->patch_ratio;
   }
+  if (job.quantize != Quantize::kNone) {
+    j["quantize"] = a.quantize;
+    j["quantize_on"] = a.quantize_on;
+    if (job.quantize_on_producer) {
+      j["quantized_params"] = work->quantized_params;
+      j["quantized_on_producer"] = work->quantized_on_producer;
+    }
+  }
   j["model_bytes"] = work->model_bytes;
   j["max_consumer_bytes"] = work->max_consumer_bytes;
   j["bytes_moved"] = *design == Design::kBroadcast ? 0 : work->bytes_moved;
@@ -191,6 +208,13 @@ int run_simulate(const SimulateArgs& a) {
   if (delta) {
     std::printf("  delta sync: %g%% of elements changed (%s), %.2f bytes per element: patches %.3f%% of the dense bytes\n",
                 100 * a.changed_fraction, a.changes.c_str(), work->element_bytes, 100 * work->patch_ratio);
+  }
+  if (job.quantize_on_producer) {
+    std::printf("  fp8 on the producer       %llu of %llu quantised params (every 128x128 tile from one producer; "
+                "a prediction: the engine quantises on the consumer); %s moved\n",
+                static_cast<unsigned long long>(work->quantized_on_producer),
+                static_cast<unsigned long long>(work->quantized_params),
+                gb(static_cast<double>(work->bytes_moved)).c_str());
   }
   if (r->lockstep_seconds > 0) {
     std::printf("  groups in lockstep        %.3f s   (sum over groups of the group's busiest NIC bytes / rate)\n",
@@ -251,6 +275,13 @@ FERRY_COMMAND(simulate_command, "simulate",
                                "How the changed elements lie, with --changed-fraction: scattered (one by one) | "
                                "clustered (whole tensors or experts)")
                     ->default_val("scattered");
+                app.add_option("--quantize", a->quantize,
+                               "What the inference ranks keep: none | fp8 (e4m3, 128x128 blocks, fp32 scales)")
+                    ->default_val("none");
+                app.add_option("--quantize-on", a->quantize_on,
+                               "With --quantize fp8: consumer (the engine today) | producer (predicts trainer-side "
+                               "quantisation: params whose every tile comes from one producer cross as FP8 + scales)")
+                    ->default_val("consumer");
                 app.add_option("--staging-budget", a->job.staging_budget,
                                "Each producer's staging budget (bytes, suffixes KiB, MiB, GiB; 0: two slots)")
                     ->transform(CLI::AsSizeValue(false));

@@ -74,6 +74,78 @@ void fill_from_routes(const Routes& routes, std::vector<GroupWork>& groups, JobW
   out.max_consumer_bytes = routes.stats.max_consumer_bytes;
 }
 
+// Trainer-side quantisation (a prediction): the params whose every tile comes from one
+// producer cross as FP8 values plus an fp32 scale per 128x128 tile instead of the
+// routes' dtype; each consumer's transfers and unpack bytes shrink by what its reads of
+// those params save.
+Status quantize_on_producers(const tools::JobModel& m, const Routes& routes, std::vector<GroupWork>& groups,
+                             JobWorkload& out) {
+  const BlockQuantizeFormat format;
+  std::vector<std::vector<uint32_t>> quantized(routes.plans.size());
+  std::vector<bool> seen(routes.plans.size(), false);
+  for (size_t c = 0; c < routes.consumer_plan.size(); ++c) {
+    const uint32_t k = routes.consumer_plan[c];
+    if (seen[k]) continue;
+    seen[k] = true;
+    FERRY_ASSIGN_OR_RETURN(auto rl, m.loader->rank(static_cast<int>(c)));
+    std::unordered_map<std::string, uint32_t> index;
+    for (uint32_t i = 0; i < routes.plans[k].params.size(); ++i) index.emplace(routes.plans[k].params[i].name, i);
+    for (const ParamInfo& pi : rl->params()) {
+      auto it = index.find(pi.decl.name);
+      if (pi.fp8_quantizable && it != index.end()) quantized[k].push_back(it->second);
+    }
+  }
+  FERRY_ASSIGN_OR_RETURN(auto sides, quantize_sides(routes, quantized, format));
+  std::vector<std::vector<bool>> on_producer(routes.plans.size());
+  for (size_t k = 0; k < routes.plans.size(); ++k) on_producer[k].assign(routes.plans[k].params.size(), false);
+  for (const QuantizeSide& q : sides) {
+    ++out.quantized_params;
+    if (q.on_producer) {
+      ++out.quantized_on_producer;
+      on_producer[q.plan][q.param] = true;
+    }
+  }
+  // Per plan class and group: what each producer's reads save (bytes, per consumer).
+  const double per_element = format.value_bytes + static_cast<double>(format.scale_bytes) /
+                                                      static_cast<double>(format.block * format.block);
+  out.bytes_moved = 0;
+  uint64_t max_consumer = 0;
+  std::vector<uint64_t> consumer_bytes(routes.consumer_plan.size(), 0);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    std::vector<std::map<uint32_t, uint64_t>> saved(routes.plans.size());  // plan -> producer -> bytes
+    for (size_t k = 0; k < routes.plans.size(); ++k) {
+      const PlanGroup& pg = routes.plans[k].groups[g];
+      for (const UnpackOp& u : pg.unpacks) {
+        if (!on_producer[k][u.param]) continue;
+        const Read* from = nullptr;
+        for (const Read& r : pg.reads)
+          if (u.offset >= r.recv_offset && u.offset < r.recv_offset + r.length) from = &r;
+        if (!from) return internal_error("simulate: plan {} group {}: an unpack outside every read", k, g);
+        const double n = static_cast<double>(u.dst.numel());
+        const auto dense = static_cast<uint64_t>(n) * dtype_size(u.src_dtype);
+        const auto quant = static_cast<uint64_t>(std::ceil(n * per_element));
+        saved[k][from->producer] += dense - std::min(dense, quant);
+      }
+    }
+    GroupWork& gw = groups[g];
+    for (Flow& f : gw.transfers) {
+      const uint32_t k = routes.consumer_plan[f.to];
+      auto it = saved[k].find(f.from);
+      if (it != saved[k].end()) f.bytes -= std::min(f.bytes, it->second);
+      out.bytes_moved += f.bytes;
+      consumer_bytes[f.to] += f.bytes;
+    }
+    for (size_t c = 0; c < gw.unpack_bytes.size(); ++c) {
+      uint64_t s = 0;
+      for (const auto& [p, b] : saved[routes.consumer_plan[c]]) s += b;
+      gw.unpack_bytes[c] -= std::min(gw.unpack_bytes[c], s);
+    }
+  }
+  for (uint64_t b : consumer_bytes) max_consumer = std::max(max_consumer, b);
+  out.max_consumer_bytes = max_consumer;
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<JobWorkload> build_workload(const JobSpec& job, Design design) {
@@ -82,7 +154,17 @@ Result<JobWorkload> build_workload(const JobSpec& job, Design design) {
                             engine::group_order_name(job.order), design_name(design));
   }
   const auto t0 = std::chrono::steady_clock::now();
-  FERRY_ASSIGN_OR_RETURN(auto m, tools::make_job_model(job.model, job.trainer, job.inference, job.shrink, job.config_overrides));
+  if (job.quantize_on_producer && design != Design::kFerry) {
+    return invalid_argument("--quantize-on producer: only ferry's design quantises on the producer (got --design {})",
+                            design_name(design));
+  }
+  if (job.quantize_on_producer && job.quantize == Quantize::kNone) {
+    return invalid_argument("--quantize-on producer needs --quantize fp8");
+  }
+  LoaderOptions lopts;
+  lopts.quantize = job.quantize;
+  FERRY_ASSIGN_OR_RETURN(auto m, tools::make_job_model(job.model, job.trainer, job.inference, job.shrink,
+                                                       job.config_overrides, lopts));
   if (design != Design::kFerry && m.trainer.kind != TrainerLayout::Kind::kMegatron) {
     return invalid_argument("--design {}: needs a Megatron trainer layout (tp=..,pp=..), got {}", design_name(design),
                             m.trainer.to_string());
@@ -142,6 +224,7 @@ Result<JobWorkload> build_workload(const JobSpec& job, Design design) {
   } else {
     FERRY_ASSIGN_OR_RETURN(auto routes, route(m, *m.holdings, plans));
     fill_from_routes(routes, w.groups, out);
+    if (job.quantize_on_producer) FERRY_RETURN_IF_ERROR(quantize_on_producers(m, routes, w.groups, out));
     // The engine's own order computation, so the prediction follows the engine.
     const engine::GroupOrder order = engine::make_group_order(routes, job.order);
     FERRY_RETURN_IF_ERROR(engine::check_group_order(routes, order));

@@ -11,6 +11,7 @@
 
 #include "delta/patch.h"
 #include "engine/group_order.h"
+#include "ferry/models.h"
 #include "ferry/status.h"
 #include "simulate/simulate.h"
 
@@ -25,6 +26,11 @@ struct JobSpec {
   bool shrink = false;           // route shrink_config's small variant (as ferry demo does)
   // The order groups move in (ferry's design): the engine's own make_group_order.
   engine::GroupOrderOptions order;
+  // What the inference ranks keep (LoaderOptions::quantize) and, with fp8, whether the
+  // producers quantise the params they can (route.h, quantize_sides): a prediction of
+  // trainer-side quantisation (issue 29; the engine quantises on the consumer).
+  Quantize quantize = Quantize::kNone;
+  bool quantize_on_producer = false;
 };
 
 struct JobWorkload {
@@ -42,11 +48,16 @@ struct JobWorkload {
   double element_bytes = 2;        // the model's bytes per element (fp8 experts beside bf16: between 1 and 2)
   // After apply_delta: each transfer's bytes as a fraction of its dense bytes.
   double patch_ratio = 1;
+  // With JobSpec::quantize_on_producer: the quantised params (over plan classes) and
+  // those whose every tile comes from one producer (quantised there: FP8 values and
+  // scales on the wire instead of the trainer's bf16).
+  uint64_t quantized_params = 0, quantized_on_producer = 0;
 };
 
 // Errors: the config, the layouts, routing (each names what failed); a design that
 // needs a Megatron trainer (sharded-gather, broadcast) given an FSDP one; a group order
-// other than the layer order for a design other than ferry's.
+// other than the layer order, or quantisation on the producer, for a design other than
+// ferry's; quantisation on the producer without a quantize.
 Result<JobWorkload> build_workload(const JobSpec& job, Design design);
 
 // A delta sync (issue 28, docs/delta.md) instead of a dense one, ferry's design only:

@@ -12,12 +12,12 @@
 namespace ferry::tools {
 
 Result<JobModel> make_job_model_from(const ModelConfig& config, const std::string& trainer,
-                                     const std::string& inference) {
+                                     const std::string& inference, const LoaderOptions& loader) {
   JobModel m;
   m.config = config;
   FERRY_ASSIGN_OR_RETURN(m.inference, InferenceLayout::parse(inference));
   FERRY_ASSIGN_OR_RETURN(m.trainer, TrainerLayout::parse(trainer));
-  FERRY_ASSIGN_OR_RETURN(m.loader, make_model_loader(m.config, m.inference));
+  FERRY_ASSIGN_OR_RETURN(m.loader, make_model_loader(m.config, m.inference, loader));
   m.metadata = trainer_metadata(m.loader->checkpoint(), m.trainer);
   {  // A layout whose routing is out of bounds is refused before its holdings are made.
     auto boxes = count_held_boxes(m.metadata, m.trainer, model_info_from_config(m.config.json()));
@@ -35,12 +35,12 @@ Result<JobModel> make_job_model_from(const ModelConfig& config, const std::strin
 }
 
 Result<JobModel> make_job_model(const std::string& config_path, const std::string& trainer, const std::string& inference,
-                                bool shrink, const std::string& overrides) {
+                                bool shrink, const std::string& overrides, const LoaderOptions& loader) {
   FERRY_ASSIGN_OR_RETURN(auto found, find_model_config(config_path));
   FERRY_ASSIGN_OR_RETURN(auto config, ModelConfig::load(found));
   if (shrink) {
     FERRY_ASSIGN_OR_RETURN(auto layout, InferenceLayout::parse(inference));
-    FERRY_ASSIGN_OR_RETURN(auto s, shrink_config(config, layout));
+    FERRY_ASSIGN_OR_RETURN(auto s, shrink_config(config, layout, loader));
     config = s.config;
   }
   if (!overrides.empty()) {
@@ -52,7 +52,7 @@ Result<JobModel> make_job_model(const std::string& config_path, const std::strin
     }
     FERRY_ASSIGN_OR_RETURN(config, ModelConfig::from_json(j, config.path()));
   }
-  return make_job_model_from(config, trainer, inference);
+  return make_job_model_from(config, trainer, inference, loader);
 }
 
 Result<Plan> record_rank_plan(const ModelLoader& loader, int global, const std::vector<TensorDecl>* metadata) {

@@ -26,10 +26,11 @@ struct JobModel {
 
 // `overrides`: JSON object merged into the config after shrinking (e.g.
 // {"num_hidden_layers": 4}); empty: none.
+// `loader`: the inference side's LoaderOptions (quantize: what its ranks keep).
 Result<JobModel> make_job_model(const std::string& config_path, const std::string& trainer, const std::string& inference,
-                                bool shrink, const std::string& overrides = "");
+                                bool shrink, const std::string& overrides = "", const LoaderOptions& loader = {});
 Result<JobModel> make_job_model_from(const ModelConfig& config, const std::string& trainer,
-                                     const std::string& inference);
+                                     const std::string& inference, const LoaderOptions& loader = {});
 
 // record_plan() of inference rank `global`, skipping the checkpoint tensors it loads
 // nothing from (most of them for an EP rank of a large MoE); the plan `ferry plan` and

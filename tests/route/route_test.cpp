@@ -4,6 +4,8 @@
 
 #include <cstring>
 #include <limits>
+#include <random>
+#include <set>
 #include <tuple>
 
 #include "ferry/device.h"
@@ -387,6 +389,120 @@ TEST(Router, ProducersConvertOnlyToNarrowerFloats) {
   EXPECT_EQ(parse_convert_on("producer"), ConvertOn::kProducer);
   EXPECT_EQ(parse_convert_on("consumer"), ConvertOn::kConsumer);
   EXPECT_FALSE(parse_convert_on("trainer").has_value());
+}
+
+// quantize_sides (issue 29) against a brute-force oracle: every element of the param
+// mapped to the producer whose read carries it, then each 128x128 tile (leading dims each
+// on their own) checked for a single producer. Random matrices (and a batch of three),
+// cut between two or three producers at random rows or columns (128-aligned or not), some
+// boxes held by two DP replicas (the router balances pieces between them), read whole,
+// transposed or as a fused param of two sources.
+TEST(Router, QuantizeSidesAgreesWithAnElementOracle) {
+  std::mt19937 rng(29);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  int on_producer = 0, on_consumer = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    SCOPED_TRACE(trial);
+    const bool batched = trial % 5 == 4;
+    const int64_t rows = pick(1, 3) * 64 + pick(0, 1) * pick(1, 100), cols = pick(1, 4) * 64 + pick(0, 1) * pick(1, 60);
+    const Shape shape = batched ? Shape{3, rows, cols} : Shape{rows, cols};
+    const size_t nd = shape.size();
+    std::vector<TensorDecl> meta = {decl("model.layers.0.a.weight", shape)};
+    const int kind = static_cast<int>(pick(0, 2));  // 0 whole, 1 transposed, 2 fused with a second source
+    if (kind == 2) meta.push_back(decl("model.layers.0.b.weight", shape));
+    // Producers: the (first) tensor cut along one dim at a random point into two boxes;
+    // with `replicas`, both boxes are also held by a second pair of producers.
+    const int dim = static_cast<int>(nd) - 1 - static_cast<int>(pick(0, 1));
+    const int64_t extent = shape[static_cast<size_t>(dim)];
+    std::vector<int64_t> aligned;  // cuts on a tile boundary
+    for (int64_t c = 128; c < extent; c += 128) aligned.push_back(c);
+    const int64_t cut = !aligned.empty() && pick(0, 1) ? aligned[static_cast<size_t>(pick(0, static_cast<int64_t>(aligned.size()) - 1))]
+                                                       : pick(1, extent - 1);
+    const bool replicas = pick(0, 2) == 0;
+    std::vector<Holdings> prod;
+    for (int r = 0; r < (replicas ? 2 : 1); ++r) {
+      for (int part = 0; part < 2; ++part) {
+        Box b = full_box(shape);
+        b.start[static_cast<size_t>(dim)] = part ? cut : 0;
+        b.size[static_cast<size_t>(dim)] = part ? extent - cut : cut;
+        Holdings h;
+        ASSERT_TRUE(h.add(meta[0], b).ok());
+        if (kind == 2 && part == 0) {
+          ASSERT_TRUE(h.add(meta[1], full_box(shape)).ok());
+        }
+        prod.push_back(std::move(h));
+      }
+    }
+    // The consumer's param: a, a^T, or [a ; b] along the rows.
+    Recorder rec;
+    const Tensor a = Tensor::source(meta[0].name, shape, DType::kBF16);
+    Shape pshape = shape;
+    if (kind == 1) std::swap(pshape[nd - 1], pshape[nd - 2]);
+    if (kind == 2) pshape[nd - 2] *= 2;
+    const Tensor p = Tensor::param("p", pshape, DType::kBF16);
+    if (kind == 0) {
+      ASSERT_TRUE(p.copy_(a).ok());
+    }
+    if (kind == 1) {
+      ASSERT_TRUE(p.copy_(a.transpose(static_cast<int>(nd) - 2, static_cast<int>(nd) - 1)).ok());
+    }
+    if (kind == 2) {
+      ASSERT_TRUE(p.narrow(static_cast<int>(nd) - 2, 0, shape[nd - 2]).copy_(a).ok());
+      ASSERT_TRUE(p.narrow(static_cast<int>(nd) - 2, shape[nd - 2], shape[nd - 2])
+                      .copy_(Tensor::source(meta[1].name, shape, DType::kBF16))
+                      .ok());
+    }
+    const Plan plan = rec.finish().value();
+    auto r = route(meta, prod, {plan});
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    auto sides = quantize_sides(*r, {{0}});
+    ASSERT_TRUE(sides.ok()) << sides.status().to_string();
+    ASSERT_EQ(sides->size(), 1u);
+    const QuantizeSide& q = (*sides)[0];
+
+    // The oracle: the producer of every element, then of every tile.
+    const int64_t n = shape_numel(pshape), R = pshape[nd - 2], C = pshape[nd - 1];
+    std::vector<int> owner(static_cast<size_t>(n), -1);
+    for (const PlanGroup& g : r->plans[0].groups) {
+      for (const UnpackOp& u : g.unpacks) {
+        int producer = -1;
+        for (const Read& rd : g.reads)
+          if (u.offset >= rd.recv_offset && u.offset < rd.recv_offset + rd.length) producer = static_cast<int>(rd.producer);
+        ASSERT_GE(producer, 0);
+        std::vector<int64_t> idx(u.dst.shape.size(), 0);
+        for (int64_t e = 0; e < u.dst.numel(); ++e) {
+          int64_t f = u.dst.offset;
+          for (size_t k = 0; k < idx.size(); ++k) f += idx[k] * u.dst.strides[k];
+          ASSERT_EQ(owner[static_cast<size_t>(f)], -1) << "an element written twice";
+          owner[static_cast<size_t>(f)] = producer;
+          for (size_t k = idx.size(); k-- > 0;) {
+            if (++idx[k] < u.dst.shape[k]) break;
+            idx[k] = 0;
+          }
+        }
+      }
+    }
+    uint64_t tiles = 0, split = 0;
+    for (int64_t b = 0; b < n / (R * C); ++b)
+      for (int64_t tr = 0; tr < R; tr += 128)
+        for (int64_t tc = 0; tc < C; tc += 128) {
+          ++tiles;
+          std::set<int> seen;
+          for (int64_t i = tr; i < std::min(R, tr + 128); ++i)
+            for (int64_t j = tc; j < std::min(C, tc + 128); ++j) seen.insert(owner[static_cast<size_t>(b * R * C + i * C + j)]);
+          if (seen.size() > 1) ++split;
+        }
+    EXPECT_EQ(q.tiles, tiles);
+    EXPECT_EQ(q.tiles_split, split);
+    EXPECT_EQ(q.on_producer, split == 0);
+    EXPECT_EQ(q.bytes_dense, static_cast<uint64_t>(n) * 2);
+    EXPECT_EQ(q.bytes_quantized, static_cast<uint64_t>(n) + tiles * 4);
+    (q.on_producer ? on_producer : on_consumer)++;
+  }
+  // Both outcomes were exercised.
+  EXPECT_GT(on_producer, 5);
+  EXPECT_GT(on_consumer, 5);
+  EXPECT_FALSE(quantize_sides(Routes{}, {{0}}).ok());  // a list per plan class
 }
 
 // Boxes and params that say they live on cuda:0, with no usable CUDA device here: pack

@@ -146,6 +146,29 @@ TEST(SimulateCli, DeltaSyncMovesThePatchBytes) {
   EXPECT_LE(all["bytes_moved"].get<double>(), moved + 32.0 * all["flows"].get<double>());
 }
 
+// Issue 29: trainer-side FP8 predicted. The toy Llama at tp=2 -> tp=2: every linear's
+// shard comes from one trainer rank, so every quantised param (qkv, o, gate_up, down of
+// both layers) is quantised on the producer and crosses as FP8 plus an fp32 scale per
+// 128x128 tile: per layer and consumer 294,912 elements, 18 tiles, so 589,824 bf16 bytes
+// become 294,984 (x 2 layers x 4 consumers saved). Quantising on the consumer moves what
+// no quantisation moves.
+TEST(SimulateCli, Fp8OnTheProducerMovesTheLinearsAsFp8) {
+  nlohmann::json none = simulate_json("");
+  nlohmann::json consumer = simulate_json("--quantize fp8");
+  nlohmann::json producer = simulate_json("--quantize fp8 --quantize-on producer");
+  ASSERT_TRUE(none.is_object() && consumer.is_object() && producer.is_object());
+  const double moved = none["bytes_moved"].get<double>();
+  EXPECT_EQ(consumer["bytes_moved"].get<double>(), moved);
+  EXPECT_FALSE(consumer.contains("quantized_params"));
+  EXPECT_EQ(producer["quantize_on"], "producer");
+  // 4 linears x 2 layers x 2 plan classes (the tp ranks; replicas share theirs).
+  EXPECT_EQ(producer["quantized_params"].get<int>(), 16);
+  EXPECT_EQ(producer["quantized_on_producer"].get<int>(), 16);
+  const double saved = 2.0 * 4 * (589824 - 294984);
+  EXPECT_NEAR(moved - producer["bytes_moved"].get<double>(), saved, 64.0 * 8) << "per-op rounding of the scales only";
+  EXPECT_LT(producer["seconds"].get<double>(), consumer["seconds"].get<double>());
+}
+
 TEST(SimulateCli, PlotWritesAPngOrNamesMatplotlib) {
   const std::string png = ::testing::TempDir() + "/simulate_cli_test." + std::to_string(::getpid()) + ".png";
   std::remove(png.c_str());
@@ -191,6 +214,11 @@ TEST(SimulateCli, BadInputExitsTwoWithAMessage) {
       {kJob + kCluster + "--inference tp=2,pp=3", "unknown key 'pp'"},
       {kJob + kCluster + "--inference tp=2,replicas=4", "8 inference ranks do not fit"},
       {"--model /nonexistent/config.json --trainer tp=1 --inference tp=1 " + kCluster, "/nonexistent/config.json"},
+      {kJob + kCluster + "--inference tp=2 --quantize-on producer", "--quantize-on producer needs --quantize fp8"},
+      {kJob + kCluster + "--inference tp=2 --quantize fp9", "--quantize"},
+      {kJob + kCluster + "--inference tp=2 --quantize fp8 --quantize-on both", "'both' is not consumer or producer"},
+      {kJob + kCluster + "--inference tp=2 --quantize fp8 --quantize-on producer --design broadcast",
+       "only ferry's design quantises on the producer"},
   };
   for (const Case& c : cases) {
     CliRun r = run(c.args);
