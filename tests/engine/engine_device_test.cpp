@@ -61,6 +61,36 @@ TEST(EngineDevice, SyncsFromGpuMemoryIntoGpuMemory) {
   }
 }
 
+// Issue 29 on the GPU: fp32 master weights in GPU memory, bf16 params in GPU memory. The
+// producers' pack kernel converts (the host's bits: element_convert.h), so each consumer
+// receives the bf16 it keeps; with host staging and with GPU staging, pull and push, two
+// syncs, every param bit for bit a direct load of the fp32 checkpoint.
+TEST(EngineDevice, Fp32GpuMastersIntoBf16GpuParamsConvertOnTheProducersGpu) {
+  if (!cuda_status().usable()) GTEST_SKIP() << "needs a CUDA device; " << cuda_status().detail;
+  for (Mode mode : {Mode::kPull, Mode::kPush}) {
+    for (bool gpu_staging : {false, true}) {
+      SCOPED_TRACE(fmt::format("{} {} staging", mode == Mode::kPull ? "pull" : "push", gpu_staging ? "gpu" : "host"));
+      Cluster k(EngineCase{Backend::kInproc, mode});
+      k.gpu_sources = true;
+      k.caller_params = true;
+      k.param_factory = gpu_param;
+      if (gpu_staging) k.tweak_producer = [](ProducerOptions& o, int) { o.staging_device = Device::cuda(0); };
+      ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2,dtype=fp32", "tp=2,replicas=2").ok());
+      for (uint64_t v : {1u, 2u}) {
+        auto o = k.sync(v);
+        k.expect_all_ok(o, v);
+        for (int c = 0; c < k.C(); ++c) {
+          auto rl = k.model.loader->rank(c);
+          ASSERT_TRUE(rl.ok());
+          uint64_t kept = 0;
+          for (const ParamInfo& p : (*rl)->params()) kept += static_cast<uint64_t>(shape_numel(p.decl.shape)) * 2;
+          EXPECT_EQ((**o.c[static_cast<size_t>(c)]).bytes_received, kept) << "consumer " << c;
+        }
+      }
+    }
+  }
+}
+
 // GPU staging without a usable device: every producer is refused at create, before its
 // rendezvous, naming the option, the device and why.
 TEST(EngineDevice, GpuStagingWithoutAUsableDeviceIsRefusedAtCreate) {
