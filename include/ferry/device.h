@@ -108,7 +108,16 @@ Result<std::shared_ptr<std::byte>> cuda_ipc_open(Device device, std::string_view
 // row-major) and its values e4m3(v / scale) in `q` (batch x rows x cols bytes). The
 // same bits on every device (src/tensor/fp8_blocks.h). All three buffers in `device`'s
 // memory. Errors: a non-float dtype, a non-positive block, no usable device.
+//
+// `format` chooses the tiles and how their scales are kept (Fp8Scales): kF32 as above;
+// kUe8m0 the same tiles with the scale rounded up to a power of two, 2^ceil(log2(amax /
+// 448)), stored as its E8M0 byte (exponent + 127; `scales` then holds one byte per tile:
+// DeepGEMM / SGLang's UE8M0); kMx tiles of 1 x block (a run of one row: MXFP8 with block
+// 32, OCP MX v1.0) with scale 2^(floor(log2 amax) - 8) as an E8M0 byte. E8M0 exponents
+// are clamped to [-127, 127]; an all-zero tile's scale is 1 (byte 127) in every format.
+enum class Fp8Scales : uint8_t { kF32 = 0, kUe8m0 = 1, kMx = 2 };
 Status fp8_block_quantize(Device device, const std::byte* src, DType src_dtype, int64_t batch, int64_t rows,
-                          int64_t cols, int64_t block, std::byte* q, std::byte* scales, DeviceStream stream = nullptr);
+                          int64_t cols, int64_t block, std::byte* q, std::byte* scales, DeviceStream stream = nullptr,
+                          Fp8Scales format = Fp8Scales::kF32);
 
 }  // namespace ferry

@@ -136,11 +136,16 @@ struct InferenceLayout {
   std::string to_string() const;
 };
 
+// What the inference ranks keep of their linear weights (post-processing after loading).
+// Each is e4m3 values with a scale per tile; the scale's tile, value and storage differ
+// (ferry/device.h, Fp8Scales), and so does the scale param (X.weight + suffix):
 enum class Quantize : uint8_t {
   kNone,
-  kFp8,  // quantise bf16 linear weights to FP8 e4m3 with 128x128 block scales after loading
+  kFp8,       // "fp8": 128x128 tiles, fp32 amax/448 (vLLM/DeepSeek), "_scale_inv" f32
+  kFp8Ue8m0,  // "fp8-ue8m0": 128x128 tiles, power-of-two scales as E8M0 bytes (DeepGEMM/SGLang), "_scale_inv" u8
+  kMxfp8,     // "mxfp8": 1x32 runs of a row, E8M0 scales (OCP MX v1.0), "_scale" u8 [.., rows, cols/32]
 };
-// "none" | "fp8"
+// "none" | "fp8" | "fp8-ue8m0" | "mxfp8"
 Result<Quantize> parse_quantize(std::string_view text);
 std::string_view quantize_name(Quantize q);
 

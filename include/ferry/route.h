@@ -241,9 +241,10 @@ Status check_routing_cost(const RoutingCost& cost, uint64_t memory_budget = 0);
 // the consumer.
 
 struct BlockQuantizeFormat {
-  int64_t block = 128;       // square tiles of the last two dims
+  int64_t block = 128;       // tiles of block_rows x block of the last two dims
+  int64_t block_rows = 128;  // (1 for MXFP8's runs of a row)
   uint32_t value_bytes = 1;  // FP8
-  uint32_t scale_bytes = 4;  // fp32 inverse scales (vLLM/DeepSeek weight_scale_inv)
+  uint32_t scale_bytes = 4;  // fp32 inverse scales (vLLM/DeepSeek weight_scale_inv); E8M0: 1
 };
 
 struct QuantizeSide {

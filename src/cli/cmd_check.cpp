@@ -159,9 +159,10 @@ FERRY_COMMAND(check_command, "check",
                                "read the checkpoint from the *.safetensors files of DIR instead of random values")
                     ->excludes(shrink);
                 app.add_option("--quantize", o->quantize,
-                               "post-processing target: none, or fp8 (e4m3 with 128x128 block scales)")
+                               "post-processing target: none, fp8 (e4m3, 128x128 blocks, fp32 scales), fp8-ue8m0 "
+                               "(power-of-two scales as E8M0 bytes) or mxfp8 (1x32 blocks, E8M0 scales)")
                     ->default_val("none")
-                    ->check(CLI::IsMember({"none", "fp8"}));
+                    ->check(CLI::IsMember({"none", "fp8", "fp8-ue8m0", "mxfp8"}));
                 app.add_option("--max-gib", o->max_gib, "refuse a random checkpoint larger than this (GiB)")
                     ->default_val(4.0)
                     ->check(number_in(0, 1 << 20));

@@ -18,6 +18,7 @@
 #include "engine/group_order.h"
 #include "ferry/engine.h"
 #include "ferry/models.h"
+#include "models/builder.h"
 #include "ferry/route.h"
 #include "ferry/source.h"
 #include "tools/broadcast.h"
@@ -183,7 +184,7 @@ int run_plan(const PlanArgs& a) {
     std::vector<std::string> fell_back;                    // names (first few)
   };
   std::optional<QuantizeTotals> qt;
-  if (lopts.quantize == Quantize::kFp8) {
+  if (lopts.quantize != Quantize::kNone) {
     std::vector<std::vector<uint32_t>> quantized(routes->plans.size());
     std::vector<bool> seen(routes->plans.size(), false);
     for (int c = 0; c < world; ++c) {
@@ -199,7 +200,12 @@ int run_plan(const PlanArgs& a) {
         if (pi.fp8_quantizable && it != index.end()) quantized[k].push_back(it->second);
       }
     }
-    auto sides = quantize_sides(*routes, quantized);
+    const models::QuantizedForm form = models::quantized_form(lopts.quantize);
+    BlockQuantizeFormat bq;
+    bq.block = form.block;
+    bq.block_rows = form.format == Fp8Scales::kMx ? 1 : form.block;
+    bq.scale_bytes = static_cast<uint32_t>(dtype_size(form.scale_dtype));
+    auto sides = quantize_sides(*routes, quantized, bq);
     if (!sides.ok()) return fail_with("plan", sides.status());
     QuantizeTotals t;
     t.bytes_moved = st.bytes_moved;
@@ -313,9 +319,9 @@ int run_plan(const PlanArgs& a) {
   row("peak memory (ru_maxrss)", human(static_cast<double>(rss)));
   if (qt) {
     // Counted over plan classes (a class's params once), bytes over every consumer.
-    row("fp8 on the producer (prediction)",
-        fmt::format("{} of {} quantised params have every 128x128 tile from one producer{}", qt->on_producer,
-                    qt->params,
+    row(fmt::format("{} on the producer (prediction)", quantize_name(lopts.quantize)).c_str(),
+        fmt::format("{} of {} quantised params have every {} tile from one producer{}", qt->on_producer,
+                    qt->params, lopts.quantize == Quantize::kMxfp8 ? "1x32" : "128x128",
                     qt->fell_back.empty() ? std::string()
                                           : fmt::format("; the rest stay on the consumer (e.g. {})",
                                                         fmt::join(qt->fell_back, ", "))));
@@ -379,7 +385,7 @@ FERRY_COMMAND(plan_command, "plan",
                     ->required();
                 app.add_option("--inference,-i", a->inference, "Inference layout: \"tp=..,dp=..,ep=..,replicas=..\"")
                     ->default_val("tp=1");
-                app.add_option("--quantize", a->quantize, "Inference post-processing: none | fp8")->default_val("none");
+                app.add_option("--quantize", a->quantize, "Inference post-processing: none | fp8 | fp8-ue8m0 | mxfp8")->default_val("none");
                 app.add_flag("--shrink", a->shrink, "Route a structurally equal small variant of the model");
                 app.add_option("--config-overrides", a->config_overrides,
                                "JSON merged into the config (after --shrink), as demo, bench and simulate take it "

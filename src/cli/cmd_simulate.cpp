@@ -276,7 +276,7 @@ FERRY_COMMAND(simulate_command, "simulate",
                                "clustered (whole tensors or experts)")
                     ->default_val("scattered");
                 app.add_option("--quantize", a->quantize,
-                               "What the inference ranks keep: none | fp8 (e4m3, 128x128 blocks, fp32 scales)")
+                               "What the inference ranks keep: none | fp8 (e4m3, 128x128 blocks, fp32 scales) | fp8-ue8m0 | mxfp8")
                     ->default_val("none");
                 app.add_option("--quantize-on", a->quantize_on,
                                "With --quantize fp8: consumer (the engine today) | producer (predicts trainer-side "

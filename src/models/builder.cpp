@@ -356,7 +356,8 @@ Status RankBuilder::vocab_parallel(const std::string& param, const std::string& 
 
 Result<std::shared_ptr<const RankLoader>> RankBuilder::finish() {
   RankLoader& l = *loader_;
-  const bool fp8 = options().quantize == Quantize::kFp8;
+  const bool fp8 = options().quantize != Quantize::kNone;
+  const QuantizedForm form = quantized_form(options().quantize);
   // Default post-processing: FP8 block quantisation of the quantizable weights.
   if (fp8) {
     std::vector<std::vector<std::string>> by_group(l.groups_.size());
@@ -365,14 +366,14 @@ Result<std::shared_ptr<const RankLoader>> RankBuilder::finish() {
     }
     for (size_t g = 0; g < by_group.size(); ++g) {
       if (by_group[g].empty()) continue;
-      l.groups_[g].post.push_back([names = by_group[g]](TensorMap& params) -> Status {
+      l.groups_[g].post.push_back([names = by_group[g], form](TensorMap& params) -> Status {
         for (const auto& name : names) {
           auto it = params.find(name);
           if (it == params.end()) return not_found("fp8 quantisation: param '{}' missing", name);
-          auto q = quantize_fp8_blocks(it->second);
+          auto q = quantize_fp8_blocks(it->second, form.block, form.format);
           if (!q.ok()) return q.status().with_context(fmt::format("fp8 quantisation of '{}'", name));
           it->second = q->first;
-          params[scale_name(name)] = q->second;
+          params[name + form.scale_suffix] = q->second;
         }
         return Status::Ok();
       });
@@ -387,11 +388,8 @@ Result<std::shared_ptr<const RankLoader>> RankBuilder::finish() {
     for (const auto& p : l.params_) {
       if (fp8 && p.fp8_quantizable) {
         l.final_params_.push_back(TensorDecl{p.decl.name, DType::kF8E4M3, p.decl.shape});
-        Shape s = p.decl.shape;
-        const size_t n = s.size();
-        s[n - 2] = ceil_div(s[n - 2], kFp8Block);
-        s[n - 1] = ceil_div(s[n - 1], kFp8Block);
-        l.final_params_.push_back(TensorDecl{scale_name(p.decl.name), DType::kF32, s});
+        l.final_params_.push_back(TensorDecl{p.decl.name + form.scale_suffix, form.scale_dtype,
+                                             quantized_scale_shape(form, p.decl.shape)});
       } else {
         l.final_params_.push_back(p.decl);
       }

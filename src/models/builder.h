@@ -43,6 +43,7 @@
 #include <utility>
 #include <vector>
 
+#include "ferry/device.h"
 #include "ferry/models.h"
 
 namespace ferry::models {
@@ -157,9 +158,23 @@ inline Split expert_split(const RankInfo& info) { return Split{info.expert_tp_ra
 // scale = amax(|w|) / 448 over the tile (1 when the tile is all zero),
 // q = e4m3(w / scale) rounded to nearest even. Returns {q, scale_inv} where scale_inv has
 // shape [..., ceil(rows/block), ceil(cols/block)] and w ~= q * scale_inv.
-Result<std::pair<Tensor, Tensor>> quantize_fp8_blocks(const Tensor& w, int64_t block = kFp8Block);
+// `format` (ferry/device.h, Fp8Scales): kUe8m0 gives power-of-two scales as E8M0 bytes
+// (u8, same shape); kMx 1 x block tiles with E8M0 scales (u8 [..., rows, ceil(cols/block)]).
+Result<std::pair<Tensor, Tensor>> quantize_fp8_blocks(const Tensor& w, int64_t block = kFp8Block,
+                                                      Fp8Scales format = Fp8Scales::kF32);
 // "model.layers.0.mlp.down_proj.weight" -> "model.layers.0.mlp.down_proj.weight_scale_inv"
 inline std::string scale_name(const std::string& weight) { return weight + "_scale_inv"; }
+
+// What Quantize `q` keeps of a quantizable weight: the scale format, the tile's columns
+// (its rows too, but for MXFP8's single row), the scale param's name, dtype and shape.
+struct QuantizedForm {
+  Fp8Scales format = Fp8Scales::kF32;
+  int64_t block = kFp8Block;
+  std::string scale_suffix = "_scale_inv";
+  DType scale_dtype = DType::kF32;
+};
+QuantizedForm quantized_form(Quantize q);
+Shape quantized_scale_shape(const QuantizedForm& f, const Shape& weight);
 
 // ---------------------------------------------------------------------------------------
 // Builders.

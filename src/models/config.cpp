@@ -249,9 +249,18 @@ std::string InferenceLayout::to_string() const {
 Result<Quantize> parse_quantize(std::string_view text) {
   if (text == "none" || text.empty()) return Quantize::kNone;
   if (text == "fp8") return Quantize::kFp8;
-  return invalid_argument("quantize: unknown mode '{}' (supported: none, fp8)", text);
+  if (text == "fp8-ue8m0") return Quantize::kFp8Ue8m0;
+  if (text == "mxfp8") return Quantize::kMxfp8;
+  return invalid_argument("quantize: unknown mode '{}' (supported: none, fp8, fp8-ue8m0, mxfp8)", text);
 }
 
-std::string_view quantize_name(Quantize q) { return q == Quantize::kFp8 ? "fp8" : "none"; }
+std::string_view quantize_name(Quantize q) {
+  switch (q) {
+    case Quantize::kFp8: return "fp8";
+    case Quantize::kFp8Ue8m0: return "fp8-ue8m0";
+    case Quantize::kMxfp8: return "mxfp8";
+    default: return "none";
+  }
+}
 
 }  // namespace ferry

@@ -35,12 +35,12 @@ struct ReadIndex {
 // elements came from so far (kNone, kSplit).
 class TileOwners {
  public:
-  TileOwners(const Shape& shape, int64_t block) : block_(block) {
+  TileOwners(const Shape& shape, int64_t trows, int64_t block) : trows_(trows), block_(block) {
     const size_t nd = shape.size();
     rows_ = shape[nd - 2];
     cols_ = shape[nd - 1];
     batch_ = rows_ * cols_ == 0 ? 0 : shape_numel(shape) / (rows_ * cols_);
-    brows_ = (rows_ + block - 1) / block;
+    brows_ = (rows_ + trows - 1) / trows;
     bcols_ = (cols_ + block - 1) / block;
     owner_.assign(static_cast<size_t>(batch_ * brows_ * bcols_), kNone);
   }
@@ -52,7 +52,7 @@ class TileOwners {
       const int64_t b = flat / (rows_ * cols_), rc = flat % (rows_ * cols_);
       const int64_t r = rc / cols_, c = rc % cols_;
       const int64_t len = std::min(n, cols_ - c);
-      for (int64_t bc = c / block_; bc <= (c + len - 1) / block_; ++bc) mark(b, r / block_, bc, p);
+      for (int64_t bc = c / block_; bc <= (c + len - 1) / block_; ++bc) mark(b, r / trows_, bc, p);
       flat += len;
       n -= len;
     }
@@ -72,13 +72,14 @@ class TileOwners {
       o = kSplit;
     }
   }
-  int64_t block_, rows_ = 0, cols_ = 0, batch_ = 0, brows_ = 0, bcols_ = 0;
+  int64_t trows_, block_, rows_ = 0, cols_ = 0, batch_ = 0, brows_ = 0, bcols_ = 0;
   std::vector<int32_t> owner_;
 };
 
 // Every element of `dst` (a layout over the param's flat index space) marked as coming
 // from producer p: runs along the innermost dim at once, other strides element by element.
-void mark_layout(TileOwners& tiles, const Layout& dst, int32_t p) {
+template <class Tiles>
+void mark_layout(Tiles& tiles, const Layout& dst, int32_t p) {
   const size_t nd = dst.shape.size();
   if (dst.numel() == 0) return;
   if (nd == 0) {
@@ -101,6 +102,50 @@ void mark_layout(TileOwners& tiles, const Layout& dst, int32_t p) {
   }
 }
 
+// Tiles of one row (MXFP8's 1 x block runs): in flat order a tile is a contiguous range,
+// so tiles follow the elements' order and a tile is split exactly when a boundary between
+// two producers' runs falls inside it. Runs instead of one mark per tile: a trillion
+// parameters have tens of billions of such tiles.
+class RowTileRuns {
+ public:
+  RowTileRuns(const Shape& shape, int64_t block) : block_(block) {
+    cols_ = shape.back();
+    bcols_ = (cols_ + block - 1) / block;
+    const int64_t rows = shape_numel(shape) / std::max<int64_t>(cols_, 1);
+    tiles_ = static_cast<uint64_t>(rows * bcols_);
+  }
+  uint64_t tiles() const { return tiles_; }
+  void mark_run(int64_t flat, int64_t n, int32_t p) { runs_.push_back({flat, flat + n, p}); }
+  void mark_element(int64_t flat, int32_t p) { mark_run(flat, 1, p); }
+  // Splits and tiles reached, from the runs sorted.
+  void finish(uint64_t& split, uint64_t& reached) {
+    std::sort(runs_.begin(), runs_.end(), [](const Run& a, const Run& b) { return a.lo < b.lo; });
+    split = reached = 0;
+    int64_t last_tile = -1, last_split = -1;
+    int32_t last_producer = -1;
+    for (const Run& r : runs_) {
+      const int64_t t0 = tile_of(r.lo), t1 = tile_of(r.hi - 1);
+      reached += static_cast<uint64_t>(t1 - t0 + 1) - (t0 == last_tile ? 1 : 0);
+      if (t0 == last_tile && r.producer != last_producer && last_split != t0) {
+        ++split;
+        last_split = t0;
+      }
+      last_tile = t1;
+      last_producer = r.producer;
+    }
+  }
+
+ private:
+  struct Run {
+    int64_t lo, hi;
+    int32_t producer;
+  };
+  int64_t tile_of(int64_t flat) const { return (flat / cols_) * bcols_ + (flat % cols_) / block_; }
+  int64_t block_, cols_ = 0, bcols_ = 0;
+  uint64_t tiles_ = 0;
+  std::vector<Run> runs_;
+};
+
 }  // namespace
 
 Result<std::vector<QuantizeSide>> quantize_sides(const Routes& routes,
@@ -110,7 +155,9 @@ Result<std::vector<QuantizeSide>> quantize_sides(const Routes& routes,
     return invalid_argument("quantize_sides: {} lists of quantised params for {} plan classes", quantized.size(),
                             routes.plans.size());
   }
-  if (format.block <= 0) return invalid_argument("quantize_sides: block {} must be positive", format.block);
+  if (format.block <= 0 || format.block_rows <= 0) {
+    return invalid_argument("quantize_sides: tiles of {} x {} must be positive", format.block_rows, format.block);
+  }
   std::vector<uint64_t> consumers(routes.plans.size(), 0);
   for (uint32_t k : routes.consumer_plan) ++consumers[k];
   std::vector<QuantizeSide> out;
@@ -134,23 +181,36 @@ Result<std::vector<QuantizeSide>> quantize_sides(const Routes& routes,
       side.param = param;
       side.name = d.name;
       side.consumers = consumers[k];
-      TileOwners tiles(d.shape, format.block);
-      side.tiles = tiles.tiles();
-      for (size_t g = 0; g < pr.groups.size(); ++g) {
-        for (const UnpackOp& u : pr.groups[g].unpacks) {
-          if (u.param != param) continue;
-          const Read* r = reads[g].at(u.offset);
-          if (!r) return internal_error("quantize_sides: plan {} group {}: unpack of '{}' outside every read", k, g, d.name);
-          side.bytes_dense += static_cast<uint64_t>(u.dst.numel()) * dtype_size(u.src_dtype);
-          reached += static_cast<uint64_t>(u.dst.numel());
-          mark_layout(tiles, u.dst, static_cast<int32_t>(r->producer));
+      auto each_unpack = [&](auto&& mark) -> Status {
+        for (size_t g = 0; g < pr.groups.size(); ++g) {
+          for (const UnpackOp& u : pr.groups[g].unpacks) {
+            if (u.param != param) continue;
+            const Read* r = reads[g].at(u.offset);
+            if (!r) return internal_error("quantize_sides: plan {} group {}: unpack of '{}' outside every read", k, g, d.name);
+            side.bytes_dense += static_cast<uint64_t>(u.dst.numel()) * dtype_size(u.src_dtype);
+            reached += static_cast<uint64_t>(u.dst.numel());
+            mark(u.dst, static_cast<int32_t>(r->producer));
+          }
         }
+        return Status::Ok();
+      };
+      uint64_t tiles_reached = 0;
+      if (format.block_rows == 1) {
+        RowTileRuns tiles(d.shape, format.block);
+        FERRY_RETURN_IF_ERROR(each_unpack([&](const Layout& l, int32_t p) { mark_layout(tiles, l, p); }));
+        side.tiles = tiles.tiles();
+        tiles.finish(side.tiles_split, tiles_reached);
+      } else {
+        TileOwners tiles(d.shape, format.block_rows, format.block);
+        FERRY_RETURN_IF_ERROR(each_unpack([&](const Layout& l, int32_t p) { mark_layout(tiles, l, p); }));
+        side.tiles = tiles.tiles();
+        side.tiles_split = tiles.split();
+        tiles_reached = side.tiles - tiles.unreached();
       }
-      side.tiles_split = tiles.split();
       // A tile no element reaches (all zero padding) has nothing to send: its scale is
       // the all-zero tile's, which the consumer knows.
       side.on_producer = side.tiles_split == 0;
-      side.bytes_quantized = reached * format.value_bytes + (side.tiles - tiles.unreached()) * format.scale_bytes;
+      side.bytes_quantized = reached * format.value_bytes + tiles_reached * format.scale_bytes;
       out.push_back(std::move(side));
     }
   }

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "ferry/models.h"
+#include "models/builder.h"
 #include "ferry/route.h"
 #include "ferry/source.h"
 #include "tools/job_model.h"
@@ -80,7 +81,11 @@ void fill_from_routes(const Routes& routes, std::vector<GroupWork>& groups, JobW
 // those params save.
 Status quantize_on_producers(const tools::JobModel& m, const Routes& routes, std::vector<GroupWork>& groups,
                              JobWorkload& out) {
-  const BlockQuantizeFormat format;
+  const models::QuantizedForm form = models::quantized_form(m.loader->options().quantize);
+  BlockQuantizeFormat format;
+  format.block = form.block;
+  format.block_rows = form.format == Fp8Scales::kMx ? 1 : form.block;
+  format.scale_bytes = static_cast<uint32_t>(dtype_size(form.scale_dtype));
   std::vector<std::vector<uint32_t>> quantized(routes.plans.size());
   std::vector<bool> seen(routes.plans.size(), false);
   for (size_t c = 0; c < routes.consumer_plan.size(); ++c) {
@@ -107,7 +112,7 @@ Status quantize_on_producers(const tools::JobModel& m, const Routes& routes, std
   }
   // Per plan class and group: what each producer's reads save (bytes, per consumer).
   const double per_element = format.value_bytes + static_cast<double>(format.scale_bytes) /
-                                                      static_cast<double>(format.block * format.block);
+                                                      static_cast<double>(format.block_rows * format.block);
   out.bytes_moved = 0;
   uint64_t max_consumer = 0;
   std::vector<uint64_t> consumer_bytes(routes.consumer_plan.size(), 0);

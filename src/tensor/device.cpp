@@ -229,7 +229,10 @@ Status copy_batch(Device device, std::span<const StridedCopy> copies, DeviceStre
 }
 
 Status fp8_block_quantize(Device device, const std::byte* src, DType src_dtype, int64_t batch, int64_t rows,
-                          int64_t cols, int64_t block, std::byte* q, std::byte* scales, DeviceStream stream) {
+                          int64_t cols, int64_t block, std::byte* q, std::byte* scales, DeviceStream stream,
+                          Fp8Scales format) {
+  const auto fmt_code = static_cast<uint8_t>(format);
+  if (fmt_code > batch::kScaleMx) return invalid_argument("fp8_block_quantize: unknown scale format {}", fmt_code);
   const uint8_t type = batch::element_type(src_dtype);
   if (type == batch::kNoConversion) {
     return invalid_argument("fp8_block_quantize: {} is not a float dtype", dtype_name(src_dtype));
@@ -240,13 +243,14 @@ Status fp8_block_quantize(Device device, const std::byte* src, DType src_dtype, 
   }
   if (batch == 0 || rows == 0 || cols == 0) return Status::Ok();
   if (device.is_host()) {
-    batch::fp8_quantize_tiles(reinterpret_cast<const unsigned char*>(src), type, batch, rows, cols, block,
+    batch::fp8_quantize_tiles(reinterpret_cast<const unsigned char*>(src), type, batch, rows, cols, block, fmt_code,
                               reinterpret_cast<unsigned char*>(q), reinterpret_cast<unsigned char*>(scales));
     return Status::Ok();
   }
   FERRY_RETURN_IF_ERROR(usable_cuda(device, "fp8_block_quantize"));
   char err[512] = {};
-  if (plugin().api->fp8_blocks(device.index, src, type, batch, rows, cols, block, q, scales, stream, err, sizeof(err)) != 0) {
+  if (plugin().api->fp8_blocks(device.index, src, type, batch, rows, cols, block, fmt_code, q, scales, stream, err,
+                               sizeof(err)) != 0) {
     return unavailable("fp8_block_quantize on {} ({} x {} x {}, block {}): {}", device_str(device), batch, rows, cols,
                        block, err);
   }

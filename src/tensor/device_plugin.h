@@ -11,7 +11,7 @@
 
 extern "C" {
 
-#define FERRY_CUDA_PLUGIN_ABI 3
+#define FERRY_CUDA_PLUGIN_ABI 4
 #define FERRY_CUDA_PLUGIN_SYMBOL "ferry_cuda_plugin_v1"
 
 struct FerryCudaPlugin {
@@ -38,10 +38,11 @@ struct FerryCudaPlugin {
                    const ferry::batch::BlockTask* tasks, uint64_t num_tasks, void* stream, char* err,
                    size_t err_len);
   // FP8 block quantisation (fp8_blocks.h) of `batch` contiguous rows x cols matrices of
-  // ElementType `src_type` at `src` into e4m3 `q` and f32 `scales`, on `device` and
-  // `stream`, waiting for it there. 0 on success; otherwise a message in err.
+  // ElementType `src_type` at `src` into e4m3 `q` and `scales` (Fp8ScaleFormat `format`:
+  // f32, or E8M0 bytes), on `device` and `stream`, waiting for it there. 0 on success;
+  // otherwise a message in err.
   int (*fp8_blocks)(int device, const void* src, uint8_t src_type, int64_t batch, int64_t rows, int64_t cols,
-                    int64_t block, void* q, void* scales, void* stream, char* err, size_t err_len);
+                    int64_t block, uint8_t format, void* q, void* scales, void* stream, char* err, size_t err_len);
   // CUDA IPC: the 64-byte handle of the allocation at `ptr` (cudaIpcGetMemHandle); another
   // process opens it on `device` (cudaIpcOpenMemHandle, peer access enabled lazily) and
   // closes it (cudaIpcCloseMemHandle). 0 on success; otherwise a message in err.

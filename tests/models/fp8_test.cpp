@@ -1,7 +1,9 @@
 // The FP8 post-processing hook (Quantize::kFp8): bf16 shards -> e4m3 + 128x128 block
 // scales, checked against an independent scalar reference.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <random>
 #include <tuple>
 #include <vector>
 
@@ -235,6 +237,185 @@ TEST(Fp8, NanAndInfinityAreQuantisedByRule) {
     float sc;
     std::memcpy(&sc, *q->second.data_ptr(), 4);
     EXPECT_EQ(sc, scale);
+  }
+}
+
+// The scale formats (issue 29: fp8, fp8-ue8m0, mxfp8) against an independent reference
+// written from the formats' definitions in double and frexp: tiles of 128x128 (or 1x32),
+// amax ignoring NaN, the scale (fp32 amax/448; a power of two 2^ceil(log2(amax/448)); or
+// 2^(floor(log2 amax) - 8)) with E8M0 bytes clamped to [-127, 127] and 1 for an all-zero
+// tile, values e4m3(v / scale) (NaN kept with its sign). Random f32 matrices with a
+// random magnitude per tile (2^-140 .. 2^120), NaNs of both signs, infinities,
+// subnormals, zeros, an all-zero tile and an all-NaN one, partial tiles.
+struct RefForm {
+  Fp8Scales format;
+  int64_t trows, tcols;
+};
+int ref_exponent(const RefForm& f, float amax) {
+  if (!(amax > 0.0f)) return 0;
+  int e = 0;
+  if (std::isinf(amax)) {
+    e = 128;
+  } else if (f.format == Fp8Scales::kUe8m0) {
+    const float x = amax / 448.0f;
+    int k = 0;
+    const double m = std::frexp(static_cast<double>(x), &k);  // x = m 2^k, m in [0.5, 1)
+    e = m == 0.5 ? k - 1 : k;                                  // ceil(log2 x)
+  } else {
+    int k = 0;
+    std::frexp(static_cast<double>(amax), &k);
+    e = (k - 1) - 8;  // floor(log2 amax) - emax(E4M3)
+  }
+  return std::clamp(e, -127, 127);
+}
+
+void expect_format_matches_reference(const RefForm& f, const std::vector<float>& w, int64_t rows, int64_t cols,
+                                     const Tensor& q, const Tensor& s) {
+  const int64_t br = (rows + f.trows - 1) / f.trows, bc = (cols + f.tcols - 1) / f.tcols;
+  ASSERT_EQ(s.numel(), br * bc);
+  ASSERT_EQ(s.dtype(), f.format == Fp8Scales::kF32 ? DType::kF32 : DType::kU8);
+  const auto* qp = reinterpret_cast<const uint8_t*>(*q.data_ptr());
+  const auto* sp = reinterpret_cast<const uint8_t*>(*s.data_ptr());
+  int64_t bad = 0;
+  for (int64_t i = 0; i < br; ++i) {
+    for (int64_t j = 0; j < bc; ++j) {
+      float amax = 0;
+      for (int64_t r = i * f.trows; r < std::min(rows, (i + 1) * f.trows); ++r)
+        for (int64_t c = j * f.tcols; c < std::min(cols, (j + 1) * f.tcols); ++c) {
+          const float v = w[static_cast<size_t>(r * cols + c)];
+          if (!std::isnan(v)) amax = std::max(amax, std::fabs(v));
+        }
+      float scale;
+      const size_t t = static_cast<size_t>(i * bc + j);
+      if (f.format == Fp8Scales::kF32) {
+        scale = amax > 0 ? amax / 448.0f : 1.0f;
+        float got;
+        std::memcpy(&got, sp + 4 * t, 4);
+        ASSERT_EQ(std::memcmp(&got, &scale, 4), 0) << "tile " << i << "," << j << " amax " << amax;
+      } else {
+        const int e = ref_exponent(f, amax);
+        scale = static_cast<float>(std::ldexp(1.0, e));
+        ASSERT_EQ(sp[t], e + 127) << "tile " << i << "," << j << " amax " << amax;
+        if (amax == 0) {
+          ASSERT_EQ(sp[t], 127) << "an all-zero tile's E8M0 byte (not 0)";
+        }
+      }
+      for (int64_t r = i * f.trows; r < std::min(rows, (i + 1) * f.trows); ++r)
+        for (int64_t c = j * f.tcols; c < std::min(cols, (j + 1) * f.tcols); ++c) {
+          const float v = w[static_cast<size_t>(r * cols + c)];
+          const float x = v / scale;
+          const uint8_t want = std::isnan(x) ? static_cast<uint8_t>((std::signbit(v) ? 0x80 : 0) | 0x7f) : ref_e4m3(x);
+          const uint8_t got = qp[r * cols + c];
+          if (got != want && bad++ < 5) {
+            ADD_FAILURE() << "element " << r << "," << c << " v " << v << " scale " << scale << ": got 0x" << std::hex
+                          << int(got) << " want 0x" << int(want);
+          }
+        }
+    }
+  }
+  EXPECT_EQ(bad, 0);
+}
+
+std::vector<float> special_matrix(std::mt19937& rng, int64_t rows, int64_t cols) {
+  std::normal_distribution<float> normal;
+  std::uniform_int_distribution<int> exp(-140, 120), pick(0, 99);
+  std::vector<float> w(static_cast<size_t>(rows * cols));
+  std::vector<int> tile_exp(1024);
+  for (int& e : tile_exp) e = exp(rng);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const int e = tile_exp[static_cast<size_t>(((r / 32) * 31 + c / 16) % 1024)];
+      float v = std::ldexp(normal(rng), e);
+      const int k = pick(rng);
+      if (k == 0) v = std::nanf("");
+      if (k == 1) v = -std::nanf("");
+      if (k == 2 && pick(rng) < 10) v = pick(rng) % 2 ? INFINITY : -INFINITY;
+      if (k == 3) v = std::ldexp(1.0f, -140 - pick(rng) % 9);  // f32 subnormals
+      if (k == 4) v = pick(rng) % 2 ? 0.0f : -0.0f;
+      w[static_cast<size_t>(r * cols + c)] = v;
+    }
+  // An all-zero tile and an all-NaN one (128x128 tile (1,0) and rows 0..0 x cols 32..63).
+  for (int64_t r = 128; r < std::min<int64_t>(rows, 256); ++r)
+    for (int64_t c = 0; c < std::min<int64_t>(cols, 128); ++c) w[static_cast<size_t>(r * cols + c)] = 0.0f;
+  for (int64_t c = 32; c < std::min<int64_t>(cols, 64); ++c) w[static_cast<size_t>(c)] = std::nanf("");
+  return w;
+}
+
+TEST(Fp8, FormatsMatchAnIndependentReference) {
+  std::mt19937 rng(291);
+  const RefForm forms[] = {{Fp8Scales::kF32, 128, 128}, {Fp8Scales::kUe8m0, 128, 128}, {Fp8Scales::kMx, 1, 32}};
+  for (const RefForm& f : forms) {
+    for (auto [rows, cols] : {std::pair<int64_t, int64_t>{300, 200}, {129, 97}}) {
+      SCOPED_TRACE(fmt::format("format {} {}x{}", static_cast<int>(f.format), rows, cols));
+      const std::vector<float> w = special_matrix(rng, rows, cols);
+      Tensor t = Tensor::empty({rows, cols}, DType::kF32);
+      std::memcpy(*t.data_ptr(), w.data(), w.size() * 4);
+      auto q = models::quantize_fp8_blocks(t, f.tcols, f.format);
+      ASSERT_TRUE(q.ok()) << q.status().to_string();
+      expect_format_matches_reference(f, w, rows, cols, q->first, q->second);
+    }
+  }
+  // The loader's forms: what each Quantize keeps, and the final params it declares.
+  const auto ue = models::quantized_form(Quantize::kFp8Ue8m0);
+  EXPECT_EQ(ue.scale_dtype, DType::kU8);
+  EXPECT_EQ(models::quantized_scale_shape(ue, {3, 300, 200}), (Shape{3, 3, 2}));
+  const auto mx = models::quantized_form(Quantize::kMxfp8);
+  EXPECT_EQ(mx.scale_suffix, "_scale");
+  EXPECT_EQ(models::quantized_scale_shape(mx, {300, 200}), (Shape{300, 7}));
+  EXPECT_EQ(*parse_quantize("fp8-ue8m0"), Quantize::kFp8Ue8m0);
+  EXPECT_EQ(*parse_quantize("mxfp8"), Quantize::kMxfp8);
+  EXPECT_EQ(quantize_name(Quantize::kMxfp8), "mxfp8");
+  EXPECT_FALSE(parse_quantize("nvfp4").ok());
+}
+
+// Each format through the loader's hook on a model (tp=2: each rank its own shard) and,
+// where a device is usable (or emulated), in GPU memory with the host's bits.
+TEST(Fp8, FormatsThroughTheHookAndOnTheDevice) {
+  for (Quantize qz : {Quantize::kFp8Ue8m0, Quantize::kMxfp8}) {
+    SCOPED_TRACE(quantize_name(qz));
+    LoaderOptions opts;
+    opts.quantize = qz;
+    const ModelConfig cfg = config_from(dense_config("LlamaForCausalLM", 1, 128, 8, 2, 192, 1000, false));
+    auto loader = loader_for(cfg, "tp=2", opts);
+    ASSERT_NE(loader, nullptr);
+    auto ckpt = random_checkpoint(loader->checkpoint(), 24);
+    ASSERT_TRUE(ckpt.ok());
+    auto loaded = load_rank_direct(*loader, 1, *ckpt);  // the hook runs on a real load
+    ASSERT_TRUE(loaded.ok()) << loaded.status().to_string();
+    auto rl = loader->rank(1);
+    ASSERT_TRUE(rl.ok());
+    const auto form = models::quantized_form(qz);
+    bool found = false;
+    for (const TensorDecl& d : (*rl)->final_params()) {
+      if (d.name.ends_with("down_proj.weight" + form.scale_suffix)) {
+        found = true;
+        EXPECT_EQ(d.dtype, DType::kU8) << d.name;
+        ASSERT_TRUE(loaded->count(d.name)) << d.name;
+        EXPECT_EQ(loaded->at(d.name).shape(), d.shape) << d.name;
+        EXPECT_EQ(loaded->at(d.name).dtype(), DType::kU8) << d.name;
+      }
+    }
+    EXPECT_TRUE(found);
+    if (!cuda_status().usable()) continue;
+    std::mt19937 rng(7);
+    const int64_t rows = 200, cols = 300;
+    const std::vector<float> w = special_matrix(rng, rows, cols);
+    Tensor host = Tensor::empty({rows, cols}, DType::kF32);
+    std::memcpy(*host.data_ptr(), w.data(), w.size() * 4);
+    auto want = models::quantize_fp8_blocks(host, form.block, form.format);
+    ASSERT_TRUE(want.ok());
+    auto mem = device_alloc(Device::cuda(0), w.size() * 4);
+    ASSERT_TRUE(mem.ok());
+    ASSERT_TRUE(device_memcpy(mem->get(), w.data(), w.size() * 4).ok());
+    auto got = models::quantize_fp8_blocks(Tensor::borrow_device(mem->get(), {rows, cols}, DType::kF32, Device::cuda(0), *mem),
+                                           form.block, form.format);
+    ASSERT_TRUE(got.ok()) << got.status().to_string();
+    for (const auto& [a, b] : {std::pair{want->first, got->first}, std::pair{want->second, got->second}}) {
+      const size_t n = static_cast<size_t>(a.numel()) * dtype_size(a.dtype());
+      std::vector<std::byte> back(n);
+      ASSERT_TRUE(device_memcpy(back.data(), *b.device_ptr(), n).ok());
+      EXPECT_EQ(0, std::memcmp(back.data(), *a.data_ptr(), n)) << a.describe();
+    }
   }
 }
 

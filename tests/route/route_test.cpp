@@ -455,7 +455,10 @@ TEST(Router, QuantizeSidesAgreesWithAnElementOracle) {
     const Plan plan = rec.finish().value();
     auto r = route(meta, prod, {plan});
     ASSERT_TRUE(r.ok()) << r.status().to_string();
-    auto sides = quantize_sides(*r, {{0}});
+    // Square 128x128 tiles (fp32 scales) and MXFP8's 1x32 runs of a row (E8M0 scales).
+    for (const BlockQuantizeFormat& format : {BlockQuantizeFormat{}, BlockQuantizeFormat{32, 1, 1, 1}}) {
+    SCOPED_TRACE(format.block_rows);
+    auto sides = quantize_sides(*r, {{0}}, format);
     ASSERT_TRUE(sides.ok()) << sides.status().to_string();
     ASSERT_EQ(sides->size(), 1u);
     const QuantizeSide& q = (*sides)[0];
@@ -482,22 +485,24 @@ TEST(Router, QuantizeSidesAgreesWithAnElementOracle) {
         }
       }
     }
+    const int64_t tr_step = format.block_rows, tc_step = format.block;
     uint64_t tiles = 0, split = 0;
     for (int64_t b = 0; b < n / (R * C); ++b)
-      for (int64_t tr = 0; tr < R; tr += 128)
-        for (int64_t tc = 0; tc < C; tc += 128) {
+      for (int64_t tr = 0; tr < R; tr += tr_step)
+        for (int64_t tc = 0; tc < C; tc += tc_step) {
           ++tiles;
           std::set<int> seen;
-          for (int64_t i = tr; i < std::min(R, tr + 128); ++i)
-            for (int64_t j = tc; j < std::min(C, tc + 128); ++j) seen.insert(owner[static_cast<size_t>(b * R * C + i * C + j)]);
+          for (int64_t i = tr; i < std::min(R, tr + tr_step); ++i)
+            for (int64_t j = tc; j < std::min(C, tc + tc_step); ++j) seen.insert(owner[static_cast<size_t>(b * R * C + i * C + j)]);
           if (seen.size() > 1) ++split;
         }
     EXPECT_EQ(q.tiles, tiles);
     EXPECT_EQ(q.tiles_split, split);
     EXPECT_EQ(q.on_producer, split == 0);
     EXPECT_EQ(q.bytes_dense, static_cast<uint64_t>(n) * 2);
-    EXPECT_EQ(q.bytes_quantized, static_cast<uint64_t>(n) + tiles * 4);
-    (q.on_producer ? on_producer : on_consumer)++;
+    EXPECT_EQ(q.bytes_quantized, static_cast<uint64_t>(n) + tiles * format.scale_bytes);
+    if (format.block_rows > 1) (q.on_producer ? on_producer : on_consumer)++;
+    }
   }
   // Both outcomes were exercised.
   EXPECT_GT(on_producer, 5);

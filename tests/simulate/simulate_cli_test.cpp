@@ -193,7 +193,7 @@ TEST(SimulateCli, BadInputExitsTwoWithAMessage) {
     std::string args;
     const char* expect;
   };
-  const std::string bad_cluster = ::testing::TempDir() + "/simulate_cli_bad_cluster.json";
+  const std::string bad_cluster = ::testing::TempDir() + "/simulate_cli_bad_cluster." + std::to_string(::getpid()) + ".json";
   {
     std::ofstream(bad_cluster) << R"({"trainer": {"nodes": 1}, "inference": {"nodes": 1, "nic_gbit_s": -4}})";
   }

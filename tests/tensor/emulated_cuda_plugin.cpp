@@ -141,10 +141,10 @@ int run_batch(int device, const CopyDesc* descs, uint64_t, const BlockTask* task
 
 // The tile kernel's arithmetic: amax over the tile, then each value encoded.
 int fp8_blocks(int device, const void* src, uint8_t type, int64_t batch, int64_t rows, int64_t cols, int64_t block,
-               void* q, void* scales, void*, char* err, size_t err_len) {
+               uint8_t format, void* q, void* scales, void*, char* err, size_t err_len) {
   using namespace ferry::batch;
   if (device < 0 || device >= devices()) return say(err, err_len, "no such device");
-  fp8_quantize_tiles(static_cast<const unsigned char*>(src), type, batch, rows, cols, block,
+  fp8_quantize_tiles(static_cast<const unsigned char*>(src), type, batch, rows, cols, block, format,
                      static_cast<unsigned char*>(q), static_cast<unsigned char*>(scales));
   return 0;
 }

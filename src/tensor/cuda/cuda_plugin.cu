@@ -31,11 +31,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock) run_tasks(const CopyDesc* de
 // One block per tile (fp8_blocks.h): amax over the tile (a shared-memory reduction),
 // then every value divided by the tile's scale and encoded as e4m3.
 __global__ void __launch_bounds__(kThreadsPerBlock) fp8_tiles(const unsigned char* src, uint8_t type, int64_t rows,
-                                                              int64_t cols, int64_t block, int64_t first,
-                                                              unsigned char* q, float* scales) {
+                                                              int64_t cols, int64_t block, uint8_t format,
+                                                              int64_t first, unsigned char* q, unsigned char* scales) {
   using namespace ferry::batch;
   const int64_t tile = first + blockIdx.x;
-  const Fp8Tile tl = fp8_tile(tile, rows, cols, block);
+  const Fp8Tile tl = fp8_tile(tile, rows, cols, fp8_tile_rows(format, block), block);
   const int64_t base = tl.b * rows * cols, w = tl.c1 - tl.c0, n = (tl.r1 - tl.r0) * w;
   const uint32_t es = element_size(type);
   float amax = 0.0f;
@@ -49,8 +49,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock) fp8_tiles(const unsigned cha
     if (threadIdx.x < s && red[threadIdx.x + s] > red[threadIdx.x]) red[threadIdx.x] = red[threadIdx.x + s];
     __syncthreads();
   }
-  const float scale = fp8_tile_scale(red[0]);
-  if (threadIdx.x == 0) scales[tile] = scale;
+  unsigned char stored[4];
+  const float scale = fp8_scale(format, red[0], stored);
+  if (threadIdx.x == 0) {
+    for (uint32_t k = 0; k < fp8_scale_bytes(format); ++k) scales[tile * fp8_scale_bytes(format) + k] = stored[k];
+  }
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     const int64_t at = base + (tl.r0 + i / w) * cols + tl.c0 + i % w;
     q[at] = fp8_quantize(load_float(src + at * es, type), scale);
@@ -130,19 +133,19 @@ int run_batch(int device, const CopyDesc* descs, uint64_t num_descs, const Block
 }
 
 int fp8_blocks(int device, const void* src, uint8_t src_type, int64_t batch, int64_t rows, int64_t cols,
-               int64_t block, void* q, void* scales, void* stream_handle, char* err, size_t err_len) {
+               int64_t block, uint8_t format, void* q, void* scales, void* stream_handle, char* err, size_t err_len) {
   DeviceGuard guard;
   FERRY_CUDA_TRY(cudaGetDevice(&guard.previous));
   FERRY_CUDA_TRY(cudaSetDevice(device));
   cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
-  const int64_t tiles = batch * ((rows + block - 1) / block) * ((cols + block - 1) / block);
+  const int64_t tiles = ferry::batch::fp8_num_tiles(batch, rows, cols, ferry::batch::fp8_tile_rows(format, block), block);
   constexpr int64_t kMaxGrid = 0x7fffffff;
   cudaError_t e = cudaSuccess;
   for (int64_t first = 0; e == cudaSuccess && first < tiles; first += kMaxGrid) {
     const int64_t n = tiles - first < kMaxGrid ? tiles - first : kMaxGrid;
     fp8_tiles<<<static_cast<unsigned>(n), kThreadsPerBlock, 0, stream>>>(
-        static_cast<const unsigned char*>(src), src_type, rows, cols, block, first, static_cast<unsigned char*>(q),
-        static_cast<float*>(scales));
+        static_cast<const unsigned char*>(src), src_type, rows, cols, block, format, first,
+        static_cast<unsigned char*>(q), static_cast<unsigned char*>(scales));
     e = cudaGetLastError();
   }
   const cudaError_t synced = cudaStreamSynchronize(stream);
