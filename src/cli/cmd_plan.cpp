@@ -18,7 +18,6 @@
 #include "engine/group_order.h"
 #include "ferry/engine.h"
 #include "ferry/models.h"
-#include "models/builder.h"
 #include "ferry/route.h"
 #include "ferry/source.h"
 #include "tools/broadcast.h"
@@ -184,28 +183,12 @@ int run_plan(const PlanArgs& a) {
     std::vector<std::string> fell_back;                    // names (first few)
   };
   std::optional<QuantizeTotals> qt;
+  BlockQuantizeFormat tiles;
   if (lopts.quantize != Quantize::kNone) {
-    std::vector<std::vector<uint32_t>> quantized(routes->plans.size());
-    std::vector<bool> seen(routes->plans.size(), false);
-    for (int c = 0; c < world; ++c) {
-      const uint32_t k = routes->consumer_plan[static_cast<size_t>(c)];
-      if (seen[k]) continue;
-      seen[k] = true;
-      auto rl = (**loader).rank(c);
-      if (!rl.ok()) return fail_with("plan", rl.status());
-      std::map<std::string, uint32_t> index;
-      for (uint32_t i = 0; i < routes->plans[k].params.size(); ++i) index[routes->plans[k].params[i].name] = i;
-      for (const ParamInfo& pi : (*rl)->params()) {
-        auto it = index.find(pi.decl.name);
-        if (pi.fp8_quantizable && it != index.end()) quantized[k].push_back(it->second);
-      }
-    }
-    const models::QuantizedForm form = models::quantized_form(lopts.quantize);
-    BlockQuantizeFormat bq;
-    bq.block = form.block;
-    bq.block_rows = form.format == Fp8Scales::kMx ? 1 : form.block;
-    bq.scale_bytes = static_cast<uint32_t>(dtype_size(form.scale_dtype));
-    auto sides = quantize_sides(*routes, quantized, bq);
+    auto quantized = tools::quantized_params(**loader, *routes);
+    if (!quantized.ok()) return fail_with("plan", quantized.status());
+    tiles = quantized->format;
+    auto sides = quantize_sides(*routes, quantized->per_plan, tiles);
     if (!sides.ok()) return fail_with("plan", sides.status());
     QuantizeTotals t;
     t.bytes_moved = st.bytes_moved;
@@ -320,8 +303,8 @@ int run_plan(const PlanArgs& a) {
   if (qt) {
     // Counted over plan classes (a class's params once), bytes over every consumer.
     row(fmt::format("{} on the producer (prediction)", quantize_name(lopts.quantize)).c_str(),
-        fmt::format("{} of {} quantised params have every {} tile from one producer{}", qt->on_producer,
-                    qt->params, lopts.quantize == Quantize::kMxfp8 ? "1x32" : "128x128",
+        fmt::format("{} of {} quantised params have every {}x{} tile from one producer{}", qt->on_producer,
+                    qt->params, tiles.block_rows, tiles.block,
                     qt->fell_back.empty() ? std::string()
                                           : fmt::format("; the rest stay on the consumer (e.g. {})",
                                                         fmt::join(qt->fell_back, ", "))));

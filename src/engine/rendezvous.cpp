@@ -121,6 +121,7 @@ std::string routing_choices(const EngineOptions& o) {
 
 Status check_world(Store& store, const JobKeys& keys, const EngineOptions& o, Participant me) {
   const std::string prefix = keys.world_prefix();
+  const std::string mine = routing_choices(o);
   FERRY_ASSIGN_OR_RETURN(auto listed, store.list(prefix));
   for (const std::string& k : listed) {
     // {role}/{rank}/{num_producers}/{num_consumers}, exactly; any other key is not a
@@ -130,7 +131,6 @@ Status check_world(Store& store, const JobKeys& keys, const EngineOptions& o, Pa
     const std::string& role = w->role;
     const int rank = w->rank, np = w->num_producers, nc = w->num_consumers;
     if (np == o.num_producers && nc == o.num_consumers) {
-      const std::string mine = routing_choices(o);
       if (w->routing == mine) continue;
       return invalid_argument(
           "{} {} runs with group order and conversion '{}' but {} {} with '{}' (EngineOptions::group_order and "

@@ -9,7 +9,6 @@
 #include <fmt/format.h>
 
 #include "ferry/models.h"
-#include "models/builder.h"
 #include "ferry/route.h"
 #include "ferry/source.h"
 #include "tools/job_model.h"
@@ -81,26 +80,9 @@ void fill_from_routes(const Routes& routes, std::vector<GroupWork>& groups, JobW
 // those params save.
 Status quantize_on_producers(const tools::JobModel& m, const Routes& routes, std::vector<GroupWork>& groups,
                              JobWorkload& out) {
-  const models::QuantizedForm form = models::quantized_form(m.loader->options().quantize);
-  BlockQuantizeFormat format;
-  format.block = form.block;
-  format.block_rows = form.format == Fp8Scales::kMx ? 1 : form.block;
-  format.scale_bytes = static_cast<uint32_t>(dtype_size(form.scale_dtype));
-  std::vector<std::vector<uint32_t>> quantized(routes.plans.size());
-  std::vector<bool> seen(routes.plans.size(), false);
-  for (size_t c = 0; c < routes.consumer_plan.size(); ++c) {
-    const uint32_t k = routes.consumer_plan[c];
-    if (seen[k]) continue;
-    seen[k] = true;
-    FERRY_ASSIGN_OR_RETURN(auto rl, m.loader->rank(static_cast<int>(c)));
-    std::unordered_map<std::string, uint32_t> index;
-    for (uint32_t i = 0; i < routes.plans[k].params.size(); ++i) index.emplace(routes.plans[k].params[i].name, i);
-    for (const ParamInfo& pi : rl->params()) {
-      auto it = index.find(pi.decl.name);
-      if (pi.fp8_quantizable && it != index.end()) quantized[k].push_back(it->second);
-    }
-  }
-  FERRY_ASSIGN_OR_RETURN(auto sides, quantize_sides(routes, quantized, format));
+  FERRY_ASSIGN_OR_RETURN(auto quantized, tools::quantized_params(*m.loader, routes));
+  const BlockQuantizeFormat& format = quantized.format;
+  FERRY_ASSIGN_OR_RETURN(auto sides, quantize_sides(routes, quantized.per_plan, format));
   std::vector<std::vector<bool>> on_producer(routes.plans.size());
   for (size_t k = 0; k < routes.plans.size(); ++k) on_producer[k].assign(routes.plans[k].params.size(), false);
   for (const QuantizeSide& q : sides) {

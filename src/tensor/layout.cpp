@@ -11,7 +11,7 @@
 #endif
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
-#define FERRY_X86_DISPATCH 1  // AVX2 / AVX-512 kernels compiled per function, chosen at run time
+#define FERRY_X86_DISPATCH 1  // an AVX2 kernel compiled for that target alone, chosen at run time
 #endif
 
 #include "ferry/tensor.h"

@@ -1,5 +1,6 @@
 #include "tools/job_model.h"
 
+#include "models/builder.h"
 #include "tools/config_path.h"
 
 #include <string_view>
@@ -62,6 +63,30 @@ Result<Plan> record_rank_plan(const ModelLoader& loader, int global, const std::
     if (!rl->groups_written_by(d.name).empty()) loaded.push_back(d);
   }
   return record_plan(loader, global, loaded);
+}
+
+Result<QuantizedParams> quantized_params(const ModelLoader& loader, const Routes& routes) {
+  QuantizedParams out;
+  const models::QuantizedForm form = models::quantized_form(loader.options().quantize);
+  out.format.block = form.block;
+  out.format.block_rows = form.format == Fp8Scales::kMx ? 1 : form.block;
+  out.format.scale_bytes = static_cast<uint32_t>(dtype_size(form.scale_dtype));
+  out.per_plan.resize(routes.plans.size());
+  if (loader.options().quantize == Quantize::kNone) return out;
+  std::vector<bool> seen(routes.plans.size(), false);
+  for (size_t c = 0; c < routes.consumer_plan.size(); ++c) {
+    const uint32_t k = routes.consumer_plan[c];
+    if (seen[k]) continue;
+    seen[k] = true;
+    FERRY_ASSIGN_OR_RETURN(auto rl, loader.rank(static_cast<int>(c)));
+    std::unordered_map<std::string_view, uint32_t> index;
+    for (uint32_t i = 0; i < routes.plans[k].params.size(); ++i) index.emplace(routes.plans[k].params[i].name, i);
+    for (const ParamInfo& pi : rl->params()) {
+      auto it = index.find(pi.decl.name);
+      if (pi.fp8_quantizable && it != index.end()) out.per_plan[k].push_back(it->second);
+    }
+  }
+  return out;
 }
 
 Result<TensorMap> zeroed_host_params(const ModelLoader& loader, int global) {

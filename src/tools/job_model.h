@@ -38,6 +38,16 @@ Result<JobModel> make_job_model_from(const ModelConfig& config, const std::strin
 // null for the checkpoint's. Errors: the loader's, a param no copy writes, coverage.
 Result<Plan> record_rank_plan(const ModelLoader& loader, int global, const std::vector<TensorDecl>* metadata = nullptr);
 
+// quantize_sides' inputs for `routes`, recorded from `loader`'s ranks: per plan class the
+// params its loader block-quantises after loading (LoaderOptions::quantize; indices into
+// PlanRoute::params, from the class's first consumer), and the tiles and scales of that
+// quantisation. Empty lists under Quantize::kNone. Errors: the loader's for a rank.
+struct QuantizedParams {
+  std::vector<std::vector<uint32_t>> per_plan;
+  BlockQuantizeFormat format;
+};
+Result<QuantizedParams> quantized_params(const ModelLoader& loader, const Routes& routes);
+
 // Zeroed host buffers for every param inference rank `global` loads, by name: what an
 // engine's own parameters are to a Consumer (`--caller-params` of bench and demo).
 Result<TensorMap> zeroed_host_params(const ModelLoader& loader, int global);
