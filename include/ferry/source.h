@@ -225,12 +225,30 @@ class WeightSource {
   virtual Result<std::vector<LocalBox>> materialize(int group) = 0;
 };
 
+// How much of a synthetic checkpoint changes from one version to the next (delta syncs,
+// docs/delta.md). fraction 1 (the default): every element is drawn afresh at every
+// version. fraction f < 1: each element (scattered) or each whole tensor (clustered: an
+// expert, a projection) is redrawn once every 1/f versions, at a phase of its own, so
+// that a fraction f of them is redrawn between any two consecutive versions (a redrawn
+// element keeps its value with the chance of drawing it again: 1/128 for bf16). Values
+// stay a closed form of (seed, version, name, index): every replica and every direct
+// load agrees without replaying versions. f == 0: nothing changes after version 0.
+struct SyntheticChanges {
+  double fraction = 1.0;
+  bool clustered = false;
+  friend bool operator==(const SyntheticChanges&, const SyntheticChanges&) = default;
+};
+// kInvalidArgument unless 0 <= fraction <= 1.
+Status check_synthetic_changes(const SyntheticChanges& changes);
+
 // Value of element `index` (flat, row-major, of the full tensor) of tensor `name` at
-// version `version`: a hash of (seed, version, name, index) mapped to a value exactly
-// representable in `dtype` (integers in [-64, 64) / 8 for floats; FP8 e4m3 too).
-double synthetic_value(uint64_t seed, uint64_t version, std::string_view name, int64_t index, DType dtype);
+// version `version`: a hash of (seed, the version it was last redrawn at under
+// `changes`, name, index) mapped to a value exactly representable in `dtype` (integers
+// in [-64, 64) / 8 for floats; FP8 e4m3 too).
+double synthetic_value(uint64_t seed, uint64_t version, std::string_view name, int64_t index, DType dtype,
+                       const SyntheticChanges& changes = {});
 // The whole tensor `decl` at `version`, as a real tensor (for direct-load references).
-Tensor synthetic_tensor(uint64_t seed, uint64_t version, const TensorDecl& decl);
+Tensor synthetic_tensor(uint64_t seed, uint64_t version, const TensorDecl& decl, const SyntheticChanges& changes = {});
 
 // An in-memory source: rank `rank` of a trainer whose holdings are given; materialize()
 // fills each box from synthetic_value at the current version.
@@ -246,6 +264,10 @@ class SyntheticSource final : public WeightSource {
 
   void set_version(uint64_t version) { version_ = version; }
   uint64_t version() const { return version_; }
+  // What changes between versions (default: everything); checked by the caller
+  // (check_synthetic_changes).
+  void set_changes(const SyntheticChanges& changes) { changes_ = changes; }
+  const SyntheticChanges& changes() const { return changes_; }
 
  private:
   std::vector<TensorDecl> metadata_;
@@ -254,6 +276,7 @@ class SyntheticSource final : public WeightSource {
   int rank_ = 0;
   uint64_t seed_ = 0;
   uint64_t version_ = 0;
+  SyntheticChanges changes_;
 };
 
 }  // namespace ferry

@@ -1,6 +1,7 @@
 // The synthetic in-memory WeightSource: values derivable from (seed, version, name, index).
 #include <xxhash.h>
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -17,8 +18,18 @@ uint64_t mix(uint64_t x) {  // splitmix64 finaliser
   return x ^ (x >> 31);
 }
 
-uint64_t name_key(uint64_t seed, uint64_t version, std::string_view name) {
-  return mix(XXH3_64bits(name.data(), name.size()) ^ mix(seed ^ mix(version + 0x1234567)));
+uint64_t name_hash(std::string_view name) { return XXH3_64bits(name.data(), name.size()); }
+uint64_t key_of(uint64_t seed, uint64_t version, uint64_t hn) { return mix(hn ^ mix(seed ^ mix(version + 0x1234567))); }
+
+// SyntheticChanges: the version an element (or a whole tensor, `index` -1) was last
+// redrawn at: floor(version * fraction + phase), its phase a hash in [0, 1) of (seed,
+// name, index) alone. fraction 1 gives `version` itself (phase < 1).
+uint64_t phase_bits(uint64_t seed, uint64_t hn, int64_t index) {
+  return mix(hn ^ mix(seed ^ 0x5eed0fdeu) ^ (static_cast<uint64_t>(index) * 0x9fb21c651e98df25ull));
+}
+uint64_t epoch_of(uint64_t version, double fraction, uint64_t bits) {
+  const double phase = static_cast<double>(bits >> 11) * 0x1.0p-53;
+  return static_cast<uint64_t>(std::floor(static_cast<double>(version) * fraction + phase));
 }
 
 double value_of(uint64_t key, int64_t index, DType dtype) {
@@ -105,17 +116,45 @@ void fill_run(uint64_t key, DType dtype, const ValueTable& t, int64_t flat, int6
   }
 }
 
+// Scattered changes: each element's key from the version it was last redrawn at.
+struct Scatter {
+  uint64_t seed = 0, version = 0, hn = 0;
+  double fraction = 1;
+};
+
+void fill_run_scattered(const Scatter& sc, DType dtype, const ValueTable& t, int64_t flat, int64_t n, std::byte* out) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t i = flat + j;
+    const uint64_t key = key_of(sc.seed, epoch_of(sc.version, sc.fraction, phase_bits(sc.seed, sc.hn, i)), sc.hn);
+    std::byte* dst = out + static_cast<size_t>(j) * t.size;
+    if (t.modulus == 0) {
+      store_element(dst, dtype, value_of(key, i, dtype));
+      continue;
+    }
+    const uint64_t h = mix(key ^ (static_cast<uint64_t>(i) * 0xd6e8feb86659fd93ull));
+    std::memcpy(dst, t.bytes.data() + (h % t.modulus) * t.size, t.size);
+  }
+}
+
 // Fills `out` (contiguous, box-shaped) with the box's elements of `decl`, one
-// innermost-dimension run at a time.
-void fill_box(uint64_t key, const TensorDecl& decl, const Box& box, std::byte* out) {
+// innermost-dimension run at a time: every element from `key`, or with `scatter` each
+// from the key of the version it was last redrawn at.
+void fill_box(uint64_t key, const TensorDecl& decl, const Box& box, std::byte* out, const Scatter* scatter = nullptr) {
   const size_t es = dtype_size(decl.dtype);
   const int64_t n = box.numel();
   if (n == 0) return;
   const ValueTable table = value_table(decl.dtype);
+  auto run = [&](int64_t flat, int64_t len, std::byte* dst) {
+    if (scatter) {
+      fill_run_scattered(*scatter, decl.dtype, table, flat, len, dst);
+    } else {
+      fill_run(key, decl.dtype, table, flat, len, dst);
+    }
+  };
   const Shape strides = contiguous_strides(decl.shape);
   const size_t nd = box.size.size();
   if (nd == 0) {
-    fill_run(key, decl.dtype, table, 0, 1, out);
+    run(0, 1, out);
     return;
   }
   const int64_t inner = box.size[nd - 1];
@@ -123,7 +162,7 @@ void fill_box(uint64_t key, const TensorDecl& decl, const Box& box, std::byte* o
   for (int64_t row = 0; row < n / inner; ++row) {
     int64_t flat = box.start[nd - 1] * strides[nd - 1];
     for (size_t k = 0; k + 1 < nd; ++k) flat += (box.start[k] + idx[k]) * strides[k];
-    fill_run(key, decl.dtype, table, flat, inner, out + static_cast<size_t>(row * inner) * es);
+    run(flat, inner, out + static_cast<size_t>(row * inner) * es);
     for (size_t k = nd - 1; k-- > 0;) {
       if (++idx[k] < box.size[k]) break;
       idx[k] = 0;
@@ -131,15 +170,39 @@ void fill_box(uint64_t key, const TensorDecl& decl, const Box& box, std::byte* o
   }
 }
 
-}  // namespace
-
-double synthetic_value(uint64_t seed, uint64_t version, std::string_view name, int64_t index, DType dtype) {
-  return value_of(name_key(seed, version, name), index, dtype);
+// Fills a box of `decl` at `version` under `changes`.
+void fill_changed(uint64_t seed, uint64_t version, const SyntheticChanges& changes, const TensorDecl& decl,
+                  const Box& box, std::byte* out) {
+  const uint64_t hn = name_hash(decl.name);
+  if (changes.fraction >= 1.0) {
+    fill_box(key_of(seed, version, hn), decl, box, out);
+  } else if (changes.clustered) {
+    fill_box(key_of(seed, epoch_of(version, changes.fraction, phase_bits(seed, hn, -1)), hn), decl, box, out);
+  } else {
+    const Scatter sc{seed, version, hn, changes.fraction};
+    fill_box(0, decl, box, out, &sc);
+  }
 }
 
-Tensor synthetic_tensor(uint64_t seed, uint64_t version, const TensorDecl& decl) {
+}  // namespace
+
+Status check_synthetic_changes(const SyntheticChanges& changes) {
+  if (!(changes.fraction >= 0.0 && changes.fraction <= 1.0))
+    return invalid_argument("synthetic changes: fraction {} is outside [0, 1]", changes.fraction);
+  return Status::Ok();
+}
+
+double synthetic_value(uint64_t seed, uint64_t version, std::string_view name, int64_t index, DType dtype,
+                       const SyntheticChanges& changes) {
+  const uint64_t hn = name_hash(name);
+  uint64_t at = version;
+  if (changes.fraction < 1.0) at = epoch_of(version, changes.fraction, phase_bits(seed, hn, changes.clustered ? -1 : index));
+  return value_of(key_of(seed, at, hn), index, dtype);
+}
+
+Tensor synthetic_tensor(uint64_t seed, uint64_t version, const TensorDecl& decl, const SyntheticChanges& changes) {
   Tensor t = Tensor::empty(decl.shape, decl.dtype, decl.name);
-  fill_box(name_key(seed, version, decl.name), decl, full_box(decl.shape), t.data_ptr().value());
+  fill_changed(seed, version, changes, decl, full_box(decl.shape), t.data_ptr().value());
   return t;
 }
 
@@ -166,7 +229,7 @@ Result<std::vector<LocalBox>> SyntheticSource::materialize(int group) {
     if (groups_.of_name(d.name) != group) continue;
     Tensor t = Tensor::empty(h.boxes[i].box.size, d.dtype, d.name);
     FERRY_ASSIGN_OR_RETURN(std::byte * p, t.data_ptr());
-    fill_box(name_key(seed_, version_, d.name), d, h.boxes[i].box, p);
+    fill_changed(seed_, version_, changes_, d, h.boxes[i].box, p);
     out.push_back(LocalBox{static_cast<uint32_t>(i), std::move(t)});
   }
   return out;

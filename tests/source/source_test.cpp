@@ -1,5 +1,6 @@
 // WeightSource pieces: trainer layout parsing, groups, classification, Megatron and FSDP
 // holdings, the synthetic source.
+#include <cmath>
 #include <cstring>
 #include <map>
 
@@ -474,6 +475,79 @@ TEST(SyntheticSource, FillMatchesElementwiseDefinition) {
   std::vector<std::byte> want(2);
   store_element(want.data(), DType::kBF16, synthetic_value(3, 2, "s", 0, DType::kBF16));
   EXPECT_EQ(std::memcmp(t.data_ptr().value(), want.data(), 2), 0);
+}
+
+// The fraction of 2-byte elements that differ between two tensors of the same shape.
+double differing_small(const Tensor& a, const Tensor& b) {
+  const auto* x = reinterpret_cast<const uint16_t*>(a.data_ptr().value());
+  const auto* y = reinterpret_cast<const uint16_t*>(b.data_ptr().value());
+  const int64_t n = a.numel();
+  int64_t k = 0;
+  for (int64_t i = 0; i < n; ++i) k += x[i] != y[i];
+  return static_cast<double>(k) / static_cast<double>(n);
+}
+
+// SyntheticChanges: the fraction of elements (scattered) or whole tensors (clustered)
+// redrawn between consecutive versions, against the element-wise definition and the
+// source's boxes; fraction 1 is exactly the old every-element draw.
+TEST(SyntheticSource, ChangedFractionBetweenVersions) {
+  const TensorDecl d{"model.layers.0.mlp.w", DType::kBF16, {256, 512}};
+  const int64_t n = 256 * 512;
+  auto differing = [&](const Tensor& a, const Tensor& b) {
+    const auto* x = reinterpret_cast<const uint16_t*>(a.data_ptr().value());
+    const auto* y = reinterpret_cast<const uint16_t*>(b.data_ptr().value());
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; ++i) k += x[i] != y[i];
+    return static_cast<double>(k) / static_cast<double>(n);
+  };
+  for (double f : {0.0005, 0.01, 0.1, 0.5}) {
+    const SyntheticChanges ch{f, false};
+    for (uint64_t v : {1u, 7u, 20u}) {
+      const double seen = differing(synthetic_tensor(5, v - 1, d, ch), synthetic_tensor(5, v, d, ch));
+      // Redrawn elements keep their value 1 time in 128; the count is binomial-like.
+      const double want = f * 127.0 / 128.0;
+      EXPECT_NEAR(seen, want, 4 * std::sqrt(want / static_cast<double>(n)) + 1e-4) << "f=" << f << " v=" << v;
+    }
+  }
+  // Fraction 1 is the every-element draw; fraction 0 never changes.
+  EXPECT_TRUE(synthetic_tensor(5, 3, d, {1.0, false}).equal(synthetic_tensor(5, 3, d)).value());
+  EXPECT_TRUE(synthetic_tensor(5, 9, d, {0.0, false}).equal(synthetic_tensor(5, 0, d, {0.0, false})).value());
+  // Clustered: whole tensors, about f of them per version.
+  int changed = 0, total = 0;
+  for (int t = 0; t < 400; ++t) {
+    const TensorDecl e{"model.layers.0.mlp.experts." + std::to_string(t) + ".w", DType::kBF16, {4, 8}};
+    const double seen = differing_small(synthetic_tensor(5, 4, e, {0.25, true}), synthetic_tensor(5, 5, e, {0.25, true}));
+    EXPECT_TRUE(seen == 0.0 || seen > 0.5) << e.name << " changed in part: " << seen;
+    changed += seen > 0.5;
+    ++total;
+  }
+  EXPECT_NEAR(static_cast<double>(changed) / total, 0.25, 0.07);
+  // The element-wise definition and the source's boxes agree with the fill.
+  for (const SyntheticChanges ch : {SyntheticChanges{0.3, false}, SyntheticChanges{0.3, true}}) {
+    const TensorDecl small{"model.layers.1.w", DType::kF32, {6, 10}};
+    const Tensor full = synthetic_tensor(2, 11, small, ch);
+    std::vector<std::byte> want(4);
+    for (int64_t i = 0; i < 60; ++i) {
+      store_element(want.data(), DType::kF32, synthetic_value(2, 11, small.name, i, DType::kF32, ch));
+      ASSERT_EQ(std::memcmp(full.data_ptr().value() + i * 4, want.data(), 4), 0) << i;
+    }
+    auto th = make_holdings({small}, TrainerLayout::parse("fsdp=2").value());
+    ASSERT_TRUE(th.ok());
+    SyntheticSource s({small}, std::make_shared<const std::vector<Holdings>>(th->ranks), 1, 2);
+    s.set_version(11);
+    s.set_changes(ch);
+    auto boxes = s.materialize(Groups(std::vector<TensorDecl>{small}).of_name(small.name));
+    ASSERT_TRUE(boxes.ok());
+    ASSERT_EQ(boxes->size(), 1u);
+    const HeldBox& hb = th->ranks[1].boxes[(*boxes)[0].box];
+    Tensor view = full;
+    for (size_t k = 0; k < hb.box.start.size(); ++k) view = view.narrow(static_cast<int64_t>(k), hb.box.start[k], hb.box.size[k]);
+    EXPECT_TRUE(view.equal((*boxes)[0].data).value());
+  }
+  EXPECT_FALSE(check_synthetic_changes({1.5, false}).ok());
+  EXPECT_FALSE(check_synthetic_changes({-0.1, false}).ok());
+  EXPECT_FALSE(check_synthetic_changes({std::nan(""), false}).ok());
+  EXPECT_TRUE(check_synthetic_changes({0.02, true}).ok());
 }
 
 }  // namespace
