@@ -185,6 +185,21 @@ struct EngineOptions {
   // same; this and group_order are checked at rendezvous (a rank that differs fails at
   // once, naming the other).
   ConvertOn convert_on = ConvertOn::kProducer;
+  // Delta syncs (docs/delta.md). Producer: keeps a copy of every group as it packed it
+  // last (host memory after its staging ring, MemoryUse::kept_copy: the bytes it stages
+  // in one sync) and, per plan class, puts in the slot a patch of the elements that
+  // changed since that version (src/delta/patch.h) when it is smaller than the dense
+  // bytes; it serves nothing in place (source_regions are not used). Consumer: where its
+  // live params hold the patch's base version intact it reads the patch and applies it
+  // (gathering the base from its params; the result checked against the new content's
+  // hash, and on a mismatch repaired by reading the dense bytes: SyncReport::
+  // patches_repaired), else it reads the dense bytes from the producer's kept copy; it
+  // reads nothing straight into params. Host params only take patches (GPU params and
+  // the CUDA IPC lane read dense). Each side decides for itself: a consumer without
+  // delta reads dense bytes from a delta producer.
+  bool delta = false;
+  // Delta, producer: every Nth of its syncs sends dense bytes only (0: never).
+  uint32_t delta_full_every = 0;
   // Fault injection for ferry's own tests (src/engine/testing.h); null in production.
   std::shared_ptr<const engine::TestHooks> test_hooks;
 };
@@ -315,11 +330,14 @@ struct MemoryUse {
   // Consumer under CommitPolicy::kShadow: the shadow buffers a sync lands in (one more
   // copy of every param the sync writes). Extra.
   uint64_t shadow = 0;
+  // Producer under EngineOptions::delta: its kept copy of every group as packed last
+  // (the bytes it stages in one sync, in the staging ring's registered region). Extra.
+  uint64_t kept_copy = 0;
   // Routes, every rank's plan and holdings, the schedules and in-place tables: estimated
   // from their element counts (heap blocks included), linear in tensors and copies.
   uint64_t metadata = 0;
   uint64_t transport_allowance = kFixedAllowance;  // see kFixedAllowance
-  uint64_t extra() const { return staging_ring + receive_ring + shadow + metadata + transport_allowance; }
+  uint64_t extra() const { return staging_ring + receive_ring + shadow + kept_copy + metadata + transport_allowance; }
   std::string to_string() const;
 };
 
@@ -351,6 +369,15 @@ struct SyncReport {
   // device to device from producers' GPU staging (ConsumerOptions::cuda_ipc). Zero on a
   // producer.
   uint64_t bytes_received = 0, received_into_params = 0, received_via_cuda_ipc = 0;
+  // Delta syncs (EngineOptions::delta), from the trace: of bytes_sent / bytes_received,
+  // those that moved as patches. Producer: the dense bytes its patches stood for (each
+  // consumer's share counted, as bytes_sent), and over what it packed this sync the
+  // elements it compared with its kept copy and of those the elements that changed.
+  // Consumer: patches whose end-to-end check failed and that it repaired by reading the
+  // dense bytes (each also in `failures`).
+  uint64_t patch_bytes = 0, patched_dense_bytes = 0;
+  uint64_t delta_elements = 0, delta_changed = 0;
+  uint64_t patches_repaired = 0;
   double seconds = 0;           // wall time of sync()
   // Phases (seconds, summed over groups and attempts). Producer: materialize, pack, wait
   // (slots). Consumer: wait (announces), read, unpack, post (process_weights_after_loading).

@@ -285,5 +285,12 @@ Status pack_group(const ProducerGroup& group_route, uint32_t producer, int group
 // by one kernel launch reading `recv`, which must be visible to that device; a dtype
 // conversion (float dtypes, StridedCopy::src_dtype in ferry/device.h) runs in that kernel.
 Status unpack_group(const PlanRoute& plan, int group, std::span<const std::byte> recv, const TensorMap& params);
+// The inverse of unpack_group over received bytes [lo, hi) of group `group`: writes into
+// `recv` what unpack_group would have read there to leave the (host) params as they are
+// now, converting back to the wire's dtype (exact unless the unpack widened nothing it
+// can narrow back: a delta's content hash is what proves it). Unpacks outside [lo, hi)
+// are skipped; one straddling a bound is kInvalidArgument, as is a param in GPU memory.
+Status gather_group(const PlanRoute& plan, int group, uint64_t lo, uint64_t hi, const TensorMap& params,
+                    std::span<std::byte> recv);
 
 }  // namespace ferry

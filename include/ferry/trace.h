@@ -36,8 +36,9 @@ enum class TraceLane : uint8_t {
   kTransport,  // through the transport from staging (read or write)
   kInPlace,    // through the transport straight from the trainer's own memory (no staging)
   kCudaIpc,    // device to device from a producer's GPU staging on this host
+  kPatch,      // through the transport from staging, as a delta patch (EngineOptions::delta)
 };
-std::string_view trace_lane_name(TraceLane lane);  // "", "transport", "in_place", "cuda_ipc"
+std::string_view trace_lane_name(TraceLane lane);  // "", "transport", "in_place", "cuda_ipc", "patch"
 
 struct TraceEvent {
   TracePhase phase = TracePhase::kWait;

@@ -67,6 +67,15 @@ int run_bench_cmd(tools::BenchSpec b, bool json, bool model_given, bool override
   std::printf("%-34s %10.4f %12.0f %9.2f %8.2f\n", "broadcast (OpenMPI MPI_Bcast)",
               j["broadcast_seconds"].get<double>(), j["broadcast_bytes"].get<double>(), j["broadcast_gbps"].get<double>(),
               j["broadcast_cpu_seconds"].get<double>());
+  if (j.contains("delta")) {
+    const auto& d = j["delta"];
+    std::printf("  delta (%s %.4g%% changed, %.4g%% seen): %.0f bytes on the wire against %.0f dense = %.4f of dense "
+                "(%.0f as patches); sync / dense raw %s time %.3f; %d patches repaired\n",
+                d["changes"].get<std::string>().c_str(), 100 * d["changed_fraction"].get<double>(),
+                100 * d["changed_fraction_seen"].get<double>(), d["bytes_moved"].get<double>(),
+                d["dense_bytes"].get<double>(), d["wire_ratio"].get<double>(), d["patch_bytes"].get<double>(),
+                push ? "write" : "read", d["sync_vs_dense_raw"].get<double>(), d["patches_repaired"].get<int>());
+  }
   std::printf("\nefficiency_vs_raw     %.2f  (ferry GB/s / raw UCX GB/s)\n", j["efficiency_vs_raw"].get<double>());
   std::printf("speedup_vs_broadcast  %.2f  (broadcast seconds / ferry seconds)\n",
               j["speedup_vs_broadcast"].get<double>());
@@ -109,6 +118,7 @@ std::function<int()> setup_bench(CLI::App& app) {
                "consumers pass param buffers of their own (as an inference engine's parameters are) instead of "
                "letting the engine allocate them; under --commit shadow the commit is then a copy into them, "
                "not a flip");
+  add_delta_options(app, b->delta, b->changed_fraction, b->changes);  // (the raw steps still move the dense bytes)
   app.add_flag("--memory-estimate", b->estimate_only,
                "print what every process would hold and MemAvailable, start nothing (exit 1 if it does not fit)");
   app.add_flag("--json", *json, "print one JSON object");

@@ -409,6 +409,7 @@ std::function<int()> setup_demo(CLI::App& app) {
                 app.add_option("--store", d->store, "store URL (tcp://... or redis://...); default: embedded");
                 app.add_option("--backend", d->backend, "transport backend (ucx)");
                 app.add_flag("--checksums", d->checksums, "xxHash64 per segment, checked on arrival");
+                add_delta_options(app, d->delta, d->changed_fraction, d->changes);
                 app.add_option("--syncs", d->syncs, "number of syncs")->check(number_in(1, 1 << 20));
                 app.add_option("--seed", d->seed, "seed of the synthetic weights")->check(number_in(0, 1.8e19));
                 auto kill_sync_opt =
@@ -486,7 +487,8 @@ std::function<int()> setup_demo(CLI::App& app) {
 // The options of `ferry worker --bench` (the rest are the demo's).
 constexpr const char* kBenchWorkerOptions[] = {"--role",  "--rank", "--model", "--trainer", "--inference", "--store",
                                                "--job",   "--mode", "--group-order", "--convert-on", "--seed",  "--timeout-ms", "--tls",     "--in-place",
-                                               "--trace", "--bench", "--commit", "--caller-params", "--help"};
+                                               "--trace", "--bench", "--commit", "--caller-params", "--delta",
+                                               "--changed-fraction", "--changes", "--help"};
 
 std::function<int()> setup_worker(CLI::App& app) {
   app.group("");  // hidden
@@ -529,6 +531,9 @@ std::function<int()> setup_worker(CLI::App& app) {
   auto as_bench = app.add_flag("--bench");
   app.add_option("--tls", bench->tls)->needs(as_bench);
   app.add_option("--in-place", bench->in_place)->needs(as_bench);
+  app.add_flag("--delta", w->delta);
+  app.add_option("--changed-fraction", w->changed_fraction)->check(number_in(0, 1));
+  app.add_option("--changes", w->changes)->check(CLI::IsMember({"scattered", "clustered"}));
   return [&app, w, pauses, bench, as_bench, job, timeout] {
     if (as_bench->count() > 0) {
       for (const CLI::Option* o : app.get_options()) {
@@ -553,6 +558,9 @@ std::function<int()> setup_worker(CLI::App& app) {
       bench->mode = w->mode;
       bench->group_order = w->group_order;
       bench->convert_on = w->convert_on;
+      bench->delta = w->delta;
+      bench->changed_fraction = w->changed_fraction;
+      bench->changes = w->changes;
       bench->seed = w->seed;
       bench->trace = w->trace;
       bench->caller_params = w->caller_params;

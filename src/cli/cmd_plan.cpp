@@ -40,6 +40,7 @@ struct PlanArgs {
   bool loader_record = false;
   uint64_t staging_budget = 0;  // ProducerOptions::staging_budget (0: two slots)
   bool no_failover = false;
+  bool delta = false;  // EngineOptions::delta: producers keep a copy of what they staged (kept_copy)
   std::string commit = "in_place";  // the consumers' ConsumerOptions::commit
   std::string group_order = "layer";  // EngineOptions::group_order (docs/group-order.md)
 };
@@ -151,6 +152,7 @@ int run_plan(const PlanArgs& a) {
   ProducerOptions po;
   po.staging_budget = a.staging_budget;
   po.failover = !a.no_failover;
+  po.delta = a.delta;
   auto order = engine::parse_group_order(a.group_order);
   if (!order.ok()) {
     return fail_with("plan", invalid_argument("--group-order: unknown group order '{}' (layer, rotated, rotated-unpaced)",
@@ -247,7 +249,8 @@ int run_plan(const PlanArgs& a) {
     auto mem_json = [](const MemoryUse& m) {
       return nlohmann::json{{"staging_ring", m.staging_ring}, {"receive_ring", m.receive_ring},
                             {"metadata", m.metadata},         {"transport_allowance", m.transport_allowance},
-                            {"shadow", m.shadow},             {"extra", m.extra()}};
+                            {"shadow", m.shadow},             {"kept_copy", m.kept_copy},
+                            {"extra", m.extra()}};
     };
     nlohmann::json pm = nlohmann::json::array(), cm = nlohmann::json::array();
     for (const auto& m : mem->producers) pm.push_back(mem_json(m));
@@ -345,11 +348,12 @@ int run_plan(const PlanArgs& a) {
       MemoryUse m = v[r[0]];
       for (size_t q : r)
         if (v[q].extra() > m.extra()) m = v[q];
-      std::printf("    %zu %s%s %s: %s = %s %s%s + metadata %s + transport allowance %s\n", r.size(), role,
+      std::printf("    %zu %s%s %s: %s = %s %s%s%s + metadata %s + transport allowance %s\n", r.size(), role,
                   r.size() == 1 ? "" : "s", who.c_str(), human(static_cast<double>(m.extra())).c_str(),
                   producer ? "staging ring" : "receive ring",
                   human(static_cast<double>(producer ? m.staging_ring : m.receive_ring)).c_str(),
                   m.shadow ? (" + shadow params " + human(static_cast<double>(m.shadow))).c_str() : "",
+                  m.kept_copy ? (" + delta kept copy " + human(static_cast<double>(m.kept_copy))).c_str() : "",
                   human(static_cast<double>(m.metadata)).c_str(), human(static_cast<double>(m.transport_allowance)).c_str());
     }
   };
@@ -384,6 +388,9 @@ FERRY_COMMAND(plan_command, "plan",
                     ->transform(CLI::AsSizeValue(false));
                 app.add_flag("--no-failover", a->no_failover,
                              "Size staging as a producer without failover (no worst case for a replica's boxes)");
+                app.add_flag("--delta", a->delta,
+                             "Producers run delta syncs: each keeps a copy of every byte it stages (reported as "
+                             "delta kept copy; docs/delta.md)");
                 app.add_option("--commit", a->commit,
                                "The consumers' commit policy: in_place, or shadow (each consumer holds one more copy "
                                "of its params, reported as shadow params)")

@@ -23,6 +23,9 @@ void add_common(CLI::App& app, tools::RankSpec& s) {
   app.add_option("--mode", s.mode, "pull (consumers read) or push (trainers write); the same on every rank")
       ->default_val("pull");
   app.add_flag("--checksums", s.checksums, "End-to-end xxHash per segment (the same on every rank)");
+  app.add_flag("--delta", s.delta,
+               "Delta syncs: serve sends patches of what changed since the version each fetch holds, fetch applies "
+               "them (checked end to end; docs/delta.md)");
   app.add_option("--version", s.first_version, "First version to sync")->default_val(1)->check(number_in(0, 1 << 30));
   app.add_option("--syncs", s.syncs, "Syncs to run: versions --version, --version + 1, ...")
       ->default_val(1)

@@ -74,6 +74,19 @@ inline CLI::Validator number_in(double lo, double hi) {
       "NUMBER in [" + fmt::format("{}", lo) + ", " + fmt::format("{}", hi) + "]");
 }
 
+// The delta-sync options `ferry bench` and `ferry demo` share (docs/delta.md): --delta,
+// and how much of the synthetic weights changes per version (SyntheticChanges).
+inline void add_delta_options(CLI::App& app, bool& delta, double& changed_fraction, std::string& changes) {
+  app.add_flag("--delta", delta,
+               "delta syncs: producers send each inference rank a patch of what changed since the version it holds "
+               "(EngineOptions::delta, docs/delta.md)");
+  app.add_option("--changed-fraction", changed_fraction,
+                 "fraction of the synthetic weights that changes between versions (default 1: all)")
+      ->check(number_in(0, 1));
+  app.add_option("--changes", changes, "scattered (elements) | clustered (whole tensors) changes")
+      ->check(CLI::IsMember({"scattered", "clustered"}));
+}
+
 struct CommandRegistrar {
   CommandRegistrar(std::string name, std::string help, CommandSetup setup) {
     command_registry().push_back({std::move(name), std::move(help), std::move(setup)});

@@ -2,6 +2,7 @@
 // attempts, announcements, failover, commit). Impl and what lives where:
 // engine/consumer_impl.h.
 #include "engine/consumer_impl.h"
+#include "delta/patch.h"
 
 namespace ferry {
 
@@ -167,6 +168,35 @@ Status Consumer::Impl::waited(std::span<const Completion> ops, int p, uint64_t v
   return Status(st.code(), fmt::format("consumer {} reading group {} from producer {}: {}", rank, g, p, st.message()));
 }
 
+const Read* Consumer::Impl::patch_read(int g, int p) const {
+  const Read* found = nullptr;
+  for (const Read& r : plan_route->groups[static_cast<size_t>(g)].reads) {
+    if (r.producer != static_cast<uint32_t>(p)) continue;
+    if (found) return nullptr;  // several reads: one patch cannot cover them
+    found = &r;
+  }
+  return found;
+}
+
+bool Consumer::Impl::takes_patch(int g, uint64_t base) const {
+  if (!opts.delta || param_set->device() || landed_groups.count(g)) return false;
+  const ConsumerState st = param_set->state();
+  return st.has_version && st.version == base && !st.torn;
+}
+
+Status Consumer::Impl::apply_segment_patch(int g, int p, const Read& read, uint64_t patch_bytes, std::byte* slot) {
+  std::byte* seg = slot + read.recv_offset;
+  patch_copy.assign(seg, seg + patch_bytes);
+  // The base: the live params (under shadow the committed set, not the shadow syncs land in).
+  const TensorMap& live = param_set->shadow() ? param_set->committed() : param_set->loaded();
+  const uint64_t n = plan_route->groups[static_cast<size_t>(g)].recv_bytes;
+  Status st = gather_group(schedule.unpack, g, read.recv_offset, read.recv_offset + read.length, live,
+                           std::span<std::byte>(slot, n));
+  if (st.ok()) st = delta::apply_patch(std::span<std::byte>(seg, read.length), patch_copy);
+  if (!st.ok()) return st.with_context(fmt::format("consumer {} group {} producer {}", rank, g, p));
+  return st;
+}
+
 Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
   FERRY_RETURN_IF_ERROR(refresh_producers());
   {
@@ -210,6 +240,18 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
     const auto tg = Clock::now();
     const uint64_t base = static_cast<uint64_t>(s) * slot_bytes;
     std::map<int, Arrival> got;
+    std::map<int, uint64_t> patched;  // delta: producers whose segment came as a patch, its bytes
+    std::set<int> repaired;           // ... and of those, whose dense bytes were read after it
+    // Delta: a patch that failed its check is repaired by reading producer p's dense bytes
+    // of the group from its kept copy (both modes: its staging ring is imported).
+    auto repair = [&](int p, const Status& why) -> Status {
+      ++rep.patches_repaired;
+      rep.failures.push_back(fmt::format("consumer {}: the patch of group {} from producer {} failed its check ({}); "
+                                         "read its dense bytes instead", rank, g, p, why.message()));
+      std::vector<Completion> dense;
+      FERRY_RETURN_IF_ERROR(posted(reads, reads.post_staged(g, p, got[p].dense_offset, base, dense)));
+      return waited(dense, p, v, g);
+    };
     if (opts.mode == SyncMode::kPull) {
       // Staged bytes: read from each producer as soon as it announced, and release it
       // at once (before any in-place bytes are waited for), so that one slow producer
@@ -230,13 +272,39 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
         remaining.erase(p);
         auto tr1 = Clock::now();
         std::vector<Completion> staged;
-        FERRY_RETURN_IF_ERROR(posted(reads, reads.post_staged(g, p, got[p].slot_offset, base, staged)));
+        // Delta: our segment is a patch. Read it where we hold its base; else the dense
+        // bytes, from the kept copy (over the CUDA IPC lane: the GPU slot, never patched).
+        const Arrival& a = got[p];
+        const Read* pr = a.patch_base ? patch_read(g, p) : nullptr;
+        const bool use_patch = pr && a.patch_bytes <= pr->length && !ipc_active && takes_patch(g, *a.patch_base);
+        if (use_patch) {
+          const SubRead sr{0, pr->recv_offset, a.patch_bytes, nullptr, 0, -1, pr->offset, static_cast<uint32_t>(p)};
+          if (Status st = lane->post(Transfer{LaneKind::kTransport, g, p, &sr}, 0, a.patch_bytes, a.slot_offset, base,
+                                     staged);
+              !st.ok()) {
+            failed_p = p;
+            return st;
+          }
+        } else {
+          const uint64_t at = a.patch_base && !ipc_active ? a.dense_offset : a.slot_offset;
+          FERRY_RETURN_IF_ERROR(posted(reads, reads.post_staged(g, p, at, base, staged)));
+        }
         if (first) {
           first = false;
           point(g, 1);
         }
         FERRY_RETURN_IF_ERROR(waited(staged, p, v, g));
-        send_to(p, Release{me(), v, g, routes_hash});
+        uint8_t took = 0;  // Release::took_patch: what the producer's report counts
+        if (use_patch) {   // (applied before the release: a repair reads the producer's memory too)
+          patched[p] = a.patch_bytes;
+          took = 1;
+          if (Status applied = apply_segment_patch(g, p, *pr, a.patch_bytes, ring.data + base); !applied.ok()) {
+            FERRY_RETURN_IF_ERROR(repair(p, applied));
+            repaired.insert(p);
+            took = 2;
+          }
+        }
+        send_to(p, Release{me(), v, g, routes_hash, took});
         if (rotated) {  // this group's in-place bytes from p, now that p announced it
           FERRY_RETURN_IF_ERROR(posted(reads, reads.post_to_slot(g, p, base)));
           reads.enter_group(p, g);
@@ -253,11 +321,16 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
       trace.record(TracePhase::kRead, g, -1, tr2, Clock::now());
     } else {
       if (gs.direct) param_set->touch();  // producers write into params from here on: a failure now leaves us torn
+      // Delta: the version our live params hold intact for this group, if we take patches.
+      std::optional<uint64_t> live;
+      if (const ConsumerState st = param_set->state(); opts.delta && st.has_version && !ipc_active &&
+                                                       takes_patch(g, st.version))
+        live = st.version;
       for (int p : from) {
         readied.insert(p);
         ++unanswered[p];
         send_to(p, Ready{me(), v, g, routes_hash, static_cast<uint32_t>(s),
-                         static_cast<uint8_t>(param_set->landing_index())});
+                         static_cast<uint8_t>(param_set->landing_index()), live});
       }
       point(g, 1);
       auto tw = Clock::now();
@@ -269,8 +342,21 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
         --unanswered[pm.first];  // PUSHED: its writes of (v, g) ended (flushed before it was sent)
       }
       trace.record(TracePhase::kWait, g, -1, tw, Clock::now());
+      for (int p : from) {  // delta: patches written into the slot, applied here
+        const Arrival& a = got[p];
+        if (!a.patch_base) continue;
+        const Read* pr = patch_read(g, p);
+        Status applied = !live || *a.patch_base != *live || !pr || a.patch_bytes > pr->length
+                             ? failed_precondition("a patch against version {} it did not ask for", *a.patch_base)
+                             : apply_segment_patch(g, p, *pr, a.patch_bytes, ring.data + base);
+        patched[p] = a.patch_bytes;  // (written into our slot whatever follows)
+        if (!applied.ok()) {
+          FERRY_RETURN_IF_ERROR(repair(p, applied));
+          repaired.insert(p);
+        }
+      }
     }
-    record_receives(trace, g, gs, ipc_active, tg, Clock::now());
+    record_receives(trace, g, gs, ipc_active, tg, Clock::now(), patched, repaired);
     std::map<int, uint64_t> sums;  // checksums (the producers' option), verified on the host
     for (int p : from)
       if (got[p].checksum) sums[p] = *got[p].checksum;
@@ -278,6 +364,7 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
                                        ipc_active ? ipc_lane->ring() + base : nullptr,
                                        plan_route->groups[static_cast<size_t>(g)].recv_bytes, *param_set));
     point(g, 2);
+    landed_groups.insert(g);  // (delta: its params hold this sync's bytes from now on)
     worker->enqueue({v, g, s});
   }
   // Drain the background thread.
@@ -451,6 +538,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
     if (Status c = publish_versions(); !c.ok()) rep.failures.push_back(c.to_string());
   }
   old_hashes.clear();
+  landed_groups.clear();
   const uint64_t previous = routes_hash;
   if (!s.ok()) {
   } else if (auto again = republish(store, published); !again.ok()) {

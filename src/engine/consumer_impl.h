@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -112,6 +113,11 @@ struct Consumer::Impl {
     uint64_t routes = 0;      // the routes the sender runs (laid the bytes out by)
     uint64_t slot_offset = 0; // Announce: the group's offset in the producer's staging ring
     std::optional<uint64_t> checksum;
+    // Delta syncs: our segment is a patch of patch_bytes against version patch_base
+    // (Announce: in the slot, the dense bytes at dense_offset; Pushed: written into our
+    // receive slot).
+    std::optional<uint64_t> patch_base;
+    uint64_t patch_bytes = 0, dense_offset = 0;
   };
   // (version, group, producer) -> arrival. Kept even from instances not connected yet (a
   // restarted producer may announce before we re-read its lease); checked against the
@@ -143,8 +149,14 @@ struct Consumer::Impl {
   // The unpack + post-processing thread (unpack_worker.h). Last: destroyed first.
   std::unique_ptr<UnpackWorker> worker;
 
+  // The options as this consumer runs them: under delta nothing is read straight into
+  // params (a patch is applied in the receive slot, then unpacked).
+  static ConsumerOptions effective(ConsumerOptions o) {
+    if (o.delta) o.direct_min_bytes = std::numeric_limits<uint64_t>::max();
+    return o;
+  }
   Impl(int r, Transport& t, Store& s, const ConsumerOptions& opt)
-      : rank(r), transport(t), store(s), opts(opt), keys(opt.job), route_state(s, JobKeys(opt.job), opt.failover, RouterOptions{.convert_on = opt.convert_on}) {}
+      : rank(r), transport(t), store(s), opts(effective(opt)), keys(opt.job), route_state(s, JobKeys(opt.job), opt.failover, RouterOptions{.convert_on = opt.convert_on}) {}
 
   ~Impl() {
     worker.reset();  // stops after its current job
@@ -214,6 +226,21 @@ struct Consumer::Impl {
   Status waited(std::span<const Completion> ops, int p, uint64_t v, int g);
 
   Status sync_groups(uint64_t v, SyncReport& rep);
+
+  // Delta syncs. Groups unpacked during this sync (any attempt): their params no longer
+  // hold the version they held when it began. Sync thread.
+  std::set<int> landed_groups;
+  std::vector<std::byte> patch_copy;  // a patch moved out of the receive slot to be applied
+  // The one read of group g from producer p (nullptr: none, or several), and whether a
+  // patch against version `base` of it can be applied here: host params whose live
+  // version is `base`, intact (not torn, group g not unpacked this sync), no CUDA IPC.
+  const Read* patch_read(int g, int p) const;
+  bool takes_patch(int g, uint64_t base) const;
+  // Applies the patch that lies at the start of producer p's segment of group g in the
+  // receive slot at `slot` (its base gathered from the live params into that segment);
+  // the segment then holds the new bytes. kCorrupt when the patch fails its structure or
+  // content hash (the caller repairs with the dense bytes).
+  Status apply_segment_patch(int g, int p, const Read& read, uint64_t patch_bytes, std::byte* slot);
 
   // Installs routes (only between attempts: the background thread is idle).
   Status apply_routes(Routes r);

@@ -33,9 +33,11 @@ void Consumer::Impl::on_message(PeerId from, std::span<const std::byte> payload)
     return true;
   };
   if (const auto* m = std::get_if<Announce>(&msg)) {
-    if (!keep(m->group, Arrival{from, m->routes, m->slot_offset, m->checksum})) return;
+    if (!keep(m->group, Arrival{from, m->routes, m->slot_offset, m->checksum, m->patch_base, m->patch_bytes,
+                                m->dense_offset}))
+      return;
   } else if (const auto* m = std::get_if<Pushed>(&msg)) {
-    if (!keep(m->group, Arrival{from, m->routes, 0, m->checksum})) return;
+    if (!keep(m->group, Arrival{from, m->routes, 0, m->checksum, m->patch_base, m->patch_bytes, m->dense_offset})) return;
   } else if (const auto* m = std::get_if<RoutesNotice>(&msg)) {
     // Kept under group -1 (never awaited): await_any sees its routes and switches.
     if (!keep(-1, Arrival{from, m->routes, 0, std::nullopt})) return;

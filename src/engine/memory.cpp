@@ -129,10 +129,10 @@ uint64_t metadata_heap_bytes(const Routes& routes, const std::vector<TensorDecl>
 std::string MemoryUse::to_string() const {
   auto mib = [](uint64_t b) { return static_cast<double>(b) / (1 << 20); };
   return fmt::format(
-      "extra {:.1f} MiB (staging ring {:.1f}, receive ring {:.1f}, shadow {:.1f}, metadata {:.2f}, transport "
-      "allowance {:.0f}); registered in place {:.1f} MiB, own params {:.1f} MiB",
-      mib(extra()), mib(staging_ring), mib(receive_ring), mib(shadow), mib(metadata), mib(transport_allowance),
-      mib(registered_in_place), mib(own_params));
+      "extra {:.1f} MiB (staging ring {:.1f}, receive ring {:.1f}, shadow {:.1f}, kept copy {:.1f}, metadata {:.2f}, "
+      "transport allowance {:.0f}); registered in place {:.1f} MiB, own params {:.1f} MiB",
+      mib(extra()), mib(staging_ring), mib(receive_ring), mib(shadow), mib(kept_copy), mib(metadata),
+      mib(transport_allowance), mib(registered_in_place), mib(own_params));
 }
 
 Result<MemoryPrediction> predict_memory(const Routes& routes, const std::vector<TensorDecl>& metadata,
@@ -153,7 +153,13 @@ Result<MemoryPrediction> predict_memory(const Routes& routes, const std::vector<
         options.failover ? producer_slot_bytes(routes, rank, shared[p], true) : needed;
     FERRY_ASSIGN_OR_RETURN(StagingSlots ring, staging_ring(rank, needed, worst, options.staging_budget));
     MemoryUse m;
-    m.staging_ring = registered_bytes(ring.slot_bytes * static_cast<uint64_t>(ring.slots));
+    const uint64_t ring_bytes = ring.slot_bytes * static_cast<uint64_t>(ring.slots);
+    if (options.delta) {  // the kept copy after the slots, in the same registration
+      m.kept_copy = kept_copy_bytes(routes.producers[p]);
+      m.staging_ring = registered_bytes(ring_bytes + m.kept_copy) - m.kept_copy;
+    } else {
+      m.staging_ring = registered_bytes(ring_bytes);
+    }
     m.metadata = common + predicted_schedule_bytes(routes.producers[p]);
     out.producers.push_back(m);
   }

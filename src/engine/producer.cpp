@@ -1,6 +1,7 @@
 // Producer: one per trainer rank. See ferry/engine.h for the protocol.
 #include <algorithm>
 #include <condition_variable>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -21,6 +22,7 @@
 #include "engine/staging_ring.h"
 #include "engine/straggler.h"
 #include "engine/testing.h"
+#include "delta/patch.h"
 
 namespace ferry {
 
@@ -116,8 +118,25 @@ struct Producer::Impl {
     // Targets left out when it was packed because they had declared other routes (a
     // FAILOVER); one that declares this slot's routes later reads it then (on_message).
     std::set<int> skipped;
+    // Delta syncs: the version its patches are against (none: dense), each plan class's
+    // patch bytes in the slot (a class absent: dense), and where the group's dense bytes
+    // lie in the staging ring (the kept copy).
+    std::optional<uint64_t> patch_base;
+    std::map<uint32_t, uint64_t> patch_bytes;
+    uint64_t dense_offset = 0;
   };
   std::vector<Slot> slots;
+  // Delta syncs (EngineOptions::delta): the kept copy (StagingRing::kept) laid out for the
+  // routes `kept_hash` (kept_layout: kept_at per group), whether that fits the ring's kept
+  // area, and the version each group holds there (none: not packed under these routes
+  // yet). Sync thread only.
+  uint64_t kept_hash = 0;
+  bool kept_fits = false;
+  std::vector<uint64_t> kept_at;
+  std::vector<std::optional<uint64_t>> kept_version;
+  std::vector<std::byte> patch_scratch;  // one segment's patch, before it goes into the slot
+  uint64_t syncs_started = 0;            // delta_full_every counts these
+  bool full_sync = false;                // this sync sends dense bytes only
   // The rotated order (EngineOptions::group_order; docs/group-order.md): this producer
   // serves its reads (a consumer reading one of its groups) in waves (serve_waves), one
   // per step of the consumers' orders, a wave once every read of the waves before it
@@ -142,6 +161,7 @@ struct Producer::Impl {
     uint32_t slot = 0;
     uint64_t hash = 0;
     uint8_t landing = 0;  // the consumer's param set to write (Ready::landing)
+    std::optional<uint64_t> base;  // delta: the version it takes a patch against (Ready::base)
   };
   std::map<std::tuple<uint64_t, int, int>, ReadyFrom> ready;
   // push: writes to a consumer posted and not yet finished (flushed or failed), and the
@@ -268,7 +288,9 @@ struct Producer::Impl {
     return it == by_class.end() ? 0 : it->second;
   }
 
-  void release_locked(int s, int c) {
+  // `took_patch` (Release::took_patch): 1 c read its class's patch (delta), not the dense
+  // bytes; 2 the patch and then the dense bytes (a repair).
+  void release_locked(int s, int c, int took_patch = 0) {
     Slot& sl = slots[static_cast<size_t>(s)];
     if (sl.pending.erase(c)) {
       sl.last_release = Clock::now();
@@ -279,7 +301,14 @@ struct Producer::Impl {
         released.emplace(c, sl.group);
         if (auto o = sl.opened.find(c); o != sl.opened.end()) from = o->second;
       }
-      if (b > ip || ip == 0) trace.record(TracePhase::kSend, sl.group, c, from, *sl.last_release, TraceLane::kTransport, b - ip);
+      const uint64_t patch = took_patch > 0 && sl.patch_base ? served(sl.patch_bytes, cls(c)) : 0;
+      if (patch > 0) {
+        trace.record(TracePhase::kSend, sl.group, c, from, *sl.last_release, TraceLane::kPatch, patch);
+        if (took_patch == 1) report.patched_dense_bytes += b - ip;
+      }
+      if ((patch == 0 || took_patch == 2) && (b > ip || ip == 0)) {
+        trace.record(TracePhase::kSend, sl.group, c, from, *sl.last_release, TraceLane::kTransport, b - ip);
+      }
       if (ip > 0) trace.record(TracePhase::kSend, sl.group, c, from, *sl.last_release, TraceLane::kInPlace, ip);
       cv.notify_all();
     }
@@ -330,11 +359,24 @@ struct Producer::Impl {
     int slot = 0, consumer = 0, group = 0;
     uint64_t version = 0, hash = 0;
     PeerId id = 0;
-    std::optional<uint64_t> checksum;
+    Announce announce;  // pull
     bool push = false;
     uint32_t recv_slot = 0;
     uint8_t landing = 0;
   };
+
+  // The ANNOUNCE of slot s (holding sl) to consumer c: its checksum, and under delta its
+  // class's patch. mu held.
+  Announce announce_locked(const Slot& sl, int c, size_t s) {
+    Announce m{static_cast<uint32_t>(rank), version, sl.group, sl.hash, staging->slot_offset(s), std::nullopt};
+    if (opts.checksums) m.checksum = served(sl.checksum, cls(c));
+    if (auto it = sl.patch_bytes.find(cls(c)); sl.patch_base && it != sl.patch_bytes.end()) {
+      m.patch_base = sl.patch_base;
+      m.patch_bytes = it->second;
+      m.dense_offset = sl.dense_offset;
+    }
+    return m;
+  }
 
   // Paced: consumer c's turn at slot s came (once); what to send it now, if anything.
   // mu held.
@@ -344,7 +386,7 @@ struct Producer::Impl {
     sl.opened[c] = Clock::now();
     Serve out{s, c, sl.group, version, sl.hash, peers[static_cast<size_t>(c)].id};
     if (opts.mode == SyncMode::kPull) {
-      if (opts.checksums) out.checksum = served(sl.checksum, cls(c));
+      out.announce = announce_locked(sl, c, static_cast<size_t>(s));
       return out;
     }
     auto it = ready.find({version, sl.group, c});
@@ -382,9 +424,7 @@ struct Producer::Impl {
         continue;
       }
       const auto ta = Clock::now();
-      Announce m{static_cast<uint32_t>(rank), t.version, t.group, t.hash, staging->slot_offset(static_cast<size_t>(t.slot)),
-                 t.checksum};
-      if (Status sent = send(t.id, m); !sent.ok()) {
+      if (Status sent = send(t.id, t.announce); !sent.ok()) {
         std::lock_guard<std::mutex> lk(mu);
         drop_locked(t.consumer, "announce failed: " + sent.to_string(), nullptr);
       }
@@ -400,6 +440,9 @@ struct Producer::Impl {
     PushTarget to;
     std::optional<uint64_t> checksum;
     uint64_t hash;
+    uint64_t from_offset = staging->slot_offset(static_cast<size_t>(s));  // where the writes' staging bytes lie
+    std::optional<uint64_t> patch_base;  // delta: a patch is written
+    uint64_t patch_bytes = 0, dense_offset = 0;
     {
       std::lock_guard<std::mutex> lk(mu);
       Slot& sl = slots[static_cast<size_t>(s)];
@@ -417,6 +460,24 @@ struct Producer::Impl {
         checksum = it != sl.checksum.end() ? it->second : 0;
       }
       mine = plan.writes_of(c, g);
+      // Delta: c's class has a patch in the slot. Write it (one write, into c's segment of
+      // the receive slot) where c holds its base, else the dense bytes from the kept copy.
+      if (auto pb = sl.patch_bytes.find(cls(c)); sl.patch_base && pb != sl.patch_bytes.end()) {
+        auto rf = ready.find({v, g, c});
+        const PlanGroup& pg = routes.consumer(static_cast<size_t>(c)).groups[static_cast<size_t>(g)];
+        const Read* read = nullptr;
+        int reads = 0;
+        for (const Read& r : pg.reads)
+          if (r.producer == static_cast<uint32_t>(rank) && ++reads) read = &r;
+        if (rf != ready.end() && rf->second.base == sl.patch_base && reads == 1 && pb->second <= read->length) {
+          mine = {PushWrite{-1, read->offset, -1, read->recv_offset, pb->second}};
+          patch_base = sl.patch_base;
+          patch_bytes = pb->second;
+          dense_offset = sl.dense_offset;
+        } else {
+          from_offset = sl.dense_offset;
+        }
+      }
     }
     // Exactly one end (push_done) per push. The first error takes c out of the sync (and
     // fails it, if our own transport failed), before the writes already posted complete.
@@ -426,11 +487,12 @@ struct Producer::Impl {
       if (version == v) drop_locked(c, "push failed: " + st.to_string(), nullptr);
     };
     const PeerId id = to.peer;
-    auto end = [this, s, c, g, v, id, rslot, checksum, hash, failed, t_push](const Status& st) {
+    auto end = [this, s, c, g, v, id, rslot, checksum, hash, failed, t_push, patch_base, patch_bytes,
+                dense_offset](const Status& st) {
       if (st.ok()) {
         trace.record(TracePhase::kPushWrite, g, c, t_push, Clock::now());
         // routes: the ones the bytes were laid out by, whatever this producer runs now.
-        const Pushed m{static_cast<uint32_t>(rank), v, g, hash, rslot, checksum};
+        const Pushed m{static_cast<uint32_t>(rank), v, g, hash, rslot, checksum, patch_base, patch_bytes, dense_offset};
         auto sent = transport.send(id, kEngineTag, encode_message(m));
         if (!sent.ok()) {
           failed(sent.status());
@@ -439,7 +501,7 @@ struct Producer::Impl {
           {
             std::lock_guard<std::mutex> lk(mu);
             const Slot& sl = slots[static_cast<size_t>(s)];
-            if (version == v && sl.group == g && sl.hash == hash) release_locked(s, c);
+            if (version == v && sl.group == g && sl.hash == hash) release_locked(s, c, patch_base ? 1 : 0);
             todo = open_waves_locked();
           }
           serve(todo);
@@ -448,7 +510,7 @@ struct Producer::Impl {
       push_done(c);
     };
     if (opts.test_hooks && opts.test_hooks->before_push) opts.test_hooks->before_push(v, g, c);
-    post_push_writes(transport, *staging, staging->slot_offset(static_cast<size_t>(s)), mine, to, failed, end);
+    post_push_writes(transport, *staging, from_offset, mine, to, failed, end);
   }
 
   // Consumer c's sync of v is over (DONE or ABORT): its READYs of v are history, not
@@ -495,7 +557,7 @@ struct Producer::Impl {
       if (const auto* m = std::get_if<Release>(&msg)) {
         if (!current) return;
         const int s = slot_of_locked(m->group, m->routes);
-        if (s >= 0) release_locked(s, c);
+        if (s >= 0) release_locked(s, c, m->took_patch);
       } else if (const auto* m = std::get_if<Failover>(&msg)) {
         if (opts.mode == SyncMode::kPush) {
           // Reply FLUSHED once no write of ours to c is in flight: c reuses its receive
@@ -592,7 +654,7 @@ struct Producer::Impl {
           if (current) drop_locked(c, why, nullptr);
           mismatch_drop = Dropped{static_cast<uint32_t>(rank), m->version, routes_hash, why};
         } else {
-          ready[{m->version, m->group, c}] = ReadyFrom{from, m->recv_slot, m->routes, m->landing};
+          ready[{m->version, m->group, c}] = ReadyFrom{from, m->recv_slot, m->routes, m->landing, m->base};
           if (current && known) {
             push_slot = slot_of_locked(m->group, m->routes);
             // Paced: served when its wave opens (open_waves_locked), not before.
@@ -653,7 +715,67 @@ struct Producer::Impl {
     routes = std::move(r);
     routes_hash = routes.hash();
     schedule = std::move(sched);
+    if (opts.delta) {  // the kept copy is laid out by the routes: nothing in it is a base under new ones
+      kept_at = kept_layout(routes.producers[static_cast<size_t>(rank)]);
+      kept_fits = kept_at.back() <= staging->kept_bytes();
+      kept_version.assign(static_cast<size_t>(routes.num_groups()), std::nullopt);
+      kept_hash = routes_hash;
+    }
     return Status::Ok();
+  }
+
+  // Delta syncs: what delta_pack put in a slot (Slot::patch_base, patch_bytes, dense_offset).
+  struct DeltaPack {
+    std::optional<uint64_t> base;
+    std::map<uint32_t, uint64_t> patch_bytes;
+    uint64_t dense_offset = 0;
+  };
+  // Delta: group g of version v is packed (dense) in slot s. Per plan class segment: a
+  // patch against the kept copy's version of it where one is kept (under these routes,
+  // of another version, not a full sync) and smaller than the dense bytes; the kept copy
+  // then takes the dense bytes (and the version v), and the slot the patch. Sync thread.
+  DeltaPack delta_pack(int g, size_t s, uint64_t v, const ProducerGroup& grp, uint64_t hash) {
+    DeltaPack out;
+    if (!kept_fits || kept_hash != hash || grp.staging_bytes == 0) return out;
+    const size_t gi = static_cast<size_t>(g);
+    std::byte* slot = staging->slot(s).data();
+    std::byte* keep = staging->kept().data() + kept_at[gi];
+    const std::optional<uint64_t> had = kept_version[gi];
+    const bool patch = had && *had != v && !full_sync;
+    uint64_t elements = 0, changed = 0;
+    for (const Segment& seg : grp.segments) {
+      if (seg.bytes == 0) continue;
+      if (patch) {
+        // Elements of the segment's narrowest dtype (every piece's bytes are a multiple).
+        size_t es = 4;
+        for (const PackOp& op : grp.packs)
+          if (op.offset >= seg.offset && op.offset < seg.offset + seg.bytes) es = std::min(es, dtype_size(op.dtype));
+        if (seg.bytes % es != 0) es = 1;
+        patch_scratch.resize(std::max<size_t>(patch_scratch.size(), delta::max_patch_bytes(seg.bytes)));
+        auto info = delta::encode_patch_into({keep + seg.offset, seg.bytes}, {slot + seg.offset, seg.bytes}, es,
+                                             patch_scratch);
+        if (info.ok()) {
+          elements += seg.bytes / es;
+          changed += info->changed;
+          if (info->bytes < seg.bytes) {
+            std::memcpy(keep + seg.offset, slot + seg.offset, seg.bytes);
+            std::memcpy(slot + seg.offset, patch_scratch.data(), info->bytes);
+            out.patch_bytes[seg.plan] = info->bytes;
+            continue;
+          }
+        }
+      }
+      std::memcpy(keep + seg.offset, slot + seg.offset, seg.bytes);
+    }
+    kept_version[gi] = v;
+    if (!out.patch_bytes.empty()) {
+      out.base = had;
+      out.dense_offset = staging->kept_offset() + kept_at[gi];
+    }
+    std::lock_guard<std::mutex> lk(mu);
+    report.delta_elements += elements;
+    report.delta_changed += changed;
+    return out;
   }
 
   // This producer's extra memory (MemoryUse) for the routes now installed; cached per
@@ -673,8 +795,10 @@ struct Producer::Impl {
   MemoryUse routes_memory_use() {
     if (memory_hash != routes_hash || !memory_known) {
       MemoryUse m;
-      m.staging_ring = staging->host_bytes();
-      for (const MemoryRegion& r : opts.source_regions) m.registered_in_place += r.length;
+      m.kept_copy = staging->kept_bytes();
+      m.staging_ring = staging->host_bytes() - m.kept_copy;
+      if (!opts.delta)  // (delta serves nothing in place)
+        for (const MemoryRegion& r : opts.source_regions) m.registered_in_place += r.length;
       const RouteInputs& in = route_state.inputs();
       m.metadata = metadata_heap_bytes(routes, in.metadata, in.holdings, in.plans) + schedule_heap_bytes(schedule) +
                    staging->in_place().boxes.capacity() * sizeof(InPlaceTable::At);
@@ -950,9 +1074,15 @@ struct Producer::Impl {
       auto packed = staging->pack(schedule, g, s, *boxes);
       if (!packed.ok()) return packed.status();
       std::map<uint32_t, uint64_t> sums = std::move(*packed);
+      DeltaPack dp;
+      if (opts.delta) dp = delta_pack(g, s, v, grp, hash);
       if (opts.test_hooks && opts.test_hooks->corrupt_group == g && opts.test_hooks->corrupt_version == v &&
           !grp.segments.empty() && grp.segments[0].bytes) {
-        staging->slot(s)[grp.segments[0].offset] ^= std::byte{0x40};
+        // Delta: a patched segment's last byte (a value: the patch's structure stays valid
+        // and only its content hash can tell); otherwise its first byte.
+        auto pb = dp.patch_bytes.find(grp.segments[0].plan);
+        const uint64_t at = dp.base && pb != dp.patch_bytes.end() ? pb->second - 1 : 0;
+        staging->slot(s)[grp.segments[0].offset + at] ^= std::byte{0x40};
       }
       trace.record(TracePhase::kPack, g, -1, tp, Clock::now());
       struct PushTo {
@@ -961,7 +1091,12 @@ struct Producer::Impl {
         uint8_t landing;
       };
       std::vector<PushTo> to_push;
-      std::vector<std::pair<int, PeerId>> to_announce;
+      struct AnnounceTo {
+        int consumer;
+        PeerId id;
+        Announce m;
+      };
+      std::vector<AnnounceTo> to_announce;
       std::vector<Serve> todo;  // paced: turns at earlier slots that came meanwhile
       {
         std::lock_guard<std::mutex> lk(mu);
@@ -972,6 +1107,9 @@ struct Producer::Impl {
         sl.packed = true;
         sl.since = Clock::now();
         sl.checksum = sums;
+        sl.patch_base = dp.base;
+        sl.patch_bytes = std::move(dp.patch_bytes);
+        sl.dense_offset = dp.dense_offset;
         for (int c : targets) {
           if (!live[static_cast<size_t>(c)] || (done.count(c) && done[c] == v)) continue;
           if (auto it = consumer_hash.find(c);
@@ -985,7 +1123,7 @@ struct Producer::Impl {
             sl.opened[c] = sl.since;
           }
           if (opts.mode == SyncMode::kPull) {
-            to_announce.emplace_back(c, peers[static_cast<size_t>(c)].id);
+            to_announce.push_back(AnnounceTo{c, peers[static_cast<size_t>(c)].id, announce_locked(sl, c, s)});
           } else if (auto it = ready.find({v, g, c}); it != ready.end() &&
                                                       it->second.from == peers[static_cast<size_t>(c)].id &&
                                                       it->second.hash == hash) {
@@ -995,12 +1133,10 @@ struct Producer::Impl {
         todo = open_waves_locked();
       }
       const auto ta = Clock::now();
-      for (auto [c, id] : to_announce) {
-        Announce m{static_cast<uint32_t>(rank), v, g, hash, staging->slot_offset(s), std::nullopt};
-        if (opts.checksums) m.checksum = sums[cls(c)];
-        if (Status sent = send(id, m); !sent.ok()) {
+      for (const AnnounceTo& a : to_announce) {
+        if (Status sent = send(a.id, a.m); !sent.ok()) {
           std::lock_guard<std::mutex> lk(mu);
-          drop_locked(c, "announce failed: " + sent.to_string(), nullptr);
+          drop_locked(a.consumer, "announce failed: " + sent.to_string(), nullptr);
         }
       }
       if (!to_announce.empty()) trace.record(TracePhase::kAnnounce, g, -1, ta, Clock::now());
@@ -1048,6 +1184,8 @@ struct Producer::Impl {
       }
       report = SyncReport{};
       report.version = v;
+      ++syncs_started;
+      full_sync = opts.delta_full_every > 0 && syncs_started % opts.delta_full_every == 0;
       trace.begin(t0);
       restart = false;
       local_failure = Status::Ok();
@@ -1253,8 +1391,16 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
                                                  m.route_state.inputs().holdings, options.failover);
       const uint64_t needed = producer_slot_bytes(routes, m.rank, {}, false);
       FERRY_ASSIGN_OR_RETURN(StagingSlots sr, staging_ring(m.rank, needed, worst, options.staging_budget));
-      StagingRingOptions so{m.rank, sr.slot_bytes, sr.slots, options.staging_device, options.source_regions,
-                            options.direct_min_bytes, options.checksums};
+      // Delta: nothing served in place (every byte is packed, so that it can be patched),
+      // and the kept copy after the slots.
+      StagingRingOptions so{m.rank,
+                            sr.slot_bytes,
+                            sr.slots,
+                            options.staging_device,
+                            options.delta ? std::vector<MemoryRegion>{} : options.source_regions,
+                            options.direct_min_bytes,
+                            options.checksums,
+                            options.delta ? kept_copy_bytes(routes.producers[static_cast<size_t>(m.rank)]) : 0};
       FERRY_ASSIGN_OR_RETURN(m.staging, StagingRing::create(m.ring_memory, source, m.holdings, so));
     }
     FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));

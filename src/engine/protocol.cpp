@@ -12,7 +12,7 @@ namespace ferry::engine {
 
 namespace {
 
-constexpr uint32_t kMessageMagic = 0x46455234u;  // "FER4" (FER3's READY had no landing set)
+constexpr uint32_t kMessageMagic = 0x46455235u;  // "FER5" (FER4 had no delta fields)
 constexpr std::string_view kProducerLeaseMagic = "FPL1";
 constexpr std::string_view kConsumerLeaseMagic = "FCL2";  // FCL1 had no versions
 
@@ -21,13 +21,15 @@ template <class M, class F>
 void fields(M& m, F&& f) {
   using T = std::remove_const_t<M>;
   if constexpr (std::is_same_v<T, Announce>) {
-    f(m.producer), f(m.version), f(m.routes), f(m.group), f(m.slot_offset), f(m.checksum);
+    f(m.producer), f(m.version), f(m.routes), f(m.group), f(m.slot_offset), f(m.patch_base), f(m.patch_bytes),
+        f(m.dense_offset), f(m.checksum);
   } else if constexpr (std::is_same_v<T, Release>) {
-    f(m.consumer), f(m.version), f(m.routes), f(m.group);
+    f(m.consumer), f(m.version), f(m.routes), f(m.group), f(m.took_patch);
   } else if constexpr (std::is_same_v<T, Ready>) {
-    f(m.consumer), f(m.version), f(m.routes), f(m.group), f(m.recv_slot), f(m.landing);
+    f(m.consumer), f(m.version), f(m.routes), f(m.group), f(m.recv_slot), f(m.landing), f(m.base);
   } else if constexpr (std::is_same_v<T, Pushed>) {
-    f(m.producer), f(m.version), f(m.routes), f(m.group), f(m.recv_slot), f(m.checksum);
+    f(m.producer), f(m.version), f(m.routes), f(m.group), f(m.recv_slot), f(m.patch_base), f(m.patch_bytes),
+        f(m.dense_offset), f(m.checksum);
   } else if constexpr (std::is_same_v<T, Dropped>) {
     f(m.producer), f(m.version), f(m.routes), f(m.reason);
   } else if constexpr (std::is_same_v<T, RoutesNotice> || std::is_same_v<T, Flushed>) {
@@ -103,6 +105,20 @@ Result<Message> decode_as(std::span<const std::byte> bytes, size_t header) {
   if (!r.ok) return corrupt("engine message {}: truncated or bad flag ({} bytes)", message_name(Message(m)), bytes.size());
   if (r.pos != bytes.size())
     return corrupt("engine message {} of {} bytes, expected {}", message_name(Message(m)), bytes.size(), r.pos);
+  // One encoding per value: no patch fields without a patch base, flags 0/1.
+  if constexpr (requires { m.patch_base; }) {
+    if (!m.patch_base && m.patch_bytes != 0)
+      return corrupt("engine message {}: patch bytes without a patch base", message_name(Message(m)));
+    if (m.patch_base && m.patch_bytes == 0)
+      return corrupt("engine message {}: a patch base with an empty patch", message_name(Message(m)));
+  }
+  if constexpr (requires { m.dense_offset; }) {
+    if (!m.patch_base && m.dense_offset != 0)
+      return corrupt("engine message {}: a dense offset without a patch", message_name(Message(m)));
+  }
+  if constexpr (requires { m.took_patch; }) {
+    if (m.took_patch > 2) return corrupt("engine message {}: bad value {}", message_name(Message(m)), m.took_patch);
+  }
   return Message(std::move(m));
 }
 

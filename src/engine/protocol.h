@@ -6,7 +6,10 @@
 //
 // The messages of one sync (see ferry/engine.h for the protocol they make):
 //   pull:  p -> c  Announce   group g of version v is packed at slot_offset of p's staging
-//          c -> p  Release    c has read (v, g): p may reuse the slot
+//                             (delta: c's segment there may be a patch, the dense bytes
+//                             at dense_offset)
+//          c -> p  Release    c has read (v, g) (the patch or the dense bytes): p may
+//                             reuse the slot
 //   push:  c -> p  Ready      c's receive slot `recv_slot` is free for (v, g)
 //          p -> c  Pushed     (v, g) is written into receive slot `recv_slot` and flushed
 //   both:  p -> c  Dropped    c was dropped from sync v
@@ -48,6 +51,14 @@ struct Announce {
   uint64_t routes = 0;
   uint64_t slot_offset = 0;              // byte offset of the group in the staging ring
   std::optional<uint64_t> checksum;      // checksums on: xxHash64 of c's segment
+  // Delta syncs (EngineOptions::delta): c's segment in the slot is a patch
+  // (src/delta/patch.h) of `patch_bytes` against version `patch_base` of the same bytes,
+  // and the group's dense bytes lie at `dense_offset` of the staging ring (the
+  // producer's kept copy) for a consumer that does not hold that version. Absent base:
+  // the segment is dense in the slot (patch_bytes and dense_offset 0).
+  std::optional<uint64_t> patch_base;
+  uint64_t patch_bytes = 0;
+  uint64_t dense_offset = 0;
   friend bool operator==(const Announce&, const Announce&) = default;
 };
 struct Release {
@@ -55,6 +66,9 @@ struct Release {
   uint64_t version = 0;
   int32_t group = 0;
   uint64_t routes = 0;
+  // What c read of its segment: 0 the dense bytes, 1 the announced patch, 2 the patch and
+  // then the dense bytes (the patch failed its check: repaired).
+  uint8_t took_patch = 0;
   friend bool operator==(const Release&, const Release&) = default;
 };
 struct Ready {
@@ -67,6 +81,9 @@ struct Ready {
   // (ParamTable::keys: 0, ParamTable::other_keys: 1): the shadow of a consumer that
   // commits by a flip alternates between them. 0 for every other consumer.
   uint8_t landing = 0;
+  // Delta syncs: the version c's live params hold, intact, for this group, and that it
+  // takes a patch against (absent: write it the dense bytes).
+  std::optional<uint64_t> base;
   friend bool operator==(const Ready&, const Ready&) = default;
 };
 struct Pushed {
@@ -76,6 +93,13 @@ struct Pushed {
   uint64_t routes = 0;
   uint32_t recv_slot = 0;
   std::optional<uint64_t> checksum;
+  // Delta syncs: what was written into the receive slot at c's segment is a patch of
+  // `patch_bytes` against version `patch_base`, the group's dense bytes at `dense_offset`
+  // of p's staging ring (c reads them there if the patch fails its check). Absent base:
+  // the dense bytes were written (patch_bytes and dense_offset 0).
+  std::optional<uint64_t> patch_base;
+  uint64_t patch_bytes = 0;
+  uint64_t dense_offset = 0;
   friend bool operator==(const Pushed&, const Pushed&) = default;
 };
 struct Dropped {

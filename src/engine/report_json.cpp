@@ -25,7 +25,8 @@ nlohmann::json memory_use_json(const MemoryUse& m) {
           {"extra", m.extra()},
           {"registered_in_place", m.registered_in_place},
           {"own_params", m.own_params},
-          {"shadow", m.shadow}};
+          {"shadow", m.shadow},
+          {"kept_copy", m.kept_copy}};
 }
 
 nlohmann::json sync_report_json(const SyncReport& r) {
@@ -41,6 +42,11 @@ nlohmann::json sync_report_json(const SyncReport& r) {
                       {"bytes_received", r.bytes_received},
                       {"received_into_params", r.received_into_params},
                       {"received_via_cuda_ipc", r.received_via_cuda_ipc},
+                      {"patch_bytes", r.patch_bytes},
+                      {"patched_dense_bytes", r.patched_dense_bytes},
+                      {"delta_elements", r.delta_elements},
+                      {"delta_changed", r.delta_changed},
+                      {"patches_repaired", r.patches_repaired},
                       {"seconds", r.seconds},
                       {"materialize_seconds", r.materialize_seconds},
                       {"pack_seconds", r.pack_seconds},

@@ -392,4 +392,16 @@ ConsumerSchedule make_consumer_schedule(const ConsumerScheduleInputs& in) {
   return out;
 }
 
+std::vector<uint64_t> kept_layout(const ProducerRoute& route) {
+  std::vector<uint64_t> at;
+  at.reserve(route.groups.size() + 1);
+  uint64_t next = 0;
+  for (const ProducerGroup& g : route.groups) {
+    at.push_back(next);
+    next += (g.staging_bytes + 63) / 64 * 64;
+  }
+  at.push_back(next);
+  return at;
+}
+
 }  // namespace ferry::engine

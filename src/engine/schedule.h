@@ -42,6 +42,12 @@ std::vector<std::vector<uint64_t>> shared_held_bytes(const std::vector<TensorDec
 // The same slot from that producer's row of shared_held_bytes (empty without failover).
 uint64_t producer_slot_bytes(const Routes& routes, int rank, const std::vector<uint64_t>& shared, bool failover);
 
+// Delta syncs (EngineOptions::delta): where each layer group of a producer's route lies
+// in its kept copy (64-byte aligned, in group order), and the copy's bytes (the last
+// entry: one past every group).
+std::vector<uint64_t> kept_layout(const ProducerRoute& route);
+inline uint64_t kept_copy_bytes(const ProducerRoute& route) { return kept_layout(route).back(); }
+
 // ---------------------------------------------------------------------------------------
 // Checksums (EngineOptions::checksums): xxHash64 over the bytes of one producer's
 // segment for one plan class, in staging order, wherever each piece lies.

@@ -26,7 +26,8 @@ StagingRing::StagingRing(const Holdings& holdings, const StagingRingOptions& o)
       staging_device_(o.staging_device),
       source_regions_(o.source_regions),
       direct_min_bytes_(o.direct_min_bytes),
-      checksums_(o.checksums) {}
+      checksums_(o.checksums),
+      kept_bytes_(o.kept_bytes) {}
 
 Result<std::unique_ptr<StagingRing>> StagingRing::create(RingMemory& memory, WeightSource& source,
                                                          const Holdings& holdings, const StagingRingOptions& o) {
@@ -34,19 +35,20 @@ Result<std::unique_ptr<StagingRing>> StagingRing::create(RingMemory& memory, Wei
     return invalid_argument("producer {}: a staging ring of {} slots of {} bytes", o.rank, o.slots, o.slot_bytes);
   std::unique_ptr<StagingRing> ring(new StagingRing(holdings, o));
   if (!o.source_regions.empty()) FERRY_RETURN_IF_ERROR(ring->locate_in_place(memory, source));
-  FERRY_RETURN_IF_ERROR(ring->host_.allocate(memory, o.slot_bytes * static_cast<uint64_t>(o.slots)));
+  const uint64_t ring_bytes = o.slot_bytes * static_cast<uint64_t>(o.slots);
+  FERRY_RETURN_IF_ERROR(ring->host_.allocate(memory, ring_bytes + o.kept_bytes));
   FERRY_ASSIGN_OR_RETURN(ring->host_key_, memory.export_key(ring->host_.region));
   if (o.staging_device.is_cuda()) {
     // The same layout as the host ring, exported with CUDA IPC for consumers on this
     // host with GPU params (ConsumerOptions::cuda_ipc).
-    auto dev = device_alloc(o.staging_device, ring->host_.bytes);
+    auto dev = device_alloc(o.staging_device, ring_bytes);  // the slots (the kept copy stays on the host)
     if (!dev.ok()) return dev.status().with_context(fmt::format("producer {}: GPU staging ring", o.rank));
     ring->device_ = *dev;
     auto handle = cuda_ipc_export(o.staging_device, ring->device_.get());
     if (!handle.ok()) return handle.status().with_context(fmt::format("producer {}: GPU staging ring", o.rank));
     ring->cuda_ipc_ = encode_cuda_ipc(CudaIpcExport{host_identity(), static_cast<uint64_t>(getpid()), process_token(),
                                                     o.staging_device.index,
-                                                    reinterpret_cast<uint64_t>(ring->device_.get()), ring->host_.bytes,
+                                                    reinterpret_cast<uint64_t>(ring->device_.get()), ring_bytes,
                                                     *handle});
   }
   return ring;

@@ -42,6 +42,10 @@ struct StagingRingOptions {
   std::vector<MemoryRegion> source_regions;
   uint64_t direct_min_bytes = 0;
   bool checksums = true;      // EngineOptions::checksums: pack() returns them
+  // Delta syncs (EngineOptions::delta): bytes after the slots in the same registered
+  // host region for the producer's kept copy of what it packed last (peers read a
+  // group's dense bytes there when they lack a patch's base). 0: none.
+  uint64_t kept_bytes = 0;
 };
 
 class StagingRing final {
@@ -85,6 +89,11 @@ class StagingRing final {
   // Host bytes of slot `s` (slot_bytes of them).
   std::span<std::byte> slot(size_t s) { return {host_.data + slot_offset(s), slot_bytes_}; }
   std::span<const std::byte> slot(size_t s) const { return {host_.data + slot_offset(s), slot_bytes_}; }
+  // The kept copy (StagingRingOptions::kept_bytes) after the slots, in the same region:
+  // its offset there (what an Announce's dense_offset adds a group's place to) and bytes.
+  uint64_t kept_offset() const { return static_cast<uint64_t>(slots_) * slot_bytes_; }
+  std::span<std::byte> kept() { return {host_.data + kept_offset(), kept_bytes_}; }
+  uint64_t kept_bytes() const { return kept_bytes_; }
   // The registered host ring, its size as allocated, and its exported key.
   const MemoryRegion& host_region() const { return host_.region; }
   uint64_t host_bytes() const { return host_.bytes; }
@@ -112,6 +121,7 @@ class StagingRing final {
   const std::vector<MemoryRegion> source_regions_;
   const uint64_t direct_min_bytes_;
   const bool checksums_;
+  const uint64_t kept_bytes_;
   RegisteredBuffer host_;
   std::string host_key_;
   std::shared_ptr<std::byte> device_;  // the GPU ring (host_.bytes), or null

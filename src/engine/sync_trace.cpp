@@ -30,6 +30,7 @@ std::string_view trace_lane_name(TraceLane lane) {
     case TraceLane::kTransport: return "transport";
     case TraceLane::kInPlace: return "in_place";
     case TraceLane::kCudaIpc: return "cuda_ipc";
+    case TraceLane::kPatch: return "patch";
   }
   return "?";
 }
@@ -83,10 +84,12 @@ std::vector<TraceEvent> SyncTrace::take() {
 }
 
 void record_receives(SyncTrace& trace, int g, const ConsumerGroupSchedule& gs, bool ipc, Clock::time_point t0,
-                     Clock::time_point t1) {
+                     Clock::time_point t1, const std::map<int, uint64_t>& patched, const std::set<int>& repaired) {
   // (producer, lane, into params) -> bytes, in that order.
   std::map<std::tuple<int, TraceLane, bool>, uint64_t> parts;
+  for (const auto& [p, bytes] : patched) parts[{p, TraceLane::kPatch, false}] = bytes;
   for (const SubRead& sr : gs.reads) {
+    if (patched.count(static_cast<int>(sr.producer)) && !repaired.count(static_cast<int>(sr.producer))) continue;
     const TraceLane lane = ipc ? TraceLane::kCudaIpc : sr.region >= 0 ? TraceLane::kInPlace : TraceLane::kTransport;
     parts[{static_cast<int>(sr.producer), lane, sr.param != nullptr}] += sr.length;
   }
@@ -98,6 +101,7 @@ void record_receives(SyncTrace& trace, int g, const ConsumerGroupSchedule& gs, b
 
 void derive_report_sums(SyncReport& r) {
   r.bytes_sent = r.sent_in_place = r.bytes_received = r.received_into_params = r.received_via_cuda_ipc = 0;
+  r.patch_bytes = 0;
   r.bytes_per_peer.clear();
   r.materialize_seconds = r.pack_seconds = r.wait_seconds = r.read_seconds = r.unpack_seconds = r.post_seconds = 0;
   int64_t ns[static_cast<size_t>(TracePhase::kPost) + 1] = {};
@@ -105,6 +109,7 @@ void derive_report_sums(SyncReport& r) {
     ns[static_cast<size_t>(e.phase)] += e.t1_ns - e.t0_ns;
     if (!e.is_transfer() || !e.counted) continue;
     r.bytes_per_peer[e.peer] += e.bytes;
+    if (e.lane == TraceLane::kPatch) r.patch_bytes += e.bytes;
     if (e.phase == TracePhase::kSend) {
       r.bytes_sent += e.bytes;
       if (e.lane == TraceLane::kInPlace) r.sent_in_place += e.bytes;

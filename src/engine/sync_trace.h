@@ -10,7 +10,9 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <mutex>
+#include <set>
 #include <vector>
 
 #include "engine/clock.h"
@@ -45,8 +47,12 @@ class SyncTrace {
 
 // Consumer: the transfers of group g (one kReceive per producer, lane and destination:
 // the ring or params), split from its schedule's reads; all of it via CUDA IPC when `ipc`.
+// `patched`: producers whose segment came as a patch (delta), with its bytes: one
+// kPatch receive each instead, and its dense bytes too for those in `repaired` (read
+// after a patch failed its check).
 void record_receives(SyncTrace& trace, int g, const ConsumerGroupSchedule& gs, bool ipc, Clock::time_point t0,
-                     Clock::time_point t1);
+                     Clock::time_point t1, const std::map<int, uint64_t>& patched = {},
+                     const std::set<int>& repaired = {});
 
 // Sets r's byte counts (bytes_sent, sent_in_place, bytes_received, received_into_params,
 // received_via_cuda_ipc, bytes_per_peer) from its counted transfers and its phase seconds

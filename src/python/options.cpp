@@ -49,6 +49,9 @@ constexpr OptionField kOptionFields[] = {
     {"EngineOptions", "failover", "failover", "keyword", "Producer Consumer"},
     {"EngineOptions", "group_order", "group_order", "keyword", "Producer Consumer"},
     {"EngineOptions", "convert_on", "convert_on", "keyword", "Producer Consumer"},
+    {"EngineOptions", "delta", "delta", "keyword", "Producer Consumer"},
+    // Full syncs are the producer's choice: a consumer never reads it.
+    {"EngineOptions", "delta_full_every", "delta_full_every", "keyword", "Producer"},
     {"EngineOptions", "test_hooks", "", "internal", ""},
     {"ProducerOptions", "source_regions", "in_place", "in_place", "Producer"},
     {"ProducerOptions", "direct_min_bytes", "direct_min_bytes", "keyword", "Producer"},
@@ -103,6 +106,17 @@ uint64_t byte_count(const py::dict& kw, const char* name) {
     refuse(name, "a byte count, an integer in [0, 2**64 - 1]", kw[name]);
   }
   return value;
+}
+
+// An integer in [0, 2**32 - 1].
+uint32_t count32(const py::dict& kw, const char* name) {
+  py::int_ n = integer(kw, name, "an integer in [0, 2**32 - 1]");
+  const unsigned long long value = PyLong_AsUnsignedLongLong(n.ptr());
+  if (PyErr_Occurred() != nullptr || value > 0xffffffffull) {
+    PyErr_Clear();
+    refuse(name, "an integer in [0, 2**32 - 1]", kw[name]);
+  }
+  return static_cast<uint32_t>(value);
 }
 
 // True or False (numpy's bools and the integers 0 and 1 too; not a string: "false" is
@@ -185,6 +199,8 @@ void fill_engine(EngineOptions& o, const py::dict& kw) {
     if (!c) throw_status(invalid_argument("convert_on: '{}' is not \"producer\" or \"consumer\"", where));
     o.convert_on = *c;
   }
+  if (kw.contains("delta")) o.delta = flag(kw, "delta");
+  if (kw.contains("delta_full_every")) o.delta_full_every = count32(kw, "delta_full_every");
 }
 
 double secs(std::chrono::milliseconds d) { return static_cast<double>(d.count()) / 1000; }
@@ -205,6 +221,8 @@ void engine_dict(py::dict& d, const EngineOptions& o) {
   d["failover"] = o.failover;
   d["group_order"] = std::string(group_order_kind_name(o.group_order));
   d["convert_on"] = std::string(convert_on_name(o.convert_on));
+  d["delta"] = o.delta;
+  d["delta_full_every"] = o.delta_full_every;
   d["test_hooks"] = o.test_hooks != nullptr;
 }
 

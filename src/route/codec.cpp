@@ -595,4 +595,43 @@ Status unpack_group(const PlanRoute& plan, int group, std::span<const std::byte>
   return Status::Ok();
 }
 
+Status gather_group(const PlanRoute& plan, int group, uint64_t lo, uint64_t hi, const TensorMap& params,
+                    std::span<std::byte> recv) {
+  if (group < 0 || static_cast<size_t>(group) >= plan.groups.size()) {
+    return out_of_range("gather: group {} of {}", group, plan.groups.size());
+  }
+  const PlanGroup& cg = plan.groups[static_cast<size_t>(group)];
+  if (lo > hi || hi > cg.recv_bytes || recv.size() < cg.recv_bytes) {
+    return out_of_range("gather: bytes [{}, {}) of group {} ({} received bytes, a buffer of {})", lo, hi, group,
+                        cg.recv_bytes, recv.size());
+  }
+  for (const UnpackOp& op : cg.unpacks) {
+    if (op.param >= plan.params.size()) return out_of_range("gather: param {} of {}", op.param, plan.params.size());
+    const TensorDecl& d = plan.params[op.param];
+    int64_t n, first, last;
+    if (!layout_range(op.dst, n, first, last) || (n > 0 && (first < 0 || last >= shape_numel(d.shape)))) {
+      return out_of_range("gather: layout {} outside param '{}' {}", op.dst.to_string(), d.name, shape_str(d.shape));
+    }
+    if (!bytes_within(op.offset, n, dtype_size(op.src_dtype), recv.size())) {
+      return out_of_range("gather: param '{}' lies past the receive buffer", d.name);
+    }
+    const uint64_t end = op.offset + static_cast<uint64_t>(n) * dtype_size(op.src_dtype);
+    if (end <= lo || op.offset >= hi) continue;  // another producer's bytes
+    if (op.offset < lo || end > hi) {
+      return invalid_argument("gather: param '{}' bytes [{}, {}) straddle [{}, {})", d.name, op.offset, end, lo, hi);
+    }
+    auto it = params.find(d.name);
+    if (it == params.end()) return not_found("gather: param '{}' is missing", d.name);
+    const Tensor& t = it->second;
+    if (!t.is_real() || !t.is_contiguous() || t.shape() != d.shape || t.dtype() != d.dtype) {
+      return invalid_argument("gather: param '{}' is {}, the plan declares a contiguous {} {}", d.name, t.describe(),
+                              dtype_name(d.dtype), shape_str(d.shape));
+    }
+    if (!t.device().is_host()) return invalid_argument("gather: param '{}' is on {}: host params only", d.name, device_str(t.device()));
+    FERRY_ASSIGN_OR_RETURN(std::byte * b, t.device_ptr());
+    strided_copy(b, op.dst, d.dtype, recv.data() + op.offset, Layout::contiguous(op.dst.shape), op.src_dtype);
+  }
+  return Status::Ok();
+}
+
 }  // namespace ferry

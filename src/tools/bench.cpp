@@ -186,6 +186,7 @@ BenchResult run_bench(const BenchSpec& b) {
   if (!policy.ok()) return fail(policy.status().to_string());
   const auto convert_on = parse_convert_on(b.convert_on);
   if (!convert_on) return fail(fmt::format("--convert-on: '{}' is not producer or consumer", b.convert_on));
+  if (auto ch = parse_synthetic_changes(b.changed_fraction, b.changes); !ch.ok()) return fail(ch.status().to_string());
   auto estimate = estimate_bench_memory(m, *policy, *convert_on);
   if (!estimate.ok()) return fail(estimate.status().to_string());
   {
@@ -266,8 +267,10 @@ BenchResult run_bench(const BenchSpec& b) {
                                      "--model", config_path, "--trainer", b.trainer, "--inference", b.inference,
                                      "--store", (*server)->url(), "--job", job, "--tls", b.tls, "--mode", b.mode, "--group-order", b.group_order, "--convert-on", b.convert_on, "--seed",
                                      std::to_string(b.seed), "--timeout-ms", std::to_string(b.timeout_ms),
-                                     "--in-place", b.in_place ? "1" : "0", "--commit", b.commit};
+                                     "--in-place", b.in_place ? "1" : "0", "--commit", b.commit,
+                                     "--changed-fraction", fmt::format("{}", b.changed_fraction), "--changes", b.changes};
     if (b.caller_params && !prod) args.push_back("--caller-params");
+    if (b.delta) args.push_back("--delta");
     if (!b.trace.empty()) args.insert(args.end(), {"--trace", fmt::format("{}/{}{}.trace.json", dir, role, rank)});
     auto p = spawn_proc(std::move(args), fmt::format("{} {}", role, rank), fmt::format("{}/{}{}.log", dir, role, rank));
     if (!p.ok()) return kill_all(), fail(p.status().to_string());
@@ -295,7 +298,8 @@ BenchResult run_bench(const BenchSpec& b) {
   }
   margs.insert(margs.end(), {"-x", "FERRY_TOKEN", "-x", "UCX_TLS=" + b.tls, b.mpi_binary, "--model", config_path,
                              "--trainer", b.trainer, "--inference", b.inference, "--seed", std::to_string(b.seed),
-                             "--store", (*server)->url(), "--job", job});
+                             "--store", (*server)->url(), "--job", job, "--changed-fraction",
+                             fmt::format("{}", b.changed_fraction), "--changes", b.changes});
   std::string mpi_cmd;
   for (const auto& a : margs) mpi_cmd += (mpi_cmd.empty() ? "" : " ") + a;
   {
@@ -490,7 +494,9 @@ BenchResult run_bench(const BenchSpec& b) {
   if (verified != C) return fail(fmt::format("verification failed: {}", mismatch));
   if (!bcast_verified)
     return fail(fmt::format("broadcast baseline: inference ranks did not verify: {}", mv.is_object() ? mv.dump() : ""));
-  if (bytes_moved != raw_bytes || bytes_moved != memcpy_bytes)
+  // Dense steps move the same bytes; a delta sync moves at most those (plus a header per
+  // segment where a patch would not pay: dense is sent instead).
+  if ((!b.delta && bytes_moved != raw_bytes) || bytes_moved > raw_bytes || raw_bytes != memcpy_bytes)
     return fail(fmt::format("byte counts disagree: sync {}, raw {}, memcpy {}", bytes_moved, raw_bytes, memcpy_bytes));
   const double bcast = median(bcast_s);
 
@@ -508,6 +514,30 @@ BenchResult run_bench(const BenchSpec& b) {
   j["in_place"] = b.in_place;
   j["commit"] = b.commit;
   j["caller_params"] = b.caller_params;
+  if (b.delta) {  // what crossed against the dense bytes of the same trials (the raw step's)
+    uint64_t patch = 0, patched_dense = 0, elements = 0, changed = 0, repaired = 0;
+    for (size_t i = 0; i < ranks.size() && i < last_sync.size(); ++i) {
+      const auto& r = last_sync[i];
+      if (ranks[i].first == "producer") {
+        patch += r.value("patch_bytes", uint64_t{0});
+        patched_dense += r.value("patched_dense_bytes", uint64_t{0});
+        elements += r.value("delta_elements", uint64_t{0});
+        changed += r.value("delta_changed", uint64_t{0});
+      } else {
+        repaired += r.value("patches_repaired", uint64_t{0});
+      }
+    }
+    j["delta"] = {{"changed_fraction", b.changed_fraction},
+                  {"changes", b.changes},
+                  {"bytes_moved", bytes_moved},
+                  {"dense_bytes", raw_bytes},
+                  {"wire_ratio", raw_bytes ? static_cast<double>(bytes_moved) / static_cast<double>(raw_bytes) : 0.0},
+                  {"patch_bytes", patch},
+                  {"patched_dense_bytes", patched_dense},
+                  {"changed_fraction_seen", elements ? static_cast<double>(changed) / static_cast<double>(elements) : 0.0},
+                  {"patches_repaired", repaired},
+                  {"sync_vs_dense_raw", rawm > 0 ? sync / rawm : 0.0}};
+  }
   {  // the commit's pause (shadow), median over the timed trials, against the sync
     std::vector<double> cs;
     for (const auto& t : trials)

@@ -35,6 +35,12 @@ struct BenchSpec {
   std::string mode = "pull";    // engine mode; push: the raw baseline writes instead of reads
   std::string group_order = "layer";  // EngineOptions::group_order of every rank
   std::string convert_on = "producer";  // EngineOptions::convert_on of every rank
+  // Delta syncs (EngineOptions::delta) on every rank, and what the trainer's synthetic
+  // weights change between the alternating data versions of the trials
+  // (SyntheticChanges: a fraction of elements "scattered" or of whole tensors "clustered").
+  bool delta = false;
+  double changed_fraction = 1.0;
+  std::string changes = "scattered";
   int syncs = 5;                // timed trials (after one warm-up)
   uint64_t seed = 1;
   std::string mpirun = "mpirun";
@@ -81,6 +87,9 @@ struct BenchWorkerSpec {
   std::string mode = "pull";
   std::string group_order = "layer";
   std::string convert_on = "producer";
+  bool delta = false;               // BenchSpec::delta
+  double changed_fraction = 1.0;    // BenchSpec::changed_fraction
+  std::string changes = "scattered";
   uint64_t seed = 1;
   int timeout_ms = 60000;
   bool in_place = true;

@@ -66,8 +66,10 @@ uint64_t data_version(uint64_t v) { return 1 + v % 2; }
 // one group of the synthetic generator while it writes a version.
 class PreparedSource final : public WeightSource {
  public:
-  static Result<std::unique_ptr<PreparedSource>> create(const JobModel& m, int rank, uint64_t seed, Transport* in_place) {
+  static Result<std::unique_ptr<PreparedSource>> create(const JobModel& m, int rank, uint64_t seed, Transport* in_place,
+                                                        const SyntheticChanges& changes) {
     auto s = std::unique_ptr<PreparedSource>(new PreparedSource(m, rank, seed));
+    s->generator_.set_changes(changes);
     const Holdings& h = (*m.holdings)[static_cast<size_t>(rank)];
     const Groups groups(m.metadata);
     s->live_.resize(static_cast<size_t>(groups.size()));
@@ -167,6 +169,9 @@ int run_bench_worker(const BenchWorkerSpec& s) {
   auto convert = parse_convert_on(s.convert_on);
   if (!convert) return bench_worker_fail(s, invalid_argument("convert_on: '{}' is not producer or consumer", s.convert_on));
   eo.convert_on = *convert;
+  eo.delta = s.delta;
+  auto changes = parse_synthetic_changes(s.changed_fraction, s.changes);
+  if (!changes.ok()) return bench_worker_fail(s, changes.status());
   eo.timeout = eo.stall_timeout = std::chrono::milliseconds(s.timeout_ms);
   eo.rendezvous_timeout = std::chrono::milliseconds(s.timeout_ms);
   const int P = eo.num_producers;
@@ -187,7 +192,7 @@ int run_bench_worker(const BenchWorkerSpec& s) {
   std::vector<PeerId> raw_peer(static_cast<size_t>(peers));
   std::vector<std::byte> memcpy_src;
   if (is_producer) {
-    auto src = PreparedSource::create(*model, s.rank, s.seed, s.in_place ? &tr : nullptr);
+    auto src = PreparedSource::create(*model, s.rank, s.seed, s.in_place ? &tr : nullptr, *changes);
     if (!src.ok()) return bench_worker_fail(s, src.status());
     source = std::move(*src);
     ProducerOptions po;
@@ -472,7 +477,7 @@ int run_bench_worker(const BenchWorkerSpec& s) {
       out["end_ns"] = mono_ns();
       out["bytes"] = bytes;
     } else if (kind == "verify" && consumer) {
-      auto ver = verify_params(*model, s.rank, consumer->params(), s.seed, data_version(v));
+      auto ver = verify_params(*model, s.rank, consumer->params(), s.seed, data_version(v), *changes);
       out["verified"] = ver.ok() && !ver->has_value();
       if (!ver.ok()) out["mismatch"] = ver.status().to_string();
       else if (ver->has_value()) out["mismatch"] = **ver;

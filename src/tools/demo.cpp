@@ -91,6 +91,8 @@ Result<Child> spawn_worker(const DemoSpec& d, const std::string& tls, const std:
              "--timeout-ms", std::to_string(d.rank_timeout_ms)});
   if (!pause_at.empty()) ps.argv.insert(ps.argv.end(), {"--pause-at", pause_at});
   if (d.checksums) ps.argv.push_back("--checksums");
+  if (d.delta) ps.argv.push_back("--delta");
+  ps.argv.insert(ps.argv.end(), {"--changed-fraction", fmt::format("{}", d.changed_fraction), "--changes", d.changes});
   if (d.caller_params && role == "consumer") ps.argv.push_back("--caller-params");
   if (role == "producer" && rank == d.corrupt_rank && d.corrupt_sync >= std::max(first_version, 1)) {
     ps.argv.insert(ps.argv.end(), {"--corrupt-version", std::to_string(d.corrupt_sync), "--corrupt-group",
@@ -593,6 +595,12 @@ DemoResult run_demo(const DemoSpec& d) {
           if (val > 0) ph += fmt::format(" {} {:.3f}", name, val);
         }
         notes.push_back(fmt::format("{}: {:.3f} s:{}", name, j.value("seconds", 0.0), ph));
+      }
+      if (d.delta && is_consumer && j.contains("patch_bytes")) {  // what each took as patches (docs/delta.md)
+        const uint64_t repaired = j.value("patches_repaired", uint64_t{0});
+        notes.push_back(fmt::format("{}: {} bytes received, {} of them as patches{}", k.substr(k.rfind('/') + 1),
+                                    j.value("bytes", uint64_t{0}), j.value("patch_bytes", uint64_t{0}),
+                                    repaired ? fmt::format(", {} patches repaired with dense bytes", repaired) : ""));
       }
       if (is_consumer && j.value("mixed_reads", uint64_t{0}) > 0) {
         all_ok = false;

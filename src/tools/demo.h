@@ -100,6 +100,12 @@ struct DemoSpec {
   // (docs/transport.md).
   std::string ucx_tls;
   bool checksums = false;
+  // Delta syncs (EngineOptions::delta) on every rank, and what the trainer's synthetic
+  // weights change per version (SyntheticChanges: "scattered" elements or "clustered"
+  // whole tensors).
+  bool delta = false;
+  double changed_fraction = 1.0;
+  std::string changes = "scattered";
   uint64_t staging_budget = 0;  // every producer's ProducerOptions::staging_budget (0: two slots)
   int syncs = 4;
   uint64_t seed = 1;

@@ -100,8 +100,16 @@ Result<TensorMap> zeroed_host_params(const ModelLoader& loader, int global) {
   return params;
 }
 
+Result<SyntheticChanges> parse_synthetic_changes(double fraction, std::string_view layout) {
+  if (layout != "scattered" && layout != "clustered")
+    return invalid_argument("--changes '{}': expected scattered or clustered", layout);
+  const SyntheticChanges c{fraction, layout == "clustered"};
+  FERRY_RETURN_IF_ERROR(check_synthetic_changes(c).with_context("--changed-fraction"));
+  return c;
+}
+
 Result<std::optional<std::string>> verify_params(const JobModel& m, int rank, const TensorMap& params, uint64_t seed,
-                                                 uint64_t version) {
+                                                 uint64_t version, const SyntheticChanges& changes) {
   // One checkpoint tensor at a time: every rank of a bench verifies at once, and a whole
   // synthetic checkpoint per rank is what ran a 1.6 GB bench out of memory.
   std::unordered_map<std::string_view, const TensorDecl*> held_by_name;
@@ -109,7 +117,8 @@ Result<std::optional<std::string>> verify_params(const JobModel& m, int rank, co
   FERRY_ASSIGN_OR_RETURN(auto direct, load_rank_direct(*m.loader, rank, [&](const TensorDecl& d) -> Result<Tensor> {
                            // As the trainer holds it (fp32 masters: converted as loaded).
                            auto held = held_by_name.find(d.name);
-                           return synthetic_tensor(seed, version, held == held_by_name.end() ? d : *held->second);
+                           return synthetic_tensor(seed, version, held == held_by_name.end() ? d : *held->second,
+                                                   changes);
                          }));
   FERRY_ASSIGN_OR_RETURN(auto rl, m.loader->rank(rank));
   FERRY_ASSIGN_OR_RETURN(auto mm, compare_params(rl->final_params(), direct, params));

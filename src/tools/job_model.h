@@ -55,7 +55,12 @@ Result<TensorMap> zeroed_host_params(const ModelLoader& loader, int global);
 // Compares consumer `rank`'s final params with a direct load of synthetic version
 // `version` (synthetic_tensor(seed, version, ...) of every checkpoint tensor); the first
 // mismatch as text, nullopt when every param matches bit for bit.
+// SyntheticChanges from the CLI's words: `fraction` in [0, 1] and `layout` "scattered" or
+// "clustered"; kInvalidArgument naming the bad one.
+Result<SyntheticChanges> parse_synthetic_changes(double fraction, std::string_view layout);
+
+// `changes`: what the synthetic checkpoint changes per version (SyntheticChanges).
 Result<std::optional<std::string>> verify_params(const JobModel& m, int rank, const TensorMap& params, uint64_t seed,
-                                                 uint64_t version);
+                                                 uint64_t version, const SyntheticChanges& changes = {});
 
 }  // namespace ferry::tools

@@ -94,6 +94,7 @@ Options engine_options(const RankSpec& s, const JobModel& m, SyncMode mode) {
   eo.num_consumers = m.inference.world_size();
   eo.mode = mode;
   eo.checksums = s.checksums;
+  eo.delta = s.delta;
   eo.timeout = std::chrono::milliseconds(s.timeout_ms);
   eo.stall_timeout = std::chrono::milliseconds(s.timeout_ms);
   eo.rendezvous_timeout = std::chrono::milliseconds(s.rendezvous_ms);

@@ -66,6 +66,9 @@ struct RankSpec {
   int rank = -1;           // -1: the launcher's (resolve_role_rank)
   std::string mode = "pull";
   bool checksums = false;
+  // EngineOptions::delta: serve sends patches of what changed since the version each
+  // fetch holds; fetch takes them (docs/delta.md).
+  bool delta = false;
   bool read_checkpoint = false;  // serve: read the files into owned memory instead of mapping them
   // Where the weights (serve: this rank's boxes, copied there once at start) or the
   // params (fetch) live: "cpu" or "cuda:N" (ferry/device.h's parse_device).

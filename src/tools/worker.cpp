@@ -91,6 +91,9 @@ int run_worker(const WorkerSpec& s) {
   if (!convert) return worker_fail(s, invalid_argument("convert_on: '{}' is not producer or consumer", s.convert_on));
   eo.convert_on = *convert;
   eo.checksums = s.checksums;
+  eo.delta = s.delta;
+  auto changes = parse_synthetic_changes(s.changed_fraction, s.changes);
+  if (!changes.ok()) return worker_fail(s, changes.status());
   eo.stall_timeout = std::chrono::milliseconds(s.stall_ms);
   eo.straggler_floor = std::chrono::milliseconds(s.straggler_ms);
   eo.join_window = std::chrono::milliseconds(s.join_window_ms);
@@ -154,6 +157,7 @@ int run_worker(const WorkerSpec& s) {
   int version = 0;
   if (s.role == "producer") {
     source = std::make_unique<SyntheticSource>(model->metadata, model->holdings, s.rank, s.seed);
+    source->set_changes(*changes);
     ProducerOptions po;
     static_cast<EngineOptions&>(po) = eo;
     engine::TestHooks hooks;
@@ -252,7 +256,7 @@ int run_worker(const WorkerSpec& s) {
             std::this_thread::sleep_for(std::chrono::milliseconds(1));
             continue;
           }
-          auto ver = verify_params(*model, s.rank, consumer->params(), s.seed, held.version);
+          auto ver = verify_params(*model, s.rank, consumer->params(), s.seed, held.version, *changes);
           ++reader.reads;
           if (!ver.ok() || ver->has_value()) {
             if (reader.mixed++ == 0) reader.first_mix = ver.ok() ? **ver : ver.status().to_string();
@@ -321,12 +325,12 @@ int run_worker(const WorkerSpec& s) {
       if ((!rep.ok() || discarding) && s.commit == "shadow" && consumer->state().has_version) {
         // A failed or discarded sync under shadow: the live params must still be the held
         // version.
-        auto live = verify_params(*model, s.rank, consumer->params(), s.seed, consumer->state().version);
+        auto live = verify_params(*model, s.rank, consumer->params(), s.seed, consumer->state().version, *changes);
         out["live_verified"] = live.ok() && !live->has_value();
         if (live.ok() && live->has_value()) out["live_mismatch"] = **live;
       }
       if (rep.ok() && !discarding) {
-        auto ver = verify_params(*model, s.rank, consumer->params(), s.seed, v);
+        auto ver = verify_params(*model, s.rank, consumer->params(), s.seed, v, *changes);
         if (!ver.ok()) {
           out["verified"] = false;
           out["mismatch"] = ver.status().to_string();

@@ -40,6 +40,9 @@ struct WorkerSpec {
   std::string group_order = "layer";  // EngineOptions::group_order
   std::string convert_on = "producer";  // EngineOptions::convert_on
   bool checksums = false;
+  bool delta = false;                 // EngineOptions::delta
+  double changed_fraction = 1.0;      // the synthetic weights' SyntheticChanges per version
+  std::string changes = "scattered";  // ... scattered | clustered
   uint64_t seed = 1;
   int first_version = 1;
   int last_version = 1;

@@ -210,6 +210,7 @@ struct Cluster {
   Backend backend = Backend::kInproc;
   bool shadow = false;  // consumers commit by CommitPolicy::kShadow (a failed sync never tears them)
   bool rotated = false;  // every rank under GroupOrderKind::kRotated (eo.group_order)
+  SyntheticChanges changes;  // what the producers' synthetic checkpoint changes per version
   static inline std::atomic<int> job_counter{0};
 
   explicit Cluster(EngineCase c = {Backend::kInproc, Mode::kPull})
@@ -284,6 +285,7 @@ struct Cluster {
     FERRY_ASSIGN_OR_RETURN(pst[i], store());
     if (wrap_producer_store) pst[i] = wrap_producer_store(p, std::move(pst[i]));
     src[i] = std::make_unique<SyntheticSource>(model.metadata, model.holdings, p, seed);
+    src[i]->set_changes(changes);
     ProducerOptions po;
     static_cast<EngineOptions&>(po) = eo;
     WeightSource* source = src[i].get();
@@ -365,7 +367,7 @@ struct Cluster {
   void expect_verified(int c, uint64_t v) {
     auto host = host_copies(cons[static_cast<size_t>(c)]->params());
     ASSERT_TRUE(host.ok()) << host.status().to_string();
-    auto r = tools::verify_params(model, c, *host, seed, v);
+    auto r = tools::verify_params(model, c, *host, seed, v, changes);
     ASSERT_TRUE(r.ok()) << r.status().to_string();
     EXPECT_FALSE(r->has_value()) << "consumer " << c << " version " << v << ": " << **r;
     EXPECT_EQ(cons[static_cast<size_t>(c)]->state().version, v);

@@ -15,10 +15,14 @@ namespace {
 std::vector<Message> one_of_each() {
   return {Announce{1, 7, 2, 0xabcdef, 4096, 0x1234},
           Announce{1, 7, 2, 0xabcdef, 4096, std::nullopt},
+          Announce{1, 7, 2, 0xabcdef, 4096, 0x1234, 6, 77, 1 << 20},
           Release{3, 7, 2, 0xabcdef},
+          Release{3, 7, 2, 0xabcdef, 1},
           Ready{3, 7, 2, 0xabcdef, 1, 1},
+          Ready{3, 7, 2, 0xabcdef, 1, 1, 6},
           Pushed{1, 7, 2, 0xabcdef, 1, 99},
           Pushed{1, 7, 2, 0xabcdef, 1, std::nullopt},
+          Pushed{1, 7, 2, 0xabcdef, 1, std::nullopt, 6, 40},
           Dropped{1, 7, 5, "stalled: group 3 not released within 3000 ms"},
           Dropped{1, 7, 5, ""},
           Abort{3, 7, 5},
@@ -81,6 +85,19 @@ TEST(EngineProtocol, BadMagicTypeAndFlagAreCorrupt) {
   bad = encode_message(Announce{1, 7, 2, 3, 4, std::nullopt});
   bad[bad.size() - 1] = std::byte{1};
   EXPECT_EQ(decode_message(bad).status().code(), StatusCode::kCorrupt);
+  // Patch fields: none without a base, a base with a non-empty patch, flags 0/1.
+  Announce a{1, 7, 2, 3, 4, std::nullopt};
+  a.patch_bytes = 5;
+  EXPECT_EQ(decode_message(encode_message(a)).status().code(), StatusCode::kCorrupt);
+  a = Announce{1, 7, 2, 3, 4, std::nullopt};
+  a.dense_offset = 64;
+  EXPECT_EQ(decode_message(encode_message(a)).status().code(), StatusCode::kCorrupt);
+  a = Announce{1, 7, 2, 3, 4, std::nullopt, 6, 0, 64};
+  EXPECT_EQ(decode_message(encode_message(a)).status().code(), StatusCode::kCorrupt);
+  EXPECT_EQ(decode_message(encode_message(Pushed{1, 7, 2, 3, 0, std::nullopt, std::nullopt, 9})).status().code(),
+            StatusCode::kCorrupt);
+  EXPECT_TRUE(decode_message(encode_message(Release{3, 7, 2, 9, 2})).ok());
+  EXPECT_EQ(decode_message(encode_message(Release{3, 7, 2, 9, 3})).status().code(), StatusCode::kCorrupt);
   // Bytes of one type retyped as another of a different layout are refused (length).
   auto release = encode_message(Release{3, 7, 2, 9});
   release[4] = std::byte{static_cast<uint8_t>(Message(Ready{}).index() + 1)};

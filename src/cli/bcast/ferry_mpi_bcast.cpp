@@ -90,6 +90,8 @@ int main(int argc, char** argv) {
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   std::string model_path, trainer, inference, store_url, job;
   uint64_t seed = 1;
+  double changed_fraction = 1.0;  // SyntheticChanges of the trainer's versions (ferry bench --changed-fraction)
+  std::string changes_layout = "scattered";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--model") model_path = v;
@@ -98,10 +100,14 @@ int main(int argc, char** argv) {
     else if (k == "--seed") seed = std::strtoull(v.c_str(), nullptr, 10);
     else if (k == "--store") store_url = v;
     else if (k == "--job") job = v;
+    else if (k == "--changed-fraction") changed_fraction = std::strtod(v.c_str(), nullptr);
+    else if (k == "--changes") changes_layout = v;
     else return fail("usage", invalid_argument("unknown option {}", k));
   }
   auto m = tools::make_job_model(model_path, trainer, inference, false);
   if (!m.ok()) return fail("model", m.status());
+  auto changes = tools::parse_synthetic_changes(changed_fraction, changes_layout);
+  if (!changes.ok()) return fail("changes", changes.status());
   auto store = Store::open(store_url);
   if (!store.ok()) return fail("store", store.status());
   Store& st = **store;
@@ -139,7 +145,7 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < meta.size(); ++i) {
       if (m->tensor_stage[i] != rank) continue;
       full[i] = Tensor();  // the old one freed before the new one is made
-      full[i] = synthetic_tensor(seed, static_cast<uint64_t>(d), meta[i]);
+      full[i] = synthetic_tensor(seed, static_cast<uint64_t>(d), meta[i], *changes);
     }
     full_version = d;
   };
@@ -236,7 +242,7 @@ int main(int argc, char** argv) {
       int ok = 1;
       if (!root) {
         std::string mismatch;
-        auto v = tools::verify_params(*m, c, params, seed, 1 + version % 2);
+        auto v = tools::verify_params(*m, c, params, seed, 1 + version % 2, *changes);
         if (!v.ok()) mismatch = v.status().to_string();
         else if (v->has_value()) mismatch = **v;
         ok = mismatch.empty();
