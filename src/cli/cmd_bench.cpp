@@ -52,9 +52,11 @@ int run_bench_cmd(tools::BenchSpec b, bool json, bool model_given, bool override
   std::printf("%-34s %10s %12s %9s %8s\n", "", "seconds", "bytes", "GB/s", "CPU s");
   std::printf("%-34s %10.4f %12.0f %9.2f %8.2f\n", push ? "ferry sync (push, verified)" : "ferry sync (pull, verified)", sync,
               bytes, j["gbps"].get<double>(), j["sync_cpu_seconds"].get<double>());
-  std::printf("%-34s %10.4f %12.0f %9.2f %8.2f\n", push ? "raw UCX writes, same sizes" : "raw UCX reads, same sizes", j["raw_transport_seconds"].get<double>(),
-              bytes, j["raw_transport_gbps"].get<double>(), j["raw_cpu_seconds"].get<double>());
-  std::printf("%-34s %10.4f %12.0f %9.2f\n", "memcpy, same bytes", j["memcpy_seconds"].get<double>(), bytes,
+  const double dense = j.value("raw_bytes", bytes);  // under --delta: the dense bytes
+  std::printf("%-34s %10.4f %12.0f %9.2f %8.2f\n", push ? "raw UCX writes, dense sizes" : "raw UCX reads, dense sizes",
+              j["raw_transport_seconds"].get<double>(), dense, j["raw_transport_gbps"].get<double>(),
+              j["raw_cpu_seconds"].get<double>());
+  std::printf("%-34s %10.4f %12.0f %9.2f\n", "memcpy, dense bytes", j["memcpy_seconds"].get<double>(), dense,
               j["memcpy_gbps"].get<double>());
   std::printf("  zero-copy: %.0f%% of the bytes served in place from trainer memory%s, %.0f%% read straight into params\n",
               100 * j["in_place_fraction"].get<double>(), j["in_place"].get<bool>() ? "" : " (--no-in-place)",
@@ -76,7 +78,7 @@ int run_bench_cmd(tools::BenchSpec b, bool json, bool model_given, bool override
                 d["dense_bytes"].get<double>(), d["wire_ratio"].get<double>(), d["patch_bytes"].get<double>(),
                 push ? "write" : "read", d["sync_vs_dense_raw"].get<double>(), d["patches_repaired"].get<int>());
   }
-  std::printf("\nefficiency_vs_raw     %.2f  (ferry GB/s / raw UCX GB/s)\n", j["efficiency_vs_raw"].get<double>());
+  std::printf("\nefficiency_vs_raw     %.2f  (raw UCX seconds / ferry seconds)\n", j["efficiency_vs_raw"].get<double>());
   std::printf("speedup_vs_broadcast  %.2f  (broadcast seconds / ferry seconds)\n",
               j["speedup_vs_broadcast"].get<double>());
   return 0;

@@ -136,6 +136,36 @@ TEST(BenchCli, NoInPlaceStagesEveryByte) {
   std::remove(trace.c_str());
 }
 
+// --delta (docs/delta.md) between versions that differ in 1% of their elements: every
+// inference rank verified bit for bit, the bytes on the wire a small share of the dense
+// bytes the raw step moved in the same trials, the patches counted on both sides.
+TEST(BenchCli, DeltaMovesThePatchesAndVerifies) {
+  const std::string bin = FERRY_BIN;
+  if (!mpirun_on_path() || ::access((bin.substr(0, bin.rfind('/') + 1) + "ferry-mpi-bcast").c_str(), X_OK) != 0)
+    GTEST_SKIP() << "no OpenMPI (see JsonHasEveryKeyWithSaneValues)";
+  BenchRun r = run_bench("--delta --changed-fraction 0.01");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << r.out << "\n" << r.err;
+  EXPECT_EQ(j["verified_ranks"], 2);
+  ASSERT_TRUE(j.contains("delta")) << r.out;
+  const auto& d = j["delta"];
+  EXPECT_GT(d["dense_bytes"].get<uint64_t>(), 0u);
+  EXPECT_EQ(d["dense_bytes"], j["raw_bytes"]);
+  EXPECT_EQ(d["bytes_moved"], j["bytes_moved"]);
+  EXPECT_EQ(d["patch_bytes"], d["bytes_moved"]);  // every segment of this model patched
+  EXPECT_LT(d["wire_ratio"].get<double>(), 0.05) << d.dump();
+  EXPECT_NEAR(d["changed_fraction_seen"].get<double>(), 0.01, 0.003) << d.dump();
+  EXPECT_EQ(d["patches_repaired"], 0);
+  // Bad values are refused before anything starts.
+  BenchRun bad = run_command(std::string(FERRY_BIN) + " bench --changed-fraction nan");
+  EXPECT_NE(bad.exit_code, 0);
+  bad = run_command(std::string(FERRY_BIN) + " bench --changed-fraction 1.5");
+  EXPECT_NE(bad.exit_code, 0);
+  bad = run_command(std::string(FERRY_BIN) + " bench --changes random");
+  EXPECT_NE(bad.exit_code, 0);
+}
+
 // A model this machine cannot hold is refused with the estimate before any rank starts
 // (a ~440 GB Llama: 1000 layers at full width), never left to the OOM killer.
 TEST(BenchCli, ModelThatCannotFitIsRefusedWithTheEstimate) {
