@@ -410,6 +410,9 @@ std::function<int()> setup_demo(CLI::App& app) {
                 app.add_option("--backend", d->backend, "transport backend (ucx)");
                 app.add_flag("--checksums", d->checksums, "xxHash64 per segment, checked on arrival");
                 add_delta_options(app, d->delta, d->changed_fraction, d->changes);
+                app.add_flag("--prepare-weights", d->prepare_weights,
+                             "trainer ranks generate each version's weights before the sync starts (held in memory, "
+                             "as a trainer's are): the sync's seconds are the engine's alone");
                 app.add_option("--syncs", d->syncs, "number of syncs")->check(number_in(1, 1 << 20));
                 app.add_option("--seed", d->seed, "seed of the synthetic weights")->check(number_in(0, 1.8e19));
                 auto kill_sync_opt =
@@ -532,6 +535,7 @@ std::function<int()> setup_worker(CLI::App& app) {
   app.add_option("--tls", bench->tls)->needs(as_bench);
   app.add_option("--in-place", bench->in_place)->needs(as_bench);
   app.add_flag("--delta", w->delta);
+  app.add_flag("--prepare-weights", w->prepare_weights);
   app.add_option("--changed-fraction", w->changed_fraction)->check(number_in(0, 1));
   app.add_option("--changes", w->changes)->check(CLI::IsMember({"scattered", "clustered"}));
   return [&app, w, pauses, bench, as_bench, job, timeout] {

@@ -24,9 +24,11 @@ uint64_t key_of(uint64_t seed, uint64_t version, uint64_t hn) { return mix(hn ^ 
 // SyntheticChanges: the version an element (or a whole tensor, `index` -1) was last
 // redrawn at: floor(version * fraction + phase), its phase a hash in [0, 1) of (seed,
 // name, index) alone. fraction 1 gives `version` itself (phase < 1).
-uint64_t phase_bits(uint64_t seed, uint64_t hn, int64_t index) {
-  return mix(hn ^ mix(seed ^ 0x5eed0fdeu) ^ (static_cast<uint64_t>(index) * 0x9fb21c651e98df25ull));
+uint64_t phase_base(uint64_t seed, uint64_t hn) { return hn ^ mix(seed ^ 0x5eed0fdeu); }
+uint64_t phase_bits_from(uint64_t base, int64_t index) {
+  return mix(base ^ (static_cast<uint64_t>(index) * 0x9fb21c651e98df25ull));
 }
+uint64_t phase_bits(uint64_t seed, uint64_t hn, int64_t index) { return phase_bits_from(phase_base(seed, hn), index); }
 uint64_t epoch_of(uint64_t version, double fraction, uint64_t bits) {
   const double phase = static_cast<double>(bits >> 11) * 0x1.0p-53;
   return static_cast<uint64_t>(std::floor(static_cast<double>(version) * fraction + phase));
@@ -116,16 +118,23 @@ void fill_run(uint64_t key, DType dtype, const ValueTable& t, int64_t flat, int6
   }
 }
 
-// Scattered changes: each element's key from the version it was last redrawn at.
+// Scattered changes: each element's key from the version it was last redrawn at. An
+// element's epoch is floor(version * fraction) or one more (its phase is below 1), so
+// the two keys are worked out once per tensor; the per-element cost is the phase's hash
+// and the value's.
 struct Scatter {
   uint64_t seed = 0, version = 0, hn = 0;
   double fraction = 1;
 };
 
 void fill_run_scattered(const Scatter& sc, DType dtype, const ValueTable& t, int64_t flat, int64_t n, std::byte* out) {
+  const uint64_t base = phase_base(sc.seed, sc.hn);
+  const uint64_t e0 = epoch_of(sc.version, sc.fraction, 0);
+  const uint64_t key0 = key_of(sc.seed, e0, sc.hn), key1 = key_of(sc.seed, e0 + 1, sc.hn);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t i = flat + j;
-    const uint64_t key = key_of(sc.seed, epoch_of(sc.version, sc.fraction, phase_bits(sc.seed, sc.hn, i)), sc.hn);
+    const uint64_t e = epoch_of(sc.version, sc.fraction, phase_bits_from(base, i));
+    const uint64_t key = e == e0 ? key0 : e == e0 + 1 ? key1 : key_of(sc.seed, e, sc.hn);
     std::byte* dst = out + static_cast<size_t>(j) * t.size;
     if (t.modulus == 0) {
       store_element(dst, dtype, value_of(key, i, dtype));

@@ -106,6 +106,10 @@ struct DemoSpec {
   bool delta = false;
   double changed_fraction = 1.0;
   std::string changes = "scattered";
+  // Trainer ranks generate each version's synthetic weights before their sync starts
+  // (held in memory, as a trainer's parameters are): the sync's seconds are then the
+  // engine's alone. Default: generated group by group inside the sync.
+  bool prepare_weights = false;
   uint64_t staging_budget = 0;  // every producer's ProducerOptions::staging_budget (0: two slots)
   int syncs = 4;
   uint64_t seed = 1;

@@ -54,6 +54,35 @@ Result<std::vector<std::pair<int, int>>> parse_pause_points(std::string_view tex
 
 namespace {
 
+// WorkerSpec::prepare_weights: a trainer rank whose weights of a version are all in
+// memory before its sync() is called (as a trainer's parameters are after its optimizer
+// step), so the sync's seconds do not include generating synthetic weights.
+class PreparedWeights final : public WeightSource {
+ public:
+  explicit PreparedWeights(SyntheticSource& inner) : inner_(inner), groups_(Groups(inner.metadata()).size()) {}
+  const std::vector<TensorDecl>& metadata() const override { return inner_.metadata(); }
+  int rank() const override { return inner_.rank(); }
+  int world_size() const override { return inner_.world_size(); }
+  Result<Holdings> holdings(int rank) const override { return inner_.holdings(rank); }
+  // Every group of the inner source's current version, generated now.
+  Status prepare() {
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      groups_[g].clear();  // (the old version's buffers freed before the new ones are made)
+      FERRY_ASSIGN_OR_RETURN(groups_[g], inner_.materialize(static_cast<int>(g)));
+    }
+    return Status::Ok();
+  }
+  Result<std::vector<LocalBox>> materialize(int group) override {
+    if (group < 0 || static_cast<size_t>(group) >= groups_.size())
+      return out_of_range("prepared weights: group {} of {}", group, groups_.size());
+    return groups_[static_cast<size_t>(group)];
+  }
+
+ private:
+  SyntheticSource& inner_;
+  std::vector<std::vector<LocalBox>> groups_;
+};
+
 int worker_fail(const WorkerSpec& s, const Status& st) {
   std::fprintf(stderr, "ferry worker %s %d: %s\n", s.role.c_str(), s.rank, st.to_string().c_str());
   return 2;
@@ -142,6 +171,7 @@ int run_worker(const WorkerSpec& s) {
   const ProcMemory base = proc_memory().value_or(ProcMemory{});
   uint64_t held = 0, source_resident = 0;
   std::unique_ptr<SyntheticSource> source;
+  std::unique_ptr<PreparedWeights> prepared;  // --prepare-weights
   // Shadow consumers: a reader of the live params during each sync, under the lock the
   // commit hooks take exclusively (what a serving engine does); every read must be
   // exactly the committed version (verify_params), else it counts as mixed.
@@ -158,6 +188,7 @@ int run_worker(const WorkerSpec& s) {
   if (s.role == "producer") {
     source = std::make_unique<SyntheticSource>(model->metadata, model->holdings, s.rank, s.seed);
     source->set_changes(*changes);
+    if (s.prepare_weights) prepared = std::make_unique<PreparedWeights>(*source);
     ProducerOptions po;
     static_cast<EngineOptions&>(po) = eo;
     engine::TestHooks hooks;
@@ -181,7 +212,11 @@ int run_worker(const WorkerSpec& s) {
       per_group[groups.of_name(d.name)] += static_cast<uint64_t>(b.box.numel()) * dtype_size(d.dtype);
     }
     for (const auto& [g, n] : per_group) source_resident = std::max(source_resident, n);
-    auto p = Producer::create(*source, **transport, st, po);
+    if (prepared) {
+      source_resident = held;  // every group in memory (prepared before each sync: set_weights)
+    }
+    WeightSource& served = prepared ? static_cast<WeightSource&>(*prepared) : *source;
+    auto p = Producer::create(served, **transport, st, po);
     if (!p.ok()) return worker_fail(s, p.status());
     producer = std::move(*p);
   } else if (s.role == "consumer") {
@@ -232,6 +267,16 @@ int run_worker(const WorkerSpec& s) {
   // (Retried: the driver may restart the store as soon as it sees the key, before this
   // set's answer arrived.)
   const uint64_t rss_created = proc_memory().value_or(ProcMemory{}).rss_bytes;
+  // A producer's weights of version `ver`: set before the driver can start that sync
+  // (before this rank says it is ready, or has a result of the sync before), so that with
+  // --prepare-weights no rank waits in its sync for a trainer still generating them.
+  auto set_weights = [&](int ver) -> Status {
+    if (!source) return Status::Ok();
+    source->set_version(static_cast<uint64_t>(ver));
+    if (!prepared) return Status::Ok();
+    return prepared->prepare().with_context(fmt::format("preparing version {}", ver));
+  };
+  if (Status w = set_weights(s.first_version); !w.ok()) return worker_fail(s, w);
   if (auto r = put_result(worker_ready_key(s.job, s.role, s.rank), std::to_string(::getpid())); !r.ok())
     return worker_fail(s, r);
   std::optional<TraceFile> trace;
@@ -267,7 +312,7 @@ int run_worker(const WorkerSpec& s) {
     // The discarded version: received into the shadow (commit=false), then dropped, while
     // the reader goes on reading the live params (they must stay the held version).
     const bool discarding = consumer && version == s.discard_version;
-    Result<SyncReport> rep = producer ? (source->set_version(v), producer->sync(v)) : consumer->sync(v, !discarding);
+    Result<SyncReport> rep = producer ? producer->sync(v) : consumer->sync(v, !discarding);
     std::optional<uint64_t> received, received_after;
     Status discarded = failed_precondition("sync {} failed: nothing to discard", v);
     if (discarding && rep.ok()) {
@@ -342,6 +387,9 @@ int run_worker(const WorkerSpec& s) {
     }
     std::fprintf(stderr, "[%s %d] sync %llu: %s\n", s.role.c_str(), s.rank, static_cast<unsigned long long>(v),
                  out.dump().c_str());
+    if (version < s.last_version) {  // the next version's weights, before the driver sees this result
+      if (Status w = set_weights(version + 1); !w.ok()) return worker_fail(s, w);
+    }
     if (auto w = put_result(worker_result_key(s.job, version, s.role, s.rank), out.dump()); !w.ok())
       return worker_fail(s, w);
   }

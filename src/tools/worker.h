@@ -41,6 +41,9 @@ struct WorkerSpec {
   std::string convert_on = "producer";  // EngineOptions::convert_on
   bool checksums = false;
   bool delta = false;                 // EngineOptions::delta
+  // Producer: generate each version's weights before calling sync() (all groups held in
+  // memory, as a trainer's parameters are), so the sync's time is the engine's alone.
+  bool prepare_weights = false;
   double changed_fraction = 1.0;      // the synthetic weights' SyntheticChanges per version
   std::string changes = "scattered";  // ... scattered | clustered
   uint64_t seed = 1;
