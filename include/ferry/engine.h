@@ -200,6 +200,14 @@ struct EngineOptions {
   bool delta = false;
   // Delta, producer: every Nth of its syncs sends dense bytes only (0: never).
   uint32_t delta_full_every = 0;
+  // Delta, producer: 0 (the default) keeps a copy of what it packed last (patches of the
+  // elements that changed). > 0 keeps no copy: only an XXH3-64 per block of this many
+  // bytes of every segment it packed last, and a patch carries the blocks whose hash
+  // changed, whole (delta::encode_changed_blocks); it costs a patch area as large as the
+  // staging ring instead of a copy of every byte staged, and wins where whole tensors or
+  // experts did not change. The dense bytes stay in the slot (consumers that lack the
+  // base read them there); push consumers get the dense bytes in this mode.
+  uint64_t delta_block_bytes = 0;
   // Fault injection for ferry's own tests (src/engine/testing.h); null in production.
   std::shared_ptr<const engine::TestHooks> test_hooks;
 };

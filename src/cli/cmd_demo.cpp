@@ -409,7 +409,7 @@ std::function<int()> setup_demo(CLI::App& app) {
                 app.add_option("--store", d->store, "store URL (tcp://... or redis://...); default: embedded");
                 app.add_option("--backend", d->backend, "transport backend (ucx)");
                 app.add_flag("--checksums", d->checksums, "xxHash64 per segment, checked on arrival");
-                add_delta_options(app, d->delta, d->changed_fraction, d->changes);
+                add_delta_options(app, d->delta, d->changed_fraction, d->changes, d->delta_block_bytes);
                 app.add_flag("--prepare-weights", d->prepare_weights,
                              "trainer ranks generate each version's weights before the sync starts (held in memory, "
                              "as a trainer's are): the sync's seconds are the engine's alone");
@@ -491,7 +491,7 @@ std::function<int()> setup_demo(CLI::App& app) {
 constexpr const char* kBenchWorkerOptions[] = {"--role",  "--rank", "--model", "--trainer", "--inference", "--store",
                                                "--job",   "--mode", "--group-order", "--convert-on", "--seed",  "--timeout-ms", "--tls",     "--in-place",
                                                "--trace", "--bench", "--commit", "--caller-params", "--delta",
-                                               "--changed-fraction", "--changes", "--help"};
+                                               "--changed-fraction", "--changes", "--delta-block-bytes", "--help"};
 
 std::function<int()> setup_worker(CLI::App& app) {
   app.group("");  // hidden
@@ -536,6 +536,7 @@ std::function<int()> setup_worker(CLI::App& app) {
   app.add_option("--in-place", bench->in_place)->needs(as_bench);
   app.add_flag("--delta", w->delta);
   app.add_flag("--prepare-weights", w->prepare_weights);
+  app.add_option("--delta-block-bytes", w->delta_block_bytes)->check(number_in(0, 1ull << 40));
   app.add_option("--changed-fraction", w->changed_fraction)->check(number_in(0, 1));
   app.add_option("--changes", w->changes)->check(CLI::IsMember({"scattered", "clustered"}));
   return [&app, w, pauses, bench, as_bench, job, timeout] {
@@ -565,6 +566,7 @@ std::function<int()> setup_worker(CLI::App& app) {
       bench->delta = w->delta;
       bench->changed_fraction = w->changed_fraction;
       bench->changes = w->changes;
+      bench->delta_block_bytes = w->delta_block_bytes;
       bench->seed = w->seed;
       bench->trace = w->trace;
       bench->caller_params = w->caller_params;

@@ -41,6 +41,7 @@ struct PlanArgs {
   uint64_t staging_budget = 0;  // ProducerOptions::staging_budget (0: two slots)
   bool no_failover = false;
   bool delta = false;  // EngineOptions::delta: producers keep a copy of what they staged (kept_copy)
+  uint64_t delta_block_bytes = 0;  // EngineOptions::delta_block_bytes (no copy: a patch area)
   std::string commit = "in_place";  // the consumers' ConsumerOptions::commit
   std::string group_order = "layer";  // EngineOptions::group_order (docs/group-order.md)
 };
@@ -153,6 +154,7 @@ int run_plan(const PlanArgs& a) {
   po.staging_budget = a.staging_budget;
   po.failover = !a.no_failover;
   po.delta = a.delta;
+  po.delta_block_bytes = a.delta_block_bytes;
   auto order = engine::parse_group_order(a.group_order);
   if (!order.ok()) {
     return fail_with("plan", invalid_argument("--group-order: unknown group order '{}' (layer, rotated, rotated-unpaced)",
@@ -391,6 +393,10 @@ FERRY_COMMAND(plan_command, "plan",
                 app.add_flag("--delta", a->delta,
                              "Producers run delta syncs: each keeps a copy of every byte it stages (reported as "
                              "delta kept copy; docs/delta.md)");
+                app.add_option("--delta-block-bytes", a->delta_block_bytes,
+                               "With --delta: producers keep no copy, only block hashes; a patch area the size of "
+                               "the staging ring is reported instead")
+                    ->check(number_in(0, 1ull << 40));
                 app.add_option("--commit", a->commit,
                                "The consumers' commit policy: in_place, or shadow (each consumer holds one more copy "
                                "of its params, reported as shadow params)")

@@ -76,7 +76,8 @@ inline CLI::Validator number_in(double lo, double hi) {
 
 // The delta-sync options `ferry bench` and `ferry demo` share (docs/delta.md): --delta,
 // and how much of the synthetic weights changes per version (SyntheticChanges).
-inline void add_delta_options(CLI::App& app, bool& delta, double& changed_fraction, std::string& changes) {
+inline void add_delta_options(CLI::App& app, bool& delta, double& changed_fraction, std::string& changes,
+                              uint64_t& block_bytes) {
   app.add_flag("--delta", delta,
                "delta syncs: producers send each inference rank a patch of what changed since the version it holds "
                "(EngineOptions::delta, docs/delta.md)");
@@ -85,6 +86,10 @@ inline void add_delta_options(CLI::App& app, bool& delta, double& changed_fracti
       ->check(number_in(0, 1));
   app.add_option("--changes", changes, "scattered (elements) | clustered (whole tensors) changes")
       ->check(CLI::IsMember({"scattered", "clustered"}));
+  app.add_option("--delta-block-bytes", block_bytes,
+                 "with --delta: trainer ranks keep no copy, only a hash per block of this many bytes, and send "
+                 "changed blocks whole (0, the default: keep a copy, send changed elements)")
+      ->check(number_in(0, 1ull << 40));
 }
 
 struct CommandRegistrar {

@@ -154,8 +154,8 @@ Result<MemoryPrediction> predict_memory(const Routes& routes, const std::vector<
     FERRY_ASSIGN_OR_RETURN(StagingSlots ring, staging_ring(rank, needed, worst, options.staging_budget));
     MemoryUse m;
     const uint64_t ring_bytes = ring.slot_bytes * static_cast<uint64_t>(ring.slots);
-    if (options.delta) {  // the kept copy after the slots, in the same registration
-      m.kept_copy = kept_copy_bytes(routes.producers[p]);
+    if (options.delta) {  // the kept copy (or the patch area) after the slots, in the same registration
+      m.kept_copy = options.delta_block_bytes ? ring_bytes : kept_copy_bytes(routes.producers[p]);
       m.staging_ring = registered_bytes(ring_bytes + m.kept_copy) - m.kept_copy;
     } else {
       m.staging_ring = registered_bytes(ring_bytes);

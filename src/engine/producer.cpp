@@ -123,7 +123,7 @@ struct Producer::Impl {
     // lie in the staging ring (the kept copy).
     std::optional<uint64_t> patch_base;
     std::map<uint32_t, uint64_t> patch_bytes;
-    uint64_t dense_offset = 0;
+    uint64_t patch_offset = 0, dense_offset = 0;  // where the patches and the dense bytes lie
   };
   std::vector<Slot> slots;
   // Delta syncs (EngineOptions::delta): the kept copy (StagingRing::kept) laid out for the
@@ -134,6 +134,9 @@ struct Producer::Impl {
   bool kept_fits = false;
   std::vector<uint64_t> kept_at;
   std::vector<std::optional<uint64_t>> kept_version;
+  // delta_block_bytes > 0: per group, per segment, the block hashes of what it packed
+  // last (no copy); the kept area is then a patch area, one slot's worth per slot.
+  std::vector<std::vector<std::vector<uint64_t>>> kept_blocks;
   std::vector<std::byte> patch_scratch;  // one segment's patch, before it goes into the slot
   uint64_t syncs_started = 0;            // delta_full_every counts these
   bool full_sync = false;                // this sync sends dense bytes only
@@ -371,6 +374,7 @@ struct Producer::Impl {
     Announce m{static_cast<uint32_t>(rank), version, sl.group, sl.hash, staging->slot_offset(s), std::nullopt};
     if (opts.checksums) m.checksum = served(sl.checksum, cls(c));
     if (auto it = sl.patch_bytes.find(cls(c)); sl.patch_base && it != sl.patch_bytes.end()) {
+      m.slot_offset = sl.patch_offset;  // (the slot itself, or its patch area without a kept copy)
       m.patch_base = sl.patch_base;
       m.patch_bytes = it->second;
       m.dense_offset = sl.dense_offset;
@@ -462,7 +466,10 @@ struct Producer::Impl {
       mine = plan.writes_of(c, g);
       // Delta: c's class has a patch in the slot. Write it (one write, into c's segment of
       // the receive slot) where c holds its base, else the dense bytes from the kept copy.
-      if (auto pb = sl.patch_bytes.find(cls(c)); sl.patch_base && pb != sl.patch_bytes.end()) {
+      // (Without a kept copy, delta_block_bytes, the slot holds the dense bytes and the
+      // patches lie in its patch area: push writes the dense bytes, as it would read
+      // them back for a repair from a slot that may be packed again by then.)
+      if (auto pb = sl.patch_bytes.find(cls(c)); sl.patch_base && pb != sl.patch_bytes.end() && !opts.delta_block_bytes) {
         auto rf = ready.find({v, g, c});
         const PlanGroup& pg = routes.consumer(static_cast<size_t>(c)).groups[static_cast<size_t>(g)];
         const Read* read = nullptr;
@@ -717,8 +724,10 @@ struct Producer::Impl {
     schedule = std::move(sched);
     if (opts.delta) {  // the kept copy is laid out by the routes: nothing in it is a base under new ones
       kept_at = kept_layout(routes.producers[static_cast<size_t>(rank)]);
-      kept_fits = kept_at.back() <= staging->kept_bytes();
+      kept_fits = opts.delta_block_bytes ? staging->kept_bytes() >= staging->kept_offset()
+                                         : kept_at.back() <= staging->kept_bytes();
       kept_version.assign(static_cast<size_t>(routes.num_groups()), std::nullopt);
+      kept_blocks.assign(static_cast<size_t>(routes.num_groups()), {});
       kept_hash = routes_hash;
     }
     return Status::Ok();
@@ -728,7 +737,7 @@ struct Producer::Impl {
   struct DeltaPack {
     std::optional<uint64_t> base;
     std::map<uint32_t, uint64_t> patch_bytes;
-    uint64_t dense_offset = 0;
+    uint64_t patch_offset = 0, dense_offset = 0;
   };
   // Delta: group g of version v is packed (dense) in slot s. Per plan class segment: a
   // patch against the kept copy's version of it where one is kept (under these routes,
@@ -737,6 +746,7 @@ struct Producer::Impl {
   DeltaPack delta_pack(int g, size_t s, uint64_t v, const ProducerGroup& grp, uint64_t hash) {
     DeltaPack out;
     if (!kept_fits || kept_hash != hash || grp.staging_bytes == 0) return out;
+    if (opts.delta_block_bytes) return delta_pack_blocks(g, s, v, grp);
     const size_t gi = static_cast<size_t>(g);
     std::byte* slot = staging->slot(s).data();
     std::byte* keep = staging->kept().data() + kept_at[gi];
@@ -774,6 +784,56 @@ struct Producer::Impl {
     }
     std::lock_guard<std::mutex> lk(mu);
     report.delta_elements += elements;
+    report.delta_changed += changed;
+    out.patch_offset = staging->slot_offset(s);
+    return out;
+  }
+
+  // delta_pack without a kept copy (delta_block_bytes): per segment, the blocks whose hash
+  // differs from the hashes kept of the last version packed, into the slot's patch area
+  // where that is smaller than the segment; the slot keeps the dense bytes (what a
+  // consumer without the base, or repairing, reads). Counts blocks, not elements.
+  DeltaPack delta_pack_blocks(int g, size_t s, uint64_t v, const ProducerGroup& grp) {
+    DeltaPack out;
+    const size_t gi = static_cast<size_t>(g);
+    const uint64_t bb = opts.delta_block_bytes;
+    std::byte* slot = staging->slot(s).data();
+    std::byte* area = staging->kept().data() + s * staging->slot_bytes();  // slot s's patch area
+    std::vector<std::vector<uint64_t>>& hashes = kept_blocks[gi];
+    const std::optional<uint64_t> had = kept_version[gi];
+    const bool patch = had && *had != v && !full_sync && hashes.size() == grp.segments.size();
+    hashes.resize(grp.segments.size());
+    uint64_t blocks = 0, changed = 0;
+    for (size_t i = 0; i < grp.segments.size(); ++i) {
+      const Segment& seg = grp.segments[i];
+      const std::span<const std::byte> dense(slot + seg.offset, seg.bytes);
+      if (seg.bytes == 0) continue;
+      if (patch && hashes[i].size() == (seg.bytes + bb - 1) / bb) {
+        patch_scratch.resize(std::max<size_t>(patch_scratch.size(), delta::max_block_patch_bytes(seg.bytes, bb)));
+        std::vector<uint64_t> next;
+        auto info = delta::encode_changed_blocks(hashes[i], dense, bb, patch_scratch, &next);
+        if (info.ok()) {
+          blocks += hashes[i].size();
+          changed += info->changed;
+          hashes[i] = std::move(next);
+          if (info->bytes < seg.bytes) {
+            std::memcpy(area + seg.offset, patch_scratch.data(), info->bytes);
+            out.patch_bytes[seg.plan] = info->bytes;
+          }
+          continue;
+        }
+      }
+      auto h = delta::block_hashes(dense, bb);
+      hashes[i] = h.ok() ? std::move(*h) : std::vector<uint64_t>{};
+    }
+    kept_version[gi] = v;
+    if (!out.patch_bytes.empty()) {
+      out.base = had;
+      out.patch_offset = staging->kept_offset() + s * staging->slot_bytes();
+      out.dense_offset = staging->slot_offset(s);
+    }
+    std::lock_guard<std::mutex> lk(mu);
+    report.delta_elements += blocks;
     report.delta_changed += changed;
     return out;
   }
@@ -1081,8 +1141,10 @@ struct Producer::Impl {
         // Delta: a patched segment's last byte (a value: the patch's structure stays valid
         // and only its content hash can tell); otherwise its first byte.
         auto pb = dp.patch_bytes.find(grp.segments[0].plan);
-        const uint64_t at = dp.base && pb != dp.patch_bytes.end() ? pb->second - 1 : 0;
-        staging->slot(s)[grp.segments[0].offset + at] ^= std::byte{0x40};
+        const bool patched = dp.base && pb != dp.patch_bytes.end();
+        std::byte* host = staging->slot(0).data();  // the host ring's start (slots, then the kept area)
+        host[(patched ? dp.patch_offset + pb->second - 1 : staging->slot_offset(s)) + grp.segments[0].offset] ^=
+            std::byte{0x40};
       }
       trace.record(TracePhase::kPack, g, -1, tp, Clock::now());
       struct PushTo {
@@ -1109,6 +1171,7 @@ struct Producer::Impl {
         sl.checksum = sums;
         sl.patch_base = dp.base;
         sl.patch_bytes = std::move(dp.patch_bytes);
+        sl.patch_offset = dp.patch_offset;
         sl.dense_offset = dp.dense_offset;
         for (int c : targets) {
           if (!live[static_cast<size_t>(c)] || (done.count(c) && done[c] == v)) continue;
@@ -1400,7 +1463,9 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
                             options.delta ? std::vector<MemoryRegion>{} : options.source_regions,
                             options.direct_min_bytes,
                             options.checksums,
-                            options.delta ? kept_copy_bytes(routes.producers[static_cast<size_t>(m.rank)]) : 0};
+                            !options.delta                ? 0
+                            : options.delta_block_bytes ? sr.slot_bytes * static_cast<uint64_t>(sr.slots)
+                                                          : kept_copy_bytes(routes.producers[static_cast<size_t>(m.rank)])};
       FERRY_ASSIGN_OR_RETURN(m.staging, StagingRing::create(m.ring_memory, source, m.holdings, so));
     }
     FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));

@@ -52,6 +52,7 @@ constexpr OptionField kOptionFields[] = {
     {"EngineOptions", "delta", "delta", "keyword", "Producer Consumer"},
     // Full syncs are the producer's choice: a consumer never reads it.
     {"EngineOptions", "delta_full_every", "delta_full_every", "keyword", "Producer"},
+    {"EngineOptions", "delta_block_bytes", "delta_block_bytes", "keyword", "Producer"},
     {"EngineOptions", "test_hooks", "", "internal", ""},
     {"ProducerOptions", "source_regions", "in_place", "in_place", "Producer"},
     {"ProducerOptions", "direct_min_bytes", "direct_min_bytes", "keyword", "Producer"},
@@ -201,6 +202,7 @@ void fill_engine(EngineOptions& o, const py::dict& kw) {
   }
   if (kw.contains("delta")) o.delta = flag(kw, "delta");
   if (kw.contains("delta_full_every")) o.delta_full_every = count32(kw, "delta_full_every");
+  if (kw.contains("delta_block_bytes")) o.delta_block_bytes = byte_count(kw, "delta_block_bytes");
 }
 
 double secs(std::chrono::milliseconds d) { return static_cast<double>(d.count()) / 1000; }
@@ -223,6 +225,7 @@ void engine_dict(py::dict& d, const EngineOptions& o) {
   d["convert_on"] = std::string(convert_on_name(o.convert_on));
   d["delta"] = o.delta;
   d["delta_full_every"] = o.delta_full_every;
+  d["delta_block_bytes"] = o.delta_block_bytes;
   d["test_hooks"] = o.test_hooks != nullptr;
 }
 

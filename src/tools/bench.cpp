@@ -270,7 +270,7 @@ BenchResult run_bench(const BenchSpec& b) {
                                      "--in-place", b.in_place ? "1" : "0", "--commit", b.commit,
                                      "--changed-fraction", fmt::format("{}", b.changed_fraction), "--changes", b.changes};
     if (b.caller_params && !prod) args.push_back("--caller-params");
-    if (b.delta) args.push_back("--delta");
+    if (b.delta) args.insert(args.end(), {"--delta", "--delta-block-bytes", std::to_string(b.delta_block_bytes)});
     if (!b.trace.empty()) args.insert(args.end(), {"--trace", fmt::format("{}/{}{}.trace.json", dir, role, rank)});
     auto p = spawn_proc(std::move(args), fmt::format("{} {}", role, rank), fmt::format("{}/{}{}.log", dir, role, rank));
     if (!p.ok()) return kill_all(), fail(p.status().to_string());

@@ -41,6 +41,7 @@ struct BenchSpec {
   bool delta = false;
   double changed_fraction = 1.0;
   std::string changes = "scattered";
+  uint64_t delta_block_bytes = 0;  // EngineOptions::delta_block_bytes (0: keep a copy)
   int syncs = 5;                // timed trials (after one warm-up)
   uint64_t seed = 1;
   std::string mpirun = "mpirun";
@@ -90,6 +91,7 @@ struct BenchWorkerSpec {
   bool delta = false;               // BenchSpec::delta
   double changed_fraction = 1.0;    // BenchSpec::changed_fraction
   std::string changes = "scattered";
+  uint64_t delta_block_bytes = 0;   // BenchSpec::delta_block_bytes
   uint64_t seed = 1;
   int timeout_ms = 60000;
   bool in_place = true;

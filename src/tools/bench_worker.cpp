@@ -170,6 +170,7 @@ int run_bench_worker(const BenchWorkerSpec& s) {
   if (!convert) return bench_worker_fail(s, invalid_argument("convert_on: '{}' is not producer or consumer", s.convert_on));
   eo.convert_on = *convert;
   eo.delta = s.delta;
+  eo.delta_block_bytes = s.delta_block_bytes;
   auto changes = parse_synthetic_changes(s.changed_fraction, s.changes);
   if (!changes.ok()) return bench_worker_fail(s, changes.status());
   eo.timeout = eo.stall_timeout = std::chrono::milliseconds(s.timeout_ms);

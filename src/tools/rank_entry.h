@@ -69,6 +69,7 @@ struct RankSpec {
   // EngineOptions::delta: serve sends patches of what changed since the version each
   // fetch holds; fetch takes them (docs/delta.md).
   bool delta = false;
+  uint64_t delta_block_bytes = 0;  // serve: EngineOptions::delta_block_bytes (0: keep a copy)
   bool read_checkpoint = false;  // serve: read the files into owned memory instead of mapping them
   // Where the weights (serve: this rank's boxes, copied there once at start) or the
   // params (fetch) live: "cpu" or "cuda:N" (ferry/device.h's parse_device).

@@ -41,6 +41,7 @@ struct WorkerSpec {
   std::string convert_on = "producer";  // EngineOptions::convert_on
   bool checksums = false;
   bool delta = false;                 // EngineOptions::delta
+  uint64_t delta_block_bytes = 0;     // EngineOptions::delta_block_bytes
   // Producer: generate each version's weights before calling sync() (all groups held in
   // memory, as a trainer's parameters are), so the sync's time is the engine's alone.
   bool prepare_weights = false;

@@ -178,6 +178,52 @@ TEST_P(EngineDeltaTest, FullSyncEveryNthVersion) {
   }
 }
 
+// No kept copy (delta_block_bytes): producers keep a hash per 4 KiB block and send the
+// changed blocks whole. With whole tensors changing (clustered) the patches are a small
+// share of the dense bytes in pull; push consumers get the dense bytes in this mode; a
+// damaged patch is repaired from the dense bytes still in the slot; every version bit for
+// bit; the memory is a patch area the size of the staging ring, not a copy.
+TEST_P(EngineDeltaTest, BlockHashesSendChangedBlocksWhole) {
+  Cluster k(GetParam());
+  k.eo.delta_block_bytes = 4096;
+  auto hooks = std::make_shared<engine::TestHooks>();
+  hooks->corrupt_group = 1;
+  hooks->corrupt_version = 4;
+  k.eo.test_hooks = hooks;
+  k.eo.delta = true;
+  k.changes = {0.1, true};
+  auto st = k.start(cfg("llama-3.1-8b.json"), "tp=2,pp=2", "tp=2,replicas=2");
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  auto first = k.sync(1);
+  k.expect_all_ok(first, 1);
+  const Sums dense = sums_of(first);
+  const bool push = is_push(GetParam().mode);
+  uint64_t patched = 0;
+  for (uint64_t v = 2; v <= 6; ++v) {
+    auto o = k.sync(v);
+    k.expect_all_ok(o, v);
+    const Sums s = sums_of(o);
+    EXPECT_EQ(s.received, s.sent);
+    EXPECT_LE(s.sent, dense.sent + dense.sent / 50);
+    if (push) {
+      EXPECT_EQ(s.received_patch, 0u) << "push writes the dense bytes without a kept copy";
+    }
+    patched += s.received_patch;
+    if (v == 4 && !push && s.received_patch > 0) {
+      EXPECT_GT(s.repaired, 0u);
+    }
+  }
+  if (!push) {
+    EXPECT_GT(patched, 0u);
+  }
+  for (int p = 0; p < k.P(); ++p) {
+    auto rep = k.prod[static_cast<size_t>(p)]->last_report();
+    // A patch area per slot: the ring's bytes (its registration rounds the whole up to a page).
+    EXPECT_LE(rep.memory.kept_copy, rep.memory.staging_ring);
+    EXPECT_GE(rep.memory.kept_copy + 4096, rep.memory.staging_ring);
+  }
+}
+
 // The kept copy is memory the producer reports (MemoryUse::kept_copy) and ferry plan
 // predicts: the bytes it stages in a sync.
 TEST_P(EngineDeltaTest, KeptCopyIsReportedAsPredicted) {
