@@ -65,7 +65,9 @@ struct SizeRun {
   uint64_t producer_staging = 0;            // every producer's staging ring
 };
 
-SizeRun run_size(int layers) {
+// `delta`: every rank under EngineOptions::delta, two syncs (1% changed between them), the
+// second's figures: the producers' kept copies are then written twice over.
+SizeRun run_size(int layers, bool delta = false) {
   SizeRun out;
   const std::string config = std::string(FERRY_SOURCE_DIR) + "/configs/llama-3.1-8b.json";
   auto model = tools::make_job_model(config, "tp=2", "tp=2", true, llama(layers));
@@ -79,7 +81,9 @@ SizeRun run_size(int layers) {
   d.overrides = llama(layers);
   d.trainer = "tp=2";
   d.inference = "tp=2";
-  d.syncs = 1;
+  d.syncs = delta ? 2 : 1;
+  d.delta = delta;
+  d.changed_fraction = 0.01;
   d.kill_rank = -1;
   d.staging_budget = kBudget;
   d.quiet = true;
@@ -89,11 +93,11 @@ SizeRun run_size(int layers) {
   const tools::DemoResult r = tools::run_demo(d);
   EXPECT_TRUE(r.error.empty()) << r.error;
   EXPECT_TRUE(r.all_verified) << r.error;
-  if (r.rows.size() != 1) {
-    ADD_FAILURE() << "expected one sync, got " << r.rows.size() << ": " << r.error;
+  if (static_cast<int>(r.rows.size()) != d.syncs) {
+    ADD_FAILURE() << "expected " << d.syncs << " syncs, got " << r.rows.size() << ": " << r.error;
     return out;
   }
-  for (const auto& [who, text] : r.rows[0].results) {
+  for (const auto& [who, text] : r.rows.back().results) {
     const auto j = nlohmann::json::parse(text, nullptr, false);
     EXPECT_TRUE(j.is_object() && j.value("ok", false)) << who << ": " << text;
     if (!j.is_object() || !j.contains("memory")) continue;
@@ -175,6 +179,32 @@ TEST(MemoryMp, ExtraMemoryBoundedAtTwoSizes) {
           << who << ": " << s.measured / kMiB << " -> " << b.measured / kMiB << " MiB";
       EXPECT_LE(b.measured_private, s.measured_private + kHeapSlack)
           << who << ": " << s.measured_private / kMiB << " -> " << b.measured_private / kMiB << " MiB";
+    }
+  }
+}
+
+// Delta syncs (docs/delta.md): each producer's kept copy, as reported (its share of the
+// weights: it stages everything it holds once per sync here) and as measured (resident:
+// it is written every sync), within what the engine reports.
+TEST(MemoryMp, DeltaKeptCopyIsMeasured) {
+  const SizeRun run = run_size(6, true);
+  ASSERT_EQ(run.ranks.size(), 4u);
+  for (const auto& [who, m] : run.ranks) {
+    const std::string at = fmt::format("{}: {}", who, m.memory.dump());
+    if (!who.starts_with("producer")) {
+      EXPECT_EQ(kind(m, "kept_copy"), 0u) << at;
+      continue;
+    }
+    const uint64_t kept = kind(m, "kept_copy");
+    EXPECT_GE(kept, m.held * 9 / 10) << at;
+    EXPECT_LE(kept, m.held + m.held / 10 + kMiB) << at;
+    EXPECT_EQ(m.extra, kind(m, "staging_ring") + kept + kind(m, "metadata") + MemoryUse::kFixedAllowance) << at;
+    if (kRssMeasures) {
+      std::printf("%s: kept copy %.1f MiB reported, measured beyond the source %.1f MiB (extra %.1f MiB)\n",
+                  who.c_str(), static_cast<double>(kept) / kMiB, static_cast<double>(m.measured) / kMiB,
+                  static_cast<double>(m.extra) / kMiB);
+      EXPECT_GE(m.measured, kept * 9 / 10) << at << ": the kept copy is written every sync, so resident";
+      EXPECT_LE(m.measured, m.extra + kHeapSlack) << at;
     }
   }
 }
