@@ -161,10 +161,12 @@ TEST_P(EngineDeltaTest, CorruptedPatchIsCaughtAndRepaired) {
   k.expect_all_ok(k.sync(4), 4);
 }
 
-// delta_full_every = 2: every second sync of a producer sends dense bytes only.
+// delta_full_every = 2: every second sync of a producer sends dense bytes only. With
+// checksums on: each group's checksum is checked over the bytes a patch produced.
 TEST_P(EngineDeltaTest, FullSyncEveryNthVersion) {
   Cluster k(GetParam());
   k.eo.delta_full_every = 2;
+  k.eo.checksums = true;
   start_delta(k, 0.01);
   for (uint64_t v = 1; v <= 5; ++v) {
     auto o = k.sync(v);
