@@ -134,6 +134,53 @@ class EngineTest(unittest.TestCase):
             for x in producers + consumers:
                 x.close()
 
+    def test_delta_syncs_send_patches_of_what_changed(self):
+        # delta=True (docs/delta.md): version 2 changes 1% of version 1's elements; the
+        # consumers take patches against version 1, bit for bit, and the report says so.
+        loader = ferry.ModelLoader(CONFIG, "tp=2")
+        rng = np.random.default_rng(5)
+        v1 = checkpoint(1)
+        v2 = {n: a.copy() for n, a in v1.items()}
+        for a in v2.values():
+            flat = a.reshape(-1)
+            flat[rng.random(flat.size) < 0.01] += 1.0
+        with ferry.StoreServer() as server:
+            trainers = [NumpyTrainer(r, 2, "tp=2") for r in range(2)]
+            for t in trainers:
+                t._cache = {1: v1, 2: v2}
+                t.full = lambda version, t=t: t._cache[version]
+            common = dict(token=server.token, backend="inproc", job="delta", timeout=20.0, delta=True)
+            made = run_threads([lambda t=t: ferry.Producer(t, server.url, num_consumers=2, **common) for t in trainers] +
+                               [lambda r=r: ferry.Consumer(loader=loader, rank=r, store=server, num_producers=2,
+                                                           **common) for r in range(2)])
+            producers, consumers = made[:2], made[2:]
+            for v in (1, 2):
+                for t in trainers:
+                    t.version = v
+                reports = run_threads([lambda p=p: p.sync(v) for p in producers] +
+                                      [lambda c=c: c.sync(v) for c in consumers])
+                for rep in reports:
+                    self.assertTrue(rep["ok"], rep["text"])
+                for r, c in enumerate(consumers):
+                    expected = {n: np.zeros(d.shape, np.float32) for n, d in loader.params(r).items()}
+                    loader.record_plan(r).replay(v1 if v == 1 else v2, expected)
+                    self.assert_params_equal(expected, c.params())
+                sent = sum(rep["bytes_sent"] for rep in reports[:2])
+                patches = sum(rep["patch_bytes"] for rep in reports[:2])
+                if v == 1:
+                    dense = sent
+                    self.assertEqual(patches, 0)
+                else:
+                    self.assertEqual(patches, sent)
+                    self.assertLess(sent, dense * 0.05)
+                    seen = sum(rep["delta_changed"] for rep in reports[:2]) / sum(rep["delta_elements"] for rep in reports[:2])
+                    self.assertAlmostEqual(seen, 0.01, delta=0.004)
+                    self.assertEqual(sum(rep["patch_bytes"] for rep in reports[2:]), patches)
+                    self.assertEqual(sum(rep["patches_repaired"] for rep in reports[2:]), 0)
+                self.assertGreater(reports[0]["memory"]["kept_copy"], 0)
+            for x in producers + consumers:
+                x.close()
+
     def test_torch_bf16_source_and_ferry_allocated_params(self):
         import torch
 
