@@ -134,5 +134,42 @@ TEST(EngineDevice, SyncsThroughGpuStagingDeviceToDevice) {
   }
 }
 
+// Delta syncs with GPU weights (docs/delta.md): producers pack on the GPU and stage
+// there, the kept copy stays on the host. Host params take patches; GPU params read the
+// dense bytes (consumers with CUDA IPC from the GPU slot, never patched; consumer 3
+// through the transport from the kept copy). Every version verified bit for bit.
+TEST(EngineDevice, DeltaWithGpuWeightsPatchesHostParamsAndDensesGpuParams) {
+  if (!cuda_status().usable()) GTEST_SKIP() << "needs a CUDA device; " << cuda_status().detail;
+  for (const bool gpu_params : {false, true}) {
+    SCOPED_TRACE(gpu_params ? "GPU params" : "host params");
+    Cluster k(EngineCase{Backend::kInproc, Mode::kPull});
+    k.gpu_sources = true;
+    k.eo.delta = true;
+    k.changes = {0.01, false};
+    if (gpu_params) {
+      k.caller_params = true;
+      k.param_factory = gpu_param;
+    }
+    k.tweak_producer = [](ProducerOptions& o, int) { o.staging_device = Device::cuda(0); };
+    k.tweak_consumer = [](ConsumerOptions& o, int c) { o.cuda_ipc = c != 3; };
+    ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2,replicas=2").ok());
+    for (uint64_t v : {1u, 2u, 3u}) {
+      auto o = k.sync(v);
+      k.expect_all_ok(o, v);
+      if (v == 1) continue;
+      for (size_t c = 0; c < o.c.size(); ++c) {
+        ASSERT_TRUE(o.c[c]->ok());
+        const SyncReport& r = **o.c[c];
+        if (gpu_params) {
+          EXPECT_EQ(r.patch_bytes, 0u) << "consumer " << c << ": " << r.to_string();
+          EXPECT_EQ(r.received_via_cuda_ipc, c == 3 ? 0u : r.bytes_received) << "consumer " << c;
+        } else {
+          EXPECT_GT(r.patch_bytes, 0u) << "consumer " << c << ": " << r.to_string();
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ferry::engine_tests
