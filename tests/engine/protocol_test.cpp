@@ -4,6 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <fstream>
+#include <iterator>
+
 #include "engine/cuda_ipc.h"
 #include "engine/in_place.h"
 #include "engine/protocol.h"
@@ -102,6 +106,22 @@ TEST(EngineProtocol, BadMagicTypeAndFlagAreCorrupt) {
   auto release = encode_message(Release{3, 7, 2, 9});
   release[4] = std::byte{static_cast<uint8_t>(Message(Ready{}).index() + 1)};
   EXPECT_FALSE(decode_message(release).ok());
+}
+
+// The fuzz target's message seeds (fuzz/seeds/fuzz_engine_protocol) are messages of
+// today's format: each decodes and encodes back to the same bytes.
+TEST(EngineProtocol, FuzzSeedsAreMessagesOfTodaysFormat) {
+  const std::string dir = std::string(FERRY_SOURCE_DIR) + "/fuzz/seeds/fuzz_engine_protocol/";
+  for (const char* name : {"announce", "release", "ready", "pushed", "done"}) {
+    std::ifstream f(dir + name, std::ios::binary);
+    ASSERT_TRUE(f.good()) << dir << name;
+    const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    const std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(text.data()), text.size());
+    auto m = decode_message(bytes);
+    ASSERT_TRUE(m.ok()) << name << ": " << m.status().to_string();
+    const auto again = encode_message(*m);
+    EXPECT_TRUE(again.size() == bytes.size() && std::equal(again.begin(), again.end(), bytes.begin())) << name;
+  }
 }
 
 TEST(EngineProtocol, LeasesRoundTripAndAreNotConfused) {
