@@ -279,7 +279,7 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
         const bool use_patch = pr && a.patch_bytes <= pr->length && !ipc_active && takes_patch(g, *a.patch_base);
         if (use_patch) {
           const SubRead sr{0, pr->recv_offset, a.patch_bytes, nullptr, 0, -1, pr->offset, static_cast<uint32_t>(p)};
-          if (Status st = lane->post(Transfer{LaneKind::kTransport, g, p, &sr}, 0, a.patch_bytes, a.slot_offset, base,
+          if (Status st = lane->post(Transfer{LaneKind::kTransport, g, p, &sr}, 0, a.patch_bytes, a.patch_offset, base,
                                      staged);
               !st.ok()) {
             failed_p = p;

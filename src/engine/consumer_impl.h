@@ -117,7 +117,7 @@ struct Consumer::Impl {
     // (Announce: in the slot, the dense bytes at dense_offset; Pushed: written into our
     // receive slot).
     std::optional<uint64_t> patch_base;
-    uint64_t patch_bytes = 0, dense_offset = 0;
+    uint64_t patch_bytes = 0, dense_offset = 0, patch_offset = 0;
   };
   // (version, group, producer) -> arrival. Kept even from instances not connected yet (a
   // restarted producer may announce before we re-read its lease); checked against the

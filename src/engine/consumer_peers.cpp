@@ -34,7 +34,7 @@ void Consumer::Impl::on_message(PeerId from, std::span<const std::byte> payload)
   };
   if (const auto* m = std::get_if<Announce>(&msg)) {
     if (!keep(m->group, Arrival{from, m->routes, m->slot_offset, m->checksum, m->patch_base, m->patch_bytes,
-                                m->dense_offset}))
+                                m->dense_offset, m->patch_offset}))
       return;
   } else if (const auto* m = std::get_if<Pushed>(&msg)) {
     if (!keep(m->group, Arrival{from, m->routes, 0, m->checksum, m->patch_base, m->patch_bytes, m->dense_offset})) return;

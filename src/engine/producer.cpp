@@ -374,7 +374,7 @@ struct Producer::Impl {
     Announce m{static_cast<uint32_t>(rank), version, sl.group, sl.hash, staging->slot_offset(s), std::nullopt};
     if (opts.checksums) m.checksum = served(sl.checksum, cls(c));
     if (auto it = sl.patch_bytes.find(cls(c)); sl.patch_base && it != sl.patch_bytes.end()) {
-      m.slot_offset = sl.patch_offset;  // (the slot itself, or its patch area without a kept copy)
+      m.patch_offset = sl.patch_offset;  // (the slot itself, or its patch area without a kept copy)
       m.patch_base = sl.patch_base;
       m.patch_bytes = it->second;
       m.dense_offset = sl.dense_offset;

@@ -22,7 +22,7 @@ void fields(M& m, F&& f) {
   using T = std::remove_const_t<M>;
   if constexpr (std::is_same_v<T, Announce>) {
     f(m.producer), f(m.version), f(m.routes), f(m.group), f(m.slot_offset), f(m.patch_base), f(m.patch_bytes),
-        f(m.dense_offset), f(m.checksum);
+        f(m.dense_offset), f(m.patch_offset), f(m.checksum);
   } else if constexpr (std::is_same_v<T, Release>) {
     f(m.consumer), f(m.version), f(m.routes), f(m.group), f(m.took_patch);
   } else if constexpr (std::is_same_v<T, Ready>) {
@@ -115,6 +115,10 @@ Result<Message> decode_as(std::span<const std::byte> bytes, size_t header) {
   if constexpr (requires { m.dense_offset; }) {
     if (!m.patch_base && m.dense_offset != 0)
       return corrupt("engine message {}: a dense offset without a patch", message_name(Message(m)));
+  }
+  if constexpr (requires { m.patch_offset; }) {
+    if (!m.patch_base && m.patch_offset != 0)
+      return corrupt("engine message {}: a patch offset without a patch", message_name(Message(m)));
   }
   if constexpr (requires { m.took_patch; }) {
     if (m.took_patch > 2) return corrupt("engine message {}: bad value {}", message_name(Message(m)), m.took_patch);

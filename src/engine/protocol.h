@@ -51,14 +51,17 @@ struct Announce {
   uint64_t routes = 0;
   uint64_t slot_offset = 0;              // byte offset of the group in the staging ring
   std::optional<uint64_t> checksum;      // checksums on: xxHash64 of c's segment
-  // Delta syncs (EngineOptions::delta): c's segment in the slot is a patch
-  // (src/delta/patch.h) of `patch_bytes` against version `patch_base` of the same bytes,
-  // and the group's dense bytes lie at `dense_offset` of the staging ring (the
-  // producer's kept copy) for a consumer that does not hold that version. Absent base:
-  // the segment is dense in the slot (patch_bytes and dense_offset 0).
+  // Delta syncs (EngineOptions::delta): c's segment is a patch (src/delta/patch.h) of
+  // `patch_bytes` against version `patch_base` of the same bytes, laid out as the group at
+  // `patch_offset` of the staging ring (the slot itself, or its patch area without a
+  // kept copy), and the group's dense bytes lie at `dense_offset` (the kept copy, or the
+  // slot) for a consumer that does not hold that version. A GPU staging slot (CUDA IPC,
+  // at slot_offset) is never patched. Absent base: the segment is dense at slot_offset
+  // (the patch fields 0).
   std::optional<uint64_t> patch_base;
   uint64_t patch_bytes = 0;
   uint64_t dense_offset = 0;
+  uint64_t patch_offset = 0;
   friend bool operator==(const Announce&, const Announce&) = default;
 };
 struct Release {

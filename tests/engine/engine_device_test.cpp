@@ -135,17 +135,21 @@ TEST(EngineDevice, SyncsThroughGpuStagingDeviceToDevice) {
 }
 
 // Delta syncs with GPU weights (docs/delta.md): producers pack on the GPU and stage
-// there, the kept copy stays on the host. Host params take patches; GPU params read the
+// there, the kept copy (or, without one, the patch area) stays on the host. Host params
+// take patches; GPU params read the
 // dense bytes (consumers with CUDA IPC from the GPU slot, never patched; consumer 3
 // through the transport from the kept copy). Every version verified bit for bit.
 TEST(EngineDevice, DeltaWithGpuWeightsPatchesHostParamsAndDensesGpuParams) {
   if (!cuda_status().usable()) GTEST_SKIP() << "needs a CUDA device; " << cuda_status().detail;
+  for (const uint64_t block_bytes : {uint64_t{0}, uint64_t{4096}})
   for (const bool gpu_params : {false, true}) {
-    SCOPED_TRACE(gpu_params ? "GPU params" : "host params");
+    SCOPED_TRACE(fmt::format("{}, {}", gpu_params ? "GPU params" : "host params",
+                             block_bytes ? "block hashes" : "kept copy"));
     Cluster k(EngineCase{Backend::kInproc, Mode::kPull});
     k.gpu_sources = true;
     k.eo.delta = true;
-    k.changes = {0.01, false};
+    k.eo.delta_block_bytes = block_bytes;
+    k.changes = {block_bytes ? 0.1 : 0.01, block_bytes != 0};  // (blocks win on whole tensors changed)
     if (gpu_params) {
       k.caller_params = true;
       k.param_factory = gpu_param;

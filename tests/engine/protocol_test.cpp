@@ -19,7 +19,7 @@ namespace {
 std::vector<Message> one_of_each() {
   return {Announce{1, 7, 2, 0xabcdef, 4096, 0x1234},
           Announce{1, 7, 2, 0xabcdef, 4096, std::nullopt},
-          Announce{1, 7, 2, 0xabcdef, 4096, 0x1234, 6, 77, 1 << 20},
+          Announce{1, 7, 2, 0xabcdef, 4096, 0x1234, 6, 77, 1 << 20, 4096},
           Release{3, 7, 2, 0xabcdef},
           Release{3, 7, 2, 0xabcdef, 1},
           Ready{3, 7, 2, 0xabcdef, 1, 1},
@@ -97,6 +97,9 @@ TEST(EngineProtocol, BadMagicTypeAndFlagAreCorrupt) {
   a.dense_offset = 64;
   EXPECT_EQ(decode_message(encode_message(a)).status().code(), StatusCode::kCorrupt);
   a = Announce{1, 7, 2, 3, 4, std::nullopt, 6, 0, 64};
+  EXPECT_EQ(decode_message(encode_message(a)).status().code(), StatusCode::kCorrupt);
+  a = Announce{1, 7, 2, 3, 4, std::nullopt};
+  a.patch_offset = 128;
   EXPECT_EQ(decode_message(encode_message(a)).status().code(), StatusCode::kCorrupt);
   EXPECT_EQ(decode_message(encode_message(Pushed{1, 7, 2, 3, 0, std::nullopt, std::nullopt, 9})).status().code(),
             StatusCode::kCorrupt);
