@@ -168,16 +168,6 @@ Status Consumer::Impl::waited(std::span<const Completion> ops, int p, uint64_t v
   return Status(st.code(), fmt::format("consumer {} reading group {} from producer {}: {}", rank, g, p, st.message()));
 }
 
-const Read* Consumer::Impl::patch_read(int g, int p) const {
-  const Read* found = nullptr;
-  for (const Read& r : plan_route->groups[static_cast<size_t>(g)].reads) {
-    if (r.producer != static_cast<uint32_t>(p)) continue;
-    if (found) return nullptr;  // several reads: one patch cannot cover them
-    found = &r;
-  }
-  return found;
-}
-
 bool Consumer::Impl::takes_patch(int g, uint64_t base) const {
   if (!opts.delta || param_set->device() || landed_groups.count(g)) return false;
   const ConsumerState st = param_set->state();
@@ -275,7 +265,8 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
         // Delta: our segment is a patch. Read it where we hold its base; else the dense
         // bytes, from the kept copy (over the CUDA IPC lane: the GPU slot, never patched).
         const Arrival& a = got[p];
-        const Read* pr = a.patch_base ? patch_read(g, p) : nullptr;
+        const Read* pr =
+            a.patch_base ? single_read_from(plan_route->groups[static_cast<size_t>(g)], static_cast<uint32_t>(p)) : nullptr;
         const bool use_patch = pr && a.patch_bytes <= pr->length && !ipc_active && takes_patch(g, *a.patch_base);
         if (use_patch) {
           const SubRead sr{0, pr->recv_offset, a.patch_bytes, nullptr, 0, -1, pr->offset, static_cast<uint32_t>(p)};
@@ -345,7 +336,7 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
       for (int p : from) {  // delta: patches written into the slot, applied here
         const Arrival& a = got[p];
         if (!a.patch_base) continue;
-        const Read* pr = patch_read(g, p);
+        const Read* pr = single_read_from(plan_route->groups[static_cast<size_t>(g)], static_cast<uint32_t>(p));
         Status applied = !live || *a.patch_base != *live || !pr || a.patch_bytes > pr->length
                              ? failed_precondition("a patch against version {} it did not ask for", *a.patch_base)
                              : apply_segment_patch(g, p, *pr, a.patch_bytes, ring.data + base);

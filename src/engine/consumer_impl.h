@@ -231,10 +231,8 @@ struct Consumer::Impl {
   // hold the version they held when it began. Sync thread.
   std::set<int> landed_groups;
   std::vector<std::byte> patch_copy;  // a patch moved out of the receive slot to be applied
-  // The one read of group g from producer p (nullptr: none, or several), and whether a
-  // patch against version `base` of it can be applied here: host params whose live
-  // version is `base`, intact (not torn, group g not unpacked this sync), no CUDA IPC.
-  const Read* patch_read(int g, int p) const;
+  // Whether a patch against version `base` of group g can be applied here: host params
+  // whose live version is `base`, intact (not torn, group g not unpacked this sync).
   bool takes_patch(int g, uint64_t base) const;
   // Applies the patch that lies at the start of producer p's segment of group g in the
   // receive slot at `slot` (its base gathered from the live params into that segment);

@@ -100,6 +100,21 @@ struct Producer::Impl {
   bool in_sync = false;
   uint64_t version = 0;
   std::vector<bool> live;
+  // Delta syncs: what delta_pack put in a slot: the version its patches are against (none:
+  // dense), each plan class's patch bytes (a class absent: dense), where the patches lie
+  // (the slot, or its patch area) and where the group's dense bytes lie (the kept copy, or
+  // the slot).
+  struct DeltaPack {
+    std::optional<uint64_t> base;
+    std::map<uint32_t, uint64_t> patch_bytes;
+    uint64_t patch_offset = 0, dense_offset = 0;
+    // Plan class `cls`'s patch bytes, if it has a patch.
+    std::optional<uint64_t> bytes_for(uint32_t cls) const {
+      auto it = patch_bytes.find(cls);
+      if (!base || it == patch_bytes.end()) return std::nullopt;
+      return it->second;
+    }
+  };
   struct Slot {
     int group = -1;
     uint64_t hash = 0;  // routes of the attempt that packed it
@@ -118,19 +133,13 @@ struct Producer::Impl {
     // Targets left out when it was packed because they had declared other routes (a
     // FAILOVER); one that declares this slot's routes later reads it then (on_message).
     std::set<int> skipped;
-    // Delta syncs: the version its patches are against (none: dense), each plan class's
-    // patch bytes in the slot (a class absent: dense), and where the group's dense bytes
-    // lie in the staging ring (the kept copy).
-    std::optional<uint64_t> patch_base;
-    std::map<uint32_t, uint64_t> patch_bytes;
-    uint64_t patch_offset = 0, dense_offset = 0;  // where the patches and the dense bytes lie
+    DeltaPack patches;  // delta syncs
   };
   std::vector<Slot> slots;
   // Delta syncs (EngineOptions::delta): the kept copy (StagingRing::kept) laid out for the
-  // routes `kept_hash` (kept_layout: kept_at per group), whether that fits the ring's kept
-  // area, and the version each group holds there (none: not packed under these routes
-  // yet). Sync thread only.
-  uint64_t kept_hash = 0;
+  // routes now installed (kept_layout: kept_at per group; apply_routes starts it afresh),
+  // whether that fits the ring's kept area, and the version each group holds there (none:
+  // not packed under these routes yet). Sync thread only.
   bool kept_fits = false;
   std::vector<uint64_t> kept_at;
   std::vector<std::optional<uint64_t>> kept_version;
@@ -304,7 +313,7 @@ struct Producer::Impl {
         released.emplace(c, sl.group);
         if (auto o = sl.opened.find(c); o != sl.opened.end()) from = o->second;
       }
-      const uint64_t patch = took_patch > 0 && sl.patch_base ? served(sl.patch_bytes, cls(c)) : 0;
+      const uint64_t patch = took_patch > 0 ? sl.patches.bytes_for(cls(c)).value_or(0) : 0;
       if (patch > 0) {
         trace.record(TracePhase::kSend, sl.group, c, from, *sl.last_release, TraceLane::kPatch, patch);
         if (took_patch == 1) report.patched_dense_bytes += b - ip;
@@ -373,11 +382,11 @@ struct Producer::Impl {
   Announce announce_locked(const Slot& sl, int c, size_t s) {
     Announce m{static_cast<uint32_t>(rank), version, sl.group, sl.hash, staging->slot_offset(s), std::nullopt};
     if (opts.checksums) m.checksum = served(sl.checksum, cls(c));
-    if (auto it = sl.patch_bytes.find(cls(c)); sl.patch_base && it != sl.patch_bytes.end()) {
-      m.patch_offset = sl.patch_offset;  // (the slot itself, or its patch area without a kept copy)
-      m.patch_base = sl.patch_base;
-      m.patch_bytes = it->second;
-      m.dense_offset = sl.dense_offset;
+    if (auto pb = sl.patches.bytes_for(cls(c))) {
+      m.patch_base = sl.patches.base;
+      m.patch_bytes = *pb;
+      m.patch_offset = sl.patches.patch_offset;
+      m.dense_offset = sl.patches.dense_offset;
     }
     return m;
   }
@@ -469,20 +478,17 @@ struct Producer::Impl {
       // (Without a kept copy, delta_block_bytes, the slot holds the dense bytes and the
       // patches lie in its patch area: push writes the dense bytes, as it would read
       // them back for a repair from a slot that may be packed again by then.)
-      if (auto pb = sl.patch_bytes.find(cls(c)); sl.patch_base && pb != sl.patch_bytes.end() && !opts.delta_block_bytes) {
+      if (auto pb = sl.patches.bytes_for(cls(c)); pb && !opts.delta_block_bytes) {
         auto rf = ready.find({v, g, c});
-        const PlanGroup& pg = routes.consumer(static_cast<size_t>(c)).groups[static_cast<size_t>(g)];
-        const Read* read = nullptr;
-        int reads = 0;
-        for (const Read& r : pg.reads)
-          if (r.producer == static_cast<uint32_t>(rank) && ++reads) read = &r;
-        if (rf != ready.end() && rf->second.base == sl.patch_base && reads == 1 && pb->second <= read->length) {
-          mine = {PushWrite{-1, read->offset, -1, read->recv_offset, pb->second}};
-          patch_base = sl.patch_base;
-          patch_bytes = pb->second;
-          dense_offset = sl.dense_offset;
+        const Read* read = single_read_from(routes.consumer(static_cast<size_t>(c)).groups[static_cast<size_t>(g)],
+                                            static_cast<uint32_t>(rank));
+        if (rf != ready.end() && rf->second.base == sl.patches.base && read && *pb <= read->length) {
+          mine = {PushWrite{-1, read->offset, -1, read->recv_offset, *pb}};
+          patch_base = sl.patches.base;
+          patch_bytes = *pb;
+          dense_offset = sl.patches.dense_offset;
         } else {
-          from_offset = sl.dense_offset;
+          from_offset = sl.patches.dense_offset;
         }
       }
     }
@@ -728,24 +734,17 @@ struct Producer::Impl {
                                          : kept_at.back() <= staging->kept_bytes();
       kept_version.assign(static_cast<size_t>(routes.num_groups()), std::nullopt);
       kept_blocks.assign(static_cast<size_t>(routes.num_groups()), {});
-      kept_hash = routes_hash;
     }
     return Status::Ok();
   }
 
-  // Delta syncs: what delta_pack put in a slot (Slot::patch_base, patch_bytes, dense_offset).
-  struct DeltaPack {
-    std::optional<uint64_t> base;
-    std::map<uint32_t, uint64_t> patch_bytes;
-    uint64_t patch_offset = 0, dense_offset = 0;
-  };
   // Delta: group g of version v is packed (dense) in slot s. Per plan class segment: a
   // patch against the kept copy's version of it where one is kept (under these routes,
   // of another version, not a full sync) and smaller than the dense bytes; the kept copy
   // then takes the dense bytes (and the version v), and the slot the patch. Sync thread.
-  DeltaPack delta_pack(int g, size_t s, uint64_t v, const ProducerGroup& grp, uint64_t hash) {
+  DeltaPack delta_pack(int g, size_t s, uint64_t v, const ProducerGroup& grp) {
     DeltaPack out;
-    if (!kept_fits || kept_hash != hash || grp.staging_bytes == 0) return out;
+    if (!kept_fits || grp.staging_bytes == 0) return out;
     if (opts.delta_block_bytes) return delta_pack_blocks(g, s, v, grp);
     const size_t gi = static_cast<size_t>(g);
     std::byte* slot = staging->slot(s).data();
@@ -780,12 +779,12 @@ struct Producer::Impl {
     kept_version[gi] = v;
     if (!out.patch_bytes.empty()) {
       out.base = had;
+      out.patch_offset = staging->slot_offset(s);
       out.dense_offset = staging->kept_offset() + kept_at[gi];
     }
     std::lock_guard<std::mutex> lk(mu);
     report.delta_elements += elements;
     report.delta_changed += changed;
-    out.patch_offset = staging->slot_offset(s);
     return out;
   }
 
@@ -1135,16 +1134,14 @@ struct Producer::Impl {
       if (!packed.ok()) return packed.status();
       std::map<uint32_t, uint64_t> sums = std::move(*packed);
       DeltaPack dp;
-      if (opts.delta) dp = delta_pack(g, s, v, grp, hash);
+      if (opts.delta) dp = delta_pack(g, s, v, grp);
       if (opts.test_hooks && opts.test_hooks->corrupt_group == g && opts.test_hooks->corrupt_version == v &&
           !grp.segments.empty() && grp.segments[0].bytes) {
         // Delta: a patched segment's last byte (a value: the patch's structure stays valid
         // and only its content hash can tell); otherwise its first byte.
-        auto pb = dp.patch_bytes.find(grp.segments[0].plan);
-        const bool patched = dp.base && pb != dp.patch_bytes.end();
+        const std::optional<uint64_t> pb = dp.bytes_for(grp.segments[0].plan);
         std::byte* host = staging->slot(0).data();  // the host ring's start (slots, then the kept area)
-        host[(patched ? dp.patch_offset + pb->second - 1 : staging->slot_offset(s)) + grp.segments[0].offset] ^=
-            std::byte{0x40};
+        host[(pb ? dp.patch_offset + *pb - 1 : staging->slot_offset(s)) + grp.segments[0].offset] ^= std::byte{0x40};
       }
       trace.record(TracePhase::kPack, g, -1, tp, Clock::now());
       struct PushTo {
@@ -1169,10 +1166,7 @@ struct Producer::Impl {
         sl.packed = true;
         sl.since = Clock::now();
         sl.checksum = sums;
-        sl.patch_base = dp.base;
-        sl.patch_bytes = std::move(dp.patch_bytes);
-        sl.patch_offset = dp.patch_offset;
-        sl.dense_offset = dp.dense_offset;
+        sl.patches = std::move(dp);
         for (int c : targets) {
           if (!live[static_cast<size_t>(c)] || (done.count(c) && done[c] == v)) continue;
           if (auto it = consumer_hash.find(c);

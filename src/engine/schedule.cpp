@@ -392,6 +392,16 @@ ConsumerSchedule make_consumer_schedule(const ConsumerScheduleInputs& in) {
   return out;
 }
 
+const Read* single_read_from(const PlanGroup& group, uint32_t producer) {
+  const Read* found = nullptr;
+  for (const Read& r : group.reads) {
+    if (r.producer != producer) continue;
+    if (found) return nullptr;
+    found = &r;
+  }
+  return found;
+}
+
 std::vector<uint64_t> kept_layout(const ProducerRoute& route) {
   std::vector<uint64_t> at;
   at.reserve(route.groups.size() + 1);

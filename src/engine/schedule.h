@@ -47,6 +47,9 @@ uint64_t producer_slot_bytes(const Routes& routes, int rank, const std::vector<u
 // entry: one past every group).
 std::vector<uint64_t> kept_layout(const ProducerRoute& route);
 inline uint64_t kept_copy_bytes(const ProducerRoute& route) { return kept_layout(route).back(); }
+// The one read of a plan class's group from `producer` (its segment: what one patch
+// covers), or nullptr when there is none or several.
+const Read* single_read_from(const PlanGroup& group, uint32_t producer);
 
 // ---------------------------------------------------------------------------------------
 // Checksums (EngineOptions::checksums): xxHash64 over the bytes of one producer's
