@@ -22,6 +22,7 @@
 #include "ferry/engine.h"
 #include "tools/bench_steps.h"
 #include "tools/job_model.h"
+#include "tools/prepared_source.h"
 #include "tools/proc_memory.h"
 #include "tools/trace_file.h"
 
@@ -55,87 +56,6 @@ double cpu_seconds() {
 // Synthetic data version moved by sync `v`: two versions alternate, so the verification
 // after the last sync proves that sync moved every byte (the previous one left the other).
 uint64_t data_version(uint64_t v) { return 1 + v % 2; }
-
-// A trainer rank whose weights already sit in memory: one version, at fixed addresses,
-// written before each timed sync (set_data_version, in the driver's "prepare" step: the
-// optimizer step, outside the timed window), so materialize() costs what a real
-// trainer's does (nothing). With
-// `in_place`, the weights live in one region allocated through the producer's transport
-// (a trainer that allocates its parameters through ferry) and the producer serves from
-// it in place; else in ordinary memory. Either way the rank holds its shard once, plus
-// one group of the synthetic generator while it writes a version.
-class PreparedSource final : public WeightSource {
- public:
-  static Result<std::unique_ptr<PreparedSource>> create(const JobModel& m, int rank, uint64_t seed, Transport* in_place,
-                                                        const SyntheticChanges& changes) {
-    auto s = std::unique_ptr<PreparedSource>(new PreparedSource(m, rank, seed));
-    s->generator_.set_changes(changes);
-    const Holdings& h = (*m.holdings)[static_cast<size_t>(rank)];
-    const Groups groups(m.metadata);
-    s->live_.resize(static_cast<size_t>(groups.size()));
-    uint64_t bytes = 0;
-    for (const HeldBox& b : h.boxes) bytes += align_up(static_cast<uint64_t>(b.box.numel()) * dtype_size(h.tensors[b.tensor].dtype), 64);
-    if (in_place) FERRY_RETURN_IF_ERROR(s->region_.allocate(*in_place, bytes));
-    // Boxes in the order SyntheticSource::materialize returns them (holdings order within
-    // each group), at consecutive 64-byte-aligned addresses of the region.
-    uint64_t at = 0;
-    for (size_t i = 0; i < h.boxes.size(); ++i) {
-      const HeldBox& b = h.boxes[i];
-      const TensorDecl& d = h.tensors[b.tensor];
-      const int g = groups.of_name(d.name);
-      Tensor t = in_place ? Tensor::borrow(s->region_.data + at, b.box.size, d.dtype) : Tensor::empty(b.box.size, d.dtype, d.name);
-      at += align_up(static_cast<uint64_t>(b.box.numel()) * dtype_size(d.dtype), 64);
-      s->live_[static_cast<size_t>(g)].push_back(LocalBox{static_cast<uint32_t>(i), t});
-    }
-    s->held_ = bytes;
-    FERRY_RETURN_IF_ERROR(s->set_data_version(1));
-    return s;
-  }
-  const std::vector<TensorDecl>& metadata() const override { return metadata_; }
-  int rank() const override { return rank_; }
-  int world_size() const override { return static_cast<int>(holdings_->size()); }
-  Result<Holdings> holdings(int rank) const override {
-    if (rank < 0 || rank >= world_size()) return invalid_argument("rank {} outside world {}", rank, world_size());
-    return (*holdings_)[static_cast<size_t>(rank)];
-  }
-  Result<std::vector<LocalBox>> materialize(int group) override {
-    if (group < 0 || group >= static_cast<int>(live_.size())) return invalid_argument("group {} out of range", group);
-    return live_[static_cast<size_t>(group)];
-  }
-  // Writes data version d over the weights, group by group (the generator's buffers of
-  // one group at a time).
-  Status set_data_version(uint64_t d) {
-    if (d == current_) return Status::Ok();
-    generator_.set_version(d);
-    for (size_t g = 0; g < live_.size(); ++g) {
-      FERRY_ASSIGN_OR_RETURN(auto boxes, generator_.materialize(static_cast<int>(g)));
-      if (boxes.size() != live_[g].size())
-        return internal_error("prepared source: group {} has {} boxes, the generator gave {}", g, live_[g].size(),
-                              boxes.size());
-      for (size_t i = 0; i < boxes.size(); ++i) FERRY_RETURN_IF_ERROR(live_[g][i].data.copy_(boxes[i].data));
-    }
-    current_ = d;
-    return Status::Ok();
-  }
-  // The in-place region (ProducerOptions::source_regions), if any.
-  std::vector<MemoryRegion> regions() const {
-    if (!region_.data) return {};
-    return {region_.region};
-  }
-  uint64_t held_bytes() const { return held_; }
-
- private:
-  PreparedSource(const JobModel& m, int rank, uint64_t seed)
-      : metadata_(m.metadata), holdings_(m.holdings), rank_(rank), generator_(m.metadata, m.holdings, rank, seed) {}
-  std::vector<TensorDecl> metadata_;
-  std::shared_ptr<const std::vector<Holdings>> holdings_;
-  int rank_ = 0;
-  uint64_t current_ = 0;
-  uint64_t held_ = 0;
-  SyntheticSource generator_;
-  RegisteredBuffer region_;
-  std::vector<std::vector<LocalBox>> live_;  // per group, in the generator's order
-};
 
 int bench_worker_fail(const BenchWorkerSpec& s, const Status& st) {
   std::fprintf(stderr, "ferry worker --bench %s %d: %s\n", s.role.c_str(), s.rank, st.to_string().c_str());

@@ -22,6 +22,7 @@
 #include "engine/testing.h"
 #include "ferry/engine.h"
 #include "tools/job_model.h"
+#include "tools/prepared_source.h"
 #include "tools/proc_memory.h"
 #include "tools/trace_file.h"
 #include "tools/transport_options.h"
@@ -53,35 +54,6 @@ Result<std::vector<std::pair<int, int>>> parse_pause_points(std::string_view tex
 }
 
 namespace {
-
-// WorkerSpec::prepare_weights: a trainer rank whose weights of a version are all in
-// memory before its sync() is called (as a trainer's parameters are after its optimizer
-// step), so the sync's seconds do not include generating synthetic weights.
-class PreparedWeights final : public WeightSource {
- public:
-  explicit PreparedWeights(SyntheticSource& inner) : inner_(inner), groups_(Groups(inner.metadata()).size()) {}
-  const std::vector<TensorDecl>& metadata() const override { return inner_.metadata(); }
-  int rank() const override { return inner_.rank(); }
-  int world_size() const override { return inner_.world_size(); }
-  Result<Holdings> holdings(int rank) const override { return inner_.holdings(rank); }
-  // Every group of the inner source's current version, generated now.
-  Status prepare() {
-    for (size_t g = 0; g < groups_.size(); ++g) {
-      groups_[g].clear();  // (the old version's buffers freed before the new ones are made)
-      FERRY_ASSIGN_OR_RETURN(groups_[g], inner_.materialize(static_cast<int>(g)));
-    }
-    return Status::Ok();
-  }
-  Result<std::vector<LocalBox>> materialize(int group) override {
-    if (group < 0 || static_cast<size_t>(group) >= groups_.size())
-      return out_of_range("prepared weights: group {} of {}", group, groups_.size());
-    return groups_[static_cast<size_t>(group)];
-  }
-
- private:
-  SyntheticSource& inner_;
-  std::vector<std::vector<LocalBox>> groups_;
-};
 
 int worker_fail(const WorkerSpec& s, const Status& st) {
   std::fprintf(stderr, "ferry worker %s %d: %s\n", s.role.c_str(), s.rank, st.to_string().c_str());
@@ -172,7 +144,9 @@ int run_worker(const WorkerSpec& s) {
   const ProcMemory base = proc_memory().value_or(ProcMemory{});
   uint64_t held = 0, source_resident = 0;
   std::unique_ptr<SyntheticSource> source;
-  std::unique_ptr<PreparedWeights> prepared;  // --prepare-weights
+  // --prepare-weights: the weights of each version written before its sync starts (held
+  // in memory, as a trainer's are), instead of generated group by group inside it.
+  std::unique_ptr<PreparedSource> prepared;
   // Shadow consumers: a reader of the live params during each sync, under the lock the
   // commit hooks take exclusively (what a serving engine does); every read must be
   // exactly the committed version (verify_params), else it counts as mixed.
@@ -189,7 +163,11 @@ int run_worker(const WorkerSpec& s) {
   if (s.role == "producer") {
     source = std::make_unique<SyntheticSource>(model->metadata, model->holdings, s.rank, s.seed);
     source->set_changes(*changes);
-    if (s.prepare_weights) prepared = std::make_unique<PreparedWeights>(*source);
+    if (s.prepare_weights) {
+      auto ps = PreparedSource::create(*model, s.rank, s.seed, nullptr, *changes);
+      if (!ps.ok()) return worker_fail(s, ps.status());
+      prepared = std::move(*ps);
+    }
     ProducerOptions po;
     static_cast<EngineOptions&>(po) = eo;
     engine::TestHooks hooks;
@@ -214,7 +192,7 @@ int run_worker(const WorkerSpec& s) {
     }
     for (const auto& [g, n] : per_group) source_resident = std::max(source_resident, n);
     if (prepared) {
-      source_resident = held;  // every group in memory (prepared before each sync: set_weights)
+      source_resident = prepared->held_bytes();  // every group in memory (written before each sync: set_weights)
     }
     WeightSource& served = prepared ? static_cast<WeightSource&>(*prepared) : *source;
     auto p = Producer::create(served, **transport, st, po);
@@ -275,7 +253,7 @@ int run_worker(const WorkerSpec& s) {
     if (!source) return Status::Ok();
     source->set_version(static_cast<uint64_t>(ver));
     if (!prepared) return Status::Ok();
-    return prepared->prepare().with_context(fmt::format("preparing version {}", ver));
+    return prepared->set_data_version(static_cast<uint64_t>(ver)).with_context(fmt::format("preparing version {}", ver));
   };
   if (Status w = set_weights(s.first_version); !w.ok()) return worker_fail(s, w);
   if (auto r = put_result(worker_ready_key(s.job, s.role, s.rank), std::to_string(::getpid())); !r.ok())
