@@ -538,6 +538,38 @@ Status pack_group(const ProducerGroup& pg, uint32_t producer, int group, const H
   return Status::Ok();
 }
 
+namespace {
+
+// An unpack op checked against its plan and a receive buffer of `recv_bytes` (`what`:
+// "unpack" or "gather", naming the caller in errors): its param, its destination inside
+// that param, its bytes inside the buffer. Its element count.
+Result<int64_t> checked_unpack(const char* what, const PlanRoute& plan, const UnpackOp& op, uint64_t recv_bytes) {
+  if (op.param >= plan.params.size()) return out_of_range("{}: param {} of {}", what, op.param, plan.params.size());
+  const TensorDecl& d = plan.params[op.param];
+  int64_t n, lo, hi;
+  if (!layout_range(op.dst, n, lo, hi) || (n > 0 && (lo < 0 || hi >= shape_numel(d.shape)))) {
+    return out_of_range("{}: layout {} outside param '{}' {}", what, op.dst.to_string(), d.name, shape_str(d.shape));
+  }
+  if (!bytes_within(op.offset, n, dtype_size(op.src_dtype), recv_bytes)) {
+    return out_of_range("{}: param '{}' lies past the receive buffer", what, d.name);
+  }
+  return n;
+}
+
+// The caller's tensor for plan param `d`: present, real, contiguous, of its dtype and shape.
+Result<const Tensor*> plan_param(const char* what, const TensorMap& params, const TensorDecl& d) {
+  auto it = params.find(d.name);
+  if (it == params.end()) return not_found("{}: param '{}' is missing", what, d.name);
+  const Tensor& t = it->second;
+  if (!t.is_real() || !t.is_contiguous() || t.shape() != d.shape || t.dtype() != d.dtype) {
+    return invalid_argument("{}: param '{}' is {}, the plan declares a contiguous {} {}", what, d.name, t.describe(),
+                            dtype_name(d.dtype), shape_str(d.shape));
+  }
+  return &t;
+}
+
+}  // namespace
+
 Status unpack_group(const PlanRoute& plan, int group, std::span<const std::byte> recv, const TensorMap& params) {
   if (group < 0 || static_cast<size_t>(group) >= plan.groups.size()) {
     return out_of_range("unpack: group {} of {}", group, plan.groups.size());
@@ -551,16 +583,11 @@ Status unpack_group(const PlanRoute& plan, int group, std::span<const std::byte>
   std::optional<Device> on_device;  // params in GPU memory: unpacked in one batch there
   std::vector<StridedCopy> device_unpacks;
   for (const UnpackOp& op : cg.unpacks) {
-    if (op.param >= plan.params.size()) return out_of_range("unpack: param {} of {}", op.param, plan.params.size());
+    FERRY_RETURN_IF_ERROR(checked_unpack("unpack", plan, op, recv.size()).status());
     const TensorDecl& d = plan.params[op.param];
     if (!base[op.param]) {
-      auto it = params.find(d.name);
-      if (it == params.end()) return not_found("unpack: param '{}' is missing", d.name);
-      const Tensor& t = it->second;
-      if (!t.is_real() || !t.is_contiguous() || t.shape() != d.shape || t.dtype() != d.dtype) {
-        return invalid_argument("unpack: param '{}' is {}, the plan declares a contiguous {} {}", d.name, t.describe(),
-                                dtype_name(d.dtype), shape_str(d.shape));
-      }
+      FERRY_ASSIGN_OR_RETURN(const Tensor* tp, plan_param("unpack", params, d));
+      const Tensor& t = *tp;
       if (!t.device().is_host()) {
         if (on_device && t.device() != *on_device) {
           return invalid_argument("unpack: group {}: params on {} and {}; one GPU per rank", group,
@@ -570,13 +597,6 @@ Status unpack_group(const PlanRoute& plan, int group, std::span<const std::byte>
       }
       where[op.param] = t.device();
       FERRY_ASSIGN_OR_RETURN(base[op.param], t.device_ptr());
-    }
-    int64_t n, lo, hi;
-    if (!layout_range(op.dst, n, lo, hi) || (n > 0 && (lo < 0 || hi >= shape_numel(d.shape)))) {
-      return out_of_range("unpack: layout {} outside param '{}' {}", op.dst.to_string(), d.name, shape_str(d.shape));
-    }
-    if (!bytes_within(op.offset, n, dtype_size(op.src_dtype), recv.size())) {
-      return out_of_range("unpack: param '{}' reads past the receive buffer", d.name);
     }
     if (!where[op.param].is_host()) {
       // A dtype conversion (float dtypes) runs in the unpack kernel, as strided_copy would.
@@ -606,27 +626,15 @@ Status gather_group(const PlanRoute& plan, int group, uint64_t lo, uint64_t hi, 
                         cg.recv_bytes, recv.size());
   }
   for (const UnpackOp& op : cg.unpacks) {
-    if (op.param >= plan.params.size()) return out_of_range("gather: param {} of {}", op.param, plan.params.size());
+    FERRY_ASSIGN_OR_RETURN(const int64_t n, checked_unpack("gather", plan, op, recv.size()));
     const TensorDecl& d = plan.params[op.param];
-    int64_t n, first, last;
-    if (!layout_range(op.dst, n, first, last) || (n > 0 && (first < 0 || last >= shape_numel(d.shape)))) {
-      return out_of_range("gather: layout {} outside param '{}' {}", op.dst.to_string(), d.name, shape_str(d.shape));
-    }
-    if (!bytes_within(op.offset, n, dtype_size(op.src_dtype), recv.size())) {
-      return out_of_range("gather: param '{}' lies past the receive buffer", d.name);
-    }
     const uint64_t end = op.offset + static_cast<uint64_t>(n) * dtype_size(op.src_dtype);
     if (end <= lo || op.offset >= hi) continue;  // another producer's bytes
     if (op.offset < lo || end > hi) {
       return invalid_argument("gather: param '{}' bytes [{}, {}) straddle [{}, {})", d.name, op.offset, end, lo, hi);
     }
-    auto it = params.find(d.name);
-    if (it == params.end()) return not_found("gather: param '{}' is missing", d.name);
-    const Tensor& t = it->second;
-    if (!t.is_real() || !t.is_contiguous() || t.shape() != d.shape || t.dtype() != d.dtype) {
-      return invalid_argument("gather: param '{}' is {}, the plan declares a contiguous {} {}", d.name, t.describe(),
-                              dtype_name(d.dtype), shape_str(d.shape));
-    }
+    FERRY_ASSIGN_OR_RETURN(const Tensor* tp, plan_param("gather", params, d));
+    const Tensor& t = *tp;
     if (!t.device().is_host()) return invalid_argument("gather: param '{}' is on {}: host params only", d.name, device_str(t.device()));
     FERRY_ASSIGN_OR_RETURN(std::byte * b, t.device_ptr());
     strided_copy(b, op.dst, d.dtype, recv.data() + op.offset, Layout::contiguous(op.dst.shape), op.src_dtype);
