@@ -85,6 +85,12 @@ uint64_t bytes_of(const Plan& p) {
 
 uint64_t registered_bytes(uint64_t n) { return align_up(std::max<uint64_t>(n, 64), 4096); }
 
+uint64_t delta_kept_bytes(const EngineOptions& options, const ProducerRoute& route, const StagingSlots& slots) {
+  if (!options.delta) return 0;
+  if (options.delta_block_bytes) return slots.slot_bytes * static_cast<uint64_t>(slots.slots);
+  return kept_copy_bytes(route);
+}
+
 Result<StagingSlots> staging_ring(int rank, uint64_t needed, uint64_t worst, uint64_t staging_budget) {
   worst = std::max(worst, needed);
   if (staging_budget == 0) return StagingSlots{worst, 2};
@@ -153,13 +159,9 @@ Result<MemoryPrediction> predict_memory(const Routes& routes, const std::vector<
         options.failover ? producer_slot_bytes(routes, rank, shared[p], true) : needed;
     FERRY_ASSIGN_OR_RETURN(StagingSlots ring, staging_ring(rank, needed, worst, options.staging_budget));
     MemoryUse m;
-    const uint64_t ring_bytes = ring.slot_bytes * static_cast<uint64_t>(ring.slots);
-    if (options.delta) {  // the kept copy (or the patch area) after the slots, in the same registration
-      m.kept_copy = options.delta_block_bytes ? ring_bytes : kept_copy_bytes(routes.producers[p]);
-      m.staging_ring = registered_bytes(ring_bytes + m.kept_copy) - m.kept_copy;
-    } else {
-      m.staging_ring = registered_bytes(ring_bytes);
-    }
+    // The kept copy (or patch area) after the slots, in the same registration.
+    m.kept_copy = delta_kept_bytes(options, routes.producers[p], ring);
+    m.staging_ring = registered_bytes(ring.slot_bytes * static_cast<uint64_t>(ring.slots) + m.kept_copy) - m.kept_copy;
     m.metadata = common + predicted_schedule_bytes(routes.producers[p]);
     out.producers.push_back(m);
   }

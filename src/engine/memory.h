@@ -27,6 +27,10 @@ struct StagingSlots {
   int slots = 0;
 };
 Result<StagingSlots> staging_ring(int rank, uint64_t needed, uint64_t worst, uint64_t staging_budget);
+// The bytes a producer keeps after its slots for delta syncs (StagingRingOptions::
+// kept_bytes, MemoryUse::kept_copy): none without `options.delta`, a patch area as large
+// as the slots with `delta_block_bytes`, else the kept copy of what `route` stages.
+uint64_t delta_kept_bytes(const EngineOptions& options, const ProducerRoute& route, const StagingSlots& slots);
 
 // Heap bytes (malloc blocks included) of the metadata a rank keeps after rendezvous:
 // the trainer's metadata, every producer's holdings, every consumer's plan, the routes.

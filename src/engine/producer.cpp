@@ -1457,9 +1457,7 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
                             options.delta ? std::vector<MemoryRegion>{} : options.source_regions,
                             options.direct_min_bytes,
                             options.checksums,
-                            !options.delta                ? 0
-                            : options.delta_block_bytes ? sr.slot_bytes * static_cast<uint64_t>(sr.slots)
-                                                          : kept_copy_bytes(routes.producers[static_cast<size_t>(m.rank)])};
+                            delta_kept_bytes(options, routes.producers[static_cast<size_t>(m.rank)], sr)};
       FERRY_ASSIGN_OR_RETURN(m.staging, StagingRing::create(m.ring_memory, source, m.holdings, so));
     }
     FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));
