@@ -25,6 +25,19 @@ Status Consumer::Impl::version_mismatch_locked(uint64_t v, const std::set<int>& 
   return Status::Ok();
 }
 
+Status Consumer::Impl::moved_on_locked(uint64_t v, const std::set<int>& from) {
+  // A producer that dropped this consumer from v, or that already serves a later
+  // version, has moved on: its slots and its trainer's weights may hold a later version
+  // now, so nothing of v it announced earlier may be read, and in push nothing asked of
+  // it (a consumer entering v after being dropped as absent read version v+1 bytes
+  // through announcements of v it had been sent before the drop).
+  for (auto d = dropped_versions.lower_bound({v, 0}); d != dropped_versions.end() && d->first.first == v; ++d) {
+    if (!route_state.dead().count(d->first.second))
+      return cancelled("consumer {} was dropped from sync {} by {}", rank, v, d->second);
+  }
+  return version_mismatch_locked(v, from);
+}
+
 Result<std::pair<int, Consumer::Impl::Arrival>> Consumer::Impl::await_any(uint64_t v, int g, const std::set<int>& from, const char* what,
                                           bool* none) {
   std::unique_lock<std::mutex> lk(mu);
@@ -34,6 +47,8 @@ Result<std::pair<int, Consumer::Impl::Arrival>> Consumer::Impl::await_any(uint64
   auto next_check = Clock::now() + opts.lease_ttl;
   std::set<int> lapsed;
   for (;;) {
+    // Checked before any announcement is taken (see moved_on_locked).
+    if (Status m = moved_on_locked(v, from); !m.ok()) return m;
     for (int p : from) {
       auto it = inbox.find({v, g, p});
       // A message of another attempt (other routes) stays: it may be the next one's.
@@ -74,11 +89,6 @@ Result<std::pair<int, Consumer::Impl::Arrival>> Consumer::Impl::await_any(uint64
       }
     }
     if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
-    for (auto d = dropped_versions.lower_bound({v, 0}); d != dropped_versions.end() && d->first.first == v; ++d) {
-      if (!route_state.dead().count(d->first.second))
-        return cancelled("consumer {} was dropped from sync {} by {}", rank, v, d->second);
-    }
-    if (Status m = version_mismatch_locked(v, from); !m.ok()) return m;
     if (Status w = worker->status(); !w.ok()) return w;
     if (none) {
       *none = true;
@@ -311,6 +321,10 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
       for (int p : from) FERRY_RETURN_IF_ERROR(waited(reads.take(g, p), p, v, g));
       trace.record(TracePhase::kRead, g, -1, tr2, Clock::now());
     } else {
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        FERRY_RETURN_IF_ERROR(moved_on_locked(v, from));  // (before any producer is asked to write)
+      }
       if (gs.direct) param_set->touch();  // producers write into params from here on: a failure now leaves us torn
       // Delta: the version our live params hold intact for this group, if we take patches.
       std::optional<uint64_t> live;
@@ -511,7 +525,9 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
     behind.clear();
     for (auto it = inbox.begin(); it != inbox.end();) {
       const auto& [mv, g, p] = it->first;
-      const bool ran = attempted.count(mv) || mismatched.count(mv);
+      // (Nor is one whose producer dropped this consumer from that version: it ran that
+      // sync without us, and is not behind.)
+      const bool ran = attempted.count(mv) || mismatched.count(mv) || dropped_versions.count({mv, p});
       if (mv < v && !ran && peers[static_cast<size_t>(p)].connected && it->second.from == peers[static_cast<size_t>(p)].id)
         behind[p] = mv;
       const bool stale = mv < v || (mv != v && ran);

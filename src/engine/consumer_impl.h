@@ -189,6 +189,10 @@ struct Consumer::Impl {
   // rather than at the timeout. Older versions are those this instance never synced
   // (an announcement of a version it did sync may just be late). mu held.
   Status version_mismatch_locked(uint64_t v, const std::set<int>& from);
+  // Not ok when a producer in `from` has moved on from v (it dropped this consumer from
+  // v, or serves a later version): then nothing of v may be read from it or asked of it.
+  // mu held.
+  Status moved_on_locked(uint64_t v, const std::set<int>& from);
 
   // Sends m to producer p; the completion, when the send was posted (it completes once
   // the message has left: delivered to the peer, for inproc).

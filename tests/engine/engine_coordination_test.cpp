@@ -614,4 +614,100 @@ TEST_P(EngineInprocTest, SameVersionAgainIsSyncedAgain) {
 }
 
 }  // namespace
+// A consumer that enters sync 2 after the producers have moved on to sync 3 (it was
+// dropped from 2 as absent, and the trainer already holds version 3) writes nothing: its
+// sync 2 fails naming the version the producers serve, and its params stay bit for bit
+// version 1 (issue 30: a late consumer's failed sync(2) wrote version 3 bytes into 10 of
+// its 39 params). Then it syncs 3 with the others... after they finished: it catches up
+// at sync 4. In place too, where the bytes a consumer reads are the trainer's own.
+class EngineLateConsumer : public ::testing::TestWithParam<Mode> {};
+INSTANTIATE_TEST_SUITE_P(Modes, EngineLateConsumer,
+                         ::testing::Values(Mode::kPull, Mode::kPush, Mode::kInPlace, Mode::kPushInPlace),
+                         [](const auto& info) {
+                           switch (info.param) {
+                             case Mode::kPull: return "pull";
+                             case Mode::kPush: return "push";
+                             case Mode::kInPlace: return "in_place";
+                             default: return "push_in_place";
+                           }
+                         });
+
+TEST_P(EngineLateConsumer, WritesNoBytesOfAVersionItWasNotAskedFor) {
+  Cluster k({Backend::kInproc, GetParam()});
+  k.eo.straggler_floor = 500ms;
+  k.eo.join_window = 1000ms;
+  std::promise<void> entered_promise;
+  auto entered = entered_promise.get_future().share();
+  std::atomic<bool> late{false};
+  std::atomic<bool> hold{false};
+  std::promise<void> go_promise;
+  auto go = go_promise.get_future().share();
+  k.tweak_consumer = [&](ConsumerOptions& o, int c) {
+    if (c == 2) {
+      o.before_sync = [&, go](uint64_t) {
+        if (late) go.wait();  // until the producers are in sync 3
+      };
+      return;
+    }
+    // Consumers 0 and 1 hold sync 3 open at group 1 until consumer 2 has tried sync 2.
+    o.after_group = [&, entered](uint64_t v, int g) {
+      if (v == 3 && g == 1 && hold) entered.wait_for(std::chrono::seconds(15));
+    };
+  };
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=1,replicas=3").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  late = true;
+  std::optional<Result<SyncReport>> c2;
+  std::thread t2([&] {
+    c2 = k.cons[2]->sync(2);
+    entered_promise.set_value();
+  });
+  // Sync 2 without consumer 2 (dropped as absent after the join window).
+  {
+    std::optional<Result<SyncReport>> p0, c0, c1;
+    std::thread tp([&] {
+      k.src[0]->set_version(2);
+      p0 = k.prod[0]->sync(2);
+    });
+    std::thread tc0([&] { c0 = k.cons[0]->sync(2); });
+    std::thread tc1([&] { c1 = k.cons[1]->sync(2); });
+    tp.join(), tc0.join(), tc1.join();
+    ASSERT_TRUE(p0->ok()) << p0->status().to_string();
+    EXPECT_EQ((**p0).dropped, std::vector<int>{2}) << (**p0).to_string();
+    ASSERT_TRUE(c0->ok()) << c0->status().to_string();
+    ASSERT_TRUE(c1->ok()) << c1->status().to_string();
+  }
+  // Sync 3 begins (the trainer holds version 3); consumer 2 enters sync 2 only now.
+  hold = true;
+  std::optional<Result<SyncReport>> p3, c30, c31;
+  std::thread tp([&] {
+    k.src[0]->set_version(3);
+    p3 = k.prod[0]->sync(3);
+  });
+  std::thread tc0([&] { c30 = k.cons[0]->sync(3); });
+  std::thread tc1([&] { c31 = k.cons[1]->sync(3); });
+  std::this_thread::sleep_for(300ms);  // (the producer is in sync 3 either way: consumers hold it)
+  go_promise.set_value();
+  t2.join();
+  tp.join(), tc0.join(), tc1.join();
+  hold = false;
+  late = false;
+  ASSERT_TRUE(c2.has_value());
+  ASSERT_FALSE(c2->ok()) << "a consumer synced version 2 after every producer had moved to 3";
+  // It says why: dropped from 2 as absent (or, had that word not come yet, that the
+  // producer serves 3).
+  const std::string why = c2->status().message();
+  EXPECT_TRUE(why.find("dropped from sync 2") != std::string::npos ||
+              why.find("producer 0 serves version 3") != std::string::npos)
+      << c2->status().to_string();
+  EXPECT_EQ(k.cons[2]->state().version, 1u);
+  // Not one byte of version 3 (or anything else) in its params: bit for bit version 1.
+  k.expect_verified(2, 1);
+  ASSERT_TRUE(c30->ok()) << c30->status().to_string();
+  ASSERT_TRUE(c31->ok()) << c31->status().to_string();
+  k.expect_verified(0, 3);
+  k.expect_verified(1, 3);
+  k.expect_all_ok(k.sync(4), 4);
+}
+
 }  // namespace ferry::engine_tests
