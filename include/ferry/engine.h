@@ -78,6 +78,12 @@
 //     lease gone at two checks a lease_ttl apart (its host cut off, or paused) is
 //     failed over the same way when a replica holds its boxes; being alive, it clears
 //     its own mark at the end of that sync and rejoins at the next one.
+//   * A producer no replica covers that is gone as a consumer's sync begins (it died
+//     between syncs) is waited for: the consumer polls the store with backoff for a
+//     restarted instance's lease until `timeout` from the sync's start, meanwhile
+//     JOINing the other producers (so they drop it neither as a straggler nor as
+//     stalled), then syncs from the new instance; not back in time, the sync fails
+//     naming it, nothing read.
 //   * Every wait is bounded (timeout, stall_timeout, rendezvous_timeout); every
 //     message is length-checked, every read is checked against the staging region
 //     (Routes::validate plus the transport's key bounds).
@@ -144,8 +150,11 @@ struct EngineOptions {
   // Bound on one wait inside a sync (an announce, a read, a free slot).
   std::chrono::milliseconds timeout{30000};
   // Producer: drop a consumer that has not released (pull) / asked (push) a group for
-  // this long after it was announced. A consumer takes groups in order, so a slow
-  // producer of an earlier group delays it: keep this above the slowest materialise.
+  // this long after the later of its announcement and the consumer's own last progress
+  // in the sync (a release, a request, a JOIN: a consumer waiting for another producer's
+  // restarted instance sends JOINs). A consumer takes groups in order, so a slow
+  // producer of an earlier group delays it: keep this above the slowest materialise,
+  // and above lease_ttl.
   std::chrono::milliseconds stall_timeout{30000};
   // Producer: a straggler — a consumer that entered the sync and has not released (pull)
   // / asked for (push) a slot the other consumers of that slot are done with, for longer

@@ -399,6 +399,46 @@ Status Consumer::Impl::failover(uint64_t v, const Status& why, SyncReport& rep) 
   return Status::Ok();
 }
 
+Status Consumer::Impl::await_restart(uint64_t v, int p, Clock::time_point deadline, SyncReport& rep) {
+  std::string gone;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    gone = peers[static_cast<size_t>(p)].gone.value_or(std::string());
+  }
+  // Polled with backoff: 10 ms doubling up to a quarter of the straggler floor (so the
+  // JOINs sent each round keep this consumer's progress fresh at the other producers),
+  // at most 500 ms.
+  const auto cap = std::clamp<Clock::duration>(opts.straggler_floor / 4, std::chrono::milliseconds(20),
+                                               std::chrono::milliseconds(500));
+  Clock::duration backoff = std::chrono::milliseconds(10);
+  const auto t = Clock::now();
+  std::set<int> everyone;
+  for (int q = 0; q < opts.num_producers; ++q) everyone.insert(q);
+  for (;;) {
+    for (int q : reachable_producers()) {
+      if (q != p) send_to(q, Join{me(), v, routes_hash});
+    }
+    auto blob = store.get(keys.producer(p));
+    if (blob.ok() && *blob != gone) {
+      rep.failures.push_back(fmt::format("consumer {}: producer {} was gone as sync {} began (no DP replica); a "
+                                         "restarted instance registered {} ms later: syncing from it",
+                                         rank, p, v, ms_since(t)));
+      return Status::Ok();
+    }
+    if (!blob.ok() && blob.status().code() != StatusCode::kNotFound) return blob.status();
+    {
+      std::unique_lock<std::mutex> lk(mu);
+      if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
+      if (Status m = moved_on_locked(v, everyone); !m.ok()) return m;  // another producer dropped us meanwhile
+    }
+    if (Clock::now() + backoff >= deadline)
+      return timeout_error("no restarted instance of producer {} registered within the sync's timeout {} ms "
+                           "(waited {} ms)", p, opts.timeout.count(), ms_since(t));
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min<Clock::duration>(2 * backoff, cap);
+  }
+}
+
 void Consumer::Impl::declare_routes(uint64_t v) {
   for (int p = 0; p < opts.num_producers; ++p) {
     bool ok;
@@ -565,6 +605,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
   if (s.ok()) {
     for (int p : reachable_producers()) send_to(p, Join{me(), v, routes_hash});
   }
+  int restart_waits = 0;
   for (int tries = 0; s.ok() || tries > 0; ++tries) {
     failed_p = -1;
     {
@@ -572,7 +613,30 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
       switch_routes = false;
     }
     s = sync_groups(v, rep);
-    if (s.ok() || !opts.failover || tries >= 2 * opts.num_producers) break;
+    if (s.ok()) break;
+    // A producer gone as the attempt began (nothing of v read yet) that no DP replica
+    // covers: wait, within the sync's timeout, for a restarted instance of it, then
+    // begin again with it (issue 30: a trainer rank restarted between syncs lost the
+    // next sync for every consumer).
+    if (failed_p >= 0 && restart_waits < opts.num_producers + 1) {
+      bool gone;
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        gone = peers[static_cast<size_t>(failed_p)].gone.has_value();
+      }
+      std::set<int> d = route_state.dead();
+      d.insert(failed_p);
+      if (gone && !(opts.failover && route_state.routes_without(d).ok())) {
+        ++restart_waits;
+        if (Status w = await_restart(v, failed_p, t0 + opts.timeout, rep); !w.ok()) {
+          s = Status(s.code(), fmt::format("{}; {}", s.message(), w.message()));
+          break;
+        }
+        trace.new_attempt(false);
+        continue;
+      }
+    }
+    if (!opts.failover || tries >= 2 * opts.num_producers) break;
     bool follow;
     {
       std::lock_guard<std::mutex> lk(mu);

@@ -98,6 +98,10 @@ struct Consumer::Impl {
     std::string blob;
     PeerId id = 0;
     bool connected = false;
+    // Set when the producer was found gone as an attempt began (no lease, or its lease's
+    // address refused us): the lease it had ("" for none). A restarted instance registers
+    // another (await_restart).
+    std::optional<std::string> gone;
     InPlaceTable in_place;     // boxes it serves from the trainer's memory
     size_t regions = 0;        // of its source regions (in_place.keys), how many are imported
   };
@@ -264,6 +268,13 @@ struct Consumer::Impl {
   // After producer failed_p failed: mark it dead and rebuild routes without it, if the
   // remaining producers hold everything. Then ask live producers to restart.
   Status failover(uint64_t v, const Status& why, SyncReport& rep);
+
+  // Producer p, which no DP replica covers, was gone as this attempt began (Peer::gone),
+  // so nothing of sync v was read yet: waits until a restarted instance of it registers
+  // (a lease other than the one it was gone with), polling the store with backoff, until
+  // `deadline`. Meanwhile JOINs to the other producers say this consumer is still in the
+  // sync (they drop it neither as a straggler nor as stalled, Producer wait_slot).
+  Status await_restart(uint64_t v, int p, Clock::time_point deadline, SyncReport& rep);
 
   // Tells every live producer which routes this consumer reads sync v with (FAILOVER): a
   // producer on other routes restarts the sync with these, and no producer keeps a slot

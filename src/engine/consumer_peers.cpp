@@ -110,6 +110,10 @@ Status Consumer::Impl::refresh_producers() {
       if (!blob.ok()) {
         if (blob.status().code() != StatusCode::kNotFound) return blob.status();
         failed_p = p;
+        {
+          std::lock_guard<std::mutex> lk(mu);
+          peers[static_cast<size_t>(p)].gone = std::string();
+        }
         return unavailable("producer {} is not registered (no live lease {} within lease_ttl {} ms)", p,
                            keys.producer(p), opts.lease_ttl.count());
       }
@@ -127,6 +131,8 @@ Status Consumer::Impl::refresh_producers() {
     auto id = transport.connect(string_bytes(lease->address));
     if (!id.ok()) {
       failed_p = p;  // a candidate for failover
+      std::lock_guard<std::mutex> lk(mu);
+      peers[static_cast<size_t>(p)].gone = *blob;
       return id.status().with_context(fmt::format("connecting to producer {}", p));
     }
     // Its staging (and, pulling, its source regions) for the transport lane; its GPU
@@ -149,6 +155,7 @@ Status Consumer::Impl::refresh_producers() {
     pe.blob = *blob;
     pe.id = *id;
     pe.connected = true;
+    pe.gone.reset();
     pe.in_place = opts.mode == SyncMode::kPull ? std::move(*table) : InPlaceTable{};
     pe.regions = *imported;
     schedule_stale = true;

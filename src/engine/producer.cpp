@@ -998,18 +998,35 @@ struct Producer::Impl {
           continue;
         }
       }
-      auto deadline = slots[s].since + opts.stall_timeout;
       // Paced, on the current routes: a consumer's stall and lag count from its turn
       // (Slot::opened); one whose turn has not come waits for those before it.
       const bool pace_slot = paced && slots[s].hash == routes_hash;
       bool any_open = false;
       if (pace_slot) {
-        for (int c : slots[s].pending) {
+        for (int c : slots[s].pending) any_open = any_open || slots[s].opened.count(c) > 0;
+      }
+      // A consumer stalls stall_timeout after the later of the slot's announcement (its
+      // turn, paced) and its own last progress in this sync (a release, a request, a
+      // JOIN): one held up by another producer that is gone and restarting says so with
+      // JOINs (Consumer await_restart), and is not dropped for it.
+      auto stall_from = [&](int c) -> std::optional<Clock::time_point> {
+        Clock::time_point from = slots[s].since;
+        if (any_open) {
           auto o = slots[s].opened.find(c);
-          if (o == slots[s].opened.end()) continue;
-          const auto at = o->second + opts.stall_timeout;
-          deadline = any_open ? std::min(deadline, at) : at;
-          any_open = true;
+          if (o == slots[s].opened.end()) return std::nullopt;  // its turn has not come
+          from = o->second;
+        }
+        if (auto pr = consumer_progress.find(c); pr != consumer_progress.end()) from = std::max(from, pr->second);
+        return from;
+      };
+      auto deadline = slots[s].since + opts.stall_timeout;
+      {
+        bool first = true;
+        for (int c : slots[s].pending) {
+          if (auto from = stall_from(c)) {
+            deadline = first ? *from + opts.stall_timeout : std::min(deadline, *from + opts.stall_timeout);
+            first = false;
+          }
         }
       }
       // A straggler: others released this slot and it lags them by more than the bound
@@ -1039,16 +1056,15 @@ struct Producer::Impl {
       }
       if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline) {
         std::set<int> late = slots[s].pending;
-        if (any_open) {
-          const auto now = Clock::now();
-          std::erase_if(late, [&](int c) {
-            auto o = slots[s].opened.find(c);
-            return o == slots[s].opened.end() || o->second + opts.stall_timeout > now;
-          });
-        }
+        const auto now = Clock::now();
+        std::erase_if(late, [&](int c) {
+          const auto from = stall_from(c);
+          return !from || *from + opts.stall_timeout > now;
+        });
         for (int c : late) {
           drop_locked(c,
-                      fmt::format("stalled: group {} not {} within {} ms", slots[s].group,
+                      fmt::format("stalled: group {} not {} within {} ms (stall_timeout) of its announcement "
+                                  "or the consumer's last progress", slots[s].group,
                                   opts.mode == SyncMode::kPull ? "released" : "requested", opts.stall_timeout.count()),
                       &n);
         }
