@@ -166,7 +166,9 @@ struct EngineOptions {
   // with a floor of seconds so that ordinary jitter (scheduling, a short GC) is not
   // either, and never shorter than a consumer takes to find another producer lost (by
   // its lease) so that one held up by that loss is not blamed. A consumer that keeps
-  // moving (e.g. post-processing each group for a second) is never one. A lone consumer
+  // moving (e.g. post-processing each group for a second) is never one, nor is one held
+  // up by another producer (it JOINs the others every quarter of the floor while it
+  // waits), nor are clocks run while the producer itself was stopped. A lone consumer
   // of a slot is never a straggler: only stall_timeout applies; nor is one still moving
   // to the routes of a failed-over sync, until it declares them (its lag counts from
   // then). 0: off (join_window too; only stall_timeout applies).

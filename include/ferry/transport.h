@@ -383,6 +383,11 @@ class Transport final {
   // its own calls fail with kFailedPrecondition, it handles no more messages. ucx:
   // kUnimplemented (tests SIGKILL a real process instead).
   Status simulate_crash();
+  // Not ok once this side can no longer send or be reached (inproc: after
+  // simulate_crash, kFailedPrecondition). The engine probes it while it waits for peers'
+  // messages, which a dead transport never delivers and no failing op would reveal.
+  // ucx: always ok (its endpoint failures reach the failure handler instead).
+  Status health() const;
 
   TransportStats stats() const;
 

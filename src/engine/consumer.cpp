@@ -45,6 +45,7 @@ Result<std::pair<int, Consumer::Impl::Arrival>> Consumer::Impl::await_any(uint64
   // Checked each lease_ttl of silence: producers whose lease was gone at the last check
   // too (lost_producer).
   auto next_check = Clock::now() + opts.lease_ttl;
+  auto next_keepalive = Clock::now() + keepalive_every();
   std::set<int> lapsed;
   for (;;) {
     // Checked before any announcement is taken (see moved_on_locked).
@@ -89,14 +90,33 @@ Result<std::pair<int, Consumer::Impl::Arrival>> Consumer::Impl::await_any(uint64
       }
     }
     if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
+    // A dead transport of ours delivers nothing: say so rather than wait out timeout.
+    if (Status h = transport.health(); !h.ok()) return h.with_context(fmt::format("consumer {}: its transport failed", rank));
     if (Status w = worker->status(); !w.ok()) return w;
     if (none) {
       *none = true;
       return timeout_error("consumer {}: no {} yet", rank, what);
     }
     const bool watch = opts.failover && opts.lease_ttl.count() > 0;
-    if (cv.wait_until(lk, watch ? std::min(deadline, next_check) : deadline) == std::cv_status::timeout &&
-        watch && Clock::now() >= next_check && Clock::now() < deadline) {
+    const auto probe_at = Clock::now() + std::clamp<Clock::duration>(opts.lease_ttl / 3, std::chrono::milliseconds(50),
+                                                                    std::chrono::milliseconds(1000));
+    const auto wake = std::min({watch ? std::min(deadline, next_check) : deadline, probe_at, next_keepalive});
+    const bool timed_out = cv.wait_until(lk, wake) == std::cv_status::timeout;
+    if (timed_out && Clock::now() >= next_keepalive) {
+      // Held up by producer(s) in `from` (silent: paused, cut off, slow to pack): say so
+      // to the others with a JOIN, which restarts this consumer's straggler and stall
+      // clocks there, so that no healthy producer drops a consumer another producer is
+      // holding up (issue 30). A consumer slow on its own (its hooks, its unpacking, a
+      // pause of its process) is not in this wait and sends nothing.
+      lk.unlock();
+      for (int q : reachable_producers()) {
+        if (!from.count(q)) send_to(q, Join{me(), v, routes_hash});
+      }
+      lk.lock();
+      next_keepalive = Clock::now() + keepalive_every();
+      continue;
+    }
+    if (timed_out && watch && Clock::now() >= next_check && Clock::now() < deadline) {
       lk.unlock();
       const int lost = lost_producer(from, lapsed);
       lk.lock();
@@ -408,8 +428,7 @@ Status Consumer::Impl::await_restart(uint64_t v, int p, Clock::time_point deadli
   // Polled with backoff: 10 ms doubling up to a quarter of the straggler floor (so the
   // JOINs sent each round keep this consumer's progress fresh at the other producers),
   // at most 500 ms.
-  const auto cap = std::clamp<Clock::duration>(opts.straggler_floor / 4, std::chrono::milliseconds(20),
-                                               std::chrono::milliseconds(500));
+  const auto cap = keepalive_every();
   Clock::duration backoff = std::chrono::milliseconds(10);
   const auto t = Clock::now();
   std::set<int> everyone;

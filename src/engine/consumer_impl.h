@@ -275,6 +275,12 @@ struct Consumer::Impl {
   // `deadline`. Meanwhile JOINs to the other producers say this consumer is still in the
   // sync (they drop it neither as a straggler nor as stalled, Producer wait_slot).
   Status await_restart(uint64_t v, int p, Clock::time_point deadline, SyncReport& rep);
+  // How often a consumer held up by one producer JOINs the others (await_any,
+  // await_restart): a quarter of the straggler floor, within [20 ms, 500 ms].
+  Clock::duration keepalive_every() const {
+    return std::clamp<Clock::duration>(opts.straggler_floor / 4, std::chrono::milliseconds(20),
+                                       std::chrono::milliseconds(500));
+  }
 
   // Tells every live producer which routes this consumer reads sync v with (FAILOVER): a
   // producer on other routes restarts the sync with these, and no producer keeps a slot

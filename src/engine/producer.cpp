@@ -53,6 +53,9 @@ struct Producer::Impl {
   // consumer -> when it last moved in this sync: entered it (JOIN), released or asked for
   // a slot. A consumer absent here has not entered (engine/straggler.h); mu.
   std::map<int, Clock::time_point> consumer_progress;
+  // When this process last resumed from a stop (SIGSTOP, a stalled host): clocks on the
+  // consumers count from then at the earliest (wait_slot).
+  PauseWatch pause_watch{std::chrono::milliseconds(100), std::chrono::milliseconds(1000)};
   std::map<int, uint64_t> early_join;  // consumer -> a later version it entered before this producer; mu
   // The routes a consumer that declared none this sync reads with: those the sync began
   // with, when they had no dead producer (otherwise every consumer declares its routes,
@@ -275,6 +278,11 @@ struct Producer::Impl {
     }
     const RoutesNotice m{static_cast<uint32_t>(rank), v, routes_hash};
     for (PeerId id : to) transport.send(id, kEngineTag, encode_message(m)).status().ignore();
+  }
+
+  // How often a wait for consumers asks the transport whether this side still runs.
+  Clock::duration probe_every() const {
+    return std::clamp<Clock::duration>(opts.lease_ttl / 3, std::chrono::milliseconds(50), std::chrono::milliseconds(1000));
   }
 
   // An op refused by this side's own transport (shut down, or crashed by failure
@@ -1009,12 +1017,20 @@ struct Producer::Impl {
       // turn, paced) and its own last progress in this sync (a release, a request, a
       // JOIN): one held up by another producer that is gone and restarting says so with
       // JOINs (Consumer await_restart), and is not dropped for it.
+      // Time this producer spent stopped is held against no consumer: what they sent
+      // meanwhile may still be queued for us (engine/straggler.h, PauseWatch).
+      const std::optional<Clock::time_point> resumed = pause_watch.last_resume();
+      if (resumed) {
+        for (int c : slots[s].pending) {
+          if (auto pr = consumer_progress.find(c); pr != consumer_progress.end()) pr->second = std::max(pr->second, *resumed);
+        }
+      }
       auto stall_from = [&](int c) -> std::optional<Clock::time_point> {
-        Clock::time_point from = slots[s].since;
+        Clock::time_point from = std::max(slots[s].since, resumed.value_or(slots[s].since));
         if (any_open) {
           auto o = slots[s].opened.find(c);
           if (o == slots[s].opened.end()) return std::nullopt;  // its turn has not come
-          from = o->second;
+          from = std::max(o->second, resumed.value_or(o->second));
         }
         if (auto pr = consumer_progress.find(c); pr != consumer_progress.end()) from = std::max(from, pr->second);
         return from;
@@ -1038,6 +1054,16 @@ struct Producer::Impl {
       // alone until it declares them (FAILOVER), and its lag counts from then; so is one
       // pending in a slot of routes the producer abandoned (engine/straggler.h). What it
       // knows is read again after the wait, which may have let a FAILOVER in.
+      // Woken at least every probe_every to ask the transport whether this side still
+      // runs: a dead transport delivers no RELEASE/READY, and with nothing to send no op
+      // fails, so without it a crashed producer waited out stall_timeout (issue 30).
+      const auto probe_at = Clock::now() + probe_every();
+      if (Status h = transport.health(); !h.ok()) {
+        lk.unlock();
+        note_local_failure(h);
+        lk.lock();
+        if (!local_failure.ok()) continue;  // (ends the wait)
+      }
       StragglerPolicy policy{opts.straggler_floor, opts.straggler_factor, opts.mode == SyncMode::kPull};
       policy.join_window = opts.join_window;
       if (opts.num_producers > 1) policy.loss_detection = 2 * opts.lease_ttl;
@@ -1047,14 +1073,15 @@ struct Producer::Impl {
       auto pace = [&] { return SlotPace{slots[s].group, slots[s].hash, slots[s].since, slots[s].last_release}; };
       const Clock::duration bound = slots[s].last_release ? straggler_bound(policy, pace()) : Clock::duration{};
       if (auto at = next_straggler(policy, bound, pace(), known, slots[s].pending, deadline)) {
-        if (cv.wait_until(lk, *at) == std::cv_status::timeout && Clock::now() >= *at && slots[s].last_release &&
+        if (cv.wait_until(lk, std::min(*at, probe_at)) == std::cv_status::timeout && Clock::now() >= *at &&
+            slots[s].last_release &&
             !slots[s].pending.empty()) {
           for (const auto& [c, why] : stragglers(policy, bound, pace(), known, slots[s].pending, Clock::now()))
             drop_locked(c, why, &n);
         }
         continue;
       }
-      if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline) {
+      if (cv.wait_until(lk, std::min(deadline, probe_at)) == std::cv_status::timeout && Clock::now() >= deadline) {
         std::set<int> late = slots[s].pending;
         const auto now = Clock::now();
         std::erase_if(late, [&](int c) {
@@ -1364,8 +1391,17 @@ struct Producer::Impl {
           return true;
         };
         while (!all_done() && !(restart && restart_hash != routes_hash) && local_failure.ok()) {
-          if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline) break;
+          if (Status h = transport.health(); !h.ok()) {
+            lk.unlock();
+            note_local_failure(h);
+            lk.lock();
+            if (!local_failure.ok()) continue;  // (ends the wait)
+          }
+          if (cv.wait_until(lk, std::min(deadline, Clock::now() + probe_every())) == std::cv_status::timeout &&
+              Clock::now() >= deadline)
+            break;
         }
+        if (!local_failure.ok()) failure = local_failure;
         restarted = restart && restart_hash != routes_hash;
         trace.record(TracePhase::kCommit, -1, -1, tc, Clock::now());
       }

@@ -93,4 +93,37 @@ std::vector<std::pair<int, std::string>> stragglers(const StragglerPolicy& polic
   return out;
 }
 
+PauseWatch::PauseWatch(Clock::duration tick, Clock::duration gap) : tick_(tick), gap_(gap) {
+  thread_ = std::thread([this] {
+    std::unique_lock<std::mutex> lk(mu_);
+    auto last = Clock::now();
+    started_ = true;
+    cv_.notify_all();
+    while (!stop_) {
+      cv_.wait_for(lk, tick_);
+      const auto now = Clock::now();
+      if (now - last > gap_) resumed_.store(now.time_since_epoch().count());
+      last = now;
+    }
+  });
+  // Watching from here on: a stop right after construction counts too.
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait(lk, [this] { return started_; });
+}
+
+PauseWatch::~PauseWatch() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+std::optional<Clock::time_point> PauseWatch::last_resume() const {
+  const int64_t t = resumed_.load();
+  if (t == 0) return std::nullopt;
+  return Clock::time_point(Clock::duration(t));
+}
+
 }  // namespace ferry::engine

@@ -12,12 +12,16 @@
 // waits and drops.
 #pragma once
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -96,5 +100,30 @@ std::optional<Clock::time_point> next_straggler(const StragglerPolicy& policy, C
 std::vector<std::pair<int, std::string>> stragglers(const StragglerPolicy& policy, Clock::duration bound,
                                                     const SlotPace& slot, const RoutesKnown& known,
                                                     const std::set<int>& pending, Clock::time_point now);
+
+// Notices that this process did not run for a while (SIGSTOP, a host or VM stall): a
+// thread wakes every `tick` and records when a wake came more than `gap` after the one
+// before. A producer judges no consumer by time that passed while it was itself stopped:
+// its clocks on every consumer restart when it resumes (issue 30: a paused trainer rank
+// dropped healthy consumers as stragglers for its own pause, the releases they sent
+// meanwhile still queued). A machine so loaded that a short sleep overshoots by `gap`
+// looks the same, and only delays a drop by a straggler bound. Thread-safe.
+class PauseWatch {
+ public:
+  PauseWatch(Clock::duration tick, Clock::duration gap);
+  ~PauseWatch();
+  PauseWatch(const PauseWatch&) = delete;
+  PauseWatch& operator=(const PauseWatch&) = delete;
+  // When the last such gap ended; nullopt if none was seen.
+  std::optional<Clock::time_point> last_resume() const;
+
+ private:
+  const Clock::duration tick_, gap_;
+  std::atomic<int64_t> resumed_{0};  // Clock ticks since epoch; 0: none
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false, started_ = false;
+  std::thread thread_;
+};
 
 }  // namespace ferry::engine

@@ -103,6 +103,8 @@ class TransportBackend {
   virtual void set_message_handler(MessageHandler handler) = 0;
   virtual void set_peer_failure_handler(PeerFailureHandler handler) = 0;
   virtual Status simulate_crash() = 0;
+  // Whether this side can still send and be reached (Transport::health). Default: ok.
+  virtual Status health() const { return Status::Ok(); }
   virtual bool supports_memory(MemoryKind kind) const = 0;
   virtual std::string memory_support() const = 0;
   virtual TransportStats stats() const = 0;

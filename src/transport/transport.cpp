@@ -228,6 +228,7 @@ void Transport::set_peer_failure_handler(PeerFailureHandler handler) {
   impl_->set_peer_failure_handler(std::move(handler));
 }
 Status Transport::simulate_crash() { return impl_->simulate_crash(); }
+Status Transport::health() const { return impl_->health(); }
 bool Transport::supports_memory(MemoryKind kind) const { return impl_->supports_memory(kind); }
 std::string Transport::memory_support() const { return impl_->memory_support(); }
 TransportStats Transport::stats() const { return impl_->stats(); }

@@ -584,5 +584,79 @@ TEST_P(EngineRestartTest, ProducerNotBackWithinTheTimeoutFailsTheSyncNamingIt) {
   k.expect_all_ok(k.sync(3), 3);
 }
 
+// A producer whose own transport dies mid-sync (its process lives on) fails its sync at
+// once, saying so, instead of waiting for RELEASEs/READYs a dead transport never
+// delivers: pushing, it sends nothing while it waits, so no failing op revealed it, and
+// it dropped both consumers as stragglers and reported its sync done (issue 30). Its
+// consumers fail the sync (no replica), nothing hangs.
+// (Inproc only: a transport crash is simulated there; a UCX transport's endpoint failures
+// reach the failure handler instead.)
+class EngineOwnTransportTest : public EngineTest {};
+INSTANTIATE_TEST_SUITE_P(Cases, EngineOwnTransportTest, cases({Backend::kInproc}, {Mode::kPull, Mode::kPush}),
+                         case_name_of);
+
+TEST_P(EngineOwnTransportTest, ProducerWhoseTransportDiedFailsItsSyncSayingSo) {
+  Cluster k(GetParam());
+  // When consumer 0 reaches the last group of sync 2 (before it asks for it, pushing),
+  // the producer's transport dies: the producer has nothing in flight, and the
+  // consumers, told of the crash, give up, so nothing of theirs reaches it again.
+  std::atomic<bool> armed{false};
+  std::atomic<int> last{-1};
+  k.tweak_consumer = [&](ConsumerOptions& o, int c) {
+    if (c != 0) return;
+    auto hooks = std::make_shared<engine::TestHooks>();
+    hooks->consumer_point = [&](int g, int phase) {
+      if (g == last && phase == 0 && armed.exchange(false)) k.ptr[0]->simulate_crash().ignore();
+    };
+    o.test_hooks = hooks;
+  };
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=1,replicas=2").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  last = k.prod[0]->routes().num_groups() - 1;
+  armed = true;
+  auto o = k.sync(2);
+  ASSERT_FALSE(o.p[0]->ok()) << (*o.p[0])->to_string();
+  EXPECT_NE(o.p[0]->status().message().find("its transport failed"), std::string::npos) << o.p[0]->status().to_string();
+  // Consumer 0 had the last group still to read; consumer 1 may have read it before the
+  // crash (pulling), and then holds version 2, verified.
+  EXPECT_FALSE(o.c[0]->ok());
+  if (o.c[1]->ok()) k.expect_verified(1, 2);
+}
+
+// A producer that goes silent mid-sync with its lease alive (here: it takes 4 s to
+// materialise its first group; a SIGSTOP looks the same to the others until its lease
+// lapses) holds up the consumers that read from it, while those that do not read from it
+// yet move on. Rotated order, trainer pp=2, 4 replicas: consumers 1 and 3 start at stage
+// 1 (the silent producer) and 0 and 2 at stage 0, so producer 0 sees 0 and 2 release its
+// first group and 1 and 3 not. It drops neither as a straggler (floor 0.5 s, 2 x
+// lease_ttl = 1 s): a consumer waiting for a producer's announcement JOINs the others,
+// which restarts its clocks there. Without that JOIN producer 0 dropped consumers 1 and
+// 3 (issue 30's finding, with a trainer rank paused). Every report ok, all verified.
+TEST_P(EngineRestartTest, ConsumersHeldUpByASilentProducerAreNoStragglers) {
+  Cluster k(GetParam());
+  k.eo.straggler_floor = 500ms;
+  k.eo.lease_ttl = 500ms;
+  std::atomic<bool> armed{false};
+  k.tweak_producer = [&](ProducerOptions& o, int p) {
+    if (p != 1) return;
+    auto hooks = std::make_shared<engine::TestHooks>();
+    hooks->before_materialize = [&](uint64_t v, int) {
+      if (v == 2 && armed.exchange(false)) std::this_thread::sleep_for(4000ms);  // (its first group)
+    };
+    o.test_hooks = hooks;
+  };
+  k.eo.group_order = GroupOrderKind::kRotated;
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "pp=2", "tp=1,replicas=4").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  armed = true;
+  auto o = k.sync(2);
+  k.expect_all_ok(o, 2);
+  for (size_t p = 0; p < o.p.size(); ++p) {
+    EXPECT_TRUE((*o.p[p])->ok()) << "producer " << p << ": " << (*o.p[p])->to_string();
+    EXPECT_TRUE((*o.p[p])->dropped.empty()) << "producer " << p << ": " << (*o.p[p])->to_string();
+  }
+  k.expect_all_ok(k.sync(3), 3);
+}
+
 }  // namespace
 }  // namespace ferry::engine_tests

@@ -2,6 +2,12 @@
 // who lags, from when, by which bound, and the reason a straggler is dropped with.
 #include <gtest/gtest.h>
 
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <thread>
+
 #include "engine/straggler.h"
 
 namespace ferry::engine {
@@ -138,6 +144,45 @@ TEST(Straggler, PacedLagCountsFromTheConsumersTurn) {
   EXPECT_EQ(out[0].first, 0);
   EXPECT_EQ(out[1].first, 1);
   EXPECT_NE(out[1].second.find("its turn came"), std::string::npos) << out[1].second;
+}
+
+// PauseWatch notices that its process was stopped: a child process runs one (20 ms
+// ticks, 300 ms gap) and is SIGSTOPped for 1.5 s, then continued; the last resume it
+// reports is no earlier than the SIGCONT (CLOCK_MONOTONIC: one clock for both).
+TEST(PauseWatch, NoticesThatItsProcessWasStopped) {
+  int ready[2], go[2];
+  ASSERT_EQ(pipe(ready), 0);
+  ASSERT_EQ(pipe(go), 0);
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    int64_t out = -1;
+    {
+      PauseWatch w(std::chrono::milliseconds(20), std::chrono::milliseconds(300));
+      char b = 1;
+      if (write(ready[1], &b, 1) != 1) _exit(2);
+      if (read(go[0], &b, 1) != 1) _exit(3);  // stopped and continued meanwhile
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      if (auto r = w.last_resume()) out = r->time_since_epoch().count();
+    }
+    if (write(ready[1], &out, sizeof out) != static_cast<ssize_t>(sizeof out)) _exit(4);
+    _exit(0);
+  }
+  char b;
+  ASSERT_EQ(read(ready[0], &b, 1), 1);
+  ASSERT_EQ(kill(pid, SIGSTOP), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  const auto continued = Clock::now();
+  ASSERT_EQ(kill(pid, SIGCONT), 0);
+  ASSERT_EQ(write(go[1], &b, 1), 1);
+  int64_t resumed = 0;
+  ASSERT_EQ(read(ready[0], &resumed, sizeof resumed), static_cast<ssize_t>(sizeof resumed));
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  ASSERT_GT(resumed, 0) << "no pause seen";
+  EXPECT_GE(resumed, continued.time_since_epoch().count());
+  for (int fd : {ready[0], ready[1], go[0], go[1]}) close(fd);
 }
 
 }  // namespace

@@ -477,6 +477,8 @@ class InprocBackend final : public TransportBackend {
     return Status::Ok();
   }
 
+  Status health() const override { return alive("transport"); }
+
   TransportStats stats() const override { return core_->stats().snapshot(); }
   bool supports_memory(MemoryKind kind) const override { return kind == MemoryKind::kHost; }
   std::string memory_support() const override { return "host only (the inproc backend copies with memcpy)"; }
