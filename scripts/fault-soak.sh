@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the multi-process fault suites (kills, pauses, link cuts, stragglers, late joiners,
-# failover) RUNS times in a row with HOGS busy loops competing for the cores (issue 30:
+# restarted and silent producers, RL timing, failover) RUNS times in a row with HOGS busy
+# loops competing for the cores (issue 30:
 # no pass/fail may depend on the machine's speed). Prints one line per run and a summary;
 # exits 1 if any run failed. Each failed run's ctest log is kept under $OUT.
 #
@@ -12,7 +13,7 @@ set -euo pipefail
 RUNS=${1:-20}
 HOGS=${2:-2}
 BUILD=${3:-build}
-REGEX=${FAULT_SOAK_REGEX:-'EngineMpFault|EngineMpShadow|EnginePause|MultiHost|EngineJoin|Straggler|Late'}
+REGEX=${FAULT_SOAK_REGEX:-'EngineMpFault|EngineMpShadow|EnginePause|MultiHost|EngineJoin|Straggler|Late|EngineRestart|EngineOwnTransport|EngineRlTiming'}
 OUT=${OUT:-$(mktemp -d /tmp/fault-soak.XXXXXX)}
 cd "$(dirname "$0")/.."
 [ -d "$BUILD" ] || { echo "fault-soak: no build directory '$BUILD' (make build first)" >&2; exit 2; }
