@@ -755,6 +755,11 @@ ConsumerState Consumer::state() const { return impl_->param_set->state(); }
 const TensorMap& Consumer::params() const { return impl_->param_set->committed(); }
 const Routes& Consumer::routes() const { return impl_->routes; }
 int Consumer::rank() const { return impl_->rank; }
+bool engine::TestAccess::knows_failed(Consumer& c, int p) {
+  std::lock_guard<std::mutex> lk(c.impl_->mu);
+  return c.impl_->failed.count(p) > 0 || !c.impl_->peers[static_cast<size_t>(p)].connected;
+}
+
 void engine::TestAccess::simulate_crash(Consumer& c) {
   Consumer::Impl* impl_ = c.impl_.get();
   impl_->transport.simulate_crash().ignore();

@@ -87,6 +87,10 @@ Status Consumer::Impl::post_job(const UnpackWorker::Job& job) {
 }
 
 Status Consumer::Impl::refresh_producers() {
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    for (Peer& pe : peers) pe.gone.reset();  // (what this refresh finds, not an earlier one)
+  }
   for (int p = 0; p < opts.num_producers; ++p) {
     if (route_state.dead().count(p)) continue;  // failed over: not read from
     auto blob = store.get(keys.producer(p));

@@ -36,7 +36,12 @@ struct TestAccess {
   // Makes consumer `c` behave as a SIGKILLed process (inproc transport): crashes its
   // transport, drops its lease, fails its waits.
   static void simulate_crash(Consumer& c);
+  // Whether consumer `c` holds producer `p` for failed (its transport reported it, and no
+  // later connection replaced it): a test that kills a producer between syncs waits for
+  // this, as a real job's next sync comes seconds after a death.
+  static bool knows_failed(Consumer& c, int p);
 };
 inline void simulate_crash(Consumer& c) { TestAccess::simulate_crash(c); }
+inline bool knows_failed(Consumer& c, int p) { return TestAccess::knows_failed(c, p); }
 
 }  // namespace ferry::engine

@@ -504,13 +504,21 @@ class EngineRestartTest : public EngineTest {};
 
 // Inproc: its transport crashes (its lease lives on, its address answers no more). UCX
 // (no simulated crash): the producer and its transport are gone (lease and all).
+// Then waits (bounded) until every consumer's transport has reported it: a job's next
+// sync comes seconds after a death, long after that (a death noticed only mid-sync is the
+// "dies mid-sync" case: the sync fails, docs/engine.md).
 void kill_producer_1(Cluster& k) {
   if (k.backend == Backend::kInproc) {
     ASSERT_TRUE(k.ptr[1]->simulate_crash().ok());
-    return;
+  } else {
+    k.prod[1].reset();
+    k.ptr[1].reset();
   }
-  k.prod[1].reset();
-  k.ptr[1].reset();
+  const auto until = std::chrono::steady_clock::now() + 20s;
+  for (auto& c : k.cons) {
+    while (!engine::knows_failed(*c, 1) && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(10ms);
+    ASSERT_TRUE(engine::knows_failed(*c, 1)) << "consumer " << c->rank() << " never heard producer 1 died";
+  }
 }
 INSTANTIATE_TEST_SUITE_P(Cases, EngineRestartTest, cases(kAllBackends, {Mode::kPull, Mode::kPush}), case_name_of);
 
