@@ -98,8 +98,7 @@ Result<std::pair<int, Consumer::Impl::Arrival>> Consumer::Impl::await_any(uint64
       return timeout_error("consumer {}: no {} yet", rank, what);
     }
     const bool watch = opts.failover && opts.lease_ttl.count() > 0;
-    const auto probe_at = Clock::now() + std::clamp<Clock::duration>(opts.lease_ttl / 3, std::chrono::milliseconds(50),
-                                                                    std::chrono::milliseconds(1000));
+    const auto probe_at = Clock::now() + probe_every();
     const auto wake = std::min({watch ? std::min(deadline, next_check) : deadline, probe_at, next_keepalive});
     const bool timed_out = cv.wait_until(lk, wake) == std::cv_status::timeout;
     if (timed_out && Clock::now() >= next_keepalive) {
@@ -478,7 +477,12 @@ Status Consumer::Impl::await_flushed(uint64_t v, const std::vector<int>& from, b
       auto it = flushed_from.find(p);
       if (it != flushed_from.end() && it->second == std::make_pair(v, routes_hash)) break;
       if (crashed) return cancel_on_crash ? cancelled("consumer {} crashed (test hook)", rank) : Status::Ok();
-      if (cv.wait_until(lk, deadline) == std::cv_status::timeout && Clock::now() >= deadline) return late(p);
+      // Our own transport dead: no FLUSHED can come, and no write can land any more.
+      if (Status h = transport.health(); !h.ok())
+        return cancel_on_crash ? h.with_context(fmt::format("consumer {}: its transport failed", rank)) : Status::Ok();
+      const auto probe_at = Clock::now() + probe_every();
+      if (cv.wait_until(lk, std::min(deadline, probe_at)) == std::cv_status::timeout && Clock::now() >= deadline)
+        return late(p);
     }
   }
   return Status::Ok();

@@ -275,6 +275,11 @@ struct Consumer::Impl {
   // `deadline`. Meanwhile JOINs to the other producers say this consumer is still in the
   // sync (they drop it neither as a straggler nor as stalled, Producer wait_slot).
   Status await_restart(uint64_t v, int p, Clock::time_point deadline, SyncReport& rep);
+  // How often a wait for producers asks the transport whether this side still runs
+  // (Transport::health): lease_ttl / 3, within [50 ms, 1 s].
+  Clock::duration probe_every() const {
+    return std::clamp<Clock::duration>(opts.lease_ttl / 3, std::chrono::milliseconds(50), std::chrono::milliseconds(1000));
+  }
   // How often a consumer held up by one producer JOINs the others (await_any,
   // await_restart): a quarter of the straggler floor, within [20 ms, 500 ms].
   Clock::duration keepalive_every() const {

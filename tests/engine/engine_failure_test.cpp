@@ -666,5 +666,37 @@ TEST_P(EngineRestartTest, ConsumersHeldUpByASilentProducerAreNoStragglers) {
   k.expect_all_ok(k.sync(3), 3);
 }
 
+// The same for a consumer: its own transport dies while it waits for group 1 (pushing, it
+// waits for the producers' writes, which never come, and sends nothing that could fail;
+// then, giving up, for FLUSHED answers that cannot come either). It fails its sync at
+// once saying so, instead of waiting out its timeout (20 s here, twice); the producers
+// drop it, the other consumer verifies.
+TEST_P(EngineOwnTransportTest, ConsumerWhoseTransportDiedFailsItsSyncSayingSo) {
+  Cluster k(GetParam());
+  std::atomic<bool> armed{false};
+  k.tweak_consumer = [&](ConsumerOptions& o, int c) {
+    if (c != 1) return;
+    auto hooks = std::make_shared<engine::TestHooks>();
+    hooks->consumer_point = [&](int g, int phase) {
+      if (g == 1 && phase == 1 && armed.exchange(false)) k.ctr[1]->simulate_crash().ignore();
+    };
+    o.test_hooks = hooks;
+  };
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=1,replicas=2").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  armed = true;
+  auto o = k.sync(2);
+  ASSERT_FALSE(o.c[1]->ok());
+  // (Pulling, a read it had posted may fail first, saying its transport crashed.)
+  const std::string why = o.c[1]->status().message();
+  EXPECT_TRUE(why.find("its transport failed") != std::string::npos ||
+              why.find("the transport shut down or crashed") != std::string::npos)
+      << o.c[1]->status().to_string();
+  ASSERT_TRUE(o.c[0]->ok()) << o.c[0]->status().to_string();
+  k.expect_verified(0, 2);
+  ASSERT_TRUE(o.p[0]->ok()) << o.p[0]->status().to_string();
+  EXPECT_EQ((*o.p[0])->missed, std::vector<int>{1}) << (*o.p[0])->to_string();
+}
+
 }  // namespace
 }  // namespace ferry::engine_tests
