@@ -90,15 +90,14 @@ Result<std::pair<int, Consumer::Impl::Arrival>> Consumer::Impl::await_any(uint64
       }
     }
     if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
-    // A dead transport of ours delivers nothing: say so rather than wait out timeout.
-    if (Status h = transport.health(); !h.ok()) return h.with_context(fmt::format("consumer {}: its transport failed", rank));
+    FERRY_RETURN_IF_ERROR(own_transport_health());  // (rather than wait out timeout)
     if (Status w = worker->status(); !w.ok()) return w;
     if (none) {
       *none = true;
       return timeout_error("consumer {}: no {} yet", rank, what);
     }
     const bool watch = opts.failover && opts.lease_ttl.count() > 0;
-    const auto probe_at = Clock::now() + probe_every();
+    const auto probe_at = Clock::now() + health_probe_every(opts.lease_ttl);
     const auto wake = std::min({watch ? std::min(deadline, next_check) : deadline, probe_at, next_keepalive});
     const bool timed_out = cv.wait_until(lk, wake) == std::cv_status::timeout;
     if (timed_out && Clock::now() >= next_keepalive) {
@@ -478,9 +477,8 @@ Status Consumer::Impl::await_flushed(uint64_t v, const std::vector<int>& from, b
       if (it != flushed_from.end() && it->second == std::make_pair(v, routes_hash)) break;
       if (crashed) return cancel_on_crash ? cancelled("consumer {} crashed (test hook)", rank) : Status::Ok();
       // Our own transport dead: no FLUSHED can come, and no write can land any more.
-      if (Status h = transport.health(); !h.ok())
-        return cancel_on_crash ? h.with_context(fmt::format("consumer {}: its transport failed", rank)) : Status::Ok();
-      const auto probe_at = Clock::now() + probe_every();
+      if (Status h = own_transport_health(); !h.ok()) return cancel_on_crash ? h : Status::Ok();
+      const auto probe_at = Clock::now() + health_probe_every(opts.lease_ttl);
       if (cv.wait_until(lk, std::min(deadline, probe_at)) == std::cv_status::timeout && Clock::now() >= deadline)
         return late(p);
     }

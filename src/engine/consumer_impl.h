@@ -275,10 +275,12 @@ struct Consumer::Impl {
   // `deadline`. Meanwhile JOINs to the other producers say this consumer is still in the
   // sync (they drop it neither as a straggler nor as stalled, Producer wait_slot).
   Status await_restart(uint64_t v, int p, Clock::time_point deadline, SyncReport& rep);
-  // How often a wait for producers asks the transport whether this side still runs
-  // (Transport::health): lease_ttl / 3, within [50 ms, 1 s].
-  Clock::duration probe_every() const {
-    return std::clamp<Clock::duration>(opts.lease_ttl / 3, std::chrono::milliseconds(50), std::chrono::milliseconds(1000));
+  // Not ok, naming this consumer, once its own transport is dead (Transport::health):
+  // a wait for producers asks every health_probe_every, as a dead transport delivers
+  // nothing and, with nothing to send, no op fails.
+  Status own_transport_health() const {
+    Status h = transport.health();
+    return h.ok() ? h : h.with_context(fmt::format("consumer {}: its transport failed", rank));
   }
   // How often a consumer held up by one producer JOINs the others (await_any,
   // await_restart): a quarter of the straggler floor, within [20 ms, 500 ms].

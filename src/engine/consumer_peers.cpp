@@ -159,7 +159,6 @@ Status Consumer::Impl::refresh_producers() {
     pe.blob = *blob;
     pe.id = *id;
     pe.connected = true;
-    pe.gone.reset();
     pe.in_place = opts.mode == SyncMode::kPull ? std::move(*table) : InPlaceTable{};
     pe.regions = *imported;
     schedule_stale = true;

@@ -280,9 +280,17 @@ struct Producer::Impl {
     for (PeerId id : to) transport.send(id, kEngineTag, encode_message(m)).status().ignore();
   }
 
-  // How often a wait for consumers asks the transport whether this side still runs.
-  Clock::duration probe_every() const {
-    return std::clamp<Clock::duration>(opts.lease_ttl / 3, std::chrono::milliseconds(50), std::chrono::milliseconds(1000));
+  // Whether this side's own transport is dead (Transport::health), recorded as the
+  // sync's local failure: a wait for consumers asks every health_probe_every, because a
+  // dead transport delivers no RELEASE/READY and, with nothing to send, no op fails
+  // (without it a crashed producer waited out stall_timeout, issue 30). lk holds mu.
+  bool own_transport_dead(std::unique_lock<std::mutex>& lk) {
+    Status h = transport.health();
+    if (h.ok()) return false;
+    lk.unlock();
+    note_local_failure(h);
+    lk.lock();
+    return !local_failure.ok();
   }
 
   // An op refused by this side's own transport (shut down, or crashed by failure
@@ -1006,6 +1014,8 @@ struct Producer::Impl {
           continue;
         }
       }
+      if (own_transport_dead(lk)) continue;  // (ends the wait)
+      const auto probe_at = Clock::now() + health_probe_every(opts.lease_ttl);
       // Paced, on the current routes: a consumer's stall and lag count from its turn
       // (Slot::opened); one whose turn has not come waits for those before it.
       const bool pace_slot = paced && slots[s].hash == routes_hash;
@@ -1026,12 +1036,13 @@ struct Producer::Impl {
         }
       }
       auto stall_from = [&](int c) -> std::optional<Clock::time_point> {
-        Clock::time_point from = std::max(slots[s].since, resumed.value_or(slots[s].since));
+        Clock::time_point from = slots[s].since;
         if (any_open) {
           auto o = slots[s].opened.find(c);
           if (o == slots[s].opened.end()) return std::nullopt;  // its turn has not come
-          from = std::max(o->second, resumed.value_or(o->second));
+          from = o->second;
         }
+        if (resumed) from = std::max(from, *resumed);
         if (auto pr = consumer_progress.find(c); pr != consumer_progress.end()) from = std::max(from, pr->second);
         return from;
       };
@@ -1054,16 +1065,6 @@ struct Producer::Impl {
       // alone until it declares them (FAILOVER), and its lag counts from then; so is one
       // pending in a slot of routes the producer abandoned (engine/straggler.h). What it
       // knows is read again after the wait, which may have let a FAILOVER in.
-      // Woken at least every probe_every to ask the transport whether this side still
-      // runs: a dead transport delivers no RELEASE/READY, and with nothing to send no op
-      // fails, so without it a crashed producer waited out stall_timeout (issue 30).
-      const auto probe_at = Clock::now() + probe_every();
-      if (Status h = transport.health(); !h.ok()) {
-        lk.unlock();
-        note_local_failure(h);
-        lk.lock();
-        if (!local_failure.ok()) continue;  // (ends the wait)
-      }
       StragglerPolicy policy{opts.straggler_floor, opts.straggler_factor, opts.mode == SyncMode::kPull};
       policy.join_window = opts.join_window;
       if (opts.num_producers > 1) policy.loss_detection = 2 * opts.lease_ttl;
@@ -1391,13 +1392,9 @@ struct Producer::Impl {
           return true;
         };
         while (!all_done() && !(restart && restart_hash != routes_hash) && local_failure.ok()) {
-          if (Status h = transport.health(); !h.ok()) {
-            lk.unlock();
-            note_local_failure(h);
-            lk.lock();
-            if (!local_failure.ok()) continue;  // (ends the wait)
-          }
-          if (cv.wait_until(lk, std::min(deadline, Clock::now() + probe_every())) == std::cv_status::timeout &&
+          if (own_transport_dead(lk)) continue;  // (ends the wait)
+          if (cv.wait_until(lk, std::min(deadline, Clock::now() + health_probe_every(opts.lease_ttl))) ==
+                  std::cv_status::timeout &&
               Clock::now() >= deadline)
             break;
         }
