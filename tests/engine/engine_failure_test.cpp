@@ -522,28 +522,49 @@ void kill_producer_1(Cluster& k) {
 }
 INSTANTIATE_TEST_SUITE_P(Cases, EngineRestartTest, cases(kAllBackends, {Mode::kPull, Mode::kPush}), case_name_of);
 
-TEST_P(EngineRestartTest, ProducerRestartedBetweenSyncsIsWaitedForWithinTheTimeout) {
-  Cluster k(GetParam());
+// Trainer tp=2 (no replica) -> 2 replicas, synced at 1; then producer 1 is killed and
+// sync 2 begins on producer 0 and both consumers (stall_timeout 3 s; a lease gone is
+// waited for one lease_ttl, 1 s, before it counts: below stall_timeout).
+struct Sync2WithProducer1Killed {
+  std::optional<Result<SyncReport>> p0;
+  std::vector<std::optional<Result<SyncReport>>> c{2};
+  std::thread tp0, tc0, tc1;
+  void begin(Cluster& k) {
+    tp0 = std::thread([this, &k] {
+      k.src[0]->set_version(2);
+      p0 = k.prod[0]->sync(2);
+    });
+    tc0 = std::thread([this, &k] { c[0] = k.cons[0]->sync(2); });
+    tc1 = std::thread([this, &k] { c[1] = k.cons[1]->sync(2); });
+  }
+  void join() { tp0.join(), tc0.join(), tc1.join(); }
+};
+void start_and_kill_producer_1(Cluster& k) {
   k.eo.stall_timeout = 3000ms;
   k.eo.straggler_floor = 500ms;
   k.eo.join_window = 1000ms;
-  k.eo.lease_ttl = 1000ms;  // (a lease gone is waited for one ttl before it counts: below stall_timeout)
+  k.eo.lease_ttl = 1000ms;
   ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=1,replicas=2").ok());
   k.expect_all_ok(k.sync(1), 1);
   kill_producer_1(k);
-  std::optional<Result<SyncReport>> p0, p1;
-  std::vector<std::optional<Result<SyncReport>>> c(2);
-  std::thread tp0([&] {
-    k.src[0]->set_version(2);
-    p0 = k.prod[0]->sync(2);
-  });
-  std::thread tc0([&] { c[0] = k.cons[0]->sync(2); });
-  std::thread tc1([&] { c[1] = k.cons[1]->sync(2); });
+}
+
+TEST_P(EngineRestartTest, ProducerRestartedBetweenSyncsIsWaitedForWithinTheTimeout) {
+  Cluster k(GetParam());
+  ASSERT_NO_FATAL_FAILURE(start_and_kill_producer_1(k));
+  Sync2WithProducer1Killed s2;
+  s2.begin(k);
   std::this_thread::sleep_for(4500ms);
-  ASSERT_TRUE(k.start_producer(1).ok());  // restarted (same rank and plan), then it syncs 2
-  k.src[1]->set_version(2);
-  p1 = k.prod[1]->sync(2);
-  tp0.join(), tc0.join(), tc1.join();
+  const Status restarted = k.start_producer(1);  // restarted (same rank and plan), then it syncs 2
+  std::optional<Result<SyncReport>> p1;
+  if (restarted.ok()) {
+    k.src[1]->set_version(2);
+    p1 = k.prod[1]->sync(2);
+  }
+  s2.join();
+  ASSERT_TRUE(restarted.ok()) << restarted.to_string();
+  auto& p0 = s2.p0;
+  auto& c = s2.c;
   for (const auto* r : {&p0, &p1}) {
     ASSERT_TRUE((*r)->ok()) << (*r)->status().to_string();
     EXPECT_TRUE((**r)->ok()) << (**r)->to_string();
@@ -565,22 +586,11 @@ TEST_P(EngineRestartTest, ProducerRestartedBetweenSyncsIsWaitedForWithinTheTimeo
 TEST_P(EngineRestartTest, ProducerNotBackWithinTheTimeoutFailsTheSyncNamingIt) {
   Cluster k(GetParam());
   k.eo.timeout = 4000ms;
-  k.eo.stall_timeout = 3000ms;
-  k.eo.straggler_floor = 500ms;
-  k.eo.join_window = 1000ms;
-  k.eo.lease_ttl = 1000ms;  // (a lease gone is waited for one ttl before it counts: below stall_timeout)
-  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=1,replicas=2").ok());
-  k.expect_all_ok(k.sync(1), 1);
-  kill_producer_1(k);
-  std::optional<Result<SyncReport>> p0;
-  std::vector<std::optional<Result<SyncReport>>> c(2);
-  std::thread tp0([&] {
-    k.src[0]->set_version(2);
-    p0 = k.prod[0]->sync(2);
-  });
-  std::thread tc0([&] { c[0] = k.cons[0]->sync(2); });
-  std::thread tc1([&] { c[1] = k.cons[1]->sync(2); });
-  tp0.join(), tc0.join(), tc1.join();
+  ASSERT_NO_FATAL_FAILURE(start_and_kill_producer_1(k));
+  Sync2WithProducer1Killed s2;
+  s2.begin(k);
+  s2.join();
+  auto& c = s2.c;
   for (int i = 0; i < 2; ++i) {
     ASSERT_FALSE(c[static_cast<size_t>(i)]->ok());
     const std::string why = c[static_cast<size_t>(i)]->status().message();
