@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "ferry/status.h"
+#include "ferry/shape.h"
 
 namespace ferry {
 
@@ -91,7 +92,7 @@ struct Device {
 // ---------------------------------------------------------------------------------------
 // Shapes and layouts
 
-using Shape = std::vector<int64_t>;
+// Shape (ferry/shape.h): a vector of int64_t keeping up to four elements inline.
 
 int64_t shape_numel(const Shape& shape);
 // "[2, 3]"

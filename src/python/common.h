@@ -2,6 +2,7 @@
 #pragma once
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <exception>
 #include <memory>
@@ -16,6 +17,13 @@
 namespace ferry {
 class ModelLoader;
 }
+
+// ferry::Shape (ferry/shape.h) crosses as a list, from any sequence of ints, as the
+// std::vector<int64_t> it stands in for did.
+namespace pybind11::detail {
+template <>
+struct type_caster<ferry::Shape> : list_caster<ferry::Shape, int64_t> {};
+}  // namespace pybind11::detail
 
 namespace ferry::python {
 

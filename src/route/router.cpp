@@ -638,7 +638,13 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
   // --- choose holders -------------------------------------------------------------------
   std::vector<uint32_t> order(cuts.size());
   std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+  // Where every piece has one holder (no DP replica: FSDP, TP/PP/EP alone) there is
+  // nothing to choose and the order cannot matter: the sort by cost is skipped.
+  bool choice = false;
+  for (const TensorInfo& ti : tensors) {
+    for (const TensorPiece& p : ti.pieces) choice |= p.holders.size() > 1;
+  }
+  if (choice) std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
     const Cut& x = cuts[a];
     const Cut& y = cuts[b];
     if (x.cost != y.cost) return x.cost > y.cost;
@@ -664,15 +670,27 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
   }
 
   // --- segments -------------------------------------------------------------------------
-  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
-    const Cut& x = cuts[a];
-    const Cut& y = cuts[b];
-    if (x.producer != y.producer) return x.producer < y.producer;
-    if (x.group != y.group) return x.group < y.group;
-    if (x.plan != y.plan) return x.plan < y.plan;
-    if (x.param != y.param) return x.param < y.param;
-    return x.dst_offset < y.dst_offset;
-  });
+  // By producer, group, plan, param and destination offset: bucketed by producer first
+  // (a counting sort), then each producer's cuts sorted, small sorts instead of one over
+  // millions of cuts at fsdp=N.
+  {
+    std::vector<size_t> start(num_producers + 1, 0);
+    for (size_t i = 0; i < cuts.size(); ++i) ++start[cuts[i].producer + 1];
+    for (uint32_t p = 0; p < num_producers; ++p) start[p + 1] += start[p];
+    std::vector<size_t> at(start.begin(), start.end() - 1);
+    for (size_t i = 0; i < cuts.size(); ++i) order[at[cuts[i].producer]++] = static_cast<uint32_t>(i);
+    for (uint32_t p = 0; p < num_producers; ++p) {
+      std::sort(order.begin() + static_cast<std::ptrdiff_t>(start[p]), order.begin() + static_cast<std::ptrdiff_t>(start[p + 1]),
+                [&](uint32_t a, uint32_t b) {
+                  const Cut& x = cuts[a];
+                  const Cut& y = cuts[b];
+                  if (x.group != y.group) return x.group < y.group;
+                  if (x.plan != y.plan) return x.plan < y.plan;
+                  if (x.param != y.param) return x.param < y.param;
+                  return x.dst_offset < y.dst_offset;
+                });
+    }
+  }
   const uint64_t align = std::max<uint64_t>(1, options.segment_alignment);
   routes.producers.assign(num_producers, ProducerRoute{std::vector<ProducerGroup>(static_cast<size_t>(G))});
   {  // Room for every op up front (merges only make fewer): no regrowth of millions of ops.
