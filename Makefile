@@ -47,12 +47,19 @@ soak: build
 	@cd $(BUILD) && FERRY_SOAK_SYNCS=200 ctest -R 'EngineMultiProcess.Soak' --output-on-failure
 	@cd $(BUILD) && FERRY_PAUSE_SOAK_SYNCS=200 ctest -R 'EnginePauseSoak' --output-on-failure -V | grep -A12 'pause soak'
 
-# Every test again under AddressSanitizer + UndefinedBehaviorSanitizer.
+# Every test again under AddressSanitizer + UndefinedBehaviorSanitizer, but for the ones
+# that only move more bytes through paths other tests cover: the 1 GiB transfers
+# (TransportTest.OneGiBReadAndWrite; every backend's smaller transfers run) and the
+# memory measurements (MemoryMp: under ASan RSS measures shadow memory and the
+# quarantine, not the engine). They took 415 of the suite's 3,753 test-seconds under
+# ASan (docs/RESULTS.md, "CI time"); `make test` runs them. ASAN_CTEST_EXCLUDE= runs all.
+ASAN_CTEST_EXCLUDE ?= MemoryMp\.|OneGiBReadAndWrite
 asan: deps
 	@cmake -S . -B $(BUILD_ASAN) -G Ninja -DCMAKE_BUILD_TYPE=Debug -DFERRY_SANITIZE=ON -DFERRY_BENCH=OFF $(DEV_FLAGS) $(CMAKE_FLAGS) >/dev/null
 	@cmake --build $(BUILD_ASAN) -j $(JOBS)
 	@cd $(BUILD_ASAN) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-	  LSAN_OPTIONS=suppressions=$(CURDIR)/scripts/lsan-ucx.supp ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
+	  LSAN_OPTIONS=suppressions=$(CURDIR)/scripts/lsan-ucx.supp ctest --output-on-failure -j $(JOBS) \
+	  $(if $(ASAN_CTEST_EXCLUDE),-E '$(ASAN_CTEST_EXCLUDE)') $(CTEST_ARGS)
 
 # libFuzzer targets (clang), each run for FUZZ_SECONDS.
 fuzz: deps
