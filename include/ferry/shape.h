@@ -3,13 +3,13 @@
 //
 // Why not std::vector: a routing table at scale holds millions of layouts (fsdp=4096 ->
 // tp=8 over an 8B model: 4.7 million pack ops and as many unpack ops, each with a shape
-// and strides), and a std::vector of one or two dims is a heap block of its own: routing
-// spent a third of its time in malloc and in page faults on those blocks. Tensors have
-// few dims; more than four spill to the heap as a std::vector would.
+// and strides), and a std::vector of one or two dims is a heap block of its own (kept
+// inline, that plan went from 12.6 to 10.3 s and 2.32 to 2.15 GB, docs/RESULTS.md).
+// Tensors have few dims; more than four spill to the heap as a std::vector would.
 //
-// The interface is std::vector's subset that ferry uses (same names and semantics,
-// iterators are pointers); converts implicitly from std::vector<int64_t> and to it with
-// vec(). Not thread-safe (a value type).
+// The interface is std::vector's for a sequence (same names and semantics; no
+// allocator, iterators are pointers, a moved-from Shape is empty); converts implicitly
+// from std::vector<int64_t> and to it with vec(). Not thread-safe (a value type).
 #pragma once
 
 #include <algorithm>
