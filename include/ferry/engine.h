@@ -23,7 +23,10 @@
 // Every participant waits (bounded by rendezvous_timeout; world sizes that differ
 // between ranks fail within a second, kInvalidArgument naming both) until every expected
 // producer and consumer has published, then builds the same Routes with build_routes (a pure
-// function of metadata, holdings and plans), so no routes cross the wire. Routes do not
+// function of metadata, holdings and plans), so no routes cross the wire. Each rank makes
+// only the ops it uses (memory.h, producer_/consumer_router_options: a producer its packs,
+// a consumer its plan class's unpacks and the packs it derives in-place reads from);
+// Routes::fingerprint() is what the ranks compare. Routes do not
 // depend on which consumers are alive: a dead consumer is skipped, a restarted one (same
 // rank, same plan) rejoins at the next sync without any rebuild.
 //

@@ -19,7 +19,8 @@
 //
 // Routes are values: deterministic for the same inputs, serialisable (versioned,
 // bounds-checked decoding) and hashable.
-// Threading: build_routes is a pure function; Routes are immutable after building.
+// Threading: build_routes is a pure function (it runs on RouterOptions::threads threads of
+// its own and returns when they are done); Routes are immutable after building.
 #pragma once
 
 #include <cstdint>
@@ -61,6 +62,10 @@ struct ProducerGroup {
   uint64_t staging_bytes = 0;
   std::vector<Segment> segments;
   std::vector<PackOp> packs;
+  // Where the router made no packs for this group (RouterOptions::packs_of: another
+  // rank's), how many it has and their digest instead; zero where `packs` holds them.
+  uint64_t elided_packs = 0;
+  uint64_t elided_digest = 0;
   friend bool operator==(const ProducerGroup&, const ProducerGroup&) = default;
 };
 
@@ -94,6 +99,8 @@ struct PlanGroup {
   uint64_t recv_bytes = 0;
   std::vector<Read> reads;
   std::vector<UnpackOp> unpacks;
+  uint64_t elided_unpacks = 0;  // as ProducerGroup::elided_packs (RouterOptions::unpacks_of)
+  uint64_t elided_digest = 0;
   friend bool operator==(const PlanGroup&, const PlanGroup&) = default;
 };
 
@@ -134,7 +141,9 @@ struct RouteStats {
 
 class Routes {
  public:
-  static constexpr uint32_t kEncodingVersion = 1;
+  // Version 1: every op present. Version 2 (written only where some group's ops were
+  // elided) adds each group's elided count and digest.
+  static constexpr uint32_t kEncodingVersion = 2;
   static constexpr uint64_t kMaxCount = 1u << 28;
   static constexpr uint64_t kMaxRank = 16;
 
@@ -153,6 +162,13 @@ class Routes {
   static Result<Routes> decode(std::span<const std::byte> bytes);
   static Result<Routes> decode(std::string_view bytes);
   uint64_t hash() const;  // xxHash64 of encode()
+  // What every rank of a job agrees on whichever ops it kept (RouterOptions::packs_of):
+  // a hash of everything but the ops, and of each group's op count and digest (made from
+  // its ops where present, else the elided ones). Routes that differ only in which ops
+  // were elided have the same fingerprint; routes that differ in any op do not.
+  uint64_t fingerprint() const;
+  bool has_packs(size_t producer) const;  // none of its groups' packs elided
+  bool has_unpacks(size_t plan) const;    // likewise for a plan class's unpacks
   // Internal consistency: indices in range, packs and segments inside staging, reads
   // inside the producer's staging and the receive buffer, unpacks inside the receive
   // buffer and their params.
@@ -185,6 +201,17 @@ std::optional<ConvertOn> parse_convert_on(std::string_view name);  // "producer"
 struct RouterOptions {
   uint64_t segment_alignment = 64;
   ConvertOn convert_on = ConvertOn::kProducer;
+  // Threads that build the routes (plan classes, producers and tensors split among them);
+  // 0: the hardware's, at most 16. The routes are the same for any count.
+  int threads = 0;
+  // Whose packs and unpacks to make; segments, reads and stats are always every rank's.
+  // A rank needs its own ops, and the other side's only to derive the reads its peers
+  // derive (in-place serving, push into params). At fsdp=4096 -> tp=8 the job's ops are
+  // 9.3 million, a GiB that every rank would build and hold. Groups left out keep their
+  // op count and digest (ProducerGroup::elided_packs): Routes::fingerprint() is the same.
+  static constexpr int kEveryRank = -1, kNoRank = -2;
+  int packs_of = kEveryRank;    // a producer rank, kEveryRank or kNoRank
+  int unpacks_of = kEveryRank;  // a consumer rank (its plan class's unpacks), kEveryRank or kNoRank
 };
 
 // Errors (each names the tensor): a tensor the metadata lists twice; holdings of a
@@ -192,6 +219,7 @@ struct RouterOptions {
 // dtype or shape; a box outside its tensor; overlapping boxes within one producer; a
 // plan that reads a tensor the metadata lacks (or with another dtype or shape); source
 // elements a plan reads that no producer holds.
+// RouterOptions::packs_of or unpacks_of naming no rank is kInvalidArgument.
 // Also refuses, before any piece is cut, inputs whose routing cost (RoutingCost below,
 // from the holdings' boxes) exceeds kMaxRouteGroups or kMaxRoutePieces.
 Result<Routes> build_routes(const RouterInput& input, const RouterOptions& options = {});
@@ -201,8 +229,8 @@ Result<Routes> build_routes(const RouterInput& input, const RouterOptions& optio
 // gives the boxes of a trainer layout without making its holdings). The router's work
 // and memory grow with three counts: the held boxes (every trainer rank's), the route
 // groups (every producer and every plan class has one per layer group, even an empty
-// one, and every rank of a job holds the whole routes), and the cut pieces, at most
-// about one per box and plan class reading it (estimated as boxes x plan classes: an
+// one, and every rank of a job holds every route group, if not every op), and the cut
+// pieces, at most about one per box and plan class reading it (estimated as boxes x plan classes: an
 // upper estimate, ~1.7x the pieces of Llama-3.1-8B under fsdp=4096 -> tp=8).
 struct RoutingCost {
   uint64_t producers = 0;

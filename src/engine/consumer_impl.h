@@ -160,7 +160,7 @@ struct Consumer::Impl {
     return o;
   }
   Impl(int r, Transport& t, Store& s, const ConsumerOptions& opt)
-      : rank(r), transport(t), store(s), opts(effective(opt)), keys(opt.job), route_state(s, JobKeys(opt.job), opt.failover, RouterOptions{.convert_on = opt.convert_on}) {}
+      : rank(r), transport(t), store(s), opts(effective(opt)), keys(opt.job), route_state(s, JobKeys(opt.job), opt.failover, consumer_router_options(opt, r)) {}
 
   ~Impl() {
     worker.reset();  // stops after its current job

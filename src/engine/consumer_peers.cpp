@@ -192,7 +192,7 @@ Status Consumer::Impl::apply_routes(Routes r) {
   }
   std::lock_guard<std::mutex> lk(mu);
   routes = std::move(r);
-  routes_hash = routes.hash();
+  routes_hash = routes.fingerprint();
   plan_route = &routes.consumer(static_cast<size_t>(rank));
   order = std::move(mine);
   rebuild_schedule();

@@ -83,6 +83,34 @@ uint64_t bytes_of(const Plan& p) {
 
 }  // namespace
 
+// A group's ops as a rank holds them: made (their vector), or where elided in `routes`,
+// what making them takes (the router reserves them exactly).
+uint64_t ops_bytes(const ProducerGroup& g) {
+  return g.elided_packs ? heap(g.elided_packs * sizeof(PackOp)) : bytes_of(g.packs);
+}
+uint64_t ops_bytes(const PlanGroup& g) {
+  return g.elided_unpacks ? heap(g.elided_unpacks * sizeof(UnpackOp)) : bytes_of(g.unpacks);
+}
+uint64_t ops_bytes(const ProducerRoute& r) {
+  uint64_t n = 0;
+  for (const ProducerGroup& g : r.groups) n += ops_bytes(g);
+  return n;
+}
+uint64_t ops_bytes(const PlanRoute& r) {
+  uint64_t n = 0;
+  for (const PlanGroup& g : r.groups) n += ops_bytes(g);
+  return n;
+}
+// The made ops of `routes` (what metadata_heap_bytes counted of them).
+uint64_t made_ops_bytes(const Routes& routes) {
+  uint64_t n = 0;
+  for (const ProducerRoute& r : routes.producers)
+    for (const ProducerGroup& g : r.groups) n += bytes_of(g.packs);
+  for (const PlanRoute& r : routes.plans)
+    for (const PlanGroup& g : r.groups) n += bytes_of(g.unpacks);
+  return n;
+}
+
 uint64_t registered_bytes(uint64_t n) { return align_up(std::max<uint64_t>(n, 64), 4096); }
 
 uint64_t delta_kept_bytes(const EngineOptions& options, const ProducerRoute& route, const StagingSlots& slots) {
@@ -116,11 +144,34 @@ uint64_t metadata_heap_bytes(const Routes& routes, const std::vector<TensorDecl>
 
 uint64_t schedule_heap_bytes(const ProducerSchedule& s) { return bytes_of(s.groups); }
 uint64_t schedule_heap_bytes(const ConsumerSchedule& s) { return bytes_of(s.groups) + bytes_of(s.unpack); }
-uint64_t predicted_schedule_bytes(const ProducerRoute& route) { return bytes_of(route); }
+uint64_t predicted_schedule_bytes(const ProducerRoute& route) {
+  uint64_t n = bytes_of(route);
+  for (const ProducerGroup& g : route.groups)
+    if (g.elided_packs) n += ops_bytes(g);
+  return n;
+}
 uint64_t predicted_schedule_bytes(const PlanRoute& route) {
-  uint64_t reads = 0;
-  for (const PlanGroup& g : route.groups) reads += g.reads.size();
-  return bytes_of(route) + heap(reads * sizeof(SubRead));
+  uint64_t reads = 0, elided = 0;
+  for (const PlanGroup& g : route.groups) {
+    reads += g.reads.size();
+    if (g.elided_unpacks) elided += ops_bytes(g);
+  }
+  return bytes_of(route) + elided + heap(reads * sizeof(SubRead));
+}
+
+RouterOptions producer_router_options(const EngineOptions& options, int rank) {
+  RouterOptions r;
+  r.convert_on = options.convert_on;
+  r.packs_of = rank;
+  r.unpacks_of = options.mode == SyncMode::kPush ? RouterOptions::kEveryRank : RouterOptions::kNoRank;
+  return r;
+}
+RouterOptions consumer_router_options(const EngineOptions& options, int rank) {
+  RouterOptions r;
+  r.convert_on = options.convert_on;
+  r.packs_of = RouterOptions::kEveryRank;
+  r.unpacks_of = rank;
+  return r;
 }
 
 uint64_t metadata_heap_bytes(const Routes& routes, const std::vector<TensorDecl>& metadata,
@@ -148,8 +199,13 @@ Result<MemoryPrediction> predict_memory(const Routes& routes, const std::vector<
   if (holdings.size() != routes.producers.size() || plans.size() != routes.consumer_plan.size())
     return invalid_argument("predict_memory: {} holdings and {} plans for routes of {} producers and {} consumers",
                             holdings.size(), plans.size(), routes.producers.size(), routes.consumer_plan.size());
-  // What every rank keeps alike, counted once.
-  const uint64_t common = metadata_heap_bytes(routes, metadata, holdings, plans);
+  // What every rank keeps alike, counted once: the routes without any op (made or
+  // elided in `routes`), then each rank's own ops as its router options keep them.
+  const uint64_t common = metadata_heap_bytes(routes, metadata, holdings, plans) - made_ops_bytes(routes);
+  uint64_t all_packs = 0, all_unpacks = 0;
+  for (const ProducerRoute& r : routes.producers) all_packs += ops_bytes(r);
+  for (const PlanRoute& r : routes.plans) all_unpacks += ops_bytes(r);
+  const bool push = options.mode == SyncMode::kPush;
   MemoryPrediction out;
   const auto shared = options.failover ? shared_held_bytes(metadata, holdings) : std::vector<std::vector<uint64_t>>{};
   for (size_t p = 0; p < routes.producers.size(); ++p) {
@@ -162,7 +218,8 @@ Result<MemoryPrediction> predict_memory(const Routes& routes, const std::vector<
     // The kept copy (or patch area) after the slots, in the same registration.
     m.kept_copy = delta_kept_bytes(options, routes.producers[p], ring);
     m.staging_ring = registered_bytes(ring.slot_bytes * static_cast<uint64_t>(ring.slots) + m.kept_copy) - m.kept_copy;
-    m.metadata = common + predicted_schedule_bytes(routes.producers[p]);
+    m.metadata = common + ops_bytes(routes.producers[p]) + (push ? all_unpacks : 0) +
+                 predicted_schedule_bytes(routes.producers[p]);
     out.producers.push_back(m);
   }
   std::vector<uint64_t> per_class;  // plan classes share a route: one walk each
@@ -171,7 +228,7 @@ Result<MemoryPrediction> predict_memory(const Routes& routes, const std::vector<
     const PlanRoute& pr = routes.consumer(c);
     MemoryUse m;
     m.receive_ring = registered_bytes(consumer_slot_bytes(pr) * kReceiveSlots);
-    m.metadata = common + per_class[routes.consumer_plan[c]];
+    m.metadata = common + all_packs + ops_bytes(pr) + per_class[routes.consumer_plan[c]];
     if (commit == CommitPolicy::kShadow && plans[c]) {
       // ParamSet's shadow arena: every param, 64-byte aligned, rounded to a page.
       uint64_t shadow = 0;

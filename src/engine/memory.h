@@ -32,6 +32,13 @@ Result<StagingSlots> staging_ring(int rank, uint64_t needed, uint64_t worst, uin
 // as the slots with `delta_block_bytes`, else the kept copy of what `route` stages.
 uint64_t delta_kept_bytes(const EngineOptions& options, const ProducerRoute& route, const StagingSlots& slots);
 
+// The router options a rank builds its routes with: its own ops and those it derives its
+// peers' reads from. A producer: its packs, and in push mode every plan class's unpacks
+// (the reads into params it writes, push_writes). A consumer: its plan class's unpacks
+// and every producer's packs (the pieces a producer serves in place, in_place_pieces).
+RouterOptions producer_router_options(const EngineOptions& options, int rank);
+RouterOptions consumer_router_options(const EngineOptions& options, int rank);
+
 // Heap bytes (malloc blocks included) of the metadata a rank keeps after rendezvous:
 // the trainer's metadata, every producer's holdings, every consumer's plan, the routes.
 uint64_t metadata_heap_bytes(const Routes& routes, const std::vector<TensorDecl>& metadata,

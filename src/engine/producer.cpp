@@ -189,7 +189,7 @@ struct Producer::Impl {
   Status local_failure;  // see note_local_failure; mu
 
   Impl(WeightSource& s, Transport& t, Store& st, const ProducerOptions& opt)
-      : source(s), transport(t), store(st), opts(opt), keys(opt.job), route_state(st, JobKeys(opt.job), opt.failover, RouterOptions{.convert_on = opt.convert_on}) {}
+      : source(s), transport(t), store(st), opts(opt), keys(opt.job), route_state(st, JobKeys(opt.job), opt.failover, producer_router_options(opt, s.rank())) {}
 
   // Sends m to `to`; an error from our own transport fails the sync (note_local_failure).
   Status send(PeerId to, const Message& m) {
@@ -742,7 +742,7 @@ struct Producer::Impl {
     wave_of = std::move(w_of);
     pack_at = std::move(at);
     routes = std::move(r);
-    routes_hash = routes.hash();
+    routes_hash = routes.fingerprint();
     schedule = std::move(sched);
     if (opts.delta) {  // the kept copy is laid out by the routes: nothing in it is a base under new ones
       kept_at = kept_layout(routes.producers[static_cast<size_t>(rank)]);

@@ -5,10 +5,12 @@
 #include <unordered_map>
 #include <vector>
 
+#define XXH_STATIC_LINKING_ONLY  // XXH64_state_t on the stack
 #include <xxhash.h>
 
 #include "ferry/device.h"
 #include "ferry/route.h"
+#include "route/op_digest.h"
 
 namespace ferry {
 
@@ -162,14 +164,17 @@ bool bytes_within(uint64_t offset, int64_t numel, uint64_t es, uint64_t limit) {
 
 }  // namespace
 
-std::string Routes::encode() const {
-  Writer w;
-  w.raw(kMagic, 4);
-  w.u64(kEncodingVersion);
-  w.u64(group_names.size());
-  for (const auto& g : group_names) w.str(g);
-  w.u64(producers.size());
-  for (const auto& p : producers) {
+namespace {
+
+// Everything of `r` but the ops, in encoding order after the version; each group's ops
+// as `packs(w, group)` / `unpacks(w, group)` write them (encode: the ops; fingerprint:
+// their count and digest, flushing the writer).
+template <typename Packs, typename Unpacks>
+void write_routes(Writer& w, const Routes& r, Packs&& packs, Unpacks&& unpacks) {
+  w.u64(r.group_names.size());
+  for (const auto& g : r.group_names) w.str(g);
+  w.u64(r.producers.size());
+  for (const auto& p : r.producers) {
     w.u64(p.groups.size());
     for (const auto& g : p.groups) {
       w.u64(g.staging_bytes);
@@ -179,17 +184,11 @@ std::string Routes::encode() const {
         w.u64(s.offset);
         w.u64(s.bytes);
       }
-      w.u64(g.packs.size());
-      for (const auto& op : g.packs) {
-        w.u64(op.box);
-        w.u64(static_cast<uint64_t>(op.dtype));
-        w.u64(op.offset);
-        w.layout(op.src);
-      }
+      packs(w, g);
     }
   }
-  w.u64(plans.size());
-  for (const auto& pr : plans) {
+  w.u64(r.plans.size());
+  for (const auto& pr : r.plans) {
     w.fixed64(pr.plan_hash);
     w.u64(pr.params.size());
     for (const auto& d : pr.params) {
@@ -202,23 +201,58 @@ std::string Routes::encode() const {
     for (const auto& g : pr.groups) {
       w.u64(g.recv_bytes);
       w.u64(g.reads.size());
-      for (const auto& r : g.reads) {
-        w.u64(r.producer);
-        w.u64(r.offset);
-        w.u64(r.length);
-        w.u64(r.recv_offset);
+      for (const auto& rd : g.reads) {
+        w.u64(rd.producer);
+        w.u64(rd.offset);
+        w.u64(rd.length);
+        w.u64(rd.recv_offset);
       }
-      w.u64(g.unpacks.size());
-      for (const auto& op : g.unpacks) {
-        w.u64(op.param);
-        w.u64(static_cast<uint64_t>(op.src_dtype));
-        w.u64(op.offset);
-        w.layout(op.dst);
-      }
+      unpacks(w, g);
     }
   }
-  w.u64(consumer_plan.size());
-  for (uint32_t c : consumer_plan) w.u64(c);
+  w.u64(r.consumer_plan.size());
+  for (uint32_t c : r.consumer_plan) w.u64(c);
+}
+
+}  // namespace
+
+std::string Routes::encode() const {
+  bool elided = false;
+  for (const auto& p : producers)
+    for (const auto& g : p.groups) elided |= g.elided_packs != 0;
+  for (const auto& pr : plans)
+    for (const auto& g : pr.groups) elided |= g.elided_unpacks != 0;
+  Writer w;
+  w.raw(kMagic, 4);
+  w.u64(elided ? 2 : 1);
+  write_routes(
+      w, *this,
+      [&](Writer& out, const ProducerGroup& g) {
+        out.u64(g.packs.size());
+        for (const auto& op : g.packs) {
+          out.u64(op.box);
+          out.u64(static_cast<uint64_t>(op.dtype));
+          out.u64(op.offset);
+          out.layout(op.src);
+        }
+        if (elided) {
+          out.u64(g.elided_packs);
+          out.fixed64(g.elided_digest);
+        }
+      },
+      [&](Writer& out, const PlanGroup& g) {
+        out.u64(g.unpacks.size());
+        for (const auto& op : g.unpacks) {
+          out.u64(op.param);
+          out.u64(static_cast<uint64_t>(op.src_dtype));
+          out.u64(op.offset);
+          out.layout(op.dst);
+        }
+        if (elided) {
+          out.u64(g.elided_unpacks);
+          out.fixed64(g.elided_digest);
+        }
+      });
   return w.take();
 }
 
@@ -230,9 +264,10 @@ Result<Routes> Routes::decode(std::span<const std::byte> bytes) {
   Reader r(bytes);
   if (!r.magic()) return corrupt("routes: bad magic (not a ferry routes blob)");
   const uint64_t version = r.u64();
-  if (!r.ok() || version != kEncodingVersion) {
-    return corrupt("routes: unsupported encoding version {} (this build reads {})", version, kEncodingVersion);
+  if (!r.ok() || version < 1 || version > kEncodingVersion) {
+    return corrupt("routes: unsupported encoding version {} (this build reads 1 to {})", version, kEncodingVersion);
   }
+  const bool elided = version >= 2;
   Routes out;
   auto u32 = [&](uint64_t v) -> uint32_t {
     if (v > 0xffffffffu) r.fail();
@@ -261,6 +296,10 @@ Result<Routes> Routes::decode(std::span<const std::byte> bytes) {
         op.dtype = r.dtype();
         op.offset = r.u64();
         op.src = r.layout();
+      }
+      if (elided) {
+        pg.elided_packs = r.u64();
+        pg.elided_digest = r.fixed64();
       }
       if (!r.ok()) break;
     }
@@ -301,6 +340,10 @@ Result<Routes> Routes::decode(std::span<const std::byte> bytes) {
         op.offset = r.u64();
         op.dst = r.layout();
       }
+      if (elided) {
+        cg.elided_unpacks = r.u64();
+        cg.elided_digest = r.fixed64();
+      }
       if (!r.ok()) break;
     }
     if (!r.ok()) break;
@@ -319,6 +362,52 @@ uint64_t Routes::hash() const {
   return XXH64(e.data(), e.size(), 0);
 }
 
+uint64_t Routes::fingerprint() const {
+  // Everything but the ops as encode() writes it, a group at a time into one streaming
+  // hash; each group's ops as their count and digest.
+  XXH64_state_t state;
+  XXH64_reset(&state, 0);
+  auto flush = [&](Writer& w) {
+    const std::string b = w.take();
+    XXH64_update(&state, b.data(), b.size());
+    w = Writer();
+  };
+  Writer w;
+  w.raw(kMagic, 4);
+  write_routes(
+      w, *this,
+      [&](Writer& out, const ProducerGroup& g) {
+        uint64_t d = 0;
+        for (const PackOp& op : g.packs) d = route_detail::digest_op(d, op);
+        out.u64(g.elided_packs ? g.elided_packs : g.packs.size());
+        out.fixed64(g.elided_packs ? g.elided_digest : d);
+        flush(out);
+      },
+      [&](Writer& out, const PlanGroup& g) {
+        uint64_t d = 0;
+        for (const UnpackOp& op : g.unpacks) d = route_detail::digest_op(d, op);
+        out.u64(g.elided_unpacks ? g.elided_unpacks : g.unpacks.size());
+        out.fixed64(g.elided_unpacks ? g.elided_digest : d);
+        flush(out);
+      });
+  flush(w);
+  return XXH64_digest(&state);
+}
+
+bool Routes::has_packs(size_t producer) const {
+  if (producer >= producers.size()) return false;
+  for (const ProducerGroup& g : producers[producer].groups)
+    if (g.elided_packs) return false;
+  return true;
+}
+
+bool Routes::has_unpacks(size_t plan) const {
+  if (plan >= plans.size()) return false;
+  for (const PlanGroup& g : plans[plan].groups)
+    if (g.elided_unpacks) return false;
+  return true;
+}
+
 Status Routes::validate() const {
   const size_t G = group_names.size();
   for (size_t p = 0; p < producers.size(); ++p) {
@@ -332,6 +421,9 @@ Status Routes::validate() const {
           return out_of_range("producer {} group {}: segment at {} (+{}) outside staging of {} bytes", p, g, s.offset,
                               s.bytes, pg.staging_bytes);
         }
+      }
+      if (pg.elided_packs && !pg.packs.empty()) {
+        return corrupt("producer {} group {}: {} packs and {} elided ones", p, g, pg.packs.size(), pg.elided_packs);
       }
       for (const PackOp& op : pg.packs) {
         int64_t n, lo, hi;
@@ -370,6 +462,9 @@ Status Routes::validate() const {
           return out_of_range("plan {} group {}: read into {} (+{}) outside the {}-byte receive buffer", k, g,
                               rd.recv_offset, rd.length, cg.recv_bytes);
         }
+      }
+      if (cg.elided_unpacks && !cg.unpacks.empty()) {
+        return corrupt("plan {} group {}: {} unpacks and {} elided ones", k, g, cg.unpacks.size(), cg.elided_unpacks);
       }
       for (const UnpackOp& op : cg.unpacks) {
         if (op.param >= pr.params.size()) return corrupt("plan {} group {}: unpack into param {} of {}", k, g, op.param, pr.params.size());

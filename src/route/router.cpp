@@ -1,10 +1,18 @@
 // build_routes: pieces, assignment, segments (see ferry/route.h and docs/routing.md).
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <exception>
+#include <mutex>
+#include <system_error>
 #include <numeric>
+#include <thread>
+#include <tuple>
+#include <utility>
 #include <unordered_map>
 
 #include "ferry/route.h"
+#include "route/op_digest.h"
 
 namespace ferry {
 
@@ -160,6 +168,63 @@ class LayoutPool {
   Shape sh_, a_, b_;
 };
 
+// One plan class's cuts, their layouts and the bytes they carry (built on one thread).
+struct ClassCuts {
+  Blocks<Cut> cuts;
+  LayoutPool pool;
+  uint64_t bytes = 0;
+  Status status;
+};
+// A cut: its plan class above kCutBits, its index in the class's cuts below.
+using CutRef = uint64_t;
+constexpr unsigned kCutBits = 40;
+constexpr uint64_t kCutMask = (uint64_t{1} << kCutBits) - 1;
+
+int router_threads(const RouterOptions& options) {
+  if (options.threads > 0) return options.threads;
+  return static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 16u));
+}
+
+// Runs fn(i) for every i in [0, n) on up to `threads` threads (the caller's among them),
+// each taking the next index. Where a thread cannot be started the others do its share;
+// an exception thrown by fn stops the handing out and is rethrown here, as it would have
+// been from a loop.
+template <typename F>
+void parallel_for(size_t n, int threads, F&& fn) {
+  const size_t want = std::min<size_t>(n, static_cast<size_t>(std::max(threads, 1)));
+  if (want <= 1) {
+    for (size_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  std::atomic<size_t> next{0};
+  std::exception_ptr error;
+  std::atomic<bool> failed{false};
+  std::mutex mu;
+  auto worker = [&] {
+    for (size_t i = next.fetch_add(1); i < n && !failed.load(std::memory_order_relaxed); i = next.fetch_add(1)) {
+      try {
+        fn(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!error) error = std::current_exception();
+        failed = true;
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  pool.reserve(want - 1);
+  for (size_t t = 1; t < want; ++t) {
+    try {
+      pool.emplace_back(worker);
+    } catch (const std::system_error&) {
+      break;  // fewer threads: the ones running take the rest
+    }
+  }
+  worker();
+  for (std::thread& t : pool) t.join();
+  if (error) std::rethrow_exception(error);
+}
+
 int64_t flat_of(const Shape& idx, const Shape& strides) {
   int64_t f = 0;
   for (size_t k = 0; k < idx.size(); ++k) f += idx[k] * strides[k];
@@ -250,37 +315,63 @@ uint64_t align_up(uint64_t x, uint64_t a) { return a <= 1 ? x : (x + a - 1) / a 
 bool is_run(const Layout& l) { return l.ndim() == 1 && (l.strides[0] == 1 || l.shape[0] == 1); }
 bool is_scalar_like(const Layout& l) { return l.numel() == 1; }
 
-// Appends `op` to `ops`, merging it into the previous op (from index `first` on: the
-// current segment's) when both are contiguous runs that continue each other on both sides.
-void push_pack(std::vector<PackOp>& ops, size_t first, PackOp op, uint64_t es) {
-  if (ops.size() > first) {
-    PackOp& p = ops.back();
-    if (p.box == op.box && p.dtype == op.dtype && (is_run(p.src) || is_scalar_like(p.src)) &&
-        (is_run(op.src) || is_scalar_like(op.src)) && p.src.numel() > 0) {
-      const int64_t pn = p.src.numel();
-      if (p.src.offset + pn == op.src.offset && p.offset + static_cast<uint64_t>(pn) * es == op.offset) {
-        p.src = Layout{{pn + op.src.numel()}, {1}, p.src.offset};
-        return;
-      }
+// Merges `op` into `p` where both are contiguous runs that continue each other on both
+// sides (the staging or receive bytes and the box or param); true if it did.
+bool merge_op(PackOp& p, const PackOp& op, uint64_t es) {
+  if (p.box == op.box && p.dtype == op.dtype && (is_run(p.src) || is_scalar_like(p.src)) &&
+      (is_run(op.src) || is_scalar_like(op.src)) && p.src.numel() > 0) {
+    const int64_t pn = p.src.numel();
+    if (p.src.offset + pn == op.src.offset && p.offset + static_cast<uint64_t>(pn) * es == op.offset) {
+      p.src = Layout{{pn + op.src.numel()}, {1}, p.src.offset};
+      return true;
     }
   }
-  ops.push_back(std::move(op));
+  return false;
 }
 
-void push_unpack(std::vector<UnpackOp>& ops, size_t first, UnpackOp op, uint64_t es) {
-  if (ops.size() > first) {
-    UnpackOp& p = ops.back();
-    if (p.param == op.param && p.src_dtype == op.src_dtype && (is_run(p.dst) || is_scalar_like(p.dst)) &&
-        (is_run(op.dst) || is_scalar_like(op.dst)) && p.dst.numel() > 0) {
-      const int64_t pn = p.dst.numel();
-      if (p.dst.offset + pn == op.dst.offset && p.offset + static_cast<uint64_t>(pn) * es == op.offset) {
-        p.dst = Layout{{pn + op.dst.numel()}, {1}, p.dst.offset};
-        return;
-      }
+bool merge_op(UnpackOp& p, const UnpackOp& op, uint64_t es) {
+  if (p.param == op.param && p.src_dtype == op.src_dtype && (is_run(p.dst) || is_scalar_like(p.dst)) &&
+      (is_run(op.dst) || is_scalar_like(op.dst)) && p.dst.numel() > 0) {
+    const int64_t pn = p.dst.numel();
+    if (p.dst.offset + pn == op.dst.offset && p.offset + static_cast<uint64_t>(pn) * es == op.offset) {
+      p.dst = Layout{{pn + op.dst.numel()}, {1}, p.dst.offset};
+      return true;
     }
   }
-  ops.push_back(std::move(op));
+  return false;
 }
+
+// One group's ops as a segment's cuts arrive: appended to `ops` (merged with the
+// previous op of the same segment where they continue each other), or, where the group's
+// ops are elided (ops == nullptr), merged alike and only counted and digested.
+template <typename Op>
+class OpSink {
+ public:
+  explicit OpSink(std::vector<Op>* ops = nullptr) : ops_(ops) {}
+  void begin_segment() { first_ = ops_ ? ops_->size() : count_; }
+  void push(Op op, uint64_t es) {
+    if (ops_) {
+      if (ops_->size() > first_ && merge_op(ops_->back(), op, es)) return;
+      ops_->push_back(std::move(op));
+      return;
+    }
+    if (count_ > first_ && merge_op(last_, op, es)) return;
+    if (count_) digest_ = route_detail::digest_op(digest_, last_);
+    last_ = std::move(op);
+    ++count_;
+  }
+  // An elided group's count and digest (both 0 where the ops were made).
+  std::pair<uint64_t, uint64_t> finish() {
+    if (ops_ || !count_) return {0, 0};
+    return {count_, route_detail::digest_op(digest_, last_)};
+  }
+
+ private:
+  std::vector<Op>* ops_;
+  Op last_{};
+  uint64_t count_ = 0, digest_ = 0;
+  size_t first_ = 0;
+};
 
 // The dtype a piece crosses the wire in: the param's where the producer converts (both
 // floating, the param's elements narrower: fp32 masters kept as bf16 send half the
@@ -559,6 +650,13 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
     routes.consumer_plan.push_back(static_cast<uint32_t>(found));
   }
 
+  if (options.packs_of < RouterOptions::kNoRank || options.packs_of >= static_cast<int64_t>(num_producers)) {
+    return invalid_argument("router options: packs of producer {}, of {} producers", options.packs_of, num_producers);
+  }
+  if (options.unpacks_of < RouterOptions::kNoRank || options.unpacks_of >= static_cast<int64_t>(in.consumers.size())) {
+    return invalid_argument("router options: unpacks of consumer {}, of {} consumers", options.unpacks_of,
+                            in.consumers.size());
+  }
   {  // What the rest would cost, before any piece: refused at once when out of bounds.
     RoutingCost cost;
     cost.producers = num_producers;
@@ -569,187 +667,298 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
   }
 
   // --- cut every copy by the pieces it touches ------------------------------------------
-  Blocks<Cut> cuts;
-  LayoutPool pool;
-  // Bytes each plan class reads, as the wire carries them (converted where options say).
-  std::vector<uint64_t> plan_min(classes.size(), 0);
-  std::vector<uint32_t> filtered_idx;
-  for (uint32_t k = 0; k < classes.size(); ++k) {
-    const Plan& plan = *classes[k];
-    std::vector<uint32_t> src_tensor(plan.sources().size());
-    for (size_t s = 0; s < plan.sources().size(); ++s) src_tensor[s] = index.at(plan.sources()[s].name);
-    for (const Copy& copy : plan.copies()) {
-      const int64_t n = copy.src.numel();
-      if (n == 0) continue;
-      const uint32_t t = src_tensor[copy.source];
-      const TensorDecl& d = meta[t];
-      TensorInfo& ti = tensors[t];
-      if (!ti.pieces_built) FERRY_RETURN_IF_ERROR(build_pieces(d, ti));
-      if (ti.pieces.empty()) {
-        return not_found("tensor '{}' is read by a consumer plan but no producer holds it", d.name);
-      }
-      Layout src = copy.src, dst = copy.dst;
-      unflatten(src, dst, d.shape);
-      // Only the pieces the copy's flat range can touch.
-      const std::vector<uint32_t>* idx = nullptr;
-      if (ti.map.size() > 4) {
-        const int64_t lo = src.min_offset(), hi = src.max_offset();
-        filtered_idx.clear();
-        // By binary search in the pieces sorted by flat start, not a scan of every
-        // piece per copy; taken in index order, as the scan did, so the cut is the same.
-        auto first = std::lower_bound(ti.by_flat.begin(), ti.by_flat.end(), lo - ti.widest_flat,
-                                      [&](uint32_t i, int64_t v) { return ti.pieces[i].flat_lo < v; });
-        for (auto it = first; it != ti.by_flat.end() && ti.pieces[*it].flat_lo <= hi; ++it) {
-          if (ti.pieces[*it].flat_hi >= lo) filtered_idx.push_back(*it);
+  // Each plan class on its own (a thread each, up to options.threads): its cuts, layouts
+  // and bytes are its own, and the pieces every class reads are built first. A cut is
+  // named by a CutRef: its class in the high bits, its index in the class's cuts below.
+  const int threads = router_threads(options);
+  std::vector<ClassCuts> per(classes.size());
+  {
+    std::vector<uint32_t> read;  // tensors some plan reads, once each
+    std::vector<bool> seen(tensors.size(), false);
+    std::vector<std::vector<uint32_t>> src_tensor(classes.size());
+    for (uint32_t k = 0; k < classes.size(); ++k) {
+      const Plan& plan = *classes[k];
+      src_tensor[k].resize(plan.sources().size());
+      for (size_t s = 0; s < plan.sources().size(); ++s) src_tensor[k][s] = index.at(plan.sources()[s].name);
+      for (const Copy& copy : plan.copies()) {
+        const uint32_t t = src_tensor[k][copy.source];
+        if (copy.src.numel() != 0 && !seen[t]) {
+          seen[t] = true;
+          read.push_back(t);
         }
-        std::sort(filtered_idx.begin(), filtered_idx.end());
-        idx = &filtered_idx;
-      }
-      int64_t covered = 0;
-      const DType wire = wire_dtype(d.dtype, plan.params()[copy.param].dtype, options);
-      const uint64_t es = dtype_size(wire);
-      const int32_t group = groups.of_tensor(t);
-      compose_layout_each(src, d.shape, ti.map, idx, [&](const MapPiece& m) {
-        Cut cut;
-        cut.plan = k;
-        cut.param = copy.param;
-        cut.tensor = t;
-        cut.piece = idx ? (*idx)[m.part] : m.part;
-        cut.group = group;
-        cut.wire = wire;
-        cut.dst_offset = dst.offset_of(m.start);
-        cut.layouts = pool.add(m.root.shape, m.root.strides, m.root.offset, dst.strides, cut.dst_offset);
-        const int64_t numel = pool.numel(cut.layouts);
-        covered += numel;
-        cut.bytes = static_cast<uint64_t>(numel) * es;
-        cut.cost = cut.bytes * weight[k];  // (final: every consumer was counted above)
-        plan_min[k] += cut.bytes;
-        cuts.push_back(cut);
-      });
-      if (covered != n) {
-        return not_found("tensor '{}': {} of the {} elements a consumer plan reads ({} -> param '{}') are held by no producer",
-                         d.name, n - covered, n, copy.src.to_string(), plan.params()[copy.param].name);
       }
     }
+    std::vector<Status> built(tensors.size());
+    parallel_for(read.size(), threads, [&](size_t i) { built[read[i]] = build_pieces(meta[read[i]], tensors[read[i]]); });
+
+    parallel_for(classes.size(), threads, [&](size_t kk) {
+      const auto k = static_cast<uint32_t>(kk);
+      const Plan& plan = *classes[k];
+      ClassCuts& out = per[k];
+      std::vector<uint32_t> filtered_idx;
+      out.status = [&]() -> Status {
+        for (const Copy& copy : plan.copies()) {
+          const int64_t n = copy.src.numel();
+          if (n == 0) continue;
+          const uint32_t t = src_tensor[k][copy.source];
+          const TensorDecl& d = meta[t];
+          const TensorInfo& ti = tensors[t];
+          FERRY_RETURN_IF_ERROR(built[t]);
+          if (ti.pieces.empty()) {
+            return not_found("tensor '{}' is read by a consumer plan but no producer holds it", d.name);
+          }
+          Layout src = copy.src, dst = copy.dst;
+          unflatten(src, dst, d.shape);
+          // Only the pieces the copy's flat range can touch.
+          const std::vector<uint32_t>* idx = nullptr;
+          if (ti.map.size() > 4) {
+            const int64_t lo = src.min_offset(), hi = src.max_offset();
+            filtered_idx.clear();
+            // By binary search in the pieces sorted by flat start, not a scan of every
+            // piece per copy; taken in index order, as the scan did, so the cut is the same.
+            auto first = std::lower_bound(ti.by_flat.begin(), ti.by_flat.end(), lo - ti.widest_flat,
+                                          [&](uint32_t i, int64_t v) { return ti.pieces[i].flat_lo < v; });
+            for (auto it = first; it != ti.by_flat.end() && ti.pieces[*it].flat_lo <= hi; ++it) {
+              if (ti.pieces[*it].flat_hi >= lo) filtered_idx.push_back(*it);
+            }
+            std::sort(filtered_idx.begin(), filtered_idx.end());
+            idx = &filtered_idx;
+          }
+          int64_t covered = 0;
+          const DType wire = wire_dtype(d.dtype, plan.params()[copy.param].dtype, options);
+          const uint64_t es = dtype_size(wire);
+          const int32_t group = groups.of_tensor(t);
+          compose_layout_each(src, d.shape, ti.map, idx, [&](const MapPiece& m) {
+            Cut cut;
+            cut.plan = k;
+            cut.param = copy.param;
+            cut.tensor = t;
+            cut.piece = idx ? (*idx)[m.part] : m.part;
+            cut.group = group;
+            cut.wire = wire;
+            cut.dst_offset = dst.offset_of(m.start);
+            cut.layouts = out.pool.add(m.root.shape, m.root.strides, m.root.offset, dst.strides, cut.dst_offset);
+            const int64_t numel = out.pool.numel(cut.layouts);
+            covered += numel;
+            cut.bytes = static_cast<uint64_t>(numel) * es;
+            cut.cost = cut.bytes * weight[k];  // (final: every consumer was counted above)
+            out.bytes += cut.bytes;
+            out.cuts.push_back(cut);
+          });
+          if (covered != n) {
+            return not_found(
+                "tensor '{}': {} of the {} elements a consumer plan reads ({} -> param '{}') are held by no producer",
+                d.name, n - covered, n, copy.src.to_string(), plan.params()[copy.param].name);
+          }
+        }
+        return Status::Ok();
+      }();
+    });
+    // The error a class-by-class pass would have met first.
+    for (const ClassCuts& c : per) FERRY_RETURN_IF_ERROR(c.status);
   }
+  if (static_cast<uint64_t>(classes.size()) >= (uint64_t{1} << (64 - kCutBits))) {
+    return invalid_argument("{} plan classes: too many to route", classes.size());
+  }
+  auto cut_of = [&](CutRef r) -> Cut& { return per[r >> kCutBits].cuts[r & kCutMask]; };
+  uint64_t num_cuts = 0;
+  for (const ClassCuts& c : per) num_cuts += c.cuts.size();
+
   // --- choose holders -------------------------------------------------------------------
-  std::vector<uint32_t> order(cuts.size());
-  std::iota(order.begin(), order.end(), 0);
   // Where every piece has one holder (no DP replica: FSDP, TP/PP/EP alone) there is
-  // nothing to choose and the order cannot matter: the sort by cost is skipped.
+  // nothing to choose: each class takes its holders on its own thread. Otherwise greedy,
+  // largest cost first, to the least-loaded holder, over every class in one order.
   bool choice = false;
   for (const TensorInfo& ti : tensors) {
     for (const TensorPiece& p : ti.pieces) choice |= p.holders.size() > 1;
   }
-  if (choice) std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
-    const Cut& x = cuts[a];
-    const Cut& y = cuts[b];
-    if (x.cost != y.cost) return x.cost > y.cost;
-    if (x.plan != y.plan) return x.plan < y.plan;
-    if (x.param != y.param) return x.param < y.param;
-    return x.dst_offset < y.dst_offset;
-  });
-  std::vector<uint64_t> load(num_producers, 0), sole(num_producers, 0);
-  for (uint32_t i : order) {
-    Cut& c = cuts[i];
-    const TensorInfo& ti = tensors[c.tensor];
+  auto assign = [&](Cut& c, uint32_t hidx, const TensorInfo& ti, LayoutPool& pool) {
     const TensorPiece& piece = ti.pieces[c.piece];
-    uint32_t best = piece.holders[0];
-    for (uint32_t hidx : piece.holders) {
-      if (load[ti.holders[hidx].producer] < load[ti.holders[best].producer]) best = hidx;
-    }
-    const Holder& h = ti.holders[best];
+    const Holder& h = ti.holders[hidx];
     c.producer = h.producer;
     c.box = h.box_index;
-    load[h.producer] += c.cost;
-    if (piece.holders.size() == 1) sole[h.producer] += c.cost;
     if (piece.refined && h.box != piece.box) pool.set_src(c.layouts, rebase(pool.src(c.layouts), piece.box, h.box));
+  };
+  if (!choice) {
+    parallel_for(per.size(), threads, [&](size_t k) {
+      ClassCuts& cc = per[k];
+      for (size_t j = 0; j < cc.cuts.size(); ++j) {
+        Cut& c = cc.cuts[j];
+        const TensorInfo& ti = tensors[c.tensor];
+        assign(c, ti.pieces[c.piece].holders[0], ti, cc.pool);
+      }
+    });
+  } else {
+    std::vector<CutRef> order;
+    order.reserve(num_cuts);
+    for (uint64_t k = 0; k < per.size(); ++k)
+      for (uint64_t j = 0; j < per[k].cuts.size(); ++j) order.push_back(k << kCutBits | j);
+    std::sort(order.begin(), order.end(), [&](CutRef a, CutRef b) {
+      const Cut& x = cut_of(a);
+      const Cut& y = cut_of(b);
+      if (x.cost != y.cost) return x.cost > y.cost;
+      if (x.plan != y.plan) return x.plan < y.plan;
+      if (x.param != y.param) return x.param < y.param;
+      return x.dst_offset < y.dst_offset;
+    });
+    std::vector<uint64_t> load(num_producers, 0);
+    for (CutRef r : order) {
+      Cut& c = cut_of(r);
+      const TensorInfo& ti = tensors[c.tensor];
+      const TensorPiece& piece = ti.pieces[c.piece];
+      uint32_t best = piece.holders[0];
+      for (uint32_t hidx : piece.holders) {
+        if (load[ti.holders[hidx].producer] < load[ti.holders[best].producer]) best = hidx;
+      }
+      assign(c, best, ti, per[c.plan].pool);
+      load[c.producer] += c.cost;
+    }
   }
 
   // --- segments -------------------------------------------------------------------------
-  // By producer, group, plan, param and destination offset: bucketed by producer first
-  // (a counting sort), then each producer's cuts sorted, small sorts instead of one over
-  // millions of cuts at fsdp=N.
+  // Each producer's cuts by group, plan, param and destination offset: bucketed by
+  // producer (a counting sort, each class filling its own slots), then each producer's
+  // bucket sorted on its own thread.
+  std::vector<CutRef> order(num_cuts);
+  std::vector<size_t> start(num_producers + 1, 0);
   {
-    std::vector<size_t> start(num_producers + 1, 0);
-    for (size_t i = 0; i < cuts.size(); ++i) ++start[cuts[i].producer + 1];
-    for (uint32_t p = 0; p < num_producers; ++p) start[p + 1] += start[p];
-    std::vector<size_t> at(start.begin(), start.end() - 1);
-    for (size_t i = 0; i < cuts.size(); ++i) order[at[cuts[i].producer]++] = static_cast<uint32_t>(i);
+    const size_t K = per.size();
+    std::vector<std::vector<size_t>> count(K, std::vector<size_t>(num_producers, 0));
+    parallel_for(K, threads, [&](size_t k) {
+      for (size_t j = 0; j < per[k].cuts.size(); ++j) ++count[k][per[k].cuts[j].producer];
+    });
+    // Slots: producer-major, class-minor (the order a pass over every cut gives).
+    size_t at = 0;
     for (uint32_t p = 0; p < num_producers; ++p) {
-      std::sort(order.begin() + static_cast<std::ptrdiff_t>(start[p]), order.begin() + static_cast<std::ptrdiff_t>(start[p + 1]),
-                [&](uint32_t a, uint32_t b) {
-                  const Cut& x = cuts[a];
-                  const Cut& y = cuts[b];
-                  if (x.group != y.group) return x.group < y.group;
-                  if (x.plan != y.plan) return x.plan < y.plan;
-                  if (x.param != y.param) return x.param < y.param;
-                  return x.dst_offset < y.dst_offset;
-                });
+      start[p] = at;
+      for (size_t k = 0; k < K; ++k) {
+        const size_t n = count[k][p];
+        count[k][p] = at;
+        at += n;
+      }
     }
+    start[num_producers] = at;
+    parallel_for(K, threads, [&](size_t k) {
+      std::vector<size_t>& slot = count[k];
+      for (uint64_t j = 0; j < per[k].cuts.size(); ++j) order[slot[per[k].cuts[j].producer]++] = uint64_t{k} << kCutBits | j;
+    });
   }
   const uint64_t align = std::max<uint64_t>(1, options.segment_alignment);
-  routes.producers.assign(num_producers, ProducerRoute{std::vector<ProducerGroup>(static_cast<size_t>(G))});
-  {  // Room for every op up front (merges only make fewer): no regrowth of millions of ops.
-    const auto ng = static_cast<size_t>(G);
-    std::vector<size_t> packs(num_producers * ng, 0), unpacks(routes.plans.size() * ng, 0);
-    for (size_t i = 0; i < cuts.size(); ++i) {
-      const Cut& c = cuts[i];
-      ++packs[c.producer * ng + static_cast<size_t>(c.group)];
-      ++unpacks[c.plan * ng + static_cast<size_t>(c.group)];
+  const auto ng = static_cast<size_t>(G);
+  routes.producers.assign(num_producers, ProducerRoute{std::vector<ProducerGroup>(ng)});
+  // Pass A, per producer: sort its cuts, cut them into segments (one per group and plan
+  // class) and make its packs. Each segment's cuts are a run of `order`.
+  struct Run {
+    uint32_t group = 0, plan = 0;
+    uint64_t offset = 0, bytes = 0;  // the segment in the producer's staging
+    size_t a = 0, b = 0;             // its cuts: order[a, b)
+  };
+  std::vector<std::vector<Run>> runs(num_producers);
+  std::vector<uint64_t> sole(num_producers, 0);
+  parallel_for(num_producers, threads, [&](size_t p) {
+    const auto b0 = static_cast<std::ptrdiff_t>(start[p]), b1 = static_cast<std::ptrdiff_t>(start[p + 1]);
+    std::sort(order.begin() + b0, order.begin() + b1, [&](CutRef a, CutRef b) {
+      const Cut& x = cut_of(a);
+      const Cut& y = cut_of(b);
+      if (x.group != y.group) return x.group < y.group;
+      if (x.plan != y.plan) return x.plan < y.plan;
+      if (x.param != y.param) return x.param < y.param;
+      return x.dst_offset < y.dst_offset;
+    });
+    ProducerRoute& pr = routes.producers[p];
+    const bool keep = options.packs_of == RouterOptions::kEveryRank || options.packs_of == static_cast<int>(p);
+    if (keep) {  // Room for every op up front (merges only make fewer).
+      std::vector<size_t> packs(ng, 0);
+      for (size_t i = start[p]; i < start[p + 1]; ++i) ++packs[static_cast<size_t>(cut_of(order[i]).group)];
+      for (size_t g = 0; g < ng; ++g) pr.groups[g].packs.reserve(packs[g]);
     }
-    for (size_t p = 0; p < num_producers; ++p)
-      for (size_t g = 0; g < ng; ++g) routes.producers[p].groups[g].packs.reserve(packs[p * ng + g]);
-    for (size_t k = 0; k < routes.plans.size(); ++k)
-      for (size_t g = 0; g < ng; ++g) routes.plans[k].groups[g].unpacks.reserve(unpacks[k * ng + g]);
-  }
-  for (size_t a = 0; a < order.size();) {
-    const Cut& first = cuts[order[a]];
-    ProducerGroup& pg = routes.producers[first.producer].groups[static_cast<size_t>(first.group)];
-    PlanGroup& cg = routes.plans[first.plan].groups[static_cast<size_t>(first.group)];
-    Segment seg{first.plan, align_up(pg.staging_bytes, align), 0};
-    Read rd{first.producer, seg.offset, 0, align_up(cg.recv_bytes, align)};
-    uint64_t cur = seg.offset;
-    const size_t first_pack = pg.packs.size(), first_unpack = cg.unpacks.size();
-    size_t b = a;
-    for (; b < order.size(); ++b) {
-      const Cut& c = cuts[order[b]];
-      if (c.producer != first.producer || c.group != first.group || c.plan != first.plan) break;
-      const DType dt = c.wire;
-      const uint64_t es = dtype_size(dt);
-      push_pack(pg.packs, first_pack, PackOp{c.box, dt, cur, pool.src(c.layouts)}, es);
-      push_unpack(cg.unpacks, first_unpack,
-                  UnpackOp{c.param, dt, rd.recv_offset + (cur - seg.offset), pool.dst(c.layouts)}, es);
-      cur += c.bytes;
+    for (size_t a = start[p]; a < start[p + 1];) {
+      const Cut& first = cut_of(order[a]);
+      const auto g = static_cast<size_t>(first.group);
+      ProducerGroup& pg = pr.groups[g];
+      // A producer's cuts are by group: this group's segments come one after another.
+      OpSink<PackOp> sink(keep ? &pg.packs : nullptr);
+      for (; a < start[p + 1] && static_cast<size_t>(cut_of(order[a]).group) == g;) {
+        const Cut& head = cut_of(order[a]);
+        const LayoutPool& pool = per[head.plan].pool;
+        Run run{static_cast<uint32_t>(g), head.plan, align_up(pg.staging_bytes, align), 0, a, a};
+        uint64_t cur = run.offset;
+        sink.begin_segment();
+        size_t b = a;
+        for (; b < start[p + 1]; ++b) {
+          const Cut& c = cut_of(order[b]);
+          if (static_cast<size_t>(c.group) != g || c.plan != head.plan) break;
+          sink.push(PackOp{c.box, c.wire, cur, pool.src(c.layouts)}, dtype_size(c.wire));
+          if (tensors[c.tensor].pieces[c.piece].holders.size() == 1) sole[p] += c.cost;
+          cur += c.bytes;
+        }
+        run.bytes = cur - run.offset;
+        run.b = b;
+        pg.staging_bytes = cur;
+        pg.segments.push_back(Segment{run.plan, run.offset, run.bytes});
+        runs[p].push_back(run);
+        a = b;
+      }
+      std::tie(pg.elided_packs, pg.elided_digest) = sink.finish();
     }
-    seg.bytes = cur - seg.offset;
-    rd.length = seg.bytes;
-    pg.staging_bytes = cur;
-    pg.segments.push_back(seg);
-    cg.recv_bytes = rd.recv_offset + rd.length;
-    cg.reads.push_back(rd);
-    a = b;
-  }
-  // Merged ops left room unused (a no-op where none merged).
-  for (ProducerRoute& pr : routes.producers)
-    for (ProducerGroup& pg : pr.groups) pg.packs.shrink_to_fit();
-  for (PlanRoute& pr : routes.plans)
-    for (PlanGroup& cg : pr.groups) cg.unpacks.shrink_to_fit();
-
+    for (ProducerGroup& pg : pr.groups) pg.packs.shrink_to_fit();  // merged ops left room unused
+  });
+  // Pass B, per plan class: its reads (producer by producer, as the consumer receives
+  // them) and its unpacks.
+  const int keep_plan = options.unpacks_of >= 0 ? static_cast<int>(routes.consumer_plan[static_cast<size_t>(options.unpacks_of)]) : -1;
+  parallel_for(routes.plans.size(), threads, [&](size_t k) {
+    PlanRoute& route = routes.plans[k];
+    const LayoutPool& pool = per[k].pool;
+    const bool keep = options.unpacks_of == RouterOptions::kEveryRank || keep_plan == static_cast<int>(k);
+    if (keep) {
+      std::vector<size_t> unpacks(ng, 0);
+      for (uint32_t p = 0; p < num_producers; ++p)
+        for (const Run& r : runs[p])
+          if (r.plan == k) unpacks[r.group] += r.b - r.a;
+      for (size_t g = 0; g < ng; ++g) route.groups[g].unpacks.reserve(unpacks[g]);
+    }
+    std::vector<OpSink<UnpackOp>> sinks;
+    sinks.reserve(ng);
+    for (size_t g = 0; g < ng; ++g) sinks.emplace_back(keep ? &route.groups[g].unpacks : nullptr);
+    for (uint32_t p = 0; p < num_producers; ++p) {
+      for (const Run& r : runs[p]) {
+        if (r.plan != k) continue;
+        PlanGroup& cg = route.groups[r.group];
+        OpSink<UnpackOp>& sink = sinks[r.group];
+        const Read rd{p, r.offset, r.bytes, align_up(cg.recv_bytes, align)};
+        sink.begin_segment();
+        uint64_t cur = rd.recv_offset;
+        for (size_t i = r.a; i < r.b; ++i) {
+          const Cut& c = cut_of(order[i]);
+          sink.push(UnpackOp{c.param, c.wire, cur, pool.dst(c.layouts)}, dtype_size(c.wire));
+          cur += c.bytes;
+        }
+        cg.recv_bytes = rd.recv_offset + rd.length;
+        cg.reads.push_back(rd);
+      }
+    }
+    for (size_t g = 0; g < ng; ++g) {
+      PlanGroup& cg = route.groups[g];
+      std::tie(cg.elided_unpacks, cg.elided_digest) = sinks[g].finish();
+      cg.unpacks.shrink_to_fit();
+    }
+  });
+  std::vector<uint64_t> plan_min(per.size(), 0);
+  for (size_t k = 0; k < per.size(); ++k) plan_min[k] = per[k].bytes;
   // --- stats ----------------------------------------------------------------------------
   RouteStats& st = routes.stats;
-  st.num_pieces = cuts.size();
+  st.num_pieces = num_cuts;
   st.num_plan_classes = classes.size();
   st.producer_bytes.assign(num_producers, 0);
   for (uint32_t p = 0; p < num_producers; ++p) {
     for (const ProducerGroup& pg : routes.producers[p].groups) {
-      st.num_pack_ops += pg.packs.size();
+      st.num_pack_ops += pg.packs.size() + pg.elided_packs;
       st.max_staging_bytes = std::max(st.max_staging_bytes, pg.staging_bytes);
       for (const Segment& s : pg.segments) st.producer_bytes[p] += s.bytes * weight[s.plan];
     }
   }
   for (const PlanRoute& pr : routes.plans) {
-    for (const PlanGroup& g : pr.groups) st.num_unpack_ops += g.unpacks.size();
+    for (const PlanGroup& g : pr.groups) st.num_unpack_ops += g.unpacks.size() + g.elided_unpacks;
   }
   st.consumer_bytes.assign(in.consumers.size(), 0);
   for (size_t c = 0; c < in.consumers.size(); ++c) {

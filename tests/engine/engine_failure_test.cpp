@@ -140,7 +140,7 @@ TEST_P(EngineInprocTest, ProducerDiesFailoverToDpReplica) {
   Cluster k(GetParam());
   crash_producer_1_at_sync_2_group_2(k);
   ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2,dp=2", "tp=2,replicas=2").ok());
-  const uint64_t full = k.prod[0]->routes().hash();
+  const uint64_t full = k.prod[0]->routes().fingerprint();
   k.expect_all_ok(k.sync(1), 1);
   auto o = k.sync(2);
   for (int p : {0, 2, 3}) {
@@ -155,9 +155,9 @@ TEST_P(EngineInprocTest, ProducerDiesFailoverToDpReplica) {
   // transport is gone), so it must not take the mark off, which would bring it back
   // into the others' routes while they fail it over.
   EXPECT_TRUE(k.pst[0]->get(engine::JobKeys(k.eo.job).dead(1)).ok());
-  const uint64_t without = k.prod[0]->routes().hash();
+  const uint64_t without = k.prod[0]->routes().fingerprint();
   EXPECT_NE(without, full);
-  for (int p : {2, 3}) EXPECT_EQ(k.prod[static_cast<size_t>(p)]->routes().hash(), without);
+  for (int p : {2, 3}) EXPECT_EQ(k.prod[static_cast<size_t>(p)]->routes().fingerprint(), without);
   EXPECT_EQ(k.prod[3]->routes().producers[1].groups[2].staging_bytes, 0u);
   // Producer 1 is still gone at sync 3: the rebuilt routes serve it.
   {
@@ -174,14 +174,14 @@ TEST_P(EngineInprocTest, ProducerDiesFailoverToDpReplica) {
     for (int i : {0, 2, 3, 4, 5, 6}) ASSERT_TRUE(res[static_cast<size_t>(i)]->ok()) << res[static_cast<size_t>(i)]->status().to_string();
     for (int c = 0; c < k.C(); ++c) k.expect_verified(c, 3);
     // (A consumer that had finished sync 2 before the failure switches at sync 3.)
-    for (auto& c : k.cons) EXPECT_EQ(c->routes().hash(), without);
+    for (auto& c : k.cons) EXPECT_EQ(c->routes().fingerprint(), without);
   }
   // Back: the next sync uses the full routes again.
   k.tweak_producer = nullptr;
   ASSERT_TRUE(k.start_producer(1).ok());
   k.expect_all_ok(k.sync(4), 4);
-  EXPECT_EQ(k.prod[0]->routes().hash(), full);
-  for (auto& c : k.cons) EXPECT_EQ(c->routes().hash(), full);
+  EXPECT_EQ(k.prod[0]->routes().fingerprint(), full);
+  for (auto& c : k.cons) EXPECT_EQ(c->routes().fingerprint(), full);
 }
 
 // A consumer slow to move to the routes of a failed-over sync is no straggler. Of two DP

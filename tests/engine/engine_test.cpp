@@ -83,8 +83,8 @@ TEST_P(EngineTest, DenseGqaTwoReplicas) {
     }
   }
   // Every participant built the same routes.
-  for (auto& c : k.cons) EXPECT_EQ(c->routes().hash(), routes.hash());
-  for (auto& p : k.prod) EXPECT_EQ(p->routes().hash(), routes.hash());
+  for (auto& c : k.cons) EXPECT_EQ(c->routes().fingerprint(), routes.fingerprint());
+  for (auto& p : k.prod) EXPECT_EQ(p->routes().fingerprint(), routes.fingerprint());
 }
 
 // Zero copy into params, whatever the threshold: every piece (0), the default, or none

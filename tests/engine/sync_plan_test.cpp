@@ -128,7 +128,7 @@ TEST_P(SyncPlanTest, TransfersThroughFakeLanesMoveEveryByteOfADirectLoad) {
   for (int p = 0; p < P; ++p) {
     ProducerPlanInputs in;
     in.routes = &routes;
-    in.routes_hash = routes.hash();
+    in.routes_hash = routes.fingerprint();
     in.rank = p;
     in.schedule = &prod[static_cast<size_t>(p)].schedule;
     in.members.assign(static_cast<size_t>(C), true);
@@ -317,7 +317,7 @@ TEST(SyncPlan, ProducerPlanReusesWritesOfUnchangedInstancesAndTargetsMembersOnly
   const ParamTable table;  // no registered params: every write lands in the slot
   ProducerPlanInputs in;
   in.routes = &routes;
-  in.routes_hash = routes.hash();
+  in.routes_hash = routes.fingerprint();
   in.rank = 0;
   in.schedule = &prod[0].schedule;
   in.members = {true, true, false, true};

@@ -98,6 +98,70 @@ void check_exactly_once(const PlanRoute& pr, const Plan& plan) {
   }
 }
 
+// Routes built with only producer `p`'s packs and consumer `c`'s plan class's unpacks
+// (and with none, and with the two sides' usual scopes) against the whole routes.
+void check_own_routes(const RouterInput& in, const Routes& whole, int p, int c) {
+  const int kN = RouterOptions::kNoRank, kE = RouterOptions::kEveryRank;
+  const std::pair<int, int> scopes[] = {{p, c}, {kN, kN}, {p, kN}, {kE, c}, {kN, kE}};
+  for (auto [packs_of, unpacks_of] : scopes) {
+    SCOPED_TRACE(fmt::format("packs of {}, unpacks of {}", packs_of, unpacks_of));
+    auto own = build_routes(in, RouterOptions{.packs_of = packs_of, .unpacks_of = unpacks_of});
+    ASSERT_TRUE(own.ok()) << own.status().to_string();
+    ASSERT_TRUE(own->validate().ok()) << own->validate().to_string();
+    EXPECT_EQ(own->fingerprint(), whole.fingerprint());
+    EXPECT_EQ(own->stats.num_pack_ops, whole.stats.num_pack_ops);
+    EXPECT_EQ(own->stats.num_unpack_ops, whole.stats.num_unpack_ops);
+    EXPECT_EQ(own->stats.bytes_moved, whole.stats.bytes_moved);
+    EXPECT_EQ(own->stats.max_producer_bytes, whole.stats.max_producer_bytes);
+    ASSERT_EQ(own->producers.size(), whole.producers.size());
+    ASSERT_EQ(own->plans.size(), whole.plans.size());
+    EXPECT_EQ(own->consumer_plan, whole.consumer_plan);
+    for (size_t q = 0; q < whole.producers.size(); ++q) {
+      const bool kept = packs_of == kE || packs_of == static_cast<int>(q);
+      EXPECT_EQ(own->has_packs(q), kept || [&] {  // a producer with no packs elides none
+        for (const auto& g : whole.producers[q].groups)
+          if (!g.packs.empty()) return false;
+        return true;
+      }()) << "producer " << q;
+      for (size_t g = 0; g < whole.producers[q].groups.size(); ++g) {
+        const ProducerGroup& a = own->producers[q].groups[g];
+        const ProducerGroup& b = whole.producers[q].groups[g];
+        ASSERT_EQ(a.staging_bytes, b.staging_bytes);
+        ASSERT_EQ(a.segments, b.segments);
+        if (kept) {
+          ASSERT_EQ(a.packs, b.packs) << "producer " << q << " group " << g;
+          ASSERT_EQ(a.elided_packs, 0u);
+        } else {
+          ASSERT_TRUE(a.packs.empty());
+          ASSERT_EQ(a.elided_packs, b.packs.size()) << "producer " << q << " group " << g;
+        }
+      }
+    }
+    const int kept_plan = unpacks_of >= 0 ? static_cast<int>(whole.consumer_plan[static_cast<size_t>(unpacks_of)]) : -1;
+    for (size_t k = 0; k < whole.plans.size(); ++k) {
+      const bool kept = unpacks_of == kE || kept_plan == static_cast<int>(k);
+      EXPECT_EQ(own->plans[k].params, whole.plans[k].params);
+      for (size_t g = 0; g < whole.plans[k].groups.size(); ++g) {
+        const PlanGroup& a = own->plans[k].groups[g];
+        const PlanGroup& b = whole.plans[k].groups[g];
+        ASSERT_EQ(a.recv_bytes, b.recv_bytes);
+        ASSERT_EQ(a.reads, b.reads);
+        if (kept) {
+          ASSERT_EQ(a.unpacks, b.unpacks) << "plan " << k << " group " << g;
+        } else {
+          ASSERT_TRUE(a.unpacks.empty());
+          ASSERT_EQ(a.elided_unpacks, b.unpacks.size()) << "plan " << k << " group " << g;
+        }
+      }
+    }
+    // Version 2 encoding round-trips what was elided.
+    auto decoded = Routes::decode(own->encode());
+    ASSERT_TRUE(decoded.ok()) << decoded.status().to_string();
+    EXPECT_TRUE(*decoded == *own);
+    EXPECT_EQ(decoded->fingerprint(), whole.fingerprint());
+  }
+}
+
 TEST(RouteProperty, RoutesRebuildDirectLoads) {
   constexpr int kTrials = 160;
   int megatron = 0, fsdp = 0, uneven = 0, moe = 0, refined = 0;
@@ -152,14 +216,23 @@ TEST(RouteProperty, RoutesRebuildDirectLoads) {
     for (int c = 0; c < is.world(); ++c) {
       EXPECT_EQ(routes->consumer_plan[c], routes->consumer_plan[c % (is.tp * is.dp)]);
     }
-    // Deterministic; encoding round-trips.
-    auto again = build_routes(in);
-    ASSERT_TRUE(again.ok());
-    ASSERT_EQ(again->encode(), routes->encode());
+    // Deterministic on any number of threads; encoding round-trips.
+    for (int threads : {1, 3}) {
+      auto again = build_routes(in, RouterOptions{.threads = threads});
+      ASSERT_TRUE(again.ok());
+      ASSERT_EQ(again->encode(), routes->encode()) << threads << " threads";
+    }
     auto decoded = Routes::decode(routes->encode());
     ASSERT_TRUE(decoded.ok()) << decoded.status().to_string();
     ASSERT_TRUE(*decoded == *routes);
     ASSERT_EQ(decoded->hash(), routes->hash());
+    ASSERT_EQ(decoded->fingerprint(), routes->fingerprint());
+    // A rank's own routes (RouterOptions::packs_of / unpacks_of): every segment and read
+    // and the stats as the whole routes have them, its own ops equal, the others' elided
+    // with their counts, and the same fingerprint.
+    check_own_routes(in, *routes, static_cast<int>(rng.uniform(0, static_cast<int64_t>(holdings.size()) - 1)),
+                     static_cast<int>(rng.uniform(0, is.world() - 1)));
+    if (HasFatalFailure()) return;
 
     for (size_t k = 0; k < routes->plans.size(); ++k) {
       size_t c = 0;

@@ -201,16 +201,35 @@ TEST(Router, SegmentsAlignedAndInDestinationOrder) {
   EXPECT_EQ(ug.unpacks[0].src_dtype, DType::kBF16);  // converted to f32 on unpack
 }
 
-TEST(Router, EncodingRejectsCorruption) {
+// A small MoE model under tp=2,pp=2,ep=2 routed to 4 consumers (tp=2, ep=2, two replicas).
+struct MoeJob {
+  std::vector<TensorDecl> meta;
+  std::vector<Holdings> holdings;
+  std::vector<Plan> plans;
+  RouterInput input() const {
+    RouterInput in;
+    in.metadata = meta;
+    in.producers = holdings;
+    for (const auto& p : plans) in.consumers.push_back(&p);
+    return in;
+  }
+};
+MoeJob moe_job() {
   testing::ModelSpec m;
   m.experts = 4;
-  const auto meta = testing::make_metadata(m);
-  auto th = make_holdings(meta, TrainerLayout::parse("tp=2,pp=2,ep=2,etp=1").value(), {m.q_rows(), m.kv_rows()});
-  ASSERT_TRUE(th.ok()) << th.status().to_string();
+  MoeJob j;
+  j.meta = testing::make_metadata(m);
+  j.holdings = make_holdings(j.meta, TrainerLayout::parse("tp=2,pp=2,ep=2,etp=1").value(), {m.q_rows(), m.kv_rows()})
+                   .value()
+                   .ranks;
   testing::InferSpec is{2, 1, 2, true};
-  std::vector<Plan> plans;
-  for (int c = 0; c < is.world(); ++c) plans.push_back(testing::record_synthetic_plan(m, meta, is, c).value());
-  auto r = route(meta, th->ranks, plans);
+  for (int c = 0; c < is.world(); ++c) j.plans.push_back(testing::record_synthetic_plan(m, j.meta, is, c).value());
+  return j;
+}
+
+TEST(Router, EncodingRejectsCorruption) {
+  const MoeJob j = moe_job();
+  auto r = build_routes(j.input());
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   const std::string e = r->encode();
   ASSERT_TRUE(Routes::decode(e).ok());
@@ -230,6 +249,61 @@ TEST(Router, EncodingRejectsCorruption) {
   }
   EXPECT_FALSE(Routes::decode(std::string("FRRT\x02")).ok());
   EXPECT_FALSE(Routes::decode(e + "x").ok());
+}
+
+// A rank's own routes (RouterOptions::packs_of / unpacks_of): the fingerprint agrees with
+// the whole routes' and tells any changed op apart; ranks that name nobody are refused;
+// a group with ops and elided ops both is corrupt; the elided encoding is bounds-checked.
+TEST(Router, OwnRoutesFingerprintAndRefusals) {
+  const MoeJob j = moe_job();
+  const RouterInput in = j.input();
+  auto whole = build_routes(in);
+  ASSERT_TRUE(whole.ok()) << whole.status().to_string();
+  auto own = build_routes(in, RouterOptions{.packs_of = 1, .unpacks_of = 2});
+  ASSERT_TRUE(own.ok()) << own.status().to_string();
+  EXPECT_EQ(own->fingerprint(), whole->fingerprint());
+  EXPECT_NE(own->encode(), whole->encode());
+  EXPECT_TRUE(own->has_packs(1));
+  EXPECT_FALSE(own->has_packs(0));
+  EXPECT_TRUE(own->has_unpacks(own->consumer_plan[2]));
+
+  // Any op changed, in a kept group or as an elided digest, changes the fingerprint.
+  Routes changed = *whole;
+  for (auto& g : changed.producers[0].groups) {
+    if (g.packs.empty()) continue;
+    g.packs.back().offset += 1;
+    break;
+  }
+  EXPECT_NE(changed.fingerprint(), whole->fingerprint());
+  Routes digest = *own;
+  for (auto& g : digest.producers[0].groups) {
+    if (!g.elided_packs) continue;
+    g.elided_digest ^= 1;
+    break;
+  }
+  EXPECT_NE(digest.fingerprint(), whole->fingerprint());
+
+  for (auto [p, c] : {std::pair{8, 0}, std::pair{0, 4}, std::pair{-3, 0}, std::pair{0, -3}}) {
+    auto bad = build_routes(in, RouterOptions{.packs_of = p, .unpacks_of = c});
+    ASSERT_FALSE(bad.ok());
+    EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument) << bad.status().to_string();
+  }
+
+  Routes both = *own;
+  for (auto& g : both.producers[0].groups) {
+    if (!g.elided_packs) continue;
+    g.packs.push_back(PackOp{});
+    break;
+  }
+  EXPECT_FALSE(both.validate().ok());
+
+  const std::string e = own->encode();
+  auto d = Routes::decode(e);
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  EXPECT_TRUE(*d == *own);
+  for (size_t n = 0; n < e.size(); n += std::max<size_t>(1, e.size() / 200)) {
+    EXPECT_FALSE(Routes::decode(std::string_view(e.data(), n)).ok()) << n;
+  }
 }
 
 TEST(Router, PackAndUnpackCheckTheirBuffers) {
