@@ -58,6 +58,7 @@ struct Cut {
   uint32_t producer = 0;
   uint32_t box = 0;  // producer's box index
   DType wire = DType::kBF16;  // what staging holds: the source's dtype, or the param's
+  bool sole = false;          // its piece has one holder
   uint64_t bytes = 0;
   uint64_t cost = 0;  // bytes x consumers of the plan class
   int64_t dst_offset = 0;
@@ -141,6 +142,7 @@ class LayoutPool {
     for (int64_t k = 0; k < r[0]; ++k) n *= r[3 + k];
     return n;
   }
+  void prefetch(uint64_t at) const { __builtin_prefetch(row(at)); }
   Layout src(uint64_t at) const { return layout(at, 1, 1); }
   Layout dst(uint64_t at) const { return layout(at, 2, 2); }
   // A rebased src of the same shape.
@@ -761,6 +763,18 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
     return invalid_argument("{} plan classes: too many to route", classes.size());
   }
   auto cut_of = [&](CutRef r) -> Cut& { return per[r >> kCutBits].cuts[r & kCutMask]; };
+  // Cuts and their layout rows are met in producer order, far from how they were made:
+  // fetched a few ahead of use.
+  constexpr size_t kAhead = 8;
+  auto prefetch_cut = [&](CutRef r) {
+    const char* c = reinterpret_cast<const char*>(&cut_of(r));
+    __builtin_prefetch(c);
+    __builtin_prefetch(c + sizeof(Cut) - 1);
+  };
+  auto prefetch_row = [&](CutRef r) {
+    const Cut& c = cut_of(r);
+    per[c.plan].pool.prefetch(c.layouts);
+  };
   uint64_t num_cuts = 0;
   for (const ClassCuts& c : per) num_cuts += c.cuts.size();
 
@@ -777,6 +791,7 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
     const Holder& h = ti.holders[hidx];
     c.producer = h.producer;
     c.box = h.box_index;
+    c.sole = piece.holders.size() == 1;
     if (piece.refined && h.box != piece.box) pool.set_src(c.layouts, rebase(pool.src(c.layouts), piece.box, h.box));
   };
   if (!choice) {
@@ -857,6 +872,9 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
   std::vector<uint64_t> sole(num_producers, 0);
   parallel_for(num_producers, threads, [&](size_t p) {
     const auto b0 = static_cast<std::ptrdiff_t>(start[p]), b1 = static_cast<std::ptrdiff_t>(start[p + 1]);
+    // The bucket's cuts lie all over the classes' blocks: ask for them all at once (the
+    // misses overlap) rather than one by one as the sort first meets them.
+    for (size_t i = start[p]; i < start[p + 1]; ++i) prefetch_cut(order[i]);
     std::sort(order.begin() + b0, order.begin() + b1, [&](CutRef a, CutRef b) {
       const Cut& x = cut_of(a);
       const Cut& y = cut_of(b);
@@ -886,10 +904,11 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
         sink.begin_segment();
         size_t b = a;
         for (; b < start[p + 1]; ++b) {
+          if (b + kAhead < start[p + 1]) prefetch_row(order[b + kAhead]);
           const Cut& c = cut_of(order[b]);
           if (static_cast<size_t>(c.group) != g || c.plan != head.plan) break;
           sink.push(PackOp{c.box, c.wire, cur, pool.src(c.layouts)}, dtype_size(c.wire));
-          if (tensors[c.tensor].pieces[c.piece].holders.size() == 1) sole[p] += c.cost;
+          if (c.sole) sole[p] += c.cost;
           cur += c.bytes;
         }
         run.bytes = cur - run.offset;
@@ -929,6 +948,10 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
         sink.begin_segment();
         uint64_t cur = rd.recv_offset;
         for (size_t i = r.a; i < r.b; ++i) {
+          if (i + kAhead < r.b) {
+            prefetch_cut(order[i + 2 * kAhead < r.b ? i + 2 * kAhead : r.b - 1]);
+            prefetch_row(order[i + kAhead]);
+          }
           const Cut& c = cut_of(order[i]);
           sink.push(UnpackOp{c.param, c.wire, cur, pool.dst(c.layouts)}, dtype_size(c.wire));
           cur += c.bytes;
