@@ -17,6 +17,8 @@ struct Ratio {
   std::string name;  // benchmark function name, e.g. "BM_ReplayRows"
   std::string base;  // the one it is divided by
   double target = 0.80;
+  const char* unit = "GB/s";  // how the rates print: bytes/s divided by `scale`
+  double scale = 1e9;
 };
 
 class RatioReporter : public benchmark::ConsoleReporter {
@@ -40,8 +42,8 @@ class RatioReporter : public benchmark::ConsoleReporter {
     std::printf("\n");
     for (const Ratio& q : ratios_) {
       if (!rates_.count(q.name) || !rates_.count(q.base)) continue;
-      std::printf("%-20s %8.2f GB/s = %.2fx %s (%.2f GB/s; target >= %.2fx)\n", q.name.c_str(), rates_[q.name] / 1e9,
-                  rates_[q.name] / rates_[q.base], q.base.c_str(), rates_[q.base] / 1e9, q.target);
+      std::printf("%-20s %8.2f %s = %.2fx %s (%.2f %s; target >= %.2fx)\n", q.name.c_str(), rates_[q.name] / q.scale,
+                  q.unit, rates_[q.name] / rates_[q.base], q.base.c_str(), rates_[q.base] / q.scale, q.unit, q.target);
     }
   }
 

@@ -1,17 +1,13 @@
 // build_routes: pieces, assignment, segments (see ferry/route.h and docs/routing.md).
 #include <algorithm>
 #include <array>
-#include <atomic>
-#include <exception>
-#include <mutex>
-#include <system_error>
 #include <numeric>
-#include <thread>
 #include <tuple>
 #include <utility>
 #include <unordered_map>
 
 #include "ferry/route.h"
+#include "common/parallel.h"
 #include "route/op_digest.h"
 
 namespace ferry {
@@ -184,47 +180,7 @@ constexpr uint64_t kCutMask = (uint64_t{1} << kCutBits) - 1;
 
 int router_threads(const RouterOptions& options) {
   if (options.threads > 0) return options.threads;
-  return static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 16u));
-}
-
-// Runs fn(i) for every i in [0, n) on up to `threads` threads (the caller's among them),
-// each taking the next index. Where a thread cannot be started the others do its share;
-// an exception thrown by fn stops the handing out and is rethrown here, as it would have
-// been from a loop.
-template <typename F>
-void parallel_for(size_t n, int threads, F&& fn) {
-  const size_t want = std::min<size_t>(n, static_cast<size_t>(std::max(threads, 1)));
-  if (want <= 1) {
-    for (size_t i = 0; i < n; ++i) fn(i);
-    return;
-  }
-  std::atomic<size_t> next{0};
-  std::exception_ptr error;
-  std::atomic<bool> failed{false};
-  std::mutex mu;
-  auto worker = [&] {
-    for (size_t i = next.fetch_add(1); i < n && !failed.load(std::memory_order_relaxed); i = next.fetch_add(1)) {
-      try {
-        fn(i);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mu);
-        if (!error) error = std::current_exception();
-        failed = true;
-      }
-    }
-  };
-  std::vector<std::thread> pool;
-  pool.reserve(want - 1);
-  for (size_t t = 1; t < want; ++t) {
-    try {
-      pool.emplace_back(worker);
-    } catch (const std::system_error&) {
-      break;  // fewer threads: the ones running take the rest
-    }
-  }
-  worker();
-  for (std::thread& t : pool) t.join();
-  if (error) std::rethrow_exception(error);
+  return default_threads(16);
 }
 
 int64_t flat_of(const Shape& idx, const Shape& strides) {
