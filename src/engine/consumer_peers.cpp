@@ -180,6 +180,7 @@ std::optional<Completion> Consumer::Impl::send_to(int p, const Message& m) {
 }
 
 Status Consumer::Impl::apply_routes(Routes r) {
+  FERRY_RETURN_IF_ERROR(check_routes_hold(r, route_state.router()).with_context(fmt::format("consumer {}", rank)));
   const uint64_t needed = consumer_slot_bytes(r.consumer(static_cast<size_t>(rank)));
   if (needed > slot_bytes)
     return failed_precondition("consumer {}: a group needs {} receive bytes, the ring has {}", rank, needed, slot_bytes);

@@ -166,6 +166,21 @@ RouterOptions producer_router_options(const EngineOptions& options, int rank) {
   r.unpacks_of = options.mode == SyncMode::kPush ? RouterOptions::kEveryRank : RouterOptions::kNoRank;
   return r;
 }
+Status check_routes_hold(const Routes& routes, const RouterOptions& options) {
+  for (size_t p = 0; p < routes.producers.size(); ++p) {
+    const bool asked = options.packs_of == RouterOptions::kEveryRank || options.packs_of == static_cast<int>(p);
+    if (asked && !routes.has_packs(p)) return internal_error("routes lack producer {}'s packs", p);
+  }
+  const int own = options.unpacks_of >= 0 && static_cast<size_t>(options.unpacks_of) < routes.consumer_plan.size()
+                      ? static_cast<int>(routes.consumer_plan[static_cast<size_t>(options.unpacks_of)])
+                      : -1;
+  for (size_t k = 0; k < routes.plans.size(); ++k) {
+    const bool asked = options.unpacks_of == RouterOptions::kEveryRank || own == static_cast<int>(k);
+    if (asked && !routes.has_unpacks(k)) return internal_error("routes lack plan class {}'s unpacks", k);
+  }
+  return Status::Ok();
+}
+
 RouterOptions consumer_router_options(const EngineOptions& options, int rank) {
   RouterOptions r;
   r.convert_on = options.convert_on;

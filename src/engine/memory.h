@@ -38,6 +38,9 @@ uint64_t delta_kept_bytes(const EngineOptions& options, const ProducerRoute& rou
 // and every producer's packs (the pieces a producer serves in place, in_place_pieces).
 RouterOptions producer_router_options(const EngineOptions& options, int rank);
 RouterOptions consumer_router_options(const EngineOptions& options, int rank);
+// kInternal naming what is missing where `routes` lack an op `options` asked for (a rank
+// must never derive reads from ops it elided: they would be silently empty).
+Status check_routes_hold(const Routes& routes, const RouterOptions& options);
 
 // Heap bytes (malloc blocks included) of the metadata a rank keeps after rendezvous:
 // the trainer's metadata, every producer's holdings, every consumer's plan, the routes.

@@ -723,6 +723,7 @@ struct Producer::Impl {
 
   // Installs routes and their schedule (caller thread; handlers read both under mu).
   Status apply_routes(Routes r) {
+    FERRY_RETURN_IF_ERROR(check_routes_hold(r, route_state.router()).with_context(fmt::format("producer {}", rank)));
     FERRY_ASSIGN_OR_RETURN(auto sched, make_producer_schedule(r, rank, holdings, staging->in_place(), staging->slot_bytes()));
     std::vector<std::vector<ServedRead>> w;
     std::map<std::pair<int, int>, int> w_of;

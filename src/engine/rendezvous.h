@@ -145,6 +145,8 @@ class RouteState {
   Status refresh(const std::function<Status(Routes)>& apply);
   // After a failover decided here: routes without `dead` handed to `apply`, then dead() = dead.
   Status adopt(const std::set<int>& dead, Routes routes, const std::function<Status(Routes)>& apply);
+  // Whose ops the routes it builds hold (producer_/consumer_router_options).
+  const RouterOptions& router() const { return router_; }
 
  private:
   Store& store_;

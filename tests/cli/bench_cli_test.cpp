@@ -102,6 +102,40 @@ TEST(BenchCli, JsonHasEveryKeyWithSaneValues) {
   EXPECT_LE(j["in_place_fraction"].get<double>(), 1);
 }
 
+// What `ferry plan` and `ferry bench` predict each rank holds as metadata (the routes
+// with the ops that rank makes, plans, holdings, its schedule) is what each rank counts
+// from what it built, in pull (a producer its own packs) and push (every class's unpacks
+// too): rank by rank, equal.
+void expect_metadata_as_predicted(const nlohmann::json& j) {
+  for (const auto& [side, role] : {std::pair{"producers", "trainer"}, std::pair{"consumers", "inference"}}) {
+    const auto& predicted = j["memory"][side];
+    int seen = 0;
+    for (const auto& r : j["last_sync_reports"]) {
+      if (r["role"] != role) continue;
+      const size_t rank = r["rank"].get<size_t>();
+      ASSERT_LT(rank, predicted.size()) << side;
+      EXPECT_EQ(r["memory"]["metadata"].get<uint64_t>(), predicted[rank]["engine"]["metadata"].get<uint64_t>())
+          << role << " " << rank;
+      ++seen;
+    }
+    EXPECT_EQ(static_cast<size_t>(seen), predicted.size()) << side;
+  }
+}
+
+TEST(BenchCli, EachRanksMetadataIsAsPredicted) {
+  const std::string bin = FERRY_BIN;
+  if (!mpirun_on_path() || ::access((bin.substr(0, bin.rfind('/') + 1) + "ferry-mpi-bcast").c_str(), X_OK) != 0)
+    GTEST_SKIP() << "no OpenMPI (see JsonHasEveryKeyWithSaneValues)";
+  for (const char* mode : {"pull", "push"}) {
+    SCOPED_TRACE(mode);
+    BenchRun r = run_bench(std::string("--mode ") + mode);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    auto j = nlohmann::json::parse(r.out, nullptr, false);
+    ASSERT_TRUE(j.is_object()) << r.out << "\n" << r.err;
+    expect_metadata_as_predicted(j);
+  }
+}
+
 // --no-in-place: the trainer's weights in ordinary memory, every byte staged; still
 // verified bit for bit.
 TEST(BenchCli, NoInPlaceStagesEveryByte) {
