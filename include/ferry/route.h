@@ -237,6 +237,9 @@ struct RoutingCost {
   uint64_t plan_classes = 0;  // at most the inference engine size (replicas share one)
   uint64_t groups = 0;        // layer groups (Groups::size)
   uint64_t held_boxes = 0;
+  // Whether every op is made (RouterOptions::packs_of / unpacks_of = kEveryRank); false:
+  // none, as `ferry plan` builds them (an engine rank makes its own few, or one side's).
+  bool every_op = true;
 
   uint64_t route_groups() const;
   uint64_t pieces() const;  // the estimate: held_boxes x plan_classes

@@ -107,6 +107,7 @@ int run_plan(const PlanArgs& a) {
     cost.plan_classes = static_cast<uint64_t>(a.every_rank ? inference->world_size() : inference->engine_size());
     cost.groups = static_cast<uint64_t>(Groups(meta).size());
     cost.held_boxes = *boxes;
+    cost.every_op = false;  // the routes below make no op (RouterOptions::packs_of)
     auto avail = tools::mem_available_bytes();
     if (Status s = check_routing_cost(cost, avail.ok() ? *avail : 0); !s.ok())
       return fail_with("plan", 

@@ -446,10 +446,11 @@ uint64_t RoutingCost::pieces() const { return held_boxes * plan_classes; }
 uint64_t RoutingCost::bytes() const {
   // Per held box: its HeldBox and a share of its rank's TensorDecl copies, and the
   // router's Holder and piece; per route group, an empty group's vectors; per piece,
-  // the router's cut and layouts and a pack op and an unpack op with their heap blocks
-  // (measured: fsdp=4096 -> tp=8 over Llama-3.1-8B peaks at 2.3 GB, this says 3.4).
-  constexpr uint64_t kPerBox = 240, kPerGroup = 64, kPerPiece = 410;
-  return held_boxes * kPerBox + route_groups() * kPerGroup + pieces() * kPerPiece;
+  // the router's cut and layouts, and where every op is made a pack op and an unpack op
+  // (measured: fsdp=4096 -> tp=8 over Llama-3.1-8B peaks at 2.15 GB with every op, this
+  // says 3.5; 1.28 GB with none, this says 1.5).
+  constexpr uint64_t kPerBox = 240, kPerGroup = 64, kPerCut = 150, kPerOps = 260;
+  return held_boxes * kPerBox + route_groups() * kPerGroup + pieces() * (kPerCut + (every_op ? kPerOps : 0));
 }
 std::string RoutingCost::to_string() const {
   return fmt::format("{} held boxes, {} route groups, ~{} pieces: ~{:.1f} GiB to route", held_boxes, route_groups(),

@@ -62,6 +62,12 @@ TEST(Router, RoutingCostOutOfBoundsIsRefusedSayingWhatItNeeds) {
   ASSERT_EQ(m.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(m.message().find("GiB of memory and 1.0 GiB is available"), std::string::npos) << m.to_string();
   EXPECT_TRUE(check_routing_cost(fsdp_4096, uint64_t{64} << 30).ok());
+  // Routes without ops (ferry plan's) need less than half: 2 GiB is enough for them only.
+  RoutingCost no_ops = fsdp_4096;
+  no_ops.every_op = false;
+  EXPECT_LT(no_ops.bytes() * 2, fsdp_4096.bytes());
+  EXPECT_TRUE(check_routing_cost(no_ops, uint64_t{2} << 30).ok());
+  EXPECT_FALSE(check_routing_cost(fsdp_4096, uint64_t{2} << 30).ok());
 }
 
 // build_routes itself refuses such inputs before cutting (the engine routes what ranks
