@@ -138,7 +138,6 @@ class LayoutPool {
     for (int64_t k = 0; k < r[0]; ++k) n *= r[3 + k];
     return n;
   }
-  void prefetch(uint64_t at) const { __builtin_prefetch(row(at)); }
   Layout src(uint64_t at) const { return layout(at, 1, 1); }
   Layout dst(uint64_t at) const { return layout(at, 2, 2); }
   // A rebased src of the same shape.
@@ -720,18 +719,6 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
     return invalid_argument("{} plan classes: too many to route", classes.size());
   }
   auto cut_of = [&](CutRef r) -> Cut& { return per[r >> kCutBits].cuts[r & kCutMask]; };
-  // Cuts and their layout rows are met in producer order, far from how they were made:
-  // fetched a few ahead of use.
-  constexpr size_t kAhead = 8;
-  auto prefetch_cut = [&](CutRef r) {
-    const char* c = reinterpret_cast<const char*>(&cut_of(r));
-    __builtin_prefetch(c);
-    __builtin_prefetch(c + sizeof(Cut) - 1);
-  };
-  auto prefetch_row = [&](CutRef r) {
-    const Cut& c = cut_of(r);
-    per[c.plan].pool.prefetch(c.layouts);
-  };
   uint64_t num_cuts = 0;
   for (const ClassCuts& c : per) num_cuts += c.cuts.size();
 
@@ -829,9 +816,6 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
   std::vector<uint64_t> sole(num_producers, 0);
   parallel_for(num_producers, threads, [&](size_t p) {
     const auto b0 = static_cast<std::ptrdiff_t>(start[p]), b1 = static_cast<std::ptrdiff_t>(start[p + 1]);
-    // The bucket's cuts lie all over the classes' blocks: ask for them all at once (the
-    // misses overlap) rather than one by one as the sort first meets them.
-    for (size_t i = start[p]; i < start[p + 1]; ++i) prefetch_cut(order[i]);
     std::sort(order.begin() + b0, order.begin() + b1, [&](CutRef a, CutRef b) {
       const Cut& x = cut_of(a);
       const Cut& y = cut_of(b);
@@ -861,7 +845,6 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
         sink.begin_segment();
         size_t b = a;
         for (; b < start[p + 1]; ++b) {
-          if (b + kAhead < start[p + 1]) prefetch_row(order[b + kAhead]);
           const Cut& c = cut_of(order[b]);
           if (static_cast<size_t>(c.group) != g || c.plan != head.plan) break;
           sink.push(PackOp{c.box, c.wire, cur, pool.src(c.layouts)}, dtype_size(c.wire));
@@ -905,10 +888,6 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
         sink.begin_segment();
         uint64_t cur = rd.recv_offset;
         for (size_t i = r.a; i < r.b; ++i) {
-          if (i + kAhead < r.b) {
-            prefetch_cut(order[i + 2 * kAhead < r.b ? i + 2 * kAhead : r.b - 1]);
-            prefetch_row(order[i + kAhead]);
-          }
           const Cut& c = cut_of(order[i]);
           sink.push(UnpackOp{c.param, c.wire, cur, pool.dst(c.layouts)}, dtype_size(c.wire));
           cur += c.bytes;
