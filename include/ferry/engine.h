@@ -271,9 +271,23 @@ enum class CommitPolicy : uint8_t {
   // failed, aborted or discarded sync leaves the live params bit for bit the committed
   // version (never torn). Costs one more copy of the params (MemoryUse::shadow).
   kShadow = 1,
+  // A bounded shadow: a sync lands layer group by layer group in a shadow of a few
+  // groups' params (each param from the first group that writes it until its layer
+  // group, the unit of commit, is complete and post-processed: about the largest layer
+  // group), and each layer group is made live as soon as it is complete, received,
+  // verified and post-processed: a copy of its params between before_commit and
+  // after_commit (on the consumer's background thread). Guarantees: each layer group
+  // changes version in one step (a reader under the hooks' lock sees every group whole,
+  // never a param half written); groups change in the consumer's order; a failed sync
+  // leaves a known set of groups at the new version, each whole, and the rest at the
+  // committed one (ConsumerState::mixed, SyncReport::groups_live name them; never torn).
+  // Not atomic across groups: during a sync, and after a failed one, a reader may see
+  // layer 3 at the new version and layer 4 at the old. Nothing is read straight into
+  // params (every byte goes through the receive ring). MemoryUse::shadow says how much.
+  kGroups = 2,
 };
 const char* commit_policy_name(CommitPolicy p);
-// "in_place" or "shadow"; kInvalidArgument naming the value otherwise.
+// "in_place", "shadow" or "groups"; kInvalidArgument naming the value otherwise.
 Result<CommitPolicy> parse_commit_policy(std::string_view name);
 
 struct ConsumerOptions : EngineOptions {
@@ -298,7 +312,8 @@ struct ConsumerOptions : EngineOptions {
   std::function<void(uint64_t version)> after_sync;              // resume with version
   // kShadow: around every commit (the only moment the live params change): where a
   // serving engine takes and releases the lock its forward passes hold, so that no pass
-  // reads a mix of versions. Sync thread (the caller of sync() or commit()).
+  // reads a mix of versions. Sync thread (the caller of sync() or commit()). kGroups:
+  // around each layer group's commit, on the consumer's background thread.
   std::function<void(uint64_t version)> before_commit, after_commit;
 };
 
@@ -350,7 +365,8 @@ struct MemoryUse {
   // They are the rank's params, not extra; reported so a caller can tell who owns them.
   uint64_t own_params = 0;
   // Consumer under CommitPolicy::kShadow: the shadow buffers a sync lands in (one more
-  // copy of every param the sync writes). Extra.
+  // copy of every param the sync writes); under kGroups the bounded shadow (the params
+  // of the layer groups in flight at once: about the largest). Extra.
   uint64_t shadow = 0;
   // Producer under EngineOptions::delta: its kept copy of every group as packed last
   // (the bytes it stages in one sync, in the staging ring's registered region). Extra.
@@ -373,7 +389,8 @@ struct MemoryPrediction {
   std::vector<MemoryUse> consumers;  // per inference rank
 };
 // `commit`: the consumers' ConsumerOptions::commit (kShadow: MemoryUse::shadow, one more
-// copy of each consumer's params, host memory as ParamSet lays it out).
+// copy of each consumer's params, host memory as ParamSet lays it out; kGroups: the
+// bounded shadow, about the largest layer group's params).
 Result<MemoryPrediction> predict_memory(const Routes& routes, const std::vector<TensorDecl>& metadata,
                                         const std::vector<Holdings>& holdings, const std::vector<const Plan*>& plans,
                                         const ProducerOptions& options,
@@ -423,7 +440,12 @@ struct SyncReport {
   // failed); and how long the commit took (the pause a serving engine sees).
   std::optional<uint64_t> live_version;
   bool committed = false;
-  double commit_seconds = 0;
+  double commit_seconds = 0;  // kGroups: summed over the layer groups' commits
+  // Consumer under CommitPolicy::kGroups: the layer groups (post-processing groups:
+  // "pre", "layer 3", "post") this sync made live at its version, in the order they were
+  // (every group after a successful sync; after a failed one, those whose params now hold
+  // the new version, each whole, while the others hold live_version).
+  std::vector<std::string> groups_live;
   // Producer: the version each consumer of the job held live (committed) as this sync
   // began, as its lease says (the consumer keeps it current: ConsumerState::version);
   // a consumer that has committed none, or has no live lease, is absent.
@@ -443,6 +465,10 @@ struct ConsumerState {
   uint64_t version = 0;   // last committed version: what the live params hold (valid if `has_version`)
   bool has_version = false;
   bool torn = false;      // a failed sync left some groups newer than `version` (kInPlace only)
+  // kGroups: a failed sync made some layer groups live at a newer version than
+  // `version`, each group whole (that sync's SyncReport::groups_live names them); the
+  // rest hold `version`. Until a later sync completes.
+  bool mixed = false;
   // kShadow: a version fully received, verified and post-processed into the shadow,
   // waiting for commit() or discard().
   std::optional<uint64_t> received;

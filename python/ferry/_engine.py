@@ -407,6 +407,11 @@ class Consumer:
             kw["direct_min_bytes"] = direct_min_bytes
         if after_group is not None:
             kw["after_group"] = after_group
+        if commit == "groups":  # run by the engine around each layer group's commit
+            if before_commit is not None:
+                kw["before_commit"] = before_commit
+            if after_commit is not None:
+                kw["after_commit"] = after_commit
         self.loader = loader
         self.plan = plan
         self._before_sync, self._after_sync = before_sync, after_sync
@@ -519,7 +524,9 @@ class Consumer:
 
     def state(self):
         """{"version": the committed version (what the live params hold) or None, "torn":
-        bool, "received": a version received and not committed (shadow) or None}"""
+        bool, "mixed": bool (commit="groups": a failed sync left some layer groups at a newer
+        version, each whole), "received": a version received and not committed (shadow) or
+        None}"""
         return self._c.state()
 
     def params(self):

@@ -61,9 +61,11 @@ int run_bench_cmd(tools::BenchSpec b, bool json, bool model_given, bool override
   std::printf("  zero-copy: %.0f%% of the bytes served in place from trainer memory%s, %.0f%% read straight into params\n",
               100 * j["in_place_fraction"].get<double>(), j["in_place"].get<bool>() ? "" : " (--no-in-place)",
               100 * j["into_params_fraction"].get<double>());
-  if (j.value("commit", std::string()) == "shadow")
-    std::printf("  commit (shadow): %.6f s, %.1f%% of the sync: the pause a serving engine sees\n",
-                j["commit_seconds"].get<double>(), 100 * j["commit_fraction_of_sync"].get<double>());
+  if (j.value("commit", std::string("in_place")) != "in_place")
+    std::printf("  commit (%s): %.6f s, %.1f%% of the sync: the pause a serving engine sees%s\n",
+                j["commit"].get<std::string>().c_str(), j["commit_seconds"].get<double>(),
+                100 * j["commit_fraction_of_sync"].get<double>(),
+                j["commit"] == "groups" ? " (summed over the layer groups' commits)" : "");
   std::printf("%-34s %10.4f %12.0f %9.2f\n", "staged pack+read+unpack (no 0-copy)", j["staged_seconds"].get<double>(),
               bytes, bytes / j["staged_seconds"].get<double>() / 1e9);
   std::printf("%-34s %10.4f %12.0f %9.2f %8.2f\n", "broadcast (OpenMPI MPI_Bcast)",
@@ -113,9 +115,10 @@ std::function<int()> setup_bench(CLI::App& app) {
                "trainer weights in ordinary memory, every byte packed into staging (default: in a transport region, "
                "served in place)");
   app.add_option("--commit", b->commit,
-                 "consumers' commit policy: in_place, or shadow (each sync lands beside the live params and commits "
-                 "at its end; phases_max.commit_seconds_max is the pause a serving engine sees)")
-      ->check(CLI::IsMember({"in_place", "shadow"}));
+                 "consumers' commit policy: in_place, shadow (each sync lands beside the live params and commits "
+                 "at its end; phases_max.commit_seconds_max is the pause a serving engine sees), or groups (a "
+                 "bounded shadow: each layer group commits whole as it completes; the pause is summed over them)")
+      ->check(CLI::IsMember({"in_place", "shadow", "groups"}));
   app.add_flag("--caller-params", b->caller_params,
                "consumers pass param buffers of their own (as an inference engine's parameters are) instead of "
                "letting the engine allocate them; under --commit shadow the commit is then a copy into them, "

@@ -398,10 +398,12 @@ std::function<int()> setup_demo(CLI::App& app) {
                                "--trainer ...,dtype=fp32 into bf16 params; EngineOptions::convert_on)")
                     ->check(CLI::IsMember({"producer", "consumer"}));
                 app.add_option("--commit", d->commit,
-                               "inference ranks' commit policy: in_place, or shadow (each sync lands beside the live "
+                               "inference ranks' commit policy: in_place, groups (a bounded shadow: each layer group "
+                               "commits whole as it completes; the reader checks every group is whole), or shadow "
+                               "(each sync lands beside the live "
                                "params and commits in one step; a reader thread in every inference rank checks that "
                                "each read of its live params during the syncs is exactly one version)")
-                    ->check(CLI::IsMember({"in_place", "shadow"}));
+                    ->check(CLI::IsMember({"in_place", "shadow", "groups"}));
                 app.add_flag("--caller-params", d->caller_params,
                              "inference ranks pass param buffers of their own (as an inference engine's parameters "
                              "are) instead of letting ferry allocate them: under --commit shadow every commit is "
@@ -517,7 +519,7 @@ std::function<int()> setup_worker(CLI::App& app) {
   app.add_option("--stall-ms", w->stall_ms)->check(number_in(0, 1 << 30));
   app.add_option("--straggler-ms", w->straggler_ms)->check(number_in(0, 1 << 30));
   app.add_option("--join-window-ms", w->join_window_ms)->check(number_in(0, 1 << 30));
-  app.add_option("--commit", w->commit)->check(CLI::IsMember({"in_place", "shadow"}));
+  app.add_option("--commit", w->commit)->check(CLI::IsMember({"in_place", "shadow", "groups"}));
   app.add_flag("--caller-params", w->caller_params);
   app.add_option("--corrupt-version", w->corrupt_version)->check(number_in(-1, 1 << 30));
   app.add_option("--corrupt-group", w->corrupt_group)->check(number_in(0, 1 << 20));

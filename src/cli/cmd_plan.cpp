@@ -411,9 +411,10 @@ FERRY_COMMAND(plan_command, "plan",
                                "the staging ring is reported instead")
                     ->check(number_in(0, 1ull << 40));
                 app.add_option("--commit", a->commit,
-                               "The consumers' commit policy: in_place, or shadow (each consumer holds one more copy "
-                               "of its params, reported as shadow params)")
-                    ->check(CLI::IsMember({"in_place", "shadow"}))
+                               "The consumers' commit policy: in_place, shadow (each consumer holds one more copy "
+                               "of its params, reported as shadow params) or groups (a bounded shadow: the layer "
+                               "groups in flight, about the largest)")
+                    ->check(CLI::IsMember({"in_place", "shadow", "groups"}))
                     ->default_val("in_place");
                 app.add_option("--group-order", a->group_order,
                                "The order groups move in (EngineOptions::group_order): layer | rotated | "

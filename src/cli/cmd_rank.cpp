@@ -101,8 +101,10 @@ std::function<int()> setup_fetch(CLI::App& app) {
   app.add_option("--commit", s->commit,
                  "in_place: bytes land in the params as they arrive; shadow: each sync lands beside the live params "
                  "and commits in one step at its end (a failed sync leaves the live params the last committed "
-                 "version); each line says live_version, committed, commit_seconds, received_version")
-      ->check(CLI::IsMember({"in_place", "shadow"}))
+                 "version); groups: a bounded shadow, each layer group made live whole as it completes (a failed "
+                 "sync leaves the groups_live it names new, the rest old); each line says live_version, committed, "
+                 "commit_seconds, received_version")
+      ->check(CLI::IsMember({"in_place", "shadow", "groups"}))
       ->default_val("in_place");
   return [s] { return tools::run_fetch(*s); };
 }

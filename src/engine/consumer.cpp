@@ -199,14 +199,15 @@ Status Consumer::Impl::waited(std::span<const Completion> ops, int p, uint64_t v
 bool Consumer::Impl::takes_patch(int g, uint64_t base) const {
   if (!opts.delta || param_set->device() || landed_groups.count(g)) return false;
   const ConsumerState st = param_set->state();
-  return st.has_version && st.version == base && !st.torn;
+  return st.has_version && st.version == base && !st.torn && !st.mixed;
 }
 
 Status Consumer::Impl::apply_segment_patch(int g, int p, const Read& read, uint64_t patch_bytes, std::byte* slot) {
   std::byte* seg = slot + read.recv_offset;
   patch_copy.assign(seg, seg + patch_bytes);
-  // The base: the live params (under shadow the committed set, not the shadow syncs land in).
-  const TensorMap& live = param_set->shadow() ? param_set->committed() : param_set->loaded();
+  // The base: the live params (under shadow and groups the committed set, not the shadow
+  // syncs land in).
+  const TensorMap& live = param_set->shadow() || param_set->groups() ? param_set->committed() : param_set->loaded();
   const uint64_t n = plan_route->groups[static_cast<size_t>(g)].recv_bytes;
   Status st = gather_group(schedule.unpack, g, read.recv_offset, read.recv_offset + read.length, live,
                            std::span<std::byte>(slot, n));
@@ -569,6 +570,11 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
     rep.status = st;
     const ConsumerState held = param_set->state();
     rep.live_version = held.has_version ? std::optional<uint64_t>(held.version) : std::nullopt;
+    if (opts.commit == CommitPolicy::kGroups) {
+      std::lock_guard<std::mutex> lk(mu);
+      rep.groups_live = groups_live;
+      rep.commit_seconds = group_commit_seconds;
+    }
     rep.trace = trace.take();
     rep.start_unix_ns = trace.start_unix_ns();
     derive_report_sums(rep);
@@ -596,6 +602,8 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
     }
     dropped_versions.erase(dropped_versions.begin(), dropped_versions.lower_bound({v, 0}));
     syncing = v;
+    groups_live.clear();
+    group_commit_seconds = 0;
     attempted.insert(v);
     if (attempted.size() > 64) attempted.erase(attempted.begin());
   }
@@ -712,12 +720,12 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
     if (auto c = send_to(p, Done{me(), v, routes_hash})) dones.push_back(*c);
   }
   // For committed_versions(): what a framework asks before it serves with these weights.
-  if (opts.commit == CommitPolicy::kInPlace) {
+  if (opts.commit != CommitPolicy::kShadow) {
     rep.committed = true;
     if (Status c = store.set(keys.committed(rank), std::to_string(v)); !c.ok())
       rep.failures.push_back(fmt::format("consumer {}: recording committed version {}: {}", rank, v, c.to_string()));
   }
-  if (opts.commit == CommitPolicy::kInPlace || !commit_it) {  // (a commit below publishes its own)
+  if (opts.commit != CommitPolicy::kShadow || !commit_it) {  // (a commit below publishes its own)
     if (Status c = publish_versions(); !c.ok()) rep.failures.push_back(c.to_string());
   }
   // The DONEs have left before sync returns: a caller that closes the consumer right

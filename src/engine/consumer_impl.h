@@ -154,9 +154,10 @@ struct Consumer::Impl {
   std::unique_ptr<UnpackWorker> worker;
 
   // The options as this consumer runs them: under delta nothing is read straight into
-  // params (a patch is applied in the receive slot, then unpacked).
+  // params (a patch is applied in the receive slot, then unpacked), nor under the groups
+  // commit policy (every byte lands in the bounded shadow by unpack).
   static ConsumerOptions effective(ConsumerOptions o) {
-    if (o.delta) o.direct_min_bytes = std::numeric_limits<uint64_t>::max();
+    if (o.delta || o.commit == CommitPolicy::kGroups) o.direct_min_bytes = std::numeric_limits<uint64_t>::max();
     return o;
   }
   Impl(int r, Transport& t, Store& s, const ConsumerOptions& opt)
@@ -177,9 +178,19 @@ struct Consumer::Impl {
 
   void on_peer_failure(PeerId peer, const Status& why);
 
-  // The worker's job steps (on its thread).
+  // The worker's job steps (on its thread). commit_job: CommitPolicy::kGroups only.
   Status unpack_job(const UnpackWorker::Job& job);
   Status post_job(const UnpackWorker::Job& job);
+  Status commit_job(const UnpackWorker::Job& job);
+  // CommitPolicy::kGroups: each layer group's position in `order`, and what this sync
+  // made live so far (the units' names, in order; the commits' seconds). mu.
+  std::vector<int> position;
+  std::vector<std::string> groups_live;
+  double group_commit_seconds = 0;
+  // The bounded shadow for the routes and order now installed (ParamSet::set_group_shadow;
+  // apply_routes, between attempts). The name of a commit unit (GroupShadow::units).
+  Status install_group_shadow();
+  std::string unit_name(int unit) const;
   void wake() {
     std::lock_guard<std::mutex> lk(mu);
     cv.notify_all();

@@ -67,6 +67,8 @@ void Consumer::Impl::on_peer_failure(PeerId peer, const Status& why) {
 
 Status Consumer::Impl::unpack_job(const UnpackWorker::Job& job) {
   point(job.group, 3);
+  if (param_set->groups())  // its params' room in the bounded shadow, filled from the live params first
+    FERRY_RETURN_IF_ERROR(param_set->open_at(position[static_cast<size_t>(job.group)]));
   const uint64_t n = plan_route->groups[static_cast<size_t>(job.group)].recv_bytes;
   const std::byte* recv = ipc_active ? ipc_lane->ring() : ring.data;
   Status s = unpack_group(schedule.unpack, job.group,
@@ -75,6 +77,46 @@ Status Consumer::Impl::unpack_job(const UnpackWorker::Job& job) {
   param_set->touch();  // (even a failed unpack may have written some params)
   if (!s.ok()) return s.with_context(fmt::format("consumer {} unpack group {}", rank, job.group));
   return s;
+}
+
+Status Consumer::Impl::commit_job(const UnpackWorker::Job& job) {
+  const int at = position[static_cast<size_t>(job.group)];
+  const GroupShadow& layout = param_set->group_shadow();
+  if (at < 0 || static_cast<size_t>(at) >= layout.commits.size() || layout.commits[static_cast<size_t>(at)].empty())
+    return Status::Ok();
+  // The only moment these params change: between the caller's hooks (its lock).
+  if (opts.before_commit) opts.before_commit(job.version);
+  const auto t = Clock::now();
+  Status s = param_set->commit_at(at);
+  const auto t1 = Clock::now();
+  if (opts.after_commit) opts.after_commit(job.version);
+  trace.record(TracePhase::kCommit, job.group, -1, t, t1);
+  FERRY_RETURN_IF_ERROR(s.with_context(fmt::format("consumer {} committing group {}", rank, job.group)));
+  std::lock_guard<std::mutex> lk(mu);
+  group_commit_seconds += std::chrono::duration<double>(t1 - t).count();
+  for (int u : layout.units[static_cast<size_t>(at)]) {
+    std::string name = unit_name(u);  // (once, also when a later attempt commits it again)
+    if (std::find(groups_live.begin(), groups_live.end(), name) == groups_live.end()) groups_live.push_back(std::move(name));
+  }
+  return Status::Ok();
+}
+
+std::string Consumer::Impl::unit_name(int unit) const {
+  if (unit >= 0 && static_cast<size_t>(unit) < model.post_group_names.size())
+    return model.post_group_names[static_cast<size_t>(unit)];
+  const auto param = static_cast<size_t>(-1 - static_cast<int64_t>(unit));  // a param of no post-processing group
+  if (unit < 0 && param < plan_route->params.size()) return plan_route->params[param].name;
+  return fmt::format("group {}", unit);
+}
+
+Status Consumer::Impl::install_group_shadow() {
+  std::vector<bool> on_device;
+  for (const TensorDecl& d : plan_route->params) {
+    auto it = param_set->committed().find(d.name);
+    on_device.push_back(it != param_set->committed().end() && it->second.device().is_cuda());
+  }
+  return param_set->set_group_shadow(group_shadow_layout(*plan_route, &order, model.post_group_of, on_device),
+                                     plan_route->params);
 }
 
 Status Consumer::Impl::post_job(const UnpackWorker::Job& job) {
@@ -196,7 +238,11 @@ Status Consumer::Impl::apply_routes(Routes r) {
   routes_hash = routes.fingerprint();
   plan_route = &routes.consumer(static_cast<size_t>(rank));
   order = std::move(mine);
+  position.assign(routes.group_names.size(), -1);
+  for (size_t i = 0; i < order.size(); ++i)
+    if (order[i] >= 0 && static_cast<size_t>(order[i]) < position.size()) position[static_cast<size_t>(order[i])] = static_cast<int>(i);
   rebuild_schedule();
+  if (param_set->groups()) return install_group_shadow().with_context(fmt::format("consumer {}", rank));
   return Status::Ok();
 }
 
@@ -304,7 +350,8 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
   FERRY_ASSIGN_OR_RETURN(auto routes, m.route_state.start(std::move(inputs)));
   m.slot_bytes = consumer_slot_bytes(routes.consumer(static_cast<size_t>(rank)));
   auto set = ParamSet::create(ParamSetOptions{rank, options.mode == SyncMode::kPush, options.direct_min_bytes,
-                                                  options.commit == CommitPolicy::kShadow},
+                                                  options.commit == CommitPolicy::kShadow,
+                                                  options.commit == CommitPolicy::kGroups},
                               m.model.param_decls, params, transport_param_memory(transport));
   if (!set.ok()) return set.status();
   m.param_set = std::move(*set);
@@ -341,7 +388,10 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
       [self](const UnpackWorker::Job& j) {
         if (self->opts.after_group) self->opts.after_group(j.version, j.group);
       },
-      [self] { self->wake(); }, &m.trace);
+      [self] { self->wake(); }, &m.trace,
+      options.commit == CommitPolicy::kGroups
+          ? std::function<Status(const UnpackWorker::Job&)>([self](const UnpackWorker::Job& j) { return self->commit_job(j); })
+          : std::function<Status(const UnpackWorker::Job&)>());
   m.worker->start();
   // Push: where producers may write into params. In the lease (not in each READY) because
   // it is fixed for the instance's life and producers derive every write from it and

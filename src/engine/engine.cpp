@@ -26,11 +26,19 @@ std::string_view group_order_kind_name(GroupOrderKind kind) {
   return kind == GroupOrderKind::kLayer ? "layer" : "rotated";
 }
 
-const char* commit_policy_name(CommitPolicy p) { return p == CommitPolicy::kShadow ? "shadow" : "in_place"; }
+const char* commit_policy_name(CommitPolicy p) {
+  switch (p) {
+    case CommitPolicy::kShadow: return "shadow";
+    case CommitPolicy::kGroups: return "groups";
+    case CommitPolicy::kInPlace: break;
+  }
+  return "in_place";
+}
 Result<CommitPolicy> parse_commit_policy(std::string_view name) {
   if (name == "in_place") return CommitPolicy::kInPlace;
   if (name == "shadow") return CommitPolicy::kShadow;
-  return invalid_argument("commit policy '{}': expected in_place or shadow", name);
+  if (name == "groups") return CommitPolicy::kGroups;
+  return invalid_argument("commit policy '{}': expected in_place, shadow or groups", name);
 }
 
 std::string SyncReport::to_string() const {

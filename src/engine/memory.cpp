@@ -1,6 +1,8 @@
 #include "engine/memory.h"
 
 #include <algorithm>
+#include <map>
+#include <set>
 #include <string>
 #include <type_traits>
 
@@ -8,6 +10,7 @@
 
 #include "engine/protocol.h"
 #include "engine/registered_buffer.h"
+#include "ferry/source.h"
 
 namespace ferry {
 
@@ -29,8 +32,10 @@ uint64_t bytes_of(const ConsumerGroupSchedule& g);
 template <typename T>
 uint64_t bytes_of(const std::vector<T>& v);
 
-uint64_t bytes_of(const std::string& s) { return s.capacity() > 15 ? heap(s.capacity() + 1) : 0; }
-uint64_t bytes_of(const Shape& v) { return heap(v.capacity() * sizeof(int64_t)); }
+// Element counts (size), not capacities: what a rank built and what `ferry plan` predicts
+// from the same content then agree exactly, however each vector grew.
+uint64_t bytes_of(const std::string& s) { return s.size() > 15 ? heap(s.size() + 1) : 0; }
+uint64_t bytes_of(const Shape& v) { return heap(v.size() * sizeof(int64_t)); }
 uint64_t bytes_of(const Layout& l) { return bytes_of(l.shape) + bytes_of(l.strides); }
 uint64_t bytes_of(const TensorDecl& d) { return bytes_of(d.name) + bytes_of(d.shape); }
 uint64_t bytes_of(const Box& b) { return bytes_of(b.start) + bytes_of(b.size); }
@@ -45,7 +50,7 @@ uint64_t bytes_of(const T&) requires std::is_trivially_copyable_v<T> { return 0;
 // A vector's block plus what its elements own.
 template <typename T>
 uint64_t bytes_of(const std::vector<T>& v) {
-  uint64_t n = heap(v.capacity() * sizeof(T));
+  uint64_t n = heap(v.size() * sizeof(T));
   for (const T& x : v) n += bytes_of(x);
   return n;
 }
@@ -237,6 +242,7 @@ Result<MemoryPrediction> predict_memory(const Routes& routes, const std::vector<
                  predicted_schedule_bytes(routes.producers[p]);
     out.producers.push_back(m);
   }
+  const Groups source_groups(metadata);  // the routes' layer groups (kGroups below)
   std::vector<uint64_t> per_class;  // plan classes share a route: one walk each
   for (const PlanRoute& pr : routes.plans) per_class.push_back(predicted_schedule_bytes(pr));
   for (size_t c = 0; c < routes.consumer_plan.size(); ++c) {
@@ -249,6 +255,28 @@ Result<MemoryPrediction> predict_memory(const Routes& routes, const std::vector<
       uint64_t shadow = 0;
       for (const auto& d : plans[c]->params()) shadow += align_up(shape_numel(d.shape) * dtype_size(d.dtype), 64);
       m.shadow = align_up(shadow, 4096);
+    } else if (commit == CommitPolicy::kGroups && plans[c]) {
+      // The bounded shadow as the consumer lays it out (group_shadow_layout), its units
+      // the layer groups of the param names (a loader's post-processing groups: "pre",
+      // "layer N", "post"), in layer order, on the host. Which layer group writes which
+      // param comes from the plan (a copy from a source of that group), not from the
+      // routes' unpacks, which `ferry plan` does not make.
+      const Plan& plan = *plans[c];
+      const std::vector<TensorDecl>& params = plan.params();
+      const Groups by_name(params);
+      std::map<std::string, int> unit_of;
+      for (size_t i = 0; i < params.size(); ++i) unit_of[params[i].name] = by_name.of_tensor(i);
+      PlanRoute writes;
+      writes.params = params;
+      writes.groups.resize(pr.groups.size());
+      std::set<std::pair<int, uint32_t>> seen;
+      for (const Copy& k : plan.copies()) {
+        const int g = source_groups.of_name(plan.sources()[k.source].name);
+        if (g < 0 || static_cast<size_t>(g) >= writes.groups.size() || !seen.insert({g, k.param}).second) continue;
+        writes.groups[static_cast<size_t>(g)].unpacks.emplace_back().param = k.param;
+      }
+      const GroupShadow layout = group_shadow_layout(writes, nullptr, unit_of, {});
+      m.shadow = layout.host_bytes ? align_up(layout.host_bytes, 4096) : 0;
     }
     out.consumers.push_back(m);
   }

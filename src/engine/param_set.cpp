@@ -74,7 +74,7 @@ Result<std::unique_ptr<ParamSet>> ParamSet::create(const ParamSetOptions& opts, 
   // producers in the lease (ParamTable), so that they write there. Under shadow the
   // live buffers are landed in by nobody (the shadow is; unless they flip): not
   // registered.
-  const bool land_live = !opts.shadow;
+  const bool land_live = !opts.shadow && !opts.groups;
   uint64_t arena_bytes = 0;
   for (const TensorDecl& d : decls) {
     auto it = caller.find(d.name);
@@ -201,6 +201,16 @@ Result<std::unique_ptr<ParamSet>> ParamSet::create(const ParamSetOptions& opts, 
 }
 
 Status ParamSet::write_padding(const Plan& plan) {
+  // Groups: the params a sync does not write every element of (padding, or a plan that
+  // leaves some unwritten) are filled from the live params as their room opens; the
+  // others are written whole by the sync, so their room needs no filling.
+  written_whole_.clear();
+  if (opts_.groups) {
+    std::vector<int64_t> written(plan.params().size(), 0);
+    for (const Copy& c : plan.copies()) written[c.param] += c.dst.numel();
+    for (size_t i = 0; i < plan.params().size(); ++i)
+      if (written[i] >= shape_numel(plan.params()[i].shape)) written_whole_.insert(plan.params()[i].name);
+  }
   if (!plan.zeros().empty()) {
     // Per place (host, the GPU): a plan runs on one device. Into both sets under shadow
     // (padding is never sent: each set keeps its zeros).
@@ -216,7 +226,8 @@ Status ParamSet::write_padding(const Plan& plan) {
     for (const Plan& z : zeros_only) {
       if (z.zeros().empty()) continue;
       for (const TensorMap* into : {&loaded_, &live_}) {
-        if (into == &live_ && !opts_.shadow) continue;
+        if (into == &live_ && !opts_.shadow && !opts_.groups) continue;
+        if (into == &loaded_ && opts_.groups) continue;  // (the bounded shadow is filled from the live params)
         FERRY_RETURN_IF_ERROR(
             execute(z, {}, *into).with_context(fmt::format("consumer {}: writing its params' padding", opts_.rank)));
       }
@@ -270,12 +281,18 @@ uint64_t ParamSet::registered_bytes() const {
 
 void ParamSet::begin(uint64_t) {
   work_ = loaded_;
+  made_anew_.clear();
   std::lock_guard<std::mutex> lk(mu_);
   touched_ = false;
+  committed_some_ = false;
   held_.received.reset();  // a new sync overwrites the shadow
 }
 
-void ParamSet::retry() { work_ = loaded_; }
+void ParamSet::retry() {
+  // (Groups: a param an earlier attempt made live is written again, from its room in the
+  // shadow, with the same version's bytes.)
+  work_ = loaded_;
+}
 
 void ParamSet::touch() {
   std::lock_guard<std::mutex> lk(mu_);
@@ -288,16 +305,27 @@ void ParamSet::finish(uint64_t version) {
     held_.received = version;
     return;
   }
-  committed_ = work_;
+  if (opts_.groups) {
+    // Every group is live already; what post-processing made anew joins the view.
+    for (auto& [name, t] : made_anew_) committed_.insert_or_assign(name, std::move(t));
+    made_anew_.clear();
+  } else {
+    committed_ = work_;
+  }
   std::lock_guard<std::mutex> lk(mu_);
   held_.version = version;
   held_.has_version = true;
   held_.torn = false;
+  held_.mixed = false;
 }
 
 void ParamSet::abort() {
   std::lock_guard<std::mutex> lk(mu_);
   held_.received.reset();
+  if (opts_.groups) {
+    if (committed_some_) held_.mixed = true;
+    return;
+  }
   if (touched_ && !opts_.shadow) held_.torn = true;
 }
 
@@ -361,6 +389,124 @@ Result<uint64_t> ParamSet::commit() {
   held_.torn = false;
   held_.received.reset();
   return v;
+}
+
+Status ParamSet::set_group_shadow(GroupShadow layout, const std::vector<TensorDecl>& params) {
+  if (!opts_.groups) return failed_precondition("consumer {}: a group shadow needs the groups commit policy", opts_.rank);
+  std::optional<Device> device;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (layout.offset[i] == GroupShadow::kNone) continue;
+    auto live = live_.find(params[i].name);
+    if (live == live_.end())
+      return invalid_argument("consumer {}: the routes write param '{}', which it does not have", opts_.rank,
+                              params[i].name);
+    if (live->second.device().is_cuda()) device = live->second.device();
+  }
+  if (layout.host_bytes > group_host_capacity_) {
+    const uint64_t bytes = align_up(layout.host_bytes, 4096);
+    void* mem = std::aligned_alloc(4096, bytes);
+    if (!mem) return io_error("consumer {}: allocating {} bytes for its group shadow", opts_.rank, bytes);
+    shadow_arena_ = std::shared_ptr<std::byte>(static_cast<std::byte*>(mem), [](std::byte* b) { std::free(b); });
+    group_host_capacity_ = bytes;
+  }
+  if (layout.device_bytes > group_device_capacity_ && device) {
+    auto dev = device_alloc(*device, layout.device_bytes);
+    if (!dev.ok()) return dev.status().with_context(fmt::format("consumer {}: its group shadow on {}", opts_.rank, device_str(*device)));
+    shadow_device_ = *dev;
+    group_device_capacity_ = layout.device_bytes;
+  }
+  shadow_bytes_ = group_host_capacity_ + group_device_capacity_;
+  loaded_ = live_;
+  group_names_.clear();
+  for (size_t i = 0; i < params.size(); ++i) {
+    group_names_.push_back(params[i].name);
+    if (layout.offset[i] == GroupShadow::kNone) continue;
+    const TensorDecl& d = params[i];
+    const Tensor& live = live_.at(d.name);
+    if (live.dtype() != d.dtype || live.shape() != d.shape)
+      return invalid_argument("consumer {}: the routes write param '{}' as {} {}, it holds {} {}", opts_.rank, d.name,
+                              dtype_name(d.dtype), shape_str(d.shape), dtype_name(live.dtype()), shape_str(live.shape()));
+    loaded_.insert_or_assign(
+        d.name, live.device().is_cuda()
+                    ? Tensor::borrow_device(shadow_device_.get() + layout.offset[i], d.shape, d.dtype, live.device(),
+                                            shadow_device_, d.name)
+                    : Tensor::borrow(shadow_arena_.get() + layout.offset[i], d.shape, d.dtype, shadow_arena_, d.name));
+  }
+  group_shadow_ = std::move(layout);
+  work_ = loaded_;
+  return Status::Ok();
+}
+
+namespace {
+
+Status copy_bytes(const Tensor& to, const Tensor& from, int rank, const std::string& name, const char* what) {
+  auto dst = to.device_ptr();
+  auto src = from.device_ptr();
+  if (!dst.ok() || !src.ok()) return !dst.ok() ? dst.status() : src.status();
+  const uint64_t bytes = static_cast<uint64_t>(to.numel()) * dtype_size(to.dtype());
+  if (to.device().is_cuda() || from.device().is_cuda()) {
+    Status st = device_memcpy(*dst, *src, bytes);
+    return st.with_context(fmt::format("consumer {}: {} param '{}'", rank, what, name));
+  }
+  std::memcpy(*dst, *src, bytes);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status ParamSet::open_at(int position) {
+  if (!opts_.groups || position < 0 || static_cast<size_t>(position) >= group_shadow_.opens.size()) return Status::Ok();
+  for (uint32_t i : group_shadow_.opens[static_cast<size_t>(position)]) {
+    const std::string& name = group_names_[i];
+    const Tensor& room = loaded_.at(name);
+    work_.insert_or_assign(name, room);
+    if (!written_whole_.count(name))
+      FERRY_RETURN_IF_ERROR(copy_bytes(room, live_.at(name), opts_.rank, name, "filling the shadow of"));
+  }
+  return Status::Ok();
+}
+
+Status ParamSet::commit_at(int position) {
+  if (!opts_.groups || position < 0 || static_cast<size_t>(position) >= group_shadow_.commits.size()) return Status::Ok();
+  auto like = [](const Tensor& a, const Tensor& b) {
+    return a.dtype() == b.dtype() && a.shape() == b.shape() && a.is_contiguous() && b.is_contiguous();
+  };
+  // Post-processing's own tensors made since the last commit: into the live buffer of
+  // the same layout where there is one (a later sync's), else taken at finish().
+  for (auto& [name, w] : work_) {
+    auto room = loaded_.find(name);
+    if (room != loaded_.end() && same_bytes(w, room->second)) continue;  // in the shadow: below
+    auto live = committed_.find(name);
+    if (live != committed_.end() && same_bytes(w, live->second)) continue;  // live already
+    if (made_anew_.count(name) && same_bytes(made_anew_.at(name), w)) continue;
+    if (live != committed_.end() && like(w, live->second) && w.is_real()) {
+      Status st = copy_bytes(live->second, w, opts_.rank, name, "committing");
+      if (!st.ok()) {
+        std::lock_guard<std::mutex> lk(mu_);
+        held_.torn = true;
+        return st;
+      }
+      w = live->second;
+      continue;
+    }
+    made_anew_.insert_or_assign(name, w);
+  }
+  for (uint32_t i : group_shadow_.commits[static_cast<size_t>(position)]) {
+    const std::string& name = group_names_[i];
+    Tensor& w = work_.at(name);
+    const Tensor& live = live_.at(name);
+    if (!same_bytes(w, loaded_.at(name))) continue;  // replaced by post-processing: handled above
+    Status st = copy_bytes(live, w, opts_.rank, name, "committing");
+    if (!st.ok()) {
+      std::lock_guard<std::mutex> lk(mu_);
+      held_.torn = true;
+      return st;
+    }
+    w = live;  // (its room may hold another param from now on)
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  committed_some_ = true;
+  return Status::Ok();
 }
 
 Status ParamSet::discard() {

@@ -22,10 +22,12 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "engine/in_place.h"
+#include "engine/schedule.h"
 #include "ferry/device.h"
 #include "ferry/engine.h"
 #include "ferry/plan.h"
@@ -33,7 +35,6 @@
 
 namespace ferry::engine {
 
-struct SubRead;
 
 // Where a ParamSet's memory comes from and how peers reach it: the consumer's transport,
 // or plain host memory (tests, tools that move no bytes).
@@ -66,6 +67,11 @@ struct ParamSetOptions {
   // In push both sets are then the transport's memory, and producers learn per sync
   // which one to write (published_sets(), landing_index()).
   bool shadow = false;
+  // CommitPolicy::kGroups: syncs land in a bounded shadow laid out per routes
+  // (set_group_shadow), each layer group's params made live by commit_at as the
+  // consumer's background thread completes them. Nothing is landed in directly: the
+  // live params are not registered.
+  bool groups = false;
 };
 
 class ParamSet {
@@ -147,6 +153,7 @@ class ParamSet {
   void abort();
   bool torn() const;
   ConsumerState state() const;
+  bool groups() const { return opts_.groups; }
   // Shadow: makes the received version the live one in one step (a flip, or a copy of
   // each shadow buffer into its live buffer: host memcpy, device to device on a GPU; a
   // param post-processing replaced is taken as it is). The version it committed.
@@ -155,6 +162,25 @@ class ParamSet {
   Result<uint64_t> commit();
   // Shadow: drops the received version. kFailedPrecondition when there is none.
   Status discard();
+
+  // Groups (ParamSetOptions::groups). set_group_shadow: the routes' layout (`params`: the
+  // plan route's params, which `layout` indexes); loaded() then views each written param
+  // in the shadow, which grows to the layout's size (it never shrinks: routes that change
+  // back need no new memory). Between attempts only. kInvalidArgument for a param the
+  // set does not have; the allocation's error.
+  Status set_group_shadow(GroupShadow layout, const std::vector<TensorDecl>& params);
+  // On the thread running the attempt's unpack and post-processing. open_at(i): before
+  // the layer group at position i of the order is unpacked, the params whose room opens
+  // there and that the sync does not write whole (the plan's padding) are filled from the
+  // live params, so that what the sync does not write is what the live params hold. commit_at(i): after its
+  // post-processing, the params layout.commits[i] names are made live: copied from the
+  // shadow (or from the tensor post-processing replaced one with) into the live buffers;
+  // a param post-processing made anew (another dtype or shape than the live one, or a
+  // name of its own) is taken as it is, into committed() at finish(). A device copy's
+  // error (that group then torn).
+  Status open_at(int position);
+  Status commit_at(int position);
+  const GroupShadow& group_shadow() const { return group_shadow_; }
 
  private:
   ParamSet(const ParamSetOptions& opts, std::unique_ptr<ParamMemory> memory);
@@ -170,6 +196,14 @@ class ParamSet {
   TensorMap live_;  // shadow: the live buffers (committed_ views them until post-processing replaces one)
   std::shared_ptr<std::byte> shadow_arena_, shadow_device_;
   uint64_t shadow_bytes_ = 0;
+  // Groups: the layout, each shadow's capacity, and the params the layout indexes (by
+  // position: names).
+  GroupShadow group_shadow_;
+  uint64_t group_host_capacity_ = 0, group_device_capacity_ = 0;
+  std::vector<std::string> group_names_;
+  TensorMap made_anew_;  // groups: post-processing's own tensors, taken into committed_ at finish
+  std::set<std::string> written_whole_;  // groups: params every sync writes whole (write_padding's plan)
+  bool committed_some_ = false;  // groups: this sync made a group live (mu_)
   bool flips_ = false;
   std::map<std::string, ParamTable::Param> placements_;
   std::shared_ptr<std::byte> arena_;

@@ -61,6 +61,7 @@ nlohmann::json sync_report_json(const SyncReport& r) {
                       {"live_version", nullptr},
                       {"committed", r.committed},
                       {"commit_seconds", r.commit_seconds},
+                      {"groups_live", r.groups_live},
                       {"memory", memory_use_json(r.memory)}};
   if (r.live_version) j["live_version"] = *r.live_version;
   nlohmann::json live = nlohmann::json::object();
@@ -92,7 +93,9 @@ enum Track { kSyncThread = 1, kUnpackThread = 2, kPushWrites = 3, kLane = 4 };
 
 Track track_of(const TraceEvent& e) {
   if (e.is_transfer()) return kLane;
-  if (e.phase == TracePhase::kUnpack || e.phase == TracePhase::kPost) return kUnpackThread;
+  // (A layer group's commit under CommitPolicy::kGroups runs on the unpack thread too.)
+  if (e.phase == TracePhase::kUnpack || e.phase == TracePhase::kPost || (e.phase == TracePhase::kCommit && e.group >= 0))
+    return kUnpackThread;
   if (e.phase == TracePhase::kPushWrite) return kPushWrites;
   return kSyncThread;
 }

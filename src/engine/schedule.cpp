@@ -392,6 +392,82 @@ ConsumerSchedule make_consumer_schedule(const ConsumerScheduleInputs& in) {
   return out;
 }
 
+GroupShadow group_shadow_layout(const PlanRoute& plan_route, const std::vector<int>* order,
+                                const std::map<std::string, int>& post_group_of, const std::vector<bool>& on_device) {
+  const size_t G = plan_route.groups.size(), N = plan_route.params.size();
+  std::vector<int> at(G);  // layer group -> position in the order
+  for (size_t g = 0; g < G; ++g) at[g] = static_cast<int>(g);
+  if (order && order->size() == G) {
+    for (size_t i = 0; i < G; ++i) {
+      const int g = (*order)[i];
+      if (g >= 0 && static_cast<size_t>(g) < G) at[static_cast<size_t>(g)] = static_cast<int>(i);
+    }
+  }
+  GroupShadow out;
+  out.offset.assign(N, GroupShadow::kNone);
+  out.on_device.assign(N, false);
+  for (size_t i = 0; i < N && i < on_device.size(); ++i) out.on_device[i] = on_device[i];
+  out.opens.resize(G);
+  out.commits.resize(G);
+  out.units.resize(G);
+  std::vector<int> first(N, -1), last(N, -1);
+  for (size_t g = 0; g < G; ++g) {
+    for (const UnpackOp& u : plan_route.groups[g].unpacks) {
+      if (u.param >= N) continue;
+      const int i = at[g];
+      first[u.param] = first[u.param] < 0 ? i : std::min(first[u.param], i);
+      last[u.param] = std::max(last[u.param], i);
+    }
+  }
+  // Units: a param's post-processing group, or the param alone (-1 - its index).
+  std::vector<int> unit(N);
+  std::map<int, int> unit_done;  // unit -> the last position writing any of its params
+  for (size_t p = 0; p < N; ++p) {
+    auto it = post_group_of.find(plan_route.params[p].name);
+    unit[p] = it != post_group_of.end() && it->second >= 0 ? it->second : -1 - static_cast<int>(p);
+    if (first[p] >= 0) {
+      int& d = unit_done.try_emplace(unit[p], last[p]).first->second;
+      d = std::max(d, last[p]);
+    }
+  }
+  std::vector<int> close(N, -1);
+  for (size_t p = 0; p < N; ++p) {
+    if (first[p] < 0) continue;
+    close[p] = unit_done.at(unit[p]);
+    out.opens[static_cast<size_t>(first[p])].push_back(static_cast<uint32_t>(p));
+    out.commits[static_cast<size_t>(close[p])].push_back(static_cast<uint32_t>(p));
+  }
+  for (const auto& [u, d] : unit_done) out.units[static_cast<size_t>(d)].push_back(u);
+  // First fit per shadow: a param's room is free again for params opened after the
+  // position its unit is made live at (the commit runs after that group's unpack and
+  // post-processing, before the next group's unpack).
+  struct Held {
+    uint64_t offset, bytes;
+    int close;
+  };
+  std::vector<Held> held[2];
+  for (size_t i = 0; i < G; ++i) {
+    for (uint32_t p : out.opens[i]) {
+      const int place = out.on_device[p] ? 1 : 0;
+      std::vector<Held>& h = held[place];
+      std::erase_if(h, [&](const Held& x) { return x.close < static_cast<int>(i); });
+      std::sort(h.begin(), h.end(), [](const Held& a, const Held& b) { return a.offset < b.offset; });
+      const TensorDecl& d = plan_route.params[p];
+      const uint64_t bytes = align_up(std::max<uint64_t>(shape_numel(d.shape) * dtype_size(d.dtype), 1), 64);
+      uint64_t offset = 0;
+      for (const Held& x : h) {
+        if (x.offset >= offset + bytes) break;
+        offset = std::max(offset, x.offset + x.bytes);
+      }
+      h.push_back({offset, bytes, close[p]});
+      out.offset[p] = offset;
+      uint64_t& size = place ? out.device_bytes : out.host_bytes;
+      size = std::max(size, offset + bytes);
+    }
+  }
+  return out;
+}
+
 const Read* single_read_from(const PlanGroup& group, uint32_t producer) {
   const Read* found = nullptr;
   for (const Read& r : group.reads) {

@@ -162,4 +162,30 @@ struct ConsumerScheduleInputs {
 
 ConsumerSchedule make_consumer_schedule(const ConsumerScheduleInputs& in);
 
+// CommitPolicy::kGroups: the bounded shadow a consumer's sync lands in, and when each
+// layer group's params are made live. A *commit unit* is a post-processing group
+// (`post_group_of`: param -> unit; a param without one is a unit of its own): its params
+// are made live together, after the last layer group in `order` (null: layer order)
+// that writes one of them, once post-processed. A param the routes write (an unpack of
+// `plan_route`; every byte goes through the receive ring under this policy) holds room
+// in the shadow from the first layer group that writes it until its unit is made live;
+// params whose times overlap get disjoint room (first fit, 64-byte aligned), host and
+// device params each in their own shadow (`on_device`, per plan_route.params; empty: all
+// on the host). Pure; used by the consumer (ParamSet::set_group_shadow) and
+// predict_memory alike, so the shadow's size is predicted exactly.
+struct GroupShadow {
+  static constexpr uint64_t kNone = ~0ull;
+  std::vector<uint64_t> offset;  // per plan_route.params: in its shadow; kNone: the routes never write it
+  std::vector<bool> on_device;   // per plan_route.params
+  // Per position in the order: params whose room opens there (written first there, so
+  // filled from the live params before that group is unpacked), params made live
+  // after it, and the units those make up (post-processing groups; a param alone is
+  // -1 - its index).
+  std::vector<std::vector<uint32_t>> opens, commits;
+  std::vector<std::vector<int>> units;
+  uint64_t host_bytes = 0, device_bytes = 0;  // each shadow's size: its peak
+};
+GroupShadow group_shadow_layout(const PlanRoute& plan_route, const std::vector<int>* order,
+                                const std::map<std::string, int>& post_group_of, const std::vector<bool>& on_device);
+
 }  // namespace ferry::engine

@@ -7,8 +7,10 @@
 namespace ferry::engine {
 
 UnpackWorker::UnpackWorker(int slots, std::function<Status(const Job&)> unpack, std::function<Status(const Job&)> post,
-                           std::function<void(const Job&)> done, std::function<void()> changed, SyncTrace* trace)
-    : unpack_(std::move(unpack)), post_(std::move(post)), done_(std::move(done)), changed_(std::move(changed)),
+                           std::function<void(const Job&)> done, std::function<void()> changed, SyncTrace* trace,
+                           std::function<Status(const Job&)> commit)
+    : unpack_(std::move(unpack)), post_(std::move(post)), commit_(std::move(commit)), done_(std::move(done)),
+      changed_(std::move(changed)),
       slot_busy_(static_cast<size_t>(slots), false), trace_(trace) {}
 
 UnpackWorker::~UnpackWorker() {
@@ -51,6 +53,7 @@ void UnpackWorker::loop() {
       s = post_(job);
       if (trace_) trace_->record(TracePhase::kPost, job.group, -1, t, Clock::now());
     }
+    if (s.ok() && commit_) s = commit_(job);
     if (s.ok() && done_) done_(job);
     {
       std::lock_guard<std::mutex> lk(mu_);

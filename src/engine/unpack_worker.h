@@ -34,8 +34,11 @@ class UnpackWorker {
   // failed, `post(job)`, then (untimed; the consumer's after_group hook) `done(job)`.
   // All run on the worker thread. Each unpack and post is recorded in `trace` (kUnpack,
   // kPost; the caller's, alive longer than the worker) when given.
+  // `commit` (optional; CommitPolicy::kGroups): runs after `post` and before `done`, untimed
+  // by the worker (the consumer records what it copies), its failure the job's.
   UnpackWorker(int slots, std::function<Status(const Job&)> unpack, std::function<Status(const Job&)> post,
-               std::function<void(const Job&)> done, std::function<void()> changed, SyncTrace* trace = nullptr);
+               std::function<void(const Job&)> done, std::function<void()> changed, SyncTrace* trace = nullptr,
+               std::function<Status(const Job&)> commit = {});
   ~UnpackWorker();  // stops after the current job and joins
   UnpackWorker(const UnpackWorker&) = delete;
   UnpackWorker& operator=(const UnpackWorker&) = delete;
@@ -65,7 +68,7 @@ class UnpackWorker {
   void loop();
   bool wait_idle_locked(std::unique_lock<std::mutex>& lk, std::chrono::milliseconds timeout);
 
-  const std::function<Status(const Job&)> unpack_, post_;
+  const std::function<Status(const Job&)> unpack_, post_, commit_;
   const std::function<void(const Job&)> done_;
   const std::function<void()> changed_;
   mutable std::mutex mu_;

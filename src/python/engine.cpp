@@ -473,8 +473,9 @@ struct PyConsumer {
 };
 
 // Engine options plus the Python after_group hook (kw["after_group"]: callable(version,
-// group) or absent), called on the consumer's background thread with the GIL held; what
-// it raises is kept in c.hook_errors and fails that sync. before_sync/after_sync run in
+// group) or absent), and under commit="groups" before_commit/after_commit, called on the
+// consumer's background thread with the GIL held; what they raise is kept in
+// c.hook_errors and fails that sync. before_sync/after_sync run in
 // ferry.Consumer.sync on the caller's thread (a raise there needs no C++ help).
 ConsumerOptions fill_consumer_options(const py::dict& kw, PyConsumer& c) {
   ConsumerOptions co = consumer_options(kw);
@@ -491,6 +492,26 @@ ConsumerOptions fill_consumer_options(const py::dict& kw, PyConsumer& c) {
         errors->add(internal_error("after_group hook (version {}, group {}): {}", version, group, e.what()));
       }
     };
+  }
+  // commit="groups": the commit hooks run per layer group on the background thread, in
+  // the engine (under "shadow", ferry.Consumer.commit runs them on the caller's thread).
+  if (co.commit == CommitPolicy::kGroups) {
+    for (const char* name : {"before_commit", "after_commit"}) {
+      if (!kw.contains(name) || kw[name].is_none()) continue;
+      auto fn = std::make_shared<GilObject>(py::reinterpret_borrow<py::object>(kw[name]));
+      std::shared_ptr<HookErrors> errors = c.hook_errors;
+      std::string hook = name;
+      (hook == "before_commit" ? co.before_commit : co.after_commit) = [fn, errors, hook](uint64_t version) {
+        py::gil_scoped_acquire gil;
+        try {
+          fn->obj(version);
+        } catch (py::error_already_set& e) {
+          errors->add(invalid_argument("{} hook (version {}): {}", hook, version, python_error(e)));
+        } catch (const std::exception& e) {  // nothing may escape onto the engine's thread
+          errors->add(internal_error("{} hook (version {}): {}", hook, version, e.what()));
+        }
+      };
+    }
   }
   return co;
 }
@@ -819,6 +840,7 @@ void register_engine(py::module_& m) {
         py::dict d;
         d["version"] = s.has_version ? py::object(py::int_(s.version)) : py::object(py::none());
         d["torn"] = s.torn;
+        d["mixed"] = s.mixed;
         d["received"] = s.received ? py::object(py::int_(*s.received)) : py::object(py::none());
         return d;
       })

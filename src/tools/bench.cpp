@@ -18,6 +18,7 @@
 #include "engine/clock.h"
 #include "engine/memory.h"
 #include "engine/registered_buffer.h"
+#include "engine/report_json.h"
 #include "engine/schedule.h"
 #include "ferry/engine.h"
 #include "tools/bench_steps.h"
@@ -61,6 +62,7 @@ constexpr uint64_t kProcessBase = 128ull << 20;
 struct BenchMemoryEstimate {
   uint64_t total = 0;
   nlohmann::json json;  // per role: the largest rank's figures by kind
+  MemoryPrediction engine;  // predict_memory's, per rank (each rank's report is compared with it)
 };
 
 // Every process of the bench, before any starts: each producer's weights shard, one
@@ -69,7 +71,9 @@ struct BenchMemoryEstimate {
 // ring and staged params, and verification (a direct load: params plus one tensor); each
 // MPI rank's share (root: its stage's tensors; inference: params, one tensor received,
 // verification); kProcessBase per process.
-Result<BenchMemoryEstimate> estimate_bench_memory(const JobModel& m, CommitPolicy commit, ConvertOn convert_on) {
+// `po`: the engine options every rank runs (mode, delta), as predict_memory reads them.
+Result<BenchMemoryEstimate> estimate_bench_memory(const JobModel& m, CommitPolicy commit, ConvertOn convert_on,
+                                                  const ProducerOptions& po) {
   const int P = m.trainer.world_size(), C = m.inference.world_size(), S = m.trainer.pp;
   std::vector<Plan> plans;
   for (int c = 0; c < C; ++c) {
@@ -81,7 +85,6 @@ Result<BenchMemoryEstimate> estimate_bench_memory(const JobModel& m, CommitPolic
   in.producers = *m.holdings;
   for (const Plan& p : plans) in.consumers.push_back(&p);
   FERRY_ASSIGN_OR_RETURN(auto routes, build_routes(in, RouterOptions{.convert_on = convert_on}));
-  ProducerOptions po;
   FERRY_ASSIGN_OR_RETURN(auto engine_mem, predict_memory(routes, m.metadata, in.producers, in.consumers, po, commit));
   const Groups groups(m.metadata);
   uint64_t largest_tensor = 0;
@@ -147,6 +150,7 @@ Result<BenchMemoryEstimate> estimate_bench_memory(const JobModel& m, CommitPolic
             {"producers", P},             {"consumers", C},
             {"mpi_roots", S},             {"driver", kProcessBase},
             {"total", e.total}};
+  e.engine = std::move(engine_mem);
   return e;
 }
 
@@ -187,7 +191,11 @@ BenchResult run_bench(const BenchSpec& b) {
   const auto convert_on = parse_convert_on(b.convert_on);
   if (!convert_on) return fail(fmt::format("--convert-on: '{}' is not producer or consumer", b.convert_on));
   if (auto ch = parse_synthetic_changes(b.changed_fraction, b.changes); !ch.ok()) return fail(ch.status().to_string());
-  auto estimate = estimate_bench_memory(m, *policy, *convert_on);
+  ProducerOptions engine_options;  // what predict_memory reads of the ranks' options
+  engine_options.mode = b.mode == "push" ? SyncMode::kPush : SyncMode::kPull;
+  engine_options.delta = b.delta;
+  engine_options.delta_block_bytes = b.delta_block_bytes;
+  auto estimate = estimate_bench_memory(m, *policy, *convert_on, engine_options);
   if (!estimate.ok()) return fail(estimate.status().to_string());
   {
     auto avail = mem_available_bytes();
@@ -607,10 +615,15 @@ BenchResult run_bench(const BenchSpec& b) {
     for (size_t i = 0; i < ranks.size(); ++i) {
       const auto& sj = last_sync[i];
       const auto& vj = vr->results[i];
-      mem[ranks[i].first == "producer" ? "producers" : "consumers"].push_back(
+      const bool producer = ranks[i].first == "producer";
+      const auto& predicted = producer ? estimate->engine.producers : estimate->engine.consumers;
+      const auto at = static_cast<size_t>(ranks[i].second);
+      mem[producer ? "producers" : "consumers"].push_back(
           {{"rank", ranks[i].second},
            {"held_bytes", vj.value("held_bytes", uint64_t{0})},
            {"engine", sj.value("memory", nlohmann::json::object())},
+           // What predict_memory (ferry plan's) said this rank's engine would hold.
+           {"engine_predicted", at < predicted.size() ? engine::memory_use_json(predicted[at]) : nlohmann::json()},
            {"scaffolding", vj.value("scaffolding", nlohmann::json::object())},
            {"rss_after_sync_bytes", sj.value("rss_bytes", uint64_t{0})},
            {"peak_rss_bytes", vj.value("peak_rss_bytes", uint64_t{0})}});

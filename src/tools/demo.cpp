@@ -605,9 +605,19 @@ DemoResult run_demo(const DemoSpec& d) {
       }
       if (is_consumer && j.value("mixed_reads", uint64_t{0}) > 0) {
         all_ok = false;
-        notes.push_back(fmt::format("{}: {} of {} reads of the live params during the sync saw a mix of versions",
+        notes.push_back(fmt::format("{}: {} of {} reads of the live params during the sync saw a {}",
                                     k.substr(k.rfind('/') + 1), j.value("mixed_reads", uint64_t{0}),
-                                    j.value("reads", uint64_t{0})));
+                                    j.value("reads", uint64_t{0}),
+                                    d.commit == "groups" ? "layer group half written (first: " +
+                                                               j.value("first_mixed_read", std::string("?")) + ")"
+                                                         : std::string("mix of versions")));
+      } else if (is_consumer && j.contains("split_reads")) {  // commit groups
+        notes.push_back(fmt::format("{}: {} reads of the live params during the sync, every layer group whole ({} "
+                                    "with groups at both versions); {} groups committed, {:.6f} s in all",
+                                    k.substr(k.rfind('/') + 1), j.value("reads", uint64_t{0}),
+                                    j.value("split_reads", uint64_t{0}),
+                                    j.contains("groups_live") ? j["groups_live"].size() : size_t{0},
+                                    j.value("commit_seconds", 0.0)));
       } else if (is_consumer && j.contains("reads")) {
         notes.push_back(fmt::format("{}: {} reads of the live params during the sync, each one version; commit {:.6f} s",
                                     k.substr(k.rfind('/') + 1), j.value("reads", uint64_t{0}),

@@ -84,7 +84,9 @@ struct DemoSpec {
   int join_window_ms = 20000;  // the workers' join_window (EngineOptions)
   // The consumers' commit policy (WorkerSpec::commit): "shadow" also runs a reader in
   // each inference rank that checks every read of its live params during syncs is one
-  // version (a read of a mix fails the demo).
+  // version (a read of a mix fails the demo); "groups" one that checks every layer group
+  // of each read is whole, the version held or the one syncing (a group half written
+  // fails the demo).
   std::string commit = "in_place";
   // Inference ranks pass param buffers of their own (WorkerSpec::caller_params): under
   // shadow the commit copies into them instead of flipping.

@@ -108,18 +108,22 @@ Result<SyntheticChanges> parse_synthetic_changes(double fraction, std::string_vi
   return c;
 }
 
-Result<std::optional<std::string>> verify_params(const JobModel& m, int rank, const TensorMap& params, uint64_t seed,
-                                                 uint64_t version, const SyntheticChanges& changes) {
+Result<TensorMap> direct_params(const JobModel& m, int rank, uint64_t seed, uint64_t version,
+                                const SyntheticChanges& changes) {
   // One checkpoint tensor at a time: every rank of a bench verifies at once, and a whole
   // synthetic checkpoint per rank is what ran a 1.6 GB bench out of memory.
   std::unordered_map<std::string_view, const TensorDecl*> held_by_name;
   for (const TensorDecl& d : m.metadata) held_by_name.emplace(d.name, &d);
-  FERRY_ASSIGN_OR_RETURN(auto direct, load_rank_direct(*m.loader, rank, [&](const TensorDecl& d) -> Result<Tensor> {
-                           // As the trainer holds it (fp32 masters: converted as loaded).
-                           auto held = held_by_name.find(d.name);
-                           return synthetic_tensor(seed, version, held == held_by_name.end() ? d : *held->second,
-                                                   changes);
-                         }));
+  return load_rank_direct(*m.loader, rank, [&](const TensorDecl& d) -> Result<Tensor> {
+    // As the trainer holds it (fp32 masters: converted as loaded).
+    auto held = held_by_name.find(d.name);
+    return synthetic_tensor(seed, version, held == held_by_name.end() ? d : *held->second, changes);
+  });
+}
+
+Result<std::optional<std::string>> verify_params(const JobModel& m, int rank, const TensorMap& params, uint64_t seed,
+                                                 uint64_t version, const SyntheticChanges& changes) {
+  FERRY_ASSIGN_OR_RETURN(auto direct, direct_params(m, rank, seed, version, changes));
   FERRY_ASSIGN_OR_RETURN(auto rl, m.loader->rank(rank));
   FERRY_ASSIGN_OR_RETURN(auto mm, compare_params(rl->final_params(), direct, params));
   if (!mm.has_value()) return std::optional<std::string>{};

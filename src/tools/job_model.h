@@ -59,6 +59,11 @@ Result<TensorMap> zeroed_host_params(const ModelLoader& loader, int global);
 // "clustered"; kInvalidArgument naming the bad one.
 Result<SyntheticChanges> parse_synthetic_changes(double fraction, std::string_view layout);
 
+// Consumer `rank`'s final params as a direct load of synthetic version `version` makes
+// them (what verify_params compares with).
+Result<TensorMap> direct_params(const JobModel& m, int rank, uint64_t seed, uint64_t version,
+                                const SyntheticChanges& changes = {});
+
 // `changes`: what the synthetic checkpoint changes per version (SyntheticChanges).
 Result<std::optional<std::string>> verify_params(const JobModel& m, int rank, const TensorMap& params, uint64_t seed,
                                                  uint64_t version, const SyntheticChanges& changes = {});

@@ -55,6 +55,52 @@ Result<std::vector<std::pair<int, int>>> parse_pause_points(std::string_view tex
 
 namespace {
 
+// Inference rank `rank`'s final params by the loader's layer groups (the units a groups
+// commit makes live: "embedding", "layer 3", ...). A param post-processing made (an FP8
+// scale) joins the group of the param named like it up to its last '.', else stands
+// alone.
+Result<std::vector<std::pair<std::string, std::vector<TensorDecl>>>> layer_group_params(const ModelLoader& loader,
+                                                                                         int rank) {
+  FERRY_ASSIGN_OR_RETURN(auto rl, loader.rank(rank));
+  std::vector<std::pair<std::string, std::vector<TensorDecl>>> out;
+  for (const auto& g : rl->groups()) out.push_back({g.name, {}});
+  std::map<std::string, int, std::less<>> group_of, prefix_group;
+  auto prefix = [](std::string_view n) { return n.substr(0, n.rfind('.') == std::string_view::npos ? n.size() : n.rfind('.')); };
+  for (const ParamInfo& p : rl->params()) {
+    group_of[p.decl.name] = p.group;
+    prefix_group.emplace(std::string(prefix(p.decl.name)), p.group);
+  }
+  for (const TensorDecl& d : rl->final_params()) {
+    int g = -1;
+    if (auto it = group_of.find(d.name); it != group_of.end()) {
+      g = it->second;
+    } else if (auto pt = prefix_group.find(prefix(d.name)); pt != prefix_group.end()) {
+      g = pt->second;
+    }
+    if (g >= 0) {
+      out[static_cast<size_t>(g)].second.push_back(d);
+    } else {
+      out.push_back({d.name, {d}});
+    }
+  }
+  return out;
+}
+
+// Per group of `units`: 1 when its params in `live` are `next` bit for bit, 0 when they are
+// `held`, -1 when neither (a group half written).
+std::vector<int> group_versions(const std::vector<std::pair<std::string, std::vector<TensorDecl>>>& units,
+                                const TensorMap& live, const TensorMap* held, const TensorMap& next) {
+  std::vector<int> out;
+  for (const auto& [name, decls] : units) {
+    auto is = [&](const TensorMap& want) {
+      auto mm = compare_params(decls, want, live);
+      return mm.ok() && !mm->has_value();
+    };
+    out.push_back(is(next) ? 1 : held && is(*held) ? 0 : -1);
+  }
+  return out;
+}
+
 int worker_fail(const WorkerSpec& s, const Status& st) {
   std::fprintf(stderr, "ferry worker %s %d: %s\n", s.role.c_str(), s.rank, st.to_string().c_str());
   return 2;
@@ -149,16 +195,20 @@ int run_worker(const WorkerSpec& s) {
   std::unique_ptr<PreparedSource> prepared;
   // Shadow consumers: a reader of the live params during each sync, under the lock the
   // commit hooks take exclusively (what a serving engine does); every read must be
-  // exactly the committed version (verify_params), else it counts as mixed.
+  // exactly the committed version (verify_params), else it counts as mixed. Groups
+  // consumers: every layer group of each read must be whole, the held version or the
+  // one syncing (a group that is neither counts the read as mixed; `split` counts reads
+  // whose groups were at both, which this policy allows).
   struct Reader {
     std::shared_mutex lock;
     std::atomic<bool> run{false};
-    std::atomic<uint64_t> reads{0}, mixed{0};
+    std::atomic<uint64_t> reads{0}, mixed{0}, split{0};
     std::string first_mix;  // (the reader thread's until joined)
     std::thread thread;
   } reader;
   std::unique_ptr<Producer> producer;
   std::unique_ptr<Consumer> consumer;
+  std::vector<std::pair<std::string, std::vector<TensorDecl>>> units;  // groups: layer_group_params
   int version = 0;
   if (s.role == "producer") {
     source = std::make_unique<SyntheticSource>(model->metadata, model->holdings, s.rank, s.seed);
@@ -213,7 +263,7 @@ int run_worker(const WorkerSpec& s) {
     if (s.discard_version >= 0 && co.commit != CommitPolicy::kShadow)
       return worker_fail(s, invalid_argument("--discard-version {} needs --commit shadow (a sync without commit)",
                                              s.discard_version));
-    if (co.commit == CommitPolicy::kShadow) {
+    if (co.commit != CommitPolicy::kInPlace) {
       co.before_commit = [&reader](uint64_t) { reader.lock.lock(); };
       co.after_commit = [&reader](uint64_t) { reader.lock.unlock(); };
     }
@@ -227,6 +277,11 @@ int run_worker(const WorkerSpec& s) {
     if (!c.ok()) return worker_fail(s, c.status());
     consumer = std::move(*c);
     for (const auto& [name, t] : consumer->params()) held += static_cast<uint64_t>(t.numel()) * dtype_size(t.dtype());
+    if (co.commit == CommitPolicy::kGroups) {
+      auto u = layer_group_params(*model->loader, s.rank);
+      if (!u.ok()) return worker_fail(s, u.status());
+      units = std::move(*u);
+    }
   } else {
     return worker_fail(s, invalid_argument("unknown role '{}'", s.role));
   }
@@ -266,6 +321,37 @@ int run_worker(const WorkerSpec& s) {
     pause_at(version, kWorkerSyncStartPoint);
     std::fprintf(stderr, "[%s %d] sync %llu start\n", s.role.c_str(), s.rank, static_cast<unsigned long long>(v));
     const auto t_sync = std::chrono::steady_clock::now();
+    // Groups: the params of the held version and of this one, loaded directly, which
+    // each group of a read must equal one of.
+    std::optional<TensorMap> direct_held, direct_next;
+    if (consumer && s.commit == "groups") {
+      auto next = direct_params(*model, s.rank, s.seed, v, *changes);
+      if (!next.ok()) return worker_fail(s, next.status());
+      direct_next = std::move(*next);
+      if (consumer->state().has_version) {
+        auto h = direct_params(*model, s.rank, s.seed, consumer->state().version, *changes);
+        if (!h.ok()) return worker_fail(s, h.status());
+        direct_held = std::move(*h);
+      }
+      reader.reads = reader.mixed = reader.split = 0;
+      reader.run = true;
+      reader.thread = std::thread([&] {
+        for (int n = 0; (n == 0 || reader.run) && n < 1'000'000; ++n) {  // bounded; at least one pass
+          std::shared_lock<std::shared_mutex> lk(reader.lock);
+          if (!direct_held) {  // nothing committed before this sync: nothing to check against
+            lk.unlock();
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            continue;
+          }
+          const std::vector<int> at = group_versions(units, consumer->params(), &*direct_held, *direct_next);
+          ++reader.reads;
+          const bool whole = std::find(at.begin(), at.end(), -1) == at.end();
+          if (!whole && reader.mixed++ == 0)
+            reader.first_mix = units[static_cast<size_t>(std::find(at.begin(), at.end(), -1) - at.begin())].first;
+          reader.split += whole && std::count(at.begin(), at.end(), 0) && std::count(at.begin(), at.end(), 1);
+        }
+      });
+    }
     if (consumer && s.commit == "shadow") {
       reader.reads = reader.mixed = 0;
       reader.run = true;
@@ -332,10 +418,11 @@ int run_worker(const WorkerSpec& s) {
     if (producer) out["source_resident_bytes"] = source_resident;
     out["report_ok"] = rep.ok() && rep->ok();
     if (!rep.ok()) out["error"] = rep.status().to_string();
-    if (consumer && s.commit == "shadow") {
+    if (consumer && s.commit != "in_place") {
       out["reads"] = reader.reads.load();
       out["mixed_reads"] = reader.mixed.load();
       if (reader.mixed) out["first_mixed_read"] = reader.first_mix;
+      if (s.commit == "groups") out["split_reads"] = reader.split.load();
     }
     if (consumer) {
       out["torn"] = consumer->state().torn;
@@ -352,6 +439,22 @@ int run_worker(const WorkerSpec& s) {
         auto live = verify_params(*model, s.rank, consumer->params(), s.seed, consumer->state().version, *changes);
         out["live_verified"] = live.ok() && !live->has_value();
         if (live.ok() && live->has_value()) out["live_mismatch"] = **live;
+      }
+      if (!rep.ok() && s.commit == "groups" && direct_held) {
+        // A failed sync under groups: the groups its report names hold this version, each
+        // whole, and every other group the held one.
+        const std::vector<int> at = group_versions(units, consumer->params(), &*direct_held, *direct_next);
+        bool as_reported = true;
+        for (size_t u = 0; u < units.size(); ++u) {
+          const bool named = std::find(last.groups_live.begin(), last.groups_live.end(), units[u].first) !=
+                             last.groups_live.end();
+          if (at[u] != (named ? 1 : 0)) {
+            if (as_reported) out["live_mismatch"] = fmt::format("group '{}'", units[u].first);
+            as_reported = false;
+          }
+        }
+        out["live_verified"] = as_reported;
+        out["mixed"] = consumer->state().mixed;
       }
       if (rep.ok() && !discarding) {
         auto ver = verify_params(*model, s.rank, consumer->params(), s.seed, v, *changes);

@@ -118,10 +118,12 @@ TEST_P(EngineInprocTest, OnlyHolderDiesThenRecovers) {
     EXPECT_NE(o.c[c]->status().message().find("producer 1"), std::string::npos) << o.c[c]->status().to_string();
     EXPECT_NE(o.c[c]->status().message().find("no failover"), std::string::npos) << o.c[c]->status().to_string();
     // In place the failed sync tore the params; under shadow the live params are still
-    // version 1, bit for bit, and the report says so.
-    EXPECT_EQ(k.cons[c]->state().torn, !k.shadow);
+    // version 1, bit for bit, and the report says so; under groups each layer group is
+    // whole, version 2 where the report says it went live, else 1.
+    EXPECT_EQ(k.cons[c]->state().torn, !k.shadow && !k.groups);
     EXPECT_EQ(k.cons[c]->last_report().live_version, std::optional<uint64_t>(1));
     if (k.shadow) k.expect_verified(static_cast<int>(c), 1);
+    if (k.groups) k.expect_groups_live(static_cast<int>(c), 1, 2);
     EXPECT_EQ(k.cons[c]->state().version, 1u);
   }
   k.tweak_producer = nullptr;

@@ -37,6 +37,11 @@ INSTANTIATE_TEST_SUITE_P(Cases, EngineInprocTest, cases({Backend::kInproc}, kAll
 // in-place trainer weights, failover, stragglers, faults; a failed sync never tears.
 INSTANTIATE_TEST_SUITE_P(Shadow, EngineInprocTest, cases({Backend::kInproc}, kAllModes, true), case_name_of);
 INSTANTIATE_TEST_SUITE_P(Shadow, EngineTest, cases({Backend::kUcx}, kAllModes, true), case_name_of);
+// The inproc suite with consumers under the groups commit policy (issue 27's bounded
+// shadow): each layer group made live whole as it completes; a failed sync leaves the
+// groups its report names at the new version and the rest at the old, never torn.
+INSTANTIATE_TEST_SUITE_P(Groups, EngineInprocTest, cases({Backend::kInproc}, kAllModes, false, false, true),
+                         case_name_of);
 // The same suites with every rank under the rotated group order (issue 26,
 // docs/group-order.md): consumers in cohorts reading the PP stages' groups in turn,
 // producers serving them in paced waves; pull, push, in place, failover, stragglers,
@@ -229,10 +234,12 @@ TEST_P(EngineTest, ChecksumDetectsCorruptSegment) {
       EXPECT_EQ(o.c[c]->status().code(), StatusCode::kCorrupt) << o.c[c]->status().to_string();
       EXPECT_NE(o.c[c]->status().message().find("producer 0"), std::string::npos);
       // In place the failed sync tore the params; under shadow the live params are still
-      // version 1, bit for bit, and the report says so.
-      EXPECT_EQ(k.cons[c]->state().torn, !k.shadow);
+      // version 1, bit for bit, and the report says so; under groups each layer group is
+      // whole, version 2 where the report says it went live, else 1.
+      EXPECT_EQ(k.cons[c]->state().torn, !k.shadow && !k.groups);
       EXPECT_EQ(k.cons[c]->last_report().live_version, std::optional<uint64_t>(1));
       if (k.shadow) k.expect_verified(static_cast<int>(c), 1);
+      if (k.groups) k.expect_groups_live(static_cast<int>(c), 1, 2);
       EXPECT_EQ(k.cons[c]->state().version, 1u);
       ++corrupt;
     }

@@ -46,6 +46,7 @@ struct EngineCase {
   Mode mode;
   bool shadow = false;  // consumers under CommitPolicy::kShadow
   bool rotated = false;  // every rank under GroupOrderKind::kRotated (docs/group-order.md)
+  bool groups = false;   // consumers under CommitPolicy::kGroups (the bounded shadow)
 };
 
 inline const char* backend_name(Backend b) { return b == Backend::kInproc ? "inproc" : "ucx"; }
@@ -59,17 +60,18 @@ inline const char* mode_name(Mode m) {
   return "?";
 }
 inline std::string case_name(const EngineCase& c) {
-  return fmt::format("{}_{}{}{}", backend_name(c.backend), mode_name(c.mode), c.shadow ? "_shadow" : "",
-                     c.rotated ? "_rotated" : "");
+  return fmt::format("{}_{}{}{}{}", backend_name(c.backend), mode_name(c.mode), c.shadow ? "_shadow" : "",
+                     c.rotated ? "_rotated" : "", c.groups ? "_groups" : "");
 }
 inline void PrintTo(const EngineCase& c, std::ostream* os) { *os << case_name(c); }
 inline std::string case_name_of(const ::testing::TestParamInfo<EngineCase>& info) { return case_name(info.param); }
 
 // Every (transport, mode) pair drawn from the two lists.
-inline auto cases(std::vector<Backend> backends, std::vector<Mode> modes, bool shadow = false, bool rotated = false) {
+inline auto cases(std::vector<Backend> backends, std::vector<Mode> modes, bool shadow = false, bool rotated = false,
+                  bool groups = false) {
   std::vector<EngineCase> out;
   for (Backend b : backends) {
-    for (Mode m : modes) out.push_back({b, m, shadow, rotated});
+    for (Mode m : modes) out.push_back({b, m, shadow, rotated, groups});
   }
   return ::testing::ValuesIn(out);
 }
@@ -210,11 +212,12 @@ struct Cluster {
   Backend backend = Backend::kInproc;
   bool shadow = false;  // consumers commit by CommitPolicy::kShadow (a failed sync never tears them)
   bool rotated = false;  // every rank under GroupOrderKind::kRotated (eo.group_order)
+  bool groups = false;   // consumers commit by CommitPolicy::kGroups (a failed sync never tears them)
   SyntheticChanges changes;  // what the producers' synthetic checkpoint changes per version
   static inline std::atomic<int> job_counter{0};
 
   explicit Cluster(EngineCase c = {Backend::kInproc, Mode::kPull})
-      : backend(c.backend), shadow(c.shadow), rotated(c.rotated) {
+      : backend(c.backend), shadow(c.shadow), rotated(c.rotated), groups(c.groups) {
     if (c.rotated) eo.group_order = GroupOrderKind::kRotated;
     eo.timeout = 20s;
     eo.stall_timeout = 20s;
@@ -312,6 +315,7 @@ struct Cluster {
     ConsumerOptions co;
     static_cast<EngineOptions&>(co) = eo;
     if (shadow) co.commit = CommitPolicy::kShadow;
+    if (groups) co.commit = CommitPolicy::kGroups;
     if (tweak_consumer) tweak_consumer(co, c);
     if (user_model) {
       FERRY_ASSIGN_OR_RETURN(auto um, user_model(c));
@@ -372,6 +376,35 @@ struct Cluster {
     EXPECT_FALSE(r->has_value()) << "consumer " << c << " version " << v << ": " << **r;
     EXPECT_EQ(cons[static_cast<size_t>(c)]->state().version, v);
     EXPECT_FALSE(cons[static_cast<size_t>(c)]->state().torn);
+  }
+
+  // After a failed sync of `next` under CommitPolicy::kGroups: the params of the layer
+  // groups its report names (groups_live) hold `next` bit for bit, every other param
+  // `held`; never torn, and `mixed` exactly when some group went live.
+  void expect_groups_live(int c, uint64_t held, uint64_t next) {
+    const Consumer& con = *cons[static_cast<size_t>(c)];
+    const std::vector<std::string>& live = con.last_report().groups_live;
+    EXPECT_FALSE(con.state().torn);
+    EXPECT_EQ(con.state().mixed, !live.empty());
+    EXPECT_EQ(con.state().version, held);
+    auto host = host_copies(con.params());
+    ASSERT_TRUE(host.ok()) << host.status().to_string();
+    auto rl = model.loader->rank(c);
+    ASSERT_TRUE(rl.ok()) << rl.status().to_string();
+    std::vector<TensorDecl> by_version[2];
+    for (const ParamInfo& p : (*rl)->params()) {
+      const std::string& group = (*rl)->groups()[static_cast<size_t>(p.group)].name;
+      by_version[std::find(live.begin(), live.end(), group) != live.end() ? 1 : 0].push_back(p.decl);
+    }
+    for (int i = 0; i < 2; ++i) {
+      const uint64_t v = i ? next : held;
+      auto direct = tools::direct_params(model, c, seed, v, changes);
+      ASSERT_TRUE(direct.ok()) << direct.status().to_string();
+      auto mm = compare_params(by_version[i], *direct, *host);
+      ASSERT_TRUE(mm.ok()) << mm.status().to_string();
+      EXPECT_FALSE(mm->has_value()) << "consumer " << c << ", params expected at version " << v << ": param '"
+                                    << (*mm)->param << "' index " << (*mm)->index << ": " << (*mm)->detail;
+    }
   }
 
   void expect_all_ok(const Outcome& o, uint64_t v) {

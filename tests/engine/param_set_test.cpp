@@ -429,5 +429,95 @@ TEST(ParamSetShadow, PushFlipsTwoPublishedSetsAndCopiesIntoTheCallers) {
   }
 }
 
+// Groups (the bounded shadow): each layer group's params land in their room of a shadow
+// the size of the groups in flight, and go live at commit_at while the others stay; a
+// failed sync leaves the groups it committed new and the rest old (mixed, not torn); a
+// param post-processing replaced is copied into the live buffer, one it made anew is
+// taken at finish.
+TEST(ParamSetGroups, EachGroupGoesLiveWholeFromABoundedShadow) {
+  CountingMemory::Counts n;
+  auto set = ParamSet::create(ParamSetOptions{1, false, 0, false, true}, decls(), {}, std::make_unique<CountingMemory>(n));
+  ASSERT_TRUE(set.ok()) << set.status().to_string();
+  ParamSet& s = **set;
+  EXPECT_TRUE(s.placements().empty());  // nothing is landed in directly
+  ASSERT_TRUE(s.write_padding(Plan()).ok());
+  // Group 0 writes a (unit 0), group 1 writes b and c (unit 1): a's room is free again
+  // by the time b and c open.
+  PlanRoute pr;
+  pr.params = decls();
+  pr.groups.resize(2);
+  pr.groups[0].unpacks.emplace_back().param = 0;
+  pr.groups[1].unpacks.emplace_back().param = 1;
+  pr.groups[1].unpacks.emplace_back().param = 2;
+  const GroupShadow layout = group_shadow_layout(pr, nullptr, {{"a", 0}, {"b", 1}, {"c", 1}}, {});
+  EXPECT_EQ(layout.host_bytes, 64u + 256u);  // b and c at once; a shares b's room
+  ASSERT_TRUE(s.set_group_shadow(layout, pr.params).ok());
+  EXPECT_EQ(s.shadow_bytes(), 4096u);
+  auto fill = [&](const char* name, std::byte b) {
+    const Tensor& t = s.work().at(name);
+    std::memset(*t.data_ptr(), static_cast<int>(b), static_cast<size_t>(t.numel()) * dtype_size(t.dtype()));
+  };
+  auto live_is = [&](const char* name, std::byte b) {
+    const Tensor& t = s.committed().at(name);
+    const auto* d = static_cast<const std::byte*>(*t.data_ptr());
+    for (int64_t k = 0; k < t.numel() * static_cast<int64_t>(dtype_size(t.dtype())); ++k)
+      if (d[k] != b) return false;
+    return true;
+  };
+  s.begin(1);
+  ASSERT_TRUE(s.open_at(0).ok());
+  fill("a", std::byte{1});
+  EXPECT_TRUE(committed_is(s, std::byte{0}));
+  ASSERT_TRUE(s.commit_at(0).ok());
+  EXPECT_TRUE(live_is("a", std::byte{1}));
+  EXPECT_TRUE(live_is("b", std::byte{0}) && live_is("c", std::byte{0}));
+  ASSERT_TRUE(s.open_at(1).ok());
+  fill("b", std::byte{1});  // (in a's old room: the live a stays)
+  fill("c", std::byte{1});
+  EXPECT_TRUE(live_is("a", std::byte{1}) && live_is("b", std::byte{0}));
+  ASSERT_TRUE(s.commit_at(1).ok());
+  s.finish(1);
+  EXPECT_TRUE(committed_is(s, std::byte{1}));
+  EXPECT_EQ(s.state().version, 1u);
+  EXPECT_FALSE(s.state().mixed);
+  // Version 2 fails after group 0 went live: a is 2, b and c are 1; mixed, not torn.
+  s.begin(2);
+  ASSERT_TRUE(s.open_at(0).ok());
+  const Tensor& room = s.work().at("a");
+  EXPECT_EQ(static_cast<const std::byte*>(*room.data_ptr())[5], std::byte{1});  // filled from the live a
+  fill("a", std::byte{2});
+  ASSERT_TRUE(s.commit_at(0).ok());
+  ASSERT_TRUE(s.open_at(1).ok());
+  fill("b", std::byte{2});
+  s.abort();
+  EXPECT_FALSE(s.torn());
+  EXPECT_TRUE(s.state().mixed);
+  EXPECT_EQ(s.state().version, 1u);
+  EXPECT_TRUE(live_is("a", std::byte{2}) && live_is("b", std::byte{1}) && live_is("c", std::byte{1}));
+  // Version 3: post-processing replaces a (copied into the live buffer, which stays where
+  // it was) and makes a tensor of its own (taken at finish).
+  const void* live_a = *s.committed().at("a").data_ptr();
+  s.begin(3);
+  ASSERT_TRUE(s.open_at(0).ok());
+  Tensor replaced = Tensor::empty({4, 8}, DType::kF32, "a");
+  std::memset(*replaced.data_ptr(), 3, 128);
+  s.work().insert_or_assign("a", replaced);
+  Tensor own = Tensor::empty({2}, DType::kF32, "a_scale");
+  s.work().insert_or_assign("a_scale", own);
+  ASSERT_TRUE(s.commit_at(0).ok());
+  EXPECT_TRUE(live_is("a", std::byte{3}));
+  EXPECT_EQ(*s.committed().at("a").data_ptr(), live_a);
+  EXPECT_EQ(s.committed().count("a_scale"), 0u);
+  ASSERT_TRUE(s.open_at(1).ok());
+  fill("b", std::byte{3});
+  fill("c", std::byte{3});
+  ASSERT_TRUE(s.commit_at(1).ok());
+  s.finish(3);
+  EXPECT_TRUE(live_is("a", std::byte{3}) && live_is("b", std::byte{3}) && live_is("c", std::byte{3}));
+  EXPECT_EQ(s.committed().count("a_scale"), 1u);
+  EXPECT_FALSE(s.state().mixed);
+  EXPECT_EQ(s.state().version, 3u);
+}
+
 }  // namespace
 }  // namespace ferry::engine

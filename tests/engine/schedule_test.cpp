@@ -9,6 +9,8 @@
 
 #include <cstring>
 #include <numeric>
+#include <random>
+#include <set>
 
 #include "engine/in_place.h"
 #include "engine/memory.h"
@@ -279,6 +281,104 @@ TEST(ScheduleSlots, PostProcessingGroupsFollowTheConsumersOrder) {
 
 // The staging ring a budget gives (memory.h): the budget bounds the ring whenever it
 // holds the largest group under the routes now; below that it is refused naming bytes.
+// The bounded shadow's layout (CommitPolicy::kGroups) against an oracle over random
+// routes: each written param's time in the shadow is [first group writing it, last group
+// writing any param of its unit] in the consumer's order; params whose times meet never
+// share bytes; each param opens and commits once, at those positions; each unit goes live
+// once, where its last param is written; the size is each place's peak, at least what
+// is held at once.
+TEST(GroupShadowLayout, MatchesAnOracleOverRandomRoutes) {
+  std::mt19937_64 rng(27);
+  auto pick = [&](int lo, int hi) { return static_cast<int>(std::uniform_int_distribution<int>(lo, hi)(rng)); };
+  for (int trial = 0; trial < 300; ++trial) {
+    const int N = pick(1, 24), G = pick(1, 8);
+    PlanRoute pr;
+    for (int p = 0; p < N; ++p) pr.params.push_back(TensorDecl{fmt::format("p{}", p), DType::kU8, {pick(1, 3000)}});
+    pr.groups.resize(static_cast<size_t>(G));
+    std::vector<std::set<int>> writers(static_cast<size_t>(N));  // param -> layer groups writing it
+    for (int p = 0; p < N; ++p) {
+      for (int w = pick(0, 3); w > 0; --w) writers[static_cast<size_t>(p)].insert(pick(0, G - 1));
+      for (int g : writers[static_cast<size_t>(p)])
+        pr.groups[static_cast<size_t>(g)].unpacks.emplace_back().param = static_cast<uint32_t>(p);
+    }
+    std::map<std::string, int> unit_of;
+    std::vector<bool> on_device;
+    for (int p = 0; p < N; ++p) {
+      if (const int u = pick(-2, 3); u > -2) unit_of[pr.params[static_cast<size_t>(p)].name] = u;
+      on_device.push_back(pick(0, 3) == 0);
+    }
+    std::vector<int> order(static_cast<size_t>(G));
+    std::iota(order.begin(), order.end(), 0);
+    const bool ordered = pick(0, 1);
+    if (ordered) std::shuffle(order.begin(), order.end(), rng);
+    const GroupShadow l = group_shadow_layout(pr, ordered ? &order : nullptr, unit_of, on_device);
+    // The oracle.
+    std::vector<int> at(static_cast<size_t>(G));
+    for (int i = 0; i < G; ++i) at[static_cast<size_t>(order[static_cast<size_t>(i)])] = i;
+    auto unit = [&](int p) {
+      auto it = unit_of.find(pr.params[static_cast<size_t>(p)].name);
+      return it != unit_of.end() && it->second >= 0 ? it->second : -1 - p;
+    };
+    std::vector<int> first(static_cast<size_t>(N), -1), close(static_cast<size_t>(N), -1);
+    for (int p = 0; p < N; ++p) {
+      for (int g : writers[static_cast<size_t>(p)]) {
+        first[static_cast<size_t>(p)] = first[static_cast<size_t>(p)] < 0 ? at[static_cast<size_t>(g)]
+                                                                           : std::min(first[static_cast<size_t>(p)], at[static_cast<size_t>(g)]);
+      }
+    }
+    for (int p = 0; p < N; ++p) {
+      if (first[static_cast<size_t>(p)] < 0) continue;
+      for (int q = 0; q < N; ++q)
+        if (unit(q) == unit(p))
+          for (int g : writers[static_cast<size_t>(q)]) close[static_cast<size_t>(p)] = std::max(close[static_cast<size_t>(p)], at[static_cast<size_t>(g)]);
+    }
+    auto bytes = [&](int p) { return (shape_numel(pr.params[static_cast<size_t>(p)].shape) + 63) / 64 * 64; };
+    uint64_t peak[2] = {0, 0}, held_at_once[2] = {0, 0};
+    std::vector<int> opened(static_cast<size_t>(N), 0), committed(static_cast<size_t>(N), 0);
+    for (int i = 0; i < G; ++i) {
+      for (uint32_t p : l.opens[static_cast<size_t>(i)]) {
+        ++opened[p];
+        EXPECT_EQ(first[p], i) << "trial " << trial << " param " << p;
+      }
+      for (uint32_t p : l.commits[static_cast<size_t>(i)]) {
+        ++committed[p];
+        EXPECT_EQ(close[p], i) << "trial " << trial << " param " << p;
+        EXPECT_NE(std::find(l.units[static_cast<size_t>(i)].begin(), l.units[static_cast<size_t>(i)].end(), unit(static_cast<int>(p))),
+                  l.units[static_cast<size_t>(i)].end());
+      }
+      uint64_t now[2] = {0, 0};
+      for (int p = 0; p < N; ++p)
+        if (first[static_cast<size_t>(p)] >= 0 && first[static_cast<size_t>(p)] <= i && i <= close[static_cast<size_t>(p)])
+          now[on_device[static_cast<size_t>(p)] ? 1 : 0] += bytes(p);
+      for (int d = 0; d < 2; ++d) held_at_once[d] = std::max(held_at_once[d], now[d]);
+    }
+    std::set<int> units_live;
+    for (const auto& us : l.units)
+      for (int u : us) EXPECT_TRUE(units_live.insert(u).second) << "trial " << trial << ": unit " << u << " twice";
+    for (int p = 0; p < N; ++p) {
+      const bool written = first[static_cast<size_t>(p)] >= 0;
+      EXPECT_EQ(l.offset[static_cast<size_t>(p)] != GroupShadow::kNone, written) << "trial " << trial << " param " << p;
+      EXPECT_EQ(opened[static_cast<size_t>(p)], written ? 1 : 0);
+      EXPECT_EQ(committed[static_cast<size_t>(p)], written ? 1 : 0);
+      if (!written) continue;
+      const int d = on_device[static_cast<size_t>(p)] ? 1 : 0;
+      peak[d] = std::max(peak[d], l.offset[static_cast<size_t>(p)] + bytes(p));
+      for (int q = p + 1; q < N; ++q) {
+        if (first[static_cast<size_t>(q)] < 0 || on_device[static_cast<size_t>(q)] != on_device[static_cast<size_t>(p)]) continue;
+        const bool meet = first[static_cast<size_t>(p)] <= close[static_cast<size_t>(q)] &&
+                          first[static_cast<size_t>(q)] <= close[static_cast<size_t>(p)];
+        const bool apart = l.offset[static_cast<size_t>(p)] + bytes(p) <= l.offset[static_cast<size_t>(q)] ||
+                           l.offset[static_cast<size_t>(q)] + bytes(q) <= l.offset[static_cast<size_t>(p)];
+        EXPECT_TRUE(!meet || apart) << "trial " << trial << ": params " << p << " and " << q << " share bytes";
+      }
+    }
+    EXPECT_EQ(l.host_bytes, peak[0]) << "trial " << trial;
+    EXPECT_EQ(l.device_bytes, peak[1]) << "trial " << trial;
+    EXPECT_GE(l.host_bytes, held_at_once[0]) << "trial " << trial;
+    EXPECT_GE(l.device_bytes, held_at_once[1]) << "trial " << trial;
+  }
+}
+
 TEST(StagingRing, BudgetBoundsTheRing) {
   const uint64_t needed = 1000 * 64, worst = 4000 * 64;
   auto dflt = staging_ring(0, needed, worst, 0);

@@ -170,7 +170,7 @@ class EngineDeviceTest(unittest.TestCase):
             self.assertTrue(errors or not all(r["ok"] for r in reports), texts)
             self.assertTrue(any("cuda:0" in t and ("no usable CUDA device" in t or "CUDA plugin" in t or "without CUDA" in t)
                                 for t in texts), texts)
-            self.assertNotEqual(consumer.state(), {"version": 1, "torn": False, "received": None})
+            self.assertNotEqual(consumer.state(), {"version": 1, "torn": False, "mixed": False, "received": None})
             producer.close()
             consumer.close()
 

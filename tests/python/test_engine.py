@@ -119,7 +119,7 @@ class EngineTest(unittest.TestCase):
                 got = sum(e["args"]["bytes"] for e in events if e.get("cat") == "transfer" and e["args"]["counted"])
                 self.assertEqual(got, reports[2]["bytes_received"])
                 for r, c in enumerate(consumers):
-                    self.assertEqual(c.state(), {"version": v, "torn": False, "received": None})
+                    self.assertEqual(c.state(), {"version": v, "torn": False, "mixed": False, "received": None})
                     self.assert_params_equal(expected_params(loader, r, v), c.params())
                     self.assertIs(c.params(), params[r])  # written in place
                 self.assertGreater(sum(rep["bytes"] for rep in reports[2:]), 0)
@@ -131,6 +131,99 @@ class EngineTest(unittest.TestCase):
                     self.assertEqual(mem[other], 0, mem)
                     self.assertGreater(mem["metadata"], 0, mem)
                     self.assertEqual(mem["extra"], mem[ring] + mem["metadata"] + mem["transport_allowance"], mem)
+            for x in producers + consumers:
+                x.close()
+
+    def _commit_job(self, server, loader, job, **consumer_kw):
+        trainers = [NumpyTrainer(r, 2, "tp=2") for r in range(2)]
+        common = dict(token=server.token, backend="inproc", job=job, timeout=20.0)
+        made = run_threads([lambda t=t: ferry.Producer(t, server.url, num_consumers=2, **common) for t in trainers] +
+                           [lambda r=r: ferry.Consumer(loader=loader, rank=r, store=server, num_producers=2,
+                                                       **common, **consumer_kw) for r in range(2)])
+        producers, consumers = made[:2], made[2:]
+
+        def sync(v, **kw):
+            for t in trainers:
+                t.version = v
+            return run_threads([lambda p=p: p.sync(v) for p in producers] +
+                               [lambda c=c: c.sync(v, **kw) for c in consumers])
+        return producers, consumers, sync
+
+    def test_commit_shadow_keeps_the_live_version_until_commit(self):
+        # commit="shadow" (issue 27): sync(v, commit=False) leaves the live params the
+        # committed version; commit() makes v live between the hooks; discard() drops it.
+        loader = ferry.ModelLoader(CONFIG, "tp=2")
+        calls = []
+        with ferry.StoreServer() as server:
+            producers, consumers, sync = self._commit_job(
+                server, loader, "shadow", commit="shadow",
+                before_commit=lambda v: calls.append(("before", v)), after_commit=lambda v: calls.append(("after", v)))
+            for rep in sync(1):
+                self.assertTrue(rep["ok"], rep["text"])
+            for r, c in enumerate(consumers):
+                self.assertEqual(c.committed_version, 1)
+                self.assert_params_equal(expected_params(loader, r, 1), c.params())
+            self.assertEqual(sorted(calls), [("after", 1)] * 2 + [("before", 1)] * 2)
+            reports = sync(2, commit=False)
+            for rep in reports[2:]:
+                self.assertFalse(rep["committed"])
+                self.assertEqual(rep["live_version"], 1)
+                self.assertGreater(rep["memory"]["shadow"], 0)
+            for r, c in enumerate(consumers):
+                self.assertEqual((c.committed_version, c.received_version), (1, 2))
+                self.assert_params_equal(expected_params(loader, r, 1), c.params())
+                self.assertGreaterEqual(c.commit(), 0.0)
+                self.assertEqual((c.committed_version, c.received_version), (2, None))
+                self.assert_params_equal(expected_params(loader, r, 2), c.params())
+            sync(3, commit=False)
+            for r, c in enumerate(consumers):
+                c.discard()
+                self.assertEqual((c.committed_version, c.received_version), (2, None))
+                self.assert_params_equal(expected_params(loader, r, 2), c.params())
+                with self.assertRaises(ferry.FailedPreconditionError):
+                    c.commit()  # nothing received
+            for x in producers + consumers:
+                x.close()
+
+    def test_commit_groups_makes_each_layer_group_live_on_the_engines_thread(self):
+        # commit="groups" (the bounded shadow): the engine runs the commit hooks around each
+        # layer group's commit on its own thread; the report names the groups made live;
+        # the shadow holds less than the params.
+        loader = ferry.ModelLoader(CONFIG, "tp=2")
+        calls, lock = [], threading.Lock()
+
+        def hook(kind):
+            def run(v):
+                with lock:
+                    calls.append((kind, v, threading.get_ident()))
+            return run
+        with ferry.StoreServer() as server:
+            producers, consumers, sync = self._commit_job(server, loader, "groups", commit="groups",
+                                                          before_commit=hook("before"), after_commit=hook("after"))
+            caller = threading.get_ident()
+            for v in (1, 2):
+                calls.clear()
+                reports = sync(v)
+                for rep in reports:
+                    self.assertTrue(rep["ok"], rep["text"])
+                params_bytes = sum(int(np.prod(d.shape)) * 4 for d in loader.params(0).values())
+                for rep in reports[2:]:
+                    self.assertTrue(rep["committed"])
+                    self.assertEqual(rep["live_version"], v)
+                    self.assertEqual(len(rep["groups_live"]), len(set(rep["groups_live"])))
+                    self.assertGreaterEqual(len(rep["groups_live"]), 4)  # embedding, 2 layers, the end
+                    self.assertGreater(rep["memory"]["shadow"], 0)
+                    self.assertLess(rep["memory"]["shadow"], params_bytes)
+                    self.assertEqual(rep["received_into_params"], 0)
+                commits = sum(len(rep["groups_live"]) for rep in reports[2:])
+                self.assertEqual(len([c for c in calls if c[0] == "before"]), commits)
+                self.assertEqual(len([c for c in calls if c[0] == "after"]), commits)
+                self.assertTrue(all(c[1] == v and c[2] != caller for c in calls), calls)
+                for r, c in enumerate(consumers):
+                    self.assertEqual(c.state(), {"version": v, "torn": False, "mixed": False, "received": None})
+                    self.assert_params_equal(expected_params(loader, r, v), c.params())
+            with self.assertRaises(ferry.InvalidArgumentError):
+                consumers[0].sync(3, commit=False)  # only under "shadow"
             for x in producers + consumers:
                 x.close()
 

@@ -305,7 +305,7 @@ class HookPairingTest(unittest.TestCase):
                                                     after_sync=lambda v, e=None: calls.append((v, e)))
             with self.assertRaisesRegex(RuntimeError, "cannot pause"):
                 consumer.sync(1)  # nothing moved: the producer need not take part
-            self.assertEqual(consumer.state(), {"version": None, "torn": False, "received": None})
+            self.assertEqual(consumer.state(), {"version": None, "torn": False, "mixed": False, "received": None})
             producer.close()
             consumer.close()
         self.assertEqual(calls, [])

@@ -314,7 +314,7 @@ class ConsumerFromRecordedPlanTest(unittest.TestCase):
                     self.assertTrue(rep["ok"], rep["text"])
                 self.assertGreater(sum(rep["bytes_received"] for rep in reports[1:]), 0)
                 for r, (m, c) in enumerate(zip(modules, consumers)):
-                    self.assertEqual(c.state(), {"version": version, "torn": False, "received": None})
+                    self.assertEqual(c.state(), {"version": version, "torn": False, "mixed": False, "received": None})
                     expected = dict(loaded_by_itself(r, 2, trainer.state).named_parameters())
                     RecordLoadTest.assert_same_params(self, expected, dict(m.named_parameters()))
             # Hooks: before/after per consumer per sync, after_group per group, post_process per group.
