@@ -86,17 +86,19 @@ Result<std::vector<std::pair<std::string, std::vector<TensorDecl>>>> layer_group
   return out;
 }
 
-// Per group of `units`: 1 when its params in `live` are `next` bit for bit, 0 when they are
-// `held`, -1 when neither (a group half written).
+// Per group of `units`: the index of the first of `versions` (direct loads; null entries
+// skipped) its params in `live` equal bit for bit, -1 when none (a group half written).
 std::vector<int> group_versions(const std::vector<std::pair<std::string, std::vector<TensorDecl>>>& units,
-                                const TensorMap& live, const TensorMap* held, const TensorMap& next) {
+                                const TensorMap& live, const std::vector<const TensorMap*>& versions) {
   std::vector<int> out;
   for (const auto& [name, decls] : units) {
-    auto is = [&](const TensorMap& want) {
-      auto mm = compare_params(decls, want, live);
-      return mm.ok() && !mm->has_value();
-    };
-    out.push_back(is(next) ? 1 : held && is(*held) ? 0 : -1);
+    int at = -1;
+    for (size_t i = 0; i < versions.size() && at < 0; ++i) {
+      if (!versions[i]) continue;
+      auto mm = compare_params(decls, *versions[i], live);
+      if (mm.ok() && !mm->has_value()) at = static_cast<int>(i);
+    }
+    out.push_back(at);
   }
   return out;
 }
@@ -323,7 +325,9 @@ int run_worker(const WorkerSpec& s) {
     const auto t_sync = std::chrono::steady_clock::now();
     // Groups: the params of the held version and of this one, loaded directly, which
     // each group of a read must equal one of.
-    std::optional<TensorMap> direct_held, direct_next;
+    // (After a failed sync under groups, some groups hold that sync's version: the
+    // mixed one, a third a group may be at.)
+    std::optional<TensorMap> direct_held, direct_next, direct_mixed;
     if (consumer && s.commit == "groups") {
       auto next = direct_params(*model, s.rank, s.seed, v, *changes);
       if (!next.ok()) return worker_fail(s, next.status());
@@ -332,6 +336,11 @@ int run_worker(const WorkerSpec& s) {
         auto h = direct_params(*model, s.rank, s.seed, consumer->state().version, *changes);
         if (!h.ok()) return worker_fail(s, h.status());
         direct_held = std::move(*h);
+      }
+      if (consumer->state().mixed) {
+        auto m = direct_params(*model, s.rank, s.seed, consumer->last_report().version, *changes);
+        if (!m.ok()) return worker_fail(s, m.status());
+        direct_mixed = std::move(*m);
       }
       reader.reads = reader.mixed = reader.split = 0;
       reader.run = true;
@@ -343,12 +352,13 @@ int run_worker(const WorkerSpec& s) {
             std::this_thread::sleep_for(std::chrono::milliseconds(1));
             continue;
           }
-          const std::vector<int> at = group_versions(units, consumer->params(), &*direct_held, *direct_next);
+          const std::vector<int> at = group_versions(
+              units, consumer->params(), {&*direct_next, &*direct_held, direct_mixed ? &*direct_mixed : nullptr});
           ++reader.reads;
           const bool whole = std::find(at.begin(), at.end(), -1) == at.end();
           if (!whole && reader.mixed++ == 0)
             reader.first_mix = units[static_cast<size_t>(std::find(at.begin(), at.end(), -1) - at.begin())].first;
-          reader.split += whole && std::count(at.begin(), at.end(), 0) && std::count(at.begin(), at.end(), 1);
+          reader.split += whole && std::count(at.begin(), at.end(), at.front()) != static_cast<long>(at.size());
         }
       });
     }
@@ -443,12 +453,12 @@ int run_worker(const WorkerSpec& s) {
       if (!rep.ok() && s.commit == "groups" && direct_held) {
         // A failed sync under groups: the groups its report names hold this version, each
         // whole, and every other group the held one.
-        const std::vector<int> at = group_versions(units, consumer->params(), &*direct_held, *direct_next);
+        const std::vector<int> at = group_versions(units, consumer->params(), {&*direct_next, &*direct_held});
         bool as_reported = true;
         for (size_t u = 0; u < units.size(); ++u) {
           const bool named = std::find(last.groups_live.begin(), last.groups_live.end(), units[u].first) !=
                              last.groups_live.end();
-          if (at[u] != (named ? 1 : 0)) {
+          if (at[u] != (named ? 0 : 1)) {
             if (as_reported) out["live_mismatch"] = fmt::format("group '{}'", units[u].first);
             as_reported = false;
           }

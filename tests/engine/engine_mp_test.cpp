@@ -329,6 +329,37 @@ void expect_readers_read(const tools::DemoSyncRow& row, int consumers) {
   }
 }
 
+// The bounded shadow across processes (CommitPolicy::kGroups): each inference rank's
+// reader checks every layer group of each read is whole (the version held or the one
+// syncing); producer 1, the only holder of its boxes, SIGKILLed mid-sync 2: every consumer
+// fails sync 2, never torn, the groups its report names (groups_live) at version 2 and
+// every other group at 1, bit for bit (the worker's live_verified); sync 3 (producer
+// restarted) commits everywhere. Pull and push.
+TEST(EngineMpShadow, GroupsProducerSigkillLeavesTheGroupsItNamesNew) {
+  for (const char* mode : {"pull", "push"}) {
+    SCOPED_TRACE(mode);
+    auto d = spec("llama-3.1-8b.json", "tp=2", "tp=2,replicas=2");
+    d.mode = mode;
+    d.commit = "groups";
+    d.kill_role = "producer";
+    d.kill_rank = 1;
+    d.kills = {{2, 3}};
+    d.timeout_ms = 30000;
+    auto r = tools::run_demo(d);
+    ASSERT_EQ(r.rows.size(), 3u) << r.error;
+    EXPECT_EQ(r.rows[0].verified, 4);
+    const auto& bad = r.rows[1];
+    EXPECT_GT(bad.failed, 0);
+    EXPECT_EQ(bad.torn, 0) << "a failed sync under groups never tears";
+    EXPECT_EQ(bad.live_verified, bad.failed) << "every failed consumer holds the groups it names at 2, the rest at 1";
+    EXPECT_EQ(r.rows[2].verified, 4) << r.error;
+    for (const auto& row : r.rows) {
+      EXPECT_EQ(row.mixed_reads, 0u) << "sync " << row.version << ": a group half written";
+      if (row.version > 1) expect_readers_read(row, 4);  // (sync 1: nothing committed to read)
+    }
+  }
+}
+
 // Issue 27 across processes, a checksum mismatch: trainer rank 0 flips a byte of group 1's
 // staging in sync 2, after checksumming (checksums on). The consumers that read that
 // segment fail sync 2 with kCorrupt naming producer 0 and group 1, their live params bit
