@@ -328,6 +328,37 @@ TEST_P(EngineGroupsTest, FailedSyncLeavesTheGroupsItNamesNewAndTheRestOld) {
   for (auto& c : k.cons) EXPECT_FALSE(c->state().mixed);
 }
 
+// Consumer-side FP8 through the engine under every commit policy: the loader quantises
+// each linear weight into 128x128 FP8 tiles and a scale tensor after loading (a param
+// of another dtype, and a name of its own: under groups, taken at the sync's end the first
+// time, copied into at every later one); every rank's final params bit for bit as a
+// direct load makes them, three versions.
+class EngineFp8Test : public ::testing::TestWithParam<CommitPolicy> {};
+
+TEST_P(EngineFp8Test, QuantisedAfterLoadingBitForBitUnderEveryCommitPolicy) {
+  Cluster k(EngineCase{Backend::kInproc, Mode::kPull, GetParam() == CommitPolicy::kShadow, false,
+                       GetParam() == CommitPolicy::kGroups});
+  k.loader_options.quantize = Quantize::kFp8;
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2").ok());
+  auto rl = k.model.loader->rank(0);
+  ASSERT_TRUE(rl.ok());
+  size_t fp8 = 0;
+  for (const TensorDecl& d : (*rl)->final_params()) fp8 += d.dtype == DType::kF8E4M3;
+  ASSERT_GT(fp8, 0u) << "the loader quantises nothing";
+  for (uint64_t v = 1; v <= 3; ++v) {
+    k.expect_all_ok(k.sync(v), v);
+    for (auto& c : k.cons) {
+      size_t held = 0;
+      for (const auto& [name, t] : c->params()) held += t.dtype() == DType::kF8E4M3;
+      EXPECT_EQ(held, fp8);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Commit, EngineFp8Test,
+                         ::testing::Values(CommitPolicy::kInPlace, CommitPolicy::kShadow, CommitPolicy::kGroups),
+                         [](const ::testing::TestParamInfo<CommitPolicy>& i) { return commit_policy_name(i.param); });
+
 INSTANTIATE_TEST_SUITE_P(Commit, EngineGroupsTest, ::testing::Values(false, true),
                          [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "callers" : "own"; });
 

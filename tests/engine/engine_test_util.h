@@ -214,6 +214,7 @@ struct Cluster {
   bool rotated = false;  // every rank under GroupOrderKind::kRotated (eo.group_order)
   bool groups = false;   // consumers commit by CommitPolicy::kGroups (a failed sync never tears them)
   SyntheticChanges changes;  // what the producers' synthetic checkpoint changes per version
+  LoaderOptions loader_options;  // the inference ranks' loader (quantize: consumer-side FP8 post-processing)
   static inline std::atomic<int> job_counter{0};
 
   explicit Cluster(EngineCase c = {Backend::kInproc, Mode::kPull})
@@ -257,7 +258,7 @@ struct Cluster {
     StoreServerOptions sso;
     sso.token = "engine-test-token-0123456789";
     FERRY_ASSIGN_OR_RETURN(server, StoreServer::start(sso));
-    FERRY_ASSIGN_OR_RETURN(model, tools::make_job_model(config, trainer, inference, true, overrides));
+    FERRY_ASSIGN_OR_RETURN(model, tools::make_job_model(config, trainer, inference, true, overrides, loader_options));
     eo.job = fmt::format("job{}", job_counter++);
     eo.num_producers = P();
     eo.num_consumers = C();
