@@ -491,18 +491,25 @@ Status ParamSet::commit_at(int position) {
     }
     made_anew_.insert_or_assign(name, w);
   }
+  // The params themselves: the live buffers get what was unpacked (also where post-
+  // processing replaced the param with a tensor of its own, which readers see instead:
+  // the live buffer stays the loaded bytes of the committed version, what a delta patch
+  // is applied against, as in place), unless that replacement went into the live buffer.
   for (uint32_t i : group_shadow_.commits[static_cast<size_t>(position)]) {
     const std::string& name = group_names_[i];
     Tensor& w = work_.at(name);
     const Tensor& live = live_.at(name);
-    if (!same_bytes(w, loaded_.at(name))) continue;  // replaced by post-processing: handled above
-    Status st = copy_bytes(live, w, opts_.rank, name, "committing");
+    const Tensor& room = loaded_.at(name);
+    const bool replaced = !same_bytes(w, room);
+    auto shown = committed_.find(name);
+    if (replaced && !made_anew_.count(name) && shown != committed_.end() && same_bytes(shown->second, live)) continue;
+    Status st = copy_bytes(live, room, opts_.rank, name, "committing");
     if (!st.ok()) {
       std::lock_guard<std::mutex> lk(mu_);
       held_.torn = true;
       return st;
     }
-    w = live;  // (its room may hold another param from now on)
+    if (!replaced) w = live;  // (its room may hold another param from now on)
   }
   std::lock_guard<std::mutex> lk(mu_);
   committed_some_ = true;

@@ -22,6 +22,10 @@ class EngineDeltaTest : public EngineTest {};
 INSTANTIATE_TEST_SUITE_P(Cases, EngineDeltaTest, cases(kAllBackends, {Mode::kPull, Mode::kPush}), case_name_of);
 INSTANTIATE_TEST_SUITE_P(Shadow, EngineDeltaTest, cases({Backend::kInproc}, {Mode::kPull, Mode::kPush}, true),
                          case_name_of);
+// Under the bounded shadow: patches applied against the live params as each group made
+// them live (the loaded bytes of the committed version).
+INSTANTIATE_TEST_SUITE_P(Groups, EngineDeltaTest,
+                         cases({Backend::kInproc}, {Mode::kPull, Mode::kPush}, false, false, true), case_name_of);
 INSTANTIATE_TEST_SUITE_P(Rotated, EngineDeltaTest, cases({Backend::kInproc}, {Mode::kPull, Mode::kPush}, false, true),
                          case_name_of);
 // Producers given source regions under delta serve nothing in place (every byte is
