@@ -103,6 +103,10 @@ std::function<int()> setup_bench(CLI::App& app) {
                  "producer | consumer: where a float conversion that shrinks the bytes runs (a trainer "
                  "--trainer ...,dtype=fp32 into bf16 params; EngineOptions::convert_on)")
       ->check(CLI::IsMember({"producer", "consumer"}));
+  app.add_option("--quantize", b->quantize,
+                 "none | fp8 | fp8-ue8m0 | mxfp8: the inference ranks' loader block-quantises the linear weights "
+                 "after loading (LoaderOptions::quantize, docs/models.md); bytes move as the trainer holds them")
+      ->check(CLI::IsMember({"none", "fp8", "fp8-ue8m0", "mxfp8"}));
   app.add_option("--syncs", b->syncs, "timed trials of each measurement, after one warm-up (medians)")
       ->check(number_in(1, 1 << 20));
   app.add_option("--seed", b->seed, "seed of the synthetic weights")->check(number_in(0, 1.8e19));

@@ -256,7 +256,7 @@ int run_demo_cmd(tools::DemoSpec d, int kill_sync, bool kill_sync_given, int kil
   if (kill_sync > 0 && kill_point >= 0) {
     // A point the sync never reaches would leave the victim running and the driver
     // waiting out its timeout (67 s) before failing: refused here, before any process.
-    auto m = tools::make_job_model(d.model, d.trainer, d.inference, d.shrink, d.overrides);
+    auto m = tools::make_job_model_quantized(d.model, d.trainer, d.inference, d.shrink, d.overrides, d.quantize);
     if (!m.ok()) {
       std::fprintf(stderr, "ferry demo: %s\n", m.status().to_string().c_str());
       return 2;
@@ -291,7 +291,7 @@ int run_demo_cmd(tools::DemoSpec d, int kill_sync, bool kill_sync_given, int kil
       std::fprintf(stderr, "ferry demo: --hosts runs its own store on host 0; drop --store\n");
       return 2;
     }
-    auto m = tools::make_job_model(d.model, d.trainer, d.inference, d.shrink, d.overrides);
+    auto m = tools::make_job_model_quantized(d.model, d.trainer, d.inference, d.shrink, d.overrides, d.quantize);
     if (!m.ok()) {
       std::fprintf(stderr, "ferry demo: %s\n", m.status().to_string().c_str());
       return 2;
@@ -397,6 +397,10 @@ std::function<int()> setup_demo(CLI::App& app) {
                                "producer | consumer: where a float conversion that shrinks the bytes runs (a trainer "
                                "--trainer ...,dtype=fp32 into bf16 params; EngineOptions::convert_on)")
                     ->check(CLI::IsMember({"producer", "consumer"}));
+                app.add_option("--quantize", d->quantize,
+                               "none | fp8 | fp8-ue8m0 | mxfp8: the inference ranks' loader block-quantises the linear weights "
+                 "after loading (LoaderOptions::quantize, docs/models.md); bytes move as the trainer holds them")
+                    ->check(CLI::IsMember({"none", "fp8", "fp8-ue8m0", "mxfp8"}));
                 app.add_option("--commit", d->commit,
                                "inference ranks' commit policy: in_place, groups (a bounded shadow: each layer group "
                                "commits whole as it completes; the reader checks every group is whole), or shadow "
@@ -491,7 +495,7 @@ std::function<int()> setup_demo(CLI::App& app) {
 
 // The options of `ferry worker --bench` (the rest are the demo's).
 constexpr const char* kBenchWorkerOptions[] = {"--role",  "--rank", "--model", "--trainer", "--inference", "--store",
-                                               "--job",   "--mode", "--group-order", "--convert-on", "--seed",  "--timeout-ms", "--tls",     "--in-place",
+                                               "--job",   "--mode", "--group-order", "--convert-on", "--quantize", "--seed",  "--timeout-ms", "--tls",     "--in-place",
                                                "--trace", "--bench", "--commit", "--caller-params", "--delta",
                                                "--changed-fraction", "--changes", "--delta-block-bytes", "--help"};
 
@@ -509,6 +513,7 @@ std::function<int()> setup_worker(CLI::App& app) {
   app.add_option("--mode", w->mode);
   app.add_option("--group-order", w->group_order)->check(CLI::IsMember({"layer", "rotated"}));
   app.add_option("--convert-on", w->convert_on)->check(CLI::IsMember({"producer", "consumer"}));
+  app.add_option("--quantize", w->quantize)->check(CLI::IsMember({"none", "fp8", "fp8-ue8m0", "mxfp8"}));
   app.add_flag("--checksums", w->checksums);
   app.add_option("--seed", w->seed)->check(number_in(0, 1.8e19));
   app.add_option("--first-version", w->first_version)->check(number_in(0, 1 << 30));
@@ -565,6 +570,7 @@ std::function<int()> setup_worker(CLI::App& app) {
       bench->mode = w->mode;
       bench->group_order = w->group_order;
       bench->convert_on = w->convert_on;
+      bench->quantize = w->quantize;
       bench->delta = w->delta;
       bench->changed_fraction = w->changed_fraction;
       bench->changes = w->changes;

@@ -180,7 +180,7 @@ BenchResult run_bench(const BenchSpec& b) {
     return fail(fmt::format("'{}' not found: ferry was built without MPI (install libopenmpi-dev and reconfigure)",
                             b.mpi_binary.empty() ? "ferry-mpi-bcast" : b.mpi_binary));
   if (b.syncs < 1) return fail("--syncs must be at least 1");
-  auto model = make_job_model(b.model, b.trainer, b.inference, b.shrink, b.overrides);
+  auto model = make_job_model_quantized(b.model, b.trainer, b.inference, b.shrink, b.overrides, b.quantize);
   if (!model.ok()) return fail(model.status().to_string());
   const JobModel& m = *model;
   const int P = m.trainer.world_size(), C = m.inference.world_size(), S = m.trainer.pp;
@@ -273,7 +273,7 @@ BenchResult run_bench(const BenchSpec& b) {
     const int rank = prod ? k : k - P;
     std::vector<std::string> args = {b.worker_binary, "worker", "--bench", "--role", role, "--rank", std::to_string(rank),
                                      "--model", config_path, "--trainer", b.trainer, "--inference", b.inference,
-                                     "--store", (*server)->url(), "--job", job, "--tls", b.tls, "--mode", b.mode, "--group-order", b.group_order, "--convert-on", b.convert_on, "--seed",
+                                     "--store", (*server)->url(), "--job", job, "--tls", b.tls, "--mode", b.mode, "--group-order", b.group_order, "--convert-on", b.convert_on, "--quantize", b.quantize, "--seed",
                                      std::to_string(b.seed), "--timeout-ms", std::to_string(b.timeout_ms),
                                      "--in-place", b.in_place ? "1" : "0", "--commit", b.commit,
                                      "--changed-fraction", fmt::format("{}", b.changed_fraction), "--changes", b.changes};
@@ -526,6 +526,7 @@ BenchResult run_bench(const BenchSpec& b) {
   j["efficiency_vs_raw"] = sync > 0 ? rawm / sync : 0.0;
   j["in_place"] = b.in_place;
   j["commit"] = b.commit;
+  j["quantize"] = b.quantize;
   j["caller_params"] = b.caller_params;
   if (b.delta) {  // what crossed against the dense bytes of the same trials (the raw step's)
     uint64_t patch = 0, patched_dense = 0, elements = 0, changed = 0, repaired = 0;

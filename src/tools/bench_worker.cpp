@@ -66,7 +66,7 @@ int bench_worker_fail(const BenchWorkerSpec& s, const Status& st) {
 }  // namespace
 
 int run_bench_worker(const BenchWorkerSpec& s) {
-  auto model = make_job_model(s.model, s.trainer, s.inference, false);
+  auto model = make_job_model_quantized(s.model, s.trainer, s.inference, false, "", s.quantize);
   if (!model.ok()) return bench_worker_fail(s, model.status());
   auto store = Store::open(s.store);
   if (!store.ok()) return bench_worker_fail(s, store.status());

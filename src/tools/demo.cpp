@@ -81,7 +81,7 @@ Result<Child> spawn_worker(const DemoSpec& d, const std::string& tls, const std:
   ps.argv.insert(ps.argv.end(), {d.worker_binary, "worker", "--role", role, "--rank", std::to_string(rank),
              "--model", config_path, "--trainer", d.trainer, "--inference", d.inference,
              "--store", store_url, "--job", job, "--backend", d.backend, "--mode", d.mode, "--group-order", d.group_order,
-             "--convert-on", d.convert_on,
+             "--convert-on", d.convert_on, "--quantize", d.quantize,
              "--seed", std::to_string(d.seed), "--first-version", std::to_string(first_version),
              "--last-version", std::to_string(d.syncs), "--crash-version",
              std::to_string(crash_version), "--crash-point", std::to_string(crash_point),
@@ -209,7 +209,7 @@ DemoResult run_demo(const DemoSpec& d) {
     res.error = e;
     return res;
   };
-  auto model = make_job_model(d.model, d.trainer, d.inference, d.shrink, d.overrides);
+  auto model = make_job_model_quantized(d.model, d.trainer, d.inference, d.shrink, d.overrides, d.quantize);
   if (!model.ok()) return fail(model.status().to_string());
   const JobModel& m = *model;
   const int P = m.trainer.world_size(), C = m.inference.world_size();

@@ -59,6 +59,9 @@ struct DemoSpec {
   std::string mode = "pull";
   std::string group_order = "layer";  // EngineOptions::group_order of every rank
   std::string convert_on = "producer";  // EngineOptions::convert_on of every rank
+  // The inference ranks' loader quantisation (LoaderOptions::quantize: "none", "fp8",
+  // "fp8-ue8m0", "mxfp8"): the consumers block-quantise after loading (post-processing).
+  std::string quantize = "none";
   std::string store;          // empty: an embedded TCP store in this process
   std::string store_host = "127.0.0.1";  // the address the embedded store listens on
   // With `store` empty: run the embedded store as its own process (`ferry store`), which

@@ -35,6 +35,16 @@ Result<JobModel> make_job_model_from(const ModelConfig& config, const std::strin
   return m;
 }
 
+Result<JobModel> make_job_model_quantized(const std::string& config_path, const std::string& trainer,
+                                          const std::string& inference, bool shrink, const std::string& overrides,
+                                          const std::string& quantize) {
+  auto q = parse_quantize(quantize);
+  if (!q.ok()) return q.status().with_context("--quantize");
+  LoaderOptions lo;
+  lo.quantize = *q;
+  return make_job_model(config_path, trainer, inference, shrink, overrides, lo);
+}
+
 Result<JobModel> make_job_model(const std::string& config_path, const std::string& trainer, const std::string& inference,
                                 bool shrink, const std::string& overrides, const LoaderOptions& loader) {
   FERRY_ASSIGN_OR_RETURN(auto found, find_model_config(config_path));

@@ -29,6 +29,11 @@ struct JobModel {
 // `loader`: the inference side's LoaderOptions (quantize: what its ranks keep).
 Result<JobModel> make_job_model(const std::string& config_path, const std::string& trainer, const std::string& inference,
                                 bool shrink, const std::string& overrides = "", const LoaderOptions& loader = {});
+// make_job_model with the inference ranks' quantisation by name ("none", "fp8",
+// "fp8-ue8m0", "mxfp8"; kInvalidArgument naming another), for the CLI's --quantize.
+Result<JobModel> make_job_model_quantized(const std::string& config_path, const std::string& trainer,
+                                          const std::string& inference, bool shrink, const std::string& overrides,
+                                          const std::string& quantize);
 Result<JobModel> make_job_model_from(const ModelConfig& config, const std::string& trainer,
                                      const std::string& inference, const LoaderOptions& loader = {});
 

@@ -111,7 +111,7 @@ int worker_fail(const WorkerSpec& s, const Status& st) {
 }  // namespace
 
 int run_worker(const WorkerSpec& s) {
-  auto model = make_job_model(s.model, s.trainer, s.inference, false);
+  auto model = make_job_model_quantized(s.model, s.trainer, s.inference, false, "", s.quantize);
   if (!model.ok()) return worker_fail(s, model.status());
   // Every store call is bounded by the rank's timeout too (not the client's 30 s
   // default): a store that is cut off fails a sync within --timeout-ms, naming it.

@@ -137,7 +137,8 @@ TEST(BenchCli, EachRanksMetadataIsAsPredicted) {
   if (!mpirun_on_path() || ::access((bin.substr(0, bin.rfind('/') + 1) + "ferry-mpi-bcast").c_str(), X_OK) != 0)
     GTEST_SKIP() << "no OpenMPI (see JsonHasEveryKeyWithSaneValues)";
   // Push under the groups commit policy: its bounded shadow as predicted too, rank by rank.
-  for (const char* mode : {"pull", "push --commit groups"}) {
+  // And consumer-side FP8 (the loader quantising after loading) under the full shadow.
+  for (const char* mode : {"pull", "push --commit groups", "pull --quantize fp8 --commit shadow"}) {
     SCOPED_TRACE(mode);
     BenchRun r = run_bench(std::string("--mode ") + mode);
     ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -145,6 +146,9 @@ TEST(BenchCli, EachRanksMetadataIsAsPredicted) {
     ASSERT_TRUE(j.is_object()) << r.out << "\n" << r.err;
     expect_metadata_as_predicted(j);
     EXPECT_EQ(j["verified_ranks"], 2);
+    if (std::string(mode).find("fp8") != std::string::npos) {
+      EXPECT_EQ(j["quantize"], "fp8");
+    }
     if (std::string(mode).find("groups") != std::string::npos) {
       for (const auto& c : j["memory"]["consumers"]) EXPECT_GT(c["engine"]["shadow"].get<uint64_t>(), 0u);
       EXPECT_GT(j["commit_seconds"].get<double>(), 0.0);
