@@ -111,6 +111,30 @@ TEST_P(EngineDeltaTest, TwentyVersionsOfRandomFractionsAreBitExact) {
   EXPECT_GE(small, 6);  // 0.05%, 1% and 2% blocks: at least two versions each
 }
 
+// Consumer-side FP8 (the loader quantising after loading) under delta: the patch base is
+// the live params as loaded, not the FP8 tensors post-processing made of them; in place
+// and under the groups policy (whose commits keep those loaded bytes in the live buffers)
+// patches apply without repair, and every version's final params are bit for bit the
+// loader's.
+class EngineDeltaFp8 : public ::testing::TestWithParam<bool> {};  // groups (else in place)
+
+TEST_P(EngineDeltaFp8, PatchesApplyAgainstTheLoadedBytesNotTheQuantisedOnes) {
+  Cluster k(EngineCase{Backend::kInproc, Mode::kPull, false, false, GetParam()});
+  k.loader_options.quantize = Quantize::kFp8;
+  start_delta(k, 0.01);  // (the same fraction throughout: a new one redraws every element)
+  k.expect_all_ok(k.sync(1), 1);
+  for (uint64_t v = 2; v <= 4; ++v) {
+    auto o = k.sync(v);
+    k.expect_all_ok(o, v);
+    const Sums s = sums_of(o);
+    EXPECT_GT(s.received_patch, 0u) << "version " << v << " producers patched " << s.patch << " of " << s.sent;
+    EXPECT_EQ(s.repaired, 0u) << "version " << v << ": patches applied against the wrong base";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Commit, EngineDeltaFp8, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "groups" : "in_place"; });
+
 // A consumer whose live params do not hold the patch's base (scribbled over in place:
 // a wrong base it cannot tell) applies the patch, fails its content hash and repairs the
 // group from the producer's dense bytes; a restarted consumer (no version) reads dense
