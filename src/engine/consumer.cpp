@@ -205,12 +205,12 @@ bool Consumer::Impl::takes_patch(int g, uint64_t base) const {
 Status Consumer::Impl::apply_segment_patch(int g, int p, const Read& read, uint64_t patch_bytes, std::byte* slot) {
   std::byte* seg = slot + read.recv_offset;
   patch_copy.assign(seg, seg + patch_bytes);
-  // The base: the live params as loaded (under shadow the committed set, not the shadow
-  // syncs land in; under groups the live buffers, which keep the loaded bytes of a param
-  // post-processing replaced).
-  const TensorMap& live = param_set->groups()   ? param_set->live()
-                          : param_set->shadow() ? param_set->committed()
-                                                : param_set->loaded();
+  // The base: the live params as loaded, not the shadow syncs land in nor the tensors
+  // post-processing replaced params with (committed()'s view): in place the buffers
+  // loaded; under shadow and groups the live buffers (a flip makes the buffers a sync
+  // unpacked into live; a groups commit copies the unpacked bytes into them; a shadow
+  // copy commit leaves a replaced param's live buffer as it was: its patches are repaired).
+  const TensorMap& live = param_set->groups() || param_set->shadow() ? param_set->live() : param_set->loaded();
   const uint64_t n = plan_route->groups[static_cast<size_t>(g)].recv_bytes;
   Status st = gather_group(schedule.unpack, g, read.recv_offset, read.recv_offset + read.length, live,
                            std::span<std::byte>(slot, n));

@@ -121,8 +121,9 @@ class ParamSet {
   const TensorMap& loaded() const { return loaded_; }
   TensorMap& work() { return work_; }
   const TensorMap& committed() const { return committed_; }
-  // Groups: the live buffers as loaded (each holds the committed version's unpacked bytes,
-  // also where post-processing replaced the param in committed()): a delta patch's base.
+  // The live buffers as loaded: under groups and a shadow flip each holds the committed
+  // version's unpacked bytes, also where post-processing replaced the param in
+  // committed() (a delta patch's base).
   const TensorMap& live() const { return live_; }
 
   // The CUDA device of the caller's GPU params (one per rank), if any, and whether every

@@ -112,14 +112,15 @@ TEST_P(EngineDeltaTest, TwentyVersionsOfRandomFractionsAreBitExact) {
 }
 
 // Consumer-side FP8 (the loader quantising after loading) under delta: the patch base is
-// the live params as loaded, not the FP8 tensors post-processing made of them; in place
-// and under the groups policy (whose commits keep those loaded bytes in the live buffers)
-// patches apply without repair, and every version's final params are bit for bit the
-// loader's.
-class EngineDeltaFp8 : public ::testing::TestWithParam<bool> {};  // groups (else in place)
+// the live params as loaded, not the FP8 tensors post-processing made of them; in place,
+// under a shadow flip and under the groups policy (whose commits keep those loaded bytes
+// in the live buffers) patches apply without repair, and every version's final params are
+// bit for bit the loader's.
+class EngineDeltaFp8 : public ::testing::TestWithParam<CommitPolicy> {};
 
 TEST_P(EngineDeltaFp8, PatchesApplyAgainstTheLoadedBytesNotTheQuantisedOnes) {
-  Cluster k(EngineCase{Backend::kInproc, Mode::kPull, false, false, GetParam()});
+  Cluster k(EngineCase{Backend::kInproc, Mode::kPull, GetParam() == CommitPolicy::kShadow, false,
+                       GetParam() == CommitPolicy::kGroups});
   k.loader_options.quantize = Quantize::kFp8;
   start_delta(k, 0.01);  // (the same fraction throughout: a new one redraws every element)
   k.expect_all_ok(k.sync(1), 1);
@@ -132,8 +133,10 @@ TEST_P(EngineDeltaFp8, PatchesApplyAgainstTheLoadedBytesNotTheQuantisedOnes) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Commit, EngineDeltaFp8, ::testing::Values(false, true),
-                         [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "groups" : "in_place"; });
+// (Shadow here commits by a flip: ferry owns the params.)
+INSTANTIATE_TEST_SUITE_P(Commit, EngineDeltaFp8,
+                         ::testing::Values(CommitPolicy::kInPlace, CommitPolicy::kShadow, CommitPolicy::kGroups),
+                         [](const ::testing::TestParamInfo<CommitPolicy>& i) { return commit_policy_name(i.param); });
 
 // A consumer whose live params do not hold the patch's base (scribbled over in place:
 // a wrong base it cannot tell) applies the patch, fails its content hash and repairs the
