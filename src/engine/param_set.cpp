@@ -339,7 +339,31 @@ bool same_bytes(const Tensor& a, const Tensor& b) {
          a.shape() == b.shape();
 }
 
+
+// Copies `from`'s bytes into `to` (same dtype and shape): memcpy on the host, device to
+// device where either is on a GPU. The error names the consumer and the param.
+Status copy_bytes(const Tensor& to, const Tensor& from, int rank, const std::string& name, const char* what) {
+  auto dst = to.device_ptr();
+  auto src = from.device_ptr();
+  if (!dst.ok() || !src.ok())
+    return (!dst.ok() ? dst.status() : src.status()).with_context(fmt::format("consumer {}: {} param '{}'", rank, what, name));
+  const uint64_t bytes = static_cast<uint64_t>(to.numel()) * dtype_size(to.dtype());
+  if (to.device().is_cuda() || from.device().is_cuda())
+    return device_memcpy(*dst, *src, bytes).with_context(fmt::format("consumer {}: {} param '{}'", rank, what, name));
+  std::memcpy(*dst, *src, bytes);
+  return Status::Ok();
+}
+
 }  // namespace
+
+Status ParamSet::copy_live(const Tensor& to, const Tensor& from, const std::string& name) {
+  Status st = copy_bytes(to, from, opts_.rank, name, "committing");
+  if (!st.ok()) {  // (a param before it may already be the new version)
+    std::lock_guard<std::mutex> lk(mu_);
+    held_.torn = true;
+  }
+  return st;
+}
 
 Result<uint64_t> ParamSet::commit() {
   uint64_t v;
@@ -366,20 +390,7 @@ Result<uint64_t> ParamSet::commit() {
         next[name] = w;  // replaced by post-processing: taken as it is
         continue;
       }
-      const uint64_t bytes = static_cast<uint64_t>(w.numel()) * dtype_size(w.dtype());
-      auto to = live->second.device_ptr();
-      auto from = w.device_ptr();
-      if (!to.ok() || !from.ok()) return !to.ok() ? to.status() : from.status();
-      if (w.device().is_cuda()) {
-        Status st = device_memcpy(*to, *from, bytes);
-        if (!st.ok()) {
-          std::lock_guard<std::mutex> lk(mu_);
-          held_.torn = true;
-          return st.with_context(fmt::format("consumer {}: committing param '{}'", opts_.rank, name));
-        }
-      } else {
-        std::memcpy(*to, *from, bytes);
-      }
+      FERRY_RETURN_IF_ERROR(copy_live(live->second, w, name));
     }
     committed_ = std::move(next);
   }
@@ -437,23 +448,6 @@ Status ParamSet::set_group_shadow(GroupShadow layout, const std::vector<TensorDe
   return Status::Ok();
 }
 
-namespace {
-
-Status copy_bytes(const Tensor& to, const Tensor& from, int rank, const std::string& name, const char* what) {
-  auto dst = to.device_ptr();
-  auto src = from.device_ptr();
-  if (!dst.ok() || !src.ok()) return !dst.ok() ? dst.status() : src.status();
-  const uint64_t bytes = static_cast<uint64_t>(to.numel()) * dtype_size(to.dtype());
-  if (to.device().is_cuda() || from.device().is_cuda()) {
-    Status st = device_memcpy(*dst, *src, bytes);
-    return st.with_context(fmt::format("consumer {}: {} param '{}'", rank, what, name));
-  }
-  std::memcpy(*dst, *src, bytes);
-  return Status::Ok();
-}
-
-}  // namespace
-
 Status ParamSet::open_at(int position) {
   if (!opts_.groups || position < 0 || static_cast<size_t>(position) >= group_shadow_.opens.size()) return Status::Ok();
   for (uint32_t i : group_shadow_.opens[static_cast<size_t>(position)]) {
@@ -480,12 +474,7 @@ Status ParamSet::commit_at(int position) {
     if (live != committed_.end() && same_bytes(w, live->second)) continue;  // live already
     if (made_anew_.count(name) && same_bytes(made_anew_.at(name), w)) continue;
     if (live != committed_.end() && like(w, live->second) && w.is_real()) {
-      Status st = copy_bytes(live->second, w, opts_.rank, name, "committing");
-      if (!st.ok()) {
-        std::lock_guard<std::mutex> lk(mu_);
-        held_.torn = true;
-        return st;
-      }
+      FERRY_RETURN_IF_ERROR(copy_live(live->second, w, name));
       w = live->second;
       continue;
     }
@@ -503,12 +492,7 @@ Status ParamSet::commit_at(int position) {
     const bool replaced = !same_bytes(w, room);
     auto shown = committed_.find(name);
     if (replaced && !made_anew_.count(name) && shown != committed_.end() && same_bytes(shown->second, live)) continue;
-    Status st = copy_bytes(live, room, opts_.rank, name, "committing");
-    if (!st.ok()) {
-      std::lock_guard<std::mutex> lk(mu_);
-      held_.torn = true;
-      return st;
-    }
+    FERRY_RETURN_IF_ERROR(copy_live(live, room, name));
     if (!replaced) w = live;  // (its room may hold another param from now on)
   }
   std::lock_guard<std::mutex> lk(mu_);

@@ -35,7 +35,6 @@
 
 namespace ferry::engine {
 
-
 // Where a ParamSet's memory comes from and how peers reach it: the consumer's transport,
 // or plain host memory (tests, tools that move no bytes).
 class ParamMemory {
@@ -176,18 +175,21 @@ class ParamSet {
   // On the thread running the attempt's unpack and post-processing. open_at(i): before
   // the layer group at position i of the order is unpacked, the params whose room opens
   // there and that the sync does not write whole (the plan's padding) are filled from the
-  // live params, so that what the sync does not write is what the live params hold. commit_at(i): after its
-  // post-processing, the params layout.commits[i] names are made live: copied from the
-  // shadow (or from the tensor post-processing replaced one with) into the live buffers;
-  // a param post-processing made anew (another dtype or shape than the live one, or a
-  // name of its own) is taken as it is, into committed() at finish(). A device copy's
-  // error (that group then torn).
+  // live params, so that what the sync does not write is what the live params hold.
+  // commit_at(i): after its post-processing, the params layout.commits[i] names are made
+  // live: copied from the shadow (or from the tensor post-processing replaced one with)
+  // into the live buffers; a param post-processing made anew (another dtype or shape
+  // than the live one, or a name of its own) is taken as it is, into committed() at
+  // finish(). A copy's error (that group then torn).
   Status open_at(int position);
   Status commit_at(int position);
   const GroupShadow& group_shadow() const { return group_shadow_; }
 
  private:
   ParamSet(const ParamSetOptions& opts, std::unique_ptr<ParamMemory> memory);
+  // A commit's copy into a live buffer; its failure marks the params torn (the params
+  // copied before it already hold the new version).
+  Status copy_live(const Tensor& to, const Tensor& from, const std::string& name);
 
   ParamSetOptions opts_;
   std::unique_ptr<ParamMemory> memory_;
