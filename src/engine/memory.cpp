@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <type_traits>
@@ -212,6 +213,35 @@ std::string MemoryUse::to_string() const {
       mib(transport_allowance), mib(registered_in_place), mib(own_params));
 }
 
+namespace {
+
+// CommitPolicy::kGroups: the bounded shadow of a consumer with `plan`, as the consumer lays
+// it out (group_shadow_layout), its units the layer groups of the param names (a
+// loader's post-processing groups: "pre", "layer N", "post"), in layer order, on the
+// host. Which of the `num_groups` layer groups writes which param comes from the plan (a
+// copy from a source of that group, `source_groups` the routes' groups), not from the
+// routes' unpacks, which `ferry plan` does not make.
+uint64_t group_shadow_bytes(const Plan& plan, const Groups& source_groups, size_t num_groups) {
+  using namespace engine;
+  const std::vector<TensorDecl>& params = plan.params();
+  const Groups by_name(params);
+  std::map<std::string, int> unit_of;
+  for (size_t i = 0; i < params.size(); ++i) unit_of[params[i].name] = by_name.of_tensor(i);
+  PlanRoute writes;
+  writes.params = params;
+  writes.groups.resize(num_groups);
+  std::set<std::pair<int, uint32_t>> seen;
+  for (const Copy& k : plan.copies()) {
+    const int g = source_groups.of_name(plan.sources()[k.source].name);
+    if (g < 0 || static_cast<size_t>(g) >= num_groups || !seen.insert({g, k.param}).second) continue;
+    writes.groups[static_cast<size_t>(g)].unpacks.emplace_back().param = k.param;
+  }
+  const GroupShadow layout = group_shadow_layout(writes, nullptr, unit_of, {});
+  return layout.host_bytes ? align_up(layout.host_bytes, 4096) : 0;
+}
+
+}  // namespace
+
 Result<MemoryPrediction> predict_memory(const Routes& routes, const std::vector<TensorDecl>& metadata,
                                         const std::vector<Holdings>& holdings, const std::vector<const Plan*>& plans,
                                         const ProducerOptions& options, CommitPolicy commit) {
@@ -242,7 +272,10 @@ Result<MemoryPrediction> predict_memory(const Routes& routes, const std::vector<
                  predicted_schedule_bytes(routes.producers[p]);
     out.producers.push_back(m);
   }
-  const Groups source_groups(metadata);  // the routes' layer groups (kGroups below)
+  // kGroups: the routes' layer groups, and each plan class's bounded shadow once.
+  const std::optional<Groups> source_groups =
+      commit == CommitPolicy::kGroups ? std::optional<Groups>(Groups(metadata)) : std::nullopt;
+  std::vector<std::optional<uint64_t>> groups_shadow(routes.plans.size());
   std::vector<uint64_t> per_class;  // plan classes share a route: one walk each
   for (const PlanRoute& pr : routes.plans) per_class.push_back(predicted_schedule_bytes(pr));
   for (size_t c = 0; c < routes.consumer_plan.size(); ++c) {
@@ -256,27 +289,9 @@ Result<MemoryPrediction> predict_memory(const Routes& routes, const std::vector<
       for (const auto& d : plans[c]->params()) shadow += align_up(shape_numel(d.shape) * dtype_size(d.dtype), 64);
       m.shadow = align_up(shadow, 4096);
     } else if (commit == CommitPolicy::kGroups && plans[c]) {
-      // The bounded shadow as the consumer lays it out (group_shadow_layout), its units
-      // the layer groups of the param names (a loader's post-processing groups: "pre",
-      // "layer N", "post"), in layer order, on the host. Which layer group writes which
-      // param comes from the plan (a copy from a source of that group), not from the
-      // routes' unpacks, which `ferry plan` does not make.
-      const Plan& plan = *plans[c];
-      const std::vector<TensorDecl>& params = plan.params();
-      const Groups by_name(params);
-      std::map<std::string, int> unit_of;
-      for (size_t i = 0; i < params.size(); ++i) unit_of[params[i].name] = by_name.of_tensor(i);
-      PlanRoute writes;
-      writes.params = params;
-      writes.groups.resize(pr.groups.size());
-      std::set<std::pair<int, uint32_t>> seen;
-      for (const Copy& k : plan.copies()) {
-        const int g = source_groups.of_name(plan.sources()[k.source].name);
-        if (g < 0 || static_cast<size_t>(g) >= writes.groups.size() || !seen.insert({g, k.param}).second) continue;
-        writes.groups[static_cast<size_t>(g)].unpacks.emplace_back().param = k.param;
-      }
-      const GroupShadow layout = group_shadow_layout(writes, nullptr, unit_of, {});
-      m.shadow = layout.host_bytes ? align_up(layout.host_bytes, 4096) : 0;
+      const uint32_t k = routes.consumer_plan[c];  // (its consumers' plans are equal)
+      if (!groups_shadow[k]) groups_shadow[k] = group_shadow_bytes(*plans[c], *source_groups, pr.groups.size());
+      m.shadow = *groups_shadow[k];
     }
     out.consumers.push_back(m);
   }
