@@ -10,6 +10,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <map>
@@ -19,6 +20,7 @@
 #include <string>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "ferry/engine.h"
 #include "ferry/source.h"
@@ -472,46 +474,46 @@ struct PyConsumer {
   }
 };
 
-// Engine options plus the Python after_group hook (kw["after_group"]: callable(version,
-// group) or absent), and under commit="groups" before_commit/after_commit, called on the
-// consumer's background thread with the GIL held; what they raise is kept in
-// c.hook_errors and fails that sync. before_sync/after_sync run in
+// A Python callable as an engine hook, called on the consumer's background thread with
+// the GIL held; what it raises is kept in `errors` (failing that sync), never thrown onto
+// the engine's thread. `arg_names` name the arguments in the error ("version 3, group 1").
+template <typename... Args>
+std::function<void(Args...)> engine_hook(py::handle callable, std::string hook, std::shared_ptr<HookErrors> errors,
+                                         std::array<const char*, sizeof...(Args)> arg_names) {
+  auto fn = std::make_shared<GilObject>(py::reinterpret_borrow<py::object>(callable));
+  return [fn, errors, hook = std::move(hook), arg_names](Args... args) {
+    py::gil_scoped_acquire gil;
+    auto where = [&] {
+      std::vector<std::string> parts;
+      size_t i = 0;
+      (parts.push_back(fmt::format("{} {}", arg_names[i++], args)), ...);
+      return fmt::format("{}", fmt::join(parts, ", "));
+    };
+    try {
+      fn->obj(args...);
+    } catch (py::error_already_set& e) {
+      errors->add(invalid_argument("{} hook ({}): {}", hook, where(), python_error(e)));
+    } catch (const std::exception& e) {  // nothing may escape onto the engine's thread
+      errors->add(internal_error("{} hook ({}): {}", hook, where(), e.what()));
+    }
+  };
+}
+
+// Engine options plus the Python hooks the engine runs itself: after_group
+// (callable(version, group)), and under commit="groups" before_commit/after_commit
+// (callable(version), around each layer group's commit; under "shadow",
+// ferry.Consumer.commit runs them on the caller's thread). before_sync/after_sync run in
 // ferry.Consumer.sync on the caller's thread (a raise there needs no C++ help).
 ConsumerOptions fill_consumer_options(const py::dict& kw, PyConsumer& c) {
   ConsumerOptions co = consumer_options(kw);
-  if (kw.contains("after_group") && !kw["after_group"].is_none()) {
-    auto fn = std::make_shared<GilObject>(py::reinterpret_borrow<py::object>(kw["after_group"]));
-    std::shared_ptr<HookErrors> errors = c.hook_errors;
-    co.after_group = [fn, errors](uint64_t version, int group) {
-      py::gil_scoped_acquire gil;
-      try {
-        fn->obj(version, group);
-      } catch (py::error_already_set& e) {
-        errors->add(invalid_argument("after_group hook (version {}, group {}): {}", version, group, python_error(e)));
-      } catch (const std::exception& e) {  // nothing may escape onto the engine's thread
-        errors->add(internal_error("after_group hook (version {}, group {}): {}", version, group, e.what()));
-      }
-    };
-  }
-  // commit="groups": the commit hooks run per layer group on the background thread, in
-  // the engine (under "shadow", ferry.Consumer.commit runs them on the caller's thread).
+  auto given = [&](const char* name) { return kw.contains(name) && !kw[name].is_none(); };
+  if (given("after_group"))
+    co.after_group = engine_hook<uint64_t, int>(kw["after_group"], "after_group", c.hook_errors, {"version", "group"});
   if (co.commit == CommitPolicy::kGroups) {
-    for (const char* name : {"before_commit", "after_commit"}) {
-      if (!kw.contains(name) || kw[name].is_none()) continue;
-      auto fn = std::make_shared<GilObject>(py::reinterpret_borrow<py::object>(kw[name]));
-      std::shared_ptr<HookErrors> errors = c.hook_errors;
-      std::string hook = name;
-      (hook == "before_commit" ? co.before_commit : co.after_commit) = [fn, errors, hook](uint64_t version) {
-        py::gil_scoped_acquire gil;
-        try {
-          fn->obj(version);
-        } catch (py::error_already_set& e) {
-          errors->add(invalid_argument("{} hook (version {}): {}", hook, version, python_error(e)));
-        } catch (const std::exception& e) {  // nothing may escape onto the engine's thread
-          errors->add(internal_error("{} hook (version {}): {}", hook, version, e.what()));
-        }
-      };
-    }
+    if (given("before_commit"))
+      co.before_commit = engine_hook<uint64_t>(kw["before_commit"], "before_commit", c.hook_errors, {"version"});
+    if (given("after_commit"))
+      co.after_commit = engine_hook<uint64_t>(kw["after_commit"], "after_commit", c.hook_errors, {"version"});
   }
   return co;
 }
