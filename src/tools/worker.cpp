@@ -7,7 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <algorithm>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -102,6 +102,15 @@ std::vector<int> group_versions(const std::vector<std::pair<std::string, std::ve
   }
   return out;
 }
+
+// One read of a commit reader (shadow, groups): not made (nothing committed yet to check
+// against), or made and then what made it a mix (the mismatch, or the group half
+// written) if anything, and whether its groups were at different versions (groups).
+struct ReadVerdict {
+  bool made = true;
+  std::optional<std::string> mixed;
+  bool split = false;
+};
 
 int worker_fail(const WorkerSpec& s, const Status& st) {
   std::fprintf(stderr, "ferry worker %s %d: %s\n", s.role.c_str(), s.rank, st.to_string().c_str());
@@ -342,45 +351,44 @@ int run_worker(const WorkerSpec& s) {
         if (!m.ok()) return worker_fail(s, m.status());
         direct_mixed = std::move(*m);
       }
-      reader.reads = reader.mixed = reader.split = 0;
-      reader.run = true;
-      reader.thread = std::thread([&] {
-        for (int n = 0; (n == 0 || reader.run) && n < 1'000'000; ++n) {  // bounded; at least one pass
-          std::shared_lock<std::shared_mutex> lk(reader.lock);
-          if (!direct_held) {  // nothing committed before this sync: nothing to check against
-            lk.unlock();
-            std::this_thread::sleep_for(std::chrono::milliseconds(1));
-            continue;
-          }
-          const std::vector<int> at = group_versions(
-              units, consumer->params(), {&*direct_next, &*direct_held, direct_mixed ? &*direct_mixed : nullptr});
-          ++reader.reads;
-          const bool whole = std::find(at.begin(), at.end(), -1) == at.end();
-          if (!whole && reader.mixed++ == 0)
-            reader.first_mix = units[static_cast<size_t>(std::find(at.begin(), at.end(), -1) - at.begin())].first;
-          reader.split += whole && std::count(at.begin(), at.end(), at.front()) != static_cast<long>(at.size());
-        }
-      });
     }
-    if (consumer && s.commit == "shadow") {
-      reader.reads = reader.mixed = 0;
+    // The reader's check of one read, made under the commit hooks' lock.
+    std::function<ReadVerdict()> check;
+    if (consumer && s.commit == "groups") {
+      check = [&]() -> ReadVerdict {
+        if (!direct_held) return {false};  // nothing committed before this sync: nothing to check against
+        const std::vector<int> at = group_versions(
+            units, consumer->params(), {&*direct_next, &*direct_held, direct_mixed ? &*direct_mixed : nullptr});
+        if (auto bad = std::find(at.begin(), at.end(), -1); bad != at.end())
+          return {true, units[static_cast<size_t>(bad - at.begin())].first};
+        return {true, std::nullopt, std::count(at.begin(), at.end(), at.front()) != static_cast<long>(at.size())};
+      };
+    } else if (consumer && s.commit == "shadow") {
+      check = [&]() -> ReadVerdict {
+        const ConsumerState held = consumer->state();
+        if (!held.has_version) return {false};  // nothing committed yet (zeros): nothing to check
+        auto ver = verify_params(*model, s.rank, consumer->params(), s.seed, held.version, *changes);
+        if (!ver.ok()) return {true, ver.status().to_string()};
+        return {true, *ver};
+      };
+    }
+    if (check) {
+      reader.reads = reader.mixed = reader.split = 0;
       reader.run = true;
       reader.thread = std::thread([&] {
         // At least one pass (a read, where a version is held), however soon the sync
         // returns: a sync the reader never read during would check nothing. Bounded.
         for (int n = 0; (n == 0 || reader.run) && n < 1'000'000; ++n) {
           std::shared_lock<std::shared_mutex> lk(reader.lock);
-          const ConsumerState held = consumer->state();
-          if (!held.has_version) {  // nothing committed yet (zeros): nothing to check, don't spin
+          const ReadVerdict r = check();
+          if (!r.made) {  // don't spin
             lk.unlock();
             std::this_thread::sleep_for(std::chrono::milliseconds(1));
             continue;
           }
-          auto ver = verify_params(*model, s.rank, consumer->params(), s.seed, held.version, *changes);
           ++reader.reads;
-          if (!ver.ok() || ver->has_value()) {
-            if (reader.mixed++ == 0) reader.first_mix = ver.ok() ? **ver : ver.status().to_string();
-          }
+          if (r.mixed && reader.mixed++ == 0) reader.first_mix = *r.mixed;
+          reader.split += r.split;
         }
       });
     }
