@@ -290,33 +290,6 @@ TEST_P(EngineMpFaultTest, ProducerSigkillOnlyHolderThenRecovers) {
   if (!bad.errors.empty()) std::printf("sync 2: %s\n", bad.errors[0].c_str());
 }
 
-// Atomic versions across processes (issue 27): inference ranks under the shadow commit
-// policy, each with a reader thread that verifies every read of its live params during
-// the syncs is exactly the committed version; producer 1, the only holder of its boxes,
-// SIGKILLed mid-sync 2: every consumer fails sync 2 with its live params bit for bit
-// version 1 (not torn), and sync 3 (producer restarted) commits everywhere. Pull and push.
-TEST(EngineMpShadow, ProducerSigkillLeavesTheLiveVersionAndReadersSeeOneVersion) {
-  for (const char* mode : {"pull", "push"}) {
-    SCOPED_TRACE(mode);
-    auto d = spec("llama-3.1-8b.json", "tp=2", "tp=2,replicas=2");
-    d.mode = mode;
-    d.commit = "shadow";
-    d.kill_role = "producer";
-    d.kill_rank = 1;
-    d.kills = {{2, 3}};
-    d.timeout_ms = 30000;
-    auto r = tools::run_demo(d);
-    ASSERT_EQ(r.rows.size(), 3u) << r.error;
-    EXPECT_EQ(r.rows[0].verified, 4);
-    const auto& bad = r.rows[1];
-    EXPECT_GT(bad.failed, 0);
-    EXPECT_EQ(bad.torn, 0) << "a failed sync under shadow never tears";
-    EXPECT_EQ(bad.live_verified, bad.failed) << "every failed consumer still holds version 1, bit for bit";
-    EXPECT_EQ(r.rows[2].verified, 4) << r.error;
-    for (const auto& row : r.rows) EXPECT_EQ(row.mixed_reads, 0u) << "sync " << row.version;
-  }
-}
-
 // What each shadow consumer's reader did during sync `row`: every one read the live params
 // at least once (a reader that never read checks nothing) and no read saw a mix.
 void expect_readers_read(const tools::DemoSyncRow& row, int consumers) {
@@ -329,18 +302,17 @@ void expect_readers_read(const tools::DemoSyncRow& row, int consumers) {
   }
 }
 
-// The bounded shadow across processes (CommitPolicy::kGroups): each inference rank's
-// reader checks every layer group of each read is whole (the version held or the one
-// syncing); producer 1, the only holder of its boxes, SIGKILLed mid-sync 2: every consumer
-// fails sync 2, never torn, the groups its report names (groups_live) at version 2 and
-// every other group at 1, bit for bit (the worker's live_verified); sync 3 (producer
-// restarted) commits everywhere. Pull and push.
-TEST(EngineMpShadow, GroupsProducerSigkillLeavesTheGroupsItNamesNew) {
+// Producer 1, the only holder of its boxes, SIGKILLed mid-sync 2 of inference ranks under
+// `commit` ("shadow" or "groups"), each with a reader thread checking every read of its
+// live params during the syncs: every consumer fails sync 2, never torn, its live params
+// bit for bit what the policy promises (the worker's live_verified), no read ever saw a
+// mix, and sync 3 (producer restarted) commits everywhere. Pull and push.
+void expect_producer_sigkill_keeps_the_promise(const char* commit) {
   for (const char* mode : {"pull", "push"}) {
     SCOPED_TRACE(mode);
     auto d = spec("llama-3.1-8b.json", "tp=2", "tp=2,replicas=2");
     d.mode = mode;
-    d.commit = "groups";
+    d.commit = commit;
     d.kill_role = "producer";
     d.kill_rank = 1;
     d.kills = {{2, 3}};
@@ -350,14 +322,27 @@ TEST(EngineMpShadow, GroupsProducerSigkillLeavesTheGroupsItNamesNew) {
     EXPECT_EQ(r.rows[0].verified, 4);
     const auto& bad = r.rows[1];
     EXPECT_GT(bad.failed, 0);
-    EXPECT_EQ(bad.torn, 0) << "a failed sync under groups never tears";
-    EXPECT_EQ(bad.live_verified, bad.failed) << "every failed consumer holds the groups it names at 2, the rest at 1";
+    EXPECT_EQ(bad.torn, 0) << "a failed sync under " << commit << " never tears";
+    EXPECT_EQ(bad.live_verified, bad.failed) << "a failed consumer's live params are not what " << commit << " promises";
     EXPECT_EQ(r.rows[2].verified, 4) << r.error;
     for (const auto& row : r.rows) {
-      EXPECT_EQ(row.mixed_reads, 0u) << "sync " << row.version << ": a group half written";
+      EXPECT_EQ(row.mixed_reads, 0u) << "sync " << row.version;
       if (row.version > 1) expect_readers_read(row, 4);  // (sync 1: nothing committed to read)
     }
   }
+}
+
+// Atomic versions across processes (issue 27), shadow: every read is exactly the
+// committed version; the failed sync leaves the live params bit for bit version 1.
+TEST(EngineMpShadow, ProducerSigkillLeavesTheLiveVersionAndReadersSeeOneVersion) {
+  expect_producer_sigkill_keeps_the_promise("shadow");
+}
+
+// The bounded shadow (CommitPolicy::kGroups): every layer group of each read is whole;
+// the failed sync leaves the groups its report names (groups_live) at version 2 and every
+// other group at 1, bit for bit.
+TEST(EngineMpShadow, GroupsProducerSigkillLeavesTheGroupsItNamesNew) {
+  expect_producer_sigkill_keeps_the_promise("groups");
 }
 
 // Issue 27 across processes, a checksum mismatch: trainer rank 0 flips a byte of group 1's

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <set>
 #include <shared_mutex>
 #include <thread>
@@ -67,6 +68,20 @@ struct CommitLocks {
     };
   }
   std::shared_mutex& operator[](int c) { return *locks[static_cast<size_t>(c)]; }
+  // A reader thread per rank calling read(c) under the shared lock, over and over until
+  // `stop` (bounded: at most a million reads each).
+  std::vector<std::thread> read_until(const std::atomic<bool>& stop, std::function<void(int)> read) {
+    std::vector<std::thread> readers;
+    for (int c = 0; c < 2; ++c) {
+      readers.emplace_back([this, &stop, read, c] {
+        for (int n = 0; !stop && n < 1'000'000; ++n) {
+          std::shared_lock<std::shared_mutex> lk((*this)[c]);
+          read(c);
+        }
+      });
+    }
+    return readers;
+  }
 };
 
 class EngineShadowTest : public ::testing::TestWithParam<bool> {};  // caller_params
@@ -85,15 +100,8 @@ TEST_P(EngineShadowTest, ReadersNeverSeeAMixOfVersions) {
     std::shared_lock<std::shared_mutex> lk(locks[c]);
     committed[static_cast<size_t>(c)].insert(hash_params(k.cons[static_cast<size_t>(c)]->params()));  // the zeros
   }
-  std::vector<std::thread> readers;
-  for (int c = 0; c < 2; ++c) {
-    readers.emplace_back([&, c] {
-      for (int n = 0; !stop && n < 1'000'000; ++n) {  // bounded
-        std::shared_lock<std::shared_mutex> lk(locks[c]);
-        seen[static_cast<size_t>(c)].push_back(hash_params(k.cons[static_cast<size_t>(c)]->params()));
-      }
-    });
-  }
+  std::vector<std::thread> readers = locks.read_until(
+      stop, [&](int c) { seen[static_cast<size_t>(c)].push_back(hash_params(k.cons[static_cast<size_t>(c)]->params())); });
   for (uint64_t v = 1; v <= 4; ++v) {
     auto o = k.sync(v);
     k.expect_all_ok(o, v);
@@ -238,15 +246,8 @@ TEST_P(EngineGroupsTest, ReadersSeeEveryLayerGroupWhole) {
   };
   for (int c = 0; c < 2; ++c) note_committed(c);  // the zeros
   std::atomic<bool> stop{false};
-  std::vector<std::thread> readers;
-  for (int c = 0; c < 2; ++c) {
-    readers.emplace_back([&, c] {
-      for (int n = 0; !stop && n < 1'000'000; ++n) {  // bounded
-        std::shared_lock<std::shared_mutex> lk(locks[c]);
-        seen[static_cast<size_t>(c)].push_back(hashes(c));
-      }
-    });
-  }
+  std::vector<std::thread> readers =
+      locks.read_until(stop, [&](int c) { seen[static_cast<size_t>(c)].push_back(hashes(c)); });
   for (uint64_t v = 1; v <= 3; ++v) {
     auto o = k.sync(v);
     k.expect_all_ok(o, v);
