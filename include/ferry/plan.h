@@ -52,6 +52,21 @@ struct Zero {
   friend bool operator==(const Zero&, const Zero&) = default;
 };
 
+// The consumer keeps params[param] block-quantised to FP8 e4m3 (issue 29): a scale per
+// tile of its last two dims (block x block, or 1 x block for MXFP8), leading dims each on
+// their own, and the scales as a param of its own named `scale_name`. What post-processing
+// does today on the consumer; stating it in the plan lets the router give the job to a
+// producer that holds a tile's every element (RouterOptions::quantize_on), bit for bit
+// the same. `format` is ferry/device.h's Fp8Scales (0: fp32 inverse scales, 1: UE8M0
+// bytes, 2: MXFP8), kept as a byte so that plans need no device header.
+struct BlockQuantize {
+  uint32_t param = 0;
+  uint8_t format = 0;
+  uint32_t block = 128;
+  std::string scale_name;
+  friend bool operator==(const BlockQuantize&, const BlockQuantize&) = default;
+};
+
 struct PlanStats {
   uint64_t copies = 0;
   uint64_t zeros = 0;
@@ -62,8 +77,9 @@ struct PlanStats {
 
 class Plan {
  public:
-  // Current binary encoding version (see encode()).
-  static constexpr uint32_t kEncodingVersion = 1;
+  // Current binary encoding version (see encode()): 2 adds the quantised params, and is
+  // written only where there are some (a plan without them encodes and hashes as before).
+  static constexpr uint32_t kEncodingVersion = 2;
   // Decoding refuses counts and sizes beyond these (a hostile blob can't allocate
   // unbounded memory).
   static constexpr uint64_t kMaxTensors = 1u << 24;
@@ -75,6 +91,13 @@ class Plan {
   const std::vector<TensorDecl>& params() const { return params_; }
   const std::vector<Copy>& copies() const { return copies_; }
   const std::vector<Zero>& zeros() const { return zeros_; }
+  // Sorted by param; at most one per param.
+  const std::vector<BlockQuantize>& quantized() const { return quantized_; }
+  // The params the consumer keeps block-quantised (replacing any earlier list). Errors: a
+  // param index out of range or listed twice, a param that is not a float matrix
+  // (at least 2 dims), a format above 2, a block of 0 or above 2^16, a scale name that is
+  // empty, names a param of the plan or is used twice.
+  Status set_quantized(std::vector<BlockQuantize> quantized);
 
   // Index of a declared tensor, adding it when new. Fails when the name is declared
   // with a different dtype or shape.
@@ -118,6 +141,7 @@ class Plan {
   std::vector<TensorDecl> params_;
   std::vector<Copy> copies_;
   std::vector<Zero> zeros_;
+  std::vector<BlockQuantize> quantized_;
   std::unordered_map<std::string, uint32_t> source_index_;
   std::unordered_map<std::string, uint32_t> param_index_;
 };

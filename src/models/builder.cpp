@@ -370,6 +370,14 @@ Result<std::shared_ptr<const RankLoader>> RankBuilder::finish() {
         for (const auto& name : names) {
           auto it = params.find(name);
           if (it == params.end()) return not_found("fp8 quantisation: param '{}' missing", name);
+          if (it->second.dtype() == DType::kF8E4M3) {
+            // Quantised by a producer (RouterOptions::quantize_on): it arrived with its scales.
+            if (!params.count(name + form.scale_suffix)) {
+              return not_found("fp8 quantisation: param '{}' arrived quantised without its scales '{}'", name,
+                               name + form.scale_suffix);
+            }
+            continue;
+          }
           auto q = quantize_fp8_blocks(it->second, form.block, form.format);
           if (!q.ok()) return q.status().with_context(fmt::format("fp8 quantisation of '{}'", name));
           it->second = q->first;

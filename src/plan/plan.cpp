@@ -268,7 +268,7 @@ class Reader {
 Result<TensorDecl> read_decl(Reader& r) {
   TensorDecl d;
   FERRY_ASSIGN_OR_RETURN(d.name, r.str());
-  uint8_t dt;
+  uint8_t dt = 0;
   FERRY_RETURN_IF_ERROR(r.raw(&dt, 1));
   if (dt >= kNumDTypes) return corrupt("plan: unknown dtype code {} for '{}'", int(dt), d.name);
   d.dtype = static_cast<DType>(dt);
@@ -441,12 +441,48 @@ void Plan::canonicalize() {
     if (!changed) break;
   }
   zeros_ = std::move(zeros);
+  for (BlockQuantize& q : quantized_) q.param = premap[q.param];
+  std::sort(quantized_.begin(), quantized_.end(),
+            [](const BlockQuantize& a, const BlockQuantize& b) { return a.param < b.param; });
+}
+
+Status Plan::set_quantized(std::vector<BlockQuantize> quantized) {
+  std::vector<bool> seen(params_.size(), false);
+  std::unordered_map<std::string, uint32_t> scales;
+  for (const BlockQuantize& q : quantized) {
+    if (q.param >= params_.size()) return out_of_range("quantised param index {} of {}", q.param, params_.size());
+    const TensorDecl& d = params_[q.param];
+    if (seen[q.param]) return invalid_argument("param '{}' is listed as quantised twice", d.name);
+    seen[q.param] = true;
+    if (d.shape.size() < 2 || !is_floating(d.dtype)) {
+      return invalid_argument("param '{}' ({} {}) can't be block-quantised: not a float matrix", d.name,
+                              dtype_name(d.dtype), shape_str(d.shape));
+    }
+    if (q.format > 2) return invalid_argument("param '{}': scale format {} is not one of 0, 1, 2", d.name, q.format);
+    if (q.block == 0 || q.block > (1u << 16)) {
+      return invalid_argument("param '{}': quantisation block {} is not in [1, 65536]", d.name, q.block);
+    }
+    if (q.scale_name.empty() || q.scale_name.size() > kMaxNameLength) {
+      return invalid_argument("param '{}': its scales need a name of 1 to {} bytes", d.name, kMaxNameLength);
+    }
+    if (param_index_.count(q.scale_name)) {
+      return invalid_argument("param '{}': its scales' name '{}' is a param of the plan", d.name, q.scale_name);
+    }
+    if (!scales.emplace(q.scale_name, q.param).second) {
+      return invalid_argument("params '{}' and '{}' name their scales alike: '{}'", params_[scales[q.scale_name]].name,
+                              d.name, q.scale_name);
+    }
+  }
+  std::sort(quantized.begin(), quantized.end(),
+            [](const BlockQuantize& a, const BlockQuantize& b) { return a.param < b.param; });
+  quantized_ = std::move(quantized);
+  return Status::Ok();
 }
 
 std::string Plan::encode() const {
   Writer w;
   w.raw(kMagic, 4);
-  w.u32(kEncodingVersion);
+  w.u32(quantized_.empty() ? 1 : 2);
   w.uvar(sources_.size());
   for (const auto& d : sources_) write_decl(w, d);
   w.uvar(params_.size());
@@ -462,6 +498,15 @@ std::string Plan::encode() const {
   for (const Zero& z : zeros_) {
     w.uvar(z.param);
     w.layout(z.dst);
+  }
+  if (!quantized_.empty()) {
+    w.uvar(quantized_.size());
+    for (const BlockQuantize& q : quantized_) {
+      w.uvar(q.param);
+      w.uvar(q.format);
+      w.uvar(q.block);
+      w.str(q.scale_name);
+    }
   }
   return w.take();
 }
@@ -484,8 +529,8 @@ Result<Plan> Plan::decode(std::span<const std::byte> bytes) {
   FERRY_RETURN_IF_ERROR(r.raw(magic, 4).with_context("plan header"));
   if (std::memcmp(magic, kMagic, 4) != 0) return corrupt("plan: bad magic (not a ferry plan)");
   FERRY_ASSIGN_OR_RETURN(uint32_t version, r.u32());
-  if (version != kEncodingVersion) {
-    return corrupt("plan: encoding version {} is not supported (this build reads {})", version, kEncodingVersion);
+  if (version < 1 || version > kEncodingVersion) {
+    return corrupt("plan: encoding version {} is not supported (this build reads 1 to {})", version, kEncodingVersion);
   }
   Plan plan;
   // Every entry takes at least 2 bytes, so a count beyond the remaining bytes is a lie.
@@ -527,6 +572,24 @@ Result<Plan> Plan::decode(std::span<const std::byte> bytes) {
     z.param = static_cast<uint32_t>(p);
     FERRY_ASSIGN_OR_RETURN(z.dst, r.layout());
     FERRY_RETURN_IF_ERROR(as_corrupt(plan.add_zero(std::move(z)), fmt::format("plan: zero {}", i)));
+  }
+  if (version >= 2) {
+    FERRY_ASSIGN_OR_RETURN(uint64_t nq, count("quantised param", kMaxTensors));
+    if (nq == 0) return corrupt("plan: version 2 with no quantised params (written as version 1)");
+    std::vector<BlockQuantize> quantized(nq);
+    for (BlockQuantize& q : quantized) {
+      FERRY_ASSIGN_OR_RETURN(uint64_t p, r.bounded(kMaxTensors, "quantised param"));
+      FERRY_ASSIGN_OR_RETURN(uint64_t f, r.bounded(255, "scale format"));
+      FERRY_ASSIGN_OR_RETURN(uint64_t b, r.bounded(0xffffffffu, "quantisation block"));
+      q.param = static_cast<uint32_t>(p);
+      q.format = static_cast<uint8_t>(f);
+      q.block = static_cast<uint32_t>(b);
+      FERRY_ASSIGN_OR_RETURN(q.scale_name, r.str());
+    }
+    for (size_t i = 1; i < quantized.size(); ++i) {
+      if (quantized[i].param <= quantized[i - 1].param) return corrupt("plan: quantised params out of order");
+    }
+    FERRY_RETURN_IF_ERROR(as_corrupt(plan.set_quantized(std::move(quantized)), "plan"));
   }
   if (r.left() != 0) return corrupt("plan: {} trailing bytes", r.left());
   return plan;
@@ -618,6 +681,10 @@ std::string Plan::to_string() const {
                        c.src.to_string());
   }
   for (const Zero& z : zeros_) out += fmt::format("  {} {} <- 0\n", params_[z.param].name, z.dst.to_string());
+  for (const BlockQuantize& q : quantized_) {
+    out += fmt::format("  {} quantised: fp8 tiles of {}, scale format {} -> {}\n", params_[q.param].name, q.block,
+                       q.format, q.scale_name);
+  }
   return out;
 }
 

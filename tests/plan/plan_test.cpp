@@ -187,14 +187,106 @@ TEST(Plan, EncodeDecodeRoundTrip) {
   EXPECT_EQ(back->find_param("nope"), std::nullopt);
 }
 
+// A plan whose consumer keeps its [4, 3] matrix block-quantised (issue 29).
+Result<Plan> record_quantised() {
+  FERRY_ASSIGN_OR_RETURN(Plan plan, record_row_shard(1, false));
+  FERRY_RETURN_IF_ERROR(plan.set_quantized({BlockQuantize{0, 1, 2, "p_scale_inv"}}));
+  return plan;
+}
+
+TEST(Plan, QuantisedParamsRoundTripAndChangeTheHash) {
+  auto dense = record_row_shard(1, false);
+  auto plan = record_quantised();
+  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+  // A plan without them encodes as version 1, as before the field existed.
+  EXPECT_EQ(dense->encode()[4], 1);
+  EXPECT_EQ(plan->encode()[4], 2);
+  EXPECT_NE(plan->hash(), dense->hash());
+  EXPECT_NE(*plan, *dense);
+  auto back = Plan::decode(plan->encode());
+  ASSERT_TRUE(back.ok()) << back.status().to_string();
+  EXPECT_EQ(*back, *plan);
+  ASSERT_EQ(back->quantized().size(), 1u);
+  EXPECT_EQ(back->quantized()[0], (BlockQuantize{0, 1, 2, "p_scale_inv"}));
+  EXPECT_NE(plan->to_string().find("p quantised: fp8 tiles of 2, scale format 1 -> p_scale_inv"), std::string::npos)
+      << plan->to_string();
+}
+
+TEST(Plan, CanonicalizeRemapsQuantisedParams) {
+  // Params declared out of name order: canonicalize sorts them and the entry follows "b".
+  Recorder rec;
+  Tensor s = Tensor::source("s", {4, 4}, DType::kBF16);
+  Tensor b = Tensor::param("b", {2, 4}, DType::kBF16);
+  Tensor a = Tensor::param("a", {2, 4}, DType::kBF16);
+  ASSERT_TRUE(b.copy_(s.narrow(0, 0, 2)).ok());
+  ASSERT_TRUE(a.copy_(s.narrow(0, 2, 2)).ok());
+  Plan plan = rec.plan();
+  ASSERT_EQ(plan.params()[0].name, "b");
+  ASSERT_TRUE(plan.set_quantized({BlockQuantize{0, 0, 128, "b_scale_inv"}}).ok());
+  plan.canonicalize();
+  ASSERT_EQ(plan.params()[1].name, "b");
+  ASSERT_EQ(plan.quantized().size(), 1u);
+  EXPECT_EQ(plan.quantized()[0].param, 1u);
+}
+
+TEST(Plan, SetQuantizedRefusesWhatCantBeQuantised) {
+  Recorder rec;
+  Tensor s = Tensor::source("s", {4}, DType::kBF16);
+  Tensor v = Tensor::param("v", {4}, DType::kBF16);
+  Tensor m = Tensor::source("m", {2, 2}, DType::kI32);
+  Tensor mi = Tensor::param("mi", {2, 2}, DType::kI32);
+  ASSERT_TRUE(v.copy_(s).ok());
+  ASSERT_TRUE(mi.copy_(m).ok());
+  auto plan = rec.finish();
+  ASSERT_TRUE(plan.ok());
+  Plan p = *plan;  // params: mi (0), v (1)
+  EXPECT_STATUS_HAS(p.set_quantized({BlockQuantize{5, 0, 128, "x"}}), "index 5 of 2");
+  EXPECT_STATUS_HAS(p.set_quantized({BlockQuantize{1, 0, 128, "x"}}), "not a float matrix");
+  EXPECT_STATUS_HAS(p.set_quantized({BlockQuantize{0, 0, 128, "x"}}), "not a float matrix");
+  auto q = record_row_shard(0, false);
+  Plan r = *q;
+  EXPECT_STATUS_HAS(r.set_quantized({BlockQuantize{0, 3, 128, "x"}}), "scale format 3");
+  EXPECT_STATUS_HAS(r.set_quantized({BlockQuantize{0, 0, 0, "x"}}), "block 0");
+  EXPECT_STATUS_HAS(r.set_quantized({BlockQuantize{0, 0, 128, ""}}), "need a name");
+  EXPECT_STATUS_HAS(r.set_quantized({BlockQuantize{0, 0, 128, "p"}}), "is a param of the plan");
+  EXPECT_STATUS_HAS(r.set_quantized({BlockQuantize{0, 0, 128, "x"}, BlockQuantize{0, 0, 128, "y"}}), "twice");
+  EXPECT_TRUE(r.quantized().empty());  // a refused list leaves the plan as it was
+}
+
+TEST(Plan, DecodeRejectsCorruptQuantisedParams) {
+  auto plan = record_quantised();
+  ASSERT_TRUE(plan.ok());
+  const std::string good = plan->encode();
+  for (size_t n = 0; n < good.size(); ++n) {
+    auto r = Plan::decode(std::string_view(good.data(), n));
+    EXPECT_EQ(r.status().code(), StatusCode::kCorrupt) << "prefix of " << n << " bytes";
+  }
+  for (size_t i = 0; i < good.size(); ++i) {
+    for (int bit = 0; bit < 8; ++bit) {
+      std::string bad = good;
+      bad[i] = static_cast<char>(bad[i] ^ (1 << bit));
+      auto r = Plan::decode(bad);
+      if (r.ok()) {
+        EXPECT_TRUE(r->validate().ok());
+        for (const BlockQuantize& q : r->quantized()) EXPECT_LT(q.param, r->params().size());
+      } else {
+        EXPECT_EQ(r.status().code(), StatusCode::kCorrupt) << r.status().to_string();
+      }
+    }
+  }
+}
+
 TEST(Plan, DecodeRejectsMalformedInput) {
   auto plan = record_row_shard(0, false);
   const std::string good = plan->encode();
   EXPECT_STATUS_HAS(Plan::decode(std::string_view("")).status(), "truncated");
   EXPECT_STATUS_HAS(Plan::decode(std::string_view("XXXX\1\0\0\0")).status(), "bad magic");
-  std::string v2 = good;
+  std::string v3 = good;
+  v3[4] = 3;
+  EXPECT_STATUS_HAS(Plan::decode(v3).status(), "encoding version 3 is not supported");
+  std::string v2 = good;  // version 2 must carry quantised params
   v2[4] = 2;
-  EXPECT_STATUS_HAS(Plan::decode(v2).status(), "encoding version 2 is not supported");
+  EXPECT_FALSE(Plan::decode(v2).ok());
   // Every truncation fails cleanly.
   for (size_t n = 0; n < good.size(); ++n) {
     auto r = Plan::decode(std::string_view(good.data(), n));
