@@ -58,10 +58,38 @@ struct Segment {
   friend bool operator==(const Segment&, const Segment&) = default;
 };
 
+// Producer-side block quantisation (RouterOptions::quantize_on, issue 29). A *region* is
+// a box of one consumer param, aligned to its quantisation tiles, whose every element one
+// producer holds: it fills the region in the param's dtype from its boxes (FillOps), runs
+// the same quantiser as the consumer would (fp8_block_quantize) and stages the e4m3
+// values, row-major, then the region's tile scales, row-major (QuantOp::bytes()).
+struct FillOp {
+  uint32_t box = 0;  // index into the producer's Holdings::boxes
+  Layout src;        // over the held box's row-major space
+  Layout dst;        // over the region's row-major space [batch, rows, cols]; src's shape
+  friend bool operator==(const FillOp&, const FillOp&) = default;
+};
+
+struct QuantOp {
+  uint64_t offset = 0;         // in staging
+  DType dtype = DType::kBF16;  // the region before quantising: the param's dtype in the plan
+  uint8_t format = 0;          // BlockQuantize::format (Fp8Scales)
+  uint32_t block = 128;        // tile columns; tile rows the same, or 1 under MXFP8
+  Shape region;                // [batch, rows, cols]
+  std::vector<FillOp> fills;   // disjoint, covering the region
+  uint64_t numel() const;
+  uint64_t tiles() const;
+  uint64_t bytes() const;  // numel() e4m3 values + tiles() scales
+  friend bool operator==(const QuantOp&, const QuantOp&) = default;
+};
+
 struct ProducerGroup {
   uint64_t staging_bytes = 0;
   std::vector<Segment> segments;
   std::vector<PackOp> packs;
+  // Regions this producer quantises, in staging among its segments' packs. Never elided
+  // (RouterOptions::packs_of): every rank makes every producer's few.
+  std::vector<QuantOp> quants;
   // Where the router made no packs for this group (RouterOptions::packs_of: another
   // rank's), how many it has and their digest instead; zero where `packs` holds them.
   uint64_t elided_packs = 0;
@@ -104,11 +132,23 @@ struct PlanGroup {
   friend bool operator==(const PlanGroup&, const PlanGroup&) = default;
 };
 
+// A param of a plan class that producers quantise: params[param] is e4m3 (the plan's
+// dtype, `loaded`, is what the producers quantise from) and params[scale] holds its tile
+// scales (appended after the plan's params). The consumer receives them as they stay.
+struct QuantizedParam {
+  uint32_t param = 0, scale = 0;
+  uint8_t format = 0;
+  uint32_t block = 128;
+  DType loaded = DType::kBF16;
+  friend bool operator==(const QuantizedParam&, const QuantizedParam&) = default;
+};
+
 // The route of one plan class (shared by every consumer whose plan it is).
 struct PlanRoute {
   uint64_t plan_hash = 0;
-  std::vector<TensorDecl> params;  // the plan's params
+  std::vector<TensorDecl> params;  // the plan's params (+ the scales of `quantized`)
   std::vector<PlanGroup> groups;   // one per group
+  std::vector<QuantizedParam> quantized;  // by param
   friend bool operator==(const PlanRoute&, const PlanRoute&) = default;
 };
 
@@ -137,13 +177,19 @@ struct RouteStats {
   // sent by its own producers, so max over components of bytes / producers (and the
   // sole-holder maximum) bounds the busiest producer of any assignment.
   double component_bound = 0;
+  // Params the plans keep block-quantised (Plan::quantized), over plan classes, and
+  // those the producers quantise (RouterOptions::quantize_on); the rest the consumer does.
+  uint64_t quantized_params = 0;
+  uint64_t quantized_on_producer = 0;
+  uint64_t quant_regions = 0;
 };
 
 class Routes {
  public:
   // Version 1: every op present. Version 2 (written only where some group's ops were
-  // elided) adds each group's elided count and digest.
-  static constexpr uint32_t kEncodingVersion = 2;
+  // elided) adds each group's elided count and digest. Version 3 (only where producers
+  // quantise) adds each producer group's quant ops and each plan's quantized params.
+  static constexpr uint32_t kEncodingVersion = 3;
   static constexpr uint64_t kMaxCount = 1u << 28;
   static constexpr uint64_t kMaxRank = 16;
 
@@ -198,9 +244,23 @@ enum class ConvertOn : uint8_t { kProducer, kConsumer };
 std::string_view convert_on_name(ConvertOn c);
 std::optional<ConvertOn> parse_convert_on(std::string_view name);  // "producer" | "consumer"
 
+// Where the block quantisation a plan asks for (Plan::quantized) runs: on the consumer
+// after the dense values land (post-processing, as loaded), or on a producer wherever
+// one producer holds every element of each of a param's tiles, so that FP8 values and
+// scales cross the wire (about half the bytes of bf16). A param some tile of which no
+// producer holds whole, that has zero padding, or that is fed from more than one layer
+// group stays with the consumer. The bits are the same either way.
+enum class QuantizeOn : uint8_t { kConsumer, kProducer };
+std::string_view quantize_on_name(QuantizeOn q);
+std::optional<QuantizeOn> parse_quantize_on(std::string_view name);  // "consumer" | "producer"
+// A region's elements, at most: a producer fills one region at a time in a scratch buffer
+// of the param's dtype (64 MiB of bf16).
+inline constexpr uint64_t kMaxQuantRegionElements = uint64_t{1} << 25;
+
 struct RouterOptions {
   uint64_t segment_alignment = 64;
   ConvertOn convert_on = ConvertOn::kProducer;
+  QuantizeOn quantize_on = QuantizeOn::kConsumer;
   // Threads that build the routes (plan classes, producers and tensors split among them);
   // 0: the hardware's, at most 16. The routes are the same for any count.
   int threads = 0;
@@ -311,6 +371,12 @@ Status pack_group(const Routes& routes, uint32_t producer, int group, const Hold
 // one with the packs another path serves removed.
 Status pack_group(const ProducerGroup& group_route, uint32_t producer, int group, const Holdings& holdings,
                   const std::vector<LocalBox>& boxes, std::span<std::byte> staging);
+// The group's quant ops alone (pack_group runs them after its packs), into `staging` in
+// host memory: each region filled from the boxes (a box in GPU memory copied to the host
+// first), converted to the param's dtype as an unpack would, and quantised by the code a
+// consumer's FP8 post-processing runs. For a caller whose packs wrote device staging.
+Status quantize_group(const ProducerGroup& group_route, uint32_t producer, int group, const Holdings& holdings,
+                      const std::vector<LocalBox>& boxes, std::span<std::byte> staging);
 // Unpacks a received group buffer (PlanGroup::recv_bytes) into real params (by name,
 // contiguous, declared dtype and shape). Params in CUDA memory (one device) are written
 // by one kernel launch reading `recv`, which must be visible to that device; a dtype

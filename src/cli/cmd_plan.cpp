@@ -34,6 +34,7 @@ struct PlanArgs {
   std::string trainer;
   std::string inference = "tp=1";
   std::string quantize = "none";
+  std::string quantize_on = "producer";  // EngineOptions::quantize_on
   bool shrink = false;
   std::string config_overrides;  // JSON merged into the (shrunk) config, as demo/bench/simulate take
   bool json = false;
@@ -149,7 +150,9 @@ int run_plan(const PlanArgs& a) {
   // holds (the engine's RouterOptions), the job's are a GiB at fsdp=4096.
   RouterOptions ropts;
   ropts.packs_of = RouterOptions::kNoRank;
-  ropts.unpacks_of = lopts.quantize != Quantize::kNone ? RouterOptions::kEveryRank : RouterOptions::kNoRank;
+  const bool on_producer = a.quantize_on == "producer" && lopts.quantize != Quantize::kNone;
+  ropts.unpacks_of = lopts.quantize != Quantize::kNone && !on_producer ? RouterOptions::kEveryRank : RouterOptions::kNoRank;
+  ropts.quantize_on = on_producer ? QuantizeOn::kProducer : QuantizeOn::kConsumer;
   auto routes = build_routes(in, ropts);
   if (!routes.ok()) return fail_with("plan", routes.status());
   const auto t_end = clock::now();
@@ -202,7 +205,21 @@ int run_plan(const PlanArgs& a) {
   };
   std::optional<QuantizeTotals> qt;
   BlockQuantizeFormat tiles;
-  if (lopts.quantize != Quantize::kNone) {
+  // With the producers quantising, the routes say what moves; the params that fell back
+  // are those still dense in their class's route.
+  std::vector<std::string> fell_back;
+  if (on_producer) {
+    for (size_t k = 0; k < routes->plans.size(); ++k) {
+      const Plan* plan = nullptr;
+      for (size_t c = 0; c < routes->consumer_plan.size() && !plan; ++c)
+        if (routes->consumer_plan[c] == k) plan = in.consumers[c];
+      for (const BlockQuantize& q : plan->quantized()) {
+        if (routes->plans[k].params[q.param].dtype != DType::kF8E4M3 && fell_back.size() < 3)
+          fell_back.push_back(plan->params()[q.param].name);
+      }
+    }
+  }
+  if (lopts.quantize != Quantize::kNone && !on_producer) {
     auto quantized = tools::quantized_params(**loader, *routes);
     if (!quantized.ok()) return fail_with("plan", quantized.status());
     tiles = quantized->format;
@@ -277,6 +294,14 @@ int run_plan(const PlanArgs& a) {
       j["round_lanes"] = go.round_sizes();
       j["cohort_sizes"] = go.cohort_sizes();
     }
+    if (on_producer) {
+      j["quantize"] = {{"format", quantize_name(lopts.quantize)},
+                       {"on", "producer"},
+                       {"params", st.quantized_params},
+                       {"params_on_producer", st.quantized_on_producer},
+                       {"regions", st.quant_regions},
+                       {"fell_back_examples", fell_back}};
+    }
     if (qt) {
       j["quantize_on_producer"] = {{"params", qt->params},
                                    {"params_on_producer", qt->on_producer},
@@ -318,6 +343,14 @@ int run_plan(const PlanArgs& a) {
                                plan_seconds, plan_cpu_seconds, secs(t_rec - t_hold), recorded, secs(t_route - t_rec),
                                secs(t_end - t_route)));
   row("peak memory (ru_maxrss)", human(static_cast<double>(rss)));
+  if (on_producer) {
+    // Counted over plan classes (a class's params once).
+    row(fmt::format("{} on the producers", quantize_name(lopts.quantize)).c_str(),
+        fmt::format("{} of {} quantised params quantised by a trainer rank ({} regions){}", st.quantized_on_producer,
+                    st.quantized_params, st.quant_regions,
+                    fell_back.empty() ? std::string()
+                                      : fmt::format("; the rest on the consumer (e.g. {})", fmt::join(fell_back, ", "))));
+  }
   if (qt) {
     // Counted over plan classes (a class's params once), bytes over every consumer.
     row(fmt::format("{} on the producer (prediction)", quantize_name(lopts.quantize)).c_str(),
@@ -331,7 +364,7 @@ int run_plan(const PlanArgs& a) {
                     human(static_cast<double>(qt->bytes_quantized_params)),
                     qt->bytes_dense ? static_cast<double>(qt->bytes_quantized_params) / qt->bytes_dense : 1.0));
     row("  bytes ferry would move",
-        fmt::format("{} ({:.3f}x today's {}; the engine still quantises on the consumer)",
+        fmt::format("{} ({:.3f}x the {} moved with --quantize-on consumer)",
                     human(static_cast<double>(qt->bytes_moved)),
                     st.bytes_moved ? static_cast<double>(qt->bytes_moved) / st.bytes_moved : 1.0,
                     human(static_cast<double>(st.bytes_moved))));
@@ -388,6 +421,13 @@ FERRY_COMMAND(plan_command, "plan",
                 app.add_option("--inference,-i", a->inference, "Inference layout: \"tp=..,dp=..,ep=..,replicas=..\"")
                     ->default_val("tp=1");
                 app.add_option("--quantize", a->quantize, "Inference post-processing: none | fp8 | fp8-ue8m0 | mxfp8")->default_val("none");
+                app.add_option("--quantize-on", a->quantize_on,
+                               "Where --quantize runs (EngineOptions::quantize_on): producer (the routes carry FP8 "
+                               "values and scales wherever one trainer rank holds a param's every tile; the rest "
+                               "fall back to the consumer) | consumer (the routes carry what the trainer holds; "
+                               "the report then predicts the producer side)")
+                    ->check(CLI::IsMember({"producer", "consumer"}))
+                    ->default_val("producer");
                 app.add_flag("--shrink", a->shrink, "Route a structurally equal small variant of the model");
                 app.add_option("--config-overrides", a->config_overrides,
                                "JSON merged into the config (after --shrink), as demo, bench and simulate take it "

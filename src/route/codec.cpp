@@ -170,7 +170,10 @@ namespace {
 // as `packs(w, group)` / `unpacks(w, group)` write them (encode: the ops; fingerprint:
 // their count and digest, flushing the writer).
 template <typename Packs, typename Unpacks>
-void write_routes(Writer& w, const Routes& r, Packs&& packs, Unpacks&& unpacks) {
+// `quant`: version 3's fields (the plans' quantized params; each group's quant ops
+// unless `quant_ops_in_packs`, where `packs` digests them with the packs).
+void write_routes(Writer& w, const Routes& r, bool quant, Packs&& packs, Unpacks&& unpacks,
+                  bool quant_ops_in_packs = false) {
   w.u64(r.group_names.size());
   for (const auto& g : r.group_names) w.str(g);
   w.u64(r.producers.size());
@@ -185,6 +188,23 @@ void write_routes(Writer& w, const Routes& r, Packs&& packs, Unpacks&& unpacks) 
         w.u64(s.bytes);
       }
       packs(w, g);
+      if (quant && !quant_ops_in_packs) {
+        w.u64(g.quants.size());
+        for (const QuantOp& q : g.quants) {
+          w.u64(q.offset);
+          w.u64(static_cast<uint64_t>(q.dtype));
+          w.u64(q.format);
+          w.u64(q.block);
+          w.u64(q.region.size());
+          for (int64_t x : q.region) w.i64(x);
+          w.u64(q.fills.size());
+          for (const FillOp& f : q.fills) {
+            w.u64(f.box);
+            w.layout(f.src);
+            w.layout(f.dst);
+          }
+        }
+      }
     }
   }
   w.u64(r.plans.size());
@@ -196,6 +216,16 @@ void write_routes(Writer& w, const Routes& r, Packs&& packs, Unpacks&& unpacks) 
       w.u64(static_cast<uint64_t>(d.dtype));
       w.u64(d.shape.size());
       for (int64_t x : d.shape) w.i64(x);
+    }
+    if (quant) {
+      w.u64(pr.quantized.size());
+      for (const QuantizedParam& q : pr.quantized) {
+        w.u64(q.param);
+        w.u64(q.scale);
+        w.u64(q.format);
+        w.u64(q.block);
+        w.u64(static_cast<uint64_t>(q.loaded));
+      }
     }
     w.u64(pr.groups.size());
     for (const auto& g : pr.groups) {
@@ -214,9 +244,34 @@ void write_routes(Writer& w, const Routes& r, Packs&& packs, Unpacks&& unpacks) 
   for (uint32_t c : r.consumer_plan) w.u64(c);
 }
 
+// Whether `r` needs version 3: some producer quantises.
+bool has_quant(const Routes& r) {
+  for (const auto& p : r.producers)
+    for (const auto& g : p.groups)
+      if (!g.quants.empty()) return true;
+  for (const auto& pr : r.plans)
+    if (!pr.quantized.empty()) return true;
+  return false;
+}
+
 }  // namespace
 
+uint64_t QuantOp::numel() const {
+  uint64_t n = 1;
+  for (int64_t x : region) n *= static_cast<uint64_t>(std::max<int64_t>(x, 0));
+  return region.empty() ? 0 : n;
+}
+
+uint64_t QuantOp::tiles() const {
+  if (region.size() != 3 || block == 0) return 0;
+  const auto trows = static_cast<int64_t>(format == 2 ? 1 : block), b = static_cast<int64_t>(block);
+  return static_cast<uint64_t>(region[0] * ((region[1] + trows - 1) / trows) * ((region[2] + b - 1) / b));
+}
+
+uint64_t QuantOp::bytes() const { return numel() + tiles() * (format == 0 ? 4u : 1u); }
+
 std::string Routes::encode() const {
+  const bool quant = has_quant(*this);
   bool elided = false;
   for (const auto& p : producers)
     for (const auto& g : p.groups) elided |= g.elided_packs != 0;
@@ -224,9 +279,9 @@ std::string Routes::encode() const {
     for (const auto& g : pr.groups) elided |= g.elided_unpacks != 0;
   Writer w;
   w.raw(kMagic, 4);
-  w.u64(elided ? 2 : 1);
+  w.u64(quant ? 3 : elided ? 2 : 1);
   write_routes(
-      w, *this,
+      w, *this, quant,
       [&](Writer& out, const ProducerGroup& g) {
         out.u64(g.packs.size());
         for (const auto& op : g.packs) {
@@ -235,7 +290,7 @@ std::string Routes::encode() const {
           out.u64(op.offset);
           out.layout(op.src);
         }
-        if (elided) {
+        if (elided || quant) {
           out.u64(g.elided_packs);
           out.fixed64(g.elided_digest);
         }
@@ -248,7 +303,7 @@ std::string Routes::encode() const {
           out.u64(op.offset);
           out.layout(op.dst);
         }
-        if (elided) {
+        if (elided || quant) {
           out.u64(g.elided_unpacks);
           out.fixed64(g.elided_digest);
         }
@@ -268,6 +323,7 @@ Result<Routes> Routes::decode(std::span<const std::byte> bytes) {
     return corrupt("routes: unsupported encoding version {} (this build reads 1 to {})", version, kEncodingVersion);
   }
   const bool elided = version >= 2;
+  const bool quant = version >= 3;
   Routes out;
   auto u32 = [&](uint64_t v) -> uint32_t {
     if (v > 0xffffffffu) r.fail();
@@ -301,6 +357,31 @@ Result<Routes> Routes::decode(std::span<const std::byte> bytes) {
         pg.elided_packs = r.u64();
         pg.elided_digest = r.fixed64();
       }
+      if (quant) {
+        const uint64_t nq = r.count(7);
+        pg.quants.resize(nq);
+        for (auto& q : pg.quants) {
+          q.offset = r.u64();
+          q.dtype = r.dtype();
+          const uint64_t f = r.u64(), b = r.u64();
+          if (f > 255 || b > 0xffffffffu) r.fail();
+          q.format = static_cast<uint8_t>(f);
+          q.block = static_cast<uint32_t>(b);
+          const uint64_t nd = r.u64();
+          if (nd > kMaxRank) r.fail();
+          if (!r.ok()) break;
+          q.region.resize(nd);
+          for (auto& x : q.region) x = r.i64();
+          const uint64_t nf = r.count(7);
+          q.fills.resize(nf);
+          for (auto& fo : q.fills) {
+            fo.box = u32(r.u64());
+            fo.src = r.layout();
+            fo.dst = r.layout();
+          }
+          if (!r.ok()) break;
+        }
+      }
       if (!r.ok()) break;
     }
     if (!r.ok()) break;
@@ -319,6 +400,19 @@ Result<Routes> Routes::decode(std::span<const std::byte> bytes) {
       if (!r.ok()) break;
       d.shape.resize(nd);
       for (auto& x : d.shape) x = r.i64();
+    }
+    if (quant && r.ok()) {
+      const uint64_t nq = r.count(5);
+      pr.quantized.resize(nq);
+      for (auto& q : pr.quantized) {
+        q.param = u32(r.u64());
+        q.scale = u32(r.u64());
+        const uint64_t f = r.u64(), b = r.u64();
+        if (f > 255 || b > 0xffffffffu) r.fail();
+        q.format = static_cast<uint8_t>(f);
+        q.block = static_cast<uint32_t>(b);
+        q.loaded = r.dtype();
+      }
     }
     const uint64_t g = r.count();
     pr.groups.resize(g);
@@ -375,12 +469,11 @@ uint64_t Routes::fingerprint() const {
   Writer w;
   w.raw(kMagic, 4);
   write_routes(
-      w, *this,
+      w, *this, has_quant(*this),
       [&](Writer& out, const ProducerGroup& g) {
-        uint64_t d = 0;
-        for (const PackOp& op : g.packs) d = route_detail::digest_op(d, op);
-        out.u64(g.elided_packs ? g.elided_packs : g.packs.size());
-        out.fixed64(g.elided_packs ? g.elided_digest : d);
+        const auto [n, d] = route_detail::group_digest(g);
+        out.u64(n);
+        out.fixed64(d);
         flush(out);
       },
       [&](Writer& out, const PlanGroup& g) {
@@ -389,7 +482,8 @@ uint64_t Routes::fingerprint() const {
         out.u64(g.elided_unpacks ? g.elided_unpacks : g.unpacks.size());
         out.fixed64(g.elided_unpacks ? g.elided_digest : d);
         flush(out);
-      });
+      },
+      true);
   flush(w);
   return XXH64_digest(&state);
 }
@@ -422,8 +516,9 @@ Status Routes::validate() const {
                               s.bytes, pg.staging_bytes);
         }
       }
-      if (pg.elided_packs && !pg.packs.empty()) {
-        return corrupt("producer {} group {}: {} packs and {} elided ones", p, g, pg.packs.size(), pg.elided_packs);
+      if (pg.elided_packs && (!pg.packs.empty() || !pg.quants.empty())) {
+        return corrupt("producer {} group {}: {} packs, {} quant ops and {} elided ones", p, g, pg.packs.size(),
+                       pg.quants.size(), pg.elided_packs);
       }
       for (const PackOp& op : pg.packs) {
         int64_t n, lo, hi;
@@ -433,6 +528,33 @@ Status Routes::validate() const {
         if (!bytes_within(op.offset, n, dtype_size(op.dtype), pg.staging_bytes)) {
           return out_of_range("producer {} group {}: pack at {} ({} elements) outside staging of {} bytes", p, g,
                               op.offset, n, pg.staging_bytes);
+        }
+      }
+      for (const QuantOp& q : pg.quants) {
+        int64_t rn = 1;
+        bool bad = q.region.size() != 3 || q.block == 0 || q.format > 2 || !is_floating(q.dtype);
+        for (int64_t x : q.region) bad |= x <= 0 || x > (int64_t{1} << 40) || __builtin_mul_overflow(rn, x, &rn);
+        if (bad || rn > (int64_t{1} << 40)) {
+          return corrupt("producer {} group {}: malformed quant op (region {}, block {}, format {})", p, g,
+                         shape_str(q.region), q.block, q.format);
+        }
+        if (!bytes_within(q.offset, static_cast<int64_t>(q.bytes()), 1, pg.staging_bytes)) {
+          return out_of_range("producer {} group {}: quant op at {} ({} bytes) outside staging of {} bytes", p, g,
+                              q.offset, q.bytes(), pg.staging_bytes);
+        }
+        int64_t filled = 0;
+        for (const FillOp& f : q.fills) {
+          int64_t n, lo, hi, dn, dlo, dhi;
+          if (!layout_range(f.src, n, lo, hi) || lo < 0 || !layout_range(f.dst, dn, dlo, dhi) ||
+              f.src.shape != f.dst.shape || (dn > 0 && (dlo < 0 || dhi >= rn)) ||
+              __builtin_add_overflow(filled, dn, &filled)) {
+            return corrupt("producer {} group {}: quant op at {}: malformed fill {} -> {}", p, g, q.offset,
+                           f.src.to_string(), f.dst.to_string());
+          }
+        }
+        if (filled != rn) {
+          return corrupt("producer {} group {}: quant op at {} fills {} of its region's {} elements", p, g, q.offset,
+                         filled, rn);
         }
       }
     }
@@ -483,6 +605,28 @@ Status Routes::validate() const {
           return invalid_argument("plan {} group {}: can't convert {} into param '{}' of {}", k, g,
                                   dtype_name(op.src_dtype), d.name, dtype_name(d.dtype));
         }
+      }
+    }
+  }
+  for (size_t k = 0; k < plans.size(); ++k) {
+    const PlanRoute& pr = plans[k];
+    for (const QuantizedParam& q : pr.quantized) {
+      if (q.param >= pr.params.size() || q.scale >= pr.params.size() || q.param == q.scale || q.format > 2 ||
+          q.block == 0 || !is_floating(q.loaded)) {
+        return corrupt("plan {}: malformed quantized param {} (scales {})", k, q.param, q.scale);
+      }
+      const TensorDecl& d = pr.params[q.param];
+      const TensorDecl& s = pr.params[q.scale];
+      Shape want = d.shape;
+      if (want.size() >= 2) {
+        const auto trows = static_cast<int64_t>(q.format == 2 ? 1 : q.block), b = static_cast<int64_t>(q.block);
+        want[want.size() - 2] = (want[want.size() - 2] + trows - 1) / trows;
+        want.back() = (want.back() + b - 1) / b;
+      }
+      if (d.dtype != DType::kF8E4M3 || d.shape.size() < 2 || s.dtype != (q.format == 0 ? DType::kF32 : DType::kU8) ||
+          s.shape != want) {
+        return corrupt("plan {}: quantized param '{}' is {} {} with scales '{}' {} {}", k, d.name, dtype_name(d.dtype),
+                       shape_str(d.shape), s.name, dtype_name(s.dtype), shape_str(s.shape));
       }
     }
   }
@@ -555,6 +699,26 @@ void gather_from_view(const std::byte* src, const Shape& strides, const Shape& b
   }
 }
 
+// The materialized tensor of held box `box` (`by_box`: LocalBox::box -> its data): a real
+// tensor of the box's shape and its tensor's dtype, else an error naming the tensor.
+Result<const Tensor*> box_tensor(const std::unordered_map<uint32_t, const Tensor*>& by_box, const Holdings& holdings,
+                                 uint32_t box, uint32_t producer, int group) {
+  if (box >= holdings.boxes.size()) return out_of_range("pack: box {} of {} held", box, holdings.boxes.size());
+  const HeldBox& hb = holdings.boxes[box];
+  const TensorDecl& d = holdings.tensors[hb.tensor];
+  auto it = by_box.find(box);
+  if (it == by_box.end()) {
+    return not_found("pack: producer {} group {}: box {} of tensor '{}' was not materialized", producer, group,
+                     hb.box.to_string(), d.name);
+  }
+  const Tensor& t = *it->second;
+  if (!t.is_real() || t.shape() != hb.box.size || t.dtype() != d.dtype) {
+    return invalid_argument("pack: tensor '{}' box {}: materialized {} but the routes need a real {} {}", d.name,
+                            hb.box.to_string(), t.describe(), dtype_name(d.dtype), shape_str(hb.box.size));
+  }
+  return &t;
+}
+
 }  // namespace
 
 Status pack_group(const Routes& routes, uint32_t producer, int group, const Holdings& holdings,
@@ -576,19 +740,10 @@ Status pack_group(const ProducerGroup& pg, uint32_t producer, int group, const H
   std::optional<Device> on_device;  // boxes in GPU memory: packed in one batch there
   std::vector<StridedCopy> device_packs;
   for (const PackOp& op : pg.packs) {
-    if (op.box >= holdings.boxes.size()) return out_of_range("pack: box {} of {} held", op.box, holdings.boxes.size());
+    FERRY_ASSIGN_OR_RETURN(const Tensor* held, box_tensor(by_box, holdings, op.box, producer, group));
+    const Tensor& t = *held;
     const HeldBox& hb = holdings.boxes[op.box];
     const TensorDecl& d = holdings.tensors[hb.tensor];
-    auto it = by_box.find(op.box);
-    if (it == by_box.end()) {
-      return not_found("pack: producer {} group {}: box {} of tensor '{}' was not materialized", producer, group,
-                       hb.box.to_string(), d.name);
-    }
-    const Tensor& t = *it->second;
-    if (!t.is_real() || t.shape() != hb.box.size || t.dtype() != d.dtype) {
-      return invalid_argument("pack: tensor '{}' box {}: materialized {} but the routes need a real {} {}", d.name,
-                              hb.box.to_string(), t.describe(), dtype_name(d.dtype), shape_str(hb.box.size));
-    }
     // Staging holds the box's dtype, or a float dtype the pack converts to (the router's
     // convert_on); anything else is routes built over other metadata.
     if (op.dtype != d.dtype && !(is_floating(op.dtype) && is_floating(d.dtype))) {
@@ -629,6 +784,70 @@ Status pack_group(const ProducerGroup& pg, uint32_t producer, int group, const H
   if (!device_packs.empty()) {
     Status st = copy_batch(*on_device, device_packs);
     if (!st.ok()) return st.with_context(fmt::format("pack: producer {} group {} on {}", producer, group, device_str(*on_device)));
+  }
+  return quantize_group(pg, producer, group, holdings, boxes, staging);
+}
+
+
+Status quantize_group(const ProducerGroup& pg, uint32_t producer, int group, const Holdings& holdings,
+                      const std::vector<LocalBox>& boxes, std::span<std::byte> staging) {
+  if (pg.quants.empty()) return Status::Ok();
+  std::unordered_map<uint32_t, const Tensor*> by_box;
+  for (const LocalBox& lb : boxes) by_box[lb.box] = &lb.data;
+  std::unordered_map<uint32_t, std::vector<std::byte>> on_host;  // GPU boxes, copied once each
+  // Regions this producer quantises: filled in the param's dtype, with the conversion a
+  // consumer's unpack would run, then quantised by the code the consumer's hook runs.
+  std::vector<std::byte> scratch, gathered;
+  for (const QuantOp& q : pg.quants) {
+    if (q.region.size() != 3 || !bytes_within(q.offset, static_cast<int64_t>(q.bytes()), 1, staging.size())) {
+      return out_of_range("pack: producer {} group {}: quant op at {} overflows staging", producer, group, q.offset);
+    }
+    const uint64_t numel = q.numel();
+    scratch.assign(numel * dtype_size(q.dtype), std::byte{0});
+    for (const FillOp& f : q.fills) {
+      FERRY_ASSIGN_OR_RETURN(const Tensor* held, box_tensor(by_box, holdings, f.box, producer, group));
+      const Tensor& t = *held;
+      const HeldBox& hb = holdings.boxes[f.box];
+      const TensorDecl& d = holdings.tensors[hb.tensor];
+      if (!is_floating(d.dtype)) return invalid_argument("pack: tensor '{}' is {}; can't quantise it", d.name, dtype_name(d.dtype));
+      const std::byte* src = nullptr;
+      if (!t.device().is_host()) {
+        // In GPU memory: quantised on the host from a copy of the box (the device
+        // quantiser is the same arithmetic; running it there is issue 29's GPU step).
+        if (!t.is_contiguous()) {
+          return invalid_argument("pack: tensor '{}' box {} is a strided view in {} memory; materialize it contiguous",
+                                  d.name, hb.box.to_string(), device_str(t.device()));
+        }
+        auto [at, fresh] = on_host.try_emplace(f.box);
+        if (fresh) {
+          at->second.resize(static_cast<size_t>(t.numel()) * dtype_size(d.dtype));
+          FERRY_ASSIGN_OR_RETURN(std::byte * dev, t.device_ptr());
+          Status st = device_memcpy(at->second.data(), dev, at->second.size());
+          if (!st.ok()) return st.with_context(fmt::format("pack: copying '{}' from {} to quantise it", d.name, device_str(t.device())));
+        }
+        src = at->second.data();
+      } else {
+        FERRY_ASSIGN_OR_RETURN(std::byte * host, t.data_ptr());
+        src = host;
+      }
+      int64_t n, lo, hi, dn, dlo, dhi;
+      if (!layout_range(f.src, n, lo, hi) || (n > 0 && (lo < 0 || hi >= t.numel())) ||
+          !layout_range(f.dst, dn, dlo, dhi) || dn != n || (n > 0 && (dlo < 0 || static_cast<uint64_t>(dhi) >= numel))) {
+        return out_of_range("pack: quant fill {} -> {} outside box {} of tensor '{}' or its region {}",
+                            f.src.to_string(), f.dst.to_string(), hb.box.to_string(), d.name, shape_str(q.region));
+      }
+      if (!t.device().is_host() || t.is_contiguous()) {
+        strided_copy(src, f.src, d.dtype, scratch.data(), f.dst, q.dtype);
+      } else {
+        gathered.resize(static_cast<size_t>(n) * dtype_size(q.dtype));
+        gather_from_view(src, t.strides(), hb.box.size, f.src, d.dtype, q.dtype, gathered.data());
+        strided_copy(gathered.data(), Layout::contiguous(f.src.shape), q.dtype, scratch.data(), f.dst, q.dtype);
+      }
+    }
+    std::byte* values = staging.data() + q.offset;
+    Status st = fp8_block_quantize(Device::host(), scratch.data(), q.dtype, q.region[0], q.region[1], q.region[2],
+                                   q.block, values, values + numel, nullptr, static_cast<Fp8Scales>(q.format));
+    if (!st.ok()) return st.with_context(fmt::format("pack: producer {} group {}: quantising a region", producer, group));
   }
   return Status::Ok();
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include <xxhash.h>
 
@@ -32,6 +33,24 @@ inline uint64_t digest_op(uint64_t seed, uint64_t index, DType dtype, uint64_t o
 inline uint64_t digest_op(uint64_t seed, const PackOp& op) { return digest_op(seed, op.box, op.dtype, op.offset, op.src); }
 inline uint64_t digest_op(uint64_t seed, const UnpackOp& op) {
   return digest_op(seed, op.param, op.src_dtype, op.offset, op.dst);
+}
+// A quant op: its fields, the region as a layout's shape, then each fill.
+inline uint64_t digest_op(uint64_t seed, const QuantOp& op) {
+  uint64_t h = digest_op(seed, uint64_t{op.format} << 32 | op.block, op.dtype, op.offset,
+                         Layout{op.region, Shape(op.region.size(), 0), static_cast<int64_t>(op.fills.size())});
+  for (const FillOp& f : op.fills) {
+    h = digest_op(h, f.box, op.dtype, 0, f.src);
+    h = digest_op(h, f.box, op.dtype, 1, f.dst);
+  }
+  return h;
+}
+// A producer group's ops as every rank agrees on them: its packs, then its quant ops.
+inline std::pair<uint64_t, uint64_t> group_digest(const ProducerGroup& g) {
+  if (g.elided_packs) return {g.elided_packs, g.elided_digest};
+  uint64_t d = 0;
+  for (const PackOp& op : g.packs) d = digest_op(d, op);
+  for (const QuantOp& op : g.quants) d = digest_op(d, op);
+  return {g.packs.size() + g.quants.size(), d};
 }
 
 }  // namespace ferry::route_detail

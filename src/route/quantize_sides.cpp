@@ -4,12 +4,12 @@
 #include <fmt/format.h>
 
 #include "ferry/route.h"
+#include "route/tiles.h"
 
 namespace ferry {
 
 namespace {
 
-constexpr int32_t kNone = -1;   // no element of the tile seen yet
 constexpr int32_t kSplit = -2;  // elements from two producers
 
 // The producer each read of `pg` comes from, by receive offset (reads are disjoint).
@@ -31,77 +31,6 @@ struct ReadIndex {
   }
 };
 
-// Tiles of one param: [batch][rows / block][cols / block], each the producer all its
-// elements came from so far (kNone, kSplit).
-class TileOwners {
- public:
-  TileOwners(const Shape& shape, int64_t trows, int64_t block) : trows_(trows), block_(block) {
-    const size_t nd = shape.size();
-    rows_ = shape[nd - 2];
-    cols_ = shape[nd - 1];
-    batch_ = rows_ * cols_ == 0 ? 0 : shape_numel(shape) / (rows_ * cols_);
-    brows_ = (rows_ + trows - 1) / trows;
-    bcols_ = (cols_ + block - 1) / block;
-    owner_.assign(static_cast<size_t>(batch_ * brows_ * bcols_), kNone);
-  }
-  uint64_t tiles() const { return owner_.size(); }
-
-  // Elements [flat, flat + n) of the param, contiguous, from producer p.
-  void mark_run(int64_t flat, int64_t n, int32_t p) {
-    while (n > 0) {
-      const int64_t b = flat / (rows_ * cols_), rc = flat % (rows_ * cols_);
-      const int64_t r = rc / cols_, c = rc % cols_;
-      const int64_t len = std::min(n, cols_ - c);
-      for (int64_t bc = c / block_; bc <= (c + len - 1) / block_; ++bc) mark(b, r / trows_, bc, p);
-      flat += len;
-      n -= len;
-    }
-  }
-  void mark_element(int64_t flat, int32_t p) { mark_run(flat, 1, p); }
-
-  // Tiles whose elements came from more than one producer, and tiles no element reached.
-  uint64_t split() const { return static_cast<uint64_t>(std::count(owner_.begin(), owner_.end(), kSplit)); }
-  uint64_t unreached() const { return static_cast<uint64_t>(std::count(owner_.begin(), owner_.end(), kNone)); }
-
- private:
-  void mark(int64_t b, int64_t br, int64_t bc, int32_t p) {
-    int32_t& o = owner_[static_cast<size_t>((b * brows_ + br) * bcols_ + bc)];
-    if (o == kNone) {
-      o = p;
-    } else if (o != p) {
-      o = kSplit;
-    }
-  }
-  int64_t trows_, block_, rows_ = 0, cols_ = 0, batch_ = 0, brows_ = 0, bcols_ = 0;
-  std::vector<int32_t> owner_;
-};
-
-// Every element of `dst` (a layout over the param's flat index space) marked as coming
-// from producer p: runs along the innermost dim at once, other strides element by element.
-template <class Tiles>
-void mark_layout(Tiles& tiles, const Layout& dst, int32_t p) {
-  const size_t nd = dst.shape.size();
-  if (dst.numel() == 0) return;
-  if (nd == 0) {
-    tiles.mark_element(dst.offset, p);
-    return;
-  }
-  const int64_t inner = dst.shape[nd - 1], stride = dst.strides[nd - 1];
-  std::vector<int64_t> idx(nd - 1, 0);
-  for (;;) {
-    int64_t f = dst.offset;
-    for (size_t k = 0; k + 1 < nd; ++k) f += idx[k] * dst.strides[k];
-    if (stride == 1) {
-      tiles.mark_run(f, inner, p);
-    } else {
-      for (int64_t i = 0; i < inner; ++i) tiles.mark_element(f + i * stride, p);
-    }
-    size_t k = idx.size();
-    while (k > 0 && ++idx[k - 1] == dst.shape[k - 1]) idx[--k] = 0;
-    if (k == 0) return;
-  }
-}
-
 // Tiles of one row (MXFP8's 1 x block runs): in flat order a tile is a contiguous range,
 // so tiles follow the elements' order and a tile is split exactly when a boundary between
 // two producers' runs falls inside it. Runs instead of one mark per tile: a trillion
@@ -116,7 +45,6 @@ class RowTileRuns {
   }
   uint64_t tiles() const { return tiles_; }
   void mark_run(int64_t flat, int64_t n, int32_t p) { runs_.push_back({flat, flat + n, p}); }
-  void mark_element(int64_t flat, int32_t p) { mark_run(flat, 1, p); }
   // Splits and tiles reached, from the runs sorted.
   void finish(uint64_t& split, uint64_t& reached) {
     std::sort(runs_.begin(), runs_.end(), [](const Run& a, const Run& b) { return a.lo < b.lo; });
@@ -197,15 +125,21 @@ Result<std::vector<QuantizeSide>> quantize_sides(const Routes& routes,
       uint64_t tiles_reached = 0;
       if (format.block_rows == 1) {
         RowTileRuns tiles(d.shape, format.block);
-        FERRY_RETURN_IF_ERROR(each_unpack([&](const Layout& l, int32_t p) { mark_layout(tiles, l, p); }));
+        FERRY_RETURN_IF_ERROR(each_unpack([&](const Layout& l, int32_t p) { route_detail::mark_layout(tiles, l, p); }));
         side.tiles = tiles.tiles();
         tiles.finish(side.tiles_split, tiles_reached);
       } else {
-        TileOwners tiles(d.shape, format.block_rows, format.block);
-        FERRY_RETURN_IF_ERROR(each_unpack([&](const Layout& l, int32_t p) { mark_layout(tiles, l, p); }));
+        // Each tile: the producer all its elements came from so far (kNone, kSplit).
+        route_detail::TileGrid tiles(d.shape, format.block_rows, format.block);
+        FERRY_RETURN_IF_ERROR(each_unpack([&](const Layout& l, int32_t p) {
+          route_detail::mark_layout(tiles, l, [p](int32_t& t, int64_t, int64_t, int64_t) {
+            t = t == route_detail::TileGrid::kNone || t == p ? p : kSplit;
+          });
+        }));
         side.tiles = tiles.tiles();
-        side.tiles_split = tiles.split();
-        tiles_reached = side.tiles - tiles.unreached();
+        side.tiles_split = static_cast<uint64_t>(std::count(tiles.ids().begin(), tiles.ids().end(), kSplit));
+        tiles_reached = side.tiles - static_cast<uint64_t>(
+                                         std::count(tiles.ids().begin(), tiles.ids().end(), route_detail::TileGrid::kNone));
       }
       // A tile no element reaches (all zero padding) has nothing to send: its scale is
       // the all-zero tile's, which the consumer knows.

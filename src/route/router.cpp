@@ -1,6 +1,9 @@
 // build_routes: pieces, assignment, segments (see ferry/route.h and docs/routing.md).
 #include <algorithm>
 #include <array>
+#include <climits>
+#include <iterator>
+#include <map>
 #include <numeric>
 #include <tuple>
 #include <utility>
@@ -9,6 +12,7 @@
 #include "ferry/route.h"
 #include "common/parallel.h"
 #include "route/op_digest.h"
+#include "route/tiles.h"
 
 namespace ferry {
 
@@ -59,6 +63,7 @@ struct Cut {
   uint64_t cost = 0;  // bytes x consumers of the plan class
   int64_t dst_offset = 0;
   uint64_t layouts = 0;  // its row in the LayoutPool
+  int32_t region = -1;   // a region a producer quantises (ClassCuts::regions), not a piece
 };
 
 // A vector kept in fixed blocks: growing it never moves, nor touches again, what it
@@ -165,12 +170,29 @@ class LayoutPool {
   Shape sh_, a_, b_;
 };
 
+// A region of a param a producer quantises (RouterOptions::quantize_on): its box, the
+// producers that hold every element of it, and the param's cuts that land in it (their
+// layouts stay in the class's pool; ClassCuts::quant_cuts).
+struct QuantRegion {
+  route_detail::TileRegion box;
+  uint32_t param = 0;
+  int64_t batch = 0, rows = 0, cols = 0;  // the param as [batch, rows, cols]
+  DType dtype = DType::kBF16;  // the param's dtype in the plan
+  uint8_t format = 0;
+  uint32_t block = 128;
+  std::vector<uint32_t> producers;
+  std::vector<uint32_t> cuts;  // into ClassCuts::quant_cuts
+};
+
 // One plan class's cuts, their layouts and the bytes they carry (built on one thread).
 struct ClassCuts {
   Blocks<Cut> cuts;
   LayoutPool pool;
   uint64_t bytes = 0;
   Status status;
+  std::vector<QuantRegion> regions;
+  std::vector<Cut> quant_cuts;  // cuts of producer-quantised params, replaced by their regions
+  uint64_t quantized = 0, on_producer = 0;
 };
 // A cut: its plan class above kCutBits, its index in the class's cuts below.
 using CutRef = uint64_t;
@@ -345,6 +367,177 @@ bool same_decl(const TensorDecl& a, const TensorDecl& b) { return a.dtype == b.d
 
 std::string decl_str(const TensorDecl& d) { return fmt::format("{} {}", dtype_name(d.dtype), shape_str(d.shape)); }
 
+// The producers holding a tensor piece, sorted.
+std::vector<uint32_t> producers_of(const TensorInfo& ti, const TensorPiece& piece) {
+  std::vector<uint32_t> out;
+  out.reserve(piece.holders.size());
+  for (uint32_t h : piece.holders) out.push_back(ti.holders[h].producer);
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+// Producer-side quantisation of one plan class (RouterOptions::quantize_on): for each
+// param the plan keeps block-quantised whose every tile some producer holds whole, its
+// cuts are replaced by regions (tile-aligned boxes each one producer set holds) and the
+// class's route gets the param as e4m3 plus its scales. The rest stay dense, for the
+// consumer to quantise.
+void quantize_class(const Plan& plan, uint64_t weight, const std::vector<TensorInfo>& tensors,
+                    ClassCuts& out, PlanRoute& route) {
+  std::vector<std::vector<size_t>> cuts_of(plan.params().size());
+  for (size_t j = 0; j < out.cuts.size(); ++j) cuts_of[out.cuts[j].param].push_back(j);
+  std::vector<bool> padded(plan.params().size(), false);
+  for (const Zero& z : plan.zeros()) padded[z.param] = true;
+  std::vector<bool> dropped(out.cuts.size(), false);
+  std::vector<Cut> region_cuts;
+  for (const BlockQuantize& bq : plan.quantized()) {
+    ++out.quantized;
+    const TensorDecl& d = plan.params()[bq.param];
+    const std::vector<size_t>& mine = cuts_of[bq.param];
+    if (mine.empty() || padded[bq.param]) continue;
+    bool ok = true;
+    for (size_t j : mine) ok &= out.cuts[j].group == out.cuts[mine[0]].group;
+    if (!ok) continue;
+    // Each tile: the producers that hold every element of it (interned sets).
+    const int64_t trows = bq.format == 2 ? 1 : static_cast<int64_t>(bq.block);
+    route_detail::TileGrid grid(d.shape, trows, bq.block);
+    std::vector<std::vector<uint32_t>> sets;
+    std::map<std::vector<uint32_t>, int32_t> set_id;
+    std::map<std::pair<int32_t, int32_t>, int32_t> meets;
+    auto intern = [&](std::vector<uint32_t> s) {
+      auto [it, fresh] = set_id.emplace(s, static_cast<int32_t>(sets.size()));
+      if (fresh) sets.push_back(std::move(s));
+      return it->second;
+    };
+    auto meet = [&](int32_t a, int32_t b) {
+      const auto key = std::minmax(a, b);
+      auto it = meets.find(key);
+      if (it != meets.end()) return it->second;
+      std::vector<uint32_t> both;
+      std::set_intersection(sets[a].begin(), sets[a].end(), sets[b].begin(), sets[b].end(), std::back_inserter(both));
+      const int32_t id = intern(std::move(both));
+      meets.emplace(key, id);
+      return id;
+    };
+    struct TileBox {
+      int64_t b0 = INT64_MAX, b1 = -1, r0 = INT64_MAX, r1 = -1, c0 = INT64_MAX, c1 = -1;
+    };
+    std::vector<TileBox> bounds(mine.size());
+    for (size_t i = 0; i < mine.size(); ++i) {
+      const Cut& c = out.cuts[mine[i]];
+      const TensorInfo& ti = tensors[c.tensor];
+      const int32_t id = intern(producers_of(ti, ti.pieces[c.piece]));
+      TileBox& tb = bounds[i];
+      route_detail::mark_layout(grid, out.pool.dst(c.layouts), [&](int32_t& t, int64_t b, int64_t br, int64_t bc) {
+        t = t == route_detail::TileGrid::kNone ? id : (t == id ? id : meet(t, id));
+        tb.b0 = std::min(tb.b0, b), tb.b1 = std::max(tb.b1, b);
+        tb.r0 = std::min(tb.r0, br), tb.r1 = std::max(tb.r1, br);
+        tb.c0 = std::min(tb.c0, bc), tb.c1 = std::max(tb.c1, bc);
+      });
+    }
+    for (int32_t t : grid.ids()) ok &= t >= 0 && !sets[static_cast<size_t>(t)].empty();
+    if (!ok) continue;
+    ++out.on_producer;
+    // The param becomes e4m3 in this class's route; its scales are appended.
+    const uint32_t scale = static_cast<uint32_t>(route.params.size());
+    route.params[bq.param].dtype = DType::kF8E4M3;
+    route.params.push_back(TensorDecl{bq.scale_name, bq.format == 0 ? DType::kF32 : DType::kU8,
+                                      [&] {
+                                        Shape sh = d.shape;
+                                        sh[sh.size() - 2] = grid.tile_rows();
+                                        sh.back() = grid.tile_cols();
+                                        return sh;
+                                      }()});
+    route.quantized.push_back(QuantizedParam{bq.param, scale, bq.format, bq.block, d.dtype});
+    const Cut& first = out.cuts[mine[0]];
+    for (size_t j : mine) {
+      dropped[j] = true;
+      out.bytes -= out.cuts[j].bytes;
+    }
+    const uint32_t qbase = static_cast<uint32_t>(out.quant_cuts.size());
+    for (size_t j : mine) out.quant_cuts.push_back(out.cuts[j]);
+    for (const route_detail::TileRegion& box : route_detail::tile_regions(grid, kMaxQuantRegionElements)) {
+      QuantRegion qr;
+      qr.box = box;
+      qr.param = bq.param;
+      qr.batch = grid.batch();
+      qr.rows = grid.rows();
+      qr.cols = grid.cols();
+      qr.dtype = d.dtype;
+      qr.format = bq.format;
+      qr.block = bq.block;
+      qr.producers = sets[static_cast<size_t>(box.id)];
+      const int64_t tb0 = box.b0, tb1 = box.b0 + box.nb - 1, tr0 = box.r0 / trows, tr1 = (box.r0 + box.nr - 1) / trows;
+      const int64_t tc0 = box.c0 / bq.block, tc1 = (box.c0 + box.nc - 1) / bq.block;
+      for (size_t i = 0; i < mine.size(); ++i) {
+        const TileBox& tb = bounds[i];
+        if (tb.b1 >= tb0 && tb.b0 <= tb1 && tb.r1 >= tr0 && tb.r0 <= tr1 && tb.c1 >= tc0 && tb.c0 <= tc1) {
+          qr.cuts.push_back(qbase + static_cast<uint32_t>(i));
+        }
+      }
+      QuantOp probe;  // its byte count
+      probe.format = bq.format;
+      probe.block = bq.block;
+      probe.region = {box.nb, box.nr, box.nc};
+      Cut rc = first;
+      rc.region = static_cast<int32_t>(out.regions.size());
+      rc.wire = DType::kF8E4M3;
+      rc.bytes = probe.bytes();
+      rc.cost = rc.bytes * weight;
+      rc.dst_offset = (box.b0 * grid.rows() + box.r0) * grid.cols() + box.c0;
+      rc.layouts = 0;
+      out.bytes += rc.bytes;
+      region_cuts.push_back(rc);
+      out.regions.push_back(std::move(qr));
+    }
+  }
+  if (region_cuts.empty()) return;
+  Blocks<Cut> kept;
+  for (size_t j = 0; j < out.cuts.size(); ++j)
+    if (!dropped[j]) kept.push_back(out.cuts[j]);
+  for (const Cut& c : region_cuts) kept.push_back(c);
+  out.cuts = std::move(kept);
+}
+
+// The quant op of region `r` of class `cc` as producer `p` packs it at staging `offset`:
+// each of the param's cuts in the region, from p's box of its piece, into the region.
+Result<QuantOp> quant_op(const ClassCuts& cc, const QuantRegion& r, uint32_t p, uint64_t offset,
+                         const std::vector<TensorInfo>& tensors) {
+  QuantOp op;
+  op.offset = offset;
+  op.dtype = r.dtype;
+  op.format = r.format;
+  op.block = r.block;
+  op.region = {r.box.nb, r.box.nr, r.box.nc};
+  const std::vector<MapPiece> region{
+      MapPiece{Shape{r.box.b0, r.box.r0, r.box.c0}, Layout::contiguous(op.region), 0}};
+  for (uint32_t j : r.cuts) {
+    const Cut& qc = cc.quant_cuts[j];
+    // dst indexes the param's flat space: the param as [batch, rows, cols]. (A cut is a
+    // candidate by its tiles' bounding box: it may touch no element of the region.)
+    std::vector<MapPiece> in_region;
+    compose_layout_each(cc.pool.dst(qc.layouts), Shape{r.batch, r.rows, r.cols}, region, nullptr,
+                        [&](const MapPiece& m) { in_region.push_back(m); });
+    if (in_region.empty()) continue;
+    const TensorInfo& ti = tensors[qc.tensor];
+    const TensorPiece& piece = ti.pieces[qc.piece];
+    const Holder* holder = nullptr;
+    for (uint32_t h : piece.holders) {
+      if (ti.holders[h].producer == p) {
+        holder = &ti.holders[h];
+        break;
+      }
+    }
+    if (!holder) return internal_error("quantising a region: producer {} holds no box of a piece it was given", p);
+    Layout src = cc.pool.src(qc.layouts);
+    if (piece.refined && holder->box != piece.box) src = rebase(src, piece.box, holder->box);
+    for (const MapPiece& m : in_region) {
+      op.fills.push_back(FillOp{holder->box_index, Layout{m.root.shape, src.strides, src.offset_of(m.start)}, m.root});
+    }
+  }
+  return op;
+}
+
 // Builds the disjoint pieces of a tensor from its holders.
 Status build_pieces(const TensorDecl& decl, TensorInfo& ti) {
   ti.pieces_built = true;
@@ -482,6 +675,14 @@ std::string_view convert_on_name(ConvertOn c) { return c == ConvertOn::kProducer
 std::optional<ConvertOn> parse_convert_on(std::string_view name) {
   if (name == "producer") return ConvertOn::kProducer;
   if (name == "consumer") return ConvertOn::kConsumer;
+  return std::nullopt;
+}
+
+std::string_view quantize_on_name(QuantizeOn q) { return q == QuantizeOn::kProducer ? "producer" : "consumer"; }
+
+std::optional<QuantizeOn> parse_quantize_on(std::string_view name) {
+  if (name == "producer") return QuantizeOn::kProducer;
+  if (name == "consumer") return QuantizeOn::kConsumer;
   return std::nullopt;
 }
 
@@ -709,6 +910,9 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
                 d.name, n - covered, n, copy.src.to_string(), plan.params()[copy.param].name);
           }
         }
+        if (options.quantize_on == QuantizeOn::kProducer && !plan.quantized().empty()) {
+          quantize_class(plan, weight[k], tensors, out, routes.plans[k]);
+        }
         return Status::Ok();
       }();
     });
@@ -730,6 +934,20 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
   for (const TensorInfo& ti : tensors) {
     for (const TensorPiece& p : ti.pieces) choice |= p.holders.size() > 1;
   }
+  // A region's producer: the least loaded of those holding it whole (the first where
+  // there is no choice; `load` null).
+  auto assign_region = [&](Cut& c, const std::vector<uint64_t>* load) {
+    const std::vector<uint32_t>& ps = per[c.plan].regions[static_cast<size_t>(c.region)].producers;
+    uint32_t best = ps[0];
+    if (load) {
+      for (uint32_t q : ps) {
+        if ((*load)[q] < (*load)[best]) best = q;
+      }
+    }
+    c.producer = best;
+    c.box = 0;
+    c.sole = ps.size() == 1;
+  };
   auto assign = [&](Cut& c, uint32_t hidx, const TensorInfo& ti, LayoutPool& pool) {
     const TensorPiece& piece = ti.pieces[c.piece];
     const Holder& h = ti.holders[hidx];
@@ -743,6 +961,10 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
       ClassCuts& cc = per[k];
       for (size_t j = 0; j < cc.cuts.size(); ++j) {
         Cut& c = cc.cuts[j];
+        if (c.region >= 0) {
+          assign_region(c, nullptr);
+          continue;
+        }
         const TensorInfo& ti = tensors[c.tensor];
         assign(c, ti.pieces[c.piece].holders[0], ti, cc.pool);
       }
@@ -763,6 +985,11 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
     std::vector<uint64_t> load(num_producers, 0);
     for (CutRef r : order) {
       Cut& c = cut_of(r);
+      if (c.region >= 0) {
+        assign_region(c, &load);
+        load[c.producer] += c.cost;
+        continue;
+      }
       const TensorInfo& ti = tensors[c.tensor];
       const TensorPiece& piece = ti.pieces[c.piece];
       uint32_t best = piece.holders[0];
@@ -814,6 +1041,7 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
   };
   std::vector<std::vector<Run>> runs(num_producers);
   std::vector<uint64_t> sole(num_producers, 0);
+  std::vector<Status> quant_status(num_producers);
   parallel_for(num_producers, threads, [&](size_t p) {
     const auto b0 = static_cast<std::ptrdiff_t>(start[p]), b1 = static_cast<std::ptrdiff_t>(start[p + 1]);
     std::sort(order.begin() + b0, order.begin() + b1, [&](CutRef a, CutRef b) {
@@ -847,6 +1075,18 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
         for (; b < start[p + 1]; ++b) {
           const Cut& c = cut_of(order[b]);
           if (static_cast<size_t>(c.group) != g || c.plan != head.plan) break;
+          if (c.region >= 0) {
+            auto op = quant_op(per[c.plan], per[c.plan].regions[static_cast<size_t>(c.region)],
+                               static_cast<uint32_t>(p), cur, tensors);
+            if (!op.ok()) {
+              quant_status[p] = op.status();
+            } else {
+              pg.quants.push_back(std::move(*op));  // (dropped below where this producer's ops are elided)
+            }
+            if (c.sole) sole[p] += c.cost;
+            cur += c.bytes;
+            continue;
+          }
           sink.push(PackOp{c.box, c.wire, cur, pool.src(c.layouts)}, dtype_size(c.wire));
           if (c.sole) sole[p] += c.cost;
           cur += c.bytes;
@@ -859,9 +1099,17 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
         a = b;
       }
       std::tie(pg.elided_packs, pg.elided_digest) = sink.finish();
+      if (!keep && !pg.quants.empty()) {
+        // Elided like the packs: counted and digested after them (group_digest's order).
+        for (const QuantOp& q : pg.quants) pg.elided_digest = route_detail::digest_op(pg.elided_digest, q);
+        pg.elided_packs += pg.quants.size();
+        pg.quants.clear();
+        pg.quants.shrink_to_fit();
+      }
     }
     for (ProducerGroup& pg : pr.groups) pg.packs.shrink_to_fit();  // merged ops left room unused
   });
+  for (const Status& st : quant_status) FERRY_RETURN_IF_ERROR(st);
   // Pass B, per plan class: its reads (producer by producer, as the consumer receives
   // them) and its unpacks.
   const int keep_plan = options.unpacks_of >= 0 ? static_cast<int>(routes.consumer_plan[static_cast<size_t>(options.unpacks_of)]) : -1;
@@ -889,6 +1137,29 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
         uint64_t cur = rd.recv_offset;
         for (size_t i = r.a; i < r.b; ++i) {
           const Cut& c = cut_of(order[i]);
+          if (c.region >= 0) {
+            // The e4m3 values into the param's box, then the scales into its tiles.
+            const QuantRegion& qr = per[k].regions[static_cast<size_t>(c.region)];
+            const route_detail::TileRegion& b = qr.box;
+            Layout values{{b.nb, b.nr, b.nc}, {qr.rows * qr.cols, qr.cols, 1}, (b.b0 * qr.rows + b.r0) * qr.cols + b.c0};
+            coalesce_layout(values);
+            sink.push(UnpackOp{qr.param, DType::kF8E4M3, cur, values}, 1);
+            const int64_t trows = qr.format == 2 ? 1 : static_cast<int64_t>(qr.block), bl = qr.block;
+            const int64_t TR = (qr.rows + trows - 1) / trows, TC = (qr.cols + bl - 1) / bl;
+            Layout scales{{b.nb, (b.nr + trows - 1) / trows, (b.nc + bl - 1) / bl},
+                          {TR * TC, TC, 1},
+                          (b.b0 * TR + b.r0 / trows) * TC + b.c0 / bl};
+            coalesce_layout(scales);
+            const uint32_t scale = [&] {
+              for (const QuantizedParam& q : route.quantized)
+                if (q.param == qr.param) return q.scale;
+              return uint32_t{0};
+            }();
+            const DType sdt = qr.format == 0 ? DType::kF32 : DType::kU8;
+            sink.push(UnpackOp{scale, sdt, cur + static_cast<uint64_t>(values.numel()), scales}, dtype_size(sdt));
+            cur += c.bytes;
+            continue;
+          }
           sink.push(UnpackOp{c.param, c.wire, cur, pool.dst(c.layouts)}, dtype_size(c.wire));
           cur += c.bytes;
         }
@@ -908,6 +1179,11 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
   RouteStats& st = routes.stats;
   st.num_pieces = num_cuts;
   st.num_plan_classes = classes.size();
+  for (const ClassCuts& c : per) {
+    st.quantized_params += c.quantized;
+    st.quantized_on_producer += c.on_producer;
+    st.quant_regions += c.regions.size();
+  }
   st.producer_bytes.assign(num_producers, 0);
   for (uint32_t p = 0; p < num_producers; ++p) {
     for (const ProducerGroup& pg : routes.producers[p].groups) {

@@ -31,7 +31,8 @@ std::vector<std::vector<uint64_t>> held_bytes(const std::vector<Holdings>& ranks
   return out;
 }
 
-Result<Routes> route(const tools::JobModel& m, const std::vector<Holdings>& holdings, std::vector<Plan>& plans) {
+Result<Routes> route(const tools::JobModel& m, const std::vector<Holdings>& holdings, std::vector<Plan>& plans,
+                     QuantizeOn quantize_on = QuantizeOn::kConsumer) {
   const int world = m.inference.world_size(), engine = m.inference.engine_size();
   if (plans.empty()) {
     for (int r = 0; r < engine; ++r) {
@@ -43,7 +44,9 @@ Result<Routes> route(const tools::JobModel& m, const std::vector<Holdings>& hold
   in.metadata = m.metadata;
   in.producers = holdings;
   for (int r = 0; r < world; ++r) in.consumers.push_back(&plans[static_cast<size_t>(r % engine)]);
-  return build_routes(in);
+  RouterOptions ro;
+  ro.quantize_on = quantize_on;
+  return build_routes(in, ro);
 }
 
 // Routes -> per group: pack bytes, transfers merged per (producer, consumer), unpack bytes.
@@ -72,65 +75,6 @@ void fill_from_routes(const Routes& routes, std::vector<GroupWork>& groups, JobW
     }
   }
   out.max_consumer_bytes = routes.stats.max_consumer_bytes;
-}
-
-// Trainer-side quantisation (a prediction): the params whose every tile comes from one
-// producer cross as FP8 values plus an fp32 scale per 128x128 tile instead of the
-// routes' dtype; each consumer's transfers and unpack bytes shrink by what its reads of
-// those params save.
-Status quantize_on_producers(const tools::JobModel& m, const Routes& routes, std::vector<GroupWork>& groups,
-                             JobWorkload& out) {
-  FERRY_ASSIGN_OR_RETURN(auto quantized, tools::quantized_params(*m.loader, routes));
-  const BlockQuantizeFormat& format = quantized.format;
-  FERRY_ASSIGN_OR_RETURN(auto sides, quantize_sides(routes, quantized.per_plan, format));
-  std::vector<std::vector<bool>> on_producer(routes.plans.size());
-  for (size_t k = 0; k < routes.plans.size(); ++k) on_producer[k].assign(routes.plans[k].params.size(), false);
-  for (const QuantizeSide& q : sides) {
-    ++out.quantized_params;
-    if (q.on_producer) {
-      ++out.quantized_on_producer;
-      on_producer[q.plan][q.param] = true;
-    }
-  }
-  // Per plan class and group: what each producer's reads save (bytes, per consumer).
-  const double per_element = format.value_bytes + static_cast<double>(format.scale_bytes) /
-                                                      static_cast<double>(format.block_rows * format.block);
-  out.bytes_moved = 0;
-  uint64_t max_consumer = 0;
-  std::vector<uint64_t> consumer_bytes(routes.consumer_plan.size(), 0);
-  for (size_t g = 0; g < groups.size(); ++g) {
-    std::vector<std::map<uint32_t, uint64_t>> saved(routes.plans.size());  // plan -> producer -> bytes
-    for (size_t k = 0; k < routes.plans.size(); ++k) {
-      const PlanGroup& pg = routes.plans[k].groups[g];
-      for (const UnpackOp& u : pg.unpacks) {
-        if (!on_producer[k][u.param]) continue;
-        const Read* from = nullptr;
-        for (const Read& r : pg.reads)
-          if (u.offset >= r.recv_offset && u.offset < r.recv_offset + r.length) from = &r;
-        if (!from) return internal_error("simulate: plan {} group {}: an unpack outside every read", k, g);
-        const double n = static_cast<double>(u.dst.numel());
-        const auto dense = static_cast<uint64_t>(n) * dtype_size(u.src_dtype);
-        const auto quant = static_cast<uint64_t>(std::ceil(n * per_element));
-        saved[k][from->producer] += dense - std::min(dense, quant);
-      }
-    }
-    GroupWork& gw = groups[g];
-    for (Flow& f : gw.transfers) {
-      const uint32_t k = routes.consumer_plan[f.to];
-      auto it = saved[k].find(f.from);
-      if (it != saved[k].end()) f.bytes -= std::min(f.bytes, it->second);
-      out.bytes_moved += f.bytes;
-      consumer_bytes[f.to] += f.bytes;
-    }
-    for (size_t c = 0; c < gw.unpack_bytes.size(); ++c) {
-      uint64_t s = 0;
-      for (const auto& [p, b] : saved[routes.consumer_plan[c]]) s += b;
-      gw.unpack_bytes[c] -= std::min(gw.unpack_bytes[c], s);
-    }
-  }
-  for (uint64_t b : consumer_bytes) max_consumer = std::max(max_consumer, b);
-  out.max_consumer_bytes = max_consumer;
-  return Status::Ok();
 }
 
 }  // namespace
@@ -209,9 +153,15 @@ Result<JobWorkload> build_workload(const JobSpec& job, Design design) {
     }
     w.serial_stages = true;
   } else {
-    FERRY_ASSIGN_OR_RETURN(auto routes, route(m, *m.holdings, plans));
+    // Trainer-side quantisation: the engine's own routes (RouterOptions::quantize_on), whose
+    // reads carry FP8 values and scales where a producer quantises.
+    FERRY_ASSIGN_OR_RETURN(auto routes, route(m, *m.holdings, plans,
+                                              job.quantize_on_producer ? QuantizeOn::kProducer : QuantizeOn::kConsumer));
     fill_from_routes(routes, w.groups, out);
-    if (job.quantize_on_producer) FERRY_RETURN_IF_ERROR(quantize_on_producers(m, routes, w.groups, out));
+    if (job.quantize_on_producer) {
+      out.quantized_params = routes.stats.quantized_params;
+      out.quantized_on_producer = routes.stats.quantized_on_producer;
+    }
     // The engine's own order computation, so the prediction follows the engine.
     const engine::GroupOrder order = engine::make_group_order(routes, job.order);
     FERRY_RETURN_IF_ERROR(engine::check_group_order(routes, order));
