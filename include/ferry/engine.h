@@ -199,6 +199,15 @@ struct EngineOptions {
   // same; this and group_order are checked at rendezvous (a rank that differs fails at
   // once, naming the other).
   ConvertOn convert_on = ConvertOn::kProducer;
+  // Where the FP8 block quantisation a consumer's plan asks for runs (QuantizeOn in
+  // ferry/route.h; LoaderOptions::quantize): on a producer wherever one holds every
+  // element of each of a param's tiles, so the wire carries e4m3 values and scales and
+  // they land in the params as they are (the default), else on the consumer after the
+  // dense values land. The params' bits are the same either way. A producer-quantised
+  // param is e4m3 in ferry's buffers from the start: a caller's buffer of the loaded
+  // dtype for it is not used (params() names ferry's, as after post-processing). Every
+  // rank of a job must run the same (checked at rendezvous).
+  QuantizeOn quantize_on = QuantizeOn::kProducer;
   // Delta syncs (docs/delta.md). Producer: keeps a copy of every group as it packed it
   // last (host memory after its staging ring, MemoryUse::kept_copy: the bytes it stages
   // in one sync) and, per plan class, puts in the slot a patch of the elements that

@@ -269,8 +269,8 @@ class Producer:
     def __init__(self, source, store, *, rank=None, token=None, num_consumers=1, num_producers=None,
                  backend="ucx", job="ferry", mode="pull", timeout=30.0, rendezvous_timeout=60.0,
                  stall_timeout=10.0, straggler_floor=2.0, straggler_factor=8.0, join_window=20.0, lease_ttl=3.0,
-                 checksums=False, failover=True, group_order="layer", convert_on="producer", delta=False,
-                 delta_full_every=0, delta_block_bytes=0, staging_budget=0, staging_device="cpu", in_place=False, direct_min_bytes=64 * 1024,
+                 checksums=False, failover=True, group_order="layer", convert_on="producer", quantize_on="producer",
+                 delta=False, delta_full_every=0, delta_block_bytes=0, staging_budget=0, staging_device="cpu", in_place=False, direct_min_bytes=64 * 1024,
                  transport_params=None, ucx_config=None):
         if not isinstance(source, WeightSource):
             raise InvalidArgumentError("Producer: source must be a ferry.WeightSource")
@@ -279,7 +279,7 @@ class Producer:
                       timeout=timeout, rendezvous_timeout=rendezvous_timeout, stall_timeout=stall_timeout,
                       straggler_floor=straggler_floor, straggler_factor=straggler_factor, join_window=join_window,
                       lease_ttl=lease_ttl, checksums=checksums, failover=failover, group_order=group_order,
-                      convert_on=convert_on, delta=delta, delta_full_every=delta_full_every,
+                      convert_on=convert_on, quantize_on=quantize_on, delta=delta, delta_full_every=delta_full_every,
                       delta_block_bytes=delta_block_bytes,
                       num_consumers=num_consumers,
                       num_producers=num_producers if num_producers is not None else source.world_size,
@@ -366,7 +366,8 @@ class Consumer:
                  commit="in_place", before_commit=None, after_commit=None, quantize="none", token=None,
                  num_producers=1, num_consumers=None, backend="ucx", job="ferry",
                  mode="pull", timeout=30.0, rendezvous_timeout=60.0, stall_timeout=10.0, lease_ttl=3.0,
-                 checksums=False, failover=True, group_order="layer", convert_on="producer", delta=False, cuda_ipc=True,
+                 checksums=False, failover=True, group_order="layer", convert_on="producer", quantize_on="producer", delta=False,
+                 cuda_ipc=True,
                  direct_min_bytes=64 * 1024, transport_params=None,
                  ucx_config=None):
         from ._plan import Plan
@@ -400,7 +401,7 @@ class Consumer:
         kw = _options(token, backend, _transport_params(transport_params, ucx_config), job=job, mode=mode,
                       timeout=timeout, rendezvous_timeout=rendezvous_timeout, stall_timeout=stall_timeout,
                       lease_ttl=lease_ttl, checksums=checksums, failover=failover, group_order=group_order,
-                      convert_on=convert_on, delta=delta,
+                      convert_on=convert_on, quantize_on=quantize_on, delta=delta,
                       cuda_ipc=cuda_ipc,
                       num_producers=num_producers, num_consumers=num_consumers, commit=commit)
         if direct_min_bytes is not None:  # None: the default, as on the Producer

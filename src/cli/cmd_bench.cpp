@@ -105,8 +105,13 @@ std::function<int()> setup_bench(CLI::App& app) {
       ->check(CLI::IsMember({"producer", "consumer"}));
   app.add_option("--quantize", b->quantize,
                  "none | fp8 | fp8-ue8m0 | mxfp8: the inference ranks' loader block-quantises the linear weights "
-                 "after loading (LoaderOptions::quantize, docs/models.md); bytes move as the trainer holds them")
+                 "after loading (LoaderOptions::quantize, docs/models.md); where it runs: --quantize-on")
       ->check(CLI::IsMember({"none", "fp8", "fp8-ue8m0", "mxfp8"}));
+  app.add_option("--quantize-on", b->quantize_on,
+                 "producer | consumer: where the --quantize block quantisation runs: on a trainer rank that holds "
+                 "every element of a param's tiles (FP8 values and scales cross the wire), or after loading on the "
+                 "inference rank (EngineOptions::quantize_on; the params' bits are the same)")
+      ->check(CLI::IsMember({"producer", "consumer"}));
   app.add_option("--syncs", b->syncs, "timed trials of each measurement, after one warm-up (medians)")
       ->check(number_in(1, 1 << 20));
   app.add_option("--seed", b->seed, "seed of the synthetic weights")->check(number_in(0, 1.8e19));

@@ -399,8 +399,13 @@ std::function<int()> setup_demo(CLI::App& app) {
                     ->check(CLI::IsMember({"producer", "consumer"}));
                 app.add_option("--quantize", d->quantize,
                                "none | fp8 | fp8-ue8m0 | mxfp8: the inference ranks' loader block-quantises the linear weights "
-                 "after loading (LoaderOptions::quantize, docs/models.md); bytes move as the trainer holds them")
+                 "after loading (LoaderOptions::quantize, docs/models.md); where it runs: --quantize-on")
                     ->check(CLI::IsMember({"none", "fp8", "fp8-ue8m0", "mxfp8"}));
+                app.add_option("--quantize-on", d->quantize_on,
+                 "producer | consumer: where the --quantize block quantisation runs: on a trainer rank that holds "
+                 "every element of a param's tiles (FP8 values and scales cross the wire), or after loading on the "
+                 "inference rank (EngineOptions::quantize_on; the params' bits are the same)")
+                    ->check(CLI::IsMember({"producer", "consumer"}));
                 app.add_option("--commit", d->commit,
                                "inference ranks' commit policy: in_place, groups (a bounded shadow: each layer group "
                                "commits whole as it completes; the reader checks every group is whole), or shadow "
@@ -495,7 +500,7 @@ std::function<int()> setup_demo(CLI::App& app) {
 
 // The options of `ferry worker --bench` (the rest are the demo's).
 constexpr const char* kBenchWorkerOptions[] = {"--role",  "--rank", "--model", "--trainer", "--inference", "--store",
-                                               "--job",   "--mode", "--group-order", "--convert-on", "--quantize", "--seed",  "--timeout-ms", "--tls",     "--in-place",
+                                               "--job",   "--mode", "--group-order", "--convert-on", "--quantize", "--quantize-on", "--seed",  "--timeout-ms", "--tls",     "--in-place",
                                                "--trace", "--bench", "--commit", "--caller-params", "--delta",
                                                "--changed-fraction", "--changes", "--delta-block-bytes", "--help"};
 
@@ -514,6 +519,7 @@ std::function<int()> setup_worker(CLI::App& app) {
   app.add_option("--group-order", w->group_order)->check(CLI::IsMember({"layer", "rotated"}));
   app.add_option("--convert-on", w->convert_on)->check(CLI::IsMember({"producer", "consumer"}));
   app.add_option("--quantize", w->quantize)->check(CLI::IsMember({"none", "fp8", "fp8-ue8m0", "mxfp8"}));
+  app.add_option("--quantize-on", w->quantize_on)->check(CLI::IsMember({"producer", "consumer"}));
   app.add_flag("--checksums", w->checksums);
   app.add_option("--seed", w->seed)->check(number_in(0, 1.8e19));
   app.add_option("--first-version", w->first_version)->check(number_in(0, 1 << 30));
@@ -571,6 +577,7 @@ std::function<int()> setup_worker(CLI::App& app) {
       bench->group_order = w->group_order;
       bench->convert_on = w->convert_on;
       bench->quantize = w->quantize;
+      bench->quantize_on = w->quantize_on;
       bench->delta = w->delta;
       bench->changed_fraction = w->changed_fraction;
       bench->changes = w->changes;

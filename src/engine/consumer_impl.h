@@ -55,6 +55,9 @@ struct Consumer::Impl {
   Routes routes;
   uint64_t routes_hash = 0;
   const PlanRoute* plan_route = nullptr;  // this rank's plan class in `routes`
+  // The params as the first routes declared them (producer-quantised ones e4m3, their
+  // scales added): the buffers are made for these, so later routes must agree.
+  std::vector<TensorDecl> routed_params;
   int failed_p = -1;    // the producer whose failure ended the last attempt
   // Where bytes land (engine/param_set.h): the param buffers, their registrations and
   // placements, the committed view and what the params hold. Set by start().

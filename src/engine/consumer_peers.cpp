@@ -223,6 +223,21 @@ std::optional<Completion> Consumer::Impl::send_to(int p, const Message& m) {
 
 Status Consumer::Impl::apply_routes(Routes r) {
   FERRY_RETURN_IF_ERROR(check_routes_hold(r, route_state.router()).with_context(fmt::format("consumer {}", rank)));
+  // A failover's routes that change which params arrive quantised (a producer that alone
+  // held some tile whole died) would write buffers of another dtype: refused, naming it.
+  const std::vector<TensorDecl>& now = r.consumer(static_cast<size_t>(rank)).params;
+  if (!routed_params.empty() && now != routed_params) {
+    for (size_t i = 0; i < std::max(now.size(), routed_params.size()); ++i) {
+      if (i < now.size() && i < routed_params.size() && now[i] == routed_params[i]) continue;
+      const TensorDecl& d = i < routed_params.size() ? routed_params[i] : now[i];
+      return failed_precondition(
+          "consumer {}: the new routes deliver param '{}' otherwise than its buffers were made for ({} {} then, "
+          "{} now): the producers left cannot quantise it as before; restart the consumer",
+          rank, d.name, dtype_name(d.dtype), shape_str(d.shape),
+          i < now.size() ? dtype_name(now[i].dtype) : std::string_view("absent"),
+          i < now.size() ? shape_str(now[i].shape) : std::string());
+    }
+  }
   const uint64_t needed = consumer_slot_bytes(r.consumer(static_cast<size_t>(rank)));
   if (needed > slot_bytes)
     return failed_precondition("consumer {}: a group needs {} receive bytes, the ring has {}", rank, needed, slot_bytes);
@@ -349,10 +364,32 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
   FERRY_ASSIGN_OR_RETURN(auto inputs, rendezvous_inputs(store, m.keys, options, Participant{"consumer", rank}, metadata));
   FERRY_ASSIGN_OR_RETURN(auto routes, m.route_state.start(std::move(inputs)));
   m.slot_bytes = consumer_slot_bytes(routes.consumer(static_cast<size_t>(rank)));
+  // Params producers quantise (EngineOptions::quantize_on) arrive as e4m3 with their
+  // scales: their buffers are made so, and each scale goes live with its weight.
+  const PlanRoute& mine = routes.consumer(static_cast<size_t>(rank));
+  m.routed_params = mine.params;
+  std::vector<TensorDecl> decls = m.model.param_decls;
+  for (const QuantizedParam& q : mine.quantized) {
+    const TensorDecl& weight = mine.params[q.param];
+    const TensorDecl& scale = mine.params[q.scale];
+    for (TensorDecl& d : decls)
+      if (d.name == weight.name) d = weight;
+    decls.push_back(scale);
+    auto g = m.model.post_group_of.find(weight.name);
+    if (g != m.model.post_group_of.end()) m.model.post_group_of[scale.name] = g->second;
+    // A caller's buffer of the loaded dtype can't hold FP8: ferry's is used (params()
+    // names it), as post-processing's replacement would be.
+    auto given = params.find(weight.name);
+    if (given != params.end() && given->second.dtype() != weight.dtype) params.erase(given);
+    given = params.find(scale.name);
+    if (given != params.end() && (given->second.dtype() != scale.dtype || given->second.shape() != scale.shape)) {
+      params.erase(given);
+    }
+  }
   auto set = ParamSet::create(ParamSetOptions{rank, options.mode == SyncMode::kPush, options.direct_min_bytes,
                                                   options.commit == CommitPolicy::kShadow,
                                                   options.commit == CommitPolicy::kGroups},
-                              m.model.param_decls, params, transport_param_memory(transport));
+                              decls, params, transport_param_memory(transport));
   if (!set.ok()) return set.status();
   m.param_set = std::move(*set);
   const std::optional<Device> cuda = m.param_set->device();  // where the caller's params are, when in GPU memory

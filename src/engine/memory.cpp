@@ -168,6 +168,7 @@ uint64_t predicted_schedule_bytes(const PlanRoute& route) {
 RouterOptions producer_router_options(const EngineOptions& options, int rank) {
   RouterOptions r;
   r.convert_on = options.convert_on;
+  r.quantize_on = options.quantize_on;
   r.packs_of = rank;
   r.unpacks_of = options.mode == SyncMode::kPush ? RouterOptions::kEveryRank : RouterOptions::kNoRank;
   return r;
@@ -190,6 +191,7 @@ Status check_routes_hold(const Routes& routes, const RouterOptions& options) {
 RouterOptions consumer_router_options(const EngineOptions& options, int rank) {
   RouterOptions r;
   r.convert_on = options.convert_on;
+  r.quantize_on = options.quantize_on;
   r.packs_of = RouterOptions::kEveryRank;
   r.unpacks_of = rank;
   return r;
@@ -284,9 +286,10 @@ Result<MemoryPrediction> predict_memory(const Routes& routes, const std::vector<
     m.receive_ring = registered_bytes(consumer_slot_bytes(pr) * kReceiveSlots);
     m.metadata = common + all_packs + ops_bytes(pr) + per_class[routes.consumer_plan[c]];
     if (commit == CommitPolicy::kShadow && plans[c]) {
-      // ParamSet's shadow arena: every param, 64-byte aligned, rounded to a page.
+      // ParamSet's shadow arena: every param as the routes deliver it (producer-quantised
+      // ones e4m3, plus their scales), 64-byte aligned, rounded to a page.
       uint64_t shadow = 0;
-      for (const auto& d : plans[c]->params()) shadow += align_up(shape_numel(d.shape) * dtype_size(d.dtype), 64);
+      for (const auto& d : pr.params) shadow += align_up(shape_numel(d.shape) * dtype_size(d.dtype), 64);
       m.shadow = align_up(shadow, 4096);
     } else if (commit == CommitPolicy::kGroups && plans[c]) {
       const uint32_t k = routes.consumer_plan[c];  // (its consumers' plans are equal)

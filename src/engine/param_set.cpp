@@ -214,14 +214,18 @@ Status ParamSet::write_padding(const Plan& plan) {
   if (!plan.zeros().empty()) {
     // Per place (host, the GPU): a plan runs on one device. Into both sets under shadow
     // (padding is never sent: each set keeps its zeros).
+    // Only the padded params are declared: the others may not be as the plan loads them
+    // (a producer-quantised param is e4m3 here, RouterOptions::quantize_on).
     Plan zeros_only[2];
-    for (Plan& z : zeros_only) {
-      for (const auto& d : plan.params()) FERRY_RETURN_IF_ERROR(z.declare_param(d).status());
-    }
     for (const auto& z : plan.zeros()) {
-      auto it = loaded_.find(plan.params()[z.param].name);
+      const TensorDecl& d = plan.params()[z.param];
+      auto it = loaded_.find(d.name);
       const bool on_gpu = it != loaded_.end() && it->second.device().is_cuda();
-      FERRY_RETURN_IF_ERROR(zeros_only[on_gpu ? 1 : 0].add_zero(z));
+      Plan& into = zeros_only[on_gpu ? 1 : 0];
+      FERRY_ASSIGN_OR_RETURN(const uint32_t i, into.declare_param(d));
+      Zero local = z;
+      local.param = i;
+      FERRY_RETURN_IF_ERROR(into.add_zero(std::move(local)));
     }
     for (const Plan& z : zeros_only) {
       if (z.zeros().empty()) continue;

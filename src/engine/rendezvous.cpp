@@ -116,6 +116,11 @@ Status publish_world(Store& store, const JobKeys& keys, const EngineOptions& o, 
 }
 
 std::string routing_choices(const EngineOptions& o) {
+  // Quantising on the consumer adds a third field; the default's key is as before.
+  if (o.quantize_on == QuantizeOn::kConsumer) {
+    return fmt::format("{}.{}.quantize-{}", group_order_kind_name(o.group_order), convert_on_name(o.convert_on),
+                       quantize_on_name(o.quantize_on));
+  }
   return fmt::format("{}.{}", group_order_kind_name(o.group_order), convert_on_name(o.convert_on));
 }
 
@@ -133,8 +138,8 @@ Status check_world(Store& store, const JobKeys& keys, const EngineOptions& o, Pa
     if (np == o.num_producers && nc == o.num_consumers) {
       if (w->routing == mine) continue;
       return invalid_argument(
-          "{} {} runs with group order and conversion '{}' but {} {} with '{}' (EngineOptions::group_order and "
-          "convert_on must be the same on every rank of job '{}': they shape the routes)",
+          "{} {} runs with group order and conversion '{}' but {} {} with '{}' (EngineOptions::group_order, "
+          "convert_on and quantize_on must be the same on every rank of job '{}': they shape the routes)",
           me.role, me.rank, mine, role, rank, w->routing, keys.job());
     }
     const bool producers = np != o.num_producers;

@@ -39,7 +39,8 @@ struct Participant {
 // (JobKeys::check).
 // The same key names the choices every rank must share because they shape the routes
 // or the order they run in (routing_choices: "{group_order}.{convert_on}", e.g.
-// "rotated.producer"); a participant whose choices differ fails at once, naming both.
+// "rotated.producer", with ".quantize-consumer" appended where quantize_on is the
+// consumer); a participant whose choices differ fails at once, naming both.
 std::string routing_choices(const EngineOptions& options);
 Status publish_world(Store& store, const JobKeys& keys, const EngineOptions& options, Participant me);
 Status check_world(Store& store, const JobKeys& keys, const EngineOptions& options, Participant me);

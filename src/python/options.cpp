@@ -49,6 +49,7 @@ constexpr OptionField kOptionFields[] = {
     {"EngineOptions", "failover", "failover", "keyword", "Producer Consumer"},
     {"EngineOptions", "group_order", "group_order", "keyword", "Producer Consumer"},
     {"EngineOptions", "convert_on", "convert_on", "keyword", "Producer Consumer"},
+    {"EngineOptions", "quantize_on", "quantize_on", "keyword", "Producer Consumer"},
     {"EngineOptions", "delta", "delta", "keyword", "Producer Consumer"},
     // Full syncs are the producer's choice: a consumer never reads it.
     {"EngineOptions", "delta_full_every", "delta_full_every", "keyword", "Producer"},
@@ -200,6 +201,12 @@ void fill_engine(EngineOptions& o, const py::dict& kw) {
     if (!c) throw_status(invalid_argument("convert_on: '{}' is not \"producer\" or \"consumer\"", where));
     o.convert_on = *c;
   }
+  if (kw.contains("quantize_on")) {
+    const std::string where = text(kw, "quantize_on");
+    auto q = parse_quantize_on(where);
+    if (!q) throw_status(invalid_argument("quantize_on: '{}' is not \"producer\" or \"consumer\"", where));
+    o.quantize_on = *q;
+  }
   if (kw.contains("delta")) o.delta = flag(kw, "delta");
   if (kw.contains("delta_full_every")) o.delta_full_every = count32(kw, "delta_full_every");
   if (kw.contains("delta_block_bytes")) o.delta_block_bytes = byte_count(kw, "delta_block_bytes");
@@ -223,6 +230,7 @@ void engine_dict(py::dict& d, const EngineOptions& o) {
   d["failover"] = o.failover;
   d["group_order"] = std::string(group_order_kind_name(o.group_order));
   d["convert_on"] = std::string(convert_on_name(o.convert_on));
+  d["quantize_on"] = std::string(quantize_on_name(o.quantize_on));
   d["delta"] = o.delta;
   d["delta_full_every"] = o.delta_full_every;
   d["delta_block_bytes"] = o.delta_block_bytes;

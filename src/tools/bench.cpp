@@ -74,6 +74,9 @@ struct BenchMemoryEstimate {
 // `po`: the engine options every rank runs (mode, delta), as predict_memory reads them.
 Result<BenchMemoryEstimate> estimate_bench_memory(const JobModel& m, CommitPolicy commit, ConvertOn convert_on,
                                                   const ProducerOptions& po) {
+  RouterOptions ro;
+  ro.convert_on = convert_on;
+  ro.quantize_on = po.quantize_on;
   const int P = m.trainer.world_size(), C = m.inference.world_size(), S = m.trainer.pp;
   std::vector<Plan> plans;
   for (int c = 0; c < C; ++c) {
@@ -84,7 +87,7 @@ Result<BenchMemoryEstimate> estimate_bench_memory(const JobModel& m, CommitPolic
   in.metadata = m.metadata;
   in.producers = *m.holdings;
   for (const Plan& p : plans) in.consumers.push_back(&p);
-  FERRY_ASSIGN_OR_RETURN(auto routes, build_routes(in, RouterOptions{.convert_on = convert_on}));
+  FERRY_ASSIGN_OR_RETURN(auto routes, build_routes(in, ro));
   FERRY_ASSIGN_OR_RETURN(auto engine_mem, predict_memory(routes, m.metadata, in.producers, in.consumers, po, commit));
   const Groups groups(m.metadata);
   uint64_t largest_tensor = 0;
@@ -195,6 +198,9 @@ BenchResult run_bench(const BenchSpec& b) {
   engine_options.mode = b.mode == "push" ? SyncMode::kPush : SyncMode::kPull;
   engine_options.delta = b.delta;
   engine_options.delta_block_bytes = b.delta_block_bytes;
+  const auto quantize_on = parse_quantize_on(b.quantize_on);
+  if (!quantize_on) return fail(fmt::format("--quantize-on: '{}' is not producer or consumer", b.quantize_on));
+  engine_options.quantize_on = *quantize_on;
   auto estimate = estimate_bench_memory(m, *policy, *convert_on, engine_options);
   if (!estimate.ok()) return fail(estimate.status().to_string());
   {
@@ -273,7 +279,7 @@ BenchResult run_bench(const BenchSpec& b) {
     const int rank = prod ? k : k - P;
     std::vector<std::string> args = {b.worker_binary, "worker", "--bench", "--role", role, "--rank", std::to_string(rank),
                                      "--model", config_path, "--trainer", b.trainer, "--inference", b.inference,
-                                     "--store", (*server)->url(), "--job", job, "--tls", b.tls, "--mode", b.mode, "--group-order", b.group_order, "--convert-on", b.convert_on, "--quantize", b.quantize, "--seed",
+                                     "--store", (*server)->url(), "--job", job, "--tls", b.tls, "--mode", b.mode, "--group-order", b.group_order, "--convert-on", b.convert_on, "--quantize", b.quantize, "--quantize-on", b.quantize_on, "--seed",
                                      std::to_string(b.seed), "--timeout-ms", std::to_string(b.timeout_ms),
                                      "--in-place", b.in_place ? "1" : "0", "--commit", b.commit,
                                      "--changed-fraction", fmt::format("{}", b.changed_fraction), "--changes", b.changes};
@@ -527,6 +533,7 @@ BenchResult run_bench(const BenchSpec& b) {
   j["in_place"] = b.in_place;
   j["commit"] = b.commit;
   j["quantize"] = b.quantize;
+  j["quantize_on"] = b.quantize_on;
   j["caller_params"] = b.caller_params;
   if (b.delta) {  // what crossed against the dense bytes of the same trials (the raw step's)
     uint64_t patch = 0, patched_dense = 0, elements = 0, changed = 0, repaired = 0;

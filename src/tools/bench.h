@@ -35,6 +35,7 @@ struct BenchSpec {
   std::string mode = "pull";    // engine mode; push: the raw baseline writes instead of reads
   std::string group_order = "layer";  // EngineOptions::group_order of every rank
   std::string convert_on = "producer";  // EngineOptions::convert_on of every rank
+  std::string quantize_on = "producer";  // EngineOptions::quantize_on of every rank
   // The inference ranks' loader quantisation (LoaderOptions::quantize: "none", "fp8",
   // "fp8-ue8m0", "mxfp8"): the consumers block-quantise after loading (post-processing).
   std::string quantize = "none";
@@ -91,6 +92,7 @@ struct BenchWorkerSpec {
   std::string mode = "pull";
   std::string group_order = "layer";
   std::string convert_on = "producer";
+  std::string quantize_on = "producer";
   std::string quantize = "none";    // BenchSpec::quantize
   bool delta = false;               // BenchSpec::delta
   double changed_fraction = 1.0;    // BenchSpec::changed_fraction

@@ -81,7 +81,7 @@ Result<Child> spawn_worker(const DemoSpec& d, const std::string& tls, const std:
   ps.argv.insert(ps.argv.end(), {d.worker_binary, "worker", "--role", role, "--rank", std::to_string(rank),
              "--model", config_path, "--trainer", d.trainer, "--inference", d.inference,
              "--store", store_url, "--job", job, "--backend", d.backend, "--mode", d.mode, "--group-order", d.group_order,
-             "--convert-on", d.convert_on, "--quantize", d.quantize,
+             "--convert-on", d.convert_on, "--quantize", d.quantize, "--quantize-on", d.quantize_on,
              "--seed", std::to_string(d.seed), "--first-version", std::to_string(first_version),
              "--last-version", std::to_string(d.syncs), "--crash-version",
              std::to_string(crash_version), "--crash-point", std::to_string(crash_point),

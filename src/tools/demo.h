@@ -59,6 +59,7 @@ struct DemoSpec {
   std::string mode = "pull";
   std::string group_order = "layer";  // EngineOptions::group_order of every rank
   std::string convert_on = "producer";  // EngineOptions::convert_on of every rank
+  std::string quantize_on = "producer";  // EngineOptions::quantize_on of every rank
   // The inference ranks' loader quantisation (LoaderOptions::quantize: "none", "fp8",
   // "fp8-ue8m0", "mxfp8"): the consumers block-quantise after loading (post-processing).
   std::string quantize = "none";

@@ -148,6 +148,9 @@ int run_worker(const WorkerSpec& s) {
   auto convert = parse_convert_on(s.convert_on);
   if (!convert) return worker_fail(s, invalid_argument("convert_on: '{}' is not producer or consumer", s.convert_on));
   eo.convert_on = *convert;
+  auto quantize_on = parse_quantize_on(s.quantize_on);
+  if (!quantize_on) return worker_fail(s, invalid_argument("quantize_on: '{}' is not producer or consumer", s.quantize_on));
+  eo.quantize_on = *quantize_on;
   eo.checksums = s.checksums;
   eo.delta = s.delta;
   eo.delta_block_bytes = s.delta_block_bytes;

@@ -39,6 +39,7 @@ struct WorkerSpec {
   std::string mode = "pull";
   std::string group_order = "layer";  // EngineOptions::group_order
   std::string convert_on = "producer";  // EngineOptions::convert_on
+  std::string quantize_on = "producer";  // EngineOptions::quantize_on
   std::string quantize = "none";        // the inference ranks' LoaderOptions::quantize
   bool checksums = false;
   bool delta = false;                 // EngineOptions::delta

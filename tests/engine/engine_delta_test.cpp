@@ -122,6 +122,7 @@ TEST_P(EngineDeltaFp8, PatchesApplyAgainstTheLoadedBytesNotTheQuantisedOnes) {
   Cluster k(EngineCase{Backend::kInproc, Mode::kPull, GetParam() == CommitPolicy::kShadow, false,
                        GetParam() == CommitPolicy::kGroups});
   k.loader_options.quantize = Quantize::kFp8;
+  k.eo.quantize_on = QuantizeOn::kConsumer;
   start_delta(k, 0.01);  // (the same fraction throughout: a new one redraws every element)
   k.expect_all_ok(k.sync(1), 1);
   for (uint64_t v = 2; v <= 4; ++v) {
@@ -130,6 +131,25 @@ TEST_P(EngineDeltaFp8, PatchesApplyAgainstTheLoadedBytesNotTheQuantisedOnes) {
     const Sums s = sums_of(o);
     EXPECT_GT(s.received_patch, 0u) << "version " << v << " producers patched " << s.patch << " of " << s.sent;
     EXPECT_EQ(s.repaired, 0u) << "version " << v << ": patches applied against the wrong base";
+  }
+}
+
+// Producer-side FP8 under delta: the patches are of the e4m3 values and scales as staged
+// (a changed element changes its value and maybe its tile's scale), their base the bytes
+// that landed last time; they apply, none repaired, every version bit for bit.
+TEST_P(EngineDeltaFp8, ProducerQuantisedPatchesApplyToTheBytesThatLanded) {
+  Cluster k(EngineCase{Backend::kInproc, Mode::kPull, GetParam() == CommitPolicy::kShadow, false,
+                       GetParam() == CommitPolicy::kGroups});
+  k.loader_options.quantize = Quantize::kFp8;
+  k.eo.quantize_on = QuantizeOn::kProducer;
+  start_delta(k, 0.01);
+  k.expect_all_ok(k.sync(1), 1);
+  for (uint64_t v = 2; v <= 3; ++v) {
+    auto o = k.sync(v);
+    k.expect_all_ok(o, v);
+    const Sums s = sums_of(o);
+    EXPECT_GT(s.received_patch, 0u) << "version " << v << " producers patched " << s.patch << " of " << s.sent;
+    EXPECT_EQ(s.repaired, 0u) << "version " << v;
   }
 }
 

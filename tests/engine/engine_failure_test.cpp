@@ -710,5 +710,49 @@ TEST_P(EngineOwnTransportTest, ConsumerWhoseTransportDiedFailsItsSyncSayingSo) {
   EXPECT_EQ((*o.p[0])->missed, std::vector<int>{1}) << (*o.p[0])->to_string();
 }
 
+// FP8 quantised on the producers (EngineOptions::quantize_on), checksums on: a producer
+// dies mid-sync and its DP replica takes its regions over, quantising the same tiles
+// from the same values: every consumer's params bit for bit as a direct load makes them,
+// at the failed-over sync and the next, pulled and pushed.
+class EngineFp8FailoverTest : public ::testing::TestWithParam<Mode> {};
+
+TEST_P(EngineFp8FailoverTest, TheReplicaQuantisesTheSameBits) {
+  // tp=2,dp=2 -> tp=2: producers 1 and 3 hold the same boxes. The holder choice gives
+  // layer 1's regions (group 2) to producers 2 and 3; producer 3 dies there.
+  constexpr int kDies = 3;
+  Cluster k(EngineCase{Backend::kInproc, GetParam()});
+  k.loader_options.quantize = Quantize::kFp8;
+  k.tweak_producer = [&k](ProducerOptions& o, int p) {
+    o.checksums = true;
+    if (p != kDies) return;
+    o.stall_timeout = 2s;
+    engine::TestHooks hooks;
+    hooks.before_materialize = [&k](uint64_t v, int g) {
+      if (v == 2 && g == 2) k.ptr[kDies]->simulate_crash().ignore();
+    };
+    o.test_hooks = engine::make_test_hooks(std::move(hooks));
+  };
+  k.tweak_consumer = [](ConsumerOptions& o, int) { o.checksums = true; };
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2,dp=2", "tp=2,replicas=2").ok());
+  const Routes full = k.cons[0]->routes();  // (a consumer's routes hold every producer's ops)
+  ASSERT_GT(full.stats.quantized_on_producer, 0u);
+  ASSERT_FALSE(full.producers[kDies].groups[2].quants.empty()) << "producer 3 quantises nothing where it dies";
+  k.expect_all_ok(k.sync(1), 1);
+  auto o = k.sync(2);
+  for (int p : {0, 1, 2}) ASSERT_TRUE(o.p[static_cast<size_t>(p)]->ok()) << o.p[static_cast<size_t>(p)]->status().to_string();
+  for (size_t c = 0; c < o.c.size(); ++c) {
+    ASSERT_TRUE(o.c[c]->ok()) << "consumer " << c << ": " << o.c[c]->status().to_string();
+    k.expect_verified(static_cast<int>(c), 2);
+  }
+  // Its replica (producer 1) quantises its regions now, the same params as before.
+  const Routes& without = k.cons[0]->routes();
+  for (const ProducerGroup& g : without.producers[kDies].groups) EXPECT_TRUE(g.quants.empty());
+  EXPECT_GT(without.producers[1].groups[2].quants.size(), full.producers[1].groups[2].quants.size());
+  EXPECT_EQ(without.stats.quantized_on_producer, full.stats.quantized_on_producer);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, EngineFp8FailoverTest, ::testing::Values(Mode::kPull, Mode::kPush),
+                         [](const ::testing::TestParamInfo<Mode>& i) { return std::string(mode_name(i.param)); });
+
 }  // namespace
 }  // namespace ferry::engine_tests

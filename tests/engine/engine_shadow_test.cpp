@@ -329,36 +329,64 @@ TEST_P(EngineGroupsTest, FailedSyncLeavesTheGroupsItNamesNewAndTheRestOld) {
   for (auto& c : k.cons) EXPECT_FALSE(c->state().mixed);
 }
 
-// Consumer-side FP8 through the engine under every commit policy: the loader quantises
-// each linear weight into 128x128 FP8 tiles and a scale tensor after loading (a param
-// of another dtype, and a name of its own: under groups, taken at the sync's end the first
-// time, copied into at every later one); every rank's final params bit for bit as a
-// direct load makes them, three versions.
-class EngineFp8Test : public ::testing::TestWithParam<CommitPolicy> {};
+// FP8 through the engine under every commit policy, quantised on either side
+// (EngineOptions::quantize_on). On the consumer the loader quantises each linear weight
+// into 128x128 FP8 tiles and a scale tensor after loading (a param of another dtype, and
+// a name of its own: under groups, taken at the sync's end the first time, copied into at
+// every later one). On the producers (matching TP: every tile on one trainer rank) the
+// e4m3 values and scales cross the wire and land as they are: each consumer receives
+// exactly the bytes it keeps. Every rank's final params bit for bit as a direct load
+// makes them, three versions.
+class EngineFp8Test : public ::testing::TestWithParam<std::tuple<CommitPolicy, QuantizeOn>> {};
 
 TEST_P(EngineFp8Test, QuantisedAfterLoadingBitForBitUnderEveryCommitPolicy) {
-  Cluster k(EngineCase{Backend::kInproc, Mode::kPull, GetParam() == CommitPolicy::kShadow, false,
-                       GetParam() == CommitPolicy::kGroups});
+  const auto [policy, on] = GetParam();
+  Cluster k(EngineCase{Backend::kInproc, Mode::kPull, policy == CommitPolicy::kShadow, false,
+                       policy == CommitPolicy::kGroups});
   k.loader_options.quantize = Quantize::kFp8;
+  k.eo.quantize_on = on;
+  k.tweak_consumer = [](ConsumerOptions& co, int) {
+    co.direct_min_bytes = 0;
+    co.checksums = true;
+  };
+  k.tweak_producer = [](ProducerOptions& po, int) { po.checksums = true; };
   ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2").ok());
   auto rl = k.model.loader->rank(0);
   ASSERT_TRUE(rl.ok());
   size_t fp8 = 0;
   for (const TensorDecl& d : (*rl)->final_params()) fp8 += d.dtype == DType::kF8E4M3;
   ASSERT_GT(fp8, 0u) << "the loader quantises nothing";
+  uint64_t kept = 0, dense = 0;
+  for (const TensorDecl& d : (*rl)->final_params()) kept += static_cast<uint64_t>(shape_numel(d.shape)) * dtype_size(d.dtype);
+  for (const ParamInfo& p : (*rl)->params()) dense += static_cast<uint64_t>(shape_numel(p.decl.shape)) * dtype_size(p.decl.dtype);
   for (uint64_t v = 1; v <= 3; ++v) {
-    k.expect_all_ok(k.sync(v), v);
-    for (auto& c : k.cons) {
+    auto o = k.sync(v);
+    k.expect_all_ok(o, v);
+    for (size_t c = 0; c < k.cons.size(); ++c) {
       size_t held = 0;
-      for (const auto& [name, t] : c->params()) held += t.dtype() == DType::kF8E4M3;
+      for (const auto& [name, t] : k.cons[c]->params()) held += t.dtype() == DType::kF8E4M3;
       EXPECT_EQ(held, fp8);
+      const SyncReport& r = **o.c[c];
+      if (on == QuantizeOn::kProducer) {
+        EXPECT_EQ(r.bytes_received, kept) << "consumer " << c << ": what it keeps, no more";
+        if (policy != CommitPolicy::kGroups) {
+          EXPECT_GT(r.received_into_params, 0u) << "consumer " << c;
+        }
+      } else {
+        EXPECT_EQ(r.bytes_received, dense) << "consumer " << c << ": the bf16 it quantises";
+      }
     }
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Commit, EngineFp8Test,
-                         ::testing::Values(CommitPolicy::kInPlace, CommitPolicy::kShadow, CommitPolicy::kGroups),
-                         [](const ::testing::TestParamInfo<CommitPolicy>& i) { return commit_policy_name(i.param); });
+                         ::testing::Combine(::testing::Values(CommitPolicy::kInPlace, CommitPolicy::kShadow,
+                                                              CommitPolicy::kGroups),
+                                            ::testing::Values(QuantizeOn::kProducer, QuantizeOn::kConsumer)),
+                         [](const auto& i) {
+                           return fmt::format("{}_{}", commit_policy_name(std::get<0>(i.param)),
+                                              quantize_on_name(std::get<1>(i.param)));
+                         });
 
 INSTANTIATE_TEST_SUITE_P(Commit, EngineGroupsTest, ::testing::Values(false, true),
                          [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "callers" : "own"; });

@@ -71,6 +71,7 @@ PRODUCER_SAMPLES = {
     "rendezvous_timeout": (1.5, 1.5), "timeout": (2, 2.0), "stall_timeout": (float("inf"), 86400.0),
     "straggler_floor": (0.25, 0.25), "straggler_factor": (3.5, 3.5), "join_window": (7, 7.0), "lease_ttl": (0.5, 0.5),
     "checksums": (True, True), "failover": (False, False), "group_order": ("rotated", "rotated"), "convert_on": ("consumer", "consumer"),
+    "quantize_on": ("consumer", "consumer"),
     "delta": (True, True), "delta_full_every": (np.int32(10), 10), "delta_block_bytes": (65536, 65536),
     "direct_min_bytes": (0, 0),
     "staging_budget": (1 << 30, 1 << 30), "staging_device": ("cuda:1", "cuda:1"),
@@ -186,6 +187,7 @@ class OptionsTest(unittest.TestCase):
                ("failover", 2), ("staging_budget", -1), ("direct_min_bytes", 2 ** 64), ("direct_min_bytes", 1.0),
                ("staging_device", "tpu:0"), ("staging_device", 0), ("mode", "pushy"), ("job", 3),
                ("group_order", "random"), ("group_order", 1), ("convert_on", "trainer"), ("convert_on", 0),
+               ("quantize_on", "trainer"), ("quantize_on", 0),
                ("delta", "yes"), ("delta_full_every", -1), ("delta_full_every", 2 ** 32), ("delta_full_every", 1.5),
                ("delta_block_bytes", -1)]
         for kw, value in bad:
