@@ -511,13 +511,29 @@ Result<QuantOp> quant_op(const ClassCuts& cc, const QuantRegion& r, uint32_t p, 
   op.region = {r.box.nb, r.box.nr, r.box.nc};
   const std::vector<MapPiece> region{
       MapPiece{Shape{r.box.b0, r.box.r0, r.box.c0}, Layout::contiguous(op.region), 0}};
+  // A region of whole rows (and whole matrices where it spans several) is a flat range.
+  const bool whole_rows = r.box.c0 == 0 && r.box.nc == r.cols && (r.box.nb == 1 || (r.box.r0 == 0 && r.box.nr == r.rows));
+  const int64_t region_lo = (r.box.b0 * r.rows + r.box.r0) * r.cols;
+  const int64_t region_hi = region_lo + static_cast<int64_t>(r.box.numel());
   for (uint32_t j : r.cuts) {
     const Cut& qc = cc.quant_cuts[j];
     // dst indexes the param's flat space: the param as [batch, rows, cols]. (A cut is a
     // candidate by its tiles' bounding box: it may touch no element of the region.)
+    Layout dst = cc.pool.dst(qc.layouts);
+    Layout src = cc.pool.src(qc.layouts);
     std::vector<MapPiece> in_region;
-    compose_layout_each(cc.pool.dst(qc.layouts), Shape{r.batch, r.rows, r.cols}, region, nullptr,
-                        [&](const MapPiece& m) { in_region.push_back(m); });
+    const int64_t lo = dst.min_offset(), hi = dst.max_offset();
+    if (dst.numel() > 0 && whole_rows && lo >= region_lo && hi < region_hi) {
+      // The cut lies in a region of whole rows: the region's own flat space is the param's,
+      // shifted (most cuts: a region is a param's or an expert's whole matrix).
+      in_region.push_back(MapPiece{Shape(dst.shape.size(), 0), Layout{dst.shape, dst.strides, dst.offset - region_lo}, 0});
+    } else {
+      // Runs over whole rows re-expressed along the param's dims first, so that composing
+      // cuts them by the region's rows and columns, not row by row.
+      unflatten(dst, src, Shape{r.batch, r.rows, r.cols});
+      compose_layout_each(dst, Shape{r.batch, r.rows, r.cols}, region, nullptr,
+                          [&](const MapPiece& m) { in_region.push_back(m); });
+    }
     if (in_region.empty()) continue;
     const TensorInfo& ti = tensors[qc.tensor];
     const TensorPiece& piece = ti.pieces[qc.piece];
@@ -529,7 +545,6 @@ Result<QuantOp> quant_op(const ClassCuts& cc, const QuantRegion& r, uint32_t p, 
       }
     }
     if (!holder) return internal_error("quantising a region: producer {} holds no box of a piece it was given", p);
-    Layout src = cc.pool.src(qc.layouts);
     if (piece.refined && holder->box != piece.box) src = rebase(src, piece.box, holder->box);
     for (const MapPiece& m : in_region) {
       op.fills.push_back(FillOp{holder->box_index, Layout{m.root.shape, src.strides, src.offset_of(m.start)}, m.root});
