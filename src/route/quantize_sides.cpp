@@ -132,14 +132,13 @@ Result<std::vector<QuantizeSide>> quantize_sides(const Routes& routes,
         // Each tile: the producer all its elements came from so far (kNone, kSplit).
         route_detail::TileGrid tiles(d.shape, format.block_rows, format.block);
         FERRY_RETURN_IF_ERROR(each_unpack([&](const Layout& l, int32_t p) {
-          route_detail::mark_layout(tiles, l, [p](int32_t& t, int64_t, int64_t, int64_t) {
+          route_detail::mark_layout(tiles, l, [p](int32_t& t, int64_t, int64_t, int64_t, int64_t) {
             t = t == route_detail::TileGrid::kNone || t == p ? p : kSplit;
           });
         }));
         side.tiles = tiles.tiles();
-        side.tiles_split = static_cast<uint64_t>(std::count(tiles.ids().begin(), tiles.ids().end(), kSplit));
-        tiles_reached = side.tiles - static_cast<uint64_t>(
-                                         std::count(tiles.ids().begin(), tiles.ids().end(), route_detail::TileGrid::kNone));
+        side.tiles_split = tiles.count(kSplit);
+        tiles_reached = side.tiles - tiles.count(route_detail::TileGrid::kNone);
       }
       // A tile no element reaches (all zero padding) has nothing to send: its scale is
       // the all-zero tile's, which the consumer knows.

@@ -428,14 +428,18 @@ void quantize_class(const Plan& plan, uint64_t weight, const std::vector<TensorI
       const TensorInfo& ti = tensors[c.tensor];
       const int32_t id = intern(producers_of(ti, ti.pieces[c.piece]));
       TileBox& tb = bounds[i];
-      route_detail::mark_layout(grid, out.pool.dst(c.layouts), [&](int32_t& t, int64_t b, int64_t br, int64_t bc) {
-        t = t == route_detail::TileGrid::kNone ? id : (t == id ? id : meet(t, id));
-        tb.b0 = std::min(tb.b0, b), tb.b1 = std::max(tb.b1, b);
-        tb.r0 = std::min(tb.r0, br), tb.r1 = std::max(tb.r1, br);
-        tb.c0 = std::min(tb.c0, bc), tb.c1 = std::max(tb.c1, bc);
-      });
+      route_detail::mark_layout(grid, out.pool.dst(c.layouts),
+                                [&](int32_t& t, int64_t b, int64_t br, int64_t bc0, int64_t bc1) {
+                                  t = t == route_detail::TileGrid::kNone ? id : (t == id ? id : meet(t, id));
+                                  tb.b0 = std::min(tb.b0, b), tb.b1 = std::max(tb.b1, b);
+                                  tb.r0 = std::min(tb.r0, br), tb.r1 = std::max(tb.r1, br);
+                                  tb.c0 = std::min(tb.c0, bc0), tb.c1 = std::max(tb.c1, bc1 - 1);
+                                });
     }
-    for (int32_t t : grid.ids()) ok &= t >= 0 && !sets[static_cast<size_t>(t)].empty();
+    for (int64_t b = 0; b < grid.batch() && ok; ++b)
+      for (int64_t br = 0; br < grid.tile_rows() && ok; ++br)
+        for (const route_detail::TileGrid::Run& run : grid.runs(b, br))
+          ok &= run.id >= 0 && !sets[static_cast<size_t>(run.id)].empty();
     if (!ok) continue;
     ++out.on_producer;
     // The param becomes e4m3 in this class's route; its scales are appended.

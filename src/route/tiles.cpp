@@ -14,7 +14,20 @@ TileGrid::TileGrid(const Shape& shape, int64_t trows, int64_t block) : trows_(tr
   batch_ = rows_ * cols_ == 0 ? 0 : shape_numel(shape) / (rows_ * cols_);
   brows_ = (rows_ + trows - 1) / trows;
   bcols_ = (cols_ + block - 1) / block;
-  id_.assign(static_cast<size_t>(batch_ * brows_ * bcols_), kNone);
+  runs_.assign(static_cast<size_t>(batch_ * brows_), std::vector<Run>{Run{0, bcols_, kNone}});
+}
+
+int32_t TileGrid::id(int64_t b, int64_t br, int64_t bc) const {
+  for (const Run& r : runs(b, br))
+    if (bc >= r.bc0 && bc < r.bc1) return r.id;
+  return kNone;
+}
+
+uint64_t TileGrid::count(int32_t id) const {
+  uint64_t n = 0;
+  for (const auto& row : runs_)
+    for (const Run& r : row) n += r.id == id ? static_cast<uint64_t>(r.bc1 - r.bc0) : 0;
+  return n;
 }
 
 namespace {
@@ -78,11 +91,9 @@ std::vector<TileRegion> tile_regions(const TileGrid& g, uint64_t max_elements) {
     for (int64_t br = 0; br < g.tile_rows(); ++br) {
       next.clear();
       const int64_t r0 = br * tr, nr = std::min(tr, R - r0);
-      for (int64_t bc = 0; bc < g.tile_cols();) {
-        const int32_t id = g.id(b, br, bc);
-        int64_t end = bc + 1;
-        while (end < g.tile_cols() && g.id(b, br, end) == id) ++end;
-        const int64_t c0 = bc * bl, nc = std::min(end * bl, C) - c0;
+      for (const TileGrid::Run& run : g.runs(b, br)) {
+        const int32_t id = run.id;
+        const int64_t c0 = run.bc0 * bl, nc = std::min(run.bc1 * bl, C) - c0;
         const auto key = std::make_tuple(c0, nc, id);
         auto it = open.find(key);
         if (it != open.end()) {
@@ -92,7 +103,6 @@ std::vector<TileRegion> tile_regions(const TileGrid& g, uint64_t max_elements) {
           next.emplace(key, merged.size());
           merged.push_back(TileRegion{b, 1, r0, nr, c0, nc, id});
         }
-        bc = end;
       }
       std::swap(open, next);
     }

@@ -13,9 +13,17 @@
 
 namespace ferry::route_detail {
 
+// The tiles are kept as runs of one id along each tile row (tile rows are few runs: a
+// cut covers whole tile columns ranges), so marking a run of whole rows costs a run per
+// tile row, not a write per tile: MXFP8's 1 x 32 tiles are 11 million for one class's
+// Kimi-K2 experts, and a per-tile grid took minutes to route.
 class TileGrid {
  public:
   static constexpr int32_t kNone = -1;  // no element seen yet
+  struct Run {
+    int64_t bc0 = 0, bc1 = 0;  // tiles [bc0, bc1) of one tile row
+    int32_t id = kNone;
+  };
 
   // `shape`: the param's (at least 2 dims); tiles of trows x block.
   TileGrid(const Shape& shape, int64_t trows, int64_t block);
@@ -27,39 +35,67 @@ class TileGrid {
   int64_t block() const { return block_; }
   int64_t tile_rows() const { return brows_; }  // tiles along rows
   int64_t tile_cols() const { return bcols_; }
-  uint64_t tiles() const { return id_.size(); }
-  int32_t id(int64_t b, int64_t br, int64_t bc) const { return id_[index(b, br, bc)]; }
-  const std::vector<int32_t>& ids() const { return id_; }
+  uint64_t tiles() const { return static_cast<uint64_t>(batch_ * brows_ * bcols_); }
+  // Tile row (b, br): runs in column order, covering [0, tile_cols()), neighbours of
+  // different ids.
+  const std::vector<Run>& runs(int64_t b, int64_t br) const { return runs_[static_cast<size_t>(b * brows_ + br)]; }
+  int32_t id(int64_t b, int64_t br, int64_t bc) const;
+  uint64_t count(int32_t id) const;  // tiles with that id
 
-  // Every tile elements [flat, flat + n) (contiguous) lie in: `mark(tile_id&, b, br, bc)`.
-  // Whole rows at once: each tile once per run, not once per row (Kimi-K2's experts are
-  // 12 x 4096 rows of 56 tiles per class: marking row by row took minutes to route).
+  // Every tile elements [flat, flat + n) (contiguous) lie in, a run at a time:
+  // `mark(id&, b, br, bc0, bc1)` for tiles [bc0, bc1) of tile row (b, br), whose ids were
+  // all `id` (runs split at the bounds first, merged again after).
   template <typename Mark>
   void mark_run(int64_t flat, int64_t n, Mark&& mark) {
     while (n > 0) {
       const int64_t b = flat / (rows_ * cols_), rc = flat % (rows_ * cols_);
       const int64_t r = rc / cols_, c = rc % cols_;
-      if (c == 0 && n >= cols_) {
+      if (c == 0 && n >= cols_) {  // whole rows
         const int64_t k = std::min(n / cols_, rows_ - r);
-        for (int64_t br = r / trows_; br <= (r + k - 1) / trows_; ++br)
-          for (int64_t bc = 0; bc < bcols_; ++bc) mark(id_[index(b, br, bc)], b, br, bc);
+        for (int64_t br = r / trows_; br <= (r + k - 1) / trows_; ++br) mark_tiles(b, br, 0, bcols_, mark);
         flat += k * cols_;
         n -= k * cols_;
         continue;
       }
       const int64_t len = std::min(n, cols_ - c);
-      for (int64_t bc = c / block_; bc <= (c + len - 1) / block_; ++bc) {
-        mark(id_[index(b, r / trows_, bc)], b, r / trows_, bc);
-      }
+      mark_tiles(b, r / trows_, c / block_, (c + len - 1) / block_ + 1, mark);
       flat += len;
       n -= len;
     }
   }
 
  private:
-  size_t index(int64_t b, int64_t br, int64_t bc) const { return static_cast<size_t>((b * brows_ + br) * bcols_ + bc); }
+  // Runs of `row` split so that `at` starts one (0 < at < tile_cols()).
+  static void split_at(std::vector<Run>& row, int64_t at) {
+    for (size_t i = 0; i < row.size(); ++i) {
+      if (row[i].bc0 < at && at < row[i].bc1) {
+        Run right = row[i];
+        right.bc0 = at;
+        row[i].bc1 = at;
+        row.insert(row.begin() + static_cast<std::ptrdiff_t>(i) + 1, right);
+        return;
+      }
+    }
+  }
+  template <typename Mark>
+  void mark_tiles(int64_t b, int64_t br, int64_t bc0, int64_t bc1, Mark& mark) {
+    std::vector<Run>& row = runs_[static_cast<size_t>(b * brows_ + br)];
+    split_at(row, bc0);
+    split_at(row, bc1);
+    for (Run& x : row)
+      if (x.bc0 >= bc0 && x.bc1 <= bc1) mark(x.id, b, br, x.bc0, x.bc1);
+    size_t out = 0;
+    for (size_t i = 1; i < row.size(); ++i) {
+      if (row[i].id == row[out].id) {
+        row[out].bc1 = row[i].bc1;
+      } else {
+        row[++out] = row[i];
+      }
+    }
+    row.resize(out + 1);
+  }
   int64_t trows_, block_, rows_ = 0, cols_ = 0, batch_ = 0, brows_ = 0, bcols_ = 0;
-  std::vector<int32_t> id_;
+  std::vector<std::vector<Run>> runs_;  // per tile row
 };
 
 // Every element of `l` (a layout over a param's flat row-major space) to

@@ -19,7 +19,49 @@ using testing::Rng;
 // Sets tile (b, br, bc) of `g` to `id` (through mark_run on its first element).
 void set_tile(TileGrid& g, int64_t b, int64_t br, int64_t bc, int32_t id) {
   const int64_t flat = (b * g.rows() + br * g.trows()) * g.cols() + bc * g.block();
-  g.mark_run(flat, 1, [&](int32_t& t, int64_t, int64_t, int64_t) { t = id; });
+  g.mark_run(flat, 1, [&](int32_t& t, int64_t, int64_t, int64_t, int64_t) { t = id; });
+}
+
+// Runs of elements (partial rows, whole rows, across matrices) marked as runs of tiles
+// give every tile the id a tile-by-tile marking of each element gives; each tile row's
+// runs cover it and neighbours differ.
+TEST(TileGrid, MarksEveryTileARunTouchesAgainstAnOracle) {
+  for (int trial = 0; trial < 300; ++trial) {
+    Rng rng(5000 + static_cast<uint64_t>(trial));
+    const int64_t batch = rng.uniform(1, 3), rows = rng.uniform(1, 30), cols = rng.uniform(1, 30);
+    const int64_t trows = rng.pick<int64_t>({1, 2, 4, 8}), block = rng.pick<int64_t>({1, 2, 3, 8});
+    TileGrid g(Shape{batch, rows, cols}, trows, block);
+    const int64_t brows = (rows + trows - 1) / trows, bcols = (cols + block - 1) / block;
+    std::vector<int32_t> oracle(static_cast<size_t>(batch * brows * bcols), TileGrid::kNone);
+    auto combine = [](int32_t t, int32_t id) { return t == TileGrid::kNone || t == id ? id : -2; };
+    const int64_t numel = batch * rows * cols;
+    for (int m = static_cast<int>(rng.uniform(1, 6)); m > 0; --m) {
+      const int64_t flat = rng.uniform(0, numel - 1), n = rng.uniform(1, numel - flat);
+      const auto id = static_cast<int32_t>(rng.uniform(0, 2));
+      g.mark_run(flat, n, [&](int32_t& t, int64_t, int64_t, int64_t, int64_t) { t = combine(t, id); });
+      for (int64_t e = flat; e < flat + n; ++e) {
+        const int64_t b = e / (rows * cols), r = e % (rows * cols) / cols, c = e % cols;
+        int32_t& t = oracle[static_cast<size_t>((b * brows + r / trows) * bcols + c / block)];
+        t = combine(t, id);
+      }
+    }
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t br = 0; br < brows; ++br) {
+        const auto& runs = g.runs(b, br);
+        ASSERT_FALSE(runs.empty());
+        EXPECT_EQ(runs.front().bc0, 0);
+        EXPECT_EQ(runs.back().bc1, bcols);
+        for (size_t i = 1; i < runs.size(); ++i) {
+          EXPECT_EQ(runs[i].bc0, runs[i - 1].bc1);
+          EXPECT_NE(runs[i].id, runs[i - 1].id);
+        }
+        for (int64_t bc = 0; bc < bcols; ++bc)
+          ASSERT_EQ(g.id(b, br, bc), oracle[static_cast<size_t>((b * brows + br) * bcols + bc)])
+              << "trial " << trial << " tile " << b << "," << br << "," << bc;
+      }
+    EXPECT_EQ(g.count(TileGrid::kNone),
+              static_cast<uint64_t>(std::count(oracle.begin(), oracle.end(), TileGrid::kNone)));
+  }
 }
 
 TEST(TileRegions, PartitionTheTilesByIdAgainstAnOracle) {
