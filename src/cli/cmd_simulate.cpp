@@ -34,7 +34,7 @@ struct SimulateArgs {
   std::string order = "layer";
   double changed_fraction = -1;  // < 0: a dense sync
   std::string quantize = "none";
-  std::string quantize_on = "consumer";
+  std::string quantize_on;  // "": as the engine (producer where there is something to quantise)
   std::string changes = "scattered";
   bool json = false;
   std::string plot;
@@ -85,10 +85,13 @@ int run_simulate(const SimulateArgs& a) {
   auto quant = parse_quantize(a.quantize);
   if (!quant.ok()) return fail_with("simulate", quant.status().with_context("--quantize"));
   job.quantize = *quant;
-  if (a.quantize_on != "consumer" && a.quantize_on != "producer") {
+  if (!a.quantize_on.empty() && a.quantize_on != "consumer" && a.quantize_on != "producer") {
     return fail_with("simulate", invalid_argument("--quantize-on: '{}' is not consumer or producer", a.quantize_on));
   }
-  job.quantize_on_producer = a.quantize_on == "producer";
+  // Unset: as the engine does (EngineOptions::quantize_on), on the producers wherever
+  // ferry's design has something to quantise.
+  job.quantize_on_producer = a.quantize_on.empty() ? job.quantize != Quantize::kNone && a.design == "ferry"
+                                                   : a.quantize_on == "producer";
   // A relative cluster file is found as a model config is (working directory, the
   // installed share/ferry/, the source tree), so configs/clusters/*.json work anywhere.
   auto cluster_path = tools::find_model_config(a.cluster);
@@ -167,7 +170,7 @@ int run_simulate(const SimulateArgs& a) {
   }
   if (job.quantize != Quantize::kNone) {
     j["quantize"] = a.quantize;
-    j["quantize_on"] = a.quantize_on;
+    j["quantize_on"] = job.quantize_on_producer ? "producer" : "consumer";
     if (job.quantize_on_producer) {
       j["quantized_params"] = work->quantized_params;
       j["quantized_on_producer"] = work->quantized_on_producer;
@@ -210,8 +213,8 @@ int run_simulate(const SimulateArgs& a) {
                 100 * a.changed_fraction, a.changes.c_str(), work->element_bytes, 100 * work->patch_ratio);
   }
   if (job.quantize_on_producer) {
-    std::printf("  fp8 on the producer       %llu of %llu quantised params (every 128x128 tile from one producer; "
-                "a prediction: the engine quantises on the consumer); %s moved\n",
+    std::printf("  fp8 on the producer       %llu of %llu quantised params (every tile from one producer: the "
+                "engine's routes, RouterOptions::quantize_on); %s moved\n",
                 static_cast<unsigned long long>(work->quantized_on_producer),
                 static_cast<unsigned long long>(work->quantized_params),
                 gb(static_cast<double>(work->bytes_moved)).c_str());
@@ -279,9 +282,9 @@ FERRY_COMMAND(simulate_command, "simulate",
                                "What the inference ranks keep: none | fp8 (e4m3, 128x128 blocks, fp32 scales) | fp8-ue8m0 | mxfp8")
                     ->default_val("none");
                 app.add_option("--quantize-on", a->quantize_on,
-                               "With --quantize fp8: consumer (the engine today) | producer (predicts trainer-side "
-                               "quantisation: params whose every tile comes from one producer cross as FP8 + scales)")
-                    ->default_val("consumer");
+                               "With --quantize fp8: producer (the engine's default: params whose every tile one "
+                               "trainer rank holds cross as FP8 + scales, the engine's own routes) | consumer (the "
+                               "trainer's bf16 crosses; the inference ranks quantise)");
                 app.add_option("--staging-budget", a->job.staging_budget,
                                "Each producer's staging budget (bytes, suffixes KiB, MiB, GiB; 0: two slots)")
                     ->transform(CLI::AsSizeValue(false));

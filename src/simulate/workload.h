@@ -27,8 +27,8 @@ struct JobSpec {
   // The order groups move in (ferry's design): the engine's own make_group_order.
   engine::GroupOrderOptions order;
   // What the inference ranks keep (LoaderOptions::quantize) and, with fp8, whether the
-  // producers quantise the params they can (route.h, quantize_sides): a prediction of
-  // trainer-side quantisation (issue 29; the engine quantises on the consumer).
+  // producers quantise the params they can: the engine's own routes under
+  // RouterOptions::quantize_on (issue 29), FP8 values and scales on the wire.
   Quantize quantize = Quantize::kNone;
   bool quantize_on_producer = false;
 };
