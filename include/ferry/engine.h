@@ -413,6 +413,10 @@ struct SyncReport {
   // Producer: bytes sent (each consumer's share counted), and of those served in place
   // (read straight from the source's own memory, no staging copy). Zero on a consumer.
   uint64_t bytes_sent = 0, sent_in_place = 0;
+  // Producer: the FP8 values and scales it quantised and staged (EngineOptions::
+  // quantize_on; each region each time it staged it, whoever reads it). Those are packed,
+  // never served in place. Zero on a consumer.
+  uint64_t quantized_bytes = 0;
   // Consumer: bytes received, of those read straight into params, and of those copied
   // device to device from producers' GPU staging (ConsumerOptions::cuda_ipc). Zero on a
   // producer.

@@ -1177,6 +1177,7 @@ struct Producer::Impl {
       auto tp = Clock::now();
       auto packed = staging->pack(schedule, g, s, *boxes);
       if (!packed.ok()) return packed.status();
+      for (const QuantOp& q : grp.quants) report.quantized_bytes += q.bytes();
       std::map<uint32_t, uint64_t> sums = std::move(*packed);
       DeltaPack dp;
       if (opts.delta) dp = delta_pack(g, s, v, grp);

@@ -39,6 +39,7 @@ nlohmann::json sync_report_json(const SyncReport& r) {
                       {"bytes", r.bytes_sent + r.bytes_received},
                       {"bytes_sent", r.bytes_sent},
                       {"sent_in_place", r.sent_in_place},
+                      {"quantized_bytes", r.quantized_bytes},
                       {"bytes_received", r.bytes_received},
                       {"received_into_params", r.received_into_params},
                       {"received_via_cuda_ipc", r.received_via_cuda_ipc},

@@ -13,6 +13,7 @@
 #include "tensor/batch_layout.h"
 #include "tensor/device_plugin.h"
 #include "tensor/fp8_blocks.h"
+#include "tensor/fp8_host.h"
 
 namespace ferry {
 
@@ -243,7 +244,7 @@ Status fp8_block_quantize(Device device, const std::byte* src, DType src_dtype, 
   }
   if (batch == 0 || rows == 0 || cols == 0) return Status::Ok();
   if (device.is_host()) {
-    batch::fp8_quantize_tiles(reinterpret_cast<const unsigned char*>(src), type, batch, rows, cols, block, fmt_code,
+    detail::fp8_quantize_host(reinterpret_cast<const unsigned char*>(src), type, batch, rows, cols, block, fmt_code,
                               reinterpret_cast<unsigned char*>(q), reinterpret_cast<unsigned char*>(scales));
     return Status::Ok();
   }

@@ -376,6 +376,13 @@ TEST_P(EngineFp8Test, QuantisedAfterLoadingBitForBitUnderEveryCommitPolicy) {
         EXPECT_EQ(r.bytes_received, dense) << "consumer " << c << ": the bf16 it quantises";
       }
     }
+    uint64_t quantized = 0;
+    for (auto& p : o.p) quantized += (**p).quantized_bytes;
+    if (on == QuantizeOn::kProducer) {
+      EXPECT_GT(quantized, 0u);
+    } else {
+      EXPECT_EQ(quantized, 0u);
+    }
   }
 }
 
