@@ -91,6 +91,32 @@ TEST(EngineDevice, Fp32GpuMastersIntoBf16GpuParamsConvertOnTheProducersGpu) {
   }
 }
 
+// FP8 quantised on the producers (EngineOptions::quantize_on) from trainer weights in GPU
+// memory: each region's boxes copied to the host and quantised there (the device kernel
+// on the producer is not wired yet), with host staging and with GPU staging (the packs
+// on the device, the quant ops after the copy to host staging); pull and push, two
+// syncs, every consumer's FP8 params bit for bit as a direct load quantises them.
+TEST(EngineDevice, Fp8QuantisedByProducersFromGpuWeights) {
+  if (!cuda_status().usable()) GTEST_SKIP() << "needs a CUDA device; " << cuda_status().detail;
+  for (Mode mode : {Mode::kPull, Mode::kPush}) {
+    for (bool gpu_staging : {false, true}) {
+      SCOPED_TRACE(fmt::format("{} {} staging", mode == Mode::kPull ? "pull" : "push", gpu_staging ? "gpu" : "host"));
+      Cluster k(EngineCase{Backend::kInproc, mode});
+      k.gpu_sources = true;
+      k.loader_options.quantize = Quantize::kFp8;
+      if (gpu_staging) k.tweak_producer = [](ProducerOptions& o, int) { o.staging_device = Device::cuda(0); };
+      ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2,replicas=2").ok());
+      for (uint64_t v : {1u, 2u}) {
+        auto o = k.sync(v);
+        k.expect_all_ok(o, v);
+        uint64_t quantized = 0;
+        for (auto& p : o.p) quantized += (**p).quantized_bytes;
+        EXPECT_GT(quantized, 0u);
+      }
+    }
+  }
+}
+
 // GPU staging without a usable device: every producer is refused at create, before its
 // rendezvous, naming the option, the device and why.
 TEST(EngineDevice, GpuStagingWithoutAUsableDeviceIsRefusedAtCreate) {
