@@ -372,9 +372,11 @@ Status pack_group(const Routes& routes, uint32_t producer, int group, const Hold
 Status pack_group(const ProducerGroup& group_route, uint32_t producer, int group, const Holdings& holdings,
                   const std::vector<LocalBox>& boxes, std::span<std::byte> staging);
 // The group's quant ops alone (pack_group runs them after its packs), into `staging` in
-// host memory: each region filled from the boxes (a box in GPU memory copied to the host
-// first), converted to the param's dtype as an unpack would, and quantised by the code a
-// consumer's FP8 post-processing runs. For a caller whose packs wrote device staging.
+// host memory: each region filled from the boxes, converted to the param's dtype as an
+// unpack would, and quantised by the code a consumer's FP8 post-processing runs; a
+// region whose boxes are all in one GPU's memory is filled and quantised there (the copy
+// and FP8 kernels, the host's bits) and copied into staging. For a caller whose packs
+// wrote device staging.
 Status quantize_group(const ProducerGroup& group_route, uint32_t producer, int group, const Holdings& holdings,
                       const std::vector<LocalBox>& boxes, std::span<std::byte> staging);
 // Unpacks a received group buffer (PlanGroup::recv_bytes) into real params (by name,

@@ -798,11 +798,67 @@ Status quantize_group(const ProducerGroup& pg, uint32_t producer, int group, con
   // Regions this producer quantises: filled in the param's dtype, with the conversion a
   // consumer's unpack would run, then quantised by the code the consumer's hook runs.
   std::vector<std::byte> scratch, gathered;
+  std::shared_ptr<std::byte> on_device;  // device scratch: the region, then its values and scales
+  size_t on_device_bytes = 0;
   for (const QuantOp& q : pg.quants) {
     if (q.region.size() != 3 || !bytes_within(q.offset, static_cast<int64_t>(q.bytes()), 1, staging.size())) {
       return out_of_range("pack: producer {} group {}: quant op at {} overflows staging", producer, group, q.offset);
     }
     const uint64_t numel = q.numel();
+    // Every box of the region in one GPU's memory (contiguous): filled by one copy kernel
+    // and quantised by the device kernel (the host's arithmetic: fp8_blocks.h) into device
+    // scratch, then copied into staging.
+    std::optional<Device> gpu;
+    bool all_gpu = !q.fills.empty();
+    for (const FillOp& f : q.fills) {
+      auto it = by_box.find(f.box);
+      const Tensor* t = it == by_box.end() ? nullptr : it->second;
+      if (!t || !t->device().is_cuda() || !t->is_contiguous() || (gpu && t->device() != *gpu)) {
+        all_gpu = false;
+        break;
+      }
+      gpu = t->device();
+    }
+    if (all_gpu) {
+      // [region][values][scales], each 256-byte aligned (the kernels' stores stay aligned).
+      auto aligned = [](size_t b) { return (b + 255) / 256 * 256; };
+      const size_t region_bytes = numel * dtype_size(q.dtype), scale_bytes = q.bytes() - numel;
+      const size_t need = aligned(region_bytes) + aligned(numel) + scale_bytes;
+      if (need > on_device_bytes) {
+        FERRY_ASSIGN_OR_RETURN(on_device, device_alloc(*gpu, need));
+        on_device_bytes = need;
+      }
+      std::byte* region = on_device.get();
+      std::byte* values = region + aligned(region_bytes);
+      std::byte* scales = values + aligned(numel);
+      std::vector<StridedCopy> fills;
+      for (const FillOp& f : q.fills) {
+        FERRY_ASSIGN_OR_RETURN(const Tensor* held, box_tensor(by_box, holdings, f.box, producer, group));
+        const TensorDecl& d = holdings.tensors[holdings.boxes[f.box].tensor];
+        int64_t n, lo, hi, dn, dlo, dhi;
+        if (!is_floating(d.dtype) || !layout_range(f.src, n, lo, hi) || (n > 0 && (lo < 0 || hi >= held->numel())) ||
+            !layout_range(f.dst, dn, dlo, dhi) || dn != n || (n > 0 && (dlo < 0 || static_cast<uint64_t>(dhi) >= numel))) {
+          return out_of_range("pack: quant fill {} -> {} outside tensor '{}' or its region {}", f.src.to_string(),
+                              f.dst.to_string(), d.name, shape_str(q.region));
+        }
+        FERRY_ASSIGN_OR_RETURN(std::byte * dev, held->device_ptr());
+        std::optional<DType> from;
+        if (d.dtype != q.dtype) from = d.dtype;
+        fills.push_back({dev, f.src, region, f.dst, q.dtype, from});
+      }
+      Status st = copy_batch(*gpu, fills);
+      if (st.ok()) {
+        st = fp8_block_quantize(*gpu, region, q.dtype, q.region[0], q.region[1], q.region[2], q.block, values,
+                                scales, nullptr, static_cast<Fp8Scales>(q.format));
+      }
+      if (st.ok()) st = device_memcpy(staging.data() + q.offset, values, numel);
+      if (st.ok()) st = device_memcpy(staging.data() + q.offset + numel, scales, scale_bytes);
+      if (!st.ok()) {
+        return st.with_context(fmt::format("pack: producer {} group {}: quantising a region on {}", producer, group,
+                                           device_str(*gpu)));
+      }
+      continue;
+    }
     scratch.assign(numel * dtype_size(q.dtype), std::byte{0});
     for (const FillOp& f : q.fills) {
       FERRY_ASSIGN_OR_RETURN(const Tensor* held, box_tensor(by_box, holdings, f.box, producer, group));
@@ -812,8 +868,8 @@ Status quantize_group(const ProducerGroup& pg, uint32_t producer, int group, con
       if (!is_floating(d.dtype)) return invalid_argument("pack: tensor '{}' is {}; can't quantise it", d.name, dtype_name(d.dtype));
       const std::byte* src = nullptr;
       if (!t.device().is_host()) {
-        // In GPU memory: quantised on the host from a copy of the box (the device
-        // quantiser is the same arithmetic; running it there is issue 29's GPU step).
+        // In GPU memory beside boxes elsewhere (a region fed from host and device): quantised
+        // on the host from a copy of the box.
         if (!t.is_contiguous()) {
           return invalid_argument("pack: tensor '{}' box {} is a strided view in {} memory; materialize it contiguous",
                                   d.name, hb.box.to_string(), device_str(t.device()));

@@ -92,10 +92,11 @@ TEST(EngineDevice, Fp32GpuMastersIntoBf16GpuParamsConvertOnTheProducersGpu) {
 }
 
 // FP8 quantised on the producers (EngineOptions::quantize_on) from trainer weights in GPU
-// memory: each region's boxes copied to the host and quantised there (the device kernel
-// on the producer is not wired yet), with host staging and with GPU staging (the packs
-// on the device, the quant ops after the copy to host staging); pull and push, two
-// syncs, every consumer's FP8 params bit for bit as a direct load quantises them.
+// memory: each region filled on the device by the copy kernel and quantised there by the
+// FP8 kernel (the host's arithmetic), then copied into staging; with host staging and
+// with GPU staging (the packs on the device, the quant ops written after the copy to
+// host staging); pull and push, two syncs, every consumer's FP8 params bit for bit as a
+// direct load quantises them on the host.
 TEST(EngineDevice, Fp8QuantisedByProducersFromGpuWeights) {
   if (!cuda_status().usable()) GTEST_SKIP() << "needs a CUDA device; " << cuda_status().detail;
   for (Mode mode : {Mode::kPull, Mode::kPush}) {
