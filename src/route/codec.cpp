@@ -11,6 +11,7 @@
 #include "ferry/device.h"
 #include "ferry/route.h"
 #include "route/op_digest.h"
+#include "route/tiles.h"
 
 namespace ferry {
 
@@ -264,11 +265,12 @@ uint64_t QuantOp::numel() const {
 
 uint64_t QuantOp::tiles() const {
   if (region.size() != 3 || block == 0) return 0;
-  const auto trows = static_cast<int64_t>(format == 2 ? 1 : block), b = static_cast<int64_t>(block);
-  return static_cast<uint64_t>(region[0] * ((region[1] + trows - 1) / trows) * ((region[2] + b - 1) / b));
+  const auto b = static_cast<int64_t>(block);
+  return static_cast<uint64_t>(
+      batch::fp8_num_tiles(region[0], region[1], region[2], batch::fp8_tile_rows(format, b), b));
 }
 
-uint64_t QuantOp::bytes() const { return numel() + tiles() * (format == 0 ? 4u : 1u); }
+uint64_t QuantOp::bytes() const { return numel() + tiles() * batch::fp8_scale_bytes(format); }
 
 std::string Routes::encode() const {
   const bool quant = has_quant(*this);
@@ -617,14 +619,8 @@ Status Routes::validate() const {
       }
       const TensorDecl& d = pr.params[q.param];
       const TensorDecl& s = pr.params[q.scale];
-      Shape want = d.shape;
-      if (want.size() >= 2) {
-        const auto trows = static_cast<int64_t>(q.format == 2 ? 1 : q.block), b = static_cast<int64_t>(q.block);
-        want[want.size() - 2] = (want[want.size() - 2] + trows - 1) / trows;
-        want.back() = (want.back() + b - 1) / b;
-      }
-      if (d.dtype != DType::kF8E4M3 || d.shape.size() < 2 || s.dtype != (q.format == 0 ? DType::kF32 : DType::kU8) ||
-          s.shape != want) {
+      if (d.dtype != DType::kF8E4M3 || d.shape.size() < 2 || s.dtype != route_detail::scale_dtype(q.format) ||
+          s.shape != route_detail::scale_shape(d.shape, q.format, q.block)) {
         return corrupt("plan {}: quantized param '{}' is {} {} with scales '{}' {} {}", k, d.name, dtype_name(d.dtype),
                        shape_str(d.shape), s.name, dtype_name(s.dtype), shape_str(s.shape));
       }
@@ -805,6 +801,20 @@ Status quantize_group(const ProducerGroup& pg, uint32_t producer, int group, con
       return out_of_range("pack: producer {} group {}: quant op at {} overflows staging", producer, group, q.offset);
     }
     const uint64_t numel = q.numel();
+    // A fill's box, checked: a real float tensor, the fill inside it and inside the region.
+    auto checked_fill = [&](const FillOp& f) -> Result<const Tensor*> {
+      FERRY_ASSIGN_OR_RETURN(const Tensor* held, box_tensor(by_box, holdings, f.box, producer, group));
+      const HeldBox& hb = holdings.boxes[f.box];
+      const TensorDecl& d = holdings.tensors[hb.tensor];
+      if (!is_floating(d.dtype)) return invalid_argument("pack: tensor '{}' is {}; can't quantise it", d.name, dtype_name(d.dtype));
+      int64_t n, lo, hi, dn, dlo, dhi;
+      if (!layout_range(f.src, n, lo, hi) || (n > 0 && (lo < 0 || hi >= held->numel())) ||
+          !layout_range(f.dst, dn, dlo, dhi) || dn != n || (n > 0 && (dlo < 0 || static_cast<uint64_t>(dhi) >= numel))) {
+        return out_of_range("pack: quant fill {} -> {} outside box {} of tensor '{}' or its region {}",
+                            f.src.to_string(), f.dst.to_string(), hb.box.to_string(), d.name, shape_str(q.region));
+      }
+      return held;
+    };
     // Every box of the region in one GPU's memory (contiguous): filled by one copy kernel
     // and quantised by the device kernel (the host's arithmetic: fp8_blocks.h) into device
     // scratch, then copied into staging.
@@ -833,14 +843,8 @@ Status quantize_group(const ProducerGroup& pg, uint32_t producer, int group, con
       std::byte* scales = values + aligned(numel);
       std::vector<StridedCopy> fills;
       for (const FillOp& f : q.fills) {
-        FERRY_ASSIGN_OR_RETURN(const Tensor* held, box_tensor(by_box, holdings, f.box, producer, group));
+        FERRY_ASSIGN_OR_RETURN(const Tensor* held, checked_fill(f));
         const TensorDecl& d = holdings.tensors[holdings.boxes[f.box].tensor];
-        int64_t n, lo, hi, dn, dlo, dhi;
-        if (!is_floating(d.dtype) || !layout_range(f.src, n, lo, hi) || (n > 0 && (lo < 0 || hi >= held->numel())) ||
-            !layout_range(f.dst, dn, dlo, dhi) || dn != n || (n > 0 && (dlo < 0 || static_cast<uint64_t>(dhi) >= numel))) {
-          return out_of_range("pack: quant fill {} -> {} outside tensor '{}' or its region {}", f.src.to_string(),
-                              f.dst.to_string(), d.name, shape_str(q.region));
-        }
         FERRY_ASSIGN_OR_RETURN(std::byte * dev, held->device_ptr());
         std::optional<DType> from;
         if (d.dtype != q.dtype) from = d.dtype;
@@ -861,11 +865,10 @@ Status quantize_group(const ProducerGroup& pg, uint32_t producer, int group, con
     }
     scratch.assign(numel * dtype_size(q.dtype), std::byte{0});
     for (const FillOp& f : q.fills) {
-      FERRY_ASSIGN_OR_RETURN(const Tensor* held, box_tensor(by_box, holdings, f.box, producer, group));
+      FERRY_ASSIGN_OR_RETURN(const Tensor* held, checked_fill(f));
       const Tensor& t = *held;
       const HeldBox& hb = holdings.boxes[f.box];
       const TensorDecl& d = holdings.tensors[hb.tensor];
-      if (!is_floating(d.dtype)) return invalid_argument("pack: tensor '{}' is {}; can't quantise it", d.name, dtype_name(d.dtype));
       const std::byte* src = nullptr;
       if (!t.device().is_host()) {
         // In GPU memory beside boxes elsewhere (a region fed from host and device): quantised
@@ -886,16 +889,10 @@ Status quantize_group(const ProducerGroup& pg, uint32_t producer, int group, con
         FERRY_ASSIGN_OR_RETURN(std::byte * host, t.data_ptr());
         src = host;
       }
-      int64_t n, lo, hi, dn, dlo, dhi;
-      if (!layout_range(f.src, n, lo, hi) || (n > 0 && (lo < 0 || hi >= t.numel())) ||
-          !layout_range(f.dst, dn, dlo, dhi) || dn != n || (n > 0 && (dlo < 0 || static_cast<uint64_t>(dhi) >= numel))) {
-        return out_of_range("pack: quant fill {} -> {} outside box {} of tensor '{}' or its region {}",
-                            f.src.to_string(), f.dst.to_string(), hb.box.to_string(), d.name, shape_str(q.region));
-      }
       if (!t.device().is_host() || t.is_contiguous()) {
         strided_copy(src, f.src, d.dtype, scratch.data(), f.dst, q.dtype);
       } else {
-        gathered.resize(static_cast<size_t>(n) * dtype_size(q.dtype));
+        gathered.resize(static_cast<size_t>(f.src.numel()) * dtype_size(q.dtype));
         gather_from_view(src, t.strides(), hb.box.size, f.src, d.dtype, q.dtype, gathered.data());
         strided_copy(gathered.data(), Layout::contiguous(f.src.shape), q.dtype, scratch.data(), f.dst, q.dtype);
       }

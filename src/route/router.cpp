@@ -175,7 +175,7 @@ class LayoutPool {
 // layouts stay in the class's pool; ClassCuts::quant_cuts).
 struct QuantRegion {
   route_detail::TileRegion box;
-  uint32_t param = 0;
+  uint32_t param = 0, scale = 0;         // in the class's route (PlanRoute::params)
   int64_t batch = 0, rows = 0, cols = 0;  // the param as [batch, rows, cols]
   DType dtype = DType::kBF16;  // the param's dtype in the plan
   uint8_t format = 0;
@@ -399,7 +399,7 @@ void quantize_class(const Plan& plan, uint64_t weight, const std::vector<TensorI
     for (size_t j : mine) ok &= out.cuts[j].group == out.cuts[mine[0]].group;
     if (!ok) continue;
     // Each tile: the producers that hold every element of it (interned sets).
-    const int64_t trows = bq.format == 2 ? 1 : static_cast<int64_t>(bq.block);
+    const int64_t trows = batch::fp8_tile_rows(bq.format, bq.block);
     route_detail::TileGrid grid(d.shape, trows, bq.block);
     std::vector<std::vector<uint32_t>> sets;
     std::map<std::vector<uint32_t>, int32_t> set_id;
@@ -445,13 +445,8 @@ void quantize_class(const Plan& plan, uint64_t weight, const std::vector<TensorI
     // The param becomes e4m3 in this class's route; its scales are appended.
     const uint32_t scale = static_cast<uint32_t>(route.params.size());
     route.params[bq.param].dtype = DType::kF8E4M3;
-    route.params.push_back(TensorDecl{bq.scale_name, bq.format == 0 ? DType::kF32 : DType::kU8,
-                                      [&] {
-                                        Shape sh = d.shape;
-                                        sh[sh.size() - 2] = grid.tile_rows();
-                                        sh.back() = grid.tile_cols();
-                                        return sh;
-                                      }()});
+    route.params.push_back(TensorDecl{bq.scale_name, route_detail::scale_dtype(bq.format),
+                                      route_detail::scale_shape(d.shape, bq.format, bq.block)});
     route.quantized.push_back(QuantizedParam{bq.param, scale, bq.format, bq.block, d.dtype});
     const Cut& first = out.cuts[mine[0]];
     for (size_t j : mine) {
@@ -464,6 +459,7 @@ void quantize_class(const Plan& plan, uint64_t weight, const std::vector<TensorI
       QuantRegion qr;
       qr.box = box;
       qr.param = bq.param;
+      qr.scale = scale;
       qr.batch = grid.batch();
       qr.rows = grid.rows();
       qr.cols = grid.cols();
@@ -1163,19 +1159,14 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
             Layout values{{b.nb, b.nr, b.nc}, {qr.rows * qr.cols, qr.cols, 1}, (b.b0 * qr.rows + b.r0) * qr.cols + b.c0};
             coalesce_layout(values);
             sink.push(UnpackOp{qr.param, DType::kF8E4M3, cur, values}, 1);
-            const int64_t trows = qr.format == 2 ? 1 : static_cast<int64_t>(qr.block), bl = qr.block;
+            const int64_t trows = batch::fp8_tile_rows(qr.format, qr.block), bl = qr.block;
             const int64_t TR = (qr.rows + trows - 1) / trows, TC = (qr.cols + bl - 1) / bl;
             Layout scales{{b.nb, (b.nr + trows - 1) / trows, (b.nc + bl - 1) / bl},
                           {TR * TC, TC, 1},
                           (b.b0 * TR + b.r0 / trows) * TC + b.c0 / bl};
             coalesce_layout(scales);
-            const uint32_t scale = [&] {
-              for (const QuantizedParam& q : route.quantized)
-                if (q.param == qr.param) return q.scale;
-              return uint32_t{0};
-            }();
-            const DType sdt = qr.format == 0 ? DType::kF32 : DType::kU8;
-            sink.push(UnpackOp{scale, sdt, cur + static_cast<uint64_t>(values.numel()), scales}, dtype_size(sdt));
+            const DType sdt = route_detail::scale_dtype(qr.format);
+            sink.push(UnpackOp{qr.scale, sdt, cur + static_cast<uint64_t>(values.numel()), scales}, dtype_size(sdt));
             cur += c.bytes;
             continue;
           }

@@ -10,8 +10,22 @@
 #include <vector>
 
 #include "ferry/tensor.h"
+#include "tensor/fp8_blocks.h"
 
 namespace ferry::route_detail {
+
+// A quantised param's scales (BlockQuantize::format, the tile's columns): their dtype,
+// and their shape, the weight's with its last two dims counted in tiles
+// (batch::fp8_tile_rows rows of `block` columns each).
+inline DType scale_dtype(uint8_t format) { return format == batch::kScaleF32 ? DType::kF32 : DType::kU8; }
+inline Shape scale_shape(const Shape& weight, uint8_t format, int64_t block) {
+  Shape s = weight;
+  if (s.size() < 2) return s;
+  const int64_t trows = batch::fp8_tile_rows(format, block);
+  s[s.size() - 2] = (s[s.size() - 2] + trows - 1) / trows;
+  s.back() = (s.back() + block - 1) / block;
+  return s;
+}
 
 // The tiles are kept as runs of one id along each tile row (tile rows are few runs: a
 // cut covers whole tile columns ranges), so marking a run of whole rows costs a run per
