@@ -371,6 +371,11 @@ Status pack_group(const Routes& routes, uint32_t producer, int group, const Hold
 // one with the packs another path serves removed.
 Status pack_group(const ProducerGroup& group_route, uint32_t producer, int group, const Holdings& holdings,
                   const std::vector<LocalBox>& boxes, std::span<std::byte> staging);
+// The group's packs alone (pack_group runs them, then quantize_group): into `staging`
+// where it is device memory (ProducerOptions::staging_device), whose quant ops then run
+// into the host staging it is copied to.
+Status pack_group_packs(const ProducerGroup& group_route, uint32_t producer, int group, const Holdings& holdings,
+                        const std::vector<LocalBox>& boxes, std::span<std::byte> staging);
 // The group's quant ops alone (pack_group runs them after its packs), into `staging` in
 // host memory: each region filled from the boxes, converted to the param's dtype as an
 // unpack would, and quantised by the code a consumer's FP8 post-processing runs; a

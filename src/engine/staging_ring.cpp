@@ -150,14 +150,7 @@ Result<StagingRing::Checksums> StagingRing::pack(const ProducerSchedule& schedul
     }
     std::span<std::byte> on_device(device_.get() + slot_offset(s), staging.size());
     // Quant ops write host memory: they run after the copy, into host staging.
-    ProducerGroup packs_only;
-    const ProducerGroup* packs = &gs.pack;
-    if (!gs.pack.quants.empty()) {
-      packs_only.staging_bytes = gs.pack.staging_bytes;
-      packs_only.packs = gs.pack.packs;
-      packs = &packs_only;
-    }
-    Status st = pack_group(*packs, static_cast<uint32_t>(rank_), g, holdings_, boxes, on_device);
+    Status st = pack_group_packs(gs.pack, static_cast<uint32_t>(rank_), g, holdings_, boxes, on_device);
     if (!st.ok()) return st.with_context(fmt::format("producer {} pack group {}", rank_, g));
     st = device_memcpy(staging.data(), on_device.data(), staging.size());
     if (!st.ok()) return st.with_context(fmt::format("producer {} group {}: GPU staging to host staging", rank_, g));

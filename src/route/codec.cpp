@@ -727,6 +727,12 @@ Status pack_group(const Routes& routes, uint32_t producer, int group, const Hold
 
 Status pack_group(const ProducerGroup& pg, uint32_t producer, int group, const Holdings& holdings,
                   const std::vector<LocalBox>& boxes, std::span<std::byte> staging) {
+  FERRY_RETURN_IF_ERROR(pack_group_packs(pg, producer, group, holdings, boxes, staging));
+  return quantize_group(pg, producer, group, holdings, boxes, staging);
+}
+
+Status pack_group_packs(const ProducerGroup& pg, uint32_t producer, int group, const Holdings& holdings,
+                        const std::vector<LocalBox>& boxes, std::span<std::byte> staging) {
   if (staging.size() < pg.staging_bytes) {
     return out_of_range("pack: producer {} group {} needs {} staging bytes, got {}", producer, group, pg.staging_bytes,
                         staging.size());
@@ -781,7 +787,7 @@ Status pack_group(const ProducerGroup& pg, uint32_t producer, int group, const H
     Status st = copy_batch(*on_device, device_packs);
     if (!st.ok()) return st.with_context(fmt::format("pack: producer {} group {} on {}", producer, group, device_str(*on_device)));
   }
-  return quantize_group(pg, producer, group, holdings, boxes, staging);
+  return Status::Ok();
 }
 
 
