@@ -10,6 +10,7 @@
 # them).
 #
 #   FERRY=build/src/cli/ferry HOSTS="2 4" RATES="1gbit 10gbit" MODES="pull push" bench/multihost.sh
+#   RELAY=1 HOSTS=2 RATES=1gbit bench/multihost.sh   # both replicas on the inference host, relayed
 set -eu
 FERRY=${FERRY:-build/src/cli/ferry}
 HOSTS=${HOSTS:-2 4}
@@ -18,16 +19,20 @@ MODES=${MODES-pull push}  # MODES="": the MPI_Bcast baseline only
 SYNCS=${SYNCS:-3}
 OVERRIDES=${OVERRIDES:-}
 INFERENCE=${INFERENCE:-tp=2,replicas=2}
+RELAY=${RELAY:-}  # RELAY=1: --relay (replicas on one host copy from one; docs/relay.md)
+ORDERS=${ORDERS:-layer}  # --group-order of each run
 BYTES=${BYTES:-187207680}
 NINF=${NINF:-4}  # inference ranks (the broadcast's receivers), spread as ferry's over the inference hosts
 for h in $HOSTS; do
   for r in $RATES; do
     for m in $MODES; do
-      echo "=== hosts $h, link rate=$r, mode $m"
-      "$FERRY" demo --hosts "$h" --link "rate=$r" --mode "$m" --kill-sync 0 --syncs "$SYNCS" \
-        --model configs/llama-3.1-8b.json ${OVERRIDES:+--config-overrides "$OVERRIDES"} --trainer tp=2 \
-        --inference "$INFERENCE" 2>&1 |
-        grep -E '^ +(version|[0-9]+ +[0-9]+ )|FAILED|verified bit'
+      for o in $ORDERS; do
+        echo "=== hosts $h, link rate=$r, mode $m, order $o${RELAY:+, relay}"
+        "$FERRY" demo --hosts "$h" --link "rate=$r" --mode "$m" --group-order "$o" ${RELAY:+--relay} --kill-sync 0 \
+          --syncs "$SYNCS" --model configs/llama-3.1-8b.json ${OVERRIDES:+--config-overrides "$OVERRIDES"} \
+          --trainer "${TRAINER:-tp=2}" --inference "$INFERENCE" 2>&1 |
+          grep -E '^ +(version|[0-9]+ +[0-9]+ )|FAILED|verified bit'
+      done
     done
   done
 done

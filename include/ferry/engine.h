@@ -316,6 +316,19 @@ struct ConsumerOptions : EngineOptions {
   // straight into the param (registered with the transport at create) instead of through
   // the receive ring. 0: every such piece; UINT64_MAX: none (everything through the ring).
   uint64_t direct_min_bytes = 64 * 1024;
+  // Relay within a host (docs/relay.md): consumers of one plan class (replicas of one
+  // rank) on one host (same hostname) that read the layer groups in the same order form
+  // a relay group. Its lowest live rank (the relay) reads each group across the network;
+  // the others copy it from the relay's receive ring over shared memory, so each byte
+  // crosses the host's link once, and tell the producers they read nothing from them.
+  // A member whose relay fails, pauses past its lease, is cut off or cannot offer a
+  // group reads that group (and, for a relay lost, the rest of the sync) from the
+  // producers, which keep it staged until then. Only where the relay's ring is reached
+  // natively (shared memory, not by messages); never over CUDA IPC. Under relay nothing
+  // is read straight into params (direct_min_bytes is ignored): every byte passes the
+  // receive ring, which is what a member copies. SyncReport::received_via_relay and
+  // relayed_to_peers count it.
+  bool relay = false;
   std::function<void(uint64_t version)> before_sync;             // e.g. pause generation
   std::function<void(uint64_t version, int group)> after_group;  // background thread
   std::function<void(uint64_t version)> after_sync;              // resume with version
@@ -421,6 +434,10 @@ struct SyncReport {
   // device to device from producers' GPU staging (ConsumerOptions::cuda_ipc). Zero on a
   // producer.
   uint64_t bytes_received = 0, received_into_params = 0, received_via_cuda_ipc = 0;
+  // Consumer under ConsumerOptions::relay: of bytes_received, those copied from the relay
+  // of its host (not across the network); as the relay, the bytes its peers copied from
+  // its receive ring and confirmed. Zero on a producer.
+  uint64_t received_via_relay = 0, relayed_to_peers = 0;
   // Delta syncs (EngineOptions::delta), from the trace: of bytes_sent / bytes_received,
   // those that moved as patches. Producer: the dense bytes its patches stood for (each
   // consumer's share counted, as bytes_sent), and over what it packed this sync the

@@ -37,8 +37,10 @@ enum class TraceLane : uint8_t {
   kInPlace,    // through the transport straight from the trainer's own memory (no staging)
   kCudaIpc,    // device to device from a producer's GPU staging on this host
   kPatch,      // through the transport from staging, as a delta patch (EngineOptions::delta)
+  kRelay,      // between consumers of one host: copied from (receive) or by (send) a relay's
+               // receive ring (ConsumerOptions::relay); peer is the other consumer's rank
 };
-std::string_view trace_lane_name(TraceLane lane);  // "", "transport", "in_place", "cuda_ipc", "patch"
+std::string_view trace_lane_name(TraceLane lane);  // "", "transport", "in_place", "cuda_ipc", "patch", "relay"
 
 struct TraceEvent {
   TracePhase phase = TracePhase::kWait;

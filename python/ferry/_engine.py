@@ -367,7 +367,7 @@ class Consumer:
                  num_producers=1, num_consumers=None, backend="ucx", job="ferry",
                  mode="pull", timeout=30.0, rendezvous_timeout=60.0, stall_timeout=10.0, lease_ttl=3.0,
                  checksums=False, failover=True, group_order="layer", convert_on="producer", quantize_on="producer", delta=False,
-                 cuda_ipc=True,
+                 cuda_ipc=True, relay=False,
                  direct_min_bytes=64 * 1024, transport_params=None,
                  ucx_config=None):
         from ._plan import Plan
@@ -402,7 +402,7 @@ class Consumer:
                       timeout=timeout, rendezvous_timeout=rendezvous_timeout, stall_timeout=stall_timeout,
                       lease_ttl=lease_ttl, checksums=checksums, failover=failover, group_order=group_order,
                       convert_on=convert_on, quantize_on=quantize_on, delta=delta,
-                      cuda_ipc=cuda_ipc,
+                      cuda_ipc=cuda_ipc, relay=relay,
                       num_producers=num_producers, num_consumers=num_consumers, commit=commit)
         if direct_min_bytes is not None:  # None: the default, as on the Producer
             kw["direct_min_bytes"] = direct_min_bytes

@@ -420,6 +420,10 @@ std::function<int()> setup_demo(CLI::App& app) {
                 app.add_option("--store", d->store, "store URL (tcp://... or redis://...); default: embedded");
                 app.add_option("--backend", d->backend, "transport backend (ucx)");
                 app.add_flag("--checksums", d->checksums, "xxHash64 per segment, checked on arrival");
+                app.add_flag("--relay", d->relay,
+                             "relay within a host: replicas of one inference rank on one host copy each layer group "
+                             "from the lowest live one over shared memory instead of each pulling it across the "
+                             "network (ConsumerOptions::relay, docs/relay.md)");
                 add_delta_options(app, d->delta, d->changed_fraction, d->changes, d->delta_block_bytes);
                 app.add_flag("--prepare-weights", d->prepare_weights,
                              "trainer ranks generate each version's weights before the sync starts (held in memory, "
@@ -521,6 +525,7 @@ std::function<int()> setup_worker(CLI::App& app) {
   app.add_option("--quantize", w->quantize)->check(CLI::IsMember({"none", "fp8", "fp8-ue8m0", "mxfp8"}));
   app.add_option("--quantize-on", w->quantize_on)->check(CLI::IsMember({"producer", "consumer"}));
   app.add_flag("--checksums", w->checksums);
+  app.add_flag("--relay", w->relay);
   app.add_option("--seed", w->seed)->check(number_in(0, 1.8e19));
   app.add_option("--first-version", w->first_version)->check(number_in(0, 1 << 30));
   app.add_option("--last-version", w->last_version)->check(number_in(0, 1 << 30));

@@ -171,6 +171,7 @@ Result<int> Consumer::Impl::acquire_slot(int at) {
   auto s = worker->acquire(at % kSlots, opts.timeout, [this] { return crashed.load(); }, who());
   if (!s.ok() && s.status().code() == StatusCode::kCancelled && crashed)
     return cancelled("consumer {} crashed (test hook)", rank);
+  if (s.ok() && opts.relay) relay_reuse(*s);  // members reading the slot's last group finish first (bounded)
   return s;
 }
 
@@ -232,6 +233,7 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
     declare = false;
     declare_routes(v);
   }
+  refresh_relay(rep);
   // Pull. In-place bytes are the trainer's weights of v from the start of the
   // producer's sync v until it ends (after our DONE). So once a producer announced
   // anything of v in this attempt (in_v), its in-place bytes that land in params are
@@ -264,6 +266,36 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
     std::map<int, Arrival> got;
     std::map<int, uint64_t> patched;  // delta: producers whose segment came as a patch, its bytes
     std::set<int> repaired;           // ... and of those, whose dense bytes were read after it
+    // Relay within a host (ConsumerOptions::relay): a member copies the group from its
+    // relay's receive ring once every producer announced it (pull), then releases them
+    // all (took_patch 3: nothing read from them; push: no write owed). When the relay
+    // cannot offer it, cut it short or is lost, the group is read from the producers
+    // below, which still hold it staged: `announced` keeps what came meanwhile.
+    std::map<int, Arrival> announced;
+    bool relayed = false;
+    if (relay_link.rank >= 0 && !relay_link.lost) {
+      if (opts.mode == SyncMode::kPull) {
+        std::set<int> remaining = from;
+        auto tw = Clock::now();
+        while (!remaining.empty()) {
+          FERRY_ASSIGN_OR_RETURN(auto pm, await_any(v, g, remaining, "announce"));
+          announced[pm.first] = pm.second;
+          remaining.erase(pm.first);
+        }
+        trace.record(TracePhase::kWait, g, -1, tw, Clock::now());
+      }
+      point(g, 1);
+      auto tr = Clock::now();
+      FERRY_ASSIGN_OR_RETURN(relayed, copy_from_relay(v, g, base, from));
+      trace.record(TracePhase::kRead, g, -1, tr, Clock::now());
+      if (relayed) {
+        for (int p : from) send_to(p, Release{me(), v, g, routes_hash, 3});
+        got = announced;
+      } else if (relay_link.lost) {
+        rep.failures.push_back(fmt::format("consumer {}: relay consumer {} lost at group {} ({}); the rest of the "
+                                           "attempt is read from the producers", rank, relay_link.rank, g, relay_link.why));
+      }
+    }
     // Delta: a patch that failed its check is repaired by reading producer p's dense bytes
     // of the group from its kept copy (both modes: its staging ring is imported).
     auto repair = [&](int p, const Status& why) -> Status {
@@ -274,7 +306,8 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
       FERRY_RETURN_IF_ERROR(posted(reads, reads.post_staged(g, p, got[p].dense_offset, base, dense)));
       return waited(dense, p, v, g);
     };
-    if (opts.mode == SyncMode::kPull) {
+    if (relayed) {
+    } else if (opts.mode == SyncMode::kPull) {
       // Staged bytes: read from each producer as soon as it announced, and release it
       // at once (before any in-place bytes are waited for), so that one slow producer
       // never holds another's staging slot and producers pack on while we copy.
@@ -287,7 +320,13 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
       bool first = true;
       while (!remaining.empty()) {
         auto tw = Clock::now();
-        FERRY_ASSIGN_OR_RETURN(auto pm, await_working(v, g, remaining, reads));
+        std::pair<int, Arrival> pm;
+        if (!announced.empty()) {  // announced while we waited for the relay
+          pm = *announced.begin();
+          announced.erase(announced.begin());
+        } else {
+          FERRY_ASSIGN_OR_RETURN(pm, await_working(v, g, remaining, reads));
+        }
         trace.record(TracePhase::kWait, g, pm.first, tw, Clock::now());
         const int p = pm.first;
         got[p] = pm.second;
@@ -383,7 +422,7 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
         }
       }
     }
-    record_receives(trace, g, gs, ipc_active, tg, Clock::now(), patched, repaired);
+    if (!relayed) record_receives(trace, g, gs, ipc_active, tg, Clock::now(), patched, repaired);
     std::map<int, uint64_t> sums;  // checksums (the producers' option), verified on the host
     for (int p : from)
       if (got[p].checksum) sums[p] = *got[p].checksum;
@@ -391,6 +430,7 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
                                        ipc_active ? ipc_lane->ring() + base : nullptr,
                                        plan_route->groups[static_cast<size_t>(g)].recv_bytes, *param_set));
     point(g, 2);
+    if (opts.relay && !ipc_active) relay_landed(v, g, s);  // members on this host may copy it now
     landed_groups.insert(g);  // (delta: its params hold this sync's bytes from now on)
     worker->enqueue({v, g, s});
   }
@@ -605,6 +645,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
     }
     dropped_versions.erase(dropped_versions.begin(), dropped_versions.lower_bound({v, 0}));
     syncing = v;
+    relay_passed.clear();  // (groups this relay took its slots back from: of earlier syncs)
     groups_live.clear();
     group_commit_seconds = 0;
     attempted.insert(v);
@@ -645,6 +686,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
       switch_routes = false;
     }
     s = sync_groups(v, rep);
+    relay_attempt_over(v);  // (members still asking for groups it did not land read them from the producers)
     if (s.ok()) break;
     // A producer gone as the attempt began (nothing of v read yet) that no DP replica
     // covers: wait, within the sync's timeout, for a restarted instance of it, then

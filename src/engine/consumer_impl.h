@@ -156,11 +156,72 @@ struct Consumer::Impl {
   // The unpack + post-processing thread (unpack_worker.h). Last: destroyed first.
   std::unique_ptr<UnpackWorker> worker;
 
+  // Relay within a host (ConsumerOptions::relay, docs/relay.md; consumer_relay.cpp).
+  // As a member: the relay this attempt reads from (refresh_relay, sync thread between
+  // attempts; `lost` also set by the handlers under mu). rank -1: none.
+  struct RelayLink {
+    int rank = -1;
+    std::string blob;     // the relay's lease we connected and imported with
+    PeerId id = 0;
+    RemoteRegion ring;    // its receive ring
+    bool lost = false;    // failed, gone or given up: the rest of this attempt reads from producers
+    std::string why;      // ... and why, for the report
+  } relay_link;
+  // Every consumer's order (rotated order; empty: layer order, all alike): a relay and
+  // its members must read in one order. Set with the routes.
+  std::vector<std::vector<int>> relay_orders;
+  // Its answers to our asks and releases, by (version, group): the latest. mu.
+  std::map<std::pair<uint64_t, int>, Relay> relay_inbox;
+  // As the relay (every consumer with relay on serves asks; only members on its host ask):
+  // per receive slot the group it holds verified and who is reading it; asks of groups
+  // not landed yet; groups whose slot was reused (asked again: gone); releases that came
+  // after their reader was cut. mu.
+  struct RelaySlot {
+    bool valid = false;
+    uint64_t version = 0, routes = 0;
+    int group = -1;
+    std::map<int, PeerId> readers;  // member rank -> its instance
+    std::set<int> released;         // members whose copy of it is done (kept)
+  };
+  // The members this relay expects to copy every group it lands this attempt (those of
+  // its class on its host it reached: rank -> instance); one that leaves a slot unasked
+  // past relay_hold() is expected no more this attempt. mu.
+  std::map<int, PeerId> relay_members;
+  RelaySlot relay_slots[kReceiveSlots];
+  std::map<std::tuple<uint64_t, int, uint64_t>, std::map<int, PeerId>> relay_asks;
+  std::set<std::tuple<uint64_t, int, uint64_t>> relay_passed;
+  // Members this relay cut (they read too slowly), by (member, version, group): they are told at their release. mu.
+  std::set<std::tuple<int, uint64_t, int>> relay_cut;
+  // Finds this attempt's relay (or that this consumer reads for itself) from the leases
+  // of its plan class on its host. Notes go to the report. Sync thread, between attempts.
+  void refresh_relay(SyncReport& rep);
+  // A Relay message (either role). The transport's handler thread; takes mu.
+  void on_relay(PeerId from, const Relay& m);
+  // The relay: group g of sync v is verified in receive slot s (members may read it).
+  void relay_landed(uint64_t v, int g, int s);
+  // The relay: before slot s is written again, waits (bounded) for its readers, then
+  // takes the slot back; readers still there are cut.
+  void relay_reuse(int s);
+  // The relay: an attempt at sync `version` ended; asks of that sync (and earlier) it did
+  // not offer are answered gone.
+  void relay_attempt_over(uint64_t version);
+  // A member: copies group g of sync v into its receive slot at `base` from the relay's
+  // ring. true: copied and kept intact; false: read it from the producers (`lost` set
+  // when the relay is gone for this attempt). An error: a producer of `from` failed or
+  // dropped us while we waited (as await_any).
+  Result<bool> copy_from_relay(uint64_t v, int g, uint64_t base, const std::set<int>& from);
+  // How long a relay waits for a member still reading a slot it needs again.
+  Clock::duration relay_hold() const {
+    return std::clamp<Clock::duration>(opts.straggler_floor / 2, std::chrono::milliseconds(50),
+                                       std::chrono::milliseconds(5000));
+  }
+
   // The options as this consumer runs them: under delta nothing is read straight into
   // params (a patch is applied in the receive slot, then unpacked), nor under the groups
-  // commit policy (every byte lands in the bounded shadow by unpack).
+  // commit policy (every byte lands in the bounded shadow by unpack), nor under relay
+  // (members copy the relay's receive ring: every byte must pass it).
   static ConsumerOptions effective(ConsumerOptions o) {
-    if (o.delta || o.commit == CommitPolicy::kGroups) o.direct_min_bytes = std::numeric_limits<uint64_t>::max();
+    if (o.delta || o.commit == CommitPolicy::kGroups || o.relay) o.direct_min_bytes = std::numeric_limits<uint64_t>::max();
     return o;
   }
   Impl(int r, Transport& t, Store& s, const ConsumerOptions& opt)

@@ -9,6 +9,7 @@ void Consumer::Impl::on_message(PeerId from, std::span<const std::byte> payload)
   auto decoded = decode_message(payload);
   if (!decoded.ok()) return;
   const Message& msg = *decoded;
+  if (const auto* m = std::get_if<Relay>(&msg)) return on_relay(from, *m);  // between consumers (relay within a host)
   std::lock_guard<std::mutex> lk(mu);
   const int p = static_cast<int>(sender_of(msg));
   if (p < 0 || p >= opts.num_producers) return;
@@ -55,6 +56,18 @@ void Consumer::Impl::on_message(PeerId from, std::span<const std::byte> payload)
 
 void Consumer::Impl::on_peer_failure(PeerId peer, const Status& why) {
   std::lock_guard<std::mutex> lk(mu);
+  if (opts.relay) {  // relay within a host: our relay, or a member reading one of our slots
+    if (relay_link.rank >= 0 && peer == relay_link.id && !relay_link.lost) {
+      relay_link.lost = true;
+      relay_link.why = "transport: " + why.to_string();
+    }
+    for (RelaySlot& sl : relay_slots) {
+      for (auto it = sl.readers.begin(); it != sl.readers.end();) it = it->second == peer ? sl.readers.erase(it) : std::next(it);
+    }
+    for (auto it = relay_members.begin(); it != relay_members.end();)
+      it = it->second == peer ? relay_members.erase(it) : std::next(it);
+    cv.notify_all();
+  }
   auto it = peer_rank.find(peer);
   if (it == peer_rank.end()) return;
   Peer& p = peers[static_cast<size_t>(it->second)];
@@ -247,6 +260,9 @@ Status Consumer::Impl::apply_routes(Routes r) {
     const GroupOrder o = make_group_order(r, {GroupOrderKind::kRotated, true});
     FERRY_RETURN_IF_ERROR(check_group_order(r, o).with_context(fmt::format("consumer {}", rank)));
     mine = o.consumer[static_cast<size_t>(rank)];
+    if (opts.relay) relay_orders = o.consumer;  // a relay and its members read in one order
+  } else {
+    relay_orders.clear();
   }
   std::lock_guard<std::mutex> lk(mu);
   routes = std::move(r);
@@ -450,7 +466,7 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
     param_table.params = m.param_set->placements();
   }
   m.lease_value = ConsumerLease{bytes_to_string(transport.address()), bytes_to_string(key), m.slot_bytes,
-                                param_table.encode()};
+                                param_table.encode(), host_identity()};
   FERRY_ASSIGN_OR_RETURN(m.lease, store.hold_lease(m.keys.consumer(rank), encode_lease(m.lease_value), options.lease_ttl));
   return Status::Ok();
 }

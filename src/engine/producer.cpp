@@ -316,7 +316,7 @@ struct Producer::Impl {
     return it == by_class.end() ? 0 : it->second;
   }
 
-  // `took_patch` (Release::took_patch): 1 c read its class's patch (delta), not the dense
+  // `took_patch` (Release::took_patch): 3 c read nothing (relayed on its host); 1 c read its class's patch (delta), not the dense
   // bytes; 2 the patch and then the dense bytes (a repair).
   void release_locked(int s, int c, int took_patch = 0) {
     Slot& sl = slots[static_cast<size_t>(s)];
@@ -328,6 +328,10 @@ struct Producer::Impl {
       if (paced) {
         released.emplace(c, sl.group);
         if (auto o = sl.opened.find(c); o != sl.opened.end()) from = o->second;
+      }
+      if (took_patch == 3) {  // c copied the group from a relay on its host: nothing went to it from here
+        cv.notify_all();
+        return;
       }
       const uint64_t patch = took_patch > 0 ? sl.patches.bytes_for(cls(c)).value_or(0) : 0;
       if (patch > 0) {

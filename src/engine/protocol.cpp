@@ -14,7 +14,7 @@ namespace {
 
 constexpr uint32_t kMessageMagic = 0x46455235u;  // "FER5" (FER4 had no delta fields)
 constexpr std::string_view kProducerLeaseMagic = "FPL1";
-constexpr std::string_view kConsumerLeaseMagic = "FCL2";  // FCL1 had no versions
+constexpr std::string_view kConsumerLeaseMagic = "FCL3";  // FCL1 had no versions, FCL2 no host
 
 // The fields of each message, in wire order: one list serves encode and decode.
 template <class M, class F>
@@ -32,6 +32,8 @@ void fields(M& m, F&& f) {
         f(m.dense_offset), f(m.checksum);
   } else if constexpr (std::is_same_v<T, Dropped>) {
     f(m.producer), f(m.version), f(m.routes), f(m.reason);
+  } else if constexpr (std::is_same_v<T, Relay>) {
+    f(m.consumer), f(m.version), f(m.routes), f(m.group), f(m.kind), f(m.offset);
   } else if constexpr (std::is_same_v<T, RoutesNotice> || std::is_same_v<T, Flushed>) {
     f(m.producer), f(m.version), f(m.routes);
   } else {
@@ -121,7 +123,11 @@ Result<Message> decode_as(std::span<const std::byte> bytes, size_t header) {
       return corrupt("engine message {}: a patch offset without a patch", message_name(Message(m)));
   }
   if constexpr (requires { m.took_patch; }) {
-    if (m.took_patch > 2) return corrupt("engine message {}: bad value {}", message_name(Message(m)), m.took_patch);
+    if (m.took_patch > 3) return corrupt("engine message {}: bad value {}", message_name(Message(m)), m.took_patch);
+  }
+  if constexpr (std::is_same_v<M, Relay>) {
+    if (m.kind > Relay::kMaxKind) return corrupt("engine message Relay: unknown kind {}", m.kind);
+    if (m.kind != Relay::kOffer && m.offset != 0) return corrupt("engine message Relay: an offset without an offer");
   }
   return Message(std::move(m));
 }
@@ -157,7 +163,7 @@ uint64_t version_of(const Message& m) {
 const char* message_name(const Message& m) {
   static constexpr const char* kNames[] = {"Announce", "Release", "Ready",    "Pushed",       "Dropped",
                                            "Abort",    "Done",    "Failover", "RoutesNotice", "Flushed",
-                                           "Join"};
+                                           "Join",     "Relay"};
   static_assert(std::size(kNames) == std::variant_size_v<Message>);
   return kNames[m.index()];
 }
@@ -193,7 +199,7 @@ std::string encode_lease(const ProducerLease& l) {
 std::string encode_lease(const ConsumerLease& l) {
   auto version = [](const std::optional<uint64_t>& v) { return v ? u64_field(*v) : std::string(); };
   return encode_fields({std::string(kConsumerLeaseMagic), l.address, l.recv_key, u64_field(l.recv_slot_bytes), l.params,
-                        version(l.committed), version(l.received)});
+                        version(l.committed), version(l.received), l.host});
 }
 
 Result<ProducerLease> decode_producer_lease(std::string_view blob) {
@@ -212,7 +218,7 @@ Result<ProducerLease> decode_producer_lease(std::string_view blob) {
 }
 
 Result<ConsumerLease> decode_consumer_lease(std::string_view blob) {
-  auto f = decode_fields(blob, 7);
+  auto f = decode_fields(blob, 8);
   if (!f.ok()) return f.status().with_context("consumer lease");
   if ((*f)[0] != kConsumerLeaseMagic) return corrupt("consumer lease: not a consumer lease");
   ConsumerLease l;
@@ -228,6 +234,7 @@ Result<ConsumerLease> decode_consumer_lease(std::string_view blob) {
     if (!v.ok()) return v.status().with_context(field == 5 ? "consumer lease committed" : "consumer lease received");
     *out = *v;
   }
+  l.host = std::move((*f)[7]);
   return l;
 }
 

@@ -21,6 +21,16 @@
 //          p -> c  RoutesNotice  p runs sync v with routes `routes` (after a failover)
 //          p -> c  Flushed    (push) answer to Failover or Abort: no write of other routes
 //                             (Abort: of that sync) to c in flight, into its ring or params
+//   relay within a host (ConsumerOptions::relay, docs/relay.md), between consumers of one
+//   plan class on one host:
+//          c -> r  Relay ask      c's receive slot is free for (v, g): offer it when you have it
+//          r -> c  Relay offer    (v, g) lies verified at `offset` of r's receive ring: read it
+//          r -> c  Relay gone     r cannot offer (v, g) (its slot was reused, or it reads
+//                                 none of it): read it from the producers
+//          c -> r  Relay release  c's read of the offer ended
+//          r -> c  Relay kept     r kept the slot intact throughout: the bytes are good
+//          r -> c  Relay cut      r reused the slot before the release: read from the producers
+//   and c -> p Release{took_patch 3} for a group copied from the relay (nothing read from p).
 // Every message carries the sender's rank, the version and the hash of the routes the
 // sender runs (or, for Pushed, laid the bytes out by).
 #pragma once
@@ -70,7 +80,8 @@ struct Release {
   int32_t group = 0;
   uint64_t routes = 0;
   // What c read of its segment: 0 the dense bytes, 1 the announced patch, 2 the patch and
-  // then the dense bytes (the patch failed its check: repaired).
+  // then the dense bytes (the patch failed its check: repaired), 3 nothing (c copied the
+  // group from a relay on its host; in push mode too: no write to c is owed for it).
   uint8_t took_patch = 0;
   friend bool operator==(const Release&, const Release&) = default;
 };
@@ -152,10 +163,25 @@ struct Flushed {
   friend bool operator==(const Flushed&, const Flushed&) = default;
 };
 
+// Between two consumers of one plan class on one host (relay within a host): the header
+// above lists the kinds. `consumer` is the sender's rank, `offset` the group's byte offset
+// in the relay's receive ring (kOffer only; 0 otherwise).
+struct Relay {
+  enum Kind : uint8_t { kAsk, kOffer, kGone, kRelease, kKept, kCut };
+  static constexpr uint8_t kMaxKind = kCut;
+  uint32_t consumer = 0;
+  uint64_t version = 0;
+  int32_t group = 0;
+  uint64_t routes = 0;
+  uint8_t kind = kAsk;
+  uint64_t offset = 0;
+  friend bool operator==(const Relay&, const Relay&) = default;
+};
+
 inline constexpr size_t kMaxReasonBytes = 1024;
 
 using Message =
-    std::variant<Announce, Release, Ready, Pushed, Dropped, Abort, Done, Failover, RoutesNotice, Flushed, Join>;
+    std::variant<Announce, Release, Ready, Pushed, Dropped, Abort, Done, Failover, RoutesNotice, Flushed, Join, Relay>;
 
 // The sender's rank (producer or consumer, by message type), version and routes.
 uint32_t sender_of(const Message& m);
@@ -182,6 +208,7 @@ struct ConsumerLease {
   std::string recv_key;          // exported key of the receive ring (push writes there)
   uint64_t recv_slot_bytes = 0;  // bytes per receive slot
   std::string params;            // ParamTable::encode() (push: where producers may write into params)
+  std::string host;              // host_identity() of its process (relay within a host)
   // The version its live params hold (committed) and one received into the shadow and
   // waiting for commit() or discard() (CommitPolicy::kShadow), absent when none: the
   // consumer updates its lease as they change (Lease::update), so that producers, and

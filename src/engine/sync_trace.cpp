@@ -31,6 +31,7 @@ std::string_view trace_lane_name(TraceLane lane) {
     case TraceLane::kInPlace: return "in_place";
     case TraceLane::kCudaIpc: return "cuda_ipc";
     case TraceLane::kPatch: return "patch";
+    case TraceLane::kRelay: return "relay";
   }
   return "?";
 }
@@ -102,12 +103,22 @@ void record_receives(SyncTrace& trace, int g, const ConsumerGroupSchedule& gs, b
 void derive_report_sums(SyncReport& r) {
   r.bytes_sent = r.sent_in_place = r.bytes_received = r.received_into_params = r.received_via_cuda_ipc = 0;
   r.patch_bytes = 0;
+  r.received_via_relay = r.relayed_to_peers = 0;
   r.bytes_per_peer.clear();
   r.materialize_seconds = r.pack_seconds = r.wait_seconds = r.read_seconds = r.unpack_seconds = r.post_seconds = 0;
   int64_t ns[static_cast<size_t>(TracePhase::kPost) + 1] = {};
   for (const TraceEvent& e : r.trace) {
     ns[static_cast<size_t>(e.phase)] += e.t1_ns - e.t0_ns;
     if (!e.is_transfer() || !e.counted) continue;
+    if (e.lane == TraceLane::kRelay) {  // between consumers: the peer is a consumer, not a producer
+      if (e.phase == TracePhase::kSend) {
+        r.relayed_to_peers += e.bytes;
+      } else {
+        r.bytes_received += e.bytes;
+        r.received_via_relay += e.bytes;
+      }
+      continue;
+    }
     r.bytes_per_peer[e.peer] += e.bytes;
     if (e.lane == TraceLane::kPatch) r.patch_bytes += e.bytes;
     if (e.phase == TracePhase::kSend) {

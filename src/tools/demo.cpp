@@ -91,6 +91,7 @@ Result<Child> spawn_worker(const DemoSpec& d, const std::string& tls, const std:
              "--timeout-ms", std::to_string(d.rank_timeout_ms)});
   if (!pause_at.empty()) ps.argv.insert(ps.argv.end(), {"--pause-at", pause_at});
   if (d.checksums) ps.argv.push_back("--checksums");
+  if (d.relay && role == "consumer") ps.argv.push_back("--relay");
   if (d.delta) ps.argv.insert(ps.argv.end(), {"--delta", "--delta-block-bytes", std::to_string(d.delta_block_bytes)});
   if (d.prepare_weights && role == "producer") ps.argv.push_back("--prepare-weights");
   ps.argv.insert(ps.argv.end(), {"--changed-fraction", fmt::format("{}", d.changed_fraction), "--changes", d.changes});

@@ -106,6 +106,9 @@ struct DemoSpec {
   // (docs/transport.md).
   std::string ucx_tls;
   bool checksums = false;
+  // ConsumerOptions::relay of every inference rank: replicas on one host copy from one
+  // (docs/relay.md).
+  bool relay = false;
   // Delta syncs (EngineOptions::delta) on every rank, and what the trainer's synthetic
   // weights change per version (SyntheticChanges: "scattered" elements or "clustered"
   // whole tensors).

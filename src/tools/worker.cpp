@@ -271,6 +271,7 @@ int run_worker(const WorkerSpec& s) {
       pause_at(version, g * 4 + phase);
     };
     co.test_hooks = engine::make_test_hooks(std::move(hooks));
+    co.relay = s.relay;
     auto policy = parse_commit_policy(s.commit);
     if (!policy.ok()) return worker_fail(s, policy.status());
     co.commit = *policy;

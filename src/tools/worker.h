@@ -42,6 +42,7 @@ struct WorkerSpec {
   std::string quantize_on = "producer";  // EngineOptions::quantize_on
   std::string quantize = "none";        // the inference ranks' LoaderOptions::quantize
   bool checksums = false;
+  bool relay = false;  // ConsumerOptions::relay (consumers only)
   bool delta = false;                 // EngineOptions::delta
   uint64_t delta_block_bytes = 0;     // EngineOptions::delta_block_bytes
   // Producer: generate each version's weights before calling sync() (all groups held in

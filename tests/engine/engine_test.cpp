@@ -61,16 +61,24 @@ TEST_P(EngineTest, DenseGqaTwoReplicas) {
   for (uint64_t v = 1; v <= 3; ++v) {
     auto o = k.sync(v);
     k.expect_all_ok(o, v);
-    uint64_t got = 0, served = 0, in_place = 0;
-    for (auto& c : o.c) got += (**c).bytes_received;
+    uint64_t got = 0, served = 0, in_place = 0, relayed = 0;
+    for (auto& c : o.c) {
+      got += (**c).bytes_received;
+      relayed += (**c).received_via_relay;  // (relay: copied from a replica on this host, not sent)
+    }
     for (auto& p : o.p) {
       served += (**p).bytes_sent;
       in_place += (**p).sent_in_place;
       EXPECT_GT((**p).bytes_sent, 0u) << "every TP shard holder serves its own shard";
     }
     EXPECT_EQ(got, routes.stats.bytes_moved);
-    EXPECT_EQ(served, got);
+    EXPECT_EQ(served + relayed, got);
     EXPECT_EQ(got, routes.stats.bytes_min) << "exactly the bytes each consumer keeps";
+    if (k.relay) {
+      EXPECT_EQ(2 * relayed, got) << "one replica of each rank copies everything from the other";
+      for (auto& c : o.c) EXPECT_EQ((**c).received_into_params, 0u) << "under relay every byte passes the ring";
+      continue;
+    }
     // Zero copy: most bytes are read (pull) or written (push) straight into the params;
     // what is left (small pieces) went through the receive ring and was unpacked, and
     // the params verified.
@@ -317,7 +325,8 @@ TEST_P(EngineInprocTest, RotatedOrderStagesSendTogether) {
       int64_t first = INT64_MAX;
       int first_lane = -1;
       for (const TraceEvent& e : rep.trace) {
-        if (e.phase != TracePhase::kReceive || e.peer < 0 || !e.counted) continue;
+        // (Relay: a member's copies come from a consumer on its host, not from a stage.)
+        if (e.phase != TracePhase::kReceive || e.peer < 0 || !e.counted || e.lane == TraceLane::kRelay) continue;
         const int lane = order.lane_of_producer[static_cast<size_t>(e.peer)];
         ASSERT_GE(lane, 0);
         spans[static_cast<size_t>(lane)].push_back({rep.start_unix_ns + e.t0_ns, rep.start_unix_ns + e.t1_ns});
@@ -326,6 +335,7 @@ TEST_P(EngineInprocTest, RotatedOrderStagesSendTogether) {
           first_lane = lane;
         }
       }
+      if (first_lane < 0 && k.relay && rep.received_via_relay == rep.bytes_received) continue;  // a member
       ASSERT_GE(first_lane, 0);
       ++first_from[first_lane];
     }

@@ -47,6 +47,7 @@ struct EngineCase {
   bool shadow = false;  // consumers under CommitPolicy::kShadow
   bool rotated = false;  // every rank under GroupOrderKind::kRotated (docs/group-order.md)
   bool groups = false;   // consumers under CommitPolicy::kGroups (the bounded shadow)
+  bool relay = false;    // consumers under ConsumerOptions::relay (replicas on one host copy from one)
 };
 
 inline const char* backend_name(Backend b) { return b == Backend::kInproc ? "inproc" : "ucx"; }
@@ -60,18 +61,18 @@ inline const char* mode_name(Mode m) {
   return "?";
 }
 inline std::string case_name(const EngineCase& c) {
-  return fmt::format("{}_{}{}{}{}", backend_name(c.backend), mode_name(c.mode), c.shadow ? "_shadow" : "",
-                     c.rotated ? "_rotated" : "", c.groups ? "_groups" : "");
+  return fmt::format("{}_{}{}{}{}{}", backend_name(c.backend), mode_name(c.mode), c.shadow ? "_shadow" : "",
+                     c.rotated ? "_rotated" : "", c.groups ? "_groups" : "", c.relay ? "_relay" : "");
 }
 inline void PrintTo(const EngineCase& c, std::ostream* os) { *os << case_name(c); }
 inline std::string case_name_of(const ::testing::TestParamInfo<EngineCase>& info) { return case_name(info.param); }
 
 // Every (transport, mode) pair drawn from the two lists.
 inline auto cases(std::vector<Backend> backends, std::vector<Mode> modes, bool shadow = false, bool rotated = false,
-                  bool groups = false) {
+                  bool groups = false, bool relay = false) {
   std::vector<EngineCase> out;
   for (Backend b : backends) {
-    for (Mode m : modes) out.push_back({b, m, shadow, rotated, groups});
+    for (Mode m : modes) out.push_back({b, m, shadow, rotated, groups, relay});
   }
   return ::testing::ValuesIn(out);
 }
@@ -213,12 +214,13 @@ struct Cluster {
   bool shadow = false;  // consumers commit by CommitPolicy::kShadow (a failed sync never tears them)
   bool rotated = false;  // every rank under GroupOrderKind::kRotated (eo.group_order)
   bool groups = false;   // consumers commit by CommitPolicy::kGroups (a failed sync never tears them)
+  bool relay = false;    // consumers under ConsumerOptions::relay (all on this one host)
   SyntheticChanges changes;  // what the producers' synthetic checkpoint changes per version
   LoaderOptions loader_options;  // the inference ranks' loader (quantize: consumer-side FP8 post-processing)
   static inline std::atomic<int> job_counter{0};
 
   explicit Cluster(EngineCase c = {Backend::kInproc, Mode::kPull})
-      : backend(c.backend), shadow(c.shadow), rotated(c.rotated), groups(c.groups) {
+      : backend(c.backend), shadow(c.shadow), rotated(c.rotated), groups(c.groups), relay(c.relay) {
     if (c.rotated) eo.group_order = GroupOrderKind::kRotated;
     eo.timeout = 20s;
     eo.stall_timeout = 20s;
@@ -317,6 +319,7 @@ struct Cluster {
     static_cast<EngineOptions&>(co) = eo;
     if (shadow) co.commit = CommitPolicy::kShadow;
     if (groups) co.commit = CommitPolicy::kGroups;
+    co.relay = relay;
     if (tweak_consumer) tweak_consumer(co, c);
     if (user_model) {
       FERRY_ASSIGN_OR_RETURN(auto um, user_model(c));

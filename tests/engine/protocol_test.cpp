@@ -34,7 +34,10 @@ std::vector<Message> one_of_each() {
           Failover{3, 7, 5},
           RoutesNotice{1, 7, 5},
           Flushed{1, 8, 5},
-          Join{3, 7, 5}};
+          Join{3, 7, 5},
+          Relay{3, 7, 2, 5, Relay::kAsk, 0},
+          Relay{4, 7, 2, 5, Relay::kOffer, 1 << 20},
+          Relay{4, 7, 2, 5, Relay::kCut, 0}};
 }
 
 TEST(EngineProtocol, EveryMessageRoundTrips) {
@@ -104,7 +107,11 @@ TEST(EngineProtocol, BadMagicTypeAndFlagAreCorrupt) {
   EXPECT_EQ(decode_message(encode_message(Pushed{1, 7, 2, 3, 0, std::nullopt, std::nullopt, 9})).status().code(),
             StatusCode::kCorrupt);
   EXPECT_TRUE(decode_message(encode_message(Release{3, 7, 2, 9, 2})).ok());
-  EXPECT_EQ(decode_message(encode_message(Release{3, 7, 2, 9, 3})).status().code(), StatusCode::kCorrupt);
+  EXPECT_TRUE(decode_message(encode_message(Release{3, 7, 2, 9, 3})).ok());  // relayed: nothing read
+  EXPECT_EQ(decode_message(encode_message(Release{3, 7, 2, 9, 4})).status().code(), StatusCode::kCorrupt);
+  // A relay message of an unknown kind, or with an offset that is no offer.
+  EXPECT_EQ(decode_message(encode_message(Relay{3, 7, 2, 9, 6, 0})).status().code(), StatusCode::kCorrupt);
+  EXPECT_EQ(decode_message(encode_message(Relay{3, 7, 2, 9, Relay::kAsk, 64})).status().code(), StatusCode::kCorrupt);
   // Bytes of one type retyped as another of a different layout are refused (length).
   auto release = encode_message(Release{3, 7, 2, 9});
   release[4] = std::byte{static_cast<uint8_t>(Message(Ready{}).index() + 1)};
@@ -129,7 +136,7 @@ TEST(EngineProtocol, FuzzSeedsAreMessagesOfTodaysFormat) {
 
 TEST(EngineProtocol, LeasesRoundTripAndAreNotConfused) {
   const ProducerLease p{"addr\0x", "key", 4096, "table", "ipc"};
-  const ConsumerLease c{"caddr", "ckey", 128, "params"};
+  const ConsumerLease c{"caddr", "ckey", 128, "params", "host-a"};
   auto pb = decode_producer_lease(encode_lease(p));
   ASSERT_TRUE(pb.ok()) << pb.status().to_string();
   EXPECT_EQ(*pb, p);
@@ -151,11 +158,13 @@ TEST(EngineProtocol, LeasesRoundTripAndAreNotConfused) {
   EXPECT_EQ(v.instance(), c);
   v.received.reset();
   EXPECT_EQ(*decode_consumer_lease(encode_lease(v)), v);
-  // A wrong-width number is refused, not read short; so is the old (FCL1) lease.
-  const std::string odd = encode_fields({"FCL2", "a", "k", "1234567", "", "", ""});
+  // A wrong-width number is refused, not read short; so are the old (FCL1, FCL2) leases.
+  const std::string odd = encode_fields({"FCL3", "a", "k", "1234567", "", "", "", "h"});
   EXPECT_EQ(decode_consumer_lease(odd).status().code(), StatusCode::kCorrupt);
-  const std::string odd_version = encode_fields({"FCL2", "a", "k", u64_field(1), "", "123", ""});
+  const std::string odd_version = encode_fields({"FCL3", "a", "k", u64_field(1), "", "123", "", "h"});
   EXPECT_EQ(decode_consumer_lease(odd_version).status().code(), StatusCode::kCorrupt);
+  const std::string fcl2 = encode_fields({"FCL2", "a", "k", u64_field(1), "", "", ""});
+  EXPECT_EQ(decode_consumer_lease(fcl2).status().code(), StatusCode::kCorrupt);
   const std::string old = encode_fields({"FCL1", "a", "k", u64_field(1), ""});
   EXPECT_EQ(decode_consumer_lease(old).status().code(), StatusCode::kCorrupt);
 }

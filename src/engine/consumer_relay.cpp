@@ -1,0 +1,305 @@
+// Consumer: relay within a host (ConsumerOptions::relay, docs/relay.md). Consumers of one
+// plan class on one host read identical bytes into identical receive-slot layouts; the
+// lowest live one (the relay) reads each layer group across the network, and the others
+// (members) copy its receive slot over shared memory once it verified the group. The
+// relay lends a slot to a member by an offer and takes it back only after the member's
+// release (kept) or after relay_hold() (then the member is told the slot was cut, and
+// reads that group from the producers, which keep it staged for every consumer that has
+// not released it). Impl: engine/consumer_impl.h.
+#include "engine/consumer_impl.h"
+
+namespace ferry {
+
+void Consumer::Impl::refresh_relay(SyncReport& rep) {
+  const RelayLink before = relay_link;
+  relay_link = RelayLink{};
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    relay_inbox.clear();
+  }
+  if (!opts.relay || ipc_active) return;
+  const size_t mine = routes.consumer_plan[static_cast<size_t>(rank)];
+  // Answers go to a peer's transport only once connected to it (an ask arrives on the
+  // member's connection): every consumer connects to those it may relay for, the
+  // higher ranks of its class on its host.
+  std::map<int, PeerId> members;
+  for (int c = rank + 1; c < opts.num_consumers; ++c) {
+    if (routes.consumer_plan[static_cast<size_t>(c)] != mine) continue;
+    if (!relay_orders.empty() && relay_orders[static_cast<size_t>(c)] != relay_orders[static_cast<size_t>(rank)])
+      continue;
+    auto blob = store.get(keys.consumer(c));
+    if (!blob.ok()) continue;
+    auto lease = decode_consumer_lease(*blob);
+    if (!lease.ok() || lease->host != lease_value.host) continue;
+    auto id = transport.connect(string_bytes(lease->address));
+    if (id.ok()) {
+      members[c] = *id;
+    } else {
+      rep.failures.push_back(fmt::format("consumer {}: consumer {} on this host not reached ({})", rank, c,
+                                         id.status().message()));
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    relay_members = std::move(members);
+  }
+  for (int c = 0; c < rank; ++c) {  // the relay is the lowest live rank of the class on this host
+    if (routes.consumer_plan[static_cast<size_t>(c)] != mine) continue;
+    if (!relay_orders.empty() && relay_orders[static_cast<size_t>(c)] != relay_orders[static_cast<size_t>(rank)])
+      continue;  // another cohort of the rotated order: it reads the groups at other times
+    auto blob = store.get(keys.consumer(c));
+    if (!blob.ok()) continue;  // not live (or the store hiccuped: read for ourselves this attempt)
+    auto lease = decode_consumer_lease(*blob);
+    if (!lease.ok() || lease->host != lease_value.host) continue;
+    if (before.rank == c && before.blob == *blob && !before.lost) {  // the same instance: keep its import
+      relay_link = before;
+      return;
+    }
+    auto id = transport.connect(string_bytes(lease->address));
+    if (!id.ok()) {
+      rep.failures.push_back(fmt::format("consumer {}: relay consumer {} not reached ({}); reading from the producers",
+                                         rank, c, id.status().message()));
+      return;
+    }
+    auto ring = transport.import_key(string_bytes(lease->recv_key));
+    if (!ring.ok()) {
+      rep.failures.push_back(fmt::format("consumer {}: relay consumer {}'s receive ring not imported ({}); reading "
+                                         "from the producers", rank, c, ring.status().message()));
+      return;
+    }
+    auto path = transport.rma_path(*ring);
+    if (!path.ok() || *path != RmaPath::kNative) {
+      // Copies carried by messages would cost the relay's CPU and could not finish while
+      // it is paused: only a ring mapped natively (shared memory) is copied from.
+      rep.failures.push_back(fmt::format("consumer {}: relay consumer {}'s receive ring is not reached natively "
+                                         "(shared memory); reading from the producers", rank, c));
+      transport.release_key(*ring).ignore();
+      return;
+    }
+    relay_link.rank = c;
+    relay_link.blob = *blob;
+    relay_link.id = *id;
+    relay_link.ring = *ring;
+    return;
+  }
+}
+
+void Consumer::Impl::on_relay(PeerId from, const Relay& m) {
+  const int c = static_cast<int>(m.consumer);
+  if (c < 0 || c >= opts.num_consumers || c == rank) return;
+  std::optional<Relay> reply;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    auto answer = [&](Relay::Kind kind, uint64_t offset = 0) {
+      reply = Relay{me(), m.version, m.group, m.routes, static_cast<uint8_t>(kind), offset};
+    };
+    switch (m.kind) {
+      case Relay::kAsk: {
+        if (!opts.relay || ipc_active) {
+          answer(Relay::kGone);
+          break;
+        }
+        for (int s = 0; s < kSlots; ++s) {
+          RelaySlot& sl = relay_slots[s];
+          if (sl.valid && sl.version == m.version && sl.group == m.group && sl.routes == m.routes) {
+            sl.readers[c] = from;
+            answer(Relay::kOffer, static_cast<uint64_t>(s) * slot_bytes);
+            break;
+          }
+        }
+        if (reply) break;
+        const auto key = std::make_tuple(m.version, static_cast<int>(m.group), m.routes);
+        // A group of the sync and routes it runs, not landed yet, or, between its syncs, of
+        // a sync it has not begun (a member may begin first): offered when it lands. A
+        // member in another sync than the relay's reads from the producers (which then
+        // tell it of a version mismatch as they would).
+        const bool now = syncing && *syncing == m.version && m.routes == routes_hash && !relay_passed.count(key);
+        const bool later = !syncing && !attempted.count(m.version);
+        if ((now || later) && relay_asks.size() < 4 * static_cast<size_t>(routes.num_groups() + 1)) {
+          relay_asks[key][c] = from;
+        } else {
+          answer(Relay::kGone);
+        }
+        break;
+      }
+      case Relay::kRelease: {
+        bool kept = false;
+        for (RelaySlot& sl : relay_slots) {
+          if (sl.version != m.version || sl.group != m.group || sl.routes != m.routes) continue;
+          if (auto it = sl.readers.find(c); it != sl.readers.end()) {
+            sl.readers.erase(it);
+            sl.released.insert(c);
+            kept = true;
+            cv.notify_all();
+          }
+        }
+        relay_cut.erase({c, m.version, m.group});
+        if (kept && m.group >= 0 && m.group < routes.num_groups() && m.routes == routes_hash) {
+          const auto now = Clock::now();
+          trace.record(TracePhase::kSend, m.group, c, now, now, TraceLane::kRelay,
+                       plan_route->groups[static_cast<size_t>(m.group)].recv_bytes);
+        }
+        answer(kept ? Relay::kKept : Relay::kCut);
+        break;
+      }
+      default:  // the relay's answers to this member
+        if (c != relay_link.rank || from != relay_link.id) return;
+        relay_inbox[{m.version, m.group}] = m;
+        cv.notify_all();
+        return;
+    }
+  }
+  if (reply) static_cast<void>(transport.send(from, kEngineTag, encode_message(*reply)));
+}
+
+void Consumer::Impl::relay_landed(uint64_t v, int g, int s) {
+  std::vector<std::pair<PeerId, Relay>> offers;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    RelaySlot& sl = relay_slots[s];
+    sl.valid = true;
+    sl.version = v;
+    sl.group = g;
+    sl.routes = routes_hash;
+    auto it = relay_asks.find({v, g, routes_hash});
+    if (it == relay_asks.end()) return;
+    for (const auto& [c, id] : it->second) {
+      sl.readers[c] = id;
+      offers.emplace_back(id, Relay{me(), v, g, routes_hash, Relay::kOffer, static_cast<uint64_t>(s) * slot_bytes});
+    }
+    relay_asks.erase(it);
+  }
+  for (const auto& [id, m] : offers) static_cast<void>(transport.send(id, kEngineTag, encode_message(m)));
+}
+
+void Consumer::Impl::relay_reuse(int s) {
+  std::unique_lock<std::mutex> lk(mu);
+  RelaySlot& sl = relay_slots[s];
+  // Every member this relay expects copies the slot's group first (it asks as soon as
+  // its own slot is free, so usually before the group even landed here): a member a
+  // little late must not find it gone and read it across the network.
+  auto unfinished = [&] {
+    std::vector<int> out;
+    if (!sl.valid) return out;
+    for (const auto& [c, id] : relay_members)
+      if (!sl.released.count(c)) out.push_back(c);
+    for (const auto& [c, id] : sl.readers)
+      if (!relay_members.count(c)) out.push_back(c);
+    return out;
+  };
+  const auto until = Clock::now() + relay_hold();
+  cv.wait_until(lk, until, [&] { return unfinished().empty() || crashed; });
+  for (int c : unfinished()) relay_members.erase(c);  // too slow: not waited for again this attempt
+  for (const auto& [c, id] : sl.readers) relay_cut.insert({c, sl.version, sl.group});
+  if (sl.valid) relay_passed.insert({sl.version, sl.group, sl.routes});
+  if (relay_cut.size() > 4096) relay_cut.clear();
+  sl = RelaySlot{};
+}
+
+void Consumer::Impl::relay_attempt_over(uint64_t version) {
+  std::vector<std::pair<PeerId, Relay>> gone;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    for (auto it = relay_asks.begin(); it != relay_asks.end();) {
+      const auto& [v, g, r] = it->first;
+      if (v > version) {  // a later sync's: kept for it
+        ++it;
+        continue;
+      }
+      for (const auto& [c, id] : it->second) gone.emplace_back(id, Relay{me(), v, g, r, Relay::kGone, 0});
+      it = relay_asks.erase(it);
+    }
+  }
+  for (const auto& [id, m] : gone) static_cast<void>(transport.send(id, kEngineTag, encode_message(m)));
+}
+
+Result<bool> Consumer::Impl::copy_from_relay(uint64_t v, int g, uint64_t base, const std::set<int>& from) {
+  const int r = relay_link.rank;
+  auto give_up = [&](std::string why) {
+    std::lock_guard<std::mutex> lk(mu);
+    relay_link.lost = true;
+    relay_link.why = std::move(why);
+    return false;
+  };
+  auto send_relay = [&](Relay::Kind kind) {
+    return transport.send(relay_link.id, kEngineTag, encode_message(Relay{me(), v, g, routes_hash, kind, 0})).ok();
+  };
+  // Waits for the relay's answer of one of `kinds` to (v, g): the answer, or nullopt once
+  // the relay is lost (failed, lease gone at two checks a lease_ttl apart, or silent past
+  // the timeout). JOINs every producer meanwhile, so that none drops this member as a
+  // straggler for what its relay takes.
+  std::set<int> lapsed_unused;
+  auto await_answer = [&](std::initializer_list<uint8_t> kinds) -> Result<std::optional<Relay>> {
+    std::unique_lock<std::mutex> lk(mu);
+    const auto deadline = Clock::now() + opts.timeout;
+    auto next_keepalive = Clock::now() + keepalive_every();
+    auto next_check = Clock::now() + opts.lease_ttl;
+    bool lapsed = false;
+    for (;;) {
+      if (auto it = relay_inbox.find({v, g}); it != relay_inbox.end() && it->second.routes == routes_hash &&
+                                                 std::find(kinds.begin(), kinds.end(), it->second.kind) != kinds.end()) {
+        Relay m = it->second;
+        relay_inbox.erase(it);
+        return std::optional<Relay>(m);
+      }
+      if (relay_link.lost) return std::optional<Relay>();
+      {
+        // What ends a wait for producers ends this one too (await_any, polled: a producer
+        // failed, dropped us or serves another version, producers switched routes, our
+        // transport or unpack worker failed).
+        lk.unlock();
+        bool none = false;
+        auto a = await_any(v, g, from, "relay answer", &none);
+        lk.lock();
+        if (!none) {
+          if (!a.ok()) return a.status();
+          inbox[{v, g, a->first}] = a->second;  // (not taken here: the fallback reads it)
+        }
+      }
+      if (Clock::now() >= deadline) {
+        relay_link.lost = true;
+        relay_link.why = fmt::format("no answer from relay consumer {} for group {} within {} ms", r, g,
+                                     opts.timeout.count());
+        return std::optional<Relay>();
+      }
+      cv.wait_until(lk, std::min({deadline, next_keepalive, next_check}));
+      if (Clock::now() >= next_keepalive) {
+        lk.unlock();
+        for (int q : reachable_producers()) send_to(q, Join{me(), v, routes_hash});
+        lk.lock();
+        next_keepalive = Clock::now() + keepalive_every();
+      }
+      if (Clock::now() >= next_check && opts.lease_ttl.count() > 0) {
+        lk.unlock();
+        auto blob = store.get(keys.consumer(r));
+        lk.lock();
+        const bool gone = !blob.ok() && blob.status().code() == StatusCode::kNotFound;
+        if (gone && lapsed) {
+          relay_link.lost = true;
+          relay_link.why = fmt::format("relay consumer {}'s lease gone for over {} ms (paused, cut off or dead)", r,
+                                       opts.lease_ttl.count());
+          return std::optional<Relay>();
+        }
+        lapsed = gone || (blob.ok() && *blob != relay_link.blob);  // another instance: this one is gone
+        next_check = Clock::now() + opts.lease_ttl;
+      }
+    }
+  };
+  if (!send_relay(Relay::kAsk)) return give_up(fmt::format("relay consumer {} not reachable", r));
+  FERRY_ASSIGN_OR_RETURN(auto offer, await_answer({Relay::kOffer, Relay::kGone}));
+  if (!offer) return false;
+  if (offer->kind == Relay::kGone) return false;  // this group only: it could not keep it for us
+  const uint64_t n = plan_route->groups[static_cast<size_t>(g)].recv_bytes;
+  const auto t0 = Clock::now();
+  auto read = transport.read(ring.region, base, relay_link.ring, offer->offset, n);
+  if (!read.ok()) return give_up(fmt::format("reading relay consumer {}'s ring: {}", r, read.status().message()));
+  if (Status st = read->wait(opts.timeout); !st.ok())
+    return give_up(fmt::format("reading relay consumer {}'s ring: {}", r, st.message()));
+  if (!send_relay(Relay::kRelease)) return give_up(fmt::format("relay consumer {} not reachable", r));
+  FERRY_ASSIGN_OR_RETURN(auto kept, await_answer({Relay::kKept, Relay::kCut}));
+  if (!kept || kept->kind != Relay::kKept) return false;  // (cut: it needed the slot back before we were done)
+  trace.record(TracePhase::kReceive, g, r, t0, Clock::now(), TraceLane::kRelay, n);
+  return true;
+}
+
+}  // namespace ferry

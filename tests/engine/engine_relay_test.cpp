@@ -1,0 +1,78 @@
+// Relay within a host (ConsumerOptions::relay, docs/relay.md), ranks as threads: every
+// consumer of these tests is on this one host, so replicas of one rank form a relay
+// group; its lowest rank reads each layer group from the producers, the others copy it
+// from its receive ring. Every consumer verified bit for bit at every sync; the bytes
+// each side reports say that each byte left the producers once per relay group.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "engine/engine_test_util.h"
+#include "engine/testing.h"
+
+namespace ferry::engine_tests {
+namespace {
+
+class EngineRelayTest : public EngineTest {};
+// The engine's suites with every consumer under relay (docs/relay.md): their replicas of
+// one rank copy from one another; failover, crashes, stragglers, faults, every consumer
+// verified bit for bit.
+INSTANTIATE_TEST_SUITE_P(Relay, EngineInprocTest, cases({Backend::kInproc}, {Mode::kPull, Mode::kPush}, false, false, false, true),
+                         case_name_of);
+INSTANTIATE_TEST_SUITE_P(Relay, EngineTest, cases({Backend::kUcx}, {Mode::kPull, Mode::kPush}, false, false, false, true),
+                         case_name_of);
+INSTANTIATE_TEST_SUITE_P(Cases, EngineRelayTest, cases(kAllBackends, kAllModes, false, false, false, true),
+                         case_name_of);
+INSTANTIATE_TEST_SUITE_P(Rotated, EngineRelayTest, cases({Backend::kInproc}, {Mode::kPull, Mode::kPush}, false, true,
+                                                         false, true),
+                         case_name_of);
+
+// Trainer tp=2 -> inference tp=2 x 2 replicas: consumers {0, 2} and {1, 3} are replicas
+// of one rank each; 0 and 1 relay, 2 and 3 copy. The producers send each byte once.
+TEST_P(EngineRelayTest, ReplicasCopyFromTheirRelay) {
+  Cluster k(GetParam());
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2,replicas=2", R"({"num_hidden_layers": 4})").ok());
+  const Routes& routes = k.prod[0]->routes();
+  uint64_t relayed_out = 0, copied = 0;
+  for (uint64_t v = 1; v <= 3; ++v) {
+    auto o = k.sync(v);
+    k.expect_all_ok(o, v);
+    uint64_t sent = 0, relays_got = 0;
+    for (auto& p : o.p) sent += (**p).bytes_sent;
+    for (int c = 0; c < 4; ++c) {
+      const SyncReport& r = **o.c[static_cast<size_t>(c)];
+      EXPECT_EQ(r.bytes_received, routes.stats.consumer_bytes[static_cast<size_t>(c)]) << "consumer " << c;
+      EXPECT_EQ(r.received_into_params, 0u) << "under relay every byte passes the receive ring";
+      if (c < 2) {
+        EXPECT_EQ(r.received_via_relay, 0u) << "consumer " << c << " is a relay: " << r.to_string();
+        relays_got += r.bytes_received;
+        relayed_out += r.relayed_to_peers;
+      } else {
+        EXPECT_EQ(r.received_via_relay, r.bytes_received) << "consumer " << c << ": " << r.to_string();
+        EXPECT_TRUE(r.bytes_per_peer.empty()) << "nothing from the producers: " << r.to_string();
+        copied += r.received_via_relay;
+      }
+    }
+    EXPECT_EQ(sent, relays_got) << "each byte left the producers once";
+    EXPECT_EQ(2 * sent, routes.stats.bytes_moved);
+  }
+  // A relay counts what a member confirmed (its release may reach it after its own sync
+  // ended: counted in its next report), so over the syncs it is at most what was copied.
+  EXPECT_GT(relayed_out, 0u);
+  EXPECT_LE(relayed_out, copied);
+}
+
+// With pipeline stages under the rotated order, a rank's replicas read in other cohorts
+// (other orders): they do not relay (each reads at its own time) and still verify.
+TEST(EngineRelay, ReplicasInOtherCohortsReadForThemselves) {
+  Cluster k({Backend::kInproc, Mode::kPull, false, true, false, true});
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1,pp=2", "tp=1,replicas=2", R"({"num_hidden_layers": 4})").ok());
+  auto o = k.sync(1);
+  k.expect_all_ok(o, 1);
+  for (auto& c : o.c) EXPECT_EQ((**c).received_via_relay, 0u);
+}
+
+}  // namespace
+}  // namespace ferry::engine_tests
