@@ -83,8 +83,11 @@ bool parse_link(const std::string& text, tools::LinkShape& link, double& rate_by
 }
 
 // Per sync: each host's bytes in and out (what its ranks received or served from other
-// hosts: the placement puts the two sides on different hosts) and the speed of light
-// of the setup, max over hosts of max(in, out) / link rate.
+// hosts: the placement puts the two sides on different hosts; a copy from a relay on the
+// same host, ConsumerOptions::relay, stays inside it) and the speed of light of the
+// setup, max over hosts of max(in, out) / link rate. Then what the kernel counted on each
+// host's link over the whole run (every sync, the setup and the control messages, with
+// their headers).
 void print_host_table(const tools::DemoResult& r, const Placement& pl, double rate_bytes) {
   std::printf("\n%8s %6s %12s %12s %10s %10s %8s\n", "version", "host", "bytes in", "bytes out", "seconds", "light s",
               "of light");
@@ -101,7 +104,7 @@ void print_host_table(const tools::DemoResult& r, const Placement& pl, double ra
       auto j = nlohmann::json::parse(text, nullptr, false);
       if (j.is_discarded() || !j.value("ok", false)) continue;
       const auto h = static_cast<size_t>(pl.host_of(producer, rank));
-      (producer ? out : in)[h] += j.value("bytes", uint64_t{0});
+      (producer ? out : in)[h] += j.value("bytes", uint64_t{0}) - j.value("received_via_relay", uint64_t{0});
     }
     uint64_t worst = 0;
     for (int h = 0; h < pl.hosts; ++h) worst = std::max({worst, in[static_cast<size_t>(h)], out[static_cast<size_t>(h)]});
@@ -334,7 +337,17 @@ int run_demo_cmd(tools::DemoSpec d, int kill_sync, bool kill_sync_given, int kil
   }
   tools::DemoResult r = tools::run_demo(d);
   inside.reset();
-  if (emulated && !r.rows.empty()) print_host_table(r, pl, rate_bytes);
+  if (emulated && !r.rows.empty()) {
+    print_host_table(r, pl, rate_bytes);
+    std::printf("links over the whole run (the kernel's eth0 counters, headers and control included):");
+    for (int h = 0; h < hosts; ++h) {
+      auto c = emulated->counters(h);
+      if (c.ok())
+        std::printf(" host %d in %llu out %llu;", h, static_cast<unsigned long long>(c->rx_bytes),
+                    static_cast<unsigned long long>(c->tx_bytes));
+    }
+    std::printf("\n");
+  }
   emulated.reset();
   if (!r.rows.empty()) {
     std::printf("\n%8s %12s %9s %9s %16s %9s %5s  %s\n", "version", "bytes", "seconds", "GB/s", "broadcast bytes",
