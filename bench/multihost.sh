@@ -21,6 +21,7 @@ OVERRIDES=${OVERRIDES:-}
 INFERENCE=${INFERENCE:-tp=2,replicas=2}
 RELAY=${RELAY:-}  # RELAY=1: --relay (replicas on one host copy from one; docs/relay.md)
 ORDERS=${ORDERS:-layer}  # --group-order of each run
+DEMO_ARGS=${DEMO_ARGS:-}  # more ferry demo options, e.g. "--rank-timeout-ms 120000 --stall-ms 120000" for slow links
 BYTES=${BYTES:-187207680}
 NINF=${NINF:-4}  # inference ranks (the broadcast's receivers), spread as ferry's over the inference hosts
 for h in $HOSTS; do
@@ -30,7 +31,7 @@ for h in $HOSTS; do
         echo "=== hosts $h, link rate=$r, mode $m, order $o${RELAY:+, relay}"
         "$FERRY" demo --hosts "$h" --link "rate=$r" --mode "$m" --group-order "$o" ${RELAY:+--relay} --kill-sync 0 \
           --syncs "$SYNCS" --model configs/llama-3.1-8b.json ${OVERRIDES:+--config-overrides "$OVERRIDES"} \
-          --trainer "${TRAINER:-tp=2}" --inference "$INFERENCE" 2>&1 |
+          --trainer "${TRAINER:-tp=2}" --inference "$INFERENCE" $DEMO_ARGS 2>&1 |
           grep -E '^ +(version|[0-9]+ +[0-9]+ )|FAILED|verified bit'
       done
     done
