@@ -273,7 +273,12 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
     // below, which still hold it staged: `announced` keeps what came meanwhile.
     std::map<int, Arrival> announced;
     bool relayed = false;
-    if (relay_link.rank >= 0 && !relay_link.lost) {
+    bool use_relay;
+    {
+      std::lock_guard<std::mutex> lk(mu);  // (`lost` is set by the handlers too)
+      use_relay = relay_link.rank >= 0 && !relay_link.lost;
+    }
+    if (use_relay) {
       if (opts.mode == SyncMode::kPull) {
         std::set<int> remaining = from;
         auto tw = Clock::now();
@@ -291,9 +296,12 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
       if (relayed) {
         for (int p : from) send_to(p, Release{me(), v, g, routes_hash, 3});
         got = announced;
-      } else if (relay_link.lost) {
-        rep.failures.push_back(fmt::format("consumer {}: relay consumer {} lost at group {} ({}); the rest of the "
-                                           "attempt is read from the producers", rank, relay_link.rank, g, relay_link.why));
+      } else {
+        std::lock_guard<std::mutex> lk(mu);
+        if (relay_link.lost)
+          rep.failures.push_back(fmt::format("consumer {}: relay consumer {} lost at group {} ({}); the rest of the "
+                                             "attempt is read from the producers", rank, relay_link.rank, g,
+                                             relay_link.why));
       }
     }
     // Delta: a patch that failed its check is repaired by reading producer p's dense bytes

@@ -195,6 +195,9 @@ struct Consumer::Impl {
   // Finds this attempt's relay (or that this consumer reads for itself) from the leases
   // of its plan class on its host. Notes go to the report. Sync thread, between attempts.
   void refresh_relay(SyncReport& rep);
+  // refresh_relay's search: this attempt's relay (its import kept from `before` when the
+  // same instance), or none; sets relay_members.
+  RelayLink find_relay(const RelayLink& before, SyncReport& rep);
   // A Relay message (either role). The transport's handler thread; takes mu.
   void on_relay(PeerId from, const Relay& m);
   // The relay: group g of sync v is verified in receive slot s (members may read it).

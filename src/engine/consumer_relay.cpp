@@ -11,26 +11,43 @@
 namespace ferry {
 
 void Consumer::Impl::refresh_relay(SyncReport& rep) {
-  const RelayLink before = relay_link;
-  relay_link = RelayLink{};
+  RelayLink before;
   {
-    std::lock_guard<std::mutex> lk(mu);
+    std::lock_guard<std::mutex> lk(mu);  // (the handlers read the link under mu)
+    before = relay_link;
+    relay_link = RelayLink{};
     relay_inbox.clear();
+    relay_members.clear();
   }
-  if (!opts.relay || ipc_active) return;
+  const RelayLink next = opts.relay && !ipc_active ? find_relay(before, rep) : RelayLink{};
+  // The previous relay's ring import, unless the same instance is kept.
+  if (before.rank >= 0 && !(next.rank == before.rank && next.blob == before.blob))
+    transport.release_key(before.ring).ignore();
+  std::lock_guard<std::mutex> lk(mu);
+  relay_link = next;
+}
+
+Consumer::Impl::RelayLink Consumer::Impl::find_relay(const RelayLink& before, SyncReport& rep) {
   const size_t mine = routes.consumer_plan[static_cast<size_t>(rank)];
+  // The live consumers of this one's relay group below (relay candidates) or above it
+  // (members it may relay for): same plan class, same host and, under the rotated order,
+  // the same order (a rank's replicas in other cohorts read each group at other times).
+  auto same_group = [&](int c) -> std::optional<ConsumerLease> {
+    if (routes.consumer_plan[static_cast<size_t>(c)] != mine) return std::nullopt;
+    if (!relay_orders.empty() && relay_orders[static_cast<size_t>(c)] != relay_orders[static_cast<size_t>(rank)])
+      return std::nullopt;
+    auto blob = store.get(keys.consumer(c));
+    if (!blob.ok()) return std::nullopt;  // not live (or the store hiccuped: no relay with it this attempt)
+    auto lease = decode_consumer_lease(*blob);
+    if (!lease.ok() || lease->host != lease_value.host) return std::nullopt;
+    return std::move(*lease);
+  };
   // Answers go to a peer's transport only once connected to it (an ask arrives on the
-  // member's connection): every consumer connects to those it may relay for, the
-  // higher ranks of its class on its host.
+  // member's connection): every consumer connects to those it may relay for.
   std::map<int, PeerId> members;
   for (int c = rank + 1; c < opts.num_consumers; ++c) {
-    if (routes.consumer_plan[static_cast<size_t>(c)] != mine) continue;
-    if (!relay_orders.empty() && relay_orders[static_cast<size_t>(c)] != relay_orders[static_cast<size_t>(rank)])
-      continue;
-    auto blob = store.get(keys.consumer(c));
-    if (!blob.ok()) continue;
-    auto lease = decode_consumer_lease(*blob);
-    if (!lease.ok() || lease->host != lease_value.host) continue;
+    auto lease = same_group(c);
+    if (!lease) continue;
     auto id = transport.connect(string_bytes(lease->address));
     if (id.ok()) {
       members[c] = *id;
@@ -43,29 +60,28 @@ void Consumer::Impl::refresh_relay(SyncReport& rep) {
     std::lock_guard<std::mutex> lk(mu);
     relay_members = std::move(members);
   }
-  for (int c = 0; c < rank; ++c) {  // the relay is the lowest live rank of the class on this host
-    if (routes.consumer_plan[static_cast<size_t>(c)] != mine) continue;
-    if (!relay_orders.empty() && relay_orders[static_cast<size_t>(c)] != relay_orders[static_cast<size_t>(rank)])
-      continue;  // another cohort of the rotated order: it reads the groups at other times
-    auto blob = store.get(keys.consumer(c));
-    if (!blob.ok()) continue;  // not live (or the store hiccuped: read for ourselves this attempt)
-    auto lease = decode_consumer_lease(*blob);
-    if (!lease.ok() || lease->host != lease_value.host) continue;
-    if (before.rank == c && before.blob == *blob && !before.lost) {  // the same instance: keep its import
-      relay_link = before;
-      return;
+  for (int c = 0; c < rank; ++c) {  // the relay is the lowest live rank of the group
+    auto lease = same_group(c);
+    if (!lease) continue;
+    RelayLink link;
+    link.rank = c;
+    link.blob = encode_lease(lease->instance());  // (not its versions: they change every sync)
+    if (before.rank == c && before.blob == link.blob) {  // the same instance: keep its import
+      link.id = before.id;
+      link.ring = before.ring;
+      return link;
     }
     auto id = transport.connect(string_bytes(lease->address));
     if (!id.ok()) {
       rep.failures.push_back(fmt::format("consumer {}: relay consumer {} not reached ({}); reading from the producers",
                                          rank, c, id.status().message()));
-      return;
+      return RelayLink{};
     }
     auto ring = transport.import_key(string_bytes(lease->recv_key));
     if (!ring.ok()) {
       rep.failures.push_back(fmt::format("consumer {}: relay consumer {}'s receive ring not imported ({}); reading "
                                          "from the producers", rank, c, ring.status().message()));
-      return;
+      return RelayLink{};
     }
     auto path = transport.rma_path(*ring);
     if (!path.ok() || *path != RmaPath::kNative) {
@@ -74,14 +90,13 @@ void Consumer::Impl::refresh_relay(SyncReport& rep) {
       rep.failures.push_back(fmt::format("consumer {}: relay consumer {}'s receive ring is not reached natively "
                                          "(shared memory); reading from the producers", rank, c));
       transport.release_key(*ring).ignore();
-      return;
+      return RelayLink{};
     }
-    relay_link.rank = c;
-    relay_link.blob = *blob;
-    relay_link.id = *id;
-    relay_link.ring = *ring;
-    return;
+    link.id = *id;
+    link.ring = *ring;
+    return link;
   }
+  return RelayLink{};
 }
 
 void Consumer::Impl::on_relay(PeerId from, const Relay& m) {
@@ -242,7 +257,7 @@ Result<bool> Consumer::Impl::copy_from_relay(uint64_t v, int g, uint64_t base, c
         relay_inbox.erase(it);
         return std::optional<Relay>(m);
       }
-      if (relay_link.lost) return std::optional<Relay>();
+      if (relay_link.lost) return std::optional<Relay>();  // (mu held)
       {
         // What ends a wait for producers ends this one too (await_any, polled: a producer
         // failed, dropped us or serves another version, producers switched routes, our
@@ -280,7 +295,12 @@ Result<bool> Consumer::Impl::copy_from_relay(uint64_t v, int g, uint64_t base, c
                                        opts.lease_ttl.count());
           return std::optional<Relay>();
         }
-        lapsed = gone || (blob.ok() && *blob != relay_link.blob);  // another instance: this one is gone
+        bool other = false;  // another instance registered: this one is gone
+        if (blob.ok()) {
+          auto l = decode_consumer_lease(*blob);
+          other = !l.ok() || encode_lease(l->instance()) != relay_link.blob;
+        }
+        lapsed = gone || other;
         next_check = Clock::now() + opts.lease_ttl;
       }
     }
