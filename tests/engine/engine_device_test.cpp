@@ -139,24 +139,35 @@ TEST(EngineDevice, GpuStagingWithoutAUsableDeviceIsRefusedAtCreate) {
 // threads, so the consumer maps the producer's staging pointer itself): two syncs, pull,
 // verified bit for bit; every byte such a consumer receives was copied device to
 // device. A consumer with cuda_ipc off reads the same producers' host staging through
-// the transport and verifies too.
+// the transport and verifies too. Also under the rotated order with two pipeline stages
+// (issue 26: cohorts read the stages' GPU slots in turn, producers pace them), and with
+// relay on (a relay that reads over CUDA IPC has nothing in its host ring: consumer 3,
+// its member, is answered "gone" and reads from the producers).
 TEST(EngineDevice, SyncsThroughGpuStagingDeviceToDevice) {
   if (!cuda_status().usable()) GTEST_SKIP() << "needs a CUDA device; " << cuda_status().detail;
-  Cluster k(EngineCase{Backend::kInproc, Mode::kPull});
-  k.gpu_sources = true;
-  k.caller_params = true;
-  k.param_factory = gpu_param;
-  k.tweak_producer = [](ProducerOptions& o, int) { o.staging_device = Device::cuda(0); };
-  k.tweak_consumer = [](ConsumerOptions& o, int c) { o.cuda_ipc = c != 3; };
-  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=2,replicas=2").ok());
-  for (uint64_t v : {1u, 2u}) {
-    auto o = k.sync(v);
-    k.expect_all_ok(o, v);
-    for (size_t c = 0; c < o.c.size(); ++c) {
-      ASSERT_TRUE(o.c[c]->ok());
-      const SyncReport& r = **o.c[c];
-      EXPECT_GT(r.bytes_received, 0u);
-      EXPECT_EQ(r.received_via_cuda_ipc, c == 3 ? 0u : r.bytes_received) << "consumer " << c << ": " << r.to_string();
+  struct Variant {
+    bool rotated, relay;
+    const char* trainer;
+  };
+  for (const Variant& x : {Variant{false, false, "tp=2"}, Variant{true, false, "tp=2,pp=2"}, Variant{false, true, "tp=2"}}) {
+    SCOPED_TRACE(fmt::format("trainer {}{}{}", x.trainer, x.rotated ? ", rotated" : "", x.relay ? ", relay" : ""));
+    Cluster k(EngineCase{Backend::kInproc, Mode::kPull, false, x.rotated, false, x.relay});
+    k.gpu_sources = true;
+    k.caller_params = true;
+    k.param_factory = gpu_param;
+    k.tweak_producer = [](ProducerOptions& o, int) { o.staging_device = Device::cuda(0); };
+    k.tweak_consumer = [](ConsumerOptions& o, int c) { o.cuda_ipc = c != 3; };
+    ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), x.trainer, "tp=2,replicas=2").ok());
+    for (uint64_t v = 1; v <= (x.rotated || x.relay ? 1u : 2u); ++v) {  // (emulated CUDA is slow: one sync each)
+      auto o = k.sync(v);
+      k.expect_all_ok(o, v);
+      for (size_t c = 0; c < o.c.size(); ++c) {
+        ASSERT_TRUE(o.c[c]->ok());
+        const SyncReport& r = **o.c[c];
+        EXPECT_GT(r.bytes_received, 0u);
+        EXPECT_EQ(r.received_via_relay, 0u) << "consumer " << c << ": " << r.to_string();
+        EXPECT_EQ(r.received_via_cuda_ipc, c == 3 ? 0u : r.bytes_received) << "consumer " << c << ": " << r.to_string();
+      }
     }
   }
 }
