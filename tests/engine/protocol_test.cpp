@@ -122,7 +122,7 @@ TEST(EngineProtocol, BadMagicTypeAndFlagAreCorrupt) {
 // today's format: each decodes and encodes back to the same bytes.
 TEST(EngineProtocol, FuzzSeedsAreMessagesOfTodaysFormat) {
   const std::string dir = std::string(FERRY_SOURCE_DIR) + "/fuzz/seeds/fuzz_engine_protocol/";
-  for (const char* name : {"announce", "release", "ready", "pushed", "done"}) {
+  for (const char* name : {"announce", "release", "ready", "pushed", "done", "relay"}) {
     std::ifstream f(dir + name, std::ios::binary);
     ASSERT_TRUE(f.good()) << dir << name;
     const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
