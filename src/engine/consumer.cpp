@@ -610,6 +610,15 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
     return invalid_argument("consumer {}: sync(commit=false) needs the shadow commit policy", rank);
   FERRY_RETURN_IF_ERROR(check_claim(*claim, store, Participant{"consumer", rank}, instance));
   const auto t0 = Clock::now();
+  // Relay: asks of this sync that came after its last attempt ended (and before it was
+  // over: they were kept, as of a group still to land) are answered gone on the way out.
+  struct RelayFlush {
+    Impl* self;
+    uint64_t v;
+    ~RelayFlush() {
+      if (self->opts.relay) self->relay_attempt_over(v);
+    }
+  } relay_flush{this, v};
   readied.clear();
   unanswered.clear();
   SyncReport rep;

@@ -164,7 +164,15 @@ void Consumer::Impl::on_relay(PeerId from, const Relay& m) {
         return;
     }
   }
-  if (reply) static_cast<void>(transport.send(from, kEngineTag, encode_message(*reply)));
+  if (!reply || transport.send(from, kEngineTag, encode_message(*reply)).ok()) return;
+  // Not connected to that member yet (it asked before this relay's attempt reached it in
+  // the store): kept as an ask, answered once connected (relay_landed, relay_attempt_over).
+  if (reply->kind == Relay::kOffer || reply->kind == Relay::kGone) {
+    std::lock_guard<std::mutex> lk(mu);
+    if (reply->kind == Relay::kOffer)
+      for (RelaySlot& sl : relay_slots) sl.readers.erase(c);
+    relay_asks[{m.version, m.group, m.routes}][c] = from;
+  }
 }
 
 void Consumer::Impl::relay_landed(uint64_t v, int g, int s) {
