@@ -184,13 +184,20 @@ void Consumer::Impl::relay_landed(uint64_t v, int g, int s) {
     sl.version = v;
     sl.group = g;
     sl.routes = routes_hash;
-    auto it = relay_asks.find({v, g, routes_hash});
-    if (it == relay_asks.end()) return;
-    for (const auto& [c, id] : it->second) {
-      sl.readers[c] = id;
-      offers.emplace_back(id, Relay{me(), v, g, routes_hash, Relay::kOffer, static_cast<uint64_t>(s) * slot_bytes});
+    // This group's asks, and any kept for a group still held here (an offer that could
+    // not be sent before: tried again now that this attempt connected its members).
+    for (int k = 0; k < kSlots; ++k) {
+      RelaySlot& held = relay_slots[k];
+      if (!held.valid) continue;
+      auto it = relay_asks.find({held.version, held.group, held.routes});
+      if (it == relay_asks.end()) continue;
+      for (const auto& [c, id] : it->second) {
+        held.readers[c] = id;
+        offers.emplace_back(id, Relay{me(), held.version, held.group, held.routes, Relay::kOffer,
+                                      static_cast<uint64_t>(k) * slot_bytes});
+      }
+      relay_asks.erase(it);
     }
-    relay_asks.erase(it);
   }
   for (const auto& [id, m] : offers) static_cast<void>(transport.send(id, kEngineTag, encode_message(m)));
 }
