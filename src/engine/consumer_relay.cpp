@@ -19,12 +19,17 @@ void Consumer::Impl::refresh_relay(SyncReport& rep) {
     relay_inbox.clear();
     relay_members.clear();
   }
-  const RelayLink next = opts.relay && !ipc_active ? find_relay(before, rep) : RelayLink{};
+  const RelayLink next = opts.relay ? find_relay(before, rep) : RelayLink{};
   // The previous relay's ring import, unless the same instance is kept.
   if (before.rank >= 0 && !(next.rank == before.rank && next.blob == before.blob))
     transport.release_key(before.ring).ignore();
-  std::lock_guard<std::mutex> lk(mu);
-  relay_link = next;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    relay_link = next;
+  }
+  // Reading over CUDA IPC this attempt, its host ring holds nothing to offer: asks kept
+  // from before (a member that began first) are answered gone now, not when it ends.
+  if (opts.relay && ipc_active) relay_attempt_over(std::numeric_limits<uint64_t>::max());
 }
 
 Consumer::Impl::RelayLink Consumer::Impl::find_relay(const RelayLink& before, SyncReport& rep) {
@@ -58,8 +63,9 @@ Consumer::Impl::RelayLink Consumer::Impl::find_relay(const RelayLink& before, Sy
   }
   {
     std::lock_guard<std::mutex> lk(mu);
-    relay_members = std::move(members);
+    relay_members = ipc_active ? std::map<int, PeerId>{} : std::move(members);  // (connected: told "gone")
   }
+  if (ipc_active) return RelayLink{};  // (its ring is on the GPU: it copies from no relay either)
   for (int c = 0; c < rank; ++c) {  // the relay is the lowest live rank of the group
     auto lease = same_group(c);
     if (!lease) continue;
