@@ -161,7 +161,7 @@ struct Consumer::Impl {
   // attempts; `lost` also set by the handlers under mu). rank -1: none.
   struct RelayLink {
     int rank = -1;
-    std::string blob;     // the relay's lease we connected and imported with
+    ConsumerLease lease;  // the relay's instance (its lease without versions) we connected and imported with
     PeerId id = 0;
     RemoteRegion ring;    // its receive ring
     bool lost = false;    // failed, gone or given up: the rest of this attempt reads from producers
@@ -174,8 +174,8 @@ struct Consumer::Impl {
   std::map<std::pair<uint64_t, int>, Relay> relay_inbox;
   // As the relay (every consumer with relay on serves asks; only members on its host ask):
   // per receive slot the group it holds verified and who is reading it; asks of groups
-  // not landed yet; groups whose slot was reused (asked again: gone); releases that came
-  // after their reader was cut. mu.
+  // not landed yet; groups whose slot was reused (asked again: gone). A release from a
+  // member no longer among a slot's readers (cut by relay_reuse) is answered cut. mu.
   struct RelaySlot {
     bool valid = false;
     uint64_t version = 0, routes = 0;
@@ -190,8 +190,6 @@ struct Consumer::Impl {
   RelaySlot relay_slots[kReceiveSlots];
   std::map<std::tuple<uint64_t, int, uint64_t>, std::map<int, PeerId>> relay_asks;
   std::set<std::tuple<uint64_t, int, uint64_t>> relay_passed;
-  // Members this relay cut (they read too slowly), by (member, version, group): they are told at their release. mu.
-  std::set<std::tuple<int, uint64_t, int>> relay_cut;
   // Finds this attempt's relay (or that this consumer reads for itself) from the leases
   // of its plan class on its host. Notes go to the report. Sync thread, between attempts.
   void refresh_relay(SyncReport& rep);

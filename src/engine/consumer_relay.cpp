@@ -21,7 +21,7 @@ void Consumer::Impl::refresh_relay(SyncReport& rep) {
   }
   const RelayLink next = opts.relay ? find_relay(before, rep) : RelayLink{};
   // The previous relay's ring import, unless the same instance is kept.
-  if (before.rank >= 0 && !(next.rank == before.rank && next.blob == before.blob))
+  if (before.rank >= 0 && !(next.rank == before.rank && next.lease == before.lease))
     transport.release_key(before.ring).ignore();
   {
     std::lock_guard<std::mutex> lk(mu);
@@ -71,8 +71,8 @@ Consumer::Impl::RelayLink Consumer::Impl::find_relay(const RelayLink& before, Sy
     if (!lease) continue;
     RelayLink link;
     link.rank = c;
-    link.blob = encode_lease(lease->instance());  // (not its versions: they change every sync)
-    if (before.rank == c && before.blob == link.blob) {  // the same instance: keep its import
+    link.lease = lease->instance();  // (not its versions: they change every sync)
+    if (before.rank == c && before.lease == link.lease) {  // the same instance: keep its import
       link.id = before.id;
       link.ring = before.ring;
       return link;
@@ -154,7 +154,6 @@ void Consumer::Impl::on_relay(PeerId from, const Relay& m) {
             cv.notify_all();
           }
         }
-        relay_cut.erase({c, m.version, m.group});
         if (kept && m.group >= 0 && m.group < routes.num_groups() && m.routes == routes_hash) {
           const auto now = Clock::now();
           trace.record(TracePhase::kSend, m.group, c, now, now, TraceLane::kRelay,
@@ -226,10 +225,8 @@ void Consumer::Impl::relay_reuse(int s) {
   const auto until = Clock::now() + relay_hold();
   cv.wait_until(lk, until, [&] { return unfinished().empty() || crashed; });
   for (int c : unfinished()) relay_members.erase(c);  // too slow: not waited for again this attempt
-  for (const auto& [c, id] : sl.readers) relay_cut.insert({c, sl.version, sl.group});
   if (sl.valid) relay_passed.insert({sl.version, sl.group, sl.routes});
-  if (relay_cut.size() > 4096) relay_cut.clear();
-  sl = RelaySlot{};
+  sl = RelaySlot{};  // (readers still there are cut: their release finds them in no slot)
 }
 
 void Consumer::Impl::relay_attempt_over(uint64_t version) {
@@ -264,7 +261,6 @@ Result<bool> Consumer::Impl::copy_from_relay(uint64_t v, int g, uint64_t base, c
   // the relay is lost (failed, lease gone at two checks a lease_ttl apart, or silent past
   // the timeout). JOINs every producer meanwhile, so that none drops this member as a
   // straggler for what its relay takes.
-  std::set<int> lapsed_unused;
   auto await_answer = [&](std::initializer_list<uint8_t> kinds) -> Result<std::optional<Relay>> {
     std::unique_lock<std::mutex> lk(mu);
     const auto deadline = Clock::now() + opts.timeout;
@@ -319,7 +315,7 @@ Result<bool> Consumer::Impl::copy_from_relay(uint64_t v, int g, uint64_t base, c
         bool other = false;  // another instance registered: this one is gone
         if (blob.ok()) {
           auto l = decode_consumer_lease(*blob);
-          other = !l.ok() || encode_lease(l->instance()) != relay_link.blob;
+          other = !l.ok() || l->instance() != relay_link.lease;
         }
         lapsed = gone || other;
         next_check = Clock::now() + opts.lease_ttl;
