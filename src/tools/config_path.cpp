@@ -27,13 +27,15 @@ fs::path install_prefix() {
 
 }  // namespace
 
+std::string source_tree() { return FERRY_SOURCE_DIR; }
+
 std::vector<std::string> model_config_candidates(const std::string& path) {
   const fs::path p(path);
   if (p.is_absolute()) return {path};
   std::vector<std::string> out = {path};
   const fs::path prefix = install_prefix();
   if (!prefix.empty()) out.push_back((prefix / FERRY_DATADIR / p).string());
-  out.push_back((fs::path(FERRY_SOURCE_DIR) / p).string());
+  out.push_back((fs::path(source_tree()) / p).string());
   return out;
 }
 

@@ -16,6 +16,9 @@ namespace ferry::tools {
 // built from. An absolute path is only itself.
 std::vector<std::string> model_config_candidates(const std::string& path);
 
+// The source tree this ferry was built from (the last place looked in).
+std::string source_tree();
+
 // The first candidate that exists; kNotFound naming every place tried otherwise.
 Result<std::string> find_model_config(const std::string& path);
 

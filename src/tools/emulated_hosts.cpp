@@ -32,7 +32,7 @@ std::string EmulatedHosts::script() {
   // Found as the model configs are: the working directory, the installed share/ferry
   // beside the executable (cmake/FerryInstall.cmake installs it), the source tree.
   auto found = find_model_config("scripts/hosts.sh");
-  return found.ok() ? *found : FERRY_SOURCE_DIR "/scripts/hosts.sh";
+  return found.ok() ? *found : source_tree() + "/scripts/hosts.sh";
 }
 
 Result<std::string> run_hosts_script(const std::vector<std::string>& args, int timeout_ms) {

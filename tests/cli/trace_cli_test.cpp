@@ -17,13 +17,14 @@
 #include "cli/run_command.h"
 #include "engine/report_json.h"
 #include "tools/trace_file.h"
+#include "test_paths.h"
 
 namespace {
 
 using ferry_cli_test::run_command;
 
-const char* kDemo =
-    FERRY_BIN " demo --model " FERRY_SOURCE_DIR "/configs/llama-3.1-8b.json --config-overrides "
+const std::string kDemo =
+    std::string(FERRY_BIN) + " demo --model " + FERRY_SOURCE_DIR + "/configs/llama-3.1-8b.json --config-overrides "
     "'{\"num_hidden_layers\": 2, \"hidden_size\": 256, \"intermediate_size\": 512, \"vocab_size\": 1024, "
     "\"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"head_dim\": 64}' "
     "--trainer tp=2 --inference tp=2,replicas=2 --syncs 2 --kill-sync 0 --checksums";

@@ -378,19 +378,33 @@ TEST(Patch, EveryBitFlipIsAnError) {
   }
 }
 
-TEST(Patch, RandomGarbageNeverCrashes) {
+// Scrambled payloads: each is refused as corrupt (a structure the decoders reject, or
+// content whose hash is not the one the header names), or, where the scramble left it
+// valid (a byte set to the value it had), applied into exactly the version it names.
+TEST(Patch, RandomGarbageIsRefusedAsCorruptOrGivesTheVersionItNames) {
   std::mt19937_64 rng(99);
   Bytes base;
   const auto patches = small_patches(&base);
+  const Bytes next = make_pair(100, 2, 0.1, Pattern::kScattered, 5).next;  // (small_patches' pair)
+  int refused = 0;
   for (int iter = 0; iter < 2000; ++iter) {
-    Bytes bad = patches[rng() % patches.size()].second;
+    const auto& [name, patch] = patches[rng() % patches.size()];
+    Bytes bad = patch;
     // Keep the header (so the payload decoders run), scramble a few payload bytes.
     const int flips = 1 + static_cast<int>(rng() % 6);
     for (int k = 0; k < flips && bad.size() > kPatchHeaderBytes; ++k)
       bad[kPatchHeaderBytes + rng() % (bad.size() - kPatchHeaderBytes)] = std::byte(rng() & 0xff);
     Bytes target = base;
-    apply_patch(target, bad).ignore();  // an error or (rarely) the right content; never a crash
+    const Status st = apply_patch(target, bad);
+    if (st.ok()) {
+      EXPECT_TRUE(target == next) << name << ", iteration " << iter << ": applied, but not into the version it names";
+    } else {
+      ++refused;
+      EXPECT_EQ(st.code(), StatusCode::kCorrupt) << name << ", iteration " << iter << ": " << st.to_string();
+      EXPECT_FALSE(st.message().empty());
+    }
   }
+  EXPECT_GT(refused, 1800) << "most scrambles change a byte, and every change is caught";
 }
 
 // Positions past the end, hand-made: 10 elements, one change at 9.

@@ -19,18 +19,14 @@ namespace {
 
 class EngineDeltaTest : public EngineTest {};
 
-INSTANTIATE_TEST_SUITE_P(Cases, EngineDeltaTest, cases(kAllBackends, {Mode::kPull, Mode::kPush}), case_name_of);
-INSTANTIATE_TEST_SUITE_P(Shadow, EngineDeltaTest, cases({Backend::kInproc}, {Mode::kPull, Mode::kPush}, true),
+// Over a covering set of the feature matrix with delta on (feature_matrix.h): every pair
+// of transport, mode, in-place serving (producers given source regions under delta serve
+// nothing in place: every byte is packed so that it can be patched), commit policy (under
+// groups patches apply against the live params as each group made them live) and group
+// order.
+INSTANTIATE_TEST_SUITE_P(Cover, EngineDeltaTest,
+                         ::testing::ValuesIn(covering_cases(plain({{"delta", {"on"}}, {"relay", {"off"}}}))),
                          case_name_of);
-// Under the bounded shadow: patches applied against the live params as each group made
-// them live (the loaded bytes of the committed version).
-INSTANTIATE_TEST_SUITE_P(Groups, EngineDeltaTest,
-                         cases({Backend::kInproc}, {Mode::kPull, Mode::kPush}, false, false, true), case_name_of);
-INSTANTIATE_TEST_SUITE_P(Rotated, EngineDeltaTest, cases({Backend::kInproc}, {Mode::kPull, Mode::kPush}, false, true),
-                         case_name_of);
-// Producers given source regions under delta serve nothing in place (every byte is
-// packed so that it can be patched): the same results.
-INSTANTIATE_TEST_SUITE_P(InPlace, EngineDeltaTest, cases({Backend::kInproc}, {Mode::kInPlace}), case_name_of);
 
 struct Sums {
   uint64_t sent = 0, patch = 0, patched_dense = 0, received = 0, received_patch = 0, repaired = 0;

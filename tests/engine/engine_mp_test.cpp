@@ -17,6 +17,7 @@
 #include "ferry/models.h"
 #include "tools/demo.h"
 #include "store/redis_server.h"
+#include "test_paths.h"
 
 namespace ferry {
 namespace {

@@ -20,12 +20,16 @@
 
 #include "store/redis_server.h"
 #include "tools/demo.h"
+#include "test_paths.h"
 
 namespace ferry {
 namespace {
 
-// Short leases keep the matrix quick: 20x is 6 s (the soak: 4 s).
+// Short leases keep the matrix quick: 20x is 6 s (the soak: 4 s). What the matrix checks
+// is relative to the lease (a pause of 2x, 5x, 20x its ttl loses no one), so one case runs
+// at kTtlMs in real time and the others at kScaledTtlMs: 20x is 3 s.
 constexpr int kTtlMs = 300;
+constexpr int kScaledTtlMs = 150;
 constexpr int kSoakTtlMs = 200;
 constexpr const char* kToken = "engine-pause-token-0123";
 
@@ -99,6 +103,7 @@ struct PauseCase {
   Target target;
   bool rotated = false;  // every rank under the rotated group order (docs/group-order.md)
   bool relay = false;    // consumers under relay (docs/relay.md): the paused consumer 1 relays for 3
+  int ttl_ms = kScaledTtlMs;  // the leases' ttl, which the pauses are multiples of
 };
 const char* target_name(Target t) {
   switch (t) {
@@ -111,12 +116,13 @@ const char* target_name(Target t) {
 }
 void PrintTo(const PauseCase& c, std::ostream* os) { *os << target_name(c.target); }
 std::string pause_case_name(const ::testing::TestParamInfo<PauseCase>& i) {
-  return std::string(target_name(i.param.target)) + (i.param.rotated ? "_rotated" : "") + (i.param.relay ? "_relay" : "");
+  return std::string(target_name(i.param.target)) + (i.param.rotated ? "_rotated" : "") + (i.param.relay ? "_relay" : "") +
+         "_ttl" + std::to_string(i.param.ttl_ms) + "ms";
 }
 
 class EnginePauseTest : public ::testing::TestWithParam<PauseCase> {};
 INSTANTIATE_TEST_SUITE_P(Ucx, EnginePauseTest,
-                         ::testing::Values(PauseCase{Target::kConsumer}, PauseCase{Target::kProducer},
+                         ::testing::Values(PauseCase{Target::kConsumer, false, false, kTtlMs}, PauseCase{Target::kProducer},
                                            PauseCase{Target::kTcpStore}, PauseCase{Target::kRedis}),
                          pause_case_name);
 // Paused ranks under the rotated order's paced service (issue 26): a paused consumer is
@@ -138,6 +144,8 @@ INSTANTIATE_TEST_SUITE_P(Relay, EnginePauseTest, ::testing::Values(PauseCase{Tar
 TEST_P(EnginePauseTest, StopContAt2x5x20xLeaseTtlMidSyncAndBetween) {
   const Target t = GetParam().target;
   auto d = base_spec();
+  const int ttl = GetParam().ttl_ms;
+  d.lease_ttl_ms = ttl;
   if (GetParam().rotated) d.group_order = "rotated";
   d.relay = GetParam().relay;
   StoreFixture store;
@@ -150,7 +158,7 @@ TEST_P(EnginePauseTest, StopContAt2x5x20xLeaseTtlMidSyncAndBetween) {
   int v = 2;
   for (int times : {2, 5, 20}) {
     for (bool mid : {true, false}) {
-      d.pauses.push_back(tools::DemoPause{role, 1, v, mid ? mid_point : -1, times * kTtlMs});
+      d.pauses.push_back(tools::DemoPause{role, 1, v, mid ? mid_point : -1, times * ttl});
       v += 2;
     }
   }
@@ -179,7 +187,7 @@ TEST_P(EnginePauseTest, StopContAt2x5x20xLeaseTtlMidSyncAndBetween) {
     }
     std::printf("%s %s %d ms (%dx ttl): sync %d verified %d/4, %d producer reports ok, %d consumer(s) missed; "
                 "sync %d verified %d/4\n",
-                role.c_str(), p.point >= 0 ? "mid-sync" : "between", p.ms, p.ms / kTtlMs, p.version, row.verified,
+                role.c_str(), p.point >= 0 ? "mid-sync" : "between", p.ms, p.ms / ttl, p.version, row.verified,
                 row.producers_ok, row.missed, p.version + 1, r.rows[static_cast<size_t>(p.version)].verified);
   }
   std::printf("%s: %d syncs, %d pauses, wall %.1f s\n", target_name(t), d.syncs, r.pauses_injected, wall);

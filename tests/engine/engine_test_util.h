@@ -11,10 +11,13 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <ostream>
 #include <string>
 #include <thread>
@@ -23,7 +26,9 @@
 
 #include "ferry/device.h"
 #include "ferry/engine.h"
+#include "engine/feature_matrix.h"
 #include "tools/job_model.h"
+#include "test_paths.h"
 
 namespace ferry::engine_tests {
 
@@ -41,6 +46,9 @@ enum class Mode { kPull, kPush, kInPlace, kPushInPlace };
 inline bool is_push(Mode m) { return m == Mode::kPush || m == Mode::kPushInPlace; }
 inline bool is_in_place(Mode m) { return m == Mode::kInPlace || m == Mode::kPushInPlace; }
 
+// Where FP8 block quantisation runs (kNone: the loader keeps bf16).
+enum class Fp8Side { kNone, kProducer, kConsumer };
+
 struct EngineCase {
   Backend backend;
   Mode mode;
@@ -48,6 +56,10 @@ struct EngineCase {
   bool rotated = false;  // every rank under GroupOrderKind::kRotated (docs/group-order.md)
   bool groups = false;   // consumers under CommitPolicy::kGroups (the bounded shadow)
   bool relay = false;    // consumers under ConsumerOptions::relay (replicas on one host copy from one)
+  bool delta = false;    // EngineOptions::delta, 1% of elements changed per version
+  bool checksums = false;  // EngineOptions::checksums
+  Fp8Side fp8 = Fp8Side::kNone;    // the loader quantises to FP8, on this side (EngineOptions::quantize_on)
+  bool gpu_staging = false;  // producers stage on cuda:0 (a device or the emulated plugin; else skipped)
 };
 
 inline const char* backend_name(Backend b) { return b == Backend::kInproc ? "inproc" : "ucx"; }
@@ -61,8 +73,11 @@ inline const char* mode_name(Mode m) {
   return "?";
 }
 inline std::string case_name(const EngineCase& c) {
-  return fmt::format("{}_{}{}{}{}{}", backend_name(c.backend), mode_name(c.mode), c.shadow ? "_shadow" : "",
-                     c.rotated ? "_rotated" : "", c.groups ? "_groups" : "", c.relay ? "_relay" : "");
+  return fmt::format("{}_{}{}{}{}{}{}{}{}{}", backend_name(c.backend), mode_name(c.mode), c.shadow ? "_shadow" : "",
+                     c.rotated ? "_rotated" : "", c.groups ? "_groups" : "", c.relay ? "_relay" : "",
+                     c.delta ? "_delta" : "", c.checksums ? "_checksums" : "",
+                     c.fp8 == Fp8Side::kProducer ? "_fp8producer" : c.fp8 == Fp8Side::kConsumer ? "_fp8consumer" : "",
+                     c.gpu_staging ? "_gpu" : "");
 }
 inline void PrintTo(const EngineCase& c, std::ostream* os) { *os << case_name(c); }
 inline std::string case_name_of(const ::testing::TestParamInfo<EngineCase>& info) { return case_name(info.param); }
@@ -76,6 +91,100 @@ inline auto cases(std::vector<Backend> backends, std::vector<Mode> modes, bool s
   }
   return ::testing::ValuesIn(out);
 }
+
+// --- the feature matrix (feature_matrix.h) ---------------------------------------------
+
+// Every feature of a sync that combines with the others, its values (the default first).
+// `restrict`: for a suite that cannot vary some feature, the values it may take.
+// One constraint (below, with its reason); every other combination runs. EngineMatrixTest
+// instantiates a covering set of all ten; feature_matrix_test.cpp checks it covers each
+// pair the constraint allows.
+inline Matrix engine_matrix(const std::map<std::string, std::vector<std::string>>& restrict = {}) {
+  Matrix m;
+  m.features = {
+      {"backend", {"inproc", "ucx"}},
+      {"mode", {"pull", "push"}},
+      {"serving", {"staged", "in_place"}},  // producers serve the trainer's memory in place
+      {"commit", {"in_place", "shadow", "groups"}},
+      {"order", {"layer", "rotated"}},
+      {"relay", {"off", "on"}},
+      {"delta", {"off", "on"}},
+      {"checksums", {"off", "on"}},
+      {"fp8", {"none", "producer", "consumer"}},
+      {"staging", {"host", "gpu"}},
+  };
+  for (const auto& [name, values] : restrict) {
+    const int f = m.index_of(name);
+    if (f < 0) throw std::invalid_argument("engine_matrix: no feature " + name);
+    for (const std::string& v : values) {
+      const auto& all = m.features[static_cast<size_t>(f)].values;
+      if (std::find(all.begin(), all.end(), v) == all.end())
+        throw std::invalid_argument("engine_matrix: feature " + name + " has no value " + v);
+    }
+    m.features[static_cast<size_t>(f)].values = values;
+  }
+  // GPU staging takes the trainer's boxes in GPU memory (the test's GpuSource copies them
+  // there at every materialize), while serving in place serves boxes at fixed addresses
+  // of a host region registered with the transport (InPlaceSource): one trainer cannot
+  // be both.
+  const size_t serving = static_cast<size_t>(m.index_of("serving")), staging = static_cast<size_t>(m.index_of("staging"));
+  m.excluded = [serving, staging, servings = m.features[serving].values,
+                stagings = m.features[staging].values](const Combination& c) {
+    return servings[static_cast<size_t>(c[serving])] == "in_place" && stagings[static_cast<size_t>(c[staging])] == "gpu";
+  };
+  // Combinations known to interact, run whole beyond their pairs (in a suite restricted
+  // away from one of their values, not at all).
+  m.require({{"relay", "on"}, {"delta", "on"}, {"checksums", "on"}},
+            "a relay offers a group only once its checksums and patches are verified, and its member verifies "
+            "the copy against the producers' checksums again (docs/relay.md)");
+  m.require({{"delta", "on"}, {"fp8", "producer"}, {"commit", "groups"}},
+            "patches of producer-quantised bytes apply against the bytes that landed, as each group went live");
+  m.require({{"relay", "on"}, {"staging", "gpu"}, {"mode", "push"}},
+            "a relay's ring is filled from GPU staging; push writes it there, the members copy it from host memory");
+  m.require({{"relay", "on"}, {"order", "rotated"}, {"mode", "push"}, {"serving", "in_place"}},
+            "relay groups read in one cohort's order while producers pace their waves, serving in place");
+  m.require({{"delta", "on"}, {"serving", "in_place"}, {"mode", "push"}},
+            "producers given source regions under delta serve nothing in place (every byte packed to be patched)");
+  return m;
+}
+
+// The EngineCase of one combination of engine_matrix()'s features (matched by name, so a
+// restricted matrix maps the same way).
+inline EngineCase engine_case(const Matrix& m, const Combination& c) {
+  auto value = [&](const char* feature) -> const std::string& {
+    const int f = m.index_of(feature);
+    return m.features[static_cast<size_t>(f)].values[static_cast<size_t>(c[static_cast<size_t>(f)])];
+  };
+  EngineCase e{value("backend") == "ucx" ? Backend::kUcx : Backend::kInproc, Mode::kPull};
+  const bool push = value("mode") == "push", in_place = value("serving") == "in_place";
+  e.mode = push ? (in_place ? Mode::kPushInPlace : Mode::kPush) : (in_place ? Mode::kInPlace : Mode::kPull);
+  e.shadow = value("commit") == "shadow";
+  e.groups = value("commit") == "groups";
+  e.rotated = value("order") == "rotated";
+  e.relay = value("relay") == "on";
+  e.delta = value("delta") == "on";
+  e.checksums = value("checksums") == "on";
+  e.fp8 = value("fp8") == "producer" ? Fp8Side::kProducer : value("fp8") == "consumer" ? Fp8Side::kConsumer : Fp8Side::kNone;
+  e.gpu_staging = value("staging") == "gpu";
+  return e;
+}
+
+// A suite's cases: a covering set of engine_matrix(restrict).
+inline std::vector<EngineCase> covering_cases(const std::map<std::string, std::vector<std::string>>& restrict) {
+  const Matrix m = engine_matrix(restrict);
+  std::vector<EngineCase> out;
+  for (const Combination& c : covering_set(m)) out.push_back(engine_case(m, c));
+  return out;
+}
+// The features a suite of ranks as threads can't vary unless it says so: no delta, no
+// checksums, no FP8, host staging.
+inline std::map<std::string, std::vector<std::string>> plain(std::map<std::string, std::vector<std::string>> more = {}) {
+  std::map<std::string, std::vector<std::string>> r = {
+      {"delta", {"off"}}, {"checksums", {"off"}}, {"fp8", {"none"}}, {"staging", {"host"}}};
+  for (auto& [k, v] : more) r[k] = std::move(v);
+  return r;
+}
+
 inline const std::vector<Backend> kAllBackends = {Backend::kInproc, Backend::kUcx};
 inline const std::vector<Mode> kAllModes = {Mode::kPull, Mode::kPush, Mode::kInPlace};
 
@@ -215,13 +324,29 @@ struct Cluster {
   bool rotated = false;  // every rank under GroupOrderKind::kRotated (eo.group_order)
   bool groups = false;   // consumers commit by CommitPolicy::kGroups (a failed sync never tears them)
   bool relay = false;    // consumers under ConsumerOptions::relay (all on this one host)
+  Device staging_device = Device::host();  // every producer's ProducerOptions::staging_device
   SyntheticChanges changes;  // what the producers' synthetic checkpoint changes per version
   LoaderOptions loader_options;  // the inference ranks' loader (quantize: consumer-side FP8 post-processing)
   static inline std::atomic<int> job_counter{0};
+  // Full multi-rank syncs this process ran (every rank's sync of one version): with
+  // FERRY_TEST_COUNT_SYNCS=FILE each test process appends its count to FILE at exit
+  // (docs/RESULTS.md, "CI time", counts them over a whole run).
+  static inline std::atomic<uint64_t> syncs_run{0};
 
   explicit Cluster(EngineCase c = {Backend::kInproc, Mode::kPull})
       : backend(c.backend), shadow(c.shadow), rotated(c.rotated), groups(c.groups), relay(c.relay) {
     if (c.rotated) eo.group_order = GroupOrderKind::kRotated;
+    eo.delta = c.delta;
+    if (c.delta) changes = {0.01, false};
+    eo.checksums = c.checksums;
+    if (c.fp8 != Fp8Side::kNone) {
+      loader_options.quantize = Quantize::kFp8;
+      eo.quantize_on = c.fp8 == Fp8Side::kProducer ? QuantizeOn::kProducer : QuantizeOn::kConsumer;
+    }
+    if (c.gpu_staging) {  // (staging on the GPU takes the trainer's boxes there)
+      staging_device = Device::cuda(0);
+      gpu_sources = true;
+    }
     eo.timeout = 20s;
     eo.stall_timeout = 20s;
     eo.lease_ttl = 2000ms;
@@ -305,6 +430,7 @@ struct Cluster {
       gpu_src[i] = std::make_unique<GpuSource>(*source);
       source = gpu_src[i].get();
     }
+    po.staging_device = staging_device;
     if (tweak_producer) tweak_producer(po, p);
     FERRY_ASSIGN_OR_RETURN(prod[i], Producer::create(*source, *ptr[i], *pst[i], po));
     return Status::Ok();
@@ -355,6 +481,7 @@ struct Cluster {
   };
   // Every rank syncs v; consumers with `commit` (false: received only, CommitPolicy::kShadow).
   Outcome sync(uint64_t v, bool commit = true) {
+    ++syncs_run;
     Outcome out;
     out.p.resize(static_cast<size_t>(P()));
     out.c.resize(static_cast<size_t>(C()));
@@ -422,6 +549,18 @@ struct Cluster {
     }
   }
 };
+
+struct SyncCountAtExit {
+  ~SyncCountAtExit() {
+    const char* file = std::getenv("FERRY_TEST_COUNT_SYNCS");
+    if (file == nullptr || Cluster::syncs_run == 0) return;
+    if (FILE* f = std::fopen(file, "a")) {  // (one short append per process: not interleaved)
+      std::fprintf(f, "%llu\n", static_cast<unsigned long long>(Cluster::syncs_run.load()));
+      std::fclose(f);
+    }
+  }
+};
+inline SyncCountAtExit sync_count_at_exit;
 
 // --- suites ----------------------------------------------------------------------------
 

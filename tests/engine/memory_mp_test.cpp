@@ -20,6 +20,7 @@
 #include "ferry/engine.h"
 #include "tools/demo.h"
 #include "tools/job_model.h"
+#include "test_paths.h"
 
 namespace ferry {
 namespace {

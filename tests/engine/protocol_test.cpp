@@ -12,6 +12,7 @@
 #include "engine/in_place.h"
 #include "engine/protocol.h"
 #include "ferry/device.h"
+#include "test_paths.h"
 
 namespace ferry::engine {
 namespace {

@@ -5,6 +5,7 @@
 
 #include "engine/rank_model.h"
 #include "tools/job_model.h"
+#include "test_paths.h"
 
 namespace ferry::engine {
 namespace {

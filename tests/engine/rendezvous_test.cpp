@@ -12,6 +12,7 @@
 #include "engine/rendezvous.h"
 #include "ferry/engine.h"
 #include "tools/job_model.h"
+#include "test_paths.h"
 
 namespace ferry::engine {
 namespace {
@@ -215,9 +216,8 @@ TEST(Rendezvous, APublishedFailureFailsTheOthersWaitsUntilTakenBack) {
   EXPECT_EQ(st.get(keys.failed("consumer", 2)).status().code(), StatusCode::kNotFound);
   publish_failure(st, keys, o, c1, "instance y", invalid_argument("a plan over the wrong dtype"));
   EXPECT_EQ(st.get(keys.failed("consumer", 1)).value_or("?"), "instance y: InvalidArgument: a plan over the wrong dtype");
-  const auto t0 = std::chrono::steady_clock::now();
+  // (kPeerFailed, not kTimeout: the wait ended on the published failure, not the timeout)
   Status s = await_keys(st, keys, o, p0, {keys.plan(1)}, "every plan");
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, o.rendezvous_timeout / 2);
   ASSERT_EQ(s.code(), StatusCode::kPeerFailed) << s.to_string();
   EXPECT_NE(s.message().find("consumer 1 failed to join job 'f': instance y: InvalidArgument: a plan over the wrong dtype"),
             std::string::npos)
@@ -268,11 +268,11 @@ TEST(Rendezvous, AClaimIsRefusedWhileItsHolderLivesAndTakenWhenItsProcessIsGone)
   const size_t pid_at = dead.find("(pid ") + 5;
   dead.replace(pid_at, dead.find(' ', pid_at) - pid_at, std::to_string(child));
   ASSERT_TRUE(st.set(keys.instance("consumer", 0), dead, std::chrono::hours(1)).ok());
+  // (a claim that waited for it would be refused after 1.5 lease_ttl, as below: taken
+  // means it was not waited for)
   o.lease_ttl = std::chrono::seconds(60);
-  const auto t0 = std::chrono::steady_clock::now();
   auto taken = claim_rank(st, keys, o, c0, instance_name());
   ASSERT_TRUE(taken.ok()) << taken.status().to_string();
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
   taken->reset();
 
   // The same pid in another pid space: not looked up here, so waited for (1.5 ttl).

@@ -13,6 +13,7 @@
 #include "engine/registered_buffer.h"
 #include "engine/schedule.h"
 #include "tools/job_model.h"
+#include "test_paths.h"
 
 namespace ferry::engine::testing {
 

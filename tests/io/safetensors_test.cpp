@@ -10,6 +10,7 @@
 
 #include "ferry/safetensors.h"
 #include "io/mapping_guard.h"
+#include "test_paths.h"
 
 namespace ferry {
 namespace {

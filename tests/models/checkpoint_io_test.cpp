@@ -7,10 +7,7 @@
 
 #include "ferry/safetensors.h"
 #include "models/test_util.h"
-
-#ifndef FERRY_BIN
-#error "FERRY_BIN must be defined"
-#endif
+#include "test_paths.h"
 
 namespace ferry {
 namespace {

@@ -5,10 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "models/test_util.h"
-
-#ifndef FERRY_CONFIGS_DIR
-#error "FERRY_CONFIGS_DIR must be defined"
-#endif
+#include "test_paths.h"
 
 namespace ferry {
 namespace {

@@ -26,6 +26,7 @@
 #include "ferry/safetensors.h"
 #include "tools/job_model.h"
 #include "tools/subprocess.h"
+#include "test_paths.h"
 
 namespace ferry::tools {
 namespace {

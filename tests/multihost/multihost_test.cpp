@@ -23,6 +23,7 @@
 #include "multihost/hosts_or_skip.h"
 #include "tools/demo.h"
 #include "tools/subprocess.h"
+#include "test_paths.h"
 
 namespace ferry::tools {
 namespace {

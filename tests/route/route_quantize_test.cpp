@@ -8,6 +8,7 @@
 #include "ferry/models.h"
 #include "route/synthetic_model.h"
 #include "route/tiles.h"
+#include "test_paths.h"
 
 namespace ferry {
 namespace {

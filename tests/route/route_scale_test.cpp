@@ -7,6 +7,7 @@
 
 #include "ferry/models.h"
 #include "route/synthetic_model.h"
+#include "test_paths.h"
 
 namespace ferry {
 namespace {

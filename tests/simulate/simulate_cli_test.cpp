@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/run_command.h"
+#include "test_paths.h"
 
 namespace {
 
@@ -23,12 +24,12 @@ CliRun run(const std::string& args) { return ferry_cli_test::run_command(std::st
 
 // Llama-3.1-8B's structure at toy size (2 layers, hidden 256): 2 trainer ranks (tp=2) on
 // one host, 2 inference replicas of tp=2 on the other.
-const std::string kJob = "--model " FERRY_SOURCE_DIR
+const std::string kJob = std::string("--model ") + FERRY_SOURCE_DIR +
                          "/configs/llama-3.1-8b.json --config-overrides '{\"num_hidden_layers\": 2, "
                          "\"hidden_size\": 256, \"intermediate_size\": 512, \"vocab_size\": 1024, "
                          "\"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"head_dim\": 64}' "
                          "--trainer tp=2 ";
-const std::string kCluster = "--cluster " FERRY_SOURCE_DIR "/configs/clusters/emulated-2host-1gbit.json ";
+const std::string kCluster = std::string("--cluster ") + FERRY_SOURCE_DIR + "/configs/clusters/emulated-2host-1gbit.json ";
 
 nlohmann::json simulate_json(const std::string& extra) {
   CliRun r = run(kJob + kCluster + "--inference tp=2,replicas=2 --json " + extra);
@@ -86,11 +87,11 @@ TEST(SimulateCli, BytesPerNicAreWhatTheDesignMoves) {
 // trainer pp=2 on two hosts, two inference replicas on two more. In layer order one
 // stage's link sends at a time; rotated, both do, and the same bytes cross every link.
 TEST(SimulateCli, RotatedOrderMovesTheSameBytesWithEveryStageSending) {
-  const std::string job = "--model " FERRY_SOURCE_DIR
+  const std::string job = std::string("--model ") + FERRY_SOURCE_DIR +
                           "/configs/llama-3.1-8b.json --config-overrides '{\"num_hidden_layers\": 4, "
                           "\"hidden_size\": 256, \"intermediate_size\": 512, \"vocab_size\": 1024, "
                           "\"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"head_dim\": 64}' "
-                          "--trainer tp=1,pp=2 --inference tp=2,replicas=2 --cluster " FERRY_SOURCE_DIR
+                          "--trainer tp=1,pp=2 --inference tp=2,replicas=2 --cluster " + FERRY_SOURCE_DIR +
                           "/configs/clusters/emulated-4host-1gbit.json --json ";
   for (const char* mode : {"pull", "push"}) {
     SCOPED_TRACE(mode);

@@ -13,6 +13,7 @@
 
 #include "simulate/cluster.h"
 #include "simulate/simulate.h"
+#include "test_paths.h"
 
 namespace ferry::simulate {
 namespace {
@@ -108,7 +109,7 @@ TEST(ClusterSpec, ErrorsNameTheField) {
 
 TEST(ClusterSpec, ShippedClustersParse) {
   int n = 0;
-  for (const auto& e : std::filesystem::directory_iterator(FERRY_SOURCE_DIR "/configs/clusters")) {
+  for (const auto& e : std::filesystem::directory_iterator(std::string(FERRY_SOURCE_DIR) + "/configs/clusters")) {
     if (e.path().extension() != ".json") continue;
     auto c = ClusterSpec::load(e.path().string());
     EXPECT_TRUE(c.ok()) << e.path() << ": " << c.status().to_string();

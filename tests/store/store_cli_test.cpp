@@ -15,10 +15,7 @@
 
 #include "ferry/store.h"
 #include "store/redis_server.h"
-
-#ifndef FERRY_BINARY
-#error "FERRY_BINARY must name the ferry executable"
-#endif
+#include "test_paths.h"
 
 namespace ferry {
 namespace {

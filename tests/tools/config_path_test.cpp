@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "tools/config_path.h"
+#include "test_paths.h"
 
 namespace ferry::tools {
 namespace {
