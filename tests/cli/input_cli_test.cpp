@@ -12,6 +12,7 @@
 
 #include "cli/run_command.h"
 #include "test_paths.h"
+#include "sanitizers.h"
 
 namespace {
 
@@ -223,7 +224,7 @@ TEST(CheckpointCli, WritesACheckpointOfTheModel) {
 // taking the machine's memory: num_experts 1e9 used 5.5-8 GB for 40 s; intermediate_size
 // 2^40 and a 70B checkpoint under ulimit -v 6G died of bad_alloc (SIGABRT).
 TEST(CheckpointCli, RunawaySizesAreRefusedBeforeTheWork) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if FERRY_TEST_SANITIZED
   // The ferry binary under test is sanitized too: it reserves terabytes of shadow memory
   // at start, so no `ulimit -v` can apply to it. The first two sizes are refused by
   // arithmetic before any allocation, with or without a limit; the third is about the

@@ -18,6 +18,7 @@
 #include "tools/demo.h"
 #include "store/redis_server.h"
 #include "test_paths.h"
+#include "sanitizers.h"
 
 namespace ferry {
 namespace {
@@ -431,7 +432,7 @@ TEST(EngineMultiProcess, Soak) {
   const auto t0 = std::chrono::steady_clock::now();
   auto r = tools::run_demo(d);
   expect_ok(r, d.syncs);
-#if defined(__SANITIZE_ADDRESS__)
+#if FERRY_TEST_ASAN
   // ASan's quarantine (256 MiB by default) keeps freed memory resident, so RSS is no
   // leak signal there; LeakSanitizer checks the workers for leaks instead.
   constexpr int64_t kMaxGrowthKib = 512 * 1024;

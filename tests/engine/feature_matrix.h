@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <functional>
-#include <set>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -96,31 +95,63 @@ inline std::vector<ValuePair> pairs_of(const Combination& c) {
 
 // The covering set: the required combinations, then greedily the allowed combination
 // covering the most uncovered pairs, until each pair some allowed combination holds is
-// covered.
+// covered. Pairs are numbered densely (a flag each), so that this runs in milliseconds at
+// static initialisation even under the sanitizers: every test process of a suite
+// instantiated over it pays for it.
 inline std::vector<Combination> covering_set(const Matrix& m) {
+  const size_t n = m.features.size();
+  // base[a][b]: the number of the first pair of features a < b; pair (a=x, b=y) is
+  // base[a][b] + x * |values of b| + y.
+  std::vector<std::vector<size_t>> base(n, std::vector<size_t>(n, 0));
+  size_t pairs = 0;
+  for (size_t a = 0; a < n; ++a) {
+    for (size_t b = a + 1; b < n; ++b) {
+      base[a][b] = pairs;
+      pairs += m.features[a].values.size() * m.features[b].values.size();
+    }
+  }
+  auto numbers = [&](const Combination& c) {
+    std::vector<size_t> out;
+    out.reserve(n * (n - 1) / 2);
+    for (size_t a = 0; a < n; ++a) {
+      for (size_t b = a + 1; b < n; ++b) {
+        out.push_back(base[a][b] + static_cast<size_t>(c[a]) * m.features[b].values.size() + static_cast<size_t>(c[b]));
+      }
+    }
+    return out;
+  };
   const std::vector<Combination> pool = m.allowed();
-  std::set<ValuePair> uncovered;
+  std::vector<std::vector<size_t>> pool_pairs;
+  pool_pairs.reserve(pool.size());
+  std::vector<char> uncovered(pairs, 0);
+  size_t left = 0;
   for (const Combination& c : pool) {
-    for (const ValuePair& p : pairs_of(c)) uncovered.insert(p);
+    pool_pairs.push_back(numbers(c));
+    for (size_t p : pool_pairs.back()) {
+      left += uncovered[p] == 0;
+      uncovered[p] = 1;
+    }
   }
   std::vector<Combination> out;
-  auto take = [&](const Combination& c) {
-    for (const ValuePair& p : pairs_of(c)) uncovered.erase(p);
+  auto take = [&](const Combination& c, const std::vector<size_t>& ps) {
+    for (size_t p : ps) {
+      left -= uncovered[p] == 1;
+      uncovered[p] = 0;
+    }
     out.push_back(c);
   };
-  for (const Matrix::Required& r : m.required) take(r.values);
-  while (!uncovered.empty()) {
-    const Combination* best = nullptr;
-    size_t best_gain = 0;
-    for (const Combination& c : pool) {
+  for (const Matrix::Required& r : m.required) take(r.values, numbers(r.values));
+  while (left > 0) {
+    size_t best = 0, best_gain = 0;
+    for (size_t i = 0; i < pool.size(); ++i) {
       size_t gain = 0;
-      for (const ValuePair& p : pairs_of(c)) gain += uncovered.count(p);
+      for (size_t p : pool_pairs[i]) gain += static_cast<size_t>(uncovered[p]);
       if (gain > best_gain) {
-        best = &c;
+        best = i;
         best_gain = gain;
       }
     }
-    take(*best);  // (some pool member holds every uncovered pair, so best_gain > 0)
+    take(pool[best], pool_pairs[best]);  // (some pool member holds every uncovered pair: best_gain > 0)
   }
   return out;
 }

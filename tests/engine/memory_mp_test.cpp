@@ -21,6 +21,7 @@
 #include "tools/demo.h"
 #include "tools/job_model.h"
 #include "test_paths.h"
+#include "sanitizers.h"
 
 namespace ferry {
 namespace {
@@ -34,7 +35,7 @@ constexpr uint64_t kHeapSlack = 48 * kMiB;
 // eighth of every allocation) and the quarantine (256 MiB of freed memory kept
 // resident) land in every process. The reported kinds are checked there as everywhere;
 // the cross-check against measured RSS only where it means something.
-#if defined(__SANITIZE_ADDRESS__)
+#if FERRY_TEST_ASAN
 constexpr bool kRssMeasures = false;
 #else
 constexpr bool kRssMeasures = true;

@@ -11,6 +11,7 @@
 #include "ferry/safetensors.h"
 #include "io/mapping_guard.h"
 #include "test_paths.h"
+#include "sanitizers.h"
 
 namespace ferry {
 namespace {
@@ -173,7 +174,7 @@ TEST_F(SafetensorsTest, TruncatedAfterOpenKeepsItsBytes) {
 // The same under kMap, watched by a TruncationGuard (what `ferry serve` does): the touch
 // of a page past the new end is an exit with the guard's status and a message naming the
 // file and the byte, not SIGBUS; a SIGBUS anywhere else still takes the default action.
-#if defined(__SANITIZE_ADDRESS__)
+#if FERRY_TEST_ASAN
 // The guard's own SIGBUS handling is what the next test checks: under ASan (make asan)
 // the sanitizer must not take SIGBUS first (its default handle_sigbus=1 reports "BUS"
 // and exits 1 before the guard runs).

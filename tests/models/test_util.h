@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include "ferry/models.h"
+#include "sanitizers.h"
 
 namespace ferry::testing {
 
@@ -27,7 +28,7 @@ inline ModelConfig config_from(const std::string& text, const std::string& path 
 class AddressSpaceCap {
  public:
   explicit AddressSpaceCap(size_t extra) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if FERRY_TEST_SANITIZED
     (void)extra;
 #else
     size_t pages = 0;
