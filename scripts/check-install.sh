@@ -11,14 +11,29 @@
 #      script, the Python tests and examples against the installed package; `pip wheel .`;
 #   4. with --deb (needs root; installs into the system): cpack's .deb packages installed
 #      with apt-get, `ferry plan` and the example (pkg-config) run from them, then removed.
-# Usage: scripts/check-install.sh [--deb]   (BUILD_RELEASE=dir, JOBS=n, CMAKE_FLAGS=...)
+# Usage: scripts/check-install.sh [--deb | --build-only]   (BUILD_RELEASE=dir, JOBS=n, CMAKE_FLAGS=...)
+#   --build-only: the Release build alone (CI starts it beside the sanitizer tests, then
+#   runs the checks with CHECK_INSTALL_REUSE=1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 B=${BUILD_RELEASE:-build-release}
 JOBS=${JOBS:-$(nproc)}
 DEB=0
-[ "${1:-}" = "--deb" ] && DEB=1
+BUILD_ONLY=0
+case "${1:-}" in
+  --deb) DEB=1 ;;
+  --build-only) BUILD_ONLY=1 ;;
+  "") ;;
+  *) echo "usage: scripts/check-install.sh [--deb | --build-only]" >&2; exit 2 ;;
+esac
+# Through the compiler cache when there is one, as the Makefile's builds (paths under this
+# clone relative: another clone's Release build reuses this one's objects).
+LAUNCHER=()
+if command -v ccache >/dev/null; then
+  export CCACHE_BASEDIR=$ROOT CCACHE_NOHASHDIR=true
+  LAUNCHER=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+fi
 WORK=$(mktemp -d /tmp/ferry-install.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
 P=$WORK/prefix
@@ -33,10 +48,13 @@ if [ "${CHECK_INSTALL_REUSE:-0}" != 1 ] || [ ! -f "$B/CMakeCache.txt" ]; then
   # the development builds above, make test/asan/fuzz); gcc 12 at -O3 still reports false
   # positives inside the standard library (GCC bug 105329).
   cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFERRY_WERROR=OFF -DFERRY_TESTS=OFF -DFERRY_BENCH=OFF \
-    -DPython3_EXECUTABLE=$PY ${CMAKE_FLAGS:-} >/dev/null
+    -DPython3_EXECUTABLE=$PY "${LAUNCHER[@]}" ${CMAKE_FLAGS:-} >/dev/null
 fi
 cmake --build "$B" -j "$JOBS"
 echo "   (${SECONDS}s)"
+if [ "$BUILD_ONLY" = 1 ]; then
+  exit 0
+fi
 
 step "cmake --install $B --prefix $P"
 cmake --install "$B" --prefix "$P" >/dev/null
