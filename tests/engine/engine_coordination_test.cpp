@@ -315,21 +315,28 @@ TEST(EngineCoordination, AbsentAndDroppedConsumersAreNamed) {
 // post-process every group for a while: in sync 3 consumer 2's after_group takes 0.65 x
 // the floor on groups 1-3. Neither is dropped: a consumer lags only from its own entry
 // (JOIN) and its own last progress. Every sync verifies everywhere.
-class EngineRlTiming : public ::testing::TestWithParam<Mode> {};
+// What these check is relative (a consumer late by three straggler floors, a join
+// window four times shorter than its lateness): pull runs them at their real lengths,
+// push at half (scaled()), which halves the seconds they wait out.
+class EngineRlTiming : public ::testing::TestWithParam<Mode> {
+ protected:
+  std::chrono::milliseconds scaled(int ms) const { return std::chrono::milliseconds(GetParam() == Mode::kPull ? ms : ms / 2); }
+};
 INSTANTIATE_TEST_SUITE_P(Modes, EngineRlTiming, ::testing::Values(Mode::kPull, Mode::kPush),
-                         [](const auto& info) { return info.param == Mode::kPull ? "pull" : "push"; });
+                         [](const auto& info) { return info.param == Mode::kPull ? "pull" : "push_half_length"; });
 
 TEST_P(EngineRlTiming, LateEntryAndSlowPostProcessingAreNoStragglers) {
   Cluster k({Backend::kInproc, GetParam()});
-  k.eo.straggler_floor = 2000ms;
+  k.eo.straggler_floor = scaled(2000);
   std::atomic<int> mode{0};  // 1: enter late, 2: slow after_group
-  k.tweak_consumer = [&mode](ConsumerOptions& o, int c) {
+  const auto late = scaled(6000), slow = scaled(1300);
+  k.tweak_consumer = [&mode, late, slow](ConsumerOptions& o, int c) {
     if (c != 2) return;
-    o.before_sync = [&mode](uint64_t) {
-      if (mode == 1) std::this_thread::sleep_for(6000ms);
+    o.before_sync = [&mode, late](uint64_t) {
+      if (mode == 1) std::this_thread::sleep_for(late);
     };
-    o.after_group = [&mode](uint64_t, int g) {
-      if (mode == 2 && g >= 1 && g <= 3) std::this_thread::sleep_for(1300ms);
+    o.after_group = [&mode, slow](uint64_t, int g) {
+      if (mode == 2 && g >= 1 && g <= 3) std::this_thread::sleep_for(slow);
     };
   };
   ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=1,replicas=3").ok());
@@ -390,13 +397,14 @@ TEST_P(EngineRlTiming, ConsumerClosingRightAfterItsSyncIsNotCalledDropped) {
 // producer's report, and catches up at the next sync.
 TEST_P(EngineRlTiming, ConsumerLaterThanTheJoinWindowIsDroppedAsAbsent) {
   Cluster k({Backend::kInproc, GetParam()});
-  k.eo.straggler_floor = 500ms;
-  k.eo.join_window = 1500ms;
+  k.eo.straggler_floor = scaled(500);
+  k.eo.join_window = scaled(1500);
   std::atomic<bool> late{false};
-  k.tweak_consumer = [&late](ConsumerOptions& o, int c) {
+  const auto lateness = scaled(6000);
+  k.tweak_consumer = [&late, lateness](ConsumerOptions& o, int c) {
     if (c != 2) return;
-    o.before_sync = [&late](uint64_t) {
-      if (late) std::this_thread::sleep_for(6000ms);
+    o.before_sync = [&late, lateness](uint64_t) {
+      if (late) std::this_thread::sleep_for(lateness);
     };
   };
   ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=1,replicas=3").ok());
