@@ -690,8 +690,10 @@ class FakeServer {
         auto a = decode_auth(ByteSpan(buf + kFrameHeaderBytes, static_cast<size_t>(n) - kFrameHeaderBytes));
         if (a.ok()) {
           Bytes v = verdict_(c, *a);
-          ::send(fd, v.data(), v.size(), MSG_NOSIGNAL);
+          // (counted before it is sent: the client may act on the answer, and the test
+          // read the count, before this thread ran again; seen in CI's ASan pass)
           answered_++;
+          ::send(fd, v.data(), v.size(), MSG_NOSIGNAL);
         }
       }
       ::recv(fd, buf, sizeof(buf), 0);  // until the client hangs up (or 5 s)
