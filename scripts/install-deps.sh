@@ -4,7 +4,7 @@
 set -euo pipefail
 
 PACKAGES=(
-  build-essential cmake ninja-build pkg-config clang libclang-rt-14-dev
+  build-essential cmake ninja-build pkg-config clang libclang-rt-14-dev ccache
   libgtest-dev libgmock-dev libbenchmark-dev
   libucx-dev ucx-utils
   libhiredis-dev redis-server
