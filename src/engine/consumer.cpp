@@ -832,6 +832,12 @@ bool engine::TestAccess::knows_failed(Consumer& c, int p) {
   return c.impl_->failed.count(p) > 0 || !c.impl_->peers[static_cast<size_t>(p)].connected;
 }
 
+bool engine::TestAccess::knows_dropped(Consumer& c, uint64_t version) {
+  std::lock_guard<std::mutex> lk(c.impl_->mu);
+  auto d = c.impl_->dropped_versions.lower_bound({version, 0});
+  return d != c.impl_->dropped_versions.end() && d->first.first == version;
+}
+
 void engine::TestAccess::simulate_crash(Consumer& c) {
   Consumer::Impl* impl_ = c.impl_.get();
   impl_->transport.simulate_crash().ignore();

@@ -40,8 +40,12 @@ struct TestAccess {
   // later connection replaced it): a test that kills a producer between syncs waits for
   // this, as a real job's next sync comes seconds after a death.
   static bool knows_failed(Consumer& c, int p);
+  // Whether a producer has told consumer `c` it was dropped from sync `version`: a test
+  // that stalls a consumer until it is dropped waits for this rather than a fixed time.
+  static bool knows_dropped(Consumer& c, uint64_t version);
 };
 inline void simulate_crash(Consumer& c) { TestAccess::simulate_crash(c); }
 inline bool knows_failed(Consumer& c, int p) { return TestAccess::knows_failed(c, p); }
+inline bool knows_dropped(Consumer& c, uint64_t version) { return TestAccess::knows_dropped(c, version); }
 
 }  // namespace ferry::engine

@@ -253,14 +253,22 @@ TEST(EngineCoordination, PullVersionMismatchAnnouncedBeforeTheConsumerBegan) {
   k.expect_all_ok(k.sync(2), 2);
 }
 
-// Consumer `victim` sleeps `pause` before waiting for group 1 of every sync while `stall`
-// is set (a paused or slow rank, through the consumer's test hook).
-void stall_at_group_1(Cluster& k, int victim, std::chrono::milliseconds pause, const std::atomic<bool>& stall) {
-  k.tweak_consumer = [&stall, victim, pause](ConsumerOptions& o, int c) {
+// Consumer `victim` stops before waiting for group 1 of every sync while `stall` is set
+// (a paused or slow rank, through the consumer's test hook), until a producer has dropped
+// it from sync `v` or `at_most` passed. Waiting for the drop, not a fixed time: a victim
+// that woke before the drop (a loaded machine) raced it, and could finish its reads and
+// commit (through its relay) before the drop reached it.
+void stall_at_group_1(Cluster& k, int victim, std::chrono::milliseconds at_most, const std::atomic<bool>& stall,
+                      uint64_t v = 2) {
+  k.tweak_consumer = [&k, &stall, victim, at_most, v](ConsumerOptions& o, int c) {
     if (c != victim) return;
     auto hooks = std::make_shared<engine::TestHooks>();
-    hooks->consumer_point = [&stall, pause](int g, int phase) {
-      if (stall && g == 1 && phase == 0) std::this_thread::sleep_for(pause);
+    hooks->consumer_point = [&k, &stall, victim, at_most, v](int g, int phase) {
+      if (!stall || g != 1 || phase != 0) return;
+      const auto until = std::chrono::steady_clock::now() + at_most;
+      while (!engine::knows_dropped(*k.cons[static_cast<size_t>(victim)], v) &&
+             std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
     };
     o.test_hooks = hooks;
   };
@@ -273,7 +281,7 @@ TEST(EngineCoordination, AbsentAndDroppedConsumersAreNamed) {
   Cluster k;
   k.eo.stall_timeout = 600ms;
   std::atomic<bool> stall{false};
-  stall_at_group_1(k, 1, 1500ms, stall);
+  stall_at_group_1(k, 1, 10s, stall);
   ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=1,replicas=2").ok());
   k.expect_all_ok(k.sync(1), 1);
   stall = true;
@@ -424,14 +432,14 @@ TEST_P(EngineRlTiming, ConsumerLaterThanTheJoinWindowIsDroppedAsAbsent) {
   k.expect_verified(2, 3);
 }
 
-// A straggler (one consumer of three stops for 2.5 s at group 1) is dropped once it lags
+// A straggler (one consumer of three stops at group 1 until it is dropped) is dropped once it lags
 // the other two by the straggler bound, long before stall_timeout (20 s here): the drop
 // says "straggler", the others verify, and it catches up at the next sync.
 TEST_P(EngineInprocTest, StragglerIsDroppedEarlyAndCatchesUp) {
   Cluster k(GetParam());
   std::atomic<bool> stall{false};
   k.eo.straggler_floor = 500ms;
-  stall_at_group_1(k, 2, 2500ms, stall);
+  stall_at_group_1(k, 2, 15s, stall);  // (under stall_timeout: dropped early or not at all)
   ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=1,replicas=3").ok());
   k.expect_all_ok(k.sync(1), 1);
   stall = true;
@@ -458,7 +466,7 @@ TEST_P(EngineInprocTest, StragglerIsDroppedEarlyUnderPipelineStages) {
   std::atomic<bool> stall{false};
   k.eo.straggler_floor = 500ms;
   k.eo.lease_ttl = 500ms;  // the bound's loss_detection (2 x lease_ttl with two producers): 1 s
-  stall_at_group_1(k, 2, 3000ms, stall);
+  stall_at_group_1(k, 2, 15s, stall);
   ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1,pp=2", "tp=1,replicas=4").ok());
   k.expect_all_ok(k.sync(1), 1);
   stall = true;
