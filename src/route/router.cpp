@@ -1,4 +1,9 @@
-// build_routes: pieces, assignment, segments (see ferry/route.h and docs/routing.md).
+// build_routes as named passes over one RouteBuild (see ferry/route.h and
+// docs/routing.md): the metadata indexed, the holdings read and checked, the consumers'
+// plans grouped into classes, every copy cut by the pieces it touches, a holder chosen
+// per cut, each producer's cuts made into segments and packs, each class's reads and
+// unpacks, and the stats. What the passes share is route/router_parts.h; pieces,
+// layouts and quantisation regions are pieces.cpp.
 #include <algorithm>
 #include <array>
 #include <climits>
@@ -11,712 +16,87 @@
 
 #include "ferry/route.h"
 #include "common/parallel.h"
-#include "route/op_digest.h"
-#include "route/tiles.h"
+#include "route/router_parts.h"
 
 namespace ferry {
 
 namespace {
 
-// One producer's box of a tensor.
-struct Holder {
-  Box box;
-  uint32_t producer = 0;
-  uint32_t box_index = 0;  // into the producer's Holdings::boxes
-};
+using namespace route_detail;
 
-// A disjoint piece of a tensor and the holders whose box contains it.
-struct TensorPiece {
-  Box box;
-  std::vector<uint32_t> holders;  // indices into the tensor's Holder list, by producer
-  bool refined = false;           // some holder's box is larger than the piece
-  int64_t flat_lo = 0, flat_hi = 0;  // row-major flat range the piece spans (inclusive)
-};
-
-struct TensorInfo {
-  std::vector<Holder> holders;
-  std::vector<TensorPiece> pieces;
-  std::vector<MapPiece> map;  // compose_layout pieces (local contiguous roots)
-  bool pieces_built = false;
-  int first_holder = -1;       // producer whose view of the tensor was seen first
-  const TensorDecl* first_decl = nullptr;  // and that view
-  // Pieces by flat_lo (ties by index) and the widest flat extent of one: the pieces a
-  // copy's flat range [lo, hi] can touch start within [lo - widest, hi].
-  std::vector<uint32_t> by_flat;
-  int64_t widest_flat = 0;
-};
-
-// A cut piece of one copy of one plan class. Its layouts are a row of the LayoutPool:
-// millions of cuts at fsdp=N holding two Layouts (four heap vectors) each were what
-// routing spent its time and memory on.
-struct Cut {
-  uint32_t plan = 0;
-  uint32_t param = 0;
-  uint32_t tensor = 0;
-  uint32_t piece = 0;
-  int32_t group = 0;
-  uint32_t producer = 0;
-  uint32_t box = 0;  // producer's box index
-  DType wire = DType::kBF16;  // what staging holds: the source's dtype, or the param's
-  bool sole = false;          // its piece has one holder
-  uint64_t bytes = 0;
-  uint64_t cost = 0;  // bytes x consumers of the plan class
-  int64_t dst_offset = 0;
-  uint64_t layouts = 0;  // its row in the LayoutPool
-  int32_t region = -1;   // a region a producer quantises (ClassCuts::regions), not a piece
-};
-
-// A vector kept in fixed blocks: growing it never moves, nor touches again, what it
-// holds (a doubling vector of millions of cuts copied and page-faulted all of them at
-// every doubling).
-template <typename T>
-class Blocks {
+// One build_routes call: its inputs, what each pass leaves for the next, the routes.
+class RouteBuild {
  public:
-  static constexpr size_t kBits = 14;
-  void push_back(const T& x) {
-    if (blocks_.empty() || blocks_.back().size() == (size_t{1} << kBits)) {
-      blocks_.emplace_back();
-      blocks_.back().reserve(size_t{1} << kBits);
-    }
-    blocks_.back().push_back(x);
-    ++size_;
-  }
-  size_t size() const { return size_; }
-  T& operator[](size_t i) { return blocks_[i >> kBits][i & ((size_t{1} << kBits) - 1)]; }
-  const T& operator[](size_t i) const { return blocks_[i >> kBits][i & ((size_t{1} << kBits) - 1)]; }
+  RouteBuild(const RouterInput& in, const RouterOptions& options)
+      : in(in), options(options), meta(in.metadata), num_producers(static_cast<uint32_t>(in.producers.size())),
+        threads(router_threads(options)), align(std::max<uint64_t>(1, options.segment_alignment)) {}
+
+  Status index_metadata();
+  Status read_holdings();
+  Status find_plan_classes();
+  Status check_options_and_cost();
+  Status cut_copies();
+  void choose_holders();
+  void bucket_by_producer();
+  Status make_packs();
+  void make_unpacks();
+  void compute_stats();
+
+  Routes routes;
 
  private:
-  std::vector<std::vector<T>> blocks_;
-  size_t size_ = 0;
-};
-
-// The src (piece-local, then holder-local) and dst layouts of every cut, one row each in
-// one flat vector: [ndim, src offset, dst offset, shape x ndim, src strides x ndim, dst
-// strides x ndim], in blocks that never move. add() coalesces the pair as
-// coalesce_layouts() does, without allocating (scratch reused).
-class LayoutPool {
- public:
-  uint64_t add(const Shape& shape, const Shape& src_strides, int64_t src_offset, const Shape& dst_strides,
-               int64_t dst_offset) {
-    sh_.clear();
-    a_.clear();
-    b_.clear();
-    bool empty = false;
-    for (int64_t n : shape) empty |= n == 0;
-    if (empty) {
-      sh_.push_back(0);
-      a_.push_back(1);
-      b_.push_back(1);
-    } else {
-      for (size_t d = 0; d < shape.size(); ++d) {
-        const int64_t n = shape[d];
-        if (n == 1) continue;
-        if (!sh_.empty() && a_.back() == src_strides[d] * n && b_.back() == dst_strides[d] * n) {
-          sh_.back() *= n;
-          a_.back() = src_strides[d];
-          b_.back() = dst_strides[d];
-        } else {
-          sh_.push_back(n);
-          a_.push_back(src_strides[d]);
-          b_.push_back(dst_strides[d]);
-        }
-      }
-    }
-    const size_t row = 3 + 3 * sh_.size();
-    if (blocks_.empty() || blocks_.back().size() + row > std::max(kBlock, row)) {
-      blocks_.emplace_back();
-      blocks_.back().reserve(std::max(kBlock, row));
-    }
-    std::vector<int64_t>& v = blocks_.back();
-    const uint64_t at = (blocks_.size() - 1) << 32 | v.size();
-    v.push_back(static_cast<int64_t>(sh_.size()));
-    v.push_back(src_offset);
-    v.push_back(dst_offset);
-    v.insert(v.end(), sh_.begin(), sh_.end());
-    v.insert(v.end(), a_.begin(), a_.end());
-    v.insert(v.end(), b_.begin(), b_.end());
-    return at;
-  }
-  int64_t numel(uint64_t at) const {
-    const int64_t* r = row(at);
-    int64_t n = 1;
-    for (int64_t k = 0; k < r[0]; ++k) n *= r[3 + k];
-    return n;
-  }
-  Layout src(uint64_t at) const { return layout(at, 1, 1); }
-  Layout dst(uint64_t at) const { return layout(at, 2, 2); }
-  // A rebased src of the same shape.
-  void set_src(uint64_t at, const Layout& l) {
-    int64_t* r = row(at);
-    r[1] = l.offset;
-    std::copy(l.strides.begin(), l.strides.end(), r + 3 + r[0]);
-  }
-
- private:
-  static constexpr size_t kBlock = size_t{1} << 16;  // int64s per block
-  const int64_t* row(uint64_t at) const { return blocks_[at >> 32].data() + (at & 0xffffffffu); }
-  int64_t* row(uint64_t at) { return blocks_[at >> 32].data() + (at & 0xffffffffu); }
-  Layout layout(uint64_t at, size_t offset_field, size_t strides_block) const {
-    const int64_t* r = row(at);
-    const auto nd = static_cast<size_t>(r[0]);
-    const int64_t* base = r + 3;
-    Layout l;
-    l.shape.assign(base, base + nd);
-    l.strides.assign(base + strides_block * nd, base + (strides_block + 1) * nd);
-    l.offset = r[offset_field];
-    return l;
-  }
-  std::vector<std::vector<int64_t>> blocks_;
-  Shape sh_, a_, b_;
-};
-
-// A region of a param a producer quantises (RouterOptions::quantize_on): its box, the
-// producers that hold every element of it, and the param's cuts that land in it (their
-// layouts stay in the class's pool; ClassCuts::quant_cuts).
-struct QuantRegion {
-  route_detail::TileRegion box;
-  uint32_t param = 0, scale = 0;         // in the class's route (PlanRoute::params)
-  int64_t batch = 0, rows = 0, cols = 0;  // the param as [batch, rows, cols]
-  DType dtype = DType::kBF16;  // the param's dtype in the plan
-  uint8_t format = 0;
-  uint32_t block = 128;
-  std::vector<uint32_t> producers;
-  std::vector<uint32_t> cuts;  // into ClassCuts::quant_cuts
-};
-
-// One plan class's cuts, their layouts and the bytes they carry (built on one thread).
-struct ClassCuts {
-  Blocks<Cut> cuts;
-  LayoutPool pool;
-  uint64_t bytes = 0;
-  Status status;
-  std::vector<QuantRegion> regions;
-  std::vector<Cut> quant_cuts;  // cuts of producer-quantised params, replaced by their regions
-  uint64_t quantized = 0, on_producer = 0;
-};
-// A cut: its plan class above kCutBits, its index in the class's cuts below.
-using CutRef = uint64_t;
-constexpr unsigned kCutBits = 40;
-constexpr uint64_t kCutMask = (uint64_t{1} << kCutBits) - 1;
-
-int router_threads(const RouterOptions& options) {
-  if (options.threads > 0) return options.threads;
-  return default_threads(16);
-}
-
-int64_t flat_of(const Shape& idx, const Shape& strides) {
-  int64_t f = 0;
-  for (size_t k = 0; k < idx.size(); ++k) f += idx[k] * strides[k];
-  return f;
-}
-
-Shape unravel(int64_t p, const Shape& radix) {
-  Shape q(radix.size());
-  for (size_t j = radix.size(); j-- > 0;) {
-    q[j] = p % radix[j];
-    p /= radix[j];
-  }
-  return q;
-}
-
-// Re-expresses dims of a copy's src layout along the source's own dims where a dim runs
-// over whole rows of the source (stride = a dim's row-major stride, size a multiple of
-// that dim), so that compose_layout cuts by rows instead of row by row. Exact for any
-// choice (a dim of size n = a*b and stride s is the pair [a, b] with strides [s*b, s]);
-// src and dst are split alike.
-void unflatten(Layout& src, Layout& dst, const Shape& radix) {
-  if (radix.size() < 2) return;
-  const Shape P = contiguous_strides(radix);
-  Layout s2{{}, {}, src.offset}, d2{{}, {}, dst.offset};
-  for (size_t k = 0; k < src.shape.size(); ++k) {
-    int64_t n = src.shape[k], ss = src.strides[k], ds = dst.strides[k];
-    std::vector<std::array<int64_t, 3>> inner;  // innermost first
-    while (true) {
-      int j = -1;
-      for (size_t q = radix.size(); q-- > 1;) {
-        if (P[q] == ss && radix[q] > 1) {
-          j = static_cast<int>(q);
-          break;
-        }
-      }
-      if (j < 1) break;
-      const int64_t r = radix[static_cast<size_t>(j)];
-      if (n <= r || n % r != 0 || (src.offset / P[static_cast<size_t>(j)]) % r != 0) break;
-      inner.push_back({r, ss, ds});
-      n /= r;
-      ss *= r;
-      ds *= r;
-    }
-    s2.shape.push_back(n);
-    s2.strides.push_back(ss);
-    d2.shape.push_back(n);
-    d2.strides.push_back(ds);
-    for (size_t i = inner.size(); i-- > 0;) {
-      s2.shape.push_back(inner[i][0]);
-      s2.strides.push_back(inner[i][1]);
-      d2.shape.push_back(inner[i][0]);
-      d2.strides.push_back(inner[i][2]);
-    }
-  }
-  src = std::move(s2);
-  dst = std::move(d2);
-}
-
-// A layout over a piece's local row-major space, re-expressed over a holder box that
-// contains the piece (every element it touches lies in the piece).
-Layout rebase(const Layout& l, const Box& piece, const Box& holder) {
-  const Shape& ps = piece.size;
-  const Shape hs = contiguous_strides(holder.size);
-  auto to_holder = [&](const Shape& q) {
-    int64_t f = 0;
-    for (size_t j = 0; j < q.size(); ++j) f += (q[j] + piece.start[j] - holder.start[j]) * hs[j];
-    return f;
+  // A segment: one group's bytes of one plan class in a producer's staging.
+  struct Run {
+    uint32_t group = 0, plan = 0;
+    uint64_t offset = 0, bytes = 0;  // the segment in the producer's staging
+    size_t a = 0, b = 0;             // its cuts: by_producer[a, b)
   };
-  Layout out;
-  out.shape = l.shape;
-  out.strides.assign(l.shape.size(), 0);
-  if (ps.empty()) {  // 0-d
-    out.offset = 0;
-    return out;
-  }
-  const Shape q0 = unravel(l.offset, ps);
-  out.offset = to_holder(q0);
-  for (size_t k = 0; k < l.shape.size(); ++k) {
-    if (l.shape[k] <= 1) continue;
-    const Shape q1 = unravel(l.offset + l.strides[k], ps);
-    out.strides[k] = to_holder(q1) - out.offset;
-  }
-  return out;
-}
+  Cut& cut_of(CutRef r) { return per[r >> kCutBits].cuts[r & kCutMask]; }
 
-uint64_t align_up(uint64_t x, uint64_t a) { return a <= 1 ? x : (x + a - 1) / a * a; }
-
-bool is_run(const Layout& l) { return l.ndim() == 1 && (l.strides[0] == 1 || l.shape[0] == 1); }
-bool is_scalar_like(const Layout& l) { return l.numel() == 1; }
-
-// Merges `op` into `p` where both are contiguous runs that continue each other on both
-// sides (the staging or receive bytes and the box or param); true if it did.
-bool merge_op(PackOp& p, const PackOp& op, uint64_t es) {
-  if (p.box == op.box && p.dtype == op.dtype && (is_run(p.src) || is_scalar_like(p.src)) &&
-      (is_run(op.src) || is_scalar_like(op.src)) && p.src.numel() > 0) {
-    const int64_t pn = p.src.numel();
-    if (p.src.offset + pn == op.src.offset && p.offset + static_cast<uint64_t>(pn) * es == op.offset) {
-      p.src = Layout{{pn + op.src.numel()}, {1}, p.src.offset};
-      return true;
-    }
-  }
-  return false;
-}
-
-bool merge_op(UnpackOp& p, const UnpackOp& op, uint64_t es) {
-  if (p.param == op.param && p.src_dtype == op.src_dtype && (is_run(p.dst) || is_scalar_like(p.dst)) &&
-      (is_run(op.dst) || is_scalar_like(op.dst)) && p.dst.numel() > 0) {
-    const int64_t pn = p.dst.numel();
-    if (p.dst.offset + pn == op.dst.offset && p.offset + static_cast<uint64_t>(pn) * es == op.offset) {
-      p.dst = Layout{{pn + op.dst.numel()}, {1}, p.dst.offset};
-      return true;
-    }
-  }
-  return false;
-}
-
-// One group's ops as a segment's cuts arrive: appended to `ops` (merged with the
-// previous op of the same segment where they continue each other), or, where the group's
-// ops are elided (ops == nullptr), merged alike and only counted and digested.
-template <typename Op>
-class OpSink {
- public:
-  explicit OpSink(std::vector<Op>* ops = nullptr) : ops_(ops) {}
-  void begin_segment() { first_ = ops_ ? ops_->size() : count_; }
-  void push(Op op, uint64_t es) {
-    if (ops_) {
-      if (ops_->size() > first_ && merge_op(ops_->back(), op, es)) return;
-      ops_->push_back(std::move(op));
-      return;
-    }
-    if (count_ > first_ && merge_op(last_, op, es)) return;
-    if (count_) digest_ = route_detail::digest_op(digest_, last_);
-    last_ = std::move(op);
-    ++count_;
-  }
-  // An elided group's count and digest (both 0 where the ops were made).
-  std::pair<uint64_t, uint64_t> finish() {
-    if (ops_ || !count_) return {0, 0};
-    return {count_, route_detail::digest_op(digest_, last_)};
-  }
-
- private:
-  std::vector<Op>* ops_;
-  Op last_{};
-  uint64_t count_ = 0, digest_ = 0;
-  size_t first_ = 0;
+  const RouterInput& in;
+  const RouterOptions& options;
+  const std::vector<TensorDecl>& meta;
+  const uint32_t num_producers;
+  const int threads;
+  const uint64_t align;
+  // index_metadata: tensor name -> index in meta; the layer groups.
+  std::unordered_map<std::string, uint32_t> index;
+  Groups groups;
+  int G = 0;
+  size_t ng = 0;
+  // read_holdings: per tensor its holders (then its pieces, cut_copies).
+  std::vector<TensorInfo> tensors;
+  // find_plan_classes: the distinct plans and how many consumers run each.
+  std::vector<const Plan*> classes;
+  std::vector<uint64_t> weight;
+  // cut_copies: per class its cuts (holders chosen by choose_holders).
+  std::vector<ClassCuts> per;
+  uint64_t num_cuts = 0;
+  // bucket_by_producer: every cut, producer-major; producer p's are [start[p], start[p + 1]).
+  std::vector<CutRef> by_producer;
+  std::vector<size_t> start;
+  // make_packs: per producer its segments; bytes only it holds (x consumers).
+  std::vector<std::vector<Run>> runs;
+  std::vector<uint64_t> sole;
 };
 
-// The dtype a piece crosses the wire in: the param's where the producer converts (both
-// floating, the param's elements narrower: fp32 masters kept as bf16 send half the
-// bytes), else the source's. Either side converts with the same strided_copy, so the
-// bits are the same wherever it runs.
-DType wire_dtype(DType source, DType param, const RouterOptions& options) {
-  if (options.convert_on == ConvertOn::kProducer && source != param && is_floating(source) && is_floating(param) &&
-      dtype_size(param) < dtype_size(source))
-    return param;
-  return source;
-}
-
-bool same_decl(const TensorDecl& a, const TensorDecl& b) { return a.dtype == b.dtype && a.shape == b.shape; }
-
-std::string decl_str(const TensorDecl& d) { return fmt::format("{} {}", dtype_name(d.dtype), shape_str(d.shape)); }
-
-// The producers holding a tensor piece, sorted.
-std::vector<uint32_t> producers_of(const TensorInfo& ti, const TensorPiece& piece) {
-  std::vector<uint32_t> out;
-  out.reserve(piece.holders.size());
-  for (uint32_t h : piece.holders) out.push_back(ti.holders[h].producer);
-  std::sort(out.begin(), out.end());
-  out.erase(std::unique(out.begin(), out.end()), out.end());
-  return out;
-}
-
-// Producer-side quantisation of one plan class (RouterOptions::quantize_on): for each
-// param the plan keeps block-quantised whose every tile some producer holds whole, its
-// cuts are replaced by regions (tile-aligned boxes each one producer set holds) and the
-// class's route gets the param as e4m3 plus its scales. The rest stay dense, for the
-// consumer to quantise.
-void quantize_class(const Plan& plan, uint64_t weight, const std::vector<TensorInfo>& tensors,
-                    ClassCuts& out, PlanRoute& route) {
-  std::vector<std::vector<size_t>> cuts_of(plan.params().size());
-  for (size_t j = 0; j < out.cuts.size(); ++j) cuts_of[out.cuts[j].param].push_back(j);
-  std::vector<bool> padded(plan.params().size(), false);
-  for (const Zero& z : plan.zeros()) padded[z.param] = true;
-  std::vector<bool> dropped(out.cuts.size(), false);
-  std::vector<Cut> region_cuts;
-  for (const BlockQuantize& bq : plan.quantized()) {
-    ++out.quantized;
-    const TensorDecl& d = plan.params()[bq.param];
-    const std::vector<size_t>& mine = cuts_of[bq.param];
-    if (mine.empty() || padded[bq.param]) continue;
-    bool ok = true;
-    for (size_t j : mine) ok &= out.cuts[j].group == out.cuts[mine[0]].group;
-    if (!ok) continue;
-    // Each tile: the producers that hold every element of it (interned sets).
-    const int64_t trows = batch::fp8_tile_rows(bq.format, bq.block);
-    route_detail::TileGrid grid(d.shape, trows, bq.block);
-    std::vector<std::vector<uint32_t>> sets;
-    std::map<std::vector<uint32_t>, int32_t> set_id;
-    std::map<std::pair<int32_t, int32_t>, int32_t> meets;
-    auto intern = [&](std::vector<uint32_t> s) {
-      auto [it, fresh] = set_id.emplace(s, static_cast<int32_t>(sets.size()));
-      if (fresh) sets.push_back(std::move(s));
-      return it->second;
-    };
-    auto meet = [&](int32_t a, int32_t b) {
-      const auto key = std::minmax(a, b);
-      auto it = meets.find(key);
-      if (it != meets.end()) return it->second;
-      std::vector<uint32_t> both;
-      std::set_intersection(sets[a].begin(), sets[a].end(), sets[b].begin(), sets[b].end(), std::back_inserter(both));
-      const int32_t id = intern(std::move(both));
-      meets.emplace(key, id);
-      return id;
-    };
-    struct TileBox {
-      int64_t b0 = INT64_MAX, b1 = -1, r0 = INT64_MAX, r1 = -1, c0 = INT64_MAX, c1 = -1;
-    };
-    std::vector<TileBox> bounds(mine.size());
-    for (size_t i = 0; i < mine.size(); ++i) {
-      const Cut& c = out.cuts[mine[i]];
-      const TensorInfo& ti = tensors[c.tensor];
-      const int32_t id = intern(producers_of(ti, ti.pieces[c.piece]));
-      TileBox& tb = bounds[i];
-      route_detail::mark_layout(grid, out.pool.dst(c.layouts),
-                                [&](int32_t& t, int64_t b, int64_t br, int64_t bc0, int64_t bc1) {
-                                  t = t == route_detail::TileGrid::kNone ? id : (t == id ? id : meet(t, id));
-                                  tb.b0 = std::min(tb.b0, b), tb.b1 = std::max(tb.b1, b);
-                                  tb.r0 = std::min(tb.r0, br), tb.r1 = std::max(tb.r1, br);
-                                  tb.c0 = std::min(tb.c0, bc0), tb.c1 = std::max(tb.c1, bc1 - 1);
-                                });
-    }
-    for (int64_t b = 0; b < grid.batch() && ok; ++b)
-      for (int64_t br = 0; br < grid.tile_rows() && ok; ++br)
-        for (const route_detail::TileGrid::Run& run : grid.runs(b, br))
-          ok &= run.id >= 0 && !sets[static_cast<size_t>(run.id)].empty();
-    if (!ok) continue;
-    ++out.on_producer;
-    // The param becomes e4m3 in this class's route; its scales are appended.
-    const uint32_t scale = static_cast<uint32_t>(route.params.size());
-    route.params[bq.param].dtype = DType::kF8E4M3;
-    route.params.push_back(TensorDecl{bq.scale_name, route_detail::scale_dtype(bq.format),
-                                      route_detail::scale_shape(d.shape, bq.format, bq.block)});
-    route.quantized.push_back(QuantizedParam{bq.param, scale, bq.format, bq.block, d.dtype});
-    const Cut& first = out.cuts[mine[0]];
-    for (size_t j : mine) {
-      dropped[j] = true;
-      out.bytes -= out.cuts[j].bytes;
-    }
-    const uint32_t qbase = static_cast<uint32_t>(out.quant_cuts.size());
-    for (size_t j : mine) out.quant_cuts.push_back(out.cuts[j]);
-    for (const route_detail::TileRegion& box : route_detail::tile_regions(grid, kMaxQuantRegionElements)) {
-      QuantRegion qr;
-      qr.box = box;
-      qr.param = bq.param;
-      qr.scale = scale;
-      qr.batch = grid.batch();
-      qr.rows = grid.rows();
-      qr.cols = grid.cols();
-      qr.dtype = d.dtype;
-      qr.format = bq.format;
-      qr.block = bq.block;
-      qr.producers = sets[static_cast<size_t>(box.id)];
-      const int64_t tb0 = box.b0, tb1 = box.b0 + box.nb - 1, tr0 = box.r0 / trows, tr1 = (box.r0 + box.nr - 1) / trows;
-      const int64_t tc0 = box.c0 / bq.block, tc1 = (box.c0 + box.nc - 1) / bq.block;
-      for (size_t i = 0; i < mine.size(); ++i) {
-        const TileBox& tb = bounds[i];
-        if (tb.b1 >= tb0 && tb.b0 <= tb1 && tb.r1 >= tr0 && tb.r0 <= tr1 && tb.c1 >= tc0 && tb.c0 <= tc1) {
-          qr.cuts.push_back(qbase + static_cast<uint32_t>(i));
-        }
-      }
-      QuantOp probe;  // its byte count
-      probe.format = bq.format;
-      probe.block = bq.block;
-      probe.region = {box.nb, box.nr, box.nc};
-      Cut rc = first;
-      rc.region = static_cast<int32_t>(out.regions.size());
-      rc.wire = DType::kF8E4M3;
-      rc.bytes = probe.bytes();
-      rc.cost = rc.bytes * weight;
-      rc.dst_offset = (box.b0 * grid.rows() + box.r0) * grid.cols() + box.c0;
-      rc.layouts = 0;
-      out.bytes += rc.bytes;
-      region_cuts.push_back(rc);
-      out.regions.push_back(std::move(qr));
-    }
-  }
-  if (region_cuts.empty()) return;
-  Blocks<Cut> kept;
-  for (size_t j = 0; j < out.cuts.size(); ++j)
-    if (!dropped[j]) kept.push_back(out.cuts[j]);
-  for (const Cut& c : region_cuts) kept.push_back(c);
-  out.cuts = std::move(kept);
-}
-
-// The quant op of region `r` of class `cc` as producer `p` packs it at staging `offset`:
-// each of the param's cuts in the region, from p's box of its piece, into the region.
-Result<QuantOp> quant_op(const ClassCuts& cc, const QuantRegion& r, uint32_t p, uint64_t offset,
-                         const std::vector<TensorInfo>& tensors) {
-  QuantOp op;
-  op.offset = offset;
-  op.dtype = r.dtype;
-  op.format = r.format;
-  op.block = r.block;
-  op.region = {r.box.nb, r.box.nr, r.box.nc};
-  const std::vector<MapPiece> region{
-      MapPiece{Shape{r.box.b0, r.box.r0, r.box.c0}, Layout::contiguous(op.region), 0}};
-  // A region of whole rows (and whole matrices where it spans several) is a flat range.
-  const bool whole_rows = r.box.c0 == 0 && r.box.nc == r.cols && (r.box.nb == 1 || (r.box.r0 == 0 && r.box.nr == r.rows));
-  const int64_t region_lo = (r.box.b0 * r.rows + r.box.r0) * r.cols;
-  const int64_t region_hi = region_lo + static_cast<int64_t>(r.box.numel());
-  for (uint32_t j : r.cuts) {
-    const Cut& qc = cc.quant_cuts[j];
-    // dst indexes the param's flat space: the param as [batch, rows, cols]. (A cut is a
-    // candidate by its tiles' bounding box: it may touch no element of the region.)
-    Layout dst = cc.pool.dst(qc.layouts);
-    Layout src = cc.pool.src(qc.layouts);
-    std::vector<MapPiece> in_region;
-    const int64_t lo = dst.min_offset(), hi = dst.max_offset();
-    if (dst.numel() > 0 && whole_rows && lo >= region_lo && hi < region_hi) {
-      // The cut lies in a region of whole rows: the region's own flat space is the param's,
-      // shifted (most cuts: a region is a param's or an expert's whole matrix).
-      in_region.push_back(MapPiece{Shape(dst.shape.size(), 0), Layout{dst.shape, dst.strides, dst.offset - region_lo}, 0});
-    } else {
-      // Runs over whole rows re-expressed along the param's dims first, so that composing
-      // cuts them by the region's rows and columns, not row by row.
-      unflatten(dst, src, Shape{r.batch, r.rows, r.cols});
-      compose_layout_each(dst, Shape{r.batch, r.rows, r.cols}, region, nullptr,
-                          [&](const MapPiece& m) { in_region.push_back(m); });
-    }
-    if (in_region.empty()) continue;
-    const TensorInfo& ti = tensors[qc.tensor];
-    const TensorPiece& piece = ti.pieces[qc.piece];
-    const Holder* holder = nullptr;
-    for (uint32_t h : piece.holders) {
-      if (ti.holders[h].producer == p) {
-        holder = &ti.holders[h];
-        break;
-      }
-    }
-    if (!holder) return internal_error("quantising a region: producer {} holds no box of a piece it was given", p);
-    if (piece.refined && holder->box != piece.box) src = rebase(src, piece.box, holder->box);
-    for (const MapPiece& m : in_region) {
-      op.fills.push_back(FillOp{holder->box_index, Layout{m.root.shape, src.strides, src.offset_of(m.start)}, m.root});
-    }
-  }
-  return op;
-}
-
-// Builds the disjoint pieces of a tensor from its holders.
-Status build_pieces(const TensorDecl& decl, TensorInfo& ti) {
-  ti.pieces_built = true;
-  auto& hs = ti.holders;
-  // Distinct boxes, each with its holders.
-  std::vector<uint32_t> order(hs.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
-    if (hs[a].box != hs[b].box) return hs[a].box < hs[b].box;
-    return hs[a].producer < hs[b].producer;
-  });
-  std::vector<TensorPiece> distinct;
-  for (uint32_t i : order) {
-    if (distinct.empty() || distinct.back().box != hs[i].box) distinct.push_back(TensorPiece{hs[i].box, {}, false});
-    distinct.back().holders.push_back(i);
-  }
-  // Partial overlaps between distinct boxes? (sorted by start, so a sweep on dim 0).
-  bool partial = false;
-  for (size_t i = 0; i < distinct.size() && !partial; ++i) {
-    for (size_t j = i + 1; j < distinct.size(); ++j) {
-      const Box& a = distinct[i].box;
-      const Box& b = distinct[j].box;
-      if (!a.start.empty() && b.start[0] >= a.start[0] + a.size[0]) break;
-      if (a.intersects(b)) {
-        partial = true;
-        break;
-      }
-    }
-  }
-  if (!partial) {
-    ti.pieces = std::move(distinct);
-  } else {
-    // Refine into the grid of every box edge; keep cells some box holds.
-    const size_t nd = decl.shape.size();
-    std::vector<std::vector<int64_t>> cuts(nd);
-    for (const auto& d : distinct) {
-      for (size_t k = 0; k < nd; ++k) {
-        cuts[k].push_back(d.box.start[k]);
-        cuts[k].push_back(d.box.start[k] + d.box.size[k]);
-      }
-    }
-    uint64_t cells = 1;
-    for (auto& c : cuts) {
-      std::sort(c.begin(), c.end());
-      c.erase(std::unique(c.begin(), c.end()), c.end());
-      cells *= c.size() - 1;
-    }
-    if (cells > (1u << 20)) {
-      return invalid_argument("tensor '{}': its {} holder boxes overlap in too complex a pattern ({} cells)",
-                              decl.name, distinct.size(), cells);
-    }
-    Shape idx(nd, 0);
-    for (uint64_t c = 0; c < cells; ++c) {
-      Box cell{Shape(nd), Shape(nd)};
-      for (size_t k = 0; k < nd; ++k) {
-        cell.start[k] = cuts[k][static_cast<size_t>(idx[k])];
-        cell.size[k] = cuts[k][static_cast<size_t>(idx[k]) + 1] - cell.start[k];
-      }
-      TensorPiece p{cell, {}, false};
-      for (const auto& d : distinct) {
-        if (d.box.contains(cell)) {
-          p.holders.insert(p.holders.end(), d.holders.begin(), d.holders.end());
-          if (d.box != cell) p.refined = true;
-        }
-      }
-      if (!p.holders.empty()) {
-        std::sort(p.holders.begin(), p.holders.end(),
-                  [&](uint32_t a, uint32_t b) { return hs[a].producer < hs[b].producer; });
-        ti.pieces.push_back(std::move(p));
-      }
-      for (size_t k = nd; k-- > 0;) {
-        if (++idx[k] < static_cast<int64_t>(cuts[k].size()) - 1) break;
-        idx[k] = 0;
-      }
-    }
-  }
-  const Shape strides = contiguous_strides(decl.shape);
-  ti.map.reserve(ti.pieces.size());
-  for (auto& p : ti.pieces) {
-    Shape last(p.box.start.size());
-    for (size_t k = 0; k < last.size(); ++k) last[k] = p.box.start[k] + p.box.size[k] - 1;
-    p.flat_lo = flat_of(p.box.start, strides);
-    p.flat_hi = flat_of(last, strides);
-    ti.map.push_back(MapPiece{p.box.start, Layout::contiguous(p.box.size), 0});
-    ti.widest_flat = std::max(ti.widest_flat, p.flat_hi - p.flat_lo);
-  }
-  ti.by_flat.resize(ti.pieces.size());
-  std::iota(ti.by_flat.begin(), ti.by_flat.end(), 0);
-  std::stable_sort(ti.by_flat.begin(), ti.by_flat.end(),
-                   [&](uint32_t a, uint32_t b) { return ti.pieces[a].flat_lo < ti.pieces[b].flat_lo; });
-  return Status::Ok();
-}
-
-}  // namespace
-
-uint64_t RoutingCost::route_groups() const { return (producers + plan_classes) * groups; }
-uint64_t RoutingCost::pieces() const { return held_boxes * plan_classes; }
-uint64_t RoutingCost::bytes() const {
-  // Per held box: its HeldBox and a share of its rank's TensorDecl copies, and the
-  // router's Holder and piece; per route group, an empty group's vectors; per piece,
-  // the router's cut and layouts, and where every op is made a pack op and an unpack op
-  // (measured: fsdp=4096 -> tp=8 over Llama-3.1-8B peaks at 2.15 GB with every op, this
-  // says 3.5; 1.28 GB with none, this says 1.5).
-  constexpr uint64_t kPerBox = 240, kPerGroup = 64, kPerCut = 150, kPerOps = 260;
-  return held_boxes * kPerBox + route_groups() * kPerGroup + pieces() * (kPerCut + (every_op ? kPerOps : 0));
-}
-std::string RoutingCost::to_string() const {
-  return fmt::format("{} held boxes, {} route groups, ~{} pieces: ~{:.1f} GiB to route", held_boxes, route_groups(),
-                     pieces(), static_cast<double>(bytes()) / static_cast<double>(uint64_t{1} << 30));
-}
-
-Status check_routing_cost(const RoutingCost& c, uint64_t memory_budget) {
-  auto gib = [](uint64_t b) { return static_cast<double>(b) / static_cast<double>(uint64_t{1} << 30); };
-  if (c.route_groups() > kMaxRouteGroups) {
-    return invalid_argument(
-        "routing {} producers and {} plan classes over {} layer groups needs {} route groups, which every rank of the "
-        "job would hold (~{:.1f} GiB of them before any piece); the limit is {} route groups. In all: {}",
-        c.producers, c.plan_classes, c.groups, c.route_groups(), gib(c.route_groups() * 64), kMaxRouteGroups,
-        c.to_string());
-  }
-  if (c.pieces() > kMaxRoutePieces) {
-    return invalid_argument(
-        "routing {} held boxes to {} plan classes cuts up to ~{} pieces; the limit is {} pieces. In all: {}",
-        c.held_boxes, c.plan_classes, c.pieces(), kMaxRoutePieces, c.to_string());
-  }
-  if (memory_budget && c.bytes() > memory_budget) {
-    return invalid_argument("routing needs ~{:.1f} GiB of memory and {:.1f} GiB is available. In all: {}",
-                            gib(c.bytes()), gib(memory_budget), c.to_string());
-  }
-  return Status::Ok();
-}
-
-std::string_view convert_on_name(ConvertOn c) { return c == ConvertOn::kProducer ? "producer" : "consumer"; }
-
-std::optional<ConvertOn> parse_convert_on(std::string_view name) {
-  if (name == "producer") return ConvertOn::kProducer;
-  if (name == "consumer") return ConvertOn::kConsumer;
-  return std::nullopt;
-}
-
-std::string_view quantize_on_name(QuantizeOn q) { return q == QuantizeOn::kProducer ? "producer" : "consumer"; }
-
-std::optional<QuantizeOn> parse_quantize_on(std::string_view name) {
-  if (name == "producer") return QuantizeOn::kProducer;
-  if (name == "consumer") return QuantizeOn::kConsumer;
-  return std::nullopt;
-}
-
-Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options) {
-  const auto& meta = in.metadata;
-  const uint32_t num_producers = static_cast<uint32_t>(in.producers.size());
-  // --- metadata -------------------------------------------------------------------------
-  std::unordered_map<std::string, uint32_t> index;
+Status RouteBuild::index_metadata() {
   index.reserve(meta.size() * 2);
   for (uint32_t t = 0; t < meta.size(); ++t) {
     if (!index.emplace(meta[t].name, t).second) {
       return invalid_argument("metadata lists tensor '{}' twice", meta[t].name);
     }
   }
-  const Groups groups(meta);
-  const int G = groups.size();
+  groups = Groups(meta);
+  G = groups.size();
+  ng = static_cast<size_t>(G);
+  return Status::Ok();
+}
 
-  // --- holdings ---------------------------------------------------------------------------
-  std::vector<TensorInfo> tensors(meta.size());
+// Every producer's tensors checked against the metadata and each other, its boxes
+// within their tensors and not overlapping one another.
+Status RouteBuild::read_holdings() {
+  tensors.resize(meta.size());
   for (uint32_t p = 0; p < num_producers; ++p) {
     const Holdings& h = in.producers[p];
     std::vector<uint32_t> local(h.tensors.size());
@@ -783,12 +163,13 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
       }
     }
   }
+  return Status::Ok();
+}
 
-  // --- plan classes -------------------------------------------------------------------
-  Routes routes;
+// Consumers with equal plans share one class (and its route); every plan's sources
+// checked against the metadata.
+Status RouteBuild::find_plan_classes() {
   for (int g = 0; g < G; ++g) routes.group_names.push_back(groups.name(g));
-  std::vector<const Plan*> classes;
-  std::vector<uint64_t> weight;
   std::unordered_map<uint64_t, std::vector<uint32_t>> by_hash;
   routes.consumer_plan.reserve(in.consumers.size());
   for (size_t c = 0; c < in.consumers.size(); ++c) {
@@ -823,7 +204,10 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
     weight[static_cast<size_t>(found)]++;
     routes.consumer_plan.push_back(static_cast<uint32_t>(found));
   }
+  return Status::Ok();
+}
 
+Status RouteBuild::check_options_and_cost() {
   if (options.packs_of < RouterOptions::kNoRank || options.packs_of >= static_cast<int64_t>(num_producers)) {
     return invalid_argument("router options: packs of producer {}, of {} producers", options.packs_of, num_producers);
   }
@@ -839,13 +223,14 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
     for (const Holdings& h : in.producers) cost.held_boxes += h.boxes.size();
     FERRY_RETURN_IF_ERROR(check_routing_cost(cost));
   }
+  return Status::Ok();
+}
 
-  // --- cut every copy by the pieces it touches ------------------------------------------
+Status RouteBuild::cut_copies() {
   // Each plan class on its own (a thread each, up to options.threads): its cuts, layouts
   // and bytes are its own, and the pieces every class reads are built first. A cut is
   // named by a CutRef: its class in the high bits, its index in the class's cuts below.
-  const int threads = router_threads(options);
-  std::vector<ClassCuts> per(classes.size());
+  per.resize(classes.size());
   {
     std::vector<uint32_t> read;  // tensors some plan reads, once each
     std::vector<bool> seen(tensors.size(), false);
@@ -937,11 +322,12 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
   if (static_cast<uint64_t>(classes.size()) >= (uint64_t{1} << (64 - kCutBits))) {
     return invalid_argument("{} plan classes: too many to route", classes.size());
   }
-  auto cut_of = [&](CutRef r) -> Cut& { return per[r >> kCutBits].cuts[r & kCutMask]; };
-  uint64_t num_cuts = 0;
+  num_cuts = 0;
   for (const ClassCuts& c : per) num_cuts += c.cuts.size();
+  return Status::Ok();
+}
 
-  // --- choose holders -------------------------------------------------------------------
+void RouteBuild::choose_holders() {
   // Where every piece has one holder (no DP replica: FSDP, TP/PP/EP alone) there is
   // nothing to choose: each class takes its holders on its own thread. Otherwise greedy,
   // largest cost first, to the least-loaded holder, over every class in one order.
@@ -1015,13 +401,17 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
       load[c.producer] += c.cost;
     }
   }
+}
 
-  // --- segments -------------------------------------------------------------------------
+// Each producer's cuts by group, plan, param and destination offset: bucketed by
+// producer (a counting sort, each class filling its own slots); make_packs sorts each
+// producer's bucket on its own thread.
+void RouteBuild::bucket_by_producer() {
   // Each producer's cuts by group, plan, param and destination offset: bucketed by
   // producer (a counting sort, each class filling its own slots), then each producer's
   // bucket sorted on its own thread.
-  std::vector<CutRef> order(num_cuts);
-  std::vector<size_t> start(num_producers + 1, 0);
+  by_producer.assign(num_cuts, 0);
+  start.assign(num_producers + 1, 0);
   {
     const size_t K = per.size();
     std::vector<std::vector<size_t>> count(K, std::vector<size_t>(num_producers, 0));
@@ -1041,25 +431,21 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
     start[num_producers] = at;
     parallel_for(K, threads, [&](size_t k) {
       std::vector<size_t>& slot = count[k];
-      for (uint64_t j = 0; j < per[k].cuts.size(); ++j) order[slot[per[k].cuts[j].producer]++] = uint64_t{k} << kCutBits | j;
+      for (uint64_t j = 0; j < per[k].cuts.size(); ++j) by_producer[slot[per[k].cuts[j].producer]++] = uint64_t{k} << kCutBits | j;
     });
   }
-  const uint64_t align = std::max<uint64_t>(1, options.segment_alignment);
-  const auto ng = static_cast<size_t>(G);
+}
+
+// Per producer: sort its cuts, cut them into segments (one per group and plan class)
+// and make its packs. Each segment's cuts are a run of by_producer.
+Status RouteBuild::make_packs() {
   routes.producers.assign(num_producers, ProducerRoute{std::vector<ProducerGroup>(ng)});
-  // Pass A, per producer: sort its cuts, cut them into segments (one per group and plan
-  // class) and make its packs. Each segment's cuts are a run of `order`.
-  struct Run {
-    uint32_t group = 0, plan = 0;
-    uint64_t offset = 0, bytes = 0;  // the segment in the producer's staging
-    size_t a = 0, b = 0;             // its cuts: order[a, b)
-  };
-  std::vector<std::vector<Run>> runs(num_producers);
-  std::vector<uint64_t> sole(num_producers, 0);
+  runs.assign(num_producers, {});
+  sole.assign(num_producers, 0);
   std::vector<Status> quant_status(num_producers);
   parallel_for(num_producers, threads, [&](size_t p) {
     const auto b0 = static_cast<std::ptrdiff_t>(start[p]), b1 = static_cast<std::ptrdiff_t>(start[p + 1]);
-    std::sort(order.begin() + b0, order.begin() + b1, [&](CutRef a, CutRef b) {
+    std::sort(by_producer.begin() + b0, by_producer.begin() + b1, [&](CutRef a, CutRef b) {
       const Cut& x = cut_of(a);
       const Cut& y = cut_of(b);
       if (x.group != y.group) return x.group < y.group;
@@ -1071,24 +457,24 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
     const bool keep = options.packs_of == RouterOptions::kEveryRank || options.packs_of == static_cast<int>(p);
     if (keep) {  // Room for every op up front (merges only make fewer).
       std::vector<size_t> packs(ng, 0);
-      for (size_t i = start[p]; i < start[p + 1]; ++i) ++packs[static_cast<size_t>(cut_of(order[i]).group)];
+      for (size_t i = start[p]; i < start[p + 1]; ++i) ++packs[static_cast<size_t>(cut_of(by_producer[i]).group)];
       for (size_t g = 0; g < ng; ++g) pr.groups[g].packs.reserve(packs[g]);
     }
     for (size_t a = start[p]; a < start[p + 1];) {
-      const Cut& first = cut_of(order[a]);
+      const Cut& first = cut_of(by_producer[a]);
       const auto g = static_cast<size_t>(first.group);
       ProducerGroup& pg = pr.groups[g];
       // A producer's cuts are by group: this group's segments come one after another.
       OpSink<PackOp> sink(keep ? &pg.packs : nullptr);
-      for (; a < start[p + 1] && static_cast<size_t>(cut_of(order[a]).group) == g;) {
-        const Cut& head = cut_of(order[a]);
+      for (; a < start[p + 1] && static_cast<size_t>(cut_of(by_producer[a]).group) == g;) {
+        const Cut& head = cut_of(by_producer[a]);
         const LayoutPool& pool = per[head.plan].pool;
         Run run{static_cast<uint32_t>(g), head.plan, align_up(pg.staging_bytes, align), 0, a, a};
         uint64_t cur = run.offset;
         sink.begin_segment();
         size_t b = a;
         for (; b < start[p + 1]; ++b) {
-          const Cut& c = cut_of(order[b]);
+          const Cut& c = cut_of(by_producer[b]);
           if (static_cast<size_t>(c.group) != g || c.plan != head.plan) break;
           if (c.region >= 0) {
             auto op = quant_op(per[c.plan], per[c.plan].regions[static_cast<size_t>(c.region)],
@@ -1125,8 +511,12 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
     for (ProducerGroup& pg : pr.groups) pg.packs.shrink_to_fit();  // merged ops left room unused
   });
   for (const Status& st : quant_status) FERRY_RETURN_IF_ERROR(st);
-  // Pass B, per plan class: its reads (producer by producer, as the consumer receives
-  // them) and its unpacks.
+  return Status::Ok();
+}
+
+// Per plan class: its reads (producer by producer, as the consumer receives them) and
+// its unpacks.
+void RouteBuild::make_unpacks() {
   const int keep_plan = options.unpacks_of >= 0 ? static_cast<int>(routes.consumer_plan[static_cast<size_t>(options.unpacks_of)]) : -1;
   parallel_for(routes.plans.size(), threads, [&](size_t k) {
     PlanRoute& route = routes.plans[k];
@@ -1151,7 +541,7 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
         sink.begin_segment();
         uint64_t cur = rd.recv_offset;
         for (size_t i = r.a; i < r.b; ++i) {
-          const Cut& c = cut_of(order[i]);
+          const Cut& c = cut_of(by_producer[i]);
           if (c.region >= 0) {
             // The e4m3 values into the param's box, then the scales into its tiles.
             const QuantRegion& qr = per[k].regions[static_cast<size_t>(c.region)];
@@ -1183,9 +573,9 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
       cg.unpacks.shrink_to_fit();
     }
   });
-  std::vector<uint64_t> plan_min(per.size(), 0);
-  for (size_t k = 0; k < per.size(); ++k) plan_min[k] = per[k].bytes;
-  // --- stats ----------------------------------------------------------------------------
+}
+
+void RouteBuild::compute_stats() {
   RouteStats& st = routes.stats;
   st.num_pieces = num_cuts;
   st.num_plan_classes = classes.size();
@@ -1212,7 +602,7 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
       for (const Read& r : g.reads) st.consumer_bytes[c] += r.length;
     }
     st.bytes_moved += st.consumer_bytes[c];
-    st.bytes_min += plan_min[routes.consumer_plan[c]];
+    st.bytes_min += per[routes.consumer_plan[c]].bytes;
     st.max_consumer_bytes = std::max(st.max_consumer_bytes, st.consumer_bytes[c]);
   }
   uint64_t total = 0;
@@ -1250,7 +640,76 @@ Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options)
     st.component_bound = std::max(st.component_bound, static_cast<double>(st.max_sole_holder_bytes));
   }
   st.balance = st.balance_bound > 0 ? static_cast<double>(st.max_producer_bytes) / st.balance_bound : 1.0;
-  return routes;
+}
+
+}  // namespace
+
+uint64_t RoutingCost::route_groups() const { return (producers + plan_classes) * groups; }
+uint64_t RoutingCost::pieces() const { return held_boxes * plan_classes; }
+uint64_t RoutingCost::bytes() const {
+  // Per held box: its HeldBox and a share of its rank's TensorDecl copies, and the
+  // router's Holder and piece; per route group, an empty group's vectors; per piece,
+  // the router's cut and layouts, and where every op is made a pack op and an unpack op
+  // (measured: fsdp=4096 -> tp=8 over Llama-3.1-8B peaks at 2.15 GB with every op, this
+  // says 3.5; 1.28 GB with none, this says 1.5).
+  constexpr uint64_t kPerBox = 240, kPerGroup = 64, kPerCut = 150, kPerOps = 260;
+  return held_boxes * kPerBox + route_groups() * kPerGroup + pieces() * (kPerCut + (every_op ? kPerOps : 0));
+}
+std::string RoutingCost::to_string() const {
+  return fmt::format("{} held boxes, {} route groups, ~{} pieces: ~{:.1f} GiB to route", held_boxes, route_groups(),
+                     pieces(), static_cast<double>(bytes()) / static_cast<double>(uint64_t{1} << 30));
+}
+
+Status check_routing_cost(const RoutingCost& c, uint64_t memory_budget) {
+  auto gib = [](uint64_t b) { return static_cast<double>(b) / static_cast<double>(uint64_t{1} << 30); };
+  if (c.route_groups() > kMaxRouteGroups) {
+    return invalid_argument(
+        "routing {} producers and {} plan classes over {} layer groups needs {} route groups, which every rank of the "
+        "job would hold (~{:.1f} GiB of them before any piece); the limit is {} route groups. In all: {}",
+        c.producers, c.plan_classes, c.groups, c.route_groups(), gib(c.route_groups() * 64), kMaxRouteGroups,
+        c.to_string());
+  }
+  if (c.pieces() > kMaxRoutePieces) {
+    return invalid_argument(
+        "routing {} held boxes to {} plan classes cuts up to ~{} pieces; the limit is {} pieces. In all: {}",
+        c.held_boxes, c.plan_classes, c.pieces(), kMaxRoutePieces, c.to_string());
+  }
+  if (memory_budget && c.bytes() > memory_budget) {
+    return invalid_argument("routing needs ~{:.1f} GiB of memory and {:.1f} GiB is available. In all: {}",
+                            gib(c.bytes()), gib(memory_budget), c.to_string());
+  }
+  return Status::Ok();
+}
+
+std::string_view convert_on_name(ConvertOn c) { return c == ConvertOn::kProducer ? "producer" : "consumer"; }
+
+std::optional<ConvertOn> parse_convert_on(std::string_view name) {
+  if (name == "producer") return ConvertOn::kProducer;
+  if (name == "consumer") return ConvertOn::kConsumer;
+  return std::nullopt;
+}
+
+std::string_view quantize_on_name(QuantizeOn q) { return q == QuantizeOn::kProducer ? "producer" : "consumer"; }
+
+std::optional<QuantizeOn> parse_quantize_on(std::string_view name) {
+  if (name == "producer") return QuantizeOn::kProducer;
+  if (name == "consumer") return QuantizeOn::kConsumer;
+  return std::nullopt;
+}
+
+Result<Routes> build_routes(const RouterInput& in, const RouterOptions& options) {
+  RouteBuild b(in, options);
+  FERRY_RETURN_IF_ERROR(b.index_metadata());
+  FERRY_RETURN_IF_ERROR(b.read_holdings());
+  FERRY_RETURN_IF_ERROR(b.find_plan_classes());
+  FERRY_RETURN_IF_ERROR(b.check_options_and_cost());
+  FERRY_RETURN_IF_ERROR(b.cut_copies());
+  b.choose_holders();
+  b.bucket_by_producer();
+  FERRY_RETURN_IF_ERROR(b.make_packs());
+  b.make_unpacks();
+  b.compute_stats();
+  return std::move(b.routes);
 }
 
 }  // namespace ferry
