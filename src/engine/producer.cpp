@@ -10,6 +10,9 @@
 #include <thread>
 
 #include "engine/clock.h"
+#include "engine/delta_encoder.h"
+#include "engine/pacer.h"
+#include "engine/peer_table.h"
 #include "engine/sync_trace.h"
 #include "engine/group_order.h"
 #include "engine/in_place.h"
@@ -22,7 +25,6 @@
 #include "engine/staging_ring.h"
 #include "engine/straggler.h"
 #include "engine/testing.h"
-#include "delta/patch.h"
 
 namespace ferry {
 
@@ -81,10 +83,8 @@ struct Producer::Impl {
   const std::string instance = instance_name();
   std::unique_ptr<Lease> claim;
 
-  struct Peer {
-    std::string blob;
-    PeerId id = 0;
-    bool connected = false;
+  // A consumer (engine/peer_table.h) and what push imports from its lease.
+  struct Peer : PeerLink {
     RemoteRegion recv;       // push: the consumer's receive ring
     uint64_t recv_slot_bytes = 0;
     // Push: where its registered params lie (its lease's ParamTable) and their imported
@@ -96,28 +96,11 @@ struct Producer::Impl {
   };
   std::mutex mu;
   std::condition_variable cv;
-  std::vector<Peer> peers;             // per consumer rank
-  std::map<PeerId, int> peer_rank;     // connected consumer id -> rank
-  std::set<PeerId> failed_ids;         // failed before being mapped to a rank (see on_peer_failure)
+  PeerTable<Peer> peers;  // per consumer rank
   // Sync state (mu).
   bool in_sync = false;
   uint64_t version = 0;
   std::vector<bool> live;
-  // Delta syncs: what delta_pack put in a slot: the version its patches are against (none:
-  // dense), each plan class's patch bytes (a class absent: dense), where the patches lie
-  // (the slot, or its patch area) and where the group's dense bytes lie (the kept copy, or
-  // the slot).
-  struct DeltaPack {
-    std::optional<uint64_t> base;
-    std::map<uint32_t, uint64_t> patch_bytes;
-    uint64_t patch_offset = 0, dense_offset = 0;
-    // Plan class `cls`'s patch bytes, if it has a patch.
-    std::optional<uint64_t> bytes_for(uint32_t cls) const {
-      auto it = patch_bytes.find(cls);
-      if (!base || it == patch_bytes.end()) return std::nullopt;
-      return it->second;
-    }
-  };
   struct Slot {
     int group = -1;
     uint64_t hash = 0;  // routes of the attempt that packed it
@@ -129,8 +112,8 @@ struct Producer::Impl {
     // pace, against which a straggler is measured (wait_slot).
     std::optional<Clock::time_point> last_release;
     std::map<uint32_t, uint64_t> checksum;  // per plan class
-    // Paced (the rotated order): consumer -> when its turn at this slot came (its wave
-    // open and the group packed): announced (pull) or servable on its READY (push) from
+    // Consumer -> when its turn at this slot came (the group packed and, in the rotated
+    // order, its wave open: Pacer): announced (pull) or servable on its READY (push) from
     // then. A pending consumer absent here waits for its wave.
     std::map<int, Clock::time_point> opened;
     // Targets left out when it was packed because they had declared other routes (a
@@ -139,31 +122,11 @@ struct Producer::Impl {
     DeltaPack patches;  // delta syncs
   };
   std::vector<Slot> slots;
-  // Delta syncs (EngineOptions::delta): the kept copy (StagingRing::kept) laid out for the
-  // routes now installed (kept_layout: kept_at per group; apply_routes starts it afresh),
-  // whether that fits the ring's kept area, and the version each group holds there (none:
-  // not packed under these routes yet). Sync thread only.
-  bool kept_fits = false;
-  std::vector<uint64_t> kept_at;
-  std::vector<std::optional<uint64_t>> kept_version;
-  // delta_block_bytes > 0: per group, per segment, the block hashes of what it packed
-  // last (no copy); the kept area is then a patch area, one slot's worth per slot.
-  std::vector<std::vector<std::vector<uint64_t>>> kept_blocks;
-  std::vector<std::byte> patch_scratch;  // one segment's patch, before it goes into the slot
-  uint64_t syncs_started = 0;            // delta_full_every counts these
-  bool full_sync = false;                // this sync sends dense bytes only
-  // The rotated order (EngineOptions::group_order; docs/group-order.md): this producer
-  // serves its reads (a consumer reading one of its groups) in waves (serve_waves), one
-  // per step of the consumers' orders, a wave once every read of the waves before it
-  // finished: released (pull) or written (push), or its consumer dropped, done, aborted
-  // or moved to other routes. Set with the routes (apply_routes); mu.
-  bool paced = false;
-  std::vector<std::vector<ServedRead>> waves;
-  std::map<std::pair<int, int>, int> wave_of;  // (consumer, group) -> its wave
-  std::vector<int> pack_at;                    // per group: its place in this producer's pack order (-1: none)
-  // This attempt's (mu): the last wave open, and the reads finished by a release.
-  size_t wave_open = 0;
-  std::set<std::pair<int, int>> released;
+  // Delta syncs' kept copy and patches (engine/delta_encoder.h; dense without delta).
+  std::unique_ptr<DeltaEncoder> delta;
+  // The pace reads are served at (engine/pacer.h: the rotated order's waves, or the
+  // layer order's none). Set with the routes (apply_routes); mu.
+  Pacer pacer;
   // The current attempt's plan (engine/sync_plan.h): per group the consumers packed for,
   // and push's writes to each; built at the start of each attempt; mu.
   ProducerAttemptPlan plan;
@@ -251,8 +214,8 @@ struct Producer::Impl {
       std::string why;
       {
         std::lock_guard<std::mutex> lk(mu);
-        if (!peers[static_cast<size_t>(c)].connected) continue;
-        id = peers[static_cast<size_t>(c)].id;
+        if (!peers[c].connected) continue;
+        id = peers[c].id;
         why = drop_reason[c];
       }
       send(id, Dropped{static_cast<uint32_t>(rank), v, routes_hash, why}).ignore();
@@ -271,9 +234,9 @@ struct Producer::Impl {
       std::lock_guard<std::mutex> lk(mu);
       for (int c = 0; c < opts.num_consumers; ++c) {
         const auto i = static_cast<size_t>(c);
-        if (!live[i] || !peers[i].connected || (done.count(c) && done[c] == v)) continue;
+        if (!live[i] || !peers[c].connected || (done.count(c) && done[c] == v)) continue;
         if (auto it = consumer_hash.find(c); it != consumer_hash.end() && it->second == routes_hash) continue;
-        to.push_back(peers[i].id);
+        to.push_back(peers[c].id);
       }
     }
     const RoutesNotice m{static_cast<uint32_t>(rank), v, routes_hash};
@@ -324,11 +287,9 @@ struct Producer::Impl {
       sl.last_release = Clock::now();
       const ProducerGroupSchedule& gs = schedule.groups[static_cast<size_t>(sl.group)];
       const uint64_t b = served(gs.served, cls(c)), ip = served(gs.served_in_place, cls(c));
-      Clock::time_point from = sl.since;  // paced: from its turn
-      if (paced) {
-        released.emplace(c, sl.group);
-        if (auto o = sl.opened.find(c); o != sl.opened.end()) from = o->second;
-      }
+      Clock::time_point from = sl.since;  // from its turn
+      pacer.note_released(c, sl.group);
+      if (auto o = sl.opened.find(c); o != sl.opened.end()) from = o->second;
       if (took_patch == 3) {  // c copied the group from a relay on its host: nothing went to it from here
         cv.notify_all();
         return;
@@ -354,11 +315,11 @@ struct Producer::Impl {
       std::lock_guard<std::mutex> lk(mu);
       if (--pushes_inflight[c] > 0) return;
       auto it = flushed_owed.find(c);
-      if (it == flushed_owed.end() || !peers[static_cast<size_t>(c)].connected) return;
+      if (it == flushed_owed.end() || !peers[c].connected) return;
       v = it->second.first;
       hash = it->second.second;
       flushed_owed.erase(it);
-      to = peers[static_cast<size_t>(c)].id;
+      to = peers[c].id;
     }
     send_flushed(to, v, hash);
   }
@@ -367,20 +328,12 @@ struct Producer::Impl {
     transport.send(to, kEngineTag, encode_message(Flushed{static_cast<uint32_t>(rank), v, hash})).status().ignore();
   }
 
-  // Paced: whether consumer c's read of group g may be served (its wave is open). mu held.
-  bool turn_locked(int c, int g) const {
-    if (!paced) return true;
-    auto it = wave_of.find({c, g});
-    return it == wave_of.end() || static_cast<size_t>(it->second) <= wave_open;
-  }
-
-  // Paced: a read this attempt no longer waits for. mu held.
+  // A read this attempt no longer waits for (Pacer::open). mu held.
   bool read_finished_locked(const ServedRead& r) const {
     const auto c = static_cast<size_t>(r.consumer);
     if (c >= live.size() || !live[c]) return true;
     if (auto d = done.find(r.consumer); d != done.end() && d->second == version) return true;
     if (auto h = consumer_hash.find(r.consumer); h != consumer_hash.end() && h->second != routes_hash) return true;
-    if (released.count({r.consumer, r.group})) return true;
     if (static_cast<size_t>(r.group) >= plan.groups.size()) return true;
     const std::vector<int>& t = plan.groups[static_cast<size_t>(r.group)].targets;
     return !std::binary_search(t.begin(), t.end(), r.consumer);
@@ -417,7 +370,7 @@ struct Producer::Impl {
     Slot& sl = slots[static_cast<size_t>(s)];
     if (!sl.pending.count(c) || sl.opened.count(c)) return std::nullopt;
     sl.opened[c] = Clock::now();
-    Serve out{s, c, sl.group, version, sl.hash, peers[static_cast<size_t>(c)].id};
+    Serve out{s, c, sl.group, version, sl.hash, peers[c].id};
     if (opts.mode == SyncMode::kPull) {
       out.announce = announce_locked(sl, c, static_cast<size_t>(s));
       return out;
@@ -430,21 +383,16 @@ struct Producer::Impl {
     return out;
   }
 
-  // Paced: opens every wave whose reads before it all finished, and returns what to
-  // serve for their groups already packed (the others are served as they are packed).
+  // Opens every wave whose reads before it all finished (Pacer::open), and returns what
+  // to serve for their groups already packed (the others are served as they are packed).
   // mu held; serve() the result once mu is released.
   std::vector<Serve> open_waves_locked() {
     std::vector<Serve> out;
-    if (!paced || !in_sync || plan.routes_hash != routes_hash) return out;
-    while (wave_open + 1 < waves.size()) {
-      for (const ServedRead& r : waves[wave_open])
-        if (!read_finished_locked(r)) return out;
-      ++wave_open;
-      for (const ServedRead& r : waves[wave_open]) {
-        const int s = slot_of_locked(r.group, routes_hash);
-        if (s < 0) continue;
-        if (auto sv = turn_came_locked(s, r.consumer)) out.push_back(*sv);
-      }
+    if (!in_sync || plan.routes_hash != routes_hash) return out;
+    for (const ServedRead& r : pacer.open([this](const ServedRead& x) { return read_finished_locked(x); })) {
+      const int s = slot_of_locked(r.group, routes_hash);
+      if (s < 0) continue;
+      if (auto sv = turn_came_locked(s, r.consumer)) out.push_back(*sv);
     }
     return out;
   }
@@ -485,7 +433,7 @@ struct Producer::Impl {
       sl.pushing.insert(c);
       hash = sl.hash;
       ++pushes_inflight[c];
-      const Peer& p = peers[static_cast<size_t>(c)];
+      const Peer& p = peers[c];
       to = PushTarget{p.id, p.recv, static_cast<uint64_t>(rslot) * p.recv_slot_bytes,
                       landing == 0 ? p.param_regions : p.other_param_regions};
       if (opts.checksums) {
@@ -569,9 +517,8 @@ struct Producer::Impl {
     std::vector<Serve> todo;                                // paced: turns that came
     {
       std::lock_guard<std::mutex> lk(mu);
-      if (c < 0 || c >= static_cast<int>(peers.size())) return;
-      auto it = peer_rank.find(from);
-      const bool known = it != peer_rank.end() && it->second == c;
+      if (c < 0 || c >= peers.size()) return;
+      const bool known = peers.made_for(from, c);
       if (!known) {
         // An instance not admitted yet that gave up: serve none of its READYs later.
         if (const auto* m = std::get_if<Abort>(&msg)) forget_ready_locked(c, m->version);
@@ -626,7 +573,7 @@ struct Producer::Impl {
               if (!sl.packed || sl.hash != m->routes || !sl.skipped.erase(c)) continue;
               sl.pending.insert(c);
               cv.notify_all();
-              if (paced && !turn_locked(c, sl.group)) continue;  // served when its wave opens
+              if (!pacer.turn(c, sl.group)) continue;  // served when its wave opens
               if (auto sv = turn_came_locked(static_cast<int>(s), c)) todo.push_back(*sv);
             }
           }
@@ -678,7 +625,7 @@ struct Producer::Impl {
         }
         if (m->recv_slot >= kReceiveSlots) return;  // not a slot of the consumer's ring
         if (ready.size() > 100000) return;
-        const Peer& p = peers[static_cast<size_t>(c)];
+        const Peer& p = peers[c];
         if (known &&
             (m->landing > 1 || (m->landing == 1 && p.other_param_regions.size() != p.param_regions.size()))) {
           // A set its lease does not publish: the writes meant for its params would miss them.
@@ -691,7 +638,7 @@ struct Producer::Impl {
           if (current && known) {
             push_slot = slot_of_locked(m->group, m->routes);
             // Paced: served when its wave opens (open_waves_locked), not before.
-            if (push_slot >= 0 && !turn_locked(c, m->group)) push_slot = -1;
+            if (push_slot >= 0 && !pacer.turn(c, m->group)) push_slot = -1;
             push = *m;
           }
         }
@@ -706,14 +653,9 @@ struct Producer::Impl {
 
   void on_peer_failure(PeerId peer, const Status& why) {
     std::lock_guard<std::mutex> lk(mu);
-    auto it = peer_rank.find(peer);
-    if (it == peer_rank.end()) {
-      failed_ids.insert(peer);  // failed before refresh_membership mapped it
-      return;
-    }
-    const int c = it->second;
-    if (peers[static_cast<size_t>(c)].id != peer) return;
-    peers[static_cast<size_t>(c)].connected = false;
+    const std::optional<int> failed = peers.fail(peer);  // (one not mapped yet: refresh_membership refuses it)
+    if (!failed) return;
+    const int c = *failed;
     // One that committed this sync (DONE) and then closed is not dropped: nothing is
     // missed and the report names no one (issue 30: it said ok while naming a consumer
     // that closed right after syncing). Nor is one that died between refresh and the
@@ -729,133 +671,14 @@ struct Producer::Impl {
   Status apply_routes(Routes r) {
     FERRY_RETURN_IF_ERROR(check_routes_hold(r, route_state.router()).with_context(fmt::format("producer {}", rank)));
     FERRY_ASSIGN_OR_RETURN(auto sched, make_producer_schedule(r, rank, holdings, staging->in_place(), staging->slot_bytes()));
-    std::vector<std::vector<ServedRead>> w;
-    std::map<std::pair<int, int>, int> w_of;
-    std::vector<int> at(static_cast<size_t>(r.num_groups()), -1);
-    if (opts.group_order == GroupOrderKind::kRotated) {
-      const GroupOrder o = make_group_order(r, {GroupOrderKind::kRotated, true});
-      FERRY_RETURN_IF_ERROR(check_group_order(r, o).with_context(fmt::format("producer {}", rank)));
-      w = serve_waves(r, o, rank);
-      for (size_t i = 0; i < w.size(); ++i)
-        for (const ServedRead& x : w[i]) w_of[{x.consumer, x.group}] = static_cast<int>(i);
-      const std::vector<int>& mine = o.producer[static_cast<size_t>(rank)];
-      for (size_t i = 0; i < mine.size(); ++i) at[static_cast<size_t>(mine[i])] = static_cast<int>(i);
-    }
+    FERRY_ASSIGN_OR_RETURN(Pacer pace, Pacer::make(r, rank, opts.group_order));
     std::lock_guard<std::mutex> lk(mu);
-    paced = opts.group_order == GroupOrderKind::kRotated;
-    waves = std::move(w);
-    wave_of = std::move(w_of);
-    pack_at = std::move(at);
+    pacer = std::move(pace);
     routes = std::move(r);
     routes_hash = routes.fingerprint();
     schedule = std::move(sched);
-    if (opts.delta) {  // the kept copy is laid out by the routes: nothing in it is a base under new ones
-      kept_at = kept_layout(routes.producers[static_cast<size_t>(rank)]);
-      kept_fits = opts.delta_block_bytes ? staging->kept_bytes() >= staging->kept_offset()
-                                         : kept_at.back() <= staging->kept_bytes();
-      kept_version.assign(static_cast<size_t>(routes.num_groups()), std::nullopt);
-      kept_blocks.assign(static_cast<size_t>(routes.num_groups()), {});
-    }
+    delta->install(routes.producers[static_cast<size_t>(rank)]);
     return Status::Ok();
-  }
-
-  // Delta: group g of version v is packed (dense) in slot s. Per plan class segment: a
-  // patch against the kept copy's version of it where one is kept (under these routes,
-  // of another version, not a full sync) and smaller than the dense bytes; the kept copy
-  // then takes the dense bytes (and the version v), and the slot the patch. Sync thread.
-  DeltaPack delta_pack(int g, size_t s, uint64_t v, const ProducerGroup& grp) {
-    DeltaPack out;
-    if (!kept_fits || grp.staging_bytes == 0) return out;
-    if (opts.delta_block_bytes) return delta_pack_blocks(g, s, v, grp);
-    const size_t gi = static_cast<size_t>(g);
-    std::byte* slot = staging->slot(s).data();
-    std::byte* keep = staging->kept().data() + kept_at[gi];
-    const std::optional<uint64_t> had = kept_version[gi];
-    const bool patch = had && *had != v && !full_sync;
-    uint64_t elements = 0, changed = 0;
-    for (const Segment& seg : grp.segments) {
-      if (seg.bytes == 0) continue;
-      if (patch) {
-        // Elements of the segment's narrowest dtype (every piece's bytes are a multiple).
-        size_t es = 4;
-        for (const PackOp& op : grp.packs)
-          if (op.offset >= seg.offset && op.offset < seg.offset + seg.bytes) es = std::min(es, dtype_size(op.dtype));
-        if (seg.bytes % es != 0) es = 1;
-        patch_scratch.resize(std::max<size_t>(patch_scratch.size(), delta::max_patch_bytes(seg.bytes)));
-        auto info = delta::encode_patch_into({keep + seg.offset, seg.bytes}, {slot + seg.offset, seg.bytes}, es,
-                                             patch_scratch);
-        if (info.ok()) {
-          elements += seg.bytes / es;
-          changed += info->changed;
-          if (info->bytes < seg.bytes) {
-            std::memcpy(keep + seg.offset, slot + seg.offset, seg.bytes);
-            std::memcpy(slot + seg.offset, patch_scratch.data(), info->bytes);
-            out.patch_bytes[seg.plan] = info->bytes;
-            continue;
-          }
-        }
-      }
-      std::memcpy(keep + seg.offset, slot + seg.offset, seg.bytes);
-    }
-    kept_version[gi] = v;
-    if (!out.patch_bytes.empty()) {
-      out.base = had;
-      out.patch_offset = staging->slot_offset(s);
-      out.dense_offset = staging->kept_offset() + kept_at[gi];
-    }
-    std::lock_guard<std::mutex> lk(mu);
-    report.delta_elements += elements;
-    report.delta_changed += changed;
-    return out;
-  }
-
-  // delta_pack without a kept copy (delta_block_bytes): per segment, the blocks whose hash
-  // differs from the hashes kept of the last version packed, into the slot's patch area
-  // where that is smaller than the segment; the slot keeps the dense bytes (what a
-  // consumer without the base, or repairing, reads). Counts blocks, not elements.
-  DeltaPack delta_pack_blocks(int g, size_t s, uint64_t v, const ProducerGroup& grp) {
-    DeltaPack out;
-    const size_t gi = static_cast<size_t>(g);
-    const uint64_t bb = opts.delta_block_bytes;
-    std::byte* slot = staging->slot(s).data();
-    std::byte* area = staging->kept().data() + s * staging->slot_bytes();  // slot s's patch area
-    std::vector<std::vector<uint64_t>>& hashes = kept_blocks[gi];
-    const std::optional<uint64_t> had = kept_version[gi];
-    const bool patch = had && *had != v && !full_sync && hashes.size() == grp.segments.size();
-    hashes.resize(grp.segments.size());
-    uint64_t blocks = 0, changed = 0;
-    for (size_t i = 0; i < grp.segments.size(); ++i) {
-      const Segment& seg = grp.segments[i];
-      const std::span<const std::byte> dense(slot + seg.offset, seg.bytes);
-      if (seg.bytes == 0) continue;
-      if (patch && hashes[i].size() == (seg.bytes + bb - 1) / bb) {
-        patch_scratch.resize(std::max<size_t>(patch_scratch.size(), delta::max_block_patch_bytes(seg.bytes, bb)));
-        std::vector<uint64_t> next;
-        auto info = delta::encode_changed_blocks(hashes[i], dense, bb, patch_scratch, &next);
-        if (info.ok()) {
-          blocks += hashes[i].size();
-          changed += info->changed;
-          hashes[i] = std::move(next);
-          if (info->bytes < seg.bytes) {
-            std::memcpy(area + seg.offset, patch_scratch.data(), info->bytes);
-            out.patch_bytes[seg.plan] = info->bytes;
-          }
-          continue;
-        }
-      }
-      auto h = delta::block_hashes(dense, bb);
-      hashes[i] = h.ok() ? std::move(*h) : std::vector<uint64_t>{};
-    }
-    kept_version[gi] = v;
-    if (!out.patch_bytes.empty()) {
-      out.base = had;
-      out.patch_offset = staging->kept_offset() + s * staging->slot_bytes();
-      out.dense_offset = staging->slot_offset(s);
-    }
-    std::lock_guard<std::mutex> lk(mu);
-    report.delta_elements += blocks;
-    report.delta_changed += changed;
-    return out;
   }
 
   // This producer's extra memory (MemoryUse) for the routes now installed; cached per
@@ -864,12 +687,7 @@ struct Producer::Impl {
   MemoryUse memory_use() {
     MemoryUse m = routes_memory_use();
     m.metadata += plan.heap_bytes();
-    if (paced) {  // the rotated order's waves (docs/group-order.md, "Memory")
-      for (const auto& w : waves) m.metadata += w.capacity() * sizeof(ServedRead);
-      m.metadata += waves.capacity() * sizeof(waves[0]) + pack_at.capacity() * sizeof(int) +
-                    wave_of.size() * (sizeof(std::pair<const std::pair<int, int>, int>) + 4 * sizeof(void*)) +
-                    released.size() * (sizeof(std::pair<int, int>) + 4 * sizeof(void*));
-    }
+    m.metadata += pacer.heap_bytes();  // the rotated order's waves (docs/group-order.md, "Memory")
     return m;
   }
   MemoryUse routes_memory_use() {
@@ -906,11 +724,11 @@ struct Producer::Impl {
     // The instance and its memory; the versions it holds change at every commit and are
     // no reason to reconnect.
     const std::string blob = encode_lease(lease->instance());
-    Peer& p = peers[static_cast<size_t>(c)];
+    Peer& p = peers[c];
     bool fresh;
     {
       std::lock_guard<std::mutex> lk(mu);
-      fresh = !p.connected || p.blob != blob;
+      fresh = !peers.current(c, blob);
       p.committed = lease->committed;
     }
     if (!fresh) return true;
@@ -940,17 +758,13 @@ struct Producer::Impl {
       params = std::move(*table);
     }
     std::lock_guard<std::mutex> lk(mu);
-    if (failed_ids.count(*id) != 0) return false;  // died while we connected
-    p.blob = blob;
-    p.id = *id;
-    p.connected = true;
+    if (!peers.adopt(c, blob, *id)) return false;  // died while we connected
     p.recv = recv;
     p.recv_slot_bytes = rbytes;
     p.params = std::move(params);
     p.param_regions = std::move(param_regions);
     p.other_param_regions = std::move(other_param_regions);
     memory_known = false;
-    peer_rank[*id] = c;
     return true;
   }
 
@@ -972,7 +786,7 @@ struct Producer::Impl {
       std::vector<int> out;
       std::lock_guard<std::mutex> lk(mu);
       for (int c = 0; c < opts.num_consumers; ++c) {
-        if (now[static_cast<size_t>(c)] || !(peers[static_cast<size_t>(c)].connected || store_lost_keys)) continue;
+        if (now[static_cast<size_t>(c)] || !(peers[c].connected || store_lost_keys)) continue;
         bool serves = false;
         for (const ProducerGroupSchedule& gs : schedule.groups) serves |= gs.served.count(cls(c)) > 0;
         if (serves) out.push_back(c);
@@ -988,11 +802,11 @@ struct Producer::Impl {
     std::vector<int> left_out = absent();
     if (store_lost_keys) {  // told only if connected: one never reached may be dead
       std::lock_guard<std::mutex> lk(mu);
-      std::erase_if(left_out, [&](int c) { return !peers[static_cast<size_t>(c)].connected; });
+      std::erase_if(left_out, [&](int c) { return !peers[c].connected; });
     }
     std::unique_lock<std::mutex> lk(mu);
     for (int c = 0; c < opts.num_consumers; ++c) {
-      if (!peers[static_cast<size_t>(c)].connected) now[static_cast<size_t>(c)] = false;  // failed since connecting
+      if (!peers[c].connected) now[static_cast<size_t>(c)] = false;  // failed since connecting
     }
     live = now;
     for (int c : left_out) {
@@ -1010,20 +824,19 @@ struct Producer::Impl {
     if (!local_failure.ok()) return local_failure;
     while (!slots[s].pending.empty() && !(stop_on_restart && restart && restart_hash != routes_hash) &&
            local_failure.ok()) {
-      if (paced) {  // turns that came (drops end reads too) are served from here as well
-        std::vector<Serve> todo = open_waves_locked();
-        if (!todo.empty()) {
-          lk.unlock();
-          serve(todo);
-          lk.lock();
-          continue;
-        }
+      // Turns that came (drops end reads too) are served from here as well.
+      if (std::vector<Serve> todo = open_waves_locked(); !todo.empty()) {
+        lk.unlock();
+        serve(todo);
+        lk.lock();
+        continue;
       }
       if (own_transport_dead(lk)) continue;  // (ends the wait)
       const auto probe_at = Clock::now() + health_probe_every(opts.lease_ttl);
-      // Paced, on the current routes: a consumer's stall and lag count from its turn
-      // (Slot::opened); one whose turn has not come waits for those before it.
-      const bool pace_slot = paced && slots[s].hash == routes_hash;
+      // On the current routes a consumer's stall and lag count from its turn (Slot::opened:
+      // when its group was packed, or when its wave opened); one whose turn has not come
+      // waits for those before it.
+      const bool pace_slot = slots[s].hash == routes_hash;
       bool any_open = false;
       if (pace_slot) {
         for (int c : slots[s].pending) any_open = any_open || slots[s].opened.count(c) > 0;
@@ -1127,11 +940,11 @@ struct Producer::Impl {
     {
       std::lock_guard<std::mutex> lk(mu);
       for (int c = 0; c < opts.num_consumers; ++c) {
-        const Peer& p = peers[static_cast<size_t>(c)];
+        const Peer& p = peers[c];
         const bool member = live[static_cast<size_t>(c)] && !(done.count(c) && done[c] == v);
         in.members.push_back(member);
         in.tables.push_back(member ? &p.params : nullptr);
-        in.instances.push_back(member ? p.blob : std::string());
+        in.instances.push_back(member ? p.instance : std::string());
       }
       previous = plan;  // (copies shared writes; the handlers keep reading `plan` meanwhile)
     }
@@ -1139,8 +952,7 @@ struct Producer::Impl {
     ProducerAttemptPlan next = make_producer_attempt_plan(in);
     std::lock_guard<std::mutex> lk(mu);
     plan = std::move(next);
-    wave_open = 0;  // paced: this attempt's waves (with the plan, under one lock)
-    released.clear();
+    pacer.begin_attempt();  // this attempt's waves (with the plan, under one lock)
   }
 
   // One attempt at sync v with the current routes. Sets *restarted when a consumer asked
@@ -1163,8 +975,8 @@ struct Producer::Impl {
         }
       }
       if (targets.empty()) continue;
-      // Paced: by place in this producer's pack order (its groups need not be consecutive).
-      const int at = paced && pack_at[static_cast<size_t>(g)] >= 0 ? pack_at[static_cast<size_t>(g)] : g;
+      // By place in this producer's pack order (rotated: its groups need not be consecutive).
+      const int at = pacer.pack_position(g);
       const size_t s = static_cast<size_t>(at % staging->slots());
       auto tw = Clock::now();
       FERRY_RETURN_IF_ERROR(wait_slot(s, true));
@@ -1183,8 +995,12 @@ struct Producer::Impl {
       if (!packed.ok()) return packed.status();
       for (const QuantOp& q : grp.quants) report.quantized_bytes += q.bytes();
       std::map<uint32_t, uint64_t> sums = std::move(*packed);
-      DeltaPack dp;
-      if (opts.delta) dp = delta_pack(g, s, v, grp);
+      DeltaPack dp = delta->pack(g, s, v, grp);
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        report.delta_elements += dp.compared;
+        report.delta_changed += dp.changed;
+      }
       if (opts.test_hooks && opts.test_hooks->corrupt_group == g && opts.test_hooks->corrupt_version == v &&
           !grp.segments.empty() && grp.segments[0].bytes) {
         // Delta: a patched segment's last byte (a value: the patch's structure stays valid
@@ -1225,14 +1041,12 @@ struct Producer::Impl {
             continue;
           }
           sl.pending.insert(c);
-          if (paced) {
-            if (!turn_locked(c, g)) continue;  // served when its wave opens
-            sl.opened[c] = sl.since;
-          }
+          if (!pacer.turn(c, g)) continue;  // served when its wave opens
+          sl.opened[c] = sl.since;
           if (opts.mode == SyncMode::kPull) {
-            to_announce.push_back(AnnounceTo{c, peers[static_cast<size_t>(c)].id, announce_locked(sl, c, s)});
+            to_announce.push_back(AnnounceTo{c, peers[c].id, announce_locked(sl, c, s)});
           } else if (auto it = ready.find({v, g, c}); it != ready.end() &&
-                                                      it->second.from == peers[static_cast<size_t>(c)].id &&
+                                                      it->second.from == peers[c].id &&
                                                       it->second.hash == hash) {
             to_push.push_back(PushTo{c, it->second.slot, it->second.landing});
           }
@@ -1255,9 +1069,9 @@ struct Producer::Impl {
       for (const PushTo& t : to_push) start_push(static_cast<int>(s), t.consumer, t.recv_slot, t.landing, g, v);
     }
     auto tw = Clock::now();
-    std::vector<size_t> by_group(slots.size());  // oldest group first (paced: its reads open the later ones)
+    std::vector<size_t> by_group(slots.size());  // oldest group first (rotated: its reads open the later ones)
     for (size_t s = 0; s < slots.size(); ++s) by_group[s] = s;
-    if (paced) {
+    {
       std::lock_guard<std::mutex> lk(mu);
       std::stable_sort(by_group.begin(), by_group.end(), [&](size_t a, size_t b) { return slots[a].group < slots[b].group; });
     }
@@ -1291,8 +1105,7 @@ struct Producer::Impl {
       }
       report = SyncReport{};
       report.version = v;
-      ++syncs_started;
-      full_sync = opts.delta_full_every > 0 && syncs_started % opts.delta_full_every == 0;
+      delta->begin_sync();
       trace.begin(t0);
       restart = false;
       local_failure = Status::Ok();
@@ -1318,7 +1131,7 @@ struct Producer::Impl {
     {
       std::lock_guard<std::mutex> lk(mu);
       for (int c = 0; c < opts.num_consumers; ++c) {
-        const Peer& p = peers[static_cast<size_t>(c)];
+        const Peer& p = peers[c];
         if (static_cast<size_t>(c) < live.size() && live[static_cast<size_t>(c)] && p.committed)
           report.consumers_live[c] = *p.committed;
       }
@@ -1371,8 +1184,7 @@ struct Producer::Impl {
       for (const auto& [key, rf] : ready) {
         const auto& [rv, g, c] = key;
         if (rv <= v || c < 0 || static_cast<size_t>(c) >= live.size() || !live[static_cast<size_t>(c)]) continue;
-        auto pr = peer_rank.find(rf.from);
-        if (pr == peer_rank.end() || pr->second != c || (done.count(c) && done[c] == v)) continue;
+        if (!peers.made_for(rf.from, c) || (done.count(c) && done[c] == v)) continue;
         const std::string why = fmt::format("it syncs version {} but this producer serves version {}", rv, v);
         drop_locked(c, why, nullptr);
         early_mismatch.emplace_back(rf.from, Dropped{static_cast<uint32_t>(rank), rv, routes_hash, why});
@@ -1515,9 +1327,10 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
                             delta_kept_bytes(options, routes.producers[static_cast<size_t>(m.rank)], sr)};
       FERRY_ASSIGN_OR_RETURN(m.staging, StagingRing::create(m.ring_memory, source, m.holdings, so));
     }
+    m.delta = std::make_unique<DeltaEncoder>(*m.staging, options);
     FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));
     m.slots.resize(static_cast<size_t>(m.staging->slots()));
-    m.peers.resize(static_cast<size_t>(options.num_consumers));
+    m.peers.resize(options.num_consumers);
     m.live.assign(static_cast<size_t>(options.num_consumers), false);
     Impl* self = impl.get();
     transport.set_message_handler([self](PeerId from, uint32_t tag, std::span<const std::byte> payload) {

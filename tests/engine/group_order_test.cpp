@@ -2,7 +2,7 @@
 // the layer order is today's; the rotated order starts each cohort of consumers at its
 // own lane (a PP stage) and goes round, keeps every invariant the producer's staging
 // ring relies on, and at every step asks no producer for more than the layer order does
-// (and, with stages, far less in sum).
+// (and, with stages, far less in sum). The producer's Pacer serves its waves.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,6 +12,7 @@
 #include <set>
 
 #include "engine/group_order.h"
+#include "engine/pacer.h"
 #include "routes_fixture.h"
 #include "tools/job_model.h"
 
@@ -206,6 +207,67 @@ TEST(GroupOrder, CheckRefusesOrdersTheStagingRingCannotServe) {
     std::reverse(o.producer[0].begin(), o.producer[0].end());
     EXPECT_FALSE(check_group_order(j.routes, o).ok());
   }
+}
+
+// The producer's Pacer (engine/pacer.h) over the waves above: a read's turn comes when
+// every read of the waves before it finished (released, or finished by the producer's
+// own account: its consumer dropped, done or moved), waves open in order and only once
+// per attempt, and a new attempt starts at the first wave again. Under the layer order
+// there are no waves: every turn is now and groups pack in layer order.
+TEST(Pacer, OpensWavesOnlyOnceEveryReadBeforeThemFinished) {
+  Job j;
+  ASSERT_NO_FATAL_FAILURE(
+      make_job("llama-3.1-8b.json", "tp=1,pp=4", "tp=1,replicas=4", R"({"num_hidden_layers": 8})", j));
+  auto layer = Pacer::make(j.routes, 0, GroupOrderKind::kLayer);
+  ASSERT_TRUE(layer.ok()) << layer.status().to_string();
+  for (int g = 0; g < j.routes.num_groups(); ++g) {
+    EXPECT_EQ(layer->pack_position(g), g);
+    for (int c = 0; c < 4; ++c) EXPECT_TRUE(layer->turn(c, g));
+  }
+  EXPECT_TRUE(layer->open([](const ServedRead&) { return false; }).empty());
+  EXPECT_EQ(layer->heap_bytes(), 0u);
+
+  const GroupOrder o = make_group_order(j.routes, {GroupOrderKind::kRotated, true});
+  const auto waves = serve_waves(j.routes, o, 0);
+  ASSERT_EQ(waves.size(), 10u);  // (RotatedStartsCohortsAtEveryStage)
+  auto made = Pacer::make(j.routes, 0, GroupOrderKind::kRotated);
+  ASSERT_TRUE(made.ok()) << made.status().to_string();
+  Pacer& pacer = *made;
+  EXPECT_GT(pacer.heap_bytes(), 0u);
+  const std::vector<int>& mine = o.producer[0];
+  for (size_t i = 0; i < mine.size(); ++i) EXPECT_EQ(pacer.pack_position(mine[i]), static_cast<int>(i));
+  auto turns = [&](size_t w) {
+    for (const ServedRead& r : waves[w])
+      if (!pacer.turn(r.consumer, r.group)) return false;
+    return true;
+  };
+  auto none = [](const ServedRead&) { return false; };
+  pacer.begin_attempt();
+  EXPECT_TRUE(turns(0));
+  EXPECT_FALSE(turns(1));
+  EXPECT_TRUE(pacer.open(none).empty());  // wave 0 not finished
+  // Wave 0 released: wave 1 opens, and only it (its own read is not finished).
+  for (const ServedRead& r : waves[0]) pacer.note_released(r.consumer, r.group);
+  EXPECT_EQ(pacer.open(none), waves[1]);
+  EXPECT_TRUE(turns(1));
+  EXPECT_FALSE(turns(2));
+  EXPECT_TRUE(pacer.open(none).empty());  // (opened once)
+  // Wave 1's consumer finished by the producer's account (dropped): wave 2 opens.
+  const ServedRead gone = waves[1][0];
+  auto dropped = [&](const ServedRead& r) { return r.consumer == gone.consumer; };
+  std::vector<ServedRead> opened = pacer.open(dropped);
+  ASSERT_FALSE(opened.empty());
+  EXPECT_EQ(std::vector<ServedRead>(opened.begin(), opened.begin() + static_cast<long>(waves[2].size())), waves[2]);
+  for (const ServedRead& r : opened) EXPECT_TRUE(pacer.turn(r.consumer, r.group));
+  // Everything finished: every remaining wave opens at once.
+  auto all = [](const ServedRead&) { return true; };
+  pacer.open(all);
+  EXPECT_TRUE(turns(waves.size() - 1));
+  // A new attempt: back to wave 0, releases forgotten.
+  pacer.begin_attempt();
+  EXPECT_TRUE(turns(0));
+  EXPECT_FALSE(turns(1));
+  EXPECT_FALSE(pacer.released(waves[0][0].consumer, waves[0][0].group));
 }
 
 }  // namespace

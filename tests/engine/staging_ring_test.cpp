@@ -5,7 +5,8 @@
 // (synthetic_tensor) and the pack list: packed bytes hold their elements, every other
 // byte (in-place runs, padding, the slot's tail) is left as it was. Checksums are checked
 // against a SegmentHash over the same spans of those expected bytes. Then slot reuse,
-// the errors, and (StagingRingDevice, label emulated-cuda) the GPU paths.
+// the errors, and (StagingRingDevice, label emulated-cuda) the GPU paths; and the
+// DeltaEncoder's patches over the ring's slots and kept copy.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -14,7 +15,9 @@
 
 #include <fmt/format.h>
 
+#include "delta/patch.h"
 #include "engine/cuda_ipc.h"
+#include "engine/delta_encoder.h"
 #include "engine/memory.h"
 #include "engine/registered_buffer.h"
 #include "engine/schedule.h"
@@ -240,7 +243,7 @@ struct OneProducer {
   std::unique_ptr<StagingRing> ring;
   ProducerSchedule schedule;
 
-  Status start(bool in_place, Device staging_device = Device{}) {
+  Status start(bool in_place, Device staging_device = Device{}, uint64_t kept_bytes = 0) {
     if (!model.ok()) return model.status();
     routes = build(*model);
     source = std::make_unique<RegionSource>(*model, 0);
@@ -249,6 +252,7 @@ struct OneProducer {
     o.slots = 2;
     o.staging_device = staging_device;
     if (in_place) o.source_regions = {source->region()};
+    o.kept_bytes = kept_bytes;
     FERRY_ASSIGN_OR_RETURN(ring, StagingRing::create(memory, *source, holdings(), o));
     FERRY_ASSIGN_OR_RETURN(schedule, make_producer_schedule(routes, 0, holdings(), ring->in_place(), ring->slot_bytes()));
     return Status::Ok();
@@ -289,6 +293,80 @@ TEST(StagingRing, ReusesSlotsWithoutTouchingTheOthers) {
       EXPECT_TRUE(std::equal(other.begin(), other.end(), k.ring->slot(1 - s).begin()))
           << "packing slot " << s << " changed slot " << 1 - s;
     }
+  }
+}
+
+// The producer's DeltaEncoder (engine/delta_encoder.h) over a real ring's slots and kept
+// copy: the first pack of a group is dense and kept; the next, with a few elements
+// changed, is a patch against the kept version that turns that version's bytes into the
+// new ones, while the kept copy takes the new dense bytes; new routes keep no base; every
+// delta_full_every-th sync is dense; with delta off nothing is kept or patched.
+TEST(DeltaEncoder, PatchesAgainstTheKeptVersionAndKeepsTheNewOne) {
+  OneProducer k;
+  ASSERT_TRUE(k.start(false).ok());
+  const ProducerRoute& route = k.routes.producers[0];
+  OneProducer kk;
+  ASSERT_TRUE(kk.start(false, Device{}, kept_copy_bytes(route)).ok());
+  EngineOptions eo;
+  eo.delta = true;
+  eo.delta_full_every = 3;
+  DeltaEncoder enc(*kk.ring, eo);
+  enc.install(route);
+  int g = -1;  // a group with bytes
+  for (int i = 0; i < k.routes.num_groups() && g < 0; ++i)
+    if (route.groups[static_cast<size_t>(i)].staging_bytes > 0) g = i;
+  ASSERT_GE(g, 0);
+  const ProducerGroup& grp = route.groups[static_cast<size_t>(g)];
+  const size_t s = 1;
+  std::span<std::byte> slot = kk.ring->slot(s);
+  auto fill = [&](uint64_t v) {  // version v's "packed" bytes; v changes one byte in 4096
+    for (uint64_t i = 0; i < grp.staging_bytes; ++i)
+      slot[i] = std::byte(static_cast<uint8_t>((i * 131) ^ (i % 4096 == 7 ? v : 0)));
+  };
+  auto dense = [&] { return std::vector<std::byte>(slot.begin(), slot.begin() + static_cast<long>(grp.staging_bytes)); };
+  enc.begin_sync();
+  fill(1);
+  const std::vector<std::byte> v1 = dense();
+  DeltaPack first = enc.pack(g, s, 1, grp);
+  EXPECT_FALSE(first.base);  // nothing kept yet: dense
+  EXPECT_TRUE(first.patch_bytes.empty());
+  enc.begin_sync();
+  fill(2);
+  const std::vector<std::byte> v2 = dense();
+  DeltaPack second = enc.pack(g, s, 2, grp);
+  ASSERT_EQ(second.base, std::optional<uint64_t>(1));
+  EXPECT_GT(second.compared, 0u);
+  EXPECT_GT(second.changed, 0u);
+  EXPECT_LT(second.changed, second.compared / 100);
+  EXPECT_EQ(second.dense_offset, kk.ring->kept_offset());  // the group's dense bytes: the kept copy
+  for (const Segment& seg : grp.segments) {
+    if (seg.bytes == 0) continue;
+    auto pb = second.bytes_for(seg.plan);
+    ASSERT_TRUE(pb) << "segment of class " << seg.plan << " went dense";
+    EXPECT_LT(*pb, seg.bytes / 10);
+    std::vector<std::byte> target(v1.begin() + static_cast<long>(seg.offset), v1.begin() + static_cast<long>(seg.offset + seg.bytes));
+    ASSERT_TRUE(delta::apply_patch(target, {slot.data() + seg.offset, *pb}).ok());
+    EXPECT_TRUE(std::equal(target.begin(), target.end(), v2.begin() + static_cast<long>(seg.offset)));
+    EXPECT_TRUE(std::equal(target.begin(), target.end(), kk.ring->kept().data() + seg.offset));  // kept: v2 dense
+  }
+  enc.begin_sync();  // the third sync: dense only (delta_full_every 3)
+  fill(3);
+  EXPECT_FALSE(enc.pack(g, s, 3, grp).base);
+  enc.begin_sync();
+  fill(4);
+  EXPECT_EQ(enc.pack(g, s, 4, grp).base, std::optional<uint64_t>(3));
+  enc.install(route);  // new routes: nothing kept is a base under them
+  enc.begin_sync();
+  fill(5);
+  EXPECT_FALSE(enc.pack(g, s, 5, grp).base);
+
+  DeltaEncoder off(*k.ring, EngineOptions{});
+  off.install(route);
+  for (uint64_t v = 1; v <= 2; ++v) {
+    off.begin_sync();
+    const DeltaPack p = off.pack(g, s, v, grp);
+    EXPECT_FALSE(p.base);
+    EXPECT_EQ(p.compared, 0u);
   }
 }
 

@@ -1,0 +1,79 @@
+// engine/delta_encoder.h — the producer's side of delta syncs (EngineOptions::delta,
+// docs/delta.md): the kept copy (StagingRing::kept) laid out for the routes installed,
+// the version each group holds there, and the patches of a group just packed. With delta
+// off it keeps nothing and every group goes dense, so the sync loop asks it the same way
+// either way. Internal.
+//
+// Threading: the producer's sync thread only (install between attempts, pack after
+// StagingRing::pack). Not thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <vector>
+
+#include "engine/staging_ring.h"
+#include "ferry/engine.h"
+#include "ferry/route.h"
+
+namespace ferry::engine {
+
+// What DeltaEncoder::pack put in a slot: the version its patches are against (none:
+// dense), each plan class's patch bytes (a class absent: dense), where the patches lie
+// (the slot, or its patch area) and where the group's dense bytes lie (the kept copy, or
+// the slot).
+struct DeltaPack {
+  std::optional<uint64_t> base;
+  std::map<uint32_t, uint64_t> patch_bytes;
+  uint64_t patch_offset = 0, dense_offset = 0;
+  // Plan class `cls`'s patch bytes, if it has a patch.
+  std::optional<uint64_t> bytes_for(uint32_t cls) const {
+    auto it = patch_bytes.find(cls);
+    if (!base || it == patch_bytes.end()) return std::nullopt;
+    return it->second;
+  }
+  // Elements (blocks, under delta_block_bytes) compared, and of those changed: the
+  // report's delta_elements / delta_changed.
+  uint64_t compared = 0, changed = 0;
+};
+
+class DeltaEncoder {
+ public:
+  // `staging` outlives this. Options read: delta, delta_block_bytes, delta_full_every.
+  DeltaEncoder(StagingRing& staging, const EngineOptions& options);
+
+  // The routes changed: the kept copy is laid out for `route` afresh, and nothing in it
+  // is a base under the new routes.
+  void install(const ProducerRoute& route);
+  // A sync begins: every delta_full_every-th sends dense bytes only.
+  void begin_sync();
+  // Group g of version v is packed (dense) in slot s. Per plan class segment: a patch
+  // against the kept copy's version of it where one is kept (under these routes, of
+  // another version, not a full sync) and smaller than the dense bytes; the kept copy
+  // then takes the dense bytes (and the version v), and the slot the patch. Without a
+  // kept copy (delta_block_bytes): the changed blocks into the slot's patch area, the
+  // slot keeping the dense bytes. Delta off: nothing (dense).
+  DeltaPack pack(int g, size_t s, uint64_t v, const ProducerGroup& grp);
+
+ private:
+  DeltaPack pack_blocks(int g, size_t s, uint64_t v, const ProducerGroup& grp);
+
+  StagingRing& staging_;
+  const bool on_;
+  const uint64_t block_bytes_, full_every_;
+  // The kept copy laid out for the routes now installed (kept_at per group), whether
+  // that fits the ring's kept area, and the version each group holds there (none: not
+  // packed under these routes yet).
+  bool fits_ = false;
+  std::vector<uint64_t> kept_at_;
+  std::vector<std::optional<uint64_t>> kept_version_;
+  // delta_block_bytes > 0: per group, per segment, the block hashes of what it packed
+  // last (no copy); the kept area is then a patch area, one slot's worth per slot.
+  std::vector<std::vector<std::vector<uint64_t>>> kept_blocks_;
+  std::vector<std::byte> scratch_;  // one segment's patch, before it goes into the slot
+  uint64_t syncs_started_ = 0;
+  bool full_sync_ = false;  // this sync sends dense bytes only
+};
+
+}  // namespace ferry::engine
