@@ -20,7 +20,7 @@ Status Consumer::Impl::version_mismatch_locked(uint64_t v, const std::set<int>& 
   }
   for (const auto& [key, e] : inbox) {
     const auto& [mv, g, p] = key;
-    if (mv > v && from.count(p) && e.from == peers[static_cast<size_t>(p)].id) return mismatch(p, mv);
+    if (mv > v && from.count(p) && e.from == peers[p].id) return mismatch(p, mv);
   }
   return Status::Ok();
 }
@@ -40,110 +40,96 @@ Status Consumer::Impl::moved_on_locked(uint64_t v, const std::set<int>& from) {
 
 Result<std::pair<int, Consumer::Impl::Arrival>> Consumer::Impl::await_any(uint64_t v, int g, const std::set<int>& from, const char* what,
                                           bool* none) {
+  using Answer = Result<std::pair<int, Arrival>>;
   std::unique_lock<std::mutex> lk(mu);
-  const auto deadline = Clock::now() + opts.timeout;
-  // Checked each lease_ttl of silence: producers whose lease was gone at the last check
-  // too (lost_producer).
-  auto next_check = Clock::now() + opts.lease_ttl;
-  auto next_keepalive = Clock::now() + keepalive_every();
-  std::set<int> lapsed;
-  for (;;) {
-    // Checked before any announcement is taken (see moved_on_locked).
-    if (Status m = moved_on_locked(v, from); !m.ok()) return m;
-    for (int p : from) {
-      auto it = inbox.find({v, g, p});
-      // A message of another attempt (other routes) stays: it may be the next one's.
-      if (it == inbox.end() || it->second.routes != routes_hash) continue;
-      if (it->second.from != peers[static_cast<size_t>(p)].id) continue;  // not the connected instance
-      Arrival a = it->second;
-      inbox.erase(it);
-      return std::make_pair(p, a);
-    }
-    // A producer on routes this consumer has not run this sync. Newer ones (a failover
-    // another consumer started: it marks the dead in the store before any producer hears
-    // of them) are followed. Routes the store's dead marks do not give are a producer
-    // behind (it has not yet heard of a failover this consumer knows): wait for it to
-    // catch up rather than give up the sync (following would rebuild the same routes,
-    // and a new attempt would wait for announcements this one already took).
-    std::optional<std::pair<uint64_t, int>> foreign;
-    for (const auto& [key, e] : inbox) {
-      if (std::get<0>(key) == v && e.routes != routes_hash && !old_hashes.count(e.routes)) {
-        foreign = std::make_pair(e.routes, std::get<2>(key));
-        break;
+  // Leases checked each lease_ttl of silence: producers whose lease was gone at the last
+  // check too (lost_producer).
+  const bool watch = opts.failover && opts.lease_ttl.count() > 0;
+  WaitTicks ticks{Clock::now() + opts.timeout, health_probe_every(opts.lease_ttl), keepalive_every(),
+                  watch ? Clock::duration(opts.lease_ttl) : Clock::duration{}};
+  LapseWatch lapses;
+  auto step = [&]() -> std::optional<Answer> {
+    for (;;) {
+      // Checked before any announcement is taken (see moved_on_locked).
+      if (Status m = moved_on_locked(v, from); !m.ok()) return Answer(m);
+      for (int p : from) {
+        auto it = inbox.find({v, g, p});
+        // A message of another attempt (other routes) stays: it may be the next one's.
+        if (it == inbox.end() || it->second.routes != routes_hash) continue;
+        if (it->second.from != peers[p].id) continue;  // not the connected instance
+        Arrival a = it->second;
+        inbox.erase(it);
+        return Answer(std::make_pair(p, a));
       }
-    }
-    if (foreign) {
+      // A producer on routes this consumer has not run this sync. Newer ones (a failover
+      // another consumer started: it marks the dead in the store before any producer
+      // hears of them) are followed. Routes the store's dead marks do not give are a
+      // producer behind (it has not yet heard of a failover this consumer knows): wait
+      // for it to catch up rather than give up the sync (following would rebuild the
+      // same routes, and a new attempt would wait for announcements this one already took).
+      std::optional<std::pair<uint64_t, int>> foreign;
+      for (const auto& [key, e] : inbox) {
+        if (std::get<0>(key) == v && e.routes != routes_hash && !old_hashes.count(e.routes)) {
+          foreign = std::make_pair(e.routes, std::get<2>(key));
+          break;
+        }
+      }
+      if (!foreign) break;
       lk.unlock();
       auto stored = route_state.read_dead();
       lk.lock();
-      if (stored.ok() && *stored == route_state.dead()) {
-        old_hashes.insert(foreign->first);
-        continue;
+      if (!stored.ok() || *stored != route_state.dead()) {
+        switch_routes = true;
+        return Answer(unavailable("consumer {}: producer {} switched routes for sync {}", rank, foreign->second, v));
       }
-      switch_routes = true;
-      return unavailable("consumer {}: producer {} switched routes for sync {}", rank, foreign->second, v);
+      old_hashes.insert(foreign->first);
     }
     for (int p : from) {
       if (auto it = failed.find(p); it != failed.end()) {
         failed_p = p;
-        return peer_failed("producer {} failed during sync {} (group {}): {}", p, v, g, it->second.to_string());
+        return Answer(peer_failed("producer {} failed during sync {} (group {}): {}", p, v, g, it->second.to_string()));
       }
     }
-    if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
-    FERRY_RETURN_IF_ERROR(own_transport_health());  // (rather than wait out timeout)
-    if (Status w = worker->status(); !w.ok()) return w;
+    if (crashed) return Answer(cancelled("consumer {} crashed (test hook)", rank));
+    if (Status h = own_transport_health(); !h.ok()) return Answer(h);  // (rather than wait out timeout)
+    if (Status w = worker->status(); !w.ok()) return Answer(w);
     if (none) {
       *none = true;
-      return timeout_error("consumer {}: no {} yet", rank, what);
+      return Answer(timeout_error("consumer {}: no {} yet", rank, what));
     }
-    const bool watch = opts.failover && opts.lease_ttl.count() > 0;
-    const auto probe_at = Clock::now() + health_probe_every(opts.lease_ttl);
-    const auto wake = std::min({watch ? std::min(deadline, next_check) : deadline, probe_at, next_keepalive});
-    const bool timed_out = cv.wait_until(lk, wake) == std::cv_status::timeout;
-    if (timed_out && Clock::now() >= next_keepalive) {
-      // Held up by producer(s) in `from` (silent: paused, cut off, slow to pack): say so
-      // to the others with a JOIN, which restarts this consumer's straggler and stall
-      // clocks there, so that no healthy producer drops a consumer another producer is
-      // holding up (issue 30). A consumer slow on its own (its hooks, its unpacking, a
-      // pause of its process) is not in this wait and sends nothing.
-      lk.unlock();
-      for (int q : reachable_producers()) {
-        if (!from.count(q)) send_to(q, Join{me(), v, routes_hash});
-      }
-      lk.lock();
-      next_keepalive = Clock::now() + keepalive_every();
-      continue;
+    return std::nullopt;
+  };
+  // Held up by producer(s) in `from` (silent: paused, cut off, slow to pack): say so to
+  // the others with a JOIN, which restarts this consumer's straggler and stall clocks
+  // there, so that no healthy producer drops a consumer another producer is holding up
+  // (issue 30). A consumer slow on its own (its hooks, its unpacking, a pause of its
+  // process) is not in this wait and sends nothing.
+  auto keepalive = [&] {
+    for (int q : reachable_producers()) {
+      if (!from.count(q)) send_to(q, Join{me(), v, routes_hash});
     }
-    if (timed_out && watch && Clock::now() >= next_check && Clock::now() < deadline) {
-      lk.unlock();
-      const int lost = lost_producer(from, lapsed);
-      lk.lock();
-      next_check = Clock::now() + opts.lease_ttl;
-      if (lost >= 0) {
-        failed_p = lost;
-        return peer_failed("producer {} lost during sync {} (group {}): no {} and its lease {} gone for over "
-                           "{} ms (cut off or paused)", lost, v, g, what, keys.producer(lost), opts.lease_ttl.count());
-      }
-      continue;
-    }
-    if (Clock::now() >= deadline) {
-      std::string missing;
-      for (int p : from) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
-      return timeout_error("consumer {}: no {} from producer(s) {} for version {} group {} within {} ms", rank, what,
-                           missing, v, g, opts.timeout.count());
-    }
-  }
+  };
+  auto check = [&]() -> std::optional<Answer> {
+    const int lost = lost_producer(from, lapses);
+    if (lost < 0) return std::nullopt;
+    failed_p = lost;
+    return Answer(peer_failed("producer {} lost during sync {} (group {}): no {} and its lease {} gone for over {} ms "
+                              "(cut off or paused)", lost, v, g, what, keys.producer(lost), opts.lease_ttl.count()));
+  };
+  auto late = [&] {
+    std::string missing;
+    for (int p : from) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
+    return Answer(timeout_error("consumer {}: no {} from producer(s) {} for version {} group {} within {} ms", rank,
+                                what, missing, v, g, opts.timeout.count()));
+  };
+  return wait_loop<Answer>(lk, cv, ticks, step, keepalive, check, late);
 }
 
-int Consumer::Impl::lost_producer(const std::set<int>& from, std::set<int>& lapsed) {
+int Consumer::Impl::lost_producer(const std::set<int>& from, LapseWatch& lapses) {
   for (int p : from) {
     if (route_state.dead().count(p)) continue;
     auto blob = store.get(keys.producer(p));
-    if (blob.ok() || blob.status().code() != StatusCode::kNotFound) {
-      lapsed.erase(p);
-      continue;
-    }
-    if (!lapsed.insert(p).second) {
+    if (lapses.lapsed(p, !blob.ok() && blob.status().code() == StatusCode::kNotFound)) {
       std::set<int> d = route_state.dead();
       d.insert(p);
       if (route_state.routes_without(d).ok()) return p;
@@ -155,13 +141,13 @@ int Consumer::Impl::lost_producer(const std::set<int>& from, std::set<int>& laps
 Status Consumer::Impl::wait_reads(std::span<const Completion> ops, int p, uint64_t v, int g) {
   const auto deadline = Clock::now() + opts.timeout;
   const bool watch = opts.failover && opts.lease_ttl.count() > 0;
-  std::set<int> lapsed;
+  LapseWatch lapses;
   for (;;) {
     const auto left = std::max(std::chrono::milliseconds(0),
                                std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
     Status st = wait_all(ops, watch ? std::min(left, opts.lease_ttl) : left);
     if (st.code() != StatusCode::kTimeout || !watch || Clock::now() >= deadline) return st;
-    if (lost_producer({p}, lapsed) == p)
+    if (lost_producer({p}, lapses) == p)
       return peer_failed("producer {} lost during sync {} (group {}): reads pending and its lease {} gone for over "
                          "{} ms (cut off or paused)", p, v, g, keys.producer(p), opts.lease_ttl.count());
   }
@@ -473,20 +459,27 @@ Status Consumer::Impl::await_restart(uint64_t v, int p, Clock::time_point deadli
   std::string gone;
   {
     std::lock_guard<std::mutex> lk(mu);
-    gone = peers[static_cast<size_t>(p)].gone.value_or(std::string());
+    gone = peers[p].gone.value_or(std::string());
   }
-  // Polled with backoff: 10 ms doubling up to a quarter of the straggler floor (so the
-  // JOINs sent each round keep this consumer's progress fresh at the other producers),
-  // at most 500 ms.
-  const auto cap = keepalive_every();
-  Clock::duration backoff = std::chrono::milliseconds(10);
+  // The store polled with backoff: 10 ms doubling up to a quarter of the straggler floor
+  // (keepalive_every, at most 500 ms). JOINs to the others at that pace keep this
+  // consumer's progress fresh there.
+  WaitTicks ticks{deadline, health_probe_every(opts.lease_ttl), keepalive_every(), keepalive_every(),
+                  std::chrono::milliseconds(10)};
   const auto t = Clock::now();
   std::set<int> everyone;
   for (int q = 0; q < opts.num_producers; ++q) everyone.insert(q);
-  for (;;) {
+  auto step = [&]() -> std::optional<Status> {
+    if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
+    if (Status m = moved_on_locked(v, everyone); !m.ok()) return m;  // another producer dropped us meanwhile
+    return std::nullopt;
+  };
+  auto keepalive = [&] {
     for (int q : reachable_producers()) {
       if (q != p) send_to(q, Join{me(), v, routes_hash});
     }
+  };
+  auto check = [&]() -> std::optional<Status> {
     auto blob = store.get(keys.producer(p));
     if (blob.ok() && *blob != gone) {
       rep.failures.push_back(fmt::format("consumer {}: producer {} was gone as sync {} began (no DP replica); a "
@@ -495,17 +488,15 @@ Status Consumer::Impl::await_restart(uint64_t v, int p, Clock::time_point deadli
       return Status::Ok();
     }
     if (!blob.ok() && blob.status().code() != StatusCode::kNotFound) return blob.status();
-    {
-      std::unique_lock<std::mutex> lk(mu);
-      if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
-      if (Status m = moved_on_locked(v, everyone); !m.ok()) return m;  // another producer dropped us meanwhile
-    }
-    if (Clock::now() + backoff >= deadline)
-      return timeout_error("no restarted instance of producer {} registered within the sync's timeout {} ms "
-                           "(waited {} ms)", p, opts.timeout.count(), ms_since(t));
-    std::this_thread::sleep_for(backoff);
-    backoff = std::min<Clock::duration>(2 * backoff, cap);
-  }
+    return std::nullopt;
+  };
+  auto late = [&] {
+    return timeout_error("no restarted instance of producer {} registered within the sync's timeout {} ms "
+                         "(waited {} ms)", p, opts.timeout.count(), ms_since(t));
+  };
+  keepalive();  // (at once: the wait may be long before the first tick)
+  std::unique_lock<std::mutex> lk(mu);
+  return wait_loop<Status>(lk, cv, ticks, step, keepalive, check, late);
 }
 
 void Consumer::Impl::declare_routes(uint64_t v) {
@@ -513,7 +504,7 @@ void Consumer::Impl::declare_routes(uint64_t v) {
     bool ok;
     {
       std::lock_guard<std::mutex> lk(mu);
-      ok = !route_state.dead().count(p) && peers[static_cast<size_t>(p)].connected && !failed.count(p);
+      ok = !route_state.dead().count(p) && peers[p].connected && !failed.count(p);
     }
     if (ok) send_to(p, Failover{me(), v, routes_hash});
   }
@@ -524,7 +515,7 @@ Status Consumer::Impl::await_flushed(uint64_t v, const std::vector<int>& from, b
   std::unique_lock<std::mutex> lk(mu);
   const auto deadline = Clock::now() + opts.timeout;
   for (int p : from) {
-    while (!route_state.dead().count(p) && !failed.count(p) && peers[static_cast<size_t>(p)].connected) {
+    while (!route_state.dead().count(p) && !failed.count(p) && peers[p].connected) {
       auto it = flushed_from.find(p);
       if (it != flushed_from.end() && it->second == std::make_pair(v, routes_hash)) break;
       if (crashed) return cancel_on_crash ? cancelled("consumer {} crashed (test hook)", rank) : Status::Ok();
@@ -572,7 +563,7 @@ std::vector<int> Consumer::Impl::reachable_producers() {
   std::vector<int> out;
   std::lock_guard<std::mutex> lk(mu);
   for (int p = 0; p < opts.num_producers; ++p) {
-    if (peers[static_cast<size_t>(p)].connected && !failed.count(p)) out.push_back(p);
+    if (peers[p].connected && !failed.count(p)) out.push_back(p);
   }
   return out;
 }
@@ -655,7 +646,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
       // (Nor is one whose producer dropped this consumer from that version: it ran that
       // sync without us, and is not behind.)
       const bool ran = attempted.count(mv) || mismatched.count(mv) || dropped_versions.count({mv, p});
-      if (mv < v && !ran && peers[static_cast<size_t>(p)].connected && it->second.from == peers[static_cast<size_t>(p)].id)
+      if (mv < v && !ran && peers[p].connected && it->second.from == peers[p].id)
         behind[p] = mv;
       const bool stale = mv < v || (mv != v && ran);
       it = stale ? inbox.erase(it) : std::next(it);
@@ -713,7 +704,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
       bool gone;
       {
         std::lock_guard<std::mutex> lk(mu);
-        gone = peers[static_cast<size_t>(failed_p)].gone.has_value();
+        gone = peers[failed_p].gone.has_value();
       }
       std::set<int> d = route_state.dead();
       d.insert(failed_p);
@@ -769,7 +760,15 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
     param_set->abort();
     for (const auto& [p, n] : unanswered) flushed_from.erase(p);  // an answer to an earlier FAILOVER is not one to this ABORT
     lk.unlock();
-    for (int p : reachable_producers()) send_to(p, Abort{me(), v, routes_hash});
+    std::vector<Completion> aborts;
+    for (int p : reachable_producers()) {
+      if (auto c = send_to(p, Abort{me(), v, routes_hash})) aborts.push_back(*c);
+    }
+    // The ABORTs have left before sync returns (as the DONEs below): one still queued when
+    // the caller begins another sync would reach a producer in that sync as news of this
+    // one, and a later version's ABORT drops its sender from an earlier sync (CI, a
+    // loaded machine: PushVersionMismatchAskedBeforeTheProducersBegan's rollback to 2).
+    wait_all(aborts, std::min<std::chrono::milliseconds>(opts.timeout, std::chrono::milliseconds(2000))).ignore();
     if (Status w = wait_aborted_writes(v); !w.ok()) s = Status(s.code(), fmt::format("{}; {}", s.message(), w.message()));
     finish_report(s);
     return s;
@@ -829,7 +828,7 @@ const Routes& Consumer::routes() const { return impl_->routes; }
 int Consumer::rank() const { return impl_->rank; }
 bool engine::TestAccess::knows_failed(Consumer& c, int p) {
   std::lock_guard<std::mutex> lk(c.impl_->mu);
-  return c.impl_->failed.count(p) > 0 || !c.impl_->peers[static_cast<size_t>(p)].connected;
+  return c.impl_->failed.count(p) > 0 || !c.impl_->peers[p].connected;
 }
 
 bool engine::TestAccess::knows_dropped(Consumer& c, uint64_t version) {

@@ -34,7 +34,9 @@
 #include "engine/testing.h"
 #include "engine/memory.h"
 #include "engine/param_set.h"
+#include "engine/peer_table.h"
 #include "engine/unpack_worker.h"
+#include "engine/wait_loop.h"
 
 #include "ferry/engine.h"
 
@@ -97,10 +99,7 @@ struct Consumer::Impl {
 
   // A producer as its lease describes it (its staging and source regions are imported
   // into `lane`, its GPU staging into `ipc_lane`).
-  struct Peer {
-    std::string blob;
-    PeerId id = 0;
-    bool connected = false;
+  struct Peer : PeerLink {  // (engine/peer_table.h)
     // Set when the producer was found gone as an attempt began (no lease, or its lease's
     // address refused us): the lease it had ("" for none). A restarted instance registers
     // another (await_restart).
@@ -111,8 +110,7 @@ struct Consumer::Impl {
 
   std::mutex mu;
   std::condition_variable cv;
-  std::vector<Peer> peers;
-  std::map<PeerId, int> peer_rank;
+  PeerTable<Peer> peers;
   std::map<int, Status> failed;                             // producer -> why
   // An Announce (pull), Pushed (push) or RoutesNotice (group -1) as the sync loop takes it.
   struct Arrival {
@@ -292,7 +290,7 @@ struct Consumer::Impl {
   // consumer dropped as a stalled reader by every other producer. It is failed over
   // (it rejoins at the next sync: Producer::sync clears its mark once alive). -1: none.
   // A store that cannot be reached tells nothing: no lease is judged then.
-  int lost_producer(const std::set<int>& from, std::set<int>& lapsed);
+  int lost_producer(const std::set<int>& from, LapseWatch& lapses);
 
   // wait_all for reads from producer p, bounded by timeout; kPeerFailed as soon as p is
   // lost (lost_producer): a host cut off mid-read stalls tcp, it does not fail it.

@@ -13,8 +13,7 @@ void Consumer::Impl::on_message(PeerId from, std::span<const std::byte> payload)
   std::lock_guard<std::mutex> lk(mu);
   const int p = static_cast<int>(sender_of(msg));
   if (p < 0 || p >= opts.num_producers) return;
-  auto it = peer_rank.find(from);
-  const bool known = it != peer_rank.end() && it->second == p;
+  const bool known = peers.made_for(from, p);
   const uint64_t mv = version_of(msg);
   auto keep = [&](int group, const Arrival& a) {
     if (syncing && mv != *syncing && (attempted.count(mv) || mismatched.count(mv)))
@@ -68,13 +67,10 @@ void Consumer::Impl::on_peer_failure(PeerId peer, const Status& why) {
       it = it->second == peer ? relay_members.erase(it) : std::next(it);
     cv.notify_all();
   }
-  auto it = peer_rank.find(peer);
-  if (it == peer_rank.end()) return;
-  Peer& p = peers[static_cast<size_t>(it->second)];
-  if (p.id != peer) return;
-  p.connected = false;
-  failed[it->second] = why;
-  if (ipc_lane) ipc_lane->disconnect(it->second);
+  const std::optional<int> p = peers.fail(peer);
+  if (!p) return;
+  failed[*p] = why;
+  if (ipc_lane) ipc_lane->disconnect(*p);
   cv.notify_all();
 }
 
@@ -156,7 +152,7 @@ Status Consumer::Impl::refresh_producers() {
       // the transport and failed over.
       {
         std::lock_guard<std::mutex> lk(mu);
-        const Peer& pe = peers[static_cast<size_t>(p)];
+        const Peer& pe = peers[p];
         if (pe.connected && !failed.count(p)) continue;
       }
       // One we never reached: its lease may be healing (it resumed from a pause, or
@@ -171,7 +167,7 @@ Status Consumer::Impl::refresh_producers() {
         failed_p = p;
         {
           std::lock_guard<std::mutex> lk(mu);
-          peers[static_cast<size_t>(p)].gone = std::string();
+          peers[p].gone = std::string();
         }
         return unavailable("producer {} is not registered (no live lease {} within lease_ttl {} ms)", p,
                            keys.producer(p), opts.lease_ttl.count());
@@ -179,8 +175,7 @@ Status Consumer::Impl::refresh_producers() {
     }
     {
       std::lock_guard<std::mutex> lk(mu);
-      const Peer& pe = peers[static_cast<size_t>(p)];
-      if (pe.connected && pe.blob == *blob) continue;
+      if (peers.current(p, *blob)) continue;
     }
     auto lease = decode_producer_lease(*blob);
     if (!lease.ok()) return lease.status().with_context(fmt::format("lease of producer {}", p));
@@ -191,7 +186,7 @@ Status Consumer::Impl::refresh_producers() {
     if (!id.ok()) {
       failed_p = p;  // a candidate for failover
       std::lock_guard<std::mutex> lk(mu);
-      peers[static_cast<size_t>(p)].gone = *blob;
+      peers[p].gone = *blob;
       return id.status().with_context(fmt::format("connecting to producer {}", p));
     }
     // Its staging (and, pulling, its source regions) for the transport lane; its GPU
@@ -210,14 +205,16 @@ Status Consumer::Impl::refresh_producers() {
     }
     if (ipc_lane) ipc_lane->connect(p, lease->cuda_ipc);
     std::lock_guard<std::mutex> lk(mu);
-    Peer& pe = peers[static_cast<size_t>(p)];
-    pe.blob = *blob;
-    pe.id = *id;
-    pe.connected = true;
+    if (!peers.adopt(p, *blob, *id)) {  // its connection failed while we connected
+      lane->disconnect(p);
+      if (ipc_lane) ipc_lane->disconnect(p);
+      failed_p = p;
+      return peer_failed("producer {}: its connection failed as it was made", p);
+    }
+    Peer& pe = peers[p];
     pe.in_place = opts.mode == SyncMode::kPull ? std::move(*table) : InPlaceTable{};
     pe.regions = *imported;
     schedule_stale = true;
-    peer_rank[*id] = p;
     failed.erase(p);
   }
   return Status::Ok();
@@ -227,7 +224,7 @@ std::optional<Completion> Consumer::Impl::send_to(int p, const Message& m) {
   PeerId id;
   {
     std::lock_guard<std::mutex> lk(mu);
-    id = peers[static_cast<size_t>(p)].id;
+    id = peers[p].id;
   }
   auto c = transport.send(id, kEngineTag, encode_message(m));
   if (!c.ok()) return std::nullopt;
@@ -424,7 +421,7 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
         fmt::format("consumer {}: the receive ring, for params on {}", rank, device_str(*cuda))));
   }
   FERRY_ASSIGN_OR_RETURN(auto key, transport.export_key(m.ring.region));
-  m.peers.resize(static_cast<size_t>(options.num_producers));
+  m.peers.resize(options.num_producers);
   Impl* self = this;
   transport.set_message_handler([self](PeerId from, uint32_t tag, std::span<const std::byte> payload) {
     if (tag == kEngineTag) self->on_message(from, payload);

@@ -261,66 +261,58 @@ Result<bool> Consumer::Impl::copy_from_relay(uint64_t v, int g, uint64_t base, c
   // the relay is lost (failed, lease gone at two checks a lease_ttl apart, or silent past
   // the timeout). JOINs every producer meanwhile, so that none drops this member as a
   // straggler for what its relay takes.
-  auto await_answer = [&](std::initializer_list<uint8_t> kinds) -> Result<std::optional<Relay>> {
+  using Answer = Result<std::optional<Relay>>;
+  auto await_answer = [&](std::initializer_list<uint8_t> kinds) -> Answer {
     std::unique_lock<std::mutex> lk(mu);
-    const auto deadline = Clock::now() + opts.timeout;
-    auto next_keepalive = Clock::now() + keepalive_every();
-    auto next_check = Clock::now() + opts.lease_ttl;
-    bool lapsed = false;
-    for (;;) {
+    WaitTicks ticks{Clock::now() + opts.timeout, health_probe_every(opts.lease_ttl), keepalive_every(),
+                    opts.lease_ttl.count() > 0 ? Clock::duration(opts.lease_ttl) : Clock::duration{}};
+    LapseWatch lapses;
+    auto step = [&]() -> std::optional<Answer> {
       if (auto it = relay_inbox.find({v, g}); it != relay_inbox.end() && it->second.routes == routes_hash &&
                                                  std::find(kinds.begin(), kinds.end(), it->second.kind) != kinds.end()) {
         Relay m = it->second;
         relay_inbox.erase(it);
-        return std::optional<Relay>(m);
+        return Answer(std::optional<Relay>(m));
       }
-      if (relay_link.lost) return std::optional<Relay>();  // (mu held)
-      {
-        // What ends a wait for producers ends this one too (await_any, polled: a producer
-        // failed, dropped us or serves another version, producers switched routes, our
-        // transport or unpack worker failed).
-        lk.unlock();
-        bool none = false;
-        auto a = await_any(v, g, from, "relay answer", &none);
-        lk.lock();
-        if (!none) {
-          if (!a.ok()) return a.status();
-          inbox[{v, g, a->first}] = a->second;  // (not taken here: the fallback reads it)
-        }
+      if (relay_link.lost) return Answer(std::optional<Relay>());  // (mu held)
+      // What ends a wait for producers ends this one too (await_any, polled: a producer
+      // failed, dropped us or serves another version, producers switched routes, our
+      // transport or unpack worker failed).
+      lk.unlock();
+      bool none = false;
+      auto a = await_any(v, g, from, "relay answer", &none);
+      lk.lock();
+      if (!none) {
+        if (!a.ok()) return Answer(a.status());
+        inbox[{v, g, a->first}] = a->second;  // (not taken here: the fallback reads it)
       }
-      if (Clock::now() >= deadline) {
-        relay_link.lost = true;
-        relay_link.why = fmt::format("no answer from relay consumer {} for group {} within {} ms", r, g,
-                                     opts.timeout.count());
-        return std::optional<Relay>();
+      return std::nullopt;
+    };
+    auto keepalive = [&] {
+      for (int q : reachable_producers()) send_to(q, Join{me(), v, routes_hash});
+    };
+    auto check = [&]() -> std::optional<Answer> {
+      auto blob = store.get(keys.consumer(r));
+      const bool gone = !blob.ok() && blob.status().code() == StatusCode::kNotFound;
+      bool other = false;  // another instance registered: this one is gone
+      if (blob.ok()) {
+        auto l = decode_consumer_lease(*blob);
+        other = !l.ok() || l->instance() != relay_link.lease;
       }
-      cv.wait_until(lk, std::min({deadline, next_keepalive, next_check}));
-      if (Clock::now() >= next_keepalive) {
-        lk.unlock();
-        for (int q : reachable_producers()) send_to(q, Join{me(), v, routes_hash});
-        lk.lock();
-        next_keepalive = Clock::now() + keepalive_every();
-      }
-      if (Clock::now() >= next_check && opts.lease_ttl.count() > 0) {
-        lk.unlock();
-        auto blob = store.get(keys.consumer(r));
-        lk.lock();
-        const bool gone = !blob.ok() && blob.status().code() == StatusCode::kNotFound;
-        if (gone && lapsed) {
-          relay_link.lost = true;
-          relay_link.why = fmt::format("relay consumer {}'s lease gone for over {} ms (paused, cut off or dead)", r,
-                                       opts.lease_ttl.count());
-          return std::optional<Relay>();
-        }
-        bool other = false;  // another instance registered: this one is gone
-        if (blob.ok()) {
-          auto l = decode_consumer_lease(*blob);
-          other = !l.ok() || l->instance() != relay_link.lease;
-        }
-        lapsed = gone || other;
-        next_check = Clock::now() + opts.lease_ttl;
-      }
-    }
+      if (!lapses.lapsed(r, gone || other)) return std::nullopt;
+      std::lock_guard<std::mutex> relock(mu);
+      relay_link.lost = true;
+      relay_link.why = fmt::format("relay consumer {}'s lease gone for over {} ms (paused, cut off or dead)", r,
+                                   opts.lease_ttl.count());
+      return Answer(std::optional<Relay>());
+    };
+    auto late = [&] {
+      relay_link.lost = true;
+      relay_link.why = fmt::format("no answer from relay consumer {} for group {} within {} ms", r, g,
+                                   opts.timeout.count());
+      return Answer(std::optional<Relay>());
+    };
+    return wait_loop<Answer>(lk, cv, ticks, step, keepalive, check, late);
   };
   if (!send_relay(Relay::kAsk)) return give_up(fmt::format("relay consumer {} not reachable", r));
   FERRY_ASSIGN_OR_RETURN(auto offer, await_answer({Relay::kOffer, Relay::kGone}));
