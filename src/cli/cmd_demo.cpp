@@ -207,6 +207,12 @@ int run_demo_cmd(tools::DemoSpec d, int kill_sync, bool kill_sync_given, int kil
                             : !pause.role.empty()     ? "--pause-role"
                             : !cut_texts.empty()      ? "--cut"
                                                       : nullptr;
+  if (d.relay) {  // (a layout that does not parse is refused below, naming it)
+    auto inference = InferenceLayout::parse(d.inference);
+    if (inference.ok() && inference->replicas < 2)
+      return fail_with("demo", invalid_argument("--relay: --inference {} has one replica of each rank, so none "
+                                                "relays for another (replicas=N with N >= 2)", d.inference));
+  }
   if (other_fault != nullptr && kill_sync_given && kill_sync > 0) {
     std::fprintf(stderr,
                  "ferry demo: --kill-sync %d and %s are two faults; the demo injects one kind of fault per run "
@@ -410,7 +416,7 @@ std::function<int()> setup_demo(CLI::App& app) {
                                "producer | consumer: where a float conversion that shrinks the bytes runs (a trainer "
                                "--trainer ...,dtype=fp32 into bf16 params; EngineOptions::convert_on)")
                     ->check(CLI::IsMember({"producer", "consumer"}));
-                app.add_option("--quantize", d->quantize,
+                CLI::Option* quantize = app.add_option("--quantize", d->quantize,
                                "none | fp8 | fp8-ue8m0 | mxfp8: the inference ranks' loader block-quantises the linear weights "
                  "after loading (LoaderOptions::quantize, docs/models.md); where it runs: --quantize-on")
                     ->check(CLI::IsMember({"none", "fp8", "fp8-ue8m0", "mxfp8"}));
@@ -418,7 +424,8 @@ std::function<int()> setup_demo(CLI::App& app) {
                  "producer | consumer: where the --quantize block quantisation runs: on a trainer rank that holds "
                  "every element of a param's tiles (FP8 values and scales cross the wire), or after loading on the "
                  "inference rank (EngineOptions::quantize_on; the params' bits are the same)")
-                    ->check(CLI::IsMember({"producer", "consumer"}));
+                    ->check(CLI::IsMember({"producer", "consumer"}))
+                    ->needs(quantize);
                 app.add_option("--commit", d->commit,
                                "inference ranks' commit policy: in_place, groups (a bounded shadow: each layer group "
                                "commits whole as it completes; the reader checks every group is whole), or shadow "

@@ -440,16 +440,18 @@ FERRY_COMMAND(plan_command, "plan",
                 app.add_option("--staging-budget", a->staging_budget,
                                "Each producer's staging budget (bytes; suffixes KiB, MiB, GiB; 0: two slots of its "
                                "largest group); refused when smaller than the largest group, with the bytes needed")
+                    ->check(size_not_negative())
                     ->transform(CLI::AsSizeValue(false));
                 app.add_flag("--no-failover", a->no_failover,
                              "Size staging as a producer without failover (no worst case for a replica's boxes)");
-                app.add_flag("--delta", a->delta,
+                CLI::Option* delta = app.add_flag("--delta", a->delta,
                              "Producers run delta syncs: each keeps a copy of every byte it stages (reported as "
                              "delta kept copy; docs/delta.md)");
                 app.add_option("--delta-block-bytes", a->delta_block_bytes,
                                "With --delta: producers keep no copy, only block hashes; a patch area the size of "
                                "the staging ring is reported instead")
-                    ->check(number_in(0, 1ull << 40));
+                    ->check(number_in(0, 1ull << 40))
+                    ->needs(delta);
                 app.add_option("--commit", a->commit,
                                "The consumers' commit policy: in_place, shadow (each consumer holds one more copy "
                                "of its params, reported as shadow params) or groups (a bounded shadow: the layer "

@@ -23,13 +23,14 @@ void add_common(CLI::App& app, tools::RankSpec& s) {
   app.add_option("--mode", s.mode, "pull (consumers read) or push (trainers write); the same on every rank")
       ->default_val("pull");
   app.add_flag("--checksums", s.checksums, "End-to-end xxHash per segment (the same on every rank)");
-  app.add_flag("--delta", s.delta,
+  CLI::Option* delta = app.add_flag("--delta", s.delta,
                "Delta syncs: serve sends patches of what changed since the version each fetch holds, fetch applies "
                "them (checked end to end; docs/delta.md)");
   app.add_option("--delta-block-bytes", s.delta_block_bytes,
                  "serve, with --delta: keep no copy, only a hash per block of this many bytes, and send changed "
                  "blocks whole (0: keep a copy)")
-      ->check(number_in(0, 1ull << 40));
+      ->check(number_in(0, 1ull << 40))
+      ->needs(delta);
   app.add_option("--version", s.first_version, "First version to sync")->default_val(1)->check(number_in(0, 1 << 30));
   app.add_option("--syncs", s.syncs, "Syncs to run: versions --version, --version + 1, ...")
       ->default_val(1)

@@ -32,7 +32,8 @@ struct SimulateArgs {
   std::string design = "ferry";
   std::string mode = "pull";
   std::string order = "layer";
-  double changed_fraction = -1;  // < 0: a dense sync
+  double changed_fraction = 0;
+  const CLI::Option* changed_given = nullptr;  // --changed-fraction given: a delta sync
   std::string quantize = "none";
   std::string quantize_on;  // "": as the engine (producer where there is something to quantise)
   std::string changes = "scattered";
@@ -106,7 +107,9 @@ int run_simulate(const SimulateArgs& a) {
   const auto t0 = std::chrono::steady_clock::now();
   auto work = build_workload(job, *design);
   if (!work.ok()) return fail_with("simulate", work.status());
-  const bool delta = a.changed_fraction >= 0;
+  // Given at all: a delta sync, and apply_delta refuses what is not in [0, 1] (nan and
+  // -0.5 ran dense when a negative value meant none).
+  const bool delta = a.changed_given && a.changed_given->count() > 0;
   if (delta) {
     auto layout = delta::parse_change_layout(a.changes);
     if (!layout.ok()) return fail_with("simulate", layout.status().with_context("--changes"));
@@ -271,7 +274,7 @@ FERRY_COMMAND(simulate_command, "simulate",
                                "ferry's group order: layer (the engine today) | rotated | rotated-unpaced "
                                "(docs/group-order.md)")
                     ->default_val("layer");
-                app.add_option("--changed-fraction", a->changed_fraction,
+                a->changed_given = app.add_option("--changed-fraction", a->changed_fraction,
                                "Predict a delta sync (docs/delta.md): this fraction (0..1) of the elements changed "
                                "since the version every consumer holds");
                 app.add_option("--changes", a->changes,
@@ -287,6 +290,7 @@ FERRY_COMMAND(simulate_command, "simulate",
                                "trainer's bf16 crosses; the inference ranks quantise)");
                 app.add_option("--staging-budget", a->job.staging_budget,
                                "Each producer's staging budget (bytes, suffixes KiB, MiB, GiB; 0: two slots)")
+                    ->check(size_not_negative())
                     ->transform(CLI::AsSizeValue(false));
                 app.add_flag("--shrink", a->job.shrink,
                              "Route a structurally equal small variant of the model (what ferry demo syncs)");

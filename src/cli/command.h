@@ -78,9 +78,9 @@ inline CLI::Validator number_in(double lo, double hi) {
 // and how much of the synthetic weights changes per version (SyntheticChanges).
 inline void add_delta_options(CLI::App& app, bool& delta, double& changed_fraction, std::string& changes,
                               uint64_t& block_bytes) {
-  app.add_flag("--delta", delta,
-               "delta syncs: producers send each inference rank a patch of what changed since the version it holds "
-               "(EngineOptions::delta, docs/delta.md)");
+  CLI::Option* on = app.add_flag("--delta", delta,
+                                 "delta syncs: producers send each inference rank a patch of what changed since the "
+                                 "version it holds (EngineOptions::delta, docs/delta.md)");
   app.add_option("--changed-fraction", changed_fraction,
                  "fraction of the synthetic weights that changes between versions (default 1: all)")
       ->check(number_in(0, 1));
@@ -89,7 +89,20 @@ inline void add_delta_options(CLI::App& app, bool& delta, double& changed_fracti
   app.add_option("--delta-block-bytes", block_bytes,
                  "with --delta: trainer ranks keep no copy, only a hash per block of this many bytes, and send "
                  "changed blocks whole (0, the default: keep a copy, send changed elements)")
-      ->check(number_in(0, 1ull << 40));
+      ->check(number_in(0, 1ull << 40))
+      ->needs(on);
+}
+
+// A byte size (CLI::AsSizeValue's suffixes) that must not be negative: an unsigned option
+// takes "-1" as 2^64 - 1 otherwise (ferry plan --staging-budget -1 was 16,777,216 TiB).
+inline CLI::Validator size_not_negative() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        const size_t at = text.find_first_not_of(" \t");
+        return at != std::string::npos && text[at] == '-' ? "'" + text + "' is negative: a size is 0 or more bytes"
+                                                           : std::string();
+      },
+      "SIZE");
 }
 
 struct CommandRegistrar {

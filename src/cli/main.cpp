@@ -31,7 +31,9 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // CLI11 prints the refusal (or the help, or the version); a refused command line
+    // exits 2 as every other refused input does (CLI11's own codes are 101-120).
+    return app.exit(e) == 0 ? 0 : 2;
   }
   for (auto& [sub, run] : runners) {
     if (!sub->parsed()) continue;

@@ -257,8 +257,16 @@ nlohmann::json rank_report_json(const RankReport& r) {
   return out;
 }
 
+// --trace FILE written once (empty) before the rank joins the job: a path it cannot write
+// was taken, and then failed in every sync's report.
+Status check_trace_path(const RankSpec& s, int rank) {
+  if (s.trace.empty()) return Status::Ok();
+  return TraceFile(trace_path_for_rank(s.trace, rank)).write().with_context("--trace");
+}
+
 Result<std::vector<RankReport>> serve_rank(const RankSpec& s, const RankReportSink& on_report) {
   FERRY_ASSIGN_OR_RETURN(Setup u, local_setup(s, true));
+  FERRY_RETURN_IF_ERROR(check_trace_path(s, u.rank));
   const SafetensorsAccess access = s.read_checkpoint ? SafetensorsAccess::kRead : SafetensorsAccess::kMap;
   FERRY_ASSIGN_OR_RETURN(SafetensorsDir dir, SafetensorsDir::open(s.checkpoint, access));
   std::vector<ServedFile> served;
@@ -389,6 +397,7 @@ Status check_output_dir(const std::string& dir) {
 
 Result<std::vector<RankReport>> fetch_rank(const RankSpec& s, const RankReportSink& on_report) {
   FERRY_ASSIGN_OR_RETURN(Setup u, local_setup(s, false));
+  FERRY_RETURN_IF_ERROR(check_trace_path(s, u.rank));
   if (!s.output.empty()) FERRY_RETURN_IF_ERROR(check_output_dir(s.output));
   std::optional<TensorMap> expected;
   if (!s.checkpoint.empty()) FERRY_RETURN_IF_ERROR(direct_load(u.model, u.rank, s.checkpoint, expected));

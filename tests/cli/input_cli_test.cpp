@@ -35,6 +35,37 @@ TEST(InputCli, HugeLayoutIsRefusedNotBadAlloc) {
   EXPECT_NE(r.err.find("exceeds the limit of 1048576 ranks"), std::string::npos) << r.err;
 }
 
+// Refused at once with exit code 2 and a message naming the flag (issue 49, finding 7):
+// CLI11's own refusals (101-120 before), a negative size taken as 2^64 - 1, a delta
+// fraction that ran dense, options that were silently ignored without the one they
+// need, and a trace path that failed in every report instead of at the start.
+TEST(InputCli, RefusalsExitTwoNamingTheFlag) {
+  const std::string plan = "plan --model " + kModel + " --trainer tp=1 --inference tp=1 ";
+  const std::string sim = "simulate --model " + kModel + " --trainer tp=1 --inference tp=1 --cluster " +
+                          std::string(FERRY_SOURCE_DIR) + "/configs/clusters/emulated-2host-1gbit.json ";
+  const struct {
+    std::string args, flag;
+  } cases[] = {
+      {plan + "--no-such-flag", "--no-such-flag"},
+      {plan + "--staging-budget -1", "--staging-budget"},
+      {plan + "--staging-budget ' -5GiB'", "--staging-budget"},
+      {plan + "--delta-block-bytes 4096", "--delta"},
+      {sim + "--changed-fraction nan", "--changed-fraction"},
+      {sim + "--changed-fraction -0.5", "--changed-fraction"},
+      {"demo --relay --inference tp=1", "--relay"},
+      {"demo --quantize-on consumer", "--quantize"},
+      {"bench --delta-block-bytes 4096", "--delta"},
+      {"fetch --store tcp://127.0.0.1:1 --model " + kModel + " --trainer tp=1 --inference tp=1 --rank 0 --trace " +
+           "/nonexistent-ferry-dir/t.json",
+       "--trace"},
+  };
+  for (const auto& c : cases) {
+    CliRun r = ferry(c.args);  // (a hang is killed by ferry()'s timeout and fails here)
+    EXPECT_EQ(r.exit_code, 2) << c.args << ": " << r.err;
+    EXPECT_NE(r.err.find(c.flag), std::string::npos) << c.args << ": " << r.err;
+  }
+}
+
 TEST(InputCli, EmptyPipelineStagesAreRefused) {
   CliRun r = ferry("plan --model " + kModel + " --trainer pp=64");
   EXPECT_EQ(r.exit_code, 2) << r.err;
