@@ -225,6 +225,8 @@ Result<StoreUrl> parse_store_url(std::string_view url) {
     if (u.scheme == StoreUrl::Scheme::kTcp) return bad("tcp:// URLs take no path");
     if (path.find_first_of("?#") != std::string_view::npos) return bad("query strings are not supported");
     while (path.ends_with("/")) path.remove_suffix(1);
+    if (path.starts_with("/") || path.find("//") != std::string_view::npos)
+      return bad(fmt::format("prefix '{}' has an empty segment (\"//\": it ends a prefix in the keys stored)", path));
     u.prefix = std::string(path);
   }
   return u;

@@ -693,10 +693,36 @@ TEST(StoreUrlTest, Parses) {
   EXPECT_EQ(u->to_string(), "tcp://[::1]:7");
 }
 
+// Two jobs on one Redis under nested prefixes (x and x/j) share no key: job j under x
+// and a job "instance" under x/j each read only their own (issue 49, finding 6: with
+// PREFIX/key, x's "j/instance/..." was x/j's "instance/..." and the second job failed).
+TEST(RedisStorePrefix, NestedPrefixesShareNoKey) {
+  auto r = RedisServer::start(kToken);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  const std::string base = "redis://:" + std::string(kToken) + "@127.0.0.1:" + std::to_string((*r)->port());
+  auto outer = Store::open(base + "/x");
+  auto inner = Store::open(base + "/x/j");
+  ASSERT_TRUE(outer.ok()) << outer.status().to_string();
+  ASSERT_TRUE(inner.ok()) << inner.status().to_string();
+  ASSERT_OK((*outer)->set("j/instance/producer/0", "outer"));
+  ASSERT_OK((*inner)->set("instance/producer/0", "inner"));
+  auto a = (*outer)->get("j/instance/producer/0");
+  auto b = (*inner)->get("instance/producer/0");
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(*a, "outer");
+  EXPECT_EQ(*b, "inner");
+  auto listed = (*inner)->list("");
+  ASSERT_TRUE(listed.ok()) << listed.status().to_string();
+  EXPECT_EQ(*listed, std::vector<std::string>{"instance/producer/0"});
+  listed = (*outer)->list("");
+  ASSERT_TRUE(listed.ok()) << listed.status().to_string();
+  EXPECT_EQ(*listed, std::vector<std::string>{"j/instance/producer/0"});
+}
+
 TEST(StoreUrlTest, RejectsMalformed) {
   for (const char* bad : {"", "http://h:1", "tcp://h", "tcp://:1", "tcp://h:0", "tcp://h:65536", "tcp://h:12x",
                           "tcp://h:1/prefix", "redis://user:pw@h:1", "redis://h:1/p?x=1", "tcp://[::1:5",
-                          "redis://:%zz@h:1", "redis://:%4@h:1"}) {
+                          "redis://:%zz@h:1", "redis://:%4@h:1", "redis://h:1//x", "redis://h:1/x//y"}) {
     auto u = parse_store_url(bad);
     EXPECT_FALSE(u.ok()) << bad;
     if (!u.ok()) {

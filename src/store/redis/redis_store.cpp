@@ -88,7 +88,10 @@ class RedisStore final : public Store {
  public:
   RedisStore(StoreUrl url, StoreOptions options, std::string token)
       : url_(std::move(url)), options_(std::move(options)), token_(std::move(token)) {
-    if (!url_.prefix.empty()) key_prefix_ = url_.prefix + "/";
+    // PREFIX//key: a prefix has no empty segment (parse_store_url), so the first "//" of a
+    // stored key ends its prefix, and stores of prefixes x and x/j share no key (with
+    // "x/" they did: x's "j/instance/..." was x/j's "instance/...", issue 49).
+    if (!url_.prefix.empty()) key_prefix_ = url_.prefix + "//";
   }
 
   Status connect() {
