@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/token_rule.h"
 #include "store/backends.h"
 #include "store/common.h"
 
@@ -76,11 +77,8 @@ std::optional<int64_t> parse_counter(std::string_view text) {
 }
 
 Status check_token(std::string_view token, std::string_view from) {
-  if (token.size() < kMinTokenBytes) {
-    return invalid_argument(
-        "store: the token (from {}) is {} bytes; at least {} are required (e.g. `openssl rand -hex 16`)", from,
-        token.size(), kMinTokenBytes);
-  }
+  if (auto weak = token_weakness(token, kMinTokenBytes))
+    return invalid_argument("store: the token (from {}) is {} (e.g. `openssl rand -hex 16`)", from, *weak);
   return Status::Ok();
 }
 

@@ -5,6 +5,7 @@
 #include <map>
 #include <random>
 
+#include "common/token_rule.h"
 #include "transport/backend.h"
 
 namespace ferry {
@@ -134,10 +135,9 @@ bool BackendInfo::accepts(std::string_view param) const {
 Result<std::unique_ptr<Transport>> Transport::create(const TransportOptions& options) {
   // The store's rule (a guessable secret proves nothing); the transport does not depend
   // on the store, so the figure is its own constant, kept equal to kMinTokenBytes.
-  if (!options.token.empty() && options.token.size() < kMinTransportTokenBytes) {
-    return invalid_argument(
-        "transport token of {} bytes: at least {} are required (e.g. `openssl rand -hex 16`), or none at all",
-        options.token.size(), kMinTransportTokenBytes);
+  if (!options.token.empty()) {
+    if (auto weak = token_weakness(options.token, kMinTransportTokenBytes))
+      return invalid_argument("the transport token is {} (e.g. `openssl rand -hex 16`), or none at all", *weak);
   }
   FERRY_ASSIGN_OR_RETURN(const detail::BackendEntry* entry, detail::find_backend(options.backend));
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<detail::TransportBackend> impl, entry->create(options));
