@@ -202,8 +202,9 @@ class OptionsTest(unittest.TestCase):
         # Integers and numpy scalars of the right kind are fine (checked before the store
         # is dialled: this fails only at the store).
         with self.assertRaises(ferry.Error) as cm:
-            ferry.Producer(source, NOWHERE, token="t" * 32, backend="inproc", checksums=np.bool_(True), failover=0,
-                           num_consumers=np.int32(1), timeout=np.float32(0.5), rendezvous_timeout=0.5)
+            ferry.Producer(source, NOWHERE, token="options-test-token-0123456789", backend="inproc",
+                           checksums=np.bool_(True), failover=0, num_consumers=np.int32(1), timeout=np.float32(0.5),
+                           rendezvous_timeout=0.5)
         self.assertNotIsInstance(cm.exception, ferry.InvalidArgumentError)
 
     def test_created_engines_hold_the_keywords(self):
