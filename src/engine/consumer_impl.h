@@ -1,10 +1,13 @@
 // engine/consumer_impl.h — Consumer::Impl, the consumer's control plane (internal; only
-// consumer.cpp and consumer_peers.cpp include it). consumer.cpp: the sync protocol (a
-// sync's attempts, announcements, failover, commit); consumer_peers.cpp: joining the job
-// and keeping track of the producers (create/start, their leases and connections,
-// messages and failures, routes and schedule). Bytes move by the data plane: the
-// attempt's plan (sync_plan.h), its reads through the lanes (attempt_reads.h, lane.h,
-// cuda_ipc.h), param_set.h and the unpack worker.
+// the consumer's files include it). consumer.cpp: the sync loop (a sync's attempts, each
+// group received and verified, failover, commit); consumer_receive.cpp: one group from
+// the producers, pulled or pushed, and delta's patches applied or repaired;
+// consumer_waits.cpp: the waits for producers and what ends them; consumer_relay.cpp:
+// relay within a host; consumer_peers.cpp: joining the job and keeping track of the
+// producers (create/start, their leases and connections, messages and failures, routes
+// and schedule). Bytes move by the data plane: the attempt's plan (sync_plan.h), its
+// reads through the lanes (attempt_reads.h, lane.h, cuda_ipc.h), param_set.h and the
+// unpack worker.
 #pragma once
 
 #include <algorithm>
@@ -197,6 +200,7 @@ struct Consumer::Impl {
   // A Relay message (either role). The transport's handler thread; takes mu.
   void on_relay(PeerId from, const Relay& m);
   // The relay: group g of sync v is verified in receive slot s (members may read it).
+  // Nothing without relay, or over the CUDA IPC lane.
   void relay_landed(uint64_t v, int g, int s);
   // The relay: before slot s is written again, waits (bounded) for its readers, then
   // takes the slot back; readers still there are cut.
@@ -308,6 +312,34 @@ struct Consumer::Impl {
   Status waited(std::span<const Completion> ops, int p, uint64_t v, int g);
 
   Status sync_groups(uint64_t v, SyncReport& rep);
+
+  // One layer group of an attempt as sync_groups receives it into receive slot `slot` (at
+  // `base` in the ring) from the producers `from`: by this host's relay (relay_group,
+  // consumer_relay.cpp), else from the producers (pull_group or push_group,
+  // consumer_receive.cpp). What came: each producer's arrival, and under delta which
+  // segments came as patches and which of those were repaired.
+  struct GroupRx {
+    uint64_t v = 0;
+    int g = 0, slot = 0;
+    uint64_t base = 0;
+    std::set<int> from;
+    std::map<int, Arrival> got;
+    std::map<int, uint64_t> patched;   // delta: producers whose segment came as a patch, its bytes
+    std::set<int> repaired;            // ... and of those, whose dense bytes were read after it
+    std::map<int, Arrival> announced;  // pull: announcements taken while the relay was tried
+  };
+  // A member copies the group from its relay's receive ring (true), or finds no relay for
+  // it (false: read from the producers).
+  Result<bool> relay_group(GroupRx& rx, SyncReport& rep);
+  // Pull: each producer's staged bytes read once it announced the group, then released;
+  // in-place bytes (into the slot, and into params ahead: `in_v`, the producers in the
+  // sync this attempt) through `reads`.
+  Status pull_group(GroupRx& rx, AttemptReads& reads, std::set<int>& in_v, SyncReport& rep);
+  // Push: READY to each producer, then its PUSHED once its writes landed.
+  Status push_group(GroupRx& rx, const ConsumerGroupSchedule& gs, AttemptReads& reads, SyncReport& rep);
+  // Delta: producer p's patch failed its check (`why`): its dense bytes of the group read
+  // from its kept copy instead (both modes: its staging ring is imported).
+  Status repair_patch(GroupRx& rx, AttemptReads& reads, int p, const Status& why, SyncReport& rep);
 
   // Delta syncs. Groups unpacked during this sync (any attempt): their params no longer
   // hold the version they held when it began. Sync thread.

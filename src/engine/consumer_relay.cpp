@@ -181,6 +181,7 @@ void Consumer::Impl::on_relay(PeerId from, const Relay& m) {
 }
 
 void Consumer::Impl::relay_landed(uint64_t v, int g, int s) {
+  if (!opts.relay || ipc_active) return;  // (over CUDA IPC the group lands in the GPU ring: nothing to offer)
   std::vector<std::pair<PeerId, Relay>> offers;
   {
     std::lock_guard<std::mutex> lk(mu);
@@ -329,6 +330,44 @@ Result<bool> Consumer::Impl::copy_from_relay(uint64_t v, int g, uint64_t base, c
   if (!kept || kept->kind != Relay::kKept) return false;  // (cut: it needed the slot back before we were done)
   trace.record(TracePhase::kReceive, g, r, t0, Clock::now(), TraceLane::kRelay, n);
   return true;
+}
+
+// A member copies the group from its relay's receive ring once every producer announced
+// it (pull), then releases them all (took_patch 3: nothing read from them; push: no write
+// owed). false (the group is read from the producers, which still hold it staged;
+// rx.announced keeps what came meanwhile) when this attempt has no relay, or the relay
+// cannot offer the group, cut it short or is lost.
+Result<bool> Consumer::Impl::relay_group(GroupRx& rx, SyncReport& rep) {
+  {
+    std::lock_guard<std::mutex> lk(mu);  // (`lost` is set by the handlers too)
+    if (relay_link.rank < 0 || relay_link.lost) return false;
+  }
+  const uint64_t v = rx.v;
+  const int g = rx.g;
+  if (opts.mode == SyncMode::kPull) {
+    std::set<int> remaining = rx.from;
+    auto tw = Clock::now();
+    while (!remaining.empty()) {
+      FERRY_ASSIGN_OR_RETURN(auto pm, await_any(v, g, remaining, "announce"));
+      rx.announced[pm.first] = pm.second;
+      remaining.erase(pm.first);
+    }
+    trace.record(TracePhase::kWait, g, -1, tw, Clock::now());
+  }
+  point(g, 1);
+  auto tr = Clock::now();
+  FERRY_ASSIGN_OR_RETURN(const bool relayed, copy_from_relay(v, g, rx.base, rx.from));
+  trace.record(TracePhase::kRead, g, -1, tr, Clock::now());
+  if (relayed) {
+    for (int p : rx.from) send_to(p, Release{me(), v, g, routes_hash, 3});
+    rx.got = rx.announced;
+    return true;
+  }
+  std::lock_guard<std::mutex> lk(mu);
+  if (relay_link.lost)
+    rep.failures.push_back(fmt::format("consumer {}: relay consumer {} lost at group {} ({}); the rest of the attempt "
+                                       "is read from the producers", rank, relay_link.rank, g, relay_link.why));
+  return false;
 }
 
 }  // namespace ferry

@@ -1,0 +1,179 @@
+// Consumer: one layer group of an attempt received from its producers, pulled (read
+// from their staging and the trainers' memory through the lanes) or pushed (written into
+// this consumer's receive slot and params), and under delta syncs its patches applied or
+// repaired. Impl and what lives where: engine/consumer_impl.h.
+#include "engine/consumer_impl.h"
+#include "delta/patch.h"
+
+namespace ferry {
+
+Status Consumer::Impl::pull_group(GroupRx& rx, AttemptReads& reads, std::set<int>& in_v, SyncReport& rep) {
+  const uint64_t v = rx.v;
+  const int g = rx.g;
+  const uint64_t base = rx.base;
+  const std::set<int>& from = rx.from;
+  std::map<int, Arrival>& got = rx.got;
+  std::map<int, Arrival>& announced = rx.announced;
+  std::map<int, uint64_t>& patched = rx.patched;
+  std::set<int>& repaired = rx.repaired;
+  const bool rotated = opts.group_order == GroupOrderKind::kRotated;
+  // Staged bytes: read from each producer as soon as it announced, and release it
+  // at once (before any in-place bytes are waited for), so that one slow producer
+  // never holds another's staging slot and producers pack on while we copy.
+  auto tr0 = Clock::now();
+  for (int p : from) {
+    if (in_v.count(p) && !rotated) FERRY_RETURN_IF_ERROR(posted(reads, reads.post_to_slot(g, p, base)));
+  }
+  trace.record(TracePhase::kRead, g, -1, tr0, Clock::now());
+  std::set<int> remaining = from;
+  bool first = true;
+  while (!remaining.empty()) {
+    auto tw = Clock::now();
+    std::pair<int, Arrival> pm;
+    if (!announced.empty()) {  // announced while we waited for the relay
+      pm = *announced.begin();
+      announced.erase(announced.begin());
+    } else {
+      FERRY_ASSIGN_OR_RETURN(pm, await_working(v, g, remaining, reads));
+    }
+    trace.record(TracePhase::kWait, g, pm.first, tw, Clock::now());
+    const int p = pm.first;
+    got[p] = pm.second;
+    remaining.erase(p);
+    auto tr1 = Clock::now();
+    std::vector<Completion> staged;
+    // Delta: our segment is a patch. Read it where we hold its base; else the dense
+    // bytes, from the kept copy (over the CUDA IPC lane: the GPU slot, never patched).
+    const Arrival& a = got[p];
+    const Read* pr =
+        a.patch_base ? single_read_from(plan_route->groups[static_cast<size_t>(g)], static_cast<uint32_t>(p)) : nullptr;
+    const bool use_patch = pr && a.patch_bytes <= pr->length && !ipc_active && takes_patch(g, *a.patch_base);
+    if (use_patch) {
+      const SubRead sr{0, pr->recv_offset, a.patch_bytes, nullptr, 0, -1, pr->offset, static_cast<uint32_t>(p)};
+      if (Status st = lane->post(Transfer{LaneKind::kTransport, g, p, &sr}, 0, a.patch_bytes, a.patch_offset, base,
+                                 staged);
+          !st.ok()) {
+        failed_p = p;
+        return st;
+      }
+    } else {
+      const uint64_t at = a.patch_base && !ipc_active ? a.dense_offset : a.slot_offset;
+      FERRY_RETURN_IF_ERROR(posted(reads, reads.post_staged(g, p, at, base, staged)));
+    }
+    if (first) {
+      first = false;
+      point(g, 1);
+    }
+    FERRY_RETURN_IF_ERROR(waited(staged, p, v, g));
+    uint8_t took = 0;  // Release::took_patch: what the producer's report counts
+    if (use_patch) {   // (applied before the release: a repair reads the producer's memory too)
+      patched[p] = a.patch_bytes;
+      took = 1;
+      if (Status applied = apply_segment_patch(g, p, *pr, a.patch_bytes, ring.data + base); !applied.ok()) {
+        FERRY_RETURN_IF_ERROR(repair_patch(rx, reads, p, applied, rep));
+        repaired.insert(p);
+        took = 2;
+      }
+    }
+    send_to(p, Release{me(), v, g, routes_hash, took});
+    if (rotated) {  // this group's in-place bytes from p, now that p announced it
+      FERRY_RETURN_IF_ERROR(posted(reads, reads.post_to_slot(g, p, base)));
+      reads.enter_group(p, g);
+    } else if (in_v.insert(p).second) {  // p is in sync v: its in-place bytes are the weights of v
+      FERRY_RETURN_IF_ERROR(posted(reads, reads.post_to_slot(g, p, base)));
+      reads.enter(p, g);
+    }
+    trace.record(TracePhase::kRead, g, p, tr1, Clock::now());
+  }
+  // This group's in-place bytes: post what is left of them, wait for all.
+  auto tr2 = Clock::now();
+  while (reads.backlog_through(g)) FERRY_RETURN_IF_ERROR(posted(reads, reads.work_one()));
+  for (int p : from) FERRY_RETURN_IF_ERROR(waited(reads.take(g, p), p, v, g));
+  trace.record(TracePhase::kRead, g, -1, tr2, Clock::now());
+  return Status::Ok();
+}
+
+Status Consumer::Impl::push_group(GroupRx& rx, const ConsumerGroupSchedule& gs, AttemptReads& reads, SyncReport& rep) {
+  const uint64_t v = rx.v;
+  const int g = rx.g;
+  const uint64_t base = rx.base;
+  const std::set<int>& from = rx.from;
+  std::map<int, Arrival>& got = rx.got;
+  const int s = rx.slot;
+  std::map<int, uint64_t>& patched = rx.patched;
+  std::set<int>& repaired = rx.repaired;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    FERRY_RETURN_IF_ERROR(moved_on_locked(v, from));  // (before any producer is asked to write)
+  }
+  if (gs.direct) param_set->touch();  // producers write into params from here on: a failure now leaves us torn
+  // Delta: the version our live params hold intact for this group, if we take patches.
+  std::optional<uint64_t> live;
+  if (const ConsumerState st = param_set->state(); opts.delta && st.has_version && !ipc_active &&
+                                                   takes_patch(g, st.version))
+    live = st.version;
+  for (int p : from) {
+    readied.insert(p);
+    ++unanswered[p];
+    send_to(p, Ready{me(), v, g, routes_hash, static_cast<uint32_t>(s),
+                     static_cast<uint8_t>(param_set->landing_index()), live});
+  }
+  point(g, 1);
+  auto tw = Clock::now();
+  std::set<int> remaining = from;
+  while (!remaining.empty()) {
+    FERRY_ASSIGN_OR_RETURN(auto pm, await_any(v, g, remaining, "push"));
+    got[pm.first] = pm.second;
+    remaining.erase(pm.first);
+    --unanswered[pm.first];  // PUSHED: its writes of (v, g) ended (flushed before it was sent)
+  }
+  trace.record(TracePhase::kWait, g, -1, tw, Clock::now());
+  for (int p : from) {  // delta: patches written into the slot, applied here
+    const Arrival& a = got[p];
+    if (!a.patch_base) continue;
+    const Read* pr = single_read_from(plan_route->groups[static_cast<size_t>(g)], static_cast<uint32_t>(p));
+    Status applied = !live || *a.patch_base != *live || !pr || a.patch_bytes > pr->length
+                         ? failed_precondition("a patch against version {} it did not ask for", *a.patch_base)
+                         : apply_segment_patch(g, p, *pr, a.patch_bytes, ring.data + base);
+    patched[p] = a.patch_bytes;  // (written into our slot whatever follows)
+    if (!applied.ok()) {
+      FERRY_RETURN_IF_ERROR(repair_patch(rx, reads, p, applied, rep));
+      repaired.insert(p);
+    }
+  }
+  return Status::Ok();
+}
+
+Status Consumer::Impl::repair_patch(GroupRx& rx, AttemptReads& reads, int p, const Status& why, SyncReport& rep) {
+  ++rep.patches_repaired;
+  rep.failures.push_back(fmt::format("consumer {}: the patch of group {} from producer {} failed its check ({}); "
+                                     "read its dense bytes instead", rank, rx.g, p, why.message()));
+  std::vector<Completion> dense;
+  FERRY_RETURN_IF_ERROR(posted(reads, reads.post_staged(rx.g, p, rx.got[p].dense_offset, rx.base, dense)));
+  return waited(dense, p, rx.v, rx.g);
+}
+
+bool Consumer::Impl::takes_patch(int g, uint64_t base) const {
+  if (!opts.delta || param_set->device() || landed_groups.count(g)) return false;
+  const ConsumerState st = param_set->state();
+  return st.has_version && st.version == base && !st.torn && !st.mixed;
+}
+
+Status Consumer::Impl::apply_segment_patch(int g, int p, const Read& read, uint64_t patch_bytes, std::byte* slot) {
+  std::byte* seg = slot + read.recv_offset;
+  patch_copy.assign(seg, seg + patch_bytes);
+  // The base: the live params as loaded, not the shadow syncs land in nor the tensors
+  // post-processing replaced params with (committed()'s view): in place the buffers
+  // loaded; under shadow and groups the live buffers (a flip makes the buffers a sync
+  // unpacked into live; a groups commit copies the unpacked bytes into them; a shadow
+  // copy commit leaves a replaced param's live buffer as it was: its patches are repaired).
+  const TensorMap& live = param_set->groups() || param_set->shadow() ? param_set->live() : param_set->loaded();
+  const uint64_t n = plan_route->groups[static_cast<size_t>(g)].recv_bytes;
+  Status st = gather_group(schedule.unpack, g, read.recv_offset, read.recv_offset + read.length, live,
+                           std::span<std::byte>(slot, n));
+  if (st.ok()) st = delta::apply_patch(std::span<std::byte>(seg, read.length), patch_copy);
+  if (!st.ok()) return st.with_context(fmt::format("consumer {} group {} producer {}", rank, g, p));
+  return st;
+}
+
+}  // namespace ferry
