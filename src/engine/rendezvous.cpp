@@ -116,13 +116,53 @@ Status publish_world(Store& store, const JobKeys& keys, const EngineOptions& o, 
 }
 
 std::string routing_choices(const EngineOptions& o) {
-  // Quantising on the consumer adds a third field; the default's key is as before.
-  if (o.quantize_on == QuantizeOn::kConsumer) {
-    return fmt::format("{}.{}.quantize-{}", group_order_kind_name(o.group_order), convert_on_name(o.convert_on),
-                       quantize_on_name(o.quantize_on));
-  }
-  return fmt::format("{}.{}", group_order_kind_name(o.group_order), convert_on_name(o.convert_on));
+  // A field per choice that is not the default; the defaults' key is as before. A push
+  // rank beside pull ranks waited out every sync's timeout, and a consumer checking
+  // checksums beside producers that sent none reported ok with nothing checked (issue 49).
+  std::string out = fmt::format("{}.{}", group_order_kind_name(o.group_order), convert_on_name(o.convert_on));
+  if (o.quantize_on == QuantizeOn::kConsumer) out += fmt::format(".quantize-{}", quantize_on_name(o.quantize_on));
+  if (o.mode == SyncMode::kPush) out += ".push";
+  if (o.checksums) out += ".checksums";
+  if (o.delta) out += ".delta";
+  return out;
 }
+
+namespace {
+
+// Each option routing_choices names, and its value in `choices`.
+std::map<std::string, std::string> choices_of(std::string_view choices) {
+  std::map<std::string, std::string> out{{"group_order", ""}, {"convert_on", ""}, {"quantize_on", "producer"},
+                                         {"mode", "pull"},    {"checksums", "off"}, {"delta", "off"}};
+  size_t at = 0;
+  for (int field = 0; at <= choices.size(); ++field) {
+    const size_t dot = std::min(choices.find('.', at), choices.size());
+    const std::string_view f = choices.substr(at, dot - at);
+    if (field == 0) out["group_order"] = std::string(f);
+    else if (field == 1) out["convert_on"] = std::string(f);
+    else if (f.starts_with("quantize-")) out["quantize_on"] = std::string(f.substr(9));
+    else if (f == "push") out["mode"] = "push";
+    else out[std::string(f)] = "on";  // checksums, delta (and a choice only a newer rank names)
+    at = dot + 1;
+  }
+  return out;
+}
+
+// "mode: pull here, push there; checksums: ..." for the options whose values differ.
+std::string choices_differ(std::string_view mine, std::string_view theirs, std::string_view there) {
+  const auto a = choices_of(mine), b = choices_of(theirs);
+  std::string out;
+  for (const auto& [option, value] : a) {
+    auto it = b.find(option);
+    const std::string other = it == b.end() ? std::string("off") : it->second;
+    if (other == value) continue;
+    out += fmt::format("{}{}: {} here, {} at {}", out.empty() ? "" : "; ", option, value, other, there);
+  }
+  for (const auto& [option, value] : b)
+    if (!a.count(option)) out += fmt::format("{}{}: off here, {} at {}", out.empty() ? "" : "; ", option, value, there);
+  return out;
+}
+
+}  // namespace
 
 Status check_world(Store& store, const JobKeys& keys, const EngineOptions& o, Participant me) {
   const std::string prefix = keys.world_prefix();
@@ -138,9 +178,10 @@ Status check_world(Store& store, const JobKeys& keys, const EngineOptions& o, Pa
     if (np == o.num_producers && nc == o.num_consumers) {
       if (w->routing == mine) continue;
       return invalid_argument(
-          "{} {} runs with group order and conversion '{}' but {} {} with '{}' (EngineOptions::group_order, "
-          "convert_on and quantize_on must be the same on every rank of job '{}': they shape the routes)",
-          me.role, me.rank, mine, role, rank, w->routing, keys.job());
+          "{} {} runs with '{}' but {} {} with '{}' ({}: EngineOptions::group_order, convert_on, quantize_on, mode, "
+          "checksums and delta must be the same on every rank of job '{}')",
+          me.role, me.rank, mine, role, rank, w->routing,
+          choices_differ(mine, w->routing, fmt::format("{} {}", role, rank)), keys.job());
     }
     const bool producers = np != o.num_producers;
     return invalid_argument(

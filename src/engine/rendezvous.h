@@ -37,10 +37,12 @@ struct Participant {
 // whose sizes differ from another's fails at once, naming both.
 // publish_world refuses first a job name that could collide with another job's keys
 // (JobKeys::check).
-// The same key names the choices every rank must share because they shape the routes
-// or the order they run in (routing_choices: "{group_order}.{convert_on}", e.g.
-// "rotated.producer", with ".quantize-consumer" appended where quantize_on is the
-// consumer); a participant whose choices differ fails at once, naming both.
+// The same key names the choices every rank must share because they shape the routes,
+// the order they run in or what crosses the wire (routing_choices: "{group_order}.
+// {convert_on}", e.g. "rotated.producer", with ".quantize-consumer", ".push",
+// ".checksums" and ".delta" appended where quantize_on is the consumer, mode is push,
+// checksums and delta are on; the defaults' key is as it was); a participant whose
+// choices differ fails at once, naming each option that differs and both values.
 std::string routing_choices(const EngineOptions& options);
 Status publish_world(Store& store, const JobKeys& keys, const EngineOptions& options, Participant me);
 Status check_world(Store& store, const JobKeys& keys, const EngineOptions& options, Participant me);

@@ -155,6 +155,31 @@ TEST(Rendezvous, RanksWithOtherRoutingChoicesAreRefused) {
   EXPECT_TRUE(check_world(st, keys, other, Participant{"consumer", 0}).ok());
 }
 
+// So are ranks that would move other bytes: push beside pull (every sync waited out the
+// timeout), checksums or delta on one side only (a consumer checking checksums reported ok
+// with nothing checked): each option that differs named with both values (issue 49).
+TEST(Rendezvous, RanksWithOtherModeChecksumsOrDeltaAreRefusedNamingEach) {
+  TestStore ts;
+  Store& st = *ts.store;
+  const JobKeys keys("m");
+  EngineOptions o;
+  o.job = "m";
+  EngineOptions push = o;
+  push.mode = SyncMode::kPush;
+  push.delta = true;
+  EXPECT_EQ(routing_choices(push), "layer.producer.push.delta");
+  ASSERT_TRUE(publish_world(st, keys, push, Participant{"producer", 0}).ok());
+  EngineOptions fetch = o;
+  fetch.checksums = true;
+  Status bad = check_world(st, keys, fetch, Participant{"consumer", 1});
+  ASSERT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad.to_string();
+  for (const char* want : {"checksums: on here, off at producer 0", "delta: off here, on at producer 0",
+                           "mode: pull here, push at producer 0"})
+    EXPECT_NE(bad.message().find(want), std::string::npos) << want << ": " << bad.to_string();
+  EXPECT_EQ(bad.message().find("group_order:"), std::string::npos) << bad.to_string();  // (only what differs)
+  EXPECT_TRUE(check_world(st, keys, push, Participant{"consumer", 1}).ok());
+}
+
 // A rank of a job whose name contains the key separator is refused before it writes a
 // key (publish_world is every rank's first write), and so is committed_versions.
 TEST(Rendezvous, AJobNameWithTheKeySeparatorIsRefusedBeforeAnyKey) {
