@@ -17,6 +17,7 @@
 #include "cli/command.h"
 #include "common/parallel.h"
 #include "engine/group_order.h"
+#include "engine/memory.h"
 #include "ferry/engine.h"
 #include "ferry/models.h"
 #include "ferry/route.h"
@@ -129,7 +130,24 @@ int run_plan(const PlanArgs& a) {
   // On several threads (recording is per thread; the loader's rank cache is locked): the
   // 32 engine ranks of Kimi-K2 took 2 s on one.
   std::vector<Result<Plan>> recorded_plans(static_cast<size_t>(recorded), Result<Plan>(internal_error("not recorded")));
+  if (a.every_rank && recorded > engine) {
+    // Every replica's ranks recorded again: what they hold, from rank 0's plan, against
+    // the memory there is, before any is recorded (replicas=400000 ran 21-46 s, then out
+    // of memory).
+    recorded_plans[0] = a.loader_record ? record_plan(**loader, 0, meta) : tools::record_rank_plan(**loader, 0, &meta);
+    if (!recorded_plans[0].ok()) return fail_with("plan", recorded_plans[0].status());
+    const uint64_t each = ferry::engine::plan_heap_bytes(*recorded_plans[0]);
+    const double need = static_cast<double>(each) * recorded;
+    if (auto room = tools::memory_room(); room && need > static_cast<double>(room->bytes)) {
+      return fail_with("plan", invalid_argument(
+          "--every-rank records a plan per inference rank: {} plans of ~{:.1f} KiB (rank 0's) need ~{:.1f} GiB, "
+          "and {} leaves {:.1f} GiB; without --every-rank one plan per engine rank ({}) is recorded and the "
+          "replicas share it", recorded, static_cast<double>(each) / 1024, need / (1ull << 30), room->bound,
+          static_cast<double>(room->bytes) / (1ull << 30), engine));
+    }
+  }
   parallel_for(static_cast<size_t>(recorded), default_threads(16), [&](size_t i) {
+    if (recorded_plans[i].ok()) return;  // (rank 0, recorded above)
     const int r = static_cast<int>(i);
     recorded_plans[i] = a.loader_record ? record_plan(**loader, r, meta) : tools::record_rank_plan(**loader, r, &meta);
   });

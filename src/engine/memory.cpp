@@ -89,6 +89,8 @@ uint64_t bytes_of(const Plan& p) {
 
 }  // namespace
 
+uint64_t plan_heap_bytes(const Plan& plan) { return bytes_of(plan); }
+
 // A group's ops as a rank holds them: made (their vector), or where elided in `routes`,
 // what making them takes (the router reserves them exactly).
 uint64_t ops_bytes(const ProducerGroup& g) {

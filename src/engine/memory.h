@@ -48,6 +48,9 @@ uint64_t metadata_heap_bytes(const Routes& routes, const std::vector<TensorDecl>
                              const std::vector<Holdings>& holdings, const std::vector<const Plan*>& plans);
 uint64_t metadata_heap_bytes(const Routes& routes, const std::vector<TensorDecl>& metadata,
                              const std::vector<Holdings>& holdings, const std::vector<Plan>& plans);
+// ... of one consumer plan (what recording it holds: `ferry plan --every-rank` records one
+// per inference rank, and refuses what would not fit before it starts).
+uint64_t plan_heap_bytes(const Plan& plan);
 // ... and of a rank's schedule (what make_*_schedule built).
 uint64_t schedule_heap_bytes(const ProducerSchedule& s);
 uint64_t schedule_heap_bytes(const ConsumerSchedule& s);

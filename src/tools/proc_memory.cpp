@@ -2,6 +2,9 @@
 
 #include "engine/report_json.h"
 
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -40,6 +43,20 @@ Result<ProcMemory> proc_memory(pid_t pid) {
 }
 
 Result<uint64_t> mem_available_bytes() { return kb_field("/proc/meminfo", "MemAvailable"); }
+
+std::optional<MemoryRoom> memory_room() {
+  std::optional<MemoryRoom> room;
+  if (auto avail = mem_available_bytes(); avail.ok()) room = MemoryRoom{*avail, "the machine's MemAvailable"};
+  rlimit r{};
+  if (::getrlimit(RLIMIT_AS, &r) == 0 && r.rlim_cur != RLIM_INFINITY) {
+    size_t pages = 0;
+    std::ifstream("/proc/self/statm") >> pages;
+    const uint64_t mapped = static_cast<uint64_t>(pages) * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+    const uint64_t left = r.rlim_cur > mapped ? r.rlim_cur - mapped : 0;
+    if (!room || left < room->bytes) room = MemoryRoom{left, "this process's address-space limit (ulimit -v)"};
+  }
+  return room;
+}
 
 nlohmann::json memory_use_json(const MemoryUse& m) { return engine::memory_use_json(m); }
 

@@ -6,6 +6,8 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <optional>
+#include <string>
 
 #include <nlohmann/json.hpp>
 
@@ -26,6 +28,14 @@ struct ProcMemory {
 Result<ProcMemory> proc_memory(pid_t pid = 0);
 // MemAvailable of /proc/meminfo: what the kernel could give without swapping.
 Result<uint64_t> mem_available_bytes();
+// What this process can still allocate, and what bounds it: the least of what its
+// address-space limit (ulimit -v) leaves beyond what it maps now and the machine's
+// MemAvailable. nullopt where neither is known.
+struct MemoryRoom {
+  uint64_t bytes = 0;
+  std::string bound;  // "this process's address-space limit (ulimit -v)" or "the machine's MemAvailable"
+};
+std::optional<MemoryRoom> memory_room();
 
 // A MemoryUse as the JSON object `ferry worker`, `ferry bench --json` and the tests
 // read: one key per kind (bytes) and "extra".

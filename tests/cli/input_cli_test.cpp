@@ -295,6 +295,22 @@ TEST(CheckpointCli, RunawaySizesAreRefusedBeforeTheWork) {
   std::filesystem::remove_all(dir);
 }
 
+// plan --every-rank records a plan per inference rank: 400,000 replicas ran 21-46 s and
+// then out of memory (issue 49, finding 7). Refused before recording, from rank 0's plan
+// against what the process can allocate: here its ulimit -v (8 GiB), so the refusal does
+// not depend on the machine's memory.
+TEST(InputCli, EveryRankRecordingThatCannotFitIsRefusedFirst) {
+#if FERRY_TEST_SANITIZED
+  GTEST_SKIP() << "ulimit -v: plain build only (a sanitized ferry reserves terabytes of shadow memory at start)";
+#endif
+  CliRun r = ferry_cli_test::run_command(
+      "ulimit -v 8388608; timeout -s KILL 60 " + std::string(FERRY_BIN) + " plan --model " + kModel +
+      " --trainer tp=1 --inference tp=1,replicas=400000 --every-rank >/dev/null");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--every-rank records a plan per inference rank: 400000 plans"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("address-space limit (ulimit -v)"), std::string::npos) << r.err;
+}
+
 // serve / fetch --device: a device that cannot be used, a malformed one, and GPU staging
 // without GPU weights end at once, naming them (exit 2), before any store is reached.
 TEST(InputCli, RankDeviceOptionsAreCheckedFirst) {
