@@ -60,11 +60,15 @@ struct ServedFile {
   dev_t dev = 0;
   ino_t ino = 0;
   timespec mtime{};
+  // Status change time: any write or touch sets it, and no user can set it back (an
+  // overwrite in place with the size kept and the mtime restored, `touch -r`, was served;
+  // issue 49).
+  timespec ctime{};
 
   static Result<ServedFile> of(const SafetensorsFile& f) {
     struct stat st {};
     if (::stat(f.path().c_str(), &st) != 0) return io_error("serve: stat {}: {}", f.path(), std::strerror(errno));
-    ServedFile out{f.path(), static_cast<uint64_t>(st.st_size), st.st_dev, st.st_ino, st.st_mtim};
+    ServedFile out{f.path(), static_cast<uint64_t>(st.st_size), st.st_dev, st.st_ino, st.st_mtim, st.st_ctim};
     if (out.size != f.bytes().size())
       return failed_precondition("serve: {} is {} bytes, {} when it was opened: it changed while serve started", f.path(),
                                  out.size, f.bytes().size());
@@ -76,8 +80,8 @@ struct ServedFile {
       return failed_precondition("serve: checkpoint file {} is gone ({}): the checkpoint must not change while it is "
                                  "served", path, std::strerror(errno));
     const auto now = static_cast<uint64_t>(st.st_size);
-    if (st.st_dev != dev || st.st_ino != ino || now != size || st.st_mtim.tv_sec != mtime.tv_sec ||
-        st.st_mtim.tv_nsec != mtime.tv_nsec)
+    auto same = [](const timespec& a, const timespec& b) { return a.tv_sec == b.tv_sec && a.tv_nsec == b.tv_nsec; };
+    if (st.st_dev != dev || st.st_ino != ino || now != size || !same(st.st_mtim, mtime) || !same(st.st_ctim, ctime))
       return failed_precondition("serve: checkpoint file {} changed since serve mapped it ({} bytes then, {} now{}): the "
                                  "checkpoint must not change while it is served (or pass --read-checkpoint)", path, size,
                                  now, st.st_ino != ino ? ", another file" : "");

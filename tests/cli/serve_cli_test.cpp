@@ -17,6 +17,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -230,7 +231,12 @@ TEST(GpuServeCli, ServesGpuMemoryByCudaIpcAndThroughTheTransport) {
 // change is made from serve rank 0's report of sync 1, so it lands before rank 0's check
 // for sync 2. The fetch ranks then fail sync 2 within their timeout, naming no version
 // they do not hold.
-TEST(ServeChangedFile, ServeStopsNamingTheFileThatChanged) {
+// Two ways the file changes: a new mtime (a rewrite), and bytes overwritten in place with
+// the size kept and the mtime set back (issue 49, finding 5: that one was served; the
+// status change time gives it away).
+class ServeChangedFile : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(ServeChangedFile, ServeStopsNamingTheFileThatChanged) {
   const std::string dir = make_checkpoint();
   StoreServerOptions so;
   so.token = random_token();
@@ -255,11 +261,20 @@ TEST(ServeChangedFile, ServeStopsNamingTheFileThatChanged) {
       s.checkpoint = dir;
       served[static_cast<size_t>(r)].emplace(serve_rank(s, [&, r](const RankReport& rep) {
         if (r != 0 || rep.version != 1) return;
-        // A new mtime, a second later than the mapped one: what a rewrite leaves.
         struct stat st {};
         ASSERT_EQ(::stat(file.c_str(), &st), 0);
         timespec times[2] = {st.st_atim, st.st_mtim};
-        times[1].tv_sec += 1;
+        if (std::string(GetParam()) == "mtime") {
+          times[1].tv_sec += 1;  // a new mtime, a second later than the mapped one: what a rewrite leaves
+        } else {  // one byte near the end (a weight's) flipped in place, then the times set back (touch -r)
+          const int fd = ::open(file.c_str(), O_RDWR);
+          ASSERT_GE(fd, 0);
+          char b = 0;
+          ASSERT_EQ(::pread(fd, &b, 1, st.st_size - 2), 1);
+          b = static_cast<char>(b ^ 0x40);
+          ASSERT_EQ(::pwrite(fd, &b, 1, st.st_size - 2), 1);
+          ::close(fd);
+        }
         ASSERT_EQ(::utimensat(AT_FDCWD, file.c_str(), times, 0), 0);
       }));
     });
@@ -298,6 +313,9 @@ TEST(ServeChangedFile, ServeStopsNamingTheFileThatChanged) {
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
 }
+
+INSTANTIATE_TEST_SUITE_P(Changes, ServeChangedFile, ::testing::Values("mtime", "overwrite_in_place_mtime_kept"),
+                         [](const ::testing::TestParamInfo<const char*>& i) { return std::string(i.param); });
 
 // The checkpoint file is truncated *during* a sync (from the producer's hook before it
 // materialises group 1 of version 1, after serve's check before the sync passed): the
