@@ -348,7 +348,7 @@ Result<std::vector<RankReport>> serve_rank(const RankSpec& s, const RankReportSi
       r.error = same;
       r.transport = u.transport->stats();
       if (on_report) on_report(r);
-      reports.push_back(std::move(r));
+      if (s.keep_reports) reports.push_back(std::move(r));
       break;
     }
     auto rep = p->sync(static_cast<uint64_t>(v));
@@ -370,7 +370,7 @@ Result<std::vector<RankReport>> serve_rank(const RankSpec& s, const RankReportSi
     }
     r.transport = u.transport->stats();
     if (on_report) on_report(r);
-    reports.push_back(std::move(r));
+    if (s.keep_reports) reports.push_back(std::move(r));
   }
   return reports;
 }
@@ -480,7 +480,7 @@ Result<std::vector<RankReport>> fetch_rank(const RankSpec& s, const RankReportSi
     r.transport = u.transport->stats();
     all_passed = all_passed && rank_report_passed(r);
     if (on_report) on_report(r);
-    reports.push_back(std::move(r));
+    if (s.keep_reports) reports.push_back(std::move(r));
   }
   if (!s.output.empty() && all_passed) {
     std::vector<SafetensorsEntry> entries;
@@ -503,7 +503,9 @@ int run_rank(const char* cmd, const RankSpec& s, bool producer) {
     std::printf("%s\n", rank_report_json(r).dump().c_str());
     std::fflush(stdout);
   };
-  auto reports = producer ? serve_rank(s, print) : fetch_rank(s, print);
+  RankSpec spec = s;
+  spec.keep_reports = false;  // (printed as they come)
+  auto reports = producer ? serve_rank(spec, print) : fetch_rank(spec, print);
   if (!reports.ok()) {
     std::fprintf(stderr, "ferry %s: %s\n", cmd, reports.status().to_string().c_str());
     return 2;

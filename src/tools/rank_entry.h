@@ -64,6 +64,10 @@ struct RankSpec {
   // after each sync; "{rank}" is replaced by the rank. Empty: none.
   std::string trace;
   int rank = -1;           // -1: the launcher's (resolve_role_rank)
+  // Return every sync's report (the library's callers, the tests). The CLI prints each as
+  // it comes (the sink) and keeps none: a serve or fetch of 12,000 syncs grew 24-28 MB
+  // holding them (issue 49).
+  bool keep_reports = true;
   std::string mode = "pull";
   bool checksums = false;
   // EngineOptions::delta: serve sends patches of what changed since the version each
