@@ -25,6 +25,11 @@
 
 namespace ferry {
 
+// The most elements a tensor's shape may span, counting a size of 0 as 1 (so that the
+// contiguous strides of any shape a tensor holds fit int64): Tensor::empty and
+// Tensor::borrow refuse a shape past it, and so does the safetensors reader.
+inline constexpr int64_t kMaxShapeElements = int64_t{1} << 56;
+
 class Shape {
  public:
   using value_type = int64_t;

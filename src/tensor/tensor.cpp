@@ -195,7 +195,7 @@ Status check_shape(const Shape& shape, std::string_view what) {
   int64_t product = 1;  // of max(size, 1), so that contiguous strides can't overflow
   for (int64_t s : shape) {
     if (s < 0) return invalid_argument("{}: negative size in shape {}", what, shape_str(shape));
-    if (__builtin_mul_overflow(product, std::max<int64_t>(s, 1), &product) || product > (int64_t(1) << 56)) {
+    if (__builtin_mul_overflow(product, std::max<int64_t>(s, 1), &product) || product > kMaxShapeElements) {
       return invalid_argument("{}: shape {} is too large", what, shape_str(shape));
     }
   }

@@ -721,6 +721,11 @@ TEST_F(SafetensorsTest, ErrorNumelOverflow) {
   expect_corrupt(R"({"a":{"dtype":"U8","shape":[0,4294967296,4294967296],"data_offsets":[0,0]}})", 0,
                  "tensor 'a': shape [0, 4294967296, 4294967296] has too many elements (the product overflows 64 "
                  "bits)");
+  // Within 64 bits, but past what a tensor may span (2^56, a zero size counted as one):
+  // the fuzzer's input that the reader accepted and Tensor::borrow then refused.
+  expect_corrupt(R"({"w":{"dtype":"U8","shape":[4294,12972,4694967296,0],"data_offsets":[0,0]}})", 0,
+                 "tensor 'w': shape [4294, 12972, 4694967296, 0] spans 261517979089379328 elements (a zero size "
+                 "counted as one), more than a tensor's 2^56");
   // numel fits but numel x dtype size does not.
   expect_corrupt(R"({"a":{"dtype":"I64","shape":[4611686018427387904],"data_offsets":[0,0]}})", 0,
                  "tensor 'a': shape [4611686018427387904] x I64 needs more than 2^64 bytes");
