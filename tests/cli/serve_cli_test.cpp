@@ -226,25 +226,37 @@ TEST(GpuServeCli, ServesGpuMemoryByCudaIpcAndThroughTheTransport) {
   std::filesystem::remove_all(dir, ec);
 }
 
+// A job whose ranks are threads of this process (serve_rank / fetch_rank): its store and
+// the RankSpec every rank starts from.
+struct ThreadRanks {
+  std::unique_ptr<StoreServer> server;
+  RankSpec base;
+  void start(const std::string& job, int syncs, int timeout_ms) {
+    StoreServerOptions so;
+    so.token = random_token();
+    auto s = StoreServer::start(so);
+    ASSERT_TRUE(s.ok()) << s.status().to_string();
+    server = std::move(*s);
+    base.store = server->url();
+    base.token = so.token;
+    base.job = job;
+    base.trainer = kTrainer;
+    base.inference = kInference;
+    base.syncs = syncs;
+    base.timeout_ms = timeout_ms;
+    base.rendezvous_ms = 30000;
+  }
+};
+
 // What the CLI runs (keep_reports off): every report goes to the sink as it comes and
 // none is kept, so a serve or fetch of many syncs holds no more memory at the last than at
 // the first (12,000 syncs grew 24-28 MB keeping them; issue 49). The library's callers
 // (keep_reports on) get every report back. Ranks are threads of this process.
 TEST(ServeReports, TheCliKeepsNoReportTheSinkSawEveryOne) {
   const std::string dir = make_checkpoint();
-  StoreServerOptions so;
-  so.token = random_token();
-  auto server = StoreServer::start(so);
-  ASSERT_TRUE(server.ok()) << server.status().to_string();
-  RankSpec base;
-  base.store = (*server)->url();
-  base.token = so.token;
-  base.job = "serve-reports";
-  base.trainer = kTrainer;
-  base.inference = kInference;
-  base.syncs = 3;
-  base.timeout_ms = 20000;
-  base.rendezvous_ms = 30000;
+  ThreadRanks job;
+  ASSERT_NO_FATAL_FAILURE(job.start("serve-reports", 3, 20000));
+  const RankSpec& base = job.base;
   std::vector<std::optional<Result<std::vector<RankReport>>>> results(4);
   std::vector<std::atomic<int>> seen(4);
   std::vector<std::thread> th;
@@ -288,19 +300,9 @@ class ServeChangedFile : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(ServeChangedFile, ServeStopsNamingTheFileThatChanged) {
   const std::string dir = make_checkpoint();
-  StoreServerOptions so;
-  so.token = random_token();
-  auto server = StoreServer::start(so);
-  ASSERT_TRUE(server.ok()) << server.status().to_string();
-  RankSpec base;
-  base.store = (*server)->url();
-  base.token = so.token;
-  base.job = "serve-changed";
-  base.trainer = kTrainer;
-  base.inference = kInference;
-  base.syncs = 2;
-  base.timeout_ms = 4000;
-  base.rendezvous_ms = 30000;
+  ThreadRanks job;
+  ASSERT_NO_FATAL_FAILURE(job.start("serve-changed", 2, 4000));
+  const RankSpec& base = job.base;
   const std::string file = dir + "/model.safetensors";
   std::vector<std::optional<Result<std::vector<RankReport>>>> served(2), fetched(2);
   std::vector<std::thread> th;
