@@ -221,6 +221,19 @@ int run_demo_cmd(tools::DemoSpec d, int kill_sync, bool kill_sync_given, int kil
     return 2;
   }
   if (other_fault != nullptr) kill_sync = 0;
+  // The killed rank catches up at the sync after its kill: a kill at the last sync (or
+  // past it) leaves it none, and the demo ended "FAILED" for that alone. Asked for, that
+  // is refused; the default kill gives way (ferry demo --syncs 2 runs without one).
+  if (kill_sync > 0 && kill_sync >= d.syncs) {
+    if (kill_sync_given) {
+      std::fprintf(stderr,
+                   "ferry demo: --kill-sync %d leaves no sync after it for the killed rank to catch up in (--syncs "
+                   "%d): give --syncs %d or more, or --kill-sync 0 for none\n",
+                   kill_sync, d.syncs, kill_sync + 1);
+      return 2;
+    }
+    kill_sync = 0;
+  }
   std::vector<CutArg> cut_args;
   for (const std::string& t : cut_texts) {
     auto c = parse_cut(t);

@@ -53,6 +53,7 @@ TEST(InputCli, RefusalsExitTwoNamingTheFlag) {
       {sim + "--changed-fraction nan", "--changed-fraction"},
       {sim + "--changed-fraction -0.5", "--changed-fraction"},
       {"demo --relay --inference tp=1", "--relay"},
+      {"demo --syncs 2 --kill-sync 2", "--kill-sync 2 leaves no sync after it"},
       {"demo --quantize-on consumer", "--quantize"},
       {"bench --delta-block-bytes 4096", "--delta"},
       {"fetch --store tcp://127.0.0.1:1 --model " + kModel + " --trainer tp=1 --inference tp=1 --rank 0 --trace " +
@@ -127,7 +128,7 @@ const std::string kSmallDemo = "demo --model " + kModel +
 // (67 s, issue 30): refused before any process starts, naming the number of groups.
 TEST(InputCli, DemoKillPointPastTheLastGroupIsRefusedAtOnce) {
   const auto t0 = std::chrono::steady_clock::now();
-  const CliRun r = ferry(kSmallDemo + "--syncs 2 --kill-sync 2 --kill-point 100000");
+  const CliRun r = ferry(kSmallDemo + "--syncs 3 --kill-sync 2 --kill-point 100000");
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_NE(r.err.find("--kill-point 100000 is past the last point of a sync: the model has 4 layer groups, so an "
