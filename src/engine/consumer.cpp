@@ -9,21 +9,15 @@ Result<int> Consumer::Impl::acquire_slot(int at) {
   auto s = worker->acquire(at % kSlots, opts.timeout, [this] { return crashed.load(); }, who());
   if (!s.ok() && s.status().code() == StatusCode::kCancelled && crashed)
     return cancelled("consumer {} crashed (test hook)", rank);
-  if (s.ok() && opts.relay) relay_reuse(*s);  // members reading the slot's last group finish first (bounded)
+  if (s.ok()) relay_reuse(*s);  // members reading the slot's last group finish first (bounded)
   return s;
 }
 
 Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
   FERRY_RETURN_IF_ERROR(refresh_producers());
-  {
-    std::lock_guard<std::mutex> lk(mu);  // the background thread is idle between attempts
-    if (schedule_stale) rebuild_schedule();
-    plan = make_consumer_attempt_plan(rank, schedule, ipc_lane.get());
-    ipc_active = plan.cuda_ipc;
-    for (std::string& note : plan.notes) rep.failures.push_back(std::move(note));
-  }
-  if (declare) {
-    declare = false;
+  plan_attempt(rep);
+  if (attempts.declare) {
+    attempts.declare = false;
     declare_routes(v);
   }
   refresh_relay(rep);
@@ -41,11 +35,11 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
   // (docs/group-order.md), and in-place reads keep that pace: a group's in-place bytes
   // from a producer are read once it announced that group, none ahead.
   std::set<int> in_v;  // producers already in sync v this attempt (pull_group)
-  AttemptReads reads(plan, *lane, ipc_lane.get(), opts.timeout);
+  AttemptReads reads(lanes.plan, *lanes.transport, lanes.cuda_ipc.get(), opts.timeout);
   for (size_t at = 0; at < order.size(); ++at) {
     const int g = order[at];
     const ConsumerGroupSchedule& gs = schedule.groups[static_cast<size_t>(g)];
-    const ConsumerGroupPlan& gp = plan.groups[static_cast<size_t>(g)];
+    const ConsumerGroupPlan& gp = lanes.plan.groups[static_cast<size_t>(g)];
     const std::set<int> from(gp.from.begin(), gp.from.end());
     if (from.empty()) {
       worker->enqueue({v, g, -1});
@@ -53,24 +47,17 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
     }
     FERRY_ASSIGN_OR_RETURN(int s, acquire_slot(static_cast<int>(at)));
     point(g, 0);
-    const auto tg = Clock::now();
-    const uint64_t base = static_cast<uint64_t>(s) * slot_bytes;
-    GroupRx rx{v, g, s, base, from};
-    FERRY_ASSIGN_OR_RETURN(const bool relayed, relay_group(rx, rep));  // (false: no relay, or not this group)
-    if (!relayed) {
-      FERRY_RETURN_IF_ERROR(opts.mode == SyncMode::kPull ? pull_group(rx, reads, in_v, rep)
-                                                          : push_group(rx, gs, reads, rep));
-      record_receives(trace, g, gs, ipc_active, tg, Clock::now(), rx.patched, rx.repaired);
-    }
+    GroupRx rx{v, g, s, recv.offset(s), from};
+    FERRY_RETURN_IF_ERROR(receive_group(rx, gs, reads, in_v, rep));
     std::map<int, uint64_t> sums;  // checksums (the producers' option), verified on the host
     for (int p : from)
       if (rx.got[p].checksum) sums[p] = *rx.got[p].checksum;
-    FERRY_RETURN_IF_ERROR(verify_group(rank, g, routes.group_names[static_cast<size_t>(g)], gs, sums, ring.data + base,
-                                       ipc_active ? ipc_lane->ring() + base : nullptr,
-                                       plan_route->groups[static_cast<size_t>(g)].recv_bytes, *param_set));
+    FERRY_RETURN_IF_ERROR(verify_group(rank, g, routes.group_names[static_cast<size_t>(g)], gs, sums, recv.host_slot(s),
+                                       recv.device_slot(s),
+                                       plan_route()->groups[static_cast<size_t>(g)].recv_bytes, *param_set));
     point(g, 2);
     relay_landed(v, g, s);  // members on this host may copy it now (relay on)
-    landed_groups.insert(g);  // (delta: its params hold this sync's bytes from now on)
+    delta.landed(g);  // (its params hold this sync's bytes from now on: no patch of it is taken)
     worker->enqueue({v, g, s});
   }
   // Drain the background thread.
@@ -82,10 +69,11 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
 
 Status Consumer::Impl::failover(uint64_t v, const Status& why, SyncReport& rep) {
   std::set<int> d = route_state.dead();
-  d.insert(failed_p);
+  d.insert(attempts.failed_p);
   {
     std::lock_guard<std::mutex> lk(mu);
-    for (const auto& [p, st] : failed) d.insert(p);
+    for (int p = 0; p < peers.size(); ++p)
+      if (peers[p].failure) d.insert(p);
   }
   if (auto stored = route_state.read_dead(); stored.ok()) d.insert(stored->begin(), stored->end());
   auto r = route_state.routes_without(d);
@@ -105,7 +93,7 @@ void Consumer::Impl::declare_routes(uint64_t v) {
     bool ok;
     {
       std::lock_guard<std::mutex> lk(mu);
-      ok = !route_state.dead().count(p) && peers[p].connected && !failed.count(p);
+      ok = !route_state.dead().count(p) && peers[p].connected && !peers[p].failure;
     }
     if (ok) send_to(p, Failover{me(), v, routes_hash});
   }
@@ -115,55 +103,51 @@ std::vector<int> Consumer::Impl::reachable_producers() {
   std::vector<int> out;
   std::lock_guard<std::mutex> lk(mu);
   for (int p = 0; p < opts.num_producers; ++p) {
-    if (peers[p].connected && !failed.count(p)) out.push_back(p);
+    if (peers[p].connected && !peers[p].failure) out.push_back(p);
   }
   return out;
 }
 
 Status Consumer::Impl::publish_versions() {
-  if (!lease) return Status::Ok();
+  if (!reg.lease) return Status::Ok();
   const ConsumerState st = param_set->state();
-  ConsumerLease l = lease_value;
+  FERRY_ASSIGN_OR_RETURN(ConsumerLease l, decode_consumer_lease(reg.lease_value));
   l.committed = st.has_version ? std::optional<uint64_t>(st.version) : std::nullopt;
   l.received = st.received;
-  if (l == lease_value) return Status::Ok();
-  FERRY_RETURN_IF_ERROR(lease->update(encode_lease(l)).with_context(
+  std::string value = encode_lease(l);
+  if (value == reg.lease_value) return Status::Ok();
+  FERRY_RETURN_IF_ERROR(reg.lease->update(value).with_context(
       fmt::format("consumer {}: publishing the versions it holds in its lease", rank)));
-  lease_value = std::move(l);
+  reg.lease_value = std::move(value);
   return Status::Ok();
+}
+
+Status Consumer::Impl::record_committed(uint64_t v) {
+  return store.set(keys.committed(rank), std::to_string(v))
+      .with_context(fmt::format("consumer {}: recording committed version {}", rank, v));
 }
 
 Result<double> Consumer::Impl::commit() {
   const std::optional<uint64_t> v = param_set->state().received;
-  if (!v) return param_set->commit().status();  // (its error: nothing received)
-  if (opts.before_commit) opts.before_commit(*v);
-  const auto t = Clock::now();
-  Result<uint64_t> done = param_set->commit();
-  const double seconds = seconds_since(t);
-  if (opts.after_commit) opts.after_commit(*v);
-  FERRY_RETURN_IF_ERROR(done.status());
-  if (Status c = store.set(keys.committed(rank), std::to_string(*v)); !c.ok())
-    return c.with_context(fmt::format("consumer {}: recording committed version {}", rank, *v));
+  FERRY_ASSIGN_OR_RETURN(const double seconds, commit_rule->commit(*param_set));
+  FERRY_RETURN_IF_ERROR(record_committed(*v));
   FERRY_RETURN_IF_ERROR(publish_versions());
   return seconds;
 }
 
 Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
-  if (!commit_it && opts.commit != CommitPolicy::kShadow)
-    return invalid_argument("consumer {}: sync(commit=false) needs the shadow commit policy", rank);
-  FERRY_RETURN_IF_ERROR(check_claim(*claim, store, Participant{"consumer", rank}, instance));
+  FERRY_RETURN_IF_ERROR(commit_rule->check_sync(commit_it));
+  FERRY_RETURN_IF_ERROR(check_claim(*reg.claim, store, Participant{"consumer", rank}, reg.instance));
   const auto t0 = Clock::now();
   // Relay: asks of this sync that came after its last attempt ended (and before it was
   // over: they were kept, as of a group still to land) are answered gone on the way out.
   struct RelayFlush {
     Impl* self;
     uint64_t v;
-    ~RelayFlush() {
-      if (self->opts.relay) self->relay_attempt_over(v);
-    }
+    ~RelayFlush() { self->relay_attempt_over(v); }
   } relay_flush{this, v};
-  readied.clear();
-  unanswered.clear();
+  push.readied.clear();
+  push.unanswered.clear();
   SyncReport rep;
   rep.version = v;
   trace.begin(t0);
@@ -173,11 +157,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
     rep.status = st;
     const ConsumerState held = param_set->state();
     rep.live_version = held.has_version ? std::optional<uint64_t>(held.version) : std::nullopt;
-    if (opts.commit == CommitPolicy::kGroups) {
-      std::lock_guard<std::mutex> lk(mu);
-      rep.groups_live = groups_live;
-      rep.commit_seconds = group_commit_seconds;
-    }
+    commit_rule->report(rep);
     rep.trace = trace.take();
     rep.start_unix_ns = trace.start_unix_ns();
     derive_report_sums(rep);
@@ -192,24 +172,22 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
     // to, is a producer behind (as on_message judges one arriving during the sync): it
     // came before this sync began, and dropping it silently left the consumer waiting
     // out its timeout for announcements that never come.
-    behind.clear();
+    syncs.behind.clear();
     for (auto it = inbox.begin(); it != inbox.end();) {
       const auto& [mv, g, p] = it->first;
       // (Nor is one whose producer dropped this consumer from that version: it ran that
       // sync without us, and is not behind.)
-      const bool ran = attempted.count(mv) || mismatched.count(mv) || dropped_versions.count({mv, p});
+      const bool ran = syncs.attempted.count(mv) || syncs.mismatched.count(mv) || syncs.dropped.count({mv, p});
       if (mv < v && !ran && peers[p].connected && it->second.from == peers[p].id)
-        behind[p] = mv;
+        syncs.behind[p] = mv;
       const bool stale = mv < v || (mv != v && ran);
       it = stale ? inbox.erase(it) : std::next(it);
     }
-    dropped_versions.erase(dropped_versions.begin(), dropped_versions.lower_bound({v, 0}));
-    syncing = v;
-    relay_passed.clear();  // (groups this relay took its slots back from: of earlier syncs)
-    groups_live.clear();
-    group_commit_seconds = 0;
-    attempted.insert(v);
-    if (attempted.size() > 64) attempted.erase(attempted.begin());
+    syncs.dropped.erase(syncs.dropped.begin(), syncs.dropped.lower_bound({v, 0}));
+    syncs.syncing = v;
+    relay.passed.clear();  // (groups this relay took its slots back from: of earlier syncs)
+    syncs.attempted.insert(v);
+    if (syncs.attempted.size() > 64) syncs.attempted.erase(syncs.attempted.begin());
   }
   Status s = reset_background();  // not ok: a job of the last attempt still runs, this sync fails
   const bool dropping_received = param_set->state().received.has_value();
@@ -217,22 +195,23 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
   if (dropping_received) {  // a version received and not committed is gone now: say so
     if (Status c = publish_versions(); !c.ok()) rep.failures.push_back(c.to_string());
   }
-  old_hashes.clear();
-  landed_groups.clear();
+  attempts.old_hashes.clear();
+  delta.begin_sync();
   const uint64_t previous = routes_hash;
   if (!s.ok()) {
-  } else if (auto again = republish(store, published); !again.ok()) {
+  } else if (auto again = republish(store, reg.published); !again.ok()) {
     s = again.status();
   } else if (*again > 0) {
     rep.failures.push_back(fmt::format("consumer {}: the store {} had lost its rendezvous keys (restarted?); "
                                        "re-published its plan", rank, store.url()));
   }
+  commit_rule->begin_sync();
   if (s.ok()) s = refresh_routes();
   s = s.with_context(fmt::format("consumer {} sync {}", rank, v));
   // Routes changed before we began (another participant already failed over this
   // sync): announcements made with the old ones are stale, not a reason to switch.
-  if (routes_hash != previous) old_hashes.insert(previous);
-  declare = !route_state.dead().empty();
+  if (routes_hash != previous) attempts.old_hashes.insert(previous);
+  attempts.declare = !route_state.dead().empty();
   // Tell the producers this consumer is in the sync: from now on it can straggle; until
   // now only their join window applied (rollouts end seconds apart, engine/straggler.h).
   if (s.ok()) {
@@ -240,10 +219,10 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
   }
   int restart_waits = 0;
   for (int tries = 0; s.ok() || tries > 0; ++tries) {
-    failed_p = -1;
+    attempts.failed_p = -1;
     {
       std::lock_guard<std::mutex> lk(mu);
-      switch_routes = false;
+      attempts.switch_routes = false;
     }
     s = sync_groups(v, rep);
     relay_attempt_over(v);  // (members still asking for groups it did not land read them from the producers)
@@ -252,17 +231,17 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
     // covers: wait, within the sync's timeout, for a restarted instance of it, then
     // begin again with it (issue 30: a trainer rank restarted between syncs lost the
     // next sync for every consumer).
-    if (failed_p >= 0 && restart_waits < opts.num_producers + 1) {
+    if (attempts.failed_p >= 0 && restart_waits < opts.num_producers + 1) {
       bool gone;
       {
         std::lock_guard<std::mutex> lk(mu);
-        gone = peers[failed_p].gone.has_value();
+        gone = peers[attempts.failed_p].gone.has_value();
       }
       std::set<int> d = route_state.dead();
-      d.insert(failed_p);
+      d.insert(attempts.failed_p);
       if (gone && !(opts.failover && route_state.routes_without(d).ok())) {
         ++restart_waits;
-        if (Status w = await_restart(v, failed_p, t0 + opts.timeout, rep); !w.ok()) {
+        if (Status w = await_restart(v, attempts.failed_p, t0 + opts.timeout, rep); !w.ok()) {
           s = Status(s.code(), fmt::format("{}; {}", s.message(), w.message()));
           break;
         }
@@ -274,7 +253,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
     bool follow;
     {
       std::lock_guard<std::mutex> lk(mu);
-      follow = switch_routes;
+      follow = attempts.switch_routes;
     }
     if (follow) {
       const uint64_t before = routes_hash;
@@ -284,7 +263,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
         if (!f.ok()) s = f;
         break;
       }
-      old_hashes.insert(before);
+      attempts.old_hashes.insert(before);
       rep.failures.push_back(fmt::format("consumer {}: followed producers to routes without a failed producer", rank));
       declare_routes(v);
       if (Status w = wait_flushed(v); !w.ok()) {
@@ -294,8 +273,8 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
       trace.new_attempt(false);
       continue;
     }
-    if (failed_p < 0) break;
-    old_hashes.insert(routes_hash);
+    if (attempts.failed_p < 0) break;
+    attempts.old_hashes.insert(routes_hash);
     Status f = failover(v, s, rep);
     if (f.ok()) f = wait_flushed(v);
     if (!f.ok()) {
@@ -307,10 +286,10 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
   // On failure, let the background thread finish what it holds, then tell producers we gave up.
   if (!s.ok()) worker->clear(opts.timeout);
   std::unique_lock<std::mutex> lk(mu);
-  syncing.reset();
+  syncs.syncing.reset();
   if (!s.ok()) {
     param_set->abort();
-    for (const auto& [p, n] : unanswered) flushed_from.erase(p);  // an answer to an earlier FAILOVER is not one to this ABORT
+    for (const auto& [p, n] : push.unanswered) push.flushed_from.erase(p);  // an answer to an earlier FAILOVER is not one to this ABORT
     lk.unlock();
     std::vector<Completion> aborts;
     for (int p : reachable_producers()) {
@@ -332,30 +311,24 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
   for (int p : reachable_producers()) {
     if (auto c = send_to(p, Done{me(), v, routes_hash})) dones.push_back(*c);
   }
-  // For committed_versions(): what a framework asks before it serves with these weights.
-  if (opts.commit != CommitPolicy::kShadow) {
-    rep.committed = true;
-    if (Status c = store.set(keys.committed(rank), std::to_string(v)); !c.ok())
-      rep.failures.push_back(fmt::format("consumer {}: recording committed version {}: {}", rank, v, c.to_string()));
-  }
-  if (opts.commit != CommitPolicy::kShadow || !commit_it) {  // (a commit below publishes its own)
-    if (Status c = publish_versions(); !c.ok()) rep.failures.push_back(c.to_string());
-  }
   // The DONEs have left before sync returns: a caller that closes the consumer right
   // after (its last sync) must not cancel them in its transport's queue, or producers
   // would count this consumer as having missed a version it holds. Bounded; a producer
   // that died meanwhile does not matter here.
   wait_all(dones, std::min<std::chrono::milliseconds>(opts.timeout, std::chrono::milliseconds(2000))).ignore();
   trace.record(TracePhase::kCommit, -1, -1, tc, Clock::now());
-  if (opts.commit == CommitPolicy::kShadow && commit_it) {
-    Result<double> c = commit();
-    if (!c.ok()) {
-      finish_report(c.status());
-      return c.status();
-    }
-    rep.committed = true;
-    rep.commit_seconds = *c;
+  // What the commit rule makes of the received version: live now, or held for commit().
+  Result<CommitRule::Finished> c = commit_rule->finish(*param_set, v, commit_it);
+  if (!c.ok()) {
+    finish_report(c.status());
+    return c.status();
   }
+  rep.committed = c->live;
+  rep.commit_seconds = c->commit_seconds;
+  if (c->live) {
+    if (Status r = record_committed(v); !r.ok()) rep.failures.push_back(r.to_string());
+  }
+  if (Status p = publish_versions(); !p.ok()) rep.failures.push_back(p.to_string());
   rep.seconds = seconds_since(t0);
   rep.memory = memory_use();
   finish_report(Status::Ok());
@@ -380,13 +353,13 @@ const Routes& Consumer::routes() const { return impl_->routes; }
 int Consumer::rank() const { return impl_->rank; }
 bool engine::TestAccess::knows_failed(Consumer& c, int p) {
   std::lock_guard<std::mutex> lk(c.impl_->mu);
-  return c.impl_->failed.count(p) > 0 || !c.impl_->peers[p].connected;
+  return c.impl_->peers[p].failure || !c.impl_->peers[p].connected;
 }
 
 bool engine::TestAccess::knows_dropped(Consumer& c, uint64_t version) {
   std::lock_guard<std::mutex> lk(c.impl_->mu);
-  auto d = c.impl_->dropped_versions.lower_bound({version, 0});
-  return d != c.impl_->dropped_versions.end() && d->first.first == version;
+  auto d = c.impl_->syncs.dropped.lower_bound({version, 0});
+  return d != c.impl_->syncs.dropped.end() && d->first.first == version;
 }
 
 void engine::TestAccess::simulate_crash(Consumer& c) {
@@ -398,7 +371,7 @@ void engine::TestAccess::simulate_crash(Consumer& c) {
     impl_->cv.notify_all();
     impl_->worker->interrupt();
   }
-  if (impl_->lease) impl_->lease->release().ignore();
+  if (impl_->reg.lease) impl_->reg.lease->release().ignore();
 }
 
 Status Consumer::check_params(const TensorMap& current) const { return impl_->param_set->check_rebound(current); }

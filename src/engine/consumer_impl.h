@@ -25,11 +25,13 @@
 #include "engine/clock.h"
 #include "engine/sync_trace.h"
 #include "engine/cuda_ipc.h"
+#include "engine/delta_applier.h"
 #include "engine/group_order.h"
 #include "ferry/device.h"
 #include "engine/in_place.h"
 #include "engine/protocol.h"
 #include "engine/rank_model.h"
+#include "engine/receive_ring.h"
 #include "engine/registered_buffer.h"
 #include "engine/rendezvous.h"
 #include "engine/schedule.h"
@@ -54,32 +56,29 @@ struct Consumer::Impl {
   ConsumerOptions opts;
   JobKeys keys;
   // What this rank loads into and how it post-processes (engine/rank_model.h; set by the
-  // two create()s, then fixed).
+  // two create()s, then fixed; RankModel::routed_params at the first routes).
   RankModel model;
   RouteState route_state;  // rendezvous inputs; producers excluded from `routes`
   Routes routes;
   uint64_t routes_hash = 0;
-  const PlanRoute* plan_route = nullptr;  // this rank's plan class in `routes`
-  // The params as the first routes declared them (producer-quantised ones e4m3, their
-  // scales added): the buffers are made for these, so later routes must agree.
-  std::vector<TensorDecl> routed_params;
-  int failed_p = -1;    // the producer whose failure ended the last attempt
   // Where bytes land (engine/param_set.h): the param buffers, their registrations and
   // placements, the committed view and what the params hold. Set by start().
   std::unique_ptr<ParamSet> param_set;
-  static constexpr int kSlots = static_cast<int>(kReceiveSlots);
-  uint64_t slot_bytes = 0;
-  RegisteredBuffer ring;
+  static constexpr int kSlots = ReceiveRing::kSlots;
+  ReceiveRing recv;  // (engine/receive_ring.h) where each group's bytes land, host or GPU
   // The lanes (engine/lane.h): the transport's (reads into the receive ring and params),
   // and CUDA IPC (ConsumerOptions::cuda_ipc) to producers' GPU staging on this host
   // (engine/cuda_ipc.h; null: params not all on one GPU, push, or checksums). Each
-  // attempt's plan (engine/sync_plan.h) says which one moves each transfer; ipc_active
-  // mirrors plan.cuda_ipc for the background thread (set by the sync thread while that
-  // thread is idle, read by it when unpacking: from which ring).
-  std::unique_ptr<TransportLane> lane;
-  std::unique_ptr<CudaIpcLane> ipc_lane;
-  ConsumerAttemptPlan plan;
-  std::atomic<bool> ipc_active{false};
+  // attempt's plan (engine/sync_plan.h) says which one moves each transfer, and so which
+  // ring the attempt lands in (plan_attempt).
+  struct Lanes {
+    std::unique_ptr<TransportLane> transport;
+    std::unique_ptr<CudaIpcLane> cuda_ipc;
+    ConsumerAttemptPlan plan;  // this attempt's
+  } lanes;
+  // The attempt's plan from the schedule (rebuilt if stale), the ring it lands in, and
+  // what the parts that depend on it are told. Sync thread, between attempts.
+  void plan_attempt(SyncReport& rep);
   // Per layer group of `routes`: what to read from whom into where (the slot, or a
   // param directly: zero copy, engine/schedule.h), what to unpack, which
   // post-processing groups complete. Rebuilt when routes change or a producer's in-place
@@ -90,15 +89,11 @@ struct Consumer::Impl {
   // EngineOptions::group_order): layer order, or its order in the rotated one. Set with
   // the routes (apply_routes).
   std::vector<int> order;
-  std::unique_ptr<Lease> lease;
-  ConsumerLease lease_value;  // what `lease` holds: its versions change as the params' do
+  // Its claim, lease and what it published (its plan) in the store.
+  Registration reg;
   // Puts the versions the params hold (ParamSet::state) into the lease if they changed
   // (ConsumerLease::committed/received). The store's error, if any.
   Status publish_versions();
-  Published published;  // its plan, put back if the store lost it (republish)
-  // This instance's claim on the rank (rendezvous.h, claim_rank) and its name there.
-  const std::string instance = instance_name();
-  std::unique_ptr<Lease> claim;
 
   // A producer as its lease describes it (its staging and source regions are imported
   // into `lane`, its GPU staging into `ipc_lane`).
@@ -109,12 +104,12 @@ struct Consumer::Impl {
     std::optional<std::string> gone;
     InPlaceTable in_place;     // boxes it serves from the trainer's memory
     size_t regions = 0;        // of its source regions (in_place.keys), how many are imported
+    std::optional<Status> failure;  // why its connection failed (cleared when connected again)
   };
 
   std::mutex mu;
   std::condition_variable cv;
   PeerTable<Peer> peers;
-  std::map<int, Status> failed;                             // producer -> why
   // An Announce (pull), Pushed (push) or RoutesNotice (group -1) as the sync loop takes it.
   struct Arrival {
     PeerId from = 0;          // sender instance
@@ -131,71 +126,87 @@ struct Consumer::Impl {
   // restarted producer may announce before we re-read its lease); checked against the
   // connected instance when taken.
   std::map<std::tuple<uint64_t, int, int>, Arrival> inbox;
-  std::set<uint64_t> old_hashes;  // routes abandoned during the current sync
-  bool switch_routes = false;     // a producer announced other routes for this sync
-  bool declare = false;           // tell producers our routes once connected (sync began on failed-over routes)
+  // The current sync's attempts: what ended the last one and which routes it leaves.
+  struct Attempts {
+    int failed_p = -1;              // the producer whose failure ended the last attempt
+    std::set<uint64_t> old_hashes;  // routes abandoned during the current sync
+    bool switch_routes = false;     // a producer announced other routes for this sync (mu)
+    bool declare = false;           // tell producers our routes once connected (sync began on failed-over routes)
+  } attempts;
+  // What this instance knows of the syncs it ran and runs, against which producers'
+  // messages are judged (late, stale, behind, a mismatch). mu.
+  struct Syncs {
+    std::optional<uint64_t> syncing;  // the version of the sync in progress
+    std::set<uint64_t> attempted;     // versions this instance began syncs of (the last 64)
+    std::set<uint64_t> mismatched;    // versions producers served when ours differed (the last 64)
+    // Producers that announced, during this sync, an older version this instance never
+    // synced (so not a late message): producer -> that version.
+    std::map<int, uint64_t> behind;
+    // (version, producer) -> why that producer dropped us from that sync. A drop counts
+    // only while its producer is in our routes: one failed over (by us or by the others,
+    // whose routes we followed) may still drop us from the attempt it was left out of.
+    std::map<std::pair<uint64_t, int>, std::string> dropped;
+  } syncs;
   // Push: producers sent READY this sync (they may have writes into our receive ring in
-  // flight), and the FLUSHED answers to our FAILOVERs: producer -> (version, routes). mu.
-  std::set<int> readied;
-  std::map<int, std::pair<uint64_t, uint64_t>> flushed_from;
-  // Push: per producer, READYs of this sync not answered by PUSHED yet: its writes of
-  // those groups may be in flight (sync thread only).
-  std::map<int, int> unanswered;
-  // (version, producer) -> why that producer dropped us from that sync. A drop counts
-  // only while its producer is in our routes: one failed over (by us or by the others,
-  // whose routes we followed) may still drop us from the attempt it was left out of.
-  std::map<std::pair<uint64_t, int>, std::string> dropped_versions;
+  // flight), and the FLUSHED answers to our FAILOVERs: producer -> (version, routes), mu;
+  // per producer, READYs of this sync not answered by PUSHED yet: its writes of those
+  // groups may be in flight (sync thread only).
+  struct PushBook {
+    std::set<int> readied;
+    std::map<int, std::pair<uint64_t, uint64_t>> flushed_from;
+    std::map<int, int> unanswered;
+  } push;
   std::atomic<bool> crashed{false};  // simulate_crash (test hook)
-  std::optional<uint64_t> syncing;  // the version of the sync in progress; mu
-  std::set<uint64_t> attempted;     // versions this instance began syncs of (the last 64); mu
-  // Producers that announced, during this sync, an older version this instance never
-  // synced (so not a late message): producer -> that version. mu.
-  std::map<int, uint64_t> behind;
-  std::set<uint64_t> mismatched;  // versions producers served when ours differed (the last 64); mu
   SyncTrace trace;        // this sync's events (the unpack worker records too); rep's sums come from it
   SyncReport last;        // last_report(): the last sync's report, failed or not
   // The unpack + post-processing thread (unpack_worker.h). Last: destroyed first.
   std::unique_ptr<UnpackWorker> worker;
 
-  // Relay within a host (ConsumerOptions::relay, docs/relay.md; consumer_relay.cpp).
-  // As a member: the relay this attempt reads from (refresh_relay, sync thread between
-  // attempts; `lost` also set by the handlers under mu). rank -1: none.
-  struct RelayLink {
+  // Relay within a host (ConsumerOptions::relay, docs/relay.md; consumer_relay.cpp): its
+  // state in both roles, guarded by mu. With relay off it stays empty: nothing asks, no
+  // link is found, and every relay_* step below answers for itself that it has nothing
+  // to do, so the sync loop calls them whatever the options.
+  struct RelayLink {  // as a member: the relay this attempt reads from (rank -1: none)
     int rank = -1;
     ConsumerLease lease;  // the relay's instance (its lease without versions) we connected and imported with
     PeerId id = 0;
     RemoteRegion ring;    // its receive ring
     bool lost = false;    // failed, gone or given up: the rest of this attempt reads from producers
     std::string why;      // ... and why, for the report
-  } relay_link;
-  // Every consumer's order (rotated order; empty: layer order, all alike): a relay and
-  // its members must read in one order. Set with the routes.
-  std::vector<std::vector<int>> relay_orders;
-  // Its answers to our asks and releases, by (version, group): the latest. mu.
-  std::map<std::pair<uint64_t, int>, Relay> relay_inbox;
-  // As the relay (every consumer with relay on serves asks; only members on its host ask):
-  // per receive slot the group it holds verified and who is reading it; asks of groups
-  // not landed yet; groups whose slot was reused (asked again: gone). A release from a
-  // member no longer among a slot's readers (cut by relay_reuse) is answered cut. mu.
-  struct RelaySlot {
+  };
+  struct RelaySlot {  // as the relay: a receive slot's group, verified, and who reads it
     bool valid = false;
     uint64_t version = 0, routes = 0;
     int group = -1;
     std::map<int, PeerId> readers;  // member rank -> its instance
     std::set<int> released;         // members whose copy of it is done (kept)
   };
-  // The members this relay expects to copy every group it lands this attempt (those of
-  // its class on its host it reached: rank -> instance); one that leaves a slot unasked
-  // past relay_hold() is expected no more this attempt. mu.
-  std::map<int, PeerId> relay_members;
-  RelaySlot relay_slots[kReceiveSlots];
-  std::map<std::tuple<uint64_t, int, uint64_t>, std::map<int, PeerId>> relay_asks;
-  std::set<std::tuple<uint64_t, int, uint64_t>> relay_passed;
+  struct RelayState {
+    // As a member: this attempt's link (refresh_relay, sync thread between attempts;
+    // `lost` also set by the handlers), and the relay's answers to our asks and
+    // releases by (version, group): the latest.
+    RelayLink link;
+    std::map<std::pair<uint64_t, int>, Relay> inbox;
+    // Every consumer's order (rotated order; empty: layer order, all alike): a relay and
+    // its members must read in one order. Set with the routes.
+    std::vector<std::vector<int>> orders;
+    // As the relay (every consumer with relay on serves asks; only members on its host
+    // ask): the members it expects to copy every group it lands this attempt (those of
+    // its class on its host it reached: rank -> instance; one that leaves a slot unasked
+    // past relay_hold() is expected no more this attempt); per receive slot the group it
+    // holds; asks of groups not landed yet; groups whose slot was reused (asked again:
+    // gone). A release from a member no longer among a slot's readers (cut by
+    // relay_reuse) is answered cut.
+    std::map<int, PeerId> members;
+    RelaySlot slots[kReceiveSlots];
+    std::map<std::tuple<uint64_t, int, uint64_t>, std::map<int, PeerId>> asks;
+    std::set<std::tuple<uint64_t, int, uint64_t>> passed;
+  } relay;
   // Finds this attempt's relay (or that this consumer reads for itself) from the leases
   // of its plan class on its host. Notes go to the report. Sync thread, between attempts.
   void refresh_relay(SyncReport& rep);
   // refresh_relay's search: this attempt's relay (its import kept from `before` when the
-  // same instance), or none; sets relay_members.
+  // same instance), or none; sets relay.members.
   RelayLink find_relay(const RelayLink& before, SyncReport& rep);
   // A Relay message (either role). The transport's handler thread; takes mu.
   void on_relay(PeerId from, const Relay& m);
@@ -219,22 +230,23 @@ struct Consumer::Impl {
                                        std::chrono::milliseconds(5000));
   }
 
-  // The options as this consumer runs them: under delta nothing is read straight into
-  // params (a patch is applied in the receive slot, then unpacked), nor under the groups
-  // commit policy (every byte lands in the bounded shadow by unpack), nor under relay
-  // (members copy the relay's receive ring: every byte must pass it).
-  static ConsumerOptions effective(ConsumerOptions o) {
-    if (o.delta || o.commit == CommitPolicy::kGroups || o.relay) o.direct_min_bytes = std::numeric_limits<uint64_t>::max();
-    return o;
-  }
+  // The options as this consumer runs them: nothing is read straight into params where
+  // a part needs every byte in the receive ring: delta (a patch is applied in the receive
+  // slot, then unpacked), the groups commit rule (every byte lands in the bounded shadow
+  // by unpack), relay (members copy the relay's receive ring: every byte must pass it).
   Impl(int r, Transport& t, Store& s, const ConsumerOptions& opt)
-      : rank(r), transport(t), store(s), opts(effective(opt)), keys(opt.job), route_state(s, JobKeys(opt.job), opt.failover, consumer_router_options(opt, r)) {}
+      : rank(r), transport(t), store(s), opts(opt), keys(opt.job),
+        route_state(s, JobKeys(opt.job), opt.failover, consumer_router_options(opt, r)),
+        commit_rule(CommitRule::make(opt.commit, r, {opt.before_commit, opt.after_commit})),
+        delta(r, opt.delta) {
+    if (opts.delta || !commit_rule->lands_direct() || opts.relay) opts.direct_min_bytes = std::numeric_limits<uint64_t>::max();
+  }
 
   ~Impl() {
     worker.reset();  // stops after its current job
     transport.set_message_handler({});
     transport.set_peer_failure_handler({});
-    if (lease) lease->release().ignore();
+    if (reg.lease) reg.lease->release().ignore();
   }
 
   void point(int g, int phase) {
@@ -245,19 +257,12 @@ struct Consumer::Impl {
 
   void on_peer_failure(PeerId peer, const Status& why);
 
-  // The worker's job steps (on its thread). commit_job: CommitPolicy::kGroups only.
+  // The worker's job steps (on its thread); the commit rule's group_done follows them.
   Status unpack_job(const UnpackWorker::Job& job);
   Status post_job(const UnpackWorker::Job& job);
-  Status commit_job(const UnpackWorker::Job& job);
-  // CommitPolicy::kGroups: each layer group's position in `order`, and what this sync
-  // made live so far (the units' names, in order; the commits' seconds). mu.
-  std::vector<int> position;
-  std::vector<std::string> groups_live;
-  double group_commit_seconds = 0;
-  // The bounded shadow for the routes and order now installed (ParamSet::set_group_shadow;
-  // apply_routes, between attempts). The name of a commit unit (GroupShadow::units).
-  Status install_group_shadow();
-  std::string unit_name(int unit) const;
+  // The commit policy (engine/commit_rule.h): what a sync's end, each layer group's
+  // unpack and commit, and commit() do to the live params.
+  std::unique_ptr<CommitRule> commit_rule;
   void wake() {
     std::lock_guard<std::mutex> lk(mu);
     cv.notify_all();
@@ -328,6 +333,11 @@ struct Consumer::Impl {
     std::set<int> repaired;            // ... and of those, whose dense bytes were read after it
     std::map<int, Arrival> announced;  // pull: announcements taken while the relay was tried
   };
+  // The group into its receive slot: copied from this host's relay where it has it
+  // (relay_group), else from the producers (pull_group or push_group); its transfers
+  // recorded in the trace.
+  Status receive_group(GroupRx& rx, const ConsumerGroupSchedule& gs, AttemptReads& reads, std::set<int>& in_v,
+                       SyncReport& rep);
   // A member copies the group from its relay's receive ring (true), or finds no relay for
   // it (false: read from the producers).
   Result<bool> relay_group(GroupRx& rx, SyncReport& rep);
@@ -341,18 +351,12 @@ struct Consumer::Impl {
   // from its kept copy instead (both modes: its staging ring is imported).
   Status repair_patch(GroupRx& rx, AttemptReads& reads, int p, const Status& why, SyncReport& rep);
 
-  // Delta syncs. Groups unpacked during this sync (any attempt): their params no longer
-  // hold the version they held when it began. Sync thread.
-  std::set<int> landed_groups;
-  std::vector<std::byte> patch_copy;  // a patch moved out of the receive slot to be applied
-  // Whether a patch against version `base` of group g can be applied here: host params
-  // whose live version is `base`, intact (not torn, group g not unpacked this sync).
-  bool takes_patch(int g, uint64_t base) const;
-  // Applies the patch that lies at the start of producer p's segment of group g in the
-  // receive slot at `slot` (its base gathered from the live params into that segment);
-  // the segment then holds the new bytes. kCorrupt when the patch fails its structure or
-  // content hash (the caller repairs with the dense bytes).
-  Status apply_segment_patch(int g, int p, const Read& read, uint64_t patch_bytes, std::byte* slot);
+  // Delta syncs (engine/delta_applier.h): which patches this consumer takes, and
+  // applying one. Sync thread.
+  DeltaApplier delta;
+  // Applies the patch at the start of producer p's segment (`read`) of group g in the
+  // receive slot at `base`; kCorrupt when it fails its check (the caller repairs).
+  Status apply_patch(int g, int p, const Read& read, uint64_t patch_bytes, uint64_t base);
 
   // Installs routes (only between attempts: the background thread is idle).
   Status apply_routes(Routes r);
@@ -366,6 +370,8 @@ struct Consumer::Impl {
   void rebuild_schedule();
 
   Status refresh_routes();
+  // This rank's plan class in `routes` (mu, or the sync thread).
+  const PlanRoute* plan_route() const { return &routes.consumer(static_cast<size_t>(rank)); }
 
   // Waits for the background thread to go idle, then resets it for a new attempt; its
   // timeout (a job still running) when it did not: no new attempt then.
@@ -431,9 +437,12 @@ struct Consumer::Impl {
   Result<std::vector<TensorDecl>> await_metadata();
   Status start(const std::vector<TensorDecl>& metadata, TensorMap params);
 
-  // Shadow: the received version made live (ParamSet::commit) between the caller's
-  // hooks, and recorded for committed_versions(); the seconds it took.
+  // Consumer::commit(): the received version made live (CommitRule::commit), recorded
+  // for committed_versions() and in the lease; the seconds it took.
   Result<double> commit();
+  // Version v is live: recorded for committed_versions() (what a framework asks before it
+  // serves with these weights).
+  Status record_committed(uint64_t v);
 
   Result<SyncReport> sync(uint64_t v, bool commit_it);
 };

@@ -16,11 +16,11 @@ void Consumer::Impl::on_message(PeerId from, std::span<const std::byte> payload)
   const bool known = peers.made_for(from, p);
   const uint64_t mv = version_of(msg);
   auto keep = [&](int group, const Arrival& a) {
-    if (syncing && mv != *syncing && (attempted.count(mv) || mismatched.count(mv)))
+    if (syncs.syncing && mv != *syncs.syncing && (syncs.attempted.count(mv) || syncs.mismatched.count(mv)))
       return false;  // of a sync this instance already ran or gave up: stale
-    if (syncing && mv < *syncing) {  // the producer is behind
+    if (syncs.syncing && mv < *syncs.syncing) {  // the producer is behind
       if (known) {
-        behind[p] = mv;
+        syncs.behind[p] = mv;
         cv.notify_all();
       }
       return false;
@@ -43,10 +43,10 @@ void Consumer::Impl::on_message(PeerId from, std::span<const std::byte> payload)
     if (!keep(-1, Arrival{from, m->routes, 0, std::nullopt})) return;
   } else if (const auto* m = std::get_if<Flushed>(&msg)) {
     if (!known) return;
-    flushed_from[p] = {m->version, m->routes};
+    push.flushed_from[p] = {m->version, m->routes};
   } else if (const auto* m = std::get_if<Dropped>(&msg)) {
     if (!known) return;
-    dropped_versions.emplace(std::make_pair(m->version, p), fmt::format("producer {}: {}", p, m->reason));
+    syncs.dropped.emplace(std::make_pair(m->version, p), fmt::format("producer {}: {}", p, m->reason));
   } else {
     return;
   }
@@ -56,76 +56,33 @@ void Consumer::Impl::on_message(PeerId from, std::span<const std::byte> payload)
 void Consumer::Impl::on_peer_failure(PeerId peer, const Status& why) {
   std::lock_guard<std::mutex> lk(mu);
   if (opts.relay) {  // relay within a host: our relay, or a member reading one of our slots
-    if (relay_link.rank >= 0 && peer == relay_link.id && !relay_link.lost) {
-      relay_link.lost = true;
-      relay_link.why = "transport: " + why.to_string();
+    if (relay.link.rank >= 0 && peer == relay.link.id && !relay.link.lost) {
+      relay.link.lost = true;
+      relay.link.why = "transport: " + why.to_string();
     }
-    for (RelaySlot& sl : relay_slots) {
+    for (RelaySlot& sl : relay.slots) {
       for (auto it = sl.readers.begin(); it != sl.readers.end();) it = it->second == peer ? sl.readers.erase(it) : std::next(it);
     }
-    for (auto it = relay_members.begin(); it != relay_members.end();)
-      it = it->second == peer ? relay_members.erase(it) : std::next(it);
+    for (auto it = relay.members.begin(); it != relay.members.end();)
+      it = it->second == peer ? relay.members.erase(it) : std::next(it);
     cv.notify_all();
   }
   const std::optional<int> p = peers.fail(peer);
   if (!p) return;
-  failed[*p] = why;
-  if (ipc_lane) ipc_lane->disconnect(*p);
+  peers[*p].failure = why;
+  if (lanes.cuda_ipc) lanes.cuda_ipc->disconnect(*p);
   cv.notify_all();
 }
 
 Status Consumer::Impl::unpack_job(const UnpackWorker::Job& job) {
   point(job.group, 3);
-  if (param_set->groups())  // its params' room in the bounded shadow, filled from the live params first
-    FERRY_RETURN_IF_ERROR(param_set->open_at(position[static_cast<size_t>(job.group)]));
-  const uint64_t n = plan_route->groups[static_cast<size_t>(job.group)].recv_bytes;
-  const std::byte* recv = ipc_active ? ipc_lane->ring() : ring.data;
-  Status s = unpack_group(schedule.unpack, job.group,
-                          std::span<const std::byte>(recv + static_cast<uint64_t>(job.slot) * slot_bytes, n),
+  FERRY_RETURN_IF_ERROR(commit_rule->before_unpack(*param_set, job.group));
+  const uint64_t n = plan_route()->groups[static_cast<size_t>(job.group)].recv_bytes;
+  Status s = unpack_group(schedule.unpack, job.group, std::span<const std::byte>(recv.landing(job.slot), n),
                           param_set->loaded());
   param_set->touch();  // (even a failed unpack may have written some params)
   if (!s.ok()) return s.with_context(fmt::format("consumer {} unpack group {}", rank, job.group));
   return s;
-}
-
-Status Consumer::Impl::commit_job(const UnpackWorker::Job& job) {
-  const int at = position[static_cast<size_t>(job.group)];
-  const GroupShadow& layout = param_set->group_shadow();
-  if (at < 0 || static_cast<size_t>(at) >= layout.commits.size() || layout.commits[static_cast<size_t>(at)].empty())
-    return Status::Ok();
-  // The only moment these params change: between the caller's hooks (its lock).
-  if (opts.before_commit) opts.before_commit(job.version);
-  const auto t = Clock::now();
-  Status s = param_set->commit_at(at);
-  const auto t1 = Clock::now();
-  if (opts.after_commit) opts.after_commit(job.version);
-  trace.record(TracePhase::kCommit, job.group, -1, t, t1);
-  FERRY_RETURN_IF_ERROR(s.with_context(fmt::format("consumer {} committing group {}", rank, job.group)));
-  std::lock_guard<std::mutex> lk(mu);
-  group_commit_seconds += std::chrono::duration<double>(t1 - t).count();
-  for (int u : layout.units[static_cast<size_t>(at)]) {
-    std::string name = unit_name(u);  // (once, also when a later attempt commits it again)
-    if (std::find(groups_live.begin(), groups_live.end(), name) == groups_live.end()) groups_live.push_back(std::move(name));
-  }
-  return Status::Ok();
-}
-
-std::string Consumer::Impl::unit_name(int unit) const {
-  if (unit >= 0 && static_cast<size_t>(unit) < model.post_group_names.size())
-    return model.post_group_names[static_cast<size_t>(unit)];
-  const auto param = static_cast<size_t>(-1 - static_cast<int64_t>(unit));  // a param of no post-processing group
-  if (unit < 0 && param < plan_route->params.size()) return plan_route->params[param].name;
-  return fmt::format("group {}", unit);
-}
-
-Status Consumer::Impl::install_group_shadow() {
-  std::vector<bool> on_device;
-  for (const TensorDecl& d : plan_route->params) {
-    auto it = param_set->committed().find(d.name);
-    on_device.push_back(it != param_set->committed().end() && it->second.device().is_cuda());
-  }
-  return param_set->set_group_shadow(group_shadow_layout(*plan_route, &order, model.post_group_of, on_device),
-                                     plan_route->params);
 }
 
 Status Consumer::Impl::post_job(const UnpackWorker::Job& job) {
@@ -153,7 +110,7 @@ Status Consumer::Impl::refresh_producers() {
       {
         std::lock_guard<std::mutex> lk(mu);
         const Peer& pe = peers[p];
-        if (pe.connected && !failed.count(p)) continue;
+        if (pe.connected && !pe.failure) continue;
       }
       // One we never reached: its lease may be healing (it resumed from a pause, or
       // the store restarted or paused and every lease lapsed), which takes at most
@@ -164,7 +121,7 @@ Status Consumer::Impl::refresh_producers() {
           [&] { blob = store.get(keys.producer(p)); });
       if (!blob.ok()) {
         if (blob.status().code() != StatusCode::kNotFound) return blob.status();
-        failed_p = p;
+        attempts.failed_p = p;
         {
           std::lock_guard<std::mutex> lk(mu);
           peers[p].gone = std::string();
@@ -184,7 +141,7 @@ Status Consumer::Impl::refresh_producers() {
     if (!table.ok()) return table.status().with_context(fmt::format("in-place table of producer {}", p));
     auto id = transport.connect(string_bytes(lease->address));
     if (!id.ok()) {
-      failed_p = p;  // a candidate for failover
+      attempts.failed_p = p;  // a candidate for failover
       std::lock_guard<std::mutex> lk(mu);
       peers[p].gone = *blob;
       return id.status().with_context(fmt::format("connecting to producer {}", p));
@@ -192,30 +149,30 @@ Status Consumer::Impl::refresh_producers() {
     // Its staging (and, pulling, its source regions) for the transport lane; its GPU
     // staging, mapped for device-to-device copies when we can take them.
     static const std::vector<std::string> kNone;
-    auto imported = lane->import(p, lease->staging_key, opts.mode == SyncMode::kPull ? table->keys : kNone);
+    auto imported = lanes.transport->import(p, lease->staging_key, opts.mode == SyncMode::kPull ? table->keys : kNone);
     if (!imported.ok()) {
-      failed_p = p;
+      attempts.failed_p = p;
       return imported.status();
     }
     if (opts.mode == SyncMode::kPull) {  // its in-place boxes inside its regions, before any read
-      if (Status w = lane->check_in_place(p, *table, held); !w.ok()) {
-        lane->disconnect(p);
+      if (Status w = lanes.transport->check_in_place(p, *table, held); !w.ok()) {
+        lanes.transport->disconnect(p);
         return w.with_context(fmt::format("in-place table of producer {}", p));
       }
     }
-    if (ipc_lane) ipc_lane->connect(p, lease->cuda_ipc);
+    if (lanes.cuda_ipc) lanes.cuda_ipc->connect(p, lease->cuda_ipc);
     std::lock_guard<std::mutex> lk(mu);
     if (!peers.adopt(p, *blob, *id)) {  // its connection failed while we connected
-      lane->disconnect(p);
-      if (ipc_lane) ipc_lane->disconnect(p);
-      failed_p = p;
+      lanes.transport->disconnect(p);
+      if (lanes.cuda_ipc) lanes.cuda_ipc->disconnect(p);
+      attempts.failed_p = p;
       return peer_failed("producer {}: its connection failed as it was made", p);
     }
     Peer& pe = peers[p];
     pe.in_place = opts.mode == SyncMode::kPull ? std::move(*table) : InPlaceTable{};
     pe.regions = *imported;
     schedule_stale = true;
-    failed.erase(p);
+    peers[p].failure.reset();
   }
   return Status::Ok();
 }
@@ -236,10 +193,10 @@ Status Consumer::Impl::apply_routes(Routes r) {
   // A failover's routes that change which params arrive quantised (a producer that alone
   // held some tile whole died) would write buffers of another dtype: refused, naming it.
   const std::vector<TensorDecl>& now = r.consumer(static_cast<size_t>(rank)).params;
-  if (!routed_params.empty() && now != routed_params) {
-    for (size_t i = 0; i < std::max(now.size(), routed_params.size()); ++i) {
-      if (i < now.size() && i < routed_params.size() && now[i] == routed_params[i]) continue;
-      const TensorDecl& d = i < routed_params.size() ? routed_params[i] : now[i];
+  if (!model.routed_params.empty() && now != model.routed_params) {
+    for (size_t i = 0; i < std::max(now.size(), model.routed_params.size()); ++i) {
+      if (i < now.size() && i < model.routed_params.size() && now[i] == model.routed_params[i]) continue;
+      const TensorDecl& d = i < model.routed_params.size() ? model.routed_params[i] : now[i];
       return failed_precondition(
           "consumer {}: the new routes deliver param '{}' otherwise than its buffers were made for ({} {} then, "
           "{} now): the producers left cannot quantise it as before; restart the consumer",
@@ -249,34 +206,35 @@ Status Consumer::Impl::apply_routes(Routes r) {
     }
   }
   const uint64_t needed = consumer_slot_bytes(r.consumer(static_cast<size_t>(rank)));
-  if (needed > slot_bytes)
-    return failed_precondition("consumer {}: a group needs {} receive bytes, the ring has {}", rank, needed, slot_bytes);
+  if (needed > recv.slot_bytes())
+    return failed_precondition("consumer {}: a group needs {} receive bytes, the ring has {}", rank, needed,
+                               recv.slot_bytes());
   std::vector<int> mine(static_cast<size_t>(r.num_groups()));
   for (size_t g = 0; g < mine.size(); ++g) mine[g] = static_cast<int>(g);
   if (opts.group_order == GroupOrderKind::kRotated) {
     const GroupOrder o = make_group_order(r, {GroupOrderKind::kRotated, true});
     FERRY_RETURN_IF_ERROR(check_group_order(r, o).with_context(fmt::format("consumer {}", rank)));
     mine = o.consumer[static_cast<size_t>(rank)];
-    if (opts.relay) relay_orders = o.consumer;  // a relay and its members read in one order
+    if (opts.relay) relay.orders = o.consumer;  // a relay and its members read in one order
   } else {
-    relay_orders.clear();
+    relay.orders.clear();
   }
   std::lock_guard<std::mutex> lk(mu);
   routes = std::move(r);
   routes_hash = routes.fingerprint();
-  plan_route = &routes.consumer(static_cast<size_t>(rank));
   order = std::move(mine);
-  position.assign(routes.group_names.size(), -1);
-  for (size_t i = 0; i < order.size(); ++i)
-    if (order[i] >= 0 && static_cast<size_t>(order[i]) < position.size()) position[static_cast<size_t>(order[i])] = static_cast<int>(i);
   rebuild_schedule();
-  if (param_set->groups()) return install_group_shadow().with_context(fmt::format("consumer {}", rank));
-  return Status::Ok();
+  CommitLayout layout{plan_route(), &order, &model.post_group_of, &model.post_group_names, {}};
+  for (const TensorDecl& d : plan_route()->params) {
+    auto it = param_set->committed().find(d.name);
+    layout.on_device.push_back(it != param_set->committed().end() && it->second.device().is_cuda());
+  }
+  return commit_rule->install(*param_set, layout);
 }
 
 MemoryUse Consumer::Impl::memory_use() {
   MemoryUse m;
-  m.receive_ring = ring.bytes;
+  m.receive_ring = recv.host().bytes;
   m.own_params = param_set->own_bytes();
   m.shadow = param_set->shadow_bytes();
   m.registered_in_place += param_set->registered_bytes();
@@ -323,10 +281,10 @@ Status Consumer::Impl::join(const std::function<Status()>& steps) {
   Status s = [&]() -> Status {
     if (rank < 0 || rank >= opts.num_consumers)
       return invalid_argument("consumer rank {} outside num_consumers {}", rank, opts.num_consumers);
-    FERRY_ASSIGN_OR_RETURN(claim, claim_rank(store, keys, opts, me, instance));
+    FERRY_ASSIGN_OR_RETURN(reg.claim, claim_rank(store, keys, opts, me, reg.instance));
     return steps();
   }();
-  publish_failure(store, keys, opts, me, instance, s);  // (not when it is not this rank's own)
+  publish_failure(store, keys, opts, me, reg.instance, s);  // (not when it is not this rank's own)
   return s;
 }
 
@@ -372,15 +330,15 @@ Result<std::vector<TensorDecl>> Consumer::Impl::await_metadata() {
 Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap params) {
   Impl& m = *this;
   const ConsumerOptions& options = opts;
-  m.published.emplace_back(m.keys.plan(rank), m.model.plan.encode());
-  FERRY_RETURN_IF_ERROR(store.set(m.keys.plan(rank), m.published.back().second));
+  m.reg.published.emplace_back(m.keys.plan(rank), m.model.plan.encode());
+  FERRY_RETURN_IF_ERROR(store.set(m.keys.plan(rank), m.reg.published.back().second));
   FERRY_ASSIGN_OR_RETURN(auto inputs, rendezvous_inputs(store, m.keys, options, Participant{"consumer", rank}, metadata));
   FERRY_ASSIGN_OR_RETURN(auto routes, m.route_state.start(std::move(inputs)));
-  m.slot_bytes = consumer_slot_bytes(routes.consumer(static_cast<size_t>(rank)));
+  m.recv.set_slot_bytes(consumer_slot_bytes(routes.consumer(static_cast<size_t>(rank))));
   // Params producers quantise (EngineOptions::quantize_on) arrive as e4m3 with their
   // scales: their buffers are made so, and each scale goes live with its weight.
   const PlanRoute& mine = routes.consumer(static_cast<size_t>(rank));
-  m.routed_params = mine.params;
+  m.model.routed_params = mine.params;
   std::vector<TensorDecl> decls = m.model.param_decls;
   for (const QuantizedParam& q : mine.quantized) {
     const TensorDecl& weight = mine.params[q.param];
@@ -400,8 +358,7 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
     }
   }
   auto set = ParamSet::create(ParamSetOptions{rank, options.mode == SyncMode::kPush, options.direct_min_bytes,
-                                                  options.commit == CommitPolicy::kShadow,
-                                                  options.commit == CommitPolicy::kGroups},
+                                                  m.commit_rule->needs_shadow(), m.commit_rule->needs_group_shadow()},
                               decls, params, transport_param_memory(transport));
   if (!set.ok()) return set.status();
   m.param_set = std::move(*set);
@@ -409,18 +366,18 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
   FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));
   // Padding: the plan's zeros are written once (routes carry only source bytes).
   FERRY_RETURN_IF_ERROR(m.param_set->write_padding(m.model.plan));
-  FERRY_RETURN_IF_ERROR(m.ring.allocate(transport, m.slot_bytes * Impl::kSlots));
-  m.lane = std::make_unique<TransportLane>(rank, transport, m.ring.region, *m.param_set);
+  FERRY_RETURN_IF_ERROR(m.recv.allocate(transport));
+  m.lanes.transport = std::make_unique<TransportLane>(rank, transport, m.recv.host().region, *m.param_set);
   // CUDA IPC: a receive ring on the params' device, when every param is there (the
   // caller's), in pull mode, without checksums (verified on the host).
   if (options.cuda_ipc && m.param_set->all_on_device() && options.mode == SyncMode::kPull && !options.checksums) {
-    FERRY_ASSIGN_OR_RETURN(m.ipc_lane, CudaIpcLane::create(rank, *cuda, m.slot_bytes * Impl::kSlots));
+    FERRY_ASSIGN_OR_RETURN(m.lanes.cuda_ipc, CudaIpcLane::create(rank, *cuda, m.recv.slot_bytes() * Impl::kSlots));
   }
   if (cuda) {
-    FERRY_RETURN_IF_ERROR(m.ring.make_cuda_visible(*cuda).with_context(
+    FERRY_RETURN_IF_ERROR(m.recv.host().make_cuda_visible(*cuda).with_context(
         fmt::format("consumer {}: the receive ring, for params on {}", rank, device_str(*cuda))));
   }
-  FERRY_ASSIGN_OR_RETURN(auto key, transport.export_key(m.ring.region));
+  FERRY_ASSIGN_OR_RETURN(auto key, transport.export_key(m.recv.host().region));
   m.peers.resize(options.num_producers);
   Impl* self = this;
   transport.set_message_handler([self](PeerId from, uint32_t tag, std::span<const std::byte> payload) {
@@ -439,9 +396,9 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
         if (self->opts.after_group) self->opts.after_group(j.version, j.group);
       },
       [self] { self->wake(); }, &m.trace,
-      options.commit == CommitPolicy::kGroups
-          ? std::function<Status(const UnpackWorker::Job&)>([self](const UnpackWorker::Job& j) { return self->commit_job(j); })
-          : std::function<Status(const UnpackWorker::Job&)>());
+      [self](const UnpackWorker::Job& j) {
+        return self->commit_rule->group_done(*self->param_set, j.version, j.group, self->trace);
+      });
   m.worker->start();
   // Push: where producers may write into params. In the lease (not in each READY) because
   // it is fixed for the instance's life and producers derive every write from it and
@@ -462,9 +419,9 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
     }
     param_table.params = m.param_set->placements();
   }
-  m.lease_value = ConsumerLease{bytes_to_string(transport.address()), bytes_to_string(key), m.slot_bytes,
-                                param_table.encode(), host_identity()};
-  FERRY_ASSIGN_OR_RETURN(m.lease, store.hold_lease(m.keys.consumer(rank), encode_lease(m.lease_value), options.lease_ttl));
+  m.reg.lease_value = encode_lease(ConsumerLease{bytes_to_string(transport.address()), bytes_to_string(key), m.recv.slot_bytes(),
+                                                 param_table.encode(), host_identity()});
+  FERRY_ASSIGN_OR_RETURN(m.reg.lease, store.hold_lease(m.keys.consumer(rank), m.reg.lease_value, options.lease_ttl));
   return Status::Ok();
 }
 

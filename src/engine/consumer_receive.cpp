@@ -3,9 +3,27 @@
 // this consumer's receive slot and params), and under delta syncs its patches applied or
 // repaired. Impl and what lives where: engine/consumer_impl.h.
 #include "engine/consumer_impl.h"
-#include "delta/patch.h"
 
 namespace ferry {
+
+void Consumer::Impl::plan_attempt(SyncReport& rep) {
+  std::lock_guard<std::mutex> lk(mu);  // the background thread is idle between attempts
+  if (schedule_stale) rebuild_schedule();
+  lanes.plan = make_consumer_attempt_plan(rank, schedule, lanes.cuda_ipc.get());
+  recv.land_on(lanes.plan.cuda_ipc ? lanes.cuda_ipc->ring() : nullptr);
+  delta.begin_attempt(recv.on_device());
+  for (std::string& note : lanes.plan.notes) rep.failures.push_back(std::move(note));
+}
+
+Status Consumer::Impl::receive_group(GroupRx& rx, const ConsumerGroupSchedule& gs, AttemptReads& reads,
+                                     std::set<int>& in_v, SyncReport& rep) {
+  const auto t0 = Clock::now();
+  FERRY_ASSIGN_OR_RETURN(const bool relayed, relay_group(rx, rep));  // (false: no relay, or not this group)
+  if (relayed) return Status::Ok();
+  FERRY_RETURN_IF_ERROR(opts.mode == SyncMode::kPull ? pull_group(rx, reads, in_v, rep) : push_group(rx, gs, reads, rep));
+  record_receives(trace, rx.g, gs, recv.on_device(), t0, Clock::now(), rx.patched, rx.repaired);
+  return Status::Ok();
+}
 
 Status Consumer::Impl::pull_group(GroupRx& rx, AttemptReads& reads, std::set<int>& in_v, SyncReport& rep) {
   const uint64_t v = rx.v;
@@ -46,18 +64,18 @@ Status Consumer::Impl::pull_group(GroupRx& rx, AttemptReads& reads, std::set<int
     // bytes, from the kept copy (over the CUDA IPC lane: the GPU slot, never patched).
     const Arrival& a = got[p];
     const Read* pr =
-        a.patch_base ? single_read_from(plan_route->groups[static_cast<size_t>(g)], static_cast<uint32_t>(p)) : nullptr;
-    const bool use_patch = pr && a.patch_bytes <= pr->length && !ipc_active && takes_patch(g, *a.patch_base);
+        a.patch_base ? single_read_from(plan_route()->groups[static_cast<size_t>(g)], static_cast<uint32_t>(p)) : nullptr;
+    const bool use_patch = pr && a.patch_bytes <= pr->length && delta.takes_patch(*param_set, g, *a.patch_base);
     if (use_patch) {
       const SubRead sr{0, pr->recv_offset, a.patch_bytes, nullptr, 0, -1, pr->offset, static_cast<uint32_t>(p)};
-      if (Status st = lane->post(Transfer{LaneKind::kTransport, g, p, &sr}, 0, a.patch_bytes, a.patch_offset, base,
+      if (Status st = lanes.transport->post(Transfer{LaneKind::kTransport, g, p, &sr}, 0, a.patch_bytes, a.patch_offset, base,
                                  staged);
           !st.ok()) {
-        failed_p = p;
+        attempts.failed_p = p;
         return st;
       }
     } else {
-      const uint64_t at = a.patch_base && !ipc_active ? a.dense_offset : a.slot_offset;
+      const uint64_t at = a.patch_base && !recv.on_device() ? a.dense_offset : a.slot_offset;
       FERRY_RETURN_IF_ERROR(posted(reads, reads.post_staged(g, p, at, base, staged)));
     }
     if (first) {
@@ -69,7 +87,7 @@ Status Consumer::Impl::pull_group(GroupRx& rx, AttemptReads& reads, std::set<int
     if (use_patch) {   // (applied before the release: a repair reads the producer's memory too)
       patched[p] = a.patch_bytes;
       took = 1;
-      if (Status applied = apply_segment_patch(g, p, *pr, a.patch_bytes, ring.data + base); !applied.ok()) {
+      if (Status applied = apply_patch(g, p, *pr, a.patch_bytes, base); !applied.ok()) {
         FERRY_RETURN_IF_ERROR(repair_patch(rx, reads, p, applied, rep));
         repaired.insert(p);
         took = 2;
@@ -108,13 +126,10 @@ Status Consumer::Impl::push_group(GroupRx& rx, const ConsumerGroupSchedule& gs, 
   }
   if (gs.direct) param_set->touch();  // producers write into params from here on: a failure now leaves us torn
   // Delta: the version our live params hold intact for this group, if we take patches.
-  std::optional<uint64_t> live;
-  if (const ConsumerState st = param_set->state(); opts.delta && st.has_version && !ipc_active &&
-                                                   takes_patch(g, st.version))
-    live = st.version;
+  const std::optional<uint64_t> live = delta.patch_base(*param_set, g);
   for (int p : from) {
-    readied.insert(p);
-    ++unanswered[p];
+    push.readied.insert(p);
+    ++push.unanswered[p];
     send_to(p, Ready{me(), v, g, routes_hash, static_cast<uint32_t>(s),
                      static_cast<uint8_t>(param_set->landing_index()), live});
   }
@@ -125,16 +140,16 @@ Status Consumer::Impl::push_group(GroupRx& rx, const ConsumerGroupSchedule& gs, 
     FERRY_ASSIGN_OR_RETURN(auto pm, await_any(v, g, remaining, "push"));
     got[pm.first] = pm.second;
     remaining.erase(pm.first);
-    --unanswered[pm.first];  // PUSHED: its writes of (v, g) ended (flushed before it was sent)
+    --push.unanswered[pm.first];  // PUSHED: its writes of (v, g) ended (flushed before it was sent)
   }
   trace.record(TracePhase::kWait, g, -1, tw, Clock::now());
   for (int p : from) {  // delta: patches written into the slot, applied here
     const Arrival& a = got[p];
     if (!a.patch_base) continue;
-    const Read* pr = single_read_from(plan_route->groups[static_cast<size_t>(g)], static_cast<uint32_t>(p));
+    const Read* pr = single_read_from(plan_route()->groups[static_cast<size_t>(g)], static_cast<uint32_t>(p));
     Status applied = !live || *a.patch_base != *live || !pr || a.patch_bytes > pr->length
                          ? failed_precondition("a patch against version {} it did not ask for", *a.patch_base)
-                         : apply_segment_patch(g, p, *pr, a.patch_bytes, ring.data + base);
+                         : apply_patch(g, p, *pr, a.patch_bytes, base);
     patched[p] = a.patch_bytes;  // (written into our slot whatever follows)
     if (!applied.ok()) {
       FERRY_RETURN_IF_ERROR(repair_patch(rx, reads, p, applied, rep));
@@ -153,27 +168,9 @@ Status Consumer::Impl::repair_patch(GroupRx& rx, AttemptReads& reads, int p, con
   return waited(dense, p, rx.v, rx.g);
 }
 
-bool Consumer::Impl::takes_patch(int g, uint64_t base) const {
-  if (!opts.delta || param_set->device() || landed_groups.count(g)) return false;
-  const ConsumerState st = param_set->state();
-  return st.has_version && st.version == base && !st.torn && !st.mixed;
-}
-
-Status Consumer::Impl::apply_segment_patch(int g, int p, const Read& read, uint64_t patch_bytes, std::byte* slot) {
-  std::byte* seg = slot + read.recv_offset;
-  patch_copy.assign(seg, seg + patch_bytes);
-  // The base: the live params as loaded, not the shadow syncs land in nor the tensors
-  // post-processing replaced params with (committed()'s view): in place the buffers
-  // loaded; under shadow and groups the live buffers (a flip makes the buffers a sync
-  // unpacked into live; a groups commit copies the unpacked bytes into them; a shadow
-  // copy commit leaves a replaced param's live buffer as it was: its patches are repaired).
-  const TensorMap& live = param_set->groups() || param_set->shadow() ? param_set->live() : param_set->loaded();
-  const uint64_t n = plan_route->groups[static_cast<size_t>(g)].recv_bytes;
-  Status st = gather_group(schedule.unpack, g, read.recv_offset, read.recv_offset + read.length, live,
-                           std::span<std::byte>(slot, n));
-  if (st.ok()) st = delta::apply_patch(std::span<std::byte>(seg, read.length), patch_copy);
-  if (!st.ok()) return st.with_context(fmt::format("consumer {} group {} producer {}", rank, g, p));
-  return st;
+Status Consumer::Impl::apply_patch(int g, int p, const Read& read, uint64_t patch_bytes, uint64_t base) {
+  return delta.apply(*param_set, schedule.unpack, g, p, read, patch_bytes,
+                     plan_route()->groups[static_cast<size_t>(g)].recv_bytes, recv.host().data + base);
 }
 
 }  // namespace ferry

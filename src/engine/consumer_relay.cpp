@@ -14,10 +14,10 @@ void Consumer::Impl::refresh_relay(SyncReport& rep) {
   RelayLink before;
   {
     std::lock_guard<std::mutex> lk(mu);  // (the handlers read the link under mu)
-    before = relay_link;
-    relay_link = RelayLink{};
-    relay_inbox.clear();
-    relay_members.clear();
+    before = relay.link;
+    relay.link = RelayLink{};
+    relay.inbox.clear();
+    relay.members.clear();
   }
   const RelayLink next = opts.relay ? find_relay(before, rep) : RelayLink{};
   // The previous relay's ring import, unless the same instance is kept.
@@ -25,11 +25,11 @@ void Consumer::Impl::refresh_relay(SyncReport& rep) {
     transport.release_key(before.ring).ignore();
   {
     std::lock_guard<std::mutex> lk(mu);
-    relay_link = next;
+    relay.link = next;
   }
   // Reading over CUDA IPC this attempt, its host ring holds nothing to offer: asks kept
   // from before (a member that began first) are answered gone now, not when it ends.
-  if (opts.relay && ipc_active) relay_attempt_over(std::numeric_limits<uint64_t>::max());
+  if (opts.relay && recv.on_device()) relay_attempt_over(std::numeric_limits<uint64_t>::max());
 }
 
 Consumer::Impl::RelayLink Consumer::Impl::find_relay(const RelayLink& before, SyncReport& rep) {
@@ -39,12 +39,12 @@ Consumer::Impl::RelayLink Consumer::Impl::find_relay(const RelayLink& before, Sy
   // the same order (a rank's replicas in other cohorts read each group at other times).
   auto same_group = [&](int c) -> std::optional<ConsumerLease> {
     if (routes.consumer_plan[static_cast<size_t>(c)] != mine) return std::nullopt;
-    if (!relay_orders.empty() && relay_orders[static_cast<size_t>(c)] != relay_orders[static_cast<size_t>(rank)])
+    if (!relay.orders.empty() && relay.orders[static_cast<size_t>(c)] != relay.orders[static_cast<size_t>(rank)])
       return std::nullopt;
     auto blob = store.get(keys.consumer(c));
     if (!blob.ok()) return std::nullopt;  // not live (or the store hiccuped: no relay with it this attempt)
     auto lease = decode_consumer_lease(*blob);
-    if (!lease.ok() || lease->host != lease_value.host) return std::nullopt;
+    if (!lease.ok() || lease->host != host_identity()) return std::nullopt;
     return std::move(*lease);
   };
   // Answers go to a peer's transport only once connected to it (an ask arrives on the
@@ -63,9 +63,9 @@ Consumer::Impl::RelayLink Consumer::Impl::find_relay(const RelayLink& before, Sy
   }
   {
     std::lock_guard<std::mutex> lk(mu);
-    relay_members = ipc_active ? std::map<int, PeerId>{} : std::move(members);  // (connected: told "gone")
+    relay.members = recv.on_device() ? std::map<int, PeerId>{} : std::move(members);  // (connected: told "gone")
   }
-  if (ipc_active) return RelayLink{};  // (its ring is on the GPU: it copies from no relay either)
+  if (recv.on_device()) return RelayLink{};  // (its ring is on the GPU: it copies from no relay either)
   for (int c = 0; c < rank; ++c) {  // the relay is the lowest live rank of the group
     auto lease = same_group(c);
     if (!lease) continue;
@@ -116,15 +116,15 @@ void Consumer::Impl::on_relay(PeerId from, const Relay& m) {
     };
     switch (m.kind) {
       case Relay::kAsk: {
-        if (!opts.relay || ipc_active) {
+        if (!opts.relay || recv.on_device()) {
           answer(Relay::kGone);
           break;
         }
         for (int s = 0; s < kSlots; ++s) {
-          RelaySlot& sl = relay_slots[s];
+          RelaySlot& sl = relay.slots[s];
           if (sl.valid && sl.version == m.version && sl.group == m.group && sl.routes == m.routes) {
             sl.readers[c] = from;
-            answer(Relay::kOffer, static_cast<uint64_t>(s) * slot_bytes);
+            answer(Relay::kOffer, recv.offset(s));
             break;
           }
         }
@@ -134,10 +134,10 @@ void Consumer::Impl::on_relay(PeerId from, const Relay& m) {
         // a sync it has not begun (a member may begin first): offered when it lands. A
         // member in another sync than the relay's reads from the producers (which then
         // tell it of a version mismatch as they would).
-        const bool now = syncing && *syncing == m.version && m.routes == routes_hash && !relay_passed.count(key);
-        const bool later = !syncing && !attempted.count(m.version);
-        if ((now || later) && relay_asks.size() < 4 * static_cast<size_t>(routes.num_groups() + 1)) {
-          relay_asks[key][c] = from;
+        const bool now = syncs.syncing && *syncs.syncing == m.version && m.routes == routes_hash && !relay.passed.count(key);
+        const bool later = !syncs.syncing && !syncs.attempted.count(m.version);
+        if ((now || later) && relay.asks.size() < 4 * static_cast<size_t>(routes.num_groups() + 1)) {
+          relay.asks[key][c] = from;
         } else {
           answer(Relay::kGone);
         }
@@ -145,7 +145,7 @@ void Consumer::Impl::on_relay(PeerId from, const Relay& m) {
       }
       case Relay::kRelease: {
         bool kept = false;
-        for (RelaySlot& sl : relay_slots) {
+        for (RelaySlot& sl : relay.slots) {
           if (sl.version != m.version || sl.group != m.group || sl.routes != m.routes) continue;
           if (auto it = sl.readers.find(c); it != sl.readers.end()) {
             sl.readers.erase(it);
@@ -157,14 +157,14 @@ void Consumer::Impl::on_relay(PeerId from, const Relay& m) {
         if (kept && m.group >= 0 && m.group < routes.num_groups() && m.routes == routes_hash) {
           const auto now = Clock::now();
           trace.record(TracePhase::kSend, m.group, c, now, now, TraceLane::kRelay,
-                       plan_route->groups[static_cast<size_t>(m.group)].recv_bytes);
+                       plan_route()->groups[static_cast<size_t>(m.group)].recv_bytes);
         }
         answer(kept ? Relay::kKept : Relay::kCut);
         break;
       }
       default:  // the relay's answers to this member
-        if (c != relay_link.rank || from != relay_link.id) return;
-        relay_inbox[{m.version, m.group}] = m;
+        if (c != relay.link.rank || from != relay.link.id) return;
+        relay.inbox[{m.version, m.group}] = m;
         cv.notify_all();
         return;
     }
@@ -175,17 +175,17 @@ void Consumer::Impl::on_relay(PeerId from, const Relay& m) {
   if (reply->kind == Relay::kOffer || reply->kind == Relay::kGone) {
     std::lock_guard<std::mutex> lk(mu);
     if (reply->kind == Relay::kOffer)
-      for (RelaySlot& sl : relay_slots) sl.readers.erase(c);
-    relay_asks[{m.version, m.group, m.routes}][c] = from;
+      for (RelaySlot& sl : relay.slots) sl.readers.erase(c);
+    relay.asks[{m.version, m.group, m.routes}][c] = from;
   }
 }
 
 void Consumer::Impl::relay_landed(uint64_t v, int g, int s) {
-  if (!opts.relay || ipc_active) return;  // (over CUDA IPC the group lands in the GPU ring: nothing to offer)
+  if (!opts.relay || recv.on_device()) return;  // (over CUDA IPC the group lands in the GPU ring: nothing to offer)
   std::vector<std::pair<PeerId, Relay>> offers;
   {
     std::lock_guard<std::mutex> lk(mu);
-    RelaySlot& sl = relay_slots[s];
+    RelaySlot& sl = relay.slots[s];
     sl.valid = true;
     sl.version = v;
     sl.group = g;
@@ -193,40 +193,41 @@ void Consumer::Impl::relay_landed(uint64_t v, int g, int s) {
     // This group's asks, and any kept for a group still held here (an offer that could
     // not be sent before: tried again now that this attempt connected its members).
     for (int k = 0; k < kSlots; ++k) {
-      RelaySlot& held = relay_slots[k];
+      RelaySlot& held = relay.slots[k];
       if (!held.valid) continue;
-      auto it = relay_asks.find({held.version, held.group, held.routes});
-      if (it == relay_asks.end()) continue;
+      auto it = relay.asks.find({held.version, held.group, held.routes});
+      if (it == relay.asks.end()) continue;
       for (const auto& [c, id] : it->second) {
         held.readers[c] = id;
         offers.emplace_back(id, Relay{me(), held.version, held.group, held.routes, Relay::kOffer,
-                                      static_cast<uint64_t>(k) * slot_bytes});
+                                      recv.offset(k)});
       }
-      relay_asks.erase(it);
+      relay.asks.erase(it);
     }
   }
   for (const auto& [id, m] : offers) static_cast<void>(transport.send(id, kEngineTag, encode_message(m)));
 }
 
 void Consumer::Impl::relay_reuse(int s) {
+  if (!opts.relay) return;  // (no slot is lent without relay)
   std::unique_lock<std::mutex> lk(mu);
-  RelaySlot& sl = relay_slots[s];
+  RelaySlot& sl = relay.slots[s];
   // Every member this relay expects copies the slot's group first (it asks as soon as
   // its own slot is free, so usually before the group even landed here): a member a
   // little late must not find it gone and read it across the network.
   auto unfinished = [&] {
     std::vector<int> out;
     if (!sl.valid) return out;
-    for (const auto& [c, id] : relay_members)
+    for (const auto& [c, id] : relay.members)
       if (!sl.released.count(c)) out.push_back(c);
     for (const auto& [c, id] : sl.readers)
-      if (!relay_members.count(c)) out.push_back(c);
+      if (!relay.members.count(c)) out.push_back(c);
     return out;
   };
   const auto until = Clock::now() + relay_hold();
   cv.wait_until(lk, until, [&] { return unfinished().empty() || crashed; });
-  for (int c : unfinished()) relay_members.erase(c);  // too slow: not waited for again this attempt
-  if (sl.valid) relay_passed.insert({sl.version, sl.group, sl.routes});
+  for (int c : unfinished()) relay.members.erase(c);  // too slow: not waited for again this attempt
+  if (sl.valid) relay.passed.insert({sl.version, sl.group, sl.routes});
   sl = RelaySlot{};  // (readers still there are cut: their release finds them in no slot)
 }
 
@@ -234,29 +235,29 @@ void Consumer::Impl::relay_attempt_over(uint64_t version) {
   std::vector<std::pair<PeerId, Relay>> gone;
   {
     std::lock_guard<std::mutex> lk(mu);
-    for (auto it = relay_asks.begin(); it != relay_asks.end();) {
+    for (auto it = relay.asks.begin(); it != relay.asks.end();) {
       const auto& [v, g, r] = it->first;
       if (v > version) {  // a later sync's: kept for it
         ++it;
         continue;
       }
       for (const auto& [c, id] : it->second) gone.emplace_back(id, Relay{me(), v, g, r, Relay::kGone, 0});
-      it = relay_asks.erase(it);
+      it = relay.asks.erase(it);
     }
   }
   for (const auto& [id, m] : gone) static_cast<void>(transport.send(id, kEngineTag, encode_message(m)));
 }
 
 Result<bool> Consumer::Impl::copy_from_relay(uint64_t v, int g, uint64_t base, const std::set<int>& from) {
-  const int r = relay_link.rank;
+  const int r = relay.link.rank;
   auto give_up = [&](std::string why) {
     std::lock_guard<std::mutex> lk(mu);
-    relay_link.lost = true;
-    relay_link.why = std::move(why);
+    relay.link.lost = true;
+    relay.link.why = std::move(why);
     return false;
   };
   auto send_relay = [&](Relay::Kind kind) {
-    return transport.send(relay_link.id, kEngineTag, encode_message(Relay{me(), v, g, routes_hash, kind, 0})).ok();
+    return transport.send(relay.link.id, kEngineTag, encode_message(Relay{me(), v, g, routes_hash, kind, 0})).ok();
   };
   // Waits for the relay's answer of one of `kinds` to (v, g): the answer, or nullopt once
   // the relay is lost (failed, lease gone at two checks a lease_ttl apart, or silent past
@@ -269,13 +270,13 @@ Result<bool> Consumer::Impl::copy_from_relay(uint64_t v, int g, uint64_t base, c
                     opts.lease_ttl.count() > 0 ? Clock::duration(opts.lease_ttl) : Clock::duration{}};
     LapseWatch lapses;
     auto step = [&]() -> std::optional<Answer> {
-      if (auto it = relay_inbox.find({v, g}); it != relay_inbox.end() && it->second.routes == routes_hash &&
+      if (auto it = relay.inbox.find({v, g}); it != relay.inbox.end() && it->second.routes == routes_hash &&
                                                  std::find(kinds.begin(), kinds.end(), it->second.kind) != kinds.end()) {
         Relay m = it->second;
-        relay_inbox.erase(it);
+        relay.inbox.erase(it);
         return Answer(std::optional<Relay>(m));
       }
-      if (relay_link.lost) return Answer(std::optional<Relay>());  // (mu held)
+      if (relay.link.lost) return Answer(std::optional<Relay>());  // (mu held)
       // What ends a wait for producers ends this one too (await_any, polled: a producer
       // failed, dropped us or serves another version, producers switched routes, our
       // transport or unpack worker failed).
@@ -298,18 +299,18 @@ Result<bool> Consumer::Impl::copy_from_relay(uint64_t v, int g, uint64_t base, c
       bool other = false;  // another instance registered: this one is gone
       if (blob.ok()) {
         auto l = decode_consumer_lease(*blob);
-        other = !l.ok() || l->instance() != relay_link.lease;
+        other = !l.ok() || l->instance() != relay.link.lease;
       }
       if (!lapses.lapsed(r, gone || other)) return std::nullopt;
       std::lock_guard<std::mutex> relock(mu);
-      relay_link.lost = true;
-      relay_link.why = fmt::format("relay consumer {}'s lease gone for over {} ms (paused, cut off or dead)", r,
+      relay.link.lost = true;
+      relay.link.why = fmt::format("relay consumer {}'s lease gone for over {} ms (paused, cut off or dead)", r,
                                    opts.lease_ttl.count());
       return Answer(std::optional<Relay>());
     };
     auto late = [&] {
-      relay_link.lost = true;
-      relay_link.why = fmt::format("no answer from relay consumer {} for group {} within {} ms", r, g,
+      relay.link.lost = true;
+      relay.link.why = fmt::format("no answer from relay consumer {} for group {} within {} ms", r, g,
                                    opts.timeout.count());
       return Answer(std::optional<Relay>());
     };
@@ -319,9 +320,9 @@ Result<bool> Consumer::Impl::copy_from_relay(uint64_t v, int g, uint64_t base, c
   FERRY_ASSIGN_OR_RETURN(auto offer, await_answer({Relay::kOffer, Relay::kGone}));
   if (!offer) return false;
   if (offer->kind == Relay::kGone) return false;  // this group only: it could not keep it for us
-  const uint64_t n = plan_route->groups[static_cast<size_t>(g)].recv_bytes;
+  const uint64_t n = plan_route()->groups[static_cast<size_t>(g)].recv_bytes;
   const auto t0 = Clock::now();
-  auto read = transport.read(ring.region, base, relay_link.ring, offer->offset, n);
+  auto read = transport.read(recv.host().region, base, relay.link.ring, offer->offset, n);
   if (!read.ok()) return give_up(fmt::format("reading relay consumer {}'s ring: {}", r, read.status().message()));
   if (Status st = read->wait(opts.timeout); !st.ok())
     return give_up(fmt::format("reading relay consumer {}'s ring: {}", r, st.message()));
@@ -340,7 +341,7 @@ Result<bool> Consumer::Impl::copy_from_relay(uint64_t v, int g, uint64_t base, c
 Result<bool> Consumer::Impl::relay_group(GroupRx& rx, SyncReport& rep) {
   {
     std::lock_guard<std::mutex> lk(mu);  // (`lost` is set by the handlers too)
-    if (relay_link.rank < 0 || relay_link.lost) return false;
+    if (relay.link.rank < 0 || relay.link.lost) return false;
   }
   const uint64_t v = rx.v;
   const int g = rx.g;
@@ -364,9 +365,9 @@ Result<bool> Consumer::Impl::relay_group(GroupRx& rx, SyncReport& rep) {
     return true;
   }
   std::lock_guard<std::mutex> lk(mu);
-  if (relay_link.lost)
+  if (relay.link.lost)
     rep.failures.push_back(fmt::format("consumer {}: relay consumer {} lost at group {} ({}); the rest of the attempt "
-                                       "is read from the producers", rank, relay_link.rank, g, relay_link.why));
+                                       "is read from the producers", rank, relay.link.rank, g, relay.link.why));
   return false;
 }
 

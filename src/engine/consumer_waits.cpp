@@ -9,14 +9,14 @@ namespace ferry {
 
 Status Consumer::Impl::version_mismatch_locked(uint64_t v, const std::set<int>& from) {
   auto mismatch = [&](int p, uint64_t mv) {
-    mismatched.insert(mv);
-    if (mismatched.size() > 64) mismatched.erase(mismatched.begin());
+    syncs.mismatched.insert(mv);
+    if (syncs.mismatched.size() > 64) syncs.mismatched.erase(syncs.mismatched.begin());
     return failed_precondition(
         "consumer {} syncs version {} but producer {} serves version {}: every rank of the job must sync the "
         "same version",
         rank, v, p, mv);
   };
-  for (const auto& [p, mv] : behind) {
+  for (const auto& [p, mv] : syncs.behind) {
     if (from.count(p)) return mismatch(p, mv);
   }
   for (const auto& [key, e] : inbox) {
@@ -32,7 +32,7 @@ Status Consumer::Impl::moved_on_locked(uint64_t v, const std::set<int>& from) {
   // now, so nothing of v it announced earlier may be read, and in push nothing asked of
   // it (a consumer entering v after being dropped as absent read version v+1 bytes
   // through announcements of v it had been sent before the drop).
-  for (auto d = dropped_versions.lower_bound({v, 0}); d != dropped_versions.end() && d->first.first == v; ++d) {
+  for (auto d = syncs.dropped.lower_bound({v, 0}); d != syncs.dropped.end() && d->first.first == v; ++d) {
     if (!route_state.dead().count(d->first.second))
       return cancelled("consumer {} was dropped from sync {} by {}", rank, v, d->second);
   }
@@ -70,7 +70,7 @@ Result<std::pair<int, Consumer::Impl::Arrival>> Consumer::Impl::await_any(uint64
       // same routes, and a new attempt would wait for announcements this one already took).
       std::optional<std::pair<uint64_t, int>> foreign;
       for (const auto& [key, e] : inbox) {
-        if (std::get<0>(key) == v && e.routes != routes_hash && !old_hashes.count(e.routes)) {
+        if (std::get<0>(key) == v && e.routes != routes_hash && !attempts.old_hashes.count(e.routes)) {
           foreign = std::make_pair(e.routes, std::get<2>(key));
           break;
         }
@@ -80,15 +80,15 @@ Result<std::pair<int, Consumer::Impl::Arrival>> Consumer::Impl::await_any(uint64
       auto stored = route_state.read_dead();
       lk.lock();
       if (!stored.ok() || *stored != route_state.dead()) {
-        switch_routes = true;
+        attempts.switch_routes = true;
         return Answer(unavailable("consumer {}: producer {} switched routes for sync {}", rank, foreign->second, v));
       }
-      old_hashes.insert(foreign->first);
+      attempts.old_hashes.insert(foreign->first);
     }
     for (int p : from) {
-      if (auto it = failed.find(p); it != failed.end()) {
-        failed_p = p;
-        return Answer(peer_failed("producer {} failed during sync {} (group {}): {}", p, v, g, it->second.to_string()));
+      if (const std::optional<Status>& f = peers[p].failure) {
+        attempts.failed_p = p;
+        return Answer(peer_failed("producer {} failed during sync {} (group {}): {}", p, v, g, f->to_string()));
       }
     }
     if (crashed) return Answer(cancelled("consumer {} crashed (test hook)", rank));
@@ -113,7 +113,7 @@ Result<std::pair<int, Consumer::Impl::Arrival>> Consumer::Impl::await_any(uint64
   auto check = [&]() -> std::optional<Answer> {
     const int lost = lost_producer(from, lapses);
     if (lost < 0) return std::nullopt;
-    failed_p = lost;
+    attempts.failed_p = lost;
     return Answer(peer_failed("producer {} lost during sync {} (group {}): no {} and its lease {} gone for over {} ms "
                               "(cut off or paused)", lost, v, g, what, keys.producer(lost), opts.lease_ttl.count()));
   };
@@ -165,14 +165,14 @@ Result<std::pair<int, Consumer::Impl::Arrival>> Consumer::Impl::await_working(ui
 }
 
 Status Consumer::Impl::posted(const AttemptReads& reads, Status st) {
-  if (!st.ok()) failed_p = reads.failed_producer();
+  if (!st.ok()) attempts.failed_p = reads.failed_producer();
   return st;
 }
 
 Status Consumer::Impl::waited(std::span<const Completion> ops, int p, uint64_t v, int g) {
   Status st = wait_reads(ops, p, v, g);
   if (st.ok()) return st;
-  failed_p = p;
+  attempts.failed_p = p;
   return Status(st.code(), fmt::format("consumer {} reading group {} from producer {}: {}", rank, g, p, st.message()));
 }
 
@@ -225,9 +225,9 @@ Status Consumer::Impl::await_flushed(uint64_t v, const std::vector<int>& from, b
   std::unique_lock<std::mutex> lk(mu);
   const auto deadline = Clock::now() + opts.timeout;
   for (int p : from) {
-    while (!route_state.dead().count(p) && !failed.count(p) && peers[p].connected) {
-      auto it = flushed_from.find(p);
-      if (it != flushed_from.end() && it->second == std::make_pair(v, routes_hash)) break;
+    while (!route_state.dead().count(p) && !peers[p].failure && peers[p].connected) {
+      auto it = push.flushed_from.find(p);
+      if (it != push.flushed_from.end() && it->second == std::make_pair(v, routes_hash)) break;
       if (crashed) return cancel_on_crash ? cancelled("consumer {} crashed (test hook)", rank) : Status::Ok();
       // Our own transport dead: no FLUSHED can come, and no write can land any more.
       if (Status h = own_transport_health(); !h.ok()) return cancel_on_crash ? h : Status::Ok();
@@ -244,22 +244,22 @@ Status Consumer::Impl::wait_flushed(uint64_t v) {
   std::vector<int> from;
   {
     std::lock_guard<std::mutex> lk(mu);
-    from.assign(readied.begin(), readied.end());
+    from.assign(push.readied.begin(), push.readied.end());
   }
   FERRY_RETURN_IF_ERROR(await_flushed(v, from, true, [&](int p) {
     return timeout_error("consumer {}: producer {} did not confirm within {} ms that its writes of abandoned "
                          "routes into this consumer's receive ring ended (sync {})", rank, p, opts.timeout.count(), v);
   }));
   std::lock_guard<std::mutex> lk(mu);
-  readied.clear();
-  unanswered.clear();
+  push.readied.clear();
+  push.unanswered.clear();
   return Status::Ok();
 }
 
 Status Consumer::Impl::wait_aborted_writes(uint64_t v) {
   if (opts.mode != SyncMode::kPush) return Status::Ok();
   std::vector<int> from;
-  for (const auto& [p, n] : unanswered) {
+  for (const auto& [p, n] : push.unanswered) {
     if (n > 0) from.push_back(p);
   }
   return await_flushed(v, from, false, [&](int p) {

@@ -108,4 +108,8 @@ DeltaPack DeltaEncoder::pack_blocks(int g, size_t s, uint64_t v, const ProducerG
   return out;
 }
 
+std::vector<MemoryRegion> regions_served_in_place(const ProducerOptions& options) {
+  return options.delta ? std::vector<MemoryRegion>{} : options.source_regions;
+}
+
 }  // namespace ferry::engine

@@ -38,6 +38,10 @@ struct DeltaPack {
   uint64_t compared = 0, changed = 0;
 };
 
+// The trainer's memory a producer serves in place (StagingRingOptions::source_regions):
+// none under delta, where every byte is packed so that it can be patched.
+std::vector<MemoryRegion> regions_served_in_place(const ProducerOptions& options);
+
 class DeltaEncoder {
  public:
   // `staging` outlives this. Options read: delta, delta_block_bytes, delta_full_every.

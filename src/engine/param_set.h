@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/commit_rule.h"
 #include "engine/in_place.h"
 #include "engine/schedule.h"
 #include "ferry/device.h"
@@ -73,7 +74,7 @@ struct ParamSetOptions {
   bool groups = false;
 };
 
-class ParamSet {
+class ParamSet final : public CommitTarget {
  public:
   // `decls`: the params as loaded, in declaration order. `caller`: the caller's buffers
   // by name (real, contiguous, of the declared dtype and shape; host or one CUDA
@@ -81,7 +82,7 @@ class ParamSet {
   // for a buffer that does not match (naming it), the memory's error otherwise.
   static Result<std::unique_ptr<ParamSet>> create(const ParamSetOptions& opts, const std::vector<TensorDecl>& decls,
                                                   const TensorMap& caller, std::unique_ptr<ParamMemory> memory);
-  ~ParamSet();
+  ~ParamSet() override;
   ParamSet(const ParamSet&) = delete;
   ParamSet& operator=(const ParamSet&) = delete;
 
@@ -162,7 +163,8 @@ class ParamSet {
   // param post-processing replaced is taken as it is). The version it committed.
   // kFailedPrecondition naming the consumer when nothing is received; a device copy's
   // error (the live params are then torn, the only way a commit can fail half way).
-  Result<uint64_t> commit();
+  Result<uint64_t> commit() override;
+  std::optional<uint64_t> received_version() const override { return state().received; }
   // Shadow: drops the received version. kFailedPrecondition when there is none.
   Status discard();
 
@@ -171,7 +173,7 @@ class ParamSet {
   // in the shadow, which grows to the layout's size (it never shrinks: routes that change
   // back need no new memory). Between attempts only. kInvalidArgument for a param the
   // set does not have; the allocation's error.
-  Status set_group_shadow(GroupShadow layout, const std::vector<TensorDecl>& params);
+  Status set_group_shadow(GroupShadow layout, const std::vector<TensorDecl>& params) override;
   // On the thread running the attempt's unpack and post-processing. open_at(i): before
   // the layer group at position i of the order is unpacked, the params whose room opens
   // there and that the sync does not write whole (the plan's padding) are filled from the
@@ -181,9 +183,9 @@ class ParamSet {
   // into the live buffers; a param post-processing made anew (another dtype or shape
   // than the live one, or a name of its own) is taken as it is, into committed() at
   // finish(). A copy's error (that group then torn).
-  Status open_at(int position);
-  Status commit_at(int position);
-  const GroupShadow& group_shadow() const { return group_shadow_; }
+  Status open_at(int position) override;
+  Status commit_at(int position) override;
+  const GroupShadow& group_shadow() const override { return group_shadow_; }
 
  private:
   ParamSet(const ParamSetOptions& opts, std::unique_ptr<ParamMemory> memory);

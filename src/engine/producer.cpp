@@ -193,10 +193,10 @@ Result<SyncReport> Producer::Impl::sync(uint64_t v) {
     for (auto it = pushes.ready.begin(); it != pushes.ready.end();) it = std::get<0>(it->first) < v ? pushes.ready.erase(it) : std::next(it);
     for (auto& s : slots) s = Slot{};
   }
-  FERRY_RETURN_IF_ERROR(check_claim(*claim, store, Participant{"producer", rank}, instance));
+  FERRY_RETURN_IF_ERROR(check_claim(*reg.claim, store, Participant{"producer", rank}, reg.instance));
   bool store_lost_keys = false;
   {
-    auto again = republish(store, published);
+    auto again = republish(store, reg.published);
     if (!again.ok()) return again.status().with_context(fmt::format("producer {} sync {}", rank, v));
     store_lost_keys = *again > 0;
     if (*again > 0)
@@ -368,14 +368,14 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
   Status joined = [&]() -> Status {
     if (m.rank < 0 || m.rank >= options.num_producers)
       return invalid_argument("producer rank {} outside num_producers {}", m.rank, options.num_producers);
-    FERRY_ASSIGN_OR_RETURN(m.claim, claim_rank(store, m.keys, options, me, m.instance));
+    FERRY_ASSIGN_OR_RETURN(m.reg.claim, claim_rank(store, m.keys, options, me, m.reg.instance));
     FERRY_RETURN_IF_ERROR(StagingRing::check_device(m.rank, options.staging_device));  // before any rendezvous
     FERRY_RETURN_IF_ERROR(publish_world(store, m.keys, options, me));
     FERRY_ASSIGN_OR_RETURN(const Holdings holdings, source.holdings(m.rank));  // (then route_state's inputs)
     const std::string meta = encode_decls(source.metadata());
-    if (m.rank == 0) m.published.emplace_back(m.keys.meta(), meta);
-    m.published.emplace_back(m.keys.holdings(m.rank), encode_holdings(holdings));
-    for (const auto& [key, value] : m.published) FERRY_RETURN_IF_ERROR(store.set(key, value));
+    if (m.rank == 0) m.reg.published.emplace_back(m.keys.meta(), meta);
+    m.reg.published.emplace_back(m.keys.holdings(m.rank), encode_holdings(holdings));
+    for (const auto& [key, value] : m.reg.published) FERRY_RETURN_IF_ERROR(store.set(key, value));
     // A restarted producer is alive again: take it out of the dead set (put back below
     // if this create fails: the store must never say alive a producer with no lease).
     if (options.failover) {
@@ -391,13 +391,12 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
                                                  m.route_state.inputs().holdings, options.failover);
       const uint64_t needed = producer_slot_bytes(routes, m.rank, {}, false);
       FERRY_ASSIGN_OR_RETURN(StagingSlots sr, staging_ring(m.rank, needed, worst, options.staging_budget));
-      // Delta: nothing served in place (every byte is packed, so that it can be patched),
-      // and the kept copy after the slots.
+      // What is served in place, and delta's kept copy after the slots.
       StagingRingOptions so{m.rank,
                             sr.slot_bytes,
                             sr.slots,
                             options.staging_device,
-                            options.delta ? std::vector<MemoryRegion>{} : options.source_regions,
+                            regions_served_in_place(options),
                             options.direct_min_bytes,
                             options.checksums,
                             delta_kept_bytes(options, routes.producers[static_cast<size_t>(m.rank)], sr)};
@@ -416,7 +415,8 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
     const std::string blob =
         encode_lease(ProducerLease{bytes_to_string(transport.address()), m.staging->host_key(), m.staging->slot_bytes(),
                                    m.staging->in_place().encode(), m.staging->cuda_ipc()});
-    FERRY_ASSIGN_OR_RETURN(m.lease, store.hold_lease(m.keys.producer(m.rank), blob, options.lease_ttl));
+    FERRY_ASSIGN_OR_RETURN(m.reg.lease, store.hold_lease(m.keys.producer(m.rank), blob, options.lease_ttl));
+    m.reg.lease_value = blob;
     // Return only once every consumer can receive (its lease is published last, after its
     // ring and handlers are up): a sync() called right away then reaches all of them
     // instead of finding none and reporting nothing moved.
@@ -430,7 +430,7 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
   // instead of waiting for a lease that never comes.
   if (!joined.ok() && was_dead) store.set(m.keys.dead(m.rank), "1").ignore();
   // Failed: why, for the other ranks (not when it is not this rank's own).
-  publish_failure(store, m.keys, options, me, m.instance, joined);
+  publish_failure(store, m.keys, options, me, m.reg.instance, joined);
   FERRY_RETURN_IF_ERROR(joined);
   return std::unique_ptr<Producer>(new Producer(std::move(impl)));
 }

@@ -74,11 +74,8 @@ struct Producer::Impl {
   // table (engine/staging_ring.h); its memory registered with `transport`.
   TransportRingMemory ring_memory{transport};
   std::unique_ptr<StagingRing> staging;
-  std::unique_ptr<Lease> lease;
-  Published published;  // metadata (rank 0) and holdings, put back if the store lost them
-  // This instance's claim on the rank (rendezvous.h, claim_rank) and its name there.
-  const std::string instance = instance_name();
-  std::unique_ptr<Lease> claim;
+  // Its claim, lease and what it published (metadata at rank 0, holdings) in the store.
+  Registration reg;
 
   // A consumer (engine/peer_table.h) and what push imports from its lease.
   struct Peer : PeerLink {
@@ -157,7 +154,7 @@ struct Producer::Impl {
   ~Impl() {
     transport.set_message_handler({});
     transport.set_peer_failure_handler({});
-    if (lease) lease->release().ignore();
+    if (reg.lease) reg.lease->release().ignore();
   }
 
   uint32_t cls(int c) const { return routes.consumer_plan[static_cast<size_t>(c)]; }

@@ -23,6 +23,10 @@ struct RankModel {
   std::map<std::string, int> post_group_of;  // param -> post-processing group
   std::vector<std::string> post_group_names;
   std::function<Status(int group, TensorMap& params)> post_process;  // empty: none
+  // A consumer's params as the first routes declared them (producer-quantised ones e4m3,
+  // their scales added; set by its create): its buffers are made for these, so later
+  // routes must agree.
+  std::vector<TensorDecl> routed_params;
 };
 
 // Records `rank_loader`'s plan (loader.rank(rank)) against the trainer's metadata;

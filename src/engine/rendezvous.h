@@ -110,6 +110,20 @@ Result<RouteInputs> rendezvous_inputs(Store& store, const JobKeys& keys, const E
 using Published = std::vector<std::pair<std::string, std::string>>;
 Result<int> republish(Store& store, const Published& published);
 
+// A participant's registration in the job's store, one per producer or consumer (its
+// create() fills it; released, in this order, when it is destroyed): this instance's
+// name and its claim on the rank (claim_rank), what it published (put back by republish
+// if the store lost it), and its lease (its address and what peers import; renewed by
+// the store's heartbeat every ttl/3, so a paused or dead instance's lapses) with the
+// value it holds now (the side's encoding: encode_lease).
+struct Registration {
+  const std::string instance = instance_name();
+  std::unique_ptr<Lease> claim;
+  Published published;
+  std::unique_ptr<Lease> lease;
+  std::string lease_value;
+};
+
 // Gives leases that are gone the time to heal: a holder that resumed (from a pause, or
 // after the store restarted or paused and every lease lapsed) renews within ttl/3 once
 // it runs. While `missing()` is true and less than one lease_ttl has passed, sleeps a
