@@ -144,6 +144,34 @@ enum class GroupOrderKind : uint8_t { kLayer, kRotated };
 Result<GroupOrderKind> parse_group_order_kind(std::string_view text);  // "layer" | "rotated"
 std::string_view group_order_kind_name(GroupOrderKind kind);
 
+struct SyncReport;
+
+// Who a sink hears from: a side ("producer" or "consumer"), its rank, the sync's version.
+struct SyncSource {
+  const char* side = "";
+  int rank = -1;
+  uint64_t version = 0;
+};
+
+// Where each rank's syncs are told as they happen (EngineOptions::sink): its control
+// decisions (ferry/trace.h ControlEvent: drops, failovers, repairs...) as each is made,
+// and every sync's report, ok or failed, as sync() returns. A metrics exporter implements
+// it. Calls come on the engine's threads (the sync thread; a transport handler thread for
+// a drop), sometimes while the engine holds a lock: keep each short, never call back into
+// the engine, and be thread-safe when several ranks share one sink.
+class SyncSink {
+ public:
+  virtual ~SyncSink() = default;
+  virtual void on_control(const SyncSource& from, const ControlEvent& event) {
+    static_cast<void>(from);
+    static_cast<void>(event);
+  }
+  virtual void on_report(const SyncSource& from, const SyncReport& report) {
+    static_cast<void>(from);
+    static_cast<void>(report);
+  }
+};
+
 struct EngineOptions {
   std::string job = "ferry";   // store key prefix
   int num_producers = 1;       // trainer world size
@@ -233,6 +261,9 @@ struct EngineOptions {
   uint64_t delta_block_bytes = 0;
   // Fault injection for ferry's own tests (src/engine/testing.h); null in production.
   std::shared_ptr<const engine::TestHooks> test_hooks;
+  // Told of every control decision and report of this rank's syncs (SyncSink); none when
+  // null. Shared: one sink may serve every rank of a process.
+  std::shared_ptr<SyncSink> sink;
 };
 
 struct ProducerOptions : EngineOptions {
@@ -463,7 +494,10 @@ struct SyncReport {
   // this version: dropped, failed, absent (no live lease: not a member of this sync) or
   // silent (no DONE within stall_timeout). Each has a line in `failures` saying why.
   std::vector<int> missed;
-  std::vector<std::string> failures;       // one line per failure
+  std::vector<std::string> failures;       // one line per failure: each event's message
+  // The control decisions of this sync (ferry/trace.h), in the order made; `failures`
+  // holds their messages.
+  std::vector<ControlEvent> events;
   // Consumer: the version its live params hold when sync() returned (the committed one;
   // unchanged by a failed sync under CommitPolicy::kShadow), absent when none; whether
   // this sync's version was committed (false: received and waiting for commit(), or

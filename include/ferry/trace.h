@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <string_view>
 
 namespace ferry {
@@ -55,6 +56,35 @@ struct TraceEvent {
   uint16_t attempt = 0;      // 0, then one more at each failover restart
   int64_t t0_ns = 0, t1_ns = 0;  // since the sync began (SyncReport::start_unix_ns)
   bool is_transfer() const { return phase == TracePhase::kSend || phase == TracePhase::kReceive; }
+};
+
+// A decision of a sync's control plane (SyncReport::events, in the order made): who
+// moves which version changed, or a step could not be taken and the sync went on another
+// way. Each is one line of SyncReport::failures (its `message`): the report's lines are
+// made from these, and a sink (EngineOptions::sink) gets each as it is made.
+enum class ControlKind : uint8_t {
+  kDrop,        // producer: consumer `peer` dropped from the sync (straggler, stalled, its ABORT)
+  kMissed,      // producer: consumer `peer` served by it did not commit (absent, or silent)
+  kFailover,    // routes rebuilt without dead producers (consumer: after producer `peer` failed)
+  kFollow,      // consumer: followed producers to routes without a failed producer
+  kRejoin,      // producer: failed over by consumers while alive; serves again next sync
+  kRestart,     // consumer: producer `peer` was gone as the sync began; its restarted instance served it
+  kRelayLost,   // consumer: its relay, consumer `peer`, lost at `group`; the rest read from producers
+  kRelayUnreached,  // consumer: relay or member `peer` not reached; read from the producers
+  kRepair,      // consumer: the patch of `group` from producer `peer` failed its check; dense bytes read
+  kRepublish,   // the store had lost its rendezvous keys (restarted): re-published
+  kStore,       // a store write failed (a committed version, a lease); the sync went on
+  kNote,        // a lane or path this attempt could not use (the attempt plan's notes)
+};
+std::string_view control_kind_name(ControlKind kind);  // "drop", "missed", "failover", ...
+
+struct ControlEvent {
+  ControlKind kind = ControlKind::kNote;
+  int32_t peer = -1;   // the rank it is about (a consumer for a producer and vice versa); -1: none
+  int32_t group = -1;  // layer group; -1: the sync as a whole
+  uint16_t attempt = 0;
+  int64_t t_ns = 0;     // since the sync began (SyncReport::start_unix_ns)
+  std::string message;  // its line in SyncReport::failures, naming this rank
 };
 
 }  // namespace ferry

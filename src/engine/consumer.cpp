@@ -15,12 +15,12 @@ Result<int> Consumer::Impl::acquire_slot(int at) {
 
 Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
   FERRY_RETURN_IF_ERROR(refresh_producers());
-  plan_attempt(rep);
+  plan_attempt();
   if (attempts.declare) {
     attempts.declare = false;
     declare_routes(v);
   }
-  refresh_relay(rep);
+  refresh_relay();
   // Pull. In-place bytes are the trainer's weights of v from the start of the
   // producer's sync v until it ends (after our DONE). So once a producer announced
   // anything of v in this attempt (in_v), its in-place bytes that land in params are
@@ -67,7 +67,7 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
   return drained;
 }
 
-Status Consumer::Impl::failover(uint64_t v, const Status& why, SyncReport& rep) {
+Status Consumer::Impl::failover(uint64_t v, const Status& why) {
   std::set<int> d = route_state.dead();
   d.insert(attempts.failed_p);
   {
@@ -82,7 +82,7 @@ Status Consumer::Impl::failover(uint64_t v, const Status& why, SyncReport& rep) 
   FERRY_RETURN_IF_ERROR(route_state.mark_dead(d));
   FERRY_RETURN_IF_ERROR(reset_background());
   FERRY_RETURN_IF_ERROR(route_state.adopt(d, std::move(*r), [this](Routes x) { return apply_routes(std::move(x)); }));
-  rep.failures.push_back(fmt::format("consumer {}: {}; failover: routes rebuilt without producer(s) {}", rank,
+  trace.control(ControlKind::kFailover, attempts.failed_p, -1, fmt::format("consumer {}: {}; failover: routes rebuilt without producer(s) {}", rank,
                                      why.to_string(), rank_list(d)));
   declare_routes(v);
   return Status::Ok();
@@ -150,7 +150,8 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
   push.unanswered.clear();
   SyncReport rep;
   rep.version = v;
-  trace.begin(t0);
+  trace.set_sink(opts.sink.get(), "consumer", rank);
+  trace.begin(t0, v);
   // The report's sums from the trace; kept for last_report() whatever the outcome.
   auto finish_report = [&](const Status& st) {
     if (rep.seconds == 0) rep.seconds = seconds_since(t0);
@@ -158,9 +159,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
     const ConsumerState held = param_set->state();
     rep.live_version = held.has_version ? std::optional<uint64_t>(held.version) : std::nullopt;
     commit_rule->report(rep);
-    rep.trace = trace.take();
-    rep.start_unix_ns = trace.start_unix_ns();
-    derive_report_sums(rep);
+    trace.finish_report(rep);
     last = rep;
   };
   if (opts.before_sync) opts.before_sync(v);
@@ -193,7 +192,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
   const bool dropping_received = param_set->state().received.has_value();
   param_set->begin(v);
   if (dropping_received) {  // a version received and not committed is gone now: say so
-    if (Status c = publish_versions(); !c.ok()) rep.failures.push_back(c.to_string());
+    if (Status c = publish_versions(); !c.ok()) trace.control(ControlKind::kStore, -1, -1, c.to_string());
   }
   attempts.old_hashes.clear();
   delta.begin_sync();
@@ -202,7 +201,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
   } else if (auto again = republish(store, reg.published); !again.ok()) {
     s = again.status();
   } else if (*again > 0) {
-    rep.failures.push_back(fmt::format("consumer {}: the store {} had lost its rendezvous keys (restarted?); "
+    trace.control(ControlKind::kRepublish, -1, -1, fmt::format("consumer {}: the store {} had lost its rendezvous keys (restarted?); "
                                        "re-published its plan", rank, store.url()));
   }
   commit_rule->begin_sync();
@@ -241,7 +240,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
       d.insert(attempts.failed_p);
       if (gone && !(opts.failover && route_state.routes_without(d).ok())) {
         ++restart_waits;
-        if (Status w = await_restart(v, attempts.failed_p, t0 + opts.timeout, rep); !w.ok()) {
+        if (Status w = await_restart(v, attempts.failed_p, t0 + opts.timeout); !w.ok()) {
           s = Status(s.code(), fmt::format("{}; {}", s.message(), w.message()));
           break;
         }
@@ -264,7 +263,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
         break;
       }
       attempts.old_hashes.insert(before);
-      rep.failures.push_back(fmt::format("consumer {}: followed producers to routes without a failed producer", rank));
+      trace.control(ControlKind::kFollow, -1, -1, fmt::format("consumer {}: followed producers to routes without a failed producer", rank));
       declare_routes(v);
       if (Status w = wait_flushed(v); !w.ok()) {
         s = w;
@@ -275,7 +274,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
     }
     if (attempts.failed_p < 0) break;
     attempts.old_hashes.insert(routes_hash);
-    Status f = failover(v, s, rep);
+    Status f = failover(v, s);
     if (f.ok()) f = wait_flushed(v);
     if (!f.ok()) {
       s = f;
@@ -326,9 +325,9 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
   rep.committed = c->live;
   rep.commit_seconds = c->commit_seconds;
   if (c->live) {
-    if (Status r = record_committed(v); !r.ok()) rep.failures.push_back(r.to_string());
+    if (Status r = record_committed(v); !r.ok()) trace.control(ControlKind::kStore, -1, -1, r.to_string());
   }
-  if (Status p = publish_versions(); !p.ok()) rep.failures.push_back(p.to_string());
+  if (Status p = publish_versions(); !p.ok()) trace.control(ControlKind::kStore, -1, -1, p.to_string());
   rep.seconds = seconds_since(t0);
   rep.memory = memory_use();
   finish_report(Status::Ok());

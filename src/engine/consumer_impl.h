@@ -38,6 +38,7 @@
 #include "engine/sync_plan.h"
 #include "engine/testing.h"
 #include "engine/memory.h"
+#include "engine/membership.h"
 #include "engine/param_set.h"
 #include "engine/peer_table.h"
 #include "engine/unpack_worker.h"
@@ -78,13 +79,12 @@ struct Consumer::Impl {
   } lanes;
   // The attempt's plan from the schedule (rebuilt if stale), the ring it lands in, and
   // what the parts that depend on it are told. Sync thread, between attempts.
-  void plan_attempt(SyncReport& rep);
+  void plan_attempt();
   // Per layer group of `routes`: what to read from whom into where (the slot, or a
   // param directly: zero copy, engine/schedule.h), what to unpack, which
   // post-processing groups complete. Rebuilt when routes change or a producer's in-place
-  // table does (schedule_stale).
+  // table does (Peer::in_schedule).
   ConsumerSchedule schedule;
-  bool schedule_stale = true;
   // The order this consumer reads the layer groups of `routes` in (engine/group_order.h,
   // EngineOptions::group_order): layer order, or its order in the rotated one. Set with
   // the routes (apply_routes).
@@ -105,11 +105,14 @@ struct Consumer::Impl {
     InPlaceTable in_place;     // boxes it serves from the trainer's memory
     size_t regions = 0;        // of its source regions (in_place.keys), how many are imported
     std::optional<Status> failure;  // why its connection failed (cleared when connected again)
+    bool in_schedule = false;       // the schedule was built with its current in-place table
   };
 
   std::mutex mu;
   std::condition_variable cv;
   PeerTable<Peer> peers;
+  // The producers as their leases say (engine/membership.h; sync thread).
+  Membership roll;
   // An Announce (pull), Pushed (push) or RoutesNotice (group -1) as the sync loop takes it.
   struct Arrival {
     PeerId from = 0;          // sender instance
@@ -204,10 +207,10 @@ struct Consumer::Impl {
   } relay;
   // Finds this attempt's relay (or that this consumer reads for itself) from the leases
   // of its plan class on its host. Notes go to the report. Sync thread, between attempts.
-  void refresh_relay(SyncReport& rep);
+  void refresh_relay();
   // refresh_relay's search: this attempt's relay (its import kept from `before` when the
   // same instance), or none; sets relay.members.
-  RelayLink find_relay(const RelayLink& before, SyncReport& rep);
+  RelayLink find_relay(const RelayLink& before);
   // A Relay message (either role). The transport's handler thread; takes mu.
   void on_relay(PeerId from, const Relay& m);
   // The relay: group g of sync v is verified in receive slot s (members may read it).
@@ -237,6 +240,8 @@ struct Consumer::Impl {
   Impl(int r, Transport& t, Store& s, const ConsumerOptions& opt)
       : rank(r), transport(t), store(s), opts(opt), keys(opt.job),
         route_state(s, JobKeys(opt.job), opt.failover, consumer_router_options(opt, r)),
+        roll(s, [k = JobKeys(opt.job)](int p) { return k.producer(p); }, [](std::string_view v) { return std::string(v); },
+             opt.num_producers, opt.lease_ttl),
         commit_rule(CommitRule::make(opt.commit, r, {opt.before_commit, opt.after_commit})),
         delta(r, opt.delta) {
     if (opts.delta || !commit_rule->lands_direct() || opts.relay) opts.direct_min_bytes = std::numeric_limits<uint64_t>::max();
@@ -340,7 +345,7 @@ struct Consumer::Impl {
                        SyncReport& rep);
   // A member copies the group from its relay's receive ring (true), or finds no relay for
   // it (false: read from the producers).
-  Result<bool> relay_group(GroupRx& rx, SyncReport& rep);
+  Result<bool> relay_group(GroupRx& rx);
   // Pull: each producer's staged bytes read once it announced the group, then released;
   // in-place bytes (into the slot, and into params ahead: `in_v`, the producers in the
   // sync this attempt) through `reads`.
@@ -379,14 +384,14 @@ struct Consumer::Impl {
 
   // After producer failed_p failed: mark it dead and rebuild routes without it, if the
   // remaining producers hold everything. Then ask live producers to restart.
-  Status failover(uint64_t v, const Status& why, SyncReport& rep);
+  Status failover(uint64_t v, const Status& why);
 
   // Producer p, which no DP replica covers, was gone as this attempt began (Peer::gone),
   // so nothing of sync v was read yet: waits until a restarted instance of it registers
   // (a lease other than the one it was gone with), polling the store with backoff, until
   // `deadline`. Meanwhile JOINs to the other producers say this consumer is still in the
   // sync (they drop it neither as a straggler nor as stalled, Producer wait_slot).
-  Status await_restart(uint64_t v, int p, Clock::time_point deadline, SyncReport& rep);
+  Status await_restart(uint64_t v, int p, Clock::time_point deadline);
   // Not ok, naming this consumer, once its own transport is dead (Transport::health):
   // a wait for producers asks every health_probe_every, as a dead transport delivers
   // nothing and, with nothing to send, no op fails.

@@ -99,36 +99,30 @@ Status Consumer::Impl::refresh_producers() {
     std::lock_guard<std::mutex> lk(mu);
     for (Peer& pe : peers) pe.gone.reset();  // (what this refresh finds, not an earlier one)
   }
-  for (int p = 0; p < opts.num_producers; ++p) {
-    if (route_state.dead().count(p)) continue;  // failed over: not read from
-    auto blob = store.get(keys.producer(p));
-    if (!blob.ok()) {
-      if (blob.status().code() != StatusCode::kNotFound) return blob.status();
-      // Its lease lapsed: it may only be paused (its lease heals when it resumes), so
-      // keep reading from the instance we are connected to — a dead one is reported by
-      // the transport and failed over.
+  // A producer whose lease lapsed may only be paused (its lease heals when it resumes):
+  // one we are connected to is read from as before (a dead one is reported by the
+  // transport and failed over); one we never reached is given a lease_ttl to heal
+  // (Membership) before it is a failover candidate, so that a live producer is not
+  // marked dead for good. Failed-over ones are not read from.
+  auto connected = [&](int p) {
+    std::lock_guard<std::mutex> lk(mu);
+    return peers[p].connected && !peers[p].failure;
+  };
+  FERRY_ASSIGN_OR_RETURN(
+      const Membership::Roll leases,
+      roll.call([&](int p) { return !route_state.dead().count(p) && !connected(p); }));
+  for (int p = 0; p < roll.size(); ++p) {
+    if (route_state.dead().count(p)) continue;
+    const std::optional<std::string>& blob = leases[static_cast<size_t>(p)];
+    if (!blob && connected(p)) continue;
+    if (!blob) {
+      attempts.failed_p = p;
       {
         std::lock_guard<std::mutex> lk(mu);
-        const Peer& pe = peers[p];
-        if (pe.connected && !pe.failure) continue;
+        peers[p].gone = std::string();
       }
-      // One we never reached: its lease may be healing (it resumed from a pause, or
-      // the store restarted or paused and every lease lapsed), which takes at most
-      // ttl/3 once it runs. Give it one lease_ttl before it is a failover candidate,
-      // so that a live producer is not marked dead for good.
-      heal_leases(
-          opts.lease_ttl, [&] { return !blob.ok() && blob.status().code() == StatusCode::kNotFound; },
-          [&] { blob = store.get(keys.producer(p)); });
-      if (!blob.ok()) {
-        if (blob.status().code() != StatusCode::kNotFound) return blob.status();
-        attempts.failed_p = p;
-        {
-          std::lock_guard<std::mutex> lk(mu);
-          peers[p].gone = std::string();
-        }
-        return unavailable("producer {} is not registered (no live lease {} within lease_ttl {} ms)", p,
-                           keys.producer(p), opts.lease_ttl.count());
-      }
+      return unavailable("producer {} is not registered (no live lease {} within lease_ttl {} ms)", p,
+                         keys.producer(p), opts.lease_ttl.count());
     }
     {
       std::lock_guard<std::mutex> lk(mu);
@@ -171,7 +165,7 @@ Status Consumer::Impl::refresh_producers() {
     Peer& pe = peers[p];
     pe.in_place = opts.mode == SyncMode::kPull ? std::move(*table) : InPlaceTable{};
     pe.regions = *imported;
-    schedule_stale = true;
+    pe.in_schedule = false;
     peers[p].failure.reset();
   }
   return Status::Ok();
@@ -263,7 +257,7 @@ void Consumer::Impl::rebuild_schedule() {
   }
   in.order = &order;
   schedule = make_consumer_schedule(in);
-  schedule_stale = false;
+  for (Peer& pe : peers) pe.in_schedule = true;
 }
 
 Status Consumer::Impl::refresh_routes() {

@@ -6,19 +6,19 @@
 
 namespace ferry {
 
-void Consumer::Impl::plan_attempt(SyncReport& rep) {
+void Consumer::Impl::plan_attempt() {
   std::lock_guard<std::mutex> lk(mu);  // the background thread is idle between attempts
-  if (schedule_stale) rebuild_schedule();
+  if (std::any_of(peers.begin(), peers.end(), [](const Peer& pe) { return !pe.in_schedule; })) rebuild_schedule();
   lanes.plan = make_consumer_attempt_plan(rank, schedule, lanes.cuda_ipc.get());
   recv.land_on(lanes.plan.cuda_ipc ? lanes.cuda_ipc->ring() : nullptr);
   delta.begin_attempt(recv.on_device());
-  for (std::string& note : lanes.plan.notes) rep.failures.push_back(std::move(note));
+  for (std::string& note : lanes.plan.notes) trace.control(ControlKind::kNote, -1, -1, std::move(note));
 }
 
 Status Consumer::Impl::receive_group(GroupRx& rx, const ConsumerGroupSchedule& gs, AttemptReads& reads,
                                      std::set<int>& in_v, SyncReport& rep) {
   const auto t0 = Clock::now();
-  FERRY_ASSIGN_OR_RETURN(const bool relayed, relay_group(rx, rep));  // (false: no relay, or not this group)
+  FERRY_ASSIGN_OR_RETURN(const bool relayed, relay_group(rx));  // (false: no relay, or not this group)
   if (relayed) return Status::Ok();
   FERRY_RETURN_IF_ERROR(opts.mode == SyncMode::kPull ? pull_group(rx, reads, in_v, rep) : push_group(rx, gs, reads, rep));
   record_receives(trace, rx.g, gs, recv.on_device(), t0, Clock::now(), rx.patched, rx.repaired);
@@ -161,7 +161,7 @@ Status Consumer::Impl::push_group(GroupRx& rx, const ConsumerGroupSchedule& gs, 
 
 Status Consumer::Impl::repair_patch(GroupRx& rx, AttemptReads& reads, int p, const Status& why, SyncReport& rep) {
   ++rep.patches_repaired;
-  rep.failures.push_back(fmt::format("consumer {}: the patch of group {} from producer {} failed its check ({}); "
+  trace.control(ControlKind::kRepair, p, rx.g, fmt::format("consumer {}: the patch of group {} from producer {} failed its check ({}); "
                                      "read its dense bytes instead", rank, rx.g, p, why.message()));
   std::vector<Completion> dense;
   FERRY_RETURN_IF_ERROR(posted(reads, reads.post_staged(rx.g, p, rx.got[p].dense_offset, rx.base, dense)));

@@ -10,7 +10,7 @@
 
 namespace ferry {
 
-void Consumer::Impl::refresh_relay(SyncReport& rep) {
+void Consumer::Impl::refresh_relay() {
   RelayLink before;
   {
     std::lock_guard<std::mutex> lk(mu);  // (the handlers read the link under mu)
@@ -19,7 +19,7 @@ void Consumer::Impl::refresh_relay(SyncReport& rep) {
     relay.inbox.clear();
     relay.members.clear();
   }
-  const RelayLink next = opts.relay ? find_relay(before, rep) : RelayLink{};
+  const RelayLink next = opts.relay ? find_relay(before) : RelayLink{};
   // The previous relay's ring import, unless the same instance is kept.
   if (before.rank >= 0 && !(next.rank == before.rank && next.lease == before.lease))
     transport.release_key(before.ring).ignore();
@@ -32,7 +32,7 @@ void Consumer::Impl::refresh_relay(SyncReport& rep) {
   if (opts.relay && recv.on_device()) relay_attempt_over(std::numeric_limits<uint64_t>::max());
 }
 
-Consumer::Impl::RelayLink Consumer::Impl::find_relay(const RelayLink& before, SyncReport& rep) {
+Consumer::Impl::RelayLink Consumer::Impl::find_relay(const RelayLink& before) {
   const size_t mine = routes.consumer_plan[static_cast<size_t>(rank)];
   // The live consumers of this one's relay group below (relay candidates) or above it
   // (members it may relay for): same plan class, same host and, under the rotated order,
@@ -57,7 +57,7 @@ Consumer::Impl::RelayLink Consumer::Impl::find_relay(const RelayLink& before, Sy
     if (id.ok()) {
       members[c] = *id;
     } else {
-      rep.failures.push_back(fmt::format("consumer {}: consumer {} on this host not reached ({})", rank, c,
+      trace.control(ControlKind::kRelayUnreached, c, -1, fmt::format("consumer {}: consumer {} on this host not reached ({})", rank, c,
                                          id.status().message()));
     }
   }
@@ -79,13 +79,13 @@ Consumer::Impl::RelayLink Consumer::Impl::find_relay(const RelayLink& before, Sy
     }
     auto id = transport.connect(string_bytes(lease->address));
     if (!id.ok()) {
-      rep.failures.push_back(fmt::format("consumer {}: relay consumer {} not reached ({}); reading from the producers",
+      trace.control(ControlKind::kRelayUnreached, c, -1, fmt::format("consumer {}: relay consumer {} not reached ({}); reading from the producers",
                                          rank, c, id.status().message()));
       return RelayLink{};
     }
     auto ring = transport.import_key(string_bytes(lease->recv_key));
     if (!ring.ok()) {
-      rep.failures.push_back(fmt::format("consumer {}: relay consumer {}'s receive ring not imported ({}); reading "
+      trace.control(ControlKind::kRelayUnreached, c, -1, fmt::format("consumer {}: relay consumer {}'s receive ring not imported ({}); reading "
                                          "from the producers", rank, c, ring.status().message()));
       return RelayLink{};
     }
@@ -93,7 +93,7 @@ Consumer::Impl::RelayLink Consumer::Impl::find_relay(const RelayLink& before, Sy
     if (!path.ok() || *path != RmaPath::kNative) {
       // Copies carried by messages would cost the relay's CPU and could not finish while
       // it is paused: only a ring mapped natively (shared memory) is copied from.
-      rep.failures.push_back(fmt::format("consumer {}: relay consumer {}'s receive ring is not reached natively "
+      trace.control(ControlKind::kRelayUnreached, c, -1, fmt::format("consumer {}: relay consumer {}'s receive ring is not reached natively "
                                          "(shared memory); reading from the producers", rank, c));
       transport.release_key(*ring).ignore();
       return RelayLink{};
@@ -338,7 +338,7 @@ Result<bool> Consumer::Impl::copy_from_relay(uint64_t v, int g, uint64_t base, c
 // owed). false (the group is read from the producers, which still hold it staged;
 // rx.announced keeps what came meanwhile) when this attempt has no relay, or the relay
 // cannot offer the group, cut it short or is lost.
-Result<bool> Consumer::Impl::relay_group(GroupRx& rx, SyncReport& rep) {
+Result<bool> Consumer::Impl::relay_group(GroupRx& rx) {
   {
     std::lock_guard<std::mutex> lk(mu);  // (`lost` is set by the handlers too)
     if (relay.link.rank < 0 || relay.link.lost) return false;
@@ -366,7 +366,7 @@ Result<bool> Consumer::Impl::relay_group(GroupRx& rx, SyncReport& rep) {
   }
   std::lock_guard<std::mutex> lk(mu);
   if (relay.link.lost)
-    rep.failures.push_back(fmt::format("consumer {}: relay consumer {} lost at group {} ({}); the rest of the attempt "
+    trace.control(ControlKind::kRelayLost, relay.link.rank, g, fmt::format("consumer {}: relay consumer {} lost at group {} ({}); the rest of the attempt "
                                        "is read from the producers", rank, relay.link.rank, g, relay.link.why));
   return false;
 }

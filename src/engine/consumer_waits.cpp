@@ -176,7 +176,7 @@ Status Consumer::Impl::waited(std::span<const Completion> ops, int p, uint64_t v
   return Status(st.code(), fmt::format("consumer {} reading group {} from producer {}: {}", rank, g, p, st.message()));
 }
 
-Status Consumer::Impl::await_restart(uint64_t v, int p, Clock::time_point deadline, SyncReport& rep) {
+Status Consumer::Impl::await_restart(uint64_t v, int p, Clock::time_point deadline) {
   std::string gone;
   {
     std::lock_guard<std::mutex> lk(mu);
@@ -203,7 +203,7 @@ Status Consumer::Impl::await_restart(uint64_t v, int p, Clock::time_point deadli
   auto check = [&]() -> std::optional<Status> {
     auto blob = store.get(keys.producer(p));
     if (blob.ok() && *blob != gone) {
-      rep.failures.push_back(fmt::format("consumer {}: producer {} was gone as sync {} began (no DP replica); a "
+      trace.control(ControlKind::kRestart, p, -1, fmt::format("consumer {}: producer {} was gone as sync {} began (no DP replica); a "
                                          "restarted instance registered {} ms later: syncing from it",
                                          rank, p, v, ms_since(t)));
       return Status::Ok();

@@ -183,7 +183,8 @@ Result<SyncReport> Producer::Impl::sync(uint64_t v) {
     report = SyncReport{};
     report.version = v;
     delta->begin_sync();
-    trace.begin(t0);
+    trace.set_sink(opts.sink.get(), "producer", rank);
+    trace.begin(t0, v);
     restart.asked = false;
     local_failure = Status::Ok();
     members.consumer_hash.clear();
@@ -200,7 +201,7 @@ Result<SyncReport> Producer::Impl::sync(uint64_t v) {
     if (!again.ok()) return again.status().with_context(fmt::format("producer {} sync {}", rank, v));
     store_lost_keys = *again > 0;
     if (*again > 0)
-      report.failures.push_back(fmt::format("producer {}: the store {} had lost its rendezvous keys (restarted?); "
+      trace.control(ControlKind::kRepublish, -1, -1, fmt::format("producer {}: the store {} had lost its rendezvous keys (restarted?); "
                                             "re-published {}", rank, store.url(), *again));
   }
   FERRY_RETURN_IF_ERROR(refresh_routes().with_context(fmt::format("producer {} sync {}", rank, v)));
@@ -220,8 +221,8 @@ Result<SyncReport> Producer::Impl::sync(uint64_t v) {
     // none falls in between and is lost (a consumer would then wait on routes this
     // producer never serves, and it on releases that never come).
     std::lock_guard<std::mutex> lk(mu);
-    version = v;
-    in_sync = true;
+    members.version = v;
+    members.in_sync = true;
     members.undeclared_hash.reset();
     if (route_state.dead().empty()) members.undeclared_hash = routes_hash;
     for (const auto& [c, vh] : members.early_failover) {
@@ -315,7 +316,7 @@ Result<SyncReport> Producer::Impl::sync(uint64_t v) {
       if (restart.routes == routes_hash) restart.asked = false;
     }
     std::lock_guard<std::mutex> lk(mu);
-    report.failures.push_back(fmt::format("producer {}: failover, routes rebuilt without producer(s) {}", rank,
+    trace.control(ControlKind::kFailover, -1, -1, fmt::format("producer {}: failover, routes rebuilt without producer(s) {}", rank,
                                           rank_list(route_state.dead())));
   }
   // Leave no slot pending (a failed attempt may have left some).
@@ -332,21 +333,19 @@ Result<SyncReport> Producer::Impl::sync(uint64_t v) {
       marked.ok() && marked->count(rank)) {
     Status cleared = store.remove(keys.dead(rank)).status();
     std::lock_guard<std::mutex> lk(mu);
-    report.failures.push_back(
+    trace.control(ControlKind::kRejoin, -1, -1, 
         cleared.ok() ? fmt::format("producer {}: failed over by consumers in sync {} while alive; rejoins at the "
                                    "next sync", rank, v)
                      : fmt::format("producer {}: failed over in sync {} while alive; clearing its mark {}: {}", rank,
                                    v, keys.dead(rank), cleared.to_string()));
   }
   std::lock_guard<std::mutex> lk(mu);
-  in_sync = false;
+  members.in_sync = false;
   if (failure.ok()) note_missed_locked(v);
   report.seconds = seconds_since(t0);
   report.status = failure;
   report.memory = memory_use();
-  report.trace = trace.take();
-  report.start_unix_ns = trace.start_unix_ns();
-  derive_report_sums(report);
+  trace.finish_report(report);
   if (!failure.ok()) return failure;
   return report;
 }

@@ -30,6 +30,7 @@
 #include "engine/sync_plan.h"
 #include "engine/rendezvous.h"
 #include "engine/memory.h"
+#include "engine/membership.h"
 #include "engine/schedule.h"
 #include "engine/staging_ring.h"
 #include "engine/straggler.h"
@@ -91,9 +92,10 @@ struct Producer::Impl {
   std::mutex mu;
   std::condition_variable cv;
   PeerTable<Peer> peers;  // per consumer rank
+  // The consumers as their leases say (engine/membership.h; sync thread): read once a
+  // sync (refresh_membership).
+  Membership roll;
   // Sync state (mu).
-  bool in_sync = false;
-  uint64_t version = 0;
   struct Slot {
     int group = -1;
     uint64_t hash = 0;  // routes of the attempt that packed it
@@ -146,7 +148,10 @@ struct Producer::Impl {
   Status local_failure;  // see note_local_failure; mu
 
   Impl(WeightSource& s, Transport& t, Store& st, const ProducerOptions& opt)
-      : source(s), transport(t), store(st), opts(opt), keys(opt.job), route_state(st, JobKeys(opt.job), opt.failover, producer_router_options(opt, s.rank())) {}
+      : source(s), transport(t), store(st), opts(opt), keys(opt.job),
+        route_state(st, JobKeys(opt.job), opt.failover, producer_router_options(opt, s.rank())),
+        roll(st, [k = JobKeys(opt.job)](int c) { return k.consumer(c); }, consumer_instance, opt.num_consumers,
+             opt.lease_ttl) {}
 
   // Sends m to `to`; an error from our own transport fails the sync (note_local_failure).
   Status send(PeerId to, const Message& m);
@@ -257,15 +262,16 @@ struct Producer::Impl {
   MemoryUse routes_memory_use();
   struct {
     MemoryUse use;
-    uint64_t routes = 0;  // the routes `use` is of
-    bool known = false;   // (false: consumer instances changed since)
+    uint64_t routes = 0;            // the routes `use` is of
+    uint64_t epoch = ~uint64_t{0};  // ... and the consumers' membership epoch (roll)
   } memory_cache;
 
   // Rebuilds routes when the set of dead producers in the store changed.
   Status refresh_routes();
 
-  // Reads consumer c's lease and connects a new instance; true if c is a member now.
-  bool admit(int c);
+  // Consumer c with the lease `raw` (its roll call's): connects a new instance; true if
+  // c is a member now.
+  bool admit(int c, const std::string& raw);
 
   // Re-reads consumer leases, connects new instances; marks who takes part in this sync.
   // `store_lost_keys`: the store had lost this producer's rendezvous keys (it restarted

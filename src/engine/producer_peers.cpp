@@ -15,7 +15,7 @@ void Producer::Impl::drop_locked(int c, const std::string& why, std::vector<int>
   if (!members.member(c)) return;
   members.live[static_cast<size_t>(c)] = false;
   report.dropped.push_back(c);
-  report.failures.push_back(fmt::format("producer {} dropped consumer {}: {}", rank, c, why));
+  trace.control(ControlKind::kDrop, c, -1, fmt::format("producer {} dropped consumer {}: {}", rank, c, why));
   members.drop_reason[c] = why;
   for (auto& s : slots) {
     s.pending.erase(c);
@@ -38,10 +38,10 @@ void Producer::Impl::note_missed_locked(uint64_t v) {
     report.missed.push_back(c);
     if (dropped.count(c)) continue;
     if (!members.member(c)) {
-      report.failures.push_back(fmt::format("producer {}: consumer {} is not a member of sync {} (no live lease {})",
+      trace.control(ControlKind::kMissed, c, -1, fmt::format("producer {}: consumer {} is not a member of sync {} (no live lease {})",
                                             rank, c, v, keys.consumer(c)));
     } else {
-      report.failures.push_back(fmt::format("producer {}: consumer {} did not confirm it committed sync {} within "
+      trace.control(ControlKind::kMissed, c, -1, fmt::format("producer {}: consumer {} did not confirm it committed sync {} within "
                                             "stall_timeout {} ms", rank, c, v, opts.stall_timeout.count()));
     }
   }
@@ -111,14 +111,14 @@ void Producer::Impl::on_message(PeerId from, std::span<const std::byte> payload)
       if (const auto* m = std::get_if<Abort>(&msg)) forget_ready_locked(c, m->version);
     }
     if (!known && !std::holds_alternative<Ready>(msg)) return;  // stale instance or unknown peer
-    const bool current = in_sync && mv == version;
+    const bool current = members.in_sync && mv == members.version;
     if (current && known && (std::holds_alternative<Release>(msg) || std::holds_alternative<Ready>(msg) ||
                     std::holds_alternative<Join>(msg))) {
       members.consumer_progress[c] = Clock::now();  // its straggler clock restarts (wait_slot)
       cv.notify_all();
     }
     if (std::holds_alternative<Join>(msg)) {
-      if (!current && mv > version) members.early_join[c] = mv;
+      if (!current && mv > members.version) members.early_join[c] = mv;
       return;
     }
     if (const auto* m = std::get_if<Release>(&msg)) {
@@ -139,7 +139,7 @@ void Producer::Impl::on_message(PeerId from, std::span<const std::byte> payload)
       if (!current) {
         // A later version's (this producer is not in it yet, or still in the one
         // before): applied when that sync starts.
-        if (m->version > version) members.early_failover[c] = {m->version, m->routes};
+        if (m->version > members.version) members.early_failover[c] = {m->version, m->routes};
       } else {
         // c abandoned its attempt: it reads none of the slots it had pending.
         members.consumer_hash[c] = m->routes;
@@ -191,22 +191,22 @@ void Producer::Impl::on_message(PeerId from, std::span<const std::byte> payload)
       }
       if (current) {
         drop_locked(c, "it aborted the sync", nullptr);
-      } else if (!in_sync && m->version > version) {
+      } else if (!members.in_sync && m->version > members.version) {
         members.early_abort[c] = m->version;
-      } else if (in_sync && m->version > version) {
+      } else if (members.in_sync && m->version > members.version) {
         // It gave up a later version than ours: it is not in this sync (a version
         // mismatch), so waiting for it would only hold the slots to the stall timeout.
-        drop_locked(c, fmt::format("it synced version {}, not this sync's {}", m->version, version), nullptr);
+        drop_locked(c, fmt::format("it synced version {}, not this sync's {}", m->version, members.version), nullptr);
       }
     } else if (const auto* m = std::get_if<Ready>(&msg)) {
       // A consumer may ask before this producer's sync of that version started.
-      if (in_sync && m->version < version) return;
+      if (members.in_sync && m->version < members.version) return;
       // ... but only once it committed ours: one that asks for a later version while a
       // member of this sync syncs another version than ours (a caller's mismatch).
       // Drop it, and tell it under its own version so that it fails now, naming both.
-      if (known && in_sync && m->version > version && !members.committed(c, version) &&
+      if (known && members.in_sync && m->version > members.version && !members.committed(c, members.version) &&
           members.member(c)) {
-        const std::string why = fmt::format("it syncs version {} but this producer serves version {}", m->version, version);
+        const std::string why = fmt::format("it syncs version {} but this producer serves version {}", m->version, members.version);
         drop_locked(c, why, nullptr);
         mismatch_drop = Dropped{static_cast<uint32_t>(rank), m->version, routes_hash, why};
       }
@@ -247,7 +247,7 @@ void Producer::Impl::on_peer_failure(PeerId peer, const Status& why) {
   // missed and the report names no one (issue 30: it said ok while naming a consumer
   // that closed right after syncing). Nor is one that died between refresh and the
   // sync: neither is waited for.
-  if (in_sync && !members.committed(c, version)) {
+  if (members.in_sync && !members.committed(c, members.version)) {
     drop_locked(c, "transport: " + why.to_string(), nullptr);
   } else if (static_cast<size_t>(c) < members.live.size()) {
     members.live[static_cast<size_t>(c)] = false;
@@ -275,18 +275,17 @@ MemoryUse Producer::Impl::memory_use() {
 }
 
 MemoryUse Producer::Impl::routes_memory_use() {
-  if (memory_cache.routes != routes_hash || !memory_cache.known) {
+  if (memory_cache.routes != routes_hash || memory_cache.epoch != roll.epoch()) {
     MemoryUse m;
     m.kept_copy = staging->kept_bytes();
     m.staging_ring = staging->host_bytes() - m.kept_copy;
-    if (!opts.delta)  // (delta serves nothing in place)
-      for (const MemoryRegion& r : opts.source_regions) m.registered_in_place += r.length;
+    for (const MemoryRegion& r : regions_served_in_place(opts)) m.registered_in_place += r.length;
     const RouteInputs& in = route_state.inputs();
     m.metadata = metadata_heap_bytes(routes, in.metadata, in.holdings, in.plans) + schedule_heap_bytes(schedule) +
                  staging->in_place().boxes.capacity() * sizeof(InPlaceTable::At);
     memory_cache.use = m;
     memory_cache.routes = routes_hash;
-    memory_cache.known = true;
+    memory_cache.epoch = roll.epoch();
   }
   return memory_cache.use;
 }
@@ -295,10 +294,8 @@ Status Producer::Impl::refresh_routes() {
   return route_state.refresh([this](Routes r) { return apply_routes(std::move(r)); });
 }
 
-bool Producer::Impl::admit(int c) {
-  auto raw = store.get(keys.consumer(c));
-  if (!raw.ok()) return false;
-  auto lease = decode_consumer_lease(*raw);
+bool Producer::Impl::admit(int c, const std::string& raw) {
+  auto lease = decode_consumer_lease(raw);
   if (!lease.ok()) return false;
   // The instance and its memory; the versions it holds change at every commit and are
   // no reason to reconnect.
@@ -343,44 +340,40 @@ bool Producer::Impl::admit(int c) {
   p.params = std::move(params);
   p.param_regions = std::move(param_regions);
   p.other_param_regions = std::move(other_param_regions);
-  memory_cache.known = false;
   return true;
 }
 
 void Producer::Impl::refresh_membership(uint64_t v, bool store_lost_keys) {
-  std::vector<bool> now(static_cast<size_t>(opts.num_consumers), false);
-  for (int c = 0; c < opts.num_consumers; ++c) now[static_cast<size_t>(c)] = admit(c);
   // Consumers it serves that are still connected from an earlier sync but have no
   // lease: paused past the ttl, or every lease lapsed because the store paused or
-  // restarted. A live one heals its lease within ttl/3 of resuming (Lease), so wait up
-  // to one lease_ttl for it before leaving it out of v; one still paused is told at
-  // once that it is not a member of v, so that it fails v as soon as it resumes
-  // instead of waiting out `timeout` for announcements that never come, and rejoins
-  // at the next sync. (A dead one is not connected: the transport reported it.)
-  auto absent = [&] {
-    std::vector<int> out;
+  // restarted. A live one heals its lease within ttl/3 of resuming (Lease), so the roll
+  // call waits up to one lease_ttl for it before leaving it out of v; one still paused
+  // is told at once that it is not a member of v, so that it fails v as soon as it
+  // resumes instead of waiting out `timeout` for announcements that never come, and
+  // rejoins at the next sync. (A dead one is not connected: the transport reported it.)
+  auto counted_on = [&](int c) {
     std::lock_guard<std::mutex> lk(mu);
-    for (int c = 0; c < opts.num_consumers; ++c) {
-      if (now[static_cast<size_t>(c)] || !(peers[c].connected || store_lost_keys)) continue;
-      bool serves = false;
-      for (const ProducerGroupSchedule& gs : schedule.groups) serves |= gs.served.count(cls(c)) > 0;
-      if (serves) out.push_back(c);
-    }
-    return out;
+    if (!(peers[c].connected || store_lost_keys)) return false;
+    bool serves = false;
+    for (const ProducerGroupSchedule& gs : schedule.groups) serves |= gs.served.count(cls(c)) > 0;
+    return serves;
   };
-  std::vector<int> missing;
-  heal_leases(
-      opts.lease_ttl, [&] { return !(missing = absent()).empty(); },
-      [&] {
-        for (int c : missing) now[static_cast<size_t>(c)] = admit(c);
-      });
-  std::vector<int> left_out = absent();
+  std::vector<bool> now(static_cast<size_t>(roll.size()), false);
+  if (auto leases = roll.call(counted_on); leases.ok()) {  // (the store unreachable: no consumer is a member)
+    for (int c = 0; c < roll.size(); ++c) {
+      const std::optional<std::string>& lease = (*leases)[static_cast<size_t>(c)];
+      now[static_cast<size_t>(c)] = lease && admit(c, *lease);
+    }
+  }
+  std::vector<int> left_out;
+  for (int c = 0; c < roll.size(); ++c)
+    if (!now[static_cast<size_t>(c)] && counted_on(c)) left_out.push_back(c);
   if (store_lost_keys) {  // told only if connected: one never reached may be dead
     std::lock_guard<std::mutex> lk(mu);
     std::erase_if(left_out, [&](int c) { return !peers[c].connected; });
   }
   std::unique_lock<std::mutex> lk(mu);
-  for (int c = 0; c < opts.num_consumers; ++c) {
+  for (int c = 0; c < roll.size(); ++c) {
     if (!peers[c].connected) now[static_cast<size_t>(c)] = false;  // failed since connecting
   }
   members.live = now;

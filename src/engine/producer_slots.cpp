@@ -66,7 +66,7 @@ void Producer::Impl::send_flushed(PeerId to, uint64_t v, uint64_t hash) {
 
 bool Producer::Impl::read_finished_locked(const ServedRead& r) const {
   if (!members.member(r.consumer)) return true;
-  if (members.committed(r.consumer, version)) return true;
+  if (members.committed(r.consumer, members.version)) return true;
   if (auto h = members.consumer_hash.find(r.consumer); h != members.consumer_hash.end() && h->second != routes_hash) return true;
   if (static_cast<size_t>(r.group) >= plan.groups.size()) return true;
   const std::vector<int>& t = plan.groups[static_cast<size_t>(r.group)].targets;
@@ -74,7 +74,7 @@ bool Producer::Impl::read_finished_locked(const ServedRead& r) const {
 }
 
 Announce Producer::Impl::announce_locked(const Slot& sl, int c, size_t s) {
-  Announce m{static_cast<uint32_t>(rank), version, sl.group, sl.hash, staging->slot_offset(s), std::nullopt};
+  Announce m{static_cast<uint32_t>(rank), members.version, sl.group, sl.hash, staging->slot_offset(s), std::nullopt};
   if (opts.checksums) m.checksum = served(sl.checksum, cls(c));
   if (auto pb = sl.patches.bytes_for(cls(c))) {
     m.patch_base = sl.patches.base;
@@ -89,12 +89,12 @@ std::optional<Producer::Impl::Serve> Producer::Impl::turn_came_locked(int s, int
   Slot& sl = slots[static_cast<size_t>(s)];
   if (!sl.pending.count(c) || sl.opened.count(c)) return std::nullopt;
   sl.opened[c] = Clock::now();
-  Serve out{s, c, sl.group, version, sl.hash, peers[c].id};
+  Serve out{s, c, sl.group, members.version, sl.hash, peers[c].id};
   if (opts.mode == SyncMode::kPull) {
     out.announce = announce_locked(sl, c, static_cast<size_t>(s));
     return out;
   }
-  auto it = pushes.ready.find({version, sl.group, c});
+  auto it = pushes.ready.find({members.version, sl.group, c});
   if (it == pushes.ready.end() || it->second.from != out.id || it->second.hash != sl.hash) return std::nullopt;
   out.push = true;
   out.recv_slot = it->second.slot;
@@ -104,7 +104,7 @@ std::optional<Producer::Impl::Serve> Producer::Impl::turn_came_locked(int s, int
 
 std::vector<Producer::Impl::Serve> Producer::Impl::open_waves_locked() {
   std::vector<Serve> out;
-  if (!in_sync || plan.routes_hash != routes_hash) return out;
+  if (!members.in_sync || plan.routes_hash != routes_hash) return out;
   for (const ServedRead& r : pacer.open([this](const ServedRead& x) { return read_finished_locked(x); })) {
     const int s = slot_of_locked(r.group, routes_hash);
     if (s < 0) continue;
@@ -140,7 +140,7 @@ void Producer::Impl::start_push(int s, int c, uint32_t rslot, uint8_t landing, i
   {
     std::lock_guard<std::mutex> lk(mu);
     Slot& sl = slots[static_cast<size_t>(s)];
-    if (!in_sync || version != v || sl.group != g || sl.hash != routes_hash || !sl.pending.count(c) ||
+    if (!members.in_sync || members.version != v || sl.group != g || sl.hash != routes_hash || !sl.pending.count(c) ||
         sl.pushing.count(c))
       return;
     sl.pushing.insert(c);
@@ -178,7 +178,7 @@ void Producer::Impl::start_push(int s, int c, uint32_t rslot, uint8_t landing, i
   auto failed = [this, c, v](const Status& st) {
     note_local_failure(st);
     std::lock_guard<std::mutex> lk(mu);
-    if (version == v) drop_locked(c, "push failed: " + st.to_string(), nullptr);
+    if (members.version == v) drop_locked(c, "push failed: " + st.to_string(), nullptr);
   };
   const PeerId id = to.peer;
   auto end = [this, s, c, g, v, id, rslot, checksum, hash, failed, t_push, patch_base, patch_bytes,
@@ -195,7 +195,7 @@ void Producer::Impl::start_push(int s, int c, uint32_t rslot, uint8_t landing, i
         {
           std::lock_guard<std::mutex> lk(mu);
           const Slot& sl = slots[static_cast<size_t>(s)];
-          if (version == v && sl.group == g && sl.hash == hash) release_locked(s, c, patch_base ? 1 : 0);
+          if (members.version == v && sl.group == g && sl.hash == hash) release_locked(s, c, patch_base ? 1 : 0);
           todo = open_waves_locked();
         }
         serve(todo);
@@ -312,7 +312,7 @@ Status Producer::Impl::wait_slot(size_t s, bool stop_on_restart) {
       }
     }
   }
-  const uint64_t v = version;
+  const uint64_t v = members.version;
   lk.unlock();
   send_dropped(n, v);
   std::lock_guard<std::mutex> relock(mu);

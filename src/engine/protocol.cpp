@@ -217,6 +217,11 @@ Result<ProducerLease> decode_producer_lease(std::string_view blob) {
   return l;
 }
 
+std::string consumer_instance(std::string_view blob) {
+  auto l = decode_consumer_lease(blob);
+  return l.ok() ? encode_lease(l->instance()) : std::string(blob);
+}
+
 Result<ConsumerLease> decode_consumer_lease(std::string_view blob) {
   auto f = decode_fields(blob, 8);
   if (!f.ok()) return f.status().with_context("consumer lease");

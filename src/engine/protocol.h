@@ -228,6 +228,9 @@ std::string encode_lease(const ProducerLease& l);
 std::string encode_lease(const ConsumerLease& l);
 Result<ProducerLease> decode_producer_lease(std::string_view blob);
 Result<ConsumerLease> decode_consumer_lease(std::string_view blob);
+// The instance a consumer's lease value names (encode_lease of its instance(): not the
+// versions it updates as it commits); a value that does not decode, as it is.
+std::string consumer_instance(std::string_view blob);
 
 // The leases' framing: a store blob of length-prefixed fields (common/fields.h, which
 // the tools' own blobs use too).

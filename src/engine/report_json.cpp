@@ -67,6 +67,11 @@ nlohmann::json sync_report_json(const SyncReport& r) {
                       {"groups_live", r.groups_live},
                       {"memory", memory_use_json(r.memory)}};
   if (r.live_version) j["live_version"] = *r.live_version;
+  nlohmann::json events = nlohmann::json::array();
+  for (const ControlEvent& e : r.events)
+    events.push_back({{"kind", std::string(control_kind_name(e.kind))}, {"peer", e.peer}, {"group", e.group},
+                      {"attempt", e.attempt}, {"t_ns", e.t_ns}, {"message", e.message}});
+  j["events"] = events;
   nlohmann::json live = nlohmann::json::object();
   for (const auto& [c, v] : r.consumers_live) live[std::to_string(c)] = v;
   j["consumers_live"] = live;
@@ -165,6 +170,14 @@ void append_chrome_events(nlohmann::json& events, const ChromeProcess& p, const 
                       {"cat", e.is_transfer() ? "transfer" : "phase"},
                       {"ts", origin_us + static_cast<double>(e.t0_ns) / 1e3},
                       {"dur", static_cast<double>(std::max<int64_t>(0, e.t1_ns - e.t0_ns)) / 1e3}, {"args", args}});
+  }
+  // Control decisions: instants on the process's timeline, named by kind.
+  for (const ControlEvent& e : r.events) {
+    nlohmann::json args = {{"version", r.version}, {"attempt", e.attempt}, {"message", e.message}};
+    if (e.peer >= 0) args["peer"] = e.peer;
+    if (e.group >= 0) args["group"] = e.group;
+    events.push_back({{"ph", "i"}, {"s", "p"}, {"pid", p.pid}, {"tid", 0}, {"name", std::string(control_kind_name(e.kind))},
+                      {"cat", "control"}, {"ts", origin_us + static_cast<double>(e.t_ns) / 1e3}, {"args", args}});
   }
   // Bytes in flight: transfers begun and not yet landed (ends before starts at a tie).
   std::sort(flight.begin(), flight.end());

@@ -20,6 +20,9 @@
 namespace ferry::engine {
 
 struct SyncMembers {
+  // The sync this producer runs (in_sync) or ran last: its version.
+  bool in_sync = false;
+  uint64_t version = 0;
   // Per consumer rank: a member of the current sync (its lease live when it began).
   std::vector<bool> live;
   // consumer -> the version it committed last (DONE), and when that came.

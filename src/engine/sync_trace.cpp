@@ -24,6 +24,24 @@ std::string_view trace_phase_name(TracePhase phase) {
   return "?";
 }
 
+std::string_view control_kind_name(ControlKind kind) {
+  switch (kind) {
+    case ControlKind::kDrop: return "drop";
+    case ControlKind::kMissed: return "missed";
+    case ControlKind::kFailover: return "failover";
+    case ControlKind::kFollow: return "follow";
+    case ControlKind::kRejoin: return "rejoin";
+    case ControlKind::kRestart: return "restart";
+    case ControlKind::kRelayLost: return "relay-lost";
+    case ControlKind::kRelayUnreached: return "relay-unreached";
+    case ControlKind::kRepair: return "repair";
+    case ControlKind::kRepublish: return "republish";
+    case ControlKind::kStore: return "store";
+    case ControlKind::kNote: return "note";
+  }
+  return "?";
+}
+
 std::string_view trace_lane_name(TraceLane lane) {
   switch (lane) {
     case TraceLane::kNone: return "";
@@ -40,9 +58,11 @@ std::string_view trace_lane_name(TraceLane lane) {
 
 namespace ferry::engine {
 
-void SyncTrace::begin(Clock::time_point start) {
+void SyncTrace::begin(Clock::time_point start, uint64_t version) {
   std::lock_guard<std::mutex> lk(mu_);
   events_.clear();
+  control_.clear();
+  source_.version = version;
   events_.reserve(256);
   start_ = start;
   // The system clock at `start`: what places ranks of several processes (and hosts) on
@@ -82,6 +102,50 @@ void SyncTrace::new_attempt(bool count_earlier_bytes) {
 std::vector<TraceEvent> SyncTrace::take() {
   std::lock_guard<std::mutex> lk(mu_);
   return std::move(events_);
+}
+
+void SyncTrace::control(ControlKind kind, int peer, int group, std::string message) {
+  ControlEvent e;
+  e.kind = kind;
+  e.peer = peer;
+  e.group = group;
+  e.message = std::move(message);
+  SyncSink* sink;
+  SyncSource from;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    e.attempt = attempt_;
+    e.t_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start_).count();
+    control_.push_back(e);
+    sink = sink_;
+    from = source_;
+  }
+  if (sink) sink->on_control(from, e);  // (outside the trace's lock: it may take its own)
+}
+
+void SyncTrace::set_sink(SyncSink* sink, const char* side, int rank) {
+  std::lock_guard<std::mutex> lk(mu_);
+  sink_ = sink;
+  source_.side = side;
+  source_.rank = rank;
+}
+
+void SyncTrace::finish_report(SyncReport& r) {
+  SyncSink* sink;
+  SyncSource from;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    r.trace = std::move(events_);
+    r.events = std::move(control_);
+    events_.clear();
+    control_.clear();
+    sink = sink_;
+    from = source_;
+  }
+  for (const ControlEvent& e : r.events) r.failures.push_back(e.message);
+  r.start_unix_ns = start_unix_ns_;
+  derive_report_sums(r);
+  if (sink) sink->on_report(from, r);
 }
 
 void record_receives(SyncTrace& trace, int g, const ConsumerGroupSchedule& gs, bool ipc, Clock::time_point t0,

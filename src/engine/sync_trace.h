@@ -25,8 +25,9 @@ struct ConsumerGroupSchedule;
 
 class SyncTrace {
  public:
-  // A new sync starting at `start` (the events' time origin): forgets the previous one.
-  void begin(Clock::time_point start);
+  // A new sync (of `version`) starting at `start` (the events' time origin): forgets the
+  // previous one.
+  void begin(Clock::time_point start, uint64_t version = 0);
   // One event from t0 to t1 (steady clock); bytes, lane and into_params for transfers.
   void record(TracePhase phase, int group, int peer, Clock::time_point t0, Clock::time_point t1,
               TraceLane lane = TraceLane::kNone, uint64_t bytes = 0, bool into_params = false);
@@ -37,9 +38,23 @@ class SyncTrace {
   std::vector<TraceEvent> take();
   int64_t start_unix_ns() const { return start_unix_ns_; }
 
+  // A control decision (ferry/trace.h ControlEvent), recorded now and passed to the sink
+  // (set_sink) at once, on the caller's thread.
+  void control(ControlKind kind, int peer, int group, std::string message);
+  // Who records (for the sink: side "producer" or "consumer", rank), and the sink, if any
+  // (EngineOptions::sink; kept alive by the options that hold it). Before the first sync.
+  void set_sink(SyncSink* sink, const char* side, int rank);
+  // The report of the sync since begin(v): `r`'s trace, events, failures (one per event,
+  // in order, after any already there), time origin and sums (derive_report_sums); then
+  // the sink's on_report. The sync thread, once per sync, as it returns.
+  void finish_report(SyncReport& r);
+
  private:
   std::mutex mu_;
   std::vector<TraceEvent> events_;
+  std::vector<ControlEvent> control_;
+  SyncSink* sink_ = nullptr;
+  SyncSource source_;
   Clock::time_point start_{};
   int64_t start_unix_ns_ = 0;
   uint16_t attempt_ = 0;

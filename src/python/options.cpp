@@ -22,7 +22,8 @@ namespace {
 // binding sets it from the keyword of that name (options_dict shows it); "hook": a Python
 // callable the binding (after_group) or ferry.Consumer.sync (before_sync, after_sync)
 // runs; "in_place": source_regions are the memory of what materialize returns, registered
-// by the binding when in_place=True; "internal": ferry's own fault injection, no keyword.
+// by the binding when in_place=True; "internal": ferry's own fault injection, no keyword;
+// "native": a C++ object only (no keyword).
 // tests/python/test_options.py compares these fields with the header's structs, so a
 // field added to include/ferry/engine.h without a row here (and a keyword) fails it.
 struct OptionField {
@@ -55,6 +56,9 @@ constexpr OptionField kOptionFields[] = {
     {"EngineOptions", "delta_full_every", "delta_full_every", "keyword", "Producer"},
     {"EngineOptions", "delta_block_bytes", "delta_block_bytes", "keyword", "Producer"},
     {"EngineOptions", "test_hooks", "", "internal", ""},
+    // A C++ object called on the engine's threads, sometimes under its locks: no Python
+    // keyword (a Python callback there would need the GIL); metrics come through their own.
+    {"EngineOptions", "sink", "", "native", ""},
     {"ProducerOptions", "source_regions", "in_place", "in_place", "Producer"},
     {"ProducerOptions", "direct_min_bytes", "direct_min_bytes", "keyword", "Producer"},
     {"ProducerOptions", "staging_budget", "staging_budget", "keyword", "Producer"},
@@ -236,6 +240,7 @@ void engine_dict(py::dict& d, const EngineOptions& o) {
   d["delta_full_every"] = o.delta_full_every;
   d["delta_block_bytes"] = o.delta_block_bytes;
   d["test_hooks"] = o.test_hooks != nullptr;
+  d["sink"] = o.sink != nullptr;
 }
 
 }  // namespace

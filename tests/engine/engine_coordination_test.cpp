@@ -9,6 +9,7 @@
 #include <cstring>
 #include <cstdio>
 #include <future>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -432,6 +433,35 @@ TEST_P(EngineRlTiming, ConsumerLaterThanTheJoinWindowIsDroppedAsAbsent) {
   k.expect_verified(2, 3);
 }
 
+// A sink (EngineOptions::sink) as a metrics exporter would be: every control decision
+// and every report, from the engine's threads.
+class RecordingSink final : public SyncSink {
+ public:
+  struct Seen {
+    std::string side;
+    int rank;
+    uint64_t version;
+    ControlEvent event;
+  };
+  void on_control(const SyncSource& from, const ControlEvent& e) override {
+    std::lock_guard<std::mutex> lk(mu);
+    controls.push_back({from.side, from.rank, from.version, e});
+  }
+  void on_report(const SyncSource& from, const SyncReport& r) override {
+    std::lock_guard<std::mutex> lk(mu);
+    reports.push_back({from.side, from.rank, r.version, r.ok()});
+  }
+  struct Told {
+    std::string side;
+    int rank;
+    uint64_t version;
+    bool ok;
+  };
+  std::mutex mu;
+  std::vector<Seen> controls;
+  std::vector<Told> reports;
+};
+
 // A straggler (one consumer of three stops at group 1 until it is dropped) is dropped once it lags
 // the other two by the straggler bound, long before stall_timeout (20 s here): the drop
 // says "straggler", the others verify, and it catches up at the next sync.
@@ -440,6 +470,8 @@ TEST_P(EngineInprocTest, StragglerIsDroppedEarlyAndCatchesUp) {
   std::atomic<bool> stall{false};
   k.eo.straggler_floor = 500ms;
   stall_at_group_1(k, 2, 15s, stall);  // (under stall_timeout: dropped early or not at all)
+  auto sink = std::make_shared<RecordingSink>();
+  k.eo.sink = sink;
   ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=1,replicas=3").ok());
   k.expect_all_ok(k.sync(1), 1);
   stall = true;
@@ -449,6 +481,32 @@ TEST_P(EngineInprocTest, StragglerIsDroppedEarlyAndCatchesUp) {
   EXPECT_EQ((*o.p[0])->dropped, std::vector<int>{2}) << (*o.p[0])->to_string();
   EXPECT_EQ((*o.p[0])->missed, std::vector<int>{2});
   EXPECT_NE((*o.p[0])->to_string().find("dropped consumer 2: straggler"), std::string::npos) << (*o.p[0])->to_string();
+  // The drop is a typed event of the report (its line in failures made from it), and the
+  // sink heard it from producer 0 in sync 2 as it was made.
+  const SyncReport& pr = **o.p[0];
+  ASSERT_FALSE(pr.events.empty()) << pr.to_string();
+  EXPECT_EQ(pr.events[0].kind, ControlKind::kDrop);
+  EXPECT_EQ(pr.events[0].peer, 2);
+  ASSERT_EQ(pr.failures.size(), pr.events.size());
+  for (size_t i = 0; i < pr.events.size(); ++i) EXPECT_EQ(pr.failures[i], pr.events[i].message);
+  {
+    std::lock_guard<std::mutex> lk(sink->mu);
+    bool heard = false;
+    for (const auto& s : sink->controls)
+      heard |= s.side == "producer" && s.rank == 0 && s.version == 2 && s.event.kind == ControlKind::kDrop &&
+               s.event.peer == 2 && s.event.message == pr.events[0].message;
+    EXPECT_TRUE(heard) << sink->controls.size() << " control events heard";
+    // Every rank's report of syncs 1 and 2, each as it returned: of sync 2, consumer 2's
+    // failed and producer 0's is not ok (a consumer missed it).
+    int told = 0;
+    for (const auto& r : sink->reports) {
+      if (r.version > 2) continue;
+      ++told;
+      const bool not_ok = r.version == 2 && (r.side == "producer" || r.rank == 2);
+      EXPECT_EQ(r.ok, !not_ok) << r.side << " " << r.rank << " sync " << r.version;
+    }
+    EXPECT_EQ(told, 2 * 4);
+  }
   ASSERT_FALSE(o.c[2]->ok());
   EXPECT_NE(o.c[2]->status().message().find("straggler"), std::string::npos) << o.c[2]->status().to_string();
   k.expect_verified(0, 2);

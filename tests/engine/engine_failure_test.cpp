@@ -149,10 +149,13 @@ TEST_P(EngineInprocTest, ProducerDiesFailoverToDpReplica) {
     ASSERT_TRUE(o.p[static_cast<size_t>(p)]->ok()) << o.p[static_cast<size_t>(p)]->status().to_string();
     EXPECT_TRUE((*o.p[static_cast<size_t>(p)])->dropped.empty()) << (*o.p[static_cast<size_t>(p)])->to_string();
   }
+  bool failed_over = false;  // (by a consumer: the others may follow the producers to the new routes)
   for (size_t c = 0; c < o.c.size(); ++c) {
     ASSERT_TRUE(o.c[c]->ok()) << "consumer " << c << ": " << o.c[c]->status().to_string();
     k.expect_verified(static_cast<int>(c), 2);
+    for (const ControlEvent& e : (*o.c[c])->events) failed_over |= e.kind == ControlKind::kFailover && e.peer == 1;
   }
+  EXPECT_TRUE(failed_over) << "no consumer's report has a failover event naming producer 1";
   // The dead producer's mark stays until it restarts: its own sync failed (its
   // transport is gone), so it must not take the mark off, which would bring it back
   // into the others' routes while they fail it over.

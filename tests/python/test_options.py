@@ -137,13 +137,14 @@ class OptionsTest(unittest.TestCase):
 
     def test_every_keyword_is_taken_by_its_classes(self):
         for r in rows():
-            if r["how"] == "internal":
+            if r["how"] in ("internal", "native"):
                 self.assertEqual((r["keyword"], r["classes"]), ("", []), r)
                 continue
             self.assertTrue(r["classes"], r)
             for cls in r["classes"]:
                 self.assertIn(r["keyword"], inspect.signature(getattr(ferry, cls)).parameters, (cls, r))
         self.assertEqual([r["field"] for r in rows() if r["how"] == "internal"], ["test_hooks"])
+        self.assertEqual([r["field"] for r in rows() if r["how"] == "native"], ["sink"])
 
     def test_each_keyword_reaches_its_field(self):
         for cls, samples, accessor in (("Producer", PRODUCER_SAMPLES, _ferry._producer_options),
