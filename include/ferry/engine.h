@@ -146,6 +146,10 @@ std::string_view group_order_kind_name(GroupOrderKind kind);
 
 struct SyncReport;
 
+// The smallest EngineOptions::delta_block_bytes (other than 0): 64 bytes, where the block
+// hashes are an eighth of the bytes staged.
+inline constexpr uint64_t kMinDeltaBlockBytes = 64;
+
 // Who a sink hears from: a side ("producer" or "consumer"), its rank, the sync's version.
 struct SyncSource {
   const char* side = "";
@@ -257,7 +261,9 @@ struct EngineOptions {
   // changed, whole (delta::encode_changed_blocks); it costs a patch area as large as the
   // staging ring instead of a copy of every byte staged, and wins where whole tensors or
   // experts did not change. The dense bytes stay in the slot (consumers that lack the
-  // base read them there); push consumers get the dense bytes in this mode.
+  // base read them there); push consumers get the dense bytes in this mode. At least
+  // kMinDeltaBlockBytes: a hash (8 bytes) per smaller block costs more memory than the
+  // copy it replaces saves (MemoryUse::kept_copy counts the hashes).
   uint64_t delta_block_bytes = 0;
   // Fault injection for ferry's own tests (src/engine/testing.h); null in production.
   std::shared_ptr<const engine::TestHooks> test_hooks;

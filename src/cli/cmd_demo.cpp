@@ -587,7 +587,7 @@ std::function<int()> setup_worker(CLI::App& app) {
   app.add_option("--in-place", bench->in_place)->needs(as_bench);
   app.add_flag("--delta", w->delta);
   app.add_flag("--prepare-weights", w->prepare_weights);
-  app.add_option("--delta-block-bytes", w->delta_block_bytes)->check(number_in(0, 1ull << 40));
+  app.add_option("--delta-block-bytes", w->delta_block_bytes)->check(delta_block_bytes_in());
   app.add_option("--changed-fraction", w->changed_fraction)->check(number_in(0, 1));
   app.add_option("--changes", w->changes)->check(CLI::IsMember({"scattered", "clustered"}));
   return [&app, w, pauses, bench, as_bench, job, timeout] {

@@ -467,8 +467,8 @@ FERRY_COMMAND(plan_command, "plan",
                              "delta kept copy; docs/delta.md)");
                 app.add_option("--delta-block-bytes", a->delta_block_bytes,
                                "With --delta: producers keep no copy, only block hashes; a patch area the size of "
-                               "the staging ring is reported instead")
-                    ->check(number_in(0, 1ull << 40))
+                               "the staging ring and its block hashes are reported instead")
+                    ->check(delta_block_bytes_in())
                     ->needs(delta);
                 app.add_option("--commit", a->commit,
                                "The consumers' commit policy: in_place, shadow (each consumer holds one more copy "

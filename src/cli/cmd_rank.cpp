@@ -29,7 +29,7 @@ void add_common(CLI::App& app, tools::RankSpec& s) {
   app.add_option("--delta-block-bytes", s.delta_block_bytes,
                  "serve, with --delta: keep no copy, only a hash per block of this many bytes, and send changed "
                  "blocks whole (0: keep a copy)")
-      ->check(number_in(0, 1ull << 40))
+      ->check(delta_block_bytes_in())
       ->needs(delta);
   app.add_option("--version", s.first_version, "First version to sync")->default_val(1)->check(number_in(0, 1 << 30));
   app.add_option("--syncs", s.syncs, "Syncs to run: versions --version, --version + 1, ...")

@@ -17,6 +17,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "ferry/engine.h"
 #include "ferry/status.h"
 
 namespace ferry::cli {
@@ -74,6 +75,21 @@ inline CLI::Validator number_in(double lo, double hi) {
       "NUMBER in [" + fmt::format("{}", lo) + ", " + fmt::format("{}", hi) + "]");
 }
 
+// --delta-block-bytes: 0 (keep a copy) or a block of kMinDeltaBlockBytes to 2^40 bytes.
+inline CLI::Validator delta_block_bytes_in() {
+  const CLI::Validator in_range = number_in(static_cast<double>(kMinDeltaBlockBytes), static_cast<double>(1ull << 40));
+  return CLI::Validator(
+      [in_range](std::string& text) -> std::string {
+        if (text == "0") return std::string();
+        std::string t = text;
+        std::string why = in_range(t);
+        return why.empty() ? why : why + fmt::format(" (0 keeps a copy; a block is at least {} bytes: a hash of 8 "
+                                                     "bytes per smaller block takes more than it saves)",
+                                                     kMinDeltaBlockBytes);
+      },
+      fmt::format("0 or NUMBER in [{}, {}]", kMinDeltaBlockBytes, 1ull << 40));
+}
+
 // The delta-sync options `ferry bench` and `ferry demo` share (docs/delta.md): --delta,
 // and how much of the synthetic weights changes per version (SyntheticChanges).
 inline void add_delta_options(CLI::App& app, bool& delta, double& changed_fraction, std::string& changes,
@@ -89,7 +105,7 @@ inline void add_delta_options(CLI::App& app, bool& delta, double& changed_fracti
   app.add_option("--delta-block-bytes", block_bytes,
                  "with --delta: trainer ranks keep no copy, only a hash per block of this many bytes, and send "
                  "changed blocks whole (0, the default: keep a copy, send changed elements)")
-      ->check(number_in(0, 1ull << 40))
+      ->check(delta_block_bytes_in())
       ->needs(on);
 }
 

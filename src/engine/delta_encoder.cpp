@@ -18,6 +18,12 @@ void DeltaEncoder::install(const ProducerRoute& route) {
   fits_ = block_bytes_ ? staging_.kept_bytes() >= staging_.kept_offset() : kept_at_.back() <= staging_.kept_bytes();
   kept_version_.assign(route.groups.size(), std::nullopt);
   kept_blocks_.assign(route.groups.size(), {});
+  if (block_bytes_) {  // the patch scratch at its size for the largest segment, once (what memory.h predicts)
+    uint64_t largest = 0;
+    for (const ProducerGroup& g : route.groups)
+      for (const Segment& seg : g.segments) largest = std::max<uint64_t>(largest, seg.bytes);
+    std::vector<std::byte>(delta::max_block_patch_bytes(largest, block_bytes_)).swap(scratch_);
+  }
 }
 
 void DeltaEncoder::begin_sync() {
@@ -106,6 +112,18 @@ DeltaPack DeltaEncoder::pack_blocks(int g, size_t s, uint64_t v, const ProducerG
     out.dense_offset = staging_.slot_offset(s);
   }
   return out;
+}
+
+uint64_t DeltaEncoder::state_bytes() const {
+  if (!on_ || !block_bytes_) return 0;
+  // (Heap blocks as memory.cpp counts them: a header and 16-byte granules.)
+  auto heap = [](uint64_t n) -> uint64_t { return n ? std::max<uint64_t>(32, (n + 8 + 15) / 16 * 16) : 0; };
+  uint64_t n = heap(kept_blocks_.capacity() * sizeof(kept_blocks_[0])) + heap(scratch_.capacity());
+  for (const auto& group : kept_blocks_) {
+    n += heap(group.capacity() * sizeof(group[0]));
+    for (const std::vector<uint64_t>& h : group) n += heap(h.capacity() * sizeof(uint64_t));
+  }
+  return n;
 }
 
 std::vector<MemoryRegion> regions_served_in_place(const ProducerOptions& options) {

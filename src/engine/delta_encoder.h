@@ -59,6 +59,10 @@ class DeltaEncoder {
   // kept copy (delta_block_bytes): the changed blocks into the slot's patch area, the
   // slot keeping the dense bytes. Delta off: nothing (dense).
   DeltaPack pack(int g, size_t s, uint64_t v, const ProducerGroup& grp);
+  // Under delta_block_bytes: the heap its block hashes and its patch scratch hold now
+  // (MemoryUse::kept_copy, beside the patch area; memory.h's delta_block_state_bytes
+  // predicts it); 0 otherwise.
+  uint64_t state_bytes() const;
 
  private:
   DeltaPack pack_blocks(int g, size_t s, uint64_t v, const ProducerGroup& grp);

@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include "delta/patch.h"
 #include "engine/protocol.h"
 #include "engine/registered_buffer.h"
 #include "ferry/source.h"
@@ -125,6 +126,20 @@ uint64_t delta_kept_bytes(const EngineOptions& options, const ProducerRoute& rou
   if (!options.delta) return 0;
   if (options.delta_block_bytes) return slots.slot_bytes * static_cast<uint64_t>(slots.slots);
   return kept_copy_bytes(route);
+}
+
+uint64_t delta_block_state_bytes(const EngineOptions& options, const ProducerRoute& route) {
+  if (!options.delta || !options.delta_block_bytes) return 0;
+  const uint64_t bb = options.delta_block_bytes;
+  uint64_t n = heap(route.groups.size() * sizeof(std::vector<std::vector<uint64_t>>)), largest = 0;
+  for (const ProducerGroup& g : route.groups) {
+    n += heap(g.segments.size() * sizeof(std::vector<uint64_t>));
+    for (const Segment& seg : g.segments) {
+      n += heap((seg.bytes + bb - 1) / bb * sizeof(uint64_t));
+      largest = std::max<uint64_t>(largest, seg.bytes);
+    }
+  }
+  return n + heap(delta::max_block_patch_bytes(largest, bb));
 }
 
 Result<StagingSlots> staging_ring(int rank, uint64_t needed, uint64_t worst, uint64_t staging_budget) {
@@ -272,6 +287,7 @@ Result<MemoryPrediction> predict_memory(const Routes& routes, const std::vector<
     // The kept copy (or patch area) after the slots, in the same registration.
     m.kept_copy = delta_kept_bytes(options, routes.producers[p], ring);
     m.staging_ring = registered_bytes(ring.slot_bytes * static_cast<uint64_t>(ring.slots) + m.kept_copy) - m.kept_copy;
+    m.kept_copy += delta_block_state_bytes(options, routes.producers[p]);
     m.metadata = common + ops_bytes(routes.producers[p]) + (push ? all_unpacks : 0) +
                  predicted_schedule_bytes(routes.producers[p]);
     out.producers.push_back(m);

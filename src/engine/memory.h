@@ -31,6 +31,10 @@ Result<StagingSlots> staging_ring(int rank, uint64_t needed, uint64_t worst, uin
 // kept_bytes, MemoryUse::kept_copy): none without `options.delta`, a patch area as large
 // as the slots with `delta_block_bytes`, else the kept copy of what `route` stages.
 uint64_t delta_kept_bytes(const EngineOptions& options, const ProducerRoute& route, const StagingSlots& slots);
+// With `delta_block_bytes`: the heap a producer keeps beside that patch area (in
+// MemoryUse::kept_copy): an XXH3-64 per block of every segment `route` stages, and one
+// segment's patch while it is encoded (DeltaEncoder::state_bytes, as built). 0 otherwise.
+uint64_t delta_block_state_bytes(const EngineOptions& options, const ProducerRoute& route);
 
 // The router options a rank builds its routes with: its own ops and those it derives its
 // peers' reads from. A producer: its packs, and in push mode every plan class's unpacks

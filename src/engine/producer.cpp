@@ -367,6 +367,11 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
   Status joined = [&]() -> Status {
     if (m.rank < 0 || m.rank >= options.num_producers)
       return invalid_argument("producer rank {} outside num_producers {}", m.rank, options.num_producers);
+    if (options.delta_block_bytes != 0 && options.delta_block_bytes < kMinDeltaBlockBytes)
+      return invalid_argument(
+          "producer {}: delta_block_bytes {} is below {} (a hash of 8 bytes per block would take more memory than "
+          "the copy it replaces saves); 0 keeps a copy instead",
+          m.rank, options.delta_block_bytes, kMinDeltaBlockBytes);
     FERRY_ASSIGN_OR_RETURN(m.reg.claim, claim_rank(store, m.keys, options, me, m.reg.instance));
     FERRY_RETURN_IF_ERROR(StagingRing::check_device(m.rank, options.staging_device));  // before any rendezvous
     FERRY_RETURN_IF_ERROR(publish_world(store, m.keys, options, me));

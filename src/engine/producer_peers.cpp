@@ -271,6 +271,7 @@ MemoryUse Producer::Impl::memory_use() {
   MemoryUse m = routes_memory_use();
   m.metadata += plan.heap_bytes();
   m.metadata += pacer.heap_bytes();  // the rotated order's waves (docs/group-order.md, "Memory")
+  m.kept_copy += delta->state_bytes();  // (delta_block_bytes: its block hashes, filled as it packs)
   return m;
 }
 

@@ -50,6 +50,8 @@ TEST(InputCli, RefusalsExitTwoNamingTheFlag) {
       {plan + "--staging-budget -1", "--staging-budget"},
       {plan + "--staging-budget ' -5GiB'", "--staging-budget"},
       {plan + "--delta-block-bytes 4096", "--delta"},
+      {plan + "--delta --delta-block-bytes 1", "--delta-block-bytes"},
+      {"bench --delta --delta-block-bytes 63", "--delta-block-bytes"},
       {sim + "--changed-fraction nan", "--changed-fraction"},
       {sim + "--changed-fraction -0.5", "--changed-fraction"},
       {"demo --relay --inference tp=1", "--relay"},
