@@ -305,6 +305,12 @@ class StoreServer {
   size_t connections() const;
   // Connections closed to make room for a newer unauthenticated one (see above).
   size_t evicted() const;
+  // Handshakes refused for a wrong token proof. An address that sent one waits before
+  // its next proofs are checked, 10 ms doubling with each further one up to 500 ms
+  // (forgotten after 10 s without one), which bounds guessing from one address to
+  // max_unauthenticated_per_peer / 0.5 s proofs a second; each address's wrong proofs
+  // are logged on stderr at most once per 10 s.
+  size_t refused_proofs() const;
   // Closes every connection and joins the event-loop thread. Idempotent; thread-safe.
   void stop();
 

@@ -317,6 +317,34 @@ TEST_F(TcpServerTest, WrongMacIsRefusedAndClosed) {
   expect_good_client_served(1);
 }
 
+// Wrong proofs (issue 49, finding 8: 7-11k a second were tried, unthrottled and
+// unlogged): each is refused and counted; an address that keeps sending them waits before
+// its next proofs are checked (10 ms, doubling, up to 500 ms), one line on stderr names it
+// (at most once per 10 s), and the right token from that address still gets in.
+TEST_F(TcpServerTest, WrongProofsAreThrottledAndLoggedAndTheRightTokenStillGetsIn) {
+  ::testing::internal::CaptureStderr();
+  const auto t0 = Clock::now();
+  for (int i = 0; i < 8; ++i) {
+    RawConn c(server_->port());
+    Status st = c.authenticate("wrong-token-guess-" + std::to_string(i));
+    EXPECT_EQ(st.code(), StatusCode::kPermissionDenied) << i << ": " << st.to_string();
+  }
+  const auto took = Clock::now() - t0;
+  RawConn ok(server_->port());
+  const Status in = ok.authenticate(kToken);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(in.ok()) << in.to_string();
+  EXPECT_EQ(server_->refused_proofs(), 8u);
+  // Proofs 2-8 waited 10 + 20 + 40 + 80 + 160 + 320 + 500 ms before they were checked.
+  EXPECT_GE(took, 1000ms);
+  size_t lines = 0;
+  for (size_t at = err.find("wrong token proof(s) from 127.0.0.1"); at != std::string::npos;
+       at = err.find("wrong token proof(s) from 127.0.0.1", at + 1))
+    ++lines;
+  EXPECT_EQ(lines, 1u) << err;
+  expect_good_client_served(1);
+}
+
 TEST_F(TcpServerTest, WellFormedButInvalidRequestIsAnsweredNotClosed) {
   RawConn c(server_->port());
   ASSERT_TRUE(c.authenticate(kToken).ok());

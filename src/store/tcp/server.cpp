@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <chrono>
 #include <list>
 #include <map>
@@ -77,6 +78,25 @@ struct StoreServer::Impl {
   size_t authenticated = 0;
   std::atomic<size_t> connection_count{0};
   std::atomic<size_t> evicted_count{0};
+  // Wrong proofs (a wrong token, or guessing), per source address: each one within
+  // kStrikeMemory of the last doubles how long that address's next proofs wait before
+  // they are checked (kFirstWait up to kMostWait), so guessing from one address is
+  // bounded by max_unauthenticated_per_peer / kMostWait proofs a second (newer
+  // connections evict the waiting ones first); a line on stderr says so, at most once per
+  // kStrikeMemory per address. Event-loop thread, but for the total.
+  struct Strikes {
+    uint32_t recent = 0;          // wrong proofs in a row, each within kStrikeMemory of the last
+    Clock::time_point last{};
+    uint64_t unlogged = 0;        // since the last line
+    Clock::time_point logged{};
+  };
+  static constexpr Millis kFirstWait{10}, kMostWait{500}, kStrikeMemory{10000};
+  std::unordered_map<std::string, Strikes> strikes;
+  std::atomic<size_t> refused_proofs{0};
+  // How long a proof from `peer` waits before it is checked now (0: at once).
+  Millis proof_wait(const std::string& peer);
+  // A wrong proof from `peer`.
+  void strike(const std::string& peer);
   bool stopping = false;  // event-loop thread only
 
   asio::io_context io;
@@ -119,7 +139,7 @@ Response error_response(Op op, const Status& st) {
 class Session : public std::enable_shared_from_this<Session> {
  public:
   Session(StoreServer::Impl& srv, tcp::socket sock, std::string peer)
-      : srv_(srv), sock_(std::move(sock)), timer_(srv.io), peer_(std::move(peer)) {
+      : srv_(srv), sock_(std::move(sock)), timer_(srv.io), proof_timer_(srv.io), peer_(std::move(peer)) {
     srv_.sessions.insert(this);
     srv_.connection_count.fetch_add(1);
     srv_.pending.push_back(this);
@@ -269,7 +289,22 @@ class Session : public std::enable_shared_from_this<Session> {
       if (a.status().code() == StatusCode::kFailedPrecondition) return refuse(a.status());
       return close();
     }
-    if (!store_tcp::macs_equal(a->mac, store_tcp::client_proof(srv_.token, nonce_, a->nonce))) {
+    // An address that sent wrong proofs lately waits before its proof is checked (its
+    // handshake deadline still runs: the wait is at most a quarter of the 2 s default).
+    if (const Millis wait = srv_.proof_wait(peer_); wait.count() > 0) {
+      auto held = std::make_shared<store_tcp::Auth>(std::move(*a));
+      proof_timer_.expires_after(wait);
+      proof_timer_.async_wait([self = shared_from_this(), held](const asio::error_code& e) {
+        if (!e && !self->closed_) self->check_proof(*held);
+      });
+      return;
+    }
+    check_proof(*a);
+  }
+
+  void check_proof(const store_tcp::Auth& a) {
+    if (!store_tcp::macs_equal(a.mac, store_tcp::client_proof(srv_.token, nonce_, a.nonce))) {
+      srv_.strike(peer_);
       return refuse(permission_denied("store: the server refused the token"));
     }
     if (srv_.authenticated >= srv_.options.max_connections) {
@@ -280,7 +315,7 @@ class Session : public std::enable_shared_from_this<Session> {
     authed_ = true;
     ++srv_.authenticated;
     leave_pending();
-    channel_.emplace(store_tcp::session_key(srv_.token, nonce_, a->nonce),
+    channel_.emplace(store_tcp::session_key(srv_.token, nonce_, a.nonce),
                      store_tcp::Direction::kServerToClient);
     Response welcome;
     welcome.op = Op::kAuth;
@@ -307,6 +342,7 @@ class Session : public std::enable_shared_from_this<Session> {
   StoreServer::Impl& srv_;
   tcp::socket sock_;
   asio::steady_timer timer_;
+  asio::steady_timer proof_timer_;  // a proof held back (StoreServer::Impl::proof_wait)
   uint64_t timer_gen_ = 0;
   const std::string peer_;
   std::list<Session*>::iterator pending_it_, peer_it_;
@@ -547,6 +583,36 @@ void StoreServer::Impl::accept() {
   });
 }
 
+Millis StoreServer::Impl::proof_wait(const std::string& peer) {
+  auto it = strikes.find(peer);
+  if (it == strikes.end()) return Millis{0};
+  if (Clock::now() - it->second.last > kStrikeMemory) {
+    strikes.erase(it);  // (forgotten: its next wrong proof starts again at kFirstWait)
+    return Millis{0};
+  }
+  const uint32_t doublings = std::min<uint32_t>(it->second.recent - 1, 16);
+  return std::min<Millis>(kFirstWait * (1u << doublings), kMostWait);
+}
+
+void StoreServer::Impl::strike(const std::string& peer) {
+  refused_proofs.fetch_add(1);
+  const auto now = Clock::now();
+  if (strikes.size() >= 4096)  // (many addresses: forget the ones that stopped)
+    std::erase_if(strikes, [&](const auto& kv) { return now - kv.second.last > kStrikeMemory; });
+  Strikes& s = strikes[peer];
+  s.recent = now - s.last > kStrikeMemory ? 1 : s.recent + 1;
+  s.last = now;
+  ++s.unlogged;
+  if (s.logged != Clock::time_point{} && now - s.logged < kStrikeMemory) return;
+  std::fprintf(stderr,
+               "ferry store: %llu wrong token proof(s) from %s since the last such line (refused; its next proofs "
+               "wait %lld ms before they are checked)\n",
+               static_cast<unsigned long long>(s.unlogged), peer.c_str(),
+               static_cast<long long>(proof_wait(peer).count()));
+  s.unlogged = 0;
+  s.logged = now;
+}
+
 void StoreServer::Impl::make_room(const std::string& peer) {
   Session* victim = nullptr;
   if (auto it = pending_by_peer.find(peer);
@@ -656,6 +722,7 @@ std::string StoreServer::url() const {
 size_t StoreServer::connections() const { return impl_->connection_count.load(); }
 
 size_t StoreServer::evicted() const { return impl_->evicted_count.load(); }
+size_t StoreServer::refused_proofs() const { return impl_->refused_proofs.load(); }
 
 void StoreServer::stop() {
   if (!impl_) return;
