@@ -53,6 +53,14 @@ Result<std::vector<std::pair<int, int>>> parse_pause_points(std::string_view tex
   return out;
 }
 
+bool PausePoints::take(int v, int point) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = std::find(points_.begin(), points_.end(), std::make_pair(v, point));
+  if (it == points_.end()) return false;
+  points_.erase(it);
+  return true;
+}
+
 namespace {
 
 // Inference rank `rank`'s final params by the loader's layer groups (the units a groups
@@ -194,10 +202,9 @@ int run_worker(const WorkerSpec& s) {
     }
   };
   // Pauses: SIGSTOP at the point; the driver sees the process stopped and SIGCONTs it.
-  auto pause_at = [&s](int v, int point) {
-    for (const auto& [pv, pp] : s.pauses) {
-      if (pv == v && pp == point) ::raise(SIGSTOP);
-    }
+  auto pauses = std::make_shared<PausePoints>(s.pauses);
+  auto pause_at = [pauses](int v, int point) {
+    if (pauses->take(v, point)) ::raise(SIGSTOP);
   };
   // What the process holds before the engine exists (libraries, the job model, the
   // transport): the base the memory test subtracts from RSS.

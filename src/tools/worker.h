@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -95,6 +96,21 @@ struct WorkerSpec {
 inline constexpr int kWorkerSyncStartPoint = -2;
 // "2:5,4:-1" -> {(2,5),(4,-1)}; InvalidArgument naming the bad item.
 Result<std::vector<std::pair<int, int>>> parse_pause_points(std::string_view text);
+// The pause points of one worker process, each taken once: a consumer that falls back
+// from its relay reaches the same point of the same sync again, and stopping itself a
+// second time left it stopped for good (the driver resumes each pause once: the demo hung
+// for its timeout, issue 49 finding 9). Thread-safe (the sync thread and the unpack worker
+// both reach points).
+class PausePoints {
+ public:
+  explicit PausePoints(std::vector<std::pair<int, int>> points) : points_(std::move(points)) {}
+  // True the first time (v, point) is reached, if it is one of the points: pause there.
+  bool take(int v, int point);
+
+ private:
+  std::mutex mu_;
+  std::vector<std::pair<int, int>> points_;  // (those taken are removed)
+};
 int run_worker(const WorkerSpec& spec);
 
 // The protocol's store keys.

@@ -14,6 +14,7 @@
 
 #include "tools/broadcast.h"
 #include "tools/subprocess.h"
+#include "tools/worker.h"
 
 namespace ferry {
 namespace {
@@ -23,6 +24,23 @@ using tools::Child;
 using tools::ProcessSpec;
 
 TensorDecl decl(std::string name, Shape shape, DType dt = DType::kBF16) { return TensorDecl{std::move(name), dt, std::move(shape)}; }
+
+// A worker's pause points are each taken once (issue 49, finding 9: a relay member that
+// fell back reached its pause point again, stopped itself a second time and was never
+// resumed, so the demo hung for its timeout); a point listed twice pauses twice.
+TEST(PausePoints, EachIsTakenOnce) {
+  auto points = tools::parse_pause_points("5:5,3:-2,3:-2");
+  ASSERT_TRUE(points.ok()) << points.status().to_string();
+  tools::PausePoints p(*points);
+  EXPECT_FALSE(p.take(5, 4));
+  EXPECT_FALSE(p.take(4, 5));
+  EXPECT_TRUE(p.take(5, 5));
+  EXPECT_FALSE(p.take(5, 5)) << "the same point of the same sync again (a fallback): no second pause";
+  EXPECT_TRUE(p.take(3, -2));
+  EXPECT_TRUE(p.take(3, -2));
+  EXPECT_FALSE(p.take(3, -2));
+  EXPECT_FALSE(tools::parse_pause_points("5").ok());
+}
 
 TEST(Broadcast, OneSenderPerStageToEveryConsumer) {
   std::vector<TensorDecl> meta = {decl("a", {10}), decl("b", {20}), decl("c", {30}, DType::kF32)};
