@@ -83,14 +83,14 @@ Status Consumer::Impl::pull_group(GroupRx& rx, AttemptReads& reads, std::set<int
       point(g, 1);
     }
     FERRY_RETURN_IF_ERROR(waited(staged, p, v, g));
-    uint8_t took = 0;  // Release::took_patch: what the producer's report counts
+    uint8_t took = Release::kDense;  // (what the producer's report counts)
     if (use_patch) {   // (applied before the release: a repair reads the producer's memory too)
       patched[p] = a.patch_bytes;
-      took = 1;
+      took = Release::kPatch;
       if (Status applied = apply_patch(g, p, *pr, a.patch_bytes, base); !applied.ok()) {
         FERRY_RETURN_IF_ERROR(repair_patch(rx, reads, p, applied, rep));
         repaired.insert(p);
-        took = 2;
+        took = Release::kRepaired;
       }
     }
     send_to(p, Release{me(), v, g, routes_hash, took});

@@ -334,7 +334,7 @@ Result<bool> Consumer::Impl::copy_from_relay(uint64_t v, int g, uint64_t base, c
 }
 
 // A member copies the group from its relay's receive ring once every producer announced
-// it (pull), then releases them all (took_patch 3: nothing read from them; push: no write
+// it (pull), then releases them all (Release::kRelayed: nothing read from them; push: no write
 // owed). false (the group is read from the producers, which still hold it staged;
 // rx.announced keeps what came meanwhile) when this attempt has no relay, or the relay
 // cannot offer the group, cut it short or is lost.
@@ -360,7 +360,7 @@ Result<bool> Consumer::Impl::relay_group(GroupRx& rx) {
   FERRY_ASSIGN_OR_RETURN(const bool relayed, copy_from_relay(v, g, rx.base, rx.from));
   trace.record(TracePhase::kRead, g, -1, tr, Clock::now());
   if (relayed) {
-    for (int p : rx.from) send_to(p, Release{me(), v, g, routes_hash, 3});
+    for (int p : rx.from) send_to(p, Release{me(), v, g, routes_hash, Release::kRelayed});
     rx.got = rx.announced;
     return true;
   }

@@ -200,9 +200,9 @@ struct Producer::Impl {
 
   static uint64_t served(const std::map<uint32_t, uint64_t>& by_class, uint32_t cls);
 
-  // `took_patch` (Release::took_patch): 3 c read nothing (relayed on its host); 1 c read its class's patch (delta), not the dense
+  // `took` (Release::took): kRelayed c read nothing (relayed on its host); kPatch c read its class's patch (delta), not the dense
   // bytes; 2 the patch and then the dense bytes (a repair).
-  void release_locked(int s, int c, int took_patch = 0);
+  void release_locked(int s, int c, uint8_t took = Release::kDense);
 
   // Push: one write sequence to consumer c ended; owes it FLUSHED once none is left.
   void push_done(int c);

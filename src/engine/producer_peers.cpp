@@ -124,7 +124,7 @@ void Producer::Impl::on_message(PeerId from, std::span<const std::byte> payload)
     if (const auto* m = std::get_if<Release>(&msg)) {
       if (!current) return;
       const int s = slot_of_locked(m->group, m->routes);
-      if (s >= 0) release_locked(s, c, m->took_patch);
+      if (s >= 0) release_locked(s, c, m->took);
     } else if (const auto* m = std::get_if<Failover>(&msg)) {
       if (opts.mode == SyncMode::kPush) {
         // Reply FLUSHED once no write of ours to c is in flight: c reuses its receive

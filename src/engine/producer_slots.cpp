@@ -18,7 +18,7 @@ uint64_t Producer::Impl::served(const std::map<uint32_t, uint64_t>& by_class, ui
   return it == by_class.end() ? 0 : it->second;
 }
 
-void Producer::Impl::release_locked(int s, int c, int took_patch) {
+void Producer::Impl::release_locked(int s, int c, uint8_t took) {
   Slot& sl = slots[static_cast<size_t>(s)];
   if (sl.pending.erase(c)) {
     sl.last_release = Clock::now();
@@ -27,16 +27,16 @@ void Producer::Impl::release_locked(int s, int c, int took_patch) {
     Clock::time_point from = sl.since;  // from its turn
     pacer.note_released(c, sl.group);
     if (auto o = sl.opened.find(c); o != sl.opened.end()) from = o->second;
-    if (took_patch == 3) {  // c copied the group from a relay on its host: nothing went to it from here
+    if (took == Release::kRelayed) {  // c copied the group from a relay on its host: nothing went to it from here
       cv.notify_all();
       return;
     }
-    const uint64_t patch = took_patch > 0 ? sl.patches.bytes_for(cls(c)).value_or(0) : 0;
+    const uint64_t patch = took != Release::kDense ? sl.patches.bytes_for(cls(c)).value_or(0) : 0;
     if (patch > 0) {
       trace.record(TracePhase::kSend, sl.group, c, from, *sl.last_release, TraceLane::kPatch, patch);
-      if (took_patch == 1) report.patched_dense_bytes += b - ip;
+      if (took == Release::kPatch) report.patched_dense_bytes += b - ip;
     }
-    if ((patch == 0 || took_patch == 2) && (b > ip || ip == 0)) {
+    if ((patch == 0 || took == Release::kRepaired) && (b > ip || ip == 0)) {
       trace.record(TracePhase::kSend, sl.group, c, from, *sl.last_release, TraceLane::kTransport, b - ip);
     }
     if (ip > 0) trace.record(TracePhase::kSend, sl.group, c, from, *sl.last_release, TraceLane::kInPlace, ip);
@@ -195,7 +195,7 @@ void Producer::Impl::start_push(int s, int c, uint32_t rslot, uint8_t landing, i
         {
           std::lock_guard<std::mutex> lk(mu);
           const Slot& sl = slots[static_cast<size_t>(s)];
-          if (members.version == v && sl.group == g && sl.hash == hash) release_locked(s, c, patch_base ? 1 : 0);
+          if (members.version == v && sl.group == g && sl.hash == hash) release_locked(s, c, patch_base ? Release::kPatch : Release::kDense);
           todo = open_waves_locked();
         }
         serve(todo);

@@ -24,7 +24,7 @@ void fields(M& m, F&& f) {
     f(m.producer), f(m.version), f(m.routes), f(m.group), f(m.slot_offset), f(m.patch_base), f(m.patch_bytes),
         f(m.dense_offset), f(m.patch_offset), f(m.checksum);
   } else if constexpr (std::is_same_v<T, Release>) {
-    f(m.consumer), f(m.version), f(m.routes), f(m.group), f(m.took_patch);
+    f(m.consumer), f(m.version), f(m.routes), f(m.group), f(m.took);
   } else if constexpr (std::is_same_v<T, Ready>) {
     f(m.consumer), f(m.version), f(m.routes), f(m.group), f(m.recv_slot), f(m.landing), f(m.base);
   } else if constexpr (std::is_same_v<T, Pushed>) {
@@ -122,8 +122,8 @@ Result<Message> decode_as(std::span<const std::byte> bytes, size_t header) {
     if (!m.patch_base && m.patch_offset != 0)
       return corrupt("engine message {}: a patch offset without a patch", message_name(Message(m)));
   }
-  if constexpr (requires { m.took_patch; }) {
-    if (m.took_patch > 3) return corrupt("engine message {}: bad value {}", message_name(Message(m)), m.took_patch);
+  if constexpr (requires { m.took; }) {
+    if (m.took > Release::kRelayed) return corrupt("engine message {}: bad value {}", message_name(Message(m)), m.took);
   }
   if constexpr (std::is_same_v<M, Relay>) {
     if (m.kind > Relay::kMaxKind) return corrupt("engine message Relay: unknown kind {}", m.kind);

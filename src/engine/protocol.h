@@ -30,7 +30,7 @@
 //          c -> r  Relay release  c's read of the offer ended
 //          r -> c  Relay kept     r kept the slot intact throughout: the bytes are good
 //          r -> c  Relay cut      r reused the slot before the release: read from the producers
-//   and c -> p Release{took_patch 3} for a group copied from the relay (nothing read from p).
+//   and c -> p Release{took kRelayed} for a group copied from the relay (nothing read from p).
 // Every message carries the sender's rank, the version and the hash of the routes the
 // sender runs (or, for Pushed, laid the bytes out by).
 #pragma once
@@ -79,10 +79,12 @@ struct Release {
   uint64_t version = 0;
   int32_t group = 0;
   uint64_t routes = 0;
-  // What c read of its segment: 0 the dense bytes, 1 the announced patch, 2 the patch and
-  // then the dense bytes (the patch failed its check: repaired), 3 nothing (c copied the
-  // group from a relay on its host; in push mode too: no write to c is owed for it).
-  uint8_t took_patch = 0;
+  // What c read of its segment (what the producer's report counts): the dense bytes, the
+  // announced patch, the patch and then the dense bytes (the patch failed its check:
+  // repaired), or nothing (c copied the group from a relay on its host; in push mode too:
+  // no write to c is owed for it). One byte on the wire, 0-3.
+  enum Took : uint8_t { kDense = 0, kPatch = 1, kRepaired = 2, kRelayed = 3 };
+  uint8_t took = kDense;
   friend bool operator==(const Release&, const Release&) = default;
 };
 struct Ready {

@@ -22,7 +22,7 @@ std::vector<Message> one_of_each() {
           Announce{1, 7, 2, 0xabcdef, 4096, std::nullopt},
           Announce{1, 7, 2, 0xabcdef, 4096, 0x1234, 6, 77, 1 << 20, 4096},
           Release{3, 7, 2, 0xabcdef},
-          Release{3, 7, 2, 0xabcdef, 1},
+          Release{3, 7, 2, 0xabcdef, Release::kPatch},
           Ready{3, 7, 2, 0xabcdef, 1, 1},
           Ready{3, 7, 2, 0xabcdef, 1, 1, 6},
           Pushed{1, 7, 2, 0xabcdef, 1, 99},
@@ -107,8 +107,8 @@ TEST(EngineProtocol, BadMagicTypeAndFlagAreCorrupt) {
   EXPECT_EQ(decode_message(encode_message(a)).status().code(), StatusCode::kCorrupt);
   EXPECT_EQ(decode_message(encode_message(Pushed{1, 7, 2, 3, 0, std::nullopt, std::nullopt, 9})).status().code(),
             StatusCode::kCorrupt);
-  EXPECT_TRUE(decode_message(encode_message(Release{3, 7, 2, 9, 2})).ok());
-  EXPECT_TRUE(decode_message(encode_message(Release{3, 7, 2, 9, 3})).ok());  // relayed: nothing read
+  EXPECT_TRUE(decode_message(encode_message(Release{3, 7, 2, 9, Release::kRepaired})).ok());
+  EXPECT_TRUE(decode_message(encode_message(Release{3, 7, 2, 9, Release::kRelayed})).ok());  // relayed: nothing read
   EXPECT_EQ(decode_message(encode_message(Release{3, 7, 2, 9, 4})).status().code(), StatusCode::kCorrupt);
   // A relay message of an unknown kind, or with an offset that is no offer.
   EXPECT_EQ(decode_message(encode_message(Relay{3, 7, 2, 9, 6, 0})).status().code(), StatusCode::kCorrupt);
