@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "delta/patch.h"
+#include "engine/memory.h"
 #include "engine/schedule.h"
 
 namespace ferry::engine {
@@ -116,8 +117,7 @@ DeltaPack DeltaEncoder::pack_blocks(int g, size_t s, uint64_t v, const ProducerG
 
 uint64_t DeltaEncoder::state_bytes() const {
   if (!on_ || !block_bytes_) return 0;
-  // (Heap blocks as memory.cpp counts them: a header and 16-byte granules.)
-  auto heap = [](uint64_t n) -> uint64_t { return n ? std::max<uint64_t>(32, (n + 8 + 15) / 16 * 16) : 0; };
+  auto heap = heap_block_bytes;  // (as memory.h's estimates count each allocation)
   uint64_t n = heap(kept_blocks_.capacity() * sizeof(kept_blocks_[0])) + heap(scratch_.capacity());
   for (const auto& group : kept_blocks_) {
     n += heap(group.capacity() * sizeof(group[0]));

@@ -29,24 +29,6 @@ Result<std::optional<std::string>> Membership::get(int r) {
   return v.status();
 }
 
-Result<std::optional<std::string>> Membership::read(int r, bool heal) {
-  FERRY_ASSIGN_OR_RETURN(std::optional<std::string> lease, get(r));
-  if (lease || !heal) return lease;
-  Status error;
-  heal_leases(
-      lease_ttl_, [&] { return error.ok() && !lease; },
-      [&] {
-        auto again = get(r);
-        if (again.ok()) {
-          lease = std::move(*again);
-        } else {
-          error = again.status();
-        }
-      });
-  FERRY_RETURN_IF_ERROR(error);
-  return lease;
-}
-
 Result<Membership::Roll> Membership::call(const std::function<bool(int)>& heal) {
   Roll roll(instances_.size());
   for (int r = 0; r < size(); ++r) {

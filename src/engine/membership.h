@@ -42,9 +42,6 @@ class Membership {
   // instances differ from the last roll's.
   using Roll = std::vector<std::optional<std::string>>;
   Result<Roll> call(const std::function<bool(int)>& heal);
-  // Rank r's lease now (nullopt: absent), waited for as above when `heal`. Does not
-  // change the epoch (only a whole roll does).
-  Result<std::optional<std::string>> read(int r, bool heal);
 
  private:
   Result<std::optional<std::string>> get(int r);

@@ -19,8 +19,7 @@ namespace ferry {
 namespace engine {
 namespace {
 
-// A glibc malloc block for n bytes: 8 bytes of header, 16-byte granules, 32 at least.
-uint64_t heap(uint64_t n) { return n ? std::max<uint64_t>(32, (n + 8 + 15) / 16 * 16) : 0; }
+uint64_t heap(uint64_t n) { return heap_block_bytes(n); }
 
 // Every overload declared before the templates use them (the types are ferry's, so
 // argument-dependent lookup would not find later ones in this namespace).

@@ -4,6 +4,7 @@
 // `ferry bench` take their MemoryUse figures from here, so prediction and report agree.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -35,6 +36,9 @@ uint64_t delta_kept_bytes(const EngineOptions& options, const ProducerRoute& rou
 // MemoryUse::kept_copy): an XXH3-64 per block of every segment `route` stages, and one
 // segment's patch while it is encoded (DeltaEncoder::state_bytes, as built). 0 otherwise.
 uint64_t delta_block_state_bytes(const EngineOptions& options, const ProducerRoute& route);
+// A glibc malloc block for n bytes: 8 bytes of header, 16-byte granules, 32 at least (0
+// for none): how the estimates here count each heap allocation.
+inline uint64_t heap_block_bytes(uint64_t n) { return n ? std::max<uint64_t>(32, (n + 8 + 15) / 16 * 16) : 0; }
 
 // The router options a rank builds its routes with: its own ops and those it derives its
 // peers' reads from. A producer: its packs, and in push mode every plan class's unpacks
