@@ -6,8 +6,9 @@
 // relay within a host; consumer_peers.cpp: joining the job and keeping track of the
 // producers (create/start, their leases and connections, messages and failures, routes
 // and schedule). Bytes move by the data plane: the attempt's plan (sync_plan.h), its
-// reads through the lanes (attempt_reads.h, lane.h, cuda_ipc.h), param_set.h and the
-// unpack worker.
+// reads through the lanes (attempt_reads.h, lane.h, cuda_ipc.h) into the receive ring
+// (receive_ring.h), param_set.h and the unpack worker; the commit policy, delta and
+// membership are parts (commit_rule.h, delta_applier.h, membership.h).
 #pragma once
 
 #include <algorithm>
@@ -206,7 +207,8 @@ struct Consumer::Impl {
     std::set<std::tuple<uint64_t, int, uint64_t>> passed;
   } relay;
   // Finds this attempt's relay (or that this consumer reads for itself) from the leases
-  // of its plan class on its host. Notes go to the report. Sync thread, between attempts.
+  // of its plan class on its host; a relay or member not reached is a relay-unreached
+  // control event. Sync thread, between attempts.
   void refresh_relay();
   // refresh_relay's search: this attempt's relay (its import kept from `before` when the
   // same instance), or none; sets relay.members.
