@@ -164,14 +164,20 @@ Result<std::pair<int, Consumer::Impl::Arrival>> Consumer::Impl::await_working(ui
   return await_any(v, g, from, "announce");
 }
 
+// A read that failed because this consumer's own transport died is its failure, not the
+// producer's: naming the producer would fail over a healthy one (and, with a DP replica,
+// mark it dead for every rank).
 Status Consumer::Impl::posted(const AttemptReads& reads, Status st) {
-  if (!st.ok()) attempts.failed_p = reads.failed_producer();
+  if (st.ok()) return st;
+  if (Status own = own_transport_health(); !own.ok()) return own;
+  attempts.failed_p = reads.failed_producer();
   return st;
 }
 
 Status Consumer::Impl::waited(std::span<const Completion> ops, int p, uint64_t v, int g) {
   Status st = wait_reads(ops, p, v, g);
   if (st.ok()) return st;
+  if (Status own = own_transport_health(); !own.ok()) return own;
   attempts.failed_p = p;
   return Status(st.code(), fmt::format("consumer {} reading group {} from producer {}: {}", rank, g, p, st.message()));
 }
