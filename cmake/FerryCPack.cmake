@@ -22,6 +22,6 @@ set(CPACK_DEBIAN_RUNTIME_PACKAGE_SHLIBDEPS ON)
 set(CPACK_DEBIAN_RUNTIME_PACKAGE_RECOMMENDS "openmpi-bin")
 set(CPACK_DEBIAN_DEV_PACKAGE_NAME ferry-dev)
 set(CPACK_DEBIAN_DEV_PACKAGE_DEPENDS
-    "ferry (= ${PROJECT_VERSION}), libfmt-dev, nlohmann-json3-dev, libxxhash-dev, libucx-dev, libhiredis-dev, libssl-dev, pkg-config")
+    "ferry (= ${PROJECT_VERSION}), libfmt-dev, nlohmann-json3-dev, libxxhash-dev, libucx-dev, libhiredis-dev, libssl-dev, prometheus-cpp-dev, pkg-config")
 set(CPACK_DEBIAN_DEV_PACKAGE_SECTION libdevel)
 include(CPack)

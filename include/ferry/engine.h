@@ -157,15 +157,16 @@ struct SyncSource {
   uint64_t version = 0;
 };
 
-// Where each rank's syncs are told as they happen (EngineOptions::sink): its control
-// decisions (ferry/trace.h ControlEvent: drops, failovers, repairs...) as each is made,
-// and every sync's report, ok or failed, as sync() returns. A metrics exporter implements
-// it. Calls come on the engine's threads (the sync thread; a transport handler thread for
+// Where each rank's syncs are told as they happen (EngineOptions::sink): each sync's
+// start, its control decisions (ferry/trace.h ControlEvent: drops, failovers, repairs...)
+// as each is made, and its report, ok or failed, as sync() returns (every on_begin is
+// followed by one on_report). A metrics exporter implements it (ferry/metrics.h). Calls come on the engine's threads (the sync thread; a transport handler thread for
 // a drop), sometimes while the engine holds a lock: keep each short, never call back into
 // the engine, and be thread-safe when several ranks share one sink.
 class SyncSink {
  public:
   virtual ~SyncSink() = default;
+  virtual void on_begin(const SyncSource& from) { static_cast<void>(from); }
   virtual void on_control(const SyncSource& from, const ControlEvent& event) {
     static_cast<void>(from);
     static_cast<void>(event);

@@ -59,6 +59,15 @@ void add_common(CLI::App& app, tools::RankSpec& s) {
                  "is dropped from it as absent, in ms (rollouts end seconds apart)")
       ->default_val(20000)
       ->check(number_in(0, 1 << 30));
+  CLI::Option* metrics = app.add_option("--metrics-port", s.metrics,
+                 "Serve this rank's Prometheus metrics at http://HOST:PORT/metrics while it runs: PORT (every "
+                 "interface) or HOST:PORT; 0 picks a free port (printed on stderr). docs/metrics.md lists them");
+  app.add_option("--metrics-linger", s.metrics_linger_s,
+                 "With --metrics-port: after the last sync, keep serving until one more scrape has the final values, "
+                 "or this many seconds pass (Prometheus pulls: without it a short job's last sync is never scraped)")
+      ->default_val(0)
+      ->check(number_in(0, 86400))
+      ->needs(metrics);
   app.add_option("--trace", s.trace,
                  "Write this rank's trace of every sync to FILE (Chrome trace-event JSON for Perfetto; \"{rank}\" "
                  "is replaced by the rank; `ferry trace` merges, summarises and plots; docs/trace.md)");

@@ -5,9 +5,13 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
 
 #include "cli/command.h"
+#include <prometheus/registry.h>
+
+#include "ferry/metrics.h"
 #include "ferry/store.h"
 
 namespace {
@@ -18,6 +22,7 @@ struct StoreArgs {
   std::string token;
   std::string token_file;
   double idle_timeout_s = 300;
+  std::string metrics;  // --metrics-port: "PORT" or "HOST:PORT"; empty: none
 };
 
 int run_store(const StoreArgs& args) {
@@ -74,11 +79,24 @@ int run_store(const StoreArgs& args) {
   }
   std::printf("ferry store: serving %s (stop with Ctrl-C or SIGTERM)\n", (*server)->url().c_str());
   std::fflush(stdout);
+  // --metrics-port: the server's own counters, read at each scrape (stopped before it).
+  std::unique_ptr<ferry::MetricsEndpoint> metrics;
+  if (!args.metrics.empty()) {
+    auto ep = ferry::MetricsEndpoint::start(args.metrics, std::make_shared<prometheus::Registry>());
+    ferry::Status added = ep.ok() ? (*ep)->add(ferry::store_server_metrics(**server)) : ep.status();
+    if (!added.ok()) {
+      std::fprintf(stderr, "ferry store: --metrics-port: %s\n", added.to_string().c_str());
+      return 2;
+    }
+    metrics = std::move(*ep);
+    std::fprintf(stderr, "ferry store: metrics at %s\n", metrics->url().c_str());
+  }
 
   int sig = 0;
   while (sigwait(&stop_signals, &sig) != 0) {
   }
   std::fprintf(stderr, "ferry store: %s, stopping\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+  metrics.reset();
   (*server)->stop();
   return 0;
 }
@@ -100,6 +118,9 @@ FERRY_COMMAND(store_command, "store",
                                "Seconds an authenticated client may stay silent before it is dropped "
                                "(clients reconnect transparently; 0: never)")
                     ->default_val(300);
+                app.add_option("--metrics-port", args->metrics,
+                               "Serve the store's Prometheus metrics (connections, evicted connections, refused "
+                               "token proofs) at http://HOST:PORT/metrics: PORT (every interface) or HOST:PORT");
                 return [args] { return run_store(*args); };
               });
 

@@ -194,17 +194,28 @@ Result<SyncReport> Producer::Impl::sync(uint64_t v) {
     for (auto it = pushes.ready.begin(); it != pushes.ready.end();) it = std::get<0>(it->first) < v ? pushes.ready.erase(it) : std::next(it);
     for (auto& s : slots) s = Slot{};
   }
-  FERRY_RETURN_IF_ERROR(check_claim(*reg.claim, store, Participant{"producer", rank}, reg.instance));
+  // A sync that ends before it serves anything still has its report (last_report, the
+  // sink's on_report), saying why.
+  auto ended_early = [&](Status failed) -> Status {
+    std::lock_guard<std::mutex> lk(mu);
+    report.seconds = seconds_since(t0);
+    report.status = failed;
+    trace.finish_report(report);
+    return failed;
+  };
+  if (Status claim = check_claim(*reg.claim, store, Participant{"producer", rank}, reg.instance); !claim.ok())
+    return ended_early(claim);
   bool store_lost_keys = false;
   {
     auto again = republish(store, reg.published);
-    if (!again.ok()) return again.status().with_context(fmt::format("producer {} sync {}", rank, v));
+    if (!again.ok()) return ended_early(again.status().with_context(fmt::format("producer {} sync {}", rank, v)));
     store_lost_keys = *again > 0;
     if (*again > 0)
       trace.control(ControlKind::kRepublish, -1, -1, fmt::format("producer {}: the store {} had lost its rendezvous keys (restarted?); "
                                             "re-published {}", rank, store.url(), *again));
   }
-  FERRY_RETURN_IF_ERROR(refresh_routes().with_context(fmt::format("producer {} sync {}", rank, v)));
+  if (Status routes = refresh_routes(); !routes.ok())
+    return ended_early(routes.with_context(fmt::format("producer {} sync {}", rank, v)));
   refresh_membership(v, store_lost_keys);
   {
     std::lock_guard<std::mutex> lk(mu);

@@ -59,7 +59,18 @@ std::string_view trace_lane_name(TraceLane lane) {
 namespace ferry::engine {
 
 void SyncTrace::begin(Clock::time_point start, uint64_t version) {
-  std::lock_guard<std::mutex> lk(mu_);
+  SyncSink* sink;
+  SyncSource from;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    begin_locked(start, version);
+    sink = sink_;
+    from = source_;
+  }
+  if (sink) sink->on_begin(from);
+}
+
+void SyncTrace::begin_locked(Clock::time_point start, uint64_t version) {
   events_.clear();
   control_.clear();
   source_.version = version;

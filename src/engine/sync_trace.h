@@ -26,7 +26,8 @@ struct ConsumerGroupSchedule;
 class SyncTrace {
  public:
   // A new sync (of `version`) starting at `start` (the events' time origin): forgets the
-  // previous one.
+  // previous one, and tells the sink (SyncSink::on_begin). Each begin() must be followed
+  // by one finish_report(), whatever the sync's outcome.
   void begin(Clock::time_point start, uint64_t version = 0);
   // One event from t0 to t1 (steady clock); bytes, lane and into_params for transfers.
   void record(TracePhase phase, int group, int peer, Clock::time_point t0, Clock::time_point t1,
@@ -50,6 +51,8 @@ class SyncTrace {
   void finish_report(SyncReport& r);
 
  private:
+  void begin_locked(Clock::time_point start, uint64_t version);
+
   std::mutex mu_;
   std::vector<TraceEvent> events_;
   std::vector<ControlEvent> control_;

@@ -27,6 +27,7 @@
 #include "ferry/safetensors.h"
 #include "source/checkpoint_sources.h"
 #include "tools/job_model.h"
+#include "ferry/metrics.h"
 #include "tools/transport_options.h"
 
 namespace ferry::tools {
@@ -261,6 +262,33 @@ nlohmann::json rank_report_json(const RankReport& r) {
   return out;
 }
 
+// --metrics-port: the rank's metrics, served while it runs (none when not asked for).
+struct RankMetrics {
+  std::shared_ptr<SyncMetrics> sink;
+  std::unique_ptr<MetricsEndpoint> endpoint;
+};
+
+Result<RankMetrics> start_metrics(const RankSpec& s, const char* cmd, int rank) {
+  RankMetrics m;
+  if (s.metrics.empty()) return m;
+  FERRY_ASSIGN_OR_RETURN(m.sink, SyncMetrics::create());
+  auto ep = MetricsEndpoint::start(s.metrics, m.sink->registry());
+  if (!ep.ok()) return ep.status().with_context(fmt::format("{}: --metrics-port", cmd));
+  m.endpoint = std::move(*ep);
+  std::fprintf(stderr, "ferry %s: rank %d: metrics at %s\n", cmd, rank, m.endpoint->url().c_str());
+  return m;
+}
+
+// After the last sync: until a scrape has the final values (--metrics-linger).
+void linger_for_scrape(const RankMetrics& m, const RankSpec& s, const char* cmd, int rank) {
+  if (!m.endpoint || !(s.metrics_linger_s > 0)) return;
+  const auto bound = std::chrono::milliseconds(static_cast<int64_t>(s.metrics_linger_s * 1000));
+  if (!m.endpoint->wait_fresh_scrape(bound)) {
+    std::fprintf(stderr, "ferry %s: rank %d: metrics not scraped within --metrics-linger %g s after the last sync; "
+                 "exiting without that scrape\n", cmd, rank, s.metrics_linger_s);
+  }
+}
+
 // --trace FILE written once (empty) before the rank joins the job: a path it cannot write
 // was taken, and then failed in every sync's report.
 Status check_trace_path(const RankSpec& s, int rank) {
@@ -271,6 +299,7 @@ Status check_trace_path(const RankSpec& s, int rank) {
 Result<std::vector<RankReport>> serve_rank(const RankSpec& s, const RankReportSink& on_report) {
   FERRY_ASSIGN_OR_RETURN(Setup u, local_setup(s, true));
   FERRY_RETURN_IF_ERROR(check_trace_path(s, u.rank));
+  FERRY_ASSIGN_OR_RETURN(RankMetrics metrics, start_metrics(s, "serve", u.rank));
   const SafetensorsAccess access = s.read_checkpoint ? SafetensorsAccess::kRead : SafetensorsAccess::kMap;
   FERRY_ASSIGN_OR_RETURN(SafetensorsDir dir, SafetensorsDir::open(s.checkpoint, access));
   std::vector<ServedFile> served;
@@ -289,6 +318,7 @@ Result<std::vector<RankReport>> serve_rank(const RankSpec& s, const RankReportSi
   // packed from it into staging. The registrations live as long as the transport.
   auto po = engine_options<ProducerOptions>(s, u.model, u.mode);
   if (s.gpu_staging) po.staging_device = device;
+  po.sink = metrics.sink;
   for (const SafetensorsFile& f : dir.files()) {
     if (device.is_cuda()) break;  // weights on the GPU: nothing served from the mapping
     const std::span<const std::byte> b = f.bytes();
@@ -372,6 +402,7 @@ Result<std::vector<RankReport>> serve_rank(const RankSpec& s, const RankReportSi
     if (on_report) on_report(r);
     if (s.keep_reports) reports.push_back(std::move(r));
   }
+  linger_for_scrape(metrics, s, "serve", u.rank);
   return reports;
 }
 
@@ -402,6 +433,7 @@ Status check_output_dir(const std::string& dir) {
 Result<std::vector<RankReport>> fetch_rank(const RankSpec& s, const RankReportSink& on_report) {
   FERRY_ASSIGN_OR_RETURN(Setup u, local_setup(s, false));
   FERRY_RETURN_IF_ERROR(check_trace_path(s, u.rank));
+  FERRY_ASSIGN_OR_RETURN(RankMetrics metrics, start_metrics(s, "fetch", u.rank));
   if (!s.output.empty()) FERRY_RETURN_IF_ERROR(check_output_dir(s.output));
   std::optional<TensorMap> expected;
   if (!s.checkpoint.empty()) FERRY_RETURN_IF_ERROR(direct_load(u.model, u.rank, s.checkpoint, expected));
@@ -409,6 +441,7 @@ Result<std::vector<RankReport>> fetch_rank(const RankSpec& s, const RankReportSi
   FERRY_RETURN_IF_ERROR(connect(s, u));
   auto co = engine_options<ConsumerOptions>(s, u.model, u.mode);
   co.cuda_ipc = s.cuda_ipc;
+  co.sink = metrics.sink;
   FERRY_ASSIGN_OR_RETURN(co.commit, parse_commit_policy(s.commit));
   // Params on a GPU: allocated there (zeroed), the engine's kernels write them.
   TensorMap params;
@@ -491,6 +524,7 @@ Result<std::vector<RankReport>> fetch_rank(const RankSpec& s, const RankReportSi
     const std::string path = fmt::format("{}/rank-{}.safetensors", s.output, u.rank);
     FERRY_RETURN_IF_ERROR(write_safetensors(path, entries).with_context("fetch: output"));
   }
+  linger_for_scrape(metrics, s, "fetch", u.rank);
   return reports;
 }
 

@@ -64,6 +64,14 @@ struct RankSpec {
   // after each sync; "{rank}" is replaced by the rank. Empty: none.
   std::string trace;
   int rank = -1;           // -1: the launcher's (resolve_role_rank)
+  // Serve this rank's metrics (ferry/metrics.h SyncMetrics) for Prometheus at this address
+  // while it runs: "PORT" (every interface) or "HOST:PORT"; port 0 picks a free one (the
+  // URL is printed on stderr). Empty: none.
+  std::string metrics;
+  // With `metrics`: after the last sync, keep serving until one more scrape has collected
+  // the final values (Prometheus pulls: a rank that exits at once loses its last sync's)
+  // or this many seconds pass. 0: exit at once.
+  double metrics_linger_s = 0;
   // Return every sync's report (the library's callers, the tests). The CLI prints each as
   // it comes (the sink) and keeps none: a serve or fetch of 12,000 syncs grew 24-28 MB
   // holding them (issue 49).
