@@ -9,7 +9,8 @@
 //   {job}/producer/{p}       lease: producer p's transport address + staging-ring key
 //   {job}/consumer/{c}       lease: consumer c's transport address + receive-ring key
 //   {job}/world/{role}/{r}/{P}/{C}  the world sizes rank r was given (in the key name)
-//   {job}/committed/{c}     the version consumer c committed last (committed_versions)
+//   {job}/committed/{c}     the version consumer c committed last, and whether a failed
+//                           sync left it mixed or torn (committed_states)
 //   {job}/instance/{role}/{r}  the instance holding rank r: its claim, written first
 //   {job}/failed/{role}/{r}    why rank r failed to join (ttl rendezvous_timeout)
 // A rank is held by one instance: create() first claims it (set only if absent, renewed
@@ -545,10 +546,25 @@ struct ConsumerState {
   std::optional<uint64_t> received;
 };
 
-// The version each consumer 0..num_consumers-1 of job `job` committed last (written to
-// {job}/committed/{c} by the consumer after every successful sync), nullopt for one that
-// has committed none. What a framework asks before it serves with new weights; the
-// job-wide version is the minimum. Errors are the store's.
+// What a consumer's live params hold, as it recorded in the store ({job}/committed/{c}:
+// after every successful sync, and after a failed one that left them not whole).
+struct CommittedState {
+  std::optional<uint64_t> version;  // committed last; nullopt: none
+  // A failed sync of `newer` left the params not one version until a later sync completes:
+  // `mixed` (CommitPolicy::kGroups: some layer groups live at `newer`, each whole, the
+  // rest at `version`) or `torn` (kInPlace: some groups partly new).
+  bool mixed = false, torn = false;
+  std::optional<uint64_t> newer;
+  bool whole() const { return !mixed && !torn; }
+  std::string to_string() const;  // "3", "3 (mixed with 4)", "none (torn by 1)"
+};
+Result<std::vector<CommittedState>> committed_states(Store& store, std::string_view job, int num_consumers);
+
+// The version each consumer 0..num_consumers-1 of job `job` committed last (committed_states'
+// versions), nullopt for one that has committed none. What a framework asks before it
+// serves with new weights; the job-wide version is the minimum. A consumer whose params a
+// failed sync left mixed or torn still says the version it committed: committed_states
+// says which are not whole. Errors are the store's.
 Result<std::vector<std::optional<uint64_t>>> committed_versions(Store& store, std::string_view job,
                                                                 int num_consumers);
 

@@ -31,8 +31,9 @@ if hasattr(_ferry, "_ModelLoader"):  # built with the models module
 
 if hasattr(_ferry, "_Producer"):  # built with the engine
     from ._engine import (WeightSource, Producer, Consumer, StoreServer, transport_backends,  # noqa: F401
-                          committed_versions)
-    __all__ += ["WeightSource", "Producer", "Consumer", "StoreServer", "transport_backends", "committed_versions"]
+                          committed_versions, committed_states, CommittedVersion)
+    __all__ += ["WeightSource", "Producer", "Consumer", "StoreServer", "transport_backends", "committed_versions",
+                "committed_states", "CommittedVersion"]
     from . import megatron  # noqa: F401 - Megatron-Core layout helpers (ferry.megatron)
     __all__ += ["megatron"]
 

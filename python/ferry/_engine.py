@@ -294,7 +294,8 @@ class Producer:
         the same as bytes_sent), seconds, per-phase seconds,
         bytes_per_peer, dropped consumers, failures, text (the same keys as every
         report: docs/trace.md). ``trace``: a path: write this sync's trace there (Chrome
-        trace-event JSON; also when the sync fails)."""
+        trace-event JSON; also when the sync fails). A failed sync raises a ferry.Error
+        whose ``report`` is the sync's report as far as it went."""
         return self._p.sync(int(version), None if trace is None else os.fspath(trace))
 
     @property
@@ -442,8 +443,10 @@ class Consumer:
         received_into_params; bytes is the same as bytes_received; the same keys as every
         report: docs/trace.md). ``trace``: a path: write this sync's trace there (Chrome
         trace-event JSON; also when the sync fails). Raises
-        (e.g. ferry.PeerFailedError naming the producer) when the sync fails; then
-        ``state()["torn"]`` tells whether some groups are already new. ``after_sync`` runs
+        (e.g. ferry.PeerFailedError naming the producer) when the sync fails, the error's
+        ``report`` the sync's report as far as it went (its failures, events,
+        ``groups_live``, ``live_version``); then ``state()["torn"]`` / ``["mixed"]`` tell
+        whether some groups are already new (and ``committed_versions`` says so). ``after_sync`` runs
         whenever ``before_sync`` did, given the error when the sync raised (see the class).
 
         ``commit`` (``commit="shadow"`` only): False returns once the version is received,
@@ -588,13 +591,47 @@ class Consumer:
         self.close()
 
 
+class CommittedVersion(int):
+    """A version an inference rank committed (an ``int``), and whether a failed sync left
+    its params not whole since: ``mixed`` (commit="groups": some layer groups live at
+    ``newer``, each whole) or ``torn`` (in place: some groups partly new). ``whole`` is
+    neither. Its repr says so: ``1 (mixed with 2)``."""
+
+    def __new__(cls, version, mixed=False, torn=False, newer=None):
+        self = int.__new__(cls, version)
+        self.mixed, self.torn, self.newer = bool(mixed), bool(torn), newer
+        return self
+
+    @property
+    def whole(self):
+        return not self.mixed and not self.torn
+
+    def __repr__(self):
+        if self.whole:
+            return int.__repr__(self)
+        return "%d (%s %s %s)" % (self, "mixed" if self.mixed else "torn", "with" if self.mixed else "by", self.newer)
+
+    __str__ = __repr__
+
+
+def committed_states(store, num_consumers, *, job="ferry", token=None):
+    """What each inference rank 0..num_consumers-1 of ``job`` serves, from the store: a
+    dict {"version": committed last or None, "mixed": bool, "torn": bool, "newer": the
+    version a failed sync left partly live, or None}."""
+    url, token = _store_args(store, token)
+    kw = {"token": token} if token is not None else {}
+    return [{"version": v, "mixed": m, "torn": t, "newer": n}
+            for v, m, t, n in _ferry._committed_states(url, kw, str(job), int(num_consumers))]
+
+
 def committed_versions(store, num_consumers, *, job="ferry", token=None):
     """The version each inference rank 0..num_consumers-1 of ``job`` committed last (None
     for one that has committed none), from the store. The job-wide live version is the
-    minimum; ask before serving with new weights."""
-    url, token = _store_args(store, token)
-    kw = {"token": token} if token is not None else {}
-    return list(_ferry._committed_versions(url, kw, str(job), int(num_consumers)))
+    minimum; ask before serving with new weights. Each is a :class:`CommittedVersion`: an
+    int that says (``mixed``, ``torn``, its repr) when a failed sync left that rank's
+    params not whole."""
+    return [None if s["version"] is None else CommittedVersion(s["version"], s["mixed"], s["torn"], s["newer"])
+            for s in committed_states(store, num_consumers, job=job, token=token)]
 
 
 def transport_backends():

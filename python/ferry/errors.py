@@ -9,9 +9,13 @@ import builtins
 
 
 class Error(Exception):
-    """Base class of every ferry error. ``code`` names the C++ status code."""
+    """Base class of every ferry error. ``code`` names the C++ status code. ``report``:
+    for a failed ``Producer.sync`` / ``Consumer.sync``, the sync's report as far as it
+    went (the dict a successful sync returns: "ok" False, "error", "failures", "events",
+    bytes, phases, "live_version", "groups_live", ...); None otherwise."""
 
     code = "Unknown"
+    report = None
 
 
 class RecordingError(Error, RuntimeError):

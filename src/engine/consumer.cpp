@@ -127,6 +127,16 @@ Status Consumer::Impl::record_committed(uint64_t v) {
       .with_context(fmt::format("consumer {}: recording committed version {}", rank, v));
 }
 
+Status Consumer::Impl::record_not_whole(uint64_t v) {
+  const ConsumerState held = param_set->state();
+  if (!held.mixed && !held.torn) return Status::Ok();
+  const std::string value = fmt::format("{} {} {}", held.has_version ? std::to_string(held.version) : "none",
+                                        held.mixed ? "mixed" : "torn", v);
+  return store.set(keys.committed(rank), value)
+      .with_context(fmt::format("consumer {}: recording that sync {} left its params {}", rank, v,
+                                held.mixed ? "mixed" : "torn"));
+}
+
 Result<double> Consumer::Impl::commit() {
   const std::optional<uint64_t> v = param_set->state().received;
   FERRY_ASSIGN_OR_RETURN(const double seconds, commit_rule->commit(*param_set));
@@ -292,7 +302,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
     lk.unlock();
     std::vector<Completion> aborts;
     for (int p : reachable_producers()) {
-      if (auto c = send_to(p, Abort{me(), v, routes_hash})) aborts.push_back(*c);
+      if (auto c = send_to(p, Abort{me(), v, routes_hash, s.message()})) aborts.push_back(*c);
     }
     // The ABORTs have left before sync returns (as the DONEs below): one still queued when
     // the caller begins another sync would reach a producer in that sync as news of this
@@ -300,6 +310,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
     // loaded machine: PushVersionMismatchAskedBeforeTheProducersBegan's rollback to 2).
     wait_all(aborts, std::min<std::chrono::milliseconds>(opts.timeout, std::chrono::milliseconds(2000))).ignore();
     if (Status w = wait_aborted_writes(v); !w.ok()) s = Status(s.code(), fmt::format("{}; {}", s.message(), w.message()));
+    if (Status r = record_not_whole(v); !r.ok()) trace.control(ControlKind::kStore, -1, -1, r.to_string());
     finish_report(s);
     return s;
   }

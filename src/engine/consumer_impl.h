@@ -450,6 +450,9 @@ struct Consumer::Impl {
   // Version v is live: recorded for committed_versions() (what a framework asks before it
   // serves with these weights).
   Status record_committed(uint64_t v);
+  // After failed sync v: when it left the live params mixed or torn, the committed key says
+  // so ("V mixed v", "V torn v"; committed_states) until a later sync records a version.
+  Status record_not_whole(uint64_t v);
 
   Result<SyncReport> sync(uint64_t v, bool commit_it);
 };

@@ -52,25 +52,60 @@ std::string SyncReport::to_string() const {
   return s;
 }
 
-Result<std::vector<std::optional<uint64_t>>> committed_versions(Store& store, std::string_view job,
-                                                                int num_consumers) {
-  if (num_consumers < 0) return invalid_argument("committed_versions: num_consumers {} is negative", num_consumers);
-  if (Status s = engine::JobKeys::check(job); !s.ok()) return s.with_context("committed_versions");
+std::string CommittedState::to_string() const {
+  const std::string v = version ? std::to_string(*version) : "none";
+  if (whole()) return v;
+  return fmt::format("{} ({} {} {})", v, mixed ? "mixed" : "torn", mixed ? "with" : "by",
+                     newer ? std::to_string(*newer) : "?");
+}
+
+Result<std::vector<CommittedState>> committed_states(Store& store, std::string_view job, int num_consumers) {
+  if (num_consumers < 0) return invalid_argument("committed_states: num_consumers {} is negative", num_consumers);
+  if (Status s = engine::JobKeys::check(job); !s.ok()) return s.with_context("committed_states");
   const engine::JobKeys keys{std::string(job)};
-  std::vector<std::optional<uint64_t>> out;
+  std::vector<CommittedState> out;
+  auto number = [](std::string_view t, uint64_t& x) {
+    auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), x);
+    return ec == std::errc() && end == t.data() + t.size();
+  };
   for (int c = 0; c < num_consumers; ++c) {
+    CommittedState st;
     auto v = store.get(keys.committed(c));
     if (!v.ok()) {
       if (v.status().code() != StatusCode::kNotFound) return v.status();
-      out.emplace_back();
+      out.push_back(st);
       continue;
     }
-    uint64_t x = 0;
-    auto [end, ec] = std::from_chars(v->data(), v->data() + v->size(), x);
-    if (ec != std::errc() || end != v->data() + v->size())
-      return corrupt("committed version of consumer {} in job '{}' is not a number: '{}'", c, job, *v);
-    out.push_back(x);
+    // "V", or "V mixed N" / "V torn N" with V a number or "none" (Consumer::Impl::record_not_whole).
+    std::vector<std::string_view> words;
+    for (size_t at = 0; at <= v->size();) {
+      const size_t sp = std::min(v->find(' ', at), v->size());
+      words.emplace_back(v->data() + at, sp - at);
+      at = sp + 1;
+    }
+    uint64_t x = 0, n = 0;
+    const bool head = words[0] == "none" || number(words[0], x);
+    const bool tail = words.size() == 1 ? words[0] != "none"
+                                        : words.size() == 3 && (words[1] == "mixed" || words[1] == "torn") &&
+                                              number(words[2], n);
+    if (!head || !tail)
+      return corrupt("committed version of consumer {} in job '{}' is not 'V' or 'V mixed|torn N': '{}'", c, job, *v);
+    if (words[0] != "none") st.version = x;
+    if (words.size() == 3) {
+      st.mixed = words[1] == "mixed";
+      st.torn = words[1] == "torn";
+      st.newer = n;
+    }
+    out.push_back(st);
   }
+  return out;
+}
+
+Result<std::vector<std::optional<uint64_t>>> committed_versions(Store& store, std::string_view job,
+                                                                int num_consumers) {
+  FERRY_ASSIGN_OR_RETURN(std::vector<CommittedState> states, committed_states(store, job, num_consumers));
+  std::vector<std::optional<uint64_t>> out;
+  for (const CommittedState& s : states) out.push_back(s.version);
   return out;
 }
 

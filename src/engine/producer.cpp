@@ -255,9 +255,10 @@ Result<SyncReport> Producer::Impl::sync(uint64_t v) {
     for (const auto& [key, r] : pushes.ready) {
       if (std::get<0>(key) == v) members.consumer_progress[std::get<2>(key)] = Clock::now();
     }
-    for (const auto& [c, ev] : members.early_abort) {
+    for (const auto& [c, abort] : members.early_abort) {
+      const auto& [ev, reason] = abort;
       if (ev == v) {
-        drop_locked(c, "it aborted the sync", nullptr);
+        drop_locked(c, aborted_because(reason), nullptr);
       } else if (ev > v && !members.committed(c, v)) {
         // It gave up a later version before this sync began: it is not in this sync (a
         // version mismatch), as on_message judges an ABORT that comes during it. Kept as

@@ -190,9 +190,9 @@ void Producer::Impl::on_message(PeerId from, std::span<const std::byte> payload)
         }
       }
       if (current) {
-        drop_locked(c, "it aborted the sync", nullptr);
+        drop_locked(c, aborted_because(m->reason), nullptr);
       } else if (!members.in_sync && m->version > members.version) {
-        members.early_abort[c] = m->version;
+        members.early_abort[c] = {m->version, m->reason};
       } else if (members.in_sync && m->version > members.version) {
         // It gave up a later version than ours: it is not in this sync (a version
         // mismatch), so waiting for it would only hold the slots to the stall timeout.

@@ -36,9 +36,10 @@ void fields(M& m, F&& f) {
     f(m.consumer), f(m.version), f(m.routes), f(m.group), f(m.kind), f(m.offset);
   } else if constexpr (std::is_same_v<T, RoutesNotice> || std::is_same_v<T, Flushed>) {
     f(m.producer), f(m.version), f(m.routes);
+  } else if constexpr (std::is_same_v<T, Abort>) {
+    f(m.consumer), f(m.version), f(m.routes), f(m.reason);
   } else {
-    static_assert(std::is_same_v<T, Abort> || std::is_same_v<T, Done> || std::is_same_v<T, Failover> ||
-                  std::is_same_v<T, Join>);
+    static_assert(std::is_same_v<T, Done> || std::is_same_v<T, Failover> || std::is_same_v<T, Join>);
     f(m.consumer), f(m.version), f(m.routes);
   }
 }

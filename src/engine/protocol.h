@@ -129,6 +129,9 @@ struct Abort {
   uint32_t consumer = 0;
   uint64_t version = 0;
   uint64_t routes = 0;
+  // Why it gave up (its sync's error, at most kMaxReasonBytes): the producers' drop lines
+  // say it, so a surviving producer names the producer whose death ended the sync.
+  std::string reason;
   friend bool operator==(const Abort&, const Abort&) = default;
 };
 struct Done {

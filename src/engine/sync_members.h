@@ -19,6 +19,12 @@
 
 namespace ferry::engine {
 
+// A producer's line for a consumer that aborted the sync: with the consumer's own reason
+// (its ABORT's), which names the producer whose failure ended it, when it gave one.
+inline std::string aborted_because(const std::string& reason) {
+  return reason.empty() ? "it aborted the sync" : "it aborted the sync (" + reason + ")";
+}
+
 struct SyncMembers {
   // The sync this producer runs (in_sync) or ran last: its version.
   bool in_sync = false;
@@ -46,7 +52,7 @@ struct SyncMembers {
   // consumer -> a later version it entered (JOIN), aborted (ABORT), or moved to other
   // routes in (FAILOVER: version, routes).
   std::map<int, uint64_t> early_join;
-  std::map<int, uint64_t> early_abort;
+  std::map<int, std::pair<uint64_t, std::string>> early_abort;  // (version, its reason)
   std::map<int, std::pair<uint64_t, uint64_t>> early_failover;
   // consumer -> why it was dropped from the current sync (told with DROPPED).
   std::map<int, std::string> drop_reason;

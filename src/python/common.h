@@ -4,6 +4,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <nlohmann/json.hpp>
+
 #include <exception>
 #include <memory>
 #include <set>
@@ -33,6 +35,9 @@ namespace py = pybind11;
 struct StatusError : std::exception {
   Status status;
   std::string cls;
+  // A failed sync's report (engine/report_json.h's JSON, with "text"): the Python
+  // exception's `report` (a dict, as a successful sync returns). Null: none.
+  std::shared_ptr<const nlohmann::json> report;
   StatusError(Status s, std::string c = "") : status(std::move(s)), cls(std::move(c)) {}
   const char* what() const noexcept override { return status.message().c_str(); }
 };

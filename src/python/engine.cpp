@@ -345,6 +345,18 @@ py::dict report_dict(const SyncReport& r, bool producer, int rank, const py::obj
   return d;
 }
 
+// A failed sync raises `st` with the sync's report (the engine's last_report: as far as
+// it went, its failures and events) as the exception's `report`, and its trace written
+// where `trace` says.
+[[noreturn]] void raise_with_report(Status st, const SyncReport& r, bool producer, int rank, const py::object& trace) {
+  if (!trace.is_none()) report_dict(r, producer, rank, trace);
+  nlohmann::json j = engine::sync_report_json(r);
+  j["text"] = r.to_string();
+  StatusError e(std::move(st));
+  e.report = std::make_shared<const nlohmann::json>(std::move(j));
+  throw e;
+}
+
 // The sync() calls of a Producer/Consumer in flight (the GIL released): close() from
 // another thread takes the object out of use at once (under the GIL: every later call
 // raises "closed") and destroys it once they have returned, never under them.
@@ -611,13 +623,19 @@ void register_engine(py::module_& m) {
     for (const auto& [k, v] : report.items()) keys.append(py::str(k));
     return keys;
   });
-  m.def("_committed_versions", [](const std::string& url, const py::dict& kw, const std::string& job, int n) {
+  // Each consumer's CommittedState as (version or None, mixed, torn, newer or None).
+  m.def("_committed_states", [](const std::string& url, const py::dict& kw, const std::string& job, int n) {
     auto store = open_store(url, kw);
     auto r = [&] {
       py::gil_scoped_release nogil;
-      return committed_versions(*store, job, n);
+      return committed_states(*store, job, n);
     }();
-    return value_or_raise(std::move(r));
+    py::list out;
+    for (const CommittedState& st : value_or_raise(std::move(r))) {
+      out.append(py::make_tuple(st.version ? py::object(py::int_(*st.version)) : py::object(py::none()), st.mixed,
+                                st.torn, st.newer ? py::object(py::int_(*st.newer)) : py::object(py::none())));
+    }
+    return out;
   });
 
   py::class_<PyStoreServer>(m, "_StoreServer")
@@ -689,8 +707,8 @@ void register_engine(py::module_& m) {
           py::gil_scoped_release release;
           r = producer.sync(version);
         }
-        if (!r.ok() && !trace.is_none()) report_dict(producer.last_report(), true, producer.rank(), trace);
-        return report_dict(value_or_raise(std::move(r)), true, producer.rank(), trace);
+        if (!r.ok()) raise_with_report(r.status(), producer.last_report(), true, producer.rank(), trace);
+        return report_dict(*r, true, producer.rank(), trace);
       }, py::arg("version"), py::arg("trace") = py::none())
       // The options create() got, as options_dict shows them (what tests compare keywords with).
       .def("options", [](const PyProducer& p) { return options_dict(p.options); })
@@ -805,10 +823,9 @@ void register_engine(py::module_& m) {
         }
         // A hook that raised fails the sync with its own error (the engine's, if any, first).
         Status hook = c.hook_errors->take();
-        if (!r.ok() && !trace.is_none()) report_dict(consumer.last_report(), false, consumer.rank(), trace);
-        SyncReport rep = value_or_raise(std::move(r));
-        if (!hook.ok()) throw_status(std::move(hook));
-        return report_dict(rep, false, consumer.rank(), trace);
+        if (!r.ok()) raise_with_report(r.status(), consumer.last_report(), false, consumer.rank(), trace);
+        if (!hook.ok()) raise_with_report(std::move(hook), *r, false, consumer.rank(), trace);
+        return report_dict(*r, false, consumer.rank(), trace);
       }, py::arg("version"), py::arg("trace") = py::none(), py::arg("commit") = true)
       // Shadow: Consumer::commit (the seconds it took) and Consumer::discard; the hooks
       // around a commit are ferry.Consumer's (Python, on the caller's thread).

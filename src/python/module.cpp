@@ -26,6 +26,7 @@
 #include "ferry/tensor.h"
 #include "ferry/version.h"
 #include "python/common.h"
+#include "python/json.h"
 
 namespace py = pybind11;
 
@@ -84,6 +85,7 @@ void raise_python(const StatusError& e) {
   try {
     py::object inst = type(e.status.message());
     inst.attr("code") = py::str(status_code_name(e.status.code()));
+    if (e.report) inst.attr("report") = json_to_python(*e.report);
     PyErr_SetObject(type.ptr(), inst.ptr());
   } catch (py::error_already_set& err) {
     err.restore();

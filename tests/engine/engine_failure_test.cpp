@@ -126,6 +126,23 @@ TEST_P(EngineInprocTest, OnlyHolderDiesThenRecovers) {
     if (k.groups) k.expect_groups_live(static_cast<int>(c), 1, 2);
     EXPECT_EQ(k.cons[c]->state().version, 1u);
   }
+  // The surviving producer names the producer whose death ended the sync: each consumer's
+  // ABORT carries its reason into producer 0's drop line.
+  const SyncReport& survivor = k.prod[0]->last_report();
+  bool named = false;
+  for (const std::string& f : survivor.failures)
+    named |= f.find("aborted the sync (") != std::string::npos && f.find("producer 1") != std::string::npos;
+  EXPECT_TRUE(named) << survivor.to_string();
+  // The store says what each holds: torn in place, mixed under groups, 1 under shadow.
+  auto states = committed_states(*k.cst[0], k.eo.job, static_cast<int>(k.cons.size()));
+  ASSERT_TRUE(states.ok()) << states.status().to_string();
+  for (size_t c = 0; c < states->size(); ++c) {
+    const CommittedState& st = (*states)[c];
+    EXPECT_EQ(st.version, std::optional<uint64_t>(1));
+    EXPECT_EQ(st.torn, k.cons[c]->state().torn) << st.to_string();
+    EXPECT_EQ(st.mixed, k.cons[c]->state().mixed) << st.to_string();
+    EXPECT_EQ(st.newer, st.whole() ? std::nullopt : std::optional<uint64_t>(2)) << st.to_string();
+  }
   k.tweak_producer = nullptr;
   ASSERT_TRUE(k.start_producer(1).ok());
   k.expect_all_ok(k.sync(3), 3);

@@ -323,10 +323,31 @@ TEST_P(EngineGroupsTest, FailedSyncLeavesTheGroupsItNamesNewAndTheRestOld) {
     EXPECT_TRUE(k.cons[c]->state().mixed);
     k.expect_groups_live(static_cast<int>(c), 1, 2);
   }
+  // The store says so too: a framework asking which version its engines serve learns
+  // they are mixed, not that they serve 1.
+  auto states = committed_states(*k.cst[0], k.eo.job, static_cast<int>(k.cons.size()));
+  ASSERT_TRUE(states.ok()) << states.status().to_string();
+  for (const CommittedState& st : *states) {
+    EXPECT_EQ(st.version, std::optional<uint64_t>(1));
+    EXPECT_TRUE(st.mixed);
+    EXPECT_FALSE(st.torn);
+    EXPECT_EQ(st.newer, std::optional<uint64_t>(2));
+    EXPECT_EQ(st.to_string(), "1 (mixed with 2)");
+  }
+  auto versions = committed_versions(*k.cst[0], k.eo.job, static_cast<int>(k.cons.size()));
+  ASSERT_TRUE(versions.ok());
+  for (const auto& v : *versions) EXPECT_EQ(v, std::optional<uint64_t>(1));
   k.tweak_producer = nullptr;
   ASSERT_TRUE(k.start_producer(1).ok());
   k.expect_all_ok(k.sync(3), 3);
   for (auto& c : k.cons) EXPECT_FALSE(c->state().mixed);
+  states = committed_states(*k.cst[0], k.eo.job, static_cast<int>(k.cons.size()));
+  ASSERT_TRUE(states.ok());
+  for (const CommittedState& st : *states) {
+    EXPECT_TRUE(st.whole());
+    EXPECT_EQ(st.version, std::optional<uint64_t>(3));
+    EXPECT_EQ(st.to_string(), "3");
+  }
 }
 
 // FP8 through the engine under every commit policy, quantised on either side

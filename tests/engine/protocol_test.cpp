@@ -30,7 +30,7 @@ std::vector<Message> one_of_each() {
           Pushed{1, 7, 2, 0xabcdef, 1, std::nullopt, 6, 40},
           Dropped{1, 7, 5, "stalled: group 3 not released within 3000 ms"},
           Dropped{1, 7, 5, ""},
-          Abort{3, 7, 5},
+          Abort{3, 7, 5, "reading group 2 from producer 1: it died"},
           Done{3, 7, 5},
           Failover{3, 7, 5},
           RoutesNotice{1, 7, 5},

@@ -227,6 +227,81 @@ class EngineTest(unittest.TestCase):
             for x in producers + consumers:
                 x.close()
 
+    def test_a_failed_sync_raises_with_its_report_and_mixed_is_said(self):
+        # commit="groups": trainer rank 1 fails at version 2's last layer group once both
+        # consumers made a group of 2 live, and leaves. Every error carries its sync's
+        # report; the surviving producer names the producer that failed; state() and
+        # committed_versions() say mixed, not 1.
+        loader = ferry.ModelLoader(CONFIG, "tp=2")
+        went_live = [threading.Event(), threading.Event()]
+
+        class Failing(NumpyTrainer):
+            def materialize(self, group):
+                if self.version == 2 and group == len(self.groups()) - 1:
+                    for e in went_live:
+                        e.wait(20)  # (bounded: the asserts below then say what was missing)
+                    raise RuntimeError("trainer rank 1 lost its GPU")
+                return super().materialize(group)
+
+        with ferry.StoreServer() as server:
+            trainers = [NumpyTrainer(0, 2, "tp=2"), Failing(1, 2, "tp=2")]
+            common = dict(token=server.token, backend="inproc", job="mixed", timeout=20.0)
+
+            def live_hook(r):
+                return lambda v: went_live[r].set() if v == 2 else None
+            made = run_threads([lambda t=t: ferry.Producer(t, server.url, num_consumers=2, **common) for t in trainers] +
+                               [lambda r=r: ferry.Consumer(loader=loader, rank=r, store=server, num_producers=2,
+                                                           commit="groups", after_commit=live_hook(r), **common)
+                                for r in range(2)])
+            producers, consumers = made[:2], made[2:]
+
+            def outcome(x, v):
+                try:
+                    return x.sync(v)
+                except ferry.Error as e:
+                    if x is producers[1]:
+                        x.close()  # it leaves: the consumers learn at once (its lease, its connection)
+                    return e
+            for v in (1, 2):
+                for t in trainers:
+                    t.version = v
+                out = run_threads([lambda x=x: outcome(x, v) for x in producers + consumers])
+                if v == 1:
+                    self.assertTrue(all(isinstance(o, dict) and o["ok"] for o in out), out)
+            survivor, dead, errors = out[0], out[1], out[2:]
+            self.assertIsInstance(dead, ferry.Error)
+            self.assertFalse(dead.report["ok"])
+            self.assertEqual(dead.report["version"], 2)
+            self.assertIn("lost its GPU", dead.report["error"])
+            self.assertIsInstance(survivor, dict)
+            self.assertFalse(survivor["ok"], survivor["text"])
+            self.assertEqual(sorted(survivor["missed"]), [0, 1])
+            self.assertTrue(any("aborted the sync (" in f and "producer 1" in f for f in survivor["failures"]),
+                            survivor["failures"])
+            for r, e in enumerate(errors):
+                self.assertIsInstance(e, ferry.PeerFailedError, e)
+                self.assertIsNotNone(e.report, e)
+                self.assertFalse(e.report["ok"])
+                self.assertEqual(e.report["code"], "PeerFailed")
+                self.assertIn("producer 1", e.report["error"])
+                self.assertEqual(e.report["live_version"], 1)
+                self.assertFalse(e.report["committed"])
+                self.assertGreaterEqual(len(e.report["groups_live"]), 1, e.report)
+                self.assertEqual(set(e.report) - {"text"}, set(ferry._ferry._report_keys()))
+                self.assertEqual(consumers[r].state(), {"version": 1, "torn": False, "mixed": True, "received": None})
+            versions = ferry.committed_versions(server, 2, job="mixed", token=server.token)
+            self.assertEqual(versions, [1, 1])  # still ints: min() and comparisons work
+            for v in versions:
+                self.assertIsInstance(v, ferry.CommittedVersion)
+                self.assertTrue(v.mixed)
+                self.assertFalse(v.whole)
+                self.assertEqual(v.newer, 2)
+                self.assertEqual(repr(v), "1 (mixed with 2)")
+            self.assertEqual(ferry.committed_states(server, 2, job="mixed", token=server.token),
+                             [{"version": 1, "mixed": True, "torn": False, "newer": 2}] * 2)
+            for x in producers + consumers:
+                x.close()
+
     def test_delta_syncs_send_patches_of_what_changed(self):
         # delta=True (docs/delta.md): version 2 changes 1% of version 1's elements; the
         # consumers take patches against version 1, bit for bit, and the report says so.
