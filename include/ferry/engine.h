@@ -457,6 +457,16 @@ Result<MemoryPrediction> predict_memory(const Routes& routes, const std::vector<
                                         const ProducerOptions& options,
                                         CommitPolicy commit = CommitPolicy::kInPlace);
 
+// Where a sync's wall time went, stage by stage (ferry/trace.h SyncStage): seconds the
+// sync thread spent in each, never overlapping, and `unattributed`, the time no stage
+// claimed (before the first, and any gap): together they sum to SyncReport::seconds.
+struct SyncStages {
+  double seconds[kSyncStageCount] = {};
+  double unattributed = 0;
+  double of(SyncStage s) const { return seconds[static_cast<int>(s)]; }
+  double sum() const;  // every stage and unattributed
+};
+
 struct SyncReport {
   uint64_t version = 0;
   // This rank's extra memory during the sync (the same every sync unless routes change).
@@ -487,6 +497,7 @@ struct SyncReport {
   uint64_t delta_elements = 0, delta_changed = 0;
   uint64_t patches_repaired = 0;
   double seconds = 0;           // wall time of sync()
+  SyncStages stages;            // where `seconds` went, stage by stage (summing to it)
   // Phases (seconds, summed over groups and attempts). Producer: materialize, pack, wait
   // (slots). Consumer: wait (announces), read, unpack, post (process_weights_after_loading).
   double materialize_seconds = 0, pack_seconds = 0, wait_seconds = 0, read_seconds = 0, unpack_seconds = 0,

@@ -43,6 +43,21 @@ enum class TraceLane : uint8_t {
 };
 std::string_view trace_lane_name(TraceLane lane);  // "", "transport", "in_place", "cuda_ipc", "patch", "relay"
 
+// Where a sync's thread spends its wall time, one stage at a time (SyncReport::stages):
+// the stages never overlap, so they and the time no stage claimed sum to the sync's
+// seconds. (The phases of TraceEvent overlap: the unpack worker runs beside the reads.)
+enum class SyncStage : uint8_t {
+  kRendezvous,    // the store and the peers: claims, leases, connections, republishing
+  kRouting,       // routes rebuilt or checked, the attempt planned
+  kRegistration,  // memory registered with the transport for new routes (params, landings)
+  kWire,          // waiting for the other side: announcements or pushes (consumer), free slots (producer)
+  kReceive,       // consumer: reads posted and landed, verified; producer: announcing and serving
+  kTransform,     // producer: materialise and pack; consumer: waiting for unpack and post-processing
+  kCommit,        // the DONEs, and making the version live
+};
+inline constexpr int kSyncStageCount = 7;
+std::string_view sync_stage_name(SyncStage stage);  // "rendezvous", "routing", ...
+
 struct TraceEvent {
   TracePhase phase = TracePhase::kWait;
   TraceLane lane = TraceLane::kNone;

@@ -66,6 +66,10 @@ int run_bench_cmd(tools::BenchSpec b, bool json, bool model_given, bool override
                 j["commit"].get<std::string>().c_str(), j["commit_seconds"].get<double>(),
                 100 * j["commit_fraction_of_sync"].get<double>(),
                 j["commit"] == "groups" ? " (summed over the layer groups' commits)" : "");
+  std::printf("  stall (the longest commit of each sync, the pause a serving engine feels): p50 %.6f s, p95 %.6f s; "
+              "slowest inference rank: p50 %.4f s, p95 %.4f s\n",
+              j.value("stall_seconds_p50", 0.0), j.value("stall_seconds_p95", 0.0),
+              j.value("slowest_receiver_seconds_p50", 0.0), j.value("slowest_receiver_seconds_p95", 0.0));
   std::printf("%-34s %10.4f %12.0f %9.2f\n", "staged pack+read+unpack (no 0-copy)", j["staged_seconds"].get<double>(),
               bytes, bytes / j["staged_seconds"].get<double>() / 1e9);
   std::printf("%-34s %10.4f %12.0f %9.2f %8.2f\n", "broadcast (OpenMPI MPI_Bcast)",

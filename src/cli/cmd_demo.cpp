@@ -21,6 +21,7 @@
 #include "ferry/source.h"
 #include "tools/bench.h"
 #include "tools/demo.h"
+#include "tools/percentile.h"
 #include "tools/emulated_hosts.h"
 #include "tools/job_model.h"
 #include "tools/subprocess.h"
@@ -139,6 +140,37 @@ struct CutArg {
   int point = -1;  // -1: "start" (every rank stops at the start of the sync)
   int ms = 3000;
 };
+
+// What a serving engine feels, over the syncs: the stall (each sync's longest commit among
+// the inference ranks) and the slowest inference rank's sync, p50 and p95; and the stage
+// record of the last sync's slowest inference rank, which sums to its seconds.
+void print_stall_and_stages(const tools::DemoResult& r, const std::string& commit) {
+  std::vector<double> stalls, slowest;
+  for (const auto& row : r.rows) {
+    if (row.slowest.empty()) continue;
+    stalls.push_back(row.stall);
+    slowest.push_back(row.slowest_seconds);
+  }
+  if (slowest.empty()) return;
+  std::printf("stall (commit %s: the longest commit of each sync, the pause a serving engine feels): p50 %.6f s, "
+              "p95 %.6f s; slowest inference rank's sync: p50 %.3f s, p95 %.3f s (%zu syncs)\n",
+              commit.c_str(), tools::percentile(stalls, 50), tools::percentile(stalls, 95),
+              tools::percentile(slowest, 50), tools::percentile(slowest, 95), slowest.size());
+  const auto& last = r.rows.back();
+  if (last.slowest.empty() || !last.slowest_stages.is_object() || last.slowest_stages.empty()) return;
+  std::string stages;
+  double sum = 0;
+  std::vector<std::string> names;  // in the order a sync passes them
+  for (int i = 0; i < kSyncStageCount; ++i) names.emplace_back(sync_stage_name(static_cast<SyncStage>(i)));
+  names.emplace_back("unattributed");
+  for (const std::string& name : names) {
+    const double secs = last.slowest_stages.value(name, 0.0);
+    stages += fmt::format("{}{} {:.4f}", stages.empty() ? "" : ", ", name, secs);
+    sum += secs;
+  }
+  std::printf("stage record of sync %d, %s (%.4f s): %s; sum %.4f s\n", last.version, last.slowest.c_str(),
+              last.slowest_seconds, stages.c_str(), sum);
+}
 
 bool parse_int(const std::string& s, int& out) {
   if (s.empty() || s.size() > 9 || s.find_first_not_of("0123456789") != std::string::npos) return false;
@@ -384,6 +416,7 @@ int run_demo_cmd(tools::DemoSpec d, int kill_sync, bool kill_sync_given, int kil
                   static_cast<unsigned long long>(row.broadcast_bytes), row.verified, row.expected, row.torn,
                   note.c_str());
     }
+    print_stall_and_stages(r, d.commit);
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   int untrue = 0;

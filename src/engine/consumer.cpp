@@ -14,7 +14,9 @@ Result<int> Consumer::Impl::acquire_slot(int at) {
 }
 
 Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
+  trace.stage(SyncStage::kRendezvous);
   FERRY_RETURN_IF_ERROR(refresh_producers());
+  trace.stage(SyncStage::kRouting);
   plan_attempt();
   if (attempts.declare) {
     attempts.declare = false;
@@ -45,7 +47,9 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
       worker->enqueue({v, g, -1});
       continue;
     }
+    trace.stage(SyncStage::kTransform);  // (a slot is freed by the unpack worker)
     FERRY_ASSIGN_OR_RETURN(int s, acquire_slot(static_cast<int>(at)));
+    trace.stage(SyncStage::kReceive);
     point(g, 0);
     GroupRx rx{v, g, s, recv.offset(s), from};
     FERRY_RETURN_IF_ERROR(receive_group(rx, gs, reads, in_v, rep));
@@ -61,6 +65,7 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
     worker->enqueue({v, g, s});
   }
   // Drain the background thread.
+  trace.stage(SyncStage::kTransform);
   Status drained = worker->drain(opts.timeout, who());
   if (drained.code() == StatusCode::kTimeout) return drained;
   if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
@@ -68,6 +73,7 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
 }
 
 Status Consumer::Impl::failover(uint64_t v, const Status& why) {
+  trace.stage(SyncStage::kRouting);
   std::set<int> d = route_state.dead();
   d.insert(attempts.failed_p);
   {
@@ -172,7 +178,8 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
     trace.finish_report(rep);
     last = rep;
   };
-  if (opts.before_sync) opts.before_sync(v);
+  if (opts.before_sync) opts.before_sync(v);  // (the caller's: no stage claims it)
+  trace.stage(SyncStage::kRendezvous);
   {
     std::lock_guard<std::mutex> lk(mu);
     // Drop announcements of older versions and of other syncs this instance ran or gave
@@ -215,6 +222,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
                                        "re-published its plan", rank, store.url()));
   }
   commit_rule->begin_sync();
+  trace.stage(SyncStage::kRouting);
   if (s.ok()) s = refresh_routes();
   s = s.with_context(fmt::format("consumer {} sync {}", rank, v));
   // Routes changed before we began (another participant already failed over this
@@ -266,6 +274,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
     }
     if (follow) {
       const uint64_t before = routes_hash;
+      trace.stage(SyncStage::kRouting);
       Status f = reset_background();
       if (f.ok()) f = refresh_routes();
       if (!f.ok() || routes_hash == before) {
@@ -294,6 +303,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
   }
   // On failure, let the background thread finish what it holds, then tell producers we gave up.
   if (!s.ok()) worker->clear(opts.timeout);
+  trace.stage(SyncStage::kCommit);  // (the DONEs or ABORTs, and the commit)
   std::unique_lock<std::mutex> lk(mu);
   syncs.syncing.reset();
   if (!s.ok()) {

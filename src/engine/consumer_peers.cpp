@@ -223,7 +223,11 @@ Status Consumer::Impl::apply_routes(Routes r) {
     auto it = param_set->committed().find(d.name);
     layout.on_device.push_back(it != param_set->committed().end() && it->second.device().is_cuda());
   }
-  return commit_rule->install(*param_set, layout);
+  // Registering the params with the transport for the new routes (the commit rule's).
+  trace.stage(SyncStage::kRegistration);
+  Status installed = commit_rule->install(*param_set, layout);
+  trace.stage(SyncStage::kRouting);
+  return installed;
 }
 
 MemoryUse Consumer::Impl::memory_use() {

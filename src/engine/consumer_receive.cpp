@@ -46,6 +46,7 @@ Status Consumer::Impl::pull_group(GroupRx& rx, AttemptReads& reads, std::set<int
   std::set<int> remaining = from;
   bool first = true;
   while (!remaining.empty()) {
+    trace.stage(SyncStage::kWire);
     auto tw = Clock::now();
     std::pair<int, Arrival> pm;
     if (!announced.empty()) {  // announced while we waited for the relay
@@ -55,6 +56,7 @@ Status Consumer::Impl::pull_group(GroupRx& rx, AttemptReads& reads, std::set<int
       FERRY_ASSIGN_OR_RETURN(pm, await_working(v, g, remaining, reads));
     }
     trace.record(TracePhase::kWait, g, pm.first, tw, Clock::now());
+    trace.stage(SyncStage::kReceive);
     const int p = pm.first;
     got[p] = pm.second;
     remaining.erase(p);
@@ -134,6 +136,7 @@ Status Consumer::Impl::push_group(GroupRx& rx, const ConsumerGroupSchedule& gs, 
                      static_cast<uint8_t>(param_set->landing_index()), live});
   }
   point(g, 1);
+  trace.stage(SyncStage::kWire);  // (push: the bytes move while we wait)
   auto tw = Clock::now();
   std::set<int> remaining = from;
   while (!remaining.empty()) {
@@ -143,6 +146,7 @@ Status Consumer::Impl::push_group(GroupRx& rx, const ConsumerGroupSchedule& gs, 
     --push.unanswered[pm.first];  // PUSHED: its writes of (v, g) ended (flushed before it was sent)
   }
   trace.record(TracePhase::kWait, g, -1, tw, Clock::now());
+  trace.stage(SyncStage::kReceive);
   for (int p : from) {  // delta: patches written into the slot, applied here
     const Arrival& a = got[p];
     if (!a.patch_base) continue;

@@ -347,6 +347,7 @@ Result<bool> Consumer::Impl::relay_group(GroupRx& rx) {
   const int g = rx.g;
   if (opts.mode == SyncMode::kPull) {
     std::set<int> remaining = rx.from;
+    trace.stage(SyncStage::kWire);
     auto tw = Clock::now();
     while (!remaining.empty()) {
       FERRY_ASSIGN_OR_RETURN(auto pm, await_any(v, g, remaining, "announce"));
@@ -354,6 +355,7 @@ Result<bool> Consumer::Impl::relay_group(GroupRx& rx) {
       remaining.erase(pm.first);
     }
     trace.record(TracePhase::kWait, g, -1, tw, Clock::now());
+    trace.stage(SyncStage::kReceive);
   }
   point(g, 1);
   auto tr = Clock::now();

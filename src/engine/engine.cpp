@@ -41,6 +41,12 @@ Result<CommitPolicy> parse_commit_policy(std::string_view name) {
   return invalid_argument("commit policy '{}': expected in_place, shadow or groups", name);
 }
 
+double SyncStages::sum() const {
+  double s = unattributed;
+  for (double x : seconds) s += x;
+  return s;
+}
+
 std::string SyncReport::to_string() const {
   std::string s = fmt::format("version {}: {}, {} bytes {} in {:.3f} s", version,
                               !status.ok()     ? status.to_string()

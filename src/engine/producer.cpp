@@ -41,6 +41,7 @@ Status Producer::Impl::attempt(uint64_t v, bool* restarted) {
     std::lock_guard<std::mutex> lk(mu);
     return restart.to_other_than(hash);
   };
+  trace.stage(SyncStage::kRouting);
   plan_attempt(v);
   for (int g = 0; g < routes.num_groups(); ++g) {
     const ProducerGroup& grp = route.groups[static_cast<size_t>(g)];
@@ -55,9 +56,11 @@ Status Producer::Impl::attempt(uint64_t v, bool* restarted) {
     // By place in this producer's pack order (rotated: its groups need not be consecutive).
     const int at = pacer.pack_position(g);
     const size_t s = static_cast<size_t>(at % staging->slots());
+    trace.stage(SyncStage::kWire);
     auto tw = Clock::now();
     FERRY_RETURN_IF_ERROR(wait_slot(s, true));
     trace.record(TracePhase::kWait, g, -1, tw, Clock::now());
+    trace.stage(SyncStage::kTransform);
     if (check_restart()) {
       *restarted = true;
       return Status::Ok();
@@ -130,6 +133,7 @@ Status Producer::Impl::attempt(uint64_t v, bool* restarted) {
       }
       todo = open_waves_locked();
     }
+    trace.stage(SyncStage::kReceive);
     const auto ta = Clock::now();
     for (const AnnounceTo& a : to_announce) {
       if (Status sent = send(a.id, a.m); !sent.ok()) {
@@ -145,6 +149,7 @@ Status Producer::Impl::attempt(uint64_t v, bool* restarted) {
     }
     for (const PushTo& t : to_push) start_push(static_cast<int>(s), t.consumer, t.recv_slot, t.landing, g, v);
   }
+  trace.stage(SyncStage::kWire);
   auto tw = Clock::now();
   std::vector<size_t> by_group(slots.size());  // oldest group first (rotated: its reads open the later ones)
   for (size_t s = 0; s < slots.size(); ++s) by_group[s] = s;
@@ -185,6 +190,7 @@ Result<SyncReport> Producer::Impl::sync(uint64_t v) {
     delta->begin_sync();
     trace.set_sink(opts.sink.get(), "producer", rank);
     trace.begin(t0, v);
+    trace.stage(SyncStage::kRendezvous);
     restart.asked = false;
     local_failure = Status::Ok();
     members.consumer_hash.clear();
@@ -214,8 +220,10 @@ Result<SyncReport> Producer::Impl::sync(uint64_t v) {
       trace.control(ControlKind::kRepublish, -1, -1, fmt::format("producer {}: the store {} had lost its rendezvous keys (restarted?); "
                                             "re-published {}", rank, store.url(), *again));
   }
+  trace.stage(SyncStage::kRouting);
   if (Status routes = refresh_routes(); !routes.ok())
     return ended_early(routes.with_context(fmt::format("producer {} sync {}", rank, v)));
+  trace.stage(SyncStage::kRendezvous);
   refresh_membership(v, store_lost_keys);
   {
     std::lock_guard<std::mutex> lk(mu);
@@ -290,6 +298,7 @@ Result<SyncReport> Producer::Impl::sync(uint64_t v) {
       // Stay in the sync until every live consumer committed it (DONE), so that a
       // consumer that fails over late still finds this producer; bounded by the stall
       // timeout (a slow consumer is not dropped for it).
+      trace.stage(SyncStage::kCommit);
       std::unique_lock<std::mutex> lk(mu);
       const auto tc = Clock::now();
       const auto deadline = Clock::now() + opts.stall_timeout;

@@ -72,6 +72,11 @@ nlohmann::json sync_report_json(const SyncReport& r) {
     events.push_back({{"kind", std::string(control_kind_name(e.kind))}, {"peer", e.peer}, {"group", e.group},
                       {"attempt", e.attempt}, {"t_ns", e.t_ns}, {"message", e.message}});
   j["events"] = events;
+  // The stage record: where `seconds` went, stage by stage, summing to it.
+  nlohmann::json stages = nlohmann::json::object();
+  for (int i = 0; i < kSyncStageCount; ++i) stages[std::string(sync_stage_name(static_cast<SyncStage>(i)))] = r.stages.seconds[i];
+  stages["unattributed"] = r.stages.unattributed;
+  j["stages"] = stages;
   nlohmann::json live = nlohmann::json::object();
   for (const auto& [c, v] : r.consumers_live) live[std::to_string(c)] = v;
   j["consumers_live"] = live;

@@ -1,5 +1,6 @@
 #include "engine/sync_trace.h"
 
+#include <algorithm>
 #include <map>
 #include <tuple>
 
@@ -42,6 +43,19 @@ std::string_view control_kind_name(ControlKind kind) {
   return "?";
 }
 
+std::string_view sync_stage_name(SyncStage stage) {
+  switch (stage) {
+    case SyncStage::kRendezvous: return "rendezvous";
+    case SyncStage::kRouting: return "routing";
+    case SyncStage::kRegistration: return "registration";
+    case SyncStage::kWire: return "wire";
+    case SyncStage::kReceive: return "receive";
+    case SyncStage::kTransform: return "transform";
+    case SyncStage::kCommit: return "commit";
+  }
+  return "?";
+}
+
 std::string_view trace_lane_name(TraceLane lane) {
   switch (lane) {
     case TraceLane::kNone: return "";
@@ -71,6 +85,8 @@ void SyncTrace::begin(Clock::time_point start, uint64_t version) {
 }
 
 void SyncTrace::begin_locked(Clock::time_point start, uint64_t version) {
+  stage_ = -1;
+  std::fill(std::begin(stage_ns_), std::end(stage_ns_), 0);
   events_.clear();
   control_.clear();
   source_.version = version;
@@ -134,6 +150,13 @@ void SyncTrace::control(ControlKind kind, int peer, int group, std::string messa
   if (sink) sink->on_control(from, e);  // (outside the trace's lock: it may take its own)
 }
 
+void SyncTrace::stage(SyncStage s) {
+  const auto now = Clock::now();
+  if (stage_ >= 0) stage_ns_[stage_] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - stage_since_).count();
+  stage_ = static_cast<int>(s);
+  stage_since_ = now;
+}
+
 void SyncTrace::set_sink(SyncSink* sink, const char* side, int rank) {
   std::lock_guard<std::mutex> lk(mu_);
   sink_ = sink;
@@ -155,6 +178,19 @@ void SyncTrace::finish_report(SyncReport& r) {
   }
   for (const ControlEvent& e : r.events) r.failures.push_back(e.message);
   r.start_unix_ns = start_unix_ns_;
+  // The open stage ends where the sync's seconds end (they were measured just before).
+  if (stage_ >= 0) {
+    const auto end = start_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(r.seconds));
+    if (end > stage_since_)
+      stage_ns_[stage_] += std::chrono::duration_cast<std::chrono::nanoseconds>(end - stage_since_).count();
+    stage_ = -1;
+  }
+  double staged = 0;
+  for (int i = 0; i < kSyncStageCount; ++i) {
+    r.stages.seconds[i] = static_cast<double>(stage_ns_[i]) * 1e-9;
+    staged += r.stages.seconds[i];
+  }
+  r.stages.unattributed = std::max(0.0, r.seconds - staged);
   derive_report_sums(r);
   if (sink) sink->on_report(from, r);
 }

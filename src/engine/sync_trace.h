@@ -39,6 +39,9 @@ class SyncTrace {
   std::vector<TraceEvent> take();
   int64_t start_unix_ns() const { return start_unix_ns_; }
 
+  // The sync thread's stage from now on (SyncReport::stages): it closes the one before.
+  // The sync thread only (between begin() and finish_report()).
+  void stage(SyncStage s);
   // A control decision (ferry/trace.h ControlEvent), recorded now and passed to the sink
   // (set_sink) at once, on the caller's thread.
   void control(ControlKind kind, int peer, int group, std::string message);
@@ -46,8 +49,9 @@ class SyncTrace {
   // (EngineOptions::sink; kept alive by the options that hold it). Before the first sync.
   void set_sink(SyncSink* sink, const char* side, int rank);
   // The report of the sync since begin(v): `r`'s trace, events, failures (one per event,
-  // in order, after any already there), time origin and sums (derive_report_sums); then
-  // the sink's on_report. The sync thread, once per sync, as it returns.
+  // in order, after any already there), time origin, sums (derive_report_sums) and stages
+  // (the last closed at r.seconds; unattributed what is left of it); then the sink's
+  // on_report. The sync thread, once per sync, as it returns, after r.seconds is set.
   void finish_report(SyncReport& r);
 
  private:
@@ -61,6 +65,10 @@ class SyncTrace {
   Clock::time_point start_{};
   int64_t start_unix_ns_ = 0;
   uint16_t attempt_ = 0;
+  // Stages (the sync thread's alone: no lock).
+  int stage_ = -1;
+  Clock::time_point stage_since_{};
+  int64_t stage_ns_[kSyncStageCount] = {};
 };
 
 // Consumer: the transfers of group g (one kReceive per producer, lane and destination:

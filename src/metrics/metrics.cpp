@@ -56,6 +56,7 @@ struct SyncMetrics::Impl {
   Family<Histogram>* duration = nullptr;
   Family<Gauge>* in_flight = nullptr;
   Family<Histogram>* phase = nullptr;
+  Family<Histogram>* stage = nullptr;
   Family<Histogram>* pause = nullptr;
   Family<Counter>* sent = nullptr;
   Family<Counter>* received = nullptr;
@@ -98,6 +99,11 @@ Result<std::shared_ptr<SyncMetrics>> SyncMetrics::create(std::shared_ptr<prometh
                     .Name("ferry_sync_phase_seconds")
                     .Help("Seconds a sync spent in each phase (ferry/trace.h TracePhase: materialize, pack, wait, "
                           "read, unpack, post, commit...), summed over its groups; phases overlap")
+                    .Register(reg);
+    m->stage = &prometheus::BuildHistogram()
+                    .Name("ferry_sync_stage_seconds")
+                    .Help("The stage record of each sync (SyncReport stages: rendezvous, routing, registration, wire, "
+                          "receive, transform, commit, unattributed): one at a time, summing to the sync's seconds")
                     .Register(reg);
     m->pause = &prometheus::BuildHistogram()
                     .Name("ferry_commit_pause_seconds")
@@ -226,6 +232,10 @@ void SyncMetrics::Impl::report(const SyncSource& from, const SyncReport& r) {
     received->Add(with(l, "lane", std::string(lane))).Increment(static_cast<double>(bytes));
   for (const auto& [name, ns] : phase_ns)
     phase->Add(with(l, "phase", std::string(name)), kPhaseBuckets).Observe(static_cast<double>(ns) * 1e-9);
+  for (int i = 0; i <= kSyncStageCount; ++i) {
+    const std::string name = i < kSyncStageCount ? std::string(sync_stage_name(static_cast<SyncStage>(i))) : "unattributed";
+    stage->Add(with(l, "stage", name), sync_buckets).Observe(i < kSyncStageCount ? r.stages.seconds[i] : r.stages.unattributed);
+  }
   if (patch_count) patches->Add(l).Increment(static_cast<double>(patch_count));
   if (r.patched_dense_bytes) patched_dense->Add(l).Increment(static_cast<double>(r.patched_dense_bytes));
   if (r.delta_elements) delta_elements->Add(l).Increment(static_cast<double>(r.delta_elements));

@@ -24,6 +24,7 @@
 #include "tools/bench_steps.h"
 #include "tools/broadcast.h"
 #include "tools/job_model.h"
+#include "tools/percentile.h"
 #include "tools/proc_memory.h"
 #include "tools/subprocess.h"
 #include "tools/trace_file.h"
@@ -456,6 +457,11 @@ BenchResult run_bench(const BenchSpec& b) {
     double commit_max = 0;
     for (size_t i = 0; i < ranks.size(); ++i) commit_max = std::max(commit_max, sy->results[i].value("commit_seconds", 0.0));
     ph["commit_seconds_max"] = commit_max;
+    // The slowest receiver: the longest inference rank's sync.
+    double receiver_max = 0;
+    for (size_t i = 0; i < ranks.size(); ++i)
+      if (ranks[i].first != "producer") receiver_max = std::max(receiver_max, sy->results[i].value("seconds", 0.0));
+    ph["consumer_seconds_max"] = receiver_max;
     nlohmann::json tj = {{"sync_seconds", sy->seconds},    {"raw_seconds", rw->seconds},
                          {"memcpy_seconds", mc->seconds},  {"broadcast_seconds", bc->seconds},
                          {"sync_cpu_seconds", sy->cpu},    {"raw_cpu_seconds", rw->cpu},
@@ -565,6 +571,15 @@ BenchResult run_bench(const BenchSpec& b) {
       if (!t["warmup"].get<bool>()) cs.push_back(t["phases_max"].value("commit_seconds_max", 0.0));
     j["commit_seconds"] = median(cs);
     j["commit_fraction_of_sync"] = sync > 0 ? median(cs) / sync : 0.0;
+    // What a serving engine feels over the timed syncs: the stall (each sync's longest
+    // commit) and the slowest receiver (each sync's longest inference rank), p50 and p95.
+    std::vector<double> rs;
+    for (const auto& t : trials)
+      if (!t["warmup"].get<bool>()) rs.push_back(t["phases_max"].value("consumer_seconds_max", 0.0));
+    j["stall_seconds_p50"] = percentile(cs, 50);
+    j["stall_seconds_p95"] = percentile(cs, 95);
+    j["slowest_receiver_seconds_p50"] = percentile(rs, 50);
+    j["slowest_receiver_seconds_p95"] = percentile(rs, 95);
   }
   j["in_place_fraction"] = bytes_moved ? static_cast<double>(last_in_place) / static_cast<double>(bytes_moved) : 0.0;
   j["into_params_fraction"] =

@@ -564,6 +564,12 @@ DemoResult run_demo(const DemoSpec& d) {
       if (is_consumer) row.mixed_reads += j.value("mixed_reads", uint64_t{0});
       // A failed sync took time and moved bytes too: its row counts them.
       secs = std::max(secs, j.value("seconds", 0.0));
+      if (is_consumer && j.value("seconds", 0.0) > row.slowest_seconds) {
+        row.slowest_seconds = j.value("seconds", 0.0);
+        row.slowest = name;
+        row.slowest_stages = j.value("stages", nlohmann::json::object());
+      }
+      if (is_consumer && j.value("committed", false)) row.stall = std::max(row.stall, j.value("commit_seconds", 0.0));
       if (is_consumer) row.bytes += j.value("bytes", uint64_t{0});
       // What the rank noted on the way (failovers, routes followed), whether or not its
       // sync succeeded: a failed rank's notes are what says how it got there.

@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "ferry/status.h"
 
 namespace ferry::tools {
@@ -183,6 +185,13 @@ struct DemoSyncRow {
   std::vector<std::string> untrue;
   std::string paused;       // what was paused during or before this sync
   std::string note;
+  // The stall: the longest commit among the inference ranks that committed this sync (the
+  // pause a serving engine feels); the slowest receiver: the longest inference rank's
+  // sync, and its name and stage record (the report's "stages", summing to its seconds).
+  double stall = 0;
+  double slowest_seconds = 0;
+  std::string slowest;
+  nlohmann::json slowest_stages;
 };
 struct DemoResult {
   std::vector<DemoSyncRow> rows;

@@ -153,7 +153,12 @@ TEST(BenchCli, EachRanksMetadataIsAsPredicted) {
     if (std::string(mode).find("groups") != std::string::npos) {
       for (const auto& c : j["memory"]["consumers"]) EXPECT_GT(c["engine"]["shadow"].get<uint64_t>(), 0u);
       EXPECT_GT(j["commit_seconds"].get<double>(), 0.0);
+      EXPECT_GT(j["stall_seconds_p50"].get<double>(), 0.0);
     }
+    // The stall and the slowest receiver over the timed syncs, p50 and p95.
+    EXPECT_LE(j["stall_seconds_p50"].get<double>(), j["stall_seconds_p95"].get<double>());
+    EXPECT_GT(j["slowest_receiver_seconds_p50"].get<double>(), 0.0);
+    EXPECT_LE(j["slowest_receiver_seconds_p50"].get<double>(), j["slowest_receiver_seconds_p95"].get<double>());
   }
 }
 

@@ -129,6 +129,35 @@ TEST_F(DemoTrace, EveryTransferOfTheReportsOnceWithTheirBytes) {
   EXPECT_EQ(table_bytes(run_.out), received_per_version) << run_.out;
 }
 
+// Every report's stage record sums to its seconds; the demo prints the stall and the
+// slowest receiver over its syncs and the stage record of the last sync's slowest rank,
+// its stages summing to that rank's seconds.
+TEST_F(DemoTrace, StageRecordsSumToTheSecondsAndTheStallIsPrinted) {
+  ASSERT_EQ(run_.exit_code, 0) << run_.out << run_.err;
+  auto t = ferry::tools::read_trace_file(path_);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  for (const auto& r : (*t)["ferryReports"]) {
+    ASSERT_TRUE(r.contains("stages")) << r.dump();
+    double sum = 0;
+    for (const auto& [name, secs] : r["stages"].items()) sum += secs.get<double>();
+    EXPECT_NEAR(sum, r["seconds"].get<double>(), 1e-6) << r.dump();
+    EXPECT_GT(sum - r["stages"]["unattributed"].get<double>(), 0.0) << r.dump();
+  }
+  EXPECT_NE(run_.out.find("stall (commit in_place: "), std::string::npos) << run_.out;
+  EXPECT_NE(run_.out.find("(2 syncs)"), std::string::npos) << run_.out;
+  const size_t at = run_.out.find("stage record of sync 2, consumer");
+  ASSERT_NE(at, std::string::npos) << run_.out;
+  const std::string line = run_.out.substr(at, run_.out.find('\n', at) - at);
+  // "... (S s): rendezvous x, routing x, ...; sum S s": the two S agree (4 decimals).
+  const size_t open = line.find(" ("), s_end = line.find(" s): ");
+  const size_t sum_at = line.rfind("; sum ");
+  ASSERT_TRUE(open != std::string::npos && s_end != std::string::npos && sum_at != std::string::npos) << line;
+  EXPECT_EQ(line.substr(open + 2, s_end - open - 2), line.substr(sum_at + 6, line.size() - sum_at - 8)) << line;
+  for (const char* stage : {"rendezvous", "routing", "registration", "wire", "receive", "transform", "commit",
+                            "unattributed"})
+    EXPECT_NE(line.find(stage), std::string::npos) << line;
+}
+
 TEST_F(DemoTrace, FerryTraceSummarisesAndPlots) {
   ASSERT_EQ(run_.exit_code, 0) << run_.out << run_.err;
   auto s = run_command(std::string(FERRY_BIN) + " trace " + path_);

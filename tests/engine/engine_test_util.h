@@ -538,13 +538,21 @@ struct Cluster {
     }
   }
 
+  // The stage record of a report sums to its seconds, and the stages claimed some of it.
+  static void expect_stages_sum(const SyncReport& r, const char* who, size_t rank) {
+    EXPECT_NEAR(r.stages.sum(), r.seconds, 1e-6) << who << " " << rank;
+    EXPECT_GT(r.stages.sum() - r.stages.unattributed, 0.0) << who << " " << rank;
+  }
+
   void expect_all_ok(const Outcome& o, uint64_t v) {
     for (size_t p = 0; p < o.p.size(); ++p) {
       ASSERT_TRUE(o.p[p]->ok()) << "producer " << p << ": " << o.p[p]->status().to_string();
       EXPECT_TRUE((*o.p[p])->failures.empty()) << (*o.p[p])->to_string();
+      expect_stages_sum(**o.p[p], "producer", p);
     }
     for (size_t c = 0; c < o.c.size(); ++c) {
       ASSERT_TRUE(o.c[c]->ok()) << "consumer " << c << ": " << o.c[c]->status().to_string();
+      expect_stages_sum(**o.c[c], "consumer", c);
       expect_verified(static_cast<int>(c), v);
     }
   }

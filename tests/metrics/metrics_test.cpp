@@ -105,6 +105,14 @@ TEST(SyncMetrics, EqualTheReportsOfEveryRank) {
     EXPECT_EQ(value(m, of("ferry_weight_update_operation_duration_seconds_count", side, rank)), 3);
     EXPECT_NEAR(value(m, of("ferry_weight_update_operation_duration_seconds_sum", side, rank)), s.seconds, 1e-9);
     EXPECT_EQ(value(m, of("ferry_weight_update_in_flight", side, rank)), 0);
+    // The stage record: every stage observed once a sync, their sums adding to the seconds'.
+    double staged = 0;
+    for (const char* st : {"rendezvous", "routing", "registration", "wire", "receive", "transform", "commit",
+                           "unattributed"}) {
+      EXPECT_EQ(value(m, of("ferry_sync_stage_seconds_count", side, rank, std::string("stage=") + st)), 3) << st;
+      staged += value(m, of("ferry_sync_stage_seconds_sum", side, rank, std::string("stage=") + st));
+    }
+    EXPECT_NEAR(staged, s.seconds, 1e-6);
     EXPECT_EQ(value(m, of("ferry_sync_version", side, rank)), 3);
     EXPECT_EQ(value(m, of("ferry_synced_version", side, rank)), 3);
     EXPECT_EQ(value(m, of("ferry_memory_bytes", side, rank, "kind=metadata")),

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <string>
 
+#include "tools/percentile.h"
 #include "tools/broadcast.h"
 #include "tools/subprocess.h"
 #include "tools/worker.h"
@@ -21,6 +22,7 @@ namespace {
 
 using namespace std::chrono_literals;
 using tools::Child;
+using tools::percentile;
 using tools::ProcessSpec;
 
 TensorDecl decl(std::string name, Shape shape, DType dt = DType::kBF16) { return TensorDecl{std::move(name), dt, std::move(shape)}; }
@@ -28,6 +30,29 @@ TensorDecl decl(std::string name, Shape shape, DType dt = DType::kBF16) { return
 // A worker's pause points are each taken once (issue 49, finding 9: a relay member that
 // fell back reached its pause point again, stopped itself a second time and was never
 // resumed, so the demo hung for its timeout); a point listed twice pauses twice.
+// The nearest-rank percentile against a direct count: the smallest value with at least p%
+// of the sample at or below it.
+TEST(Percentile, NearestRankOfEverySampleSize) {
+  EXPECT_EQ(percentile({}, 50), 0);
+  EXPECT_EQ(percentile({7}, 95), 7);
+  EXPECT_EQ(percentile({4, 1, 3, 2}, 50), 2);
+  EXPECT_EQ(percentile({4, 1, 3, 2}, 0), 1);
+  EXPECT_EQ(percentile({4, 1, 3, 2}, 100), 4);
+  for (size_t n = 1; n <= 40; ++n) {
+    std::vector<double> v;
+    for (size_t i = 0; i < n; ++i) v.push_back(static_cast<double>((i * 17) % n));  // a permutation of 0..n-1
+    for (double p : {50.0, 95.0}) {
+      const double got = percentile(v, p);
+      size_t at_or_below = 0;
+      for (double x : v) at_or_below += x <= got;
+      EXPECT_GE(100.0 * static_cast<double>(at_or_below), p * static_cast<double>(n)) << n << " " << p;
+      size_t below = 0;
+      for (double x : v) below += x < got;
+      EXPECT_LT(100.0 * static_cast<double>(below), p * static_cast<double>(n)) << n << " " << p;
+    }
+  }
+}
+
 TEST(PausePoints, EachIsTakenOnce) {
   auto points = tools::parse_pause_points("5:5,3:-2,3:-2");
   ASSERT_TRUE(points.ok()) << points.status().to_string();
