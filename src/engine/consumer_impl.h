@@ -287,6 +287,9 @@ struct Consumer::Impl {
   // v, or serves a later version): then nothing of v may be read from it or asked of it.
   // mu held.
   Status moved_on_locked(uint64_t v, const std::set<int>& from);
+  // Not ok when a live producer dropped this consumer from v (DROPPED): that producer
+  // counts it as missing v, so it must not commit v, however its groups came. mu held.
+  Status dropped_locked(uint64_t v);
 
   // Sends m to producer p; the completion, when the send was posted (it completes once
   // the message has left: delivered to the peer, for inproc).

@@ -32,11 +32,16 @@ Status Consumer::Impl::moved_on_locked(uint64_t v, const std::set<int>& from) {
   // now, so nothing of v it announced earlier may be read, and in push nothing asked of
   // it (a consumer entering v after being dropped as absent read version v+1 bytes
   // through announcements of v it had been sent before the drop).
+  FERRY_RETURN_IF_ERROR(dropped_locked(v));
+  return version_mismatch_locked(v, from);
+}
+
+Status Consumer::Impl::dropped_locked(uint64_t v) {
   for (auto d = syncs.dropped.lower_bound({v, 0}); d != syncs.dropped.end() && d->first.first == v; ++d) {
     if (!route_state.dead().count(d->first.second))
       return cancelled("consumer {} was dropped from sync {} by {}", rank, v, d->second);
   }
-  return version_mismatch_locked(v, from);
+  return Status::Ok();
 }
 
 Result<std::pair<int, Consumer::Impl::Arrival>> Consumer::Impl::await_any(uint64_t v, int g, const std::set<int>& from, const char* what,
