@@ -10,7 +10,7 @@ PACKAGES=(
   libhiredis-dev redis-server
   nlohmann-json3-dev libcli11-dev libfmt-dev libspdlog-dev libxxhash-dev
   libssl-dev libasio-dev
-  prometheus-cpp-dev prometheus  # metrics (src/metrics) and the server tests scrape with
+  prometheus-cpp-dev prometheus python3-prometheus-client  # metrics (src/metrics), the server tests scrape with, ferry.Metrics.collector()
   libopenmpi-dev openmpi-bin
   libsimgrid-dev python3-matplotlib  # ferry simulate (src/simulate), its --plot
   iproute2 iptables util-linux  # emulated hosts (scripts/hosts.sh: ip, tc, nsenter; loss)

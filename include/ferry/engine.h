@@ -161,7 +161,8 @@ struct SyncSource {
 // Where each rank's syncs are told as they happen (EngineOptions::sink): each sync's
 // start, its control decisions (ferry/trace.h ControlEvent: drops, failovers, repairs...)
 // as each is made, and its report, ok or failed, as sync() returns (every on_begin is
-// followed by one on_report). A metrics exporter implements it (ferry/metrics.h). Calls come on the engine's threads (the sync thread; a transport handler thread for
+// followed by one on_report), and a commit() after a sync that only received. A metrics
+// exporter implements it (ferry/metrics.h). Calls come on the engine's threads (the sync thread; a transport handler thread for
 // a drop), sometimes while the engine holds a lock: keep each short, never call back into
 // the engine, and be thread-safe when several ranks share one sink.
 class SyncSink {
@@ -175,6 +176,12 @@ class SyncSink {
   virtual void on_report(const SyncSource& from, const SyncReport& report) {
     static_cast<void>(from);
     static_cast<void>(report);
+  }
+  // Consumer::commit() made a received version live (shadow, sync(v, false) first):
+  // from.version is that version, `seconds` the commit's pause.
+  virtual void on_commit(const SyncSource& from, double seconds) {
+    static_cast<void>(from);
+    static_cast<void>(seconds);
   }
 };
 

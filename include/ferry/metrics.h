@@ -49,6 +49,7 @@ class SyncMetrics final : public SyncSink {
   void on_begin(const SyncSource& from) override;
   void on_control(const SyncSource& from, const ControlEvent& event) override;
   void on_report(const SyncSource& from, const SyncReport& report) override;
+  void on_commit(const SyncSource& from, double seconds) override;
 
   struct Impl;
 

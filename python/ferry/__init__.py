@@ -34,6 +34,9 @@ if hasattr(_ferry, "_Producer"):  # built with the engine
                           committed_versions, committed_states, CommittedVersion)
     __all__ += ["WeightSource", "Producer", "Consumer", "StoreServer", "transport_backends", "committed_versions",
                 "committed_states", "CommittedVersion"]
+if hasattr(_ferry, "_Metrics"):  # built with the metrics module
+    from ._metrics import Metrics, MetricsEndpoint  # noqa: F401
+    __all__ += ["Metrics", "MetricsEndpoint"]
     from . import megatron  # noqa: F401 - Megatron-Core layout helpers (ferry.megatron)
     __all__ += ["megatron"]
 

@@ -207,6 +207,12 @@ def _transport_params(transport_params, ucx_config):
     return params
 
 
+def _metrics_handle(metrics):
+    """The C++ object of a ferry.Metrics (None: none); anything else is refused there."""
+    from ._metrics import Metrics
+    return metrics._m if isinstance(metrics, Metrics) else metrics
+
+
 def _options(token, backend, transport_params, **engine):
     """The binding's keywords: the engine's options as given (the binding checks each one
     and raises InvalidArgumentError naming it), the transport's, the store's token."""
@@ -271,7 +277,7 @@ class Producer:
                  stall_timeout=10.0, straggler_floor=2.0, straggler_factor=8.0, join_window=20.0, lease_ttl=3.0,
                  checksums=False, failover=True, group_order="layer", convert_on="producer", quantize_on="producer",
                  delta=False, delta_full_every=0, delta_block_bytes=0, staging_budget=0, staging_device="cpu", in_place=False, direct_min_bytes=64 * 1024,
-                 transport_params=None, ucx_config=None):
+                 transport_params=None, ucx_config=None, metrics=None):
         if not isinstance(source, WeightSource):
             raise InvalidArgumentError("Producer: source must be a ferry.WeightSource")
         url, token = _store_args(store, token)
@@ -283,7 +289,8 @@ class Producer:
                       delta_block_bytes=delta_block_bytes,
                       num_consumers=num_consumers,
                       num_producers=num_producers if num_producers is not None else source.world_size,
-                      staging_budget=staging_budget, staging_device=staging_device, in_place=bool(in_place))
+                      staging_budget=staging_budget, staging_device=staging_device, in_place=bool(in_place),
+                      metrics=_metrics_handle(metrics))
         if direct_min_bytes is not None:  # None: the default (as before 64 KiB was spelled out)
             kw["direct_min_bytes"] = direct_min_bytes
         rank = source.rank if rank is None else int(rank)
@@ -370,7 +377,7 @@ class Consumer:
                  checksums=False, failover=True, group_order="layer", convert_on="producer", quantize_on="producer", delta=False,
                  cuda_ipc=True, relay=False,
                  direct_min_bytes=64 * 1024, transport_params=None,
-                 ucx_config=None):
+                 ucx_config=None, metrics=None):
         from ._plan import Plan
         from ._launcher import launcher_rank, launcher_world_size
 
@@ -404,7 +411,8 @@ class Consumer:
                       lease_ttl=lease_ttl, checksums=checksums, failover=failover, group_order=group_order,
                       convert_on=convert_on, quantize_on=quantize_on, delta=delta,
                       cuda_ipc=cuda_ipc, relay=relay,
-                      num_producers=num_producers, num_consumers=num_consumers, commit=commit)
+                      num_producers=num_producers, num_consumers=num_consumers, commit=commit,
+                      metrics=_metrics_handle(metrics))
         if direct_min_bytes is not None:  # None: the default, as on the Producer
             kw["direct_min_bytes"] = direct_min_bytes
         if after_group is not None:

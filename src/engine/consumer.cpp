@@ -146,6 +146,7 @@ Status Consumer::Impl::record_not_whole(uint64_t v) {
 Result<double> Consumer::Impl::commit() {
   const std::optional<uint64_t> v = param_set->state().received;
   FERRY_ASSIGN_OR_RETURN(const double seconds, commit_rule->commit(*param_set));
+  trace.committed(*v, seconds);
   FERRY_RETURN_IF_ERROR(record_committed(*v));
   FERRY_RETURN_IF_ERROR(publish_versions());
   return seconds;

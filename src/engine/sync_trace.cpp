@@ -157,6 +157,18 @@ void SyncTrace::stage(SyncStage s) {
   stage_since_ = now;
 }
 
+void SyncTrace::committed(uint64_t v, double seconds) {
+  SyncSink* sink;
+  SyncSource from;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    sink = sink_;
+    from = source_;
+  }
+  from.version = v;
+  if (sink) sink->on_commit(from, seconds);
+}
+
 void SyncTrace::set_sink(SyncSink* sink, const char* side, int rank) {
   std::lock_guard<std::mutex> lk(mu_);
   sink_ = sink;

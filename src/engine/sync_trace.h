@@ -45,6 +45,8 @@ class SyncTrace {
   // A control decision (ferry/trace.h ControlEvent), recorded now and passed to the sink
   // (set_sink) at once, on the caller's thread.
   void control(ControlKind kind, int peer, int group, std::string message);
+  // Consumer::commit() made version v live in `seconds`: tells the sink (on_commit).
+  void committed(uint64_t v, double seconds);
   // Who records (for the sink: side "producer" or "consumer", rank), and the sink, if any
   // (EngineOptions::sink; kept alive by the options that hold it). Before the first sync.
   void set_sink(SyncSink* sink, const char* side, int rank);

@@ -198,6 +198,13 @@ void SyncMetrics::on_control(const SyncSource& from, const ControlEvent& event) 
 
 void SyncMetrics::on_report(const SyncSource& from, const SyncReport& report) { impl_->report(from, report); }
 
+void SyncMetrics::on_commit(const SyncSource& from, double seconds) {
+  const Labels l = rank_labels(from);
+  impl_->committed->Add(l).Set(1);
+  impl_->pause->Add(l, kPauseBuckets).Observe(seconds);
+  impl_->live_version->Add(l).Set(static_cast<double>(from.version));
+}
+
 void SyncMetrics::Impl::report(const SyncSource& from, const SyncReport& r) {
   const Labels l = rank_labels(from);
   const bool consumer = std::string_view(from.side) == "consumer";

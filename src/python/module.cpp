@@ -27,6 +27,9 @@
 #include "ferry/version.h"
 #include "python/common.h"
 #include "python/json.h"
+#ifdef FERRY_PYTHON_METRICS
+#include "python/metrics.h"
+#endif
 
 namespace py = pybind11;
 
@@ -540,6 +543,9 @@ PYBIND11_MODULE(_ferry, m) {
 #endif
 #ifdef FERRY_PYTHON_ENGINE
   register_engine(m);
+#endif
+#ifdef FERRY_PYTHON_METRICS
+  register_metrics(m);
 #endif
 #ifdef FERRY_PYTHON_RANK
   register_rank(m);

@@ -13,6 +13,9 @@
 
 #include "ferry/device.h"
 #include "python/common.h"
+#ifdef FERRY_PYTHON_METRICS
+#include "python/metrics.h"
+#endif
 
 namespace ferry::python {
 
@@ -57,8 +60,8 @@ constexpr OptionField kOptionFields[] = {
     {"EngineOptions", "delta_block_bytes", "delta_block_bytes", "keyword", "Producer"},
     {"EngineOptions", "test_hooks", "", "internal", ""},
     // A C++ object called on the engine's threads, sometimes under its locks: no Python
-    // keyword (a Python callback there would need the GIL); metrics come through their own.
-    {"EngineOptions", "sink", "", "native", ""},
+    // callback (it would need the GIL); a ferry.Metrics (its C++ SyncMetrics) is the sink.
+    {"EngineOptions", "sink", "metrics", "metrics", "Producer Consumer"},
     {"ProducerOptions", "source_regions", "in_place", "in_place", "Producer"},
     {"ProducerOptions", "direct_min_bytes", "direct_min_bytes", "keyword", "Producer"},
     {"ProducerOptions", "staging_budget", "staging_budget", "keyword", "Producer"},
@@ -194,6 +197,12 @@ void fill_engine(EngineOptions& o, const py::dict& kw) {
   if (kw.contains("join_window")) o.join_window = seconds(kw, "join_window");
   if (kw.contains("lease_ttl")) o.lease_ttl = seconds(kw, "lease_ttl");
   if (kw.contains("checksums")) o.checksums = flag(kw, "checksums");
+#ifdef FERRY_PYTHON_METRICS
+  if (kw.contains("metrics") && !kw["metrics"].is_none()) {
+    if (!py::isinstance<PyMetrics>(kw["metrics"])) refuse("metrics", "a ferry.Metrics", kw["metrics"]);
+    o.sink = kw["metrics"].cast<const PyMetrics&>().metrics;
+  }
+#endif
   if (kw.contains("failover")) o.failover = flag(kw, "failover");
   if (kw.contains("group_order")) {
     auto order = parse_group_order_kind(text(kw, "group_order"));

@@ -144,7 +144,8 @@ class OptionsTest(unittest.TestCase):
             for cls in r["classes"]:
                 self.assertIn(r["keyword"], inspect.signature(getattr(ferry, cls)).parameters, (cls, r))
         self.assertEqual([r["field"] for r in rows() if r["how"] == "internal"], ["test_hooks"])
-        self.assertEqual([r["field"] for r in rows() if r["how"] == "native"], ["sink"])
+        self.assertEqual([r["field"] for r in rows() if r["how"] == "native"], [])
+        self.assertEqual([r["field"] for r in rows() if r["how"] == "metrics"], ["sink"])
 
     def test_each_keyword_reaches_its_field(self):
         for cls, samples, accessor in (("Producer", PRODUCER_SAMPLES, _ferry._producer_options),
