@@ -274,6 +274,13 @@ struct EngineOptions {
   // kMinDeltaBlockBytes: a hash (8 bytes) per smaller block costs more memory than the
   // copy it replaces saves (MemoryUse::kept_copy counts the hashes).
   uint64_t delta_block_bytes = 0;
+  // The weight checker (docs/engine.md, "Checking the weights"). Producer: an XXH3-64 of
+  // every box it materialises (host memory), published after each sync ({job}/digest/{p}),
+  // so that boxes several trainer replicas hold can be compared. Consumer: an XXH3-64 of
+  // every host param as each version goes live; Consumer::check_weights compares the live
+  // params with them and the replicas' boxes with each other. Costs a hash pass (~10 GB/s
+  // a core) over what each side holds, per sync.
+  bool weight_digests = false;
   // Fault injection for ferry's own tests (src/engine/testing.h); null in production.
   std::shared_ptr<const engine::TestHooks> test_hooks;
   // Told of every control decision and report of this rank's syncs (SyncSink); none when
@@ -613,6 +620,23 @@ class Producer {
   std::unique_ptr<Impl> impl_;
 };
 
+// What Consumer::check_weights found.
+struct WeightCheck {
+  std::optional<uint64_t> version;  // the live version checked (none: nothing committed yet)
+  // Params whose live bytes differ from their digest as the version went live.
+  std::vector<std::string> changed;
+  // Boxes two producers hold for `version` whose digests differ: "producers 0 and 2
+  // disagree on 'NAME' [0:4, 0:8]" (one line per box and pair).
+  std::vector<std::string> drifted;
+  // Of the params' bytes, those compared (host params; a param in GPU memory is not).
+  uint64_t bytes_checked = 0, bytes = 0;
+  // Boxes held by several producers, and of those compared (both digests of `version`).
+  uint64_t replicated_boxes = 0, replicated_checked = 0;
+  bool ok() const { return changed.empty() && drifted.empty(); }
+  double coverage() const { return bytes ? static_cast<double>(bytes_checked) / static_cast<double>(bytes) : 0.0; }
+  std::string to_string() const;
+};
+
 class Consumer {
  public:
   // Records the plan of inference rank `rank` over the trainer metadata, publishes it,
@@ -644,6 +668,12 @@ class Consumer {
   // kShadow: drops the received version; the live params stay as they are.
   // kFailedPrecondition when none is received.
   Status discard();
+  // The weight checker (EngineOptions::weight_digests on every rank; else
+  // kFailedPrecondition): compares each live host param with its digest taken as its
+  // version went live (a param changed since is named), and the digests of the boxes
+  // several producers hold for that version with each other (a drifted trainer replica is
+  // named with the box). Not during a sync (the caller's thread, between syncs).
+  Result<WeightCheck> check_weights();
   // The report of the last sync(), whether it succeeded or not (as Producer::last_report).
   const SyncReport& last_report() const;
 

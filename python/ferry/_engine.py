@@ -277,7 +277,7 @@ class Producer:
                  stall_timeout=10.0, straggler_floor=2.0, straggler_factor=8.0, join_window=20.0, lease_ttl=3.0,
                  checksums=False, failover=True, group_order="layer", convert_on="producer", quantize_on="producer",
                  delta=False, delta_full_every=0, delta_block_bytes=0, staging_budget=0, staging_device="cpu", in_place=False, direct_min_bytes=64 * 1024,
-                 transport_params=None, ucx_config=None, metrics=None):
+                 transport_params=None, ucx_config=None, metrics=None, weight_digests=False):
         if not isinstance(source, WeightSource):
             raise InvalidArgumentError("Producer: source must be a ferry.WeightSource")
         url, token = _store_args(store, token)
@@ -290,7 +290,7 @@ class Producer:
                       num_consumers=num_consumers,
                       num_producers=num_producers if num_producers is not None else source.world_size,
                       staging_budget=staging_budget, staging_device=staging_device, in_place=bool(in_place),
-                      metrics=_metrics_handle(metrics))
+                      metrics=_metrics_handle(metrics), weight_digests=weight_digests)
         if direct_min_bytes is not None:  # None: the default (as before 64 KiB was spelled out)
             kw["direct_min_bytes"] = direct_min_bytes
         rank = source.rank if rank is None else int(rank)
@@ -377,7 +377,7 @@ class Consumer:
                  checksums=False, failover=True, group_order="layer", convert_on="producer", quantize_on="producer", delta=False,
                  cuda_ipc=True, relay=False,
                  direct_min_bytes=64 * 1024, transport_params=None,
-                 ucx_config=None, metrics=None):
+                 ucx_config=None, metrics=None, weight_digests=False):
         from ._plan import Plan
         from ._launcher import launcher_rank, launcher_world_size
 
@@ -412,7 +412,7 @@ class Consumer:
                       convert_on=convert_on, quantize_on=quantize_on, delta=delta,
                       cuda_ipc=cuda_ipc, relay=relay,
                       num_producers=num_producers, num_consumers=num_consumers, commit=commit,
-                      metrics=_metrics_handle(metrics))
+                      metrics=_metrics_handle(metrics), weight_digests=weight_digests)
         if direct_min_bytes is not None:  # None: the default, as on the Producer
             kw["direct_min_bytes"] = direct_min_bytes
         if after_group is not None:
@@ -533,6 +533,15 @@ class Consumer:
     def _live(self, method):
         if self._c.closed:
             raise FailedPreconditionError(f"Consumer.{method}: the consumer is closed")
+
+    def check_weights(self):
+        """The weight checker (``weight_digests=True`` on every rank): {"version": the live
+        version checked, "ok", "changed": params whose live bytes changed since the version
+        went live, "drifted": boxes two trainer replicas hold whose digests differ (each line
+        names both producers, the param and the box), "bytes_checked", "bytes", "coverage",
+        "replicated_boxes", "replicated_checked", "text"}. Between syncs."""
+        self._live("check_weights")
+        return self._c.check_weights()
 
     def state(self):
         """{"version": the committed version (what the live params hold) or None, "torn":

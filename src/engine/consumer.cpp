@@ -143,10 +143,17 @@ Status Consumer::Impl::record_not_whole(uint64_t v) {
                                 held.mixed ? "mixed" : "torn"));
 }
 
+Result<WeightCheck> Consumer::Impl::check_weights() {
+  if (!opts.weight_digests)
+    return failed_precondition("consumer {}: check_weights needs EngineOptions::weight_digests (on every rank)", rank);
+  return weights.check(param_set->committed(), store, keys, opts.num_producers);
+}
+
 Result<double> Consumer::Impl::commit() {
   const std::optional<uint64_t> v = param_set->state().received;
   FERRY_ASSIGN_OR_RETURN(const double seconds, commit_rule->commit(*param_set));
   trace.committed(*v, seconds);
+  if (opts.weight_digests) weights.take(*v, param_set->committed());
   FERRY_RETURN_IF_ERROR(record_committed(*v));
   FERRY_RETURN_IF_ERROR(publish_versions());
   return seconds;
@@ -353,6 +360,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
   rep.commit_seconds = c->commit_seconds;
   if (c->live) {
     if (Status r = record_committed(v); !r.ok()) trace.control(ControlKind::kStore, -1, -1, r.to_string());
+    if (opts.weight_digests) weights.take(v, param_set->committed());
   }
   if (Status p = publish_versions(); !p.ok()) trace.control(ControlKind::kStore, -1, -1, p.to_string());
   rep.seconds = seconds_since(t0);
@@ -362,6 +370,8 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
   return rep;
 }
 
+
+Result<WeightCheck> Consumer::check_weights() { return impl_->check_weights(); }
 
 Consumer::Consumer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Consumer::~Consumer() = default;

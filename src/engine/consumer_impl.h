@@ -25,6 +25,7 @@
 #include "engine/attempt_reads.h"
 #include "engine/clock.h"
 #include "engine/sync_trace.h"
+#include "engine/weight_digests.h"
 #include "engine/cuda_ipc.h"
 #include "engine/delta_applier.h"
 #include "engine/group_order.h"
@@ -161,6 +162,7 @@ struct Consumer::Impl {
     std::map<int, int> unanswered;
   } push;
   std::atomic<bool> crashed{false};  // simulate_crash (test hook)
+  ParamDigests weights;   // EngineOptions::weight_digests: the live params as they went live
   SyncTrace trace;        // this sync's events (the unpack worker records too); rep's sums come from it
   SyncReport last;        // last_report(): the last sync's report, failed or not
   // The unpack + post-processing thread (unpack_worker.h). Last: destroyed first.
@@ -456,6 +458,7 @@ struct Consumer::Impl {
   // After failed sync v: when it left the live params mixed or torn, the committed key says
   // so ("V mixed v", "V torn v"; committed_states) until a later sync records a version.
   Status record_not_whole(uint64_t v);
+  Result<WeightCheck> check_weights();
 
   Result<SyncReport> sync(uint64_t v, bool commit_it);
 };

@@ -70,6 +70,8 @@ Status Producer::Impl::attempt(uint64_t v, bool* restarted) {
     auto boxes = source.materialize(g);
     trace.record(TracePhase::kMaterialize, g, -1, tm, Clock::now());
     if (!boxes.ok()) return boxes.status().with_context(fmt::format("producer {} materialize group {}", rank, g));
+    if (opts.test_hooks && opts.test_hooks->after_materialize) opts.test_hooks->after_materialize(v, g, *boxes);
+    if (opts.weight_digests) digests.add(own_holdings(), *boxes);
     auto tp = Clock::now();
     auto packed = staging->pack(schedule, g, s, *boxes);
     if (!packed.ok()) return packed.status();
@@ -188,6 +190,7 @@ Result<SyncReport> Producer::Impl::sync(uint64_t v) {
     report = SyncReport{};
     report.version = v;
     delta->begin_sync();
+    digests.begin(v);
     trace.set_sink(opts.sink.get(), "producer", rank);
     trace.begin(t0, v);
     trace.stage(SyncStage::kRendezvous);
@@ -359,6 +362,9 @@ Result<SyncReport> Producer::Impl::sync(uint64_t v) {
                                    "next sync", rank, v)
                      : fmt::format("producer {}: failed over in sync {} while alive; clearing its mark {}: {}", rank,
                                    v, keys.dead(rank), cleared.to_string()));
+  }
+  if (failure.ok() && opts.weight_digests) {
+    if (Status d = digests.publish(store, keys, rank); !d.ok()) trace.control(ControlKind::kStore, -1, -1, d.to_string());
   }
   std::lock_guard<std::mutex> lk(mu);
   members.in_sync = false;

@@ -23,6 +23,7 @@
 #include "engine/pacer.h"
 #include "engine/peer_table.h"
 #include "engine/sync_trace.h"
+#include "engine/weight_digests.h"
 #include "engine/group_order.h"
 #include "engine/in_place.h"
 #include "engine/protocol.h"
@@ -119,6 +120,7 @@ struct Producer::Impl {
   std::vector<Slot> slots;
   // Delta syncs' kept copy and patches (engine/delta_encoder.h; dense without delta).
   std::unique_ptr<DeltaEncoder> delta;
+  BoxDigests digests;  // EngineOptions::weight_digests: this sync's boxes, published after it
   // The pace reads are served at (engine/pacer.h: the rotated order's waves, or the
   // layer order's none). Set with the routes (apply_routes); mu.
   Pacer pacer;

@@ -328,6 +328,7 @@ std::string JobKeys::world(std::string_view role, int rank, int num_producers, i
 }
 std::string JobKeys::world_prefix() const { return job_ + "/world/"; }
 std::string JobKeys::committed(int c) const { return fmt::format("{}/committed/{}", job_, c); }
+std::string JobKeys::digest(int p) const { return fmt::format("{}/digest/{}", job_, p); }
 std::string JobKeys::instance(std::string_view role, int rank) const {
   return fmt::format("{}/instance/{}/{}", job_, role, rank);
 }

@@ -274,6 +274,8 @@ class JobKeys {
                     std::string_view routing) const;
   std::string world_prefix() const;
   std::string committed(int c) const;     // the last version consumer c committed
+  // Producer p's digest of every box it served in its last sync (EngineOptions::weight_digests).
+  std::string digest(int p) const;
   // The instance that holds a rank ({job}/instance/{role}/{rank}; rendezvous.h, claim_rank).
   std::string instance(std::string_view role, int rank) const;
   // Why a participant failed to join ({job}/failed/{role}/{rank}; rendezvous.h,

@@ -14,6 +14,8 @@ namespace ferry::engine {
 struct TestHooks {
   // Producer: runs before group `group` of sync `version` is materialised.
   std::function<void(uint64_t version, int group)> before_materialize;
+  // Producer: after materialising a group, before packing it (a drifted replica's weights).
+  std::function<void(uint64_t version, int group, std::vector<LocalBox>& boxes)> after_materialize;
   // Producer: after checksumming, flips one byte of group `corrupt_group`'s staging in
   // sync `corrupt_version` (-1: never).
   int corrupt_group = -1;

@@ -854,6 +854,28 @@ void register_engine(py::module_& m) {
         check(consumer.check_params(current).with_context("Consumer.sync"));
       })
       .def("options", [](const PyConsumer& c) { return options_dict(c.options); })
+      .def("check_weights", [](PyConsumer& c) {
+        Consumer& consumer = c.live("check_weights");
+        InFlight::Guard busy(c.in_flight);
+        Result<WeightCheck> r = Status(StatusCode::kInternal, "not run");
+        {
+          py::gil_scoped_release release;
+          r = consumer.check_weights();
+        }
+        const WeightCheck w = value_or_raise(std::move(r));
+        py::dict d;
+        d["version"] = w.version ? py::object(py::int_(*w.version)) : py::object(py::none());
+        d["ok"] = w.ok();
+        d["changed"] = w.changed;
+        d["drifted"] = w.drifted;
+        d["bytes_checked"] = w.bytes_checked;
+        d["bytes"] = w.bytes;
+        d["coverage"] = w.coverage();
+        d["replicated_boxes"] = w.replicated_boxes;
+        d["replicated_checked"] = w.replicated_checked;
+        d["text"] = w.to_string();
+        return d;
+      })
       .def("state", [](const PyConsumer& c) {
         ConsumerState s = c.live("state").state();
         py::dict d;

@@ -58,6 +58,7 @@ constexpr OptionField kOptionFields[] = {
     // Full syncs are the producer's choice: a consumer never reads it.
     {"EngineOptions", "delta_full_every", "delta_full_every", "keyword", "Producer"},
     {"EngineOptions", "delta_block_bytes", "delta_block_bytes", "keyword", "Producer"},
+    {"EngineOptions", "weight_digests", "weight_digests", "keyword", "Producer Consumer"},
     {"EngineOptions", "test_hooks", "", "internal", ""},
     // A C++ object called on the engine's threads, sometimes under its locks: no Python
     // callback (it would need the GIL); a ferry.Metrics (its C++ SyncMetrics) is the sink.
@@ -197,6 +198,7 @@ void fill_engine(EngineOptions& o, const py::dict& kw) {
   if (kw.contains("join_window")) o.join_window = seconds(kw, "join_window");
   if (kw.contains("lease_ttl")) o.lease_ttl = seconds(kw, "lease_ttl");
   if (kw.contains("checksums")) o.checksums = flag(kw, "checksums");
+  if (kw.contains("weight_digests")) o.weight_digests = flag(kw, "weight_digests");
 #ifdef FERRY_PYTHON_METRICS
   if (kw.contains("metrics") && !kw["metrics"].is_none()) {
     if (!py::isinstance<PyMetrics>(kw["metrics"])) refuse("metrics", "a ferry.Metrics", kw["metrics"]);
@@ -241,6 +243,7 @@ void engine_dict(py::dict& d, const EngineOptions& o) {
   d["join_window"] = secs(o.join_window);
   d["lease_ttl"] = secs(o.lease_ttl);
   d["checksums"] = o.checksums;
+  d["weight_digests"] = o.weight_digests;
   d["failover"] = o.failover;
   d["group_order"] = std::string(group_order_kind_name(o.group_order));
   d["convert_on"] = std::string(convert_on_name(o.convert_on));

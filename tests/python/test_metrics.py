@@ -71,6 +71,29 @@ class MetricsTest(unittest.TestCase):
         self.assertEqual(registry.get_sample_value("app_requests_total"), 1)
         self.assertIn(b"ferry_received_bytes_total", prometheus_client.generate_latest(registry))
 
+    def test_check_weights_names_a_param_changed_after_its_sync(self):
+        loader = ferry.ModelLoader(CONFIG, "tp=1")
+        with ferry.StoreServer() as server:
+            trainer = NumpyTrainer(0, 1, "tp=1")
+            common = dict(token=server.token, backend="inproc", job="weights", timeout=20.0, weight_digests=True)
+            producer, consumer = run_threads([lambda: ferry.Producer(trainer, server.url, **common),
+                                              lambda: ferry.Consumer(loader=loader, rank=0, store=server, **common)])
+            for v in (1, 2):
+                trainer.version = v
+                run_threads([lambda: producer.sync(v), lambda: consumer.sync(v)])
+                w = consumer.check_weights()
+                self.assertTrue(w["ok"], w["text"])
+                self.assertEqual((w["version"], w["coverage"]), (v, 1.0))
+            params = consumer.params()
+            name = sorted(params)[0]
+            params[name].reshape(-1)[0] += 1  # the serving engine's copy, changed after the sync
+            w = consumer.check_weights()
+            self.assertFalse(w["ok"])
+            self.assertEqual(w["changed"], [name], w["text"])
+            self.assertIn(name, w["text"])
+            producer.close()
+            consumer.close()
+
     def test_metrics_keyword_takes_only_a_metrics(self):
         loader = ferry.ModelLoader(CONFIG, "tp=1")
         with self.assertRaises(ferry.InvalidArgumentError) as e:
