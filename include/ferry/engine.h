@@ -382,6 +382,12 @@ struct ConsumerOptions : EngineOptions {
   // receive ring, which is what a member copies. SyncReport::received_via_relay and
   // relayed_to_peers count it.
   bool relay = false;
+  // With EngineOptions::weight_digests: every sync begins with the weight check of the
+  // version held (Consumer::check_weights: its params against their digests, the trainer
+  // replicas' boxes of it, every producer's digests of it published by then); each finding
+  // is a ControlEvent of kind kWeights in that sync's report (and the sink's metrics). The
+  // sync itself goes on (it rewrites what it moves).
+  bool check_weights_each_sync = false;
   std::function<void(uint64_t version)> before_sync;             // e.g. pause generation
   std::function<void(uint64_t version, int group)> after_group;  // background thread
   std::function<void(uint64_t version)> after_sync;              // resume with version

@@ -90,6 +90,7 @@ enum class ControlKind : uint8_t {
   kRepublish,   // the store had lost its rendezvous keys (restarted): re-published
   kStore,       // a store write failed (a committed version, a lease); the sync went on
   kNote,        // a lane or path this attempt could not use (the attempt plan's notes)
+  kWeights,     // consumer: the weight check of the version held found a changed param or a drifted replica
 };
 std::string_view control_kind_name(ControlKind kind);  // "drop", "missed", "failover", ...
 

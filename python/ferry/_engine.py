@@ -377,7 +377,7 @@ class Consumer:
                  checksums=False, failover=True, group_order="layer", convert_on="producer", quantize_on="producer", delta=False,
                  cuda_ipc=True, relay=False,
                  direct_min_bytes=64 * 1024, transport_params=None,
-                 ucx_config=None, metrics=None, weight_digests=False):
+                 ucx_config=None, metrics=None, weight_digests=False, check_weights_each_sync=False):
         from ._plan import Plan
         from ._launcher import launcher_rank, launcher_world_size
 
@@ -412,7 +412,8 @@ class Consumer:
                       convert_on=convert_on, quantize_on=quantize_on, delta=delta,
                       cuda_ipc=cuda_ipc, relay=relay,
                       num_producers=num_producers, num_consumers=num_consumers, commit=commit,
-                      metrics=_metrics_handle(metrics), weight_digests=weight_digests)
+                      metrics=_metrics_handle(metrics), weight_digests=weight_digests,
+                      check_weights_each_sync=check_weights_each_sync)
         if direct_min_bytes is not None:  # None: the default, as on the Producer
             kw["direct_min_bytes"] = direct_min_bytes
         if after_group is not None:

@@ -149,6 +149,20 @@ Result<WeightCheck> Consumer::Impl::check_weights() {
   return weights.check(param_set->committed(), store, keys, opts.num_producers);
 }
 
+void Consumer::Impl::check_weights_held() {
+  Result<WeightCheck> w = check_weights();
+  if (!w.ok()) {
+    trace.control(ControlKind::kWeights, -1, -1, fmt::format("consumer {}: the weight check could not run: {}", rank,
+                                                             w.status().to_string()));
+    return;
+  }
+  for (const std::string& p : w->changed)
+    trace.control(ControlKind::kWeights, -1, -1,
+                  fmt::format("consumer {}: param '{}' changed since version {} went live", rank, p, *w->version));
+  for (const std::string& d : w->drifted)
+    trace.control(ControlKind::kWeights, -1, -1, fmt::format("consumer {}: {}", rank, d));
+}
+
 Result<double> Consumer::Impl::commit() {
   const std::optional<uint64_t> v = param_set->state().received;
   FERRY_ASSIGN_OR_RETURN(const double seconds, commit_rule->commit(*param_set));
@@ -188,6 +202,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
   };
   if (opts.before_sync) opts.before_sync(v);  // (the caller's: no stage claims it)
   trace.stage(SyncStage::kRendezvous);
+  if (opts.weight_digests && opts.check_weights_each_sync) check_weights_held();
   {
     std::lock_guard<std::mutex> lk(mu);
     // Drop announcements of older versions and of other syncs this instance ran or gave

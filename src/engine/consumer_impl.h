@@ -459,6 +459,9 @@ struct Consumer::Impl {
   // so ("V mixed v", "V torn v"; committed_states) until a later sync records a version.
   Status record_not_whole(uint64_t v);
   Result<WeightCheck> check_weights();
+  // ConsumerOptions::check_weights_each_sync: the check of the version held, each finding
+  // a kWeights event of the sync beginning.
+  void check_weights_held();
 
   Result<SyncReport> sync(uint64_t v, bool commit_it);
 };

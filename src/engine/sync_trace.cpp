@@ -39,6 +39,7 @@ std::string_view control_kind_name(ControlKind kind) {
     case ControlKind::kRepublish: return "republish";
     case ControlKind::kStore: return "store";
     case ControlKind::kNote: return "note";
+    case ControlKind::kWeights: return "weights";
   }
   return "?";
 }

@@ -142,7 +142,7 @@ Result<std::shared_ptr<SyncMetrics>> SyncMetrics::create(std::shared_ptr<prometh
     m->events = &prometheus::BuildCounter()
                      .Name("ferry_control_events_total")
                      .Help("Control decisions by kind (drop, missed, failover, follow, rejoin, restart, relay-lost, "
-                           "relay-unreached, repair, republish, store, note: ferry/trace.h ControlKind)")
+                           "relay-unreached, repair, republish, store, note, weights: ferry/trace.h ControlKind)")
                      .Register(reg);
     m->sync_version = &prometheus::BuildGauge()
                            .Name("ferry_sync_version")

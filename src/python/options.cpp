@@ -71,6 +71,7 @@ constexpr OptionField kOptionFields[] = {
     {"ConsumerOptions", "cuda_ipc", "cuda_ipc", "keyword", "Consumer"},
     {"ConsumerOptions", "direct_min_bytes", "direct_min_bytes", "keyword", "Consumer"},
     {"ConsumerOptions", "relay", "relay", "keyword", "Consumer"},
+    {"ConsumerOptions", "check_weights_each_sync", "check_weights_each_sync", "keyword", "Consumer"},
     {"ConsumerOptions", "before_sync", "before_sync", "hook", "Consumer"},
     {"ConsumerOptions", "after_group", "after_group", "hook", "Consumer"},
     {"ConsumerOptions", "after_sync", "after_sync", "hook", "Consumer"},
@@ -279,6 +280,7 @@ ConsumerOptions consumer_options(const py::dict& kw) {
   fill_engine(o, kw);
   if (kw.contains("cuda_ipc")) o.cuda_ipc = flag(kw, "cuda_ipc");
   if (kw.contains("relay")) o.relay = flag(kw, "relay");
+  if (kw.contains("check_weights_each_sync")) o.check_weights_each_sync = flag(kw, "check_weights_each_sync");
   if (kw.contains("direct_min_bytes")) o.direct_min_bytes = byte_count(kw, "direct_min_bytes");
   if (kw.contains("commit")) {
     auto policy = parse_commit_policy(text(kw, "commit"));
@@ -308,6 +310,7 @@ py::dict options_dict(const ConsumerOptions& o) {
   d["commit"] = std::string(commit_policy_name(o.commit));
   d["cuda_ipc"] = o.cuda_ipc;
   d["relay"] = o.relay;
+  d["check_weights_each_sync"] = o.check_weights_each_sync;
   d["direct_min_bytes"] = o.direct_min_bytes;
   d["before_commit"] = static_cast<bool>(o.before_commit);
   d["after_commit"] = static_cast<bool>(o.after_commit);

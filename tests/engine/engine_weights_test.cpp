@@ -28,6 +28,7 @@ TEST(WeightChecker, NoFalseAlarmOverAHundredVerifiedSyncs) {
 TEST(WeightChecker, NamesADriftedReplicaAndAParamChangedAfterItsSync) {
   Cluster k;
   k.eo.weight_digests = true;
+  k.tweak_consumer = [](ConsumerOptions& co, int) { co.check_weights_each_sync = true; };
   std::string drifted_param;
   k.tweak_producer = [&](ProducerOptions& o, int p) {
     if (p != 2) return;
@@ -59,8 +60,18 @@ TEST(WeightChecker, NamesADriftedReplicaAndAParamChangedAfterItsSync) {
         << w->to_string();
     EXPECT_NE(w->to_string().find("NOT as delivered"), std::string::npos);
   }
-  // The replica agrees again at 3; then a param of consumer 0 changes after its sync.
-  k.expect_all_ok(k.sync(3), 3);
+  // The replica agrees again at 3, whose syncs began with the check of 2: each consumer's
+  // report says what drifted (check_weights_each_sync).
+  auto o3 = k.sync(3);
+  k.expect_all_ok(o3, 3);
+  for (size_t c = 0; c < o3.c.size(); ++c) {
+    const SyncReport& r = **o3.c[c];
+    ASSERT_EQ(r.events.size(), 1u) << r.to_string();
+    EXPECT_EQ(r.events[0].kind, ControlKind::kWeights);
+    EXPECT_NE(r.events[0].message.find("producers 0 and 2 disagree on '" + drifted_param + "'"), std::string::npos)
+        << r.to_string();
+  }
+  // Then a param of consumer 0 changes after its sync.
   TensorMap live = k.cons[0]->params();
   ASSERT_FALSE(live.empty());
   const std::string name = live.begin()->first;
@@ -74,6 +85,13 @@ TEST(WeightChecker, NamesADriftedReplicaAndAParamChangedAfterItsSync) {
   auto w1 = k.cons[1]->check_weights();
   ASSERT_TRUE(w1.ok());
   EXPECT_TRUE(w1->ok()) << w1->to_string();
+  // The next sync begins by saying so, and rewrites the param.
+  auto o4 = k.sync(4);
+  k.expect_all_ok(o4, 4);
+  const SyncReport& r0 = **o4.c[0];
+  ASSERT_EQ(r0.events.size(), 1u) << r0.to_string();
+  EXPECT_EQ(r0.events[0].message, "consumer 0: param '" + name + "' changed since version 3 went live");
+  EXPECT_TRUE((**o4.c[1]).events.empty()) << (**o4.c[1]).to_string();
 }
 
 TEST(WeightChecker, NeedsTheDigests) {
