@@ -113,6 +113,7 @@
 #include <optional>
 #include <string_view>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ferry/models.h"
@@ -485,6 +486,9 @@ struct SyncStages {
   double unattributed = 0;
   double of(SyncStage s) const { return seconds[static_cast<int>(s)]; }
   double sum() const;  // every stage and unattributed
+  // (name, seconds) of every stage in the order a sync passes them, then "unattributed":
+  // how reports, metrics and `ferry demo` name them.
+  std::vector<std::pair<std::string_view, double>> named() const;
 };
 
 struct SyncReport {

@@ -160,10 +160,8 @@ void print_stall_and_stages(const tools::DemoResult& r, const std::string& commi
   if (last.slowest.empty() || !last.slowest_stages.is_object() || last.slowest_stages.empty()) return;
   std::string stages;
   double sum = 0;
-  std::vector<std::string> names;  // in the order a sync passes them
-  for (int i = 0; i < kSyncStageCount; ++i) names.emplace_back(sync_stage_name(static_cast<SyncStage>(i)));
-  names.emplace_back("unattributed");
-  for (const std::string& name : names) {
+  for (const auto& stage : SyncStages{}.named()) {  // (in the order a sync passes them)
+    const std::string name(stage.first);
     const double secs = last.slowest_stages.value(name, 0.0);
     stages += fmt::format("{}{} {:.4f}", stages.empty() ? "" : ", ", name, secs);
     sum += secs;

@@ -47,6 +47,13 @@ double SyncStages::sum() const {
   return s;
 }
 
+std::vector<std::pair<std::string_view, double>> SyncStages::named() const {
+  std::vector<std::pair<std::string_view, double>> out;
+  for (int i = 0; i < kSyncStageCount; ++i) out.emplace_back(sync_stage_name(static_cast<SyncStage>(i)), seconds[i]);
+  out.emplace_back("unattributed", unattributed);
+  return out;
+}
+
 std::string SyncReport::to_string() const {
   std::string s = fmt::format("version {}: {}, {} bytes {} in {:.3f} s", version,
                               !status.ok()     ? status.to_string()

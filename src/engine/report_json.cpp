@@ -74,8 +74,7 @@ nlohmann::json sync_report_json(const SyncReport& r) {
   j["events"] = events;
   // The stage record: where `seconds` went, stage by stage, summing to it.
   nlohmann::json stages = nlohmann::json::object();
-  for (int i = 0; i < kSyncStageCount; ++i) stages[std::string(sync_stage_name(static_cast<SyncStage>(i)))] = r.stages.seconds[i];
-  stages["unattributed"] = r.stages.unattributed;
+  for (const auto& [name, secs] : r.stages.named()) stages[std::string(name)] = secs;
   j["stages"] = stages;
   nlohmann::json live = nlohmann::json::object();
   for (const auto& [c, v] : r.consumers_live) live[std::to_string(c)] = v;

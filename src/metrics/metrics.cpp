@@ -239,10 +239,7 @@ void SyncMetrics::Impl::report(const SyncSource& from, const SyncReport& r) {
     received->Add(with(l, "lane", std::string(lane))).Increment(static_cast<double>(bytes));
   for (const auto& [name, ns] : phase_ns)
     phase->Add(with(l, "phase", std::string(name)), kPhaseBuckets).Observe(static_cast<double>(ns) * 1e-9);
-  for (int i = 0; i <= kSyncStageCount; ++i) {
-    const std::string name = i < kSyncStageCount ? std::string(sync_stage_name(static_cast<SyncStage>(i))) : "unattributed";
-    stage->Add(with(l, "stage", name), sync_buckets).Observe(i < kSyncStageCount ? r.stages.seconds[i] : r.stages.unattributed);
-  }
+  for (const auto& [name, secs] : r.stages.named()) stage->Add(with(l, "stage", std::string(name)), sync_buckets).Observe(secs);
   if (patch_count) patches->Add(l).Increment(static_cast<double>(patch_count));
   if (r.patched_dense_bytes) patched_dense->Add(l).Increment(static_cast<double>(r.patched_dense_bytes));
   if (r.delta_elements) delta_elements->Add(l).Increment(static_cast<double>(r.delta_elements));
