@@ -314,7 +314,8 @@ struct Consumer::Impl {
   int lost_producer(const std::set<int>& from, LapseWatch& lapses);
 
   // wait_all for reads from producer p, bounded by timeout; kPeerFailed as soon as p is
-  // lost (lost_producer): a host cut off mid-read stalls tcp, it does not fail it.
+  // lost (lost_producer): a host cut off mid-read stalls tcp, it does not fail it. JOINs
+  // the other producers each keepalive_every meanwhile, as await_any does.
   Status wait_reads(std::span<const Completion> ops, int p, uint64_t v, int g);
 
   // The receive slot of the group at position `at` of this consumer's order.
@@ -407,7 +408,7 @@ struct Consumer::Impl {
     return h.ok() ? h : h.with_context(fmt::format("consumer {}: its transport failed", rank));
   }
   // How often a consumer held up by one producer JOINs the others (await_any,
-  // await_restart): a quarter of the straggler floor, within [20 ms, 500 ms].
+  // wait_reads, await_restart): a quarter of the straggler floor, within [20 ms, 500 ms].
   Clock::duration keepalive_every() const {
     return std::clamp<Clock::duration>(opts.straggler_floor / 4, std::chrono::milliseconds(20),
                                        std::chrono::milliseconds(500));

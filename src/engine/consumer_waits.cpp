@@ -3,6 +3,8 @@
 // (engine/wait_loop.h), and the checks that end them (a producer failed, lost by its
 // lease, moved on or serving another version). Impl and what lives where:
 // engine/consumer_impl.h.
+#include <thread>
+
 #include "engine/consumer_impl.h"
 
 namespace ferry {
@@ -145,17 +147,43 @@ int Consumer::Impl::lost_producer(const std::set<int>& from, LapseWatch& lapses)
 }
 
 Status Consumer::Impl::wait_reads(std::span<const Completion> ops, int p, uint64_t v, int g) {
+  using std::chrono::milliseconds;
   const auto deadline = Clock::now() + opts.timeout;
   const bool watch = opts.failover && opts.lease_ttl.count() > 0;
   LapseWatch lapses;
+  auto next_check = Clock::now() + opts.lease_ttl;
+  // Reads pending at p hold this consumer in the sync as an announcement does
+  // (await_any): JOINs to the other producers each keepalive_every keep it from being
+  // dropped there as a straggler for p's pause (issue 49, finding 1: a producer stopped
+  // mid-read held one consumer, and a healthy producer dropped it 2 x lease_ttl later).
+  const bool others = opts.num_producers > 1;
+  Clock::time_point held_until{};
+  if (opts.test_hooks && opts.test_hooks->hold_reads) held_until = Clock::now() + opts.test_hooks->hold_reads(v, g, p);
   for (;;) {
-    const auto left = std::max(std::chrono::milliseconds(0),
-                               std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
-    Status st = wait_all(ops, watch ? std::min(left, opts.lease_ttl) : left);
-    if (st.code() != StatusCode::kTimeout || !watch || Clock::now() >= deadline) return st;
-    if (lost_producer({p}, lapses) == p)
-      return peer_failed("producer {} lost during sync {} (group {}): reads pending and its lease {} gone for over "
-                         "{} ms (cut off or paused)", p, v, g, keys.producer(p), opts.lease_ttl.count());
+    const auto now = Clock::now();
+    auto until = deadline;
+    if (watch) until = std::min(until, next_check);
+    if (others) until = std::min(until, now + keepalive_every());
+    const auto slice = std::max(milliseconds(0), std::chrono::duration_cast<milliseconds>(until - now));
+    Status st;
+    if (now < held_until) {
+      std::this_thread::sleep_for(std::min<Clock::duration>(slice, held_until - now));
+      st = timeout_error("reads held (test hook)");
+    } else {
+      st = wait_all(ops, slice);
+    }
+    if (st.code() != StatusCode::kTimeout || Clock::now() >= deadline) return st;
+    if (others) {
+      for (int q : reachable_producers()) {
+        if (q != p) send_to(q, Join{me(), v, routes_hash});
+      }
+    }
+    if (watch && Clock::now() >= next_check) {
+      next_check = Clock::now() + opts.lease_ttl;
+      if (lost_producer({p}, lapses) == p)
+        return peer_failed("producer {} lost during sync {} (group {}): reads pending and its lease {} gone for over "
+                           "{} ms (cut off or paused)", p, v, g, keys.producer(p), opts.lease_ttl.count());
+    }
   }
 }
 

@@ -243,12 +243,10 @@ Status Producer::Impl::wait_slot(size_t s, bool stop_on_restart) {
     // JOINs (Consumer await_restart), and is not dropped for it.
     // Time this producer spent stopped is held against no consumer: what they sent
     // meanwhile may still be queued for us (engine/straggler.h, PauseWatch).
+    // A stop of ours that ended while we waited is seen after the wait, before any
+    // verdict: the loop judges again, every clock restarted from the resume.
     const std::optional<Clock::time_point> resumed = pause_watch.last_resume();
-    if (resumed) {
-      for (int c : slots[s].pending) {
-        if (auto pr = members.consumer_progress.find(c); pr != members.consumer_progress.end()) pr->second = std::max(pr->second, *resumed);
-      }
-    }
+    auto resumed_while_waiting = [&] { return pause_watch.last_resume() != resumed; };
     auto stall_from = [&](int c) -> std::optional<Clock::time_point> {
       Clock::time_point from = slots[s].since;
       if (any_open) {
@@ -284,19 +282,20 @@ Status Producer::Impl::wait_slot(size_t s, bool stop_on_restart) {
     if (opts.num_producers > 1) policy.loss_detection = 2 * opts.lease_ttl;
     RoutesKnown known{routes_hash, &members.consumer_hash, &members.consumer_joined, members.undeclared_hash};
     known.progress = &members.consumer_progress;
+    known.resumed = resumed;
     if (pace_slot) known.opened = &slots[s].opened;
     auto pace = [&] { return SlotPace{slots[s].group, slots[s].hash, slots[s].since, slots[s].last_release}; };
     const Clock::duration bound = slots[s].last_release ? straggler_bound(policy, pace()) : Clock::duration{};
     if (auto at = next_straggler(policy, bound, pace(), known, slots[s].pending, deadline)) {
       if (cv.wait_until(lk, std::min(*at, probe_at)) == std::cv_status::timeout && Clock::now() >= *at &&
-          slots[s].last_release &&
-          !slots[s].pending.empty()) {
+          slots[s].last_release && !slots[s].pending.empty() && !resumed_while_waiting()) {
         for (const auto& [c, why] : stragglers(policy, bound, pace(), known, slots[s].pending, Clock::now()))
           drop_locked(c, why, &n);
       }
       continue;
     }
-    if (cv.wait_until(lk, std::min(deadline, probe_at)) == std::cv_status::timeout && Clock::now() >= deadline) {
+    if (cv.wait_until(lk, std::min(deadline, probe_at)) == std::cv_status::timeout && Clock::now() >= deadline &&
+        !resumed_while_waiting()) {
       std::set<int> late = slots[s].pending;
       const auto now = Clock::now();
       std::erase_if(late, [&](int c) {

@@ -32,6 +32,7 @@ std::optional<Lag> lag_start(const SlotPace& slot, const RoutesKnown& known, int
     lag.entered = p != known.progress->end();
     if (lag.entered) lag.from = std::max(lag.from, p->second);
   }
+  if (known.resumed) lag.from = std::max(lag.from, *known.resumed);
   return lag;
 }
 
@@ -80,10 +81,12 @@ std::vector<std::pair<int, std::string>> stragglers(const StragglerPolicy& polic
       auto j = known.joined->find(c);
       const bool moved = j != known.joined->end() && j->second == lag->from;
       const bool turn = known.opened && known.opened->count(c) && known.opened->at(c) == lag->from;
+      const bool resumed = known.resumed == lag->from;
       since = fmt::format(", {} ms after {}", ms(now - lag->from),
-                          moved ? "it moved to these routes"
-                          : turn ? "its turn came (its wave opened)"
-                                 : "its last progress in this sync");
+                          moved    ? "it moved to these routes"
+                          : turn   ? "its turn came (its wave opened)"
+                          : resumed ? "this producer resumed from a stop of its own"
+                                    : "its last progress in this sync");
     }
     out.emplace_back(c, fmt::format("straggler: group {} not {} {} ms after the other consumers{} ({} ms after it "
                                     "was announced; bound: max(straggler_floor {} ms, {} x {} ms{}))",
@@ -97,12 +100,14 @@ PauseWatch::PauseWatch(Clock::duration tick, Clock::duration gap) : tick_(tick),
   thread_ = std::thread([this] {
     std::unique_lock<std::mutex> lk(mu_);
     auto last = Clock::now();
+    woke_.store(last.time_since_epoch().count());
     started_ = true;
     cv_.notify_all();
     while (!stop_) {
       cv_.wait_for(lk, tick_);
       const auto now = Clock::now();
       if (now - last > gap_) resumed_.store(now.time_since_epoch().count());
+      woke_.store(now.time_since_epoch().count());
       last = now;
     }
   });
@@ -121,7 +126,12 @@ PauseWatch::~PauseWatch() {
 }
 
 std::optional<Clock::time_point> PauseWatch::last_resume() const {
+  // woke_ before resumed_: the watcher stores them in the other order, so a gap it
+  // closed is seen either as still open (woke_ old) or as closed (resumed_), never as none.
+  const auto now = Clock::now();
+  const auto woke = Clock::time_point(Clock::duration(woke_.load()));
   const int64_t t = resumed_.load();
+  if (now - woke > gap_) return now;
   if (t == 0) return std::nullopt;
   return Clock::time_point(Clock::duration(t));
 }

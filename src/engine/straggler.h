@@ -65,6 +65,9 @@ struct RoutesKnown {
   // A consumer absent here is not late: its turn has not come. Null: every consumer's
   // turn came when the slot was announced (layer order).
   const std::map<int, Clock::time_point>* opened = nullptr;
+  // When this producer last resumed from a stop of its own (PauseWatch): no consumer
+  // lags from before it, entered or not — what they sent meanwhile may still be queued.
+  std::optional<Clock::time_point> resumed;
 };
 
 // Where consumer c's lag on a slot starts, and whether it has entered the sync.
@@ -80,8 +83,8 @@ Clock::duration straggler_bound(const StragglerPolicy& policy, const SlotPace& s
 
 // When consumer c's lag began: nullopt while it is not known to read the slot's routes
 // (a slot of routes the producer abandoned, or routes c has not declared), else the
-// latest of the last release, when c moved to these routes (FAILOVER) and c's own last
-// progress; with whether c entered the sync. Needs `slot.last_release`.
+// latest of the last release, when c moved to these routes (FAILOVER), c's own last
+// progress and the producer's own last resume; with whether c entered the sync. Needs `slot.last_release`.
 std::optional<Lag> lag_start(const SlotPace& slot, const RoutesKnown& known, int c);
 
 // The bound for one consumer's lag: `bound` (straggler_bound) once it entered the sync,
@@ -114,12 +117,16 @@ class PauseWatch {
   ~PauseWatch();
   PauseWatch(const PauseWatch&) = delete;
   PauseWatch& operator=(const PauseWatch&) = delete;
-  // When the last such gap ended; nullopt if none was seen.
+  // When the last such gap ended; nullopt if none was seen. A gap still open — the
+  // watcher has not woken since more than `gap` ago, as right after a SIGCONT when the
+  // caller's thread runs before the watcher's — counts as ending now: a caller that
+  // wakes from a stop is never told it was not stopped (issue 49, finding 1).
   std::optional<Clock::time_point> last_resume() const;
 
  private:
   const Clock::duration tick_, gap_;
   std::atomic<int64_t> resumed_{0};  // Clock ticks since epoch; 0: none
+  std::atomic<int64_t> woke_{0};     // the watcher's last wake, Clock ticks since epoch
   std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false, started_ = false;

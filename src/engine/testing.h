@@ -3,6 +3,7 @@
 // carry only an opaque pointer to these hooks (EngineOptions::test_hooks).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -27,6 +28,11 @@ struct TestHooks {
   // the group's data, 1: reads posted (push: READY sent), 2: group received and
   // released, 3: on the background thread before unpacking. Fault tests crash here.
   std::function<void(int group, int phase)> consumer_point;
+  // Consumer: reads of group `group` of sync `version` from producer `producer` stay
+  // pending for the returned time before they are waited for, as if that producer's side
+  // stalled (a SIGSTOPped producer holds the reads its transport must serve); the
+  // consumer waits as for real reads meanwhile. Zero: not held.
+  std::function<std::chrono::milliseconds(uint64_t version, int group, int producer)> hold_reads;
 };
 
 inline std::shared_ptr<const TestHooks> make_test_hooks(TestHooks hooks) {

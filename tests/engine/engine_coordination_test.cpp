@@ -516,6 +516,55 @@ TEST_P(EngineInprocTest, StragglerIsDroppedEarlyAndCatchesUp) {
   EXPECT_TRUE((*o3.p[0])->ok()) << (*o3.p[0])->to_string();
 }
 
+// Issue 49, finding 1: a consumer held by one producer's pending reads is no straggler
+// to another. Producer 0 stands for a stopped trainer rank: consumer 1's reads of its
+// group 1 stay pending for 2 s (TestHooks::hold_reads), and it judges no one
+// (straggler_floor 0, as a stopped process cannot). Producer 1 announces group 1 only once
+// consumer 1 is held, so consumer 0 releases it and consumer 1 cannot: a bound of
+// max(300 ms, 2 x lease_ttl 400 ms) would drop it 1.6 s before the reads complete, but
+// consumer 1 says it is in the sync (JOINs) while it waits, and every report is ok.
+TEST(EngineCoordination, ConsumerHeldByOneProducersReadsIsNoStragglerToAnother) {
+  Cluster k;
+  k.eo.straggler_floor = 300ms;
+  k.eo.lease_ttl = 200ms;
+  k.eo.stall_timeout = 30s;
+  std::atomic<bool> held{false}, armed{false};
+  k.tweak_producer = [&](ProducerOptions& o, int p) {
+    if (p == 0) {
+      o.straggler_floor = 0ms;
+      return;
+    }
+    auto hooks = std::make_shared<engine::TestHooks>();
+    hooks->before_materialize = [&](uint64_t v, int g) {
+      if (v != 2 || g != 1) return;
+      const auto until = std::chrono::steady_clock::now() + 10s;
+      while (!held && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(5ms);
+    };
+    o.test_hooks = hooks;
+  };
+  k.tweak_consumer = [&](ConsumerOptions& o, int c) {
+    if (c != 1) return;
+    auto hooks = std::make_shared<engine::TestHooks>();
+    hooks->hold_reads = [&](uint64_t v, int g, int p) -> std::chrono::milliseconds {
+      if (!armed || v != 2 || g != 1 || p != 0 || held.exchange(true)) return 0ms;
+      return 2000ms;
+    };
+    o.test_hooks = hooks;
+  };
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=1,replicas=2").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  armed = true;
+  auto o = k.sync(2);
+  EXPECT_TRUE(held) << "consumer 1 never read group 1 of producer 0";
+  k.expect_all_ok(o, 2);
+  for (auto& p : o.p) {
+    ASSERT_TRUE(p->ok()) << p->status().to_string();
+    EXPECT_TRUE((**p).dropped.empty()) << (**p).to_string();
+  }
+  k.expect_verified(0, 2);
+  k.expect_verified(1, 2);
+}
+
 // The same with two PP stages and four replicas (rotated: two cohorts of two, each
 // reading one stage's group while the other reads the other's): the consumer that stalls
 // is dropped as a straggler by the producer it holds up, the others verify.

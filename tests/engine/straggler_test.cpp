@@ -146,6 +146,45 @@ TEST(Straggler, PacedLagCountsFromTheConsumersTurn) {
   EXPECT_NE(out[1].second.find("its turn came"), std::string::npos) << out[1].second;
 }
 
+// Issue 49, finding 1: a producer's own stop is held against no consumer. Its last resume
+// starts every lag, of a consumer that entered and of one that did not (the join window
+// counts from it too), and a straggler dropped after it is told so.
+TEST(Straggler, LagCountsFromTheProducersOwnResume) {
+  Known k;
+  std::map<int, Clock::time_point> progress{{0, t0 + milliseconds(50)}};
+  RoutesKnown known = k.at(0xAB, 0xAB);
+  known.progress = &progress;
+  known.resumed = t0 + milliseconds(6000);
+  EXPECT_EQ(lag_start(kSlot, known, 0), (Lag{t0 + milliseconds(6000), true}));
+  EXPECT_EQ(lag_start(kSlot, known, 1), (Lag{t0 + milliseconds(6000), false}));
+  StragglerPolicy p{milliseconds(2000), 8, true};
+  p.join_window = milliseconds(4000);
+  const auto bound = straggler_bound(p, kSlot);  // 2000 ms
+  // Without the resume both would be dropped by 6000 ms; with it, not before 8000 / 10000.
+  EXPECT_TRUE(stragglers(p, bound, kSlot, known, {0, 1}, t0 + milliseconds(7999)).empty());
+  EXPECT_EQ(next_straggler(p, bound, kSlot, known, {0, 1}, t0 + milliseconds(30000)), t0 + milliseconds(8000));
+  auto out = stragglers(p, bound, kSlot, known, {0, 1}, t0 + milliseconds(8000));
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].second,
+            "straggler: group 3 not released 7900 ms after the other consumers, 2000 ms after this producer resumed "
+            "from a stop of its own (100 ms after it was announced; bound: max(straggler_floor 2000 ms, 8 x 100 ms))");
+  out = stragglers(p, bound, kSlot, known, {1}, t0 + milliseconds(10000));
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].first, 1);
+}
+
+// A stop whose end the watcher has not seen yet — right after SIGCONT the caller's thread
+// may run before the watcher's — counts as ending now: here the watcher sleeps 10 s
+// between wakes, so 400 ms after the last one the gap (300 ms) is open.
+TEST(PauseWatch, AGapTheWatcherHasNotClosedEndsNow) {
+  PauseWatch w(std::chrono::seconds(10), milliseconds(300));
+  std::this_thread::sleep_for(milliseconds(400));
+  const auto before = Clock::now();
+  const auto r = w.last_resume();
+  ASSERT_TRUE(r.has_value());
+  EXPECT_GE(*r, before);
+}
+
 // PauseWatch notices that its process was stopped: a child process runs one (20 ms
 // ticks, 300 ms gap) and is SIGSTOPped for 1.5 s, then continued; the last resume it
 // reports is no earlier than the SIGCONT (CLOCK_MONOTONIC: one clock for both).
