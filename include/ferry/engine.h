@@ -203,17 +203,18 @@ struct EngineOptions {
   std::chrono::milliseconds stall_timeout{30000};
   // Producer: a straggler — a consumer that entered the sync and has not released (pull)
   // / asked for (push) a slot the other consumers of that slot are done with, for longer
-  // than max(straggler_floor, straggler_factor x the time the others took, 2 x lease_ttl
-  // with more than one producer) since the later of the last of them and its own last
-  // progress in this sync — is dropped from this sync early (so it holds the others back
-  // by at most that bound, not by stall_timeout) and catches up at the next sync. The
-  // bound is relative so that a big group that takes everyone long is not a straggler,
-  // with a floor of seconds so that ordinary jitter (scheduling, a short GC) is not
-  // either, and never shorter than a consumer takes to find another producer lost (by
-  // its lease) so that one held up by that loss is not blamed. A consumer that keeps
-  // moving (e.g. post-processing each group for a second) is never one, nor is one held
-  // up by another producer (it JOINs the others every quarter of the floor while it
-  // waits), nor are clocks run while the producer itself was stopped. A lone consumer
+  // than max(straggler_floor, straggler_factor x the time the others took) since the
+  // later of the last of them and its own last progress in this sync — is dropped from
+  // this sync early (so it holds the others back by at most that bound, not by
+  // stall_timeout) and catches up at the next sync. The same for the sync's end: one
+  // that has not committed (DONE) that long after the others did. The bound is relative
+  // so that a big group that takes everyone long is not a straggler, with a floor of
+  // seconds so that ordinary jitter (scheduling, a short GC) is not either; it holds as
+  // set, with any number of producers. A consumer that keeps moving (e.g.
+  // post-processing each group for a second: it JOINs while its unpacking drains) is
+  // never one, nor is one held up by another producer (it JOINs the others every
+  // quarter of the floor while it waits for an announcement, reads or a failover), nor
+  // are clocks run while the producer itself was stopped. A lone consumer
   // of a slot is never a straggler: only stall_timeout applies; nor is one still moving
   // to the routes of a failed-over sync, until it declares them (its lag counts from
   // then). 0: off (join_window too; only stall_timeout applies).

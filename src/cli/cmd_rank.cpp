@@ -47,8 +47,8 @@ void add_common(CLI::App& app, tools::RankSpec& s) {
       ->check(number_in(10, 1 << 30));
   app.add_option("--straggler-floor", s.straggler_floor_ms,
                  "serve: drop a fetch rank that entered the sync and made no progress for max(this, "
-                 "--straggler-factor x the others' time, 2 x --lease-ttl with several trainer ranks) ms after "
-                 "the others were done with a group; it catches up at the next sync (0: only --timeout)")
+                 "--straggler-factor x the others' time) ms after the others were done with a group or "
+                 "committed the sync; it catches up at the next sync (0: only --timeout)")
       ->default_val(2000)
       ->check(number_in(0, 1 << 30));
   app.add_option("--straggler-factor", s.straggler_factor, "serve: the relative part of that bound")

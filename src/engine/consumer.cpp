@@ -64,16 +64,33 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
     delta.landed(g);  // (its params hold this sync's bytes from now on: no patch of it is taken)
     worker->enqueue({v, g, s});
   }
-  // Drain the background thread.
+  // Drain the background thread. Unpacking and post-processing the last groups may take
+  // seconds (RL post-processing): JOINs each keepalive_every meanwhile say this consumer
+  // is moving, so that no producer waiting for its DONE takes it for hung (a producer
+  // drops one that stays silent past its straggler bound once the others committed).
   trace.stage(SyncStage::kTransform);
-  Status drained = worker->drain(opts.timeout, who());
-  if (drained.code() == StatusCode::kTimeout) return drained;
+  Status drained;
+  for (const auto deadline = Clock::now() + opts.timeout;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    const auto slice = std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(keepalive_every()),
+                                  std::chrono::milliseconds(0), std::max(left, std::chrono::milliseconds(0)));
+    drained = worker->drain(slice, who());
+    if (drained.code() != StatusCode::kTimeout || Clock::now() >= deadline) break;
+    for (int p : reachable_producers()) send_to(p, Join{me(), v, routes_hash});
+  }
+  if (drained.code() == StatusCode::kTimeout)
+    return timeout_error("{}: unpacking did not finish within {} ms", who(), opts.timeout.count());
   if (crashed) return cancelled("consumer {} crashed (test hook)", rank);
   return drained;
 }
 
 Status Consumer::Impl::failover(uint64_t v, const Status& why) {
   trace.stage(SyncStage::kRouting);
+  // Held up by the failed producer until the FAILOVER below: the others hear it moves
+  // (the background reset may wait for an unpack in progress).
+  for (int q : reachable_producers()) {
+    if (q != attempts.failed_p) send_to(q, Join{me(), v, routes_hash});
+  }
   std::set<int> d = route_state.dead();
   d.insert(attempts.failed_p);
   {

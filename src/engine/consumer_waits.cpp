@@ -263,14 +263,24 @@ template <typename Late>
 Status Consumer::Impl::await_flushed(uint64_t v, const std::vector<int>& from, bool cancel_on_crash, Late late) {
   std::unique_lock<std::mutex> lk(mu);
   const auto deadline = Clock::now() + opts.timeout;
+  auto next_keepalive = Clock::now() + keepalive_every();
   for (int p : from) {
     while (!route_state.dead().count(p) && !peers[p].failure && peers[p].connected) {
+      if (Clock::now() >= next_keepalive) {  // held up by p: the others hear it moves (await_any)
+        lk.unlock();
+        for (int q : reachable_producers()) {
+          if (q != p) send_to(q, Join{me(), v, routes_hash});
+        }
+        lk.lock();
+        next_keepalive = Clock::now() + keepalive_every();
+        continue;  // (the state may have changed meanwhile)
+      }
       auto it = push.flushed_from.find(p);
       if (it != push.flushed_from.end() && it->second == std::make_pair(v, routes_hash)) break;
       if (crashed) return cancel_on_crash ? cancelled("consumer {} crashed (test hook)", rank) : Status::Ok();
       // Our own transport dead: no FLUSHED can come, and no write can land any more.
       if (Status h = own_transport_health(); !h.ok()) return cancel_on_crash ? h : Status::Ok();
-      const auto probe_at = Clock::now() + health_probe_every(opts.lease_ttl);
+      const auto probe_at = std::min(Clock::now() + health_probe_every(opts.lease_ttl), next_keepalive);
       if (cv.wait_until(lk, std::min(deadline, probe_at)) == std::cv_status::timeout && Clock::now() >= deadline)
         return late(p);
     }

@@ -300,24 +300,15 @@ Result<SyncReport> Producer::Impl::sync(uint64_t v) {
     if (failure.ok() && !restarted) {
       // Stay in the sync until every live consumer committed it (DONE), so that a
       // consumer that fails over late still finds this producer; bounded by the stall
-      // timeout (a slow consumer is not dropped for it).
+      // timeout, and for each consumer by the straggler bound once others committed
+      // (wait_committed).
       trace.stage(SyncStage::kCommit);
       std::unique_lock<std::mutex> lk(mu);
       const auto tc = Clock::now();
-      const auto deadline = Clock::now() + opts.stall_timeout;
-      auto all_done = [&] {
-        for (int c = 0; c < opts.num_consumers; ++c) {
-          if (members.member(c) && !members.committed(c, v)) return false;
-        }
-        return true;
-      };
-      while (!all_done() && !restart.to_other_than(routes_hash) && local_failure.ok()) {
-        if (own_transport_dead(lk)) continue;  // (ends the wait)
-        if (cv.wait_until(lk, std::min(deadline, Clock::now() + health_probe_every(opts.lease_ttl))) ==
-                std::cv_status::timeout &&
-            Clock::now() >= deadline)
-          break;
-      }
+      std::vector<int> n = wait_committed(lk, v, tc);
+      lk.unlock();
+      send_dropped(n, v);
+      lk.lock();
       if (!local_failure.ok()) failure = local_failure;
       restarted = restart.to_other_than(routes_hash);
       trace.record(TracePhase::kCommit, -1, -1, tc, Clock::now());
@@ -375,6 +366,60 @@ Result<SyncReport> Producer::Impl::sync(uint64_t v) {
   trace.finish_report(report);
   if (!failure.ok()) return failure;
   return report;
+}
+
+std::vector<int> Producer::Impl::wait_committed(std::unique_lock<std::mutex>& lk, uint64_t v, Clock::time_point since) {
+  std::vector<int> n;
+  const auto deadline = since + opts.stall_timeout;
+  StragglerPolicy policy{opts.straggler_floor, opts.straggler_factor, opts.mode == SyncMode::kPull};
+  policy.join_window = opts.join_window;
+  LapseWatch lapses;
+  const bool watch = opts.lease_ttl.count() > 0;
+  auto next_lease_check = Clock::now() + opts.lease_ttl;
+  for (;;) {
+    std::set<int> pending;
+    std::optional<Clock::time_point> last_done;  // the others' pace: the last DONE of v
+    for (int c = 0; c < opts.num_consumers; ++c) {
+      if (!members.member(c)) continue;
+      if (!members.committed(c, v)) {
+        pending.insert(c);
+      } else if (auto at = members.done_at.find(c); at != members.done_at.end()) {
+        last_done = std::max(last_done.value_or(at->second), at->second);
+      }
+    }
+    if (pending.empty() || restart.to_other_than(routes_hash) || !local_failure.ok()) break;
+    if (own_transport_dead(lk)) continue;  // (ends the wait)
+    if (watch && Clock::now() >= next_lease_check) {
+      drop_lapsed_locked(lk, pending, lapses, &n);
+      next_lease_check = Clock::now() + opts.lease_ttl;
+      continue;
+    }
+    // A consumer that has not committed the straggler bound after the others did, and
+    // said nothing meanwhile (its drain JOINs each keepalive while it unpacks), is hung
+    // as surely as one that stopped reading a slot: dropped, not waited for to
+    // stall_timeout while every healthy consumer's next sync waits for this producer
+    // (issue 49, finding 2). The bound's relative part: the others' time to commit after
+    // this producer's last slot was done.
+    const std::optional<Clock::time_point> resumed = pause_watch.last_resume();
+    RoutesKnown known{routes_hash, &members.consumer_hash, &members.consumer_joined, members.undeclared_hash};
+    known.progress = &members.consumer_progress;
+    known.resumed = resumed;
+    std::optional<Clock::time_point> at;
+    SlotPace pace{-1, routes_hash, since, last_done ? std::max(*last_done, since) : last_done};
+    const Clock::duration bound = pace.last_release ? straggler_bound(policy, pace) : Clock::duration{};
+    at = next_straggler(policy, bound, pace, known, pending, deadline);
+    const auto wake = std::min({deadline, at.value_or(deadline), Clock::now() + health_probe_every(opts.lease_ttl),
+                                watch ? next_lease_check : deadline});
+    const bool timed_out = cv.wait_until(lk, wake) == std::cv_status::timeout;
+    if (pause_watch.last_resume() != resumed) continue;  // stopped meanwhile: judge again from the resume
+    if (timed_out && at && Clock::now() >= *at) {
+      for (const auto& [c, why] : stragglers(policy, bound, pace, known, pending, Clock::now())) {
+        if (!members.committed(c, v)) drop_locked(c, why, &n);
+      }
+    }
+    if (timed_out && Clock::now() >= deadline) break;
+  }
+  return n;
 }
 
 Producer::Producer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -8,8 +8,7 @@ namespace ferry::engine {
 
 Clock::duration straggler_bound(const StragglerPolicy& policy, const SlotPace& slot) {
   const auto others = *slot.last_release - slot.since;
-  return std::max<Clock::duration>({policy.floor, std::chrono::duration_cast<Clock::duration>(others * policy.factor),
-                                    policy.loss_detection});
+  return std::max<Clock::duration>(policy.floor, std::chrono::duration_cast<Clock::duration>(others * policy.factor));
 }
 
 std::optional<Lag> lag_start(const SlotPace& slot, const RoutesKnown& known, int c) {
@@ -62,18 +61,17 @@ std::vector<std::pair<int, std::string>> stragglers(const StragglerPolicy& polic
   std::vector<std::pair<int, std::string>> out;
   const auto took = duration_cast<milliseconds>(*slot.last_release - slot.since);
   const auto ms = [](Clock::duration d) { return duration_cast<milliseconds>(d).count(); };
-  const std::string loss = policy.loss_detection.count() > 0
-                               ? fmt::format(", loss_detection {} ms", policy.loss_detection.count())
-                               : std::string();
   for (int c : pending) {
     const auto lag = lag_start(slot, known, c);
     if (!lag || now < lag->from + lag_bound(policy, bound, *lag)) continue;
     const auto behind = ms(now - *slot.last_release);
+    const bool commit = slot.group < 0;  // the sync's end: lagging the others' commits
+    const std::string what = commit ? std::string("committed the sync")
+                                    : fmt::format("{} group {}", policy.pull ? "released" : "requested", slot.group);
     if (!lag->entered) {
-      out.emplace_back(c, fmt::format("absent: did not enter the sync {} ms after the other consumers {} group {} "
+      out.emplace_back(c, fmt::format("absent: did not enter the sync {} ms after the other consumers {} "
                                       "(join_window {} ms)",
-                                      behind, policy.pull ? "released" : "requested", slot.group,
-                                      ms(lag_bound(policy, bound, *lag))));
+                                      behind, what, ms(lag_bound(policy, bound, *lag))));
       continue;
     }
     std::string since;
@@ -88,10 +86,17 @@ std::vector<std::pair<int, std::string>> stragglers(const StragglerPolicy& polic
                           : resumed ? "this producer resumed from a stop of its own"
                                     : "its last progress in this sync");
     }
+    if (commit) {
+      out.emplace_back(c, fmt::format("straggler: did not commit the sync {} ms after the other consumers did{} "
+                                      "(they took {} ms after this producer's last group was done; bound: "
+                                      "max(straggler_floor {} ms, {} x {} ms))",
+                                      behind, since, took.count(), policy.floor.count(), policy.factor, took.count()));
+      continue;
+    }
     out.emplace_back(c, fmt::format("straggler: group {} not {} {} ms after the other consumers{} ({} ms after it "
-                                    "was announced; bound: max(straggler_floor {} ms, {} x {} ms{}))",
+                                    "was announced; bound: max(straggler_floor {} ms, {} x {} ms))",
                                     slot.group, policy.pull ? "released" : "requested", behind, since, took.count(),
-                                    policy.floor.count(), policy.factor, took.count(), loss));
+                                    policy.floor.count(), policy.factor, took.count()));
   }
   return out;
 }

@@ -35,11 +35,10 @@ struct StragglerPolicy {
   bool pull = true;                    // consumers release slots (pull) or request them (push)
   // EngineOptions::join_window: how long a consumer that has not entered the sync may lag
   // the others before it is dropped as absent (never sooner than the straggler bound).
+  // No bound is raised for what other producers may do: a consumer one of them holds up
+  // (paused, lost, slow) says so with JOINs to the rest (issue 49, finding 2: a bound of
+  // at least 2 x lease_ttl with several producers made join_window=2 s a silent 6 s).
   std::chrono::milliseconds join_window{0};
-  // The least straggler bound while another producer's loss may be what holds a consumer
-  // up: the time a consumer takes to find a lost producer by its lease (2 x lease_ttl).
-  // 0 with one producer (no other producer can hold it up).
-  std::chrono::milliseconds loss_detection{0};
 };
 
 // One staging slot as the policy sees it.
@@ -78,7 +77,7 @@ struct Lag {
 };
 
 // The bound a pending consumer that entered the sync may lag the others by: max(floor,
-// factor x the time the others took, loss_detection). Needs `slot.last_release`.
+// factor x the time the others took). Needs `slot.last_release`.
 Clock::duration straggler_bound(const StragglerPolicy& policy, const SlotPace& slot);
 
 // When consumer c's lag began: nullopt while it is not known to read the slot's routes

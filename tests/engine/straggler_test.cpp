@@ -45,10 +45,13 @@ TEST(Straggler, OnlyAConsumerKnownToReadTheSlotsRoutesLags) {
   EXPECT_EQ(lag_start(kSlot, k.at(0xEF, 0xAB), 0), std::nullopt);
 }
 
-TEST(Straggler, BoundIsAtLeastTheTimeToFindALostProducer) {
-  StragglerPolicy p{milliseconds(50), 2, true};
-  p.loss_detection = milliseconds(6000);
-  EXPECT_EQ(straggler_bound(p, kSlot), milliseconds(6000));
+// Issue 49, finding 2: the bound is what the user set, with any number of producers (a
+// consumer another producer holds up JOINs this one instead).
+TEST(Straggler, BoundIsWhatTheUserSet) {
+  StragglerPolicy p{milliseconds(2000), 8, true};
+  p.join_window = milliseconds(2000);
+  EXPECT_EQ(straggler_bound(p, kSlot), milliseconds(2000));
+  EXPECT_EQ(lag_bound(p, straggler_bound(p, kSlot), Lag{t0, false}), milliseconds(2000));
 }
 
 // RL timing: a consumer that keeps moving lags only from its own last progress; one that

@@ -7,6 +7,8 @@
 // message only if it arrived on an endpoint that finished a handshake, and only for the
 // instance id proved there (authenticated_eps_). Everything here runs on the progress
 // thread (UCX callbacks, or commands).
+#include <cstdio>
+
 #include "transport/ucx/ucx_backend.h"
 
 namespace ferry::detail::ucx {
@@ -148,9 +150,24 @@ void UcxBackend::on_proof(const wire::Handshake& h, ucp_ep_h reply_ep) {
     stats_.authenticated_peers++;
   } else {
     stats_.refused_unauthenticated++;
+    note_wrong_proof(h.sender_id);
   }
   wire::Handshake verdict{ok ? wire::HandshakeStep::kAccept : wire::HandshakeStep::kRefuse, id_, h.sender_id, {}, {}};
   send_handshake(reply_ep, verdict, nullptr);
+}
+
+void UcxBackend::note_wrong_proof(uint64_t claimed_sender) {
+  ++wrong_proofs_unlogged_;
+  const auto now = std::chrono::steady_clock::now();
+  if (wrong_proofs_logged_ != std::chrono::steady_clock::time_point{} && now - wrong_proofs_logged_ < kWrongProofLogEvery)
+    return;
+  std::fprintf(stderr,
+               "ferry transport %#llx: %llu wrong token proof(s) since the last such line (refused; the last from a "
+               "peer calling itself %#llx): a peer with another job's token, or guessing\n",
+               static_cast<unsigned long long>(id_), static_cast<unsigned long long>(wrong_proofs_unlogged_),
+               static_cast<unsigned long long>(claimed_sender));
+  wrong_proofs_unlogged_ = 0;
+  wrong_proofs_logged_ = now;
 }
 
 // Connector: the acceptor's challenge, with its proof of the token.

@@ -410,6 +410,13 @@ class UcxBackend final : public TransportBackend {
                                    const ucp_am_recv_param_t* param);
   void on_hello(const wire::Handshake& h, ucp_ep_h reply_ep);
   void on_proof(const wire::Handshake& h, ucp_ep_h reply_ep);
+  // A wrong proof (a wrong token, or guessing): counted (stats) and said on stderr at most
+  // once per kWrongProofLogEvery, with how many came since the last line, as the store
+  // does for its own handshake (issue 49, finding 8). Progress thread.
+  void note_wrong_proof(uint64_t claimed_sender);
+  static constexpr std::chrono::seconds kWrongProofLogEvery{10};
+  uint64_t wrong_proofs_unlogged_ = 0;
+  std::chrono::steady_clock::time_point wrong_proofs_logged_{};
   void on_challenge(const wire::Handshake& h, ucp_ep_h reply_ep);
   void on_verdict(const wire::Handshake& h, ucp_ep_h reply_ep);
   void send_handshake(ucp_ep_h ep, const wire::Handshake& h, const std::shared_ptr<Peer>& peer);
