@@ -15,6 +15,7 @@ HOGS=${2:-2}
 BUILD=${3:-build}
 REGEX=${FAULT_SOAK_REGEX:-'EngineMpFault|EngineMpShadow|EnginePause|MultiHost|EngineJoin|Straggler|Late|EngineRestart|EngineOwnTransport|EngineRlTiming'}
 OUT=${OUT:-$(mktemp -d /tmp/fault-soak.XXXXXX)}
+mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 [ -d "$BUILD" ] || { echo "fault-soak: no build directory '$BUILD' (make build first)" >&2; exit 2; }
 hogs=()

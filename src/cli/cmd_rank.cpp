@@ -56,8 +56,8 @@ void add_common(CLI::App& app, tools::RankSpec& s) {
       ->check(number_in(0, 1e6));
   app.add_option("--join-window", s.join_window_ms,
                  "serve: how long a fetch rank that has not entered the sync yet may lag the others before it "
-                 "is dropped from it as absent, in ms (rollouts end seconds apart)")
-      ->default_val(20000)
+                 "is dropped from it as absent, in ms (rollouts end seconds apart); below --timeout (default: "
+                 "20000, or half --timeout if that is less)")
       ->check(number_in(0, 1 << 30));
   CLI::Option* metrics = app.add_option("--metrics-port", s.metrics,
                  "Serve this rank's Prometheus metrics at http://HOST:PORT/metrics while it runs: PORT (every "

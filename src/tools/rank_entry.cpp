@@ -106,7 +106,8 @@ Options engine_options(const RankSpec& s, const JobModel& m, SyncMode mode) {
   eo.rendezvous_timeout = std::chrono::milliseconds(s.rendezvous_ms);
   eo.straggler_floor = std::chrono::milliseconds(s.straggler_floor_ms);
   eo.straggler_factor = s.straggler_factor;
-  eo.join_window = std::chrono::milliseconds(s.join_window_ms);
+  eo.join_window = std::chrono::milliseconds(s.join_window_ms >= 0 ? s.join_window_ms
+                                                                    : std::min(20000, s.timeout_ms / 2));
   eo.lease_ttl = std::chrono::milliseconds(s.lease_ttl_ms);
   return eo;
 }
@@ -132,6 +133,14 @@ Result<Setup> local_setup(const RankSpec& s, bool producer) {
   if (s.timeout_ms < 1 || s.rendezvous_ms < 1) {
     return invalid_argument("{}: timeouts must be positive (timeout {} ms, rendezvous timeout {} ms)", role, s.timeout_ms,
                             s.rendezvous_ms);
+  }
+  // A serve rank that waits for an absent fetch rank as long as the fetch ranks' own
+  // --timeout makes the healthy ones' next sync time out waiting for it (issue 49,
+  // finding 2): the window must end first.
+  if (producer && s.join_window_ms >= s.timeout_ms) {
+    return invalid_argument("serve: --join-window {} ms must be below --timeout {} ms: while a serve rank waits for an "
+                            "absent fetch rank, the others' next sync waits for that serve rank, bounded by their "
+                            "--timeout", s.join_window_ms, s.timeout_ms);
   }
   if (producer && !std::filesystem::is_directory(s.checkpoint)) {
     return not_found("serve: checkpoint directory {} does not exist or is not a directory", s.checkpoint);

@@ -96,7 +96,7 @@ struct RankSpec {
   // The producer's straggler policy and join window (EngineOptions; serve only).
   int straggler_floor_ms = 2000;
   double straggler_factor = 8;
-  int join_window_ms = 20000;
+  int join_window_ms = -1;     // -1: min(20000, timeout_ms / 2) (local_setup)
   int lease_ttl_ms = 3000;  // EngineOptions::lease_ttl
   // Tests only: serve runs this before materialising each group (engine::TestHooks).
   std::function<void(uint64_t version, int group)> before_materialize;
