@@ -430,10 +430,6 @@ bool engine::TestAccess::knows_dropped(Consumer& c, uint64_t version) {
   return d != c.impl_->syncs.dropped.end() && d->first.first == version;
 }
 
-void engine::TestAccess::lapse_lease(Consumer& c) {
-  if (c.impl_->reg.lease) c.impl_->reg.lease->release().ignore();
-}
-
 void engine::TestAccess::simulate_crash(Consumer& c) {
   Consumer::Impl* impl_ = c.impl_.get();
   impl_->transport.simulate_crash().ignore();

@@ -373,9 +373,6 @@ std::vector<int> Producer::Impl::wait_committed(std::unique_lock<std::mutex>& lk
   const auto deadline = since + opts.stall_timeout;
   StragglerPolicy policy{opts.straggler_floor, opts.straggler_factor, opts.mode == SyncMode::kPull};
   policy.join_window = opts.join_window;
-  LapseWatch lapses;
-  const bool watch = opts.lease_ttl.count() > 0;
-  auto next_lease_check = Clock::now() + opts.lease_ttl;
   for (;;) {
     std::set<int> pending;
     std::optional<Clock::time_point> last_done;  // the others' pace: the last DONE of v
@@ -389,11 +386,6 @@ std::vector<int> Producer::Impl::wait_committed(std::unique_lock<std::mutex>& lk
     }
     if (pending.empty() || restart.to_other_than(routes_hash) || !local_failure.ok()) break;
     if (own_transport_dead(lk)) continue;  // (ends the wait)
-    if (watch && Clock::now() >= next_lease_check) {
-      drop_lapsed_locked(lk, pending, lapses, &n);
-      next_lease_check = Clock::now() + opts.lease_ttl;
-      continue;
-    }
     // A consumer that has not committed the straggler bound after the others did, and
     // said nothing meanwhile (its drain JOINs each keepalive while it unpacks), is hung
     // as surely as one that stopped reading a slot: dropped, not waited for to
@@ -408,8 +400,7 @@ std::vector<int> Producer::Impl::wait_committed(std::unique_lock<std::mutex>& lk
     SlotPace pace{-1, routes_hash, since, last_done ? std::max(*last_done, since) : last_done};
     const Clock::duration bound = pace.last_release ? straggler_bound(policy, pace) : Clock::duration{};
     at = next_straggler(policy, bound, pace, known, pending, deadline);
-    const auto wake = std::min({deadline, at.value_or(deadline), Clock::now() + health_probe_every(opts.lease_ttl),
-                                watch ? next_lease_check : deadline});
+    const auto wake = std::min({deadline, at.value_or(deadline), Clock::now() + health_probe_every(opts.lease_ttl)});
     const bool timed_out = cv.wait_until(lk, wake) == std::cv_status::timeout;
     if (pause_watch.last_resume() != resumed) continue;  // stopped meanwhile: judge again from the resume
     if (timed_out && at && Clock::now() >= *at) {

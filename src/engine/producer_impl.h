@@ -36,7 +36,6 @@
 #include "engine/staging_ring.h"
 #include "engine/straggler.h"
 #include "engine/sync_members.h"
-#include "engine/wait_loop.h"
 #include "engine/testing.h"
 #include "ferry/engine.h"
 
@@ -290,13 +289,6 @@ struct Producer::Impl {
   // straggler bound (engine/straggler.h, group -1). Returns the dropped, to be told
   // (send_dropped) once mu is released.
   std::vector<int> wait_committed(std::unique_lock<std::mutex>& lk, uint64_t v, Clock::time_point since);
-  // Drops the consumers of `pending` whose lease was gone at this check and the one
-  // before, a lease_ttl apart (LapseWatch, the rule consumers apply to producers): paused,
-  // cut off or dead, not late — so a consumer hung before it entered the sync, or the
-  // lone reader of a slot, is not waited for to join_window or stall_timeout (issue 49,
-  // finding 2). mu held by lk, released for the store reads; the dropped go to `n`.
-  void drop_lapsed_locked(std::unique_lock<std::mutex>& lk, const std::set<int>& pending, LapseWatch& lapses,
-                          std::vector<int>* n);
 
   // The plan of an attempt at sync v (engine/sync_plan.h): its members are the live
   // consumers that have not committed v; push writes of consumer instances already

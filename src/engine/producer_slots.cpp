@@ -214,37 +214,10 @@ void Producer::Impl::forget_ready_locked(int c, uint64_t v) {
   }
 }
 
-void Producer::Impl::drop_lapsed_locked(std::unique_lock<std::mutex>& lk, const std::set<int>& pending,
-                                        LapseWatch& lapses, std::vector<int>* n) {
-  const uint64_t v = members.version;
-  std::vector<std::pair<int, bool>> seen;  // consumer, lease gone
-  // A copy: `pending` is the producer's (a slot's readers), which its handlers change
-  // while mu is released below (iterating it then never ended: 1f3b527).
-  const std::set<int> who = pending;
-  lk.unlock();
-  for (int c : who) {
-    auto lease = store.get(keys.consumer(c));
-    // A store that cannot be reached tells nothing: the watch starts over.
-    seen.emplace_back(c, !lease.ok() && lease.status().code() == StatusCode::kNotFound);
-  }
-  lk.lock();
-  for (const auto& [c, gone] : seen) {
-    if (lapses.lapsed(c, gone) && members.version == v && members.member(c) && !members.committed(c, v)) {
-      drop_locked(c,
-                  fmt::format("lost: its lease {} was gone at two checks {} ms apart (paused, cut off or dead)",
-                              keys.consumer(c), opts.lease_ttl.count()),
-                  n);
-    }
-  }
-}
-
 Status Producer::Impl::wait_slot(size_t s, bool stop_on_restart) {
   std::vector<int> n;
   std::unique_lock<std::mutex> lk(mu);
   if (!local_failure.ok()) return local_failure;
-  LapseWatch lapses;
-  const bool watch = opts.lease_ttl.count() > 0;
-  auto next_lease_check = Clock::now() + opts.lease_ttl;
   while (!slots[s].pending.empty() && !(stop_on_restart && restart.to_other_than(routes_hash)) &&
          local_failure.ok()) {
     // Turns that came (drops end reads too) are served from here as well.
@@ -255,13 +228,7 @@ Status Producer::Impl::wait_slot(size_t s, bool stop_on_restart) {
       continue;
     }
     if (own_transport_dead(lk)) continue;  // (ends the wait)
-    if (watch && Clock::now() >= next_lease_check) {
-      drop_lapsed_locked(lk, slots[s].pending, lapses, &n);
-      next_lease_check = Clock::now() + opts.lease_ttl;
-      continue;
-    }
-    const auto probe_at = std::min(Clock::now() + health_probe_every(opts.lease_ttl),
-                                   watch ? next_lease_check : Clock::time_point::max());
+    const auto probe_at = Clock::now() + health_probe_every(opts.lease_ttl);
     // On the current routes a consumer's stall and lag count from its turn (Slot::opened:
     // when its group was packed, or when its wave opened); one whose turn has not come
     // waits for those before it.

@@ -51,13 +51,9 @@ struct TestAccess {
   // Whether a producer has told consumer `c` it was dropped from sync `version`: a test
   // that stalls a consumer until it is dropped waits for this rather than a fixed time.
   static bool knows_dropped(Consumer& c, uint64_t version);
-  // Gives up consumer `c`'s lease for good (its key removed, never renewed), as a
-  // process stopped past its lease_ttl leaves it, while its transport stays up.
-  static void lapse_lease(Consumer& c);
 };
 inline void simulate_crash(Consumer& c) { TestAccess::simulate_crash(c); }
 inline bool knows_failed(Consumer& c, int p) { return TestAccess::knows_failed(c, p); }
 inline bool knows_dropped(Consumer& c, uint64_t version) { return TestAccess::knows_dropped(c, version); }
-inline void lapse_lease(Consumer& c) { TestAccess::lapse_lease(c); }
 
 }  // namespace ferry::engine
