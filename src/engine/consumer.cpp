@@ -76,7 +76,7 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
                                   std::chrono::milliseconds(0), std::max(left, std::chrono::milliseconds(0)));
     drained = worker->drain(slice, who());
     if (drained.code() != StatusCode::kTimeout || Clock::now() >= deadline) break;
-    for (int p : reachable_producers()) send_to(p, Join{me(), v, routes_hash});
+    join_producers(v);
   }
   if (drained.code() == StatusCode::kTimeout)
     return timeout_error("{}: unpacking did not finish within {} ms", who(), opts.timeout.count());
@@ -88,9 +88,7 @@ Status Consumer::Impl::failover(uint64_t v, const Status& why) {
   trace.stage(SyncStage::kRouting);
   // Held up by the failed producer until the FAILOVER below: the others hear it moves
   // (the background reset may wait for an unpack in progress).
-  for (int q : reachable_producers()) {
-    if (q != attempts.failed_p) send_to(q, Join{me(), v, routes_hash});
-  }
+  join_producers(v, {attempts.failed_p});
   std::set<int> d = route_state.dead();
   d.insert(attempts.failed_p);
   {
@@ -129,6 +127,12 @@ std::vector<int> Consumer::Impl::reachable_producers() {
     if (peers[p].connected && !peers[p].failure) out.push_back(p);
   }
   return out;
+}
+
+void Consumer::Impl::join_producers(uint64_t v, const std::set<int>& except) {
+  for (int q : reachable_producers()) {
+    if (!except.count(q)) send_to(q, Join{me(), v, routes_hash});
+  }
 }
 
 Status Consumer::Impl::publish_versions() {
@@ -271,9 +275,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
   attempts.declare = !route_state.dead().empty();
   // Tell the producers this consumer is in the sync: from now on it can straggle; until
   // now only their join window applied (rollouts end seconds apart, engine/straggler.h).
-  if (s.ok()) {
-    for (int p : reachable_producers()) send_to(p, Join{me(), v, routes_hash});
-  }
+  if (s.ok()) join_producers(v);
   int restart_waits = 0;
   for (int tries = 0; s.ok() || tries > 0; ++tries) {
     attempts.failed_p = -1;

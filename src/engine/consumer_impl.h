@@ -443,6 +443,11 @@ struct Consumer::Impl {
 
   // Producers connected and not failed: those told of the end of a sync (ABORT, DONE).
   std::vector<int> reachable_producers();
+  // JOIN (this consumer is in sync v and moving) to every reachable producer not in
+  // `except`: on entering the sync, and each keepalive_every while a wait on the
+  // producers in `except` (or on its own unpacking) holds it, so that no other producer
+  // drops it as a straggler for what holds it up. Call without mu held.
+  void join_producers(uint64_t v, const std::set<int>& except = {});
 
   // create()'s steps after the rank check and its claim (claim_rank), which join() runs
   // first; create()'s failure is published for the other ranks (publish_failure).

@@ -290,9 +290,7 @@ Result<bool> Consumer::Impl::copy_from_relay(uint64_t v, int g, uint64_t base, c
       }
       return std::nullopt;
     };
-    auto keepalive = [&] {
-      for (int q : reachable_producers()) send_to(q, Join{me(), v, routes_hash});
-    };
+    auto keepalive = [&] { join_producers(v); };
     auto check = [&]() -> std::optional<Answer> {
       auto blob = store.get(keys.consumer(r));
       const bool gone = !blob.ok() && blob.status().code() == StatusCode::kNotFound;

@@ -112,11 +112,7 @@ Result<std::pair<int, Consumer::Impl::Arrival>> Consumer::Impl::await_any(uint64
   // there, so that no healthy producer drops a consumer another producer is holding up
   // (issue 30). A consumer slow on its own (its hooks, its unpacking, a pause of its
   // process) is not in this wait and sends nothing.
-  auto keepalive = [&] {
-    for (int q : reachable_producers()) {
-      if (!from.count(q)) send_to(q, Join{me(), v, routes_hash});
-    }
-  };
+  auto keepalive = [&] { join_producers(v, from); };
   auto check = [&]() -> std::optional<Answer> {
     const int lost = lost_producer(from, lapses);
     if (lost < 0) return std::nullopt;
@@ -173,11 +169,7 @@ Status Consumer::Impl::wait_reads(std::span<const Completion> ops, int p, uint64
       st = wait_all(ops, slice);
     }
     if (st.code() != StatusCode::kTimeout || Clock::now() >= deadline) return st;
-    if (others) {
-      for (int q : reachable_producers()) {
-        if (q != p) send_to(q, Join{me(), v, routes_hash});
-      }
-    }
+    if (others) join_producers(v, {p});
     if (watch && Clock::now() >= next_check) {
       next_check = Clock::now() + opts.lease_ttl;
       if (lost_producer({p}, lapses) == p)
@@ -234,11 +226,7 @@ Status Consumer::Impl::await_restart(uint64_t v, int p, Clock::time_point deadli
     if (Status m = moved_on_locked(v, everyone); !m.ok()) return m;  // another producer dropped us meanwhile
     return std::nullopt;
   };
-  auto keepalive = [&] {
-    for (int q : reachable_producers()) {
-      if (q != p) send_to(q, Join{me(), v, routes_hash});
-    }
-  };
+  auto keepalive = [&] { join_producers(v, {p}); };
   auto check = [&]() -> std::optional<Status> {
     auto blob = store.get(keys.producer(p));
     if (blob.ok() && *blob != gone) {
@@ -268,9 +256,7 @@ Status Consumer::Impl::await_flushed(uint64_t v, const std::vector<int>& from, b
     while (!route_state.dead().count(p) && !peers[p].failure && peers[p].connected) {
       if (Clock::now() >= next_keepalive) {  // held up by p: the others hear it moves (await_any)
         lk.unlock();
-        for (int q : reachable_producers()) {
-          if (q != p) send_to(q, Join{me(), v, routes_hash});
-        }
+        join_producers(v, {p});
         lk.lock();
         next_keepalive = Clock::now() + keepalive_every();
         continue;  // (the state may have changed meanwhile)

@@ -371,8 +371,7 @@ Result<SyncReport> Producer::Impl::sync(uint64_t v) {
 std::vector<int> Producer::Impl::wait_committed(std::unique_lock<std::mutex>& lk, uint64_t v, Clock::time_point since) {
   std::vector<int> n;
   const auto deadline = since + opts.stall_timeout;
-  StragglerPolicy policy{opts.straggler_floor, opts.straggler_factor, opts.mode == SyncMode::kPull};
-  policy.join_window = opts.join_window;
+  const StragglerPolicy policy = straggler_policy();
   for (;;) {
     std::set<int> pending;
     std::optional<Clock::time_point> last_done;  // the others' pace: the last DONE of v
@@ -396,10 +395,9 @@ std::vector<int> Producer::Impl::wait_committed(std::unique_lock<std::mutex>& lk
     RoutesKnown known{routes_hash, &members.consumer_hash, &members.consumer_joined, members.undeclared_hash};
     known.progress = &members.consumer_progress;
     known.resumed = resumed;
-    std::optional<Clock::time_point> at;
-    SlotPace pace{-1, routes_hash, since, last_done ? std::max(*last_done, since) : last_done};
+    const SlotPace pace{-1, routes_hash, since, last_done ? std::max(*last_done, since) : last_done};
     const Clock::duration bound = pace.last_release ? straggler_bound(policy, pace) : Clock::duration{};
-    at = next_straggler(policy, bound, pace, known, pending, deadline);
+    const std::optional<Clock::time_point> at = next_straggler(policy, bound, pace, known, pending, deadline);
     const auto wake = std::min({deadline, at.value_or(deadline), Clock::now() + health_probe_every(opts.lease_ttl)});
     const bool timed_out = cv.wait_until(lk, wake) == std::cv_status::timeout;
     if (pause_watch.last_resume() != resumed) continue;  // stopped meanwhile: judge again from the resume

@@ -283,6 +283,13 @@ struct Producer::Impl {
 
   // Waits until slot s is free; drops consumers that stall past stall_timeout.
   Status wait_slot(size_t s, bool stop_on_restart);
+  // The straggler policy these options set (EngineOptions::straggler_floor,
+  // straggler_factor, join_window), for wait_slot and wait_committed.
+  StragglerPolicy straggler_policy() const {
+    StragglerPolicy policy{opts.straggler_floor, opts.straggler_factor, opts.mode == SyncMode::kPull};
+    policy.join_window = opts.join_window;
+    return policy;
+  }
   // The sync's end (mu held by lk): waits until every member committed v (DONE), the
   // routes change or this producer fails, at most stall_timeout from `since` (when its
   // last slot was done); drops a member that lags the others' commits past the

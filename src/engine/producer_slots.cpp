@@ -277,8 +277,7 @@ Status Producer::Impl::wait_slot(size_t s, bool stop_on_restart) {
     // alone until it declares them (FAILOVER), and its lag counts from then; so is one
     // pending in a slot of routes the producer abandoned (engine/straggler.h). What it
     // knows is read again after the wait, which may have let a FAILOVER in.
-    StragglerPolicy policy{opts.straggler_floor, opts.straggler_factor, opts.mode == SyncMode::kPull};
-    policy.join_window = opts.join_window;
+    const StragglerPolicy policy = straggler_policy();
     RoutesKnown known{routes_hash, &members.consumer_hash, &members.consumer_joined, members.undeclared_hash};
     known.progress = &members.consumer_progress;
     known.resumed = resumed;

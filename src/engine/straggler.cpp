@@ -61,13 +61,13 @@ std::vector<std::pair<int, std::string>> stragglers(const StragglerPolicy& polic
   std::vector<std::pair<int, std::string>> out;
   const auto took = duration_cast<milliseconds>(*slot.last_release - slot.since);
   const auto ms = [](Clock::duration d) { return duration_cast<milliseconds>(d).count(); };
+  const bool commit = slot.group < 0;  // the sync's end: lagging the others' commits
+  const std::string what = commit ? std::string("committed the sync")
+                                  : fmt::format("{} group {}", policy.pull ? "released" : "requested", slot.group);
   for (int c : pending) {
     const auto lag = lag_start(slot, known, c);
     if (!lag || now < lag->from + lag_bound(policy, bound, *lag)) continue;
     const auto behind = ms(now - *slot.last_release);
-    const bool commit = slot.group < 0;  // the sync's end: lagging the others' commits
-    const std::string what = commit ? std::string("committed the sync")
-                                    : fmt::format("{} group {}", policy.pull ? "released" : "requested", slot.group);
     if (!lag->entered) {
       out.emplace_back(c, fmt::format("absent: did not enter the sync {} ms after the other consumers {} "
                                       "(join_window {} ms)",

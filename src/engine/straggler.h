@@ -43,7 +43,7 @@ struct StragglerPolicy {
 
 // One staging slot as the policy sees it.
 struct SlotPace {
-  int group = -1;
+  int group = -1;  // -1: the sync's end (Producer wait_committed), the others' pace their DONEs
   uint64_t routes = 0;                            // the routes it was packed with
   Clock::time_point since;                        // when it was announced
   std::optional<Clock::time_point> last_release;  // when a consumer last released it (the others' pace)
