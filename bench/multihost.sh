@@ -20,7 +20,7 @@ SYNCS=${SYNCS:-3}
 OVERRIDES=${OVERRIDES:-}
 INFERENCE=${INFERENCE:-tp=2,replicas=2}
 RELAY=${RELAY:-}  # RELAY=1: --relay (replicas on one host copy from one; docs/relay.md)
-ORDERS=${ORDERS:-layer}  # --group-order of each run
+ORDERS=${ORDERS:-rotated}  # --group-order of each run (the default: rotated)
 DEMO_ARGS=${DEMO_ARGS:-}  # more ferry demo options, e.g. "--rank-timeout-ms 120000 --stall-ms 120000" for slow links
 BYTES=${BYTES:-187207680}
 NINF=${NINF:-4}  # inference ranks (the broadcast's receivers), spread as ferry's over the inference hosts

@@ -233,9 +233,11 @@ struct EngineOptions {
   // producer holds what it held does the sync fail. Producers size staging slots for
   // the worst case when they share boxes with a replica (within staging_budget, if given).
   bool failover = true;
-  // The order layer groups move in (GroupOrderKind). Every rank of a job must run the
-  // same (checked at rendezvous, with convert_on).
-  GroupOrderKind group_order = GroupOrderKind::kLayer;
+  // The order layer groups move in (GroupOrderKind): rotated by default, so every
+  // pipeline stage's trainer NICs send for the whole sync (without PP it is the layer
+  // order); kLayer stays an option. Every rank of a job must run the same (checked at
+  // rendezvous, with convert_on: a rank with another order fails at once, naming it).
+  GroupOrderKind group_order = GroupOrderKind::kRotated;
   // Where a float conversion that shrinks the bytes runs (fp32 masters into bf16 params:
   // ConvertOn in ferry/route.h): on the producer as it packs (the wire carries what the
   // consumer keeps), or on the consumer as it unpacks. Every rank of a job must run the

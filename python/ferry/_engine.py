@@ -275,7 +275,7 @@ class Producer:
     def __init__(self, source, store, *, rank=None, token=None, num_consumers=1, num_producers=None,
                  backend="ucx", job="ferry", mode="pull", timeout=30.0, rendezvous_timeout=60.0,
                  stall_timeout=10.0, straggler_floor=2.0, straggler_factor=8.0, join_window=20.0, lease_ttl=3.0,
-                 checksums=False, failover=True, group_order="layer", convert_on="producer", quantize_on="producer",
+                 checksums=False, failover=True, group_order="rotated", convert_on="producer", quantize_on="producer",
                  delta=False, delta_full_every=0, delta_block_bytes=0, staging_budget=0, staging_device="cpu", in_place=False, direct_min_bytes=64 * 1024,
                  transport_params=None, ucx_config=None, metrics=None, weight_digests=False):
         if not isinstance(source, WeightSource):
@@ -374,7 +374,7 @@ class Consumer:
                  commit="in_place", before_commit=None, after_commit=None, quantize="none", token=None,
                  num_producers=1, num_consumers=None, backend="ucx", job="ferry",
                  mode="pull", timeout=30.0, rendezvous_timeout=60.0, stall_timeout=10.0, lease_ttl=3.0,
-                 checksums=False, failover=True, group_order="layer", convert_on="producer", quantize_on="producer", delta=False,
+                 checksums=False, failover=True, group_order="rotated", convert_on="producer", quantize_on="producer", delta=False,
                  cuda_ipc=True, relay=False,
                  direct_min_bytes=64 * 1024, transport_params=None,
                  ucx_config=None, metrics=None, weight_digests=False, check_weights_each_sync=False):

@@ -101,7 +101,7 @@ std::function<int()> setup_bench(CLI::App& app) {
   app.add_option("--inference", b->inference, "inference layout (tp=,dp=,ep=,replicas=)");
   app.add_option("--tls", b->tls, "UCX_TLS of every rank (default $FERRY_UCX_TLS or sm,tcp,self: bytes over shared memory, messages over tcp); MPI's baseline uses shared memory when the list has it, else tcp");
   app.add_option("--mode", b->mode, "pull | push (push: the raw baseline is UCX writes)");
-  app.add_option("--group-order", b->group_order, "layer | rotated: the order layer groups move in (docs/group-order.md)")
+  app.add_option("--group-order", b->group_order, "rotated (the default) | layer: the order layer groups move in (docs/group-order.md)")
       ->check(CLI::IsMember({"layer", "rotated"}));
   app.add_option("--convert-on", b->convert_on,
                  "producer | consumer: where a float conversion that shrinks the bytes runs (a trainer "

@@ -453,7 +453,7 @@ std::function<int()> setup_demo(CLI::App& app) {
                 app.add_option("--inference", d->inference, "inference layout (tp=,dp=,ep=,replicas=)");
                 app.add_option("--mode", d->mode, "pull | push");
                 app.add_option("--group-order", d->group_order,
-                               "layer | rotated: the order layer groups move in (EngineOptions::group_order; "
+                               "rotated (the default) | layer: the order layer groups move in (EngineOptions::group_order; "
                                "docs/group-order.md)")
                     ->check(CLI::IsMember({"layer", "rotated"}));
                 app.add_option("--convert-on", d->convert_on,

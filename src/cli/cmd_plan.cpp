@@ -46,7 +46,7 @@ struct PlanArgs {
   bool delta = false;  // EngineOptions::delta: producers keep a copy of what they staged (kept_copy)
   uint64_t delta_block_bytes = 0;  // EngineOptions::delta_block_bytes (no copy: a patch area)
   std::string commit = "in_place";  // the consumers' ConsumerOptions::commit
-  std::string group_order = "layer";  // EngineOptions::group_order (docs/group-order.md)
+  std::string group_order = "rotated";  // EngineOptions::group_order (docs/group-order.md)
 };
 
 std::string human(double b) {
@@ -477,9 +477,9 @@ FERRY_COMMAND(plan_command, "plan",
                     ->check(CLI::IsMember({"in_place", "shadow", "groups"}))
                     ->default_val("in_place");
                 app.add_option("--group-order", a->group_order,
-                               "The order groups move in (EngineOptions::group_order): layer | rotated | "
+                               "The order groups move in (EngineOptions::group_order): rotated (the default) | layer | "
                                "rotated-unpaced (docs/group-order.md); prints its lanes, rounds and cohorts")
-                    ->default_val("layer");
+                    ->default_val("rotated");
                 app.add_flag("--json", a->json, "Print one JSON object");
                 return [a] { return run_plan(*a); };
               });

@@ -22,6 +22,11 @@ void add_common(CLI::App& app, tools::RankSpec& s) {
   app.add_option("--job", s.job, "Job name: the store key prefix (the same on every rank)")->default_val("ferry");
   app.add_option("--mode", s.mode, "pull (consumers read) or push (trainers write); the same on every rank")
       ->default_val("pull");
+  app.add_option("--group-order", s.group_order,
+                 "rotated (every pipeline stage sends for the whole sync) or layer: the order layer groups move in "
+                 "(docs/group-order.md; the same on every rank)")
+      ->default_val("rotated")
+      ->check(CLI::IsMember({"rotated", "layer"}));
   app.add_flag("--checksums", s.checksums, "End-to-end xxHash per segment (the same on every rank)");
   CLI::Option* delta = app.add_flag("--delta", s.delta,
                "Delta syncs: serve sends patches of what changed since the version each fetch holds, fetch applies "

@@ -31,7 +31,8 @@ struct SimulateArgs {
   std::string cluster;
   std::string design = "ferry";
   std::string mode = "pull";
-  std::string order = "layer";
+  std::string order = "rotated";
+  const CLI::Option* order_given = nullptr;  // --order given (other designs have none: an error)
   double changed_fraction = 0;
   const CLI::Option* changed_given = nullptr;  // --changed-fraction given: a delta sync
   std::string quantize = "none";
@@ -74,7 +75,7 @@ int run_simulate(const SimulateArgs& a) {
   if (*design != Design::kFerry && *mode == Mode::kPush) {
     return fail_with("simulate", invalid_argument("--mode push: only ferry's design has a push mode (got --design {})", a.design));
   }
-  auto order = engine::parse_group_order(a.order);
+  auto order = engine::parse_group_order(*design == Design::kFerry || a.order_given->count() > 0 ? a.order : "layer");
   if (!order.ok()) return fail_with("simulate", order.status());
   if (*design != Design::kFerry && order->kind != engine::GroupOrderKind::kLayer) {
     return fail_with("simulate", invalid_argument("--order {}: only ferry's design has a group order (got --design {})",
@@ -270,10 +271,10 @@ FERRY_COMMAND(simulate_command, "simulate",
                 app.add_option("--cluster,-c", a->cluster, "Cluster description (JSON; docs/simulation.md)")->required();
                 app.add_option("--design", a->design, "ferry | broadcast | sharded-gather")->default_val("ferry");
                 app.add_option("--mode", a->mode, "ferry's mode: pull | push")->default_val("pull");
-                app.add_option("--order", a->order,
-                               "ferry's group order: layer (the engine today) | rotated | rotated-unpaced "
+                a->order_given = app.add_option("--order", a->order,
+                               "ferry's group order: rotated (the engine's default) | layer | rotated-unpaced "
                                "(docs/group-order.md)")
-                    ->default_val("layer");
+                    ->default_val("rotated");
                 a->changed_given = app.add_option("--changed-fraction", a->changed_fraction,
                                "Predict a delta sync (docs/delta.md): this fraction (0..1) of the elements changed "
                                "since the version every consumer holds");

@@ -206,7 +206,8 @@ Status Consumer::Impl::apply_routes(Routes r) {
   std::vector<int> mine(static_cast<size_t>(r.num_groups()));
   for (size_t g = 0; g < mine.size(); ++g) mine[g] = static_cast<int>(g);
   if (opts.group_order == GroupOrderKind::kRotated) {
-    const GroupOrder o = make_group_order(r, {GroupOrderKind::kRotated, true});
+    const GroupOrder o =
+        make_group_order(r, {GroupOrderKind::kRotated, true, relay_groups(route_state.inputs(), r.consumer_plan)});
     FERRY_RETURN_IF_ERROR(check_group_order(r, o).with_context(fmt::format("consumer {}", rank)));
     mine = o.consumer[static_cast<size_t>(rank)];
     if (opts.relay) relay.orders = o.consumer;  // a relay and its members read in one order
@@ -328,6 +329,10 @@ Result<std::vector<TensorDecl>> Consumer::Impl::await_metadata() {
 Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap params) {
   Impl& m = *this;
   const ConsumerOptions& options = opts;
+  if (options.relay) {  // (before the plan: whoever sees the plan sees this too)
+    FERRY_ASSIGN_OR_RETURN(std::string host, publish_relay_host(store, m.keys, rank, host_identity()));
+    m.reg.published.emplace_back(m.keys.relay_host(rank), std::move(host));
+  }
   m.reg.published.emplace_back(m.keys.plan(rank), m.model.plan.encode());
   FERRY_RETURN_IF_ERROR(store.set(m.keys.plan(rank), m.reg.published.back().second));
   FERRY_ASSIGN_OR_RETURN(auto inputs, rendezvous_inputs(store, m.keys, options, Participant{"consumer", rank}, metadata));

@@ -1,6 +1,7 @@
 #include "engine/group_order.h"
 
 #include <algorithm>
+#include <map>
 #include <numeric>
 #include <unordered_map>
 
@@ -207,7 +208,15 @@ GroupOrder make_group_order(const Routes& routes, const GroupOrderOptions& optio
     std::vector<std::unordered_map<int, uint64_t>> load(static_cast<size_t>(K));
     std::vector<uint64_t> peak(static_cast<size_t>(K), 0), bytes(static_cast<size_t>(K), 0);
     std::vector<size_t> members(static_cast<size_t>(K), 0);
+    std::map<int, int> cohort_of_relay;  // relay group -> its cohort, once its first consumer has one
+    auto relay_group = [&](size_t c) {
+      return c < options.relay_group.size() ? options.relay_group[c] : -1;
+    };
     for (size_t c : todo) {
+      if (auto it = cohort_of_relay.find(relay_group(c)); it != cohort_of_relay.end()) {
+        o.cohort[c] = it->second;  // (reads nothing from the producers while its relay lives)
+        continue;
+      }
       const auto& mine = by_plan[routes.consumer_plan[c]];
       size_t best = 0;
       uint64_t best_peak = 0;
@@ -228,6 +237,7 @@ GroupOrder make_group_order(const Routes& routes, const GroupOrderOptions& optio
       bytes[best] += plan_bytes[routes.consumer_plan[c]];
       ++members[best];
       o.cohort[c] = static_cast<int>(best);
+      if (relay_group(c) >= 0) cohort_of_relay[relay_group(c)] = static_cast<int>(best);
     }
   }
   o.rounds = make_rounds(o.lanes);
@@ -236,11 +246,12 @@ GroupOrder make_group_order(const Routes& routes, const GroupOrderOptions& optio
   for (size_t c = 0; c < C; ++c) {
     o.consumer[c] = consumer_order(o, G, o.cohort[c]);
     // Steps count served groups only, so that every consumer's round r covers the same
-    // steps; a group nobody serves shares the step of the one it follows.
+    // steps; a group nobody serves shares the step of the one it follows (step 0 before
+    // the first served one: a model whose first group only post-processes).
     int k = -1;
     for (int g : o.consumer[c]) {
-      if (o.lane_of_group[static_cast<size_t>(g)] >= 0 || k < 0) ++k;
-      o.step[c][static_cast<size_t>(g)] = k;
+      if (o.lane_of_group[static_cast<size_t>(g)] >= 0) ++k;
+      o.step[c][static_cast<size_t>(g)] = std::max(k, 0);
     }
   }
   return o;

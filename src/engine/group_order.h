@@ -66,6 +66,12 @@ using ::ferry::GroupOrderKind;
 struct GroupOrderOptions {
   GroupOrderKind kind = GroupOrderKind::kLayer;
   bool paced = true;  // kRotated: producers serve a group's readers step by step (above)
+  // Per consumer (empty: none): its relay group (rendezvous.h, relay_groups: the lowest
+  // consumer of its plan class relaying within its host), or -1. A group's consumers go
+  // to one cohort, where only one of them loads the producers (the relay reads across
+  // the network, the others copy from it): replicas on one host relay under the rotated
+  // order too, instead of reading one holder at different times.
+  std::vector<int> relay_group;
 };
 // "layer" | "rotated" | "rotated-unpaced"; kInvalidArgument naming them otherwise.
 Result<GroupOrderOptions> parse_group_order(std::string_view text);

@@ -4,10 +4,10 @@
 
 namespace ferry::engine {
 
-Result<Pacer> Pacer::make(const Routes& routes, int rank, GroupOrderKind kind) {
+Result<Pacer> Pacer::make(const Routes& routes, int rank, const GroupOrderOptions& order) {
   Pacer p;
-  if (kind != GroupOrderKind::kRotated) return p;
-  const GroupOrder o = make_group_order(routes, {GroupOrderKind::kRotated, true});
+  if (order.kind != GroupOrderKind::kRotated || !order.paced) return p;
+  const GroupOrder o = make_group_order(routes, order);
   FERRY_RETURN_IF_ERROR(check_group_order(routes, o).with_context(fmt::format("producer {}", rank)));
   p.waves_ = serve_waves(routes, o, rank);
   for (size_t i = 0; i < p.waves_.size(); ++i)

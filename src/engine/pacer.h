@@ -26,10 +26,10 @@ namespace ferry::engine {
 
 class Pacer {
  public:
-  // The pace of producer `rank` under `routes` and `kind` (rotated: its serve_waves,
+  // The pace of producer `rank` under `routes` and `order` (rotated: its serve_waves,
   // after check_group_order; layer: none). kInternal when the order breaks its
   // invariants.
-  static Result<Pacer> make(const Routes& routes, int rank, GroupOrderKind kind);
+  static Result<Pacer> make(const Routes& routes, int rank, const GroupOrderOptions& order);
 
   // Group g's place in this producer's pack order (its staging slot is the place modulo
   // the slots): the rotated order's, else g.

@@ -257,7 +257,8 @@ void Producer::Impl::on_peer_failure(PeerId peer, const Status& why) {
 Status Producer::Impl::apply_routes(Routes r) {
   FERRY_RETURN_IF_ERROR(check_routes_hold(r, route_state.router()).with_context(fmt::format("producer {}", rank)));
   FERRY_ASSIGN_OR_RETURN(auto sched, make_producer_schedule(r, rank, own_holdings(), staging->in_place(), staging->slot_bytes()));
-  FERRY_ASSIGN_OR_RETURN(Pacer pace, Pacer::make(r, rank, opts.group_order));
+  FERRY_ASSIGN_OR_RETURN(Pacer pace, Pacer::make(r, rank, GroupOrderOptions{opts.group_order, true,
+                                                                           relay_groups(route_state.inputs(), r.consumer_plan)}));
   std::lock_guard<std::mutex> lk(mu);
   pacer = std::move(pace);
   routes = std::move(r);

@@ -264,6 +264,9 @@ class JobKeys {
   std::string meta() const;               // trainer metadata (JSON; producer 0)
   std::string holdings(int p) const;      // producer p's holdings (JSON)
   std::string plan(int c) const;          // consumer c's canonical plan
+  // The host consumer c relays within (ConsumerOptions::relay; written once, before its
+  // plan, by its first instance: rendezvous.h, relay_groups).
+  std::string relay_host(int c) const;
   std::string producer(int p) const;      // producer p's lease
   std::string consumer(int c) const;      // consumer c's lease
   std::string dead(int p) const;          // producer p failed over (failover)

@@ -382,7 +382,37 @@ Result<RouteInputs> rendezvous_inputs(Store& store, const JobKeys& keys, const E
     if (!plan.ok()) return plan.status().with_context(fmt::format("plan of consumer {}", c));
     in.plans.push_back(std::move(*plan));
   }
+  // Published before each plan, so present now wherever its consumer relays.
+  in.relay_hosts.assign(static_cast<size_t>(o.num_consumers), "");
+  for (int c = 0; c < o.num_consumers; ++c) {
+    auto host = store.get(keys.relay_host(c));
+    if (host.ok()) {
+      in.relay_hosts[static_cast<size_t>(c)] = std::move(*host);
+    } else if (host.status().code() != StatusCode::kNotFound) {
+      return host.status().with_context(fmt::format("relay host of consumer {}", c));
+    }
+  }
   return in;
+}
+
+std::vector<int> relay_groups(const RouteInputs& inputs, const std::vector<uint32_t>& consumer_plan) {
+  std::vector<int> out(consumer_plan.size(), -1);
+  std::map<std::pair<std::string, uint32_t>, int> first;  // (host, plan class) -> its lowest consumer
+  std::map<int, int> size;
+  for (size_t c = 0; c < consumer_plan.size() && c < inputs.relay_hosts.size(); ++c) {
+    if (inputs.relay_hosts[c].empty()) continue;
+    auto it = first.emplace(std::make_pair(inputs.relay_hosts[c], consumer_plan[c]), static_cast<int>(c)).first;
+    out[c] = it->second;
+    ++size[it->second];
+  }
+  for (int& g : out)
+    if (g >= 0 && size[g] < 2) g = -1;  // (alone on its host: relays with nobody)
+  return out;
+}
+
+Result<std::string> publish_relay_host(Store& store, const JobKeys& keys, int c, const std::string& host) {
+  FERRY_ASSIGN_OR_RETURN(CompareSetResult r, store.compare_set(keys.relay_host(c), std::nullopt, host));
+  return r.value.value_or(host);
 }
 
 void heal_leases(std::chrono::milliseconds lease_ttl, const std::function<bool()>& missing,

@@ -22,7 +22,22 @@ struct RouteInputs {
   std::vector<TensorDecl> metadata;
   std::vector<Holdings> holdings;  // per producer
   std::vector<Plan> plans;         // per consumer
+  // Per consumer: the host it relays within (JobKeys::relay_host; "" where it does not
+  // relay). Read once at rendezvous, like the plans.
+  std::vector<std::string> relay_hosts;
 };
+
+// Relay groups for the group order (GroupOrderOptions::relay_group): per consumer, the
+// lowest consumer of the same plan class that relays within the same host, or -1 where
+// it relays with nobody. Under the rotated order a group reads in one cohort, so its
+// members can copy each group from its relay as it lands (docs/relay.md).
+std::vector<int> relay_groups(const RouteInputs& inputs, const std::vector<uint32_t>& consumer_plan);
+
+// A relaying consumer's host, published before its plan: the first instance of rank c
+// writes it and every later one keeps it (compare_set on an absent key), so every
+// participant, whenever it reads the inputs, builds the same group order. Returns the
+// value the store holds (for republish).
+Result<std::string> publish_relay_host(Store& store, const JobKeys& keys, int c, const std::string& host);
 
 // Who is waiting (for errors and the world-size check).
 struct Participant {

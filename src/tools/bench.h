@@ -33,7 +33,7 @@ struct BenchSpec {
   std::string inference = "tp=4";
   std::string tls = default_worker_tls();  // UCX_TLS of every rank (and picks MPI's fabric)
   std::string mode = "pull";    // engine mode; push: the raw baseline writes instead of reads
-  std::string group_order = "layer";  // EngineOptions::group_order of every rank
+  std::string group_order = "rotated";  // EngineOptions::group_order of every rank
   std::string convert_on = "producer";  // EngineOptions::convert_on of every rank
   std::string quantize_on = "producer";  // EngineOptions::quantize_on of every rank
   // The inference ranks' loader quantisation (LoaderOptions::quantize: "none", "fp8",
@@ -90,7 +90,7 @@ struct BenchWorkerSpec {
   std::string job;
   std::string tls = default_worker_tls();
   std::string mode = "pull";
-  std::string group_order = "layer";
+  std::string group_order = "rotated";
   std::string convert_on = "producer";
   std::string quantize_on = "producer";
   std::string quantize = "none";    // BenchSpec::quantize

@@ -59,7 +59,7 @@ struct DemoSpec {
   std::string trainer = "tp=2,pp=2,ep=2";
   std::string inference = "tp=2,ep=2,replicas=2";
   std::string mode = "pull";
-  std::string group_order = "layer";  // EngineOptions::group_order of every rank
+  std::string group_order = "rotated";  // EngineOptions::group_order of every rank
   std::string convert_on = "producer";  // EngineOptions::convert_on of every rank
   std::string quantize_on = "producer";  // EngineOptions::quantize_on of every rank
   // The inference ranks' loader quantisation (LoaderOptions::quantize: "none", "fp8",

@@ -92,12 +92,13 @@ struct ServedFile {
 
 // The options every rank of the job must agree on, set on a Producer's or Consumer's.
 template <typename Options>
-Options engine_options(const RankSpec& s, const JobModel& m, SyncMode mode) {
+Options engine_options(const RankSpec& s, const JobModel& m, SyncMode mode, GroupOrderKind order) {
   Options eo;
   eo.job = s.job;
   eo.num_producers = m.trainer.world_size();
   eo.num_consumers = m.inference.world_size();
   eo.mode = mode;
+  eo.group_order = order;
   eo.checksums = s.checksums;
   eo.delta = s.delta;
   eo.delta_block_bytes = s.delta_block_bytes;
@@ -118,6 +119,7 @@ Options engine_options(const RankSpec& s, const JobModel& m, SyncMode mode) {
 struct Setup {
   JobModel model;
   SyncMode mode = SyncMode::kPull;
+  GroupOrderKind group_order = GroupOrderKind::kRotated;
   int rank = 0;
   std::unique_ptr<Store> store;
   std::unique_ptr<Transport> transport;
@@ -159,6 +161,7 @@ Result<Setup> local_setup(const RankSpec& s, bool producer) {
   FERRY_ASSIGN_OR_RETURN(u.rank, resolve_role_rank(producer, s.rank, u.model.trainer.world_size(),
                                                    u.model.inference.world_size(), env));
   FERRY_ASSIGN_OR_RETURN(u.mode, parse_sync_mode(s.mode));
+  FERRY_ASSIGN_OR_RETURN(u.group_order, parse_group_order_kind(s.group_order));
   return u;
 }
 
@@ -325,7 +328,7 @@ Result<std::vector<RankReport>> serve_rank(const RankSpec& s, const RankReportSi
   // no copy), so consumers read (pull) or this rank writes (push) the contiguous boxes
   // straight from the mapping; strided pieces (a TP shard of a row-parallel weight) are
   // packed from it into staging. The registrations live as long as the transport.
-  auto po = engine_options<ProducerOptions>(s, u.model, u.mode);
+  auto po = engine_options<ProducerOptions>(s, u.model, u.mode, u.group_order);
   if (s.gpu_staging) po.staging_device = device;
   po.sink = metrics.sink;
   for (const SafetensorsFile& f : dir.files()) {
@@ -448,7 +451,7 @@ Result<std::vector<RankReport>> fetch_rank(const RankSpec& s, const RankReportSi
   if (!s.checkpoint.empty()) FERRY_RETURN_IF_ERROR(direct_load(u.model, u.rank, s.checkpoint, expected));
   FERRY_ASSIGN_OR_RETURN(const Device device, parse_device(s.device));
   FERRY_RETURN_IF_ERROR(connect(s, u));
-  auto co = engine_options<ConsumerOptions>(s, u.model, u.mode);
+  auto co = engine_options<ConsumerOptions>(s, u.model, u.mode, u.group_order);
   co.cuda_ipc = s.cuda_ipc;
   co.sink = metrics.sink;
   FERRY_ASSIGN_OR_RETURN(co.commit, parse_commit_policy(s.commit));

@@ -77,6 +77,7 @@ struct RankSpec {
   // holding them (issue 49).
   bool keep_reports = true;
   std::string mode = "pull";
+  std::string group_order = "rotated";  // EngineOptions::group_order: rotated | layer
   bool checksums = false;
   // EngineOptions::delta: serve sends patches of what changed since the version each
   // fetch holds; fetch takes them (docs/delta.md).

@@ -38,7 +38,7 @@ struct WorkerSpec {
   std::string job = "ferry";
   std::string backend = "ucx";  // one-host settings; ucx: UCX_TLS from FERRY_UCX_TLS, else sm,tcp,self
   std::string mode = "pull";
-  std::string group_order = "layer";  // EngineOptions::group_order
+  std::string group_order = "rotated";  // EngineOptions::group_order
   std::string convert_on = "producer";  // EngineOptions::convert_on
   std::string quantize_on = "producer";  // EngineOptions::quantize_on
   std::string quantize = "none";        // the inference ranks' LoaderOptions::quantize

@@ -88,7 +88,8 @@ TEST(ConsumerCheckParams, MovedOrMissingParamIsNamed) {
   // x is the caller's; y is not given, so the engine allocates it (and never checks it).
   Tensor x = Tensor::empty({256}, DType::kF32, "x");
   OneToOne k;
-  ASSERT_TRUE(k.start({{"x", x}}).ok());
+  const Status started = k.start({{"x", x}});
+  ASSERT_TRUE(started.ok()) << started.to_string();
 
   EXPECT_TRUE(k.consumer->check_params({{"x", x}}).ok());
   // Names beyond the caller's params (here the engine's y, and one the plan lacks) are

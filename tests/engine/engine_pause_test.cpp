@@ -146,7 +146,7 @@ TEST_P(EnginePauseTest, StopContAt2x5x20xLeaseTtlMidSyncAndBetween) {
   auto d = base_spec();
   const int ttl = GetParam().ttl_ms;
   d.lease_ttl_ms = ttl;
-  if (GetParam().rotated) d.group_order = "rotated";
+  d.group_order = GetParam().rotated ? "rotated" : "layer";
   d.relay = GetParam().relay;
   StoreFixture store;
   ASSERT_TRUE(store.use(t == Target::kTcpStore ? StoreKind::kProcess : t == Target::kRedis ? StoreKind::kRedis

@@ -10,6 +10,8 @@
 #include <string>
 
 #include "engine/engine_test_util.h"
+#include "engine/group_order.h"
+#include "engine/rendezvous.h"
 #include "engine/testing.h"
 
 namespace ferry::engine_tests {
@@ -57,14 +59,37 @@ TEST_P(EngineRelayTest, ReplicasCopyFromTheirRelay) {
   EXPECT_LE(relayed_out, copied);
 }
 
-// With pipeline stages under the rotated order, a rank's replicas read in other cohorts
-// (other orders): they do not relay (each reads at its own time) and still verify.
-TEST(EngineRelay, ReplicasInOtherCohortsReadForThemselves) {
-  Cluster k({Backend::kInproc, Mode::kPull, false, true, false, true});
-  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1,pp=2", "tp=1,replicas=2", R"({"num_hidden_layers": 4})").ok());
-  auto o = k.sync(1);
-  k.expect_all_ok(o, 1);
-  for (auto& c : o.c) EXPECT_EQ((**c).received_via_relay, 0u);
+// With pipeline stages under the rotated order (issue 46), replicas relaying on one host
+// share a cohort (rendezvous.h, relay_groups), so they read every group at the same step
+// and the members copy it from their relay: each byte leaves the producers once per
+// host, and both stages still send at once (the two ranks' relay groups take the two
+// cohorts). Before, a rank's replicas went to different cohorts and each read for itself.
+TEST(EngineRelay, ReplicasOnOneHostShareACohortAndRelayUnderPipelineStages) {
+  for (Mode mode : {Mode::kPull, Mode::kPush}) {
+    SCOPED_TRACE(mode == Mode::kPull ? "pull" : "push");
+    Cluster k({Backend::kInproc, mode, false, true, false, true});
+    ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1,pp=2", "tp=2,replicas=2", R"({"num_hidden_layers": 4})").ok());
+    const Routes& routes = k.prod[0]->routes();
+    engine::RouteInputs on_one_host;  // (what every rank read at rendezvous: all four relay here)
+    on_one_host.relay_hosts.assign(4, "this host");
+    const engine::GroupOrder order = engine::make_group_order(
+        routes, {GroupOrderKind::kRotated, true, engine::relay_groups(on_one_host, routes.consumer_plan)});
+    EXPECT_EQ(order.num_lanes(), 2);
+    EXPECT_EQ(order.cohort[0], order.cohort[2]) << "replicas of rank 0 in one cohort";
+    EXPECT_EQ(order.cohort[1], order.cohort[3]) << "replicas of rank 1 in one cohort";
+    EXPECT_NE(order.cohort[0], order.cohort[1]) << "the two ranks' groups start at different stages";
+    for (uint64_t v = 1; v <= 2; ++v) {
+      auto o = k.sync(v);
+      k.expect_all_ok(o, v);
+      uint64_t sent = 0;
+      for (auto& p : o.p) sent += (**p).bytes_sent;
+      for (int c : {2, 3}) {
+        const SyncReport& r = **o.c[static_cast<size_t>(c)];
+        EXPECT_EQ(r.received_via_relay, r.bytes_received) << "consumer " << c << ": " << r.to_string();
+      }
+      EXPECT_EQ(2 * sent, routes.stats.bytes_moved) << "each byte left the producers once";
+    }
+  }
 }
 
 }  // namespace

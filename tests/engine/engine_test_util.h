@@ -335,7 +335,8 @@ struct Cluster {
 
   explicit Cluster(EngineCase c = {Backend::kInproc, Mode::kPull})
       : backend(c.backend), shadow(c.shadow), rotated(c.rotated), groups(c.groups), relay(c.relay) {
-    if (c.rotated) eo.group_order = GroupOrderKind::kRotated;
+    // Explicit either way: a case without `rotated` is the layer order (the engine's default is rotated).
+    eo.group_order = c.rotated ? GroupOrderKind::kRotated : GroupOrderKind::kLayer;
     eo.delta = c.delta;
     if (c.delta) changes = {0.01, false};
     eo.checksums = c.checksums;

@@ -13,6 +13,7 @@
 
 #include "engine/group_order.h"
 #include "engine/pacer.h"
+#include "engine/rendezvous.h"
 #include "routes_fixture.h"
 #include "tools/job_model.h"
 
@@ -159,6 +160,44 @@ TEST(GroupOrder, OneLaneWithoutStages) {
   EXPECT_EQ(rotated.consumer, make_group_order(j.routes).consumer);
 }
 
+// Relay groups (rendezvous.h, relay_groups): consumers of one plan class relaying on one
+// host, named by their lowest rank; one alone on its host, or not relaying, is in none.
+// Under the rotated order a group shares a cohort (its members copy from its relay as the
+// groups land), and the producers' load is counted once for it, so two ranks' groups
+// still start at different stages (issue 46: before, a rank's replicas went to different
+// cohorts and never relayed under pipeline stages).
+TEST(GroupOrder, RelayGroupsShareACohort) {
+  Job j;
+  ASSERT_NO_FATAL_FAILURE(make_job("llama-3.1-8b.json", "tp=1,pp=2", "tp=2,replicas=3", R"({"num_hidden_layers": 4})", j));
+  // Consumers 0..5: rank r of replica k is 2k + r. Replicas 0 and 1 on host a, replica 2
+  // on host b; consumer 5 does not relay.
+  RouteInputs in;
+  in.relay_hosts = {"a", "a", "a", "a", "b", ""};
+  const std::vector<int> groups = relay_groups(in, j.routes.consumer_plan);
+  EXPECT_EQ(groups, (std::vector<int>{0, 1, 0, 1, -1, -1}));
+  const GroupOrder o = make_group_order(j.routes, {GroupOrderKind::kRotated, true, groups});
+  ASSERT_TRUE(check_group_order(j.routes, o).ok());
+  ASSERT_EQ(o.num_lanes(), 2);
+  EXPECT_EQ(o.cohort[0], o.cohort[2]);
+  EXPECT_EQ(o.cohort[1], o.cohort[3]);
+  EXPECT_NE(o.cohort[0], o.cohort[1]);
+  EXPECT_EQ(o.consumer[0], o.consumer[2]) << "a relay and its member read in one order";
+  // Other hosts or no relay: no group, whatever the plan class.
+  in.relay_hosts = {"a", "b", "c", "d", "", ""};
+  EXPECT_EQ(relay_groups(in, j.routes.consumer_plan), (std::vector<int>(6, -1)));
+  in.relay_hosts.clear();  // (no consumer relays)
+  EXPECT_EQ(relay_groups(in, j.routes.consumer_plan), (std::vector<int>(6, -1)));
+  // Two replicas of one rank: spread over the two cohorts without a relay group (they read
+  // one holder), in one with it.
+  Job two;
+  ASSERT_NO_FATAL_FAILURE(make_job("llama-3.1-8b.json", "tp=1,pp=2", "tp=1,replicas=2", R"({"num_hidden_layers": 4})", two));
+  EXPECT_NE(make_group_order(two.routes, {GroupOrderKind::kRotated, true}).cohort,
+            (std::vector<int>{0, 0}));
+  in.relay_hosts = {"a", "a"};
+  EXPECT_EQ(make_group_order(two.routes, {GroupOrderKind::kRotated, true, relay_groups(in, two.routes.consumer_plan)}).cohort,
+            (std::vector<int>{0, 0}));
+}
+
 // MoE with EP on trainer and inference: the consumers that read one trainer rank's
 // experts (its EP peers and their replicas) are spread over the cohorts, so no producer
 // serves two of them at one step while it has a cohort to spare.
@@ -218,7 +257,7 @@ TEST(Pacer, OpensWavesOnlyOnceEveryReadBeforeThemFinished) {
   Job j;
   ASSERT_NO_FATAL_FAILURE(
       make_job("llama-3.1-8b.json", "tp=1,pp=4", "tp=1,replicas=4", R"({"num_hidden_layers": 8})", j));
-  auto layer = Pacer::make(j.routes, 0, GroupOrderKind::kLayer);
+  auto layer = Pacer::make(j.routes, 0, {GroupOrderKind::kLayer});
   ASSERT_TRUE(layer.ok()) << layer.status().to_string();
   for (int g = 0; g < j.routes.num_groups(); ++g) {
     EXPECT_EQ(layer->pack_position(g), g);
@@ -230,7 +269,7 @@ TEST(Pacer, OpensWavesOnlyOnceEveryReadBeforeThemFinished) {
   const GroupOrder o = make_group_order(j.routes, {GroupOrderKind::kRotated, true});
   const auto waves = serve_waves(j.routes, o, 0);
   ASSERT_EQ(waves.size(), 10u);  // (RotatedStartsCohortsAtEveryStage)
-  auto made = Pacer::make(j.routes, 0, GroupOrderKind::kRotated);
+  auto made = Pacer::make(j.routes, 0, {GroupOrderKind::kRotated});
   ASSERT_TRUE(made.ok()) << made.status().to_string();
   Pacer& pacer = *made;
   EXPECT_GT(pacer.heap_bytes(), 0u);

@@ -142,15 +142,15 @@ TEST(Rendezvous, RanksWithOtherRoutingChoicesAreRefused) {
   const JobKeys keys("w");
   EngineOptions o;
   o.job = "w";
-  EXPECT_EQ(routing_choices(o), "layer.producer");
+  EXPECT_EQ(routing_choices(o), "rotated.producer");  // the defaults
   EngineOptions other = o;
   other.convert_on = ConvertOn::kConsumer;
-  other.group_order = GroupOrderKind::kRotated;
-  EXPECT_EQ(routing_choices(other), "rotated.consumer");
+  other.group_order = GroupOrderKind::kLayer;
+  EXPECT_EQ(routing_choices(other), "layer.consumer");
   ASSERT_TRUE(publish_world(st, keys, other, Participant{"producer", 0}).ok());
   Status bad = check_world(st, keys, o, Participant{"consumer", 0});
   ASSERT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad.to_string();
-  EXPECT_NE(bad.message().find("'layer.producer' but producer 0 with 'rotated.consumer'"), std::string::npos)
+  EXPECT_NE(bad.message().find("'rotated.producer' but producer 0 with 'layer.consumer'"), std::string::npos)
       << bad.to_string();
   EXPECT_TRUE(check_world(st, keys, other, Participant{"consumer", 0}).ok());
 }
@@ -167,7 +167,7 @@ TEST(Rendezvous, RanksWithOtherModeChecksumsOrDeltaAreRefusedNamingEach) {
   EngineOptions push = o;
   push.mode = SyncMode::kPush;
   push.delta = true;
-  EXPECT_EQ(routing_choices(push), "layer.producer.push.delta");
+  EXPECT_EQ(routing_choices(push), "rotated.producer.push.delta");
   ASSERT_TRUE(publish_world(st, keys, push, Participant{"producer", 0}).ok());
   EngineOptions fetch = o;
   fetch.checksums = true;

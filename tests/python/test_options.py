@@ -70,7 +70,7 @@ PRODUCER_SAMPLES = {
     "job": ("opts", "opts"), "num_producers": (3, 3), "num_consumers": (np.int64(4), 4), "mode": ("push", "push"),
     "rendezvous_timeout": (1.5, 1.5), "timeout": (2, 2.0), "stall_timeout": (float("inf"), 86400.0),
     "straggler_floor": (0.25, 0.25), "straggler_factor": (3.5, 3.5), "join_window": (7, 7.0), "lease_ttl": (0.5, 0.5),
-    "checksums": (True, True), "weight_digests": (True, True), "failover": (False, False), "group_order": ("rotated", "rotated"), "convert_on": ("consumer", "consumer"),
+    "checksums": (True, True), "weight_digests": (True, True), "failover": (False, False), "group_order": ("layer", "layer"), "convert_on": ("consumer", "consumer"),
     "quantize_on": ("consumer", "consumer"),
     "delta": (True, True), "delta_full_every": (np.int32(10), 10), "delta_block_bytes": (65536, 65536),
     "direct_min_bytes": (0, 0),

@@ -95,13 +95,13 @@ TEST(SimulateCli, RotatedOrderMovesTheSameBytesWithEveryStageSending) {
                           "/configs/clusters/emulated-4host-1gbit.json --json ";
   for (const char* mode : {"pull", "push"}) {
     SCOPED_TRACE(mode);
-    CliRun lr = run(job + "--mode " + mode);
-    CliRun rr = run(job + "--mode " + mode + " --order rotated");
+    CliRun lr = run(job + "--mode " + mode + " --order layer");
+    CliRun rr = run(job + "--mode " + mode);  // rotated: the default
     ASSERT_EQ(lr.exit_code, 0) << lr.err;
     ASSERT_EQ(rr.exit_code, 0) << rr.err;
     auto layer = nlohmann::json::parse(lr.out, nullptr, false), rotated = nlohmann::json::parse(rr.out, nullptr, false);
     ASSERT_TRUE(layer.is_object() && rotated.is_object());
-    EXPECT_FALSE(layer.contains("order")) << "the default output is unchanged";
+    EXPECT_FALSE(layer.contains("order")) << "layer order's output has no order fields";
     EXPECT_EQ(rotated["order"], "rotated");
     EXPECT_EQ(rotated["lanes"], 2);
     EXPECT_EQ(rotated["cohort_sizes"], nlohmann::json::array({2, 2}));
