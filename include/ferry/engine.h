@@ -265,7 +265,16 @@ struct EngineOptions {
   // reads nothing straight into params. Host params only take patches (GPU params and
   // the CUDA IPC lane read dense). Each side decides for itself: a consumer without
   // delta reads dense bytes from a delta producer.
+  // A producer sends dense bytes to the plan classes whose every consumer in the sync is
+  // on its own host (their leases name it): over shared memory the bytes move faster than
+  // they are encoded and applied (measured, docs/RESULTS.md: 0.14 s against 0.03 s for
+  // the bench's 314 MB at 1% changed), so such a class is not encoded, and where no
+  // class of a group is patched the kept copy is not written either (its next patch waits
+  // for a sync that wrote it).
   bool delta = false;
+  // Delta, producer: patches to consumers on its own host too (tests, and hosts whose
+  // shared memory is slower than encoding).
+  bool delta_same_host = false;
   // Delta, producer: every Nth of its syncs sends dense bytes only (0: never).
   uint32_t delta_full_every = 0;
   // Delta, producer: 0 (the default) keeps a copy of what it packed last (patches of the

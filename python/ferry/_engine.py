@@ -276,7 +276,7 @@ class Producer:
                  backend="ucx", job="ferry", mode="pull", timeout=30.0, rendezvous_timeout=60.0,
                  stall_timeout=10.0, straggler_floor=2.0, straggler_factor=8.0, join_window=20.0, lease_ttl=3.0,
                  checksums=False, failover=True, group_order="rotated", convert_on="producer", quantize_on="producer",
-                 delta=False, delta_full_every=0, delta_block_bytes=0, staging_budget=0, staging_device="cpu", in_place=False, direct_min_bytes=64 * 1024,
+                 delta=False, delta_full_every=0, delta_block_bytes=0, delta_same_host=False, staging_budget=0, staging_device="cpu", in_place=False, direct_min_bytes=64 * 1024,
                  transport_params=None, ucx_config=None, metrics=None, weight_digests=False):
         if not isinstance(source, WeightSource):
             raise InvalidArgumentError("Producer: source must be a ferry.WeightSource")
@@ -286,7 +286,7 @@ class Producer:
                       straggler_floor=straggler_floor, straggler_factor=straggler_factor, join_window=join_window,
                       lease_ttl=lease_ttl, checksums=checksums, failover=failover, group_order=group_order,
                       convert_on=convert_on, quantize_on=quantize_on, delta=delta, delta_full_every=delta_full_every,
-                      delta_block_bytes=delta_block_bytes,
+                      delta_block_bytes=delta_block_bytes, delta_same_host=delta_same_host,
                       num_consumers=num_consumers,
                       num_producers=num_producers if num_producers is not None else source.world_size,
                       staging_budget=staging_budget, staging_device=staging_device, in_place=bool(in_place),

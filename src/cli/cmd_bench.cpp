@@ -136,7 +136,7 @@ std::function<int()> setup_bench(CLI::App& app) {
                "consumers pass param buffers of their own (as an inference engine's parameters are) instead of "
                "letting the engine allocate them; under --commit shadow the commit is then a copy into them, "
                "not a flip");
-  add_delta_options(app, b->delta, b->changed_fraction, b->changes, b->delta_block_bytes);  // (the raw steps still move the dense bytes)
+  add_delta_options(app, b->delta, b->changed_fraction, b->changes, b->delta_block_bytes, b->delta_same_host);  // (the raw steps still move the dense bytes)
   app.add_flag("--memory-estimate", b->estimate_only,
                "print what every process would hold and MemAvailable, start nothing (exit 1 if it does not fit)");
   app.add_flag("--json", *json, "print one JSON object");

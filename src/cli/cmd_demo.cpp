@@ -488,7 +488,7 @@ std::function<int()> setup_demo(CLI::App& app) {
                              "relay within a host: replicas of one inference rank on one host copy each layer group "
                              "from the lowest live one over shared memory instead of each pulling it across the "
                              "network (ConsumerOptions::relay, docs/relay.md)");
-                add_delta_options(app, d->delta, d->changed_fraction, d->changes, d->delta_block_bytes);
+                add_delta_options(app, d->delta, d->changed_fraction, d->changes, d->delta_block_bytes, d->delta_same_host);
                 app.add_flag("--prepare-weights", d->prepare_weights,
                              "trainer ranks generate each version's weights before the sync starts (held in memory, "
                              "as a trainer's are): the sync's seconds are the engine's alone");
@@ -570,7 +570,7 @@ std::function<int()> setup_demo(CLI::App& app) {
 constexpr const char* kBenchWorkerOptions[] = {"--role",  "--rank", "--model", "--trainer", "--inference", "--store",
                                                "--job",   "--mode", "--group-order", "--convert-on", "--quantize", "--quantize-on", "--seed",  "--timeout-ms", "--tls",     "--in-place",
                                                "--trace", "--bench", "--commit", "--caller-params", "--delta",
-                                               "--changed-fraction", "--changes", "--delta-block-bytes", "--help"};
+                                               "--changed-fraction", "--changes", "--delta-block-bytes", "--delta-same-host", "--help"};
 
 std::function<int()> setup_worker(CLI::App& app) {
   app.group("");  // hidden
@@ -619,6 +619,7 @@ std::function<int()> setup_worker(CLI::App& app) {
   app.add_flag("--delta", w->delta);
   app.add_flag("--prepare-weights", w->prepare_weights);
   app.add_option("--delta-block-bytes", w->delta_block_bytes)->check(delta_block_bytes_in());
+  app.add_flag("--delta-same-host", w->delta_same_host);
   app.add_option("--changed-fraction", w->changed_fraction)->check(number_in(0, 1));
   app.add_option("--changes", w->changes)->check(CLI::IsMember({"scattered", "clustered"}));
   return [&app, w, pauses, bench, as_bench, job, timeout] {
@@ -651,6 +652,7 @@ std::function<int()> setup_worker(CLI::App& app) {
       bench->changed_fraction = w->changed_fraction;
       bench->changes = w->changes;
       bench->delta_block_bytes = w->delta_block_bytes;
+      bench->delta_same_host = w->delta_same_host;
       bench->seed = w->seed;
       bench->trace = w->trace;
       bench->caller_params = w->caller_params;

@@ -36,6 +36,10 @@ void add_common(CLI::App& app, tools::RankSpec& s) {
                  "blocks whole (0: keep a copy)")
       ->check(delta_block_bytes_in())
       ->needs(delta);
+  app.add_flag("--delta-same-host", s.delta_same_host,
+               "serve, with --delta: send patches to fetch ranks on this host too (by default those get dense "
+               "bytes: shared memory moves them faster than they are encoded and applied)")
+      ->needs(delta);
   app.add_option("--version", s.first_version, "First version to sync")->default_val(1)->check(number_in(0, 1 << 30));
   app.add_option("--syncs", s.syncs, "Syncs to run: versions --version, --version + 1, ...")
       ->default_val(1)

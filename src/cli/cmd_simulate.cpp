@@ -293,6 +293,10 @@ FERRY_COMMAND(simulate_command, "simulate",
                                "Each producer's staging budget (bytes, suffixes KiB, MiB, GiB; 0: two slots)")
                     ->check(size_not_negative())
                     ->transform(CLI::AsSizeValue(false));
+                app.add_option("--groups-in-flight", a->job.groups_in_flight,
+                               "Groups each consumer reads at once (its receive budget; 1: the engine's, each group's "
+                               "reads posted once the one before landed), each one more receive slot")
+                    ->check(CLI::Range(1, 64));
                 app.add_flag("--shrink", a->job.shrink,
                              "Route a structurally equal small variant of the model (what ferry demo syncs)");
                 app.add_flag("--json", a->json, "Print one JSON object");

@@ -93,7 +93,7 @@ inline CLI::Validator delta_block_bytes_in() {
 // The delta-sync options `ferry bench` and `ferry demo` share (docs/delta.md): --delta,
 // and how much of the synthetic weights changes per version (SyntheticChanges).
 inline void add_delta_options(CLI::App& app, bool& delta, double& changed_fraction, std::string& changes,
-                              uint64_t& block_bytes) {
+                              uint64_t& block_bytes, bool& same_host) {
   CLI::Option* on = app.add_flag("--delta", delta,
                                  "delta syncs: producers send each inference rank a patch of what changed since the "
                                  "version it holds (EngineOptions::delta, docs/delta.md)");
@@ -106,6 +106,10 @@ inline void add_delta_options(CLI::App& app, bool& delta, double& changed_fracti
                  "with --delta: trainer ranks keep no copy, only a hash per block of this many bytes, and send "
                  "changed blocks whole (0, the default: keep a copy, send changed elements)")
       ->check(delta_block_bytes_in())
+      ->needs(on);
+  app.add_flag("--delta-same-host", same_host,
+               "with --delta: trainer ranks send patches to inference ranks on their own host too (by default "
+               "those get dense bytes: shared memory moves them faster than they are encoded and applied)")
       ->needs(on);
 }
 

@@ -32,18 +32,28 @@ void DeltaEncoder::begin_sync() {
   full_sync_ = full_every_ > 0 && syncs_started_ % full_every_ == 0;
 }
 
+bool DeltaEncoder::all_dense(const ProducerGroup& grp) const {
+  for (const Segment& seg : grp.segments)
+    if (seg.bytes > 0 && !dense_classes_.contains(seg.plan)) return false;
+  return true;
+}
+
 DeltaPack DeltaEncoder::pack(int g, size_t s, uint64_t v, const ProducerGroup& grp) {
   DeltaPack out;
   if (!on_ || !fits_ || grp.staging_bytes == 0) return out;
-  if (block_bytes_) return pack_blocks(g, s, v, grp);
   const size_t gi = static_cast<size_t>(g);
+  if (all_dense(grp)) {  // (its kept copy, or block hashes, stay as they were: no base any more)
+    kept_version_[gi] = std::nullopt;
+    return out;
+  }
+  if (block_bytes_) return pack_blocks(g, s, v, grp);
   std::byte* slot = staging_.slot(s).data();
   std::byte* keep = staging_.kept().data() + kept_at_[gi];
   const std::optional<uint64_t> had = kept_version_[gi];
   const bool patch = had && *had != v && !full_sync_;
   for (const Segment& seg : grp.segments) {
     if (seg.bytes == 0) continue;
-    if (patch) {
+    if (patch && !dense_classes_.contains(seg.plan)) {
       // Elements of the segment's narrowest dtype (every piece's bytes are a multiple).
       size_t es = 4;
       for (const PackOp& op : grp.packs)
@@ -88,7 +98,7 @@ DeltaPack DeltaEncoder::pack_blocks(int g, size_t s, uint64_t v, const ProducerG
     const Segment& seg = grp.segments[i];
     const std::span<const std::byte> dense(slot + seg.offset, seg.bytes);
     if (seg.bytes == 0) continue;
-    if (patch && hashes[i].size() == (seg.bytes + bb - 1) / bb) {
+    if (patch && !dense_classes_.contains(seg.plan) && hashes[i].size() == (seg.bytes + bb - 1) / bb) {
       scratch_.resize(std::max<size_t>(scratch_.size(), delta::max_block_patch_bytes(seg.bytes, bb)));
       std::vector<uint64_t> next;
       auto info = delta::encode_changed_blocks(hashes[i], dense, bb, scratch_, &next);

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <vector>
 
 #include "engine/staging_ring.h"
@@ -52,6 +53,10 @@ class DeltaEncoder {
   void install(const ProducerRoute& route);
   // A sync begins: every delta_full_every-th sends dense bytes only.
   void begin_sync();
+  // The plan classes sent dense bytes this attempt (every consumer of theirs on the
+  // producer's host: EngineOptions::delta_same_host): not encoded; a group whose every
+  // segment is of such a class leaves the kept copy as it was and holds no base after.
+  void set_dense_classes(std::set<uint32_t> classes) { dense_classes_ = std::move(classes); }
   // Group g of version v is packed (dense) in slot s. Per plan class segment: a patch
   // against the kept copy's version of it where one is kept (under these routes, of
   // another version, not a full sync) and smaller than the dense bytes; the kept copy
@@ -82,6 +87,9 @@ class DeltaEncoder {
   std::vector<std::byte> scratch_;  // one segment's patch, before it goes into the slot
   uint64_t syncs_started_ = 0;
   bool full_sync_ = false;  // this sync sends dense bytes only
+  std::set<uint32_t> dense_classes_;  // set_dense_classes
+  // Whether every segment of `grp` is of a class sent dense (nothing to patch or keep).
+  bool all_dense(const ProducerGroup& grp) const;
 };
 
 }  // namespace ferry::engine

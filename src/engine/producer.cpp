@@ -3,6 +3,7 @@
 // ring and served, then the wait for every live consumer; the report. Impl (and what
 // each method does): engine/producer_impl.h.
 #include "engine/producer_impl.h"
+#include "engine/cuda_ipc.h"  // host_identity
 
 namespace ferry {
 
@@ -32,6 +33,18 @@ void Producer::Impl::plan_attempt(uint64_t v) {
   std::lock_guard<std::mutex> lk(mu);
   plan = std::move(next);
   pacer.begin_attempt();  // this attempt's waves (with the plan, under one lock)
+  // Delta: the plan classes whose every consumer in this sync is on this host go dense.
+  std::set<uint32_t> dense;
+  if (opts.delta && !opts.delta_same_host) {
+    std::set<uint32_t> remote;
+    for (int c = 0; c < opts.num_consumers; ++c) {
+      const uint32_t cls = routes.consumer_plan[static_cast<size_t>(c)];
+      if (!in.members[static_cast<size_t>(c)]) continue;
+      (peers[c].host == host_identity() ? dense : remote).insert(cls);
+    }
+    for (uint32_t cls : remote) dense.erase(cls);
+  }
+  delta->set_dense_classes(std::move(dense));
 }
 
 Status Producer::Impl::attempt(uint64_t v, bool* restarted) {

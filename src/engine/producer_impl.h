@@ -89,6 +89,7 @@ struct Producer::Impl {
     ParamTable params;
     std::vector<RemoteRegion> param_regions, other_param_regions;
     std::optional<uint64_t> committed;  // the version it serves, as its lease said last (mu)
+    std::string host;                   // its host, as its lease says (delta: same host, dense bytes; mu)
   };
   std::mutex mu;
   std::condition_variable cv;

@@ -308,6 +308,7 @@ bool Producer::Impl::admit(int c, const std::string& raw) {
     std::lock_guard<std::mutex> lk(mu);
     fresh = !peers.current(c, blob);
     p.committed = lease->committed;
+    p.host = lease->host;
   }
   if (!fresh) return true;
   auto id = transport.connect(string_bytes(lease->address));

@@ -58,6 +58,7 @@ constexpr OptionField kOptionFields[] = {
     // Full syncs are the producer's choice: a consumer never reads it.
     {"EngineOptions", "delta_full_every", "delta_full_every", "keyword", "Producer"},
     {"EngineOptions", "delta_block_bytes", "delta_block_bytes", "keyword", "Producer"},
+    {"EngineOptions", "delta_same_host", "delta_same_host", "keyword", "Producer"},
     {"EngineOptions", "weight_digests", "weight_digests", "keyword", "Producer Consumer"},
     {"EngineOptions", "test_hooks", "", "internal", ""},
     // A C++ object called on the engine's threads, sometimes under its locks: no Python
@@ -227,6 +228,7 @@ void fill_engine(EngineOptions& o, const py::dict& kw) {
   if (kw.contains("delta")) o.delta = flag(kw, "delta");
   if (kw.contains("delta_full_every")) o.delta_full_every = count32(kw, "delta_full_every");
   if (kw.contains("delta_block_bytes")) o.delta_block_bytes = byte_count(kw, "delta_block_bytes");
+  if (kw.contains("delta_same_host")) o.delta_same_host = flag(kw, "delta_same_host");
 }
 
 double secs(std::chrono::milliseconds d) { return static_cast<double>(d.count()) / 1000; }
@@ -252,6 +254,7 @@ void engine_dict(py::dict& d, const EngineOptions& o) {
   d["delta"] = o.delta;
   d["delta_full_every"] = o.delta_full_every;
   d["delta_block_bytes"] = o.delta_block_bytes;
+  d["delta_same_host"] = o.delta_same_host;
   d["test_hooks"] = o.test_hooks != nullptr;
   d["sink"] = o.sink != nullptr;
 }

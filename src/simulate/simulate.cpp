@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <deque>
 #include <map>
 #include <memory>
 #include <set>
@@ -214,9 +215,9 @@ struct Sim {
   sg::ConditionVariablePtr stage_cv;
   // Per group: transfers per producer and per consumer (indices into GroupWork::transfers).
   std::vector<std::vector<std::vector<uint32_t>>> by_producer, by_consumer;
-  // Per consumer: the transfers of its current group still in flight, when the first started.
-  std::vector<double> first_start;
-  std::vector<size_t> consumer_left;
+  // Per consumer, per group in flight: its transfers still in flight, when the first started.
+  std::vector<std::map<size_t, double>> first_start;
+  std::vector<std::map<size_t, size_t>> consumer_left;
   std::vector<sg::ConditionVariablePtr> consumer_cv;
   // Per producer: its staging slots and, per group, the transfers still to finish and
   // when it had packed (-1: not yet).
@@ -260,9 +261,9 @@ struct Sim {
     });
   }
   // Transfer k of group g (producer -> consumer) is done, as its consumer sees it.
-  void consumer_done(int c) {
+  void consumer_done(int c, size_t g) {
     std::unique_lock<sg::Mutex> lk(*mutex);
-    if (--consumer_left[static_cast<size_t>(c)] == 0) consumer_cv[static_cast<size_t>(c)]->notify_all();
+    if (--consumer_left[static_cast<size_t>(c)][g] == 0) consumer_cv[static_cast<size_t>(c)]->notify_all();
   }
   // ... and as its producer sees it: the staging slot is free once every reader is done;
   // paced, the next step's readers are served once every reader of this step (of any
@@ -309,17 +310,17 @@ void transfer_actor(Sim& s, size_t g, uint32_t k) {
                             : std::max(turn, slot_at + s.message(me, prod));       // READY arrives
   if (start > sg::Engine::get_clock()) sg::this_actor::sleep_until(start);
   sg::this_actor::sleep_for(s.c.overhead.read * f.ops);
-  double& first = s.first_start[static_cast<size_t>(c)];
+  double& first = s.first_start[static_cast<size_t>(c)][g];
   if (first < 0) first = sg::Engine::get_clock();
   s.flow(prod, me, f.bytes)->wait();
   if (pull) {
-    s.consumer_done(c);
+    s.consumer_done(c, g);
     sg::this_actor::sleep_for(s.message(me, prod));  // the RELEASE
     s.producer_done(prod, g, c);
   } else {
     s.producer_done(prod, g, c);
     sg::this_actor::sleep_for(s.message(prod, me));  // the PUSHED
-    s.consumer_done(c);
+    s.consumer_done(c, g);
   }
 }
 
@@ -388,7 +389,8 @@ void consumer_actor(Sim& s, int c) {
   const int me = s.endpoint_c(c);
   const size_t ci = static_cast<size_t>(c);
   auto q = std::make_shared<UnpackQueue>();
-  q->slots = sg::Semaphore::create(static_cast<unsigned>(s.w.receive_slots));
+  const size_t in_flight = static_cast<size_t>(std::max(1, s.w.groups_in_flight));
+  q->slots = sg::Semaphore::create(static_cast<unsigned>(s.w.receive_slots) + static_cast<unsigned>(in_flight - 1));
   auto& phase = s.consumer_phases[ci];
   sg::ActorPtr worker = sg::Actor::create(fmt::format("unpack-c{}", c), s.p.host(me), [q, &s] {
     for (;;) {
@@ -405,24 +407,36 @@ void consumer_actor(Sim& s, int c) {
     phase[what] += until - t;
     t = until;
   };
-  for (size_t g : groups_in_order(s.w.consumer_order, ci, s.w.groups.size())) {
-    const GroupWork& gw = s.w.groups[g];
-    const auto& mine = s.by_consumer[g][ci];
-    if (mine.empty()) continue;
-    q->slots->acquire();
-    charge("wait for a free receive slot (unpack)", sg::Engine::get_clock());
-    s.consumer_left[ci] = mine.size();
-    s.first_start[ci] = -1;
-    for (uint32_t k : mine) sg::Actor::create("transfer", s.p.host(me), [&s, g, k] { transfer_actor(s, g, k); });
+  // The groups whose reads are posted, oldest first; the oldest lands (and goes to the
+  // unpack worker) before more than `in_flight` are.
+  std::deque<size_t> window;
+  auto land_oldest = [&] {
+    const size_t g = window.front();
+    window.pop_front();
     {
       std::unique_lock<sg::Mutex> lk(*s.mutex);
-      s.consumer_cv[ci]->wait(lk, [&] { return s.consumer_left[ci] == 0; });
+      s.consumer_cv[ci]->wait(lk, [&] { return s.consumer_left[ci][g] == 0; });
     }
-    charge("wait for producers (gather, pack, messages)", std::max(t, s.first_start[ci]));
+    charge("wait for producers (gather, pack, messages)", std::max(t, s.first_start[ci][g]));
     charge("transfer", sg::Engine::get_clock());
+    s.consumer_left[ci].erase(g);
+    s.first_start[ci].erase(g);
+    const GroupWork& gw = s.w.groups[g];
     q->bytes.push_back(gw.unpack_bytes.empty() ? 0 : gw.unpack_bytes[ci]);
     q->jobs->release();
+  };
+  for (size_t g : groups_in_order(s.w.consumer_order, ci, s.w.groups.size())) {
+    const auto& mine = s.by_consumer[g][ci];
+    if (mine.empty()) continue;
+    if (window.size() == in_flight) land_oldest();
+    q->slots->acquire();
+    charge("wait for a free receive slot (unpack)", sg::Engine::get_clock());
+    s.consumer_left[ci][g] = mine.size();
+    s.first_start[ci][g] = -1;
+    for (uint32_t k : mine) sg::Actor::create("transfer", s.p.host(me), [&s, g, k] { transfer_actor(s, g, k); });
+    window.push_back(g);
   }
+  while (!window.empty()) land_oldest();
   q->jobs->release();  // end marker
   worker->join();
   charge("unpack (after the last transfer)", sg::Engine::get_clock());
@@ -612,8 +626,8 @@ Result<SimResult> run_simulation(const ClusterSpec& cluster, const Workload& w, 
   const size_t C = static_cast<size_t>(w.consumers), P = static_cast<size_t>(w.producers);
   s.consumer_end.assign(C, 0);
   s.consumer_phases.resize(C);
-  s.first_start.assign(C, -1);
-  s.consumer_left.assign(C, 0);
+  s.first_start.assign(C, {});
+  s.consumer_left.assign(C, {});
   for (size_t c = 0; c < C; ++c) s.consumer_cv.push_back(sg::ConditionVariable::create());
   for (size_t p = 0; p < P; ++p) s.staging.push_back(sg::Semaphore::create(static_cast<unsigned>(w.staging_slots)));
   s.producer_left.assign(P, std::vector<size_t>(G, 0));

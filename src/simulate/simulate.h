@@ -52,6 +52,10 @@ struct Workload {
   std::vector<GroupWork> groups;
   int staging_slots = 2;      // producer staging ring (the engine's default: two slots)
   int receive_slots = 2;      // consumer receive ring (the engine's: two slots)
+  // Groups a consumer reads at once (its receive budget): 1 is the engine today (a group's
+  // reads posted once the group before it landed); N > 1 posts the next group's reads
+  // while up to N - 1 earlier ones are still in flight, with N - 1 more receive slots.
+  int groups_in_flight = 1;
   bool serial_stages = false; // sharded-gather: PP stages served one after another
   // The engine's group order (engine/group_order.h), ferry's design only: per consumer the
   // groups in the order it reads them, per producer in the order it packs them. Empty:

@@ -184,6 +184,7 @@ Result<JobWorkload> build_workload(const JobSpec& job, Design design) {
       }
     }
   }
+  w.groups_in_flight = std::max(1, job.groups_in_flight);
   if (job.staging_budget > 0) {
     uint64_t largest = 0;
     for (const GroupWork& gw : w.groups)

@@ -23,6 +23,7 @@ struct JobSpec {
   std::string trainer;           // TrainerLayout text
   std::string inference;         // InferenceLayout text
   uint64_t staging_budget = 0;   // ProducerOptions::staging_budget (0: two slots)
+  int groups_in_flight = 1;      // Workload::groups_in_flight (a consumer's receive budget, in groups)
   bool shrink = false;           // route shrink_config's small variant (as ferry demo does)
   // The order groups move in (ferry's design): the engine's own make_group_order.
   engine::GroupOrderOptions order;

@@ -286,6 +286,7 @@ BenchResult run_bench(const BenchSpec& b) {
                                      "--changed-fraction", fmt::format("{}", b.changed_fraction), "--changes", b.changes};
     if (b.caller_params && !prod) args.push_back("--caller-params");
     if (b.delta) args.insert(args.end(), {"--delta", "--delta-block-bytes", std::to_string(b.delta_block_bytes)});
+    if (b.delta && b.delta_same_host) args.push_back("--delta-same-host");
     if (!b.trace.empty()) args.insert(args.end(), {"--trace", fmt::format("{}/{}{}.trace.json", dir, role, rank)});
     auto p = spawn_proc(std::move(args), fmt::format("{} {}", role, rank), fmt::format("{}/{}{}.log", dir, role, rank));
     if (!p.ok()) return kill_all(), fail(p.status().to_string());

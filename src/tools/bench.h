@@ -46,6 +46,7 @@ struct BenchSpec {
   double changed_fraction = 1.0;
   std::string changes = "scattered";
   uint64_t delta_block_bytes = 0;  // EngineOptions::delta_block_bytes (0: keep a copy)
+  bool delta_same_host = false;    // EngineOptions::delta_same_host (patches over shared memory too)
   int syncs = 5;                // timed trials (after one warm-up)
   uint64_t seed = 1;
   std::string mpirun = "mpirun";
@@ -98,6 +99,7 @@ struct BenchWorkerSpec {
   double changed_fraction = 1.0;    // BenchSpec::changed_fraction
   std::string changes = "scattered";
   uint64_t delta_block_bytes = 0;   // BenchSpec::delta_block_bytes
+  bool delta_same_host = false;     // BenchSpec::delta_same_host
   uint64_t seed = 1;
   int timeout_ms = 60000;
   bool in_place = true;

@@ -94,6 +94,7 @@ int run_bench_worker(const BenchWorkerSpec& s) {
   eo.quantize_on = *quantize_on;
   eo.delta = s.delta;
   eo.delta_block_bytes = s.delta_block_bytes;
+  eo.delta_same_host = s.delta_same_host;
   auto changes = parse_synthetic_changes(s.changed_fraction, s.changes);
   if (!changes.ok()) return bench_worker_fail(s, changes.status());
   eo.timeout = eo.stall_timeout = std::chrono::milliseconds(s.timeout_ms);

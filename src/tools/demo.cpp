@@ -93,6 +93,7 @@ Result<Child> spawn_worker(const DemoSpec& d, const std::string& tls, const std:
   if (d.checksums) ps.argv.push_back("--checksums");
   if (d.relay && role == "consumer") ps.argv.push_back("--relay");
   if (d.delta) ps.argv.insert(ps.argv.end(), {"--delta", "--delta-block-bytes", std::to_string(d.delta_block_bytes)});
+  if (d.delta && d.delta_same_host) ps.argv.push_back("--delta-same-host");
   if (d.prepare_weights && role == "producer") ps.argv.push_back("--prepare-weights");
   ps.argv.insert(ps.argv.end(), {"--changed-fraction", fmt::format("{}", d.changed_fraction), "--changes", d.changes});
   if (d.caller_params && role == "consumer") ps.argv.push_back("--caller-params");

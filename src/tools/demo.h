@@ -118,6 +118,7 @@ struct DemoSpec {
   double changed_fraction = 1.0;
   std::string changes = "scattered";
   uint64_t delta_block_bytes = 0;  // EngineOptions::delta_block_bytes (0: keep a copy)
+  bool delta_same_host = false;    // EngineOptions::delta_same_host (patches over shared memory too)
   // Trainer ranks generate each version's synthetic weights before their sync starts
   // (held in memory, as a trainer's parameters are): the sync's seconds are then the
   // engine's alone. Default: generated group by group inside the sync.

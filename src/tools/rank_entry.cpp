@@ -102,6 +102,7 @@ Options engine_options(const RankSpec& s, const JobModel& m, SyncMode mode, Grou
   eo.checksums = s.checksums;
   eo.delta = s.delta;
   eo.delta_block_bytes = s.delta_block_bytes;
+  eo.delta_same_host = s.delta_same_host;
   eo.timeout = std::chrono::milliseconds(s.timeout_ms);
   eo.stall_timeout = std::chrono::milliseconds(s.timeout_ms);
   eo.rendezvous_timeout = std::chrono::milliseconds(s.rendezvous_ms);

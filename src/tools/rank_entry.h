@@ -83,6 +83,7 @@ struct RankSpec {
   // fetch holds; fetch takes them (docs/delta.md).
   bool delta = false;
   uint64_t delta_block_bytes = 0;  // serve: EngineOptions::delta_block_bytes (0: keep a copy)
+  bool delta_same_host = false;    // serve: EngineOptions::delta_same_host
   bool read_checkpoint = false;  // serve: read the files into owned memory instead of mapping them
   // Where the weights (serve: this rank's boxes, copied there once at start) or the
   // params (fetch) live: "cpu" or "cuda:N" (ferry/device.h's parse_device).

@@ -162,6 +162,7 @@ int run_worker(const WorkerSpec& s) {
   eo.checksums = s.checksums;
   eo.delta = s.delta;
   eo.delta_block_bytes = s.delta_block_bytes;
+  eo.delta_same_host = s.delta_same_host;
   auto changes = parse_synthetic_changes(s.changed_fraction, s.changes);
   if (!changes.ok()) return worker_fail(s, changes.status());
   eo.stall_timeout = std::chrono::milliseconds(s.stall_ms);

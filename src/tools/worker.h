@@ -46,6 +46,7 @@ struct WorkerSpec {
   bool relay = false;  // ConsumerOptions::relay (consumers only)
   bool delta = false;                 // EngineOptions::delta
   uint64_t delta_block_bytes = 0;     // EngineOptions::delta_block_bytes
+  bool delta_same_host = false;       // EngineOptions::delta_same_host
   // Producer: generate each version's weights before calling sync() (all groups held in
   // memory, as a trainer's parameters are), so the sync's time is the engine's alone.
   bool prepare_weights = false;

@@ -203,7 +203,7 @@ TEST(BenchCli, DeltaMovesThePatchesAndVerifies) {
   const std::string bin = FERRY_BIN;
   if (!mpirun_on_path() || ::access((bin.substr(0, bin.rfind('/') + 1) + "ferry-mpi-bcast").c_str(), X_OK) != 0)
     GTEST_SKIP() << "no OpenMPI (see JsonHasEveryKeyWithSaneValues)";
-  BenchRun r = run_bench("--delta --changed-fraction 0.01");
+  BenchRun r = run_bench("--delta --delta-same-host --changed-fraction 0.01");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   auto j = nlohmann::json::parse(r.out, nullptr, false);
   ASSERT_TRUE(j.is_object()) << r.out << "\n" << r.err;

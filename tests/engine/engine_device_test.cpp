@@ -186,6 +186,7 @@ TEST(EngineDevice, DeltaWithGpuWeightsPatchesHostParamsAndDensesGpuParams) {
     Cluster k(EngineCase{Backend::kInproc, Mode::kPull});
     k.gpu_sources = true;
     k.eo.delta = true;
+    k.eo.delta_same_host = true;
     k.eo.delta_block_bytes = block_bytes;
     k.changes = {block_bytes ? 0.1 : 0.01, block_bytes != 0};  // (blocks win on whole tensors changed)
     if (gpu_params) {

@@ -197,6 +197,7 @@ TEST_P(EngineMpFaultTest, ConsumerSigkill) {
 TEST_P(EngineMpFaultTest, DeltaConsumerKilledGetsDenseThenPatches) {
   auto d = spec_for("llama-3.1-8b.json", "tp=2", "tp=2,replicas=2");
   d.delta = true;
+  d.delta_same_host = true;  // (one host: patches over shared memory too)
   d.changed_fraction = 0.01;
   d.syncs = 4;
   d.kills = {{2, 5}};

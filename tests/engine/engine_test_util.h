@@ -338,6 +338,7 @@ struct Cluster {
     // Explicit either way: a case without `rotated` is the layer order (the engine's default is rotated).
     eo.group_order = c.rotated ? GroupOrderKind::kRotated : GroupOrderKind::kLayer;
     eo.delta = c.delta;
+    eo.delta_same_host = c.delta;  // (every rank is on this one host: patches over shared memory too)
     if (c.delta) changes = {0.01, false};
     eo.checksums = c.checksums;
     if (c.fp8 != Fp8Side::kNone) {

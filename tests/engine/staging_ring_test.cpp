@@ -12,6 +12,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <set>
 
 #include <fmt/format.h>
 
@@ -368,6 +369,76 @@ TEST(DeltaEncoder, PatchesAgainstTheKeptVersionAndKeepsTheNewOne) {
     EXPECT_FALSE(p.base);
     EXPECT_EQ(p.compared, 0u);
   }
+}
+
+// Plan classes sent dense (every consumer of theirs on the producer's host,
+// EngineOptions::delta_same_host off): their segments are not encoded but still kept, so
+// the kept copy stays one version; a group whose every class goes dense is neither
+// encoded nor kept, and holds no base after (its next pack is dense).
+TEST(DeltaEncoder, ClassesSentDenseAreNotEncoded) {
+  OneProducer k;
+  ASSERT_TRUE(k.start(false, Device{}, 0).ok());
+  const ProducerRoute& route = k.routes.producers[0];
+  OneProducer kk;
+  ASSERT_TRUE(kk.start(false, Device{}, kept_copy_bytes(route)).ok());
+  EngineOptions eo;
+  eo.delta = true;
+  DeltaEncoder enc(*kk.ring, eo);
+  enc.install(route);
+  int g = -1;  // a group with segments of two classes
+  std::set<uint32_t> classes;
+  for (int i = 0; i < k.routes.num_groups() && g < 0; ++i) {
+    std::set<uint32_t> here;
+    for (const Segment& seg : route.groups[static_cast<size_t>(i)].segments)
+      if (seg.bytes > 0) here.insert(seg.plan);
+    if (here.size() >= 2) {
+      g = i;
+      classes = here;
+    }
+  }
+  ASSERT_GE(g, 0) << "tp=2 -> tp=2: a group read by both inference ranks";
+  const ProducerGroup& grp = route.groups[static_cast<size_t>(g)];
+  const uint32_t local = *classes.begin(), remote = *classes.rbegin();
+  const size_t s = 0;
+  std::span<std::byte> slot = kk.ring->slot(s);
+  auto fill = [&](uint64_t v) {
+    for (uint64_t i = 0; i < grp.staging_bytes; ++i)
+      slot[i] = std::byte(static_cast<uint8_t>((i * 131) ^ (i % 4096 == 7 ? v : 0)));
+  };
+  enc.begin_sync();
+  enc.set_dense_classes({local});
+  fill(1);
+  EXPECT_FALSE(enc.pack(g, s, 1, grp).base);
+  enc.begin_sync();
+  fill(2);
+  const std::vector<std::byte> v2(slot.begin(), slot.begin() + static_cast<long>(grp.staging_bytes));
+  const DeltaPack mixed = enc.pack(g, s, 2, grp);
+  ASSERT_EQ(mixed.base, std::optional<uint64_t>(1));
+  EXPECT_FALSE(mixed.bytes_for(local)) << "class " << local << " goes dense";
+  EXPECT_TRUE(mixed.bytes_for(remote)) << "class " << remote << " is patched";
+  const std::byte* kept = kk.ring->kept().data() + kept_layout(route)[static_cast<size_t>(g)];
+  for (const Segment& seg : grp.segments)  // every class kept: the kept copy is version 2
+    EXPECT_TRUE(std::equal(v2.begin() + static_cast<long>(seg.offset), v2.begin() + static_cast<long>(seg.offset + seg.bytes),
+                           kept + seg.offset))
+        << "class " << seg.plan;
+  // Every class dense: nothing compared, the kept copy untouched, no base afterwards.
+  enc.begin_sync();
+  enc.set_dense_classes(classes);
+  fill(3);
+  const DeltaPack all = enc.pack(g, s, 3, grp);
+  EXPECT_FALSE(all.base);
+  EXPECT_EQ(all.compared, 0u);
+  for (const Segment& seg : grp.segments)
+    EXPECT_TRUE(std::equal(v2.begin() + static_cast<long>(seg.offset), v2.begin() + static_cast<long>(seg.offset + seg.bytes),
+                           kept + seg.offset))
+        << "class " << seg.plan << ": the kept copy is not written";
+  enc.begin_sync();
+  enc.set_dense_classes({});
+  fill(4);
+  EXPECT_FALSE(enc.pack(g, s, 4, grp).base) << "version 3 was never kept: dense, and kept again";
+  enc.begin_sync();
+  fill(5);
+  EXPECT_EQ(enc.pack(g, s, 5, grp).base, std::optional<uint64_t>(4));
 }
 
 TEST(StagingRing, RefusesSlotsAndGroupsOutOfRange) {

@@ -71,6 +71,7 @@ std::string of(const char* name, const std::string& side, int rank, const std::s
 TEST(SyncMetrics, EqualTheReportsOfEveryRank) {
   Cluster k({engine_tests::Backend::kInproc, engine_tests::Mode::kPull, /*shadow=*/true});
   k.eo.delta = true;
+  k.eo.delta_same_host = true;  // (one host: patches over shared memory too)
   k.changes = {0.01, false};
   auto metrics = SyncMetrics::create();
   ASSERT_TRUE(metrics.ok()) << metrics.status().to_string();

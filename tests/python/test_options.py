@@ -73,13 +73,13 @@ PRODUCER_SAMPLES = {
     "checksums": (True, True), "weight_digests": (True, True), "failover": (False, False), "group_order": ("layer", "layer"), "convert_on": ("consumer", "consumer"),
     "quantize_on": ("consumer", "consumer"),
     "delta": (True, True), "delta_full_every": (np.int32(10), 10), "delta_block_bytes": (65536, 65536),
-    "direct_min_bytes": (0, 0),
+    "delta_same_host": (True, True), "direct_min_bytes": (0, 0),
     "staging_budget": (1 << 30, 1 << 30), "staging_device": ("cuda:1", "cuda:1"),
 }
 CONSUMER_SAMPLES = dict(
     {k: v for k, v in PRODUCER_SAMPLES.items()
      if k not in ("straggler_floor", "straggler_factor", "join_window", "staging_budget", "staging_device",
-                  "delta_full_every", "delta_block_bytes")},
+                  "delta_full_every", "delta_block_bytes", "delta_same_host")},
     cuda_ipc=(False, False), relay=(True, True), check_weights_each_sync=(True, True), direct_min_bytes=(2 ** 64 - 1, 2 ** 64 - 1), commit=("shadow", "shadow"))
 
 
@@ -191,7 +191,7 @@ class OptionsTest(unittest.TestCase):
                ("group_order", "random"), ("group_order", 1), ("convert_on", "trainer"), ("convert_on", 0),
                ("quantize_on", "trainer"), ("quantize_on", 0),
                ("delta", "yes"), ("delta_full_every", -1), ("delta_full_every", 2 ** 32), ("delta_full_every", 1.5),
-               ("delta_block_bytes", -1)]
+               ("delta_block_bytes", -1), ("delta_same_host", "yes")]
         for kw, value in bad:
             with self.assertRaises(ferry.InvalidArgumentError, msg=(kw, value)) as cm:
                 ferry.Producer(source, NOWHERE, backend="inproc", **{kw: value})
