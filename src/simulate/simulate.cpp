@@ -215,8 +215,9 @@ struct Sim {
   sg::ConditionVariablePtr stage_cv;
   // Per group: transfers per producer and per consumer (indices into GroupWork::transfers).
   std::vector<std::vector<std::vector<uint32_t>>> by_producer, by_consumer;
-  // Per consumer, per group in flight: its transfers still in flight, when the first started.
-  std::vector<std::map<size_t, double>> first_start;
+  // Per consumer, per group in flight: its transfers still in flight, when the first started,
+  // and when the first could have started but for the paced order's turns.
+  std::vector<std::map<size_t, double>> first_start, first_ready;
   std::vector<std::map<size_t, size_t>> consumer_left;
   std::vector<sg::ConditionVariablePtr> consumer_cv;
   // Per producer: its staging slots and, per group, the transfers still to finish and
@@ -296,6 +297,11 @@ void transfer_actor(Sim& s, size_t g, uint32_t k) {
   {
     std::unique_lock<sg::Mutex> lk(*s.mutex);
     s.packed_cv[pi]->wait(lk, [&] { return s.packed[pi][g] >= 0; });
+  }
+  {
+    const double unpaced = pull ? s.packed[pi][g] + s.message(prod, me) : std::max(s.packed[pi][g], slot_at + s.message(me, prod));
+    double& ready = s.first_ready[static_cast<size_t>(c)][g];
+    if (ready < 0 || unpaced < ready) ready = unpaced;
   }
   // Paced: the producer serves this reader once its readers of every earlier step are done.
   double turn = s.packed[pi][g];
@@ -417,10 +423,13 @@ void consumer_actor(Sim& s, int c) {
       std::unique_lock<sg::Mutex> lk(*s.mutex);
       s.consumer_cv[ci]->wait(lk, [&] { return s.consumer_left[ci][g] == 0; });
     }
-    charge("wait for producers (gather, pack, messages)", std::max(t, s.first_start[ci][g]));
+    const double started = std::max(t, s.first_start[ci][g]);
+    charge("wait for producers (gather, pack, messages)", std::clamp(s.first_ready[ci][g], t, started));
+    charge("wait for its turn (the paced order)", started);
     charge("transfer", sg::Engine::get_clock());
     s.consumer_left[ci].erase(g);
     s.first_start[ci].erase(g);
+    s.first_ready[ci].erase(g);
     const GroupWork& gw = s.w.groups[g];
     q->bytes.push_back(gw.unpack_bytes.empty() ? 0 : gw.unpack_bytes[ci]);
     q->jobs->release();
@@ -433,6 +442,7 @@ void consumer_actor(Sim& s, int c) {
     charge("wait for a free receive slot (unpack)", sg::Engine::get_clock());
     s.consumer_left[ci][g] = mine.size();
     s.first_start[ci][g] = -1;
+    s.first_ready[ci][g] = -1;
     for (uint32_t k : mine) sg::Actor::create("transfer", s.p.host(me), [&s, g, k] { transfer_actor(s, g, k); });
     window.push_back(g);
   }
@@ -627,6 +637,7 @@ Result<SimResult> run_simulation(const ClusterSpec& cluster, const Workload& w, 
   s.consumer_end.assign(C, 0);
   s.consumer_phases.resize(C);
   s.first_start.assign(C, {});
+  s.first_ready.assign(C, {});
   s.consumer_left.assign(C, {});
   for (size_t c = 0; c < C; ++c) s.consumer_cv.push_back(sg::ConditionVariable::create());
   for (size_t p = 0; p < P; ++p) s.staging.push_back(sg::Semaphore::create(static_cast<unsigned>(w.staging_slots)));
