@@ -126,9 +126,9 @@ def main():
     server = ferry.StoreServer(host="127.0.0.1", port=0, token=TOKEN)
     loader = ferry.ModelLoader(CONFIG, "tp=2")
     source = Source(model)
-    common = dict(token=TOKEN, backend="inproc", job="delta-adam", timeout=60.0, delta=True)
-    # (one host: delta_same_host, or the producer would send dense bytes over shared memory)
-    made = on_threads([lambda: ferry.Producer(source, server.url, num_consumers=2, delta_same_host=True, **common)] +
+    # (one host: delta_same_host, or the job would run without delta: rendezvous.h, delta_runs)
+    common = dict(token=TOKEN, backend="inproc", job="delta-adam", timeout=60.0, delta=True, delta_same_host=True)
+    made = on_threads([lambda: ferry.Producer(source, server.url, num_consumers=2, **common)] +
                       [lambda i=i: ferry.Consumer(loader=loader, rank=i, store=server.url, num_producers=1, **common)
                        for i in range(2)])
     producer, consumers = made[0], made[1:]

@@ -263,17 +263,19 @@ struct EngineOptions {
   // hash, and on a mismatch repaired by reading the dense bytes: SyncReport::
   // patches_repaired), else it reads the dense bytes from the producer's kept copy; it
   // reads nothing straight into params. Host params only take patches (GPU params and
-  // the CUDA IPC lane read dense). Each side decides for itself: a consumer without
-  // delta reads dense bytes from a delta producer.
-  // A producer sends dense bytes to the plan classes whose every consumer in the sync is
-  // on its own host (their leases name it): over shared memory the bytes move faster than
-  // they are encoded and applied (measured, docs/RESULTS.md: 0.14 s against 0.03 s for
-  // the bench's 314 MB at 1% changed), so such a class is not encoded, and where no
-  // class of a group is patched the kept copy is not written either (its next patch waits
-  // for a sync that wrote it).
+  // the CUDA IPC lane read dense). Every rank of a job must run the same (checked at
+  // rendezvous).
+  // Over shared memory the bytes move faster than they are encoded and applied (measured,
+  // docs/RESULTS.md: 0.14 s against 0.04 s for the bench's 314 MB at 1% changed), so
+  // unless delta_same_host: a job whose every rank met on one host (the hosts they
+  // published at rendezvous) runs without delta, keeping both zero-copy paths; and in a
+  // job over several hosts a producer sends dense bytes to the plan classes whose every
+  // consumer in the sync is on its own host (their leases name it), encodes nothing for
+  // them, and where no class of a group is patched does not write its kept copy either
+  // (its next patch waits for a sync that wrote it).
   bool delta = false;
-  // Delta, producer: patches to consumers on its own host too (tests, and hosts whose
-  // shared memory is slower than encoding).
+  // Delta: patches over shared memory too (the tests, which run every rank on one host;
+  // hosts whose shared memory is slower than their encoder). The same on every rank.
   bool delta_same_host = false;
   // Delta, producer: every Nth of its syncs sends dense bytes only (0: never).
   uint32_t delta_full_every = 0;

@@ -375,6 +375,7 @@ class Consumer:
                  num_producers=1, num_consumers=None, backend="ucx", job="ferry",
                  mode="pull", timeout=30.0, rendezvous_timeout=60.0, stall_timeout=10.0, lease_ttl=3.0,
                  checksums=False, failover=True, group_order="rotated", convert_on="producer", quantize_on="producer", delta=False,
+                 delta_same_host=False,
                  cuda_ipc=True, relay=False,
                  direct_min_bytes=64 * 1024, transport_params=None,
                  ucx_config=None, metrics=None, weight_digests=False, check_weights_each_sync=False):
@@ -409,7 +410,7 @@ class Consumer:
         kw = _options(token, backend, _transport_params(transport_params, ucx_config), job=job, mode=mode,
                       timeout=timeout, rendezvous_timeout=rendezvous_timeout, stall_timeout=stall_timeout,
                       lease_ttl=lease_ttl, checksums=checksums, failover=failover, group_order=group_order,
-                      convert_on=convert_on, quantize_on=quantize_on, delta=delta,
+                      convert_on=convert_on, quantize_on=quantize_on, delta=delta, delta_same_host=delta_same_host,
                       cuda_ipc=cuda_ipc, relay=relay,
                       num_producers=num_producers, num_consumers=num_consumers, commit=commit,
                       metrics=_metrics_handle(metrics), weight_digests=weight_digests,

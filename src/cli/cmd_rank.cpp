@@ -37,8 +37,9 @@ void add_common(CLI::App& app, tools::RankSpec& s) {
       ->check(delta_block_bytes_in())
       ->needs(delta);
   app.add_flag("--delta-same-host", s.delta_same_host,
-               "serve, with --delta: send patches to fetch ranks on this host too (by default those get dense "
-               "bytes: shared memory moves them faster than they are encoded and applied)")
+               "with --delta: patches over shared memory too (by default a job whose every rank is on one host runs "
+               "without delta, and a serve rank sends dense bytes to fetch ranks on its host: shared memory moves "
+               "them faster than they are encoded and applied); the same on every rank")
       ->needs(delta);
   app.add_option("--version", s.first_version, "First version to sync")->default_val(1)->check(number_in(0, 1 << 30));
   app.add_option("--syncs", s.syncs, "Syncs to run: versions --version, --version + 1, ...")

@@ -108,8 +108,9 @@ inline void add_delta_options(CLI::App& app, bool& delta, double& changed_fracti
       ->check(delta_block_bytes_in())
       ->needs(on);
   app.add_flag("--delta-same-host", same_host,
-               "with --delta: trainer ranks send patches to inference ranks on their own host too (by default "
-               "those get dense bytes: shared memory moves them faster than they are encoded and applied)")
+               "with --delta: patches over shared memory too (by default a job whose every rank is on one host runs "
+               "without delta, and trainer ranks send dense bytes to inference ranks on their host: shared memory "
+               "moves them faster than they are encoded and applied)")
       ->needs(on);
 }
 

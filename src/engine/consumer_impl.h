@@ -237,19 +237,16 @@ struct Consumer::Impl {
                                        std::chrono::milliseconds(5000));
   }
 
-  // The options as this consumer runs them: nothing is read straight into params where
-  // a part needs every byte in the receive ring: delta (a patch is applied in the receive
-  // slot, then unpacked), the groups commit rule (every byte lands in the bounded shadow
-  // by unpack), relay (members copy the relay's receive ring: every byte must pass it).
+  // `opts` as given; start() turns direct_min_bytes off where a part needs every byte in
+  // the receive ring (delta where it runs, the groups commit rule, relay) and the
+  // DeltaApplier off where delta does not run (rendezvous.h, delta_runs).
   Impl(int r, Transport& t, Store& s, const ConsumerOptions& opt)
       : rank(r), transport(t), store(s), opts(opt), keys(opt.job),
         route_state(s, JobKeys(opt.job), opt.failover, consumer_router_options(opt, r)),
         roll(s, [k = JobKeys(opt.job)](int p) { return k.producer(p); }, [](std::string_view v) { return std::string(v); },
              opt.num_producers, opt.lease_ttl),
         commit_rule(CommitRule::make(opt.commit, r, {opt.before_commit, opt.after_commit})),
-        delta(r, opt.delta) {
-    if (opts.delta || !commit_rule->lands_direct() || opts.relay) opts.direct_min_bytes = std::numeric_limits<uint64_t>::max();
-  }
+        delta(r, opt.delta) {}
 
   ~Impl() {
     worker.reset();  // stops after its current job

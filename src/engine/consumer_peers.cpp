@@ -333,9 +333,20 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
     FERRY_ASSIGN_OR_RETURN(std::string host, publish_relay_host(store, m.keys, rank, host_identity()));
     m.reg.published.emplace_back(m.keys.relay_host(rank), std::move(host));
   }
+  {  // (before the plan, as the relay host)
+    FERRY_ASSIGN_OR_RETURN(std::string host, publish_host(store, m.keys, Participant{"consumer", rank}, host_identity()));
+    m.reg.published.emplace_back(m.keys.host("consumer", rank), std::move(host));
+  }
   m.reg.published.emplace_back(m.keys.plan(rank), m.model.plan.encode());
   FERRY_RETURN_IF_ERROR(store.set(m.keys.plan(rank), m.reg.published.back().second));
   FERRY_ASSIGN_OR_RETURN(auto inputs, rendezvous_inputs(store, m.keys, options, Participant{"consumer", rank}, metadata));
+  // Nothing is read straight into params where a part needs every byte in the receive
+  // ring: delta where it runs (a patch is applied in the receive slot, then unpacked;
+  // rendezvous.h, delta_runs), the groups commit rule (every byte lands in the bounded
+  // shadow by unpack), relay (members copy the relay's receive ring).
+  const bool delta_on = delta_runs(opts, inputs);
+  m.delta = DeltaApplier(rank, delta_on);
+  if (delta_on || !m.commit_rule->lands_direct() || opts.relay) opts.direct_min_bytes = std::numeric_limits<uint64_t>::max();
   FERRY_ASSIGN_OR_RETURN(auto routes, m.route_state.start(std::move(inputs)));
   m.recv.set_slot_bytes(consumer_slot_bytes(routes.consumer(static_cast<size_t>(rank))));
   // Params producers quantise (EngineOptions::quantize_on) arrive as e4m3 with their

@@ -53,6 +53,8 @@ class DeltaEncoder {
   void install(const ProducerRoute& route);
   // A sync begins: every delta_full_every-th sends dense bytes only.
   void begin_sync();
+  // Whether it keeps and patches at all (the options it was made with: delta_runs).
+  bool on() const { return on_; }
   // The plan classes sent dense bytes this attempt (every consumer of theirs on the
   // producer's host: EngineOptions::delta_same_host): not encoded; a group whose every
   // segment is of such a class leaves the kept copy as it was and holds no base after.

@@ -35,7 +35,7 @@ void Producer::Impl::plan_attempt(uint64_t v) {
   pacer.begin_attempt();  // this attempt's waves (with the plan, under one lock)
   // Delta: the plan classes whose every consumer in this sync is on this host go dense.
   std::set<uint32_t> dense;
-  if (opts.delta && !opts.delta_same_host) {
+  if (delta->on() && !opts.delta_same_host) {
     std::set<uint32_t> remote;
     for (int c = 0; c < opts.num_consumers; ++c) {
       const uint32_t cls = routes.consumer_plan[static_cast<size_t>(c)];
@@ -451,6 +451,10 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
     FERRY_RETURN_IF_ERROR(publish_world(store, m.keys, options, me));
     FERRY_ASSIGN_OR_RETURN(const Holdings holdings, source.holdings(m.rank));  // (then route_state's inputs)
     const std::string meta = encode_decls(source.metadata());
+    {  // (before the holdings: whoever sees them sees this too)
+      FERRY_ASSIGN_OR_RETURN(std::string host, publish_host(store, m.keys, me, host_identity()));
+      m.reg.published.emplace_back(m.keys.host(me.role, m.rank), std::move(host));
+    }
     if (m.rank == 0) m.reg.published.emplace_back(m.keys.meta(), meta);
     m.reg.published.emplace_back(m.keys.holdings(m.rank), encode_holdings(holdings));
     for (const auto& [key, value] : m.reg.published) FERRY_RETURN_IF_ERROR(store.set(key, value));
@@ -461,6 +465,9 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
       store.remove(m.keys.dead(m.rank)).status().ignore();
     }
     FERRY_ASSIGN_OR_RETURN(auto inputs, rendezvous_inputs(store, m.keys, options, me, source.metadata()));
+    // As this producer runs them: delta off where every rank met on one host (delta_runs).
+    ProducerOptions run = options;
+    run.delta = delta_runs(options, inputs);
     FERRY_ASSIGN_OR_RETURN(auto routes, m.route_state.start(std::move(inputs)));
     {
       // Within staging_budget: worst-case slots when it holds them, else as large as it
@@ -474,13 +481,13 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
                             sr.slot_bytes,
                             sr.slots,
                             options.staging_device,
-                            regions_served_in_place(options),
+                            regions_served_in_place(run),
                             options.direct_min_bytes,
                             options.checksums,
-                            delta_kept_bytes(options, routes.producers[static_cast<size_t>(m.rank)], sr)};
+                            delta_kept_bytes(run, routes.producers[static_cast<size_t>(m.rank)], sr)};
       FERRY_ASSIGN_OR_RETURN(m.staging, StagingRing::create(m.ring_memory, source, m.own_holdings(), so));
     }
-    m.delta = std::make_unique<DeltaEncoder>(*m.staging, options);
+    m.delta = std::make_unique<DeltaEncoder>(*m.staging, run);
     FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));
     m.slots.resize(static_cast<size_t>(m.staging->slots()));
     m.peers.resize(options.num_consumers);

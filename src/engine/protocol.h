@@ -267,6 +267,8 @@ class JobKeys {
   // The host consumer c relays within (ConsumerOptions::relay; written once, before its
   // plan, by its first instance: rendezvous.h, relay_groups).
   std::string relay_host(int c) const;
+  // A rank's host as its first instance published it (rendezvous.h, publish_host).
+  std::string host(std::string_view role, int rank) const;
   std::string producer(int p) const;      // producer p's lease
   std::string consumer(int c) const;      // consumer c's lease
   std::string dead(int p) const;          // producer p failed over (failover)

@@ -124,6 +124,7 @@ std::string routing_choices(const EngineOptions& o) {
   if (o.mode == SyncMode::kPush) out += ".push";
   if (o.checksums) out += ".checksums";
   if (o.delta) out += ".delta";
+  if (o.delta && o.delta_same_host) out += ".delta-same-host";
   return out;
 }
 
@@ -132,7 +133,8 @@ namespace {
 // Each option routing_choices names, and its value in `choices`.
 std::map<std::string, std::string> choices_of(std::string_view choices) {
   std::map<std::string, std::string> out{{"group_order", ""}, {"convert_on", ""}, {"quantize_on", "producer"},
-                                         {"mode", "pull"},    {"checksums", "off"}, {"delta", "off"}};
+                                         {"mode", "pull"},    {"checksums", "off"}, {"delta", "off"},
+                                         {"delta_same_host", "off"}};
   size_t at = 0;
   for (int field = 0; at <= choices.size(); ++field) {
     const size_t dot = std::min(choices.find('.', at), choices.size());
@@ -141,6 +143,7 @@ std::map<std::string, std::string> choices_of(std::string_view choices) {
     else if (field == 1) out["convert_on"] = std::string(f);
     else if (f.starts_with("quantize-")) out["quantize_on"] = std::string(f.substr(9));
     else if (f == "push") out["mode"] = "push";
+    else if (f == "delta-same-host") out["delta_same_host"] = "on";
     else out[std::string(f)] = "on";  // checksums, delta (and a choice only a newer rank names)
     at = dot + 1;
   }
@@ -179,7 +182,7 @@ Status check_world(Store& store, const JobKeys& keys, const EngineOptions& o, Pa
       if (w->routing == mine) continue;
       return invalid_argument(
           "{} {} runs with '{}' but {} {} with '{}' ({}: EngineOptions::group_order, convert_on, quantize_on, mode, "
-          "checksums and delta must be the same on every rank of job '{}')",
+          "checksums, delta and delta_same_host must be the same on every rank of job '{}')",
           me.role, me.rank, mine, role, rank, w->routing,
           choices_differ(mine, w->routing, fmt::format("{} {}", role, rank)), keys.job());
     }
@@ -382,6 +385,15 @@ Result<RouteInputs> rendezvous_inputs(Store& store, const JobKeys& keys, const E
     if (!plan.ok()) return plan.status().with_context(fmt::format("plan of consumer {}", c));
     in.plans.push_back(std::move(*plan));
   }
+  // Every rank's host, published before its holdings or plan (so present now).
+  for (int p = 0; p < o.num_producers; ++p) {
+    FERRY_ASSIGN_OR_RETURN(auto host, store.get(keys.host("producer", p)));
+    in.producer_hosts.push_back(std::move(host));
+  }
+  for (int c = 0; c < o.num_consumers; ++c) {
+    FERRY_ASSIGN_OR_RETURN(auto host, store.get(keys.host("consumer", c)));
+    in.consumer_hosts.push_back(std::move(host));
+  }
   // Published before each plan, so present now wherever its consumer relays.
   in.relay_hosts.assign(static_cast<size_t>(o.num_consumers), "");
   for (int c = 0; c < o.num_consumers; ++c) {
@@ -408,6 +420,18 @@ std::vector<int> relay_groups(const RouteInputs& inputs, const std::vector<uint3
   for (int& g : out)
     if (g >= 0 && size[g] < 2) g = -1;  // (alone on its host: relays with nobody)
   return out;
+}
+
+Result<std::string> publish_host(Store& store, const JobKeys& keys, Participant me, const std::string& host) {
+  FERRY_ASSIGN_OR_RETURN(CompareSetResult r, store.compare_set(keys.host(me.role, me.rank), std::nullopt, host));
+  return r.value.value_or(host);
+}
+
+bool delta_runs(const EngineOptions& o, const RouteInputs& in) {
+  if (!o.delta || o.delta_same_host) return o.delta;
+  std::set<std::string> hosts(in.producer_hosts.begin(), in.producer_hosts.end());
+  hosts.insert(in.consumer_hosts.begin(), in.consumer_hosts.end());
+  return hosts.size() > 1;
 }
 
 Result<std::string> publish_relay_host(Store& store, const JobKeys& keys, int c, const std::string& host) {

@@ -25,6 +25,8 @@ struct RouteInputs {
   // Per consumer: the host it relays within (JobKeys::relay_host; "" where it does not
   // relay). Read once at rendezvous, like the plans.
   std::vector<std::string> relay_hosts;
+  // Every rank's host as its first instance published it (JobKeys::host).
+  std::vector<std::string> producer_hosts, consumer_hosts;
 };
 
 // Relay groups for the group order (GroupOrderOptions::relay_group): per consumer, the
@@ -45,6 +47,19 @@ struct Participant {
   int rank = 0;
 };
 
+// A rank's host (host_identity()), published before its holdings or plan: the first
+// instance of the rank writes it and later ones keep it (compare_set on an absent key), so
+// every participant reads the same inputs whenever it meets. Returns the value the store
+// holds (for republish).
+Result<std::string> publish_host(Store& store, const JobKeys& keys, Participant me, const std::string& host);
+
+// Whether delta syncs run in this job (EngineOptions::delta): not where every rank was on
+// one host when it met, unless delta_same_host. There the bytes move over shared memory
+// faster than they are encoded and applied, and without delta both sides keep their zero
+// copy paths (served in place, read into params). Every rank decides the same from the
+// same inputs.
+bool delta_runs(const EngineOptions& options, const RouteInputs& inputs);
+
 // World sizes: every participant publishes the num_producers / num_consumers it was
 // given, in the name of a key under {job}/world/ (so one list() reads them all, with a
 // ttl of rendezvous_timeout: they matter only while ranks meet, and a later job under
@@ -55,8 +70,8 @@ struct Participant {
 // The same key names the choices every rank must share because they shape the routes,
 // the order they run in or what crosses the wire (routing_choices: "{group_order}.
 // {convert_on}", e.g. "rotated.producer", with ".quantize-consumer", ".push",
-// ".checksums" and ".delta" appended where quantize_on is the consumer, mode is push,
-// checksums and delta are on; the defaults' key is as it was); a participant whose
+// ".checksums", ".delta" and ".delta-same-host" appended where quantize_on is the
+// consumer, mode is push, checksums, delta and delta_same_host are on); a participant whose
 // choices differ fails at once, naming each option that differs and both values.
 std::string routing_choices(const EngineOptions& options);
 Status publish_world(Store& store, const JobKeys& keys, const EngineOptions& options, Participant me);

@@ -58,7 +58,7 @@ constexpr OptionField kOptionFields[] = {
     // Full syncs are the producer's choice: a consumer never reads it.
     {"EngineOptions", "delta_full_every", "delta_full_every", "keyword", "Producer"},
     {"EngineOptions", "delta_block_bytes", "delta_block_bytes", "keyword", "Producer"},
-    {"EngineOptions", "delta_same_host", "delta_same_host", "keyword", "Producer"},
+    {"EngineOptions", "delta_same_host", "delta_same_host", "keyword", "Producer Consumer"},
     {"EngineOptions", "weight_digests", "weight_digests", "keyword", "Producer Consumer"},
     {"EngineOptions", "test_hooks", "", "internal", ""},
     // A C++ object called on the engine's threads, sometimes under its locks: no Python

@@ -285,11 +285,13 @@ TEST_P(EngineDeltaTest, BlockHashesSendChangedBlocksWhole) {
 
 // A block under kMinDeltaBlockBytes is refused when the producer is created, naming the
 // option: at 1 byte its hashes took 8x the bytes staged (issue 49, finding 4).
-// By default (EngineOptions::delta_same_host off) a producer sends dense bytes to the
-// plan classes whose every consumer is on its own host, and encodes nothing for them:
-// over shared memory the bytes move faster than they are encoded and applied (issue 46:
-// delta at memory speed was 4x the dense sync). Asked to, it patches them; every consumer
-// verified either way, pull and push.
+// By default (EngineOptions::delta_same_host off) a job whose every rank met on one host
+// runs without delta (rendezvous.h, delta_runs): dense bytes, nothing encoded, and both
+// zero-copy paths kept (bytes read straight into params), since over shared memory the
+// bytes move faster than they are encoded and applied (issue 46: delta at memory speed
+// was 4x the dense sync). Asked to, it patches; every consumer verified either way, pull
+// and push. (Across hosts a producer still sends dense bytes to the classes on its own
+// host: DeltaEncoder.ClassesSentDenseAreNotEncoded.)
 TEST(EngineDelta, ConsumersOnTheProducersHostGetDenseBytesUnlessAsked) {
   for (Mode mode : {Mode::kPull, Mode::kPush}) {
     for (bool same_host : {false, true}) {
@@ -309,6 +311,7 @@ TEST(EngineDelta, ConsumersOnTheProducersHostGetDenseBytesUnlessAsked) {
           EXPECT_EQ(s.patch, 0u);
           EXPECT_EQ(s.elements, 0u) << "nothing encoded";
           EXPECT_EQ(s.sent, dense);
+          for (auto& c : o.c) EXPECT_GT((**c).received_into_params, 0u) << "zero copy kept: " << (**c).to_string();
         } else if (v > 1) {
           EXPECT_GT(s.patch, 0u);
           EXPECT_LT(s.sent, dense / 10);

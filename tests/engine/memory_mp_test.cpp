@@ -85,6 +85,7 @@ SizeRun run_size(int layers, bool delta = false) {
   d.inference = "tp=2";
   d.syncs = delta ? 2 : 1;
   d.delta = delta;
+  d.delta_same_host = delta;  // (one host: delta runs only so)
   d.changed_fraction = 0.01;
   d.kill_rank = -1;
   d.staging_budget = kBudget;

@@ -317,9 +317,9 @@ class EngineTest(unittest.TestCase):
             for t in trainers:
                 t._cache = {1: v1, 2: v2}
                 t.full = lambda version, t=t: t._cache[version]
-            common = dict(token=server.token, backend="inproc", job="delta", timeout=20.0, delta=True)
-            made = run_threads([lambda t=t: ferry.Producer(t, server.url, num_consumers=2, delta_same_host=True, **common)
-                                for t in trainers] +
+            common = dict(token=server.token, backend="inproc", job="delta", timeout=20.0, delta=True,
+                          delta_same_host=True)  # (one host: patches over shared memory too)
+            made = run_threads([lambda t=t: ferry.Producer(t, server.url, num_consumers=2, **common) for t in trainers] +
                                [lambda r=r: ferry.Consumer(loader=loader, rank=r, store=server, num_producers=2,
                                                            **common) for r in range(2)])
             producers, consumers = made[:2], made[2:]

@@ -79,7 +79,7 @@ PRODUCER_SAMPLES = {
 CONSUMER_SAMPLES = dict(
     {k: v for k, v in PRODUCER_SAMPLES.items()
      if k not in ("straggler_floor", "straggler_factor", "join_window", "staging_budget", "staging_device",
-                  "delta_full_every", "delta_block_bytes", "delta_same_host")},
+                  "delta_full_every", "delta_block_bytes")},
     cuda_ipc=(False, False), relay=(True, True), check_weights_each_sync=(True, True), direct_min_bytes=(2 ** 64 - 1, 2 ** 64 - 1), commit=("shadow", "shadow"))
 
 
