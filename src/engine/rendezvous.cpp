@@ -369,6 +369,10 @@ Result<RouteInputs> rendezvous_inputs(Store& store, const JobKeys& keys, const E
   std::vector<std::string> wanted;
   for (int p = 0; p < o.num_producers; ++p) wanted.push_back(keys.holdings(p));
   for (int c = 0; c < o.num_consumers; ++c) wanted.push_back(keys.plan(c));
+  // (Each published before its holdings or plan; waited for too, so that a store that
+  // restarted empty and is being written back fails no rank that meets meanwhile.)
+  for (int p = 0; p < o.num_producers; ++p) wanted.push_back(keys.host("producer", p));
+  for (int c = 0; c < o.num_consumers; ++c) wanted.push_back(keys.host("consumer", c));
   FERRY_RETURN_IF_ERROR(await_keys(store, keys, o, me, wanted, "every producer's holdings and consumer's plan")
                             .with_context("engine rendezvous"));
   RouteInputs in;
