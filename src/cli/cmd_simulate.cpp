@@ -39,6 +39,7 @@ struct SimulateArgs {
   std::string quantize_on;  // "": as the engine (producer where there is something to quantise)
   std::string changes = "scattered";
   bool json = false;
+  bool relay = false;  // every inference rank under ConsumerOptions::relay within its node
   std::string plot;
 };
 
@@ -105,6 +106,7 @@ int run_simulate(const SimulateArgs& a) {
     auto st = run_python({});
     if (!st.ok()) return fail_with("simulate", st);
   }
+  if (a.relay) job.relay_node_gpus = cluster->inference.gpus_per_node;
   const auto t0 = std::chrono::steady_clock::now();
   auto work = build_workload(job, *design);
   if (!work.ok()) return fail_with("simulate", work.status());
@@ -297,6 +299,9 @@ FERRY_COMMAND(simulate_command, "simulate",
                                "Groups each consumer reads at once (its receive budget; 1: the engine's, each group's "
                                "reads posted once the one before landed), each one more receive slot")
                     ->check(CLI::Range(1, 64));
+                app.add_flag("--relay", a->relay,
+                             "Every inference rank relays within its node (ConsumerOptions::relay, docs/relay.md): "
+                             "one replica of each rank reads from the trainer, the others copy from it inside the node");
                 app.add_flag("--shrink", a->job.shrink,
                              "Route a structurally equal small variant of the model (what ferry demo syncs)");
                 app.add_flag("--json", a->json, "Print one JSON object");

@@ -220,6 +220,10 @@ struct Sim {
   std::vector<std::map<size_t, double>> first_start, first_ready;
   std::vector<std::map<size_t, size_t>> consumer_left;
   std::vector<sg::ConditionVariablePtr> consumer_cv;
+  // Relay (Workload::relay_of): per consumer, the groups it holds (landed, its reads done),
+  // for the members that copy them.
+  std::vector<std::vector<char>> landed;
+  sg::ConditionVariablePtr landed_cv;
   // Per producer: its staging slots and, per group, the transfers still to finish and
   // when it had packed (-1: not yet).
   std::vector<sg::SemaphorePtr> staging;
@@ -430,11 +434,39 @@ void consumer_actor(Sim& s, int c) {
     s.consumer_left[ci].erase(g);
     s.first_start[ci].erase(g);
     s.first_ready[ci].erase(g);
+    if (!s.landed.empty()) {
+      std::unique_lock<sg::Mutex> lk(*s.mutex);
+      s.landed[ci][g] = 1;
+      s.landed_cv->notify_all();
+    }
     const GroupWork& gw = s.w.groups[g];
     q->bytes.push_back(gw.unpack_bytes.empty() ? 0 : gw.unpack_bytes[ci]);
     q->jobs->release();
   };
+  const int relay = ci < s.w.relay_of.size() ? s.w.relay_of[ci] : -1;
   for (size_t g : groups_in_order(s.w.consumer_order, ci, s.w.groups.size())) {
+    if (relay >= 0) {  // a relay member: the group from its relay's receive slot, inside the node
+      const uint64_t b = s.w.groups[g].unpack_bytes.empty() ? 0 : s.w.groups[g].unpack_bytes[ci];
+      if (b == 0) continue;
+      q->slots->acquire();
+      charge("wait for a free receive slot (unpack)", sg::Engine::get_clock());
+      {
+        std::unique_lock<sg::Mutex> lk(*s.mutex);
+        s.landed_cv->wait(lk, [&] { return s.landed[static_cast<size_t>(relay)][g] != 0; });
+      }
+      charge("wait for its relay", sg::Engine::get_clock());
+      sg::this_actor::sleep_for(s.message(s.endpoint_c(relay), me));  // the relay's offer
+      s.flow(s.endpoint_c(relay), me, b)->wait();
+      charge("copy from its relay", sg::Engine::get_clock());
+      {
+        std::unique_lock<sg::Mutex> lk(*s.mutex);
+        s.landed[ci][g] = 1;
+        s.landed_cv->notify_all();
+      }
+      q->bytes.push_back(b);
+      q->jobs->release();
+      continue;
+    }
     const auto& mine = s.by_consumer[g][ci];
     if (mine.empty()) continue;
     if (window.size() == in_flight) land_oldest();
@@ -609,6 +641,8 @@ Result<SimResult> run_simulation(const ClusterSpec& cluster, const Workload& w, 
       plat.need_route(static_cast<int>(f.from), w.producers + static_cast<int>(f.to));
     }
     for (const Flow& f : gw.gather) plat.need_route(static_cast<int>(f.from), static_cast<int>(f.to));
+    for (size_t c = 0; c < w.relay_of.size(); ++c)
+      if (w.relay_of[c] >= 0) plat.need_route(w.producers + w.relay_of[c], w.producers + static_cast<int>(c));
     if (o.design == Design::kBroadcast) {
       int prev = gw.root;
       for (int c = 0; c < w.consumers; ++c) {
@@ -638,6 +672,14 @@ Result<SimResult> run_simulation(const ClusterSpec& cluster, const Workload& w, 
   s.consumer_phases.resize(C);
   s.first_start.assign(C, {});
   s.first_ready.assign(C, {});
+  s.landed_cv = sg::ConditionVariable::create();
+  if (!w.relay_of.empty()) {
+    if (w.relay_of.size() != C) return invalid_argument("simulate: relays for {} consumers, not {}", w.relay_of.size(), C);
+    for (int r : w.relay_of)
+      if (r >= static_cast<int>(C) || (r >= 0 && w.relay_of[static_cast<size_t>(r)] >= 0))
+        return invalid_argument("simulate: relay {} is not a consumer that reads from the producers", r);
+    s.landed.assign(C, std::vector<char>(G, 0));
+  }
   s.consumer_left.assign(C, {});
   for (size_t c = 0; c < C; ++c) s.consumer_cv.push_back(sg::ConditionVariable::create());
   for (size_t p = 0; p < P; ++p) s.staging.push_back(sg::Semaphore::create(static_cast<unsigned>(w.staging_slots)));
@@ -669,6 +711,10 @@ Result<SimResult> run_simulation(const ClusterSpec& cluster, const Workload& w, 
         }
       }
     }
+    // Waves with no read from the producers (a relay's members only: their releases come
+    // with the relay's) are open from the start.
+    for (Sim::Gate& gt : s.gates)
+      while (gt.at < gt.left.size() && gt.left[gt.at] == 0) ++gt.at;
   }
 
   SimResult r;

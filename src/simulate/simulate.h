@@ -56,6 +56,11 @@ struct Workload {
   // reads posted once the group before it landed); N > 1 posts the next group's reads
   // while up to N - 1 earlier ones are still in flight, with N - 1 more receive slots.
   int groups_in_flight = 1;
+  // Relay within a node (ConsumerOptions::relay, docs/relay.md), ferry's design: per
+  // consumer, the consumer it copies every group from once that one has it (its relay:
+  // the lowest of its plan class on its node), or -1 where it reads from the producers.
+  // A member reads nothing from the producers; its copy is a flow inside the node.
+  std::vector<int> relay_of;
   bool serial_stages = false; // sharded-gather: PP stages served one after another
   // The engine's group order (engine/group_order.h), ferry's design only: per consumer the
   // groups in the order it reads them, per producer in the order it packs them. Empty:

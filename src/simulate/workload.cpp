@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include "engine/rendezvous.h"
 #include "ferry/models.h"
 #include "ferry/route.h"
 #include "ferry/source.h"
@@ -84,6 +85,8 @@ Result<JobWorkload> build_workload(const JobSpec& job, Design design) {
     return invalid_argument("--order {}: only ferry's design has a group order (got --design {})",
                             engine::group_order_name(job.order), design_name(design));
   }
+  if (design != Design::kFerry && job.relay_node_gpus > 0)
+    return invalid_argument("--relay: only ferry's design relays (got --design {})", design_name(design));
   const auto t0 = std::chrono::steady_clock::now();
   if (job.quantize_on_producer && design != Design::kFerry) {
     return invalid_argument("--quantize-on producer: only ferry's design quantises on the producer (got --design {})",
@@ -158,19 +161,46 @@ Result<JobWorkload> build_workload(const JobSpec& job, Design design) {
     FERRY_ASSIGN_OR_RETURN(auto routes, route(m, *m.holdings, plans,
                                               job.quantize_on_producer ? QuantizeOn::kProducer : QuantizeOn::kConsumer));
     fill_from_routes(routes, w.groups, out);
+    engine::GroupOrderOptions order_options = job.order;
+    if (job.relay_node_gpus > 0) {
+      // The engine's relay groups (consumers of one plan class on one node), from the
+      // hosts as its ranks would publish them.
+      engine::RouteInputs hosts;
+      for (size_t c = 0; c < routes.consumer_plan.size(); ++c)
+        hosts.relay_hosts.push_back(fmt::format("node {}", c / static_cast<size_t>(job.relay_node_gpus)));
+      order_options.relay_group = engine::relay_groups(hosts, routes.consumer_plan);
+      w.relay_of.assign(routes.consumer_plan.size(), -1);
+      for (size_t c = 0; c < w.relay_of.size(); ++c) {
+        const int r = order_options.relay_group[c];
+        if (r >= 0 && static_cast<size_t>(r) != c) w.relay_of[c] = r;
+      }
+      for (GroupWork& gw : w.groups) {  // a member reads nothing from the producers; it copies inside its node
+        std::vector<Flow> kept;
+        for (const Flow& f : gw.transfers) {
+          if (w.relay_of[f.to] < 0) {
+            kept.push_back(f);
+          } else {
+            out.bytes_moved -= f.bytes;
+          }
+        }
+        gw.transfers = std::move(kept);
+        for (size_t c = 0; c < w.relay_of.size(); ++c)
+          if (w.relay_of[c] >= 0) out.bytes_moved += gw.unpack_bytes[c];
+      }
+    }
     if (job.quantize_on_producer) {
       out.quantized_params = routes.stats.quantized_params;
       out.quantized_on_producer = routes.stats.quantized_on_producer;
     }
     // The engine's own order computation, so the prediction follows the engine.
-    const engine::GroupOrder order = engine::make_group_order(routes, job.order);
+    const engine::GroupOrder order = engine::make_group_order(routes, order_options);
     FERRY_RETURN_IF_ERROR(engine::check_group_order(routes, order));
     out.lanes = order.num_lanes();
     out.cohort_sizes = order.cohort_sizes();
     out.lane_groups = order.lane_sizes();
     out.round_lanes = order.round_sizes();
     out.order_summary = order.summary();
-    if (job.order.kind != engine::GroupOrderKind::kLayer) {
+    if (order_options.kind != engine::GroupOrderKind::kLayer) {
       w.consumer_order = order.consumer;
       w.producer_order = order.producer;
       if (order.paced) {

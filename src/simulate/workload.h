@@ -24,6 +24,10 @@ struct JobSpec {
   std::string inference;         // InferenceLayout text
   uint64_t staging_budget = 0;   // ProducerOptions::staging_budget (0: two slots)
   int groups_in_flight = 1;      // Workload::groups_in_flight (a consumer's receive budget, in groups)
+  // > 0: every inference rank relays (ConsumerOptions::relay) within its node of this many
+  // GPUs (the cluster's gpus_per_node): relay groups as the engine makes them, in one
+  // cohort each, their members copying from their relay (Workload::relay_of).
+  int relay_node_gpus = 0;
   bool shrink = false;           // route shrink_config's small variant (as ferry demo does)
   // The order groups move in (ferry's design): the engine's own make_group_order.
   engine::GroupOrderOptions order;

@@ -83,6 +83,25 @@ TEST(SimulateCli, BytesPerNicAreWhatTheDesignMoves) {
   EXPECT_NEAR(f["rx_floor_seconds"].get<double>(), moved / (0.956 * 1e9 / 8), 1e-9);
 }
 
+// Relay within a node (--relay, docs/relay.md): the engine's relay groups (one per plan
+// class on the inference host), so one replica of each rank reads across the link and the
+// other copies inside the host: the link carries each byte once, the prediction halves,
+// and the members' critical path is the wait for their relay and the copy.
+TEST(SimulateCli, RelayCrossesTheInferenceLinkOnce) {
+  nlohmann::json plain = simulate_json("--design ferry");
+  nlohmann::json relay = simulate_json("--design ferry --relay");
+  ASSERT_TRUE(plain.is_object() && relay.is_object());
+  const uint64_t in_plain = plain["busiest_rx_nic"]["bytes_in"].get<uint64_t>();
+  const uint64_t in_relay = relay["busiest_rx_nic"]["bytes_in"].get<uint64_t>();
+  EXPECT_EQ(2 * in_relay, in_plain) << "each replica's bytes cross once";
+  EXPECT_EQ(relay["bytes_moved"], plain["bytes_moved"]) << "the members' bytes are copied inside the host instead";
+  EXPECT_LT(relay["seconds"].get<double>(), 0.6 * plain["seconds"].get<double>());
+  EXPECT_GE(relay["seconds"].get<double>(), relay["floor_seconds"].get<double>());
+  CliRun bad = run(kJob + kCluster + "--inference tp=2,replicas=2 --design broadcast --relay");
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("--relay: only ferry's design relays"), std::string::npos) << bad.err;
+}
+
 // The rotated group order (docs/group-order.md), from the engine's own make_group_order:
 // trainer pp=2 on two hosts, two inference replicas on two more. In layer order one
 // stage's link sends at a time; rotated, both do, and the same bytes cross every link.
