@@ -329,13 +329,14 @@ Result<std::vector<TensorDecl>> Consumer::Impl::await_metadata() {
 Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap params) {
   Impl& m = *this;
   const ConsumerOptions& options = opts;
-  if (options.relay) {  // (before the plan: whoever sees the plan sees this too)
-    FERRY_ASSIGN_OR_RETURN(std::string host, publish_relay_host(store, m.keys, rank, host_identity()));
-    m.reg.published.emplace_back(m.keys.relay_host(rank), std::move(host));
-  }
-  {  // (before the plan, as the relay host)
-    FERRY_ASSIGN_OR_RETURN(std::string host, publish_host(store, m.keys, Participant{"consumer", rank}, host_identity()));
-    m.reg.published.emplace_back(m.keys.host("consumer", rank), std::move(host));
+  // Before the plan: whoever sees the plan sees these too. (Whether it relays is written
+  // either way, so that a later instance with another ConsumerOptions::relay keeps the
+  // first one's: every rank builds the same cohorts, whenever it meets.)
+  const std::pair<std::string, std::string> once[] = {{m.keys.host("consumer", rank), host_identity()},
+                                                      {m.keys.relays(rank), options.relay ? "1" : "0"}};
+  for (const auto& [key, value] : once) {
+    FERRY_ASSIGN_OR_RETURN(std::string held, publish_once(store, key, value));
+    m.reg.published.emplace_back(key, std::move(held));
   }
   m.reg.published.emplace_back(m.keys.plan(rank), m.model.plan.encode());
   FERRY_RETURN_IF_ERROR(store.set(m.keys.plan(rank), m.reg.published.back().second));

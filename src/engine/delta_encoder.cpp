@@ -10,8 +10,8 @@
 namespace ferry::engine {
 
 DeltaEncoder::DeltaEncoder(StagingRing& staging, const EngineOptions& options)
-    : staging_(staging), on_(options.delta), block_bytes_(options.delta_block_bytes),
-      full_every_(options.delta_full_every) {}
+    : staging_(staging), on_(options.delta), same_host_(options.delta_same_host),
+      block_bytes_(options.delta_block_bytes), full_every_(options.delta_full_every) {}
 
 void DeltaEncoder::install(const ProducerRoute& route) {
   if (!on_) return;
@@ -30,6 +30,17 @@ void DeltaEncoder::install(const ProducerRoute& route) {
 void DeltaEncoder::begin_sync() {
   ++syncs_started_;
   full_sync_ = full_every_ > 0 && syncs_started_ % full_every_ == 0;
+}
+
+void DeltaEncoder::begin_attempt(const std::vector<uint32_t>& consumer_plan, const std::vector<bool>& members,
+                                 const std::vector<bool>& on_this_host) {
+  dense_classes_.clear();
+  if (!on_ || same_host_) return;
+  std::set<uint32_t> remote;
+  for (size_t c = 0; c < consumer_plan.size() && c < members.size() && c < on_this_host.size(); ++c) {
+    if (members[c]) (on_this_host[c] ? dense_classes_ : remote).insert(consumer_plan[c]);
+  }
+  for (uint32_t cls : remote) dense_classes_.erase(cls);
 }
 
 bool DeltaEncoder::all_dense(const ProducerGroup& grp) const {
@@ -136,8 +147,8 @@ uint64_t DeltaEncoder::state_bytes() const {
   return n;
 }
 
-std::vector<MemoryRegion> regions_served_in_place(const ProducerOptions& options) {
-  return options.delta ? std::vector<MemoryRegion>{} : options.source_regions;
+std::vector<MemoryRegion> regions_served_in_place(const std::vector<MemoryRegion>& source_regions, bool delta) {
+  return delta ? std::vector<MemoryRegion>{} : source_regions;
 }
 
 }  // namespace ferry::engine

@@ -40,8 +40,9 @@ struct DeltaPack {
 };
 
 // The trainer's memory a producer serves in place (StagingRingOptions::source_regions):
-// none under delta, where every byte is packed so that it can be patched.
-std::vector<MemoryRegion> regions_served_in_place(const ProducerOptions& options);
+// none where delta runs (rendezvous.h, delta_runs), as every byte is packed so that it can
+// be patched.
+std::vector<MemoryRegion> regions_served_in_place(const std::vector<MemoryRegion>& source_regions, bool delta);
 
 class DeltaEncoder {
  public:
@@ -55,8 +56,12 @@ class DeltaEncoder {
   void begin_sync();
   // Whether it keeps and patches at all (the options it was made with: delta_runs).
   bool on() const { return on_; }
-  // The plan classes sent dense bytes this attempt (every consumer of theirs on the
-  // producer's host: EngineOptions::delta_same_host): not encoded; a group whose every
+  // An attempt begins: per consumer (Routes::consumer_plan), whether it is in it and
+  // whether it is on this producer's host. The plan classes whose every consumer in the
+  // attempt is on this host go dense (set_dense_classes), unless delta_same_host.
+  void begin_attempt(const std::vector<uint32_t>& consumer_plan, const std::vector<bool>& members,
+                     const std::vector<bool>& on_this_host);
+  // The plan classes sent dense bytes this attempt: not encoded; a group whose every
   // segment is of such a class leaves the kept copy as it was and holds no base after.
   void set_dense_classes(std::set<uint32_t> classes) { dense_classes_ = std::move(classes); }
   // Group g of version v is packed (dense) in slot s. Per plan class segment: a patch
@@ -76,6 +81,7 @@ class DeltaEncoder {
 
   StagingRing& staging_;
   const bool on_;
+  const bool same_host_;  // EngineOptions::delta_same_host: no class goes dense for being on this host
   const uint64_t block_bytes_, full_every_;
   // The kept copy laid out for the routes now installed (kept_at per group), whether
   // that fits the ring's kept area, and the version each group holds there (none: not

@@ -33,18 +33,10 @@ void Producer::Impl::plan_attempt(uint64_t v) {
   std::lock_guard<std::mutex> lk(mu);
   plan = std::move(next);
   pacer.begin_attempt();  // this attempt's waves (with the plan, under one lock)
-  // Delta: the plan classes whose every consumer in this sync is on this host go dense.
-  std::set<uint32_t> dense;
-  if (delta->on() && !opts.delta_same_host) {
-    std::set<uint32_t> remote;
-    for (int c = 0; c < opts.num_consumers; ++c) {
-      const uint32_t cls = routes.consumer_plan[static_cast<size_t>(c)];
-      if (!in.members[static_cast<size_t>(c)]) continue;
-      (peers[c].host == host_identity() ? dense : remote).insert(cls);
-    }
-    for (uint32_t cls : remote) dense.erase(cls);
-  }
-  delta->set_dense_classes(std::move(dense));
+  std::vector<bool> on_this_host(static_cast<size_t>(opts.num_consumers));
+  const std::string here = host_identity();
+  for (int c = 0; c < opts.num_consumers; ++c) on_this_host[static_cast<size_t>(c)] = peers[c].host == here;
+  delta->begin_attempt(routes.consumer_plan, in.members, on_this_host);
 }
 
 Status Producer::Impl::attempt(uint64_t v, bool* restarted) {
@@ -452,8 +444,9 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
     FERRY_ASSIGN_OR_RETURN(const Holdings holdings, source.holdings(m.rank));  // (then route_state's inputs)
     const std::string meta = encode_decls(source.metadata());
     {  // (before the holdings: whoever sees them sees this too)
-      FERRY_ASSIGN_OR_RETURN(std::string host, publish_host(store, m.keys, me, host_identity()));
-      m.reg.published.emplace_back(m.keys.host(me.role, m.rank), std::move(host));
+      const std::string key = m.keys.host(me.role, m.rank);
+      FERRY_ASSIGN_OR_RETURN(std::string host, publish_once(store, key, host_identity()));
+      m.reg.published.emplace_back(key, std::move(host));
     }
     if (m.rank == 0) m.reg.published.emplace_back(m.keys.meta(), meta);
     m.reg.published.emplace_back(m.keys.holdings(m.rank), encode_holdings(holdings));
@@ -481,7 +474,7 @@ Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transpo
                             sr.slot_bytes,
                             sr.slots,
                             options.staging_device,
-                            regions_served_in_place(run),
+                            regions_served_in_place(options.source_regions, run.delta),
                             options.direct_min_bytes,
                             options.checksums,
                             delta_kept_bytes(run, routes.producers[static_cast<size_t>(m.rank)], sr)};

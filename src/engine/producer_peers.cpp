@@ -281,9 +281,8 @@ MemoryUse Producer::Impl::routes_memory_use() {
     MemoryUse m;
     m.kept_copy = staging->kept_bytes();
     m.staging_ring = staging->host_bytes() - m.kept_copy;
-    ProducerOptions run = opts;  // (delta as it runs: rendezvous.h, delta_runs)
-    run.delta = delta->on();
-    for (const MemoryRegion& r : regions_served_in_place(run)) m.registered_in_place += r.length;
+    for (const MemoryRegion& r : regions_served_in_place(opts.source_regions, delta->on()))
+      m.registered_in_place += r.length;
     const RouteInputs& in = route_state.inputs();
     m.metadata = metadata_heap_bytes(routes, in.metadata, in.holdings, in.plans) + schedule_heap_bytes(schedule) +
                  staging->in_place().boxes.capacity() * sizeof(InPlaceTable::At);

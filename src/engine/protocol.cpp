@@ -318,7 +318,7 @@ std::optional<JobKeys::Failed> JobKeys::failed_of(std::string_view key) const {
 std::string JobKeys::meta() const { return job_ + "/meta"; }
 std::string JobKeys::holdings(int p) const { return fmt::format("{}/holdings/{}", job_, p); }
 std::string JobKeys::plan(int c) const { return fmt::format("{}/plan/{}", job_, c); }
-std::string JobKeys::relay_host(int c) const { return fmt::format("{}/relayhost/{}", job_, c); }
+std::string JobKeys::relays(int c) const { return fmt::format("{}/relays/{}", job_, c); }
 std::string JobKeys::host(std::string_view role, int rank) const { return fmt::format("{}/host/{}/{}", job_, role, rank); }
 std::string JobKeys::producer(int p) const { return fmt::format("{}/producer/{}", job_, p); }
 std::string JobKeys::consumer(int c) const { return fmt::format("{}/consumer/{}", job_, c); }

@@ -264,11 +264,11 @@ class JobKeys {
   std::string meta() const;               // trainer metadata (JSON; producer 0)
   std::string holdings(int p) const;      // producer p's holdings (JSON)
   std::string plan(int c) const;          // consumer c's canonical plan
-  // The host consumer c relays within (ConsumerOptions::relay; written once, before its
-  // plan, by its first instance: rendezvous.h, relay_groups).
-  std::string relay_host(int c) const;
-  // A rank's host as its first instance published it (rendezvous.h, publish_host).
+  // A rank's host, and whether consumer c relays ("1" or "0": ConsumerOptions::relay), as
+  // the rank's first instance published them before its holdings or plan (rendezvous.h,
+  // publish_once).
   std::string host(std::string_view role, int rank) const;
+  std::string relays(int c) const;
   std::string producer(int p) const;      // producer p's lease
   std::string consumer(int c) const;      // consumer c's lease
   std::string dead(int p) const;          // producer p failed over (failover)

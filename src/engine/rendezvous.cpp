@@ -369,10 +369,11 @@ Result<RouteInputs> rendezvous_inputs(Store& store, const JobKeys& keys, const E
   std::vector<std::string> wanted;
   for (int p = 0; p < o.num_producers; ++p) wanted.push_back(keys.holdings(p));
   for (int c = 0; c < o.num_consumers; ++c) wanted.push_back(keys.plan(c));
-  // (Each published before its holdings or plan; waited for too, so that a store that
-  // restarted empty and is being written back fails no rank that meets meanwhile.)
+  // (Each published before its holdings or plan, publish_once; waited for too, so that a
+  // store that restarted empty and is being written back fails no rank that meets meanwhile.)
   for (int p = 0; p < o.num_producers; ++p) wanted.push_back(keys.host("producer", p));
   for (int c = 0; c < o.num_consumers; ++c) wanted.push_back(keys.host("consumer", c));
+  for (int c = 0; c < o.num_consumers; ++c) wanted.push_back(keys.relays(c));
   FERRY_RETURN_IF_ERROR(await_keys(store, keys, o, me, wanted, "every producer's holdings and consumer's plan")
                             .with_context("engine rendezvous"));
   RouteInputs in;
@@ -398,15 +399,10 @@ Result<RouteInputs> rendezvous_inputs(Store& store, const JobKeys& keys, const E
     FERRY_ASSIGN_OR_RETURN(auto host, store.get(keys.host("consumer", c)));
     in.consumer_hosts.push_back(std::move(host));
   }
-  // Published before each plan, so present now wherever its consumer relays.
   in.relay_hosts.assign(static_cast<size_t>(o.num_consumers), "");
   for (int c = 0; c < o.num_consumers; ++c) {
-    auto host = store.get(keys.relay_host(c));
-    if (host.ok()) {
-      in.relay_hosts[static_cast<size_t>(c)] = std::move(*host);
-    } else if (host.status().code() != StatusCode::kNotFound) {
-      return host.status().with_context(fmt::format("relay host of consumer {}", c));
-    }
+    FERRY_ASSIGN_OR_RETURN(auto relays, store.get(keys.relays(c)));
+    if (relays == "1") in.relay_hosts[static_cast<size_t>(c)] = in.consumer_hosts[static_cast<size_t>(c)];
   }
   return in;
 }
@@ -426,9 +422,9 @@ std::vector<int> relay_groups(const RouteInputs& inputs, const std::vector<uint3
   return out;
 }
 
-Result<std::string> publish_host(Store& store, const JobKeys& keys, Participant me, const std::string& host) {
-  FERRY_ASSIGN_OR_RETURN(CompareSetResult r, store.compare_set(keys.host(me.role, me.rank), std::nullopt, host));
-  return r.value.value_or(host);
+Result<std::string> publish_once(Store& store, const std::string& key, const std::string& value) {
+  FERRY_ASSIGN_OR_RETURN(CompareSetResult r, store.compare_set(key, std::nullopt, value));
+  return r.value.value_or(value);
 }
 
 bool delta_runs(const EngineOptions& o, const RouteInputs& in) {
@@ -436,11 +432,6 @@ bool delta_runs(const EngineOptions& o, const RouteInputs& in) {
   std::set<std::string> hosts(in.producer_hosts.begin(), in.producer_hosts.end());
   hosts.insert(in.consumer_hosts.begin(), in.consumer_hosts.end());
   return hosts.size() > 1;
-}
-
-Result<std::string> publish_relay_host(Store& store, const JobKeys& keys, int c, const std::string& host) {
-  FERRY_ASSIGN_OR_RETURN(CompareSetResult r, store.compare_set(keys.relay_host(c), std::nullopt, host));
-  return r.value.value_or(host);
 }
 
 void heal_leases(std::chrono::milliseconds lease_ttl, const std::function<bool()>& missing,

@@ -22,11 +22,11 @@ struct RouteInputs {
   std::vector<TensorDecl> metadata;
   std::vector<Holdings> holdings;  // per producer
   std::vector<Plan> plans;         // per consumer
-  // Per consumer: the host it relays within (JobKeys::relay_host; "" where it does not
-  // relay). Read once at rendezvous, like the plans.
-  std::vector<std::string> relay_hosts;
   // Every rank's host as its first instance published it (JobKeys::host).
   std::vector<std::string> producer_hosts, consumer_hosts;
+  // Per consumer: the host it relays within (its host where JobKeys::relays says it
+  // relays; "" where it does not).
+  std::vector<std::string> relay_hosts;
 };
 
 // Relay groups for the group order (GroupOrderOptions::relay_group): per consumer, the
@@ -35,23 +35,18 @@ struct RouteInputs {
 // members can copy each group from its relay as it lands (docs/relay.md).
 std::vector<int> relay_groups(const RouteInputs& inputs, const std::vector<uint32_t>& consumer_plan);
 
-// A relaying consumer's host, published before its plan: the first instance of rank c
-// writes it and every later one keeps it (compare_set on an absent key), so every
-// participant, whenever it reads the inputs, builds the same group order. Returns the
-// value the store holds (for republish).
-Result<std::string> publish_relay_host(Store& store, const JobKeys& keys, int c, const std::string& host);
+// What a rank publishes once, before its holdings or plan (JobKeys::host, relays): the
+// first instance of the rank writes `value` and every later one keeps what is there
+// (compare_set on an absent key), so every participant, whenever it meets, reads the same
+// inputs (the same group order, the same delta_runs). Returns the value the store holds
+// (for republish).
+Result<std::string> publish_once(Store& store, const std::string& key, const std::string& value);
 
 // Who is waiting (for errors and the world-size check).
 struct Participant {
   const char* role = "producer";  // "producer" | "consumer"
   int rank = 0;
 };
-
-// A rank's host (host_identity()), published before its holdings or plan: the first
-// instance of the rank writes it and later ones keep it (compare_set on an absent key), so
-// every participant reads the same inputs whenever it meets. Returns the value the store
-// holds (for republish).
-Result<std::string> publish_host(Store& store, const JobKeys& keys, Participant me, const std::string& host);
 
 // Whether delta syncs run in this job (EngineOptions::delta): not where every rank was on
 // one host when it met, unless delta_same_host. There the bytes move over shared memory

@@ -371,7 +371,7 @@ TEST(DeltaEncoder, PatchesAgainstTheKeptVersionAndKeepsTheNewOne) {
   }
 }
 
-// Plan classes sent dense (every consumer of theirs on the producer's host,
+// Plan classes sent dense (every consumer of theirs in the attempt on the producer's host,
 // EngineOptions::delta_same_host off): their segments are not encoded but still kept, so
 // the kept copy stays one version; a group whose every class goes dense is neither
 // encoded nor kept, and holds no base after (its next pack is dense).
@@ -405,8 +405,13 @@ TEST(DeltaEncoder, ClassesSentDenseAreNotEncoded) {
     for (uint64_t i = 0; i < grp.staging_bytes; ++i)
       slot[i] = std::byte(static_cast<uint8_t>((i * 131) ^ (i % 4096 == 7 ? v : 0)));
   };
+  // The attempt's rule: class `local`'s consumers on this host, the others elsewhere.
+  const std::vector<uint32_t>& plan_of = k.routes.consumer_plan;
+  const std::vector<bool> members(plan_of.size(), true);
+  std::vector<bool> here(plan_of.size(), false);
+  for (size_t c = 0; c < plan_of.size(); ++c) here[c] = plan_of[c] == local;
   enc.begin_sync();
-  enc.set_dense_classes({local});
+  enc.begin_attempt(plan_of, members, here);
   fill(1);
   EXPECT_FALSE(enc.pack(g, s, 1, grp).base);
   enc.begin_sync();
@@ -439,6 +444,21 @@ TEST(DeltaEncoder, ClassesSentDenseAreNotEncoded) {
   enc.begin_sync();
   fill(5);
   EXPECT_EQ(enc.pack(g, s, 5, grp).base, std::optional<uint64_t>(4));
+  // With delta_same_host every class on this host is patched all the same.
+  EngineOptions same = eo;
+  same.delta_same_host = true;
+  DeltaEncoder everywhere(*kk.ring, same);
+  everywhere.install(route);
+  for (uint64_t v = 6; v <= 7; ++v) {
+    everywhere.begin_sync();
+    everywhere.begin_attempt(plan_of, members, std::vector<bool>(plan_of.size(), true));
+    fill(v);
+    const DeltaPack p = everywhere.pack(g, s, v, grp);
+    if (v == 7) {
+      EXPECT_TRUE(p.bytes_for(local));
+      EXPECT_TRUE(p.bytes_for(remote));
+    }
+  }
 }
 
 TEST(StagingRing, RefusesSlotsAndGroupsOutOfRange) {
