@@ -220,8 +220,8 @@ struct Sim {
   std::vector<std::map<size_t, double>> first_start, first_ready;
   std::vector<std::map<size_t, size_t>> consumer_left;
   std::vector<sg::ConditionVariablePtr> consumer_cv;
-  // Relay (Workload::relay_of): per consumer, the groups it holds (landed, its reads done),
-  // for the members that copy them.
+  // Relay (Workload::relay_of): per consumer that reads from the producers, the groups it
+  // holds (its reads done), for the members that copy them.
   std::vector<std::vector<char>> landed;
   sg::ConditionVariablePtr landed_cv;
   // Per producer: its staging slots and, per group, the transfers still to finish and
@@ -458,11 +458,6 @@ void consumer_actor(Sim& s, int c) {
       sg::this_actor::sleep_for(s.message(s.endpoint_c(relay), me));  // the relay's offer
       s.flow(s.endpoint_c(relay), me, b)->wait();
       charge("copy from its relay", sg::Engine::get_clock());
-      {
-        std::unique_lock<sg::Mutex> lk(*s.mutex);
-        s.landed[ci][g] = 1;
-        s.landed_cv->notify_all();
-      }
       q->bytes.push_back(b);
       q->jobs->release();
       continue;
