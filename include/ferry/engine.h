@@ -505,11 +505,23 @@ struct SyncStages {
   std::vector<std::pair<std::string_view, double>> named() const;
 };
 
+// Why a sync failed, as a value (SyncReport::failure): the peer whose failure ended it
+// (a producer for a consumer; -1: none, this rank's own failure or a wait that ran
+// out), the layer group it was at (-1: outside the groups: rendezvous, routing, the
+// commit), the reason (the status code) and the status message, which names this rank.
+struct SyncFailure {
+  int32_t peer = -1;
+  int32_t group = -1;
+  StatusCode reason = StatusCode::kOk;
+  std::string message;
+};
+
 struct SyncReport {
   uint64_t version = 0;
   // This rank's extra memory during the sync (the same every sync unless routes change).
   MemoryUse memory;
   Status status;                // OK when this side finished the sync
+  std::optional<SyncFailure> failure;  // set exactly when status is not OK
   // Producer: bytes sent (each consumer's share counted), and of those served in place
   // (read straight from the source's own memory, no staging copy). Zero on a consumer.
   uint64_t bytes_sent = 0, sent_in_place = 0;

@@ -15,10 +15,45 @@ AttemptReads::~AttemptReads() {
 
 Status AttemptReads::post(const Transfer& t, uint64_t at, uint64_t n, uint64_t staging_offset, uint64_t slot_offset,
                           std::vector<Completion>& ops) {
-  Lane& lane = t.lane == LaneKind::kCudaIpc && ipc_ ? *ipc_ : transport_;
+  Lane& lane = t.lane == LaneKind::kCudaIpc && ipc_ ? *ipc_ : t.lane == LaneKind::kRelay && relay_ ? *relay_ : transport_;
   Status st = lane.post(t, at, n, staging_offset, slot_offset, ops);
   if (!st.ok()) failed_ = t.producer;
   return st;
+}
+
+Status AttemptReads::begin_group(int g, uint64_t slot_offset) {
+  if (paced_) return Status::Ok();
+  for (int p : plan_.groups[static_cast<size_t>(g)].from)
+    if (in_sync_.count(p)) FERRY_RETURN_IF_ERROR(post_to_slot(g, p, slot_offset));
+  return Status::Ok();
+}
+
+Status AttemptReads::announced(int g, int p, uint64_t slot_offset) {
+  if (paced_) {
+    FERRY_RETURN_IF_ERROR(post_to_slot(g, p, slot_offset));
+    enter_group(p, g);
+  } else if (in_sync_.insert(p).second) {
+    FERRY_RETURN_IF_ERROR(post_to_slot(g, p, slot_offset));
+    enter(p, g);
+  }
+  return Status::Ok();
+}
+
+Status AttemptReads::post_patch(int g, int p, uint64_t staging_offset, uint64_t patch_bytes, uint64_t slot_offset,
+                                std::vector<Completion>& ops) {
+  const ConsumerGroupPlan& gp = plan_.groups[static_cast<size_t>(g)];
+  auto it = gp.patch.find(p);
+  if (it == gp.patch.end()) return not_found("group {}: no patch read planned from producer {}", g, p);
+  if (patch_bytes > it->second->read.length)
+    return out_of_range("group {}: a patch of {} bytes from producer {} is longer than its segment ({} bytes)", g,
+                        patch_bytes, p, it->second->read.length);
+  return post(it->second->transfer, 0, patch_bytes, staging_offset, slot_offset, ops);
+}
+
+Status AttemptReads::post_relayed(int g, uint64_t offered, uint64_t slot_offset, std::vector<Completion>& ops) {
+  const ConsumerGroupPlan& gp = plan_.groups[static_cast<size_t>(g)];
+  if (!relay_ || !gp.relayed) return not_found("group {}: no relay copy planned", g);
+  return post(gp.relayed->transfer, 0, gp.relayed->read.length, offered, slot_offset, ops);
 }
 
 Status AttemptReads::post_to_slot(int g, int p, uint64_t slot_offset) {

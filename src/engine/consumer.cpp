@@ -14,6 +14,7 @@ Result<int> Consumer::Impl::acquire_slot(int at) {
 }
 
 Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
+  attempts.group = -1;
   trace.stage(SyncStage::kRendezvous);
   FERRY_RETURN_IF_ERROR(refresh_producers());
   trace.stage(SyncStage::kRouting);
@@ -23,23 +24,14 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
     declare_routes(v);
   }
   refresh_relay();
-  // Pull. In-place bytes are the trainer's weights of v from the start of the
-  // producer's sync v until it ends (after our DONE). So once a producer announced
-  // anything of v in this attempt (in_v), its in-place bytes that land in params are
-  // read *ahead*, with no handshake, whenever the consumer would otherwise wait for an
-  // announcement (a chunk at a time, so staging slots are still released promptly:
-  // producers pack group g+2 only once every consumer released group g); in-place
-  // bytes that land in the receive ring are read as soon as the group's slot is ours;
-  // only staged bytes wait for the group's announcement. The reads themselves, and
-  // draining them on an error return, are AttemptReads' (engine/attempt_reads.h).
-  //
-  // In the rotated order (EngineOptions::group_order) producers pace their announcements
-  // (docs/group-order.md), and in-place reads keep that pace: a group's in-place bytes
-  // from a producer are read once it announced that group, none ahead.
-  std::set<int> in_v;  // producers already in sync v this attempt (pull_group)
-  AttemptReads reads(lanes.plan, *lanes.transport, lanes.cuda_ipc.get(), opts.timeout);
+  // Pull: the reads of this attempt, at their pace (engine/attempt_reads.h: in-place
+  // bytes read ahead, or at the producers' pace under the rotated order), and draining
+  // them on an error return.
+  AttemptReads reads(lanes.plan, *lanes.transport, lanes.cuda_ipc.get(), lanes.relay.get(),
+                     opts.group_order == GroupOrderKind::kRotated, opts.timeout);
   for (size_t at = 0; at < order.size(); ++at) {
     const int g = order[at];
+    attempts.group = g;
     const ConsumerGroupSchedule& gs = schedule.groups[static_cast<size_t>(g)];
     const ConsumerGroupPlan& gp = lanes.plan.groups[static_cast<size_t>(g)];
     const std::set<int> from(gp.from.begin(), gp.from.end());
@@ -52,7 +44,7 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
     trace.stage(SyncStage::kReceive);
     point(g, 0);
     GroupRx rx{v, g, s, recv.offset(s), from};
-    FERRY_RETURN_IF_ERROR(receive_group(rx, gs, reads, in_v, rep));
+    FERRY_RETURN_IF_ERROR(receive_group(rx, gs, reads, rep));
     std::map<int, uint64_t> sums;  // checksums (the producers' option), verified on the host
     for (int p : from)
       if (rx.got[p].checksum) sums[p] = *rx.got[p].checksum;
@@ -64,6 +56,7 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
     delta.landed(g);  // (its params hold this sync's bytes from now on: no patch of it is taken)
     worker->enqueue({v, g, s});
   }
+  attempts.group = -1;
   // Drain the background thread. Unpacking and post-processing the last groups may take
   // seconds (RL post-processing): JOINs each keepalive_every meanwhile say this consumer
   // is moving, so that no producer waiting for its DONE takes it for hung (a producer
@@ -284,6 +277,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
       attempts.switch_routes = false;
     }
     s = sync_groups(v, rep);
+    if (!s.ok()) trace.failed_at(attempts.failed_p, attempts.group);
     relay_attempt_over(v);  // (members still asking for groups it did not land read them from the producers)
     if (s.ok()) break;
     // A producer gone as the attempt began (nothing of v read yet) that no DP replica

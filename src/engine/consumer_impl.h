@@ -77,6 +77,7 @@ struct Consumer::Impl {
   struct Lanes {
     std::unique_ptr<TransportLane> transport;
     std::unique_ptr<CudaIpcLane> cuda_ipc;
+    std::unique_ptr<RelayLane> relay;  // relay on: connected to this attempt's relay (refresh_relay)
     ConsumerAttemptPlan plan;  // this attempt's
   } lanes;
   // The attempt's plan from the schedule (rebuilt if stale), the ring it lands in, and
@@ -134,6 +135,7 @@ struct Consumer::Impl {
   // The current sync's attempts: what ended the last one and which routes it leaves.
   struct Attempts {
     int failed_p = -1;              // the producer whose failure ended the last attempt
+    int group = -1;                 // the layer group the attempt is at (-1: none)
     std::set<uint64_t> old_hashes;  // routes abandoned during the current sync
     bool switch_routes = false;     // a producer announced other routes for this sync (mu)
     bool declare = false;           // tell producers our routes once connected (sync began on failed-over routes)
@@ -175,8 +177,7 @@ struct Consumer::Impl {
   struct RelayLink {  // as a member: the relay this attempt reads from (rank -1: none)
     int rank = -1;
     ConsumerLease lease;  // the relay's instance (its lease without versions) we connected and imported with
-    PeerId id = 0;
-    RemoteRegion ring;    // its receive ring
+    PeerId id = 0;        // (its receive ring: Lanes::relay)
     bool lost = false;    // failed, gone or given up: the rest of this attempt reads from producers
     std::string why;      // ... and why, for the report
   };
@@ -230,7 +231,7 @@ struct Consumer::Impl {
   // ring. true: copied and kept intact; false: read it from the producers (`lost` set
   // when the relay is gone for this attempt). An error: a producer of `from` failed or
   // dropped us while we waited (as await_any).
-  Result<bool> copy_from_relay(uint64_t v, int g, uint64_t base, const std::set<int>& from);
+  Result<bool> copy_from_relay(AttemptReads& reads, uint64_t v, int g, uint64_t base, const std::set<int>& from);
   // How long a relay waits for a member still reading a slot it needs again.
   Clock::duration relay_hold() const {
     return std::clamp<Clock::duration>(opts.straggler_floor / 2, std::chrono::milliseconds(50),
@@ -346,15 +347,14 @@ struct Consumer::Impl {
   // The group into its receive slot: copied from this host's relay where it has it
   // (relay_group), else from the producers (pull_group or push_group); its transfers
   // recorded in the trace.
-  Status receive_group(GroupRx& rx, const ConsumerGroupSchedule& gs, AttemptReads& reads, std::set<int>& in_v,
-                       SyncReport& rep);
-  // A member copies the group from its relay's receive ring (true), or finds no relay for
-  // it (false: read from the producers).
-  Result<bool> relay_group(GroupRx& rx);
-  // Pull: each producer's staged bytes read once it announced the group, then released;
-  // in-place bytes (into the slot, and into params ahead: `in_v`, the producers in the
-  // sync this attempt) through `reads`.
-  Status pull_group(GroupRx& rx, AttemptReads& reads, std::set<int>& in_v, SyncReport& rep);
+  Status receive_group(GroupRx& rx, const ConsumerGroupSchedule& gs, AttemptReads& reads, SyncReport& rep);
+  // A member copies the group from its relay's receive ring by the relay lane (true), or
+  // finds no relay for it (false: read from the producers).
+  Result<bool> relay_group(GroupRx& rx, AttemptReads& reads);
+  // Pull: each producer's staged bytes (or its patch) read once it announced the group,
+  // then released; in-place bytes (into the slot, and into params ahead) at the pace
+  // `reads` keeps.
+  Status pull_group(GroupRx& rx, AttemptReads& reads, SyncReport& rep);
   // Push: READY to each producer, then its PUSHED once its writes landed.
   Status push_group(GroupRx& rx, const ConsumerGroupSchedule& gs, AttemptReads& reads, SyncReport& rep);
   // Delta: producer p's patch failed its check (`why`): its dense bytes of the group read

@@ -383,6 +383,7 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
   FERRY_RETURN_IF_ERROR(m.param_set->write_padding(m.model.plan));
   FERRY_RETURN_IF_ERROR(m.recv.allocate(transport));
   m.lanes.transport = std::make_unique<TransportLane>(rank, transport, m.recv.host().region, *m.param_set);
+  if (options.relay) m.lanes.relay = std::make_unique<RelayLane>(rank, transport, m.recv.host().region);
   // CUDA IPC: a receive ring on the params' device, when every param is there (the
   // caller's), in pull mode, without checksums (verified on the host).
   if (options.cuda_ipc && m.param_set->all_on_device() && options.mode == SyncMode::kPull && !options.checksums) {

@@ -9,23 +9,23 @@ namespace ferry {
 void Consumer::Impl::plan_attempt() {
   std::lock_guard<std::mutex> lk(mu);  // the background thread is idle between attempts
   if (std::any_of(peers.begin(), peers.end(), [](const Peer& pe) { return !pe.in_schedule; })) rebuild_schedule();
-  lanes.plan = make_consumer_attempt_plan(rank, schedule, lanes.cuda_ipc.get());
+  lanes.plan = make_consumer_attempt_plan(rank, schedule, lanes.cuda_ipc.get(), plan_route(), lanes.relay.get());
   recv.land_on(lanes.plan.cuda_ipc ? lanes.cuda_ipc->ring() : nullptr);
   delta.begin_attempt(recv.on_device());
   for (std::string& note : lanes.plan.notes) trace.control(ControlKind::kNote, -1, -1, std::move(note));
 }
 
 Status Consumer::Impl::receive_group(GroupRx& rx, const ConsumerGroupSchedule& gs, AttemptReads& reads,
-                                     std::set<int>& in_v, SyncReport& rep) {
+                                     SyncReport& rep) {
   const auto t0 = Clock::now();
-  FERRY_ASSIGN_OR_RETURN(const bool relayed, relay_group(rx));  // (false: no relay, or not this group)
+  FERRY_ASSIGN_OR_RETURN(const bool relayed, relay_group(rx, reads));  // (false: no relay, or not this group)
   if (relayed) return Status::Ok();
-  FERRY_RETURN_IF_ERROR(opts.mode == SyncMode::kPull ? pull_group(rx, reads, in_v, rep) : push_group(rx, gs, reads, rep));
+  FERRY_RETURN_IF_ERROR(opts.mode == SyncMode::kPull ? pull_group(rx, reads, rep) : push_group(rx, gs, reads, rep));
   record_receives(trace, rx.g, gs, recv.on_device(), t0, Clock::now(), rx.patched, rx.repaired);
   return Status::Ok();
 }
 
-Status Consumer::Impl::pull_group(GroupRx& rx, AttemptReads& reads, std::set<int>& in_v, SyncReport& rep) {
+Status Consumer::Impl::pull_group(GroupRx& rx, AttemptReads& reads, SyncReport& rep) {
   const uint64_t v = rx.v;
   const int g = rx.g;
   const uint64_t base = rx.base;
@@ -34,14 +34,11 @@ Status Consumer::Impl::pull_group(GroupRx& rx, AttemptReads& reads, std::set<int
   std::map<int, Arrival>& announced = rx.announced;
   std::map<int, uint64_t>& patched = rx.patched;
   std::set<int>& repaired = rx.repaired;
-  const bool rotated = opts.group_order == GroupOrderKind::kRotated;
   // Staged bytes: read from each producer as soon as it announced, and release it
   // at once (before any in-place bytes are waited for), so that one slow producer
   // never holds another's staging slot and producers pack on while we copy.
   auto tr0 = Clock::now();
-  for (int p : from) {
-    if (in_v.count(p) && !rotated) FERRY_RETURN_IF_ERROR(posted(reads, reads.post_to_slot(g, p, base)));
-  }
+  FERRY_RETURN_IF_ERROR(posted(reads, reads.begin_group(g, base)));
   trace.record(TracePhase::kRead, g, -1, tr0, Clock::now());
   std::set<int> remaining = from;
   bool first = true;
@@ -69,13 +66,7 @@ Status Consumer::Impl::pull_group(GroupRx& rx, AttemptReads& reads, std::set<int
         a.patch_base ? single_read_from(plan_route()->groups[static_cast<size_t>(g)], static_cast<uint32_t>(p)) : nullptr;
     const bool use_patch = pr && a.patch_bytes <= pr->length && delta.takes_patch(*param_set, g, *a.patch_base);
     if (use_patch) {
-      const SubRead sr{0, pr->recv_offset, a.patch_bytes, nullptr, 0, -1, pr->offset, static_cast<uint32_t>(p)};
-      if (Status st = lanes.transport->post(Transfer{LaneKind::kTransport, g, p, &sr}, 0, a.patch_bytes, a.patch_offset, base,
-                                 staged);
-          !st.ok()) {
-        attempts.failed_p = p;
-        return st;
-      }
+      FERRY_RETURN_IF_ERROR(posted(reads, reads.post_patch(g, p, a.patch_offset, a.patch_bytes, base, staged)));
     } else {
       const uint64_t at = a.patch_base && !recv.on_device() ? a.dense_offset : a.slot_offset;
       FERRY_RETURN_IF_ERROR(posted(reads, reads.post_staged(g, p, at, base, staged)));
@@ -96,13 +87,7 @@ Status Consumer::Impl::pull_group(GroupRx& rx, AttemptReads& reads, std::set<int
       }
     }
     send_to(p, Release{me(), v, g, routes_hash, took});
-    if (rotated) {  // this group's in-place bytes from p, now that p announced it
-      FERRY_RETURN_IF_ERROR(posted(reads, reads.post_to_slot(g, p, base)));
-      reads.enter_group(p, g);
-    } else if (in_v.insert(p).second) {  // p is in sync v: its in-place bytes are the weights of v
-      FERRY_RETURN_IF_ERROR(posted(reads, reads.post_to_slot(g, p, base)));
-      reads.enter(p, g);
-    }
+    FERRY_RETURN_IF_ERROR(posted(reads, reads.announced(g, p, base)));  // (its in-place bytes, at reads' pace)
     trace.record(TracePhase::kRead, g, p, tr1, Clock::now());
   }
   // This group's in-place bytes: post what is left of them, wait for all.

@@ -20,9 +20,7 @@ void Consumer::Impl::refresh_relay() {
     relay.members.clear();
   }
   const RelayLink next = opts.relay ? find_relay(before) : RelayLink{};
-  // The previous relay's ring import, unless the same instance is kept.
-  if (before.rank >= 0 && !(next.rank == before.rank && next.lease == before.lease))
-    transport.release_key(before.ring).ignore();
+  if (next.rank < 0 && lanes.relay) lanes.relay->disconnect();  // (find_relay connects the lane to a new one)
   {
     std::lock_guard<std::mutex> lk(mu);
     relay.link = next;
@@ -72,9 +70,8 @@ Consumer::Impl::RelayLink Consumer::Impl::find_relay(const RelayLink& before) {
     RelayLink link;
     link.rank = c;
     link.lease = lease->instance();  // (not its versions: they change every sync)
-    if (before.rank == c && before.lease == link.lease) {  // the same instance: keep its import
+    if (before.rank == c && before.lease == link.lease && lanes.relay->relay() == c) {  // the same instance: keep its import
       link.id = before.id;
-      link.ring = before.ring;
       return link;
     }
     auto id = transport.connect(string_bytes(lease->address));
@@ -83,23 +80,12 @@ Consumer::Impl::RelayLink Consumer::Impl::find_relay(const RelayLink& before) {
                                          rank, c, id.status().message()));
       return RelayLink{};
     }
-    auto ring = transport.import_key(string_bytes(lease->recv_key));
-    if (!ring.ok()) {
-      trace.control(ControlKind::kRelayUnreached, c, -1, fmt::format("consumer {}: relay consumer {}'s receive ring not imported ({}); reading "
-                                         "from the producers", rank, c, ring.status().message()));
-      return RelayLink{};
-    }
-    auto path = transport.rma_path(*ring);
-    if (!path.ok() || *path != RmaPath::kNative) {
-      // Copies carried by messages would cost the relay's CPU and could not finish while
-      // it is paused: only a ring mapped natively (shared memory) is copied from.
-      trace.control(ControlKind::kRelayUnreached, c, -1, fmt::format("consumer {}: relay consumer {}'s receive ring is not reached natively "
-                                         "(shared memory); reading from the producers", rank, c));
-      transport.release_key(*ring).ignore();
+    if (Status st = lanes.relay->connect(c, lease->recv_key); !st.ok()) {
+      trace.control(ControlKind::kRelayUnreached, c, -1, fmt::format("consumer {}: {}; reading from the producers", rank,
+                                                                     st.message()));
       return RelayLink{};
     }
     link.id = *id;
-    link.ring = *ring;
     return link;
   }
   return RelayLink{};
@@ -248,7 +234,8 @@ void Consumer::Impl::relay_attempt_over(uint64_t version) {
   for (const auto& [id, m] : gone) static_cast<void>(transport.send(id, kEngineTag, encode_message(m)));
 }
 
-Result<bool> Consumer::Impl::copy_from_relay(uint64_t v, int g, uint64_t base, const std::set<int>& from) {
+Result<bool> Consumer::Impl::copy_from_relay(AttemptReads& reads, uint64_t v, int g, uint64_t base,
+                                             const std::set<int>& from) {
   const int r = relay.link.rank;
   auto give_up = [&](std::string why) {
     std::lock_guard<std::mutex> lk(mu);
@@ -320,9 +307,10 @@ Result<bool> Consumer::Impl::copy_from_relay(uint64_t v, int g, uint64_t base, c
   if (offer->kind == Relay::kGone) return false;  // this group only: it could not keep it for us
   const uint64_t n = plan_route()->groups[static_cast<size_t>(g)].recv_bytes;
   const auto t0 = Clock::now();
-  auto read = transport.read(recv.host().region, base, relay.link.ring, offer->offset, n);
-  if (!read.ok()) return give_up(fmt::format("reading relay consumer {}'s ring: {}", r, read.status().message()));
-  if (Status st = read->wait(opts.timeout); !st.ok())
+  std::vector<Completion> copy;
+  if (Status st = reads.post_relayed(g, offer->offset, base, copy); !st.ok())
+    return give_up(fmt::format("reading relay consumer {}'s ring: {}", r, st.message()));
+  if (Status st = wait_all(copy, opts.timeout); !st.ok())
     return give_up(fmt::format("reading relay consumer {}'s ring: {}", r, st.message()));
   if (!send_relay(Relay::kRelease)) return give_up(fmt::format("relay consumer {} not reachable", r));
   FERRY_ASSIGN_OR_RETURN(auto kept, await_answer({Relay::kKept, Relay::kCut}));
@@ -336,7 +324,8 @@ Result<bool> Consumer::Impl::copy_from_relay(uint64_t v, int g, uint64_t base, c
 // owed). false (the group is read from the producers, which still hold it staged;
 // rx.announced keeps what came meanwhile) when this attempt has no relay, or the relay
 // cannot offer the group, cut it short or is lost.
-Result<bool> Consumer::Impl::relay_group(GroupRx& rx) {
+Result<bool> Consumer::Impl::relay_group(GroupRx& rx, AttemptReads& reads) {
+  if (!reads.relayed(rx.g)) return false;
   {
     std::lock_guard<std::mutex> lk(mu);  // (`lost` is set by the handlers too)
     if (relay.link.rank < 0 || relay.link.lost) return false;
@@ -357,7 +346,7 @@ Result<bool> Consumer::Impl::relay_group(GroupRx& rx) {
   }
   point(g, 1);
   auto tr = Clock::now();
-  FERRY_ASSIGN_OR_RETURN(const bool relayed, copy_from_relay(v, g, rx.base, rx.from));
+  FERRY_ASSIGN_OR_RETURN(const bool relayed, copy_from_relay(reads, v, g, rx.base, rx.from));
   trace.record(TracePhase::kRead, g, -1, tr, Clock::now());
   if (relayed) {
     for (int p : rx.from) send_to(p, Release{me(), v, g, routes_hash, Release::kRelayed});

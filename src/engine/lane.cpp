@@ -12,6 +12,7 @@ const char* lane_name(LaneKind kind) {
   switch (kind) {
     case LaneKind::kTransport: return "transport";
     case LaneKind::kCudaIpc: return "cuda_ipc";
+    case LaneKind::kRelay: return "relay";
   }
   return "unknown";
 }
@@ -96,6 +97,44 @@ Status TransportLane::post(const Transfer& t, uint64_t at, uint64_t n, uint64_t 
   }
   if (!c.ok())
     return c.status().with_context(fmt::format("consumer {} reading group {} from producer {}", rank_, t.group, t.producer));
+  ops.push_back(*c);
+  return Status::Ok();
+}
+
+Status RelayLane::connect(int relay, const std::string& recv_key) {
+  disconnect();
+  auto ring = transport_.import_key(fields::string_bytes(recv_key));
+  if (!ring.ok())
+    return unavailable("relay consumer {}'s receive ring not imported ({})", relay, ring.status().message());
+  auto path = transport_.rma_path(*ring);
+  if (!path.ok() || *path != RmaPath::kNative) {
+    transport_.release_key(*ring).ignore();
+    return unavailable("relay consumer {}'s receive ring is not reached natively (shared memory)", relay);
+  }
+  relay_ = relay;
+  remote_ = *ring;
+  return Status::Ok();
+}
+
+void RelayLane::disconnect() {
+  if (relay_ < 0) return;
+  transport_.release_key(remote_).ignore();
+  relay_ = -1;
+  remote_ = RemoteRegion{};
+}
+
+std::string RelayLane::why_not(int p) const {
+  if (viable(p)) return std::string();
+  return relay_ < 0 ? std::string("no relay connected") : fmt::format("consumer {} is not the relay ({} is)", p, relay_);
+}
+
+Status RelayLane::post(const Transfer& t, uint64_t at, uint64_t n, uint64_t staging_offset, uint64_t slot_offset,
+                       std::vector<Completion>& ops) {
+  if (relay_ < 0) return unavailable("consumer {} copying group {} from its relay: none connected", rank_, t.group);
+  const SubRead& sr = *t.read;
+  auto c = transport_.read(ring_, slot_offset + sr.recv_offset + at, remote_, staging_offset + sr.remote + at, n);
+  if (!c.ok())
+    return c.status().with_context(fmt::format("consumer {} copying group {} from relay consumer {}", rank_, t.group, relay_));
   ops.push_back(*c);
   return Status::Ok();
 }

@@ -2,13 +2,16 @@
 // one producer (internal). A *lane* is a way to move bytes; each is offered per producer
 // and says whether it can reach it (viable / why_not, as tensorpipe's channels say
 // isViable / canCommunicateWithRemote), and the attempt's plan (engine/sync_plan.h)
-// picks one per transfer from what both ends can do. Two lanes today:
+// picks one per transfer from what both ends can do. Three lanes today:
 //   * the transport lane (TransportLane, here): Transport::read from the producer's
 //     staging ring or, in place, from its source regions, into the receive slot or
 //     straight into a param (ParamSet::landing). Push is the producer's side of the
 //     same bytes (engine/push_writes.h: Transport::write, then flush).
 //   * the CUDA IPC lane (CudaIpcLane, engine/cuda_ipc.h): device-to-device copies from a
 //     producer's GPU staging on this host into the consumer's GPU receive ring.
+//   * the relay lane (RelayLane, here): a member's copy of a whole group from the receive
+//     ring of its host's relay consumer (docs/relay.md), over shared memory; its
+//     "producer" is that relay and its "staging" the slot the relay offered.
 // A later lane (GPU-direct RMA, say) is a third implementation, chosen per producer: the
 // transport answers per imported region whether its reads are native
 // (Transport::rma_path), which is what such a lane needs to know.
@@ -35,6 +38,7 @@ class ParamSet;
 enum class LaneKind : uint8_t {
   kTransport = 0,
   kCudaIpc = 1,
+  kRelay = 2,
 };
 const char* lane_name(LaneKind kind);
 
@@ -105,6 +109,43 @@ class TransportLane final : public Lane {
   ParamSet& params_;
   mutable std::mutex mu_;
   std::map<int, Remote> remotes_;
+};
+
+// The relay lane of a consumer (ConsumerOptions::relay): copies whole groups into its
+// receive ring (`ring`, registered) from the receive ring of the relay consumer it is
+// connected to. It owns that ring's import. A transfer's `producer` is ignored (the
+// connected relay's); its read covers the group's bytes in the slot (remote and
+// recv_offset relative to the relay's offered slot and to ours). Threading: the
+// consumer's sync thread only. `transport` outlives it.
+class RelayLane final : public Lane {
+ public:
+  RelayLane(int rank, Transport& transport, const MemoryRegion& ring) : rank_(rank), transport_(transport), ring_(ring) {}
+  ~RelayLane() override { disconnect(); }
+  RelayLane(const RelayLane&) = delete;
+  RelayLane& operator=(const RelayLane&) = delete;
+
+  // Imports relay consumer `relay`'s receive ring from its lease's key, replacing the
+  // ring connected before. Copies carried by messages would cost the relay's CPU and
+  // could not finish while it is paused, so only a ring the transport maps natively
+  // (RmaPath::kNative: shared memory) is taken. kUnavailable saying why otherwise (then
+  // nothing is connected).
+  Status connect(int relay, const std::string& recv_key);
+  // Releases the import (nothing connected).
+  void disconnect();
+  int relay() const { return relay_; }  // -1: none
+
+  LaneKind kind() const override { return LaneKind::kRelay; }
+  bool viable(int p) const override { return relay_ >= 0 && p == relay_; }
+  std::string why_not(int p) const override;
+  Status post(const Transfer& t, uint64_t at, uint64_t n, uint64_t staging_offset, uint64_t slot_offset,
+              std::vector<Completion>& ops) override;
+
+ private:
+  int rank_;
+  Transport& transport_;
+  MemoryRegion ring_;
+  int relay_ = -1;
+  RemoteRegion remote_;
 };
 
 }  // namespace ferry::engine

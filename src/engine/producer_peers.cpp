@@ -1,6 +1,8 @@
-// Producer: its consumers: their leases and connections (admit, refresh_membership),
-// their messages and failures, drops and what the report says of them, routes and
-// memory. Impl (and what each method does): engine/producer_impl.h.
+// Producer: its creation (claim, rendezvous, staging ring, lease); its consumers: their
+// leases and connections (admit, refresh_membership), their messages and failures,
+// drops and what the report says of them, routes and memory. Impl (and what each method
+// does): engine/producer_impl.h.
+#include "engine/cuda_ipc.h"  // host_identity
 #include "engine/producer_impl.h"
 
 namespace ferry {
@@ -387,6 +389,96 @@ void Producer::Impl::refresh_membership(uint64_t v, bool store_lost_keys) {
   }
   lk.unlock();
   send_dropped(left_out, v);
+}
+
+Result<std::unique_ptr<Producer>> Producer::create(WeightSource& source, Transport& transport, Store& store,
+                                                   const ProducerOptions& options) {
+  auto impl = std::make_unique<Impl>(source, transport, store, options);
+  Impl& m = *impl;
+  m.rank = source.rank();
+  const Participant me{"producer", m.rank};
+  bool was_dead = false;  // it took its own dead mark off
+  Status joined = [&]() -> Status {
+    if (m.rank < 0 || m.rank >= options.num_producers)
+      return invalid_argument("producer rank {} outside num_producers {}", m.rank, options.num_producers);
+    if (options.delta_block_bytes != 0 && options.delta_block_bytes < kMinDeltaBlockBytes)
+      return invalid_argument(
+          "producer {}: delta_block_bytes {} is below {} (a hash of 8 bytes per block would take more memory than "
+          "the copy it replaces saves); 0 keeps a copy instead",
+          m.rank, options.delta_block_bytes, kMinDeltaBlockBytes);
+    FERRY_ASSIGN_OR_RETURN(m.reg.claim, claim_rank(store, m.keys, options, me, m.reg.instance));
+    FERRY_RETURN_IF_ERROR(StagingRing::check_device(m.rank, options.staging_device));  // before any rendezvous
+    FERRY_RETURN_IF_ERROR(publish_world(store, m.keys, options, me));
+    FERRY_ASSIGN_OR_RETURN(const Holdings holdings, source.holdings(m.rank));  // (then route_state's inputs)
+    const std::string meta = encode_decls(source.metadata());
+    {  // (before the holdings: whoever sees them sees this too)
+      const std::string key = m.keys.host(me.role, m.rank);
+      FERRY_ASSIGN_OR_RETURN(std::string host, publish_once(store, key, host_identity()));
+      m.reg.published.emplace_back(key, std::move(host));
+    }
+    if (m.rank == 0) m.reg.published.emplace_back(m.keys.meta(), meta);
+    m.reg.published.emplace_back(m.keys.holdings(m.rank), encode_holdings(holdings));
+    for (const auto& [key, value] : m.reg.published) FERRY_RETURN_IF_ERROR(store.set(key, value));
+    // A restarted producer is alive again: take it out of the dead set (put back below
+    // if this create fails: the store must never say alive a producer with no lease).
+    if (options.failover) {
+      was_dead = store.get(m.keys.dead(m.rank)).ok();
+      store.remove(m.keys.dead(m.rank)).status().ignore();
+    }
+    FERRY_ASSIGN_OR_RETURN(auto inputs, rendezvous_inputs(store, m.keys, options, me, source.metadata()));
+    // As this producer runs them: delta off where every rank met on one host (delta_runs).
+    ProducerOptions run = options;
+    run.delta = delta_runs(options, inputs);
+    FERRY_ASSIGN_OR_RETURN(auto routes, m.route_state.start(std::move(inputs)));
+    {
+      // Within staging_budget: worst-case slots when it holds them, else as large as it
+      // allows (memory.h, staging_ring).
+      const uint64_t worst = producer_slot_bytes(routes, m.rank, m.route_state.inputs().metadata,
+                                                 m.route_state.inputs().holdings, options.failover);
+      const uint64_t needed = producer_slot_bytes(routes, m.rank, {}, false);
+      FERRY_ASSIGN_OR_RETURN(StagingSlots sr, staging_ring(m.rank, needed, worst, options.staging_budget));
+      // What is served in place, and delta's kept copy after the slots.
+      StagingRingOptions so{m.rank,
+                            sr.slot_bytes,
+                            sr.slots,
+                            options.staging_device,
+                            regions_served_in_place(options.source_regions, run.delta),
+                            options.direct_min_bytes,
+                            options.checksums,
+                            delta_kept_bytes(run, routes.producers[static_cast<size_t>(m.rank)], sr)};
+      FERRY_ASSIGN_OR_RETURN(m.staging, StagingRing::create(m.ring_memory, source, m.own_holdings(), so));
+    }
+    m.delta = std::make_unique<DeltaEncoder>(*m.staging, run);
+    FERRY_RETURN_IF_ERROR(m.apply_routes(std::move(routes)));
+    m.slots.resize(static_cast<size_t>(m.staging->slots()));
+    m.peers.resize(options.num_consumers);
+    m.members.live.assign(static_cast<size_t>(options.num_consumers), false);
+    Impl* self = impl.get();
+    transport.set_message_handler([self](PeerId from, uint32_t tag, std::span<const std::byte> payload) {
+      if (tag == kEngineTag) self->on_message(from, payload);
+    });
+    transport.set_peer_failure_handler([self](PeerId peer, const Status& why) { self->on_peer_failure(peer, why); });
+    const std::string blob =
+        encode_lease(ProducerLease{bytes_to_string(transport.address()), m.staging->host_key(), m.staging->slot_bytes(),
+                                   m.staging->in_place().encode(), m.staging->cuda_ipc()});
+    FERRY_ASSIGN_OR_RETURN(m.reg.lease, store.hold_lease(m.keys.producer(m.rank), blob, options.lease_ttl));
+    m.reg.lease_value = blob;
+    // Return only once every consumer can receive (its lease is published last, after its
+    // ring and handlers are up): a sync() called right away then reaches all of them
+    // instead of finding none and reporting nothing moved.
+    std::vector<std::string> consumer_keys;
+    for (int c = 0; c < options.num_consumers; ++c) consumer_keys.push_back(m.keys.consumer(c));
+    FERRY_RETURN_IF_ERROR(await_keys(store, m.keys, options, me, consumer_keys, "every consumer's lease"));
+    return Status::Ok();
+  }();
+  // Failed after taking its dead mark off (a staging ring out of GPU memory, a budget too
+  // small): it is not alive, so the mark goes back, and consumers keep routing around it
+  // instead of waiting for a lease that never comes.
+  if (!joined.ok() && was_dead) store.set(m.keys.dead(m.rank), "1").ignore();
+  // Failed: why, for the other ranks (not when it is not this rank's own).
+  publish_failure(store, m.keys, options, me, m.reg.instance, joined);
+  FERRY_RETURN_IF_ERROR(joined);
+  return std::unique_ptr<Producer>(new Producer(std::move(impl)));
 }
 
 }  // namespace ferry

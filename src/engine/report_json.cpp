@@ -36,6 +36,7 @@ nlohmann::json sync_report_json(const SyncReport& r) {
                       {"ok", r.ok()},
                       {"error", nullptr},
                       {"code", nullptr},
+                      {"failure", nullptr},
                       {"bytes", r.bytes_sent + r.bytes_received},
                       {"bytes_sent", r.bytes_sent},
                       {"sent_in_place", r.sent_in_place},
@@ -82,6 +83,10 @@ nlohmann::json sync_report_json(const SyncReport& r) {
   if (!r.status.ok()) {
     j["error"] = r.status.to_string();
     j["code"] = std::string(status_code_name(r.status.code()));
+  }
+  if (r.failure) {
+    j["failure"] = {{"peer", r.failure->peer}, {"group", r.failure->group},
+                    {"reason", std::string(status_code_name(r.failure->reason))}, {"message", r.failure->message}};
   }
   return j;
 }

@@ -16,7 +16,8 @@ uint64_t ConsumerAttemptPlan::transfers() const {
   return n;
 }
 
-ConsumerAttemptPlan make_consumer_attempt_plan(int rank, const ConsumerSchedule& schedule, const Lane* ipc) {
+ConsumerAttemptPlan make_consumer_attempt_plan(int rank, const ConsumerSchedule& schedule, const Lane* ipc,
+                                               const PlanRoute* route, const Lane* relay) {
   ConsumerAttemptPlan plan;
   // CUDA IPC this attempt: only when every producer read from is mapped and serves this
   // consumer nothing in place or into params (all of a group lands in one receive ring,
@@ -50,6 +51,22 @@ ConsumerAttemptPlan make_consumer_attempt_plan(int rank, const ConsumerSchedule&
         auto& to = sr.param ? gp.to_params : gp.to_slot;
         to[p].push_back(Transfer{LaneKind::kTransport, static_cast<int>(g), p, &sr});
       }
+    }
+    if (!route || gp.from.empty()) continue;
+    const PlanGroup& pg = route->groups[g];
+    if (relay && !plan.cuda_ipc) {
+      gp.relayed = std::make_unique<PlannedRead>();
+      gp.relayed->read = SubRead{0, 0, pg.recv_bytes, nullptr, 0, -1, 0, 0};
+      gp.relayed->transfer = Transfer{LaneKind::kRelay, static_cast<int>(g), -1, &gp.relayed->read};
+    }
+    for (int p : gp.from) {
+      const Read* r = single_read_from(pg, static_cast<uint32_t>(p));
+      if (!r) continue;
+      auto pr = std::make_unique<PlannedRead>();
+      pr->read = SubRead{static_cast<uint32_t>(r - pg.reads.data()), r->recv_offset, r->length, nullptr, 0, -1,
+                         r->offset, static_cast<uint32_t>(p)};
+      pr->transfer = Transfer{LaneKind::kTransport, static_cast<int>(g), p, &pr->read};
+      gp.patch[p] = std::move(pr);
     }
   }
   return plan;

@@ -8,6 +8,10 @@
 //     which transfers wait for an announcement (staged), which are read as soon as the
 //     receive slot is ours (in place into the slot) and which are read ahead whenever
 //     the consumer would otherwise wait (in place into params, lowest group first);
+//     the relay lane's copy of each whole group (relay on, host ring) and, under delta,
+//     the patch read of each producer's segment. The control plane decides only
+//     whether to take those two (the relay offered the group; the producer sent a patch
+//     against a version this consumer holds);
 //   * producer: which consumers each group is packed for (the targets), and in push,
 //     the writes to each of them, reused from the previous attempt's plan for a consumer
 //     instance and routes already planned.
@@ -31,12 +35,26 @@ namespace ferry::engine {
 // ---------------------------------------------------------------------------------------
 // Consumer.
 
+// A transfer whose read the plan made (not one of the schedule's): `transfer.read`
+// points at `read`, so a PlannedRead is never copied (ConsumerAttemptPlan is move-only).
+struct PlannedRead {
+  SubRead read;
+  Transfer transfer;
+};
+
 struct ConsumerGroupPlan {
   std::vector<int> from;  // producers with bytes for the group, ascending
   // Per producer, in schedule order:
   std::map<int, std::vector<Transfer>> staged;     // from its staging: after it announced the group
   std::map<int, std::vector<Transfer>> to_slot;    // in place into the receive slot: once the slot is ours
   std::map<int, std::vector<Transfer>> to_params;  // in place into params: read ahead (see above)
+  // The relay lane's copy of the group's receive-slot bytes from the slot this host's
+  // relay offers (none without a relay lane, or when the attempt lands on the GPU).
+  std::unique_ptr<PlannedRead> relayed;
+  // Delta, per producer whose segment of the group is one read: that segment's bytes
+  // as a patch, from where the producer staged the patch (its announcement's offset) into
+  // the segment's place in the slot. A patch is read for its length (<= the segment's).
+  std::map<int, std::unique_ptr<PlannedRead>> patch;
 };
 
 struct ConsumerAttemptPlan {
@@ -49,8 +67,11 @@ struct ConsumerAttemptPlan {
   uint64_t transfers() const;  // how many, all groups
 };
 
-// `ipc`: the consumer's CUDA IPC lane (null: none). `rank` names it in notes.
-ConsumerAttemptPlan make_consumer_attempt_plan(int rank, const ConsumerSchedule& schedule, const Lane* ipc);
+// `ipc`: the consumer's CUDA IPC lane (null: none). `rank` names it in notes. `route`
+// (the consumer's plan route, null: no patch reads) gives each group's slot bytes and
+// its producers' segments; `relay`: its relay lane (null: relay off).
+ConsumerAttemptPlan make_consumer_attempt_plan(int rank, const ConsumerSchedule& schedule, const Lane* ipc,
+                                               const PlanRoute* route = nullptr, const Lane* relay = nullptr);
 
 // The read-ahead backlog from the moment producer p is known to be in the sync (its
 // first announcement, at group `group`): its in-place transfers into params of groups

@@ -99,6 +99,13 @@ void SyncTrace::begin_locked(Clock::time_point start, uint64_t version) {
   const auto since = Clock::now() - start;
   start_unix_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(now_sys.time_since_epoch() - since).count();
   attempt_ = 0;
+  failed_peer_ = failed_group_ = -1;
+}
+
+void SyncTrace::failed_at(int peer, int group) {
+  std::lock_guard<std::mutex> lk(mu_);
+  failed_peer_ = peer;
+  failed_group_ = group;
 }
 
 void SyncTrace::record(TracePhase phase, int group, int peer, Clock::time_point t0, Clock::time_point t1,
@@ -188,6 +195,8 @@ void SyncTrace::finish_report(SyncReport& r) {
     control_.clear();
     sink = sink_;
     from = source_;
+    r.failure.reset();
+    if (!r.status.ok()) r.failure = SyncFailure{failed_peer_, failed_group_, r.status.code(), r.status.message()};
   }
   for (const ControlEvent& e : r.events) r.failures.push_back(e.message);
   r.start_unix_ns = start_unix_ns_;

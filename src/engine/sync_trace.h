@@ -45,13 +45,17 @@ class SyncTrace {
   // A control decision (ferry/trace.h ControlEvent), recorded now and passed to the sink
   // (set_sink) at once, on the caller's thread.
   void control(ControlKind kind, int peer, int group, std::string message);
+  // Where a failing sync stands: the peer whose failure ended it and the layer group it
+  // was at (-1: none), for SyncReport::failure. The last call before finish_report wins.
+  void failed_at(int peer, int group);
   // Consumer::commit() made version v live in `seconds`: tells the sink (on_commit).
   void committed(uint64_t v, double seconds);
   // Who records (for the sink: side "producer" or "consumer", rank), and the sink, if any
   // (EngineOptions::sink; kept alive by the options that hold it). Before the first sync.
   void set_sink(SyncSink* sink, const char* side, int rank);
   // The report of the sync since begin(v): `r`'s trace, events, failures (one per event,
-  // in order, after any already there), time origin, sums (derive_report_sums) and stages
+  // in order, after any already there), its typed failure when r.status is not OK
+  // (failed_at's peer and group), time origin, sums (derive_report_sums) and stages
   // (the last closed at r.seconds; unattributed what is left of it); then the sink's
   // on_report. The sync thread, once per sync, as it returns, after r.seconds is set.
   void finish_report(SyncReport& r);
@@ -67,6 +71,7 @@ class SyncTrace {
   Clock::time_point start_{};
   int64_t start_unix_ns_ = 0;
   uint16_t attempt_ = 0;
+  int failed_peer_ = -1, failed_group_ = -1;
   // Stages (the sync thread's alone: no lock).
   int stage_ = -1;
   Clock::time_point stage_since_{};

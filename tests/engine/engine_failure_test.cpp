@@ -663,6 +663,20 @@ TEST_P(EngineOwnTransportTest, ProducerWhoseTransportDiedFailsItsSyncSayingSo) {
   // Consumer 0 had the last group still to read; consumer 1 may have read it before the
   // crash (pulling), and then holds version 2, verified.
   EXPECT_FALSE(o.c[0]->ok());
+  // Both failures as values: the producer's own (no peer, outside the groups), and
+  // consumer 0's at the last group, ended by producer 0.
+  const SyncReport& pr = k.prod[0]->last_report();
+  ASSERT_TRUE(pr.failure.has_value());
+  EXPECT_EQ(pr.failure->peer, -1);
+  EXPECT_EQ(pr.failure->reason, o.p[0]->status().code());
+  EXPECT_EQ(pr.failure->message, o.p[0]->status().message());
+  const SyncReport& cr = k.cons[0]->last_report();
+  ASSERT_TRUE(cr.failure.has_value()) << o.c[0]->status().to_string();
+  EXPECT_EQ(cr.failure->peer, 0) << o.c[0]->status().to_string();
+  EXPECT_EQ(cr.failure->group, last.load()) << o.c[0]->status().to_string();
+  EXPECT_EQ(cr.failure->reason, o.c[0]->status().code());
+  EXPECT_NE(cr.to_json().find("\"failure\":{\"group\":" + std::to_string(last.load())), std::string::npos)
+      << cr.to_json();
   if (o.c[1]->ok()) k.expect_verified(1, 2);
 }
 
@@ -709,10 +723,12 @@ TEST_P(EngineRestartTest, ConsumersHeldUpByASilentProducerAreNoStragglers) {
 TEST_P(EngineOwnTransportTest, ConsumerWhoseTransportDiedFailsItsSyncSayingSo) {
   Cluster k(GetParam());
   std::atomic<bool> armed{false};
+  std::atomic<int> at{-1};  // the group consumer 1's sync thread last reached (phase 3 is the unpack worker's)
   k.tweak_consumer = [&](ConsumerOptions& o, int c) {
     if (c != 1) return;
     auto hooks = std::make_shared<engine::TestHooks>();
     hooks->consumer_point = [&](int g, int phase) {
+      if (phase < 3) at = g;
       if (g == 1 && phase == 1 && armed.exchange(false)) k.ctr[1]->simulate_crash().ignore();
     };
     o.test_hooks = hooks;
@@ -727,7 +743,16 @@ TEST_P(EngineOwnTransportTest, ConsumerWhoseTransportDiedFailsItsSyncSayingSo) {
   EXPECT_TRUE(why.find("its transport failed") != std::string::npos ||
               why.find("the transport shut down or crashed") != std::string::npos)
       << o.c[1]->status().to_string();
+  // The failure as a value: its own (no peer), at the group it had reached when it
+  // noticed (group 1, or the next when group 1's reads had landed before the crash).
+  const SyncReport& cr = k.cons[1]->last_report();
+  ASSERT_TRUE(cr.failure.has_value());
+  EXPECT_EQ(cr.failure->peer, -1) << why;
+  EXPECT_EQ(cr.failure->group, at.load()) << why;
+  EXPECT_GE(cr.failure->group, 1) << why;
+  EXPECT_EQ(cr.failure->reason, o.c[1]->status().code());
   ASSERT_TRUE(o.c[0]->ok()) << o.c[0]->status().to_string();
+  EXPECT_FALSE(k.cons[0]->last_report().failure.has_value());
   k.expect_verified(0, 2);
   ASSERT_TRUE(o.p[0]->ok()) << o.p[0]->status().to_string();
   EXPECT_EQ((*o.p[0])->missed, std::vector<int>{1}) << (*o.p[0])->to_string();

@@ -102,9 +102,76 @@ TEST(TransportLane, ReadsStagedBytesIntoTheSlotAndInPlaceBytesIntoParams) {
   EXPECT_NE(s.message().find("producer 2"), std::string::npos) << s.to_string();
 }
 
+std::unique_ptr<Transport> ucx_over_tcp() {
+  TransportOptions o;
+  o.backend = "ucx";
+  o.params = {{"tls", "tcp,self"}, {"net_devices", "lo"}};
+  auto t = Transport::create(o);
+  EXPECT_TRUE(t.ok()) << t.status().to_string();
+  return std::move(*t);
+}
+
+// The relay lane: a member copies whole groups from the slot its relay offers into its
+// own slot; it is viable for the connected relay only; a key it cannot import or a ring
+// reached only by messages is refused (nothing connected); after disconnect a post
+// fails naming the consumer and the group.
+TEST(RelayLane, CopiesFromTheRelaysOfferedSlotAndIsViableForItAlone) {
+  auto relay = inproc(), member = inproc();
+  auto relay_ring = relay->allocate_memory(4096);
+  auto member_ring = member->allocate_memory(4096);
+  ASSERT_TRUE(relay_ring.ok() && member_ring.ok());
+  auto* from = static_cast<uint8_t*>(relay_ring->base);
+  for (int i = 0; i < 4096; ++i) from[i] = static_cast<uint8_t>(i * 5 + 3);
+  std::memset(member_ring->base, 0, 4096);
+  auto key = relay->export_key(*relay_ring);
+  ASSERT_TRUE(key.ok());
+  ASSERT_TRUE(member->connect(relay->address()).ok());
+  RelayLane lane(4, *member, *member_ring);
+  EXPECT_EQ(lane.kind(), LaneKind::kRelay);
+  EXPECT_FALSE(lane.viable(0));
+  EXPECT_EQ(lane.why_not(0), "no relay connected");
+  Status bad = lane.connect(0, "not a key");
+  EXPECT_EQ(bad.code(), StatusCode::kUnavailable) << bad.to_string();
+  EXPECT_NE(bad.message().find("relay consumer 0's receive ring not imported"), std::string::npos) << bad.to_string();
+  EXPECT_EQ(lane.relay(), -1);
+  ASSERT_TRUE(lane.connect(0, std::string(reinterpret_cast<const char*>(key->data()), key->size())).ok());
+  EXPECT_EQ(lane.relay(), 0);
+  EXPECT_TRUE(lane.viable(0));
+  EXPECT_FALSE(lane.viable(1));
+  EXPECT_NE(lane.why_not(1).find("consumer 1 is not the relay (0 is)"), std::string::npos) << lane.why_not(1);
+  // Group 2's 1000 bytes lie in the relay's slot at 2048 (its offer) and land in ours at 1024.
+  const SubRead whole{0, 0, 1000, nullptr, 0, -1, 0, 0};
+  std::vector<Completion> ops;
+  ASSERT_TRUE(lane.post(Transfer{LaneKind::kRelay, 2, -1, &whole}, 0, 1000, 2048, 1024, ops).ok());
+  ASSERT_TRUE(wait_all(ops, std::chrono::milliseconds(5000)).ok());
+  auto* to = static_cast<uint8_t*>(member_ring->base);
+  EXPECT_EQ(std::memcmp(to + 1024, from + 2048, 1000), 0);
+  EXPECT_EQ(to[1023], 0);
+  EXPECT_EQ(to[2024], 0);
+  lane.disconnect();
+  EXPECT_FALSE(lane.viable(0));
+  Status s = lane.post(Transfer{LaneKind::kRelay, 2, -1, &whole}, 0, 1000, 2048, 1024, ops);
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.to_string();
+  EXPECT_NE(s.message().find("consumer 4 copying group 2"), std::string::npos) << s.to_string();
+
+  // A ring the transport reaches only by messages (UCX over TCP) is not taken.
+  auto tcp_relay = ucx_over_tcp(), tcp_member = ucx_over_tcp();
+  auto tcp_ring = tcp_relay->allocate_memory(4096), tcp_member_ring = tcp_member->allocate_memory(4096);
+  ASSERT_TRUE(tcp_ring.ok() && tcp_member_ring.ok());
+  auto tcp_key = tcp_relay->export_key(*tcp_ring);
+  ASSERT_TRUE(tcp_key.ok());
+  ASSERT_TRUE(tcp_member->connect(tcp_relay->address()).ok());
+  RelayLane tcp_lane(5, *tcp_member, *tcp_member_ring);
+  Status by_message = tcp_lane.connect(1, std::string(reinterpret_cast<const char*>(tcp_key->data()), tcp_key->size()));
+  EXPECT_EQ(by_message.code(), StatusCode::kUnavailable) << by_message.to_string();
+  EXPECT_NE(by_message.message().find("not reached natively"), std::string::npos) << by_message.to_string();
+  EXPECT_FALSE(tcp_lane.viable(1));
+}
+
 TEST(LaneNames, AreStable) {
   EXPECT_STREQ(lane_name(LaneKind::kTransport), "transport");
   EXPECT_STREQ(lane_name(LaneKind::kCudaIpc), "cuda_ipc");
+  EXPECT_STREQ(lane_name(LaneKind::kRelay), "relay");
   EXPECT_STREQ(rma_path_name(RmaPath::kNative), "native");
   EXPECT_STREQ(rma_path_name(RmaPath::kByMessage), "by message");
 }

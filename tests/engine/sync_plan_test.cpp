@@ -176,8 +176,10 @@ TEST_P(SyncPlanTest, TransfersThroughFakeLanesMoveEveryByteOfADirectLoad) {
     if (k.way != Way::kPush) {
       EXPECT_EQ(plan.transfers(), planned);
     }
-    std::set<int> in_v;
-    AttemptReads reads(plan, transport, &ipc, std::chrono::milliseconds(1000));
+    // Paced (the rotated order) for the odd consumers: in-place bytes read only as each
+    // producer announces each group, none ahead.
+    const bool paced = c % 2 == 1;
+    AttemptReads reads(plan, transport, &ipc, nullptr, paced, std::chrono::milliseconds(1000));
     for (int g = 0; g < G; ++g) {
       const ConsumerGroupPlan& gp = plan.groups[static_cast<size_t>(g)];
       std::fill(slot.begin(), slot.end(), std::byte{0xCD});
@@ -202,25 +204,19 @@ TEST_P(SyncPlanTest, TransfersThroughFakeLanesMoveEveryByteOfADirectLoad) {
           }
         }
       } else {
-        // The consumer's pull order: in-place bytes into the slot for producers already in
-        // the sync; then each announcement (producer order here), its staged bytes, and
-        // on its first, its in-place bytes and read-ahead; a backlog chunk in between.
-        for (int p : gp.from) {
-          if (in_v.count(p)) {
-            ASSERT_TRUE(reads.post_to_slot(g, p, 0).ok());
-          }
-        }
+        // The consumer's pull order: the slot is ours (in-place bytes into it from
+        // producers already in the sync); then each announcement (producer order here),
+        // its staged bytes and its in-place bytes at the pace; a backlog chunk between.
+        ASSERT_TRUE(reads.begin_group(g, 0).ok());
         for (int p : gp.from) {
           if (!reads.backlog_empty()) {
+            EXPECT_FALSE(paced && !reads.backlog_through(g)) << "paced reads ran ahead of group " << g;
             ASSERT_TRUE(reads.work_one().ok());
           }
           std::vector<Completion> staged;
           ASSERT_TRUE(reads.post_staged(g, p, 0, 0, staged).ok());
           EXPECT_TRUE(staged.empty());  // fake lanes are synchronous
-          if (in_v.insert(p).second) {
-            ASSERT_TRUE(reads.post_to_slot(g, p, 0).ok());
-            reads.enter(p, g);
-          }
+          ASSERT_TRUE(reads.announced(g, p, 0).ok());
         }
         while (reads.backlog_through(g)) ASSERT_TRUE(reads.work_one().ok());
         for (int p : gp.from) EXPECT_TRUE(reads.take(g, p).empty());
@@ -301,6 +297,111 @@ TEST(SyncPlan, CudaIpcOnlyWhenEveryProducerIsMappedAndNothingLandsElsewhere) {
     for (const ConsumerGroupPlan& g : plan.groups)
       for (const auto& [p, ts] : g.staged)
         for (const Transfer& t : ts) EXPECT_EQ(t.lane, LaneKind::kTransport);
+  }
+}
+
+// The relay lane's copy and the patch reads are transfers of the plan too: a replica
+// of consumer 0's plan class that copies every group whole from consumer 0's slot (the
+// relay's offer) by its relay lane ends up with a direct load's params, and each
+// producer's patch read covers exactly its segment of the group (posting one of the
+// segment's length lands the dense bytes; a longer one is refused).
+TEST(SyncPlan, RelayCopiesAndPatchReadsArePlannedTransfers) {
+  auto model = make_job_model(cfg("llama-3.1-8b.json"), "tp=2", "tp=2,replicas=2", true, R"({"num_hidden_layers": 2})");
+  ASSERT_TRUE(model.ok()) << model.status().to_string();
+  const JobModel& m = *model;
+  std::vector<Plan> plans;
+  const Routes routes = build(m, plans);
+  ASSERT_EQ(routes.consumer_plan[0], routes.consumer_plan[2]);  // replicas: one plan class
+  std::vector<ProducerSide> prod;
+  ASSERT_NO_FATAL_FAILURE(make_producers(m, routes, false, 5, prod));
+  const PlanRoute& route = routes.consumer(0);
+  std::vector<std::unique_ptr<ParamSet>> sets;
+  std::vector<ConsumerSchedule> schedules;
+  for (int c : {0, 2}) {
+    auto rl = m.loader->rank(c);
+    ASSERT_TRUE(rl.ok());
+    std::vector<TensorDecl> decls;
+    for (const ParamInfo& pi : (*rl)->params()) decls.push_back(pi.decl);
+    auto set = ParamSet::create(ParamSetOptions{c, false, UINT64_MAX}, decls, {}, host_param_memory());
+    ASSERT_TRUE(set.ok()) << set.status().to_string();
+    ConsumerScheduleInputs in;
+    in.routes = &routes;
+    in.rank = c;
+    in.direct_min_bytes = UINT64_MAX;
+    in.params = &(*set)->placements();
+    in.holdings = m.holdings.get();
+    in.in_place.assign(prod.size(), nullptr);
+    schedules.push_back(make_consumer_schedule(in));
+    sets.push_back(std::move(*set));
+  }
+  std::vector<std::byte> relay_slot(consumer_slot_bytes(route)), member_slot(relay_slot.size());
+  FakeLane relay_transport(LaneKind::kTransport, prod, *sets[0], relay_slot);
+  // The member's relay lane copies from the relay's slot (its "staging").
+  class FakeRelayLane final : public Lane {
+   public:
+    FakeRelayLane(const std::vector<std::byte>& from, std::vector<std::byte>& to) : from_(from), to_(to) {}
+    LaneKind kind() const override { return LaneKind::kRelay; }
+    bool viable(int) const override { return true; }
+    std::string why_not(int) const override { return ""; }
+    Status post(const Transfer& t, uint64_t at, uint64_t n, uint64_t offered, uint64_t slot_offset,
+                std::vector<Completion>&) override {
+      EXPECT_EQ(t.lane, LaneKind::kRelay);
+      EXPECT_LE(offered + t.read->remote + at + n, from_.size());
+      std::memcpy(to_.data() + slot_offset + t.read->recv_offset + at, from_.data() + offered + t.read->remote + at, n);
+      moved += n;
+      return Status::Ok();
+    }
+    uint64_t moved = 0;
+
+   private:
+    const std::vector<std::byte>& from_;
+    std::vector<std::byte>& to_;
+  } relay_lane(relay_slot, member_slot);
+  FakeLane member_transport(LaneKind::kTransport, prod, *sets[1], member_slot);
+  const ConsumerAttemptPlan relay_plan = make_consumer_attempt_plan(0, schedules[0], nullptr, &route, nullptr);
+  const ConsumerAttemptPlan member_plan = make_consumer_attempt_plan(2, schedules[1], nullptr, &route, &relay_lane);
+  AttemptReads relay_reads(relay_plan, relay_transport, nullptr, nullptr, false, std::chrono::milliseconds(1000));
+  AttemptReads member_reads(member_plan, member_transport, nullptr, &relay_lane, false, std::chrono::milliseconds(1000));
+  TensorMap relay_params = sets[0]->loaded(), member_params = sets[1]->loaded();
+  uint64_t slot_bytes = 0;
+  for (int g = 0; g < routes.num_groups(); ++g) {
+    const ConsumerGroupPlan& gp = member_plan.groups[static_cast<size_t>(g)];
+    EXPECT_FALSE(relay_reads.relayed(g));  // (no relay lane)
+    ASSERT_EQ(member_reads.relayed(g), !gp.from.empty());
+    if (gp.from.empty()) continue;
+    std::fill(relay_slot.begin(), relay_slot.end(), std::byte{0xCD});
+    std::fill(member_slot.begin(), member_slot.end(), std::byte{0xAB});
+    for (int p : gp.from) {
+      std::vector<Completion> ops;
+      ASSERT_TRUE(relay_reads.post_staged(g, p, 0, 0, ops).ok());
+    }
+    std::vector<Completion> ops;
+    ASSERT_TRUE(member_reads.post_relayed(g, 0, 0, ops).ok());
+    slot_bytes += route.groups[static_cast<size_t>(g)].recv_bytes;
+    ASSERT_TRUE(unpack_group(schedules[0].unpack, g, relay_slot, relay_params).ok());
+    ASSERT_TRUE(unpack_group(schedules[1].unpack, g, member_slot, member_params).ok());
+    // Patch reads: one per producer whose segment is one read, covering it exactly.
+    std::fill(member_slot.begin(), member_slot.end(), std::byte{0xAB});
+    for (int p : gp.from) {
+      const Read* r = single_read_from(route.groups[static_cast<size_t>(g)], static_cast<uint32_t>(p));
+      ASSERT_EQ(gp.patch.count(p), r ? 1u : 0u);
+      if (!r) continue;
+      const SubRead& pr = gp.patch.at(p)->read;
+      EXPECT_EQ(pr.recv_offset, r->recv_offset);
+      EXPECT_EQ(pr.length, r->length);
+      EXPECT_EQ(pr.remote, r->offset);
+      std::vector<Completion> patch;
+      EXPECT_EQ(member_reads.post_patch(g, p, 0, r->length + 1, 0, patch).code(), StatusCode::kOutOfRange);
+      ASSERT_TRUE(member_reads.post_patch(g, p, 0, r->length, 0, patch).ok());
+      EXPECT_EQ(std::memcmp(member_slot.data() + r->recv_offset, relay_slot.data() + r->recv_offset, r->length), 0)
+          << "group " << g << " producer " << p;
+    }
+  }
+  EXPECT_EQ(relay_lane.moved, slot_bytes);
+  for (int c : {0, 2}) {
+    auto mismatch = verify_params(m, c, c == 0 ? relay_params : member_params, 5, 1);
+    ASSERT_TRUE(mismatch.ok()) << mismatch.status().to_string();
+    EXPECT_FALSE(mismatch->has_value()) << "consumer " << c << ": " << **mismatch;
   }
 }
 

@@ -273,9 +273,11 @@ class EngineTest(unittest.TestCase):
             self.assertFalse(dead.report["ok"])
             self.assertEqual(dead.report["version"], 2)
             self.assertIn("lost its GPU", dead.report["error"])
+            self.assertEqual(dead.report["failure"]["peer"], -1, dead.report["failure"])  # its own
             self.assertIsInstance(survivor, dict)
             self.assertFalse(survivor["ok"], survivor["text"])
             self.assertEqual(sorted(survivor["missed"]), [0, 1])
+            self.assertIsNone(survivor["failure"])  # (it finished: `missed` says the rest)
             self.assertTrue(any("aborted the sync (" in f and "producer 1" in f for f in survivor["failures"]),
                             survivor["failures"])
             for r, e in enumerate(errors):
@@ -288,6 +290,10 @@ class EngineTest(unittest.TestCase):
                 self.assertFalse(e.report["committed"])
                 self.assertGreaterEqual(len(e.report["groups_live"]), 1, e.report)
                 self.assertEqual(set(e.report) - {"text"}, set(ferry._ferry._report_keys()))
+                f = e.report["failure"]  # the failure as a value: ended by producer 1, inside the groups
+                self.assertEqual((f["peer"], f["reason"]), (1, "PeerFailed"), f)
+                self.assertGreaterEqual(f["group"], 0, f)
+                self.assertEqual("PeerFailed: " + f["message"], e.report["error"])
                 self.assertEqual(consumers[r].state(), {"version": 1, "torn": False, "mixed": True, "received": None})
             versions = ferry.committed_versions(server, 2, job="mixed", token=server.token)
             self.assertEqual(versions, [1, 1])  # still ints: min() and comparisons work
