@@ -29,8 +29,8 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
   // them on an error return.
   AttemptReads reads(lanes.plan, *lanes.transport, lanes.cuda_ipc.get(), lanes.relay.get(),
                      opts.group_order == GroupOrderKind::kRotated, opts.timeout);
-  for (size_t at = 0; at < order.size(); ++at) {
-    const int g = order[at];
+  for (size_t at = 0; at < schedule.order.size(); ++at) {
+    const int g = schedule.order[at];
     attempts.group = g;
     const ConsumerGroupSchedule& gs = schedule.groups[static_cast<size_t>(g)];
     const ConsumerGroupPlan& gp = lanes.plan.groups[static_cast<size_t>(g)];

@@ -85,13 +85,11 @@ struct Consumer::Impl {
   void plan_attempt();
   // Per layer group of `routes`: what to read from whom into where (the slot, or a
   // param directly: zero copy, engine/schedule.h), what to unpack, which
-  // post-processing groups complete. Rebuilt when routes change or a producer's in-place
-  // table does (Peer::in_schedule).
+  // post-processing groups complete, and the order it reads them in (engine/
+  // group_order.h, EngineOptions::group_order: layer order, or its order in the rotated
+  // one, set with the routes). Rebuilt when routes change or a producer's in-place table
+  // does (Peer::in_schedule).
   ConsumerSchedule schedule;
-  // The order this consumer reads the layer groups of `routes` in (engine/group_order.h,
-  // EngineOptions::group_order): layer order, or its order in the rotated one. Set with
-  // the routes (apply_routes).
-  std::vector<int> order;
   // Its claim, lease and what it published (its plan) in the store.
   Registration reg;
   // Puts the versions the params hold (ParamSet::state) into the lease if they changed

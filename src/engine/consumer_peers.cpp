@@ -217,9 +217,9 @@ Status Consumer::Impl::apply_routes(Routes r) {
   std::lock_guard<std::mutex> lk(mu);
   routes = std::move(r);
   routes_hash = routes.fingerprint();
-  order = std::move(mine);
+  schedule.order = std::move(mine);
   rebuild_schedule();
-  CommitLayout layout{plan_route(), &order, &model.post_group_of, &model.post_group_names, {}};
+  CommitLayout layout{plan_route(), &schedule.order, &model.post_group_of, &model.post_group_names, {}};
   for (const TensorDecl& d : plan_route()->params) {
     auto it = param_set->committed().find(d.name);
     layout.on_device.push_back(it != param_set->committed().end() && it->second.device().is_cuda());
@@ -240,7 +240,7 @@ MemoryUse Consumer::Impl::memory_use() {
   const RouteInputs& in = route_state.inputs();
   m.metadata = metadata_heap_bytes(routes, in.metadata, in.holdings, in.plans);
   std::lock_guard<std::mutex> lk(mu);
-  m.metadata += schedule_heap_bytes(schedule) + order.capacity() * sizeof(int);
+  m.metadata += schedule_heap_bytes(schedule);
   for (const Peer& pe : peers) m.metadata += pe.in_place.boxes.capacity() * sizeof(InPlaceTable::At);
   return m;
 }
@@ -260,6 +260,7 @@ void Consumer::Impl::rebuild_schedule() {
     in.post_group_of = model.post_group_of;
     in.num_post_groups = model.post_group_names.size();
   }
+  const std::vector<int> order = std::move(schedule.order);  // (kept: set with the routes)
   in.order = &order;
   schedule = make_consumer_schedule(in);
   for (Peer& pe : peers) pe.in_schedule = true;

@@ -165,7 +165,9 @@ uint64_t metadata_heap_bytes(const Routes& routes, const std::vector<TensorDecl>
 }
 
 uint64_t schedule_heap_bytes(const ProducerSchedule& s) { return bytes_of(s.groups); }
-uint64_t schedule_heap_bytes(const ConsumerSchedule& s) { return bytes_of(s.groups) + bytes_of(s.unpack); }
+uint64_t schedule_heap_bytes(const ConsumerSchedule& s) {
+  return bytes_of(s.groups) + bytes_of(s.unpack) + s.order.capacity() * sizeof(int);
+}
 uint64_t predicted_schedule_bytes(const ProducerRoute& route) {
   uint64_t n = bytes_of(route);
   for (const ProducerGroup& g : route.groups)

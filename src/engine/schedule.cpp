@@ -378,6 +378,12 @@ ConsumerSchedule make_consumer_schedule(const ConsumerScheduleInputs& in) {
   ConsumerSchedule out;
   out.unpack = plan_route;
   out.groups.resize(plan_route.groups.size());
+  if (in.order && in.order->size() == plan_route.groups.size()) {
+    out.order = *in.order;
+  } else {
+    out.order.resize(plan_route.groups.size());
+    for (size_t g = 0; g < out.order.size(); ++g) out.order[g] = static_cast<int>(g);
+  }
   for (size_t g = 0; g < plan_route.groups.size(); ++g) {
     const PlanGroup& pg = plan_route.groups[g];
     const DirectUnpacks direct = find_direct_unpacks(pg, plan_route, in);

@@ -130,6 +130,9 @@ struct ConsumerGroupSchedule {
 
 struct ConsumerSchedule {
   std::vector<ConsumerGroupSchedule> groups;  // per layer group
+  // The order the consumer reads its layer groups in (ConsumerScheduleInputs::order;
+  // layer order without one).
+  std::vector<int> order;
   PlanRoute unpack;                           // the plan route less what lands in params directly
 };
 
