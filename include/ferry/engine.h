@@ -563,6 +563,13 @@ struct SyncReport {
   // this version: dropped, failed, absent (no live lease: not a member of this sync) or
   // silent (no DONE within stall_timeout). Each has a line in `failures` saying why.
   std::vector<int> missed;
+  // Producer: the consumers it serves that left the job on purpose (Consumer::leave)
+  // instead of committing this version (not missed); the consumers whose instance joined
+  // (a new or restarted one registered) since its previous sync; and the epoch of its
+  // consumers' membership, which moves whenever who is live changes.
+  std::vector<int> left;
+  std::vector<int> joined;
+  uint64_t epoch = 0;
   std::vector<std::string> failures;       // one line per failure: each event's message
   // The control decisions of this sync (ferry/trace.h), in the order made; `failures`
   // holds their messages.
@@ -704,6 +711,14 @@ class Consumer {
   // kShadow: drops the received version; the live params stay as they are.
   // kFailedPrecondition when none is received.
   Status discard();
+  // Leaves the job on purpose, between syncs (not while sync() runs): marks this rank as
+  // left by this instance ({job}/left/consumer/{rank}), then gives up its lease and its
+  // claim on the rank. Producers
+  // then neither wait for it nor report it missed (SyncReport::left says it left); its
+  // params stay as they are. It can sync no more (kFailedPrecondition): destroy it. A new
+  // instance started in this rank joins the job again (it clears the mark as it
+  // registers). The store's error when the mark cannot be written (nothing given up).
+  Status leave();
   // The weight checker (EngineOptions::weight_digests on every rank; else
   // kFailedPrecondition): compares each live host param with its digest taken as its
   // version went live (a param changed since is named), and the digests of the boxes

@@ -598,10 +598,20 @@ class Consumer:
         return self._c.closed
 
     def close(self):
-        """Leaves the job: releases the rank's lease, transport and ferry's own param
-        buffers (in push; in pull views from ``params()`` keep theirs). A ``sync`` running
-        on another thread is waited for. Idempotent."""
+        """Releases the rank's lease, transport and ferry's own param buffers (in push;
+        in pull views from ``params()`` keep theirs). A ``sync`` running on another thread
+        is waited for. Idempotent. Producers count a closed rank as missing from later
+        syncs (``missed``) until it comes back; to scale in, ``leave()`` first."""
         self._c.close()
+
+    def leave(self):
+        """Leaves the job on purpose, between syncs (scaling in): marks the rank as left,
+        then gives up its lease and its claim on the rank. Producers neither wait for it
+        nor report it missed (their reports name it in ``left``); its params stay as they
+        are, and it syncs no more (``sync`` raises FailedPreconditionError). A new
+        ``Consumer`` of the same rank joins the job again. Then ``close()``."""
+        self._live("leave")
+        self._c.leave()
 
     def __enter__(self):
         return self

@@ -126,6 +126,10 @@ std::function<int()> setup_fetch(CLI::App& app) {
                  "commit_seconds, received_version")
       ->check(CLI::IsMember({"in_place", "shadow", "groups"}))
       ->default_val("in_place");
+  app.add_flag("--leave", s->leave,
+               "After the last sync, leave the job on purpose (scaling in): the serve ranks neither wait for this "
+               "rank nor report it missed (their lines name it in \"left\"); a fetch started later in this rank "
+               "joins again");
   return [s] { return tools::run_fetch(*s); };
 }
 

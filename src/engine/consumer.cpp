@@ -188,6 +188,10 @@ Result<double> Consumer::Impl::commit() {
 }
 
 Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    if (syncs.left) return failed_precondition("consumer {} left the job (leave()): it syncs no more", rank);
+  }
   FERRY_RETURN_IF_ERROR(commit_rule->check_sync(commit_it));
   FERRY_RETURN_IF_ERROR(check_claim(*reg.claim, store, Participant{"consumer", rank}, reg.instance));
   const auto t0 = Clock::now();
@@ -406,6 +410,32 @@ Consumer::~Consumer() = default;
 Result<SyncReport> Consumer::sync(uint64_t version) { return impl_->sync(version, true); }
 Result<SyncReport> Consumer::sync(uint64_t version, bool commit) { return impl_->sync(version, commit); }
 Result<double> Consumer::commit() { return impl_->commit(); }
+Status Consumer::leave() {
+  Consumer::Impl& m = *impl_;
+  {
+    std::lock_guard<std::mutex> lk(m.mu);
+    if (m.syncs.syncing) return failed_precondition("consumer {}: leave() while a sync runs", m.rank);
+    if (m.syncs.left) return Status::Ok();
+  }
+  FERRY_RETURN_IF_ERROR(m.store.set(m.keys.left(m.rank), m.reg.instance)
+                            .with_context(fmt::format("consumer {}: marking it left", m.rank)));
+  {
+    std::lock_guard<std::mutex> lk(m.mu);
+    m.syncs.left = true;
+    if (m.reg.lease) m.reg.lease->release().ignore();
+    if (m.reg.claim) m.reg.claim->release().ignore();  // (a new instance may take the rank at once)
+  }
+  // Producers in a sync that counted it a member stop waiting for it now (bounded, as
+  // the DONEs: one that does not hear it finds the mark when its sync ends).
+  const ConsumerState held = m.param_set->state();
+  std::vector<Completion> sent;
+  for (int p : m.reachable_producers()) {
+    if (auto c = m.send_to(p, Leave{m.me(), held.has_version ? held.version : 0, m.routes_hash})) sent.push_back(*c);
+  }
+  wait_all(sent, std::min<std::chrono::milliseconds>(m.opts.timeout, std::chrono::milliseconds(2000))).ignore();
+  return Status::Ok();
+}
+
 Status Consumer::discard() {
   FERRY_RETURN_IF_ERROR(impl_->param_set->discard());
   return impl_->publish_versions();

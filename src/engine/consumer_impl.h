@@ -142,6 +142,7 @@ struct Consumer::Impl {
   // messages are judged (late, stale, behind, a mismatch). mu.
   struct Syncs {
     std::optional<uint64_t> syncing;  // the version of the sync in progress
+    bool left = false;                // leave() was called: no more syncs
     std::set<uint64_t> attempted;     // versions this instance began syncs of (the last 64)
     std::set<uint64_t> mismatched;    // versions producers served when ours differed (the last 64)
     // Producers that announced, during this sync, an older version this instance never

@@ -438,6 +438,10 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
   }
   m.reg.lease_value = encode_lease(ConsumerLease{bytes_to_string(transport.address()), bytes_to_string(key), m.recv.slot_bytes(),
                                                  param_table.encode(), host_identity()});
+  // Joining (again): a mark that an earlier instance of this rank left goes before the
+  // lease shows it live.
+  if (auto cleared = store.remove(m.keys.left(rank)); !cleared.ok())
+    return cleared.status().with_context(fmt::format("consumer {}: clearing its left mark", rank));
   FERRY_ASSIGN_OR_RETURN(m.reg.lease, store.hold_lease(m.keys.consumer(rank), m.reg.lease_value, options.lease_ttl));
   return Status::Ok();
 }

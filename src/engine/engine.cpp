@@ -61,6 +61,8 @@ std::string SyncReport::to_string() const {
                                                : fmt::format("NOT ok, consumer(s) {} missed it", fmt::join(missed, ",")),
                               bytes_sent + bytes_received,
                               bytes_received ? "received" : "sent", seconds);
+  if (!left.empty()) s += fmt::format("; consumer(s) {} left the job", fmt::join(left, ","));
+  if (!joined.empty()) s += fmt::format("; consumer(s) {} joined", fmt::join(joined, ","));
   for (const auto& f : failures) s += "; " + f;
   return s;
 }

@@ -362,9 +362,10 @@ Result<SyncReport> Producer::Impl::sync(uint64_t v) {
   if (failure.ok() && opts.weight_digests) {
     if (Status d = digests.publish(store, keys, rank); !d.ok()) trace.control(ControlKind::kStore, -1, -1, d.to_string());
   }
+  const std::set<int> left = failure.ok() ? leavers(v) : std::set<int>{};
   std::lock_guard<std::mutex> lk(mu);
   members.in_sync = false;
-  if (failure.ok()) note_missed_locked(v);
+  if (failure.ok()) note_missed_locked(v, left);
   report.seconds = seconds_since(t0);
   report.status = failure;
   report.memory = memory_use();

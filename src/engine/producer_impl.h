@@ -154,7 +154,7 @@ struct Producer::Impl {
       : source(s), transport(t), store(st), opts(opt), keys(opt.job),
         route_state(st, JobKeys(opt.job), opt.failover, producer_router_options(opt, s.rank())),
         roll(st, [k = JobKeys(opt.job)](int c) { return k.consumer(c); }, consumer_instance, opt.num_consumers,
-             opt.lease_ttl) {}
+             opt.lease_ttl, [k = JobKeys(opt.job)](int c) { return k.left(c); }) {}
 
   // Sends m to `to`; an error from our own transport fails the sync (note_local_failure).
   Status send(PeerId to, const Message& m);
@@ -173,9 +173,17 @@ struct Producer::Impl {
   // mu held.
   void drop_locked(int c, const std::string& why, std::vector<int>* notify);
 
-  // SyncReport::missed: every consumer this producer serves that did not commit v, with
-  // why (a dropped one already has its line in failures). mu held.
-  void note_missed_locked(uint64_t v);
+  // The consumers it serves that did not commit v because they left the job on purpose
+  // (Consumer::leave): absent at the roll call with their left mark set, or marked since.
+  // Store reads without mu.
+  std::set<int> leavers(uint64_t v);
+  // SyncReport::missed: every consumer this producer serves that did not commit v and
+  // did not leave (`left`: those are SyncReport::left), with why (a dropped one already
+  // has its line in failures). mu held.
+  void note_missed_locked(uint64_t v, const std::set<int>& left);
+  // Consumer c is a member of the current sync no more (dropped, or it left): nothing
+  // waits for it. mu held.
+  void forget_member_locked(int c);
 
   void send_dropped(const std::vector<int>& cs, uint64_t v);
 

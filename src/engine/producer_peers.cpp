@@ -15,19 +15,37 @@ Status Producer::Impl::send(PeerId to, const Message& m) {
 
 void Producer::Impl::drop_locked(int c, const std::string& why, std::vector<int>* notify) {
   if (!members.member(c)) return;
-  members.live[static_cast<size_t>(c)] = false;
   report.dropped.push_back(c);
   trace.control(ControlKind::kDrop, c, -1, fmt::format("producer {} dropped consumer {}: {}", rank, c, why));
   members.drop_reason[c] = why;
+  if (notify) notify->push_back(c);
+  forget_member_locked(c);
+}
+
+void Producer::Impl::forget_member_locked(int c) {
+  members.live[static_cast<size_t>(c)] = false;
   for (auto& s : slots) {
     s.pending.erase(c);
     s.pushing.erase(c);
   }
-  if (notify) notify->push_back(c);
   cv.notify_all();
 }
 
-void Producer::Impl::note_missed_locked(uint64_t v) {
+std::set<int> Producer::Impl::leavers(uint64_t v) {
+  std::set<int> left = roll.left(), ask;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    for (int c = 0; c < opts.num_consumers; ++c)
+      if (!left.count(c) && !members.committed(c, v)) ask.insert(c);
+  }
+  for (int c : ask) {  // (a member at the start that left during the sync)
+    auto l = roll.has_left(c);
+    if (l.ok() && *l) left.insert(c);
+  }
+  return left;
+}
+
+void Producer::Impl::note_missed_locked(uint64_t v, const std::set<int>& left) {
   std::vector<bool> served(static_cast<size_t>(opts.num_consumers), false);
   for (const ProducerGroupSchedule& gs : schedule.groups) {
     for (int c = 0; c < opts.num_consumers; ++c) {
@@ -37,6 +55,10 @@ void Producer::Impl::note_missed_locked(uint64_t v) {
   const std::set<int> dropped(report.dropped.begin(), report.dropped.end());
   for (int c = 0; c < opts.num_consumers; ++c) {
     if (!served[static_cast<size_t>(c)] || members.committed(c, v)) continue;
+    if (left.count(c)) {
+      report.left.push_back(c);
+      continue;
+    }
     report.missed.push_back(c);
     if (dropped.count(c)) continue;
     if (!members.member(c)) {
@@ -118,6 +140,13 @@ void Producer::Impl::on_message(PeerId from, std::span<const std::byte> payload)
                     std::holds_alternative<Join>(msg))) {
       members.consumer_progress[c] = Clock::now();  // its straggler clock restarts (wait_slot)
       cv.notify_all();
+    }
+    if (std::holds_alternative<Leave>(msg)) {
+      // It left the job on purpose: nobody waits for it (leavers() then reports it left),
+      // nor counts it a member again (a roll call that still found its lease).
+      members.left_instance[c] = peers[c].instance;
+      if (members.member(c)) forget_member_locked(c);
+      return;
     }
     if (std::holds_alternative<Join>(msg)) {
       if (!current && mv > members.version) members.early_join[c] = mv;
@@ -371,9 +400,9 @@ void Producer::Impl::refresh_membership(uint64_t v, bool store_lost_keys) {
       now[static_cast<size_t>(c)] = lease && admit(c, *lease);
     }
   }
-  std::vector<int> left_out;
+  std::vector<int> left_out;  // (not those that left on purpose: nobody waits for them)
   for (int c = 0; c < roll.size(); ++c)
-    if (!now[static_cast<size_t>(c)] && counted_on(c)) left_out.push_back(c);
+    if (!now[static_cast<size_t>(c)] && !roll.left().count(c) && counted_on(c)) left_out.push_back(c);
   if (store_lost_keys) {  // told only if connected: one never reached may be dead
     std::lock_guard<std::mutex> lk(mu);
     std::erase_if(left_out, [&](int c) { return !peers[c].connected; });
@@ -381,8 +410,17 @@ void Producer::Impl::refresh_membership(uint64_t v, bool store_lost_keys) {
   std::unique_lock<std::mutex> lk(mu);
   for (int c = 0; c < roll.size(); ++c) {
     if (!peers[c].connected) now[static_cast<size_t>(c)] = false;  // failed since connecting
+    auto gone = members.left_instance.find(c);  // an instance that said it left
+    if (gone == members.left_instance.end()) continue;
+    if (gone->second == peers[c].instance) {
+      now[static_cast<size_t>(c)] = false;
+    } else if (now[static_cast<size_t>(c)]) {
+      members.left_instance.erase(gone);  // another instance of the rank joined
+    }
   }
   members.live = now;
+  report.epoch = roll.epoch();
+  report.joined = roll.joined();
   for (int c : left_out) {
     members.drop_reason[c] = fmt::format("not a member of sync {}: no live lease {} within lease_ttl {} ms of its start "
                                  "(paused?); rejoin at the next sync", v, keys.consumer(c), opts.lease_ttl.count());

@@ -39,7 +39,8 @@ void fields(M& m, F&& f) {
   } else if constexpr (std::is_same_v<T, Abort>) {
     f(m.consumer), f(m.version), f(m.routes), f(m.reason);
   } else {
-    static_assert(std::is_same_v<T, Done> || std::is_same_v<T, Failover> || std::is_same_v<T, Join>);
+    static_assert(std::is_same_v<T, Done> || std::is_same_v<T, Failover> || std::is_same_v<T, Join> ||
+                  std::is_same_v<T, Leave>);
     f(m.consumer), f(m.version), f(m.routes);
   }
 }
@@ -164,7 +165,7 @@ uint64_t version_of(const Message& m) {
 const char* message_name(const Message& m) {
   static constexpr const char* kNames[] = {"Announce", "Release", "Ready",    "Pushed",       "Dropped",
                                            "Abort",    "Done",    "Failover", "RoutesNotice", "Flushed",
-                                           "Join",     "Relay"};
+                                           "Join",     "Relay",   "Leave"};
   static_assert(std::size(kNames) == std::variant_size_v<Message>);
   return kNames[m.index()];
 }
@@ -323,6 +324,7 @@ std::string JobKeys::host(std::string_view role, int rank) const { return fmt::f
 std::string JobKeys::producer(int p) const { return fmt::format("{}/producer/{}", job_, p); }
 std::string JobKeys::consumer(int c) const { return fmt::format("{}/consumer/{}", job_, c); }
 std::string JobKeys::dead(int p) const { return fmt::format("{}/dead/{}", job_, p); }
+std::string JobKeys::left(int c) const { return fmt::format("{}/left/consumer/{}", job_, c); }
 std::string JobKeys::dead_prefix() const { return job_ + "/dead/"; }
 std::string JobKeys::world(std::string_view role, int rank, int num_producers, int num_consumers,
                            std::string_view routing) const {

@@ -15,6 +15,8 @@
 //   both:  p -> c  Dropped    c was dropped from sync v
 //          c -> p  Abort      c gave up sync v
 //          c -> p  Done       c committed v
+//   membership:
+//          c -> p  Leave      c left the job on purpose (Consumer::leave): not missed
 //   failover:
 //          c -> p  Failover   c runs sync v with routes `routes` (producers marked dead
 //                             in the store excluded); p restarts v with them
@@ -161,6 +163,15 @@ struct Join {
   uint64_t routes = 0;
   friend bool operator==(const Join&, const Join&) = default;
 };
+// A consumer left the job on purpose (Consumer::leave; sent to each producer it
+// reaches): not waited for from now on, and not missed. `version`: the last it committed
+// (0: none).
+struct Leave {
+  uint32_t consumer = 0;
+  uint64_t version = 0;
+  uint64_t routes = 0;
+  friend bool operator==(const Leave&, const Leave&) = default;
+};
 struct Flushed {
   uint32_t producer = 0;
   uint64_t version = 0;
@@ -186,7 +197,8 @@ struct Relay {
 inline constexpr size_t kMaxReasonBytes = 1024;
 
 using Message =
-    std::variant<Announce, Release, Ready, Pushed, Dropped, Abort, Done, Failover, RoutesNotice, Flushed, Join, Relay>;
+    std::variant<Announce, Release, Ready, Pushed, Dropped, Abort, Done, Failover, RoutesNotice, Flushed, Join, Relay,
+                 Leave>;
 
 // The sender's rank (producer or consumer, by message type), version and routes.
 uint32_t sender_of(const Message& m);
@@ -271,6 +283,9 @@ class JobKeys {
   std::string relays(int c) const;
   std::string producer(int p) const;      // producer p's lease
   std::string consumer(int c) const;      // consumer c's lease
+  // Consumer c left the job on purpose (Consumer::leave): the instance that left. A new
+  // instance of c clears it as it registers.
+  std::string left(int c) const;
   std::string dead(int p) const;          // producer p failed over (failover)
   std::string dead_prefix() const;
   // The world sizes a participant was given and the choices that shape the routes

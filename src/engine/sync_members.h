@@ -54,6 +54,9 @@ struct SyncMembers {
   std::map<int, uint64_t> early_join;
   std::map<int, std::pair<uint64_t, std::string>> early_abort;  // (version, its reason)
   std::map<int, std::pair<uint64_t, uint64_t>> early_failover;
+  // consumer -> the instance (its lease's, as connected) that said it left the job
+  // (LEAVE): not a member again until another instance of that rank is live.
+  std::map<int, std::string> left_instance;
   // consumer -> why it was dropped from the current sync (told with DROPPED).
   std::map<int, std::string> drop_reason;
 

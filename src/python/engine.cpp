@@ -840,6 +840,7 @@ void register_engine(py::module_& m) {
         return value_or_raise(std::move(r));
       })
       .def("discard", [](PyConsumer& c) { check(c.live("discard").discard()); })
+      .def("leave", [](PyConsumer& c) { check(c.live("leave").leave()); })
       // Consumer::check_params over the caller's params now (`params`: the mapping, or
       // None when it passed none): FailedPreconditionError naming a param re-bound since.
       .def("check_params", [](const PyConsumer& c, py::object params) {

@@ -537,6 +537,7 @@ Result<std::vector<RankReport>> fetch_rank(const RankSpec& s, const RankReportSi
     const std::string path = fmt::format("{}/rank-{}.safetensors", s.output, u.rank);
     FERRY_RETURN_IF_ERROR(write_safetensors(path, entries).with_context("fetch: output"));
   }
+  if (s.leave) FERRY_RETURN_IF_ERROR(c->leave().with_context("fetch --leave"));
   linger_for_scrape(metrics, s, "fetch", u.rank);
   return reports;
 }

@@ -91,6 +91,9 @@ struct RankSpec {
   bool gpu_staging = false;  // serve on a GPU: stage there, exported by CUDA IPC (ProducerOptions::staging_device)
   bool cuda_ipc = true;      // fetch on a GPU: copy device to device from such staging (ConsumerOptions::cuda_ipc)
   std::string commit = "in_place";  // fetch: ConsumerOptions::commit ("in_place" or "shadow")
+  // fetch: after the last sync, leave the job on purpose (Consumer::leave: scaling in;
+  // producers then name the rank in `left`, not `missed`) instead of only exiting.
+  bool leave = false;
   int first_version = 1;
   int syncs = 1;
   int timeout_ms = 30000;      // bound on each wait of a sync (EngineOptions::timeout, stall)

@@ -421,6 +421,64 @@ TEST(ServeTruncatedFile, TruncatedDuringASyncIsAnErrorExitNotSigbus) {
   std::filesystem::remove_all(dir, ec);
 }
 
+// Scaling in from the command line: of two replicas, fetch rank 1 takes one sync and
+// leaves (`--leave`); the serve ranks' second sync goes on without it, ok, naming it in
+// "left" and in no "missed"; fetch rank 0 verifies both syncs. Every rank a process (UCX
+// on loopback): the LEAVE goes over the real transport.
+TEST(ServeCliLeave, AFetchThatLeavesIsNamedLeftNotMissed) {
+  const std::string dir = make_checkpoint();
+  StoreServerOptions so;
+  so.token = random_token();
+  auto server = StoreServer::start(so);
+  ASSERT_TRUE(server.ok()) << server.status().to_string();
+  const std::vector<std::string> env = environment_with("FERRY_TOKEN", so.token);
+  const std::vector<std::string> common = {"--store", (*server)->url(), "--trainer", kTrainer, "--inference",
+                                           "tp=1,replicas=2", "--job", "leave", "--timeout", "20000",
+                                           "--rendezvous-timeout", "30000"};
+  std::vector<Child> ranks;
+  for (const auto& [role, r] : std::vector<std::pair<std::string, int>>{{"serve", 0}, {"serve", 1}, {"fetch", 0}, {"fetch", 1}}) {
+    ProcessSpec ps;
+    ps.argv = {FERRY_BIN, role, "--rank", std::to_string(r)};
+    ps.argv.insert(ps.argv.end(), common.begin(), common.end());
+    if (role == "serve") {
+      ps.argv.insert(ps.argv.end(), {"--checkpoint", dir, "--syncs", "2"});
+    } else {
+      ps.argv.insert(ps.argv.end(), {"--model", dir + "/config.json", "--verify", dir, "--syncs", r == 1 ? "1" : "2"});
+      if (r == 1) ps.argv.push_back("--leave");
+    }
+    ps.env = env;
+    ps.log = fmt::format("{}/{}-{}.log", dir, role, r);
+    ps.name = fmt::format("{} {}", role, r);
+    auto c = spawn(ps);
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+    ranks.push_back(*c);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + 90s;
+  for (Child& c : ranks) {
+    const std::string name = c.name;
+    auto st = wait_exit(c, deadline);
+    const std::string log = read_log(c);
+    if (!st) kill_now(c);
+    ASSERT_TRUE(st.has_value()) << name << " did not exit:\n" << log;
+    EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == 0) << name << " exit status " << *st << ":\n" << log;
+    const auto lines = json_lines(log);
+    ASSERT_EQ(lines.size(), name == "fetch 1" ? 1u : 2u) << name << ":\n" << log;
+    for (const auto& j : lines) {
+      ASSERT_TRUE(j.is_object()) << log;
+      EXPECT_TRUE(j.value("ok", false)) << name << ": " << j.dump();
+      if (j.value("role", "") == "inference") {
+        EXPECT_TRUE(j.value("verified", false)) << name << ": " << j.dump();
+      } else {
+        EXPECT_TRUE(j["missed"].empty()) << name << ": " << j.dump();
+        EXPECT_EQ(j["left"], j.value("version", 0) == 2 ? nlohmann::json::array({1}) : nlohmann::json::array())
+            << name << ": " << j.dump();
+      }
+    }
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
 INSTANTIATE_TEST_SUITE_P(Modes, ServeCliTest, ::testing::Values("pull", "push"),
                          [](const ::testing::TestParamInfo<const char*>& i) { return std::string(i.param); });
 

@@ -293,5 +293,85 @@ TEST(EngineJoin, ASecondProcessWithARunningRankIsRefused) {
   ::rmdir(dir.c_str());
 }
 
+
+// Elastic fleets (issue 45), first step: a consumer that leaves on purpose between syncs
+// (Consumer::leave) is neither waited for nor reported missed. The producers' reports of
+// the next sync are ok and name it in `left`, their membership epoch moved, and it can
+// sync no more. A new instance started in its rank joins again: the next sync's reports
+// name it in `joined` (and no one in `left`), and every consumer verifies.
+TEST(EngineElastic, AConsumerThatLeavesIsNotMissedAndANewInstanceJoinsAgain) {
+  Cluster k;
+  k.eo.rendezvous_timeout = kRendezvous;
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=1,replicas=2").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  const uint64_t epoch1 = k.prod[0]->last_report().epoch;
+  ASSERT_TRUE(k.cons[1]->leave().ok());
+  auto refused = k.cons[1]->sync(2);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status().to_string();
+  EXPECT_TRUE(has(refused.status(), "consumer 1 left the job")) << refused.status().to_string();
+  // Sync 2: the producer and consumer 0 only.
+  std::optional<Result<SyncReport>> p2, c2;
+  std::thread tp([&] {
+    k.src[0]->set_version(2);
+    p2 = k.prod[0]->sync(2);
+  });
+  c2 = k.cons[0]->sync(2);
+  tp.join();
+  ASSERT_TRUE(c2->ok()) << c2->status().to_string();
+  k.expect_verified(0, 2);
+  ASSERT_TRUE(p2->ok()) << p2->status().to_string();
+  const SyncReport& r2 = **p2;
+  EXPECT_TRUE(r2.ok()) << r2.to_string();
+  EXPECT_TRUE(r2.missed.empty()) << r2.to_string();
+  EXPECT_EQ(r2.left, std::vector<int>{1}) << r2.to_string();
+  EXPECT_GT(r2.epoch, epoch1);
+  EXPECT_NE(r2.to_string().find("consumer(s) 1 left the job"), std::string::npos) << r2.to_string();
+  // A new instance in rank 1 joins again.
+  k.cons[1].reset();
+  ASSERT_TRUE(k.start_consumer(1).ok());
+  auto o = k.sync(3);
+  k.expect_all_ok(o, 3);
+  const SyncReport& r3 = **o.p[0];
+  EXPECT_TRUE(r3.left.empty()) << r3.to_string();
+  EXPECT_EQ(r3.joined, std::vector<int>{1}) << r3.to_string();
+  EXPECT_GT(r3.epoch, r2.epoch);
+  k.expect_verified(1, 3);
+}
+
+// A consumer that leaves while the producers already run the sync it would take (they
+// counted it a member as it began, or not, depending on who is first): it is reported as
+// left either way, never missed, and the producers' sync ends (it is not waited for past
+// its transport's close). Two trainer ranks, pulled and pushed.
+TEST(EngineElastic, AConsumerLeavingAsTheSyncBeginsIsLeftNotMissed) {
+  for (Mode mode : {Mode::kPull, Mode::kPush}) {
+    SCOPED_TRACE(mode == Mode::kPull ? "pull" : "push");
+    Cluster k(EngineCase{Backend::kInproc, mode});
+    k.eo.rendezvous_timeout = kRendezvous;
+    ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=2", "tp=1,replicas=2").ok());
+    k.expect_all_ok(k.sync(1), 1);
+    std::vector<std::optional<Result<SyncReport>>> p(2);
+    std::vector<std::thread> th;
+    for (int i = 0; i < 2; ++i) {
+      th.emplace_back([&, i] {
+        k.src[static_cast<size_t>(i)]->set_version(2);
+        p[static_cast<size_t>(i)] = k.prod[static_cast<size_t>(i)]->sync(2);
+      });
+    }
+    ASSERT_TRUE(k.cons[1]->leave().ok());
+    k.cons[1].reset();  // (its transport closes with it)
+    auto c0 = k.cons[0]->sync(2);
+    for (auto& t : th) t.join();
+    ASSERT_TRUE(c0.ok()) << c0.status().to_string();
+    k.expect_verified(0, 2);
+    for (int i = 0; i < 2; ++i) {
+      ASSERT_TRUE(p[static_cast<size_t>(i)]->ok()) << p[static_cast<size_t>(i)]->status().to_string();
+      const SyncReport& r = **p[static_cast<size_t>(i)];
+      EXPECT_TRUE(r.missed.empty()) << "producer " << i << ": " << r.to_string();
+      EXPECT_EQ(r.left, std::vector<int>{1}) << "producer " << i << ": " << r.to_string();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ferry::engine_tests

@@ -36,6 +36,7 @@ std::vector<Message> one_of_each() {
           RoutesNotice{1, 7, 5},
           Flushed{1, 8, 5},
           Join{3, 7, 5},
+          Leave{3, 7, 5},
           Relay{3, 7, 2, 5, Relay::kAsk, 0},
           Relay{4, 7, 2, 5, Relay::kOffer, 1 << 20},
           Relay{4, 7, 2, 5, Relay::kCut, 0}};

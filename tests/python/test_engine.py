@@ -131,6 +131,18 @@ class EngineTest(unittest.TestCase):
                     self.assertEqual(mem[other], 0, mem)
                     self.assertGreater(mem["metadata"], 0, mem)
                     self.assertEqual(mem["extra"], mem[ring] + mem["metadata"] + mem["transport_allowance"], mem)
+            # Scaling in: consumer 1 leaves on purpose; it syncs no more, and the producers'
+            # next reports are ok, naming it in "left", not "missed".
+            consumers[1].leave()
+            with self.assertRaises(ferry.FailedPreconditionError):
+                consumers[1].sync(3)
+            for t in trainers:
+                t.version = 3
+            reports = run_threads([lambda p=p: p.sync(3) for p in producers] + [lambda: consumers[0].sync(3)])
+            for rep in reports[:2]:
+                self.assertTrue(rep["ok"], rep["text"])
+                self.assertEqual((rep["left"], rep["missed"]), ([1], []), rep["text"])
+            self.assert_params_equal(expected_params(loader, 0, 3), consumers[0].params())
             for x in producers + consumers:
                 x.close()
 
