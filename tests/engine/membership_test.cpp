@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <map>
+#include <set>
 #include <mutex>
 #include <thread>
 
@@ -163,6 +164,49 @@ TEST(Membership, AStoreErrorIsReturnedNotTakenForAnAbsentMember) {
   EXPECT_EQ(roll.status().code(), StatusCode::kUnavailable);
   EXPECT_NE(roll.status().message().find("unreachable"), std::string::npos);
   EXPECT_EQ(m.epoch(), e);  // what it knew stands
+}
+
+
+// A rank that left on purpose (its left mark set, its lease gone) is never waited for,
+// even when counted on, and is listed in left(); joined() lists the ranks whose instance
+// appeared or changed since the roll before (none at the first roll); a new instance of
+// the rank (its lease back, the mark cleared) is a member again.
+TEST(Membership, ARankThatLeftIsNotWaitedForAndAJoinerIsNamed) {
+  FakeStore store;
+  auto left_key = [](int r) { return "left/" + std::to_string(r); };
+  Membership m(store, key, instance_of, 3, 60000ms, left_key);  // (a wait would take a minute)
+  store.put(key(0), "a|1");
+  store.put(key(1), "b|1");
+  auto roll = m.call({});
+  ASSERT_TRUE(roll.ok());
+  EXPECT_TRUE(m.joined().empty());  // the first roll: everyone was there already
+  EXPECT_TRUE(m.left().empty());    // rank 2 is absent, not left
+  store.put(left_key(1), "b");
+  store.drop(key(1));
+  int asked_for_1 = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  roll = m.call([&](int r) {
+    asked_for_1 += r == 1;
+    return r == 1;  // counted on: it would be waited for, had it not left
+  });
+  ASSERT_TRUE(roll.ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 30s);
+  EXPECT_EQ(asked_for_1, 0);
+  EXPECT_FALSE((*roll)[1]);
+  EXPECT_EQ(m.left(), std::set<int>{1});
+  // A new instance of rank 1 joins (it clears the mark), and rank 2 comes for the first time.
+  store.drop(left_key(1));
+  store.put(key(1), "b2|1");
+  store.put(key(2), "c|1");
+  const uint64_t e = m.epoch();
+  roll = m.call({});
+  ASSERT_TRUE(roll.ok());
+  EXPECT_TRUE(m.left().empty());
+  EXPECT_EQ(m.joined(), (std::vector<int>{1, 2}));
+  EXPECT_EQ(m.epoch(), e + 1);
+  auto has_left = m.has_left(1);
+  ASSERT_TRUE(has_left.ok());
+  EXPECT_FALSE(*has_left);
 }
 
 }  // namespace
