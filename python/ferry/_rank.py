@@ -90,7 +90,7 @@ def serve(*, store, trainer, inference, checkpoint, model=None, job="ferry", ran
 
 def fetch(*, store, trainer, inference, model, checkpoint=None, output=None, job="ferry", rank=None, mode="pull",
           checksums=False, first_version=1, syncs=1, timeout=30.0, rendezvous_timeout=120.0, token=None, check=False,
-          device="cpu", cuda_ipc=True, on_report=None, trace=None):
+          device="cpu", cuda_ipc=True, on_report=None, trace=None, leave=False):
     """Be inference rank ``rank`` (None: the launcher's; in a launch of both roles the
     trainer's ranks come first) of the ``inference`` layout of ``model`` (an HF
     config.json), receiving its shard from the ``trainer`` layout's ranks. ``checkpoint``:
@@ -103,9 +103,11 @@ def fetch(*, store, trainer, inference, model, checkpoint=None, output=None, job
     mismatch). ``on_report`` as for :func:`serve`. ``device="cuda:N"``: the params live on
     that GPU (``received_via_cuda_ipc``: how many bytes came device to device from serve
     ranks with ``gpu_staging``; ``cuda_ipc=False`` reads through the transport).
-    ``trace`` as for :func:`serve`."""
+    ``trace`` as for :func:`serve`. ``leave=True``: after the last sync, leave the job on
+    purpose (scaling in, ``Consumer.leave``): serve ranks name this rank in ``left``, not
+    ``missed``; a fetch started later in this rank joins again."""
     return _run(_ferry._fetch, "fetch", check, store, token, rank, timeout, rendezvous_timeout, on_report,
                 trainer=str(trainer),
                 inference=str(inference), model=_path(model), checkpoint=_path(checkpoint), output=_path(output),
                 job=str(job), mode=str(mode), checksums=bool(checksums), first_version=int(first_version),
-                syncs=int(syncs), device=str(device), cuda_ipc=bool(cuda_ipc), trace=_path(trace))
+                syncs=int(syncs), device=str(device), cuda_ipc=bool(cuda_ipc), trace=_path(trace), leave=bool(leave))

@@ -89,7 +89,9 @@ class RankEntryJob(unittest.TestCase):
             common = {"store": store.url, "trainer": TRAINER, "inference": INFERENCE, "job": "pyrank", "syncs": 2,
                       "timeout": 20, "rendezvous_timeout": 30}
             serve = dict(common, checkpoint=ckpt)
-            fetch = dict(common, model=os.path.join(ckpt, "config.json"), checkpoint=ckpt, output=out)
+            # (leave=True: each inference rank leaves the job after its last sync, as when
+            # scaling in; the serve ranks' last sync is already committed by both.)
+            fetch = dict(common, model=os.path.join(ckpt, "config.json"), checkpoint=ckpt, output=out, leave=True)
             # One launch of both roles, as `torchrun --nproc-per-node 4` or mpirun would.
             procs = [start_rank("serve", r, 4, serve, store.token) for r in (0, 1)]
             procs += [start_rank("fetch", r, 4, fetch, store.token) for r in (2, 3)]
