@@ -136,15 +136,15 @@ class Core : public std::enable_shared_from_this<Core> {
     auto self = shared_from_this();
     post([self, peer, why](bool cancelled) {
       if (cancelled || self->dead()) return;
+      // The handler is read under handler_mu, as it is called: one replaced before this
+      // took handler_mu (its owner may be gone since) is never called.
+      std::lock_guard<std::mutex> invoke(self->handler_mu);
       std::shared_ptr<const PeerFailureHandler> h;
       {
         std::lock_guard<std::mutex> lock(self->mu);
         h = self->failure_handler;
       }
-      if (h && *h) {
-        std::lock_guard<std::mutex> invoke(self->handler_mu);
-        (*h)(peer, why);
-      }
+      if (h && *h) (*h)(peer, why);
     });
   }
 
@@ -175,17 +175,17 @@ class Core : public std::enable_shared_from_this<Core> {
         self->stats_.malformed_messages++;
         return;
       }
+      self->stats_.messages_received++;
+      std::lock_guard<std::mutex> invoke(self->handler_mu);  // (read as called: see on_peer_failed)
       std::shared_ptr<const MessageHandler> handler;
       {
         std::lock_guard<std::mutex> lock(self->mu);
         handler = self->message_handler;
       }
-      self->stats_.messages_received++;
       if (!handler || !*handler) {
         self->stats_.dropped_messages++;
         return;
       }
-      std::lock_guard<std::mutex> invoke(self->handler_mu);
       (*handler)(h->sender_id, h->tag, std::span<const std::byte>(payload->data(), payload->size()));
     });
   }

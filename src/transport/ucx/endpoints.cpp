@@ -246,7 +246,6 @@ void UcxBackend::ep_err_cb(void* arg, ucp_ep_h, ucs_status_t status) {
 // Progress thread (inside ucp_worker_progress, or from the process watch).
 void UcxBackend::on_peer_failure(Peer* raw, const std::string& reason) {
   std::shared_ptr<Peer> p;
-  std::shared_ptr<const PeerFailureHandler> handler;
   Status why = peer_failed("peer {:#x}: {}", raw->id, reason);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -255,7 +254,6 @@ void UcxBackend::on_peer_failure(Peer* raw, const std::string& reason) {
     raw->why = why;
     auto it = peers_.find(raw->id);
     if (it != peers_.end() && it->second.get() == raw) p = it->second;
-    handler = failure_handler_;
   }
   stats_.failed_peers++;
   fail_inflight(raw);
@@ -266,10 +264,16 @@ void UcxBackend::on_peer_failure(Peer* raw, const std::string& reason) {
     // an error status.
     post([this, p] { close_ep(p, false); });
   }
-  if (handler && *handler) {
-    std::lock_guard<std::mutex> invoke(handler_mu_);
-    (*handler)(raw->id, why);
+  // The handler is read under handler_mu_, as it is called: one replaced before this
+  // took handler_mu_ is never called (set_peer_failure_handler returned, and its owner
+  // may be gone: a consumer destroyed while its producers' endpoints failed).
+  std::lock_guard<std::mutex> invoke(handler_mu_);
+  std::shared_ptr<const PeerFailureHandler> handler;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    handler = failure_handler_;
   }
+  if (handler && *handler) (*handler)(raw->id, why);
 }
 
 // Progress thread (or the destructor after join). Starts closing the peer's endpoints.

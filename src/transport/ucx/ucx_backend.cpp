@@ -509,6 +509,7 @@ ucs_status_t UcxBackend::am_cb(void* arg, const void* header, size_t header_leng
   }
   if (!self->authorized(param, h->sender_id)) return UCS_OK;
   self->stats_.messages_received++;
+  std::lock_guard<std::mutex> invoke(self->handler_mu_);  // (read as called: see on_peer_failure)
   std::shared_ptr<const MessageHandler> handler;
   {
     std::lock_guard<std::mutex> lock(self->mu_);
@@ -518,7 +519,6 @@ ucs_status_t UcxBackend::am_cb(void* arg, const void* header, size_t header_leng
     self->stats_.dropped_messages++;
     return UCS_OK;
   }
-  std::lock_guard<std::mutex> invoke(self->handler_mu_);
   (*handler)(h->sender_id, h->tag, std::span<const std::byte>(static_cast<const std::byte*>(data), length));
   return UCS_OK;
 }
