@@ -537,6 +537,10 @@ struct SyncReport {
   // of its host (not across the network); as the relay, the bytes its peers copied from
   // its receive ring and confirmed. Zero on a producer.
   uint64_t received_via_relay = 0, relayed_to_peers = 0;
+  // Consumer::catch_up: of bytes_received, those read from the live params of replicas of
+  // its plan class (not from any producer: bytes_per_peer has none of them).
+  uint64_t received_from_replicas = 0;
+  int catch_up_source = -1;  // Consumer::catch_up: the replica (consumer rank) that served it; -1 otherwise
   // Delta syncs (EngineOptions::delta), from the trace: of bytes_sent / bytes_received,
   // those that moved as patches. Producer: the dense bytes its patches stood for (each
   // consumer's share counted, as bytes_sent), and over what it packed this sync the
@@ -719,6 +723,23 @@ class Consumer {
   // instance started in this rank joins the job again (it clears the mark as it
   // registers). The store's error when the mark cannot be written (nothing given up).
   Status leave();
+  // Joins the live version at once, between syncs, from the replicas that hold it rather
+  // than at the next sync from the trainer (docs/elastic.md): the newest version any
+  // inference rank committed is read straight from the live params of a replica of this
+  // rank's plan class (the same layout), post-processed here as a sync would, and made
+  // live (committed, recorded, in the lease). Several joiners fan out as a tree: a joiner
+  // that holds the version serves the next ones. The replica read from keeps its live
+  // params unchanged until the reads end (its own next sync or commit waits for that
+  // up to the straggler floor, then gives the hold up and this joiner reads elsewhere);
+  // its readers see one version throughout. A replica that refuses, fails or gives the
+  // hold up is a kCatchUp event, and the next one is tried. The report: the version, the
+  // bytes (SyncReport::received_from_replicas; none from producers), the replica that
+  // served it (catch_up_source), its stages. Errors: kNotFound when no replica of this
+  // plan class holds the live version (nothing changed: the producers serve it at the
+  // next sync); kUnimplemented for params on a GPU; the last replica's error when none
+  // could serve it (the params are then torn if reads had begun: state().torn).
+  // kFailedPrecondition during a sync or after leave(). The caller's thread, between syncs.
+  Result<SyncReport> catch_up();
   // The weight checker (EngineOptions::weight_digests on every rank; else
   // kFailedPrecondition): compares each live host param with its digest taken as its
   // version went live (a param changed since is named), and the digests of the boxes

@@ -40,8 +40,11 @@ enum class TraceLane : uint8_t {
   kPatch,      // through the transport from staging, as a delta patch (EngineOptions::delta)
   kRelay,      // between consumers of one host: copied from (receive) or by (send) a relay's
                // receive ring (ConsumerOptions::relay); peer is the other consumer's rank
+  kReplica,    // a joiner's catch-up (Consumer::catch_up): read from the live params of a replica
+               // of its plan class; peer is that consumer's rank
 };
-std::string_view trace_lane_name(TraceLane lane);  // "", "transport", "in_place", "cuda_ipc", "patch", "relay"
+// "", "transport", "in_place", "cuda_ipc", "patch", "relay", "replica"
+std::string_view trace_lane_name(TraceLane lane);
 
 // Where a sync's thread spends its wall time, one stage at a time (SyncReport::stages):
 // the stages never overlap, so they and the time no stage claimed sum to the sync's
@@ -91,6 +94,8 @@ enum class ControlKind : uint8_t {
   kStore,       // a store write failed (a committed version, a lease); the sync went on
   kNote,        // a lane or path this attempt could not use (the attempt plan's notes)
   kWeights,     // consumer: the weight check of the version held found a changed param or a drifted replica
+  kCatchUp,     // consumer: a catch-up from replica `peer` refused, failed or revoked (the next
+                // source is tried); as the source, a joiner's hold given up for its next sync
 };
 std::string_view control_kind_name(ControlKind kind);  // "drop", "missed", "failover", ...
 

@@ -613,6 +613,19 @@ class Consumer:
         self._live("leave")
         self._c.leave()
 
+    def catch_up(self, trace=None):
+        """Joins the live version now, between syncs, from the replicas that hold it (a new
+        or restarted instance of this rank; docs/elastic.md): the newest version any
+        inference rank committed is read from the live params of a replica of this rank's
+        layout (not from the trainer), post-processed here as a sync would, and made live.
+        The report as a dict (``received_from_replicas``: every byte of it;
+        ``catch_up_source``: the replica's rank; ``version``). Raises ferry.NotFoundError
+        when no replica of this layout holds the live version (nothing changed: the next
+        ``sync`` brings it from the trainer); the last replica's error when none could
+        serve it (then ``state()["torn"]``). Host params only. ``trace``: as for ``sync``."""
+        self._live("catch_up")
+        return self._c.catch_up(None if trace is None else os.fspath(trace))
+
     def __enter__(self):
         return self
 

@@ -90,7 +90,7 @@ def serve(*, store, trainer, inference, checkpoint, model=None, job="ferry", ran
 
 def fetch(*, store, trainer, inference, model, checkpoint=None, output=None, job="ferry", rank=None, mode="pull",
           checksums=False, first_version=1, syncs=1, timeout=30.0, rendezvous_timeout=120.0, token=None, check=False,
-          device="cpu", cuda_ipc=True, on_report=None, trace=None, leave=False):
+          device="cpu", cuda_ipc=True, on_report=None, trace=None, leave=False, catch_up=False):
     """Be inference rank ``rank`` (None: the launcher's; in a launch of both roles the
     trainer's ranks come first) of the ``inference`` layout of ``model`` (an HF
     config.json), receiving its shard from the ``trainer`` layout's ranks. ``checkpoint``:
@@ -105,9 +105,13 @@ def fetch(*, store, trainer, inference, model, checkpoint=None, output=None, job
     ranks with ``gpu_staging``; ``cuda_ipc=False`` reads through the transport).
     ``trace`` as for :func:`serve`. ``leave=True``: after the last sync, leave the job on
     purpose (scaling in, ``Consumer.leave``): serve ranks name this rank in ``left``, not
-    ``missed``; a fetch started later in this rank joins again."""
+    ``missed``; a fetch started later in this rank joins again. ``catch_up=True``: before
+    the syncs, join the live version from the inference replicas that hold it
+    (``Consumer.catch_up``, a rank joining a running job): its report comes first
+    (``catch_up_source``, ``received_from_replicas``); then sync from ``first_version``."""
     return _run(_ferry._fetch, "fetch", check, store, token, rank, timeout, rendezvous_timeout, on_report,
                 trainer=str(trainer),
                 inference=str(inference), model=_path(model), checkpoint=_path(checkpoint), output=_path(output),
                 job=str(job), mode=str(mode), checksums=bool(checksums), first_version=int(first_version),
-                syncs=int(syncs), device=str(device), cuda_ipc=bool(cuda_ipc), trace=_path(trace), leave=bool(leave))
+                syncs=int(syncs), device=str(device), cuda_ipc=bool(cuda_ipc), trace=_path(trace), leave=bool(leave),
+                catch_up=bool(catch_up))

@@ -42,9 +42,10 @@ void add_common(CLI::App& app, tools::RankSpec& s) {
                "them faster than they are encoded and applied); the same on every rank")
       ->needs(delta);
   app.add_option("--version", s.first_version, "First version to sync")->default_val(1)->check(number_in(0, 1 << 30));
-  app.add_option("--syncs", s.syncs, "Syncs to run: versions --version, --version + 1, ...")
+  app.add_option("--syncs", s.syncs, "Syncs to run: versions --version, --version + 1, ... (0: none, with fetch "
+                                     "--catch-up only)")
       ->default_val(1)
-      ->check(number_in(1, 1 << 30));
+      ->check(number_in(0, 1 << 30));
   app.add_option("--timeout", s.timeout_ms, "Bound on each wait of a sync, in ms")
       ->default_val(30000)
       ->check(number_in(1, 1 << 30));
@@ -130,6 +131,12 @@ std::function<int()> setup_fetch(CLI::App& app) {
                "After the last sync, leave the job on purpose (scaling in): the serve ranks neither wait for this "
                "rank nor report it missed (their lines name it in \"left\"); a fetch started later in this rank "
                "joins again");
+  app.add_flag("--catch-up", s->catch_up,
+               "Before the syncs, join the live version from the inference replicas that hold it (a new or "
+               "restarted rank joining a running job; docs/elastic.md): read from a replica of this layout's live "
+               "params, not from the serve ranks; its line has catch_up_source and received_from_replicas. Then "
+               "sync from --version (the job's next; --syncs 0: none). Where no replica of this layout holds it, "
+               "stderr says so and the first sync brings it");
   return [s] { return tools::run_fetch(*s); };
 }
 

@@ -179,6 +179,11 @@ void Consumer::Impl::check_weights_held() {
 
 Result<double> Consumer::Impl::commit() {
   const std::optional<uint64_t> v = param_set->state().received;
+  if (v) close_serving();  // (joiners reading the live params first: they change now)
+  struct Reopen {
+    Impl* self;
+    ~Reopen() { self->serve_live().ignore(); }
+  } reopen{this};
   FERRY_ASSIGN_OR_RETURN(const double seconds, commit_rule->commit(*param_set));
   trace.committed(*v, seconds);
   if (opts.weight_digests) weights.take(*v, param_set->committed());
@@ -220,6 +225,15 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
   };
   if (opts.before_sync) opts.before_sync(v);  // (the caller's: no stage claims it)
   trace.stage(SyncStage::kRendezvous);
+  // Joiners reading our live params first (bounded), then none until it ends; reopened on
+  // the way out, for whatever version is then live and whole.
+  close_serving();
+  struct Reopen {
+    Impl* self;
+    ~Reopen() {
+      if (Status st = self->serve_live(); !st.ok()) self->trace.control(ControlKind::kStore, -1, -1, st.to_string());
+    }
+  } reopen{this};
   if (opts.weight_digests && opts.check_weights_each_sync) check_weights_held();
   {
     std::lock_guard<std::mutex> lk(mu);
@@ -410,6 +424,7 @@ Consumer::~Consumer() = default;
 Result<SyncReport> Consumer::sync(uint64_t version) { return impl_->sync(version, true); }
 Result<SyncReport> Consumer::sync(uint64_t version, bool commit) { return impl_->sync(version, commit); }
 Result<double> Consumer::commit() { return impl_->commit(); }
+Result<SyncReport> Consumer::catch_up() { return impl_->catch_up(); }
 Status Consumer::leave() {
   Consumer::Impl& m = *impl_;
   {
@@ -417,6 +432,7 @@ Status Consumer::leave() {
     if (m.syncs.syncing) return failed_precondition("consumer {}: leave() while a sync runs", m.rank);
     if (m.syncs.left) return Status::Ok();
   }
+  m.close_serving();  // (joiners reading from it first, bounded)
   FERRY_RETURN_IF_ERROR(m.store.set(m.keys.left(m.rank), m.reg.instance)
                             .with_context(fmt::format("consumer {}: marking it left", m.rank)));
   {

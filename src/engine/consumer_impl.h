@@ -34,6 +34,7 @@
 #include "engine/protocol.h"
 #include "engine/rank_model.h"
 #include "engine/receive_ring.h"
+#include "engine/replica_server.h"
 #include "engine/registered_buffer.h"
 #include "engine/rendezvous.h"
 #include "engine/schedule.h"
@@ -237,6 +238,32 @@ struct Consumer::Impl {
                                        std::chrono::milliseconds(5000));
   }
 
+  // Catch-up (Consumer::catch_up; consumer_catch_up.cpp, docs/elastic.md): as a joiner,
+  // the live version read from the live params of replicas of its plan class; as a
+  // replica, its live params served to joiners (engine/replica_server.h: the asks, holds
+  // and answers, both roles). Made by start().
+  std::unique_ptr<ReplicaServer> replicas;
+  struct CatchUpSources {
+    uint64_t version = 0;       // the live version: the newest any other rank committed
+    std::vector<int> holders;   // of this plan class, holding it
+    std::vector<int> order;     // the holders in the order to try them
+    std::optional<int> parent;  // a joiner of an earlier round of the tree, to read from first
+  };
+  // From the consumers' leases and the joiners' marks. kNotFound when no replica of this
+  // plan class holds the live version (the producers serve it at the next sync).
+  Result<CatchUpSources> catch_up_sources();
+  // Reads every live param of version v from consumer c's live params into ours (asked,
+  // offered, read, confirmed intact); recorded in the trace.
+  Status read_replica(int c, uint64_t v, const ParamSet::ServingLayout& mine);
+  Result<SyncReport> catch_up();
+  // After a version went whole and live (a sync, commit(), a catch-up): serving table
+  // published once, and open to joiners for that version. The store's error.
+  Status serve_live();
+  // Before the live params change (a sync, commit()): closed to joiners, holds ended or,
+  // after catch_up_hold(), given up (a kCatchUp event each).
+  void close_serving();
+  Clock::duration catch_up_hold() const;
+
   // `opts` as given; start() turns direct_min_bytes off where a part needs every byte in
   // the receive ring (delta where it runs, the groups commit rule, relay) and the
   // DeltaApplier off where delta does not run (rendezvous.h, delta_runs).
@@ -252,6 +279,7 @@ struct Consumer::Impl {
     worker.reset();  // stops after its current job
     transport.set_message_handler({});
     transport.set_peer_failure_handler({});
+    replicas.reset();  // (its thread stops: nothing is answered from here on)
     if (reg.lease) reg.lease->release().ignore();
   }
 

@@ -10,6 +10,7 @@ void Consumer::Impl::on_message(PeerId from, std::span<const std::byte> payload)
   if (!decoded.ok()) return;
   const Message& msg = *decoded;
   if (const auto* m = std::get_if<Relay>(&msg)) return on_relay(from, *m);  // between consumers (relay within a host)
+  if (const auto* m = std::get_if<Replica>(&msg)) return replicas->on_message(from, *m);  // a joiner, or its source
   std::lock_guard<std::mutex> lk(mu);
   const int p = static_cast<int>(sender_of(msg));
   if (p < 0 || p >= opts.num_producers) return;
@@ -54,6 +55,7 @@ void Consumer::Impl::on_message(PeerId from, std::span<const std::byte> payload)
 }
 
 void Consumer::Impl::on_peer_failure(PeerId peer, const Status& why) {
+  if (replicas) replicas->peer_failed(peer, why);  // (a joiner we hold for, or a source we read from)
   std::lock_guard<std::mutex> lk(mu);
   if (opts.relay) {  // relay within a host: our relay, or a member reading one of our slots
     if (relay.link.rank >= 0 && peer == relay.link.id && !relay.link.lost) {
@@ -397,6 +399,16 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
   FERRY_ASSIGN_OR_RETURN(auto key, transport.export_key(m.recv.host().region));
   m.peers.resize(options.num_producers);
   Impl* self = this;
+  // Catch-up, both roles: answers go out on our own connection to the joiner its lease names.
+  m.replicas = std::make_unique<ReplicaServer>(
+      rank, m.model.plan.hash(),
+      [self](int c) -> Result<PeerId> {
+        if (c < 0 || c >= self->opts.num_consumers || c == self->rank) return invalid_argument("consumer {}: not a joiner", c);
+        FERRY_ASSIGN_OR_RETURN(std::string blob, self->store.get(self->keys.consumer(c)));
+        FERRY_ASSIGN_OR_RETURN(ConsumerLease lease, decode_consumer_lease(blob));
+        return self->transport.connect(string_bytes(lease.address));
+      },
+      [self](PeerId to, const Replica& msg) { return self->transport.send(to, kEngineTag, encode_message(msg)).status(); });
   transport.set_message_handler([self](PeerId from, uint32_t tag, std::span<const std::byte> payload) {
     if (tag == kEngineTag) self->on_message(from, payload);
   });

@@ -168,6 +168,29 @@ class ParamSet final : public CommitTarget {
   // Shadow: drops the received version. kFailedPrecondition when there is none.
   Status discard();
 
+  // --- The live params as replicas read them (Consumer::catch_up, docs/elastic.md) ---
+  // Where every live host param lies in registered memory, in each set that can be live:
+  // two under a flip (sets[0] and sets[1], laid out alike: a Param's key and offset name
+  // the same place in either), else one. What is not registered yet (the caller's
+  // smaller buffers, the live params under the shadow copy and groups policies) is
+  // registered now, once; the layout is fixed for the set's life. kUnimplemented when a
+  // param is on a GPU (a catch-up moves host memory only); the memory's error.
+  struct ServingLayout {
+    std::vector<MemoryRegion> sets[2];  // sets[1] empty unless flips()
+    std::map<std::string, ParamTable::Param> params;
+  };
+  Result<const ServingLayout*> serving_layout();
+  // Which set of serving_layout() the live params lie in now (0; under a flip, 0 or 1).
+  int live_set() const { return flips_ ? landing_index_ ^ 1 : 0; }
+  // A joiner's catch-up, between syncs: catch_up_begin() marks the live buffers written
+  // from now on (they receive a version's unpacked bytes, as a sync's unpack writes
+  // them) and makes the attempt's view over them (post-processing runs on work());
+  // catch_up_finish(v): v is whole and live (committed() is the view); a catch-up that
+  // fails after catch_up_begin() leaves the params torn (abort() says so: under every
+  // policy, as the live buffers were written).
+  void catch_up_begin();
+  void catch_up_finish(uint64_t version);
+
   // Groups (ParamSetOptions::groups). set_group_shadow: the routes' layout (`params`: the
   // plan route's params, which `layout` indexes); loaded() then views each written param
   // in the shadow, which grows to the layout's size (it never shrinks: routes that change
@@ -212,6 +235,8 @@ class ParamSet final : public CommitTarget {
   TensorMap made_anew_;  // groups: post-processing's own tensors, taken into committed_ at finish
   std::set<std::string> written_whole_;  // groups: params every sync writes whole (write_padding's plan)
   bool committed_some_ = false;  // groups: this sync made a group live (mu_)
+  bool catching_up_ = false;     // catch_up_begin() and no finish yet: an abort leaves the live params torn (mu_)
+  std::optional<ServingLayout> serving_;  // serving_layout(), once made
   bool flips_ = false;
   std::map<std::string, ParamTable::Param> placements_;
   std::shared_ptr<std::byte> arena_;

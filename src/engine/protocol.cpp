@@ -34,6 +34,8 @@ void fields(M& m, F&& f) {
     f(m.producer), f(m.version), f(m.routes), f(m.reason);
   } else if constexpr (std::is_same_v<T, Relay>) {
     f(m.consumer), f(m.version), f(m.routes), f(m.group), f(m.kind), f(m.offset);
+  } else if constexpr (std::is_same_v<T, Replica>) {
+    f(m.consumer), f(m.version), f(m.plan), f(m.kind), f(m.set), f(m.table);
   } else if constexpr (std::is_same_v<T, RoutesNotice> || std::is_same_v<T, Flushed>) {
     f(m.producer), f(m.version), f(m.routes);
   } else if constexpr (std::is_same_v<T, Abort>) {
@@ -131,6 +133,12 @@ Result<Message> decode_as(std::span<const std::byte> bytes, size_t header) {
     if (m.kind > Relay::kMaxKind) return corrupt("engine message Relay: unknown kind {}", m.kind);
     if (m.kind != Relay::kOffer && m.offset != 0) return corrupt("engine message Relay: an offset without an offer");
   }
+  if constexpr (std::is_same_v<M, Replica>) {
+    if (m.kind > Replica::kMaxKind) return corrupt("engine message Replica: unknown kind {}", m.kind);
+    if (m.set > 1) return corrupt("engine message Replica: set {} (0 or 1)", m.set);
+    if (m.kind != Replica::kOffer && (m.set != 0 || m.table != 0))
+      return corrupt("engine message Replica: a serving table without an offer");
+  }
   return Message(std::move(m));
 }
 
@@ -165,7 +173,7 @@ uint64_t version_of(const Message& m) {
 const char* message_name(const Message& m) {
   static constexpr const char* kNames[] = {"Announce", "Release", "Ready",    "Pushed",       "Dropped",
                                            "Abort",    "Done",    "Failover", "RoutesNotice", "Flushed",
-                                           "Join",     "Relay",   "Leave"};
+                                           "Join",     "Relay",   "Leave",    "Replica"};
   static_assert(std::size(kNames) == std::variant_size_v<Message>);
   return kNames[m.index()];
 }
@@ -325,6 +333,8 @@ std::string JobKeys::producer(int p) const { return fmt::format("{}/producer/{}"
 std::string JobKeys::consumer(int c) const { return fmt::format("{}/consumer/{}", job_, c); }
 std::string JobKeys::dead(int p) const { return fmt::format("{}/dead/{}", job_, p); }
 std::string JobKeys::left(int c) const { return fmt::format("{}/left/consumer/{}", job_, c); }
+std::string JobKeys::serving(int c) const { return fmt::format("{}/serving/consumer/{}", job_, c); }
+std::string JobKeys::catching_up(int c) const { return fmt::format("{}/catching-up/consumer/{}", job_, c); }
 std::string JobKeys::dead_prefix() const { return job_ + "/dead/"; }
 std::string JobKeys::world(std::string_view role, int rank, int num_producers, int num_consumers,
                            std::string_view routing) const {

@@ -33,6 +33,15 @@
 //          r -> c  Relay kept     r kept the slot intact throughout: the bytes are good
 //          r -> c  Relay cut      r reused the slot before the release: read from the producers
 //   and c -> p Release{took kRelayed} for a group copied from the relay (nothing read from p).
+//   catch-up (Consumer::catch_up, docs/elastic.md), between a joiner j and a replica s of
+//   its plan class that holds the live version:
+//          j -> s  Replica ask      let me read your live params of version v
+//          s -> j  Replica offer    read them as the serving table in the store says (set
+//                                   `set`, table hash `table`); held unchanged until done
+//          s -> j  Replica refuse   not now (syncing, another version, nothing to serve)
+//          j -> s  Replica done     the reads ended
+//          s -> j  Replica intact   the params were held unchanged throughout: the bytes are good
+//          s -> j  Replica revoked  the hold was given up (its next sync could not wait): discard them
 // Every message carries the sender's rank, the version and the hash of the routes the
 // sender runs (or, for Pushed, laid the bytes out by).
 #pragma once
@@ -194,11 +203,27 @@ struct Relay {
   friend bool operator==(const Relay&, const Relay&) = default;
 };
 
+// Between a joiner and a replica of its plan class (catch-up): the header above lists the
+// kinds. `consumer` is the sender's rank, `plan` the hash of the plan class both are of;
+// `set` (which published set of the serving table holds the live params: 0, or 1 for one
+// that flips) and `table` (XXH3-64 of the serving table in the store) only in an offer.
+struct Replica {
+  enum Kind : uint8_t { kAsk, kOffer, kRefuse, kDone, kIntact, kRevoked };
+  static constexpr uint8_t kMaxKind = kRevoked;
+  uint32_t consumer = 0;
+  uint64_t version = 0;
+  uint64_t plan = 0;
+  uint8_t kind = kAsk;
+  uint8_t set = 0;
+  uint64_t table = 0;
+  friend bool operator==(const Replica&, const Replica&) = default;
+};
+
 inline constexpr size_t kMaxReasonBytes = 1024;
 
 using Message =
     std::variant<Announce, Release, Ready, Pushed, Dropped, Abort, Done, Failover, RoutesNotice, Flushed, Join, Relay,
-                 Leave>;
+                 Leave, Replica>;
 
 // The sender's rank (producer or consumer, by message type), version and routes.
 uint32_t sender_of(const Message& m);
@@ -286,6 +311,11 @@ class JobKeys {
   // Consumer c left the job on purpose (Consumer::leave): the instance that left. A new
   // instance of c clears it as it registers.
   std::string left(int c) const;
+  // Where consumer c's live params lie for joiners (a ParamTable of its registered live
+  // sets, published once it holds a version: Consumer::catch_up), and the joiners
+  // catching up now (the instance, with a ttl: a joiner that died stops counting).
+  std::string serving(int c) const;
+  std::string catching_up(int c) const;
   std::string dead(int p) const;          // producer p failed over (failover)
   std::string dead_prefix() const;
   // The world sizes a participant was given and the choices that shape the routes

@@ -45,6 +45,8 @@ nlohmann::json sync_report_json(const SyncReport& r) {
                       {"received_into_params", r.received_into_params},
                       {"received_via_cuda_ipc", r.received_via_cuda_ipc},
                       {"received_via_relay", r.received_via_relay},
+                      {"received_from_replicas", r.received_from_replicas},
+                      {"catch_up_source", r.catch_up_source},
                       {"relayed_to_peers", r.relayed_to_peers},
                       {"patch_bytes", r.patch_bytes},
                       {"patched_dense_bytes", r.patched_dense_bytes},
@@ -129,7 +131,7 @@ std::string track_name(Track t, const TraceEvent& e, bool producer_side, int sub
     case kPushWrites: n = fmt::format("push-write to {} {}", other, e.peer); break;
     case kLane:
       n = fmt::format("{} {} {} {}", trace_lane_name(e.lane), producer_side ? "to" : "from",
-                      e.lane == TraceLane::kRelay ? "consumer" : other, e.peer);
+                      e.lane == TraceLane::kRelay || e.lane == TraceLane::kReplica ? "consumer" : other, e.peer);
       break;
   }
   if (sub > 0) n += fmt::format(" ({})", sub + 1);

@@ -40,6 +40,7 @@ std::string_view control_kind_name(ControlKind kind) {
     case ControlKind::kStore: return "store";
     case ControlKind::kNote: return "note";
     case ControlKind::kWeights: return "weights";
+    case ControlKind::kCatchUp: return "catch-up";
   }
   return "?";
 }
@@ -65,6 +66,7 @@ std::string_view trace_lane_name(TraceLane lane) {
     case TraceLane::kCudaIpc: return "cuda_ipc";
     case TraceLane::kPatch: return "patch";
     case TraceLane::kRelay: return "relay";
+    case TraceLane::kReplica: return "replica";
   }
   return "?";
 }
@@ -236,7 +238,7 @@ void record_receives(SyncTrace& trace, int g, const ConsumerGroupSchedule& gs, b
 void derive_report_sums(SyncReport& r) {
   r.bytes_sent = r.sent_in_place = r.bytes_received = r.received_into_params = r.received_via_cuda_ipc = 0;
   r.patch_bytes = 0;
-  r.received_via_relay = r.relayed_to_peers = 0;
+  r.received_via_relay = r.relayed_to_peers = r.received_from_replicas = 0;
   r.bytes_per_peer.clear();
   r.materialize_seconds = r.pack_seconds = r.wait_seconds = r.read_seconds = r.unpack_seconds = r.post_seconds = 0;
   int64_t ns[static_cast<size_t>(TracePhase::kPost) + 1] = {};
@@ -250,6 +252,12 @@ void derive_report_sums(SyncReport& r) {
         r.bytes_received += e.bytes;
         r.received_via_relay += e.bytes;
       }
+      continue;
+    }
+    if (e.lane == TraceLane::kReplica) {  // a joiner's catch-up: the peer is a consumer
+      r.bytes_received += e.bytes;
+      r.received_from_replicas += e.bytes;
+      if (e.into_params) r.received_into_params += e.bytes;
       continue;
     }
     r.bytes_per_peer[e.peer] += e.bytes;

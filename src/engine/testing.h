@@ -33,6 +33,9 @@ struct TestHooks {
   // stalled (a SIGSTOPped producer holds the reads its transport must serve); the
   // consumer waits as for real reads meanwhile. Zero: not held.
   std::function<std::chrono::milliseconds(uint64_t version, int group, int producer)> hold_reads;
+  // Consumer::catch_up: runs on the joiner once replica `source` offered version
+  // `version`, before any read is posted (a fault test kills the source here).
+  std::function<void(uint64_t version, int source)> catch_up_offered;
 };
 
 inline std::shared_ptr<const TestHooks> make_test_hooks(TestHooks hooks) {

@@ -841,6 +841,19 @@ void register_engine(py::module_& m) {
       })
       .def("discard", [](PyConsumer& c) { check(c.live("discard").discard()); })
       .def("leave", [](PyConsumer& c) { check(c.live("leave").leave()); })
+      // Consumer::catch_up: the live version from the replicas that hold it; the report
+      // dict, or the error with the report as far as it went.
+      .def("catch_up", [](PyConsumer& c, const py::object& trace) {
+        Consumer& consumer = c.live("catch_up");
+        InFlight::Guard busy(c.in_flight);
+        Result<SyncReport> r = Status(StatusCode::kInternal, "not run");
+        {
+          py::gil_scoped_release release;
+          r = consumer.catch_up();
+        }
+        if (!r.ok()) raise_with_report(r.status(), consumer.last_report(), false, consumer.rank(), trace);
+        return report_dict(*r, false, consumer.rank(), trace);
+      }, py::arg("trace") = py::none())
       // Consumer::check_params over the caller's params now (`params`: the mapping, or
       // None when it passed none): FailedPreconditionError naming a param re-bound since.
       .def("check_params", [](const PyConsumer& c, py::object params) {

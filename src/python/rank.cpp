@@ -43,6 +43,7 @@ tools::RankSpec spec_from(const py::dict& d) {
   take(d, "gpu_staging", s.gpu_staging);
   take(d, "cuda_ipc", s.cuda_ipc);
   take(d, "leave", s.leave);
+  take(d, "catch_up", s.catch_up);
   take(d, "first_version", s.first_version);
   take(d, "syncs", s.syncs);
   take(d, "timeout_ms", s.timeout_ms);

@@ -131,7 +131,9 @@ Result<Setup> local_setup(const RankSpec& s, bool producer) {
   const char* role = producer ? "serve" : "fetch";
   if (s.store.empty()) return invalid_argument("{}: --store is required (the URL every rank of the job uses)", role);
   if (producer && s.checkpoint.empty()) return invalid_argument("serve: --checkpoint DIR is required");
-  if (s.syncs < 1) return invalid_argument("{}: syncs is {}; at least 1", role, s.syncs);
+  // (A fetch that catches up may take no sync: it joins the live version and exits.)
+  if (s.syncs < (!producer && s.catch_up ? 0 : 1))
+    return invalid_argument("{}: syncs is {}; at least {}", role, s.syncs, !producer && s.catch_up ? 0 : 1);
   if (s.first_version < 0) return invalid_argument("{}: the first version is {}; versions are >= 0", role, s.first_version);
   if (s.timeout_ms < 1 || s.rendezvous_ms < 1) {
     return invalid_argument("{}: timeouts must be positive (timeout {} ms, rendezvous timeout {} ms)", role, s.timeout_ms,
@@ -494,9 +496,8 @@ Result<std::vector<RankReport>> fetch_rank(const RankSpec& s, const RankReportSi
   std::optional<TraceFile> trace;
   if (!s.trace.empty()) trace.emplace(trace_path_for_rank(s.trace, u.rank));
   bool all_passed = true;
-  for (int v = s.first_version; v < s.first_version + s.syncs; ++v) {
-    RankReport r{.producer = false, .rank = u.rank, .version = v};
-    auto rep = c->sync(static_cast<uint64_t>(v));
+  // One line: a sync's (or the catch-up's) report, verified against the checkpoint.
+  auto report = [&](RankReport r, const Result<SyncReport>& rep) {
     r.sync = c->last_report();
     if (trace) {
       trace->add(false, u.rank, r.sync);
@@ -527,6 +528,20 @@ Result<std::vector<RankReport>> fetch_rank(const RankSpec& s, const RankReportSi
     all_passed = all_passed && rank_report_passed(r);
     if (on_report) on_report(r);
     if (s.keep_reports) reports.push_back(std::move(r));
+  };
+  if (s.catch_up) {
+    auto rep = c->catch_up();
+    if (!rep.ok() && rep.status().code() == StatusCode::kNotFound) {
+      // Nothing to catch up from (no replica of this layout holds the live version): not
+      // a failure, the first sync brings it. Said on stderr, no line.
+      std::fprintf(stderr, "ferry fetch: rank %d: no catch-up: %s\n", u.rank, rep.status().message().c_str());
+    } else {
+      const int v = rep.ok() ? static_cast<int>(rep->version) : static_cast<int>(c->last_report().version);
+      report(RankReport{.producer = false, .rank = u.rank, .version = v}, rep);
+    }
+  }
+  for (int v = s.first_version; v < s.first_version + s.syncs; ++v) {
+    report(RankReport{.producer = false, .rank = u.rank, .version = v}, c->sync(static_cast<uint64_t>(v)));
   }
   if (!s.output.empty() && all_passed) {
     std::vector<SafetensorsEntry> entries;

@@ -94,6 +94,11 @@ struct RankSpec {
   // fetch: after the last sync, leave the job on purpose (Consumer::leave: scaling in;
   // producers then name the rank in `left`, not `missed`) instead of only exiting.
   bool leave = false;
+  // fetch: before its syncs, join the live version from the replicas that hold it
+  // (Consumer::catch_up: a new instance joining a running job): one line for it (its
+  // version; verified against the checkpoint), then the syncs. No replica of this layout
+  // holding it is no failure: the line says so and the first sync brings it.
+  bool catch_up = false;
   int first_version = 1;
   int syncs = 1;
   int timeout_ms = 30000;      // bound on each wait of a sync (EngineOptions::timeout, stall)

@@ -421,35 +421,55 @@ TEST(ServeTruncatedFile, TruncatedDuringASyncIsAnErrorExitNotSigbus) {
   std::filesystem::remove_all(dir, ec);
 }
 
+// A job of two serve ranks (tp=2) and two replicas of a tp=1 engine over a fresh
+// checkpoint, the store in this process; start() spawns one rank (fetch ranks verify
+// against the checkpoint).
+struct ReplicaJob {
+  std::string dir = make_checkpoint();
+  StoreServerOptions so;
+  Result<std::unique_ptr<StoreServer>> server = Status(StatusCode::kInternal, "not started");
+  std::vector<std::string> env, common;
+  explicit ReplicaJob(const std::string& job) {
+    so.token = random_token();
+    server = StoreServer::start(so);
+    if (!server.ok()) return;
+    env = environment_with("FERRY_TOKEN", so.token);
+    common = {"--store", (*server)->url(), "--trainer", kTrainer, "--inference", "tp=1,replicas=2", "--job", job,
+              "--timeout", "20000", "--rendezvous-timeout", "30000"};
+  }
+  ~ReplicaJob() {
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
+  }
+  Result<Child> start(const std::string& role, int r, const std::vector<std::string>& extra, const std::string& tag = "") {
+    ProcessSpec ps;
+    ps.argv = {FERRY_BIN, role, "--rank", std::to_string(r)};
+    ps.argv.insert(ps.argv.end(), common.begin(), common.end());
+    if (role == "serve") {
+      ps.argv.insert(ps.argv.end(), {"--checkpoint", dir});
+    } else {
+      ps.argv.insert(ps.argv.end(), {"--model", dir + "/config.json", "--verify", dir});
+    }
+    ps.argv.insert(ps.argv.end(), extra.begin(), extra.end());
+    ps.env = env;
+    ps.log = fmt::format("{}/{}-{}{}.log", dir, role, r, tag);
+    ps.name = fmt::format("{} {}{}", role, r, tag);
+    return spawn(ps);
+  }
+};
+
 // Scaling in from the command line: of two replicas, fetch rank 1 takes one sync and
 // leaves (`--leave`); the serve ranks' second sync goes on without it, ok, naming it in
 // "left" and in no "missed"; fetch rank 0 verifies both syncs. Every rank a process (UCX
 // on loopback): the LEAVE goes over the real transport.
 TEST(ServeCliLeave, AFetchThatLeavesIsNamedLeftNotMissed) {
-  const std::string dir = make_checkpoint();
-  StoreServerOptions so;
-  so.token = random_token();
-  auto server = StoreServer::start(so);
-  ASSERT_TRUE(server.ok()) << server.status().to_string();
-  const std::vector<std::string> env = environment_with("FERRY_TOKEN", so.token);
-  const std::vector<std::string> common = {"--store", (*server)->url(), "--trainer", kTrainer, "--inference",
-                                           "tp=1,replicas=2", "--job", "leave", "--timeout", "20000",
-                                           "--rendezvous-timeout", "30000"};
+  ReplicaJob job("leave");
+  ASSERT_TRUE(job.server.ok()) << job.server.status().to_string();
   std::vector<Child> ranks;
   for (const auto& [role, r] : std::vector<std::pair<std::string, int>>{{"serve", 0}, {"serve", 1}, {"fetch", 0}, {"fetch", 1}}) {
-    ProcessSpec ps;
-    ps.argv = {FERRY_BIN, role, "--rank", std::to_string(r)};
-    ps.argv.insert(ps.argv.end(), common.begin(), common.end());
-    if (role == "serve") {
-      ps.argv.insert(ps.argv.end(), {"--checkpoint", dir, "--syncs", "2"});
-    } else {
-      ps.argv.insert(ps.argv.end(), {"--model", dir + "/config.json", "--verify", dir, "--syncs", r == 1 ? "1" : "2"});
-      if (r == 1) ps.argv.push_back("--leave");
-    }
-    ps.env = env;
-    ps.log = fmt::format("{}/{}-{}.log", dir, role, r);
-    ps.name = fmt::format("{} {}", role, r);
-    auto c = spawn(ps);
+    std::vector<std::string> extra = {"--syncs", role == "fetch" && r == 1 ? "1" : "2"};
+    if (role == "fetch" && r == 1) extra.push_back("--leave");
+    auto c = job.start(role, r, extra);
     ASSERT_TRUE(c.ok()) << c.status().to_string();
     ranks.push_back(*c);
   }
@@ -475,8 +495,69 @@ TEST(ServeCliLeave, AFetchThatLeavesIsNamedLeftNotMissed) {
       }
     }
   }
-  std::error_code ec;
-  std::filesystem::remove_all(dir, ec);
+}
+
+// Joining a running job from the command line (issue 45): of two replicas, fetch rank 1
+// takes sync 1 and exits; a new `ferry fetch --catch-up --syncs 0` in its rank reads the
+// live version from fetch rank 0's params (a process, over UCX), verified against the
+// checkpoint, with nothing from the serve ranks. The serve ranks and fetch 0 stay up after
+// their sync (--metrics-linger: they keep their leases and params) and are stopped after.
+TEST(ServeCliCatchUp, AFetchJoiningARunningJobReadsTheLiveVersionFromAReplica) {
+  ReplicaJob job("catch-up");
+  ASSERT_TRUE(job.server.ok()) << job.server.status().to_string();
+  auto start = [&](const std::string& role, int r, const std::vector<std::string>& extra, const std::string& tag) {
+    return job.start(role, r, extra, tag);
+  };
+  const std::vector<std::string> stay = {"--syncs", "1", "--metrics-port", "0", "--metrics-linger", "120"};
+  std::vector<Child> staying;
+  for (const auto& [role, r] : std::vector<std::pair<std::string, int>>{{"serve", 0}, {"serve", 1}, {"fetch", 0}}) {
+    auto c = start(role, r, stay, "");
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+    staying.push_back(*c);
+  }
+  struct Stop {
+    std::vector<Child>& ranks;
+    ~Stop() {
+      for (Child& c : ranks) kill_now(c);
+    }
+  } stop{staying};
+  auto first = start("fetch", 1, {"--syncs", "1"}, "");
+  ASSERT_TRUE(first.ok()) << first.status().to_string();
+  const auto deadline = std::chrono::steady_clock::now() + 90s;
+  auto exits_ok = [&](Child& c, size_t lines) -> std::vector<nlohmann::json> {
+    auto st = wait_exit(c, deadline);
+    const std::string log = read_log(c);
+    if (!st) kill_now(c);
+    EXPECT_TRUE(st.has_value()) << c.name << " did not exit:\n" << log;
+    EXPECT_TRUE(st && WIFEXITED(*st) && WEXITSTATUS(*st) == 0) << c.name << ":\n" << log;
+    auto got = json_lines(log);
+    EXPECT_EQ(got.size(), lines) << c.name << ":\n" << log;
+    return got;
+  };
+  const auto one = exits_ok(*first, 1);
+  ASSERT_EQ(one.size(), 1u);
+  EXPECT_TRUE(one[0].value("verified", false)) << one[0].dump();
+  // fetch 0 holds version 1 once it printed its line (it lingers, serving).
+  while (json_lines(read_log(staying[2])).empty() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(50ms);
+  ASSERT_EQ(json_lines(read_log(staying[2])).size(), 1u) << read_log(staying[2]);
+  auto joiner = start("fetch", 1, {"--catch-up", "--syncs", "0"}, " (joiner)");
+  ASSERT_TRUE(joiner.ok()) << joiner.status().to_string();
+  const auto lines = exits_ok(*joiner, 1);
+  ASSERT_EQ(lines.size(), 1u);
+  const nlohmann::json& j = lines[0];
+  EXPECT_TRUE(j.value("ok", false)) << j.dump();
+  EXPECT_TRUE(j.value("verified", false)) << j.dump();
+  EXPECT_EQ(j.value("version", 0), 1) << j.dump();
+  EXPECT_EQ(j.value("catch_up_source", -1), 0) << j.dump();
+  EXPECT_GT(j.value("received_from_replicas", uint64_t{0}), 0u) << j.dump();
+  EXPECT_EQ(j.value("received_from_replicas", uint64_t{0}), j.value("bytes_received", uint64_t{1})) << j.dump();
+  EXPECT_TRUE(j["bytes_per_peer"].empty()) << "read from serve ranks: " << j.dump();
+  for (Child& c : staying) {
+    const auto got = json_lines(read_log(c));
+    ASSERT_EQ(got.size(), 1u) << c.name << ":\n" << read_log(c);
+    EXPECT_TRUE(got[0].value("ok", false)) << c.name << ": " << got[0].dump();
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, ServeCliTest, ::testing::Values("pull", "push"),

@@ -39,7 +39,10 @@ std::vector<Message> one_of_each() {
           Leave{3, 7, 5},
           Relay{3, 7, 2, 5, Relay::kAsk, 0},
           Relay{4, 7, 2, 5, Relay::kOffer, 1 << 20},
-          Relay{4, 7, 2, 5, Relay::kCut, 0}};
+          Relay{4, 7, 2, 5, Relay::kCut, 0},
+          Replica{3, 7, 0x1234, Replica::kAsk, 0, 0},
+          Replica{4, 7, 0x1234, Replica::kOffer, 1, 0xfeed},
+          Replica{4, 7, 0x1234, Replica::kRevoked, 0, 0}};
 }
 
 TEST(EngineProtocol, EveryMessageRoundTrips) {
@@ -114,6 +117,10 @@ TEST(EngineProtocol, BadMagicTypeAndFlagAreCorrupt) {
   // A relay message of an unknown kind, or with an offset that is no offer.
   EXPECT_EQ(decode_message(encode_message(Relay{3, 7, 2, 9, 6, 0})).status().code(), StatusCode::kCorrupt);
   EXPECT_EQ(decode_message(encode_message(Relay{3, 7, 2, 9, Relay::kAsk, 64})).status().code(), StatusCode::kCorrupt);
+  // A catch-up message of an unknown kind, a set other than 0/1, or a table without an offer.
+  EXPECT_EQ(decode_message(encode_message(Replica{3, 7, 9, 6, 0, 0})).status().code(), StatusCode::kCorrupt);
+  EXPECT_EQ(decode_message(encode_message(Replica{3, 7, 9, Replica::kOffer, 2, 5})).status().code(), StatusCode::kCorrupt);
+  EXPECT_EQ(decode_message(encode_message(Replica{3, 7, 9, Replica::kAsk, 0, 5})).status().code(), StatusCode::kCorrupt);
   // Bytes of one type retyped as another of a different layout are refused (length).
   auto release = encode_message(Release{3, 7, 2, 9});
   release[4] = std::byte{static_cast<uint8_t>(Message(Ready{}).index() + 1)};

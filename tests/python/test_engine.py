@@ -146,6 +146,43 @@ class EngineTest(unittest.TestCase):
             for x in producers + consumers:
                 x.close()
 
+    def test_a_new_instance_catches_up_from_a_replica(self):
+        # Issue 45: consumer 1 (a replica of consumer 0) replaced by a new instance reads the
+        # live version from consumer 0's params, not from the trainer, verified before the
+        # next sync; the producers' next reports name it joined.
+        loader = ferry.ModelLoader(CONFIG, "tp=1,replicas=2")
+        with ferry.StoreServer() as server:
+            trainers = [NumpyTrainer(r, 2, "tp=2") for r in range(2)]
+            common = dict(token=server.token, backend="inproc", job="catch-up", timeout=20.0)
+            made = run_threads([lambda t=t: ferry.Producer(t, server.url, num_consumers=2, **common) for t in trainers] +
+                               [lambda r=r: ferry.Consumer(loader=loader, rank=r, store=server, num_producers=2,
+                                                           **common) for r in range(2)])
+            producers, consumers = made[:2], made[2:]
+
+            def sync(v):
+                for t in trainers:
+                    t.version = v
+                return run_threads([lambda p=p: p.sync(v) for p in producers] + [lambda c=c: c.sync(v) for c in consumers])
+            for rep in sync(1):
+                self.assertTrue(rep["ok"], rep["text"])
+            consumers[1].close()
+            consumers[1] = ferry.Consumer(loader=loader, rank=1, store=server, num_producers=2, **common)
+            rep = consumers[1].catch_up()
+            self.assertEqual((rep["version"], rep["catch_up_source"], rep["committed"]), (1, 0, True), rep)
+            self.assertGreater(rep["received_from_replicas"], 0)
+            self.assertEqual(rep["received_from_replicas"], rep["bytes_received"])
+            self.assertEqual(rep["bytes_per_peer"], {})
+            self.assertEqual(consumers[1].committed_version, 1)
+            self.assert_params_equal(expected_params(loader, 1, 1), consumers[1].params())
+            reports = sync(2)
+            for rep in reports:
+                self.assertTrue(rep["ok"], rep["text"])
+            self.assertEqual(reports[0]["joined"], [1])
+            for r, c in enumerate(consumers):
+                self.assert_params_equal(expected_params(loader, r, 2), c.params())
+            for x in producers + consumers:
+                x.close()
+
     def _commit_job(self, server, loader, job, **consumer_kw):
         trainers = [NumpyTrainer(r, 2, "tp=2") for r in range(2)]
         common = dict(token=server.token, backend="inproc", job=job, timeout=20.0)
