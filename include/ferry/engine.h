@@ -384,6 +384,14 @@ struct ConsumerOptions : EngineOptions {
   // straight into the param (registered with the transport at create) instead of through
   // the receive ring. 0: every such piece; UINT64_MAX: none (everything through the ring).
   uint64_t direct_min_bytes = 64 * 1024;
+  // Params the consumer allocates itself (none passed to create): true, the transport's
+  // memory (allocate_memory, as in push), which replicas joining on this host read at
+  // memory speed (Consumer::catch_up; UCX reads memory registered in place on one host
+  // only by message, about 3x slower, docs/elastic.md); they live as long as the
+  // consumer. false: heap memory, registered in place, whose views may outlive the
+  // consumer (the Python binding's choice: its views stay valid after close()). A
+  // transport that cannot allocate that much (a small /dev/shm) leaves them to the heap.
+  bool own_params_in_transport_memory = true;
   // Relay within a host (docs/relay.md): consumers of one plan class (replicas of one
   // rank) on one host (same hostname) that read the layer groups in the same order form
   // a relay group. Its lowest live rank (the relay) reads each group across the network;

@@ -1,8 +1,10 @@
 // `ferry simulate`: predicts a sync's seconds on a described cluster, for ferry's design
 // (from the real routes) or for the designs it replaces, on SimGrid (docs/simulation.md).
 #include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -41,6 +43,7 @@ struct SimulateArgs {
   bool json = false;
   bool relay = false;  // every inference rank under ConsumerOptions::relay within its node
   std::string plot;
+  int catch_up = 0;  // > 0: the last N replicas join and catch up (Consumer::catch_up)
 };
 
 
@@ -67,6 +70,76 @@ fig.savefig(sys.argv[2], dpi=120)
 Status run_python(const std::vector<std::string>& args) { return run_plot_script(kPlotScript, args, "--plot"); }
 
 std::string gb(double b) { return fmt::format("{:.2f} GB", b / 1e9); }
+
+// --catch-up N (docs/elastic.md): the last N replicas of the layout join and read the live
+// version from the replicas that hold it, as the engine's tree does (one SimGrid run of
+// its rounds, here), against the same joiners served by the trainer: a sync of a job whose
+// inference side is the N joining replicas alone (a child `ferry simulate`, SimGrid runs
+// once per process; on a non-blocking fabric which nodes they sit on does not matter).
+int run_catch_up(const SimulateArgs& a, const JobSpec& job, const ClusterSpec& cluster) {
+  auto layout = InferenceLayout::parse(a.job.inference);
+  if (!layout.ok()) return fail_with("simulate", layout.status().with_context("--inference"));
+  const auto t0 = std::chrono::steady_clock::now();
+  auto work = build_workload(job, Design::kFerry);
+  if (!work.ok()) return fail_with("simulate", work.status());
+  auto rounds = catch_up_rounds(*work, a.catch_up);
+  if (!rounds.ok()) return fail_with("simulate", rounds.status());
+  auto ends = run_rounds(cluster, work->producers, work->consumers, *rounds);
+  if (!ends.ok()) return fail_with("simulate", ends.status());
+  uint64_t max_joiner = 0;
+  for (const auto& round : *rounds)
+    for (const Flow& f : round) max_joiner = std::max(max_joiner, f.bytes);
+  // From the trainer: the joiners alone as the job's inference side.
+  InferenceLayout joiners = *layout;
+  joiners.replicas = a.catch_up;
+  tools::ProcessSpec ps;
+  ps.argv = {tools::exe_path(), "simulate", "--json", "--model", a.job.model, "--trainer", a.job.trainer, "--inference",
+             joiners.to_string(), "--cluster", a.cluster, "--mode", a.mode, "--order", a.order, "--quantize", a.quantize};
+  if (!a.job.config_overrides.empty()) ps.argv.insert(ps.argv.end(), {"--config-overrides", a.job.config_overrides});
+  if (!a.quantize_on.empty()) ps.argv.insert(ps.argv.end(), {"--quantize-on", a.quantize_on});
+  if (a.job.staging_budget) ps.argv.insert(ps.argv.end(), {"--staging-budget", std::to_string(a.job.staging_budget)});
+  if (a.job.shrink) ps.argv.push_back("--shrink");
+  ps.log = fmt::format("/tmp/ferry-simulate-catch-up-{}.log", getpid());
+  ps.name = "ferry simulate (the joiners from the trainer)";
+  auto child = tools::spawn(ps);
+  if (!child.ok()) return fail_with("simulate", child.status());
+  auto st = tools::wait_exit(*child, std::chrono::steady_clock::now() + std::chrono::hours(2));
+  const std::string log = tools::read_log(*child);
+  std::filesystem::remove(ps.log);
+  if (!st) tools::kill_now(*child);
+  nlohmann::json trainer;
+  const size_t brace = log.find('{');
+  if (brace != std::string::npos) trainer = nlohmann::json::parse(log.substr(brace), nullptr, false);
+  if (!st || !WIFEXITED(*st) || WEXITSTATUS(*st) != 0 || !trainer.is_object() || !trainer.contains("seconds"))
+    return fail_with("simulate", internal_error("--catch-up: the joiners' sync from the trainer failed:\n{}", log));
+  const double from_replicas = ends->empty() ? 0.0 : ends->back();
+  const double from_trainer = trainer["seconds"].get<double>();
+  nlohmann::json j;
+  j["model"] = a.job.model;
+  j["trainer"] = a.job.trainer;
+  j["inference"] = a.job.inference;
+  j["cluster"] = cluster.name.empty() ? a.cluster : cluster.name;
+  j["joining_replicas"] = a.catch_up;
+  j["holding_replicas"] = layout->replicas - a.catch_up;
+  j["rounds_end_seconds"] = *ends;
+  j["from_replicas_seconds"] = from_replicas;
+  j["from_trainer_seconds"] = from_trainer;
+  j["from_trainer_floor_seconds"] = trainer.value("floor_seconds", 0.0);
+  j["max_joiner_bytes"] = max_joiner;
+  j["route_seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  j["from_trainer"] = trainer;
+  if (a.json) {
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  std::printf("ferry simulate: %d of %d replicas join (%s -> %s on %s)\n", a.catch_up, layout->replicas,
+              a.job.trainer.c_str(), a.job.inference.c_str(), j["cluster"].get<std::string>().c_str());
+  std::printf("  from the replicas         %.3f s   (%zu round(s) of the catch-up tree; busiest joiner reads %s)\n",
+              from_replicas, ends->size(), gb(static_cast<double>(max_joiner)).c_str());
+  std::printf("  from the trainer          %.3f s   (a sync of the %d joining replicas alone, floor %.3f s)\n",
+              from_trainer, a.catch_up, trainer.value("floor_seconds", 0.0));
+  return 0;
+}
 
 int run_simulate(const SimulateArgs& a) {
   auto design = parse_design(a.design);
@@ -107,6 +180,13 @@ int run_simulate(const SimulateArgs& a) {
     if (!st.ok()) return fail_with("simulate", st);
   }
   if (a.relay) job.relay_node_gpus = cluster->inference.gpus_per_node;
+  if (a.catch_up > 0) {
+    const bool delta_given = a.changed_given && a.changed_given->count() > 0;
+    if (*design != Design::kFerry || delta_given || a.relay || !a.plot.empty())
+      return fail_with("simulate", invalid_argument("--catch-up: ferry's design only, without --changed-fraction, --relay "
+                                                    "or --plot"));
+    return run_catch_up(a, job, *cluster);
+  }
   const auto t0 = std::chrono::steady_clock::now();
   auto work = build_workload(job, *design);
   if (!work.ok()) return fail_with("simulate", work.status());
@@ -304,6 +384,11 @@ FERRY_COMMAND(simulate_command, "simulate",
                              "one replica of each rank reads from the trainer, the others copy from it inside the node");
                 app.add_flag("--shrink", a->job.shrink,
                              "Route a structurally equal small variant of the model (what ferry demo syncs)");
+                app.add_option("--catch-up", a->catch_up,
+                               "Predict N joining replicas (the last N of --inference) catching up to the live version "
+                               "from the others (Consumer::catch_up's tree, docs/elastic.md) against the same joiners "
+                               "served by the trainer (a sync of the N replicas alone)")
+                    ->check(CLI::Range(1, 1 << 20));
                 app.add_flag("--json", a->json, "Print one JSON object");
                 app.add_option("--plot", a->plot,
                                "Write a PNG of NIC receive utilisation over time (needs python3-matplotlib)");

@@ -376,7 +376,8 @@ Status Consumer::Impl::start(const std::vector<TensorDecl>& metadata, TensorMap 
     }
   }
   auto set = ParamSet::create(ParamSetOptions{rank, options.mode == SyncMode::kPush, options.direct_min_bytes,
-                                                  m.commit_rule->needs_shadow(), m.commit_rule->needs_group_shadow()},
+                                                  m.commit_rule->needs_shadow(), m.commit_rule->needs_group_shadow(),
+                                                  options.own_params_in_transport_memory},
                               decls, params, transport_param_memory(transport));
   if (!set.ok()) return set.status();
   m.param_set = std::move(*set);

@@ -87,19 +87,8 @@ Result<std::unique_ptr<ParamSet>> ParamSet::create(const ParamSetOptions& opts, 
       return invalid_argument("consumer {}: param buffer '{}' must be real, contiguous, {} {}", rank, d.name,
                               dtype_name(d.dtype), shape_str(d.shape));
   }
-  auto own_arena = [&](uint64_t bytes, bool registered, bool by_transport,
-                       std::shared_ptr<std::byte>& out) -> Result<std::optional<MemoryRegion>> {
-    if (by_transport) {
-      // Producers write into it: the transport's own memory, which peers on the host
-      // write by plain copy (UCX shared memory writes memory registered in place only by
-      // message, at tcp speed). Freed with its registration when the consumer goes.
-      auto r = m.memory_->allocate(bytes);
-      if (!r.ok()) return r.status().with_context(fmt::format("consumer {}: allocating {} bytes of params", rank, bytes));
-      m.registrations_.push_back(*r);
-      std::memset(r->base, 0, bytes);
-      out = std::shared_ptr<std::byte>(static_cast<std::byte*>(r->base), [](std::byte*) {});
-      return std::optional<MemoryRegion>(*r);
-    }
+  auto own_heap = [&](uint64_t bytes, bool registered,
+                      std::shared_ptr<std::byte>& out) -> Result<std::optional<MemoryRegion>> {
     void* mem = std::aligned_alloc(4096, bytes);
     if (!mem) return io_error("consumer {}: allocating {} bytes of params", rank, bytes);
     std::memset(mem, 0, bytes);
@@ -110,12 +99,30 @@ Result<std::unique_ptr<ParamSet>> ParamSet::create(const ParamSetOptions& opts, 
     m.registrations_.push_back(*r);
     return std::optional<MemoryRegion>(*r);
   };
+  auto own_arena = [&](uint64_t bytes, bool registered, bool by_transport,
+                       std::shared_ptr<std::byte>& out) -> Result<std::optional<MemoryRegion>> {
+    if (by_transport) {
+      // Producers write into it (push), or joiners read it (a catch-up): the transport's
+      // own memory, which peers on the host reach by plain copy (UCX shared memory reads
+      // and writes memory registered in place only by message, at tcp speed). Freed with
+      // its registration when the consumer goes. In pull a transport that cannot allocate
+      // it (a small /dev/shm) leaves it to the heap below.
+      auto r = m.memory_->allocate(bytes);
+      if (!r.ok() && !opts.push) return own_heap(bytes, registered, out);
+      if (!r.ok()) return r.status().with_context(fmt::format("consumer {}: allocating {} bytes of params", rank, bytes));
+      m.registrations_.push_back(*r);
+      std::memset(r->base, 0, bytes);
+      out = std::shared_ptr<std::byte>(static_cast<std::byte*>(r->base), [](std::byte*) {});
+      return std::optional<MemoryRegion>(*r);
+    }
+    return own_heap(bytes, registered, out);
+  };
   std::optional<MemoryRegion> arena_region;
   if (arena_bytes) {
     arena_bytes = align_up(arena_bytes, 4096);
     m.own_bytes_ = arena_bytes;
     FERRY_ASSIGN_OR_RETURN(arena_region, own_arena(arena_bytes, land_live || m.flips_,
-                                                   (land_live || m.flips_) && opts.push, m.arena_));
+                                                   (land_live || m.flips_) && (opts.push || opts.own_in_transport), m.arena_));
   }
   if (arena_region && land_live) m.landing_.push_back(*arena_region);  // the arena is registration 0
   if (arena_region && m.flips_) m.other_.push_back(*arena_region);
@@ -169,7 +176,8 @@ Result<std::unique_ptr<ParamSet>> ParamSet::create(const ParamSetOptions& opts, 
     // push: producers write there), GPU params in one device allocation.
     if (host_bytes) {
       host_bytes = align_up(host_bytes, 4096);
-      FERRY_ASSIGN_OR_RETURN(auto r, own_arena(host_bytes, true, opts.push, m.shadow_arena_));
+      FERRY_ASSIGN_OR_RETURN(auto r, own_arena(host_bytes, true, opts.push || (m.flips_ && opts.own_in_transport),
+                                               m.shadow_arena_));
       m.landing_.push_back(*r);
     }
     if (device_bytes) {

@@ -72,6 +72,11 @@ struct ParamSetOptions {
   // consumer's background thread completes them. Nothing is landed in directly: the
   // live params are not registered.
   bool groups = false;
+  // Pull: the set's own arena (and under a flip its shadow) is the transport's memory
+  // (ParamMemory::allocate), which peers on this host read natively (a joiner's
+  // catch-up), and which goes with the set; false: heap memory registered in place (it
+  // outlives the set through the views' keep-alive). Push: always the transport's.
+  bool own_in_transport = false;
 };
 
 class ParamSet final : public CommitTarget {

@@ -518,6 +518,9 @@ std::function<void(Args...)> engine_hook(py::handle callable, std::string hook, 
 // ferry.Consumer.sync on the caller's thread (a raise there needs no C++ help).
 ConsumerOptions fill_consumer_options(const py::dict& kw, PyConsumer& c) {
   ConsumerOptions co = consumer_options(kw);
+  // ferry's own buffers in pull stay valid after close() (views keep them): heap memory,
+  // not the transport's (docs/python.md; a catch-up from them on one host goes by message).
+  co.own_params_in_transport_memory = false;
   auto given = [&](const char* name) { return kw.contains(name) && !kw[name].is_none(); };
   if (given("after_group"))
     co.after_group = engine_hook<uint64_t, int>(kw["after_group"], "after_group", c.hook_errors, {"version", "group"});

@@ -26,7 +26,7 @@ namespace {
 // callable the binding (after_group) or ferry.Consumer.sync (before_sync, after_sync)
 // runs; "in_place": source_regions are the memory of what materialize returns, registered
 // by the binding when in_place=True; "internal": ferry's own fault injection, no keyword;
-// "native": a C++ object only (no keyword).
+// "native": C++ only, no keyword (the binding decides it).
 // tests/python/test_options.py compares these fields with the header's structs, so a
 // field added to include/ferry/engine.h without a row here (and a keyword) fails it.
 struct OptionField {
@@ -72,6 +72,8 @@ constexpr OptionField kOptionFields[] = {
     {"ConsumerOptions", "cuda_ipc", "cuda_ipc", "keyword", "Consumer"},
     {"ConsumerOptions", "direct_min_bytes", "direct_min_bytes", "keyword", "Consumer"},
     {"ConsumerOptions", "relay", "relay", "keyword", "Consumer"},
+    // Fixed by the binding (false): ferry's own buffers stay valid after close() (views keep them).
+    {"ConsumerOptions", "own_params_in_transport_memory", "", "native", ""},
     {"ConsumerOptions", "check_weights_each_sync", "check_weights_each_sync", "keyword", "Consumer"},
     {"ConsumerOptions", "before_sync", "before_sync", "hook", "Consumer"},
     {"ConsumerOptions", "after_group", "after_group", "hook", "Consumer"},

@@ -781,26 +781,38 @@ Result<SimResult> run_simulation(const ClusterSpec& cluster, const Workload& w, 
   return r;
 }
 
-Result<double> run_flows(const ClusterSpec& cluster, int producers, int consumers, const std::vector<Flow>& flows) {
+Result<std::vector<double>> run_rounds(const ClusterSpec& cluster, int producers, int consumers,
+                                       const std::vector<std::vector<Flow>>& rounds) {
   FERRY_RETURN_IF_ERROR(claim_engine());
   auto engine = make_engine();
   Platform plat(cluster, producers, consumers);
   FERRY_RETURN_IF_ERROR(plat.build());
   const int n = producers + consumers;
-  for (const Flow& f : flows) {
-    if (static_cast<int>(f.from) >= n || static_cast<int>(f.to) >= n || f.from == f.to) {
-      return invalid_argument("simulate: flow {} -> {} is not between two of the {} ranks", f.from, f.to, n);
+  for (const auto& round : rounds) {
+    for (const Flow& f : round) {
+      if (static_cast<int>(f.from) >= n || static_cast<int>(f.to) >= n || f.from == f.to)
+        return invalid_argument("simulate: flow {} -> {} is not between two of the {} ranks", f.from, f.to, n);
+      plat.need_route(static_cast<int>(f.from), static_cast<int>(f.to));
     }
-    plat.need_route(static_cast<int>(f.from), static_cast<int>(f.to));
   }
   plat.seal();
-  sg::Actor::create("flows", plat.host(0), [&] {
-    std::vector<sg::CommPtr> all;
-    for (const Flow& f : flows) all.push_back(sg::Comm::sendto_async(plat.host(static_cast<int>(f.from)), plat.host(static_cast<int>(f.to)), f.bytes));
-    sg::Comm::wait_all(all);
+  std::vector<double> ends;
+  sg::Actor::create("rounds", plat.host(0), [&] {
+    for (const auto& round : rounds) {
+      std::vector<sg::CommPtr> all;
+      for (const Flow& f : round)
+        all.push_back(sg::Comm::sendto_async(plat.host(static_cast<int>(f.from)), plat.host(static_cast<int>(f.to)), f.bytes));
+      sg::Comm::wait_all(all);
+      ends.push_back(sg::Engine::get_clock());
+    }
   });
   engine->run();
-  return sg::Engine::get_clock();
+  return ends;
+}
+
+Result<double> run_flows(const ClusterSpec& cluster, int producers, int consumers, const std::vector<Flow>& flows) {
+  FERRY_ASSIGN_OR_RETURN(std::vector<double> ends, run_rounds(cluster, producers, consumers, {flows}));
+  return ends.back();
 }
 
 }  // namespace ferry::simulate

@@ -116,4 +116,10 @@ Result<SimResult> run_simulation(const ClusterSpec& cluster, const Workload& wor
 // engine protocol); returns the time the last one ends.
 Result<double> run_flows(const ClusterSpec& cluster, int producers, int consumers, const std::vector<Flow>& flows);
 
+// Rounds of flows, one after another (a catch-up's tree, workload.h catch_up_rounds):
+// every flow of a round starts once the round before has ended. Returns each round's end
+// time. One SimGrid engine, as run_flows.
+Result<std::vector<double>> run_rounds(const ClusterSpec& cluster, int producers, int consumers,
+                                       const std::vector<std::vector<Flow>>& rounds);
+
 }  // namespace ferry::simulate

@@ -1,5 +1,7 @@
 #include "simulate/workload.h"
 
+#include "engine/replica_server.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -76,6 +78,15 @@ void fill_from_routes(const Routes& routes, std::vector<GroupWork>& groups, JobW
     }
   }
   out.max_consumer_bytes = routes.stats.max_consumer_bytes;
+  out.consumer_plan = routes.consumer_plan;
+  std::vector<uint64_t> class_bytes;
+  for (const PlanRoute& pr : routes.plans) {
+    uint64_t b = 0;
+    for (const TensorDecl& d : pr.params) b += shape_numel(d.shape) * dtype_size(d.dtype);
+    class_bytes.push_back(b);
+  }
+  out.consumer_param_bytes.clear();
+  for (uint32_t k : routes.consumer_plan) out.consumer_param_bytes.push_back(class_bytes[k]);
 }
 
 }  // namespace
@@ -106,6 +117,7 @@ Result<JobWorkload> build_workload(const JobSpec& job, Design design) {
   JobWorkload out;
   out.producers = m.trainer.world_size();
   out.consumers = m.inference.world_size();
+  out.engine_size = m.inference.engine_size();
   out.model_bytes = m.checkpoint_bytes;
   {
     double elements = 0, bytes = 0;
@@ -286,6 +298,33 @@ Status apply_delta(JobWorkload& job, Design design, double fraction, delta::Chan
   }
   job.max_consumer_bytes = scale(job.max_consumer_bytes, r);
   return Status::Ok();
+}
+
+Result<std::vector<std::vector<Flow>>> catch_up_rounds(const JobWorkload& job, int joiners) {
+  if (job.engine_size <= 0 || job.consumer_param_bytes.size() != static_cast<size_t>(job.consumers))
+    return invalid_argument("--catch-up: needs ferry's design (the routes' params per inference rank)");
+  const int replicas = job.consumers / job.engine_size;
+  if (joiners < 1 || joiners >= replicas)
+    return invalid_argument("--catch-up {}: between 1 and {} (the job has {} replicas; at least one must hold the version)",
+                            joiners, replicas - 1, replicas);
+  const int holders = replicas - joiners;
+  std::vector<std::vector<Flow>> rounds;
+  // Per rank of a replica (a plan class is the same rank of every replica: same plan), the
+  // places (holders, then joiners) in replica order, as each joiner's tree sees them.
+  for (int r = 0; r < job.engine_size; ++r) {
+    auto rank_of = [&](int place) { return place * job.engine_size + r; };  // replica `place`'s rank r
+    for (int i = 0; i < joiners; ++i) {
+      const size_t p = static_cast<size_t>(holders + i);
+      const size_t parent = engine::catch_up_parent(static_cast<size_t>(holders), static_cast<size_t>(i));
+      size_t round = 0;
+      for (size_t n = static_cast<size_t>(holders); p >= n; n *= 2) ++round;
+      if (rounds.size() < round) rounds.resize(round);
+      const int to = rank_of(static_cast<int>(p)), from = rank_of(static_cast<int>(parent));
+      rounds[round - 1].push_back(Flow{static_cast<uint32_t>(job.producers + from), static_cast<uint32_t>(job.producers + to),
+                                       job.consumer_param_bytes[static_cast<size_t>(to)], 1});
+    }
+  }
+  return rounds;
 }
 
 }  // namespace ferry::simulate

@@ -57,6 +57,12 @@ struct JobWorkload {
   // those whose every tile comes from one producer (quantised there: FP8 values and
   // scales on the wire instead of the trainer's bf16).
   uint64_t quantized_params = 0, quantized_on_producer = 0;
+  // Per inference rank (replica-major: rank c is in replica c / engine_size): its plan
+  // class and the bytes of its params, what a joiner's catch-up reads from a replica of
+  // its class (Consumer::catch_up). Ferry's design.
+  int engine_size = 0;
+  std::vector<uint32_t> consumer_plan;
+  std::vector<uint64_t> consumer_param_bytes;
 };
 
 // Errors: the config, the layouts, routing (each names what failed); a design that
@@ -74,5 +80,13 @@ Result<JobWorkload> build_workload(const JobSpec& job, Design design);
 // the end-to-end check ((1 + 2 ratio) / 2 a dense unpack's). Errors: a fraction outside
 // [0, 1]; a design other than ferry's.
 Status apply_delta(JobWorkload& job, Design design, double fraction, delta::ChangeLayout layout);
+
+// A catch-up (Consumer::catch_up, docs/elastic.md): the last `joiners` replicas of the
+// job are new and read every param from the replicas that hold the version (the first
+// replicas - joiners), each joiner from the place the engine's tree gives it
+// (engine::catch_up_parent): per round, one flow per joiner, holder (or an earlier
+// round's joiner) -> joiner, of its params' bytes (endpoints as in Flow). Errors:
+// `joiners` outside [1, replicas - 1]; a workload without per-rank params (not ferry's).
+Result<std::vector<std::vector<Flow>>> catch_up_rounds(const JobWorkload& job, int joiners);
 
 }  // namespace ferry::simulate

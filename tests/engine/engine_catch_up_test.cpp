@@ -201,6 +201,50 @@ TEST(CatchUp, ASourceKilledAfterItsOfferLeavesTheJoinerToAnother) {
   k.expect_all_ok(k.sync(3), 3);
 }
 
+// The joiner is killed after the replica's offer, before it reads: the replica's hold
+// ends with the joiner's connection (its next sync does not wait for it, and gives no
+// hold up); the next sync of everyone else is ok and the producer names the killed joiner
+// missed, nobody else; a new instance of it catches up from the replica again.
+TEST(CatchUp, AJoinerKilledDuringItsCatchUpDisturbsNobody) {
+  Cluster k;
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=1,replicas=2").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  k.cons[1].reset();
+  std::atomic<bool> armed{true};
+  k.tweak_consumer = [&](ConsumerOptions& o, int c) {
+    if (c != 1) return;
+    engine::TestHooks hooks;
+    hooks.catch_up_offered = [&](uint64_t, int) {
+      if (armed.exchange(false)) engine::TestAccess::simulate_crash(*k.cons[1]);
+    };
+    o.test_hooks = engine::make_test_hooks(std::move(hooks));
+  };
+  ASSERT_TRUE(k.start_consumer(1).ok());
+  auto r = k.cons[1]->catch_up();
+  ASSERT_FALSE(r.ok()) << "a crashed joiner caught up";
+  EXPECT_FALSE(k.cons[1]->state().has_version);
+  // The replica and the producer sync 2 without it.
+  std::optional<Result<SyncReport>> p2, c2;
+  std::thread tp([&] {
+    k.src[0]->set_version(2);
+    p2 = k.prod[0]->sync(2);
+  });
+  c2 = k.cons[0]->sync(2);
+  tp.join();
+  ASSERT_TRUE(c2->ok()) << c2->status().to_string();
+  for (const ControlEvent& e : (*c2)->events)
+    EXPECT_NE(e.kind, ControlKind::kCatchUp) << "the replica gave a hold up: " << e.message;
+  k.expect_verified(0, 2);
+  ASSERT_TRUE(p2->ok()) << p2->status().to_string();
+  EXPECT_EQ((*p2)->missed, std::vector<int>{1}) << (*p2)->to_string();
+  // A new instance of the joiner catches up to 2 from the replica, then everyone syncs.
+  k.tweak_consumer = nullptr;
+  k.cons[1].reset();
+  ASSERT_TRUE(k.start_consumer(1).ok());
+  expect_caught_up(k, 1, k.cons[1]->catch_up(), 2);
+  k.expect_all_ok(k.sync(3), 3);
+}
+
 // Nothing to catch up from: before any sync (no rank holds a version), and a rank whose
 // plan class no other replica shares (tp=2, one replica): kNotFound, the params untouched,
 // and the next sync serves it from the producers.

@@ -144,7 +144,7 @@ class OptionsTest(unittest.TestCase):
             for cls in r["classes"]:
                 self.assertIn(r["keyword"], inspect.signature(getattr(ferry, cls)).parameters, (cls, r))
         self.assertEqual([r["field"] for r in rows() if r["how"] == "internal"], ["test_hooks"])
-        self.assertEqual([r["field"] for r in rows() if r["how"] == "native"], [])
+        self.assertEqual([r["field"] for r in rows() if r["how"] == "native"], ["own_params_in_transport_memory"])
         self.assertEqual([r["field"] for r in rows() if r["how"] == "metrics"], ["sink"])
 
     def test_each_keyword_reaches_its_field(self):

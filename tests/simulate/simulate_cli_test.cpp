@@ -208,6 +208,25 @@ TEST(SimulateCli, PlotWritesAPngOrNamesMatplotlib) {
   std::remove(png.c_str());
 }
 
+// --catch-up 1: the second replica joins and reads from the first (inside the inference
+// host) against the trainer serving it across the 1 Gbit/s link: both predicted, the
+// replicas' far sooner there.
+TEST(SimulateCli, CatchUpPredictsTheJoinerFromTheReplicasAndFromTheTrainer) {
+  nlohmann::json j = simulate_json("--catch-up 1");
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j.value("joining_replicas", 0), 1);
+  EXPECT_EQ(j.value("holding_replicas", 0), 1);
+  EXPECT_EQ(j["rounds_end_seconds"].size(), 1u);
+  EXPECT_GT(j.value("max_joiner_bytes", uint64_t{0}), 0u);
+  const double replicas = j.value("from_replicas_seconds", 0.0), trainer = j.value("from_trainer_seconds", 0.0);
+  EXPECT_GT(replicas, 0);
+  EXPECT_GT(trainer, replicas) << j.dump();
+  EXPECT_GE(trainer, j.value("from_trainer_floor_seconds", 0.0));
+  CliRun bad = run(kJob + kCluster + "--inference tp=2,replicas=2 --catch-up 2");
+  EXPECT_EQ(bad.exit_code, 2) << bad.out;
+  EXPECT_NE(bad.err.find("--catch-up 2: between 1 and 1"), std::string::npos) << bad.err;
+}
+
 TEST(SimulateCli, BadInputExitsTwoWithAMessage) {
   struct Case {
     std::string args;

@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -13,6 +14,7 @@
 
 #include "simulate/cluster.h"
 #include "simulate/simulate.h"
+#include "simulate/workload.h"
 #include "test_paths.h"
 
 namespace ferry::simulate {
@@ -128,6 +130,57 @@ TEST(SimulateOracle, OneFlowIsBytesOverRatePlusLatency) {
   const double t = in_child([&] { return run_flows(c, kP, kC, {{0, kP + 3, bytes, 1}}); });
   const double latency = 2e-6 + 0.5e-6 + 2e-6;  // NIC out (+ its switch), NIC in
   EXPECT_NEAR(t, bytes / kRate + latency, 0.01 * (bytes / kRate));
+}
+
+// A catch-up's rounds run one after another: two rounds of one cross-node flow each end
+// at one and two times a flow's time.
+TEST(SimulateOracle, CatchUpRoundsEndOneAfterAnother) {
+  const ClusterSpec c = cluster(kSmall);
+  const uint64_t bytes = 5'000'000'000;
+  const double one = bytes / kRate + 2e-6 + 0.5e-6 + 2e-6;
+  const double first = in_child([&]() -> Result<double> {
+    FERRY_ASSIGN_OR_RETURN(auto ends, run_rounds(c, kP, kC, {{{kP + 0, kP + 9, bytes, 1}}, {{kP + 9, kP + 1, bytes, 1}}}));
+    if (ends.size() != 2) return internal_error("{} round ends", ends.size());
+    if (std::abs(ends[1] - 2 * ends[0]) > 0.01 * ends[0]) return internal_error("rounds end at {} and {}", ends[0], ends[1]);
+    return ends[0];
+  });
+  EXPECT_NEAR(first, one, 0.01 * one);
+}
+
+// The catch-up's flows from a job's routes (workload.h catch_up_rounds): 4 replicas of
+// tp=2, the last 3 joining: round 1 replica 0 -> 1, round 2 replica 0 -> 2 and 1 -> 3,
+// for each rank (its own plan class), every flow the joiner's params' bytes; 0 or 4
+// joiners are refused.
+TEST(SimulateWorkload, CatchUpRoundsFollowTheEnginesTree) {
+  JobSpec job;
+  job.model = std::string(FERRY_SOURCE_DIR) + "/configs/llama-3.1-8b.json";
+  job.config_overrides = R"({"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "vocab_size": 1024,
+                             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64})";
+  job.trainer = "tp=2";
+  job.inference = "tp=2,replicas=4";
+  auto w = build_workload(job, Design::kFerry);
+  ASSERT_TRUE(w.ok()) << w.status().to_string();
+  ASSERT_EQ(w->engine_size, 2);
+  auto rounds = catch_up_rounds(*w, 3);
+  ASSERT_TRUE(rounds.ok()) << rounds.status().to_string();
+  ASSERT_EQ(rounds->size(), 2u);
+  const uint32_t P = static_cast<uint32_t>(w->producers);
+  auto has = [&](size_t round, int from_replica, int to_replica, int rank) {
+    for (const Flow& f : (*rounds)[round]) {
+      if (f.from == P + static_cast<uint32_t>(from_replica * 2 + rank) && f.to == P + static_cast<uint32_t>(to_replica * 2 + rank))
+        return f.bytes == w->consumer_param_bytes[static_cast<size_t>(to_replica * 2 + rank)] && f.bytes > 0;
+    }
+    return false;
+  };
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_TRUE(has(0, 0, 1, rank)) << rank;
+    EXPECT_TRUE(has(1, 0, 2, rank)) << rank;
+    EXPECT_TRUE(has(1, 1, 3, rank)) << rank;
+  }
+  EXPECT_EQ((*rounds)[0].size(), 2u);
+  EXPECT_EQ((*rounds)[1].size(), 4u);
+  EXPECT_FALSE(catch_up_rounds(*w, 0).ok());
+  EXPECT_FALSE(catch_up_rounds(*w, 4).ok());
 }
 
 TEST(SimulateOracle, InsideANodeFlowsUseNvlink) {
