@@ -149,8 +149,24 @@ enum class Quantize : uint8_t {
 Result<Quantize> parse_quantize(std::string_view text);
 std::string_view quantize_name(Quantize q);
 
+// A checkpoint's multi-token-prediction layers (DeepSeek-V3's num_nextn_predict_layers:
+// model.layers.{L..L+n-1}.* after the L decoder layers), the draft model of speculative
+// decoding. What the loader does with them:
+enum class MtpLayers : uint8_t {
+  kNone,   // "none": the checkpoint has none (a checkpoint with them is refused, naming the first)
+  kSkip,   // "skip": the checkpoint has them; nothing is loaded from them (vLLM's DeepseekV3ForCausalLM)
+  kDraft,  // "draft": loaded into the draft's params as vLLM's DeepSeekMTP names them: model.layers.{i}.
+           // {embed_tokens, enorm, hnorm, eh_proj, shared_head.norm, shared_head.head} and the decoder
+           // layer under model.layers.{i}.mtp_block., sharded as the main layers
+};
+// "none" | "skip" | "draft"
+Result<MtpLayers> parse_mtp_layers(std::string_view text);
+std::string_view mtp_layers_name(MtpLayers m);
+
 struct LoaderOptions {
   Quantize quantize = Quantize::kNone;
+  // Architectures with MTP layers (DeepseekV3ForCausalLM); the others have none to load.
+  MtpLayers mtp = MtpLayers::kNone;
 };
 
 // ---------------------------------------------------------------------------------------

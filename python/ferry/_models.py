@@ -14,18 +14,23 @@ def supported_architectures():
 
 
 class ModelLoader:
-    """``ModelLoader(config, layout="tp=2,dp=1,ep=1,replicas=1", quantize="none")``.
+    """``ModelLoader(config, layout="tp=2,dp=1,ep=1,replicas=1", quantize="none", mtp="none")``.
 
     ``config``: a path to an HF config.json, its JSON text, or the parsed dict. The layout
-    names the inference ranks: global rank = replica*(dp*tp) + dp_rank*tp + tp_rank."""
+    names the inference ranks: global rank = replica*(dp*tp) + dp_rank*tp + tp_rank.
+    ``mtp``: a checkpoint's multi-token-prediction layers (DeepSeek-V3's
+    ``num_nextn_predict_layers``): "none" (it has none), "skip" (accepted, not loaded, as
+    vLLM's DeepseekV3ForCausalLM) or "draft" (loaded as vLLM's DeepSeekMTP names them:
+    ``model.layers.{i}.mtp_block.*`` and the layer's own tensors; docs/models.md)."""
 
-    def __init__(self, config, layout="tp=1", quantize="none"):
+    def __init__(self, config, layout="tp=1", quantize="none", mtp="none"):
+        args = (str(layout), str(quantize), str(mtp))
         if isinstance(config, dict):
-            self._l = _ferry._ModelLoader.create(json.dumps(config), False, str(layout), str(quantize))
+            self._l = _ferry._ModelLoader.create(json.dumps(config), False, *args)
         elif isinstance(config, os.PathLike) or (isinstance(config, str) and not config.lstrip().startswith("{")):
-            self._l = _ferry._ModelLoader.create(os.fspath(config), True, str(layout), str(quantize))
+            self._l = _ferry._ModelLoader.create(os.fspath(config), True, *args)
         elif isinstance(config, str):
-            self._l = _ferry._ModelLoader.create(config, False, str(layout), str(quantize))
+            self._l = _ferry._ModelLoader.create(config, False, *args)
         else:
             raise InvalidArgumentError(f"ModelLoader: config must be a path, JSON text or a dict, got {type(config).__name__}")
 

@@ -18,8 +18,14 @@
 // moe_intermediate_size * n_shared_experts) TP-split within each DP rank.
 // FP8 checkpoints (quantization_config, 128x128 blocks): every linear except the router
 // and lm_head is e4m3 with a weight_scale_inv sibling; scales follow their weights at block
-// granularity (moe.h). The MTP layers (num_nextn_predict_layers) are not loaded, as in
-// vLLM's DeepseekV3ForCausalLM.
+// granularity (moe.h).
+// MTP layers (num_nextn_predict_layers, model.layers.{L..}): by LoaderOptions::mtp. none:
+// the checkpoint has none; skip: declared, nothing loaded (vLLM's DeepseekV3ForCausalLM);
+// draft: loaded as vLLM's DeepSeekMTP names them: the decoder layer (MLA, MoE or dense as
+// the rule for its index says) under model.layers.{i}.mtp_block., sharded as the main
+// layers; embed_tokens and shared_head.head vocab-parallel; enorm, hnorm, shared_head.norm
+// and eh_proj [H, 2H] (a plain linear in vLLM, bf16 in every checkpoint) replicated. Each
+// MTP layer is a layer group of its own after the decoder layers.
 #include <algorithm>
 
 #include "models/archs.h"
@@ -82,8 +88,12 @@ class DeepseekV3Loader : public ModelLoaderBase {
     if (freq <= 0) return invalid_argument("{}: field 'moe_layer_freq' must be positive, got {}", cfg.path(), freq);
     FERRY_ASSIGN_OR_RETURN(std::string topk_method, cfg.get_string_or("topk_method", ""));
     router_bias_ = topk_method == "noaux_tc";
+    FERRY_ASSIGN_OR_RETURN(int64_t nextn, cfg.get_int_or("num_nextn_predict_layers", 0));
+    if (nextn < 0 || nextn > 64)
+      return invalid_argument("{}: field 'num_nextn_predict_layers' = {} (0 to 64)", cfg.path(), nextn);
+    mtp_ = options().mtp == MtpLayers::kNone ? 0 : nextn;
     bool any_dense = false, any_moe = false;
-    for (int64_t i = 0; i < d_.layers; ++i) {
+    for (int64_t i = 0; i < d_.layers + mtp_; ++i) {
       const bool moe = ex_.experts > 0 && i >= first_dense && i % freq == 0;
       moe_.push_back(moe);
       (moe ? any_moe : any_dense) = true;
@@ -111,13 +121,24 @@ class DeepseekV3Loader : public ModelLoaderBase {
     return Status::Ok();
   }
 
-  int num_layers() const override { return static_cast<int>(d_.layers); }
+  // The decoder layers, then the MTP layers loaded as the draft (each a group).
+  int num_layers() const override {
+    return static_cast<int>(d_.layers + (options().mtp == MtpLayers::kDraft ? mtp_ : 0));
+  }
 
  protected:
   Status declare_checkpoint(CheckpointBuilder& c) const override {
     FERRY_RETURN_IF_ERROR(declare_embedding(c, d_, o_));
-    for (int i = 0; i < d_.layers; ++i) {
+    for (int i = 0; i < d_.layers + mtp_; ++i) {
       const std::string p = fmt::format("model.layers.{}.", i), a = p + "self_attn.";
+      if (i >= d_.layers) {  // an MTP layer's own tensors, beside its decoder layer
+        FERRY_RETURN_IF_ERROR(c.add(p + "embed_tokens.weight", {d_.vocab, d_.hidden}));
+        FERRY_RETURN_IF_ERROR(c.add(p + "enorm.weight", {d_.hidden}));
+        FERRY_RETURN_IF_ERROR(c.add(p + "hnorm.weight", {d_.hidden}));
+        FERRY_RETURN_IF_ERROR(c.add(p + "eh_proj.weight", {d_.hidden, 2 * d_.hidden}));
+        FERRY_RETURN_IF_ERROR(c.add(p + "shared_head.norm.weight", {d_.hidden}));
+        FERRY_RETURN_IF_ERROR(c.add(p + "shared_head.head.weight", {d_.vocab, d_.hidden}));
+      }
       FERRY_RETURN_IF_ERROR(declare_layer_norms(c, d_, o_, i));
       auto lin = [&](const std::string& m, int64_t out, int64_t in) {
         return declare_linear(c, a + m, out, in, fp8_.quantized(a + m));
@@ -148,10 +169,24 @@ class DeepseekV3Loader : public ModelLoaderBase {
   Status build_rank(RankBuilder& b) const override {
     FERRY_RETURN_IF_ERROR(build_embedding(b, d_, o_));
     const Split tp = b.tp();
-    for (int i = 0; i < d_.layers; ++i) {
-      const std::string p = fmt::format("model.layers.{}.", i), a = p + "self_attn.";
+    const int64_t layers = options().mtp == MtpLayers::kDraft ? d_.layers + mtp_ : d_.layers;
+    for (int i = 0; i < layers; ++i) {
+      // p: the checkpoint's prefix; q: the params' (an MTP layer's decoder layer lies under
+      // mtp_block., as vLLM's DeepSeekMTP loads it).
+      const std::string p = fmt::format("model.layers.{}.", i);
+      const bool mtp = i >= d_.layers;
+      const std::string q = mtp ? p + "mtp_block." : p;
+      const std::string a = p + "self_attn.", qa = q + "self_attn.";
       const int g = layer_group(i);
-      FERRY_RETURN_IF_ERROR(build_layer_norms(b, d_, o_, i));
+      if (mtp) {
+        FERRY_RETURN_IF_ERROR(b.vocab_parallel(p + "embed_tokens.weight", p + "embed_tokens.weight", d_.vocab, g, tp));
+        for (const char* n : {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"})
+          FERRY_RETURN_IF_ERROR(b.replicated(p + n, p + n, g));
+        FERRY_RETURN_IF_ERROR(
+            b.vocab_parallel(p + "shared_head.head.weight", p + "shared_head.head.weight", d_.vocab, g, tp));
+      }
+      FERRY_RETURN_IF_ERROR(b.replicated(q + "input_layernorm.weight", p + "input_layernorm.weight", g));
+      FERRY_RETURN_IF_ERROR(b.replicated(q + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", g));
       auto q8 = [&](const std::string& m) { return fp8_.quantized(a + m); };
       const Range kv_a{0, m_.kv_lora + m_.rope};
       if (m_.q_lora > 0) {
@@ -161,34 +196,34 @@ class DeepseekV3Loader : public ModelLoaderBase {
           return invalid_argument("{}: modules_to_not_convert lists one of q_a_proj / kv_a_proj_with_mqa of layer {} but not "
                                   "the other (they are fused)", config().path(), i);
         }
-        FERRY_RETURN_IF_ERROR(build_linear(b, a + "fused_qkv_a_proj",
+        FERRY_RETURN_IF_ERROR(build_linear(b, qa + "fused_qkv_a_proj",
                                            {{a + "q_a_proj", Range{0, m_.q_lora}}, {a + "kv_a_proj_with_mqa", kv_a}}, 0, g,
                                            q8("q_a_proj")));
-        FERRY_RETURN_IF_ERROR(b.replicated(a + "q_a_layernorm.weight", a + "q_a_layernorm.weight", g));
-        FERRY_RETURN_IF_ERROR(build_linear(b, a + "q_b_proj", {{a + "q_b_proj", even_shard(m_.heads * m_.qk(), tp)}}, 0, g,
+        FERRY_RETURN_IF_ERROR(b.replicated(qa + "q_a_layernorm.weight", a + "q_a_layernorm.weight", g));
+        FERRY_RETURN_IF_ERROR(build_linear(b, qa + "q_b_proj", {{a + "q_b_proj", even_shard(m_.heads * m_.qk(), tp)}}, 0, g,
                                            q8("q_b_proj")));
       } else {
         FERRY_RETURN_IF_ERROR(
-            build_linear(b, a + "q_proj", {{a + "q_proj", even_shard(m_.heads * m_.qk(), tp)}}, 0, g, q8("q_proj")));
-        FERRY_RETURN_IF_ERROR(build_linear(b, a + "kv_a_proj_with_mqa", {{a + "kv_a_proj_with_mqa", kv_a}}, 0, g,
+            build_linear(b, qa + "q_proj", {{a + "q_proj", even_shard(m_.heads * m_.qk(), tp)}}, 0, g, q8("q_proj")));
+        FERRY_RETURN_IF_ERROR(build_linear(b, qa + "kv_a_proj_with_mqa", {{a + "kv_a_proj_with_mqa", kv_a}}, 0, g,
                                            q8("kv_a_proj_with_mqa")));
       }
-      FERRY_RETURN_IF_ERROR(b.replicated(a + "kv_a_layernorm.weight", a + "kv_a_layernorm.weight", g));
-      FERRY_RETURN_IF_ERROR(build_linear(b, a + "kv_b_proj",
+      FERRY_RETURN_IF_ERROR(b.replicated(qa + "kv_a_layernorm.weight", a + "kv_a_layernorm.weight", g));
+      FERRY_RETURN_IF_ERROR(build_linear(b, qa + "kv_b_proj",
                                          {{a + "kv_b_proj", even_shard(m_.heads * (m_.nope + m_.v), tp)}}, 0, g,
                                          q8("kv_b_proj")));
       FERRY_RETURN_IF_ERROR(
-          build_linear(b, a + "o_proj", {{a + "o_proj", even_shard(m_.heads * m_.v, tp)}}, 1, g, q8("o_proj")));
+          build_linear(b, qa + "o_proj", {{a + "o_proj", even_shard(m_.heads * m_.v, tp)}}, 1, g, q8("o_proj")));
       if (moe_[static_cast<size_t>(i)]) {
-        FERRY_RETURN_IF_ERROR(b.replicated(p + "mlp.gate.weight", p + "mlp.gate.weight", g));
+        FERRY_RETURN_IF_ERROR(b.replicated(q + "mlp.gate.weight", p + "mlp.gate.weight", g));
         if (router_bias_) {
           FERRY_RETURN_IF_ERROR(
-              b.replicated(p + "mlp.gate.e_score_correction_bias", p + "mlp.gate.e_score_correction_bias", g));
+              b.replicated(q + "mlp.gate.e_score_correction_bias", p + "mlp.gate.e_score_correction_bias", g));
         }
-        FERRY_RETURN_IF_ERROR(build_experts(b, p + "mlp.experts.", p + "mlp.experts.", ExpertNames{}, ex_, g, fp8_));
-        if (shared_ > 0) FERRY_RETURN_IF_ERROR(build_mlp(b, p + "mlp.shared_experts.", shared_, g, tp, fp8_));
+        FERRY_RETURN_IF_ERROR(build_experts(b, q + "mlp.experts.", p + "mlp.experts.", ExpertNames{}, ex_, g, fp8_));
+        if (shared_ > 0) FERRY_RETURN_IF_ERROR(build_mlp(b, p + "mlp.shared_experts.", shared_, g, tp, fp8_, q + "mlp.shared_experts."));
       } else {
-        FERRY_RETURN_IF_ERROR(build_mlp(b, p + "mlp.", d_.intermediate, g, tp, fp8_));
+        FERRY_RETURN_IF_ERROR(build_mlp(b, p + "mlp.", d_.intermediate, g, tp, fp8_, q + "mlp."));
       }
     }
     return build_final(b, d_, o_);
@@ -202,6 +237,7 @@ class DeepseekV3Loader : public ModelLoaderBase {
   ExpertDims ex_;
   int64_t shared_ = 0;
   bool router_bias_ = false;
+  int64_t mtp_ = 0;  // MTP layers the checkpoint declares (LoaderOptions::mtp not none)
   std::vector<bool> moe_;
 };
 

@@ -254,6 +254,21 @@ Result<Quantize> parse_quantize(std::string_view text) {
   return invalid_argument("quantize: unknown mode '{}' (supported: none, fp8, fp8-ue8m0, mxfp8)", text);
 }
 
+Result<MtpLayers> parse_mtp_layers(std::string_view text) {
+  if (text == "none" || text.empty()) return MtpLayers::kNone;
+  if (text == "skip") return MtpLayers::kSkip;
+  if (text == "draft") return MtpLayers::kDraft;
+  return invalid_argument("mtp: unknown choice '{}' (supported: none, skip, draft)", text);
+}
+
+std::string_view mtp_layers_name(MtpLayers m) {
+  switch (m) {
+    case MtpLayers::kSkip: return "skip";
+    case MtpLayers::kDraft: return "draft";
+    default: return "none";
+  }
+}
+
 std::string_view quantize_name(Quantize q) {
   switch (q) {
     case Quantize::kFp8: return "fp8";

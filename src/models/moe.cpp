@@ -205,14 +205,15 @@ Status declare_mlp(CheckpointBuilder& c, const std::string& mp, int64_t hidden, 
 }
 
 Status build_mlp(RankBuilder& b, const std::string& mp, int64_t intermediate, int group, Split split,
-                 const Fp8Checkpoint& fp8) {
+                 const Fp8Checkpoint& fp8, const std::string& param_prefix) {
   if (intermediate % split.size != 0) {
     return invalid_argument("{}: intermediate size {} is not divisible by {} ranks", mp, intermediate, split.size);
   }
+  const std::string pp = param_prefix.empty() ? mp : param_prefix;
   const Range r = even_shard(intermediate, split);
   FERRY_ASSIGN_OR_RETURN(bool gu_fp8, uniform_fp8(fp8, {mp + "gate_proj", mp + "up_proj"}));
-  FERRY_RETURN_IF_ERROR(build_linear(b, mp + "gate_up_proj", {{mp + "gate_proj", r}, {mp + "up_proj", r}}, 0, group, gu_fp8));
-  return build_linear(b, mp + "down_proj", {{mp + "down_proj", r}}, 1, group, fp8.quantized(mp + "down_proj"));
+  FERRY_RETURN_IF_ERROR(build_linear(b, pp + "gate_up_proj", {{mp + "gate_proj", r}, {mp + "up_proj", r}}, 0, group, gu_fp8));
+  return build_linear(b, pp + "down_proj", {{mp + "down_proj", r}}, 1, group, fp8.quantized(mp + "down_proj"));
 }
 
 // ---------------------------------------------------------------------------------------

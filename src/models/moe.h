@@ -77,8 +77,9 @@ Status build_fp8_attention(RankBuilder& b, const DenseDims& d, const DenseOption
 // gate_up_proj merged column-parallel, down_proj row-parallel, both split by `split`.
 Status declare_mlp(CheckpointBuilder& c, const std::string& module_prefix, int64_t hidden, int64_t intermediate,
                    const Fp8Checkpoint& fp8);
+// `param_prefix`: the params' (gate_up_proj, down_proj) prefix; empty: `module_prefix`.
 Status build_mlp(RankBuilder& b, const std::string& module_prefix, int64_t intermediate, int group, Split split,
-                 const Fp8Checkpoint& fp8);
+                 const Fp8Checkpoint& fp8, const std::string& param_prefix = "");
 
 // ---------------------------------------------------------------------------------------
 // Routed experts.

@@ -32,11 +32,13 @@ void register_models(py::module_& m) {
 
   py::class_<PyModelLoader>(m, "_ModelLoader")
       .def_static("create",
-                  [](const std::string& config, bool is_path, const std::string& layout, const std::string& quantize) {
+                  [](const std::string& config, bool is_path, const std::string& layout, const std::string& quantize,
+                     const std::string& mtp) {
                     ModelConfig cfg = value_or_raise(is_path ? ModelConfig::load(config) : ModelConfig::parse(config));
                     InferenceLayout lay = value_or_raise(InferenceLayout::parse(layout));
                     LoaderOptions opts;
                     opts.quantize = value_or_raise(parse_quantize(quantize));
+                    opts.mtp = value_or_raise(parse_mtp_layers(mtp));
                     std::unique_ptr<ModelLoader> loader = value_or_raise(make_model_loader(cfg, lay, opts));
                     return PyModelLoader{std::shared_ptr<const ModelLoader>(std::move(loader))};
                   })

@@ -341,6 +341,95 @@ TEST(MoeExpect, MlaFusedQkvARows) {
   }
 }
 
+// A DeepSeek-V3 checkpoint with its MTP layer (num_nextn_predict_layers 1: model.layers.3.*
+// after 3 decoder layers), by LoaderOptions::mtp. none: the checkpoint has no MTP tensors
+// and one that has them is refused, naming the first; skip: accepted, nothing loaded (the
+// params are none's); draft: loaded as vLLM's DeepSeekMTP names them, the decoder layer
+// under mtp_block. sharded as the main layers (MLA heads, experts over EP, shared experts
+// TP-split), embed_tokens and shared_head.head vocab-parallel, the rest replicated, in a
+// layer group of its own. Both load as their plans replay (bf16 and FP8 checkpoints).
+TEST(MoeExpect, MtpLayersSkippedOrLoadedAsTheDraft) {
+  for (const bool fp8 : {false, true}) {
+    SCOPED_TRACE(fp8 ? "fp8" : "bf16");
+    const ModelConfig cfg = config_from(deepseek("192", std::string(R"(, "num_nextn_predict_layers": 1)") + (fp8 ? kFp8Quant : "")));
+    LoaderOptions skip_o, draft_o;
+    skip_o.mtp = MtpLayers::kSkip;
+    draft_o.mtp = MtpLayers::kDraft;
+    auto none = loader_for(cfg, "tp=4,ep=4");
+    auto skip = loader_for(cfg, "tp=4,ep=4", skip_o);
+    auto draft = loader_for(cfg, "tp=4,ep=4", draft_o);
+    ASSERT_TRUE(none && skip && draft);
+    EXPECT_EQ(skip->checkpoint(), draft->checkpoint());
+    std::set<std::string> mtp_tensors;
+    for (const TensorDecl& d : skip->checkpoint())
+      if (d.name.rfind("model.layers.3.", 0) == 0) mtp_tensors.insert(d.name);
+    for (const TensorDecl& d : none->checkpoint()) EXPECT_EQ(mtp_tensors.count(d.name), 0u) << d.name;
+    EXPECT_EQ(skip->checkpoint().size(), none->checkpoint().size() + mtp_tensors.size());
+    for (const char* t : {"model.layers.3.eh_proj.weight", "model.layers.3.enorm.weight", "model.layers.3.hnorm.weight",
+                          "model.layers.3.embed_tokens.weight", "model.layers.3.shared_head.head.weight",
+                          "model.layers.3.shared_head.norm.weight", "model.layers.3.self_attn.o_proj.weight",
+                          "model.layers.3.mlp.experts.7.down_proj.weight"})
+      EXPECT_EQ(mtp_tensors.count(t), 1u) << t;
+    auto ckpt = random_checkpoint(skip->checkpoint(), 21);
+    ASSERT_TRUE(ckpt.ok());
+    // none: the checkpoint with its MTP layer is refused, naming an MTP tensor.
+    Status refused = check_checkpoint(none->checkpoint(), *ckpt);
+    EXPECT_EQ(refused.code(), StatusCode::kNotFound) << refused.to_string();
+    EXPECT_NE(refused.message().find("unknown checkpoint tensor 'model.layers.3."), std::string::npos) << refused.to_string();
+    EXPECT_TRUE(check_checkpoint(skip->checkpoint(), *ckpt).ok());
+    expect_replay_equals_direct(*skip);
+    expect_replay_equals_direct(*draft);
+    for (int r = 0; r < 4; ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r));
+      const TensorMap s = direct(*skip, r, *ckpt);
+      const TensorMap d = direct(*draft, r, *ckpt);
+      auto skip_rank = skip->rank(r);
+      auto none_rank = none->rank(r);
+      ASSERT_TRUE(skip_rank.ok() && none_rank.ok());
+      EXPECT_EQ((*skip_rank)->param_decls(), (*none_rank)->param_decls());
+      for (const auto& [name, t] : s) EXPECT_EQ(name.find("layers.3."), std::string::npos) << name;
+      // The draft: the main params as skip's, plus the MTP layer's.
+      for (const auto& [name, t] : s) {
+        ASSERT_EQ(d.count(name), 1u) << name;
+        EXPECT_EQ(values(d.at(name)), values(t)) << name;
+      }
+      const std::string m = "model.layers.3.", b = m + "mtp_block.";
+      for (const char* n : {"eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight"})
+        EXPECT_EQ(values(d.at(m + n)), values(ckpt->at(m + n))) << n;
+      EXPECT_EQ(d.at(m + "eh_proj.weight").shape(), (Shape{128, 256}));
+      // Vocab-parallel: rows [256r, 256r + 256) of the padded 1024, real rows below 1000.
+      const int64_t real = std::min<int64_t>(256, 1000 - 256 * r);
+      for (const char* n : {"embed_tokens.weight", "shared_head.head.weight"}) {
+        ASSERT_EQ(d.at(m + n).shape(), (Shape{256, 128})) << n;
+        EXPECT_EQ(rows(d.at(m + n), 0, real), rows(ckpt->at(m + n), 256 * r, real)) << n;
+      }
+      // The decoder layer under mtp_block., as layer 1: two heads per rank, experts 2r, 2r+1.
+      EXPECT_EQ(values(d.at(b + "self_attn.o_proj.weight")), cols(ckpt->at(m + "self_attn.o_proj.weight"), 32 * r, 32));
+      EXPECT_EQ(values(d.at(b + "input_layernorm.weight")), values(ckpt->at(m + "input_layernorm.weight")));
+      ASSERT_EQ(d.count(b + "mlp.experts.w13_weight"), 1u);
+      EXPECT_EQ(d.at(b + "mlp.experts.w13_weight").shape()[0], 2);
+      const Tensor su = d.at(b + "mlp.shared_experts.gate_up_proj.weight");
+      EXPECT_EQ(rows(su, 0, 48), rows(ckpt->at(m + "mlp.shared_experts.gate_proj.weight"), 48 * r, 48));
+      EXPECT_EQ(d.count(b + "self_attn.fused_qkv_a_proj.weight"), 1u);
+      if (fp8) {
+        EXPECT_EQ(d.at(b + "self_attn.o_proj.weight").dtype(), DType::kF8E4M3);
+      }
+      EXPECT_EQ(d.at(m + "eh_proj.weight").dtype(), DType::kBF16);
+    }
+    // Each MTP layer is a layer group of its own, after the decoder layers.
+    auto dr = draft->rank(0);
+    ASSERT_TRUE(dr.ok());
+    for (const ParamInfo& p : (*dr)->params()) {
+      if (p.decl.name.rfind("model.layers.3.", 0) == 0) {
+        EXPECT_EQ(p.group, 4) << p.decl.name;
+      }
+    }
+  }
+  EXPECT_FALSE(parse_mtp_layers("maybe").ok());
+  EXPECT_EQ(*parse_mtp_layers("draft"), MtpLayers::kDraft);
+  EXPECT_EQ(mtp_layers_name(MtpLayers::kSkip), "skip");
+}
+
 // q_lora_rank null: q_proj column-parallel, kv_a_proj_with_mqa replicated on its own.
 TEST(MoeExpect, MlaWithoutQLora) {
   auto loader = loader_for(config_from(deepseek("null")), "tp=2");

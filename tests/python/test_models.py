@@ -95,6 +95,26 @@ class ModelLoaderTest(unittest.TestCase):
         for n in expected:
             self.assertTrue(torch.equal(expected[n].view(torch.int16), params[n].view(torch.int16)), n)
 
+    def test_mtp_layers_skipped_or_loaded_as_the_draft(self):
+        # A DeepSeek-V3 checkpoint with one MTP layer (model.layers.2.* after 2 layers):
+        # skip accepts it and loads nothing of it, draft loads it as vLLM's DeepSeekMTP.
+        cfg = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 128, "num_hidden_layers": 2,
+               "first_k_dense_replace": 1, "num_attention_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 32,
+               "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "intermediate_size": 256,
+               "moe_intermediate_size": 64, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+               "vocab_size": 256, "num_nextn_predict_layers": 1, "torch_dtype": "bfloat16"}
+        none, skip, draft = (ferry.ModelLoader(cfg, "tp=2", mtp=m) for m in ("none", "skip", "draft"))
+        mtp = [n for n in skip.checkpoint if n.startswith("model.layers.2.")]
+        self.assertIn("model.layers.2.eh_proj.weight", mtp)
+        self.assertFalse([n for n in none.checkpoint if n.startswith("model.layers.2.")])
+        self.assertEqual(set(skip.params(0)), set(none.params(0)))
+        extra = set(draft.params(0)) - set(skip.params(0))
+        self.assertIn("model.layers.2.mtp_block.self_attn.o_proj.weight", extra)
+        self.assertIn("model.layers.2.eh_proj.weight", extra)
+        self.assertTrue(all(n.startswith("model.layers.2.") for n in extra), extra)
+        with self.assertRaises(ferry.InvalidArgumentError):
+            ferry.ModelLoader(cfg, "tp=2", mtp="maybe")
+
     def test_errors(self):
         with self.assertRaises(ferry.InvalidArgumentError) as cm:
             ferry.ModelLoader(dict(LLAMA, architectures=["NopeForCausalLM"]), "tp=2")
