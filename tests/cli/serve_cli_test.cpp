@@ -421,7 +421,7 @@ TEST(ServeTruncatedFile, TruncatedDuringASyncIsAnErrorExitNotSigbus) {
   std::filesystem::remove_all(dir, ec);
 }
 
-// A job of two serve ranks (tp=2) and two replicas of a tp=1 engine over a fresh
+// A job of two serve ranks (tp=2) and replicas (two by default) of a tp=1 engine over a fresh
 // checkpoint, the store in this process; start() spawns one rank (fetch ranks verify
 // against the checkpoint).
 struct ReplicaJob {
@@ -429,13 +429,14 @@ struct ReplicaJob {
   StoreServerOptions so;
   Result<std::unique_ptr<StoreServer>> server = Status(StatusCode::kInternal, "not started");
   std::vector<std::string> env, common;
-  explicit ReplicaJob(const std::string& job) {
+  explicit ReplicaJob(const std::string& job, int replicas = 2, std::vector<std::string> extra = {}) {
     so.token = random_token();
     server = StoreServer::start(so);
     if (!server.ok()) return;
     env = environment_with("FERRY_TOKEN", so.token);
-    common = {"--store", (*server)->url(), "--trainer", kTrainer, "--inference", "tp=1,replicas=2", "--job", job,
-              "--timeout", "20000", "--rendezvous-timeout", "30000"};
+    common = {"--store", (*server)->url(), "--trainer", kTrainer, "--inference", fmt::format("tp=1,replicas={}", replicas),
+              "--job", job, "--timeout", "20000", "--rendezvous-timeout", "30000"};
+    common.insert(common.end(), extra.begin(), extra.end());
   }
   ~ReplicaJob() {
     std::error_code ec;
@@ -497,21 +498,21 @@ TEST(ServeCliLeave, AFetchThatLeavesIsNamedLeftNotMissed) {
   }
 }
 
-// Joining a running job from the command line (issue 45): of two replicas, fetch rank 1
-// takes sync 1 and exits; a new `ferry fetch --catch-up --syncs 0` in its rank reads the
-// live version from fetch rank 0's params (a process, over UCX), verified against the
-// checkpoint, with nothing from the serve ranks. The serve ranks and fetch 0 stay up after
-// their sync (--metrics-linger: they keep their leases and params) and are stopped after.
-TEST(ServeCliCatchUp, AFetchJoiningARunningJobReadsTheLiveVersionFromAReplica) {
-  ReplicaJob job("catch-up");
+// Joining a running job from the command line (issue 45): of three replicas, fetch rank 2
+// takes sync 1 and exits; fetch rank 1 is SIGKILLed (its lease, of a 10 s ttl, still
+// says it holds version 1); a new `ferry fetch --catch-up --syncs 0` in rank 2 asks fetch
+// 1 first (the tree's order for version 1), finds it dead, and reads the live version
+// from fetch rank 0's params (processes over UCX), verified against the checkpoint, with
+// nothing from the serve ranks, its line naming the dead one in a catch-up event. The
+// serve ranks and fetch 0 and 1 stay up after their sync (--metrics-linger: they keep
+// their leases and params) and are stopped after.
+TEST(ServeCliCatchUp, AFetchJoiningARunningJobReadsFromALiveReplicaPastAKilledOne) {
+  ReplicaJob job("catch-up", 3, {"--lease-ttl", "10000"});
   ASSERT_TRUE(job.server.ok()) << job.server.status().to_string();
-  auto start = [&](const std::string& role, int r, const std::vector<std::string>& extra, const std::string& tag) {
-    return job.start(role, r, extra, tag);
-  };
   const std::vector<std::string> stay = {"--syncs", "1", "--metrics-port", "0", "--metrics-linger", "120"};
   std::vector<Child> staying;
-  for (const auto& [role, r] : std::vector<std::pair<std::string, int>>{{"serve", 0}, {"serve", 1}, {"fetch", 0}}) {
-    auto c = start(role, r, stay, "");
+  for (const auto& [role, r] : std::vector<std::pair<std::string, int>>{{"serve", 0}, {"serve", 1}, {"fetch", 0}, {"fetch", 1}}) {
+    auto c = job.start(role, r, stay);
     ASSERT_TRUE(c.ok()) << c.status().to_string();
     staying.push_back(*c);
   }
@@ -521,7 +522,7 @@ TEST(ServeCliCatchUp, AFetchJoiningARunningJobReadsTheLiveVersionFromAReplica) {
       for (Child& c : ranks) kill_now(c);
     }
   } stop{staying};
-  auto first = start("fetch", 1, {"--syncs", "1"}, "");
+  auto first = job.start("fetch", 2, {"--syncs", "1"});
   ASSERT_TRUE(first.ok()) << first.status().to_string();
   const auto deadline = std::chrono::steady_clock::now() + 90s;
   auto exits_ok = [&](Child& c, size_t lines) -> std::vector<nlohmann::json> {
@@ -537,11 +538,14 @@ TEST(ServeCliCatchUp, AFetchJoiningARunningJobReadsTheLiveVersionFromAReplica) {
   const auto one = exits_ok(*first, 1);
   ASSERT_EQ(one.size(), 1u);
   EXPECT_TRUE(one[0].value("verified", false)) << one[0].dump();
-  // fetch 0 holds version 1 once it printed its line (it lingers, serving).
-  while (json_lines(read_log(staying[2])).empty() && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(50ms);
-  ASSERT_EQ(json_lines(read_log(staying[2])).size(), 1u) << read_log(staying[2]);
-  auto joiner = start("fetch", 1, {"--catch-up", "--syncs", "0"}, " (joiner)");
+  // fetch 0 and 1 hold version 1 once they printed their lines (they linger, serving).
+  for (size_t i : {size_t{2}, size_t{3}}) {
+    while (json_lines(read_log(staying[i])).empty() && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(50ms);
+    ASSERT_EQ(json_lines(read_log(staying[i])).size(), 1u) << read_log(staying[i]);
+  }
+  kill_now(staying[3]);  // fetch 1: dead, its lease not lapsed yet
+  auto joiner = job.start("fetch", 2, {"--catch-up", "--syncs", "0"}, " (joiner)");
   ASSERT_TRUE(joiner.ok()) << joiner.status().to_string();
   const auto lines = exits_ok(*joiner, 1);
   ASSERT_EQ(lines.size(), 1u);
@@ -553,10 +557,13 @@ TEST(ServeCliCatchUp, AFetchJoiningARunningJobReadsTheLiveVersionFromAReplica) {
   EXPECT_GT(j.value("received_from_replicas", uint64_t{0}), 0u) << j.dump();
   EXPECT_EQ(j.value("received_from_replicas", uint64_t{0}), j.value("bytes_received", uint64_t{1})) << j.dump();
   EXPECT_TRUE(j["bytes_per_peer"].empty()) << "read from serve ranks: " << j.dump();
-  for (Child& c : staying) {
-    const auto got = json_lines(read_log(c));
-    ASSERT_EQ(got.size(), 1u) << c.name << ":\n" << read_log(c);
-    EXPECT_TRUE(got[0].value("ok", false)) << c.name << ": " << got[0].dump();
+  bool named = false;
+  for (const auto& e : j["events"]) named |= e.value("kind", "") == "catch-up" && e.value("peer", -1) == 1;
+  EXPECT_TRUE(named) << "no catch-up event names the killed replica: " << j.dump();
+  for (size_t i = 0; i < 3; ++i) {
+    const auto got = json_lines(read_log(staying[i]));
+    ASSERT_EQ(got.size(), 1u) << staying[i].name << ":\n" << read_log(staying[i]);
+    EXPECT_TRUE(got[0].value("ok", false)) << staying[i].name << ": " << got[0].dump();
   }
 }
 
