@@ -173,7 +173,8 @@ class ParamSet final : public CommitTarget {
   // Shadow: drops the received version. kFailedPrecondition when there is none.
   Status discard();
 
-  // --- The live params as replicas read them (Consumer::catch_up, docs/elastic.md) ---
+  // --- The live params as replicas read them (Consumer::catch_up, docs/elastic.md;
+  // param_set_serving.cpp) ---
   // Where every live host param lies in registered memory, in each set that can be live:
   // two under a flip (sets[0] and sets[1], laid out alike: a Param's key and offset name
   // the same place in either), else one. What is not registered yet (the caller's
