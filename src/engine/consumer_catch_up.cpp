@@ -185,6 +185,15 @@ Result<SyncReport> Consumer::Impl::catch_up() {
   FERRY_RETURN_IF_ERROR(check_claim(*reg.claim, store, Participant{"consumer", rank}, reg.instance));
   const auto t0 = Clock::now();
   FERRY_ASSIGN_OR_RETURN(const ParamSet::ServingLayout* mine, param_set->serving_layout());
+  // A consumer that holds a version serves it; its live params are written from here on:
+  // joiners reading them first (bounded), then none until the version it ends with.
+  close_serving();
+  struct Reopen {
+    Impl* self;
+    ~Reopen() {
+      if (Status st = self->serve_live(); !st.ok()) self->trace.control(ControlKind::kStore, -1, -1, st.to_string());
+    }
+  } reopen{this};
   // Counted among the joiners (the tree) while it catches up; the mark lapses if it dies.
   FERRY_RETURN_IF_ERROR(store.set(keys.catching_up(rank), reg.instance, opts.timeout)
                             .with_context(fmt::format("consumer {}: marking it catching up", rank)));
@@ -244,7 +253,7 @@ Result<SyncReport> Consumer::Impl::catch_up() {
                                       v, c, s.message()));
   }
   if (!st.ok()) {
-    param_set->abort();  // (torn only when some reads had begun)
+    param_set->catch_up_abort();  // (torn only when some reads had begun)
     if (Status r = record_not_whole(v); !r.ok()) trace.control(ControlKind::kStore, -1, -1, r.to_string());
     finish_report(st);
     return st;
@@ -257,7 +266,7 @@ Result<SyncReport> Consumer::Impl::catch_up() {
     if (!model.post_process) break;
     Status s = model.post_process(static_cast<int>(k), param_set->work());
     if (!s.ok()) {
-      param_set->abort();
+      param_set->catch_up_abort();
       st = s.with_context(fmt::format("consumer {} post-processing {} after its catch-up", rank, model.post_group_names[k]));
       finish_report(st);
       return st;
@@ -269,7 +278,6 @@ Result<SyncReport> Consumer::Impl::catch_up() {
   if (Status r = record_committed(v); !r.ok()) trace.control(ControlKind::kStore, -1, -1, r.to_string());
   if (opts.weight_digests) weights.take(v, param_set->committed());
   if (Status p = publish_versions(); !p.ok()) trace.control(ControlKind::kStore, -1, -1, p.to_string());
-  if (Status p = serve_live(); !p.ok()) trace.control(ControlKind::kStore, -1, -1, p.to_string());
   rep.catch_up_source = served_by;
   finish_report(Status::Ok());
   return rep;

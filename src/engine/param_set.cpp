@@ -334,11 +334,6 @@ void ParamSet::finish(uint64_t version) {
 void ParamSet::abort() {
   std::lock_guard<std::mutex> lk(mu_);
   held_.received.reset();
-  if (catching_up_) {  // (the live buffers themselves were written, whatever the policy)
-    catching_up_ = false;
-    held_.torn = true;
-    return;
-  }
   if (opts_.groups) {
     if (committed_some_) held_.mixed = true;
     return;

@@ -191,11 +191,12 @@ class ParamSet final : public CommitTarget {
   // A joiner's catch-up, between syncs: catch_up_begin() marks the live buffers written
   // from now on (they receive a version's unpacked bytes, as a sync's unpack writes
   // them) and makes the attempt's view over them (post-processing runs on work());
-  // catch_up_finish(v): v is whole and live (committed() is the view); a catch-up that
-  // fails after catch_up_begin() leaves the params torn (abort() says so: under every
-  // policy, as the live buffers were written).
+  // catch_up_finish(v): v is whole and live (committed() is the view); catch_up_abort():
+  // the catch-up failed, which leaves the params torn once catch_up_begin() ran (under
+  // every policy: the live buffers were written), and as they were otherwise.
   void catch_up_begin();
   void catch_up_finish(uint64_t version);
+  void catch_up_abort();
 
   // Groups (ParamSetOptions::groups). set_group_shadow: the routes' layout (`params`: the
   // plan route's params, which `layout` indexes); loaded() then views each written param
@@ -241,7 +242,7 @@ class ParamSet final : public CommitTarget {
   TensorMap made_anew_;  // groups: post-processing's own tensors, taken into committed_ at finish
   std::set<std::string> written_whole_;  // groups: params every sync writes whole (write_padding's plan)
   bool committed_some_ = false;  // groups: this sync made a group live (mu_)
-  bool catching_up_ = false;     // catch_up_begin() and no finish yet: an abort leaves the live params torn (mu_)
+  bool catching_up_ = false;     // catch_up_begin() and no finish yet: catch_up_abort() leaves the live params torn (mu_)
   std::optional<ServingLayout> serving_;  // serving_layout(), once made
   bool flips_ = false;
   std::map<std::string, ParamTable::Param> placements_;

@@ -71,6 +71,13 @@ void ParamSet::catch_up_begin() {
   held_.received.reset();
 }
 
+void ParamSet::catch_up_abort() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!catching_up_) return;  // (nothing written: the params hold what they held)
+  catching_up_ = false;
+  held_.torn = true;  // (the live buffers themselves were written, whatever the policy)
+}
+
 void ParamSet::catch_up_finish(uint64_t version) {
   committed_ = work_;
   std::lock_guard<std::mutex> lk(mu_);

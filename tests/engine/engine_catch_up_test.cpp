@@ -245,6 +245,38 @@ TEST(CatchUp, AJoinerKilledDuringItsCatchUpDisturbsNobody) {
   k.expect_all_ok(k.sync(3), 3);
 }
 
+// A consumer that already holds a version and whose catch-up fails before it reads
+// anything (its one source killed after the offer): its params are as they were, the
+// version it held, whole (before, the failed catch-up took the last sync's writes for its
+// own and said torn); and it serves that version again: a new instance of the killed
+// source catches up from it.
+TEST(CatchUp, AFailedCatchUpOfAHeldVersionLeavesItWholeAndServing) {
+  Cluster k;
+  std::atomic<bool> armed{false};
+  k.tweak_consumer = [&](ConsumerOptions& o, int c) {
+    if (c != 1) return;
+    engine::TestHooks hooks;
+    hooks.catch_up_offered = [&](uint64_t, int source) {
+      if (armed.exchange(false)) engine::TestAccess::simulate_crash(*k.cons[static_cast<size_t>(source)]);
+    };
+    o.test_hooks = engine::make_test_hooks(std::move(hooks));
+  };
+  ASSERT_TRUE(k.start(cfg("llama-3.1-8b.json"), "tp=1", "tp=1,replicas=2").ok());
+  k.expect_all_ok(k.sync(1), 1);
+  armed = true;
+  auto r = k.cons[1]->catch_up();
+  ASSERT_FALSE(r.ok()) << "caught up from a source killed at its offer";
+  EXPECT_TRUE(has(r.status(), "consumer 0")) << r.status().to_string();
+  EXPECT_FALSE(k.cons[1]->state().torn);
+  k.expect_verified(1, 1);
+  k.tweak_consumer = nullptr;
+  k.cons[0].reset();
+  ASSERT_TRUE(k.start_consumer(0).ok());
+  auto back = k.cons[0]->catch_up();
+  expect_caught_up(k, 0, back, 1);
+  EXPECT_EQ(back->catch_up_source, 1);
+}
+
 // Nothing to catch up from: before any sync (no rank holds a version), and a rank whose
 // plan class no other replica shares (tp=2, one replica): kNotFound, the params untouched,
 // and the next sync serves it from the producers.
