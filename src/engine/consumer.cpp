@@ -179,11 +179,8 @@ void Consumer::Impl::check_weights_held() {
 
 Result<double> Consumer::Impl::commit() {
   const std::optional<uint64_t> v = param_set->state().received;
-  if (v) close_serving();  // (joiners reading the live params first: they change now)
-  struct Reopen {
-    Impl* self;
-    ~Reopen() { self->serve_live().ignore(); }
-  } reopen{this};
+  if (!v) return commit_rule->commit(*param_set);  // (its error: nothing received)
+  const ServingPause paused = pause_serving();  // (joiners reading the live params first: they change now)
   FERRY_ASSIGN_OR_RETURN(const double seconds, commit_rule->commit(*param_set));
   trace.committed(*v, seconds);
   if (opts.weight_digests) weights.take(*v, param_set->committed());
@@ -225,15 +222,8 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
   };
   if (opts.before_sync) opts.before_sync(v);  // (the caller's: no stage claims it)
   trace.stage(SyncStage::kRendezvous);
-  // Joiners reading our live params first (bounded), then none until it ends; reopened on
-  // the way out, for whatever version is then live and whole.
-  close_serving();
-  struct Reopen {
-    Impl* self;
-    ~Reopen() {
-      if (Status st = self->serve_live(); !st.ok()) self->trace.control(ControlKind::kStore, -1, -1, st.to_string());
-    }
-  } reopen{this};
+  // Joiners reading our live params first (bounded), then none until it ends.
+  const ServingPause paused = pause_serving();
   if (opts.weight_digests && opts.check_weights_each_sync) check_weights_held();
   {
     std::lock_guard<std::mutex> lk(mu);

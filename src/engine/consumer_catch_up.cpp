@@ -28,6 +28,10 @@ void Consumer::Impl::close_serving() {
   }
 }
 
+Consumer::Impl::ServingPause::~ServingPause() {
+  if (Status st = m->serve_live(); !st.ok()) m->trace.control(ControlKind::kStore, -1, -1, st.to_string());
+}
+
 Status Consumer::Impl::serve_live() {
   const ConsumerState held = param_set->state();
   if (!held.has_version || held.torn || held.mixed) return Status::Ok();  // nothing whole to serve
@@ -187,13 +191,7 @@ Result<SyncReport> Consumer::Impl::catch_up() {
   FERRY_ASSIGN_OR_RETURN(const ParamSet::ServingLayout* mine, param_set->serving_layout());
   // A consumer that holds a version serves it; its live params are written from here on:
   // joiners reading them first (bounded), then none until the version it ends with.
-  close_serving();
-  struct Reopen {
-    Impl* self;
-    ~Reopen() {
-      if (Status st = self->serve_live(); !st.ok()) self->trace.control(ControlKind::kStore, -1, -1, st.to_string());
-    }
-  } reopen{this};
+  const ServingPause paused = pause_serving();
   // Counted among the joiners (the tree) while it catches up; the mark lapses if it dies.
   FERRY_RETURN_IF_ERROR(store.set(keys.catching_up(rank), reg.instance, opts.timeout)
                             .with_context(fmt::format("consumer {}: marking it catching up", rank)));

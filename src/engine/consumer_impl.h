@@ -259,9 +259,23 @@ struct Consumer::Impl {
   // After a version went whole and live (a sync, commit(), a catch-up): serving table
   // published once, and open to joiners for that version. The store's error.
   Status serve_live();
-  // Before the live params change (a sync, commit()): closed to joiners, holds ended or,
-  // after catch_up_hold(), given up (a kCatchUp event each).
+  // Before the live params change (a sync, commit(), a catch-up; leave()): closed to
+  // joiners, holds ended or, after catch_up_hold(), given up (a kCatchUp event each).
   void close_serving();
+  // close_serving() for a step that changes the live params; the guard reopens them to
+  // joiners as it goes, for whatever version is then live and whole (serve_live; a store
+  // error is a kStore event).
+  struct ServingPause {
+    Impl* m;
+    explicit ServingPause(Impl* impl) : m(impl) {}
+    ServingPause(const ServingPause&) = delete;
+    ServingPause& operator=(const ServingPause&) = delete;
+    ~ServingPause();
+  };
+  [[nodiscard]] ServingPause pause_serving() {
+    close_serving();
+    return ServingPause{this};
+  }
   Clock::duration catch_up_hold() const;
 
   // `opts` as given; start() turns direct_min_bytes off where a part needs every byte in
