@@ -36,6 +36,7 @@
 #include "ferry/store.h"
 #include "ferry/transport.h"
 #include "tools/job_model.h"
+#include "tools/prepared_source.h"
 
 namespace {
 
@@ -43,54 +44,6 @@ using namespace ferry;
 using Clock = std::chrono::steady_clock;
 
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-// A trainer rank's boxes of one synthetic version, copied once into memory registered
-// with its transport and served from there (ProducerOptions::source_regions).
-class RegisteredSource final : public WeightSource {
- public:
-  RegisteredSource(SyntheticSource& inner, Transport& t) : inner_(inner), tr_(t) {}
-  ~RegisteredSource() override {
-    if (region_.base) tr_.deregister_memory(region_).ignore();
-  }
-  Status init() {
-    const int groups = Groups(inner_.metadata()).size();
-    std::vector<std::vector<LocalBox>> all(static_cast<size_t>(groups));
-    uint64_t bytes = 0;
-    for (int g = 0; g < groups; ++g) {
-      FERRY_ASSIGN_OR_RETURN(all[static_cast<size_t>(g)], inner_.materialize(g));
-      for (auto& b : all[static_cast<size_t>(g)]) bytes += align(b.data);
-    }
-    FERRY_ASSIGN_OR_RETURN(region_, tr_.allocate_memory(std::max<uint64_t>(bytes, 64)));
-    auto* base = static_cast<std::byte*>(region_.base);
-    uint64_t at = 0;
-    boxes_.resize(all.size());
-    for (size_t g = 0; g < all.size(); ++g) {
-      for (auto& b : all[g]) {
-        Tensor t = Tensor::borrow(base + at, b.data.shape(), b.data.dtype());
-        FERRY_RETURN_IF_ERROR(t.copy_(b.data));
-        boxes_[g].push_back(LocalBox{b.box, t});
-        at += align(b.data);
-      }
-    }
-    return Status::Ok();
-  }
-  const MemoryRegion& region() const { return region_; }
-  const std::vector<TensorDecl>& metadata() const override { return inner_.metadata(); }
-  int rank() const override { return inner_.rank(); }
-  int world_size() const override { return inner_.world_size(); }
-  Result<Holdings> holdings(int rank) const override { return inner_.holdings(rank); }
-  Result<std::vector<LocalBox>> materialize(int group) override {
-    if (group < 0 || static_cast<size_t>(group) >= boxes_.size()) return invalid_argument("group {}", group);
-    return boxes_[static_cast<size_t>(group)];
-  }
-
- private:
-  static uint64_t align(const Tensor& t) { return (static_cast<uint64_t>(t.numel()) * dtype_size(t.dtype()) + 63) / 64 * 64; }
-  SyntheticSource& inner_;
-  Transport& tr_;
-  MemoryRegion region_;
-  std::vector<std::vector<LocalBox>> boxes_;
-};
 
 // XXH3-64 over every param's bytes, in name order: one value per version a rank holds.
 uint64_t digest(const TensorMap& params) {
@@ -161,22 +114,19 @@ int run(int argc, char** argv) {
     std::unique_ptr<Store> s;
   };
   std::vector<Rank> pr(static_cast<size_t>(P)), cr(static_cast<size_t>(C));
-  std::vector<std::unique_ptr<SyntheticSource>> synth(static_cast<size_t>(P));
-  std::vector<std::unique_ptr<RegisteredSource>> src(static_cast<size_t>(P));
+  std::vector<std::unique_ptr<tools::PreparedSource>> src(static_cast<size_t>(P));
   std::vector<std::unique_ptr<Producer>> prod(static_cast<size_t>(P));
   std::vector<std::unique_ptr<Consumer>> cons(static_cast<size_t>(C));
-  const uint64_t seed = 7, version = 1;
+  const uint64_t seed = 7, version = 1;  // (PreparedSource's data version)
   auto start_producer = [&](int p) -> Status {
     Rank& r = pr[static_cast<size_t>(p)];
     FERRY_ASSIGN_OR_RETURN(r.t, transport());
     FERRY_ASSIGN_OR_RETURN(r.s, store());
-    synth[static_cast<size_t>(p)] = std::make_unique<SyntheticSource>(model->metadata, model->holdings, p, seed);
-    synth[static_cast<size_t>(p)]->set_version(version);
-    src[static_cast<size_t>(p)] = std::make_unique<RegisteredSource>(*synth[static_cast<size_t>(p)], *r.t);
-    FERRY_RETURN_IF_ERROR(src[static_cast<size_t>(p)]->init());
+    // Data version 1 for every sync (the bytes move either way), served in place.
+    FERRY_ASSIGN_OR_RETURN(src[static_cast<size_t>(p)], tools::PreparedSource::create(*model, p, seed, r.t.get(), {}));
     ProducerOptions po;
     static_cast<EngineOptions&>(po) = eo;
-    po.source_regions = {src[static_cast<size_t>(p)]->region()};
+    po.source_regions = src[static_cast<size_t>(p)]->regions();
     FERRY_ASSIGN_OR_RETURN(prod[static_cast<size_t>(p)], Producer::create(*src[static_cast<size_t>(p)], *r.t, *r.s, po));
     return Status::Ok();
   };
