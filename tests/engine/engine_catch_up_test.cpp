@@ -181,19 +181,12 @@ TEST(CatchUp, ASourceKilledAfterItsOfferLeavesTheJoinerToAnother) {
   EXPECT_TRUE(named) << r->to_json();
   // The next sync without the killed replica: the producer reports it missed, only it.
   const int dead = killed.load();
-  std::optional<Result<SyncReport>> p2;
-  std::vector<std::optional<Result<SyncReport>>> c2(3);
-  std::vector<std::thread> th;
-  th.emplace_back([&] {
-    k.src[0]->set_version(2);
-    p2 = k.prod[0]->sync(2);
-  });
-  for (int c : {survivor, 2}) th.emplace_back([&, c] { c2[static_cast<size_t>(c)] = k.cons[static_cast<size_t>(c)]->sync(2); });
-  for (auto& t : th) t.join();
+  auto o2 = k.sync_with(2, {survivor, 2});
   for (int c : {survivor, 2}) {
-    ASSERT_TRUE(c2[static_cast<size_t>(c)]->ok()) << c2[static_cast<size_t>(c)]->status().to_string();
+    ASSERT_TRUE(o2.c[static_cast<size_t>(c)]->ok()) << o2.c[static_cast<size_t>(c)]->status().to_string();
     k.expect_verified(c, 2);
   }
+  const auto& p2 = o2.p[0];
   ASSERT_TRUE(p2->ok()) << p2->status().to_string();
   EXPECT_EQ((*p2)->missed, std::vector<int>{dead}) << (*p2)->to_string();
   k.cons[static_cast<size_t>(dead)].reset();
@@ -224,13 +217,9 @@ TEST(CatchUp, AJoinerKilledDuringItsCatchUpDisturbsNobody) {
   ASSERT_FALSE(r.ok()) << "a crashed joiner caught up";
   EXPECT_FALSE(k.cons[1]->state().has_version);
   // The replica and the producer sync 2 without it.
-  std::optional<Result<SyncReport>> p2, c2;
-  std::thread tp([&] {
-    k.src[0]->set_version(2);
-    p2 = k.prod[0]->sync(2);
-  });
-  c2 = k.cons[0]->sync(2);
-  tp.join();
+  auto o2 = k.sync_with(2, {0});
+  const auto& p2 = o2.p[0];
+  const auto& c2 = o2.c[0];
   ASSERT_TRUE(c2->ok()) << c2->status().to_string();
   for (const ControlEvent& e : (*c2)->events)
     EXPECT_NE(e.kind, ControlKind::kCatchUp) << "the replica gave a hold up: " << e.message;

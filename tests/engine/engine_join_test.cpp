@@ -311,17 +311,11 @@ TEST(EngineElastic, AConsumerThatLeavesIsNotMissedAndANewInstanceJoinsAgain) {
   EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status().to_string();
   EXPECT_TRUE(has(refused.status(), "consumer 1 left the job")) << refused.status().to_string();
   // Sync 2: the producer and consumer 0 only.
-  std::optional<Result<SyncReport>> p2, c2;
-  std::thread tp([&] {
-    k.src[0]->set_version(2);
-    p2 = k.prod[0]->sync(2);
-  });
-  c2 = k.cons[0]->sync(2);
-  tp.join();
-  ASSERT_TRUE(c2->ok()) << c2->status().to_string();
+  auto o2 = k.sync_with(2, {0});
+  ASSERT_TRUE(o2.c[0]->ok()) << o2.c[0]->status().to_string();
   k.expect_verified(0, 2);
-  ASSERT_TRUE(p2->ok()) << p2->status().to_string();
-  const SyncReport& r2 = **p2;
+  ASSERT_TRUE(o2.p[0]->ok()) << o2.p[0]->status().to_string();
+  const SyncReport& r2 = **o2.p[0];
   EXPECT_TRUE(r2.ok()) << r2.to_string();
   EXPECT_TRUE(r2.missed.empty()) << r2.to_string();
   EXPECT_EQ(r2.left, std::vector<int>{1}) << r2.to_string();

@@ -483,6 +483,13 @@ struct Cluster {
   };
   // Every rank syncs v; consumers with `commit` (false: received only, CommitPolicy::kShadow).
   Outcome sync(uint64_t v, bool commit = true) {
+    std::vector<int> all(static_cast<size_t>(C()));
+    for (int c = 0; c < C(); ++c) all[static_cast<size_t>(c)] = c;
+    return sync_with(v, all, commit);
+  }
+  // Every producer and only the consumers `which` sync v (the others left, died or are
+  // away); out.c is indexed by rank, empty for the others.
+  Outcome sync_with(uint64_t v, const std::vector<int>& which, bool commit = true) {
     ++syncs_run;
     Outcome out;
     out.p.resize(static_cast<size_t>(P()));
@@ -494,7 +501,7 @@ struct Cluster {
         out.p[static_cast<size_t>(p)] = prod[static_cast<size_t>(p)]->sync(v);
       });
     }
-    for (int c = 0; c < C(); ++c) {
+    for (int c : which) {
       th.emplace_back([&, c] { out.c[static_cast<size_t>(c)] = cons[static_cast<size_t>(c)]->sync(v, commit); });
     }
     for (auto& t : th) t.join();
