@@ -427,7 +427,9 @@ struct ConsumerOptions : EngineOptions {
 struct ConsumerModel {
   // The rank's plan. Its sources must match the trainer's metadata (name, dtype, shape;
   // kInvalidArgument naming the tensor otherwise). Ranks with equal plans (Plan::hash)
-  // are replicas: the router sends them the same pieces from the same producers.
+  // are replicas: the router sends them the same pieces from the same producers. Params
+  // the plan keeps block-quantised (mark_quantized) end as e4m3 with their scales, in
+  // buffers ferry makes (Consumer::params names them), whichever side quantised them.
   Plan plan;
   // Real, contiguous buffers for the plan's params (the engine's own parameters),
   // written in place by every sync; the caller keeps them alive and at the same address

@@ -269,6 +269,24 @@ Result<std::unique_ptr<ModelLoader>> make_model_loader(const ModelConfig& config
 Result<Plan> record_plan(const ModelLoader& loader, int global);
 Result<Plan> record_plan(const ModelLoader& loader, int global, const std::vector<TensorDecl>& metadata);
 
+// FP8 from a plan recorded anywhere (ferry.record_load, a Recorder over an engine's own
+// loader): marks `params` as kept block-quantised the way a built-in loader with `quantize`
+// keeps its linear weights (the same tiles, scale format and scale param: the weight's
+// name + the form's suffix, e.g. "_scale_inv"). Producers then quantise them wherever
+// one holds a tile's every element (EngineOptions::quantize_on), and the consumer
+// quantises the rest after they land (quantize_kept_param), bit for bit the same.
+// Replaces any earlier marks. Errors (kInvalidArgument): kNone, an empty list, a name
+// that is not a param of the plan (naming it), a param listed twice, one that is not a
+// float tensor of at least 2 dims, a scale name that is a param of the plan.
+Status mark_quantized(Plan& plan, Quantize quantize, const std::vector<std::string>& params);
+
+// The consumer's step for one param a plan keeps block-quantised (`bq`, Plan::quantized;
+// `name` is the param's): still in its loaded dtype in `params`, it is quantised as the
+// built-in loaders do (params[name] replaced by e4m3, params[bq.scale_name] added);
+// arrived as e4m3 (a producer quantised it), its scale must be there (kNotFound
+// otherwise). kNotFound when params has no `name`.
+Status quantize_kept_param(const BlockQuantize& bq, const std::string& name, TensorMap& params);
+
 // Loads rank `global` from real checkpoint tensors with the loader itself, running each
 // group's post-processing as soon as every checkpoint tensor feeding it has landed.
 // Returns the final params (RankLoader::final_params()).

@@ -554,7 +554,8 @@ class Consumer:
 
     def params(self):
         """The rank's final params: the ``params`` passed in where given (and, with a built-in
-        loader, not quantized), else views of ferry's buffers (torch tensors when torch is
+        loader, not quantized; with ``plan``, not among ``plan.quantized_params``), else
+        views of ferry's buffers (torch tensors when torch is
         imported, else numpy arrays; bf16/fp8 as raw uint16/uint8 bits without torch); a
         param in GPU memory is the caller's tensor (None for one ferry made there).
 
@@ -568,8 +569,11 @@ class Consumer:
             return given
         torch = sys.modules.get("torch")
         out = {}
+        # A param the plan keeps block-quantised is ferry's e4m3 buffer, not the caller's
+        # (which has the loaded dtype); its scales are ferry's too.
+        kept_fp8 = set(self.plan.quantized_params) if self.plan is not None else ()
         for name, (dt, arr) in self._c.params().items():
-            if (self.plan is not None or arr is None) and given is not None and name in given:
+            if (self.plan is not None or arr is None) and given is not None and name in given and name not in kept_fp8:
                 out[name] = given[name]
                 continue
             if arr is None:  # in GPU memory and not the caller's (a post-processing output)

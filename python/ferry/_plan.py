@@ -82,6 +82,31 @@ class Plan:
 
     __hash__ = object.__hash__
 
+    def quantized(self, params, quantize="fp8"):
+        """A copy of this plan that keeps ``params`` (param names, or a callable
+        ``name -> bool`` over the plan's params) block-quantised to FP8, as ferry's built-in
+        loaders keep their linear weights with the same ``quantize`` ("fp8": 128x128 tiles,
+        fp32 ``<name>_scale_inv``; "fp8-ue8m0": power-of-two E8M0 scales; "mxfp8": 1x32
+        runs, ``<name>_scale``). A sync then delivers each as e4m3 plus its scales: quantised
+        on the trainer where one producer holds a whole tile (``quantize_on="producer"``,
+        the default; only the FP8 bytes move), else on the consumer after it lands, bit for
+        bit the same either way. Raises InvalidArgumentError naming a name that is not a
+        param, a param that is not a float matrix, or an empty selection."""
+        if callable(params):
+            names = [n for n in self.params if params(n)]
+        elif isinstance(params, str):
+            raise InvalidArgumentError("Plan.quantized: params must be a list of names or a callable, not one string")
+        else:
+            names = [str(n) for n in params]
+        return Plan(_ferry._mark_quantized(self._handle(), str(quantize), names))
+
+    @property
+    def quantized_params(self):
+        """{param name: (quantize, block, scale param name)} of the params this plan keeps
+        block-quantised (empty unless made by ``quantized`` or a built-in loader with
+        quantize=)."""
+        return dict(_ferry._quantized_params(self._handle()))
+
     def dump(self):
         """Human-readable text, one line per copy (for debugging; long for a real model)."""
         return self._handle().to_string()

@@ -195,7 +195,8 @@ def _parameter_slots(module):
     return slots
 
 
-def record_load(module, metadata, load_weights=None, check_coverage=False, allow_unwritten=False):
+def record_load(module, metadata, load_weights=None, check_coverage=False, allow_unwritten=False, *,
+                quantize="none", quantize_params=None):
     """Records ``module``'s own weight loading into a :class:`ferry.Plan`.
 
     ``metadata``: every checkpoint tensor the loader is fed, ``{name: (shape, dtype)}``
@@ -208,8 +209,17 @@ def record_load(module, metadata, load_weights=None, check_coverage=False, allow
     module's parameter names (``named_parameters()``), with their shapes and dtypes.
     Value-dependent ops raise ``ferry.RecordingError`` naming the op and the tensor.
     ``check_coverage``: also check that every written param element is written exactly
-    once (and every element is written, unless ``allow_unwritten``)."""
+    once (and every element is written, unless ``allow_unwritten``).
+
+    ``quantize`` ("fp8", "fp8-ue8m0", "mxfp8"; default "none") with ``quantize_params``
+    (param names, or a callable ``name -> bool``): the engine keeps those params
+    block-quantised, as ``Plan.quantized`` says (FP8 quantised on the trainer where it
+    can be, the scales as params of their own)."""
     import torch
+
+    if (quantize in (None, "none")) != (quantize_params is None):
+        raise InvalidArgumentError("record_load: quantize= and quantize_params= go together "
+                                   f"(got quantize={quantize!r}, quantize_params={quantize_params!r})")
 
     if not isinstance(module, torch.nn.Module):
         raise InvalidArgumentError(f"record_load: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -239,6 +249,8 @@ def record_load(module, metadata, load_weights=None, check_coverage=False, allow
     finally:
         for mod, attr, p in reversed(swapped):
             mod._parameters[attr] = p
+    if quantize_params is not None:
+        plan = plan.quantized(quantize_params, quantize)
     return plan
 
 

@@ -54,9 +54,21 @@ Result<RankModel> adopt_rank_model(ConsumerModel model, int rank, const std::vec
     post[static_cast<size_t>(g)].params.push_back(out.param_decls[i].name);
   }
   for (const auto& g : post) out.post_group_names.push_back(g.name);
-  if (model.post_process) {
-    out.post_process = [post = std::move(post), fn = std::move(model.post_process)](int group, TensorMap& work) {
-      return fn(post[static_cast<size_t>(group)], work);
+  // The params the plan keeps block-quantised (mark_quantized): those no producer
+  // quantised arrive in their loaded dtype and are quantised here, as a built-in loader's
+  // post-processing does, before the caller's own post-processing sees the group.
+  std::vector<std::vector<std::pair<std::string, BlockQuantize>>> kept(post.size());
+  for (const BlockQuantize& bq : out.plan.quantized()) {
+    const std::string& name = out.param_decls[bq.param].name;
+    kept[static_cast<size_t>(out.post_group_of.at(name))].emplace_back(name, bq);
+  }
+  if (model.post_process || !out.plan.quantized().empty()) {
+    out.post_process = [post = std::move(post), kept = std::move(kept), fn = std::move(model.post_process)](
+                           int group, TensorMap& work) -> Status {
+      for (const auto& [name, bq] : kept[static_cast<size_t>(group)]) {
+        FERRY_RETURN_IF_ERROR(quantize_kept_param(bq, name, work));
+      }
+      return fn ? fn(post[static_cast<size_t>(group)], work) : Status::Ok();
     };
   }
   return out;

@@ -368,20 +368,9 @@ Result<std::shared_ptr<const RankLoader>> RankBuilder::finish() {
       if (by_group[g].empty()) continue;
       l.groups_[g].post.push_back([names = by_group[g], form](TensorMap& params) -> Status {
         for (const auto& name : names) {
-          auto it = params.find(name);
-          if (it == params.end()) return not_found("fp8 quantisation: param '{}' missing", name);
-          if (it->second.dtype() == DType::kF8E4M3) {
-            // Quantised by a producer (RouterOptions::quantize_on): it arrived with its scales.
-            if (!params.count(name + form.scale_suffix)) {
-              return not_found("fp8 quantisation: param '{}' arrived quantised without its scales '{}'", name,
-                               name + form.scale_suffix);
-            }
-            continue;
-          }
-          auto q = quantize_fp8_blocks(it->second, form.block, form.format);
-          if (!q.ok()) return q.status().with_context(fmt::format("fp8 quantisation of '{}'", name));
-          it->second = q->first;
-          params[name + form.scale_suffix] = q->second;
+          const BlockQuantize bq{0, static_cast<uint8_t>(form.format), static_cast<uint32_t>(form.block),
+                                 name + form.scale_suffix};
+          FERRY_RETURN_IF_ERROR(quantize_kept_param(bq, name, params));
         }
         return Status::Ok();
       });

@@ -124,6 +124,38 @@ Result<Plan> record_plan(const ModelLoader& loader, int global, const std::vecto
   return plan;
 }
 
+Status mark_quantized(Plan& plan, Quantize quantize, const std::vector<std::string>& params) {
+  if (quantize == Quantize::kNone) return invalid_argument("mark_quantized: quantize is none (fp8, fp8-ue8m0 or mxfp8)");
+  if (params.empty()) return invalid_argument("mark_quantized: no param to quantise");
+  const models::QuantizedForm form = models::quantized_form(quantize);
+  std::vector<BlockQuantize> quantized;
+  quantized.reserve(params.size());
+  for (const std::string& name : params) {
+    const std::optional<uint32_t> p = plan.find_param(name);
+    if (!p) return invalid_argument("mark_quantized: '{}' is not a param of the plan", name);
+    quantized.push_back(BlockQuantize{*p, static_cast<uint8_t>(form.format), static_cast<uint32_t>(form.block),
+                                      name + form.scale_suffix});
+  }
+  return plan.set_quantized(std::move(quantized)).with_context(fmt::format("mark_quantized {}", quantize_name(quantize)));
+}
+
+Status quantize_kept_param(const BlockQuantize& bq, const std::string& name, TensorMap& params) {
+  auto it = params.find(name);
+  if (it == params.end()) return not_found("fp8 quantisation: param '{}' missing", name);
+  if (it->second.dtype() == DType::kF8E4M3) {
+    // Quantised by a producer (EngineOptions::quantize_on): it arrived with its scales.
+    if (!params.count(bq.scale_name)) {
+      return not_found("fp8 quantisation: param '{}' arrived quantised without its scales '{}'", name, bq.scale_name);
+    }
+    return Status::Ok();
+  }
+  auto q = models::quantize_fp8_blocks(it->second, bq.block, static_cast<Fp8Scales>(bq.format));
+  if (!q.ok()) return q.status().with_context(fmt::format("fp8 quantisation of '{}'", name));
+  it->second = q->first;
+  params[bq.scale_name] = q->second;
+  return Status::Ok();
+}
+
 // ---------------------------------------------------------------------------------------
 // Direct and plan loads
 

@@ -29,6 +29,22 @@ T value_or_raise(Result<T> r) {
 
 void register_models(py::module_& m) {
   m.def("_supported_architectures", [] { return supported_architectures(); });
+  // A copy of `plan` keeping `params` block-quantised as `quantize` (mark_quantized).
+  m.def("_mark_quantized", [](const PyPlan& plan, const std::string& quantize, const std::vector<std::string>& params) {
+    PyPlan out{plan.plan};
+    if (Status s = mark_quantized(out.plan, value_or_raise(parse_quantize(quantize)), params); !s.ok()) throw_status(s);
+    return out;
+  });
+  // {param: (format, block, scale name)} of the params `plan` keeps block-quantised.
+  m.def("_quantized_params", [](const PyPlan& plan) {
+    py::dict d;
+    for (const BlockQuantize& bq : plan.plan.quantized()) {
+      static constexpr const char* kFormats[] = {"fp8", "fp8-ue8m0", "mxfp8"};
+      d[py::str(plan.plan.params()[bq.param].name)] =
+          py::make_tuple(kFormats[bq.format < 3 ? bq.format : 0], bq.block, bq.scale_name);
+    }
+    return d;
+  });
 
   py::class_<PyModelLoader>(m, "_ModelLoader")
       .def_static("create",

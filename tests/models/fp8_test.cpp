@@ -180,6 +180,68 @@ TEST(Fp8, HookQuantizesEachRanksShard) {
   EXPECT_TRUE(found);
 }
 
+// A plan recorded elsewhere, marked with mark_quantized, keeps the same params as the
+// built-in loader with that quantize: the same plan, and quantize_kept_param gives the
+// loader's post-processing bits.
+TEST(Fp8, MarkedPlanEqualsTheLoadersAndKeptParamsQuantiseAlike) {
+  const ModelConfig cfg = config_from(dense_config("LlamaForCausalLM", 1, 128, 8, 2, 192, 1000, false));
+  for (Quantize q : {Quantize::kFp8, Quantize::kFp8Ue8m0, Quantize::kMxfp8}) {
+    LoaderOptions opts;
+    opts.quantize = q;
+    auto fp8 = loader_for(cfg, "tp=2", opts);
+    auto plain = loader_for(cfg, "tp=2");
+    ASSERT_NE(fp8, nullptr);
+    ASSERT_NE(plain, nullptr);
+    auto want = record_plan(*fp8, 1);
+    auto marked = record_plan(*plain, 1);
+    ASSERT_TRUE(want.ok() && marked.ok());
+    std::vector<std::string> names;
+    for (const BlockQuantize& bq : want->quantized()) names.push_back(want->params()[bq.param].name);
+    ASSERT_EQ(names.size(), 4u);
+    ASSERT_TRUE(mark_quantized(*marked, q, names).ok());
+    EXPECT_EQ(*marked, *want) << quantize_name(q);
+    // The consumer's step on the loaded params equals the loader's own post-processing.
+    auto ckpt = random_checkpoint(plain->checkpoint(), 5);
+    ASSERT_TRUE(ckpt.ok());
+    auto loaded = load_rank_direct(*plain, 1, *ckpt);
+    auto direct = load_rank_direct(*fp8, 1, *ckpt);
+    ASSERT_TRUE(loaded.ok() && direct.ok());
+    for (const BlockQuantize& bq : marked->quantized()) {
+      const std::string& name = marked->params()[bq.param].name;
+      ASSERT_TRUE(quantize_kept_param(bq, name, *loaded).ok());
+      ASSERT_TRUE(quantize_kept_param(bq, name, *loaded).ok()) << "arrived quantised, with its scales: accepted";
+    }
+    auto diff = compare_params((*fp8->rank(1))->final_params(), *direct, *loaded);
+    ASSERT_TRUE(diff.ok()) << diff.status().to_string();
+    if (diff->has_value()) ADD_FAILURE() << quantize_name(q) << ": " << (*diff)->param << " " << (*diff)->detail;
+    // Arrived as e4m3 without its scales; missing altogether.
+    const BlockQuantize& first = marked->quantized()[0];
+    const std::string& name = marked->params()[first.param].name;
+    loaded->erase(first.scale_name);
+    EXPECT_EQ(quantize_kept_param(first, name, *loaded).code(), StatusCode::kNotFound);
+    loaded->erase(name);
+    EXPECT_EQ(quantize_kept_param(first, name, *loaded).code(), StatusCode::kNotFound);
+  }
+  // Bad marks, each named.
+  auto plain = loader_for(cfg, "tp=2");
+  ASSERT_NE(plain, nullptr);
+  auto plan = record_plan(*plain, 0);
+  ASSERT_TRUE(plan.ok());
+  const Plan before = *plan;
+  auto message = [&](Quantize q, std::vector<std::string> names) {
+    Status s = mark_quantized(*plan, q, names);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+    return s.to_string();
+  };
+  EXPECT_NE(message(Quantize::kNone, {"model.norm.weight"}).find("quantize is none"), std::string::npos);
+  EXPECT_NE(message(Quantize::kFp8, {}).find("no param to quantise"), std::string::npos);
+  EXPECT_NE(message(Quantize::kFp8, {"x.weight"}).find("'x.weight' is not a param of the plan"), std::string::npos);
+  EXPECT_NE(message(Quantize::kFp8, {"model.norm.weight"}).find("not a float matrix"), std::string::npos);
+  const std::string down = "model.layers.0.mlp.down_proj.weight";
+  EXPECT_NE(message(Quantize::kFp8, {down, down}).find("listed as quantised twice"), std::string::npos);
+  EXPECT_EQ(*plan, before);  // a refused mark leaves the plan as it was
+}
+
 // Building blocks for the MoE / FP8-checkpoint architectures.
 TEST(Blocks, ExpertsAndScales) {
   using namespace models;

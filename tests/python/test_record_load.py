@@ -416,6 +416,89 @@ class ConsumerFromRecordedPlanTest(unittest.TestCase):
             for x in (producer, consumer):
                 x.close()
 
+    def test_fp8_from_a_recorded_plan_is_the_built_in_quantisers_bit_for_bit(self):
+        """Plan.quantized / record_load(quantize=...): consumers 2 and 3 sync into the
+        module's own recorded plan marked with the params ferry's built-in Llama loader
+        keeps in FP8, beside consumers 0 and 1 on that loader (quantize="fp8"), in one job.
+        Quantised on the trainer (the default) and on the consumer: every param of a
+        recorded rank is bit for bit the built-in rank's, and on the trainer side the wire
+        carries exactly what the consumer keeps (FP8 and scales; padding is never sent)."""
+        builtin = ferry.ModelLoader(TEST_CONFIG, "tp=2,replicas=2", quantize="fp8")
+        fp8 = sorted(builtin.record_plan(0).quantized_params)
+        self.assertIn("model.layers.0.self_attn.qkv_proj.weight", fp8)
+        modules = [sentinel(LlamaForCausalLM(TEST_CONFIG, r, 2)) for r in range(2)]
+        plans = [ferry.record_load(m, hf_shapes(TEST_CONFIG), quantize="fp8", quantize_params=fp8) for m in modules]
+        for r, plan in enumerate(plans):
+            self.assertEqual(plan, builtin.record_plan(r))  # the same marks, the same plan class
+            self.assertEqual(plan.quantized_params[fp8[0]], ("fp8", 128, fp8[0] + "_scale_inv"))
+        kept = {}
+        for quantize_on in ("producer", "consumer"):
+            trainer = HFTrainer(random_hf_state(TEST_CONFIG, seed=21))
+            with ferry.StoreServer() as server:
+                common = dict(token=server.token, backend=self.BACKEND, job="record-load-fp8-" + quantize_on,
+                              timeout=20.0, rendezvous_timeout=20.0, num_consumers=4, quantize_on=quantize_on)
+                if self.BACKEND == "ucx":
+                    common["transport_params"] = {"tls": "tcp,self", "net_devices": "lo"}
+                made = run_threads(
+                    [lambda: ferry.Producer(trainer, server.url, **common)] +
+                    [lambda r=r: ferry.Consumer(loader=builtin, rank=r, store=server, **common) for r in range(2)] +
+                    [lambda r=r: ferry.Consumer(plan=plans[r], params=modules[r], rank=2 + r, store=server, **common)
+                     for r in range(2)])
+                producer, consumers = made[0], made[1:]
+                reports = self.sync(producer, consumers, 1)
+                for rep in reports:
+                    self.assertTrue(rep["ok"], rep["text"])
+                for r in range(2):
+                    theirs, ours = consumers[r].params(), consumers[2 + r].params()
+                    self.assertEqual(sorted(theirs), sorted(ours))
+                    for name in fp8:
+                        # e4m3 (raw uint8 bits on a torch without float8 dtypes, as 1.13)
+                        self.assertEqual(ours[name].dtype, getattr(torch, "float8_e4m3fn", torch.uint8), name)
+                        self.assertEqual(ours[name + "_scale_inv"].dtype, torch.float32, name)
+                    for name, t in ours.items():
+                        self.assertTrue(torch.equal(bits(t), bits(theirs[name])), f"{quantize_on}: {name}")
+                    # The module's params that are not quantised are its own, written in place.
+                    for name, p in modules[r].named_parameters():
+                        if name not in fp8:
+                            self.assertEqual(ours[name].data_ptr(), p.data_ptr(), name)
+                    kept.setdefault(r, []).append({n: bits(t).clone() for n, t in ours.items()})
+                    kept_bytes = sum(t.numel() * t.element_size() for t in ours.values())
+                    padding = plans[r].stats()["zero_elements"] * 4  # the padded vocab rows (float32)
+                    received = reports[3 + r]["bytes_received"]
+                    self.assertEqual(received, reports[1 + r]["bytes_received"])
+                    if quantize_on == "producer":
+                        self.assertEqual(received, kept_bytes - padding)
+                    else:  # the loaded float32 weights moved, quantised after they landed
+                        self.assertGreater(received, kept_bytes - padding)
+                for x in made:
+                    x.close()
+        for r in range(2):  # trainer-side and consumer-side quantisation: the same bits
+            self.assertEqual(sorted(kept[r][0]), sorted(kept[r][1]))
+            for name in kept[r][0]:
+                self.assertTrue(torch.equal(kept[r][0][name], kept[r][1][name]), name)
+
+    def test_quantized_marks_are_checked(self):
+        module = LlamaForCausalLM(TEST_CONFIG, 0, 1)
+        plan = ferry.record_load(module, hf_shapes(TEST_CONFIG))
+        self.assertEqual(plan.quantized_params, {})
+        with self.assertRaisesRegex(ferry.InvalidArgumentError, "'model.nope.weight' is not a param of the plan"):
+            plan.quantized(["model.nope.weight"])
+        with self.assertRaisesRegex(ferry.InvalidArgumentError, "'model.norm.weight'.*not a float matrix"):
+            plan.quantized(["model.norm.weight"])
+        with self.assertRaisesRegex(ferry.InvalidArgumentError, "no param to quantise"):
+            plan.quantized(lambda name: False)
+        with self.assertRaisesRegex(ferry.InvalidArgumentError, "quantize is none"):
+            plan.quantized(["model.layers.0.mlp.down_proj.weight"], "none")
+        with self.assertRaisesRegex(ferry.InvalidArgumentError, "quantize=.*quantize_params= go together"):
+            ferry.record_load(module, hf_shapes(TEST_CONFIG), quantize="fp8")
+        marked = plan.quantized(lambda name: name.endswith("proj.weight"), "mxfp8")
+        self.assertEqual(marked.quantized_params["model.layers.1.mlp.down_proj.weight"],
+                         ("mxfp8", 32, "model.layers.1.mlp.down_proj.weight_scale"))
+        self.assertEqual(len(marked.quantized_params), 2 * 4)
+        self.assertNotEqual(marked.hash(), plan.hash())
+        self.assertEqual(ferry.Plan.from_bytes(marked.to_bytes()), marked)
+        self.assertEqual(plan.quantized_params, {})  # the original is unchanged
+
 
 if __name__ == "__main__":
     unittest.main()
