@@ -35,6 +35,21 @@ native tensors are found in each of Megatron-Core's three forms (``expert_layout
 expert in one tensor) and ``"sequential"`` (SequentialMLP, no grouped GEMM:
 ``mlp.experts.local_experts.{j}.linear_fc1.weight``); by default the form the native
 tensors have.
+
+DeepSeek-V2/V3 and Kimi-K2 (``kv_lora_rank`` and ``n_routed_experts`` in the config) are
+GPT models too, with Megatron-Core's multi-latent attention: ``linear_q_down_proj`` and
+``linear_kv_down_proj`` (HF ``q_a_proj``, ``kv_a_proj_with_mqa``) whole on every TP rank,
+``linear_q_up_proj`` / ``linear_kv_up_proj`` (``q_b_proj``, ``kv_b_proj``) split by heads
+with the q/kv norms fused in (``layer_norm_weight``; or apart as ``q_layernorm`` /
+``kv_layernorm``), ``linear_proj`` by columns, the input norm apart. The first
+``first_k_dense_replace`` layers are dense; the MoE layers add the shared experts
+(``mlp.shared_experts.linear_fc1`` / ``linear_fc2``, split over TP like a dense MLP) and,
+with ``topk_method: noaux_tc``, the router's ``expert_bias``
+(``e_score_correction_bias``). Multi-token-prediction layers
+(``num_nextn_predict_layers``, or ``mtp_layers=``) are ``mtp.layers.{k}`` on the last
+stage (``enorm``, ``hnorm``, ``eh_proj`` split by rows over TP, ``final_layernorm`` as
+``shared_head.norm``, ``transformer_layer.*``); they share the output layer
+(``shared_head.head``) and the embedding, which Megatron keeps on the last stage too.
 """
 from ._engine import WeightSource
 from .errors import InvalidArgumentError, NotFoundError
@@ -95,18 +110,22 @@ class GPTLayout:
 
     MoE: ``ep`` (expert_model_parallel_size), ``etp`` (expert_tensor_parallel_size;
     default ``tp``, as in Megatron-Core), ``expert_layout``: one of ``EXPERT_LAYOUTS`` or
-    None (found per layer from the native names ``views`` is given)."""
+    None (found per layer from the native names ``views`` is given).
+
+    DeepSeek-style configs (MLA: kv_lora_rank, q_lora_rank, qk_nope_head_dim,
+    qk_rope_head_dim, v_head_dim; n_routed_experts, n_shared_experts,
+    first_k_dense_replace, moe_layer_freq, topk_method) as the module docstring says.
+    ``mtp_layers``: the trainer's multi-token-prediction layers (default the config's
+    num_nextn_predict_layers; 0 for a trainer without them)."""
 
     def __init__(self, hf_config, tp=1, pp=1, dp=1, make_vocab_size_divisible_by=128, qk_layernorm=None, *, ep=1,
-                 etp=None, expert_layout=None):
+                 etp=None, expert_layout=None, mtp_layers=None):
         c = hf_config
         if c.get("attention_bias") or c.get("mlp_bias"):
             raise InvalidArgumentError("GPTLayout: biases are not supported yet (attention_bias / mlp_bias)")
-        if c.get("n_routed_experts"):
-            raise InvalidArgumentError("GPTLayout: DeepSeek-style MoE (n_routed_experts, MLA attention) is not a GPT "
-                                       "layout; pass its holdings to WeightSource instead")
-        if c.get("shared_expert_intermediate_size") or c.get("n_shared_experts"):
-            raise InvalidArgumentError("GPTLayout: shared experts are not supported yet (shared_expert_intermediate_size)")
+        if c.get("shared_expert_intermediate_size"):
+            raise InvalidArgumentError("GPTLayout: Qwen2-MoE's gated shared expert (shared_expert_intermediate_size) "
+                                       "is not supported yet; DeepSeek-style n_shared_experts are")
         self.hidden = int(c["hidden_size"])
         self.heads = int(c["num_attention_heads"])
         self.kv_heads = int(c.get("num_key_value_heads") or self.heads)
@@ -118,11 +137,25 @@ class GPTLayout:
         model_type = c.get("model_type")
         self.qk_layernorm = bool(model_type in ("qwen3", "qwen3_moe") if qk_layernorm is None else qk_layernorm)
         self.tp, self.pp, self.dp = int(tp), int(pp), int(dp)
-        # Experts: Qwen2/3-MoE name them mlp.experts.{e}.{gate,up,down}_proj, Mixtral
-        # block_sparse_moe.experts.{e}.{w1,w3,w2}.
-        self.num_experts = int(c.get("num_experts") or c.get("num_local_experts") or 0)
+        # Multi-latent attention (DeepSeek-V2/V3, Kimi-K2): Megatron-Core's MLASelfAttention.
+        self.mla = bool(c.get("kv_lora_rank"))
+        if self.mla:
+            self.q_lora = int(c.get("q_lora_rank") or 0)  # 0: no q down-projection (q_proj)
+            self.kv_lora = int(c["kv_lora_rank"])
+            self.qk_nope, self.qk_rope = int(c["qk_nope_head_dim"]), int(c["qk_rope_head_dim"])
+            self.v_head = int(c["v_head_dim"])
+        # Experts: Qwen2/3-MoE and DeepSeek name them mlp.experts.{e}.{gate,up,down}_proj,
+        # Mixtral block_sparse_moe.experts.{e}.{w1,w3,w2}.
+        self.num_experts = int(c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts") or 0)
         self.mixtral = model_type == "mixtral" or "MixtralForCausalLM" in (c.get("architectures") or ())
         self.moe_intermediate = int(c.get("moe_intermediate_size") or self.intermediate) if self.num_experts else 0
+        # DeepSeek's shared experts (one MLP of n_shared_experts * moe_intermediate_size, TP
+        # split like a dense MLP) and its router's score-correction bias (noaux_tc).
+        self.shared_intermediate = int(c.get("n_shared_experts") or 0) * self.moe_intermediate
+        self.router_bias = c.get("topk_method") == "noaux_tc"
+        # Multi-token-prediction layers (num_nextn_predict_layers): HF model.layers.{L+k},
+        # Megatron mtp.layers.{k} on the last stage, sharing its embedding and output layer.
+        self.mtp_layers = int(c.get("num_nextn_predict_layers") or 0) if mtp_layers is None else int(mtp_layers)
         self.ep = int(ep)
         self.etp = self.tp if etp is None else int(etp)
         if expert_layout is not None and expert_layout not in EXPERT_LAYOUTS:
@@ -130,6 +163,9 @@ class GPTLayout:
         self.expert_layout = expert_layout
         if self.mixtral:
             self._moe_layers = set(range(self.layers)) if self.num_experts else set()
+        elif c.get("n_routed_experts"):  # DeepSeek: dense below first_k_dense_replace, MTP layers alike
+            first, freq = int(c.get("first_k_dense_replace") or 0), int(c.get("moe_layer_freq") or 1)
+            self._moe_layers = {i for i in range(self.layers + self.mtp_layers) if i >= first and i % freq == 0}
         else:
             step = int(c.get("decoder_sparse_step") or 1)
             only = {int(i) for i in (c.get("mlp_only_layers") or ())}
@@ -139,9 +175,15 @@ class GPTLayout:
             if n <= 0:
                 raise InvalidArgumentError(f"GPTLayout: {what} must be positive, got {n}")
         self.padded_vocab = padded_vocab_size(self.vocab, self.tp, make_vocab_size_divisible_by)
+        if self.mtp_layers < 0:
+            raise InvalidArgumentError(f"GPTLayout: mtp_layers must be >= 0, got {self.mtp_layers}")
         checks = [("num_attention_heads", self.heads)]
-        if len(self._moe_layers) < self.layers:
+        if len(self._moe_layers) < self.layers + self.mtp_layers:
             checks.append(("intermediate_size", self.intermediate))  # a dense MLP somewhere
+        if self.shared_intermediate:
+            checks.append(("n_shared_experts * moe_intermediate_size", self.shared_intermediate))
+        if self.mtp_layers:
+            checks.append(("hidden_size (eh_proj's rows)", self.hidden))
         for what, n in checks:
             if n % self.tp:
                 raise InvalidArgumentError(f"GPTLayout: tp {self.tp} does not divide {what} {n}")
@@ -157,7 +199,8 @@ class GPTLayout:
             if self.moe_intermediate % self.etp:
                 raise InvalidArgumentError(f"GPTLayout: etp {self.etp} does not divide moe_intermediate_size "
                                            f"{self.moe_intermediate}")
-        qkv_rows(self.heads, self.kv_heads, self.head_dim, self.tp, 0)  # checks the head counts
+        if not self.mla:
+            qkv_rows(self.heads, self.kv_heads, self.head_dim, self.tp, 0)  # checks the head counts
         self._by_name = {}  # rank -> {HF name: its pieces}
 
     @property
@@ -216,44 +259,85 @@ class GPTLayout:
         x = p + f"mlp.experts.{e}."
         return (x + "gate_proj.weight", x + "up_proj.weight", x + "down_proj.weight"), p + "mlp.gate.weight"
 
+    def _attention_shapes(self):
+        """{HF attention tensor suffix: shape} of one layer."""
+        H, hd = self.hidden, self.head_dim
+        if self.mla:
+            qk = self.qk_nope + self.qk_rope
+            m = {}
+            if self.q_lora:
+                m["self_attn.q_a_proj.weight"] = (self.q_lora, H)
+                m["self_attn.q_a_layernorm.weight"] = (self.q_lora,)
+                m["self_attn.q_b_proj.weight"] = (self.heads * qk, self.q_lora)
+            else:
+                m["self_attn.q_proj.weight"] = (self.heads * qk, H)
+            m["self_attn.kv_a_proj_with_mqa.weight"] = (self.kv_lora + self.qk_rope, H)
+            m["self_attn.kv_a_layernorm.weight"] = (self.kv_lora,)
+            m["self_attn.kv_b_proj.weight"] = (self.heads * (self.qk_nope + self.v_head), self.kv_lora)
+            m["self_attn.o_proj.weight"] = (H, self.heads * self.v_head)
+            return m
+        q, kv = self.heads * hd, self.kv_heads * hd
+        m = {"self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H), "self_attn.v_proj.weight": (kv, H)}
+        if self.qk_layernorm:
+            m["self_attn.q_norm.weight"] = (hd,)
+            m["self_attn.k_norm.weight"] = (hd,)
+        m["self_attn.o_proj.weight"] = (H, q)
+        return m
+
+    def _layer_metadata(self, i, m, dtype):
+        H, I = self.hidden, self.intermediate
+        p = f"model.layers.{i}."
+        m[p + "input_layernorm.weight"] = ((H,), dtype)
+        for suffix, shape in self._attention_shapes().items():
+            m[p + suffix] = (shape, dtype)
+        m[p + "post_attention_layernorm.weight"] = ((H,), dtype)
+        if self.is_moe_layer(i):
+            Im = self.moe_intermediate
+            m[self._expert_names(i, 0)[1]] = ((self.num_experts, H), dtype)
+            if self.router_bias:
+                m[p + "mlp.gate.e_score_correction_bias"] = ((self.num_experts,), dtype)
+            for e in range(self.num_experts):
+                (gate, up, down), _ = self._expert_names(i, e)
+                m[gate] = ((Im, H), dtype)
+                m[up] = ((Im, H), dtype)
+                m[down] = ((H, Im), dtype)
+            if self.shared_intermediate:
+                Is = self.shared_intermediate
+                m[p + "mlp.shared_experts.gate_proj.weight"] = ((Is, H), dtype)
+                m[p + "mlp.shared_experts.up_proj.weight"] = ((Is, H), dtype)
+                m[p + "mlp.shared_experts.down_proj.weight"] = ((H, Is), dtype)
+        else:
+            m[p + "mlp.gate_proj.weight"] = ((I, H), dtype)
+            m[p + "mlp.up_proj.weight"] = ((I, H), dtype)
+            m[p + "mlp.down_proj.weight"] = ((H, I), dtype)
+
     def metadata(self, dtype):
-        """{HF name: (shape, dtype)} of the model (unpadded vocab)."""
-        H, q, kv, I = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        """{HF name: (shape, dtype)} of the model (unpadded vocab), its MTP layers included
+        (``model.layers.{num_hidden_layers + k}.*``, as DeepSeek-V3's checkpoint has them)."""
+        H = self.hidden
         m = {"model.embed_tokens.weight": ((self.vocab, H), dtype)}
         for i in range(self.layers):
-            p = f"model.layers.{i}."
-            m[p + "input_layernorm.weight"] = ((H,), dtype)
-            m[p + "self_attn.q_proj.weight"] = ((q, H), dtype)
-            m[p + "self_attn.k_proj.weight"] = ((kv, H), dtype)
-            m[p + "self_attn.v_proj.weight"] = ((kv, H), dtype)
-            if self.qk_layernorm:
-                m[p + "self_attn.q_norm.weight"] = ((self.head_dim,), dtype)
-                m[p + "self_attn.k_norm.weight"] = ((self.head_dim,), dtype)
-            m[p + "self_attn.o_proj.weight"] = ((H, q), dtype)
-            m[p + "post_attention_layernorm.weight"] = ((H,), dtype)
-            if self.is_moe_layer(i):
-                Im = self.moe_intermediate
-                m[self._expert_names(i, 0)[1]] = ((self.num_experts, H), dtype)
-                for e in range(self.num_experts):
-                    (gate, up, down), _ = self._expert_names(i, e)
-                    m[gate] = ((Im, H), dtype)
-                    m[up] = ((Im, H), dtype)
-                    m[down] = ((H, Im), dtype)
-            else:
-                m[p + "mlp.gate_proj.weight"] = ((I, H), dtype)
-                m[p + "mlp.up_proj.weight"] = ((I, H), dtype)
-                m[p + "mlp.down_proj.weight"] = ((H, I), dtype)
+            self._layer_metadata(i, m, dtype)
         m["model.norm.weight"] = ((H,), dtype)
         if not self.tied:
             m["lm_head.weight"] = ((self.vocab, H), dtype)
+        for k in range(self.mtp_layers):
+            i = self.layers + k
+            p = f"model.layers.{i}."
+            m[p + "embed_tokens.weight"] = ((self.vocab, H), dtype)
+            m[p + "enorm.weight"] = ((H,), dtype)
+            m[p + "hnorm.weight"] = ((H,), dtype)
+            m[p + "eh_proj.weight"] = ((H, 2 * H), dtype)
+            m[p + "shared_head.norm.weight"] = ((H,), dtype)
+            m[p + "shared_head.head.weight"] = ((self.vocab, H), dtype)
+            self._layer_metadata(i, m, dtype)
         return m
 
     def _pieces(self, rank):
         """[(HF name, start, size, native name, get)] of ``rank``: each box, the native
         tensor that holds it, and ``get(native)``: the box's view of that tensor."""
         stage, _, r = self.coords(rank)
-        H, hd, I = self.hidden, self.head_dim, self.intermediate
-        q_cols, i_cols = self.heads * hd // self.tp, I // self.tp
+        H = self.hidden
         out = []
 
         def whole(hf, start, size, nat):
@@ -269,44 +353,97 @@ class GPTLayout:
 
         if stage == 0:
             vocab_piece("model.embed_tokens.weight", "embedding.word_embeddings.weight")
-        qkv_of_rank = qkv_rows(self.heads, self.kv_heads, hd, self.tp, r)
         first = self.stage_layers(stage).start
-        _, edp_rank, ep_rank, etp_rank = self.expert_coords(rank)
         for i in self.stage_layers(stage):
-            p, n = f"model.layers.{i}.", f"decoder.layers.{i - first}."
-            qkv = n + "self_attention.linear_qkv.weight"
-            whole(p + "input_layernorm.weight", (0,), (H,), n + "self_attention.linear_qkv.layer_norm_weight")
-            for part in ("q", "k", "v"):
-                for hf_row, native_row, count in qkv_of_rank[part]:
-                    rows(p + f"self_attn.{part}_proj.weight", (hf_row, 0), (count, H), qkv, native_row, count)
-            if self.qk_layernorm:
-                whole(p + "self_attn.q_norm.weight", (0,), (hd,), n + "self_attention.q_layernorm.weight")
-                whole(p + "self_attn.k_norm.weight", (0,), (hd,), n + "self_attention.k_layernorm.weight")
-            whole(p + "self_attn.o_proj.weight", (0, r * q_cols), (H, q_cols), n + "self_attention.linear_proj.weight")
-            if self.is_moe_layer(i):
-                # No norm fused into the experts: Megatron keeps pre_mlp_layernorm apart.
-                whole(p + "post_attention_layernorm.weight", (0,), (H,), n + "pre_mlp_layernorm.weight")
-                whole(self._expert_names(i, 0)[1], (0, 0), (self.num_experts, H), n + "mlp.router.weight")
-                Ix = self.moe_intermediate // self.etp
-                for j in range(self.local_experts):
-                    (gate, up, down), _ = self._expert_names(i, ep_rank * self.local_experts + j)
-                    for hf, part, start, size in ((gate, "gate", (etp_rank * Ix, 0), (Ix, H)),
-                                                  (up, "up", (etp_rank * Ix, 0), (Ix, H)),
-                                                  (down, "down", (0, etp_rank * Ix), (H, Ix))):
-                        out.append((hf, start, size, n + "mlp.experts",
-                                    lambda native, n=n, j=j, part=part, hf=hf, size=size:
-                                    self._expert_view(native, n, j, part, hf, size)))
-            else:
-                whole(p + "post_attention_layernorm.weight", (0,), (H,), n + "mlp.linear_fc1.layer_norm_weight")
-                fc1 = n + "mlp.linear_fc1.weight"
-                rows(p + "mlp.gate_proj.weight", (r * i_cols, 0), (i_cols, H), fc1, 0, i_cols)
-                rows(p + "mlp.up_proj.weight", (r * i_cols, 0), (i_cols, H), fc1, i_cols, i_cols)
-                whole(p + "mlp.down_proj.weight", (0, r * i_cols), (H, i_cols), n + "mlp.linear_fc2.weight")
+            self._layer_pieces(rank, i, f"decoder.layers.{i - first}.", whole, rows, out)
         if stage == self.pp - 1:
             whole("model.norm.weight", (0,), (H,), "decoder.final_layernorm.weight")
             if not self.tied:
                 vocab_piece("lm_head.weight", "output_layer.weight")
+            # MTP layers: on the last stage, which then keeps the embedding too (Megatron
+            # builds it there for them) and shares the output layer with them.
+            for k in range(self.mtp_layers):
+                p, n = f"model.layers.{self.layers + k}.", f"mtp.layers.{k}."
+                vocab_piece(p + "embed_tokens.weight", "embedding.word_embeddings.weight")
+                whole(p + "enorm.weight", (0,), (H,), n + "enorm.weight")
+                whole(p + "hnorm.weight", (0,), (H,), n + "hnorm.weight")
+                rows_h = H // self.tp  # eh_proj: column-parallel, its rows split over TP
+                whole(p + "eh_proj.weight", (r * rows_h, 0), (rows_h, 2 * H), n + "eh_proj.weight")
+                whole(p + "shared_head.norm.weight", (0,), (H,), n + "final_layernorm.weight")
+                vocab_piece(p + "shared_head.head.weight", "output_layer.weight" if not self.tied
+                            else "embedding.word_embeddings.weight")
+                self._layer_pieces(rank, self.layers + k, n + "transformer_layer.", whole, rows, out)
         return out
+
+    def _layer_pieces(self, rank, i, n, whole, rows, out):
+        """The pieces of HF layer ``i`` on ``rank``, whose native layer prefix is ``n``."""
+        _, _, r = self.coords(rank)
+        H, hd, I = self.hidden, self.head_dim, self.intermediate
+        p = f"model.layers.{i}."
+        if self.mla:
+            # MLASelfAttention: the down projections are whole on every TP rank (TE's
+            # "duplicated" linears), the up projections split by heads (column-parallel;
+            # their norms fused in: TE's layer_norm_weight), linear_proj by columns. The
+            # input norm is a TENorm of its own.
+            whole(p + "input_layernorm.weight", (0,), (H,), n + "input_layernorm.weight")
+            a = n + "self_attention."
+            qk, heads = self.qk_nope + self.qk_rope, self.heads // self.tp
+            if self.q_lora:
+                whole(p + "self_attn.q_a_proj.weight", (0, 0), (self.q_lora, H), a + "linear_q_down_proj.weight")
+                whole(p + "self_attn.q_a_layernorm.weight", (0,), (self.q_lora,),
+                      a + "linear_q_up_proj.layer_norm_weight")
+                whole(p + "self_attn.q_b_proj.weight", (r * heads * qk, 0), (heads * qk, self.q_lora),
+                      a + "linear_q_up_proj.weight")
+            else:
+                whole(p + "self_attn.q_proj.weight", (r * heads * qk, 0), (heads * qk, H), a + "linear_q_proj.weight")
+            whole(p + "self_attn.kv_a_proj_with_mqa.weight", (0, 0), (self.kv_lora + self.qk_rope, H),
+                  a + "linear_kv_down_proj.weight")
+            whole(p + "self_attn.kv_a_layernorm.weight", (0,), (self.kv_lora,), a + "linear_kv_up_proj.layer_norm_weight")
+            kvr = heads * (self.qk_nope + self.v_head)
+            whole(p + "self_attn.kv_b_proj.weight", (r * kvr, 0), (kvr, self.kv_lora), a + "linear_kv_up_proj.weight")
+            vc = heads * self.v_head
+            whole(p + "self_attn.o_proj.weight", (0, r * vc), (H, vc), a + "linear_proj.weight")
+        else:
+            qkv = n + "self_attention.linear_qkv.weight"
+            whole(p + "input_layernorm.weight", (0,), (H,), n + "self_attention.linear_qkv.layer_norm_weight")
+            for part, entries in qkv_rows(self.heads, self.kv_heads, hd, self.tp, r).items():
+                for hf_row, native_row, count in entries:
+                    rows(p + f"self_attn.{part}_proj.weight", (hf_row, 0), (count, H), qkv, native_row, count)
+            if self.qk_layernorm:
+                whole(p + "self_attn.q_norm.weight", (0,), (hd,), n + "self_attention.q_layernorm.weight")
+                whole(p + "self_attn.k_norm.weight", (0,), (hd,), n + "self_attention.k_layernorm.weight")
+            q_cols = self.heads * hd // self.tp
+            whole(p + "self_attn.o_proj.weight", (0, r * q_cols), (H, q_cols), n + "self_attention.linear_proj.weight")
+        if self.is_moe_layer(i):
+            _, edp_rank, ep_rank, etp_rank = self.expert_coords(rank)
+            # No norm fused into the experts: Megatron keeps pre_mlp_layernorm apart.
+            whole(p + "post_attention_layernorm.weight", (0,), (H,), n + "pre_mlp_layernorm.weight")
+            whole(self._expert_names(i, 0)[1], (0, 0), (self.num_experts, H), n + "mlp.router.weight")
+            if self.router_bias:
+                whole(p + "mlp.gate.e_score_correction_bias", (0,), (self.num_experts,), n + "mlp.router.expert_bias")
+            Ix = self.moe_intermediate // self.etp
+            for j in range(self.local_experts):
+                (gate, up, down), _ = self._expert_names(i, ep_rank * self.local_experts + j)
+                for hf, part, start, size in ((gate, "gate", (etp_rank * Ix, 0), (Ix, H)),
+                                              (up, "up", (etp_rank * Ix, 0), (Ix, H)),
+                                              (down, "down", (0, etp_rank * Ix), (H, Ix))):
+                    out.append((hf, start, size, n + "mlp.experts",
+                                lambda native, n=n, j=j, part=part, hf=hf, size=size:
+                                self._expert_view(native, n, j, part, hf, size)))
+            if self.shared_intermediate:  # SharedExpertMLP: a dense MLP, TP split
+                ic = self.shared_intermediate // self.tp
+                fc1 = n + "mlp.shared_experts.linear_fc1.weight"
+                rows(p + "mlp.shared_experts.gate_proj.weight", (r * ic, 0), (ic, H), fc1, 0, ic)
+                rows(p + "mlp.shared_experts.up_proj.weight", (r * ic, 0), (ic, H), fc1, ic, ic)
+                whole(p + "mlp.shared_experts.down_proj.weight", (0, r * ic), (H, ic),
+                      n + "mlp.shared_experts.linear_fc2.weight")
+        else:
+            i_cols = I // self.tp
+            whole(p + "post_attention_layernorm.weight", (0,), (H,), n + "mlp.linear_fc1.layer_norm_weight")
+            fc1 = n + "mlp.linear_fc1.weight"
+            rows(p + "mlp.gate_proj.weight", (r * i_cols, 0), (i_cols, H), fc1, 0, i_cols)
+            rows(p + "mlp.up_proj.weight", (r * i_cols, 0), (i_cols, H), fc1, i_cols, i_cols)
+            whole(p + "mlp.down_proj.weight", (0, r * i_cols), (H, i_cols), n + "mlp.linear_fc2.weight")
 
     def _expert_layout_of(self, native, n):
         """The form of the experts of native layer prefix ``n``: ``expert_layout``, else
@@ -411,6 +548,8 @@ def _grouped(native, nat, shape, hf):
 _NORM_ALIASES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
 }
 
 

@@ -136,7 +136,7 @@ class Qwen3_30B_A3B_Test(unittest.TestCase):
             megatron.GPTLayout(dict(self.config, moe_intermediate_size=764), tp=1, dp=8, ep=1, etp=8)
         with self.assertRaisesRegex(ferry.InvalidArgumentError, "expert_layout"):
             megatron.GPTLayout(self.config, expert_layout="grouped")
-        with self.assertRaisesRegex(ferry.InvalidArgumentError, "shared experts"):
+        with self.assertRaisesRegex(ferry.InvalidArgumentError, "gated shared expert"):
             megatron.GPTLayout(dict(self.config, shared_expert_intermediate_size=512))
 
 
