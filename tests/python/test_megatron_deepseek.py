@@ -12,6 +12,11 @@ about 150 lines of holdings by hand).
   draft model) over two versions: bit for bit against the loader's plan replayed over the
   HF weights; with FP8 quantised on the trainer, the same bits as quantised on the
   consumer, and the bytes on the wire what the consumers keep.
+* Issue 47's adoption case with nothing written by hand: the same trainer into a 4-rank
+  engine-style module (deepseek_vllm.py: vLLM's DeepseekV2ForCausalLM loading) recorded
+  with ferry.record_load and marked to keep its linear weights in FP8 (quantised on the
+  trainer), beside the built-in loader in one job: the same plan, the same bits, the
+  module's other params its own as its own load_weights leaves them, over two versions.
 
 The Megatron native tensors are written here from the HF weights, independently of
 ferry.megatron, after Megatron-Core's MLA (megatron/core/transformer/multi_latent_attention.py),
@@ -252,6 +257,72 @@ class DeepSeekSyncTest(unittest.TestCase):
                     padding = fp8_loader.record_plan(r).stats()["zero_elements"] * 4  # padded vocab rows, f32
                     self.assertEqual(reports[r]["bytes_received"], kept - padding, r)
                     self.assertGreater(c_reports[r]["bytes_received"], kept - padding, r)
+
+
+class EngineModuleTest(unittest.TestCase):
+    """Issue 47's adoption case, with nothing written by hand: the Megatron-style trainer
+    above (GPTLayout's holdings and views) into a 4-rank engine-style DeepSeek-V3 module
+    (deepseek_vllm.py, vLLM's loading) recorded with ferry.record_load and marked to keep
+    its linear weights in FP8, quantised on the trainer."""
+
+    def test_recorded_engine_module_with_fp8_from_the_trainer_bit_for_bit(self):
+        from deepseek_vllm import DeepseekV3ForCausalLM
+
+        tp, pp, dp, ep, etp = 2, 2, 1, 2, 1
+        layout = megatron.GPTLayout(DEEPSEEK, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp)
+        # Ranks 0-3: ferry's built-in DeepseekV3 loader, the reference; ranks 4-7: the module.
+        builtin = ferry.ModelLoader(DEEPSEEK, "tp=4,ep=4,replicas=2", quantize="fp8", mtp="skip")
+        modules = [DeepseekV3ForCausalLM(DEEPSEEK, r, 4) for r in range(4)]
+        plans = []
+        for r, m in enumerate(modules):
+            marks = builtin.record_plan(r).quantized_params
+            plan = ferry.record_load(m, builtin.checkpoint, quantize="fp8", quantize_params=list(marks))
+            self.assertEqual(plan, builtin.record_plan(r))  # the engine's own loading, the same plan class
+            self.assertIn("model.layers.1.mlp.experts.w13_weight", marks)
+            self.assertIn("model.layers.0.self_attn.fused_qkv_a_proj.weight", marks)
+            plans.append(plan)
+        states = [tied_mtp_state(DEEPSEEK, seed=s) for s in (31, 32)]
+        natives = [native_rank(states[0], DEEPSEEK, tp, pp, dp, ep, etp, r) for r in range(layout.world_size)]
+        with ferry.StoreServer() as server:
+            common = dict(backend="inproc", job="ds-module", timeout=20.0, num_consumers=8)
+            made = run_threads(
+                [lambda r=r: ferry.Producer(megatron.MegatronSource(layout, natives[r], rank=r), server, in_place=True,
+                                            direct_min_bytes=0, **common) for r in range(layout.world_size)] +
+                [lambda r=r: ferry.Consumer(loader=builtin, rank=r, store=server, num_producers=layout.world_size,
+                                            **common) for r in range(4)] +
+                [lambda r=r: ferry.Consumer(plan=plans[r], params=modules[r], rank=4 + r, store=server,
+                                            num_producers=layout.world_size, **common) for r in range(4)])
+            producers, consumers = made[:layout.world_size], made[layout.world_size:]
+            for version, hf in enumerate(states, start=1):
+                for r, native in enumerate(natives):  # the trainer's step, in place
+                    for name, t in native_rank(hf, DEEPSEEK, tp, pp, dp, ep, etp, r).items():
+                        native[name].copy_(t)
+                reports = run_threads([lambda p=p: p.sync(version) for p in producers] +
+                                      [lambda c=c: c.sync(version) for c in consumers])
+                for rep in reports:
+                    self.assertTrue(rep["ok"], rep["text"])
+                received = reports[layout.world_size:]
+                for r in range(4):
+                    theirs, ours = consumers[r].params(), consumers[4 + r].params()
+                    self.assertEqual(sorted(theirs), sorted(ours))
+                    for name, t in ours.items():
+                        self.assertTrue(torch.equal(bits(t), bits(theirs[name])), (version, r, name))
+                    # The module's other params are its own, as its own load_weights leaves them.
+                    itself = DeepseekV3ForCausalLM(DEEPSEEK, r, 4)
+                    itself.load_weights(hf.items())
+                    marks = plans[r].quantized_params
+                    for name, p in itself.named_parameters():
+                        if name not in marks:
+                            self.assertTrue(torch.equal(bits(dict(modules[r].named_parameters())[name]), bits(p)),
+                                            (version, r, name))
+                        else:
+                            self.assertEqual(ours[name].dtype, getattr(torch, "float8_e4m3fn", torch.uint8), name)
+                    # Quantised on the trainer: the wire carries what the rank keeps (padding aside).
+                    kept = sum(bits(t).numel() for t in ours.values())
+                    padding = plans[r].stats()["zero_elements"] * 4
+                    self.assertEqual(received[4 + r]["bytes_received"], kept - padding, (version, r))
+            for x in made:
+                x.close()
 
 
 class DocsTest(unittest.TestCase):
