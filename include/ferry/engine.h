@@ -426,7 +426,9 @@ struct ConsumerOptions : EngineOptions {
 // written by hand) rather than from a built-in ModelLoader.
 struct ConsumerModel {
   // The rank's plan. Its sources must match the trainer's metadata (name, dtype, shape;
-  // kInvalidArgument naming the tensor otherwise). Ranks with equal plans (Plan::hash)
+  // kInvalidArgument naming the tensor otherwise), but for f32/bf16/f16, which convert (a
+  // trainer's fp32 masters of a bf16 checkpoint: Plan::set_source_dtype, the copies
+  // convert as the built-in loaders' plans do). Ranks with equal plans (Plan::hash)
   // are replicas: the router sends them the same pieces from the same producers. Params
   // the plan keeps block-quantised (mark_quantized) end as e4m3 with their scales, in
   // buffers ferry makes (Consumer::params names them), whichever side quantised them.

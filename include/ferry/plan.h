@@ -99,6 +99,13 @@ class Plan {
   // empty, names a param of the plan or is used twice.
   Status set_quantized(std::vector<BlockQuantize> quantized);
 
+  // Reads source `index` as `dtype` instead of its declared dtype: a trainer that holds a
+  // checkpoint's 16-bit tensors as fp32 masters (or the reverse) serves the plan, and its
+  // copies convert, as a plan recorded against the trainer's dtype would. Only between
+  // f32, bf16 and f16 (kInvalidArgument naming the source otherwise); kOutOfRange for an
+  // index past sources().
+  Status set_source_dtype(uint32_t index, DType dtype);
+
   // Index of a declared tensor, adding it when new. Fails when the name is declared
   // with a different dtype or shape.
   Result<uint32_t> declare_source(const TensorDecl& decl);

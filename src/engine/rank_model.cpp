@@ -31,15 +31,18 @@ Result<RankModel> adopt_rank_model(ConsumerModel model, int rank, const std::vec
   // trainer's (a mismatch would otherwise surface as a routing error far from its cause).
   std::unordered_map<std::string_view, const TensorDecl*> by_name;
   for (const TensorDecl& d : metadata) by_name.emplace(d.name, &d);
-  for (const TensorDecl& s : model.plan.sources()) {
+  for (uint32_t k = 0; k < model.plan.sources().size(); ++k) {
+    const TensorDecl& s = model.plan.sources()[k];
     auto it = by_name.find(s.name);
     if (it == by_name.end())
       return invalid_argument("consumer {}: its plan reads '{}', which the trainer's metadata does not have", rank,
                               s.name);
     const TensorDecl& t = *it->second;
-    if (t.dtype != s.dtype || t.shape != s.shape)
+    if (t.shape != s.shape || (t.dtype != s.dtype && !model.plan.set_source_dtype(k, t.dtype).ok()))
       return invalid_argument("consumer {}: its plan reads '{}' as {} {}, the trainer has {} {}", rank, s.name,
                               dtype_name(s.dtype), shape_str(s.shape), dtype_name(t.dtype), shape_str(t.shape));
+    // (A trainer's fp32 masters of a bf16 checkpoint, or the reverse: the plan reads them
+    // as the trainer has them and its copies convert, as the built-in loaders' plans do.)
   }
   out.plan = std::move(model.plan);
   out.param_decls = out.plan.params();

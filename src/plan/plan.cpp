@@ -300,6 +300,18 @@ void write_decl(Writer& w, const TensorDecl& d) {
 Result<uint32_t> Plan::declare_source(const TensorDecl& decl) { return declare(sources_, source_index_, decl, "source"); }
 Result<uint32_t> Plan::declare_param(const TensorDecl& decl) { return declare(params_, param_index_, decl, "param"); }
 
+Status Plan::set_source_dtype(uint32_t index, DType dtype) {
+  if (index >= sources_.size()) return out_of_range("source index {} of {}", index, sources_.size());
+  TensorDecl& s = sources_[index];
+  auto convertible = [](DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; };
+  if (!convertible(s.dtype) || !convertible(dtype)) {
+    return invalid_argument("source '{}': can't be read as {} instead of {} (only f32, bf16 and f16 convert)", s.name,
+                            dtype_name(dtype), dtype_name(s.dtype));
+  }
+  s.dtype = dtype;
+  return Status::Ok();
+}
+
 std::optional<uint32_t> Plan::find_source(std::string_view name) const {
   auto it = source_index_.find(std::string(name));
   if (it == source_index_.end()) return std::nullopt;

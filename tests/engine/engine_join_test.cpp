@@ -70,8 +70,9 @@ TEST(EngineJoin, AConsumerOutOfRangeFailsEveryRankWithinSeconds) {
               static_cast<long long>(kRendezvous.count()));
 }
 
-// A consumer whose plan was recorded over the wrong dtype (FP32 for a BF16 tensor) is
-// refused at creation; the producer and the other consumer fail naming it and the tensor.
+// A consumer whose plan was recorded over a dtype the trainer's can't convert to (I32 for
+// a float tensor; f32/bf16/f16 convert) is refused at creation; the producer and the
+// other consumer fail naming it and the tensor.
 TEST(EngineJoin, APlanOverTheWrongDtypeFailsEveryRankWithinSeconds) {
   Cluster k;
   k.eo.rendezvous_timeout = kRendezvous;
@@ -80,7 +81,7 @@ TEST(EngineJoin, APlanOverTheWrongDtypeFailsEveryRankWithinSeconds) {
     for (const auto& m : k.model.metadata)
       if (m.name == "model.norm.weight") d = m;
     if (d.name.empty()) return not_found("model.norm.weight");
-    const DType recorded = c == 1 ? (d.dtype == DType::kF32 ? DType::kBF16 : DType::kF32) : d.dtype;
+    const DType recorded = c == 1 ? DType::kI32 : d.dtype;
     ConsumerModel m;
     Recorder rec;
     Tensor p = Tensor::param("norm", d.shape, recorded);

@@ -55,9 +55,22 @@ TEST(RankModel, AdoptedPlanMustReadTheTrainersTensorsAsHeld) {
     ASSERT_TRUE(rm->post_process(0, none).ok());
     EXPECT_EQ(calls, 1);
   }
-  // The trainer's metadata with one tensor's dtype changed, and with one tensor missing.
+  // A trainer holding a float tensor in another float dtype (fp32 masters): the plan
+  // reads it as held, its copies convert.
+  {
+    std::vector<TensorDecl> masters = m->metadata;
+    masters[0].dtype = masters[0].dtype == DType::kF32 ? DType::kBF16 : DType::kF32;
+    ConsumerModel cm;
+    cm.plan = *plan;
+    auto rm = adopt_rank_model(std::move(cm), 0, masters);
+    ASSERT_TRUE(rm.ok()) << rm.status().to_string();
+    EXPECT_EQ(rm->plan.sources()[*rm->plan.find_source(masters[0].name)].dtype, masters[0].dtype);
+    EXPECT_TRUE(rm->plan.validate().ok());
+  }
+  // The trainer's metadata with one tensor in a dtype nothing converts to, and with one
+  // tensor missing.
   std::vector<TensorDecl> other_dtype = m->metadata;
-  other_dtype[0].dtype = other_dtype[0].dtype == DType::kF32 ? DType::kBF16 : DType::kF32;
+  other_dtype[0].dtype = DType::kI32;
   std::vector<TensorDecl> missing(m->metadata.begin() + 1, m->metadata.end());
   for (const auto& [meta, what] : {std::pair{other_dtype, "as "}, std::pair{missing, "does not have"}}) {
     ConsumerModel cm;

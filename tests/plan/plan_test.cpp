@@ -55,6 +55,31 @@ TEST(Recorder, RecordsACanonicalPlan) {
   EXPECT_TRUE(a->check_coverage().ok());
 }
 
+// A plan recorded against a bf16 checkpoint, read from a trainer's fp32 masters: the
+// same copies, converting; equal to the plan recorded against the fp32 sources.
+TEST(Plan, SourceReadInAnotherFloatDtypeConverts) {
+  auto recorded = [](DType source_dtype) {
+    Recorder rec;
+    Tensor w = Tensor::source("w", {4, 3}, source_dtype);
+    Tensor p = Tensor::param("p", {2, 3}, DType::kBF16);
+    EXPECT_TRUE(p.copy_(w.narrow(0, 2, 2)).ok());
+    return rec.finish();
+  };
+  auto plan = recorded(DType::kBF16);
+  auto masters = recorded(DType::kF32);
+  ASSERT_TRUE(plan.ok() && masters.ok());
+  ASSERT_TRUE(plan->set_source_dtype(0, DType::kF32).ok());
+  EXPECT_EQ(*plan, *masters);
+  EXPECT_TRUE(plan->validate().ok());
+  // The copies convert: fp32 1.0, 2.0, ... land as bf16.
+  Tensor src = iota({4, 3}, DType::kF32), dst = Tensor::empty({2, 3}, DType::kBF16);
+  ASSERT_TRUE(execute(*plan, {{"w", src}}, {{"p", dst}}).ok());
+  EXPECT_EQ(*dst[1][2].item(), 11.0);
+  EXPECT_STATUS_HAS(plan->set_source_dtype(0, DType::kF8E4M3), "source 'w': can't be read as F8_E4M3");
+  EXPECT_STATUS_HAS(plan->set_source_dtype(0, DType::kI32), "only f32, bf16 and f16 convert");
+  EXPECT_EQ(plan->set_source_dtype(1, DType::kF32).code(), StatusCode::kOutOfRange);
+}
+
 TEST(Recorder, ColumnShardAndZeros) {
   Recorder rec;
   Tensor w = Tensor::source("o_proj", {4, 8}, DType::kBF16);

@@ -261,18 +261,21 @@ class DeepSeekSyncTest(unittest.TestCase):
 
 class EngineModuleTest(unittest.TestCase):
     """Issue 47's adoption case, with nothing written by hand: the Megatron-style trainer
-    above (GPTLayout's holdings and views) into a 4-rank engine-style DeepSeek-V3 module
-    (deepseek_vllm.py, vLLM's loading) recorded with ferry.record_load and marked to keep
-    its linear weights in FP8, quantised on the trainer."""
+    above (GPTLayout's holdings and views; fp32 masters of a bf16 checkpoint) into a 4-rank
+    engine-style DeepSeek-V3 module (deepseek_vllm.py, vLLM's loading) recorded with
+    ferry.record_load and marked to keep its linear weights in FP8, quantised on the
+    trainer."""
 
     def test_recorded_engine_module_with_fp8_from_the_trainer_bit_for_bit(self):
         from deepseek_vllm import DeepseekV3ForCausalLM
 
+        # A bf16 checkpoint; the trainer keeps fp32 masters (its natives below are float32).
+        cfg = dict(DEEPSEEK, torch_dtype="bfloat16")
         tp, pp, dp, ep, etp = 2, 2, 1, 2, 1
-        layout = megatron.GPTLayout(DEEPSEEK, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp)
+        layout = megatron.GPTLayout(cfg, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp)
         # Ranks 0-3: ferry's built-in DeepseekV3 loader, the reference; ranks 4-7: the module.
-        builtin = ferry.ModelLoader(DEEPSEEK, "tp=4,ep=4,replicas=2", quantize="fp8", mtp="skip")
-        modules = [DeepseekV3ForCausalLM(DEEPSEEK, r, 4) for r in range(4)]
+        builtin = ferry.ModelLoader(cfg, "tp=4,ep=4,replicas=2", quantize="fp8", mtp="skip")
+        modules = [DeepseekV3ForCausalLM(cfg, r, 4) for r in range(4)]
         plans = []
         for r, m in enumerate(modules):
             marks = builtin.record_plan(r).quantized_params
@@ -281,8 +284,9 @@ class EngineModuleTest(unittest.TestCase):
             self.assertIn("model.layers.1.mlp.experts.w13_weight", marks)
             self.assertIn("model.layers.0.self_attn.fused_qkv_a_proj.weight", marks)
             plans.append(plan)
-        states = [tied_mtp_state(DEEPSEEK, seed=s) for s in (31, 32)]
-        natives = [native_rank(states[0], DEEPSEEK, tp, pp, dp, ep, etp, r) for r in range(layout.world_size)]
+        states = [tied_mtp_state(cfg, seed=s) for s in (31, 32)]
+        natives = [native_rank(states[0], cfg, tp, pp, dp, ep, etp, r) for r in range(layout.world_size)]
+        self.assertEqual(natives[0]["decoder.layers.0.input_layernorm.weight"].dtype, torch.float32)
         with ferry.StoreServer() as server:
             common = dict(backend="inproc", job="ds-module", timeout=20.0, num_consumers=8)
             made = run_threads(
@@ -295,7 +299,7 @@ class EngineModuleTest(unittest.TestCase):
             producers, consumers = made[:layout.world_size], made[layout.world_size:]
             for version, hf in enumerate(states, start=1):
                 for r, native in enumerate(natives):  # the trainer's step, in place
-                    for name, t in native_rank(hf, DEEPSEEK, tp, pp, dp, ep, etp, r).items():
+                    for name, t in native_rank(hf, cfg, tp, pp, dp, ep, etp, r).items():
                         native[name].copy_(t)
                 reports = run_threads([lambda p=p: p.sync(version) for p in producers] +
                                       [lambda c=c: c.sync(version) for c in consumers])
@@ -308,8 +312,8 @@ class EngineModuleTest(unittest.TestCase):
                     for name, t in ours.items():
                         self.assertTrue(torch.equal(bits(t), bits(theirs[name])), (version, r, name))
                     # The module's other params are its own, as its own load_weights leaves them.
-                    itself = DeepseekV3ForCausalLM(DEEPSEEK, r, 4)
-                    itself.load_weights(hf.items())
+                    itself = DeepseekV3ForCausalLM(cfg, r, 4)
+                    itself.load_weights(hf.items())  # the fp32 masters, converted by torch's copy_
                     marks = plans[r].quantized_params
                     for name, p in itself.named_parameters():
                         if name not in marks:
@@ -319,7 +323,7 @@ class EngineModuleTest(unittest.TestCase):
                             self.assertEqual(ours[name].dtype, getattr(torch, "float8_e4m3fn", torch.uint8), name)
                     # Quantised on the trainer: the wire carries what the rank keeps (padding aside).
                     kept = sum(bits(t).numel() for t in ours.values())
-                    padding = plans[r].stats()["zero_elements"] * 4
+                    padding = plans[r].stats()["zero_elements"] * 2  # bf16
                     self.assertEqual(received[4 + r]["bytes_received"], kept - padding, (version, r))
             for x in made:
                 x.close()
