@@ -11,7 +11,8 @@
 // encodings, equal hashes and the fewest copies.
 //
 // Ownership: a Plan is a value; it names tensors, it holds no data.
-// Threading: a Plan is immutable after canonicalize(); concurrent readers are safe.
+// Threading: concurrent readers are safe; the setters (set_quantized, set_source_dtype)
+// and canonicalize() change it and need it to themselves.
 // A Recorder is bound to the thread that created it and must be destroyed there.
 #pragma once
 

@@ -17,8 +17,9 @@ them; with ``ferry.Producer(..., in_place=True)`` consumers read those views str
 from the trainer's parameters.
 
 Ranks follow Megatron's order (tp fastest, then dp, then pp); layers split evenly over
-PP stages; ``decoder.layers.{i}`` in native names is the stage-local index (what
-``named_parameters()`` gives).
+PP stages, or ``first`` / ``last`` layers in the first and last stage and the rest evenly
+(Megatron-Core's ``--decoder-first/last-pipeline-num-layers``); ``decoder.layers.{i}``
+in native names is the stage-local index (what ``named_parameters()`` gives).
 
 MoE layers (``ep``, ``etp``): the routed experts of a stage are spread over its
 ``tp * dp`` ranks re-factored as Megatron's expert grid, ``edp * (ep * etp)`` (etp
@@ -48,7 +49,8 @@ with ``topk_method: noaux_tc``, the router's ``expert_bias``
 (``e_score_correction_bias``). Multi-token-prediction layers
 (``num_nextn_predict_layers``, or ``mtp_layers=``) are ``mtp.layers.{k}`` on the last
 stage (``enorm``, ``hnorm``, ``eh_proj`` split by rows over TP, ``final_layernorm`` as
-``shared_head.norm``, ``transformer_layer.*``); they share the output layer
+``shared_head.norm``, ``mtp_model_layer.*``, ``transformer_layer.*`` in earlier releases);
+they share the output layer
 (``shared_head.head``) and the embedding, which Megatron keeps on the last stage too.
 """
 from ._engine import WeightSource
@@ -116,10 +118,11 @@ class GPTLayout:
     qk_rope_head_dim, v_head_dim; n_routed_experts, n_shared_experts,
     first_k_dense_replace, moe_layer_freq, topk_method) as the module docstring says.
     ``mtp_layers``: the trainer's multi-token-prediction layers (default the config's
-    num_nextn_predict_layers; 0 for a trainer without them)."""
+    num_nextn_predict_layers for a DeepSeek-style config, else 0; 0 for a trainer without
+    them). ``first`` / ``last``: the layers of the first and last PP stage (uneven stages)."""
 
     def __init__(self, hf_config, tp=1, pp=1, dp=1, make_vocab_size_divisible_by=128, qk_layernorm=None, *, ep=1,
-                 etp=None, expert_layout=None, mtp_layers=None):
+                 etp=None, expert_layout=None, mtp_layers=None, first=None, last=None):
         c = hf_config
         if c.get("attention_bias") or c.get("mlp_bias"):
             raise InvalidArgumentError("GPTLayout: biases are not supported yet (attention_bias / mlp_bias)")
@@ -155,7 +158,12 @@ class GPTLayout:
         self.router_bias = c.get("topk_method") == "noaux_tc"
         # Multi-token-prediction layers (num_nextn_predict_layers): HF model.layers.{L+k},
         # Megatron mtp.layers.{k} on the last stage, sharing its embedding and output layer.
-        self.mtp_layers = int(c.get("num_nextn_predict_layers") or 0) if mtp_layers is None else int(mtp_layers)
+        # (DeepSeek-style configs only: another model's num_nextn_predict_layers, e.g. MiMo's
+        # model.mtp_layers.*, is not this layout.)
+        deepseek_style = self.mla or bool(c.get("n_routed_experts"))
+        if mtp_layers is None:
+            mtp_layers = int(c.get("num_nextn_predict_layers") or 0) if deepseek_style else 0
+        self.mtp_layers = int(mtp_layers)
         self.ep = int(ep)
         self.etp = self.tp if etp is None else int(etp)
         if expert_layout is not None and expert_layout not in EXPERT_LAYOUTS:
@@ -164,8 +172,8 @@ class GPTLayout:
         if self.mixtral:
             self._moe_layers = set(range(self.layers)) if self.num_experts else set()
         elif c.get("n_routed_experts"):  # DeepSeek: dense below first_k_dense_replace, MTP layers alike
-            first, freq = int(c.get("first_k_dense_replace") or 0), int(c.get("moe_layer_freq") or 1)
-            self._moe_layers = {i for i in range(self.layers + self.mtp_layers) if i >= first and i % freq == 0}
+            dense, freq = int(c.get("first_k_dense_replace") or 0), int(c.get("moe_layer_freq") or 1)
+            self._moe_layers = {i for i in range(self.layers + self.mtp_layers) if i >= dense and i % freq == 0}
         else:
             step = int(c.get("decoder_sparse_step") or 1)
             only = {int(i) for i in (c.get("mlp_only_layers") or ())}
@@ -174,6 +182,11 @@ class GPTLayout:
         for what, n in (("tp", self.tp), ("pp", self.pp), ("dp", self.dp), ("ep", self.ep), ("etp", self.etp)):
             if n <= 0:
                 raise InvalidArgumentError(f"GPTLayout: {what} must be positive, got {n}")
+        # Uneven pipeline stages (Megatron-Core's --decoder-first-pipeline-num-layers and
+        # --decoder-last-pipeline-num-layers): the layers of the first and last stage.
+        self.first = None if first is None else int(first)
+        self.last = None if last is None else int(last)
+        self._stage_sizes = self._split_stages()
         self.padded_vocab = padded_vocab_size(self.vocab, self.tp, make_vocab_size_divisible_by)
         if self.mtp_layers < 0:
             raise InvalidArgumentError(f"GPTLayout: mtp_layers must be >= 0, got {self.mtp_layers}")
@@ -223,7 +236,11 @@ class GPTLayout:
         ``WeightSource(layout=...)`` / ``ferry plan --trainer``, whose C++ holdings are
         this layout's but for the vocab rows (ferry's helper chunks the unpadded vocab;
         Megatron pads it: ``padded_vocab``)."""
-        return f"tp={self.tp},pp={self.pp},ep={self.ep},etp={self.etp},dp={self.dp}"
+        out = f"tp={self.tp},pp={self.pp},ep={self.ep},etp={self.etp},dp={self.dp}"
+        for key, n in (("first", self.first), ("last", self.last)):
+            if n is not None:
+                out += f",{key}={n}"
+        return out
 
     def is_moe_layer(self, layer):
         """Whether global layer ``layer`` has routed experts (else a dense MLP)."""
@@ -244,11 +261,32 @@ class GPTLayout:
         local = rank % (self.tp * self.dp)
         return stage, local // (self.ep * self.etp), local // self.etp % self.ep, local % self.etp
 
+    def _split_stages(self):
+        """Layers per PP stage: ``first`` and ``last`` where given, the rest evenly (earlier
+        stages take the remainder), as ferry's C++ Megatron layout splits them."""
+        for what, n in (("first", self.first), ("last", self.last)):
+            if n is not None and (n < 0 or self.pp == 1):
+                raise InvalidArgumentError(f"GPTLayout: {what}={n} needs pp > 1 and a count >= 0")
+        fixed = [n for n in (self.first, self.last) if n is not None]
+        middle = self.pp - len(fixed)
+        rest = self.layers - sum(fixed)
+        if rest < 0 or (middle == 0 and rest != 0):
+            raise InvalidArgumentError(f"GPTLayout: first={self.first}, last={self.last} do not leave "
+                                       f"{self.layers} layers for pp {self.pp} stages")
+        per, extra = divmod(rest, middle) if middle else (0, 0)
+        sizes = [per + (1 if k < extra else 0) for k in range(middle)]
+        if self.first is not None:
+            sizes.insert(0, self.first)
+        if self.last is not None:
+            sizes.append(self.last)
+        return sizes
+
     def stage_layers(self, stage):
-        """The global layer indices of PP stage ``stage`` (contiguous, earlier stages take the remainder)."""
-        per, extra = divmod(self.layers, self.pp)
-        start = stage * per + min(stage, extra)
-        return range(start, start + per + (1 if stage < extra else 0))
+        """The global layer indices of PP stage ``stage`` (contiguous; ``first`` / ``last``
+        layers in the first and last stage where given, the rest evenly, earlier stages
+        taking the remainder)."""
+        start = sum(self._stage_sizes[:stage])
+        return range(start, start + self._stage_sizes[stage])
 
     def _expert_names(self, layer, e):
         """HF names of expert ``e`` of ``layer``: (gate, up, down), and the router's."""
@@ -294,8 +332,8 @@ class GPTLayout:
         if self.is_moe_layer(i):
             Im = self.moe_intermediate
             m[self._expert_names(i, 0)[1]] = ((self.num_experts, H), dtype)
-            if self.router_bias:
-                m[p + "mlp.gate.e_score_correction_bias"] = ((self.num_experts,), dtype)
+            if self.router_bias:  # fp32 whatever the model's dtype (Megatron's fp32 buffer, the checkpoint's)
+                m[p + "mlp.gate.e_score_correction_bias"] = ((self.num_experts,), _float32_like(dtype))
             for e in range(self.num_experts):
                 (gate, up, down), _ = self._expert_names(i, e)
                 m[gate] = ((Im, H), dtype)
@@ -451,7 +489,7 @@ class GPTLayout:
         if self.expert_layout is not None:
             return self.expert_layout
         for form in EXPERT_LAYOUTS:
-            if _expert_native_names(form, n, 0)[0] in native:
+            if _aliased(native, _expert_native_names(form, n, 0)[0]) is not None:
                 return form
         raise NotFoundError(f"GPTLayout: the trainer has none of '{n}mlp.experts.linear_fc1.weight0' (te_grouped), "
                             f"'{n}mlp.experts.weight1' (legacy_grouped), '{n}mlp.experts.local_experts.0.linear_fc1.weight' "
@@ -553,9 +591,36 @@ _NORM_ALIASES = {
 }
 
 
-def _native(native, name):
+# Megatron-Core's MTP layer names its decoder layer mtp_model_layer (transformer_layer in
+# releases before it, and in checkpoints).
+_PREFIX_ALIASES = ((".transformer_layer.", ".mtp_model_layer."),)
+
+
+def _float32_like(dtype):
+    """float32 in the kind of dtype ``dtype`` is (a torch or numpy dtype, or a name)."""
+    if isinstance(dtype, str):
+        return "float32"
+    if type(dtype).__module__.startswith("torch"):
+        import torch
+        return torch.float32
+    import numpy
+    return numpy.dtype("float32")
+
+
+def _aliased(native, name):
+    """The name ``native`` has ``name`` under (itself, or its newer prefix), or None."""
     if name in native:
-        return native[name]
+        return name
+    for old, new in _PREFIX_ALIASES:
+        if old in name and name.replace(old, new, 1) in native:
+            return name.replace(old, new, 1)
+    return None
+
+
+def _native(native, name):
+    found = _aliased(native, name)
+    if found is not None:
+        return native[found]
     for fused, apart in _NORM_ALIASES.items():
         if name.endswith(fused):
             alt = name[:-len(fused)] + apart
@@ -567,15 +632,24 @@ def _native(native, name):
 class MegatronSource(WeightSource):
     """A WeightSource over a Megatron-Core GPT rank's own parameters (no copies).
 
-    ``layout``: a ``GPTLayout``; ``params``: the rank's native tensors by Megatron name
-    (``dict(model.named_parameters())``); ``rank``: the global rank (default: ``RANK``
-    from the launcher); ``dtype``: the checkpoint dtype (default: the params')."""
+    ``layout``: a ``GPTLayout``; ``params``: the rank's model (an ``nn.Module``: its named
+    parameters and buffers, e.g. the router's fp32 ``expert_bias`` buffer) or its native
+    tensors by Megatron name (``dict(model.named_parameters())``, with the buffers a layout
+    needs); ``rank``: the global rank (default: ``RANK`` from the launcher); ``dtype``: the
+    checkpoint dtype (default: the params')."""
 
     def __init__(self, layout, params, rank=None, dtype=None):
         super().__init__(rank=rank, world_size=layout.world_size)
         self.gpt = layout
+        if hasattr(params, "named_parameters") and hasattr(params, "named_buffers"):
+            params = {**dict(params.named_parameters()), **dict(params.named_buffers())}
         self.params = params
-        self.dtype = dtype if dtype is not None else next(iter(params.values())).dtype
+        if dtype is None:  # the dtype most tensors have (not an fp32 buffer's beside bf16 weights)
+            counts = {}
+            for t in params.values():
+                counts[t.dtype] = counts.get(t.dtype, 0) + 1
+            dtype = max(counts, key=counts.get)
+        self.dtype = dtype
 
     def metadata(self):
         return self.gpt.metadata(self.dtype)

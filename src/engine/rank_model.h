@@ -36,9 +36,11 @@ Result<RankModel> record_rank_model(const ModelLoader& loader, std::shared_ptr<c
                                     const std::vector<TensorDecl>& metadata);
 
 // Takes `model`'s plan after checking that every source it reads is in the trainer's
-// metadata with the same dtype and shape (kInvalidArgument naming the tensor); its
-// post-processing groups are the layer groups of the param names. model.params is not
-// used (the caller keeps the buffers).
+// metadata with the same shape and dtype, or a float dtype it converts from (f32, bf16,
+// f16: the plan then reads the trainer's, Plan::set_source_dtype; kInvalidArgument naming
+// the tensor otherwise); its post-processing groups are the layer groups of the param
+// names, with the plan's block-quantised params quantised first where no producer did.
+// model.params is not used (the caller keeps the buffers).
 Result<RankModel> adopt_rank_model(ConsumerModel model, int rank, const std::vector<TensorDecl>& metadata);
 
 // The caller's params before any rendezvous (a consumer refused for its own params

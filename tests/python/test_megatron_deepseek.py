@@ -53,9 +53,11 @@ def hf_state(cfg, seed):
     return out
 
 
-def native_rank(hf, cfg, tp, pp, dp, ep, etp, rank, mtp=True):
+def native_rank(hf, cfg, tp, pp, dp, ep, etp, rank, mtp=True, mtp_inner="transformer_layer", first=None):
     """{Megatron-Core name: tensor} of global ``rank`` of a DeepSeek-V3 (experts in the
-    TE grouped-GEMM form; the other forms are test_megatron_moe.py's)."""
+    TE grouped-GEMM form; the other forms are test_megatron_moe.py's). ``mtp_inner``: the
+    MTP layer's decoder layer, ``transformer_layer`` or (newer Megatron-Core)
+    ``mtp_model_layer``."""
     H, L, nh = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
     qk, nope, vd = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
     E, Im, I = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
@@ -64,9 +66,13 @@ def native_rank(hf, cfg, tp, pp, dp, ep, etp, rank, mtp=True):
     local = rank % (tp * dp)
     x, o = local % etp, local // etp % ep
     El, Ix, h = E // ep, Im // etp, nh // tp
-    per_stage, extra = divmod(L, pp)
-    first = stage * per_stage + min(stage, extra)
-    layers = range(first, first + per_stage + (1 if stage < extra else 0))
+    if first is None:
+        per_stage, extra = divmod(L, pp)
+        start = stage * per_stage + min(stage, extra)
+        layers = range(start, start + per_stage + (1 if stage < extra else 0))
+    else:  # `first` layers in stage 0, the rest evenly (pp=2 here: all in stage 1)
+        assert pp == 2
+        layers = range(0, first) if stage == 0 else range(first, L)
     V = cfg["vocab_size"]
     Vp = -(-V // (128 * tp)) * 128 * tp
     per = Vp // tp
@@ -84,9 +90,12 @@ def native_rank(hf, cfg, tp, pp, dp, ep, etp, rank, mtp=True):
         p = f"model.layers.{i}."
         a = p + "self_attn."
         out[n + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"].clone()
-        out[n + "self_attention.linear_q_down_proj.weight"] = hf[a + "q_a_proj.weight"].clone()
-        out[n + "self_attention.linear_q_up_proj.layer_norm_weight"] = hf[a + "q_a_layernorm.weight"].clone()
-        out[n + "self_attention.linear_q_up_proj.weight"] = rows(hf[a + "q_b_proj.weight"], h * qk)
+        if cfg.get("q_lora_rank"):
+            out[n + "self_attention.linear_q_down_proj.weight"] = hf[a + "q_a_proj.weight"].clone()
+            out[n + "self_attention.linear_q_up_proj.layer_norm_weight"] = hf[a + "q_a_layernorm.weight"].clone()
+            out[n + "self_attention.linear_q_up_proj.weight"] = rows(hf[a + "q_b_proj.weight"], h * qk)
+        else:  # DeepSeek-V2-Lite: no q down projection
+            out[n + "self_attention.linear_q_proj.weight"] = rows(hf[a + "q_proj.weight"], h * qk)
         out[n + "self_attention.linear_kv_down_proj.weight"] = hf[a + "kv_a_proj_with_mqa.weight"].clone()
         out[n + "self_attention.linear_kv_up_proj.layer_norm_weight"] = hf[a + "kv_a_layernorm.weight"].clone()
         out[n + "self_attention.linear_kv_up_proj.weight"] = rows(hf[a + "kv_b_proj.weight"], h * (nope + vd))
@@ -101,7 +110,8 @@ def native_rank(hf, cfg, tp, pp, dp, ep, etp, rank, mtp=True):
             return
         out[n + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"].clone()
         out[n + "mlp.router.weight"] = hf[m + "gate.weight"].clone()
-        out[n + "mlp.router.expert_bias"] = hf[m + "gate.e_score_correction_bias"].clone()
+        if cfg.get("topk_method") == "noaux_tc":  # an fp32 buffer in Megatron-Core
+            out[n + "mlp.router.expert_bias"] = hf[m + "gate.e_score_correction_bias"].float().clone()
         for j in range(El):
             ex = m + f"experts.{o * El + j}."
             out[n + f"mlp.experts.linear_fc1.weight{j}"] = torch.cat(
@@ -114,6 +124,7 @@ def native_rank(hf, cfg, tp, pp, dp, ep, etp, rank, mtp=True):
             hf[m + "shared_experts.down_proj.weight"][:, t * sc:(t + 1) * sc].clone()
 
     out = {}
+    mtp = mtp and bool(cfg.get("num_nextn_predict_layers"))
     if stage == 0 or (stage == pp - 1 and mtp):  # the last stage keeps the embedding for its MTP layer
         out["embedding.word_embeddings.weight"] = vocab(hf["model.embed_tokens.weight"])
     for li, i in enumerate(layers):
@@ -130,7 +141,7 @@ def native_rank(hf, cfg, tp, pp, dp, ep, etp, rank, mtp=True):
             out[n + "hnorm.weight"] = hf[p + "hnorm.weight"].clone()
             out[n + "eh_proj.weight"] = rows(hf[p + "eh_proj.weight"], H // tp)
             out[n + "final_layernorm.weight"] = hf[p + "shared_head.norm.weight"].clone()
-            layer(L, n + "transformer_layer.", out)
+            layer(L, n + mtp_inner + ".", out)
     return out
 
 
@@ -139,9 +150,15 @@ def tied_mtp_state(cfg, seed):
     trainer's MTP has no copies of its own)."""
     hf = hf_state(cfg, seed)
     L = cfg["num_hidden_layers"]
-    hf[f"model.layers.{L}.embed_tokens.weight"] = hf["model.embed_tokens.weight"].clone()
-    hf[f"model.layers.{L}.shared_head.head.weight"] = hf["lm_head.weight"].clone()
+    if cfg.get("num_nextn_predict_layers"):
+        hf[f"model.layers.{L}.embed_tokens.weight"] = hf["model.embed_tokens.weight"].clone()
+        hf[f"model.layers.{L}.shared_head.head.weight"] = hf["lm_head.weight"].clone()
     return hf
+
+
+# DeepSeek-V2-Lite's shape: no q_lora_rank (q_proj), no MTP, softmax routing (no bias).
+DEEPSEEK_V2_LITE = {k: v for k, v in DEEPSEEK.items() if k not in ("q_lora_rank", "topk_method")}
+DEEPSEEK_V2_LITE.update(num_nextn_predict_layers=0)
 
 
 def bits(t):
@@ -151,10 +168,22 @@ def bits(t):
 
 class DeepSeekLayoutTest(unittest.TestCase):
     def test_metadata_is_the_loaders_checkpoint_with_and_without_mtp(self):
-        layout = megatron.GPTLayout(DEEPSEEK, tp=2, pp=2, ep=2, etp=1)
-        meta = layout.metadata(torch.float32)
-        ckpt = ferry.ModelLoader(DEEPSEEK, mtp="skip").checkpoint
-        self.assertEqual({n: tuple(s) for n, (s, _) in meta.items()}, {n: tuple(d.shape) for n, d in ckpt.items()})
+        bf16 = dict(DEEPSEEK, torch_dtype="bfloat16")
+        layout = megatron.GPTLayout(bf16, tp=2, pp=2, ep=2, etp=1)
+        meta = layout.metadata(torch.bfloat16)
+        ckpt = ferry.ModelLoader(bf16, mtp="skip").checkpoint
+        # Names, shapes and dtypes (the router bias fp32 in a bf16 model, as Megatron keeps it).
+        self.assertEqual({n: (tuple(s), str(d).replace("torch.", "")) for n, (s, d) in meta.items()},
+                         {n: (tuple(d.shape), d.dtype) for n, d in ckpt.items()})
+        self.assertEqual(meta["model.layers.1.mlp.gate.e_score_correction_bias"][1], torch.float32)
+        lite = megatron.GPTLayout(DEEPSEEK_V2_LITE, tp=2).metadata(torch.float32)
+        self.assertEqual(set(lite), set(ferry.ModelLoader(DEEPSEEK_V2_LITE).checkpoint))
+        self.assertIn("model.layers.0.self_attn.q_proj.weight", lite)
+        # num_nextn_predict_layers of a model that is not DeepSeek-style is not its MTP.
+        qwen = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
+                "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "num_hidden_layers": 2, "vocab_size": 300, "num_nextn_predict_layers": 1}
+        self.assertEqual(megatron.GPTLayout(qwen).mtp_layers, 0)
         self.assertIn("model.layers.3.eh_proj.weight", meta)
         self.assertIn("model.layers.1.mlp.gate.e_score_correction_bias", meta)
         no_mtp = megatron.GPTLayout(DEEPSEEK, tp=2, mtp_layers=0).metadata(torch.float32)
@@ -169,15 +198,26 @@ class DeepSeekLayoutTest(unittest.TestCase):
             megatron.GPTLayout(DEEPSEEK, tp=1, dp=3, ep=3)
         with self.assertRaisesRegex(ferry.InvalidArgumentError, "shared_expert_intermediate_size"):
             megatron.GPTLayout(dict(DEEPSEEK, shared_expert_intermediate_size=64))
+        with self.assertRaisesRegex(ferry.InvalidArgumentError, "do not leave 3 layers for pp 2 stages"):
+            megatron.GPTLayout(DEEPSEEK, pp=2, first=2, last=2)
+        with self.assertRaisesRegex(ferry.InvalidArgumentError, "first=1 needs pp > 1"):
+            megatron.GPTLayout(DEEPSEEK, first=1)
 
     def test_views_are_the_hf_boxes_of_every_rank(self):
-        hf = tied_mtp_state(DEEPSEEK, seed=3)
-        for tp, pp, dp, ep, etp in ((2, 2, 1, 2, 1), (2, 1, 2, 4, 1), (1, 2, 2, 2, 1), (2, 2, 2, 2, 2)):
-            with self.subTest(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp):
-                layout = megatron.GPTLayout(DEEPSEEK, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp)
+        cases = [(DEEPSEEK, 2, 2, 1, 2, 1, {}), (DEEPSEEK, 2, 1, 2, 4, 1, {}), (DEEPSEEK, 1, 2, 2, 2, 1, {}),
+                 (DEEPSEEK, 2, 2, 2, 2, 2, {}),
+                 # newer Megatron-Core's MTP naming; uneven stages (Megatron's first/last flags)
+                 (DEEPSEEK, 2, 2, 1, 2, 1, {"mtp_inner": "mtp_model_layer", "first": 1}),
+                 (DEEPSEEK_V2_LITE, 2, 2, 1, 2, 1, {})]
+        for cfg, tp, pp, dp, ep, etp, extra in cases:
+            hf = tied_mtp_state(cfg, seed=3)
+            first = extra.get("first")
+            with self.subTest(model=cfg["model_type"], tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, **extra):
+                layout = megatron.GPTLayout(cfg, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, first=first)
                 held = {n: torch.zeros(t.shape, dtype=torch.int32) for n, t in hf.items()}
                 for rank in range(layout.world_size):
-                    native = native_rank(hf, DEEPSEEK, tp, pp, dp, ep, etp, rank)
+                    native = native_rank(hf, cfg, tp, pp, dp, ep, etp, rank,
+                                         mtp_inner=extra.get("mtp_inner", "transformer_layer"), first=first)
                     storages = {t.storage().data_ptr() for t in native.values()}
                     views = layout.views(rank, native)
                     boxes = {}
@@ -190,7 +230,7 @@ class DeepSeekLayoutTest(unittest.TestCase):
                         for v, (start, size) in zip(vs, boxes[name]):
                             box = tuple(slice(a, a + n) for a, n in zip(start, size))
                             self.assertIn(v.storage().data_ptr(), storages, name)  # a view, not a copy
-                            self.assertTrue(torch.equal(v, hf[name][box]), (rank, name, start))
+                            self.assertTrue(torch.equal(v.to(hf[name].dtype), hf[name][box]), (rank, name, start))
                             held[name][box] += 1
                 for name, count in held.items():
                     self.assertTrue(bool((count > 0).all()), (name, "some element is held by no rank"))
@@ -257,6 +297,55 @@ class DeepSeekSyncTest(unittest.TestCase):
                     padding = fp8_loader.record_plan(r).stats()["zero_elements"] * 4  # padded vocab rows, f32
                     self.assertEqual(reports[r]["bytes_received"], kept - padding, r)
                     self.assertGreater(c_reports[r]["bytes_received"], kept - padding, r)
+
+    def test_a_bf16_trainer_module_with_its_fp32_router_bias_buffer(self):
+        """Megatron-Core keeps the router's expert_bias an fp32 buffer beside bf16 weights:
+        MegatronSource given the model takes its parameters and buffers, publishes the
+        model's dtype (bf16) and the bias as fp32, and the sync is bit for bit."""
+
+        class Model:  # stands in for the rank's Megatron-Core module
+            def __init__(self, native):
+                self.buffers = {n: t for n, t in native.items() if n.endswith("router.expert_bias")}
+                self.params = {n: t for n, t in native.items() if n not in self.buffers}
+
+            def named_parameters(self):
+                return iter(self.params.items())
+
+            def named_buffers(self):
+                return iter(self.buffers.items())
+
+        cfg = dict(DEEPSEEK, torch_dtype="bfloat16")
+        tp, pp, dp, ep, etp = 2, 2, 1, 2, 1
+        hf = {n: (t if n.endswith("e_score_correction_bias") else t.bfloat16())
+              for n, t in tied_mtp_state(cfg, seed=41).items()}
+        layout = megatron.GPTLayout(cfg, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp)
+        models = [Model({n: t.bfloat16() if not n.endswith("expert_bias") else t
+                         for n, t in native_rank(hf, cfg, tp, pp, dp, ep, etp, r).items()})
+                  for r in range(layout.world_size)]
+        self.assertTrue(models[0].buffers)
+        loader = ferry.ModelLoader(cfg, "tp=4,ep=4", mtp="draft")
+        with ferry.StoreServer() as server:
+            common = dict(backend="inproc", job="ds-bf16", timeout=20.0)
+            sources = [megatron.MegatronSource(layout, models[r], rank=r) for r in range(layout.world_size)]
+            self.assertEqual(sources[0].dtype, torch.bfloat16)
+            made = run_threads(
+                [lambda r=r: ferry.Producer(sources[r], server, num_consumers=4, in_place=True, **common)
+                 for r in range(layout.world_size)] +
+                [lambda r=r: ferry.Consumer(loader=loader, rank=r, store=server, num_producers=layout.world_size,
+                                            **common) for r in range(4)])
+            reports = run_threads([lambda x=x: x.sync(1) for x in made])
+            for rep in reports:
+                self.assertTrue(rep["ok"], rep["text"])
+            for r, c in enumerate(made[layout.world_size:]):
+                expected = {n: torch.zeros(tuple(d.shape), dtype=getattr(torch, d.dtype))
+                            for n, d in loader.params(r).items()}
+                loader.record_plan(r).replay(hf, expected)
+                got = c.params()
+                self.assertEqual(got["model.layers.1.mlp.gate.e_score_correction_bias"].dtype, torch.float32)
+                for n, t in expected.items():
+                    self.assertTrue(torch.equal(bits(got[n]), bits(t)), (r, n))
+            for x in made:
+                x.close()
 
 
 class EngineModuleTest(unittest.TestCase):
