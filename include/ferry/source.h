@@ -115,7 +115,9 @@ class Groups {
 //     multiple of E*X. D defaults to W/(T*P) when world is given, else to the smallest D
 //     with T*D a multiple of E*X. Layers split contiguously over PP: F layers in the
 //     first stage and L in the last when given, the rest evenly (earlier stages take the
-//     remainder); embeddings in the first stage, final norm and lm_head in the last.
+//     remainder); embeddings in the first stage, final norm and lm_head in the last, and
+//     so are multi-token-prediction layers (trailing layers with an eh_proj: DeepSeek-V3's
+//     MTP), which the split does not count.
 //   FSDP: "fsdp=N": every tensor split on dim 0 over N ranks, torch.chunk style
 //     (ceil(n/N) rows each, the last ranks may hold fewer or none; 0-d tensors on rank 0).
 struct TrainerLayout {
@@ -161,9 +163,9 @@ ModelInfo model_info_from_config(const nlohmann::json& config);
 // How a tensor is split across a Megatron trainer's ranks (see docs/routing.md).
 enum class TensorClass : uint8_t {
   kReplicated,     // every TP rank of the stage holds the whole tensor (norms, routers, ...)
-  kColumn,         // dim 0 split over TP (q/k/v_proj, gate/up_proj, w1/w3, q_b/kv_b_proj)
+  kColumn,         // dim 0 split over TP (q/k/v_proj, gate/up_proj, w1/w3, q_b/kv_b_proj, MTP eh_proj)
   kRow,            // dim 1 split over TP (o_proj, down_proj, w2)
-  kVocab,          // dim 0 split over TP (embed_tokens, lm_head)
+  kVocab,          // dim 0 split over TP (embed_tokens, lm_head, MTP shared_head.head)
   kFusedQkv,       // dim 0 = [q | k | v], each part split over TP (Phi-3 qkv_proj)
   kFusedGateUp,    // dim 0 = [gate | up], each half split over TP (Phi-3 gate_up_proj)
   kExpertColumn,   // one routed expert ("experts.{e}."), dim 0 split over ETP

@@ -355,14 +355,15 @@ TensorClass classify_tensor(std::string_view name, int64_t* expert) {
   const int64_t e = expert_index(name);
   if (expert) *expert = e;
   if (last.find("norm") != std::string_view::npos) return TensorClass::kReplicated;
+  // (DeepSeek's MTP layers share the output layer: shared_head.head is vocab-parallel.)
   if (last == "embed_tokens" || last == "lm_head" || last == "wte" || last == "tok_embeddings" ||
-      last == "word_embeddings") {
+      last == "word_embeddings" || ends_with(base, "shared_head.head")) {
     return TensorClass::kVocab;
   }
   if (last == "qkv_proj") return TensorClass::kFusedQkv;
   if (last == "gate_up_proj") return TensorClass::kFusedGateUp;
-  static constexpr std::string_view kColumn[] = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
-                                                 "w1",     "w3",     "q_b_proj", "kv_b_proj"};
+  static constexpr std::string_view kColumn[] = {"q_proj", "k_proj", "v_proj",   "gate_proj", "up_proj",
+                                                 "w1",     "w3",     "q_b_proj", "kv_b_proj", "eh_proj"};
   static constexpr std::string_view kRow[] = {"o_proj", "down_proj", "w2"};
   for (auto c : kColumn) {
     if (last == c) return e >= 0 ? TensorClass::kExpertColumn : TensorClass::kColumn;
@@ -522,7 +523,18 @@ Result<TrainerHoldings> build_holdings(const std::vector<TensorDecl>& metadata, 
   }
 
   const Groups groups(metadata);
-  const int64_t L = groups.num_layers();
+  // Multi-token-prediction layers (DeepSeek-V3's num_nextn_predict_layers: the layers
+  // after the decoder's with an eh_proj) sit in the last stage, as Megatron-Core puts
+  // them, and are not counted in the split: L is the decoder's layers.
+  int64_t L = groups.num_layers();
+  {
+    std::vector<bool> mtp(static_cast<size_t>(L), false);
+    for (size_t t = 0; t < metadata.size(); ++t) {
+      const int g = groups.of_tensor(t);
+      if (g >= 1 && g <= L && metadata[t].name.find(".eh_proj.") != std::string::npos) mtp[static_cast<size_t>(g - 1)] = true;
+    }
+    while (L > 0 && mtp[static_cast<size_t>(L - 1)]) --L;
+  }
   const int S = layout.tp * layout.dp;
   // Layer -> stage: contiguous. Layers of the first/last stage as given (Megatron's
   // decoder_first/last_pipeline_num_layers), the rest split evenly, the earlier stages
@@ -567,7 +579,7 @@ Result<TrainerHoldings> build_holdings(const std::vector<TensorDecl>& metadata, 
   }
   auto stage_of_group = [&](int g) -> int {
     if (g == 0) return 0;
-    if (g == groups.size() - 1) return layout.pp - 1;
+    if (g == groups.size() - 1 || g > L) return layout.pp - 1;  // the head; MTP layers
     return layer_stage[static_cast<size_t>(g - 1)];
   };
   // Experts per MoE block: the prefix before ".experts." -> count.

@@ -32,7 +32,7 @@ import ferry
 from ferry import megatron
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_megatron_moe import run_threads  # noqa: E402
+from test_megatron_moe import merged, run_threads  # noqa: E402
 
 DEEPSEEK = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
@@ -190,6 +190,27 @@ class DeepSeekLayoutTest(unittest.TestCase):
         cfg = dict(DEEPSEEK, num_nextn_predict_layers=0)
         self.assertEqual(set(no_mtp), set(ferry.ModelLoader(cfg).checkpoint))
         self.assertEqual([layout.is_moe_layer(i) for i in range(4)], [False, True, True, True])
+
+    def test_holdings_are_the_cpp_helpers_but_for_the_padded_vocab_rows(self):
+        """ferry's C++ Megatron helper (make_holdings, what WeightSource(layout=...) and
+        ferry plan --trainer compute) holds a DeepSeek-V3 as GPTLayout does, MTP layer
+        included (its eh_proj rows, the last stage), box for box: only the vocab rows
+        differ, which Megatron pads and the C++ helper chunks unpadded."""
+        def meta_of(layout):
+            return [(n, tuple(s), d) for n, (s, d) in layout.metadata(torch.float32).items()]
+
+        vocab = ("embed_tokens.weight", "lm_head.weight", "shared_head.head.weight")
+        for tp, pp, dp, ep, etp, first in ((2, 2, 1, 2, 1, None), (2, 1, 2, 4, 1, None), (1, 2, 2, 2, 1, 1),
+                                           (2, 2, 2, 2, 2, 2)):
+            with self.subTest(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, first=first):
+                layout = megatron.GPTLayout(DEEPSEEK, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, first=first)
+                cpp = ferry._ferry._LayoutHoldings(meta_of(layout), layout.trainer_layout, 0, 0)
+                for rank in range(layout.world_size):
+                    mine = {k: v for k, v in merged(layout.holdings(rank)).items() if not k.endswith(vocab)}
+                    theirs = {k: v for k, v in merged(cpp.rank(rank)).items() if not k.endswith(vocab)}
+                    self.assertEqual(mine, theirs, f"rank {rank} of {layout.trainer_layout}")
+                    if rank == layout.world_size - 1:
+                        self.assertIn("model.layers.3.eh_proj.weight", mine)
 
     def test_refusals_name_the_field(self):
         with self.assertRaisesRegex(ferry.InvalidArgumentError, "tp 8 does not divide num_attention_heads 4"):

@@ -124,6 +124,11 @@ TEST(Classify, BySuffix) {
       {"language_model.model.layers.0.feed_forward.shared_expert.up_proj.weight", TensorClass::kColumn},
       {"model.embed_tokens.weight", TensorClass::kVocab},
       {"lm_head.weight", TensorClass::kVocab},
+      {"model.layers.61.embed_tokens.weight", TensorClass::kVocab},  // DeepSeek-V3's MTP layer
+      {"model.layers.61.shared_head.head.weight", TensorClass::kVocab},
+      {"model.layers.61.shared_head.norm.weight", TensorClass::kReplicated},
+      {"model.layers.61.eh_proj.weight", TensorClass::kColumn},
+      {"model.layers.61.enorm.weight", TensorClass::kReplicated},
       {"model.norm.weight", TensorClass::kReplicated},
   };
   for (const auto& c : cases) EXPECT_EQ(classify_tensor(c.name), c.c) << c.name;
@@ -220,6 +225,59 @@ TEST(Holdings, MegatronFirstLastStageLayers) {
   EXPECT_EQ(stage["model.layers.5.mlp.up_proj.weight"], 2);
   EXPECT_FALSE(make_holdings(meta, TrainerLayout::parse("pp=3,first=4,last=3").value()).ok());
   EXPECT_FALSE(TrainerLayout::parse("first=2").ok());  // needs pp >= 2
+}
+
+// DeepSeek-V3's multi-token-prediction layer (a trailing layer with an eh_proj) sits in the
+// last stage, as Megatron-Core puts it, and the decoder's layers alone are split: 3 + 1
+// layers over pp=2 are [0, 1] and [2, MTP], and with first=2 the same; eh_proj's rows and
+// shared_head.head's vocab rows split over TP as Megatron holds them.
+TEST(Holdings, MegatronMtpLayersSitInTheLastStage) {
+  testing::ModelSpec m;
+  m.layers = 3;
+  auto meta = testing::make_metadata(m);
+  const int64_t H = 64, V = 100;
+  for (const auto& [name, shape] : std::vector<std::pair<std::string, Shape>>{
+           {"model.layers.3.embed_tokens.weight", {V, H}}, {"model.layers.3.enorm.weight", {H}},
+           {"model.layers.3.hnorm.weight", {H}}, {"model.layers.3.eh_proj.weight", {H, 2 * H}},
+           {"model.layers.3.shared_head.norm.weight", {H}}, {"model.layers.3.shared_head.head.weight", {V, H}},
+           {"model.layers.3.mlp.down_proj.weight", {H, 4 * H}}}) {
+    meta.push_back(TensorDecl{name, DType::kBF16, shape});
+  }
+  for (const char* text : {"tp=2,pp=2", "tp=2,pp=2,first=2"}) {
+    auto th = make_holdings(meta, TrainerLayout::parse(text).value(), {m.q_rows(), m.kv_rows()});
+    ASSERT_TRUE(th.ok()) << th.status().to_string();
+    std::map<std::string, int> stage;
+    for (size_t i = 0; i < meta.size(); ++i) stage[meta[i].name] = th->tensor_stage[i];
+    EXPECT_EQ(stage["model.layers.1.mlp.up_proj.weight"], 0) << text;
+    EXPECT_EQ(stage["model.layers.2.mlp.up_proj.weight"], 1) << text;
+    EXPECT_EQ(stage["model.layers.3.eh_proj.weight"], 1) << text;
+    EXPECT_EQ(stage["model.layers.3.embed_tokens.weight"], 1) << text;
+    // Rank 3 (stage 1, TP rank 1): eh_proj's second half of rows, shared_head.head's vocab rows.
+    const Holdings& h = th->ranks[3];
+    for (const HeldBox& b : h.boxes) {
+      const std::string& name = h.tensors[b.tensor].name;
+      if (name == "model.layers.3.eh_proj.weight") {
+        EXPECT_EQ(b.box.start, (Shape{H / 2, 0})) << text;
+      }
+      if (name == "model.layers.3.shared_head.head.weight") {
+        EXPECT_EQ(b.box.size, (Shape{V / 2, H})) << text;
+      }
+    }
+  }
+  // Without the MTP layer's eh_proj, layer 3 is a decoder layer: [0, 1], [2, 3].
+  std::vector<TensorDecl> plain;
+  for (const TensorDecl& d : meta)
+    if (d.name.find(".eh_proj.") == std::string::npos) plain.push_back(d);
+  auto th = make_holdings(plain, TrainerLayout::parse("tp=2,pp=2").value(), {m.q_rows(), m.kv_rows()});
+  ASSERT_TRUE(th.ok()) << th.status().to_string();
+  for (size_t i = 0; i < plain.size(); ++i) {
+    if (plain[i].name == "model.layers.2.mlp.up_proj.weight") {
+      EXPECT_EQ(th->tensor_stage[i], 1);
+    }
+    if (plain[i].name == "model.layers.1.mlp.up_proj.weight") {
+      EXPECT_EQ(th->tensor_stage[i], 0);
+    }
+  }
 }
 
 TEST(Holdings, MegatronExpertsAndFused) {
