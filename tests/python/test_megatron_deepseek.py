@@ -32,7 +32,7 @@ import ferry
 from ferry import megatron
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_megatron_moe import merged, run_threads  # noqa: E402
+from test_megatron_moe import check_rank_views, merged, run_threads  # noqa: E402
 
 DEEPSEEK = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
@@ -161,6 +161,24 @@ DEEPSEEK_V2_LITE = {k: v for k, v in DEEPSEEK.items() if k not in ("q_lora_rank"
 DEEPSEEK_V2_LITE.update(num_nextn_predict_layers=0)
 
 
+# The sync tests' trainer: (tp, pp, dp, ep, etp), 4 ranks.
+TRAINER = (2, 2, 1, 2, 1)
+
+
+def step_and_sync(test, natives, cfg, hf, version, producers, consumers):
+    """The trainer's step (each TRAINER rank's native tensors rewritten in place from
+    ``hf``), then ``version`` synced by every rank, each report
+    ok: the consumers' reports."""
+    for r, native in enumerate(natives):
+        for name, t in native_rank(hf, cfg, *TRAINER, r).items():
+            native[name].copy_(t)
+    reports = run_threads([lambda p=p: p.sync(version) for p in producers] +
+                          [lambda c=c: c.sync(version) for c in consumers])
+    for rep in reports:
+        test.assertTrue(rep["ok"], rep["text"])
+    return reports[len(producers):]
+
+
 def bits(t):
     t = torch.as_tensor(t)
     return t.contiguous().view(torch.uint8) if t.dim() > 0 else t.reshape(1).view(torch.uint8)
@@ -239,20 +257,7 @@ class DeepSeekLayoutTest(unittest.TestCase):
                 for rank in range(layout.world_size):
                     native = native_rank(hf, cfg, tp, pp, dp, ep, etp, rank,
                                          mtp_inner=extra.get("mtp_inner", "transformer_layer"), first=first)
-                    storages = {t.storage().data_ptr() for t in native.values()}
-                    views = layout.views(rank, native)
-                    boxes = {}
-                    for name, start, size in layout.holdings(rank):
-                        boxes.setdefault(name, []).append((start, size))
-                    self.assertEqual(set(views), set(boxes))
-                    for name, vs in views.items():
-                        vs = vs if isinstance(vs, list) else [vs]
-                        self.assertEqual(len(vs), len(boxes[name]), name)
-                        for v, (start, size) in zip(vs, boxes[name]):
-                            box = tuple(slice(a, a + n) for a, n in zip(start, size))
-                            self.assertIn(v.storage().data_ptr(), storages, name)  # a view, not a copy
-                            self.assertTrue(torch.equal(v.to(hf[name].dtype), hf[name][box]), (rank, name, start))
-                            held[name][box] += 1
+                    check_rank_views(self, layout, rank, native, hf, held)
                 for name, count in held.items():
                     self.assertTrue(bool((count > 0).all()), (name, "some element is held by no rank"))
                     if ".experts." in name and "shared" not in name:
@@ -263,7 +268,7 @@ class DeepSeekSyncTest(unittest.TestCase):
     def sync_job(self, job, hf_states, quantize, quantize_on, server):
         """A 4-rank Megatron-style trainer (tp=2, pp=2, ep=2) into 4 DeepseekV3 ranks (tp=4,
         EP, the MTP layer as the draft): [(reports, [params of each consumer])] per version."""
-        tp, pp, dp, ep, etp = 2, 2, 1, 2, 1
+        tp, pp, dp, ep, etp = TRAINER
         layout = megatron.GPTLayout(DEEPSEEK, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp)
         loader = ferry.ModelLoader(DEEPSEEK, "tp=4,ep=4", quantize=quantize, mtp="draft")
         natives = [native_rank(hf_states[0], DEEPSEEK, tp, pp, dp, ep, etp, r) for r in range(layout.world_size)]
@@ -277,16 +282,8 @@ class DeepSeekSyncTest(unittest.TestCase):
         producers, consumers = made[:layout.world_size], made[layout.world_size:]
         out = []
         for version, hf in enumerate(hf_states, start=1):
-            # The trainer's step: its own tensors change in place.
-            for r, native in enumerate(natives):
-                for name, t in native_rank(hf, DEEPSEEK, tp, pp, dp, ep, etp, r).items():
-                    native[name].copy_(t)
-            reports = run_threads([lambda p=p: p.sync(version) for p in producers] +
-                                  [lambda c=c: c.sync(version) for c in consumers])
-            for rep in reports:
-                self.assertTrue(rep["ok"], rep["text"])
-            out.append((reports[layout.world_size:], [{n: bits(t).clone() for n, t in c.params().items()}
-                                                      for c in consumers]))
+            received = step_and_sync(self, natives, DEEPSEEK, hf, version, producers, consumers)
+            out.append((received, [{n: bits(t).clone() for n, t in c.params().items()} for c in consumers]))
         for x in made:
             x.close()
         return loader, out
@@ -336,7 +333,7 @@ class DeepSeekSyncTest(unittest.TestCase):
                 return iter(self.buffers.items())
 
         cfg = dict(DEEPSEEK, torch_dtype="bfloat16")
-        tp, pp, dp, ep, etp = 2, 2, 1, 2, 1
+        tp, pp, dp, ep, etp = TRAINER
         hf = {n: (t if n.endswith("e_score_correction_bias") else t.bfloat16())
               for n, t in tied_mtp_state(cfg, seed=41).items()}
         layout = megatron.GPTLayout(cfg, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp)
@@ -381,7 +378,7 @@ class EngineModuleTest(unittest.TestCase):
 
         # A bf16 checkpoint; the trainer keeps fp32 masters (its natives below are float32).
         cfg = dict(DEEPSEEK, torch_dtype="bfloat16")
-        tp, pp, dp, ep, etp = 2, 2, 1, 2, 1
+        tp, pp, dp, ep, etp = TRAINER
         layout = megatron.GPTLayout(cfg, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp)
         # Ranks 0-3: ferry's built-in DeepseekV3 loader, the reference; ranks 4-7: the module.
         builtin = ferry.ModelLoader(cfg, "tp=4,ep=4,replicas=2", quantize="fp8", mtp="skip")
@@ -408,14 +405,7 @@ class EngineModuleTest(unittest.TestCase):
                                             num_producers=layout.world_size, **common) for r in range(4)])
             producers, consumers = made[:layout.world_size], made[layout.world_size:]
             for version, hf in enumerate(states, start=1):
-                for r, native in enumerate(natives):  # the trainer's step, in place
-                    for name, t in native_rank(hf, cfg, tp, pp, dp, ep, etp, r).items():
-                        native[name].copy_(t)
-                reports = run_threads([lambda p=p: p.sync(version) for p in producers] +
-                                      [lambda c=c: c.sync(version) for c in consumers])
-                for rep in reports:
-                    self.assertTrue(rep["ok"], rep["text"])
-                received = reports[layout.world_size:]
+                received = step_and_sync(self, natives, cfg, hf, version, producers, consumers)
                 for r in range(4):
                     theirs, ours = consumers[r].params(), consumers[4 + r].params()
                     self.assertEqual(sorted(theirs), sorted(ours))

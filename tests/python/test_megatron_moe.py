@@ -228,6 +228,28 @@ def hf_state(cfg, seed):
     return out
 
 
+def check_rank_views(test, layout, rank, native, hf, held):
+    """Asserts that ``layout.views(rank, native)`` are the HF boxes of the rank's holdings,
+    each as many as it has boxes, views of ``native`` (not copies) with ``hf``'s values
+    (in its dtype), and counts each viewed element in ``held[name]`` where ``held`` has
+    the name."""
+    storages = {t.storage().data_ptr() for t in native.values()}
+    views = layout.views(rank, native)
+    boxes = {}
+    for name, start, size in layout.holdings(rank):
+        boxes.setdefault(name, []).append((start, size))
+    test.assertEqual(set(views), set(boxes))
+    for name, vs in views.items():
+        vs = vs if isinstance(vs, list) else [vs]
+        test.assertEqual(len(vs), len(boxes[name]), name)
+        for v, (start, size) in zip(vs, boxes[name]):
+            box = tuple(slice(a, a + n) for a, n in zip(start, size))
+            test.assertIn(v.storage().data_ptr(), storages, name)  # a view, not a copy
+            test.assertTrue(torch.equal(v.to(hf[name].dtype), hf[name][box]), (rank, name, start))
+            if name in held:
+                held[name][box] += 1
+
+
 class NativeViewsTest(unittest.TestCase):
     def check_views(self, cfg, tp, dp, ep, etp, form):
         hf = hf_state(cfg, seed=3)
@@ -236,21 +258,8 @@ class NativeViewsTest(unittest.TestCase):
         self.assertEqual({n: tuple(s) for n, (s, _) in meta.items()}, {n: tuple(t.shape) for n, t in hf.items()})
         held = {n: torch.zeros(t.shape, dtype=torch.int32) for n, t in hf.items() if ".experts." in n}
         for rank in range(layout.world_size):
-            native = native_rank(hf, cfg, tp, dp, ep, etp, rank, form)
-            storages = {t.storage().data_ptr() for t in native.values()}
-            views = layout.views(rank, native)
-            boxes = {}
-            for name, start, size in layout.holdings(rank):
-                boxes.setdefault(name, []).append((start, size))
-            self.assertEqual(set(views), set(boxes))
-            for name, vs in views.items():
-                vs = vs if isinstance(vs, list) else [vs]
-                for v, (start, size) in zip(vs, boxes[name]):
-                    box = tuple(slice(a, a + n) for a, n in zip(start, size))
-                    self.assertIn(v.storage().data_ptr(), storages, name)  # a view, not a copy
-                    self.assertTrue(torch.equal(v, hf[name][box]), (form, rank, name, start))
-                    if name in held:
-                        held[name][box] += 1
+            with self.subTest(form=form, rank=rank):
+                check_rank_views(self, layout, rank, native_rank(hf, cfg, tp, dp, ep, etp, rank, form), hf, held)
         for name, count in held.items():
             self.assertTrue(bool((count == layout.edp).all()), (form, name))  # once per edp replica
         return layout
