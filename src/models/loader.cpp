@@ -112,14 +112,13 @@ Result<Plan> record_plan(const ModelLoader& loader, int global, const std::vecto
   // What the consumer keeps block-quantised, stated in the plan (issue 29): the router may
   // then leave the quantising to a producer that holds a tile's every element.
   if (loader.options().quantize != Quantize::kNone) {
-    const models::QuantizedForm form = models::quantized_form(loader.options().quantize);
-    std::vector<BlockQuantize> quantized;
-    for (const auto& p : rl->params()) {
-      if (!p.fp8_quantizable) continue;
-      quantized.push_back(BlockQuantize{*plan.find_param(p.decl.name), static_cast<uint8_t>(form.format),
-                                        static_cast<uint32_t>(form.block), p.decl.name + form.scale_suffix});
+    std::vector<std::string> quantized;
+    for (const auto& p : rl->params())
+      if (p.fp8_quantizable) quantized.push_back(p.decl.name);
+    if (!quantized.empty()) {
+      FERRY_RETURN_IF_ERROR(
+          mark_quantized(plan, loader.options().quantize, quantized).with_context(rl->info().to_string()));
     }
-    FERRY_RETURN_IF_ERROR(plan.set_quantized(std::move(quantized)).with_context(rl->info().to_string()));
   }
   return plan;
 }
