@@ -562,6 +562,14 @@ struct SyncReport {
   uint64_t patch_bytes = 0, patched_dense_bytes = 0;
   uint64_t delta_elements = 0, delta_changed = 0;
   uint64_t patches_repaired = 0;
+  // Whether the weights this rank moved equal those of its previous successful sync (the
+  // same bytes under a new version number: an adapter the trainer never updated, a frozen
+  // draft), from the producers' checksums (EngineOptions::checksums), compared layer
+  // group by layer group over the same routes. nullopt when it cannot tell: checksums
+  // off, the first sync, routes changed (failover, a new member), bytes that came without
+  // checksums (relay, catch-up), or a failed sync. A version reported unchanged was still
+  // synced and committed.
+  std::optional<bool> unchanged;
   double seconds = 0;           // wall time of sync()
   SyncStages stages;            // where `seconds` went, stage by stage (summing to it)
   // Phases (seconds, summed over groups and attempts). Producer: materialize, pack, wait

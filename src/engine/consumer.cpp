@@ -48,6 +48,7 @@ Status Consumer::Impl::sync_groups(uint64_t v, SyncReport& rep) {
     std::map<int, uint64_t> sums;  // checksums (the producers' option), verified on the host
     for (int p : from)
       if (rx.got[p].checksum) sums[p] = *rx.got[p].checksum;
+    content.add(g, std::map<int64_t, uint64_t>(sums.begin(), sums.end()));
     FERRY_RETURN_IF_ERROR(verify_group(rank, g, routes.group_names[static_cast<size_t>(g)], gs, sums, recv.host_slot(s),
                                        recv.device_slot(s),
                                        plan_route()->groups[static_cast<size_t>(g)].recv_bytes, *param_set));
@@ -214,6 +215,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
   auto finish_report = [&](const Status& st) {
     if (rep.seconds == 0) rep.seconds = seconds_since(t0);
     rep.status = st;
+    rep.unchanged = content.finish(routes_hash, st.ok());
     const ConsumerState held = param_set->state();
     rep.live_version = held.has_version ? std::optional<uint64_t>(held.version) : std::nullopt;
     commit_rule->report(rep);
@@ -269,6 +271,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
   commit_rule->begin_sync();
   trace.stage(SyncStage::kRouting);
   if (s.ok()) s = refresh_routes();
+  content.begin(routes_hash);
   s = s.with_context(fmt::format("consumer {} sync {}", rank, v));
   // Routes changed before we began (another participant already failed over this
   // sync): announcements made with the old ones are stale, not a reason to switch.

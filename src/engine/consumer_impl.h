@@ -165,6 +165,7 @@ struct Consumer::Impl {
   } push;
   std::atomic<bool> crashed{false};  // simulate_crash (test hook)
   ParamDigests weights;   // EngineOptions::weight_digests: the live params as they went live
+  ContentWatch content;   // SyncReport::unchanged: this sync's checksums against the last one's
   SyncTrace trace;        // this sync's events (the unpack worker records too); rep's sums come from it
   SyncReport last;        // last_report(): the last sync's report, failed or not
   // The unpack + post-processing thread (unpack_worker.h). Last: destroyed first.

@@ -82,6 +82,7 @@ Status Producer::Impl::attempt(uint64_t v, bool* restarted) {
     if (!packed.ok()) return packed.status();
     for (const QuantOp& q : grp.quants) report.quantized_bytes += q.bytes();
     std::map<uint32_t, uint64_t> sums = std::move(*packed);
+    content.add(g, std::map<int64_t, uint64_t>(sums.begin(), sums.end()));
     DeltaPack dp = delta->pack(g, s, v, grp);
     {
       std::lock_guard<std::mutex> lk(mu);
@@ -250,6 +251,7 @@ Result<SyncReport> Producer::Impl::sync(uint64_t v) {
     std::lock_guard<std::mutex> lk(mu);
     members.version = v;
     members.in_sync = true;
+    content.begin(routes_hash);
     members.undeclared_hash.reset();
     if (route_state.dead().empty()) members.undeclared_hash = routes_hash;
     for (const auto& [c, vh] : members.early_failover) {
@@ -368,6 +370,7 @@ Result<SyncReport> Producer::Impl::sync(uint64_t v) {
   if (failure.ok()) note_missed_locked(v, left);
   report.seconds = seconds_since(t0);
   report.status = failure;
+  report.unchanged = content.finish(routes_hash, failure.ok());
   report.memory = memory_use();
   trace.finish_report(report);
   if (!failure.ok()) return failure;

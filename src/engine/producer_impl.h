@@ -122,6 +122,7 @@ struct Producer::Impl {
   // Delta syncs' kept copy and patches (engine/delta_encoder.h; dense without delta).
   std::unique_ptr<DeltaEncoder> delta;
   BoxDigests digests;  // EngineOptions::weight_digests: this sync's boxes, published after it
+  ContentWatch content;  // SyncReport::unchanged: this sync's checksums against the last one's
   // The pace reads are served at (engine/pacer.h: the rotated order's waves, or the
   // layer order's none). Set with the routes (apply_routes); mu.
   Pacer pacer;

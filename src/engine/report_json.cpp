@@ -68,11 +68,13 @@ nlohmann::json sync_report_json(const SyncReport& r) {
                       {"epoch", r.epoch},
                       {"failures", r.failures},
                       {"live_version", nullptr},
+                      {"unchanged", nullptr},
                       {"committed", r.committed},
                       {"commit_seconds", r.commit_seconds},
                       {"groups_live", r.groups_live},
                       {"memory", memory_use_json(r.memory)}};
   if (r.live_version) j["live_version"] = *r.live_version;
+  if (r.unchanged) j["unchanged"] = *r.unchanged;
   nlohmann::json events = nlohmann::json::array();
   for (const ControlEvent& e : r.events)
     events.push_back({{"kind", std::string(control_kind_name(e.kind))}, {"peer", e.peer}, {"group", e.group},

@@ -1,5 +1,7 @@
 #include "engine/weight_digests.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 #include <xxhash.h>
 
@@ -103,6 +105,36 @@ Result<WeightCheck> ParamDigests::check(const TensorMap& live, Store& store, con
     }
   }
   return w;
+}
+
+void ContentWatch::begin(uint64_t routes_hash) {
+  hash_ = routes_hash;
+  unknown_ = false;
+  groups_.clear();
+}
+
+void ContentWatch::add(int group, const std::map<int64_t, uint64_t>& sums) {
+  if (sums.empty()) unknown_ = true;
+  groups_[group] = sums;
+}
+
+std::optional<bool> ContentWatch::finish(uint64_t routes_hash, bool ok) {
+  if (!ok) return std::nullopt;  // (the reference stays the last successful sync)
+  if (unknown_ || routes_hash != hash_ || groups_.empty()) {
+    last_.reset();  // (nothing to compare the next one with)
+    return std::nullopt;
+  }
+  std::optional<bool> same;
+  // (Over the same groups only: a group no consumer needed this time was not packed.)
+  auto same_groups = [](const auto& a, const auto& b) {
+    return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](const auto& x, const auto& y) {
+             return x.first == y.first;
+           });
+  };
+  if (last_ && last_->first == routes_hash && same_groups(last_->second, groups_)) same = last_->second == groups_;
+  last_ = std::make_pair(routes_hash, std::move(groups_));
+  groups_.clear();
+  return same;
 }
 
 }  // namespace engine

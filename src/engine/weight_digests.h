@@ -46,4 +46,28 @@ class ParamDigests {
   std::map<std::string, std::optional<uint64_t>> params_;  // nullopt: not hashed (GPU memory)
 };
 
+// Whether a sync moved the same weights as the previous one (SyncReport::unchanged),
+// from the checksums producers already send (EngineOptions::checksums): per layer group,
+// the checksum of each segment (keyed by plan class on the producer, by producer on the
+// consumer), compared with the last successful sync's over the same routes. A trainer
+// that serves version 7 with version 6's bytes (an adapter never updated, a frozen draft)
+// is told so instead of reporting a sync of nothing new. Unknown (nullopt) without
+// checksums, when a group came without them (relay, a catch-up), when the routes changed
+// during the sync or since the compared one, or for the first sync. The sync thread only.
+class ContentWatch {
+ public:
+  void begin(uint64_t routes_hash);
+  // The checksums of group g as this attempt moved it (a group moved again replaces
+  // them); empty: it came without checksums.
+  void add(int group, const std::map<int64_t, uint64_t>& sums);
+  // The sync's answer; a successful one (`ok`) becomes the next sync's reference.
+  std::optional<bool> finish(uint64_t routes_hash, bool ok);
+
+ private:
+  uint64_t hash_ = 0;
+  bool unknown_ = false;
+  std::map<int, std::map<int64_t, uint64_t>> groups_;
+  std::optional<std::pair<uint64_t, std::map<int, std::map<int64_t, uint64_t>>>> last_;
+};
+
 }  // namespace ferry::engine
