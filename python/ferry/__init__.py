@@ -31,9 +31,9 @@ if hasattr(_ferry, "_ModelLoader"):  # built with the models module
 
 if hasattr(_ferry, "_Producer"):  # built with the engine
     from ._engine import (WeightSource, Producer, Consumer, StoreServer, transport_backends,  # noqa: F401
-                          committed_versions, committed_states, CommittedVersion)
+                          committed_versions, committed_states, CommittedVersion, AdapterSlots, AdapterLease)
     __all__ += ["WeightSource", "Producer", "Consumer", "StoreServer", "transport_backends", "committed_versions",
-                "committed_states", "CommittedVersion"]
+                "committed_states", "CommittedVersion", "AdapterSlots", "AdapterLease"]
 if hasattr(_ferry, "_Metrics"):  # built with the metrics module
     from ._metrics import Metrics, MetricsEndpoint  # noqa: F401
     __all__ += ["Metrics", "MetricsEndpoint"]

@@ -213,6 +213,133 @@ def _metrics_handle(metrics):
     return metrics._m if isinstance(metrics, Metrics) else metrics
 
 
+def _target_job(job, target):
+    """The engine job of target ``target`` of ``job`` ("{job}#{target}", docs/targets.md);
+    ``job`` itself for None or "" (the main model)."""
+    if target is None or target == "":
+        return job  # (the binding checks it, naming `job`)
+    if not isinstance(target, str):
+        raise InvalidArgumentError(f"target must be a str, got {type(target).__name__}")
+    if not isinstance(job, str):
+        raise InvalidArgumentError(f"job must be a str, got {type(job).__name__}")
+    return _ferry._target_job(job, target)
+
+
+class AdapterSlots:
+    """One inference rank's slot table for a LoRA adapter target (docs/targets.md): each
+    ``sync(version)`` receives only the adapter's weights (``plan``, e.g.
+    ``ferry.record_load`` of the engine's LoRA loader) into buffers no reader sees, copies
+    them into a slot neither serving nor held, and switches with every rank of
+    ``switch_group`` at once (the decision is one for all: ``"switch"``, ``"keep"`` when no
+    rank's bytes changed, ``"abort"`` when any rank did not receive it: the previous
+    version keeps serving everywhere). Slots are named ``"{adapter}@{version}"``.
+
+    Readers: ``with slots.acquire() as lease:`` (None before the first switch) gives
+    ``lease.name``, ``lease.version`` and ``lease.params()`` ({name: read-only numpy array},
+    bf16 as raw uint16 bits), one version, whole, for as long as the lease is held; a held
+    slot is never written. ``switch_group``: the consumer ranks that switch together
+    (default: every consumer of the job); ``switch_timeout``: seconds a rank waits for the
+    others' votes; ``slot_wait``: seconds a sync waits for a reader to let go of an old
+    slot. The other keywords are the Consumer's (``job``, ``target`` (default
+    ``"lora-" + adapter``), ``token``, ``num_producers``, ``num_consumers``, ``backend``,
+    timeouts, ``checksums``, ...)."""
+
+    def __init__(self, plan, rank=None, store=None, *, adapter, slots=2, switch_group=None, switch_timeout=30.0,
+                 slot_wait=5.0, token=None, num_producers=1, num_consumers=None, backend="ucx", job="ferry",
+                 target=None, mode="pull", timeout=30.0, rendezvous_timeout=60.0, stall_timeout=10.0, lease_ttl=3.0,
+                 checksums=True, failover=True, group_order="rotated", transport_params=None, ucx_config=None,
+                 metrics=None):
+        from ._plan import Plan
+        from ._launcher import launcher_rank, launcher_world_size
+
+        if not isinstance(plan, Plan):
+            raise InvalidArgumentError(f"AdapterSlots: plan must be a ferry.Plan, got {type(plan).__name__}")
+        if store is None:
+            raise InvalidArgumentError("AdapterSlots: store is required")
+        if not isinstance(adapter, str):
+            raise InvalidArgumentError("AdapterSlots: adapter must be a str")
+        for name, value in (("switch_timeout", switch_timeout), ("slot_wait", slot_wait)):
+            if not isinstance(value, (int, float)) or value < 0 or value != value or value == float("inf"):
+                raise InvalidArgumentError(f"AdapterSlots: {name} must be finite seconds >= 0, got {value!r}")
+        job = _target_job(job, "lora-" + adapter if target is None else target)
+        rank = launcher_rank(rank)
+        if num_consumers is None:
+            num_consumers = launcher_world_size(None, default=1)
+        group = [] if switch_group is None else [int(r) for r in switch_group]
+        url, token = _store_args(store, token)
+        kw = _options(token, backend, _transport_params(transport_params, ucx_config), job=job, mode=mode,
+                      timeout=timeout, rendezvous_timeout=rendezvous_timeout, stall_timeout=stall_timeout,
+                      lease_ttl=lease_ttl, checksums=checksums, failover=failover, group_order=group_order,
+                      num_producers=num_producers, num_consumers=num_consumers, commit="in_place",
+                      metrics=_metrics_handle(metrics))
+        self.job = job
+        self._a = _ferry._AdapterSlots(plan._handle(), int(rank), url, kw, adapter, int(slots), group,
+                                       float(switch_timeout), float(slot_wait))
+
+    def sync(self, version):
+        """Receives ``version`` and switches with the group; a dict: ``decision``
+        ("switch", "keep", "abort"), ``ok`` (not aborted), ``unchanged`` (this rank's bytes
+        equal what it serves), ``serving`` (the serving slot's name after it), ``slot``,
+        ``report`` (the adapter consumer's sync report: bytes, failures). An aborted
+        version is not an exception (the old adapter serves); a store that cannot say the
+        decision is."""
+        return self._a.sync(int(version))
+
+    def acquire(self):
+        """The serving slot, held (an ``AdapterLease``, a context manager); None before any
+        version switched."""
+        lease = self._a.acquire()
+        return None if lease is None else AdapterLease(lease)
+
+    def slots(self):
+        """[{slot, name, version, serving, readers}] as now."""
+        return self._a.slots()
+
+    def close(self):
+        """Releases the rank's transport and store; refused while leases are held."""
+        self._a.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class AdapterLease:
+    """A reader's hold on one adapter version (AdapterSlots.acquire). Views from
+    ``params()`` read the slot: release the lease (``with``, or ``release()``) only once
+    they are no longer used; each view also keeps the lease alive while it exists."""
+
+    def __init__(self, lease):
+        self._l = lease
+
+    @property
+    def name(self):
+        return self._l.name
+
+    @property
+    def version(self):
+        return self._l.version
+
+    @property
+    def slot(self):
+        return self._l.slot
+
+    def params(self):
+        """{name: read-only numpy array over the slot} (bf16 as raw uint16 bits)."""
+        return {name: view for name, (_, view) in self._l.params().items()}
+
+    def release(self):
+        self._l.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
 def _options(token, backend, transport_params, **engine):
     """The binding's keywords: the engine's options as given (the binding checks each one
     and raises InvalidArgumentError naming it), the transport's, the store's token."""
@@ -277,9 +404,10 @@ class Producer:
                  stall_timeout=10.0, straggler_floor=2.0, straggler_factor=8.0, join_window=20.0, lease_ttl=3.0,
                  checksums=False, failover=True, group_order="rotated", convert_on="producer", quantize_on="producer",
                  delta=False, delta_full_every=0, delta_block_bytes=0, delta_same_host=False, staging_budget=0, staging_device="cpu", in_place=False, direct_min_bytes=64 * 1024,
-                 transport_params=None, ucx_config=None, metrics=None, weight_digests=False):
+                 transport_params=None, ucx_config=None, metrics=None, weight_digests=False, target=None):
         if not isinstance(source, WeightSource):
             raise InvalidArgumentError("Producer: source must be a ferry.WeightSource")
+        job = _target_job(job, target)
         url, token = _store_args(store, token)
         kw = _options(token, backend, _transport_params(transport_params, ucx_config), job=job, mode=mode,
                       timeout=timeout, rendezvous_timeout=rendezvous_timeout, stall_timeout=stall_timeout,
@@ -378,7 +506,7 @@ class Consumer:
                  delta_same_host=False,
                  cuda_ipc=True, relay=False,
                  direct_min_bytes=64 * 1024, transport_params=None,
-                 ucx_config=None, metrics=None, weight_digests=False, check_weights_each_sync=False):
+                 ucx_config=None, metrics=None, weight_digests=False, check_weights_each_sync=False, target=None):
         from ._plan import Plan
         from ._launcher import launcher_rank, launcher_world_size
 
@@ -403,6 +531,7 @@ class Consumer:
                 raise InvalidArgumentError(f"Consumer: {hook_name} must be callable, got {type(hook).__name__}")
         if store is None:
             raise InvalidArgumentError("Consumer: store is required")
+        job = _target_job(job, target)
         rank = launcher_rank(rank)
         if num_consumers is None:
             num_consumers = loader.world_size if loader is not None else launcher_world_size(None, default=1)
@@ -660,24 +789,25 @@ class CommittedVersion(int):
     __str__ = __repr__
 
 
-def committed_states(store, num_consumers, *, job="ferry", token=None):
-    """What each inference rank 0..num_consumers-1 of ``job`` serves, from the store: a
-    dict {"version": committed last or None, "mixed": bool, "torn": bool, "newer": the
-    version a failed sync left partly live, or None}."""
+def committed_states(store, num_consumers, *, job="ferry", token=None, target=None):
+    """What each inference rank 0..num_consumers-1 of ``job`` (its target ``target``, if
+    given) serves, from the store: a dict {"version": committed last or None, "mixed":
+    bool, "torn": bool, "newer": the version a failed sync left partly live, or None}."""
+    job = _target_job(job, target)
     url, token = _store_args(store, token)
     kw = {"token": token} if token is not None else {}
     return [{"version": v, "mixed": m, "torn": t, "newer": n}
             for v, m, t, n in _ferry._committed_states(url, kw, str(job), int(num_consumers))]
 
 
-def committed_versions(store, num_consumers, *, job="ferry", token=None):
+def committed_versions(store, num_consumers, *, job="ferry", token=None, target=None):
     """The version each inference rank 0..num_consumers-1 of ``job`` committed last (None
     for one that has committed none), from the store. The job-wide live version is the
     minimum; ask before serving with new weights. Each is a :class:`CommittedVersion`: an
     int that says (``mixed``, ``torn``, its repr) when a failed sync left that rank's
     params not whole."""
     return [None if s["version"] is None else CommittedVersion(s["version"], s["mixed"], s["torn"], s["newer"])
-            for s in committed_states(store, num_consumers, job=job, token=token)]
+            for s in committed_states(store, num_consumers, job=job, token=token, target=target)]
 
 
 def transport_backends():

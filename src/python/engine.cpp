@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "ferry/engine.h"
+#include "ferry/targets.h"
 #include "ferry/source.h"
 #include "ferry/store.h"
 #include "ferry/transport.h"
@@ -581,6 +582,50 @@ py::array numpy_view(const Tensor& t, py::handle owner) {
   return py::array(py::dtype(fmt), shape, strides, *p, owner);
 }
 
+// One inference rank's adapter slots (ferry/targets.h). close() refuses while leases are
+// held (a lease's views read a slot's memory).
+struct PyAdapterSlots {
+  std::unique_ptr<Transport> transport;
+  std::unique_ptr<Store> store;
+  std::unique_ptr<AdapterSlots> slots;
+  int rank = -1;
+  AdapterSlots& live(const char* method) const {
+    if (!slots) throw_status(failed_precondition("AdapterSlots.{}: closed", method));
+    return *slots;
+  }
+  void close() {
+    if (slots) {
+      for (const auto& s : slots->slots())
+        if (s.readers > 0)
+          throw_status(failed_precondition("AdapterSlots.close: slot {} ('{}') is held by {} lease(s); release them "
+                                           "first", s.slot, s.name, s.readers));
+    }
+    std::unique_ptr<AdapterSlots> a = std::move(slots);
+    std::unique_ptr<Transport> t = std::move(transport);
+    std::unique_ptr<Store> st = std::move(store);
+    py::gil_scoped_release release;
+    a.reset();
+    t.reset();
+    st.reset();
+  }
+  ~PyAdapterSlots() {
+    try {
+      if (slots || transport || store) close();
+    } catch (...) {  // (leases still held at exit: they keep this object alive, so none are)
+    }
+  }
+};
+
+// A reader's hold on the serving slot; keeps the PyAdapterSlots alive.
+struct PyAdapterLease {
+  std::optional<AdapterSlots::Lease> lease;
+  py::object owner;
+  const AdapterSlots::Lease& get() const {
+    if (!lease) throw_status(failed_precondition("AdapterLease: released"));
+    return *lease;
+  }
+};
+
 }  // namespace
 
 void register_engine(py::module_& m) {
@@ -925,6 +970,90 @@ void register_engine(py::module_& m) {
       .def_property_readonly("rank", [](const PyConsumer& c) { return c.rank; })
       .def_property_readonly("closed", [](const PyConsumer& c) { return !c.consumer; })
       .def("close", &PyConsumer::close);
+
+  m.def("_target_job", [](const std::string& job, const std::string& target) { return value_or_raise(target_job(job, target)); });
+  py::class_<PyAdapterLease>(m, "_AdapterLease")
+      .def_property_readonly("name", [](const PyAdapterLease& l) { return l.get().name(); })
+      .def_property_readonly("version", [](const PyAdapterLease& l) { return l.get().version(); })
+      .def_property_readonly("slot", [](const PyAdapterLease& l) { return l.get().slot(); })
+      // {name: (dtype name, read-only numpy view of the slot)}: each view keeps the lease.
+      .def("params", [](py::object self) {
+        const PyAdapterLease& l = self.cast<const PyAdapterLease&>();
+        py::dict out;
+        for (const auto& [name, t] : l.get().params()) {
+          py::array view = numpy_view(t, self);
+          view.attr("setflags")(py::arg("write") = false);
+          out[py::str(name)] = py::make_tuple(std::string(dtype_name(t.dtype())), view);
+        }
+        return out;
+      })
+      .def("release", [](PyAdapterLease& l) { l.lease.reset(); });
+  py::class_<PyAdapterSlots>(m, "_AdapterSlots")
+      .def(py::init([](const PyPlan& plan, int rank, const std::string& store_url, py::dict kw, const std::string& adapter,
+                       int slots, std::vector<int> group, double switch_timeout, double slot_wait) {
+        auto a = std::make_unique<PyAdapterSlots>();
+        PyConsumer hooks;  // (fill_consumer_options' hook bookkeeping; adapters take no hooks)
+        ConsumerOptions co = fill_consumer_options(kw, hooks);
+        ConsumerModel model;
+        model.plan = plan.plan;
+        AdapterSlotOptions so;
+        so.adapter = adapter;
+        so.slots = slots;
+        so.switch_group = std::move(group);
+        so.switch_timeout = std::chrono::milliseconds(static_cast<int64_t>(switch_timeout * 1000));
+        so.slot_wait = std::chrono::milliseconds(static_cast<int64_t>(slot_wait * 1000));
+        a->transport = make_transport(kw);
+        a->store = open_store(store_url, kw);
+        Result<std::unique_ptr<AdapterSlots>> made = Status(StatusCode::kInternal, "not run");
+        {
+          py::gil_scoped_release release;
+          made = AdapterSlots::create(std::move(model), rank, *a->transport, *a->store, co, so);
+        }
+        a->slots = value_or_raise(std::move(made));
+        a->rank = rank;
+        return a;
+      }))
+      .def("sync", [](PyAdapterSlots& a, uint64_t version) {
+        AdapterSlots& slots = a.live("sync");
+        Result<AdapterSlots::Report> r = Status(StatusCode::kInternal, "not run");
+        {
+          py::gil_scoped_release release;
+          r = slots.sync(version);
+        }
+        if (!r.ok()) throw_status(r.status());
+        py::dict out;
+        out["decision"] = switch_decision_name(r->decision);
+        out["unchanged"] = r->unchanged;
+        out["serving"] = r->serving;
+        out["slot"] = r->slot;
+        out["ok"] = r->ok();
+        out["report"] = report_dict(r->sync, false, a.rank, py::none());
+        return out;
+      })
+      .def("acquire", [](py::object self) -> py::object {
+        const PyAdapterSlots& a = self.cast<const PyAdapterSlots&>();
+        auto lease = a.live("acquire").acquire();
+        if (!lease) return py::none();
+        auto l = std::make_unique<PyAdapterLease>();
+        l->lease.emplace(std::move(*lease));
+        l->owner = self;
+        return py::cast(std::move(l));
+      })
+      .def("slots", [](const PyAdapterSlots& a) {
+        py::list out;
+        for (const auto& s : a.live("slots").slots()) {
+          py::dict d;
+          d["slot"] = s.slot;
+          d["name"] = s.name;
+          d["version"] = s.version ? py::object(py::int_(*s.version)) : py::object(py::none());
+          d["serving"] = s.serving;
+          d["readers"] = s.readers;
+          out.append(d);
+        }
+        return out;
+      })
+      .def_property_readonly("rank", [](const PyAdapterSlots& a) { return a.rank; })
+      .def("close", &PyAdapterSlots::close);
 }
 
 }  // namespace ferry::python

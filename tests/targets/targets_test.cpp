@@ -231,6 +231,7 @@ struct AdapterCluster {
   std::vector<std::unique_ptr<Producer>> prod{2};
   std::vector<std::unique_ptr<AdapterSlots>> slots{2};
   std::function<void(ProducerOptions&, int)> tweak_producer;
+  std::function<void(ConsumerOptions&, int)> tweak_consumer;
   std::chrono::milliseconds slot_wait{5000};
 
   Status start_producer(int p) {
@@ -251,6 +252,7 @@ struct AdapterCluster {
     FERRY_ASSIGN_OR_RETURN(cst[i], fx.open());
     ConsumerOptions co;
     static_cast<EngineOptions&>(co) = eo;
+    if (tweak_consumer) tweak_consumer(co, c);
     FERRY_ASSIGN_OR_RETURN(ConsumerModel m, lora.model(c));
     AdapterSlotOptions so;
     so.adapter = "math";
@@ -292,13 +294,28 @@ struct AdapterCluster {
 
 TEST(AdapterSlots, VersionsSwitchOnEveryRankUnderReaders) {
   AdapterCluster k;
+  // Layer order: layer 0 moves before producer 1 materialises layer 1, where it dies once
+  // both consumers unpacked layer 0 into their own buffers (a sync half landed; a death
+  // before anything was read would make the consumers wait out their timeout for a
+  // restarted producer instead, engine/consumer.cpp).
+  k.eo.group_order = GroupOrderKind::kLayer;
   std::atomic<bool> crash_armed{false};
+  std::atomic<unsigned> unpacked{0};  // bit c: consumer c unpacked layer 0 while armed
+  k.tweak_consumer = [&](ConsumerOptions& co, int c) {
+    auto hooks = std::make_shared<engine::TestHooks>();
+    hooks->consumer_point = [&, c](int g, int phase) {
+      if (crash_armed && g == 1 && phase == 3) unpacked |= 1u << c;  // (group 1: layer 0, after "pre")
+    };
+    co.test_hooks = hooks;
+  };
   k.tweak_producer = [&](ProducerOptions& o, int p) {
     if (p != 1) return;
     engine::TestHooks hooks;
     hooks.before_materialize = [&](uint64_t, int g) {
-      // Layer 1's group, after layer 0 landed in the adapter consumer's own buffers.
-      if (g == 1 && crash_armed.exchange(false)) k.ptr[1]->simulate_crash().ignore();
+      if (g != 2 || !crash_armed) return;  // (layer 1)
+      for (int i = 0; i < 2000 && unpacked.load() != 3u; ++i) std::this_thread::sleep_for(5ms);  // (bounded)
+      crash_armed = false;
+      k.ptr[1]->simulate_crash().ignore();
     };
     o.test_hooks = engine::make_test_hooks(std::move(hooks));
   };
@@ -377,6 +394,7 @@ TEST(AdapterSlots, VersionsSwitchOnEveryRankUnderReaders) {
   crash_armed = true;
   {
     auto o = k.sync(4);
+    EXPECT_EQ(unpacked.load(), 3u) << "layer 0 had not landed on both ranks";
     for (int c = 0; c < 2; ++c) {
       const auto& r = o.c[static_cast<size_t>(c)];
       ASSERT_TRUE(r->ok()) << r->status().to_string();
