@@ -139,7 +139,9 @@ def main():
             assert all(r["ok"] for r in reports), [r["text"] for r in reports]
             switched = out[2 + TP:2 + 2 * TP]
             assert len({s["serving"] for s in switched}) == 1  # every rank serves one adapter version
-            line = f"step {step}: policy {step}; adapter {switched[0]['decision']} -> {switched[0]['serving']}"
+            policy_bytes, lora_bytes = out[0]["bytes_sent"], out[1 + TP]["bytes_sent"]
+            line = (f"step {step}: policy {step} ({policy_bytes} bytes); adapter {switched[0]['decision']} -> "
+                    f"{switched[0]['serving']} ({lora_bytes} bytes, {lora_bytes / policy_bytes:.3f} of the policy's)")
             if draft_weights is not None:
                 trainer_said = out[2 + 2 * TP]["unchanged"]
                 line += f"; draft version {draft_version}" + (" (unchanged: the trainer is told)" if trainer_said else "")
