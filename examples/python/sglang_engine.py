@@ -89,6 +89,17 @@ class EngineRank:
         return {"policy": self.policy, "draft": self.draft, "lora": self.adapters}[target].sync(version)
 
 
+def check_adapter(engine, r, step):
+    """What a request sees: the serving adapter, whole (version 2 never served: kept as 1)."""
+    with engine.adapters.acquire() as lease:
+        want = checkpoint(lora_shapes(), 100 + lease.version, torch.float32)
+        for n, view in lease.params().items():  # (each view holds the slot too, until it is gone)
+            w = want[n].numpy()
+            if "lora_B" in n:
+                w = w[r * view.shape[0]:(r + 1) * view.shape[0]]
+            assert np.array_equal(view, w), (step, r, n)
+
+
 def run_threads(fns):
     out, errors = [None] * len(fns), []
 
@@ -154,13 +165,7 @@ def main():
                 loader.record_plan(r).replay(policy_src.state, expect)
                 got = e.policy.params()
                 assert all(torch.equal(torch.as_tensor(got[n]).view(torch.bfloat16), t) for n, t in expect.items())
-                with e.adapters.acquire() as lease:
-                    want = checkpoint(lora_shapes(), 100 + lease.version, torch.float32)  # (version 2 never served)
-                    for n, view in lease.params().items():
-                        w = want[n].numpy()
-                        if "lora_B" in n:
-                            w = w[r * view.shape[0]:(r + 1) * view.shape[0]]
-                        assert np.array_equal(view, w), (step, r, n)
+                check_adapter(e, r, step)
         assert engines[0].adapters.acquire().name == "math@4"
         versions = ferry.committed_versions(server, TP, job="sglang", target="draft")
         assert versions == [3, 3], versions

@@ -152,7 +152,9 @@ class AdapterSlots final {
   // Receives version `version` into a free slot and switches with the group. Returns a
   // report whatever the decision (kAbort: the sync's or the vote's reason in
   // sync.status / sync.failures); errors only when the decision could not be read
-  // (agree_switch's), or from a second concurrent call (kFailedPrecondition).
+  // (agree_switch's), from a second concurrent call (kFailedPrecondition), or for a
+  // version at or below the last one decided (kInvalidArgument: a version is decided
+  // once, so a rollback is synced under a new number).
   Result<Report> sync(uint64_t version);
   // The serving slot, held; nullopt before any version switched.
   std::optional<Lease> acquire() const;

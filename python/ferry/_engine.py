@@ -241,8 +241,10 @@ class AdapterSlots:
     (default: every consumer of the job); ``switch_timeout``: seconds a rank waits for the
     others' votes; ``slot_wait``: seconds a sync waits for a reader to let go of an old
     slot. The other keywords are the Consumer's (``job``, ``target`` (default
-    ``"lora-" + adapter``), ``token``, ``num_producers``, ``num_consumers``, ``backend``,
-    timeouts, ``checksums``, ...)."""
+    ``"lora-" + adapter``; pass one for an adapter name over 59 bytes), ``token``,
+    ``num_producers``, ``num_consumers``, ``backend``, timeouts, ``checksums``, ...).
+    Adapter versions increase: a version at or below one already decided is refused
+    (sync a rollback under a new number)."""
 
     def __init__(self, plan, rank=None, store=None, *, adapter, slots=2, switch_group=None, switch_timeout=30.0,
                  slot_wait=5.0, token=None, num_producers=1, num_consumers=None, backend="ucx", job="ferry",
@@ -307,9 +309,10 @@ class AdapterSlots:
 
 
 class AdapterLease:
-    """A reader's hold on one adapter version (AdapterSlots.acquire). Views from
-    ``params()`` read the slot: release the lease (``with``, or ``release()``) only once
-    they are no longer used; each view also keeps the lease alive while it exists."""
+    """A reader's hold on one adapter version (AdapterSlots.acquire). Each view from
+    ``params()`` holds the slot too, for as long as the view exists: ``release()`` (or the
+    end of ``with``) drops the lease's own hold, and the slot is free once the views are
+    gone as well (``AdapterSlots.close()`` refuses while any is held)."""
 
     def __init__(self, lease):
         self._l = lease

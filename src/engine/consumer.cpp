@@ -256,6 +256,7 @@ Result<SyncReport> Consumer::Impl::sync(uint64_t v, bool commit_it) {
   const bool dropping_received = param_set->state().received.has_value();
   param_set->begin(v);
   if (dropping_received) {  // a version received and not committed is gone now: say so
+    content.forget();
     if (Status c = publish_versions(); !c.ok()) trace.control(ControlKind::kStore, -1, -1, c.to_string());
   }
   attempts.old_hashes.clear();
@@ -447,6 +448,7 @@ Status Consumer::leave() {
 
 Status Consumer::discard() {
   FERRY_RETURN_IF_ERROR(impl_->param_set->discard());
+  impl_->content.forget();  // (the reference was never made live)
   return impl_->publish_versions();
 }
 const SyncReport& Consumer::last_report() const { return impl_->last; }

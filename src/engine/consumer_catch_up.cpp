@@ -186,6 +186,7 @@ Result<SyncReport> Consumer::Impl::catch_up() {
     if (syncs.left) return failed_precondition("consumer {} left the job (leave()): it catches up no more", rank);
     if (syncs.syncing) return failed_precondition("consumer {}: catch_up() while a sync runs", rank);
   }
+  content.forget();  // (what goes live now is no sync's: SyncReport::unchanged compares with nothing)
   FERRY_RETURN_IF_ERROR(check_claim(*reg.claim, store, Participant{"consumer", rank}, reg.instance));
   const auto t0 = Clock::now();
   FERRY_ASSIGN_OR_RETURN(const ParamSet::ServingLayout* mine, param_set->serving_layout());

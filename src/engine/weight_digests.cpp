@@ -119,7 +119,10 @@ void ContentWatch::add(int group, const std::map<int64_t, uint64_t>& sums) {
 }
 
 std::optional<bool> ContentWatch::finish(uint64_t routes_hash, bool ok) {
-  if (!ok) return std::nullopt;  // (the reference stays the last successful sync)
+  if (!ok) {
+    forget();
+    return std::nullopt;
+  }
   if (unknown_ || routes_hash != hash_ || groups_.empty()) {
     last_.reset();  // (nothing to compare the next one with)
     return std::nullopt;

@@ -60,8 +60,12 @@ class ContentWatch {
   // The checksums of group g as this attempt moved it (a group moved again replaces
   // them); empty: it came without checksums.
   void add(int group, const std::map<int64_t, uint64_t>& sums);
-  // The sync's answer; a successful one (`ok`) becomes the next sync's reference.
+  // The sync's answer; a successful one (`ok`) becomes the next sync's reference, a
+  // failed one leaves none (what it left live is not what the reference moved).
   std::optional<bool> finish(uint64_t routes_hash, bool ok);
+  // No reference: the live params changed otherwise (a catch-up, a received version
+  // dropped, a failed sync), so the next sync cannot be compared with the last one.
+  void forget() { last_.reset(); }
 
  private:
   uint64_t hash_ = 0;

@@ -582,13 +582,15 @@ py::array numpy_view(const Tensor& t, py::handle owner) {
   return py::array(py::dtype(fmt), shape, strides, *p, owner);
 }
 
-// One inference rank's adapter slots (ferry/targets.h). close() refuses while leases are
-// held (a lease's views read a slot's memory).
+// One inference rank's adapter slots (ferry/targets.h). A sync in flight keeps close()
+// waiting (as PyConsumer's); close() refuses while any lease, or any view of one, holds a
+// slot (a view reads the slot's memory).
 struct PyAdapterSlots {
   std::unique_ptr<Transport> transport;
   std::unique_ptr<Store> store;
   std::unique_ptr<AdapterSlots> slots;
   int rank = -1;
+  InFlight in_flight;
   AdapterSlots& live(const char* method) const {
     if (!slots) throw_status(failed_precondition("AdapterSlots.{}: closed", method));
     return *slots;
@@ -597,13 +599,14 @@ struct PyAdapterSlots {
     if (slots) {
       for (const auto& s : slots->slots())
         if (s.readers > 0)
-          throw_status(failed_precondition("AdapterSlots.close: slot {} ('{}') is held by {} lease(s); release them "
-                                           "first", s.slot, s.name, s.readers));
+          throw_status(failed_precondition("AdapterSlots.close: slot {} ('{}') is held by {} lease(s) or their "
+                                           "views; release them first", s.slot, s.name, s.readers));
     }
     std::unique_ptr<AdapterSlots> a = std::move(slots);
     std::unique_ptr<Transport> t = std::move(transport);
     std::unique_ptr<Store> st = std::move(store);
     py::gil_scoped_release release;
+    in_flight.wait_idle();  // (a sync on another thread still uses them)
     a.reset();
     t.reset();
     st.reset();
@@ -611,18 +614,29 @@ struct PyAdapterSlots {
   ~PyAdapterSlots() {
     try {
       if (slots || transport || store) close();
-    } catch (...) {  // (leases still held at exit: they keep this object alive, so none are)
+    } catch (...) {  // (a held lease keeps this object alive: none is held here)
     }
   }
 };
 
-// A reader's hold on the serving slot; keeps the PyAdapterSlots alive.
-struct PyAdapterLease {
-  std::optional<AdapterSlots::Lease> lease;
+// A hold on one slot, shared by a lease object and every numpy view of it: the slot is
+// held until the last of them is gone (release() drops only the lease object's share).
+// `owner` keeps the PyAdapterSlots alive as long.
+struct HeldSlot {
+  AdapterSlots::Lease lease;
   py::object owner;
+  ~HeldSlot() {
+    { AdapterSlots::Lease gone(std::move(lease)); }  // the slot first: `owner` may be the last reference
+    py::gil_scoped_acquire gil;
+    owner = py::object();
+  }
+};
+
+struct PyAdapterLease {
+  std::shared_ptr<HeldSlot> held;
   const AdapterSlots::Lease& get() const {
-    if (!lease) throw_status(failed_precondition("AdapterLease: released"));
-    return *lease;
+    if (!held) throw_status(failed_precondition("AdapterLease: released"));
+    return held->lease;
   }
 };
 
@@ -976,18 +990,20 @@ void register_engine(py::module_& m) {
       .def_property_readonly("name", [](const PyAdapterLease& l) { return l.get().name(); })
       .def_property_readonly("version", [](const PyAdapterLease& l) { return l.get().version(); })
       .def_property_readonly("slot", [](const PyAdapterLease& l) { return l.get().slot(); })
-      // {name: (dtype name, read-only numpy view of the slot)}: each view keeps the lease.
-      .def("params", [](py::object self) {
-        const PyAdapterLease& l = self.cast<const PyAdapterLease&>();
+      // {name: (dtype name, read-only numpy view of the slot)}: each view holds the slot
+      // (its own share of the hold) until it is gone, release() or not.
+      .def("params", [](const PyAdapterLease& l) {
         py::dict out;
         for (const auto& [name, t] : l.get().params()) {
-          py::array view = numpy_view(t, self);
+          py::capsule share(new std::shared_ptr<HeldSlot>(l.held),
+                            [](void* p) { delete static_cast<std::shared_ptr<HeldSlot>*>(p); });
+          py::array view = numpy_view(t, share);
           view.attr("setflags")(py::arg("write") = false);
           out[py::str(name)] = py::make_tuple(std::string(dtype_name(t.dtype())), view);
         }
         return out;
       })
-      .def("release", [](PyAdapterLease& l) { l.lease.reset(); });
+      .def("release", [](PyAdapterLease& l) { l.held.reset(); });
   py::class_<PyAdapterSlots>(m, "_AdapterSlots")
       .def(py::init([](const PyPlan& plan, int rank, const std::string& store_url, py::dict kw, const std::string& adapter,
                        int slots, std::vector<int> group, double switch_timeout, double slot_wait) {
@@ -1015,6 +1031,7 @@ void register_engine(py::module_& m) {
       }))
       .def("sync", [](PyAdapterSlots& a, uint64_t version) {
         AdapterSlots& slots = a.live("sync");
+        InFlight::Guard busy(a.in_flight);  // a close() on another thread waits for it
         Result<AdapterSlots::Report> r = Status(StatusCode::kInternal, "not run");
         {
           py::gil_scoped_release release;
@@ -1035,8 +1052,7 @@ void register_engine(py::module_& m) {
         auto lease = a.live("acquire").acquire();
         if (!lease) return py::none();
         auto l = std::make_unique<PyAdapterLease>();
-        l->lease.emplace(std::move(*lease));
-        l->owner = self;
+        l->held = std::shared_ptr<HeldSlot>(new HeldSlot{std::move(*lease), self});
         return py::cast(std::move(l));
       })
       .def("slots", [](const PyAdapterSlots& a) {

@@ -86,12 +86,23 @@ Result<SwitchDecision> agree_switch(Store& store, std::string_view job, uint64_t
     if (!got) return corrupt("agree_switch: {} holds '{}', not a decision", decision_key, *cs.value);
     return *got;
   };
-  FERRY_RETURN_IF_ERROR(store.set(vote_key(rank), encode_vote(vote), ttl));
-  if (!vote.ready) return decide(SwitchDecision::kAbort);
   const std::set<int> members(group.begin(), group.end());
   const auto deadline = Clock::now() + timeout;
   Status last_error;
+  // A store error is retried until the deadline (a vote or a decision whose reply was
+  // lost may have landed: the others may be deciding with it).
+  bool voted = false;
   for (Millis nap{1};; nap = std::min(nap * 2, Millis{50})) {
+    if (!voted) {
+      Status s = store.set(vote_key(rank), encode_vote(vote), ttl);
+      voted = s.ok();
+      if (!voted) last_error = s;
+    }
+    if (voted && !vote.ready) {
+      auto d = decide(SwitchDecision::kAbort);
+      if (d.ok()) return d;
+      last_error = d.status();
+    }
     auto d = store.get(decision_key);
     if (d.ok()) {
       auto got = decode_decision(*d);
@@ -101,7 +112,7 @@ Result<SwitchDecision> agree_switch(Store& store, std::string_view job, uint64_t
     if (d.status().code() != StatusCode::kNotFound) last_error = d.status();
     // Every vote in: the decision follows from them.
     bool all = true, any_not = false, any_changed = false;
-    if (d.status().code() == StatusCode::kNotFound) {
+    if (voted && vote.ready && d.status().code() == StatusCode::kNotFound) {
       for (int r : members) {
         auto v = store.get(vote_key(r));
         if (!v.ok()) {
@@ -112,8 +123,12 @@ Result<SwitchDecision> agree_switch(Store& store, std::string_view job, uint64_t
         if (v->starts_with("not")) any_not = true;
         if (*v == "ready changed") any_changed = true;
       }
-      if (any_not) return decide(SwitchDecision::kAbort);
-      if (all) return decide(any_changed ? SwitchDecision::kSwitch : SwitchDecision::kKeep);
+      if (any_not || all) {
+        auto got = decide(any_not ? SwitchDecision::kAbort
+                                  : any_changed ? SwitchDecision::kSwitch : SwitchDecision::kKeep);
+        if (got.ok()) return got;
+        last_error = got.status();
+      }
     }
     if (Clock::now() >= deadline) {
       auto late = decide(SwitchDecision::kAbort);
@@ -148,6 +163,7 @@ struct AdapterSlots::Impl {
   std::condition_variable freed;  // a lease let go of its slot
   std::vector<Slot> slots;  // (readers counted under mu by const leases)
   int serving = -1;
+  std::optional<uint64_t> last_decided;  // versions increase (a decision key is the version's)
   std::atomic<bool> syncing{false};
 };
 
@@ -170,10 +186,11 @@ AdapterSlots::Lease& AdapterSlots::Lease::operator=(Lease&& other) noexcept {
 AdapterSlots::Lease::~Lease() {
   if (!held_) return;
   {
+    // (Notified under the lock: once it is released the slots may be destroyed.)
     std::lock_guard<std::mutex> lk(held_->impl->mu);
     --held_->impl->slots[static_cast<size_t>(held_->slot)].readers;
+    held_->impl->freed.notify_all();
   }
-  held_->impl->freed.notify_all();
   delete held_;
 }
 // (A held slot's name, version and params change only when it is filled, never while held.)
@@ -237,6 +254,10 @@ Result<AdapterSlots::Report> AdapterSlots::sync(uint64_t version) {
     std::atomic<bool>& f;
     ~Done() { f = false; }
   } done{m.syncing};
+  if (m.last_decided && version <= *m.last_decided)
+    return invalid_argument("adapter '{}' rank {}: version {} is not above {}, the last its switch group decided (a "
+                            "version is decided once: sync a rollback under a new number)",
+                            m.options.adapter, m.rank, version, *m.last_decided);
   Report rep;
   SwitchVote vote;
   auto synced = m.consumer->sync(version);
@@ -307,6 +328,7 @@ Result<AdapterSlots::Report> AdapterSlots::sync(uint64_t version) {
   }
   FERRY_ASSIGN_OR_RETURN(rep.decision, agree_switch(*m.store, m.job, version, m.rank, m.group, vote,
                                                    m.options.switch_timeout));
+  m.last_decided = version;
   std::lock_guard<std::mutex> lk(m.mu);
   if (rep.decision == SwitchDecision::kSwitch && vote.ready) {
     Slot& sl = m.slots[static_cast<size_t>(fill)];

@@ -20,7 +20,11 @@ TEST(ContentWatch, SaysUnchangedOnlyWhenEveryGroupMatchesOverTheSameRoutes) {
   EXPECT_EQ(run(7, {{{0, 1}}, {{0, 2}, {1, 3}}}), true);
   EXPECT_EQ(run(7, {{{0, 1}}, {{0, 2}, {1, 4}}}), false);        // one segment's checksum differs
   EXPECT_EQ(run(7, {{{0, 1}}, {{0, 2}, {1, 4}}}, false), std::nullopt);  // failed: no answer, no reference
-  EXPECT_EQ(run(7, {{{0, 1}}, {{0, 2}, {1, 4}}}), true);         // against the last successful one
+  EXPECT_EQ(run(7, {{{0, 1}}, {{0, 2}, {1, 4}}}), std::nullopt);  // (what the failed one left live is unknown)
+  EXPECT_EQ(run(7, {{{0, 1}}, {{0, 2}, {1, 4}}}), true);
+  w.forget();  // a catch-up, a dropped received version
+  EXPECT_EQ(run(7, {{{0, 1}}, {{0, 2}, {1, 4}}}), std::nullopt);
+  EXPECT_EQ(run(7, {{{0, 1}}, {{0, 2}, {1, 4}}}), true);
   EXPECT_EQ(run(8, {{{0, 1}}, {{0, 2}, {1, 4}}}), std::nullopt);  // other routes
   EXPECT_EQ(run(8, {{{0, 1}}, {{0, 2}, {1, 4}}}), true);
   EXPECT_EQ(run(8, {{{0, 1}}}), std::nullopt);                    // other groups packed: cannot tell

@@ -161,13 +161,20 @@ class AdapterSlotsTest(unittest.TestCase):
                     t.join(60)
             self.assertEqual(wrong, [0, 0])
             self.assertGreater(min(reads), 0)
-            # A lease keeps its slot; close() waits for none and refuses while one is held.
+            # A lease holds its slot, and so does each view of it, past release(): close()
+            # refuses while either lives.
             lease = slots[0].acquire()
             self.assertEqual(lease.name, "math@2")
-            self.assertFalse(lease.params()[param_name(next(iter(lora_tensors(0))))].flags.writeable)
+            view = lease.params()[param_name(next(iter(lora_tensors(0))))]
+            self.assertFalse(view.flags.writeable)
             with self.assertRaises(ferry.FailedPreconditionError):
                 slots[0].close()
             lease.release()
+            self.assertEqual(sum(s["readers"] for s in slots[0].slots()), 1)  # the view's
+            with self.assertRaises(ferry.FailedPreconditionError):
+                slots[0].close()
+            del view
+            self.assertEqual(sum(s["readers"] for s in slots[0].slots()), 0)
             self.assertEqual(ferry.committed_versions(server, 2, job="rl", target="lora-math"), [3, 3])
             self.assertEqual(ferry.committed_versions(server, 2, job="rl"), [None, None])
             for s in slots:

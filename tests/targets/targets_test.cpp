@@ -412,8 +412,8 @@ TEST(AdapterSlots, VersionsSwitchOnEveryRankUnderReaders) {
   {
     auto o = k.sync(5);
     ASSERT_NO_FATAL_FAILURE(expect_decision(o, SwitchDecision::kSwitch, "math@5"));
-    // (Against version 3, the last that succeeded: changed.)
-    for (int c = 0; c < 2; ++c) EXPECT_EQ((**o.c[static_cast<size_t>(c)]).sync.unchanged, std::optional<bool>(false));
+    // (After a failed sync nothing to compare with: version 4's layer 0 had landed.)
+    for (int c = 0; c < 2; ++c) EXPECT_EQ((**o.c[static_cast<size_t>(c)]).sync.unchanged, std::nullopt);
   }
   stop = true;
   for (auto& t : readers) t.join();
@@ -460,6 +460,10 @@ TEST(AdapterSlots, ALeaseKeepsItsSlotWhileNewerVersionsLand) {
   held.reset();
   o = k.sync(4);
   for (const auto& c : o.c) ASSERT_TRUE(c->ok() && (*c)->decision == SwitchDecision::kSwitch);
+  EXPECT_EQ(k.slots[0]->acquire()->name(), "math@4");
+  // A version already decided is refused before anything moves (its decision key is taken).
+  auto again = k.slots[0]->sync(3);
+  EXPECT_EQ(again.status().code(), StatusCode::kInvalidArgument) << again.status().to_string();
   EXPECT_EQ(k.slots[0]->acquire()->name(), "math@4");
 }
 
