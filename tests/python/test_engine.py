@@ -528,6 +528,45 @@ class EngineTest(unittest.TestCase):
         with self.assertRaises(ferry.InvalidArgumentError):
             t.group_of("model.nope.weight")
 
+    def test_megatron_tied_embeddings_sync_into_the_built_in_loader(self):
+        """tie_word_embeddings: the checkpoint has no lm_head, Megatron-Core no output layer
+        (the embedding serves both); the engine's loader ties lm_head to embed_tokens."""
+        import torch
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from llama_megatron import native_shard
+        from llama_vllm import TEST_CONFIG
+
+        cfg = dict(TEST_CONFIG, tie_word_embeddings=True)
+        loader = ferry.ModelLoader(cfg, "tp=2")
+        self.assertNotIn("lm_head.weight", loader.checkpoint)
+        gen = torch.Generator().manual_seed(5)
+        hf = {n: torch.randn(tuple(d.shape), generator=gen) for n, d in loader.checkpoint.items()}
+        layout = ferry.megatron.GPTLayout(cfg, tp=2)
+        self.assertNotIn("lm_head.weight", layout.metadata(torch.float32))
+        natives = []
+        for r in range(2):
+            native = native_shard(dict(hf, **{"lm_head.weight": hf["model.embed_tokens.weight"]}), cfg, 2, r)
+            del native["output_layer.weight"]  # (tied: the embedding is the output layer)
+            natives.append(native)
+        with ferry.StoreServer() as server:
+            common = dict(backend="inproc", job="tied", timeout=20.0)
+            made = run_threads([lambda r=r: ferry.Producer(ferry.megatron.MegatronSource(layout, natives[r], rank=r),
+                                                           server, num_consumers=2, **common) for r in range(2)] +
+                               [lambda r=r: ferry.Consumer(loader=loader, rank=r, store=server, num_producers=2,
+                                                           **common) for r in range(2)])
+            reports = run_threads([lambda x=x: x.sync(1) for x in made])
+            self.assertTrue(all(r["ok"] for r in reports), [r["text"] for r in reports])
+            for r, c in enumerate(made[2:]):
+                expect = {n: torch.zeros(tuple(d.shape)) for n, d in loader.params(r).items()}
+                loader.record_plan(r).replay(hf, expect)
+                got = c.params()
+                for n, t in expect.items():
+                    self.assertTrue(torch.equal(torch.as_tensor(got[n]), t), (r, n))
+                if "lm_head.weight" in expect:  # the head is the embedding's rows
+                    self.assertTrue(torch.equal(expect["lm_head.weight"], expect["model.embed_tokens.weight"]))
+            for x in made:
+                x.close()
+
     def test_megatron_layout_views_are_the_native_tensors(self):
         import torch
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
