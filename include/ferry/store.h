@@ -213,7 +213,8 @@ class Lease {
   bool lost() const { return lost_.load(); }
   uint64_t reacquired() const { return reacquired_.load(); }
 
-  // The last error a renewal hit (OK if none); renewals keep retrying transient errors.
+  // The last renewal's error (OK if it succeeded, or none ran yet); renewals keep
+  // retrying transient errors.
   Status last_error() const;
 
   // Replaces the key's value (a holder publishing what changed, e.g. the version it
@@ -223,9 +224,10 @@ class Lease {
   // otherwise (the old value then stays).
   Status update(std::string value);
 
-  // Stops the heartbeat and deletes the key (unless lost). Idempotent. May wait for a
-  // renewal in flight, which the store's timeouts bound (connect_timeout + io_timeout
-  // when the store is unreachable).
+  // Stops the heartbeat and deletes the key (unless lost, or the store was unreachable
+  // at the last renewal: the key then lapses within its ttl by itself). Idempotent. May
+  // wait for a renewal in flight, which the store's timeouts bound (connect_timeout +
+  // io_timeout when the store is unreachable).
   Status release();
 
  private:

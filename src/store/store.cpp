@@ -298,6 +298,7 @@ void Lease::heartbeat() {
       last_error_ = cs.status();
       continue;
     }
+    last_error_ = Status::Ok();  // (reachable again)
     if (cs->swapped) {
       if (healed) reacquired_.fetch_add(1);
       continue;
@@ -345,6 +346,13 @@ Status Lease::release() {
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
   if (lost_.load()) return Status::Ok();
+  {
+    // The store was unreachable at the last renewal: the key lapses within its ttl by
+    // itself, and asking a store that is gone would wait out its connect timeout twice
+    // (a rank closed after the job's store stopped waited 40 s, seen in Python).
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!last_error_.ok()) return Status::Ok();
+  }
   // Not another holder's key (one that took over since the last renewal).
   if (Result<std::string> v = store_->get(key_); v.ok() && *v != value_) return Status::Ok();
   Result<bool> r = store_->remove(key_);

@@ -743,6 +743,31 @@ TEST(StoreUrlTest, RejectsMalformed) {
   EXPECT_EQ(u.status().message().find("topsecret"), std::string::npos);
 }
 
+// A rank closed after the job's store stopped (the trainer's rank 0 exits first): the
+// lease's release leaves its key to the ttl instead of asking a store that is gone (it
+// returned the store's Unavailable after waiting out connect_timeout for a get and a
+// remove; 40 s per rank in Python with the defaults).
+TEST(StoreLeaseTest, ReleaseAfterTheStoreStoppedLeavesTheKeyToItsTtl) {
+  StoreServerOptions so;
+  so.token = kToken;
+  auto server = StoreServer::start(so);
+  ASSERT_TRUE(server.ok()) << server.status().to_string();
+  StoreOptions o;
+  o.token = kToken;
+  o.connect_timeout = 300ms;
+  o.io_timeout = 2s;
+  auto store = Store::open((*server)->url(), o);
+  ASSERT_TRUE(store.ok()) << store.status().to_string();
+  auto lease = (*store)->hold_lease("rank/0", "me", 300ms);
+  ASSERT_TRUE(lease.ok()) << lease.status().to_string();
+  (*server)->stop();
+  for (int i = 0; i < 1000 && (*lease)->last_error().ok(); ++i) std::this_thread::sleep_for(10ms);  // (bounded)
+  ASSERT_FALSE((*lease)->last_error().ok()) << "the renewals never noticed the store had stopped";
+  EXPECT_EQ((*lease)->last_error().code(), StatusCode::kUnavailable) << (*lease)->last_error().to_string();
+  Status released = (*lease)->release();
+  EXPECT_TRUE(released.ok()) << released.to_string();
+}
+
 TEST(StoreOpenTest, UnreachableServerIsUnavailableWithinConnectTimeout) {
   auto port = testing::free_loopback_port();
   ASSERT_TRUE(port.ok());
