@@ -168,4 +168,12 @@ class AdapterSlots final {
   std::unique_ptr<Impl> impl_;
 };
 
+// What each inference rank 0..num_consumers-1 of adapter target job `job` serves, as its
+// AdapterSlots recorded after its last decision ({job}/adapter/serving/{rank}):
+// "{adapter}@{version}", or nullopt for a rank that serves none yet. (committed_versions
+// of the same job says what each rank's adapter consumer received, which an aborted or
+// kept version leaves ahead of what it serves.) Errors: the store's.
+Result<std::vector<std::optional<std::string>>> adapter_serving(Store& store, std::string_view job,
+                                                                 int num_consumers);
+
 }  // namespace ferry

@@ -31,9 +31,10 @@ if hasattr(_ferry, "_ModelLoader"):  # built with the models module
 
 if hasattr(_ferry, "_Producer"):  # built with the engine
     from ._engine import (WeightSource, Producer, Consumer, StoreServer, transport_backends,  # noqa: F401
-                          committed_versions, committed_states, CommittedVersion, AdapterSlots, AdapterLease)
+                          committed_versions, committed_states, CommittedVersion, AdapterSlots, AdapterLease,
+                          adapter_serving)
     __all__ += ["WeightSource", "Producer", "Consumer", "StoreServer", "transport_backends", "committed_versions",
-                "committed_states", "CommittedVersion", "AdapterSlots", "AdapterLease"]
+                "committed_states", "CommittedVersion", "AdapterSlots", "AdapterLease", "adapter_serving"]
 if hasattr(_ferry, "_Metrics"):  # built with the metrics module
     from ._metrics import Metrics, MetricsEndpoint  # noqa: F401
     __all__ += ["Metrics", "MetricsEndpoint"]

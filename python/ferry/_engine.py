@@ -803,6 +803,18 @@ def committed_states(store, num_consumers, *, job="ferry", token=None, target=No
             for v, m, t, n in _ferry._committed_states(url, kw, str(job), int(num_consumers))]
 
 
+def adapter_serving(store, num_consumers, *, job="ferry", target, token=None):
+    """What each inference rank 0..num_consumers-1 of adapter target ``target`` (e.g.
+    ``"lora-math"``) of ``job`` serves, as its ``AdapterSlots`` recorded after its last
+    decision: ``"math@7"``, or None for a rank that serves none yet. (``committed_versions``
+    of the same target says what each rank *received*: an aborted or kept version leaves it
+    ahead of what the rank serves.)"""
+    job = _target_job(job, target)
+    url, token = _store_args(store, token)
+    kw = {"token": token} if token is not None else {}
+    return list(_ferry._adapter_serving(url, kw, job, int(num_consumers)))
+
+
 def committed_versions(store, num_consumers, *, job="ferry", token=None, target=None):
     """The version each inference rank 0..num_consumers-1 of ``job`` committed last (None
     for one that has committed none), from the store. The job-wide live version is the

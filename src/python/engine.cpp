@@ -986,6 +986,15 @@ void register_engine(py::module_& m) {
       .def("close", &PyConsumer::close);
 
   m.def("_target_job", [](const std::string& job, const std::string& target) { return value_or_raise(target_job(job, target)); });
+  m.def("_adapter_serving", [](const std::string& url, const py::dict& kw, const std::string& job, int n) {
+    std::unique_ptr<Store> store = open_store(url, kw);
+    Result<std::vector<std::optional<std::string>>> r = Status(StatusCode::kInternal, "not run");
+    {
+      py::gil_scoped_release release;
+      r = adapter_serving(*store, job, n);
+    }
+    return value_or_raise(std::move(r));
+  });
   py::class_<PyAdapterLease>(m, "_AdapterLease")
       .def_property_readonly("name", [](const PyAdapterLease& l) { return l.get().name(); })
       .def_property_readonly("version", [](const PyAdapterLease& l) { return l.get().version(); })

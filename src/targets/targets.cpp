@@ -32,6 +32,7 @@ Status check_name(std::string_view what, std::string_view name) {
 }
 
 std::string switch_prefix(std::string_view job, uint64_t version) { return fmt::format("{}/switch/{}/", job, version); }
+std::string serving_key(std::string_view job, int rank) { return fmt::format("{}/adapter/serving/{}", job, rank); }
 
 // A vote as stored: "ready changed", "ready same" or "not <why>".
 std::string encode_vote(const SwitchVote& v) {
@@ -350,7 +351,29 @@ Result<AdapterSlots::Report> AdapterSlots::sync(uint64_t version) {
     if (rep.decision == SwitchDecision::kAbort) rep.slot = -1;
   }
   rep.serving = m.serving >= 0 ? m.slots[static_cast<size_t>(m.serving)].name : "";
+  // What this rank serves, for operators (adapter_serving): the store's committed version
+  // is what the adapter consumer received, which an abort or a keep leaves ahead of it.
+  if (Status w = m.store->set(serving_key(m.job, m.rank), rep.serving); !w.ok())
+    rep.sync.failures.push_back(fmt::format("adapter '{}' rank {}: recording what it serves: {}", m.options.adapter,
+                                            m.rank, w.to_string()));
   return rep;
+}
+
+Result<std::vector<std::optional<std::string>>> adapter_serving(Store& store, std::string_view job,
+                                                                 int num_consumers) {
+  if (num_consumers < 0) return invalid_argument("adapter_serving: num_consumers {} < 0", num_consumers);
+  std::vector<std::optional<std::string>> out;
+  for (int c = 0; c < num_consumers; ++c) {
+    auto v = store.get(serving_key(job, c));
+    if (v.ok()) {
+      out.push_back(v->empty() ? std::nullopt : std::optional<std::string>(*v));
+    } else if (v.status().code() == StatusCode::kNotFound) {
+      out.push_back(std::nullopt);
+    } else {
+      return v.status();
+    }
+  }
+  return out;
 }
 
 std::optional<AdapterSlots::Lease> AdapterSlots::acquire() const {

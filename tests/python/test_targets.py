@@ -176,6 +176,7 @@ class AdapterSlotsTest(unittest.TestCase):
             del view
             self.assertEqual(sum(s["readers"] for s in slots[0].slots()), 0)
             self.assertEqual(ferry.committed_versions(server, 2, job="rl", target="lora-math"), [3, 3])
+            self.assertEqual(ferry.adapter_serving(server, 2, job="rl", target="lora-math"), ["math@2", "math@2"])
             self.assertEqual(ferry.committed_versions(server, 2, job="rl"), [None, None])
             for s in slots:
                 s.close()

@@ -406,6 +406,17 @@ TEST(AdapterSlots, VersionsSwitchOnEveryRankUnderReaders) {
     }
   }
   ASSERT_FALSE(crash_armed.load()) << "the producer was not killed";
+  {
+    // The store says what each rank serves (math@2), beside what its consumer received.
+    auto store = k.fx.open();
+    ASSERT_TRUE(store.ok());
+    auto serving = adapter_serving(**store, k.eo.job, 2);
+    ASSERT_TRUE(serving.ok()) << serving.status().to_string();
+    EXPECT_EQ(*serving, (std::vector<std::optional<std::string>>{"math@2", "math@2"}));
+    auto received = committed_versions(**store, k.eo.job, 2);
+    ASSERT_TRUE(received.ok());
+    EXPECT_EQ((*received)[0], std::optional<uint64_t>(3));  // (version 3 was received and kept as math@2)
+  }
   // Restarted, version 5 switches on both ranks.
   k.tweak_producer = nullptr;
   ASSERT_TRUE(k.start_producer(1).ok());
